@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh machine with Python 3.11 needs nothing else.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench bench-store proto clean
+
+demo: $(STAMP)  ## run the local end-to-end demo on generated data
+	$(VENV)/bin/edgecache demo
+
+test: $(STAMP)  ## run the whole test suite
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: bench-store
+
+bench-store: $(STAMP)  ## codec and LMDB store against raw zstd / raw LMDB
+	$(PY) -m bench.codec_store
+
+proto: $(STAMP)  ## regenerate edgecache.v1 after editing proto/**/*.proto
+	$(PY) proto/generate.py
+
+# torch==2.13.0 first: it is the CPU build on this disk; any looser spec may
+# pull a multi-GB CUDA build. Users elsewhere may use any torch >= 2.2.
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[torch,dev]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info proto/edgecache/v1/*_pb2*.py proto/edgecache/v1/*_pb2*.pyi

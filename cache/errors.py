@@ -1,0 +1,112 @@
+"""Errors raised by edgecache.
+
+Every error is an :class:`EdgeCacheError`; most also inherit the builtin a
+caller would naturally catch, so ``except KeyError`` still works::
+
+    EdgeCacheError
+    ├── InvalidName (ValueError)               a dataset name or "name@N" spec is malformed
+    ├── ManifestError (ValueError)             a manifest cannot be parsed or fails its digest
+    ├── CodecError (ValueError)
+    │   ├── ChunkCorrupt                       checksum mismatch: the bytes changed after encoding
+    │   ├── ChunkTruncated                     fewer bytes than the frame header promises
+    │   ├── SchemaMismatch                     data does not have the schema the version declares
+    │   └── EmptyShard                         a shard with no rows
+    └── StoreError (OSError)
+        ├── CacheDirError                      the cache directory is missing, unwritable or not a cache
+        ├── WriterLocked                       another process holds the cache's writer lock
+        ├── ReadOnlyStore                      a write on a store opened read-only
+        ├── StoreForked                        a store used in a child after fork()
+        ├── ShardNotCached (KeyError)          the shard is not resident (a miss)
+        └── CacheFull                          no room even after evicting everything allowed
+            └── ShardTooLarge                  one shard is larger than the whole capacity
+
+Messages say what to do next, because they end up in front of operators.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheDirError",
+    "CacheFull",
+    "ChunkCorrupt",
+    "ChunkTruncated",
+    "CodecError",
+    "EdgeCacheError",
+    "EmptyShard",
+    "InvalidName",
+    "ManifestError",
+    "ReadOnlyStore",
+    "SchemaMismatch",
+    "ShardNotCached",
+    "ShardTooLarge",
+    "StoreError",
+    "StoreForked",
+    "WriterLocked",
+]
+
+
+class EdgeCacheError(Exception):
+    """Base of every edgecache error."""
+
+
+class InvalidName(EdgeCacheError, ValueError):
+    """A dataset name or version spec does not follow the naming rules."""
+
+
+class ManifestError(EdgeCacheError, ValueError):
+    """A manifest is malformed or its digest does not match its content."""
+
+
+class CodecError(EdgeCacheError, ValueError):
+    """Stored chunk bytes could not be encoded or decoded."""
+
+
+class ChunkCorrupt(CodecError):
+    """A chunk's checksum does not match its bytes; the data must not be used."""
+
+
+class ChunkTruncated(CodecError):
+    """A chunk is shorter than its header says."""
+
+
+class SchemaMismatch(CodecError):
+    """Record batches do not carry the schema the shard was declared with."""
+
+
+class EmptyShard(CodecError):
+    """A shard has no rows at all."""
+
+
+class StoreError(EdgeCacheError, OSError):
+    """The LMDB cache store cannot do what was asked."""
+
+
+class CacheDirError(StoreError):
+    """The cache directory is missing, not writable, or not an edgecache store."""
+
+
+class WriterLocked(StoreError):
+    """Another process already holds the store's single writer lock."""
+
+
+class ReadOnlyStore(StoreError):
+    """A write was attempted on a store opened with ``readonly=True``."""
+
+
+class StoreForked(StoreError):
+    """A store object crossed ``fork()``; LMDB environments must not."""
+
+
+class ShardNotCached(StoreError, KeyError):
+    """The requested shard is not resident in this cache."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class CacheFull(StoreError):
+    """A shard does not fit even after evicting every unpinned shard."""
+
+
+class ShardTooLarge(CacheFull):
+    """A single shard is larger than the cache's whole capacity."""

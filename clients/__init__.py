@@ -1,0 +1,1 @@
+"""Everything that talks to edge nodes: EdgeDataset, node selection, the ops CLI."""
