@@ -126,9 +126,7 @@ class ShardEncoder:
         return frames
 
     def _flush(self) -> bytes:
-        batch = (
-            self._pending[0] if len(self._pending) == 1 else pa.concat_batches(self._pending)
-        )
+        batch = self._pending[0] if len(self._pending) == 1 else pa.concat_batches(self._pending)
         self._pending, self._pending_bytes = [], 0.0
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, self.schema) as writer:

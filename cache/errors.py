@@ -12,7 +12,7 @@ caller would naturally catch, so ``except KeyError`` still works::
     │   ├── SchemaMismatch                     data does not have the schema the version declares
     │   └── EmptyShard                         a shard with no rows
     └── StoreError (OSError)
-        ├── CacheDirError                      the cache directory is missing, unwritable or not a cache
+        ├── CacheDirError                      the cache dir is missing, unwritable or foreign
         ├── WriterLocked                       another process holds the cache's writer lock
         ├── ReadOnlyStore                      a write on a store opened read-only
         ├── StoreForked                        a store used in a child after fork()

@@ -81,9 +81,7 @@ def _digest(prefix: Buffer, payload: Buffer) -> int:
 
 def pack_frame(payload: Buffer, *, codec: Codec, rows: int, raw_len: int) -> bytes:
     """Prefix ``payload`` with a header carrying its checksum."""
-    prefix = _HEADER.pack(_MAGIC, _FORMAT, codec, rows, len(payload), raw_len, 0)[
-        :_CHECKED_PREFIX
-    ]
+    prefix = _HEADER.pack(_MAGIC, _FORMAT, codec, rows, len(payload), raw_len, 0)[:_CHECKED_PREFIX]
     return b"".join((prefix, _digest(prefix, payload).to_bytes(8, "little"), payload))
 
 

@@ -1,0 +1,805 @@
+"""The regional cache store: whole shards of chunk frames in one LMDB environment.
+
+One store per edge node. Guarantees:
+
+* **All or nothing.** A shard's chunks, its record and the byte accounting are
+  written in one LMDB transaction, so after a crash at any moment (kill -9
+  included) a shard is either complete or absent.
+* **One writer, many readers.** A process opens the store as the writer
+  (holding ``writer.lock``) or ``readonly=True``; any number of threads and
+  reader processes read concurrently from MVCC snapshots.
+* **Never serve bad bytes.** Every chunk read is checked against the xxh3 in
+  its frame and in the shard record; a mismatch raises :class:`ChunkCorrupt`
+  and the writer drops the shard so the next read is a miss and refetches it.
+* **Bounded.** A byte capacity over stored chunks; a new shard that does not
+  fit evicts least-recently-used whole shards of unpinned versions, or raises
+  :class:`CacheFull` naming the pins. The LMDB map is sized from the capacity
+  with headroom, so ``MapFullError`` never reaches a caller.
+
+Zero-copy reads (``read_shard``) hand out views into LMDB's map that are valid
+only inside the ``with`` block; they are released when it ends, so a late use
+fails loudly instead of reading a recycled page. A view still exported (say,
+wrapped by a pyarrow buffer) keeps its read transaction open until it is
+dropped. LRU access times are kept in memory and persisted with the next
+write; read-only processes do not affect eviction order.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+
+import lmdb
+import pyarrow as pa
+
+from edgecache.cache.codec import decode_chunk
+from edgecache.cache.errors import (
+    CacheDirError,
+    CacheFull,
+    ChunkCorrupt,
+    EmptyShard,
+    ReadOnlyStore,
+    ShardNotCached,
+    ShardTooLarge,
+    StoreError,
+    StoreForked,
+    WriterLocked,
+)
+from edgecache.cache.frame import Buffer, verify_frame
+from edgecache.cache.keys import (
+    ShardKey,
+    chunk_key,
+    dataset_prefix,
+    parse_shard_key,
+    parse_version_key,
+    version_key,
+)
+from edgecache.v1 import store_pb2
+
+__all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
+
+log = logging.getLogger(__name__)
+
+_FORMAT = b"edgecache-store/1"
+_DBS = (b"chunks", b"shards", b"versions", b"access", b"meta")
+_MAP_HEADROOM = 256 << 20
+_LOCK_FILE = "writer.lock"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """A resident shard, as recorded when it was committed."""
+
+    key: ShardKey
+    chunk_count: int
+    stored_bytes: int
+    row_count: int
+    checksums: tuple[int, ...]
+    chunk_rows: tuple[int, ...]
+    committed_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    """A version with at least one resident shard, or a pin."""
+
+    dataset: str
+    version: int
+    shard_count: int
+    stored_bytes: int
+    pinned_until: datetime | None
+
+    def pinned(self, now_ns: int | None = None) -> bool:
+        """Whether eviction must leave this version alone."""
+        if self.pinned_until is None:
+            return False
+        now = time.time_ns() if now_ns is None else now_ns
+        return int(self.pinned_until.timestamp() * 1e9) > now
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Capacity and traffic counters; hits and misses count this process's lookups."""
+
+    capacity_bytes: int
+    used_bytes: int
+    shard_count: int
+    hits: int
+    misses: int
+    evicted_shards: int
+    evicted_bytes: int
+    corrupt_chunks: int
+
+
+def _ns_to_dt(ns: int) -> datetime:
+    return datetime.fromtimestamp(ns / 1e9, UTC)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class CacheStore:
+    """A node's LMDB cache of shards. Open one per process; never share across ``fork()``.
+
+    Args:
+        path: cache directory (created for a writer if missing).
+        capacity_bytes: bytes of chunk data the store may hold. A writer without one
+            keeps the capacity recorded by the last writer, or takes 80% of the
+            filesystem's free space. Ignored for ``readonly``.
+        readonly: open for reading only; many processes may do so next to one writer.
+        sync: fsync on commit (survives power loss). Without it a process crash is
+            still safe; an OS crash may lose the last commits but never corrupts.
+        max_readers: concurrent read transactions across all processes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        capacity_bytes: int | None = None,
+        readonly: bool = False,
+        sync: bool = True,
+        max_readers: int = 512,
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self._pid = os.getpid()
+        self._write_lock = threading.Lock()
+        self._counter_lock = threading.Lock()
+        self._touched: dict[bytes, int] = {}
+        self._lingering: list[tuple[lmdb.Transaction, list[memoryview]]] = []
+        self._hits = self._misses = 0
+        self._evicted_shards = self._evicted_bytes = self._corrupt = 0
+        self._lock_fd: int | None = None
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if readonly:
+            self._env = self._open_reader(max_readers)
+            self.capacity_bytes = self._read_meta_int(b"capacity")
+        else:
+            self._env = self._open_writer(capacity_bytes, sync, max_readers)
+        self._dbs = {name: self._env.open_db(name, create=False) for name in _DBS}
+
+    # ----------------------------------------------------------------- opening
+
+    def _open_reader(self, max_readers: int) -> lmdb.Environment:
+        if not (self.path / "data.mdb").is_file():
+            raise CacheDirError(
+                f"no edgecache store at {self.path}: check the path, or start a node "
+                f"with --cache-dir {self.path} to create one"
+            )
+        try:
+            env = lmdb.open(
+                str(self.path),
+                readonly=True,
+                max_dbs=len(_DBS),
+                max_readers=max_readers,
+                map_size=1 << 20,  # LMDB takes the larger size recorded in the file
+            )
+        except lmdb.Error as exc:
+            raise CacheDirError(f"cannot open the cache at {self.path} read-only: {exc}") from exc
+        self._check_format(env)
+        return env
+
+    def _open_writer(
+        self, capacity_bytes: int | None, sync: bool, max_readers: int
+    ) -> lmdb.Environment:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheDirError(
+                f"cannot create cache directory {self.path}: {exc.strerror}; "
+                "create it with the right owner or choose another --cache-dir"
+            ) from exc
+        self._take_writer_lock()
+        try:
+            existing = self._existing_capacity()
+            if capacity_bytes is None:
+                capacity_bytes = existing or int(shutil.disk_usage(self.path).free * 0.8)
+            self.capacity_bytes = capacity_bytes
+            data_file = self.path / "data.mdb"
+            current = data_file.stat().st_size if data_file.exists() else 0
+            map_size = max(2 * capacity_bytes + _MAP_HEADROOM, current + _MAP_HEADROOM)
+            env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                max_dbs=len(_DBS),
+                max_readers=max_readers,
+                sync=sync,
+                metasync=sync,
+                meminit=False,
+                readahead=True,
+            )
+            with env.begin(write=True) as txn:
+                meta = env.open_db(b"meta", txn=txn)
+                found = txn.get(b"format", db=meta)
+                if found is not None and found != _FORMAT:
+                    raise CacheDirError(
+                        f"{self.path} holds an LMDB database that is not an edgecache store "
+                        f"(format {found!r}); point --cache-dir at an empty directory"
+                    )
+                for name in _DBS:
+                    env.open_db(name, txn=txn)
+                txn.put(b"format", _FORMAT, db=meta)
+                txn.put(b"capacity", capacity_bytes.to_bytes(8, "big"), db=meta)
+            stale = env.reader_check()  # slots of readers killed with SIGKILL
+            if stale:
+                log.info("reclaimed %d stale LMDB reader slots in %s", stale, self.path)
+            return env
+        except lmdb.Error as exc:
+            self._release_writer_lock()
+            raise CacheDirError(f"cannot open the cache at {self.path}: {exc}") from exc
+        except BaseException:
+            self._release_writer_lock()
+            raise
+
+    def _existing_capacity(self) -> int | None:
+        if not (self.path / "data.mdb").is_file():
+            return None
+        env = lmdb.open(str(self.path), readonly=True, max_dbs=len(_DBS), lock=False)
+        try:
+            with env.begin() as txn:
+                meta = env.open_db(b"meta", txn=txn, create=False)
+                raw = txn.get(b"capacity", db=meta)
+                return int.from_bytes(raw, "big") if raw else None
+        except lmdb.Error:
+            return None
+        finally:
+            env.close()
+
+    def _take_writer_lock(self) -> None:
+        lock_path = self.path / _LOCK_FILE
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise CacheDirError(
+                f"cache directory {self.path} is not writable ({exc.strerror}): fix its "
+                "permissions, mount it read-write, or open the store with readonly=True"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WriterLocked(
+                f"another process (pid {holder}) is the writer of {self.path}; stop it, "
+                "use another --cache-dir, or open this store with readonly=True"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as exc:  # read-only filesystems can still grant the flock
+            os.close(fd)
+            raise CacheDirError(
+                f"cache directory {self.path} is not writable ({exc.strerror}): fix its "
+                "permissions, mount it read-write, or open the store with readonly=True"
+            ) from exc
+        self._lock_fd = fd
+
+    def _release_writer_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
+
+    def _check_format(self, env: lmdb.Environment) -> None:
+        try:
+            with env.begin() as txn:
+                meta = env.open_db(b"meta", txn=txn, create=False)
+                found = txn.get(b"format", db=meta)
+        except lmdb.Error as exc:
+            env.close()
+            raise CacheDirError(f"{self.path} is not an edgecache store: {exc}") from exc
+        if found != _FORMAT:
+            env.close()
+            raise CacheDirError(
+                f"{self.path} is not an edgecache store (format {found!r}); check --cache-dir"
+            )
+
+    def _read_meta_int(self, name: bytes) -> int:
+        with self._read_txn() as txn:
+            raw = txn.get(name, db=self._dbs[b"meta"])
+        return int.from_bytes(raw, "big") if raw else 0
+
+    # ------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Close the environment and release the writer lock.
+
+        If zero-copy views handed out by :meth:`read_shard` are still exported,
+        the environment is left open (a leak, not a crash) and a warning logged.
+        """
+        if getattr(self, "_env", None) is None or os.getpid() != self._pid:
+            return
+        self._reap_lingering()
+        if self._lingering:
+            log.warning(
+                "%d read views into %s are still in use; leaving the environment open",
+                len(self._lingering),
+                self.path,
+            )
+        else:
+            if not self.readonly and self._touched:
+                with self._write_lock, self._env.begin(write=True) as txn:
+                    self._flush_access(txn)
+            self._env.close()
+        self._env = None
+        self._release_writer_lock()
+
+    def __enter__(self) -> CacheStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check(self, write: bool = False) -> lmdb.Environment:
+        if os.getpid() != self._pid:
+            raise StoreForked(
+                f"this store of {self.path} was opened in process {self._pid} and used in "
+                f"{os.getpid()} after fork(); open a new CacheStore in the child"
+            )
+        if self._env is None:
+            raise StoreError(f"the store at {self.path} is closed")
+        if write and self.readonly:
+            raise ReadOnlyStore(
+                f"the store at {self.path} was opened read-only; writes go through the "
+                "node that owns it"
+            )
+        return self._env
+
+    def _read_txn(self) -> lmdb.Transaction:
+        env = self._check()
+        try:
+            return env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)  # the writer grew the map; adopt its size
+            return env.begin(buffers=True)
+        except lmdb.ReadersFullError:
+            env.reader_check()
+            return env.begin(buffers=True)
+
+    # ---------------------------------------------------------------- writes
+
+    def put_shard(self, key: ShardKey, frames: Sequence[Buffer]) -> ShardInfo:
+        """Store a whole shard atomically, evicting LRU unpinned shards if needed.
+
+        Every frame is verified first, so a damaged frame never enters the cache.
+        Replaces the shard if it is already resident.
+        """
+        env = self._check(write=True)
+        key = key.validated()
+        if not frames:
+            raise EmptyShard(f"{key}: no chunks to store; an empty shard cannot be cached")
+        headers = [verify_frame(frame) for frame in frames]
+        size = sum(len(frame) for frame in frames)
+        if size > self.capacity_bytes:
+            raise ShardTooLarge(
+                f"{key} is {_human(size)}, larger than the whole cache capacity "
+                f"({_human(self.capacity_bytes)}); raise --capacity or use smaller shards"
+            )
+        now = time.time_ns()
+        record = store_pb2.StoredShard(
+            state=store_pb2.SHARD_STATE_COMPLETE,
+            chunk_count=len(frames),
+            stored_bytes=size,
+            row_count=sum(h.rows for h in headers),
+            checksums=[h.checksum for h in headers],
+            chunk_rows=[h.rows for h in headers],
+            committed_at_ns=now,
+        )
+        raw_key = key.encode()
+        with self._write_lock:
+            for attempt in (1, 2):
+                try:
+                    with env.begin(write=True) as txn:
+                        self._flush_access(txn)
+                        old = self._shard_record(txn, raw_key)
+                        if old is not None:
+                            self._delete_shard(txn, raw_key, old)
+                        extra = 0 if attempt == 1 else size  # room for B-tree/freelist pages
+                        self._make_room(txn, size + extra, key)
+                        chunks = self._dbs[b"chunks"]
+                        for index, frame in enumerate(frames):
+                            txn.put(chunk_key(raw_key, index), frame, db=chunks)
+                        txn.put(raw_key, record.SerializeToString(), db=self._dbs[b"shards"])
+                        txn.put(raw_key, now.to_bytes(8, "big"), db=self._dbs[b"access"])
+                        self._add_to_version(txn, key, size, +1)
+                        self._add_used(txn, size)
+                    break
+                except lmdb.MapFullError as exc:
+                    if attempt == 2:
+                        raise CacheFull(
+                            f"{key}: the LMDB map of {self.path} is full even after evicting; "
+                            "a long-running reader may be holding old pages — restart stale "
+                            "readers or raise --capacity"
+                        ) from exc
+        return self._info(key, record)
+
+    def pin_version(self, dataset: str, version: int, until: datetime | None) -> None:
+        """Keep a version from being evicted for space until ``until`` (None unpins).
+
+        A version may be pinned before any of its shards arrive.
+        """
+        env = self._check(write=True)
+        ShardKey(dataset, version, 0).validated()
+        vkey = version_key(dataset, version)
+        if until is not None and until.tzinfo is None:
+            raise ValueError("pin_version needs a timezone-aware datetime (e.g. UTC)")
+        with self._write_lock, env.begin(write=True) as txn:
+            record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
+            record.pinned_until_ns = 0 if until is None else int(until.timestamp() * 1e9)
+            if record.shard_count == 0 and record.pinned_until_ns == 0:
+                txn.delete(vkey, db=self._dbs[b"versions"])
+            else:
+                txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
+
+    def evict_version(self, dataset: str, version: int) -> int:
+        """Remove every shard of a version and its pin; return the bytes freed."""
+        env = self._check(write=True)
+        ShardKey(dataset, version, 0).validated()
+        vkey = version_key(dataset, version)
+        freed = 0
+        with self._write_lock, env.begin(write=True) as txn:
+            for raw_key, record in list(self._iter_shard_records(txn, vkey)):
+                freed += self._delete_shard(txn, raw_key, record)
+            txn.delete(vkey, db=self._dbs[b"versions"])
+        return freed
+
+    def drop_shard(self, key: ShardKey) -> int:
+        """Remove one shard (e.g. when corrupt) so the next read is a miss; return bytes freed."""
+        env = self._check(write=True)
+        raw_key = key.validated().encode()
+        with self._write_lock, env.begin(write=True) as txn:
+            record = self._shard_record(txn, raw_key)
+            return 0 if record is None else self._delete_shard(txn, raw_key, record)
+
+    def _make_room(self, txn: lmdb.Transaction, need: int, for_key: ShardKey) -> None:
+        meta = self._dbs[b"meta"]
+        used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=meta), "big")
+        shortfall = used + need - self.capacity_bytes
+        if shortfall <= 0:
+            return
+        now = time.time_ns()
+        pinned: dict[bytes, store_pb2.StoredVersion] = {}
+        for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
+            record = store_pb2.StoredVersion.FromString(bytes(raw))
+            if record.pinned_until_ns > now:
+                pinned[bytes(vkey)] = record
+        access_db = self._dbs[b"access"]
+        candidates: list[tuple[int, bytes, store_pb2.StoredShard]] = []
+        for raw_key, record in self._iter_shard_records(txn, b""):
+            if raw_key[:-4] in pinned:
+                continue
+            last = int.from_bytes(txn.get(raw_key, b"\0" * 8, db=access_db), "big")
+            candidates.append((last, raw_key, record))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        available = sum(c[2].stored_bytes for c in candidates)
+        if available < shortfall:
+            pins = ", ".join(
+                "{}@{} ({}, until {:%Y-%m-%dT%H:%MZ})".format(
+                    *parse_version_key(v), _human(r.stored_bytes), _ns_to_dt(r.pinned_until_ns)
+                )
+                for v, r in sorted(pinned.items())
+            )
+            raise CacheFull(
+                f"{for_key} needs {_human(need)} but only {_human(self.capacity_bytes - used)} "
+                f"is free and {_human(available)} can be evicted "
+                f"(short by {_human(shortfall - available)}); pinned: {pins or 'nothing'}. "
+                "Unpin or evict a version, or raise --capacity"
+            )
+        freed = 0
+        for _, raw_key, record in candidates:
+            if freed >= shortfall:
+                break
+            freed += self._delete_shard(txn, raw_key, record)
+            self._evicted_shards += 1
+            self._evicted_bytes += record.stored_bytes
+            log.info("evicted %s (%s) for space", parse_shard_key(raw_key), record.stored_bytes)
+
+    def _delete_shard(
+        self, txn: lmdb.Transaction, raw_key: bytes, record: store_pb2.StoredShard
+    ) -> int:
+        chunks = self._dbs[b"chunks"]
+        for index in range(record.chunk_count):
+            txn.delete(chunk_key(raw_key, index), db=chunks)
+        txn.delete(raw_key, db=self._dbs[b"shards"])
+        txn.delete(raw_key, db=self._dbs[b"access"])
+        self._touched.pop(raw_key, None)
+        key = parse_shard_key(raw_key)
+        self._add_to_version(txn, key, -record.stored_bytes, -1)
+        self._add_used(txn, -record.stored_bytes)
+        return record.stored_bytes
+
+    def _add_to_version(self, txn: lmdb.Transaction, key: ShardKey, size: int, shards: int) -> None:
+        vkey = version_key(key.dataset, key.version)
+        record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
+        record.stored_bytes += size
+        record.shard_count += shards
+        if record.shard_count == 0 and record.pinned_until_ns == 0:
+            txn.delete(vkey, db=self._dbs[b"versions"])
+        else:
+            txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
+
+    def _add_used(self, txn: lmdb.Transaction, delta: int) -> None:
+        meta = self._dbs[b"meta"]
+        used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=meta), "big") + delta
+        txn.put(b"used", used.to_bytes(8, "big"), db=meta)
+
+    def _flush_access(self, txn: lmdb.Transaction) -> None:
+        touched, self._touched = self._touched, {}
+        access_db, shards_db = self._dbs[b"access"], self._dbs[b"shards"]
+        for raw_key, ns in touched.items():
+            if txn.get(raw_key, db=shards_db) is not None:  # not evicted meanwhile
+                txn.put(raw_key, ns.to_bytes(8, "big"), db=access_db)
+
+    # ----------------------------------------------------------------- reads
+
+    def _shard_record(self, txn: lmdb.Transaction, raw_key: bytes) -> store_pb2.StoredShard | None:
+        raw = txn.get(raw_key, db=self._dbs[b"shards"])
+        return None if raw is None else store_pb2.StoredShard.FromString(bytes(raw))
+
+    def _version_record(self, txn: lmdb.Transaction, vkey: bytes) -> store_pb2.StoredVersion | None:
+        raw = txn.get(vkey, db=self._dbs[b"versions"])
+        return None if raw is None else store_pb2.StoredVersion.FromString(bytes(raw))
+
+    def _iter_shard_records(
+        self, txn: lmdb.Transaction, prefix: bytes
+    ) -> Iterator[tuple[bytes, store_pb2.StoredShard]]:
+        cursor = txn.cursor(db=self._dbs[b"shards"])
+        if not cursor.set_range(prefix):
+            return
+        for raw_key, raw in cursor:
+            raw_key = bytes(raw_key)
+            if not raw_key.startswith(prefix):
+                return
+            yield raw_key, store_pb2.StoredShard.FromString(bytes(raw))
+
+    def _info(self, key: ShardKey, record: store_pb2.StoredShard) -> ShardInfo:
+        return ShardInfo(
+            key=key,
+            chunk_count=record.chunk_count,
+            stored_bytes=record.stored_bytes,
+            row_count=record.row_count,
+            checksums=tuple(record.checksums),
+            chunk_rows=tuple(record.chunk_rows),
+            committed_at=_ns_to_dt(record.committed_at_ns),
+        )
+
+    def shard_info(self, key: ShardKey) -> ShardInfo | None:
+        """The record of a resident shard, or None; does not count as a hit or miss."""
+        with self._read_txn() as txn:
+            record = self._shard_record(txn, key.validated().encode())
+        return None if record is None else self._info(key, record)
+
+    def contains(self, key: ShardKey) -> bool:
+        """Whether the shard is resident (complete); not counted as a hit or miss."""
+        return self.shard_info(key) is not None
+
+    def read_shard(self, key: ShardKey, *, verify: bool = True) -> ShardReader:
+        """Open a resident shard for zero-copy reading; use as a context manager.
+
+        Counts a hit, or a miss and raises :class:`ShardNotCached`.
+        """
+        self._reap_lingering()
+        key = key.validated()
+        raw_key = key.encode()
+        txn = self._read_txn()
+        try:
+            record = self._shard_record(txn, raw_key)
+        except BaseException:
+            txn.abort()
+            raise
+        with self._counter_lock:
+            if record is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+                self._touched[raw_key] = time.time_ns()
+        if record is None:
+            txn.abort()
+            raise ShardNotCached(f"{key} is not in the cache at {self.path}")
+        return ShardReader(self, txn, key, self._info(key, record), verify)
+
+    def get_chunk(self, key: ShardKey, index: int) -> bytes:
+        """One verified chunk frame, copied out of LMDB (safe to keep)."""
+        with self.read_shard(key) as reader:
+            return bytes(reader.chunk(index))
+
+    def iter_chunks(self, key: ShardKey, start: int = 0) -> Iterator[bytes]:
+        """Verified copies of a shard's frames from ``start`` on, all from one snapshot."""
+        with self.read_shard(key) as reader:
+            for index in range(start, reader.info.chunk_count):
+                yield bytes(reader.chunk(index))
+
+    def _corrupt_chunk(self, key: ShardKey) -> None:
+        with self._counter_lock:
+            self._corrupt += 1
+        if not self.readonly:
+            freed = self.drop_shard(key)
+            log.warning("dropped corrupt shard %s (%d bytes); it will be refetched", key, freed)
+
+    def _linger(self, txn: lmdb.Transaction, views: list[memoryview]) -> None:
+        with self._counter_lock:
+            self._lingering.append((txn, views))
+
+    def _reap_lingering(self) -> None:
+        with self._counter_lock:
+            still: list[tuple[lmdb.Transaction, list[memoryview]]] = []
+            for txn, views in self._lingering:
+                if _release_all(views):
+                    txn.abort()
+                else:
+                    still.append((txn, views))
+            self._lingering = still
+
+    # --------------------------------------------------------------- listing
+
+    def versions(self) -> list[VersionInfo]:
+        """Every version with resident shards or a pin, in (dataset, version) order."""
+        out = []
+        with self._read_txn() as txn:
+            for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
+                vkey = bytes(vkey)
+                record = store_pb2.StoredVersion.FromString(bytes(raw))
+                dataset, version = parse_version_key(vkey)
+                out.append(
+                    VersionInfo(
+                        dataset=dataset,
+                        version=version,
+                        shard_count=record.shard_count,
+                        stored_bytes=record.stored_bytes,
+                        pinned_until=(
+                            _ns_to_dt(record.pinned_until_ns) if record.pinned_until_ns else None
+                        ),
+                    )
+                )
+        return out
+
+    def shards(self, dataset: str, version: int) -> list[ShardInfo]:
+        """The resident shards of one version, in shard order."""
+        ShardKey(dataset, version, 0).validated()
+        with self._read_txn() as txn:
+            return [
+                self._info(parse_shard_key(raw_key), record)
+                for raw_key, record in self._iter_shard_records(txn, version_key(dataset, version))
+            ]
+
+    def datasets(self) -> list[str]:
+        """Names of datasets with anything resident or pinned."""
+        return sorted({v.dataset for v in self.versions()})
+
+    @property
+    def stats(self) -> StoreStats:
+        """Capacity, bytes used and this process's counters."""
+        with self._read_txn() as txn:
+            raw = txn.get(b"used", db=self._dbs[b"meta"])
+            shard_count = txn.stat(self._dbs[b"shards"])["entries"]
+        return StoreStats(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=int.from_bytes(raw, "big") if raw else 0,
+            shard_count=shard_count,
+            hits=self._hits,
+            misses=self._misses,
+            evicted_shards=self._evicted_shards,
+            evicted_bytes=self._evicted_bytes,
+            corrupt_chunks=self._corrupt,
+        )
+
+    def prefix_exists(self, dataset: str) -> bool:
+        """Whether anything of ``dataset`` is resident."""
+        prefix = dataset_prefix(dataset)
+        with self._read_txn() as txn:
+            cursor = txn.cursor(db=self._dbs[b"shards"])
+            return bool(cursor.set_range(prefix)) and bytes(cursor.key()).startswith(prefix)
+
+
+def _release_all(views: list[memoryview]) -> bool:
+    """Release views; False if any is still exported (and so must stay mapped)."""
+    ok = True
+    for view in views:
+        try:
+            view.release()
+        except BufferError:
+            ok = False
+    return ok
+
+
+class ShardReader:
+    """Zero-copy, verified access to one shard inside one read transaction.
+
+    Views from :meth:`chunk` and batches from :meth:`batches` are valid until
+    the ``with`` block ends; copy (``bytes(view)``) anything that must outlive it.
+    """
+
+    def __init__(
+        self,
+        store: CacheStore,
+        txn: lmdb.Transaction,
+        key: ShardKey,
+        info: ShardInfo,
+        verify: bool,
+    ) -> None:
+        self._store = store
+        self._txn: lmdb.Transaction | None = txn
+        self._raw_key = key.encode()
+        self._views: list[memoryview] = []
+        self._verify = verify
+        self.info = info
+
+    def chunk(self, index: int) -> memoryview:
+        """The verified frame of chunk ``index``, as a view into the LMDB map."""
+        if self._txn is None:
+            raise StoreError(f"the reader of {self.info.key} is closed; open it again")
+        if not 0 <= index < self.info.chunk_count:
+            raise IndexError(
+                f"{self.info.key} has {self.info.chunk_count} chunks; chunk {index} does not exist"
+            )
+        view = self._txn.get(chunk_key(self._raw_key, index), db=self._store._dbs[b"chunks"])
+        if view is None:
+            raise ChunkCorrupt(f"{self.info.key}: chunk {index} is missing from the store")
+        self._views.append(view)
+        if self._verify:
+            try:
+                header = verify_frame(view)
+                if header.checksum != self.info.checksums[index]:
+                    raise ChunkCorrupt(
+                        f"chunk checksum {header.checksum:016x} differs from the shard "
+                        f"record's {self.info.checksums[index]:016x}"
+                    )
+            except ChunkCorrupt as exc:
+                self._store._corrupt_chunk(self.info.key)
+                raise ChunkCorrupt(f"{self.info.key} chunk {index}: {exc}") from exc
+        return view
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for index in range(self.info.chunk_count):
+            yield self.chunk(index)
+
+    def batches(self, schema: pa.Schema | None = None, start: int = 0) -> Iterator[pa.RecordBatch]:
+        """Decode the shard's chunks in order (checksums already verified here)."""
+        for index in range(start, self.info.chunk_count):
+            yield decode_chunk(self.chunk(index), schema, verify=False)
+
+    def close(self) -> None:
+        """End the read transaction, or defer it while a view is still exported."""
+        if self._txn is None:
+            return
+        txn, self._txn = self._txn, None
+        views, self._views = self._views, []
+        if _release_all(views):
+            txn.abort()
+        else:
+            self._store._linger(txn, views)
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._txn is not None and os.getpid() == self._store._pid:
+            self.close()
