@@ -169,10 +169,11 @@ class CacheStore:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if readonly:
             self._env = self._open_reader(max_readers)
-            self.capacity_bytes = self._read_meta_int(b"capacity")
         else:
             self._env = self._open_writer(capacity_bytes, sync, max_readers)
         self._dbs = {name: self._env.open_db(name, create=False) for name in _DBS}
+        if readonly:
+            self.capacity_bytes = self._read_meta_int(b"capacity")
 
     # ----------------------------------------------------------------- opening
 

@@ -23,8 +23,13 @@ from edgecache.v1 import manifest_pb2 as pb
 
 def make(dataset: str = "tokens-en", version: int = 1, **overrides: object) -> pb.Manifest:
     shards = [
-        pb.Shard(index=i, source_key=f"part-{i}.parquet", source_etag=f'"e{i}"',
-                 source_size=1000 + i, row_count=10 + i)
+        pb.Shard(
+            index=i,
+            source_key=f"part-{i}.parquet",
+            source_etag=f'"e{i}"',
+            source_size=1000 + i,
+            row_count=10 + i,
+        )
         for i in range(3)
     ]
     args: dict = dict(

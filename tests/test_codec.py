@@ -1,0 +1,179 @@
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from datagen import TOKEN_SCHEMA, token_batch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgecache.cache.codec import CodecOptions, ShardEncoder, decode_chunk, encode_shard
+from edgecache.cache.errors import ChunkCorrupt, ChunkTruncated, EmptyShard, SchemaMismatch
+from edgecache.cache.frame import HEADER_SIZE, Codec, read_header, verify_frame
+from edgecache.v1 import manifest_pb2 as pb
+
+
+def roundtrip(frames: list[bytes], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_batches([decode_chunk(f, schema) for f in frames], schema=schema)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_round_trip_tokens(compression: str) -> None:
+    batches = [token_batch(3000, seed=i, start=3000 * i) for i in range(4)]
+    opts = CodecOptions(compression=compression, chunk_bytes=256 << 10)  # type: ignore[arg-type]
+    frames = encode_shard(batches, TOKEN_SCHEMA, opts)
+    assert len(frames) > 4
+    assert roundtrip(frames, TOKEN_SCHEMA).equals(pa.Table.from_batches(batches))
+    codec = Codec.ZSTD if compression == "zstd" else Codec.NONE
+    assert {read_header(f).codec for f in frames} == {codec}
+
+
+def test_chunks_are_bounded() -> None:
+    limit = 128 << 10
+    frames = encode_shard(
+        [token_batch(10_000)], TOKEN_SCHEMA, CodecOptions(compression="none", chunk_bytes=limit)
+    )
+    raw = [read_header(f).raw_len for f in frames]
+    # IPC framing adds a schema message and padding on top of the Arrow buffers.
+    assert max(raw) <= limit + 4096
+    assert min(raw[:-1]) >= limit // 2
+
+
+def test_zstd_shrinks_token_data() -> None:
+    frames = encode_shard([token_batch(20_000)], TOKEN_SCHEMA)
+    stored = sum(len(f) for f in frames)
+    raw = sum(read_header(f).raw_len for f in frames)
+    assert stored < 0.8 * raw
+
+
+def test_oversized_row_gets_its_own_chunk() -> None:
+    schema = pa.schema([("blob", pa.binary())])
+    big = pa.record_batch([pa.array([b"x" * (64 << 10), b"y", b"z" * (64 << 10)])], schema=schema)
+    frames = encode_shard([big], schema, CodecOptions(chunk_bytes=16 << 10))
+    assert [read_header(f).rows for f in frames] == [1, 1, 1]
+    assert roundtrip(frames, schema).column("blob").to_pylist() == big.column(0).to_pylist()
+
+
+def test_uncompressed_decode_is_zero_copy() -> None:
+    frame = encode_shard([token_batch(100)], TOKEN_SCHEMA, CodecOptions(compression="none"))[0]
+    backing = pa.py_buffer(frame)
+    batch = decode_chunk(backing, TOKEN_SCHEMA)
+    values = batch.column(0).values.buffers()[1]
+    assert backing.address <= values.address < backing.address + backing.size
+
+
+def test_zero_row_batches_are_skipped_and_empty_shard_refused() -> None:
+    enc = ShardEncoder(TOKEN_SCHEMA)
+    assert enc.add(token_batch(0)) == []
+    with pytest.raises(EmptyShard, match="no rows"):
+        enc.finish()
+    frames = encode_shard([token_batch(0), token_batch(10), token_batch(0)], TOKEN_SCHEMA)
+    assert roundtrip(frames, TOKEN_SCHEMA).num_rows == 10
+
+
+def test_wrong_schema_is_refused_on_encode_and_decode() -> None:
+    other = pa.schema([("input_ids", pa.list_(pa.int64(), 64)), ("label", pa.int64())])
+    enc = ShardEncoder(other)
+    with pytest.raises(SchemaMismatch, match="'input_ids' is fixed_size_list<item: int32>"):
+        enc.add(token_batch(5))
+    frame = encode_shard([token_batch(5)], TOKEN_SCHEMA)[0]
+    with pytest.raises(SchemaMismatch, match="publish a new version"):
+        decode_chunk(frame, other)
+    missing = pa.schema([("label", pa.int64())])
+    with pytest.raises(SchemaMismatch, match="unexpected column 'input_ids'"):
+        decode_chunk(frame, missing)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_every_flipped_byte_is_detected(compression: str) -> None:
+    frame = encode_shard([token_batch(50)], TOKEN_SCHEMA, CodecOptions(compression=compression))[0]  # type: ignore[arg-type]
+    rng = np.random.default_rng(1)
+    positions = list(range(HEADER_SIZE)) + list(rng.integers(HEADER_SIZE, len(frame), 200))
+    for pos in positions:
+        damaged = bytearray(frame)
+        damaged[pos] ^= 1 << int(rng.integers(8))
+        with pytest.raises((ChunkCorrupt, ChunkTruncated)):
+            decode_chunk(bytes(damaged), TOKEN_SCHEMA)
+
+
+def test_truncated_chunks() -> None:
+    frame = encode_shard([token_batch(50)], TOKEN_SCHEMA)[0]
+    with pytest.raises(ChunkTruncated, match="shorter than its 32-byte header"):
+        decode_chunk(frame[:10])
+    with pytest.raises(ChunkTruncated, match="truncated"):
+        decode_chunk(frame[:-1])
+    with pytest.raises(ChunkCorrupt):
+        verify_frame(frame + b"\0")
+
+
+def test_decode_on_threads_matches_serial() -> None:
+    frames = encode_shard(
+        [token_batch(20_000, seed=3)], TOKEN_SCHEMA, CodecOptions(chunk_bytes=64 << 10)
+    )
+    serial = [decode_chunk(f, TOKEN_SCHEMA) for f in frames]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda f: decode_chunk(f, TOKEN_SCHEMA), frames))
+    assert all(a.equals(b) for a, b in zip(serial, threaded, strict=True))
+
+
+def test_options_are_validated_and_read_from_spec() -> None:
+    with pytest.raises(ValueError, match="compression"):
+        CodecOptions(compression="lz4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="level"):
+        CodecOptions(level=99)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        CodecOptions(chunk_bytes=10)
+    spec = pb.PreprocessSpec(compression=pb.COMPRESSION_NONE, chunk_bytes=1 << 20)
+    assert CodecOptions.from_spec(spec) == CodecOptions(compression="none", chunk_bytes=1 << 20)
+
+
+# ---- property test: arbitrary schemas and chunk sizes round-trip exactly --------------------
+
+_TYPES = {
+    "int8": (pa.int8(), st.integers(-128, 127)),
+    "int64": (pa.int64(), st.integers(-(2**63), 2**63 - 1)),
+    "uint32": (pa.uint32(), st.integers(0, 2**32 - 1)),
+    "float32": (pa.float32(), st.floats(width=32, allow_nan=False)),
+    "float64": (pa.float64(), st.floats(allow_nan=False)),
+    "bool": (pa.bool_(), st.booleans()),
+    "string": (pa.string(), st.text(max_size=40)),
+    "binary": (pa.binary(), st.binary(max_size=3000)),
+    "list_int32": (pa.list_(pa.int32()), st.lists(st.integers(-(2**31), 2**31 - 1), max_size=30)),
+    "list_str": (pa.list_(pa.string()), st.lists(st.text(max_size=5), max_size=5)),
+}
+
+
+@st.composite
+def tables(draw: st.DrawFn) -> pa.Table:
+    names = draw(st.lists(st.sampled_from(sorted(_TYPES)), min_size=1, max_size=5, unique=True))
+    rows = draw(st.integers(1, 300))
+    columns = {}
+    for name in names:
+        pa_type, values = _TYPES[name]
+        nullable = draw(st.booleans())
+        elem = st.one_of(st.none(), values) if nullable else values
+        columns[name] = pa.array(draw(st.lists(elem, min_size=rows, max_size=rows)), type=pa_type)
+    table = pa.table(columns)
+    splits = sorted(draw(st.lists(st.integers(0, rows), max_size=4)))
+    return table, [0, *splits, rows]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=tables(),
+    chunk_bytes=st.integers(4 << 10, 64 << 10),
+    compression=st.sampled_from(["zstd", "none"]),
+    level=st.integers(-3, 6),
+)
+def test_codec_round_trip_property(data, chunk_bytes: int, compression: str, level: int) -> None:
+    table, cuts = data
+    batches = [
+        b
+        for lo, hi in zip(cuts, cuts[1:], strict=False)
+        for b in table.slice(lo, hi - lo).to_batches()
+    ]
+    opts = CodecOptions(compression=compression, level=level, chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+    frames = encode_shard(batches, table.schema, opts)
+    out = roundtrip(frames, table.schema)
+    assert out.equals(table)
+    assert sum(read_header(f).rows for f in frames) == table.num_rows

@@ -1,0 +1,336 @@
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import lmdb
+import pyarrow as pa
+import pytest
+from datagen import TOKEN_SCHEMA
+from storeutil import flip_on_disk, shard_frames
+
+from edgecache.cache.errors import (
+    CacheDirError,
+    CacheFull,
+    ChunkCorrupt,
+    ChunkTruncated,
+    EmptyShard,
+    InvalidName,
+    ReadOnlyStore,
+    ShardNotCached,
+    ShardTooLarge,
+    StoreForked,
+    WriterLocked,
+)
+from edgecache.cache.keys import ShardKey
+from edgecache.cache.store import CacheStore
+
+K = ShardKey("tokens", 1, 0)
+FUTURE = datetime.now(UTC) + timedelta(days=1)
+
+
+def test_put_then_read_back(store: CacheStore) -> None:
+    frames = shard_frames()
+    info = store.put_shard(K, frames)
+    assert info.chunk_count == len(frames) and info.row_count == 2000
+    assert store.get_chunk(K, 0) == frames[0]
+    assert list(store.iter_chunks(K, start=1)) == frames[1:]
+    with store.read_shard(K) as reader:
+        table = pa.Table.from_batches(list(reader.batches(TOKEN_SCHEMA)))
+        assert table.column("label").to_pylist() == list(range(2000))
+    assert store.stats.hits == 3 and store.stats.misses == 0
+
+
+def test_miss_is_counted_and_named(store: CacheStore) -> None:
+    with pytest.raises(ShardNotCached, match=r"tokens@1/shard-0 is not in the cache"):
+        store.read_shard(K)
+    with pytest.raises(KeyError):
+        store.get_chunk(K, 0)
+    assert store.stats.misses == 2
+    assert store.shard_info(K) is None and not store.contains(K)
+
+
+def test_listing_and_accounting(store: CacheStore) -> None:
+    for shard in range(3):
+        store.put_shard(ShardKey("tokens", 2, shard), shard_frames(seed=shard))
+    store.put_shard(ShardKey("images", 1, 0), shard_frames())
+    versions = {(v.dataset, v.version): v for v in store.versions()}
+    assert set(versions) == {("images", 1), ("tokens", 2)}
+    assert versions["tokens", 2].shard_count == 3
+    assert [s.key.shard for s in store.shards("tokens", 2)] == [0, 1, 2]
+    total = sum(v.stored_bytes for v in versions.values())
+    assert store.stats.used_bytes == total and store.stats.shard_count == 4
+    assert store.datasets() == ["images", "tokens"]
+    assert store.evict_version("tokens", 2) == versions["tokens", 2].stored_bytes
+    assert store.stats.used_bytes == versions["images", 1].stored_bytes
+    assert store.shards("tokens", 2) == []
+
+
+def test_replacing_a_shard_keeps_accounting(store: CacheStore) -> None:
+    store.put_shard(K, shard_frames(seed=1))
+    info = store.put_shard(K, shard_frames(rows=500, seed=2))
+    assert store.stats.used_bytes == info.stored_bytes
+    assert store.versions()[0].shard_count == 1
+
+
+def test_lru_eviction_of_unpinned_shards(tmp_path: Path) -> None:
+    frames = shard_frames()
+    size = sum(map(len, frames))
+    with CacheStore(tmp_path / "c", capacity_bytes=int(size * 3.5), sync=False) as s:
+        for shard in range(3):
+            s.put_shard(ShardKey("a", 1, shard), frames)
+        s.get_chunk(ShardKey("a", 1, 0), 0)  # shard 0 is now more recent than 1
+        s.put_shard(ShardKey("b", 1, 0), frames)
+        resident = {
+            (i.key.dataset, i.key.shard)
+            for v in s.versions()
+            for i in s.shards(v.dataset, v.version)
+        }
+        assert resident == {("a", 0), ("a", 2), ("b", 0)}
+        assert s.stats.evicted_shards == 1
+        assert s.stats.used_bytes <= s.capacity_bytes
+
+
+def test_pins_block_eviction_and_are_named(tmp_path: Path) -> None:
+    frames = shard_frames()
+    size = sum(map(len, frames))
+    with CacheStore(tmp_path / "c", capacity_bytes=int(size * 2.5), sync=False) as s:
+        s.pin_version("keep", 3, FUTURE)
+        s.put_shard(ShardKey("keep", 3, 0), frames)
+        s.put_shard(ShardKey("keep", 3, 1), frames)
+        with pytest.raises(CacheFull, match=r"pinned: keep@3 .*Unpin or evict"):
+            s.put_shard(ShardKey("new", 1, 0), frames)
+        assert len(s.shards("keep", 3)) == 2  # nothing partial, nothing lost
+        assert s.shards("new", 1) == []
+        s.pin_version("keep", 3, None)
+        s.put_shard(ShardKey("new", 1, 0), frames)
+        assert len(s.shards("keep", 3)) == 1
+
+
+def test_expired_pin_no_longer_protects(tmp_path: Path) -> None:
+    frames = shard_frames()
+    size = sum(map(len, frames))
+    with CacheStore(tmp_path / "c", capacity_bytes=int(size * 1.5), sync=False) as s:
+        s.pin_version("old", 1, datetime.now(UTC) - timedelta(seconds=1))
+        s.put_shard(ShardKey("old", 1, 0), frames)
+        s.put_shard(ShardKey("new", 1, 0), frames)
+        assert s.shards("old", 1) == []
+
+
+def test_pin_needs_timezone(store: CacheStore) -> None:
+    with pytest.raises(ValueError, match="timezone"):
+        store.pin_version("a", 1, datetime(2030, 1, 1))
+
+
+def test_shard_larger_than_capacity(tmp_path: Path) -> None:
+    with CacheStore(tmp_path / "c", capacity_bytes=10_000, sync=False) as s:
+        with pytest.raises(ShardTooLarge, match="larger than the whole cache capacity"):
+            s.put_shard(K, shard_frames())
+        assert s.stats.used_bytes == 0
+
+
+def test_empty_and_damaged_input_is_refused(store: CacheStore) -> None:
+    with pytest.raises(EmptyShard):
+        store.put_shard(K, [])
+    frames = shard_frames()
+    frames[1] = frames[1][:-5]
+    with pytest.raises(ChunkTruncated):
+        store.put_shard(K, frames)
+    assert store.shard_info(K) is None
+    with pytest.raises(InvalidName):
+        store.put_shard(ShardKey("../x", 1, 0), shard_frames())
+    with pytest.raises(ValueError, match="version"):
+        store.put_shard(ShardKey("a", 0, 0), shard_frames())
+    store.put_shard(K, shard_frames())
+    with pytest.raises(IndexError, match="chunk 99 does not exist"):
+        store.get_chunk(K, 99)
+
+
+def test_bit_rot_in_lmdb_is_detected_and_shard_dropped(tmp_path: Path) -> None:
+    frames = shard_frames()
+    with CacheStore(tmp_path / "c", capacity_bytes=64 << 20, sync=False) as s:
+        s.put_shard(K, frames)
+    flip_on_disk(tmp_path / "c", frames[2], offset=1000)
+    with CacheStore(tmp_path / "c", sync=False) as s:
+        assert s.get_chunk(K, 1) == frames[1]  # other chunks still fine
+        with pytest.raises(ChunkCorrupt, match="chunk 2: chunk checksum mismatch"):
+            s.get_chunk(K, 2)
+        assert s.shard_info(K) is None  # dropped: the next read is a miss and refetches
+        assert s.stats.corrupt_chunks == 1 and s.stats.used_bytes == 0
+
+
+def test_bit_rot_seen_by_read_only_reader_is_never_returned(tmp_path: Path) -> None:
+    frames = shard_frames()
+    with CacheStore(tmp_path / "c", capacity_bytes=64 << 20, sync=False) as s:
+        s.put_shard(K, frames)
+    flip_on_disk(tmp_path / "c", frames[0], offset=5, bit=3)  # inside the header
+    with CacheStore(tmp_path / "c", readonly=True) as r:
+        with pytest.raises(ChunkCorrupt):
+            r.get_chunk(K, 0)
+
+
+def test_views_die_with_the_reader(store: CacheStore) -> None:
+    store.put_shard(K, shard_frames())
+    with store.read_shard(K) as reader:
+        view = reader.chunk(0)
+        assert len(view) > 0
+    with pytest.raises(ValueError, match="released"):
+        bytes(view)
+
+
+def test_exported_view_keeps_its_snapshot_alive(store: CacheStore) -> None:
+    frames = shard_frames()
+    store.put_shard(K, frames)
+    with store.read_shard(K) as reader:
+        held = pa.py_buffer(reader.chunk(0))  # an export the store cannot revoke
+    store.evict_version("tokens", 1)
+    store.put_shard(ShardKey("other", 1, 0), shard_frames(seed=9))
+    assert held.to_pybytes() == frames[0]  # still the old, intact snapshot
+    del held
+    store.put_shard(ShardKey("other", 1, 1), shard_frames(seed=9))
+    store.read_shard(ShardKey("other", 1, 1)).close()  # reaps the lingering transaction
+    assert store._lingering == []
+
+
+def test_readonly_store_refuses_writes(tmp_path: Path) -> None:
+    with CacheStore(tmp_path / "c", capacity_bytes=64 << 20, sync=False) as s:
+        s.put_shard(K, shard_frames())
+    with CacheStore(tmp_path / "c", readonly=True) as r:
+        assert r.capacity_bytes == 64 << 20
+        assert r.get_chunk(K, 0)
+        with pytest.raises(ReadOnlyStore, match="read-only"):
+            r.put_shard(K, shard_frames())
+
+
+def test_missing_directory_for_reader(tmp_path: Path) -> None:
+    with pytest.raises(CacheDirError, match="no edgecache store at"):
+        CacheStore(tmp_path / "nope", readonly=True)
+
+
+def test_foreign_lmdb_is_refused(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path / "x"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"meta", txn=txn))
+        txn.put(b"format", b"something-else", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(CacheDirError, match="not an edgecache store"):
+        CacheStore(tmp_path / "x", capacity_bytes=1 << 20)
+
+
+def test_unwritable_directory() -> None:
+    # Under /tmp directly: pytest's tmp_path sits in a 0700 directory nobody cannot enter.
+    base = Path(tempfile.mkdtemp(prefix="edgecache-ro-"))
+    base.chmod(0o755)
+    target = base / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    code = (
+        "import os, sys\n"
+        "from edgecache.cache.store import CacheStore\n"
+        "from edgecache.cache.errors import CacheDirError\n"
+        # root ignores mode bits: drop to nobody once everything is imported
+        "if os.geteuid() == 0: os.setgid(65534); os.setuid(65534)\n"
+        "for p in (sys.argv[1], sys.argv[1] + '/sub'):\n"
+        "    try: CacheStore(p, capacity_bytes=1 << 20)\n"
+        "    except CacheDirError as e: print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("refused:") == 2, out.stdout
+    assert "not writable" in out.stdout and "cannot create cache directory" in out.stdout
+    target.chmod(0o755)
+    shutil.rmtree(base)
+
+
+def test_second_writer_process_is_refused(tmp_path: Path) -> None:
+    with CacheStore(tmp_path / "c", capacity_bytes=1 << 20) as s:
+        code = (
+            "import sys\n"
+            "from edgecache.cache.store import CacheStore\n"
+            "from edgecache.cache.errors import WriterLocked\n"
+            "try: CacheStore(sys.argv[1])\n"
+            "except WriterLocked as e: print(e); sys.exit(3)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(s.path)], capture_output=True, text=True
+        )
+        assert out.returncode == 3, out.stderr
+        assert f"pid {os.getpid()}" in out.stdout and "readonly=True" in out.stdout
+        with pytest.raises(WriterLocked):  # also within one process
+            CacheStore(s.path)
+    CacheStore(tmp_path / "c").close()  # released on close
+
+
+def test_store_refuses_to_cross_fork(store: CacheStore) -> None:
+    store.put_shard(K, shard_frames())
+    pid = os.fork()
+    if pid == 0:
+        try:
+            store.get_chunk(K, 0)
+        except StoreForked:
+            os._exit(7)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_concurrent_reader_threads_and_processes(tmp_path: Path) -> None:
+    shards = {ShardKey("t", 1, i): shard_frames(seed=i) for i in range(4)}
+    with CacheStore(tmp_path / "c", capacity_bytes=256 << 20, sync=False) as s:
+        for key, frames in shards.items():
+            s.put_shard(key, frames)
+        errors: list[BaseException] = []
+
+        def read_all() -> None:
+            try:
+                for _ in range(5):
+                    for key, frames in shards.items():
+                        assert list(s.iter_chunks(key)) == frames
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read_all) for _ in range(4)]
+        code = (
+            "import sys\n"
+            "from edgecache.cache.store import CacheStore\n"
+            "from edgecache.cache.keys import ShardKey\n"
+            "s = CacheStore(sys.argv[1], readonly=True)\n"
+            "print(sum(len(c) for i in range(4) for c in s.iter_chunks(ShardKey('t', 1, i))))\n"
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(s.path)], stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        s.put_shard(ShardKey("t", 2, 0), shard_frames(seed=7))  # a write while they read
+        for t in threads:
+            t.join()
+        expected = sum(len(c) for frames in shards.values() for c in frames)
+        for p in procs:
+            out, _ = p.communicate(timeout=60)
+            assert int(out) == expected
+        assert not errors, errors
+
+
+def test_capacity_is_remembered(tmp_path: Path) -> None:
+    CacheStore(tmp_path / "c", capacity_bytes=5 << 20).close()
+    with CacheStore(tmp_path / "c") as s:
+        assert s.capacity_bytes == 5 << 20
+    with CacheStore(tmp_path / "c", capacity_bytes=9 << 20) as s:
+        assert s.capacity_bytes == 9 << 20
+
+
+def test_churn_never_leaks_map_full(tmp_path: Path) -> None:
+    frames = shard_frames(rows=4000)
+    size = sum(map(len, frames))
+    with CacheStore(tmp_path / "c", capacity_bytes=size * 4, sync=False) as s:
+        for i in range(60):  # 15x the capacity through the cache
+            s.put_shard(ShardKey("churn", 1 + i % 7, i), frames)
+            assert s.stats.used_bytes <= s.capacity_bytes
