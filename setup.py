@@ -18,6 +18,7 @@ class BuildPyWithProtos(build_py):
     """Run ``proto/generate.py`` first, so the generated modules get packaged."""
 
     def run(self) -> None:
+        """Generate, then build as usual."""
         runpy.run_path(str(ROOT / "proto" / "generate.py"))["generate"]()
         super().run()
 

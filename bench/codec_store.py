@@ -234,7 +234,10 @@ def main() -> None:
         )
         return
     table = Table(
-        title=f"edgecache codec and store vs raw libraries ({args.mib} MiB per dataset, {CHUNK_BYTES >> 20} MiB chunks, best of {args.repeat})"
+        title=(
+            f"edgecache codec and store vs raw libraries ({args.mib} MiB per dataset, "
+            f"{CHUNK_BYTES >> 20} MiB chunks, best of {args.repeat})"
+        )
     )
     for col in ("data", "measure", "baseline", "MB", "ours MB/s", "base MB/s", "ratio", "target"):
         table.add_column(
@@ -244,7 +247,7 @@ def main() -> None:
         met = (
             ""
             if r["target"] is None
-            else ("≥%.1f ✓" % r["target"] if r["ratio"] >= r["target"] else "≥%.1f ✗" % r["target"])
+            else f"≥{r['target']:.1f} " + ("✓" if r["ratio"] >= r["target"] else "✗")
         )
         table.add_row(
             r["data"],
