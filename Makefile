@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
 
-test: $(STAMP)  ## run the whole test suite
-	$(PY) -m pytest
+test: $(STAMP)  ## run the whole test suite (bin/pytest: python -m would put the checkout on sys.path)
+	$(VENV)/bin/pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

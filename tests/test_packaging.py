@@ -1,0 +1,53 @@
+"""The distribution's shape: one namespace, generated code present, no torch needed at the edge."""
+
+import subprocess
+import sys
+
+from edgecache.v1 import manifest_pb2, store_pb2
+
+
+def test_folders_are_not_top_level_modules(tmp_path) -> None:
+    # In a clean interpreter outside the checkout: what the installed distribution exposes.
+    code = (
+        "import importlib.util\n"
+        "leaked = [n for n in ('cache', 'edge', 'clients', 'proto', 'v1')"
+        " if importlib.util.find_spec(n) is not None]\n"
+        "assert not leaked, leaked\n"
+        "import edgecache.cache, edgecache.edge, edgecache.clients, edgecache.v1\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_generated_code_matches_the_protos() -> None:
+    assert manifest_pb2.DESCRIPTOR.package == "edgecache.v1"
+    assert {"Manifest", "Shard", "DatasetVersion", "PreprocessSpec", "ShardRef"} <= set(
+        manifest_pb2.DESCRIPTOR.message_types_by_name
+    )
+    assert {"StoredShard", "StoredVersion"} <= set(store_pb2.DESCRIPTOR.message_types_by_name)
+
+
+def test_cache_and_demo_run_without_torch(tmp_path) -> None:
+    code = (
+        "import sys\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch': raise ImportError('no torch here')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "import edgecache.cache.store, edgecache.edge, edgecache.clients.cli\n"
+        "from edgecache.clients.demo import run_demo\n"
+        "r = run_demo(sys.argv[1], total_mib=2, shards=2)\n"
+        "assert r.verified and r.tensor_backend == 'numpy', r\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_cli_help_and_demo_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "demo" in out.stdout
