@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-store proto clean
+.PHONY: demo test lint typecheck bench bench-store proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -15,6 +15,14 @@ test: $(STAMP)  ## run the whole test suite (bin/pytest: python -m would put the
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy cannot follow setuptools' editable import hook, so check an installed copy.
+typecheck: $(STAMP)
+	rm -rf build/typecheck
+	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/typecheck . 2>/dev/null \
+		|| $(PY) -m pip install -q --no-deps --target build/typecheck .
+	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
+		-p edgecache.cache -p edgecache.clients
 
 bench: bench-store
 

@@ -29,6 +29,7 @@ from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["CodecOptions", "ShardEncoder", "decode_chunk", "encode_shard"]
 
+DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 4 << 10
 MAX_CHUNK_BYTES = 256 << 20
 
@@ -46,7 +47,7 @@ class CodecOptions:
 
     compression: Literal["zstd", "none"] = "zstd"
     level: int = 1
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if self.compression not in ("zstd", "none"):
@@ -68,7 +69,7 @@ class CodecOptions:
         return cls(
             compression=compression,
             level=spec.compression_level or 1,
-            chunk_bytes=spec.chunk_bytes or cls.chunk_bytes,
+            chunk_bytes=spec.chunk_bytes or DEFAULT_CHUNK_BYTES,
         )
 
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Literal
 
 import pyarrow as pa
 from google.protobuf import json_format
@@ -38,7 +39,12 @@ __all__ = [
 
 DIGEST_PREFIX = "sha256:"
 # Identity fields: excluded from the digest, which covers content only.
-_IDENTITY_FIELDS = ("dataset", "version", "digest", "created_at")
+_IDENTITY_FIELDS: tuple[Literal["dataset", "version", "digest", "created_at"], ...] = (
+    "dataset",
+    "version",
+    "digest",
+    "created_at",
+)
 
 
 def content_digest(manifest: pb.Manifest) -> str:

@@ -36,16 +36,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 
 import lmdb
-import pyarrow as pa
 
-from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import (
     CacheDirError,
     CacheFull,
-    ChunkCorrupt,
     EmptyShard,
     ReadOnlyStore,
     ShardNotCached,
@@ -63,6 +59,7 @@ from edgecache.cache.keys import (
     parse_version_key,
     version_key,
 )
+from edgecache.cache.shard_reader import ClosingContext, ShardReader, release_all
 from edgecache.v1 import store_pb2
 
 __all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
@@ -132,7 +129,7 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-class CacheStore:
+class CacheStore(ClosingContext):
     """A node's LMDB cache of shards. Open one per process; never share across ``fork()``.
 
     Args:
@@ -165,13 +162,16 @@ class CacheStore:
         self._hits = self._misses = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
         self._lock_fd: int | None = None
+        self._env: lmdb.Environment | None = None
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        if readonly:
-            self._env = self._open_reader(max_readers)
-        else:
-            self._env = self._open_writer(capacity_bytes, sync, max_readers)
-        self._dbs = {name: self._env.open_db(name, create=False) for name in _DBS}
+        env = (
+            self._open_reader(max_readers)
+            if readonly
+            else self._open_writer(capacity_bytes, sync, max_readers)
+        )
+        self._env = env
+        self._dbs = {name: env.open_db(name, create=False) for name in _DBS}
         if readonly:
             self.capacity_bytes = self._read_meta_int(b"capacity")
 
@@ -323,7 +323,8 @@ class CacheStore:
         If zero-copy views handed out by :meth:`read_shard` are still exported,
         the environment is left open (a leak, not a crash) and a warning logged.
         """
-        if getattr(self, "_env", None) is None or os.getpid() != self._pid:
+        env = getattr(self, "_env", None)
+        if env is None or os.getpid() != self._pid:
             return
         self._reap_lingering()
         if self._lingering:
@@ -334,22 +335,11 @@ class CacheStore:
             )
         else:
             if not self.readonly and self._touched:
-                with self._write_lock, self._env.begin(write=True) as txn:
+                with self._write_lock, env.begin(write=True) as txn:
                     self._flush_access(txn)
-            self._env.close()
+            env.close()
         self._env = None
         self._release_writer_lock()
-
-    def __enter__(self) -> CacheStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _check(self, write: bool = False) -> lmdb.Environment:
         if os.getpid() != self._pid:
@@ -481,9 +471,9 @@ class CacheStore:
         now = time.time_ns()
         pinned: dict[bytes, store_pb2.StoredVersion] = {}
         for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
-            record = store_pb2.StoredVersion.FromString(bytes(raw))
-            if record.pinned_until_ns > now:
-                pinned[bytes(vkey)] = record
+            pin = store_pb2.StoredVersion.FromString(bytes(raw))
+            if pin.pinned_until_ns > now:
+                pinned[bytes(vkey)] = pin
         access_db = self._dbs[b"access"]
         candidates: list[tuple[int, bytes, store_pb2.StoredShard]] = []
         for raw_key, record in self._iter_shard_records(txn, b""):
@@ -645,7 +635,7 @@ class CacheStore:
         with self._counter_lock:
             still: list[tuple[lmdb.Transaction, list[memoryview]]] = []
             for txn, views in self._lingering:
-                if _release_all(views):
+                if release_all(views):
                     txn.abort()
                 else:
                     still.append((txn, views))
@@ -710,97 +700,3 @@ class CacheStore:
         with self._read_txn() as txn:
             cursor = txn.cursor(db=self._dbs[b"shards"])
             return bool(cursor.set_range(prefix)) and bytes(cursor.key()).startswith(prefix)
-
-
-def _release_all(views: list[memoryview]) -> bool:
-    """Release views; False if any is still exported (and so must stay mapped)."""
-    ok = True
-    for view in views:
-        try:
-            view.release()
-        except BufferError:
-            ok = False
-    return ok
-
-
-class ShardReader:
-    """Zero-copy, verified access to one shard inside one read transaction.
-
-    Views from :meth:`chunk` and batches from :meth:`batches` are valid until
-    the ``with`` block ends; copy (``bytes(view)``) anything that must outlive it.
-    """
-
-    def __init__(
-        self,
-        store: CacheStore,
-        txn: lmdb.Transaction,
-        key: ShardKey,
-        info: ShardInfo,
-        verify: bool,
-    ) -> None:
-        self._store = store
-        self._txn: lmdb.Transaction | None = txn
-        self._raw_key = key.encode()
-        self._views: list[memoryview] = []
-        self._verify = verify
-        self.info = info
-
-    def chunk(self, index: int) -> memoryview:
-        """The verified frame of chunk ``index``, as a view into the LMDB map."""
-        if self._txn is None:
-            raise StoreError(f"the reader of {self.info.key} is closed; open it again")
-        if not 0 <= index < self.info.chunk_count:
-            raise IndexError(
-                f"{self.info.key} has {self.info.chunk_count} chunks; chunk {index} does not exist"
-            )
-        view = self._txn.get(chunk_key(self._raw_key, index), db=self._store._dbs[b"chunks"])
-        if view is None:
-            raise ChunkCorrupt(f"{self.info.key}: chunk {index} is missing from the store")
-        self._views.append(view)
-        if self._verify:
-            try:
-                header = verify_frame(view)
-                if header.checksum != self.info.checksums[index]:
-                    raise ChunkCorrupt(
-                        f"chunk checksum {header.checksum:016x} differs from the shard "
-                        f"record's {self.info.checksums[index]:016x}"
-                    )
-            except ChunkCorrupt as exc:
-                self._store._corrupt_chunk(self.info.key)
-                raise ChunkCorrupt(f"{self.info.key} chunk {index}: {exc}") from exc
-        return view
-
-    def __iter__(self) -> Iterator[memoryview]:
-        for index in range(self.info.chunk_count):
-            yield self.chunk(index)
-
-    def batches(self, schema: pa.Schema | None = None, start: int = 0) -> Iterator[pa.RecordBatch]:
-        """Decode the shard's chunks in order (checksums already verified here)."""
-        for index in range(start, self.info.chunk_count):
-            yield decode_chunk(self.chunk(index), schema, verify=False)
-
-    def close(self) -> None:
-        """End the read transaction, or defer it while a view is still exported."""
-        if self._txn is None:
-            return
-        txn, self._txn = self._txn, None
-        views, self._views = self._views, []
-        if _release_all(views):
-            txn.abort()
-        else:
-            self._store._linger(txn, views)
-
-    def __enter__(self) -> ShardReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if self._txn is not None and os.getpid() == self._store._pid:
-            self.close()

@@ -125,6 +125,7 @@ def test_options_are_validated_and_read_from_spec() -> None:
         CodecOptions(chunk_bytes=10)
     spec = pb.PreprocessSpec(compression=pb.COMPRESSION_NONE, chunk_bytes=1 << 20)
     assert CodecOptions.from_spec(spec) == CodecOptions(compression="none", chunk_bytes=1 << 20)
+    assert CodecOptions.from_spec(pb.PreprocessSpec()) == CodecOptions()  # unset = defaults
 
 
 # ---- property test: arbitrary schemas and chunk sizes round-trip exactly --------------------
