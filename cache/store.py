@@ -83,6 +83,7 @@ class ShardInfo:
     checksums: tuple[int, ...]
     chunk_rows: tuple[int, ...]
     committed_at: datetime
+    last_access: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,7 +423,7 @@ class CacheStore(ClosingContext):
                             "a long-running reader may be holding old pages — restart stale "
                             "readers or raise --capacity"
                         ) from exc
-        return self._info(key, record)
+        return self._info(key, record, now)
 
     def pin_version(self, dataset: str, version: int, until: datetime | None) -> None:
         """Keep a version from being evicted for space until ``until`` (None unpins).
@@ -563,7 +564,12 @@ class CacheStore(ClosingContext):
                 return
             yield raw_key, store_pb2.StoredShard.FromString(bytes(raw))
 
-    def _info(self, key: ShardKey, record: store_pb2.StoredShard) -> ShardInfo:
+    def _last_access(self, txn: lmdb.Transaction, raw_key: bytes) -> int:
+        stored = txn.get(raw_key, db=self._dbs[b"access"])
+        persisted = int.from_bytes(stored, "big") if stored is not None else 0
+        return max(persisted, self._touched.get(raw_key, 0))
+
+    def _info(self, key: ShardKey, record: store_pb2.StoredShard, last_access_ns: int) -> ShardInfo:
         return ShardInfo(
             key=key,
             chunk_count=record.chunk_count,
@@ -572,13 +578,17 @@ class CacheStore(ClosingContext):
             checksums=tuple(record.checksums),
             chunk_rows=tuple(record.chunk_rows),
             committed_at=_ns_to_dt(record.committed_at_ns),
+            last_access=_ns_to_dt(last_access_ns or record.committed_at_ns),
         )
 
     def shard_info(self, key: ShardKey) -> ShardInfo | None:
         """The record of a resident shard, or None; does not count as a hit or miss."""
+        raw_key = key.validated().encode()
         with self._read_txn() as txn:
-            record = self._shard_record(txn, key.validated().encode())
-        return None if record is None else self._info(key, record)
+            record = self._shard_record(txn, raw_key)
+            return (
+                None if record is None else self._info(key, record, self._last_access(txn, raw_key))
+            )
 
     def contains(self, key: ShardKey) -> bool:
         """Whether the shard is resident (complete); not counted as a hit or miss."""
@@ -607,7 +617,7 @@ class CacheStore(ClosingContext):
         if record is None:
             txn.abort()
             raise ShardNotCached(f"{key} is not in the cache at {self.path}")
-        return ShardReader(self, txn, key, self._info(key, record), verify)
+        return ShardReader(self, txn, key, self._info(key, record, time.time_ns()), verify)
 
     def get_chunk(self, key: ShardKey, index: int) -> bytes:
         """One verified chunk frame, copied out of LMDB (safe to keep)."""
@@ -669,7 +679,7 @@ class CacheStore(ClosingContext):
         ShardKey(dataset, version, 0).validated()
         with self._read_txn() as txn:
             return [
-                self._info(parse_shard_key(raw_key), record)
+                self._info(parse_shard_key(raw_key), record, self._last_access(txn, raw_key))
                 for raw_key, record in self._iter_shard_records(txn, version_key(dataset, version))
             ]
 

@@ -84,6 +84,8 @@ def test_lru_eviction_of_unpinned_shards(tmp_path: Path) -> None:
         for shard in range(3):
             s.put_shard(ShardKey("a", 1, shard), frames)
         s.get_chunk(ShardKey("a", 1, 0), 0)  # shard 0 is now more recent than 1
+        first, second = s.shard_info(ShardKey("a", 1, 0)), s.shard_info(ShardKey("a", 1, 1))
+        assert first and second and first.last_access > second.last_access
         s.put_shard(ShardKey("b", 1, 0), frames)
         resident = {
             (i.key.dataset, i.key.shard)
