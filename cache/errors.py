@@ -6,6 +6,12 @@ caller would naturally catch, so ``except KeyError`` still works::
     EdgeCacheError
     ├── InvalidName (ValueError)               a dataset name or "name@N" spec is malformed
     ├── ManifestError (ValueError)             a manifest cannot be parsed or fails its digest
+    ├── VersionNotFound (KeyError)             no such dataset or version in the registry
+    ├── VersionExists                          another publisher took that version number first
+    ├── MalformedShard (ValueError)            a raw shard cannot be parsed; names object and row
+    ├── UnknownTransform (ValueError)          no built-in or entry-point transform of that name
+    ├── OriginError (OSError)                  origin storage cannot be reached or refuses
+    │   └── OriginChanged                      an object differs from what the version recorded
     ├── CodecError (ValueError)
     │   ├── ChunkCorrupt                       checksum mismatch: the bytes changed after encoding
     │   ├── ChunkTruncated                     fewer bytes than the frame header promises
@@ -34,13 +40,19 @@ __all__ = [
     "EdgeCacheError",
     "EmptyShard",
     "InvalidName",
+    "MalformedShard",
     "ManifestError",
+    "OriginChanged",
+    "OriginError",
     "ReadOnlyStore",
     "SchemaMismatch",
     "ShardNotCached",
     "ShardTooLarge",
     "StoreError",
     "StoreForked",
+    "UnknownTransform",
+    "VersionExists",
+    "VersionNotFound",
     "WriterLocked",
 ]
 
@@ -55,6 +67,33 @@ class InvalidName(EdgeCacheError, ValueError):
 
 class ManifestError(EdgeCacheError, ValueError):
     """A manifest is malformed or its digest does not match its content."""
+
+
+class VersionNotFound(EdgeCacheError, KeyError):
+    """The registry has no such dataset or version."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class VersionExists(EdgeCacheError):
+    """A version number was taken by another publisher; publish again for the next one."""
+
+
+class MalformedShard(EdgeCacheError, ValueError):
+    """A raw shard cannot be turned into the version's Arrow schema."""
+
+
+class UnknownTransform(EdgeCacheError, ValueError):
+    """A preprocessing spec names a transform nobody registered."""
+
+
+class OriginError(EdgeCacheError, OSError):
+    """Origin storage is unreachable or refused a request (after retries)."""
+
+
+class OriginChanged(OriginError):
+    """An origin object no longer matches the ETag/size/checksum the version recorded."""
 
 
 class CodecError(EdgeCacheError, ValueError):
