@@ -10,7 +10,9 @@ caller would naturally catch, so ``except KeyError`` still works::
     ├── VersionExists                          another publisher took that version number first
     ├── MalformedShard (ValueError)            a raw shard cannot be parsed; names object and row
     ├── UnknownTransform (ValueError)          no built-in or entry-point transform of that name
+    ├── ObjectExists (FileExistsError)         a create-only write found the object already there
     ├── OriginError (OSError)                  origin storage cannot be reached or refuses
+    │   ├── ObjectNotFound (FileNotFoundError) no object at that URL
     │   └── OriginChanged                      an object differs from what the version recorded
     ├── CodecError (ValueError)
     │   ├── ChunkCorrupt                       checksum mismatch: the bytes changed after encoding
@@ -41,6 +43,8 @@ __all__ = [
     "EmptyShard",
     "InvalidName",
     "MalformedShard",
+    "ObjectExists",
+    "ObjectNotFound",
     "ManifestError",
     "OriginChanged",
     "OriginError",
@@ -90,6 +94,14 @@ class UnknownTransform(EdgeCacheError, ValueError):
 
 class OriginError(EdgeCacheError, OSError):
     """Origin storage is unreachable or refused a request (after retries)."""
+
+
+class ObjectNotFound(OriginError, FileNotFoundError):
+    """No object at that URL."""
+
+
+class ObjectExists(EdgeCacheError, FileExistsError):
+    """A create-only write found the object already there."""
 
 
 class OriginChanged(OriginError):

@@ -59,6 +59,7 @@ from edgecache.cache.keys import (
     parse_version_key,
     version_key,
 )
+from edgecache.cache.units import format_bytes
 from edgecache.cache.shard_reader import ClosingContext, ShardReader, release_all
 from edgecache.v1 import store_pb2
 
@@ -67,7 +68,7 @@ __all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"
 log = logging.getLogger(__name__)
 
 _FORMAT = b"edgecache-store/1"
-_DBS = (b"chunks", b"shards", b"versions", b"access", b"meta")
+_DBS = (b"chunks", b"shards", b"versions", b"access", b"manifests", b"meta")
 _MAP_HEADROOM = 256 << 20
 _LOCK_FILE = "writer.lock"
 
@@ -120,14 +121,6 @@ class StoreStats:
 
 def _ns_to_dt(ns: int) -> datetime:
     return datetime.fromtimestamp(ns / 1e9, UTC)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class CacheStore(ClosingContext):
@@ -384,8 +377,8 @@ class CacheStore(ClosingContext):
         size = sum(len(frame) for frame in frames)
         if size > self.capacity_bytes:
             raise ShardTooLarge(
-                f"{key} is {_human(size)}, larger than the whole cache capacity "
-                f"({_human(self.capacity_bytes)}); raise --capacity or use smaller shards"
+                f"{key} is {format_bytes(size)}, larger than the whole cache capacity "
+                f"({format_bytes(self.capacity_bytes)}); raise --capacity or use smaller shards"
             )
         now = time.time_ns()
         record = store_pb2.StoredShard(
@@ -487,14 +480,14 @@ class CacheStore(ClosingContext):
         if available < shortfall:
             pins = ", ".join(
                 "{}@{} ({}, until {:%Y-%m-%dT%H:%MZ})".format(
-                    *parse_version_key(v), _human(r.stored_bytes), _ns_to_dt(r.pinned_until_ns)
+                    *parse_version_key(v), format_bytes(r.stored_bytes), _ns_to_dt(r.pinned_until_ns)
                 )
                 for v, r in sorted(pinned.items())
             )
             raise CacheFull(
-                f"{for_key} needs {_human(need)} but only {_human(self.capacity_bytes - used)} "
-                f"is free and {_human(available)} can be evicted "
-                f"(short by {_human(shortfall - available)}); pinned: {pins or 'nothing'}. "
+                f"{for_key} needs {format_bytes(need)} but only {format_bytes(self.capacity_bytes - used)} "
+                f"is free and {format_bytes(available)} can be evicted "
+                f"(short by {format_bytes(shortfall - available)}); pinned: {pins or 'nothing'}. "
                 "Unpin or evict a version, or raise --capacity"
             )
         freed = 0
@@ -650,6 +643,22 @@ class CacheStore(ClosingContext):
                 else:
                     still.append((txn, views))
             self._lingering = still
+
+    # ------------------------------------------------------------- manifests
+
+    def put_manifest(self, dataset: str, version: int, manifest: bytes) -> None:
+        """Keep a version's binary manifest, so the node can serve it without the registry."""
+        env = self._check(write=True)
+        ShardKey(dataset, version, 0).validated()
+        with self._write_lock, env.begin(write=True) as txn:
+            txn.put(version_key(dataset, version), manifest, db=self._dbs[b"manifests"])
+
+    def get_manifest(self, dataset: str, version: int) -> bytes | None:
+        """A kept binary manifest, or None."""
+        ShardKey(dataset, version, 0).validated()
+        with self._read_txn() as txn:
+            raw = txn.get(version_key(dataset, version), db=self._dbs[b"manifests"])
+            return None if raw is None else bytes(raw)
 
     # --------------------------------------------------------------- listing
 

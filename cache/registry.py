@@ -1,0 +1,262 @@
+"""The version registry: immutable manifests in object storage.
+
+Layout under a registry URL (``s3://bucket/_edgecache``, ``file:///srv/registry``, …)::
+
+    <registry>/<dataset>/versions/<N>.json    one manifest per version, never overwritten
+    <registry>/<dataset>/latest               the newest N, for people and tools
+
+``versions/`` is the truth: "latest" resolves by listing it, so a publisher
+killed between its two writes leaves nothing inconsistent. A version is
+claimed with a create-only write (S3 ``If-None-Match: *``, or an atomic
+``link()`` on local disks), so two publishers racing for the same N cannot
+both succeed; the loser retries with N+1. A publisher killed before its
+manifest write lands leaves no trace, and the next publish takes that N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from edgecache.cache.errors import (
+    ManifestError,
+    MalformedShard,
+    ObjectExists,
+    ObjectNotFound,
+    VersionNotFound,
+)
+from edgecache.cache.manifest import build_manifest, manifest_from_json, manifest_to_json
+from edgecache.cache.names import VersionSpec, parse_spec, validate_name
+from edgecache.cache.preprocess import describe, format_from_key, load_transform
+from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
+from edgecache.v1 import manifest_pb2 as pb
+
+__all__ = ["Registry", "SourceObject"]
+
+log = logging.getLogger(__name__)
+
+_PUBLISH_ATTEMPTS = 20
+_DESCRIBE_CONCURRENCY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SourceObject:
+    """One raw shard found at publish time."""
+
+    info: ObjectInfo
+    key: str  # relative to the source prefix
+
+
+class Registry:
+    """Read and publish dataset versions under one registry URL."""
+
+    def __init__(self, url: str, stores: Stores | None = None) -> None:
+        if not url:
+            raise ValueError("a registry URL is required, e.g. s3://bucket/_edgecache")
+        self.url = url.rstrip("/")
+        self._stores = stores or Stores()
+        self._own_stores = stores is None
+
+    async def close(self) -> None:
+        """Close the stores this registry opened itself."""
+        if self._own_stores:
+            await self._stores.close()
+
+    def _store(self, url: str) -> ObjectStore:
+        return self._stores.for_url(url)
+
+    def version_url(self, dataset: str, version: int) -> str:
+        """Where a version's manifest lives."""
+        return f"{self.url}/{validate_name(dataset)}/versions/{version}.json"
+
+    async def datasets(self) -> list[str]:
+        """Every dataset with at least one version."""
+        found = await self._store(self.url).list(self.url + "/")
+        names = set()
+        for obj in found:
+            parts = obj.url[len(self.url) + 1 :].split("/")
+            if len(parts) == 3 and parts[1] == "versions" and parts[2].endswith(".json"):
+                names.add(parts[0])
+        return sorted(names)
+
+    async def versions(self, dataset: str) -> list[int]:
+        """Published version numbers of a dataset, ascending."""
+        prefix = f"{self.url}/{validate_name(dataset)}/versions/"
+        numbers = []
+        for obj in await self._store(prefix).list(prefix):
+            name = obj.url.rsplit("/", 1)[-1]
+            if name.endswith(".json") and name[:-5].isdigit():
+                numbers.append(int(name[:-5]))
+        return sorted(numbers)
+
+    async def latest(self, dataset: str) -> int:
+        """The newest version number; :class:`VersionNotFound` if there is none."""
+        numbers = await self.versions(dataset)
+        if not numbers:
+            raise VersionNotFound(
+                f"dataset {dataset!r} has no versions in {self.url}; publish one first "
+                "(edgecache publish)"
+            )
+        return numbers[-1]
+
+    async def manifest(self, dataset: str, version: int) -> pb.Manifest:
+        """Read and verify one version's manifest."""
+        url = self.version_url(dataset, version)
+        try:
+            text = await self._store(url).get(url)
+        except ObjectNotFound as exc:
+            known = await self.versions(dataset)
+            hint = f"known versions: {known}" if known else "the dataset has no versions"
+            raise VersionNotFound(f"{dataset}@{version} is not in {self.url} ({hint})") from exc
+        manifest = manifest_from_json(text, source=url)
+        if (manifest.dataset, manifest.version) != (dataset, version):
+            raise ManifestError(
+                f"{url} holds {manifest.dataset}@{manifest.version}, not {dataset}@{version}"
+            )
+        return manifest
+
+    async def resolve(self, spec: str | VersionSpec) -> pb.Manifest:
+        """The manifest for ``name``, ``name@latest`` or ``name@N``."""
+        parsed = parse_spec(spec) if isinstance(spec, str) else spec
+        version = parsed.version or await self.latest(parsed.dataset)
+        return await self.manifest(parsed.dataset, version)
+
+    async def commit(self, manifest: pb.Manifest) -> pb.Manifest:
+        """Write ``manifest`` as the next free version number and return it as written.
+
+        The manifest's own version number is a starting guess; a taken number is
+        skipped. The digest does not cover the number, so it stays valid.
+        """
+        validate_name(manifest.dataset)
+        existing = await self.versions(manifest.dataset)
+        number = max(existing[-1] + 1 if existing else 1, manifest.version or 1)
+        for _ in range(_PUBLISH_ATTEMPTS):
+            candidate = pb.Manifest()
+            candidate.CopyFrom(manifest)
+            candidate.version = number
+            url = self.version_url(manifest.dataset, number)
+            try:
+                await self._store(url).put(
+                    url, manifest_to_json(candidate).encode(), if_absent=True
+                )
+            except ObjectExists:
+                log.info("%s taken by another publisher; trying %d", url, number + 1)
+                number += 1
+                continue
+            latest = f"{self.url}/{manifest.dataset}/latest"
+            await self._store(latest).put(latest, f"{number}\n".encode())
+            return candidate
+        raise ObjectExists(
+            f"could not claim a version number for {manifest.dataset} after "
+            f"{_PUBLISH_ATTEMPTS} attempts; too many concurrent publishers?"
+        )
+
+    async def list_sources(
+        self, source_url: str, fmt: pb.SourceFormat.ValueType | None = None
+    ) -> tuple[list[SourceObject], pb.SourceFormat.ValueType]:
+        """The raw shards under a prefix, and their format (given, or guessed from names)."""
+        prefix = source_url if source_url.endswith("/") else source_url + "/"
+        found = []
+        for info in await self._store(prefix).list(prefix):
+            key = info.url[len(prefix) :] if info.url.startswith(prefix) else info.url
+            if any(part.startswith(("_", ".")) for part in key.split("/")):
+                continue  # _SUCCESS, .crc and similar markers are not data
+            found.append(SourceObject(info=info, key=key))
+        if not found:
+            raise ObjectNotFound(f"no objects under {prefix}; check the source URL")
+        if fmt is None or fmt == pb.SOURCE_FORMAT_UNSPECIFIED:
+            guesses = {format_from_key(obj.key) for obj in found}
+            if len(guesses) != 1 or None in guesses:
+                raise MalformedShard(
+                    f"cannot tell the format of the objects under {prefix} from their names "
+                    f"({', '.join(sorted({o.key.rsplit('.', 1)[-1] for o in found})[:5])}); "
+                    "pass the format explicitly"
+                )
+            fmt = guesses.pop()
+            assert fmt is not None
+        return found, fmt
+
+    async def publish(
+        self,
+        source_url: str,
+        dataset: str,
+        *,
+        fmt: pb.SourceFormat.ValueType | None = None,
+        spec: pb.PreprocessSpec,
+    ) -> pb.Manifest:
+        """Snapshot a prefix of raw shards as the next version of ``dataset``.
+
+        Records each object's ETag, size and row count (Parquet from its footer
+        alone; other formats are read once) and the schema after preprocessing;
+        every object must give the same schema.
+        """
+        validate_name(dataset)
+        load_transform(spec.transform or "identity", dict(spec.params))  # fail fast on names
+        objects, fmt = await self.list_sources(source_url, fmt)
+        limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
+
+        async def one(obj: SourceObject) -> tuple[pa.Schema, int]:
+            async with limit:
+                return await self._describe(obj.info, fmt, spec)
+
+        described = await asyncio.gather(*(one(obj) for obj in objects))
+        schema = described[0][0]
+        for obj, (other, _) in zip(objects, described, strict=True):
+            if not other.equals(schema):
+                raise MalformedShard(
+                    f"{obj.info.url} has schema {other} after preprocessing, but "
+                    f"{objects[0].info.url} has {schema}; all objects of a version must agree"
+                )
+        shards = [
+            pb.Shard(
+                index=i,
+                source_key=obj.key,
+                source_etag=obj.info.etag,
+                source_size=obj.info.size,
+                row_count=rows,
+            )
+            for i, (obj, (_, rows)) in enumerate(zip(objects, described, strict=True))
+        ]
+        manifest = build_manifest(
+            dataset=dataset,
+            version=1,
+            source_url=source_url if source_url.endswith("/") else source_url + "/",
+            source_format=fmt,
+            schema=schema,
+            preprocess=spec,
+            shards=shards,
+        )
+        return await self.commit(manifest)
+
+    async def _describe(
+        self, info: ObjectInfo, fmt: pb.SourceFormat.ValueType, spec: pb.PreprocessSpec
+    ) -> tuple[pa.Schema, int]:
+        store = self._store(info.url)
+        if fmt == pb.SOURCE_FORMAT_PARQUET and info.size > 12:
+            metadata = await _parquet_footer(store, info)
+            empty = metadata.schema.to_arrow_schema().empty_table().to_batches() or [
+                pa.RecordBatch.from_pylist([], schema=metadata.schema.to_arrow_schema())
+            ]
+            transform = load_transform(spec.transform or "identity", dict(spec.params))
+            return transform(empty[0]).schema, metadata.num_rows
+        data = await store.get(info.url, expect=info)
+        return await asyncio.to_thread(describe, data, fmt=fmt, source=info.url, spec=spec)
+
+
+async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> pq.FileMetaData:
+    """Read only a Parquet file's footer (two small ranged reads)."""
+    tail = await store.get_range(info.url, info.size - 8, info.size)
+    if tail[4:] != b"PAR1":
+        raise MalformedShard(f"{info.url} is not a Parquet file (no PAR1 footer magic)")
+    length = int.from_bytes(tail[:4], "little")
+    if length + 12 > info.size:
+        raise MalformedShard(f"{info.url}: Parquet footer length {length} exceeds the file")
+    footer = await store.get_range(info.url, info.size - 8 - length, info.size)
+    try:
+        return pq.read_metadata(pa.BufferReader(b"PAR1" + footer))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise MalformedShard(f"{info.url}: Parquet footer cannot be read ({exc})") from exc
