@@ -59,8 +59,8 @@ from edgecache.cache.keys import (
     parse_version_key,
     version_key,
 )
-from edgecache.cache.units import format_bytes
 from edgecache.cache.shard_reader import ClosingContext, ShardReader, release_all
+from edgecache.cache.units import format_bytes
 from edgecache.v1 import store_pb2
 
 __all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
@@ -480,12 +480,15 @@ class CacheStore(ClosingContext):
         if available < shortfall:
             pins = ", ".join(
                 "{}@{} ({}, until {:%Y-%m-%dT%H:%MZ})".format(
-                    *parse_version_key(v), format_bytes(r.stored_bytes), _ns_to_dt(r.pinned_until_ns)
+                    *parse_version_key(v),
+                    format_bytes(r.stored_bytes),
+                    _ns_to_dt(r.pinned_until_ns),
                 )
                 for v, r in sorted(pinned.items())
             )
             raise CacheFull(
-                f"{for_key} needs {format_bytes(need)} but only {format_bytes(self.capacity_bytes - used)} "
+                f"{for_key} needs {format_bytes(need)} but only "
+                f"{format_bytes(self.capacity_bytes - used)} "
                 f"is free and {format_bytes(available)} can be evicted "
                 f"(short by {format_bytes(shortfall - available)}); pinned: {pins or 'nothing'}. "
                 "Unpin or evict a version, or raise --capacity"

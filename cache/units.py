@@ -54,9 +54,7 @@ def parse_rate(text: str | int) -> int:
     try:
         return parse_size(body)
     except ValueError:
-        raise ValueError(
-            f"invalid rate {text!r}: use e.g. 200MB/s, 1GiB/s or 10Gbit/s"
-        ) from None
+        raise ValueError(f"invalid rate {text!r}: use e.g. 200MB/s, 1GiB/s or 10Gbit/s") from None
 
 
 def format_bytes(n: float) -> str:

@@ -1,5 +1,7 @@
 """Preprocessing: the raw bytes of one origin object → Arrow record batches of a version's schema.
 
+It lives in cache/ (not edge/) because publishing, a registry operation the CLI
+runs too, must apply the same transforms to record schemas and row counts.
 Edge nodes run this once per shard, in a worker thread, before encoding the
 batches into cached chunks; publish runs :func:`describe` to record a shard's
 schema and row count. A version's :class:`~edgecache.v1.manifest_pb2.PreprocessSpec`
@@ -31,6 +33,7 @@ from edgecache.cache.errors import MalformedShard, UnknownTransform
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
+    "is_builtin",
     "ENTRY_POINT_GROUP",
     "FORMATS",
     "Transform",
@@ -132,9 +135,14 @@ def _jsonl_culprit(data: pa.Buffer) -> str | None:
 
 def _read_text(buf: pa.Buffer, fmt: pb.SourceFormat.ValueType, source: str) -> pa.Table:
     def parse(block_size: int | None, threads: bool = True) -> pa.Table:
-        module, read = (pa_json, pa_json.read_json) if fmt == _J else (pa_csv, pa_csv.read_csv)
         opts = {"use_threads": threads, **({"block_size": block_size} if block_size else {})}
-        return read(pa.BufferReader(buf), read_options=module.ReadOptions(**opts))
+        if fmt == _J:
+            return pa_json.read_json(pa.BufferReader(buf), read_options=pa_json.ReadOptions(**opts))
+        # An empty unquoted field is null and "" is an empty string, as pyarrow writes them.
+        convert = pa_csv.ConvertOptions(strings_can_be_null=True, quoted_strings_can_be_null=False)
+        return pa_csv.read_csv(
+            pa.BufferReader(buf), read_options=pa_csv.ReadOptions(**opts), convert_options=convert
+        )
 
     try:
         try:
@@ -200,8 +208,6 @@ def _guarded(batches: Iterator[pa.RecordBatch], source: str) -> Iterator[pa.Reco
             batch = next(batches)
         except StopIteration:
             return
-        except MalformedShard:
-            raise
         except _ArrowErrors as exc:
             raise MalformedShard(f"{source}: corrupt data ({exc}); {_FIX}") from exc
         yield batch
@@ -261,7 +267,9 @@ def parse_type(text: str) -> pa.DataType:
     if kind == "fixed_size_list" and size is None:
         inner, _, size = inner.rpartition(",")
     if (kind == "fixed_size_list") != bool(size) or (size and not size.strip().isdigit()):
-        raise ValueError(f"bad Arrow type {spec!r}: fixed_size_list needs a size N, other lists none")
+        raise ValueError(
+            f"bad Arrow type {spec!r}: fixed_size_list needs a size N, other lists none"
+        )
     item = parse_type(_FIELD_NAME.sub("", inner, count=1))
     if kind == "fixed_size_list":
         return pa.list_(item, int(size))
@@ -356,6 +364,11 @@ _BUILTINS: Mapping[str, TransformFactory] = MappingProxyType(
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is a built-in transform (built-ins never add or drop rows)."""
+    return (name or "identity") in _BUILTINS
 
 
 def register_transform(name: str, factory: TransformFactory, *, overwrite: bool = False) -> None:
@@ -510,7 +523,7 @@ def describe(
     """
     schema, batches, known_rows = _open(data, fmt, source, 65536)
     empty = pa.RecordBatch.from_pylist([], schema=schema)
-    if known_rows is not None and (spec.transform or "identity") in _BUILTINS:
+    if known_rows is not None and is_builtin(spec.transform):
         return next(_transformed(iter([empty]), spec, source)).schema, known_rows
     result: pa.Schema | None = None
     rows = 0

@@ -1,0 +1,149 @@
+"""Edge node settings: a YAML file, ``EDGECACHE_*`` environment variables, then flags.
+
+Later sources win (flags over environment over file), so a container image can
+bake a file, Kubernetes can set the environment, and an operator can still
+override one setting on the command line. Every setting is validated up
+front; an error names its source and field and says what is expected.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.units import parse_rate, parse_size
+
+__all__ = ["ConfigError", "NodeConfig", "load_node_config", "split_hostport"]
+
+ENV_PREFIX = "EDGECACHE_"
+
+
+class ConfigError(EdgeCacheError, ValueError):
+    """A setting is missing or invalid."""
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    """``"0.0.0.0:7070"`` → ``("0.0.0.0", 7070)``; ``"[::1]:7070"`` works too."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class NodeConfig(BaseModel):
+    """Every setting of ``edgecache serve``; field names are the flag names with ``_``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    region: str = Field(min_length=1, description="Region this node serves, e.g. eu-west")
+    cache_dir: Path = Field(description="Directory of the LMDB cache (a persistent volume)")
+    registry: str = Field(min_length=1, description="Registry URL, e.g. s3://bucket/_edgecache")
+    listen: str = Field("127.0.0.1:7070", description="gRPC HOST:PORT (port 0 picks one)")
+    capacity: int | None = Field(None, description="Cache capacity, e.g. 500GiB")
+    metrics_listen: str | None = Field(None, description="Prometheus HOST:PORT")
+    probe_listen: str | None = Field(
+        None, description="Plaintext health-only HOST:PORT for Kubernetes gRPC probes"
+    )
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = Field(None, description="Require client certificates (mTLS)")
+    token_file: Path | None = Field(None, description="Bearer token required for Stage/Evict")
+    read_token_file: Path | None = Field(None, description="Bearer token required for reads")
+    staging_rate: int | None = Field(None, description="Cap on staging's origin bytes/s")
+    staging_concurrency: int = Field(4, ge=1, le=64)
+    preprocess_threads: int = Field(2, ge=1, le=64)
+    grace_seconds: float = Field(10.0, ge=0, description="SIGTERM drain time for streams")
+    node_id: str = Field(default_factory=socket.gethostname)
+    sync: bool = Field(True, description="fsync LMDB commits (survives power loss)")
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value in (None, "") else parse_size(value)
+
+    @field_validator("staging_rate", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> Any:
+        return None if value in (None, "") else parse_rate(value)
+
+    @field_validator("listen", "metrics_listen", "probe_listen")
+    @classmethod
+    def _hostport(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_hostport(value)
+        return value
+
+    @field_validator("tls_key")
+    @classmethod
+    def _tls_pair(cls, value: Path | None, info: Any) -> Path | None:
+        if (value is None) != (info.data.get("tls_cert") is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        return value
+
+    def read_token(self, which: str) -> str | None:
+        """The token from ``token_file`` or ``read_token_file``, stripped; never logged."""
+        path = getattr(self, which)
+        if path is None:
+            return None
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {which} {path}: {exc.strerror}") from exc
+        if not token:
+            raise ConfigError(f"{which} {path} is empty; put the token in it")
+        return token
+
+
+def load_node_config(
+    config_file: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> NodeConfig:
+    """Merge file, environment and flags (``None`` flags are unset) into a NodeConfig."""
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    if config_file is not None:
+        try:
+            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{config_file} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{config_file} must hold a mapping of settings")
+        for key, value in loaded.items():
+            name = str(key).replace("-", "_")
+            merged[name] = value
+            source[name] = str(config_file)
+    fields = NodeConfig.model_fields
+    for key, value in (os.environ if environ is None else environ).items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX) :].lower()
+            if name in fields:
+                merged[name] = value
+                source[name] = f"${key}"
+    for key, value in (flags or {}).items():
+        if value is not None:
+            merged[key] = value
+            source[key] = "--" + key.replace("_", "-")
+    try:
+        return NodeConfig(**merged)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "?"
+            origin = source.get(name, "not set anywhere")
+            flag = "--" + name.replace("_", "-")
+            problems.append(f"{flag} ({origin}): {error['msg']}")
+        raise ConfigError(
+            "invalid node settings:\n  "
+            + "\n  ".join(problems)
+            + f"\nSet them with flags, {ENV_PREFIX}<NAME> variables or a --config file."
+        ) from exc

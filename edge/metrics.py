@@ -1,0 +1,78 @@
+"""Prometheus metrics of one edge node.
+
+Each node owns a ``CollectorRegistry`` (not the process-global one), so
+several nodes in one process (tests, the demo) keep separate figures. Names
+follow Prometheus conventions: ``_total`` counters, base units in the name.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["NodeMetrics"]
+
+
+class NodeMetrics:
+    """Counters, gauges and histograms an edge node updates as it works."""
+
+    def __init__(self, region: str, node_id: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"region": region, "node": node_id}
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        self.bytes_served = counter(
+            "edgecache_served_bytes_total", "Chunk bytes sent to readers"
+        ).labels(**labels)
+        self.chunks_served = counter(
+            "edgecache_served_chunks_total", "Chunks sent to readers"
+        ).labels(**labels)
+        self.hits = counter(
+            "edgecache_cache_hits_total", "ReadShard requests served from the cache"
+        ).labels(**labels)
+        self.misses = counter(
+            "edgecache_cache_misses_total", "ReadShard requests that went to origin"
+        ).labels(**labels)
+        self.origin_bytes = counter(
+            "edgecache_origin_bytes_total", "Bytes fetched from origin"
+        ).labels(**labels)
+        self.origin_retries = counter(
+            "edgecache_origin_retries_total", "Origin requests retried"
+        ).labels(**labels)
+        self._staged = counter(
+            "edgecache_staged_shards_total", "Shards handled by staging, by result", ("result",)
+        )
+        self.staged = {
+            result: self._staged.labels(**labels, result=result)
+            for result in ("staged", "skipped", "failed")
+        }
+        self.staged_bytes = counter(
+            "edgecache_staged_bytes_total", "Origin bytes fetched by staging"
+        ).labels(**labels)
+        self.origin_seconds = Histogram(
+            "edgecache_origin_fetch_seconds",
+            "Time to fetch one raw shard from origin",
+            list(labels),
+            registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        ).labels(**labels)
+        self.preprocess_seconds = Histogram(
+            "edgecache_preprocess_seconds",
+            "Time to parse, transform and encode one shard",
+            list(labels),
+            registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        ).labels(**labels)
+        self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
+        self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
+        self.active_streams = gauge("edgecache_active_streams", "ReadShard streams in flight")
+        self.staging_active = gauge("edgecache_staging_active", "Stage requests in flight")
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_address[1])

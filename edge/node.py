@@ -1,0 +1,450 @@
+"""The edge node's work, independent of gRPC: resolve, fetch, preprocess, cache, stage.
+
+One :class:`EdgeNode` per process, living on the server's event loop. Blocking
+work runs off the loop: parsing and encoding on a CPU pool, LMDB writes on a
+single writer thread (LMDB write transactions are thread-bound and one at a
+time anyway). Reads of cached chunks are short zero-copy transactions done on
+the loop, one per chunk, so a slow client never holds a read transaction
+open (which would pin old pages and let the file grow).
+
+Concurrent requests for the same missing shard share one origin fetch
+(single-flight). Staging is background traffic: it goes through a
+:class:`StagingGate` that limits its byte rate and drops it to one shard at a
+time while training reads are streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import version as package_version
+
+from edgecache.cache.codec import CodecOptions, ShardEncoder
+from edgecache.cache.errors import (
+    ChunkCorrupt,
+    EdgeCacheError,
+    MalformedShard,
+    OriginError,
+    ShardNotCached,
+    VersionNotFound,
+)
+from edgecache.cache.keys import ShardKey
+from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
+from edgecache.cache.names import LATEST, validate_name
+from edgecache.cache.preprocess import preprocess
+from edgecache.cache.registry import Registry
+from edgecache.cache.storage import ObjectInfo, Stores
+from edgecache.cache.store import CacheStore, ShardInfo
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.metrics import NodeMetrics
+from edgecache.edge.wire import encode_chunk
+from edgecache.v1 import edge_pb2, manifest_pb2
+
+__all__ = ["EdgeNode", "StagingGate"]
+
+log = logging.getLogger(__name__)
+
+
+class StagingGate:
+    """Shapes staging so it never starves training reads.
+
+    A token bucket caps staging's origin bytes per second (``rate=None``: no
+    cap), and while any ReadShard stream is active only one staging fetch may
+    run at a time.
+    """
+
+    def __init__(self, rate: int | None, concurrency: int) -> None:
+        self.rate = rate
+        self.concurrency = concurrency
+        self.reads_active = 0
+        self._running = 0
+        self._tokens = float(rate or 0)
+        self._stamp = time.monotonic()
+        self._changed = asyncio.Condition()
+
+    def _limit(self) -> int:
+        return 1 if self.reads_active else self.concurrency
+
+    async def read_started(self) -> None:
+        """A training read began: staging drops to one fetch at a time."""
+        self.reads_active += 1
+
+    async def read_finished(self) -> None:
+        """A training read ended."""
+        self.reads_active -= 1
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def acquire(self, nbytes: int) -> None:
+        """Wait for a staging slot and for ``nbytes`` of rate budget."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._running < self._limit())
+            self._running += 1
+        if self.rate:
+            now = time.monotonic()
+            self._tokens = min(
+                self._tokens + (now - self._stamp) * self.rate, float(max(self.rate, nbytes))
+            )
+            self._stamp = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+
+    async def release(self) -> None:
+        """Give a staging slot back."""
+        async with self._changed:
+            self._running -= 1
+            self._changed.notify_all()
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    bytes_served: int = 0
+    chunks_served: int = 0
+    origin_bytes: int = 0
+    origin_seconds: float = 0.0
+    active_streams: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+def _encode_raw_shard(
+    data: bytes, manifest: manifest_pb2.Manifest, shard: manifest_pb2.Shard, url: str
+) -> list[bytes]:
+    """Parse, transform and encode one raw shard (runs on the CPU pool)."""
+    schema = manifest_schema(manifest)
+    encoder = ShardEncoder(schema, CodecOptions.from_spec(manifest.preprocess))
+    frames: list[bytes] = []
+    for batch in preprocess(
+        data,
+        fmt=manifest.source_format,
+        source=url,
+        spec=manifest.preprocess,
+        schema=schema,
+    ):
+        frames.extend(encoder.add(batch))
+    frames.extend(encoder.finish())
+    if encoder.rows != shard.row_count:
+        raise MalformedShard(
+            f"{url} gave {encoder.rows} rows but the version recorded {shard.row_count}; "
+            "origin changed under an immutable version — publish a new version"
+        )
+    return frames
+
+
+class EdgeNode:
+    """One region's edge node: a cache store, a registry view, staging and counters."""
+
+    def __init__(self, config: NodeConfig, *, store: CacheStore | None = None) -> None:
+        self.config = config
+        self.node_id = config.node_id or socket.gethostname()
+        self.store = store or CacheStore(
+            config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
+        )
+        self.stores = Stores()
+        self.registry = Registry(config.registry, self.stores)
+        self.metrics = NodeMetrics(config.region, self.node_id)
+        self.metrics.capacity_bytes.set(self.store.capacity_bytes)
+        self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
+        self.counters = _Counters()
+        self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
+        self._inflight: dict[ShardKey, asyncio.Task[ShardInfo]] = {}
+        self._cpu = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
+        self._pid = os.getpid()
+
+    async def close(self) -> None:
+        """Stop background work and close the cache; committed shards stay."""
+        for task in list(self._inflight.values()):
+            task.cancel()
+        self._cpu.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True, cancel_futures=True)
+        await self.stores.close()
+        self.store.close()
+
+    # --------------------------------------------------------------- versions
+
+    async def resolve(self, dataset: str, version: str) -> manifest_pb2.Manifest:
+        """Pin ``latest`` (or check ``N``) against the registry."""
+        validate_name(dataset)
+        text = (version or LATEST).strip()
+        if text == LATEST:
+            number = await self.registry.latest(dataset)
+        elif text.isdigit() and text.isascii() and int(text) >= 1:
+            number = int(text)
+        else:
+            raise ValueError(f"version must be 'latest' or a positive integer, got {version!r}")
+        return await self.manifest(dataset, number)
+
+    async def manifest(self, dataset: str, version: int) -> manifest_pb2.Manifest:
+        """A version's manifest: from memory, the local cache, or the registry (then kept)."""
+        validate_name(dataset)
+        if version < 1:
+            raise ValueError(f"version must be >= 1, got {version}")
+        key = (dataset, version)
+        found = self._manifests.get(key)
+        if found is not None:
+            return found
+        kept = self.store.get_manifest(dataset, version)
+        if kept is not None:
+            manifest = manifest_from_bytes(kept, source=f"cached manifest of {dataset}@{version}")
+        else:
+            try:
+                manifest = await self.registry.manifest(dataset, version)
+            except OriginError as exc:
+                if isinstance(exc, VersionNotFound):
+                    raise
+                raise OriginError(
+                    f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
+                    f"was never seen by this node: {exc}"
+                ) from exc
+            await self._write(
+                self.store.put_manifest, dataset, version, manifest.SerializeToString()
+            )
+        self._manifests[key] = manifest
+        return manifest
+
+    # ------------------------------------------------------------------ shards
+
+    async def _write(self, fn, *args):  # noqa: ANN001, ANN202 - thin executor hop
+        return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+
+    def shard_ref(self, manifest: manifest_pb2.Manifest, shard: int) -> ShardKey:
+        """Validate a shard index against its manifest."""
+        if not 0 <= shard < len(manifest.shards):
+            raise IndexError(
+                f"{manifest.dataset}@{manifest.version} has shards 0..{len(manifest.shards) - 1}; "
+                f"shard {shard} does not exist"
+            )
+        return ShardKey(manifest.dataset, manifest.version, shard)
+
+    async def ensure_shard(
+        self, manifest: manifest_pb2.Manifest, shard: int, *, staging: bool = False
+    ) -> tuple[ShardInfo, bool]:
+        """The shard's record, fetching it first if needed; True when it was a miss.
+
+        Callers for the same missing shard share one origin fetch, which runs as
+        its own task: a reader that disconnects does not cancel it for the others,
+        and what was fetched is cached anyway.
+        """
+        key = self.shard_ref(manifest, shard)
+        info = self.store.shard_info(key)
+        if info is not None:
+            return info, False
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.create_task(self._fetch(manifest, key, staging=staging))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t, k=key: self._fetch_done(k, t))
+        return await asyncio.shield(task), True
+
+    def _fetch_done(self, key: ShardKey, task: asyncio.Task[ShardInfo]) -> None:
+        self._inflight.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: every waiter re-raises it itself
+
+    async def _fetch(
+        self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
+    ) -> ShardInfo:
+        shard = manifest.shards[key.shard]
+        url = manifest.source_url + shard.source_key
+        expect = ObjectInfo(url=url, size=shard.source_size, etag=shard.source_etag)
+        if staging:
+            await self.gate.acquire(shard.source_size)
+        try:
+            started = time.monotonic()
+            store = self.stores.for_url(url)
+            retries_before = store.stats.retries
+            data = await store.get(url, expect=expect)
+            elapsed = time.monotonic() - started
+            self.metrics.origin_seconds.observe(elapsed)
+            self.metrics.origin_bytes.inc(len(data))
+            self.metrics.origin_retries.inc(store.stats.retries - retries_before)
+            self.counters.origin_bytes += len(data)
+            self.counters.origin_seconds += elapsed
+            if staging:
+                self.metrics.staged_bytes.inc(len(data))
+        finally:
+            if staging:
+                await self.gate.release()
+        loop = asyncio.get_running_loop()
+        with self.metrics.preprocess_seconds.time():
+            frames = await loop.run_in_executor(
+                self._cpu, _encode_raw_shard, data, manifest, shard, url
+            )
+        del data
+        info = await self._write(self.store.put_shard, key, frames)
+        self.metrics.used_bytes.set(self.store.stats.used_bytes)
+        log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
+        return info
+
+    def encoded_chunk(self, key: ShardKey, index: int) -> bytes:
+        """One chunk as wire bytes, in its own short read transaction (verified)."""
+        with self.store.read_shard(key) as reader:
+            info = reader.info
+            view = reader.chunk(index)
+            return encode_chunk(
+                index=index,
+                chunk_count=info.chunk_count,
+                rows=info.chunk_rows[index],
+                checksum=info.checksums[index],
+                frame=view,
+            )
+
+    async def read_chunks(
+        self, manifest: manifest_pb2.Manifest, shard: int, start_chunk: int
+    ) -> AsyncIterator[bytes]:
+        """Wire-encoded chunks of a shard from ``start_chunk`` on, fetching it on a miss."""
+        key = self.shard_ref(manifest, shard)
+        info, fetched = await self.ensure_shard(manifest, shard)
+        if fetched:
+            self.counters.misses += 1
+            self.metrics.misses.inc()
+        else:
+            self.counters.hits += 1
+            self.metrics.hits.inc()
+        if start_chunk > info.chunk_count:
+            raise IndexError(
+                f"{key} has {info.chunk_count} chunks; start_chunk {start_chunk} is past the end"
+            )
+        index = start_chunk
+        while index < info.chunk_count:
+            try:
+                encoded = self.encoded_chunk(key, index)
+            except (ShardNotCached, ChunkCorrupt) as exc:
+                # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
+                # deterministic, so the stream can go on only if the chunks came out the same.
+                log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
+                again, _ = await self.ensure_shard(manifest, shard)
+                if again.checksums != info.checksums:
+                    raise ChunkCorrupt(
+                        f"{key} was re-encoded differently mid-stream; read it again from chunk 0"
+                    ) from exc
+                continue
+            self.counters.bytes_served += len(encoded)
+            self.counters.chunks_served += 1
+            self.metrics.bytes_served.inc(len(encoded))
+            self.metrics.chunks_served.inc()
+            yield encoded
+            index += 1
+
+    # ----------------------------------------------------------------- staging
+
+    async def stage(
+        self,
+        manifest: manifest_pb2.Manifest,
+        shards: Sequence[int],
+        pin_until: datetime | None,
+    ) -> AsyncIterator[edge_pb2.StageProgress]:
+        """Fetch the shards not yet cached, reporting progress after each."""
+        wanted = sorted(set(shards)) if shards else list(range(len(manifest.shards)))
+        for shard in wanted:
+            self.shard_ref(manifest, shard)
+        if pin_until is not None:
+            await self._write(self.store.pin_version, manifest.dataset, manifest.version, pin_until)
+        progress = edge_pb2.StageProgress(
+            shards_total=len(wanted),
+            bytes_total=sum(manifest.shards[s].source_size for s in wanted),
+        )
+        started = time.monotonic()
+        todo: asyncio.Queue[int] = asyncio.Queue()
+        for shard in wanted:  # key order: sequential LMDB writes, predictable progress
+            todo.put_nowait(shard)
+        results: asyncio.Queue[tuple[int, BaseException | None, bool]] = asyncio.Queue()
+
+        async def worker() -> None:
+            while not todo.empty():
+                shard = todo.get_nowait()
+                try:
+                    _, fetched = await self.ensure_shard(manifest, shard, staging=True)
+                except EdgeCacheError as exc:
+                    await results.put((shard, exc, False))
+                except Exception as exc:  # noqa: BLE001 - reported per shard, never crashes the node
+                    log.exception("staging %s shard %d failed", manifest.dataset, shard)
+                    await results.put((shard, exc, False))
+                else:
+                    await results.put((shard, None, fetched))
+
+        self.metrics.staging_active.inc()
+        # A cancelled Stage stops its workers; fetches already running finish and commit
+        # whole shards (never partial ones), the rest never start.
+        workers = [
+            asyncio.create_task(worker())
+            for _ in range(min(self.config.staging_concurrency, len(wanted)))
+        ]
+        try:
+            for _ in wanted:
+                shard, error, fetched = await results.get()
+                if error is not None:
+                    progress.shards_failed += 1
+                    progress.failures.add(shard=shard, message=str(error))
+                    self.metrics.staged["failed"].inc()
+                else:
+                    progress.shards_done += 1
+                    if fetched:
+                        progress.bytes_done += manifest.shards[shard].source_size
+                        self.metrics.staged["staged"].inc()
+                    else:
+                        progress.shards_skipped += 1
+                        self.metrics.staged["skipped"].inc()
+                progress.bytes_per_second = progress.bytes_done / max(
+                    time.monotonic() - started, 1e-9
+                )
+                yield progress
+            progress.finished = True
+            yield progress
+        finally:
+            self.metrics.staging_active.dec()
+            for task in workers:
+                task.cancel()
+
+    # -------------------------------------------------------------- admin
+
+    async def evict(self, dataset: str, version: int) -> int:
+        """Remove a version's shards and pin; returns the bytes freed."""
+        freed = await self._write(self.store.evict_version, dataset, version)
+        self.metrics.used_bytes.set(self.store.stats.used_bytes)
+        return freed
+
+    def status(self) -> edge_pb2.NodeStatus:
+        """What the node holds and has done."""
+        stats = self.store.stats
+        status = edge_pb2.NodeStatus(
+            region=self.config.region,
+            node_id=self.node_id,
+            capacity_bytes=stats.capacity_bytes,
+            used_bytes=stats.used_bytes,
+            hits=self.counters.hits,
+            misses=self.counters.misses,
+            bytes_served=self.counters.bytes_served,
+            chunks_served=self.counters.chunks_served,
+            origin_bytes=self.counters.origin_bytes,
+            origin_bytes_per_second=(
+                self.counters.origin_bytes / self.counters.origin_seconds
+                if self.counters.origin_seconds
+                else 0.0
+            ),
+            active_streams=self.counters.active_streams,
+            uptime_seconds=time.monotonic() - self.counters.started,
+            version=package_version("edgecache"),
+        )
+        for v in self.store.versions():
+            known = self._manifests.get((v.dataset, v.version))
+            entry = status.versions.add(
+                dataset=v.dataset,
+                version=v.version,
+                shard_count=v.shard_count,
+                total_shards=len(known.shards) if known else 0,
+                stored_bytes=v.stored_bytes,
+            )
+            if v.pinned_until is not None:
+                entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))
+        return status
