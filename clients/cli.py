@@ -88,6 +88,71 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command()
+def serve(
+    region: Annotated[str | None, typer.Option(help="Region this node serves.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="LMDB cache directory.")] = None,
+    listen: Annotated[str | None, typer.Option(help="gRPC HOST:PORT [127.0.0.1:7070].")] = None,
+    registry: Annotated[str | None, typer.Option(help="Registry URL (s3://…, file://…).")] = None,
+    capacity: Annotated[str | None, typer.Option(help="Cache capacity, e.g. 500GiB.")] = None,
+    metrics_listen: Annotated[str | None, typer.Option(help="Prometheus HOST:PORT.")] = None,
+    probe_listen: Annotated[
+        str | None, typer.Option(help="Plaintext health-only HOST:PORT for probes.")
+    ] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        Path | None, typer.Option(help="CA for client certificates (mutual TLS).")
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="Bearer token required for Stage/Evict.")
+    ] = None,
+    read_token_file: Annotated[
+        Path | None, typer.Option(help="Bearer token required for reads.")
+    ] = None,
+    staging_rate: Annotated[
+        str | None, typer.Option(help="Cap on staging's origin rate, e.g. 200MB/s.")
+    ] = None,
+    node_id: Annotated[str | None, typer.Option(help="Node name [hostname].")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML file of settings (flags and EDGECACHE_* win).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
+) -> None:
+    """Run an edge node: serve, fetch, preprocess and cache shards for one region."""
+    import asyncio
+    import logging
+
+    from edgecache.edge.config import load_node_config
+    from edgecache.edge.server import serve_forever
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    flags = {
+        "region": region,
+        "cache_dir": cache_dir,
+        "listen": listen,
+        "registry": registry,
+        "capacity": capacity,
+        "metrics_listen": metrics_listen,
+        "probe_listen": probe_listen,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
+        "token_file": token_file,
+        "read_token_file": read_token_file,
+        "staging_rate": staging_rate,
+        "node_id": node_id,
+    }
+    try:
+        settings = load_node_config(config, flags)
+        asyncio.run(serve_forever(settings))
+    except EdgeCacheError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -74,5 +74,13 @@ class NodeMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_address[1])
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_address[1])
+
+    def shutdown(self) -> None:
+        """Stop the ``/metrics`` HTTP server, if one was started."""
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+            self._http = None

@@ -1,0 +1,192 @@
+"""Running an edge node: the gRPC server, health, reflection, TLS, metrics and lifecycle.
+
+``edgecache serve`` calls :func:`serve_forever`. Tests, benchmarks and the
+demo start nodes in-process with :class:`NodeServer` (on the caller's loop)
+or :func:`running_node` (on a loop in a background thread).
+
+Lifecycle: on SIGTERM/SIGINT health flips to NOT_SERVING (so load balancers
+and probes stop sending work), the server stops accepting calls, in-flight
+streams get ``grace_seconds`` to finish, staging stops starting new shards,
+and the store closes. Shards are committed whole or not at all, so a
+restarted node serves everything it had committed and nothing partial.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from edgecache.edge.config import NodeConfig, split_hostport
+from edgecache.edge.node import EdgeNode
+from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
+
+__all__ = ["CHANNEL_OPTIONS", "NodeServer", "running_node", "serve_forever"]
+
+log = logging.getLogger(__name__)
+
+# Chunks are several MiB: lift gRPC's 4 MiB default on both sides.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+_SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def _credentials(config: NodeConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+class NodeServer:
+    """An edge node bound to its ports, on the running event loop."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.node: EdgeNode | None = None
+        self.port = 0
+        self.probe_port = 0
+        self.metrics_port = 0
+        self._server: aio.Server | None = None
+        self._probe: aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._metrics_http: object | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients dial."""
+        host, _ = split_hostport(self.config.listen)
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+
+    async def start(self) -> None:
+        """Open the cache, bind the ports and start serving."""
+        config = self.config
+        admin_token, read_token = (
+            config.read_token("token_file"),
+            config.read_token("read_token_file"),
+        )
+        self.node = node = EdgeNode(config)
+        try:
+            interceptors = (
+                [TokenAuthInterceptor(admin_token, read_token)] if admin_token or read_token else []
+            )
+            server = aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
+            server.add_generic_rpc_handlers((EdgeCacheService(node).generic_handler(),))
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+            credentials = _credentials(config)
+            self.port = (
+                server.add_secure_port(config.listen, credentials)
+                if credentials
+                else server.add_insecure_port(config.listen)
+            )
+            if config.probe_listen:
+                # Kubernetes gRPC probes speak neither TLS nor tokens: health only, plaintext.
+                self._probe = aio.server()
+                health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe)
+                self.probe_port = self._probe.add_insecure_port(config.probe_listen)
+                await self._probe.start()
+            if config.metrics_listen:
+                host, port = split_hostport(config.metrics_listen)
+                self.metrics_port = node.metrics.serve(host, port)
+            await server.start()
+            self._server = server
+        except BaseException:
+            await node.close()
+            raise
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "edge node %s of region %s serving on %s (cache %s, registry %s)",
+            node.node_id,
+            config.region,
+            self.address,
+            config.cache_dir,
+            config.registry,
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop: NOT_SERVING, no new calls, in-flight ones get ``grace`` seconds."""
+        grace = self.config.grace_seconds if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._probe is not None:
+            await self._probe.stop(0)
+        if self.node is not None:
+            await self.node.close()
+        if self.node is not None and self.metrics_port:
+            self.node.metrics.shutdown()
+        log.info("edge node stopped")
+
+
+async def serve_forever(config: NodeConfig) -> None:
+    """Run a node until SIGTERM or SIGINT, then drain gracefully."""
+    server = NodeServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"serving on {server.address}", flush=True)
+    await stop.wait()
+    log.info("signal received: draining for up to %.0f s", config.grace_seconds)
+    await server.stop()
+
+
+@contextlib.contextmanager
+def running_node(config: NodeConfig) -> Iterator[NodeServer]:
+    """A node on its own event loop in a background thread; stops when the block ends."""
+    loop = asyncio.new_event_loop()
+    server = NodeServer(config)
+    ready = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(server.start())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(exc)
+            ready.set()
+            return
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name=f"edge-node-{config.region}", daemon=True)
+    thread.start()
+    ready.wait()
+    if failure:
+        thread.join()
+        loop.close()
+        raise failure[0]
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(grace=1.0), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()

@@ -1,0 +1,306 @@
+"""The ``edgecache.v1.EdgeCache`` gRPC service: thin handlers over :class:`EdgeNode`.
+
+Every handler validates its request, delegates, and lets :func:`status_for`
+turn edgecache's exceptions into gRPC status codes in this one place, with a
+message a person can act on. ``ReadShard`` yields pre-encoded wire bytes (see
+:mod:`edgecache.edge.wire`), so its handler is registered with a pass-through
+serializer instead of the generated one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from edgecache.cache.errors import (
+    CacheFull,
+    ChunkCorrupt,
+    CodecError,
+    InvalidName,
+    MalformedShard,
+    ManifestError,
+    ObjectNotFound,
+    OriginChanged,
+    OriginError,
+    ShardNotCached,
+    StoreError,
+    UnknownTransform,
+    VersionNotFound,
+)
+from edgecache.edge.node import EdgeNode
+from edgecache.v1 import edge_pb2, manifest_pb2
+
+__all__ = [
+    "SERVICE_NAME",
+    "EdgeCacheService",
+    "TokenAuthInterceptor",
+    "status_for",
+]
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name
+ADMIN_METHODS = frozenset({"Stage", "Evict"})
+Req = TypeVar("Req")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for an exception raised while handling a request."""
+    message = str(exc)
+    match exc:
+        case InvalidName() | IndexError():
+            return grpc.StatusCode.INVALID_ARGUMENT, message
+        case VersionNotFound():
+            return grpc.StatusCode.NOT_FOUND, message
+        case CacheFull():
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, message
+        case OriginChanged() | MalformedShard() | UnknownTransform() | ManifestError():
+            return grpc.StatusCode.FAILED_PRECONDITION, message
+        case ObjectNotFound():
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{message}; origin lost an object of a published version — restore it or "
+                "publish a new version",
+            )
+        case OriginError():
+            return grpc.StatusCode.UNAVAILABLE, message
+        case ChunkCorrupt() | ShardNotCached():
+            # The node dropped a damaged entry; the client retries or fails over.
+            return grpc.StatusCode.UNAVAILABLE, message
+        case CodecError():
+            return grpc.StatusCode.FAILED_PRECONDITION, message
+        case StoreError():
+            return grpc.StatusCode.INTERNAL, f"cache store error: {message}"
+        case ValueError():
+            return grpc.StatusCode.INVALID_ARGUMENT, message
+    return grpc.StatusCode.INTERNAL, "internal error; see the node's log"
+
+
+def _log_failure(method: str, exc: BaseException, code: grpc.StatusCode) -> None:
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("[EdgeCache.%s] failed", method, exc_info=exc)
+    else:
+        log.info("[EdgeCache.%s] %s: %s", method, code.name, exc)
+
+
+def _unary(
+    fn: Callable[[Any, Req, aio.ServicerContext], Awaitable[Any]],
+) -> Callable[[Any, Req, aio.ServicerContext], Awaitable[Any]]:
+    """Map exceptions of a unary handler to a status (abort stays outside the try)."""
+
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Req, context: aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            code, message = status_for(exc)
+            _log_failure(fn.__name__, exc, code)
+        await context.abort(code, message)
+
+    return handler
+
+
+def _streaming(
+    fn: Callable[[Any, Req, aio.ServicerContext], AsyncIterator[Any]],
+) -> Callable[[Any, Req, aio.ServicerContext], AsyncIterator[Any]]:
+    """The same for server-streaming handlers: items already sent stay sent."""
+
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Req, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+            return
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            code, message = status_for(exc)
+            _log_failure(fn.__name__, exc, code)
+        await context.abort(code, message)
+
+    return handler
+
+
+class EdgeCacheService:
+    """Handlers of ``edgecache.v1.EdgeCache``."""
+
+    def __init__(self, node: EdgeNode) -> None:
+        self.node = node
+
+    @_unary
+    async def ResolveVersion(  # noqa: N802 - gRPC method names are PascalCase
+        self, request: edge_pb2.ResolveVersionRequest, context: aio.ServicerContext
+    ) -> edge_pb2.ResolveVersionResponse:
+        """Pin latest (or check N): version number, digest, shard count."""
+        manifest = await self.node.resolve(request.dataset, request.version)
+        return edge_pb2.ResolveVersionResponse(
+            dataset=manifest.dataset,
+            version=manifest.version,
+            digest=manifest.digest,
+            shard_count=len(manifest.shards),
+        )
+
+    @_unary
+    async def GetManifest(  # noqa: N802
+        self, request: edge_pb2.GetManifestRequest, context: aio.ServicerContext
+    ) -> manifest_pb2.Manifest:
+        """The version's manifest, from this node's copy if the registry is away."""
+        return await self.node.manifest(request.dataset, request.version)
+
+    @_streaming
+    async def ReadShard(  # noqa: N802
+        self, request: edge_pb2.ReadShardRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """Stream a shard's stored chunks from start_chunk, fetching it on a miss."""
+        manifest = await self.node.manifest(request.dataset, request.version)
+        if request.digest and request.digest != manifest.digest:
+            raise OriginChanged(
+                f"{manifest.dataset}@{manifest.version} has digest {manifest.digest} here, "
+                f"not {request.digest}: the registry and the reader disagree about the version"
+            )
+        node = self.node
+        node.counters.active_streams += 1
+        node.metrics.active_streams.inc()
+        await node.gate.read_started()
+        try:
+            async for encoded in node.read_chunks(manifest, request.shard, request.start_chunk):
+                yield encoded
+        finally:
+            await node.gate.read_finished()
+            node.metrics.active_streams.dec()
+            node.counters.active_streams -= 1
+
+    @_streaming
+    async def Stage(  # noqa: N802
+        self, request: edge_pb2.StageRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[edge_pb2.StageProgress]:
+        """Fetch a version's missing shards in the background, streaming progress."""
+        manifest = await self.node.manifest(request.dataset, request.version)
+        pin = request.pin_until.ToDatetime(tzinfo=UTC) if request.HasField("pin_until") else None
+        last: edge_pb2.StageProgress | None = None
+        async for progress in self.node.stage(manifest, list(request.shards), pin):
+            last = progress
+            yield progress
+        if last is not None and last.failures:
+            # Progress went out; the status says the stage is incomplete and why.
+            first = last.failures[0]
+            raise _StageIncomplete(
+                f"{last.shards_failed} of {last.shards_total} shards of "
+                f"{manifest.dataset}@{manifest.version} failed; "
+                f"shard {first.shard}: {first.message}"
+            )
+
+    @_unary
+    async def Evict(  # noqa: N802
+        self, request: edge_pb2.EvictRequest, context: aio.ServicerContext
+    ) -> edge_pb2.EvictResponse:
+        """Drop a version's shards and pin from this node."""
+        return edge_pb2.EvictResponse(
+            bytes_freed=await self.node.evict(request.dataset, request.version)
+        )
+
+    @_unary
+    async def Status(  # noqa: N802
+        self, request: edge_pb2.StatusRequest, context: aio.ServicerContext
+    ) -> edge_pb2.NodeStatus:
+        """Capacity, contents and counters of this node."""
+        return self.node.status()
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Method handlers for the server; ReadShard's responses are already bytes."""
+        methods = edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].methods_by_name
+        handlers = {}
+        for name, method in methods.items():
+            request_type = _message_class(method.input_type.full_name)
+            response_type = _message_class(method.output_type.full_name)
+            serializer = None if name == "ReadShard" else response_type.SerializeToString
+            make = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
+            )
+            handlers[name] = make(
+                getattr(self, name),
+                request_deserializer=request_type.FromString,
+                response_serializer=serializer,
+            )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+class _StageIncomplete(MalformedShard):
+    """Some shards of a Stage failed (status FAILED_PRECONDITION, reasons in the message)."""
+
+
+def _message_class(full_name: str) -> Any:
+    for module in (edge_pb2, manifest_pb2):
+        name = full_name.rsplit(".", 1)[-1]
+        if full_name.startswith(module.DESCRIPTOR.package + ".") and hasattr(module, name):
+            return getattr(module, name)
+    raise LookupError(full_name)
+
+
+class TokenAuthInterceptor(aio.ServerInterceptor):
+    """Require ``authorization: Bearer <token>`` for admin (and optionally read) methods.
+
+    Tokens are compared in constant time and never logged. Health checks and
+    reflection stay open so probes and grpcurl work.
+    """
+
+    def __init__(self, admin_token: str | None, read_token: str | None) -> None:
+        self._admin = admin_token.encode() if admin_token else None
+        self._read = read_token.encode() if read_token else None
+
+    def _required(self, method: str) -> tuple[bytes, ...] | None:
+        service, _, name = method.lstrip("/").partition("/")
+        if service != SERVICE_NAME:
+            return None
+        if name in ADMIN_METHODS:
+            return (self._admin,) if self._admin else None
+        if self._read:
+            # The admin token may read too.
+            return tuple(t for t in (self._read, self._admin) if t)
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """Let the call through, or answer UNAUTHENTICATED."""
+        method = handler_call_details.method
+        accepted = self._required(method)
+        if accepted is None:
+            return await continuation(handler_call_details)
+        presented = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                text = value.decode() if isinstance(value, bytes) else value
+                if text.startswith("Bearer "):
+                    presented = text[len("Bearer ") :].strip().encode()
+        if any(hmac.compare_digest(presented, token) for token in accepted):
+            return await continuation(handler_call_details)
+        name = method.rsplit("/", 1)[-1]
+        reason = "missing" if not presented else "wrong"
+        log.warning("[EdgeCache.%s] refused: %s bearer token", name, reason)
+        message = f"{name} needs 'authorization: Bearer <token>' metadata; the token was {reason}"
+        handler = await continuation(handler_call_details)
+
+        async def deny_unary(request: Any, context: aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream, request_deserializer=handler.request_deserializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            deny_unary,
+            request_deserializer=handler.request_deserializer if handler else None,
+        )
