@@ -44,7 +44,9 @@ def publish(registry_url: str, source_url: str, dataset: str, **spec: object) ->
         registry = Registry(registry_url)
         try:
             return await registry.publish(
-                source_url, dataset, spec=preprocess_spec(chunk_bytes=64 << 10, **spec)  # type: ignore[arg-type]
+                source_url,
+                dataset,
+                spec=preprocess_spec(chunk_bytes=64 << 10, **spec),  # type: ignore[arg-type]
             )
         finally:
             await registry.close()

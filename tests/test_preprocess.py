@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgecache.cache.errors import MalformedShard, UnknownTransform
 from edgecache.cache import preprocess as pp
+from edgecache.cache.errors import MalformedShard, UnknownTransform
 from edgecache.cache.preprocess import (
     FORMATS,
     describe,

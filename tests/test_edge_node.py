@@ -1,0 +1,413 @@
+"""The edge node against real parts: gRPC on loopback, file:// and moto's S3 over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.request import urlopen
+
+import grpc
+import pyarrow as pa
+import pytest
+from edgeutil import publish, read_shard_table, stub, write_parquet_shards
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from s3server import make_bucket, put_object, upload_dir
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.registry import Registry
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
+
+
+def config(tmp_path: Path, registry: str, **overrides: object) -> NodeConfig:
+    settings: dict = dict(
+        region="eu-west",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        capacity="256MiB",
+        sync=False,
+    )
+    settings.update(overrides)
+    return NodeConfig(**settings)
+
+
+@pytest.fixture
+def file_setup(tmp_path: Path) -> tuple[str, list[pa.Table]]:
+    tables = write_parquet_shards(tmp_path / "origin", 4)
+    publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/origin", "tokens")
+    return f"file://{tmp_path}/registry", tables
+
+
+def code_of(call) -> grpc.StatusCode:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+            list(result)
+    return info.value
+
+
+def test_file_origin_end_to_end(tmp_path: Path, file_setup) -> None:
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry, metrics_listen="127.0.0.1:0")) as node:
+        client = stub(node.address)
+        resolved = client.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="tokens"))
+        assert (resolved.version, resolved.shard_count) == (1, 4)
+        manifest = client.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=1))
+        assert manifest.digest == resolved.digest
+        assert [s.row_count for s in manifest.shards] == [t.num_rows for t in tables]
+        for shard in (2, 0):  # a miss (read-through), then more
+            assert read_shard_table(client, "tokens", 1, shard).equals(tables[shard])
+        assert read_shard_table(client, "tokens", 1, 2).equals(tables[2])  # a hit
+        # resume from a later chunk: the tail of the shard, exactly
+        chunks = list(
+            client.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=2))
+        )
+        assert len(chunks) > 2 and all(c.chunk_count == len(chunks) for c in chunks)
+        tail = read_shard_table(client, "tokens", 1, 2, start=2)
+        skipped = sum(c.rows for c in chunks[:2])
+        assert tail.equals(tables[2].slice(skipped))
+        status = client.Status(edge_pb2.StatusRequest())
+        assert (status.region, status.misses, status.hits) == ("eu-west", 2, 3)
+        assert status.versions[0].shard_count == 2 and status.versions[0].total_shards == 4
+        assert status.origin_bytes > 0 and status.bytes_served > 0
+        metrics = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+        for name in (
+            "edgecache_served_bytes_total",
+            "edgecache_cache_hits_total",
+            "edgecache_origin_fetch_seconds_bucket",
+            "edgecache_cache_used_bytes",
+            "edgecache_active_streams",
+        ):
+            assert name in metrics
+
+
+def test_stage_skips_what_is_cached_and_pins(tmp_path: Path, file_setup) -> None:
+    registry, _ = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        client = stub(node.address)
+        read_shard_table(client, "tokens", 1, 1)
+        until = datetime.now(UTC) + timedelta(hours=2)
+        request = edge_pb2.StageRequest(dataset="tokens", version=1)
+        request.pin_until.FromDatetime(until)
+        events = list(client.Stage(request))
+        last = events[-1]
+        assert last.finished and (last.shards_done, last.shards_skipped, last.shards_total) == (
+            4,
+            1,
+            4,
+        )
+        assert [e.shards_done for e in events[:-1]] == [1, 2, 3, 4]
+        again = list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
+        assert again.shards_skipped == 4 and again.bytes_done == 0
+        version = client.Status(edge_pb2.StatusRequest()).versions[0]
+        assert version.shard_count == 4
+        assert abs(version.pinned_until.ToDatetime(tzinfo=UTC) - until) < timedelta(seconds=1)
+        freed = client.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1)).bytes_freed
+        assert freed == version.stored_bytes
+        assert not client.Status(edge_pb2.StatusRequest()).versions
+
+
+def test_concurrent_readers_of_a_missing_shard_fetch_once(tmp_path: Path, file_setup) -> None:
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        client = stub(node.address)
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: read_shard_table(client, "tokens", 1, 3), range(8)))
+        assert all(t.equals(tables[3]) for t in results)
+        manifest = client.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=1))
+        status = client.Status(edge_pb2.StatusRequest())
+        assert status.origin_bytes == manifest.shards[3].source_size  # exactly one fetch
+        assert status.misses == 8 and status.hits == 0
+
+
+def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
+    registry, _ = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        c = stub(node.address)
+        cases = [
+            (
+                lambda: c.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="nope")),
+                "NOT_FOUND",
+                "no versions",
+            ),
+            (
+                lambda: c.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=9)),
+                "NOT_FOUND",
+                "known versions: [1]",
+            ),
+            (
+                lambda: c.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="../x")),
+                "INVALID_ARGUMENT",
+                "invalid dataset name",
+            ),
+            (
+                lambda: c.ResolveVersion(
+                    edge_pb2.ResolveVersionRequest(dataset="tokens", version="-1")
+                ),
+                "INVALID_ARGUMENT",
+                "latest",
+            ),
+            (
+                lambda: c.ReadShard(
+                    edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=99)
+                ),
+                "INVALID_ARGUMENT",
+                "shard 99 does not exist",
+            ),
+            (
+                lambda: c.ReadShard(
+                    edge_pb2.ReadShardRequest(
+                        dataset="tokens", version=1, shard=0, start_chunk=4_000_000_000
+                    )
+                ),
+                "INVALID_ARGUMENT",
+                "past the end",
+            ),
+            (
+                lambda: c.ReadShard(
+                    edge_pb2.ReadShardRequest(dataset="tokens", version=0, shard=0)
+                ),
+                "INVALID_ARGUMENT",
+                "version",
+            ),
+            (
+                lambda: c.ReadShard(
+                    edge_pb2.ReadShardRequest(
+                        dataset="tokens", version=1, shard=0, digest="sha256:00"
+                    )
+                ),
+                "FAILED_PRECONDITION",
+                "disagree",
+            ),
+            (
+                lambda: c.Stage(edge_pb2.StageRequest(dataset="tokens", version=1, shards=[7])),
+                "INVALID_ARGUMENT",
+                "shard 7",
+            ),
+            (
+                lambda: c.Evict(edge_pb2.EvictRequest(dataset="Bad Name", version=1)),
+                "INVALID_ARGUMENT",
+                "invalid dataset name",
+            ),
+        ]
+        for call, code, text in cases:
+            error = code_of(call)
+            assert error.code().name == code, (code, error.details())
+            assert text in error.details(), (text, error.details())
+        assert c.Status(edge_pb2.StatusRequest()).region == "eu-west"  # still serving
+
+
+def test_origin_object_changed_after_publish_is_refused(tmp_path: Path, file_setup) -> None:
+    registry, _ = file_setup
+    write_parquet_shards(tmp_path / "other", 1, rows=10)
+    (tmp_path / "origin" / "part-00001.parquet").write_bytes(
+        (tmp_path / "other" / "part-00000.parquet").read_bytes()
+    )
+    with running_node(config(tmp_path, registry)) as node:
+        c = stub(node.address)
+        error = code_of(
+            lambda: c.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=1))
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "part-00001.parquet changed after the version was published" in error.details()
+        assert read_shard_table(c, "tokens", 1, 0).num_rows == 3000  # others still served
+        assert [v.shard_count for v in c.Status(edge_pb2.StatusRequest()).versions] == [1]
+
+
+def test_malformed_shard_fails_alone_during_stage(tmp_path: Path) -> None:
+    origin = tmp_path / "origin"
+    write_parquet_shards(origin, 3)
+    bad = origin / "part-00001.parquet"
+    data = bytearray(bad.read_bytes())
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    data[4:footer] = b"\xff" * (footer - 4)  # pages garbled, footer intact: publish succeeds
+    bad.write_bytes(bytes(data))
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{origin}", "tokens")
+    with running_node(config(tmp_path, registry)) as node:
+        c = stub(node.address)
+        events = []
+        with pytest.raises(grpc.RpcError) as info:
+            for event in c.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)):
+                events.append(event)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "part-00001.parquet" in info.value.details()
+        last = events[-1]
+        assert last.finished and last.shards_failed == 1 and last.shards_done == 2
+        assert "part-00001.parquet" in last.failures[0].message
+        assert read_shard_table(c, "tokens", 1, 2).num_rows == 3000
+        status = c.Status(edge_pb2.StatusRequest())
+        assert status.versions[0].shard_count == 2  # nothing partial
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "expected"),
+    [
+        ("bad.jsonl", b'{"a": 1}\n{"a": 2}\n{"a": 3,,}\n', "line 3"),
+        ("bad.csv", b"a,b,c\n1,2,3\n4,5\n", "Row #3"),
+    ],
+)
+def test_publish_names_the_bad_row(tmp_path: Path, name: str, body: bytes, expected: str) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / name).write_bytes(body)
+    with pytest.raises(MalformedShard, match=expected) as info:
+        publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/src", "bad")
+    assert name in str(info.value)
+
+
+def test_cache_full_of_pins_is_resource_exhausted(tmp_path: Path, file_setup) -> None:
+    registry, _ = file_setup
+    write_parquet_shards(tmp_path / "origin2", 1)
+    publish(registry, f"file://{tmp_path}/origin2", "other")
+    with running_node(config(tmp_path, registry, capacity="900KiB")) as node:
+        c = stub(node.address)
+        request = edge_pb2.StageRequest(dataset="tokens", version=1, shards=[0, 1, 2])
+        request.pin_until.FromDatetime(datetime.now(UTC) + timedelta(hours=1))
+        list(c.Stage(request))
+        error = code_of(
+            lambda: c.ReadShard(edge_pb2.ReadShardRequest(dataset="other", version=1, shard=0))
+        )
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "pinned: tokens@1" in error.details()
+
+
+def test_manifest_kept_when_registry_is_gone(tmp_path: Path, file_setup) -> None:
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        read_shard_table(stub(node.address), "tokens", 1, 0)
+    os.rename(tmp_path / "registry", tmp_path / "registry-away")
+    with running_node(config(tmp_path, registry)) as node:  # restarted node, registry away
+        c = stub(node.address)
+        assert read_shard_table(c, "tokens", 1, 0).equals(tables[0])
+        assert c.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=1)).version == 1
+        error = code_of(lambda: c.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="tokens")))
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_tokens_guard_admin_and_reads(tmp_path: Path, file_setup) -> None:
+    registry, _ = file_setup
+    (tmp_path / "admin").write_text("s3cret-admin\n")
+    (tmp_path / "reader").write_text("s3cret-read")
+    settings = config(
+        tmp_path, registry, token_file=tmp_path / "admin", read_token_file=tmp_path / "reader"
+    )
+    with running_node(settings) as node:
+        c = stub(node.address)
+        for metadata, ok in (
+            (None, False),
+            ((("authorization", "Bearer nope"),), False),
+            ((("authorization", "Bearer s3cret-read"),), True),
+        ):
+            call = lambda md=metadata: c.ResolveVersion(
+                edge_pb2.ResolveVersionRequest(dataset="tokens"), metadata=md
+            )  # noqa: E731
+            if ok:
+                assert call().version == 1
+            else:
+                assert code_of(call).code() == grpc.StatusCode.UNAUTHENTICATED
+        stage = edge_pb2.StageRequest(dataset="tokens", version=1, shards=[0])
+        error = code_of(lambda: c.Stage(stage, metadata=(("authorization", "Bearer s3cret-read"),)))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "Stage" in error.details()
+        assert "s3cret" not in error.details()
+        events = list(c.Stage(stage, metadata=(("authorization", "Bearer s3cret-admin"),)))
+        assert events[-1].finished
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(node.address))
+        assert (
+            health.Check(health_pb2.HealthCheckRequest()).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+
+
+def test_health_and_reflection(tmp_path: Path, file_setup) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    registry, _ = file_setup
+    with running_node(config(tmp_path, registry, probe_listen="127.0.0.1:0")) as node:
+        channel = grpc.insecure_channel(node.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="edgecache.v1.EdgeCache")
+        assert health.Check(request).status == health_pb2.HealthCheckResponse.SERVING
+        probe = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{node.probe_port}"))
+        assert (
+            probe.Check(health_pb2.HealthCheckRequest()).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert {"edgecache.v1.EdgeCache", "grpc.health.v1.Health"} <= names
+
+
+def test_publishers_racing_for_a_version_never_both_win(tmp_path: Path) -> None:
+    write_parquet_shards(tmp_path / "origin", 1, rows=10)
+
+    async def race() -> list[int]:
+        registry = Registry(f"file://{tmp_path}/registry")
+        try:
+            from edgecache.cache.manifest import preprocess_spec
+
+            results = await asyncio.gather(
+                *(
+                    registry.publish(f"file://{tmp_path}/origin", "raced", spec=preprocess_spec())
+                    for _ in range(6)
+                )
+            )
+            return sorted(m.version for m in results)
+        finally:
+            await registry.close()
+
+    assert asyncio.run(race()) == [1, 2, 3, 4, 5, 6]
+
+
+# ------------------------------------------------------------------------- S3
+
+
+@pytest.fixture
+def s3_dataset(s3_endpoint: str, tmp_path: Path) -> tuple[str, str, list[pa.Table]]:
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    tables = write_parquet_shards(tmp_path / "raw", 3)
+    upload_dir(s3_endpoint, bucket, "raw/tokens", tmp_path / "raw")
+    registry = f"s3://{bucket}/_edgecache"
+    publish(registry, f"s3://{bucket}/raw/tokens", "tokens")
+    return bucket, registry, tables
+
+
+def test_s3_origin_end_to_end(tmp_path: Path, s3_dataset) -> None:
+    bucket, registry, tables = s3_dataset
+    with running_node(config(tmp_path, registry)) as node:
+        c = stub(node.address)
+        assert (
+            c.ResolveVersion(
+                edge_pb2.ResolveVersionRequest(dataset="tokens", version="latest")
+            ).version
+            == 1
+        )
+        last = list(c.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
+        assert last.finished and last.shards_done == 3 and last.bytes_done == last.bytes_total
+        for i, table in enumerate(tables):
+            assert read_shard_table(c, "tokens", 1, i).equals(table)
+
+
+def test_s3_conditional_publish_and_changed_object(
+    s3_endpoint: str, tmp_path: Path, s3_dataset
+) -> None:
+    bucket, registry, _ = s3_dataset
+    again = publish(registry, f"s3://{bucket}/raw/tokens", "tokens")
+    assert again.version == 2
+    put_object(s3_endpoint, bucket, "raw/tokens/part-00000.parquet", b"PAR1 not the same PAR1")
+    with running_node(config(tmp_path, registry)) as node:
+        c = stub(node.address)
+        error = code_of(
+            lambda: c.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0))
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"s3://{bucket}/raw/tokens/part-00000.parquet changed" in error.details()
