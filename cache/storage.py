@@ -115,11 +115,12 @@ class S3Store(ObjectStore):
     """S3 and S3-compatible stores through one pooled aiobotocore client."""
 
     def __init__(
-        self, *, max_connections: int = 32, part_bytes: int = PART_BYTES, attempts: int = 6
+        self, *, max_connections: int = 32, part_bytes: int = PART_BYTES, attempts: int | None = None
     ) -> None:
         self.stats = RetryStats()
         self.part_bytes = part_bytes
-        self.attempts = attempts
+        # AWS_MAX_ATTEMPTS is the standard knob; 6 tries ride out SlowDown bursts.
+        self.attempts = attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 6)
         self._max_connections = max_connections
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None

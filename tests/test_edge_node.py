@@ -304,9 +304,12 @@ def test_tokens_guard_admin_and_reads(tmp_path: Path, file_setup) -> None:
             ((("authorization", "Bearer nope"),), False),
             ((("authorization", "Bearer s3cret-read"),), True),
         ):
-            call = lambda md=metadata: c.ResolveVersion(
-                edge_pb2.ResolveVersionRequest(dataset="tokens"), metadata=md
-            )  # noqa: E731
+
+            def call(md=metadata):  # noqa: ANN001, ANN202
+                return c.ResolveVersion(
+                    edge_pb2.ResolveVersionRequest(dataset="tokens"), metadata=md
+                )
+
             if ok:
                 assert call().version == 1
             else:

@@ -1,0 +1,168 @@
+"""The node as a real subprocess (`edgecache serve`), its lifecycle, TLS, unreachable origin."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from edgeutil import publish, read_shard_table, stub, write_parquet_shards
+from s3server import make_bucket, s3_env, upload_dir
+from tlsutil import make_pki
+
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import CHANNEL_OPTIONS, running_node
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
+
+
+def start_node(
+    tmp_path: Path, registry: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    environ = {
+        **os.environ,
+        **(env or {}),
+        # settings through the environment, as in a container
+        "EDGECACHE_REGION": "eu-west",
+        "EDGECACHE_CACHE_DIR": str(tmp_path / "cache"),
+        "EDGECACHE_REGISTRY": registry,
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgecache.clients.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            "256MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("serving on "):
+        proc.kill()
+        raise AssertionError(
+            f"node did not start: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+        )
+    return proc, line.split()[-1]
+
+
+def test_sigterm_drains_streams_and_restart_serves_committed(tmp_path: Path) -> None:
+    tables = write_parquet_shards(tmp_path / "origin", 2, rows=20_000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    proc, address = start_node(tmp_path, registry)
+    try:
+        client = stub(address)
+        list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+        stream = client.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=1))
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)  # the in-flight stream finishes within the grace period
+        assert 1 + len(rest) == first.chunk_count
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for path in (tmp_path / "origin").iterdir():
+        path.unlink()  # from now on only the cache has the data
+    proc, address = start_node(tmp_path, registry)
+    try:
+        client = stub(address)
+        status = client.Status(edge_pb2.StatusRequest())
+        assert status.versions[0].shard_count == 2
+        for i, table in enumerate(tables):
+            assert read_shard_table(client, "tokens", 1, i).equals(table)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_unreachable_origin_is_unavailable_naming_it(tmp_path: Path, s3_endpoint: str) -> None:
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"s3://{bucket}/raw", "tokens")
+    dead = {**s3_env("http://127.0.0.1:9"), "AWS_MAX_ATTEMPTS": "2"}  # nothing listens there
+    proc, address = start_node(tmp_path, registry, env=dead)
+    try:
+        client = stub(address)
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"s3://{bucket}/raw/part-00000.parquet" in info.value.details()
+        assert "unreachable" in info.value.details()
+        assert client.Status(edge_pb2.StatusRequest()).region == "eu-west"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_bad_settings_exit_with_a_clear_message(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgecache.clients.cli",
+            "serve",
+            "--region",
+            "eu",
+            "--cache-dir",
+            str(tmp_path),
+            "--registry",
+            "file:///x",
+            "--capacity",
+            "lots",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert "--capacity (--capacity)" in out.stderr and "invalid size 'lots'" in out.stderr
+
+
+def test_mutual_tls(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    tables = write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    settings = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        sync=False,
+        tls_cert=pki["server"],
+        tls_key=pki["server_key"],
+        tls_client_ca=pki["ca"],
+    )
+    with running_node(settings) as node:
+        good = grpc.ssl_channel_credentials(
+            root_certificates=pki["ca"].read_bytes(),
+            private_key=pki["client_key"].read_bytes(),
+            certificate_chain=pki["client"].read_bytes(),
+        )
+        client = edge_pb2_grpc.EdgeCacheStub(
+            grpc.secure_channel(node.address, good, options=CHANNEL_OPTIONS)
+        )
+        assert read_shard_table(client, "tokens", 1, 0).equals(tables[0])
+        anonymous = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
+        refused = edge_pb2_grpc.EdgeCacheStub(grpc.secure_channel(node.address, anonymous))
+        with pytest.raises(grpc.RpcError) as info:
+            refused.Status(edge_pb2.StatusRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        plaintext = stub(node.address)
+        with pytest.raises(grpc.RpcError):
+            plaintext.Status(edge_pb2.StatusRequest(), timeout=5)
