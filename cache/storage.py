@@ -115,7 +115,11 @@ class S3Store(ObjectStore):
     """S3 and S3-compatible stores through one pooled aiobotocore client."""
 
     def __init__(
-        self, *, max_connections: int = 32, part_bytes: int = PART_BYTES, attempts: int | None = None
+        self,
+        *,
+        max_connections: int = 32,
+        part_bytes: int = PART_BYTES,
+        attempts: int | None = None,
     ) -> None:
         self.stats = RetryStats()
         self.part_bytes = part_bytes

@@ -65,7 +65,7 @@ class StagingGate:
         self.concurrency = concurrency
         self.reads_active = 0
         self._running = 0
-        self._tokens = float(rate or 0)
+        self._tokens = 0.0  # no initial burst: a warm-up starts at the configured rate
         self._stamp = time.monotonic()
         self._changed = asyncio.Condition()
 

@@ -1,0 +1,135 @@
+"""Units of the edge node that need no server: staging gate, settings, wire encoding, sizes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from edgecache.cache.units import format_bytes, parse_rate, parse_size
+from edgecache.edge.config import ConfigError, load_node_config
+from edgecache.edge.node import StagingGate
+from edgecache.edge.wire import encode_chunk
+from edgecache.v1 import edge_pb2
+
+
+def test_gate_drops_to_one_fetch_while_reads_stream() -> None:
+    async def scenario() -> tuple[int, int]:
+        gate = StagingGate(rate=None, concurrency=4)
+        running = peak_idle = peak_busy = 0
+
+        async def fetch(busy: bool) -> None:
+            nonlocal running, peak_idle, peak_busy
+            await gate.acquire(1)
+            running += 1
+            if busy:
+                peak_busy = max(peak_busy, running)
+            else:
+                peak_idle = max(peak_idle, running)
+            await asyncio.sleep(0.01)
+            running -= 1
+            await gate.release()
+
+        await asyncio.gather(*(fetch(False) for _ in range(8)))
+        await gate.read_started()
+        await asyncio.gather(*(fetch(True) for _ in range(6)))
+        await gate.read_finished()
+        return peak_idle, peak_busy
+
+    assert asyncio.run(scenario()) == (4, 1)
+
+
+def test_gate_limits_the_byte_rate() -> None:
+    async def scenario() -> float:
+        gate = StagingGate(rate=10_000_000, concurrency=8)  # 10 MB/s
+        started = time.monotonic()
+        for _ in range(5):
+            await gate.acquire(1_000_000)
+            await gate.release()
+        return time.monotonic() - started
+
+    assert 0.4 <= asyncio.run(scenario()) <= 2.0  # 5 MB at 10 MB/s
+
+
+def test_settings_precedence_and_errors(tmp_path: Path) -> None:
+    file = tmp_path / "node.yaml"
+    file.write_text(
+        "region: from-file\ncache-dir: /var/cache/a\nregistry: s3://b/_r\ncapacity: 2GiB\n"
+    )
+    env = {"EDGECACHE_REGION": "from-env", "EDGECACHE_STAGING_RATE": "100MB/s"}
+    settings = load_node_config(file, {"region": "from-flag", "listen": None}, env)
+    assert settings.region == "from-flag"
+    assert settings.capacity == 2 << 30 and settings.staging_rate == 100_000_000
+    assert settings.listen == "127.0.0.1:7070"
+    assert load_node_config(file, {}, env).region == "from-env"
+    with pytest.raises(ConfigError, match=r"--capacity \(.*node.yaml\): .*invalid size"):
+        file.write_text("region: r\ncache_dir: /c\nregistry: s3://b/r\ncapacity: huge\n")
+        load_node_config(file, {}, {})
+    with pytest.raises(ConfigError, match=r"--registry \(not set anywhere\)"):
+        load_node_config(None, {"region": "r", "cache_dir": "/c"}, {})
+    with pytest.raises(ConfigError, match="tls_cert and tls_key go together"):
+        load_node_config(
+            None,
+            {"region": "r", "cache_dir": "/c", "registry": "file:///r", "tls_key": "k.pem"},
+            {},
+        )
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        load_node_config(
+            None, {"region": "r", "cache_dir": "/c", "registry": "file:///r", "listen": "nope"}, {}
+        )
+    file.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_node_config(file, {}, {})
+    file.write_text("region: r\nbogus: 1\ncache_dir: /c\nregistry: s3://b/r\n")
+    with pytest.raises(ConfigError, match="--bogus"):
+        load_node_config(file, {}, {})
+
+
+@given(
+    index=st.integers(0, 2**32 - 1),
+    count=st.integers(0, 2**32 - 1),
+    rows=st.integers(0, 2**32 - 1),
+    checksum=st.integers(0, 2**64 - 1),
+    frame=st.binary(max_size=300),
+)
+def test_hand_encoded_chunk_matches_protobuf(
+    index: int, count: int, rows: int, checksum: int, frame: bytes
+) -> None:
+    wire = encode_chunk(
+        index=index, chunk_count=count, rows=rows, checksum=checksum, frame=memoryview(frame)
+    )
+    assert (
+        wire
+        == edge_pb2.Chunk(
+            index=index, chunk_count=count, rows=rows, checksum=checksum, frame=frame
+        ).SerializeToString()
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1024", 1024), ("4KiB", 4096), ("1.5GB", 1_500_000_000), ("2 TiB", 2 << 40), (7, 7)],
+)
+def test_sizes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"), [("100MB/s", 10**8), ("10Gbit/s", 1_250_000_000), ("1GiB/s", 2**30)]
+)
+def test_rates(text: str, rate: int) -> None:
+    assert parse_rate(text) == rate
+
+
+@pytest.mark.parametrize("bad", ["", "GB", "10 parsecs", "-1GB", "1e9"])
+def test_bad_sizes(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(bad)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
