@@ -152,6 +152,9 @@ async def serve_forever(config: NodeConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     print(f"serving on {server.address}", flush=True)
+    if server.metrics_port:
+        host, _ = split_hostport(config.metrics_listen or "")
+        print(f"metrics on {host}:{server.metrics_port}", flush=True)
     await stop.wait()
     log.info("signal received: draining for up to %.0f s", config.grace_seconds)
     await server.stop()
