@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -24,10 +24,13 @@ typecheck: $(STAMP)
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p edgecache.cache -p edgecache.clients
 
-bench: bench-store
+bench: bench-store bench-edge
 
 bench-store: $(STAMP)  ## codec and LMDB store against raw zstd / raw LMDB
 	$(PY) -m bench.codec_store
+
+bench-edge: $(STAMP)  ## edge node ReadShard and staging against bare grpcio / aiobotocore
+	$(PY) -m bench.edge_node
 
 proto: $(STAMP)  ## regenerate edgecache.v1 after editing proto/**/*.proto
 	$(PY) proto/generate.py

@@ -1,0 +1,86 @@
+"""Object storage against moto's S3 server and fsspec backends."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from s3server import make_bucket, put_object
+
+from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginChanged
+from edgecache.cache.storage import FsspecStore, ObjectInfo, S3Store, _verify
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.run(coro)
+
+
+def test_s3_ranged_parallel_get_head_list_put(s3_endpoint: str) -> None:
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    body = os.urandom(1_000_003)
+    put_object(s3_endpoint, bucket, "data/big.bin", body)
+    url = f"s3://{bucket}/data/big.bin"
+
+    async def scenario() -> None:
+        store = S3Store(part_bytes=64 << 10)  # 16 ranged parts, fetched concurrently
+        try:
+            info = await store.head(url)
+            assert info.size == len(body) and info.etag == hashlib.md5(body).hexdigest()
+            assert await store.get(url, expect=info) == body
+            assert await store.get_range(url, 10, 20) == body[10:20]
+            assert [o.url for o in await store.list(f"s3://{bucket}/data/")] == [url]
+            stale = ObjectInfo(url=url, size=info.size, etag="0" * 32)
+            with pytest.raises(OriginChanged, match="changed after the version was published"):
+                await store.get(url, expect=stale)
+            await store.put(f"s3://{bucket}/data/new", b"x", if_absent=True)
+            with pytest.raises(ObjectExists):
+                await store.put(f"s3://{bucket}/data/new", b"y", if_absent=True)
+            with pytest.raises(ObjectNotFound):
+                await store.head(f"s3://{bucket}/data/missing")
+            assert store.stats.requests > 16
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_bytes_are_checked_against_origin_checksums() -> None:
+    data = b"training data" * 100
+    md5 = hashlib.md5(data).hexdigest()
+    sha = base64.b64encode(hashlib.sha256(data).digest()).decode()
+    flipped = b"Training data" + data[13:]
+    assert _verify(data, ObjectInfo("s3://b/k", len(data), md5)) is None
+    assert "MD5" in (_verify(flipped, ObjectInfo("s3://b/k", len(data), md5)) or "")
+    assert "SHA-256" in (_verify(flipped, ObjectInfo("s3://b/k", len(data), "abc-2", sha)) or "")
+    assert (
+        _verify(flipped, ObjectInfo("s3://b/k", len(data), "abc-2", "xyz-3")) is None
+    )  # composite
+    assert "bytes" in (_verify(data[:-1], ObjectInfo("s3://b/k", len(data), md5)) or "")
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_fsspec_store(tmp_path: Path, scheme: str) -> None:
+    root = f"file://{tmp_path}" if scheme == "file" else f"memory://edgecache-{uuid.uuid4().hex}"
+
+    async def scenario() -> None:
+        store = FsspecStore()
+        await store.put(f"{root}/a/one", b"1", if_absent=True)
+        with pytest.raises(ObjectExists):
+            await store.put(f"{root}/a/one", b"2", if_absent=True)
+        await store.put(f"{root}/a/two", b"22")
+        listed = await store.list(f"{root}/a/")
+        assert [o.url.rsplit("/", 1)[-1] for o in listed] == ["one", "two"]
+        info = await store.head(f"{root}/a/two")
+        assert info.size == 2 and info.etag
+        assert await store.get(f"{root}/a/two", expect=info) == b"22"
+        with pytest.raises(ObjectNotFound):
+            await store.get(f"{root}/a/three")
+        assert await store.list(f"{root}/nothing/") == []
+
+    run(scenario())
