@@ -25,16 +25,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import version
 from pathlib import Path
 
 import lmdb
 import pyarrow as pa
 import zstandard
 from rich.console import Console
-from rich.table import Table
 
-from bench import datasets
+from bench import datasets, report
+from bench.report import ratio_table
 from edgecache.cache.codec import CodecOptions, decode_chunk, encode_shard
 from edgecache.cache.frame import payload_view, read_header
 from edgecache.cache.keys import ShardKey, chunk_key
@@ -225,7 +224,7 @@ def main() -> None:
             results += bench_dataset(name, batches, args.repeat, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    versions = {p: version(p) for p in ("pyarrow", "zstandard", "lmdb", "xxhash", "edgecache")}
+    versions = report.versions("pyarrow", "zstandard", "lmdb", "xxhash", "edgecache")
     if args.json:
         print(
             json.dumps(
@@ -233,32 +232,11 @@ def main() -> None:
             )
         )
         return
-    table = Table(
-        title=(
-            f"edgecache codec and store vs raw libraries ({args.mib} MiB per dataset, "
-            f"{CHUNK_BYTES >> 20} MiB chunks, best of {args.repeat})"
-        )
+    title = (
+        f"edgecache codec and store vs raw libraries ({args.mib} MiB per dataset, "
+        f"{CHUNK_BYTES >> 20} MiB chunks, best of {args.repeat})"
     )
-    for col in ("data", "measure", "baseline", "MB", "ours MB/s", "base MB/s", "ratio", "target"):
-        table.add_column(
-            col, justify="right" if col not in ("data", "measure", "baseline") else "left"
-        )
-    for r in results:
-        met = (
-            ""
-            if r["target"] is None
-            else f"≥{r['target']:.1f} " + ("✓" if r["ratio"] >= r["target"] else "✗")
-        )
-        table.add_row(
-            r["data"],
-            r["measure"],
-            r["baseline"],
-            str(r["mbytes"]),
-            str(r["ours_mb_s"]),
-            str(r["baseline_mb_s"]),
-            f"{r['ratio']:.2f}×",
-            met,
-        )
+    table = ratio_table(title, results, ("data", "measure", "baseline"))
     console.print(table)
     console.print(
         "zstd-1 compression ratio: "

@@ -28,7 +28,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 
 import grpc
@@ -36,8 +35,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
-from rich.table import Table
 
+from bench import report
+from bench.report import ratio_table
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.edge.server import CHANNEL_OPTIONS
@@ -325,27 +325,14 @@ def main() -> None:
         results += bench_stage(workdir, args.stage_mib, args.repeat, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    versions = {
-        p: version(p)
-        for p in ("grpcio", "pyarrow", "zstandard", "lmdb", "aiobotocore", "moto", "edgecache")
-    }
+    versions = report.versions(
+        "grpcio", "pyarrow", "zstandard", "lmdb", "aiobotocore", "moto", "edgecache"
+    )
     if args.json:
         print(json.dumps({"versions": versions, "results": results}, indent=2))
         return
-    table = Table(title=f"edgecache edge node vs bare baselines (same run, best of {args.repeat})")
-    for col in ("measure", "baseline", "MB", "ours MB/s", "base MB/s", "ratio", "target"):
-        table.add_column(col, justify="left" if col in ("measure", "baseline") else "right")
-    for r in results:
-        met = f"≥{r['target']:.1f} " + ("✓" if r["ratio"] >= r["target"] else "✗")
-        table.add_row(
-            r["measure"],
-            r["baseline"],
-            str(r["mbytes"]),
-            str(r["ours_mb_s"]),
-            str(r["baseline_mb_s"]),
-            f"{r['ratio']:.2f}×",
-            met,
-        )
+    title = f"edgecache edge node vs bare baselines (same run, best of {args.repeat})"
+    table = ratio_table(title, results, ("measure", "baseline"))
     console.print(table)
     for r in results:
         if "seconds_per_run" in r:
