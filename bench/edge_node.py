@@ -302,7 +302,8 @@ async def _raw_gets(bucket: str, prefix: str, concurrency: int) -> tuple[int, fl
             async with limit:
                 response = await s3.get_object(Bucket=bucket, Key=key)
                 async with response["Body"] as body:
-                    total += len(await body.read())
+                    data = await body.read()
+                total += len(data)  # after the await: `total += len(await …)` loses updates
 
         started = time.perf_counter()
         await asyncio.gather(*(get(k) for k in keys))

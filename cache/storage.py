@@ -50,7 +50,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PART_BYTES = 8 << 20
+# Objects above this are fetched as parallel ranged parts; below, one GET (fewer
+# requests beat more parallelism for objects of a few tens of MiB).
+MULTIPART_THRESHOLD = 32 << 20
+PART_BYTES = 16 << 20
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
 
@@ -119,10 +122,12 @@ class S3Store(ObjectStore):
         *,
         max_connections: int = 32,
         part_bytes: int = PART_BYTES,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
         attempts: int | None = None,
     ) -> None:
         self.stats = RetryStats()
         self.part_bytes = part_bytes
+        self.multipart_threshold = multipart_threshold
         # AWS_MAX_ATTEMPTS is the standard knob; 6 tries ride out SlowDown bursts.
         self.attempts = attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 6)
         self._max_connections = max_connections
@@ -244,35 +249,48 @@ class S3Store(ObjectStore):
                 return sorted(out, key=lambda o: o.url)
             token = page["NextContinuationToken"]
 
-    async def _read(self, url: str, **kwargs: Any) -> bytes:
+    async def _read(self, url: str, **kwargs: Any) -> tuple[bytes, ObjectInfo]:
+        """One GET; the bytes and what the response says about the object."""
         bucket, key = self._split(url)
         s3 = await self._s3()
 
-        async def once() -> bytes:
+        async def once() -> tuple[bytes, ObjectInfo]:
             response = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
             async with response["Body"] as body:
                 data = await body.read()
             self.stats.bytes_read += len(data)
-            return bytes(data)
+            total = str(response.get("ContentRange", "")).rpartition("/")[2]
+            info = ObjectInfo(
+                url=url,
+                size=int(total) if total.isdigit() else len(data),
+                etag=str(response.get("ETag", "")).strip('"'),
+                sha256=None if "Range" in kwargs else response.get("ChecksumSHA256"),
+            )
+            return data, info
 
         return await self._call(url, once)
 
     async def get_range(self, url: str, start: int, end: int) -> bytes:
-        return await self._read(url, Range=f"bytes={start}-{end - 1}")
+        data, _ = await self._read(url, Range=f"bytes={start}-{end - 1}")
+        return data
 
     async def get(self, url: str, *, expect: ObjectInfo | None = None) -> bytes:
-        info = await self.head(url)
-        if expect is not None and not expect.same_content(info):
-            raise _changed(url, expect, info)
+        """The whole object, verified against origin's checksum.
+
+        With ``expect`` (what a manifest recorded) no HEAD is needed: every GET
+        carries ``If-Match`` on the recorded ETag, so a replaced object fails
+        with :class:`OriginChanged` instead of mixing versions.
+        """
+        info = expect or await self.head(url)
         for attempt in range(2):
             try:
-                data = await self._get_parts(url, info)
+                data, seen = await self._get_parts(url, info)
             except _PreconditionFailed as exc:
-                raise OriginChanged(
-                    f"{url} was replaced while it was being read (ETag no longer {info.etag}); "
-                    "publish a new version if the change is intended"
-                ) from exc
-            problem = _verify(data, info)
+                found = await self.head(url)
+                raise _changed(url, info, found) from exc
+            if expect is not None and not expect.same_content(seen):
+                raise _changed(url, expect, seen)
+            problem = _verify(data, seen)
             if problem is None:
                 return data
             log.warning("%s: %s (attempt %d)", url, problem, attempt + 1)
@@ -281,23 +299,26 @@ class S3Store(ObjectStore):
             f"{url}: {problem}; origin keeps returning damaged bytes — check the storage backend"
         )
 
-    async def _get_parts(self, url: str, info: ObjectInfo) -> bytes:
-        if info.size <= self.part_bytes:
-            return await self._read(url, IfMatch=f'"{info.etag}"')
+    async def _get_parts(self, url: str, info: ObjectInfo) -> tuple[bytes, ObjectInfo]:
+        condition = {"IfMatch": f'"{info.etag}"', "ChecksumMode": "ENABLED"}
+        if info.size <= self.multipart_threshold:
+            return await self._read(url, **condition)
         buffer = bytearray(info.size)
+        seen: list[ObjectInfo] = []
 
         async def part(start: int) -> None:
             end = min(start + self.part_bytes, info.size)
             async with self._parts:
-                chunk = await self._read(
-                    url, Range=f"bytes={start}-{end - 1}", IfMatch=f'"{info.etag}"'
+                chunk, part_info = await self._read(
+                    url, Range=f"bytes={start}-{end - 1}", **condition
                 )
             if len(chunk) != end - start:
                 raise OriginError(f"{url}: range {start}-{end} returned {len(chunk)} bytes")
             buffer[start:end] = chunk
+            seen.append(part_info)
 
         await asyncio.gather(*(part(s) for s in range(0, info.size, self.part_bytes)))
-        return bytes(buffer)
+        return bytes(buffer), seen[0]
 
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         bucket, key = self._split(url)

@@ -93,7 +93,7 @@ def start_local_node(
     log_file: Path | None = None,
 ) -> LocalNode:
     """Start a node on a free loopback port and wait until it serves."""
-    log = open(log_file, "w") if log_file else subprocess.DEVNULL  # noqa: SIM115 - child owns it
+    log = open(log_file, "w") if log_file else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
         [
             sys.executable,
@@ -116,6 +116,8 @@ def start_local_node(
         text=True,
         env={**os.environ, "EDGECACHE_SYNC": "false"},
     )
+    if log_file:
+        log.close()  # the child has its own copy of the descriptor
     assert process.stdout is not None
     line = process.stdout.readline()
     if not line.startswith("serving on "):

@@ -20,11 +20,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
+from typing import TypeVar
 
 from edgecache.cache.codec import CodecOptions, ShardEncoder
 from edgecache.cache.errors import (
@@ -50,6 +51,7 @@ from edgecache.v1 import edge_pb2, manifest_pb2
 __all__ = ["EdgeNode", "StagingGate"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StagingGate:
@@ -214,7 +216,8 @@ class EdgeNode:
 
     # ------------------------------------------------------------------ shards
 
-    async def _write(self, fn, *args):  # noqa: ANN001, ANN202 - thin executor hop
+    async def _write(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a store write on the single writer thread (LMDB writes are thread-bound)."""
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
 
     def shard_ref(self, manifest: manifest_pb2.Manifest, shard: int) -> ShardKey:

@@ -28,7 +28,7 @@ def test_s3_ranged_parallel_get_head_list_put(s3_endpoint: str) -> None:
     url = f"s3://{bucket}/data/big.bin"
 
     async def scenario() -> None:
-        store = S3Store(part_bytes=64 << 10)  # 16 ranged parts, fetched concurrently
+        store = S3Store(part_bytes=64 << 10, multipart_threshold=64 << 10)  # 16 parallel parts
         try:
             info = await store.head(url)
             assert info.size == len(body) and info.etag == hashlib.md5(body).hexdigest()
