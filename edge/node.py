@@ -16,6 +16,8 @@ time while training reads are streaming.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import os
 import socket
@@ -289,7 +291,7 @@ class EdgeNode:
         log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return info
 
-    def encoded_chunk(self, key: ShardKey, index: int) -> bytes:
+    def encoded_chunk(self, key: ShardKey, index: int, first_row: int) -> bytes:
         """One chunk as wire bytes, in its own short read transaction (verified)."""
         with self.store.read_shard(key) as reader:
             info = reader.info
@@ -300,28 +302,47 @@ class EdgeNode:
                 rows=info.chunk_rows[index],
                 checksum=info.checksums[index],
                 frame=view,
+                first_row=first_row,
             )
 
     async def read_chunks(
-        self, manifest: manifest_pb2.Manifest, shard: int, start_chunk: int
+        self,
+        manifest: manifest_pb2.Manifest,
+        shard: int,
+        start_chunk: int = 0,
+        start_row: int = 0,
+        end_row: int = 0,
     ) -> AsyncIterator[bytes]:
-        """Wire-encoded chunks of a shard from ``start_chunk`` on, fetching it on a miss."""
+        """Wire-encoded chunks of a shard, fetching it on a miss.
+
+        From ``start_chunk``, or from the chunk holding ``start_row`` when that
+        is set; up to the chunk holding ``end_row - 1`` (0: to the end).
+        """
         key = self.shard_ref(manifest, shard)
-        info, fetched = await self.ensure_shard(manifest, shard)
-        if fetched:
+        rows = manifest.shards[shard].row_count
+        if start_row > rows or end_row > rows or (end_row and end_row <= start_row):
+            raise IndexError(
+                f"{key} has rows 0..{rows}; the range {start_row}..{end_row or rows} is invalid"
+            )
+        info, missed = await self.ensure_shard(manifest, shard)
+        if missed:
             self.counters.misses += 1
             self.metrics.misses.inc()
         else:
             self.counters.hits += 1
             self.metrics.hits.inc()
+        firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
+        if start_row:
+            start_chunk = bisect.bisect_right(firsts, start_row) - 1
         if start_chunk > info.chunk_count:
             raise IndexError(
                 f"{key} has {info.chunk_count} chunks; start_chunk {start_chunk} is past the end"
             )
+        stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
         index = start_chunk
-        while index < info.chunk_count:
+        while index < stop:
             try:
-                encoded = self.encoded_chunk(key, index)
+                encoded = self.encoded_chunk(key, index, firsts[index])
             except (ShardNotCached, ChunkCorrupt) as exc:
                 # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
                 # deterministic, so the stream can go on only if the chunks came out the same.

@@ -167,7 +167,9 @@ class EdgeCacheService:
         node.metrics.active_streams.inc()
         await node.gate.read_started()
         try:
-            async for encoded in node.read_chunks(manifest, request.shard, request.start_chunk):
+            async for encoded in node.read_chunks(
+                manifest, request.shard, request.start_chunk, request.start_row, request.end_row
+            ):
                 yield encoded
         finally:
             await node.gate.read_finished()

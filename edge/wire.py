@@ -17,6 +17,7 @@ __all__ = ["encode_chunk"]
 _INDEX, _COUNT, _ROWS = 0x08, 0x10, 0x18  # varint fields 1, 2, 3
 _CHECKSUM = 0x21  # fixed64 field 4
 _FRAME = 0x2A  # length-delimited field 5
+_FIRST_ROW = 0x30  # varint field 6
 
 
 def _varint(value: int) -> bytes:
@@ -31,8 +32,10 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def encode_chunk(*, index: int, chunk_count: int, rows: int, checksum: int, frame: Buffer) -> bytes:
-    """The wire form of ``Chunk(index, chunk_count, rows, checksum, frame)``."""
+def encode_chunk(
+    *, index: int, chunk_count: int, rows: int, checksum: int, frame: Buffer, first_row: int = 0
+) -> bytes:
+    """The wire form of ``Chunk(index, chunk_count, rows, checksum, frame, first_row)``."""
     head = bytearray()
     for tag, value in ((_INDEX, index), (_COUNT, chunk_count), (_ROWS, rows)):
         if value:  # proto3 omits zero scalars
@@ -41,8 +44,11 @@ def encode_chunk(*, index: int, chunk_count: int, rows: int, checksum: int, fram
     if checksum:
         head.append(_CHECKSUM)
         head += checksum.to_bytes(8, "little")
+    tail = b""
+    if first_row:  # field 6 follows the frame, as protobuf serializes in field order
+        tail = bytes((_FIRST_ROW,)) + _varint(first_row)
     if not len(frame):
-        return bytes(head)
+        return bytes(head) + tail
     head.append(_FRAME)
     head += _varint(len(frame))
-    return b"".join((head, frame))
+    return b"".join((head, frame, tail))
