@@ -56,8 +56,10 @@ def window_rows_for(row_bytes: float, window_bytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """Rows ``[row_start, row_start + rows)`` of a shard, of which the slice
-    ``[take_from, take_to)`` of their permuted order belongs to this rank."""
+    """A shuffle window: rows ``[row_start, row_start + rows)`` of one shard.
+
+    The slice ``[take_from, take_to)`` of their permuted order belongs to this rank.
+    """
 
     shard: int
     index: int  # window number within the shard
@@ -67,9 +69,12 @@ class Window:
     take_to: int
     seed: int
     epoch: int
+    shuffle: bool = True
 
     def order(self) -> np.ndarray:
         """Row offsets (within the window) in this epoch's order, the rank's slice only."""
+        if not self.shuffle:
+            return np.arange(self.take_from, self.take_to)
         perm = _rng(self.seed, self.epoch, self.shard, self.index).permutation(self.rows)
         return perm[self.take_from : self.take_to]
 
@@ -116,6 +121,7 @@ class EpochPlan:
         batch_size: int = 1,
         drop_last: bool = False,
         lanes: int = 8,
+        shuffle: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..world_size-1, got {rank=} {world_size=}")
@@ -126,10 +132,13 @@ class EpochPlan:
         self.seed, self.epoch = seed, epoch
         self.world_size, self.rank = world_size, rank
         self.batch_size, self.drop_last, self.lanes = batch_size, drop_last, lanes
+        self.shuffle = shuffle
         self.total = sum(self.shard_rows)
         self.windows = self._rank_windows(rank)
 
     def _shard_order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.shard_rows))
         return _rng(self.seed, self.epoch).permutation(len(self.shard_rows))
 
     def _rank_windows(self, rank: int) -> list[Window]:
@@ -147,7 +156,17 @@ class EpochPlan:
                 first, last = max(lo - position, 0), min(hi - position, size)
                 if first < last:
                     out.append(
-                        Window(int(shard), index, start, size, first, last, self.seed, self.epoch)
+                        Window(
+                            int(shard),
+                            index,
+                            start,
+                            size,
+                            first,
+                            last,
+                            self.seed,
+                            self.epoch,
+                            self.shuffle,
+                        )
                     )
                 position += size
                 if position >= hi:
@@ -189,6 +208,7 @@ class EpochPlan:
                 batch_size=self.batch_size,
                 drop_last=False,
                 lanes=self.lanes,
+                shuffle=self.shuffle,
             )._full_batches()
             for r in range(self.world_size)
             if r != self.rank

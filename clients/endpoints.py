@@ -1,0 +1,454 @@
+"""Where a reader gets shards: nearest healthy node first, failover mid-stream, local fast path.
+
+Endpoints are ``host:port`` (``grpc://`` optional), ``grpcs://host:port`` (TLS)
+or ``lmdb:///path/to/cache`` (a node's cache directory on this host: read
+directly, no gRPC). gRPC endpoints are ranked by round-trip time (median of
+health-check pings) and re-probed in the background.
+
+A stream that breaks is resumed on the next-best node at the first row not
+yet received (``start_row``), so nothing is lost or duplicated; gRPC never
+retries a stream that has started answering, so this is done here. Dead
+peers are noticed by HTTP/2 keepalive pings (a blackholed node within a few
+seconds, where default keepalive took a minute) and by a watchdog that
+cancels a stream that delivers nothing for ``stall_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import grpc
+import pyarrow as pa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edgecache.cache.codec import decode_chunk
+from edgecache.cache.errors import CacheDirError, ChunkCorrupt, EdgeCacheError, ShardNotCached
+from edgecache.cache.frame import read_header
+from edgecache.cache.keys import ShardKey
+from edgecache.cache.store import CacheStore
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
+
+__all__ = [
+    "AllNodesFailed",
+    "Endpoint",
+    "InvalidEndpoint",
+    "NodePool",
+    "parse_endpoint",
+]
+
+log = logging.getLogger(__name__)
+
+_RETRY_POLICY = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "edgecache.v1.EdgeCache"}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", _RETRY_POLICY),
+]
+
+
+class InvalidEndpoint(EdgeCacheError, ValueError):
+    """An endpoint string cannot be parsed."""
+
+
+class AllNodesFailed(EdgeCacheError, ConnectionError):
+    """Every endpoint failed; the message lists each with its last error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One place to read from."""
+
+    text: str
+    kind: str  # "grpc", "grpcs" or "lmdb"
+    target: str  # host:port, or a directory
+
+    @property
+    def local(self) -> bool:
+        """Whether this is a cache directory on this host."""
+        return self.kind == "lmdb"
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """``host:port``, ``grpc://host:port``, ``grpcs://host:port`` or ``lmdb:///dir``."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidEndpoint(f"endpoint must be a non-empty string, got {text!r}")
+    raw = text.strip()
+    if raw.startswith("lmdb://"):
+        path = raw[len("lmdb://") :]
+        if not path.startswith("/"):
+            raise InvalidEndpoint(f"{text!r}: use lmdb:///absolute/path/to/cache")
+        return Endpoint(raw, "lmdb", path)
+    scheme, _, rest = raw.rpartition("://") if "://" in raw else ("grpc", "", raw)
+    if scheme not in ("grpc", "grpcs"):
+        raise InvalidEndpoint(
+            f"{text!r}: unknown scheme {scheme!r}; use host:port, grpcs://host:port or lmdb:///path"
+        )
+    parts = urlsplit(f"//{rest}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise InvalidEndpoint(f"{text!r} is not host:port (e.g. eu-1.internal:7070)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return Endpoint(raw, scheme, f"{host}:{port}")
+
+
+@dataclass
+class EndpointStats:
+    """What a reader saw of one endpoint."""
+
+    rtt_ms: float = math.inf
+    bytes: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class _Stream:
+    call: grpc.Call | None
+    last: float = field(default_factory=time.monotonic)
+    started: bool = False
+
+
+class NodePool:
+    """Channels to every endpoint, ranked by RTT, with failover and a stall watchdog."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        token: str | None = None,
+        tls_root: bytes | None = None,
+        stall_timeout: float = 5.0,
+        first_chunk_timeout: float = 120.0,
+        retry_timeout: float = 30.0,
+        probe_interval: float = 30.0,
+    ) -> None:
+        if not endpoints:
+            raise InvalidEndpoint("no endpoints given; pass endpoints=[...] or config=/region=")
+        self.endpoints = list(endpoints)
+        self.stats = {e.text: EndpointStats() for e in self.endpoints}
+        self.failovers = 0
+        self.stall_timeout = stall_timeout
+        self.first_chunk_timeout = first_chunk_timeout
+        self.retry_timeout = retry_timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._tls_root = tls_root
+        self._stubs: dict[str, edge_pb2_grpc.EdgeCacheStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stores: dict[str, CacheStore] = {}
+        self._active: dict[int, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.probe()
+        self._threads = [
+            threading.Thread(target=self._watchdog, name="edgecache-watchdog", daemon=True),
+            threading.Thread(
+                target=self._reprobe, args=(probe_interval,), name="edgecache-probe", daemon=True
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------- plumbing
+
+    def _channel(self, endpoint: Endpoint) -> grpc.Channel:
+        channel = self._channels.get(endpoint.text)
+        if channel is None:
+            if endpoint.kind == "grpcs":
+                credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_root)
+                channel = grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
+            self._channels[endpoint.text] = channel
+        return channel
+
+    def stub(self, endpoint: Endpoint) -> edge_pb2_grpc.EdgeCacheStub:
+        """The EdgeCache stub of a gRPC endpoint."""
+        stub = self._stubs.get(endpoint.text)
+        if stub is None:
+            stub = self._stubs[endpoint.text] = edge_pb2_grpc.EdgeCacheStub(self._channel(endpoint))
+        return stub
+
+    def store(self, endpoint: Endpoint) -> CacheStore:
+        """The read-only store of a local endpoint (opened in this process)."""
+        store = self._stores.get(endpoint.text)
+        if store is None:
+            store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
+        return store
+
+    def close(self) -> None:
+        """Stop background threads, close channels and stores."""
+        self._stop.set()
+        for channel in self._channels.values():
+            channel.close()
+        for store in self._stores.values():
+            store.close()
+        self._channels.clear()
+        self._stubs.clear()
+        self._stores.clear()
+
+    # ----------------------------------------------------------------- ranking
+
+    def probe(self, pings: int = 3) -> None:
+        """Measure each gRPC endpoint's RTT (median of health checks)."""
+        for endpoint in self.endpoints:
+            if endpoint.local:
+                self.stats[endpoint.text].rtt_ms = 0.0
+                continue
+            health = health_pb2_grpc.HealthStub(self._channel(endpoint))
+            samples = []
+            for _ in range(pings):
+                started = time.perf_counter()
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                except grpc.RpcError as exc:
+                    self.stats[endpoint.text].last_error = _describe(exc)
+                    break
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    self.stats[endpoint.text].last_error = "not serving (draining?)"
+                    break
+                samples.append((time.perf_counter() - started) * 1e3)
+            self.stats[endpoint.text].rtt_ms = (
+                statistics.median(samples) if len(samples) == pings else math.inf
+            )
+
+    def _reprobe(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.probe()
+            except Exception:  # noqa: BLE001 - probing must never kill the reader
+                log.debug("background probe failed", exc_info=True)
+
+    def ranked(self) -> list[Endpoint]:
+        """Endpoints, local first, then by RTT (unreachable ones last)."""
+        return sorted(self.endpoints, key=lambda e: self.stats[e.text].rtt_ms)
+
+    # ---------------------------------------------------------------- unary
+
+    def call(self, method: str, request: object) -> object:
+        """A unary call on the best gRPC endpoint, failing over to the others."""
+        errors: dict[str, str] = {}
+        for endpoint in [e for e in self.ranked() if not e.local]:
+            try:
+                return getattr(self.stub(endpoint), method)(
+                    request, timeout=30, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    errors[endpoint.text] = _describe(exc)
+                    self.stats[endpoint.text].last_error = errors[endpoint.text]
+                    continue
+                raise
+        raise AllNodesFailed(_all_failed(f"{method}", errors or {"(none)": "no gRPC endpoint"}))
+
+    # ------------------------------------------------------------ streaming
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                streams = list(self._active.values())
+            for stream in streams:
+                limit = self.stall_timeout if stream.started else self.first_chunk_timeout
+                if stream.call is not None and now - stream.last > limit:
+                    stream.call.cancel()
+
+    def read_rows(
+        self,
+        dataset: str,
+        version: int,
+        digest: str,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(first row, batch) of the chunks covering rows ``[row_start, row_end)``.
+
+        Batches are verified and decoded; a broken stream resumes on the next
+        node from the first row not yet received. Raises :class:`AllNodesFailed`
+        after ``retry_timeout`` seconds without progress on any node.
+        """
+        next_row = row_start
+        deadline = time.monotonic() + self.retry_timeout
+        errors: dict[str, str] = {}
+        corrupt_retries = 1
+        attempt = 0
+        while next_row < row_end:
+            progressed = False
+            for endpoint in self.ranked():
+                try:
+                    source = (
+                        self._local_rows(
+                            endpoint, dataset, version, shard, next_row, row_end, schema
+                        )
+                        if endpoint.local
+                        else self._grpc_rows(
+                            endpoint, dataset, version, digest, shard, next_row, row_end, schema
+                        )
+                    )
+                    for first, batch in source:
+                        end = first + batch.num_rows
+                        if end <= next_row:
+                            continue  # already have these rows (resumed mid-chunk)
+                        yield first, batch
+                        next_row = end
+                        progressed = True
+                    if next_row >= row_end:
+                        return
+                except (ShardNotCached, CacheDirError) as exc:  # not here: try the others
+                    errors[endpoint.text] = str(exc)
+                except ChunkCorrupt as exc:
+                    errors[endpoint.text] = str(exc)
+                    self.stats[endpoint.text].failures += 1
+                    if corrupt_retries == 0:
+                        raise
+                    corrupt_retries -= 1
+                except grpc.RpcError as exc:
+                    if exc.code() not in _FAILOVER_CODES:
+                        raise
+                    errors[endpoint.text] = _describe(exc)
+                    self.stats[endpoint.text].failures += 1
+                    self.stats[endpoint.text].last_error = errors[endpoint.text]
+                    self.stats[
+                        endpoint.text
+                    ].rtt_ms = math.inf  # until the next probe says otherwise
+                if next_row < row_end:
+                    self.failovers += 1
+                    log.warning(
+                        "%s@%s shard %d: %s failed (%s); continuing from row %d on the next node",
+                        dataset,
+                        version,
+                        shard,
+                        endpoint.text,
+                        errors.get(endpoint.text),
+                        next_row,
+                    )
+            if progressed:
+                deadline = time.monotonic() + self.retry_timeout
+            if time.monotonic() > deadline:
+                raise AllNodesFailed(
+                    _all_failed(f"reading {dataset}@{version} shard {shard}", errors)
+                )
+            time.sleep(min(0.1 * 2**attempt, 2.0))
+            attempt += 1
+            self.probe(pings=1)
+
+    def _grpc_rows(
+        self,
+        endpoint: Endpoint,
+        dataset: str,
+        version: int,
+        digest: str,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        request = edge_pb2.ReadShardRequest(
+            dataset=dataset,
+            version=version,
+            shard=shard,
+            digest=digest,
+            start_row=row_start,
+            end_row=row_end,
+        )
+        call = self.stub(endpoint).ReadShard(request, metadata=self._metadata)
+        stream = _Stream(call)
+        key = id(stream)
+        with self._lock:
+            self._active[key] = stream
+        stats = self.stats[endpoint.text]
+        try:
+            for chunk in call:
+                stream.last, stream.started = time.monotonic(), True
+                stats.bytes += len(chunk.frame)
+                if read_header(chunk.frame).checksum != chunk.checksum:
+                    raise ChunkCorrupt(
+                        f"{dataset}@{version} shard {shard} chunk {chunk.index} from "
+                        f"{endpoint.text}: checksum differs from the one sent with it"
+                    )
+                yield chunk.first_row, decode_chunk(chunk.frame, schema)
+        finally:
+            with self._lock:
+                self._active.pop(key, None)
+            call.cancel()
+
+    def _local_rows(
+        self,
+        endpoint: Endpoint,
+        dataset: str,
+        version: int,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        store = self.store(endpoint)
+        with store.read_shard(ShardKey(dataset, version, shard)) as reader:
+            first = 0
+            for index, rows in enumerate(reader.info.chunk_rows):
+                if first + rows > row_start and first < row_end:
+                    view = reader.chunk(index)
+                    self.stats[endpoint.text].bytes += len(view)
+                    # Copy-free decode points into LMDB; the store keeps the snapshot alive
+                    # while any of these batches are referenced.
+                    yield first, decode_chunk(view, schema, verify=False)
+                first += rows
+                if first >= row_end:
+                    break
+
+
+_FAILOVER_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,  # our watchdog
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"
+
+
+def _all_failed(what: str, errors: dict[str, str]) -> str:
+    lines = "\n  ".join(f"{name}: {error}" for name, error in errors.items())
+    return (
+        f"{what} failed on every endpoint:\n  {lines}\n"
+        "Check that the nodes run (edgecache status) and are reachable from this host."
+    )

@@ -1,0 +1,179 @@
+"""The read-ahead pipeline behind EdgeDataset: windows fetched on threads, batches in order.
+
+Threads, not processes: fetching, checksum verification, zstd and Arrow
+decoding all release the GIL, and DataLoader worker processes cost more than
+they give on small hosts (every batch is pickled through shared memory).
+Windows are fetched in the order batches need them, up to ``prefetch_bytes``
+ahead; one assembler thread builds batches in canonical order into a small
+queue; a window is dropped as soon as the last batch that uses it is built.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from edgecache.clients.endpoints import NodePool
+from edgecache.clients.plan import EpochPlan, Window
+from edgecache.clients.tensors import ColumnKind, Gather, assemble
+
+__all__ = ["Pipeline", "ReadTarget"]
+
+_DONE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTarget:
+    """What to read: a pinned version and its schema."""
+
+    dataset: str
+    version: int
+    digest: str
+    schema: pa.Schema
+
+
+@dataclass
+class _Loaded:
+    """A window's decoded chunks and its order."""
+
+    firsts: list[int]
+    batches: list[pa.RecordBatch]
+    order: np.ndarray  # absolute row numbers, in this epoch's order (rank's slice)
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Pipeline:
+    """Yields assembled batches for ``numbers`` of ``plan``, reading ahead on threads."""
+
+    def __init__(
+        self,
+        plan: EpochPlan,
+        numbers: Sequence[int],
+        pool: NodePool,
+        target: ReadTarget,
+        kinds: Sequence[ColumnKind],
+        *,
+        row_bytes: float,
+        pin_memory: bool,
+        threads: int,
+        prefetch_bytes: int,
+        ready_batches: int = 4,
+    ) -> None:
+        self.plan, self.numbers, self.pool, self.target = plan, list(numbers), pool, target
+        self.kinds, self.pin_memory = list(kinds), pin_memory
+        self.row_bytes, self.prefetch_bytes = row_bytes, prefetch_bytes
+        self.wait_seconds = 0.0
+        self._ready: queue.Queue[object] = queue.Queue(maxsize=ready_batches)
+        self._stop = threading.Event()
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="edgecache-fetch")
+        self._assembler = threading.Thread(target=self._run, name="edgecache-assemble", daemon=True)
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, object]]]:
+        self._assembler.start()
+        try:
+            while True:
+                started = time.perf_counter()
+                item = self._ready.get()
+                self.wait_seconds += time.perf_counter() - started
+                if item is _DONE:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.exc
+                yield item  # type: ignore[misc]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading ahead (safe to call twice)."""
+        self._stop.set()
+        while True:  # unblock the assembler if it waits on a full queue
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------- assembler
+
+    def _load(self, window: Window) -> _Loaded:
+        firsts, batches = [], []
+        for first, batch in self.pool.read_rows(
+            self.target.dataset,
+            self.target.version,
+            self.target.digest,
+            window.shard,
+            window.row_start,
+            window.row_start + window.rows,
+            self.target.schema,
+        ):
+            if self._stop.is_set():
+                break
+            firsts.append(first)
+            batches.append(batch)
+        return _Loaded(firsts, batches, window.row_start + window.order())
+
+    def _run(self) -> None:
+        try:
+            self._assemble_all()
+            self._put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
+            self._put(_Failure(exc))
+
+    def _put(self, item: object) -> None:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _assemble_all(self) -> None:
+        plan = self.plan
+        batches = [plan.batch(n) for n in self.numbers]
+        uses: dict[int, int] = {}
+        first_use: list[int] = []
+        for batch in batches:
+            for piece in batch.pieces:
+                if piece.window not in uses:
+                    first_use.append(piece.window)
+                uses[piece.window] = uses.get(piece.window, 0) + 1
+        futures: dict[int, Future[_Loaded]] = {}
+        in_flight = 0.0
+        next_load = 0
+
+        def top_up() -> None:
+            nonlocal in_flight, next_load
+            while next_load < len(first_use) and (not futures or in_flight < self.prefetch_bytes):
+                index = first_use[next_load]
+                futures[index] = self._executor.submit(self._load, plan.windows[index])
+                in_flight += plan.windows[index].rows * self.row_bytes
+                next_load += 1
+
+        for batch in batches:
+            if self._stop.is_set():
+                return
+            top_up()
+            gathers: list[Gather] = []
+            for piece in batch.pieces:
+                loaded = futures[piece.window].result()
+                rows = np.sort(loaded.order[piece.start : piece.stop])
+                chunk_of = np.searchsorted(loaded.firsts, rows, side="right") - 1
+                for chunk in np.unique(chunk_of):
+                    selected = rows[chunk_of == chunk] - loaded.firsts[chunk]
+                    gathers.append(Gather(loaded.batches[chunk], selected))
+                uses[piece.window] -= 1
+                if uses[piece.window] == 0:  # last use: free it, make room to read ahead
+                    del futures[piece.window]
+                    in_flight -= plan.windows[piece.window].rows * self.row_bytes
+            self._put((batch.size, assemble(gathers, self.kinds, pin_memory=self.pin_memory)))
