@@ -50,7 +50,11 @@ _RETRY_POLICY = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": "edgecache.v1.EdgeCache"}],
+                # Unary calls only: a stream is resumed by read_rows from the right row.
+                "name": [
+                    {"service": "edgecache.v1.EdgeCache", "method": m}
+                    for m in ("ResolveVersion", "GetManifest", "Status")
+                ],
                 "retryPolicy": {
                     "maxAttempts": 4,
                     "initialBackoff": "0.1s",
@@ -345,7 +349,7 @@ class NodePool:
                     ].rtt_ms = math.inf  # until the next probe says otherwise
                 if next_row < row_end:
                     self.failovers += 1
-                    log.warning(
+                    (log.warning if attempt == 0 else log.debug)(
                         "%s@%s shard %d: %s failed (%s); continuing from row %d on the next node",
                         dataset,
                         version,

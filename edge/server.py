@@ -45,6 +45,10 @@ _SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Readers ping every 2 s to notice a blackholed node within seconds; accept that
+    # instead of answering GOAWAY "too_many_pings".
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 

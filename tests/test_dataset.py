@@ -1,0 +1,207 @@
+"""EdgeDataset against real edge nodes (subprocesses) and real DataLoader workers."""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from edgeutil import publish, write_parquet_shards
+
+from edgecache.cache.errors import InvalidName, VersionNotFound
+from edgecache.clients import EdgeDataset
+from edgecache.clients.dataset import StateMismatch
+from edgecache.clients.endpoints import AllNodesFailed, InvalidEndpoint
+from edgecache.clients.node_client import LocalNode, start_local_node
+
+SHARDS, ROWS = 6, 700
+TOTAL = SHARDS * ROWS
+SMALL = {"window_bytes": 24 << 10, "batch_size": 50}  # several windows per shard
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[LocalNode]]]:
+    root = tmp_path_factory.mktemp("cluster")
+    write_parquet_shards(root / "origin", SHARDS, rows=ROWS)
+    publish(f"file://{root}/registry", f"file://{root}/origin", "tokens")
+    nodes = [
+        start_local_node(r, root / f"cache-{r}", f"file://{root}/registry") for r in ("eu", "us")
+    ]
+    yield root, nodes
+    for node in nodes:
+        node.stop()
+
+
+def labels(batches) -> list[int]:  # noqa: ANN001
+    return [int(x) for b in batches for x in b["label"]]
+
+
+def read_epoch(ds: EdgeDataset, workers: int) -> list[int]:
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    return labels(loader)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_once_across_ranks_and_workers(cluster, world_size: int, workers: int) -> None:
+    _, nodes = cluster
+    seen: Counter = Counter()
+    for rank in range(world_size):
+        ds = EdgeDataset(
+            "tokens@1",
+            endpoints=[n.address for n in nodes],
+            rank=rank,
+            world_size=world_size,
+            seed=5,
+            **SMALL,
+        )
+        seen.update(read_epoch(ds, workers))
+    assert sorted(seen) == list(range(TOTAL)) and set(seen.values()) == {1}
+
+
+def test_order_is_the_same_for_any_worker_count_and_changes_with_epoch(cluster) -> None:
+    _, nodes = cluster
+    ds = EdgeDataset("tokens@1", endpoints=[n.address for n in nodes], seed=11, **SMALL)
+    zero, two = read_epoch(ds, 0), read_epoch(ds, 2)
+    assert zero == two
+    ds.set_epoch(1)
+    assert read_epoch(ds, 0) != zero
+    other = EdgeDataset("tokens@1", endpoints=[nodes[1].address], seed=11, **SMALL)
+    assert read_epoch(other, 0) == zero  # another node, same order
+
+
+def test_drop_last_gives_every_rank_the_same_full_batches(cluster) -> None:
+    _, nodes = cluster
+    counts, seen = set(), Counter()
+    for rank in range(3):
+        ds = EdgeDataset(
+            "tokens@1",
+            endpoints=[nodes[0].address],
+            rank=rank,
+            world_size=3,
+            drop_last=True,
+            **SMALL,
+        )
+        batches = list(torch.utils.data.DataLoader(ds, batch_size=None))
+        assert all(len(b["label"]) == 50 for b in batches)
+        counts.add(len(batches))
+        seen.update(labels(batches))
+    assert len(counts) == 1 and set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_resume_at_a_random_point_with_other_workers_and_endpoints(cluster, seed: int) -> None:
+    _, nodes = cluster
+    rng = random.Random(seed)
+    ds = EdgeDataset("tokens@1", endpoints=[nodes[0].address], seed=seed, **SMALL)
+    ds.set_epoch(2)
+    full = read_epoch(ds, 0)
+    stop = rng.randrange(1, len(ds))
+    first = []
+    for i, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
+        first.extend(int(x) for x in batch["label"])
+        if i + 1 == stop:
+            break
+    state = ds.state_dict()
+    assert state["batches"] == stop and state["epoch"] == 2 and state["version"] == 1
+    resumed = EdgeDataset(
+        "tokens@1", endpoints=[nodes[1].address, nodes[0].address], seed=0, **SMALL
+    )
+    resumed.load_state_dict(state)
+    rest = read_epoch(resumed, rng.choice([0, 2]))
+    assert first + rest == full
+
+
+def test_a_new_version_mid_epoch_does_not_change_a_pinned_reader(cluster) -> None:
+    root, nodes = cluster
+    ds = EdgeDataset("tokens@latest", endpoints=[nodes[0].address], **SMALL)
+    iterator = iter(torch.utils.data.DataLoader(ds, batch_size=None))
+    got = labels([next(iterator) for _ in range(3)])
+    write_parquet_shards(root / "origin-v2", 2, rows=10)
+    publish(f"file://{root}/registry", f"file://{root}/origin-v2", "tokens")
+    got += labels(iterator)
+    assert sorted(got) == list(range(TOTAL)) and ds.version == "tokens@1"
+
+
+def test_local_fast_path_reads_lmdb_directly(cluster) -> None:
+    root, nodes = cluster
+    full = read_epoch(EdgeDataset("tokens@1", endpoints=[nodes[0].address], seed=4, **SMALL), 0)
+    local = EdgeDataset("tokens@1", endpoints=[f"lmdb://{root}/cache-eu"], seed=4, **SMALL)
+    assert read_epoch(local, 0) == full
+    assert local.stats()["endpoints"][f"lmdb://{root}/cache-eu"]["bytes"] > 0
+
+
+def test_stats_and_tensor_shapes(cluster) -> None:
+    _, nodes = cluster
+    ds = EdgeDataset(
+        "tokens@1", endpoints=[n.address for n in nodes], columns=["input_ids"], **SMALL
+    )
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None)))
+    assert set(batch) == {"input_ids"} and batch["input_ids"].shape == (50, 32)
+    assert batch["input_ids"].dtype == torch.int32
+    stats = ds.stats()
+    assert stats["version"] == "tokens@1" and stats["samples"] == 50
+    assert all(e["rtt_ms"] < 1000 for e in stats["endpoints"].values())
+    single = EdgeDataset(
+        "tokens@1", endpoints=[nodes[0].address], batch_size=None, window_bytes=24 << 10
+    )
+    sample = next(iter(single))
+    assert sample["input_ids"].shape == (32,) and sample["label"].shape == ()
+
+
+def test_bad_input_is_refused_clearly(cluster) -> None:
+    _, nodes = cluster
+    address = nodes[0].address
+    with pytest.raises(VersionNotFound, match="nope"):
+        EdgeDataset("nope", endpoints=[address])
+    with pytest.raises(VersionNotFound):
+        EdgeDataset("tokens@9", endpoints=[address])
+    with pytest.raises(InvalidName):
+        EdgeDataset("../etc", endpoints=[address])
+    with pytest.raises(KeyError, match="not in the dataset"):
+        EdgeDataset("tokens@1", endpoints=[address], columns=["pixels"])
+    for bad in (["no-port"], ["host:99999"], ["ftp://x:1"], ["lmdb://relative"]):
+        with pytest.raises(InvalidEndpoint):
+            EdgeDataset("tokens@1", endpoints=bad)
+    with pytest.raises(InvalidEndpoint, match="empty"):
+        EdgeDataset("tokens@1", endpoints=[])
+    with pytest.raises(ValueError, match="batch_size"):
+        EdgeDataset("tokens@1", endpoints=[address], batch_size=0)
+    with pytest.raises(ValueError, match="rank"):
+        EdgeDataset("tokens@1", endpoints=[address], rank=2, world_size=2)
+    ds = EdgeDataset("tokens@1", endpoints=[address], **SMALL)
+    state = ds.state_dict()
+    with pytest.raises(StateMismatch, match="tokens@1"):
+        ds.load_state_dict({**state, "version": 2})
+    with pytest.raises(StateMismatch, match="batch_size"):
+        ds.load_state_dict({**state, "batch_size": 7})
+
+
+def test_node_killed_mid_epoch_fails_over_exact_once(tmp_path: Path) -> None:
+    write_parquet_shards(tmp_path / "origin", SHARDS, rows=ROWS)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    nodes = [start_local_node(r, tmp_path / f"cache-{r}", registry) for r in ("a", "b")]
+    try:
+        ds = EdgeDataset("tokens@1", endpoints=[n.address for n in nodes], retry_timeout=3, **SMALL)
+        reader = max(nodes, key=lambda n: -ds.pool().stats[n.address].rtt_ms)  # the one it prefers
+        got = []
+        for i, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
+            got.extend(int(x) for x in batch["label"])
+            if i == 5:
+                reader.process.send_signal(signal.SIGKILL)
+        assert sorted(got) == list(range(TOTAL))
+        assert ds.stats()["failovers"] >= 1
+        for node in nodes:
+            node.stop()
+        with pytest.raises(AllNodesFailed) as info:
+            list(torch.utils.data.DataLoader(ds, batch_size=None))
+        for node in nodes:
+            assert node.address in str(info.value)
+    finally:
+        for node in nodes:
+            node.stop()
