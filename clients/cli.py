@@ -41,7 +41,7 @@ def demo(
     ] = 256,
     shards: Annotated[int, typer.Option(min=1, help="Number of shards.")] = 8,
     compression: Annotated[str, typer.Option(help="zstd or none.")] = "zstd",
-    threads: Annotated[int, typer.Option(min=1, help="Decode threads for the job.")] = 2,
+    threads: Annotated[int, typer.Option(min=1, help="EdgeDataset read-ahead threads.")] = 2,
     workdir: Annotated[
         Path | None, typer.Option(help="Directory to keep (default: a temporary one).")
     ] = None,
@@ -76,8 +76,12 @@ def demo(
     )
     table.add_row("stage eu-west (fetch + preprocess + cache)", f"{result.stage_mb_s:,.0f} MB/s")
     table.add_row(
-        f"job reads eu-west → {result.tensor_backend} ({result.read_threads} threads)",
+        f"training epoch via EdgeDataset ({result.device}, {result.read_threads} threads)",
         f"{result.read_samples_s:,.0f} samples/s, {result.read_mb_s:,.0f} MB/s",
+    )
+    table.add_row("time to first batch", f"{result.first_batch_s * 1e3:,.0f} ms")
+    table.add_row(
+        "loss, first → last tenth of the epoch", f"{result.loss_first:.3f} → {result.loss_last:.3f}"
     )
     table.add_row(
         "first chunk: warm eu-west / cold us-east",

@@ -254,8 +254,21 @@ class NodePool:
                 log.debug("background probe failed", exc_info=True)
 
     def ranked(self) -> list[Endpoint]:
-        """Endpoints, local first, then by RTT (unreachable ones last)."""
-        return sorted(self.endpoints, key=lambda e: self.stats[e.text].rtt_ms)
+        """Endpoints, nearest first (unreachable ones last).
+
+        RTTs within 25% (+0.5 ms) of the best count as a tie, broken by the order
+        the endpoints were given in: jitter must not bounce readers between nodes,
+        and the caller's order (own region first) is the better guide.
+        """
+        order = {e.text: i for i, e in enumerate(self.endpoints)}
+        best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
+        near = best * 1.25 + 0.5
+
+        def key(endpoint: Endpoint) -> tuple[bool, float, int]:
+            rtt = self.stats[endpoint.text].rtt_ms
+            return (rtt > near, rtt if rtt > near else 0.0, order[endpoint.text])
+
+        return sorted(self.endpoints, key=key)
 
     # ---------------------------------------------------------------- unary
 

@@ -27,17 +27,26 @@ def test_generated_code_matches_the_protos() -> None:
     assert {"StoredShard", "StoredVersion"} <= set(store_pb2.DESCRIPTOR.message_types_by_name)
 
 
-def test_cache_and_demo_run_without_torch(tmp_path) -> None:
+def test_edge_node_and_cache_need_no_torch(tmp_path) -> None:
     code = (
         "import sys\n"
         "class NoTorch:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'torch': raise ImportError('no torch here')\n"
         "sys.meta_path.insert(0, NoTorch())\n"
-        "import edgecache.cache.store, edgecache.edge, edgecache.clients.cli\n"
+        "import edgecache.cache.store, edgecache.edge.server, edgecache.clients.cli\n"
+        "import edgecache.clients.node_client\n"
         "from edgecache.clients.demo import run_demo\n"
-        "r = run_demo(sys.argv[1], total_mib=2, shards=2)\n"
-        "assert r.verified and r.tensor_backend == 'numpy', r\n"
+        "try:\n"
+        "    run_demo(sys.argv[1], total_mib=2, shards=2)\n"
+        "except RuntimeError as e:\n"
+        "    assert \"pip install 'edgecache[torch]'\" in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('demo ran without torch')\n"
+        "try:\n"
+        "    from edgecache.clients import EdgeDataset\n"
+        "except ImportError as e:\n"
+        "    assert 'edgecache[torch]' in str(e)\n"
         "assert 'torch' not in sys.modules\n"
     )
     out = subprocess.run(
