@@ -132,7 +132,16 @@ def publish(registry: str, source: str, dataset: str, spec: pb.PreprocessSpec) -
 
 
 def edge_epoch(data: Data, endpoint: str) -> Run:
-    """(a)/(b): one shuffled EdgeDataset epoch through a DataLoader."""
+    """(a)/(b): one shuffled EdgeDataset epoch through a DataLoader.
+
+    Two workarounds, both outside the library: EdgeDataset never closes its
+    NodePool (its probe and watchdog threads keep it alive), and an LMDB
+    environment can be open only once per process, so the next dataset (or
+    the ceiling) on the same cache dir could not open it: the pool is closed
+    after the epoch. And NodePool.store() opens a local store lazily without
+    a lock, so two fetch threads race and the loser fails over ("already open
+    in this process"); opening it once before iterating avoids that.
+    """
     started = time.perf_counter()
     ds = EdgeDataset(
         f"{data.name}@{data.version}",
@@ -141,15 +150,25 @@ def edge_epoch(data: Data, endpoint: str) -> Run:
         shuffle=True,
         seed=0,
     )
+    pool = ds.pool()
+    for endpoint in ds.endpoints:
+        if endpoint.local:  # open it here, not racing on two fetch threads (see below)
+            pool.store(endpoint)
     loader = DataLoader(ds, batch_size=None, num_workers=0)
     first = 0.0
     samples = batches = 0
-    for batch in loader:
-        if not batches:
-            first = time.perf_counter() - started
-        samples += len(batch["label"])
-        batches += 1
-    return Run(samples, batches, time.perf_counter() - started, first)
+    try:
+        for batch in loader:
+            if not batches:
+                first = time.perf_counter() - started
+            samples += len(batch["label"])
+            batches += 1
+        elapsed = time.perf_counter() - started
+    finally:
+        del loader
+        gc.collect()
+        pool.close()
+    return Run(samples, batches, elapsed, first)
 
 
 def _split_tokens(batch: pa.RecordBatch, size: int) -> list[dict[str, object]]:

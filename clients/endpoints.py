@@ -71,6 +71,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.keepalive_time_ms", 2_000),
     ("grpc.keepalive_timeout_ms", 2_000),
+    # Without this a dropped route goes unnoticed for a minute (the ping timeout
+    # defaults to 60 s, whatever the keepalive timeout says).
+    ("grpc.http2.ping_timeout_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 1),

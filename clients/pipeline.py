@@ -152,9 +152,12 @@ class Pipeline:
         in_flight = 0.0
         next_load = 0
 
-        def top_up() -> None:
+        def top_up(needed: set[int]) -> None:
+            """Submit loads in order of need: at least what ``needed`` uses, then up to budget."""
             nonlocal in_flight, next_load
-            while next_load < len(first_use) and (not futures or in_flight < self.prefetch_bytes):
+            while next_load < len(first_use) and (
+                not needed.issubset(futures) or in_flight < self.prefetch_bytes
+            ):
                 index = first_use[next_load]
                 futures[index] = self._executor.submit(self._load, plan.windows[index])
                 in_flight += plan.windows[index].rows * self.row_bytes
@@ -163,7 +166,7 @@ class Pipeline:
         for batch in batches:
             if self._stop.is_set():
                 return
-            top_up()
+            top_up({piece.window for piece in batch.pieces})
             gathers: list[Gather] = []
             for piece in batch.pieces:
                 loaded = futures[piece.window].result()

@@ -205,3 +205,54 @@ def test_node_killed_mid_epoch_fails_over_exact_once(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_blackholed_node_is_left_within_seconds(cluster) -> None:
+    import time
+
+    from tcpproxy import FaultyProxy
+
+    _, nodes = cluster
+    proxy, other = FaultyProxy(nodes[0].address), FaultyProxy(nodes[1].address)  # equal RTTs
+    try:
+        ds = EdgeDataset(
+            "tokens@1",
+            endpoints=[proxy.address, other.address],
+            window_bytes=24 << 10,
+            batch_size=50,
+            prefetch_bytes=1,  # one window at a time, so the stream is live when it goes dark
+            threads=1,
+        )
+        preferred = {proxy.address: proxy, other.address: other}[ds.pool().ranked()[0].text]
+        got, gaps, last = [], [], time.monotonic()
+        for i, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            got.extend(int(x) for x in batch["label"])
+            if i == 3:
+                preferred.blackhole()
+        assert sorted(got) == list(range(TOTAL))
+        assert ds.stats()["failovers"] >= 1, ds.stats()
+        assert max(gaps[4:]) < 8.0, gaps  # noticed within seconds, not keepalive's minute
+        assert ds.stats()["endpoints"][preferred.address]["failures"] >= 1
+    finally:
+        proxy.close()
+        other.close()
+
+
+def test_corrupted_bytes_in_transit_are_never_delivered(cluster) -> None:
+    from tcpproxy import FaultyProxy
+
+    _, nodes = cluster
+    full = read_epoch(EdgeDataset("tokens@1", endpoints=[nodes[1].address], seed=9, **SMALL), 0)
+    proxy, other = FaultyProxy(nodes[0].address), FaultyProxy(nodes[1].address)
+    try:
+        ds = EdgeDataset("tokens@1", endpoints=[proxy.address, other.address], seed=9, **SMALL)
+        preferred = {proxy.address: proxy, other.address: other}[ds.pool().ranked()[0].text]
+        preferred.corrupt_after(200_000)  # somewhere inside the chunk stream
+        assert read_epoch(ds, 0) == full
+        assert ds.stats()["endpoints"][preferred.address]["failures"] >= 1
+    finally:
+        proxy.close()
+        other.close()

@@ -1,0 +1,79 @@
+"""A TCP proxy on loopback that can blackhole or corrupt a connection, for fault tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+class FaultyProxy:
+    """Forwards 127.0.0.1:<port> to a target; ``blackhole()`` stops all forwarding
+    (connections stay open, as with a dropped route), ``corrupt_after(n)`` flips one
+    byte of the server's reply stream once ``n`` more bytes have passed."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._blackholed = threading.Event()
+        self._corrupt_at: int | None = None
+        self._passed = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def blackhole(self) -> None:
+        self._blackholed.set()
+
+    def corrupt_after(self, nbytes: int) -> None:
+        self._corrupt_at = self._passed + nbytes
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(
+            self._pipe(reader, up_writer, downstream=False),
+            self._pipe(up_reader, writer, downstream=True),
+            return_exceptions=True,
+        )
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, downstream: bool
+    ) -> None:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                writer.close()
+                return
+            while self._blackholed.is_set():
+                await asyncio.sleep(3600)  # hold the bytes, keep the connection open
+            if downstream:
+                at = self._corrupt_at
+                if at is not None and self._passed <= at < self._passed + len(data):
+                    data = bytearray(data)
+                    data[at - self._passed] ^= 0x40
+                    data = bytes(data)
+                    self._corrupt_at = None
+                self._passed += len(data)
+            writer.write(data)
+            await writer.drain()
