@@ -256,3 +256,28 @@ def test_corrupted_bytes_in_transit_are_never_delivered(cluster) -> None:
     finally:
         proxy.close()
         other.close()
+
+
+def test_topology_file_and_distributed_pinning(cluster, tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from s3server import free_port
+
+    _, nodes = cluster
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text(
+        "registry: file:///unused\n"
+        f"regions:\n  eu-west:\n    nodes: [{nodes[0].address}]\n"
+        f"  us-east:\n    nodes: [{nodes[1].address}]\n"
+    )
+    ds = EdgeDataset("tokens@1", config=topology, region="us-east", **SMALL)
+    assert [e.text for e in ds.endpoints] == [nodes[1].address, nodes[0].address]
+    with pytest.raises(InvalidEndpoint, match="region 'mars'"):
+        EdgeDataset("tokens@1", config=topology, region="mars")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:  # rank 0 resolves latest and broadcasts the manifest; the rank comes from torch
+        pinned = EdgeDataset("tokens@1", endpoints=[nodes[0].address], **SMALL)
+        assert (pinned.rank, pinned.world_size, pinned.version) == (0, 1, "tokens@1")
+    finally:
+        dist.destroy_process_group()
