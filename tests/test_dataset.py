@@ -187,8 +187,15 @@ def test_node_killed_mid_epoch_fails_over_exact_once(tmp_path: Path) -> None:
     publish(registry, f"file://{tmp_path}/origin", "tokens")
     nodes = [start_local_node(r, tmp_path / f"cache-{r}", registry) for r in ("a", "b")]
     try:
-        ds = EdgeDataset("tokens@1", endpoints=[n.address for n in nodes], retry_timeout=3, **SMALL)
-        reader = max(nodes, key=lambda n: -ds.pool().stats[n.address].rtt_ms)  # the one it prefers
+        ds = EdgeDataset(
+            "tokens@1",
+            endpoints=[n.address for n in nodes],
+            retry_timeout=3,
+            prefetch_bytes=1,  # read as it goes, so the kill lands mid-epoch
+            threads=1,
+            **SMALL,
+        )
+        reader = {n.address: n for n in nodes}[ds.pool().ranked()[0].text]  # the one it reads
         got = []
         for i, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
             got.extend(int(x) for x in batch["label"])
