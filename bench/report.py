@@ -14,7 +14,7 @@ def _mark(row: dict) -> str:
     target = row.get("target")
     if target is None:
         return ""
-    return f"≥{target:.1f} " + ("✓" if row["ratio"] >= target else "✗")
+    return f"≥{target:g} " + ("✓" if row["ratio"] >= target else "✗")
 
 
 def ratio_table(title: str, results: Iterable[dict], labels: Sequence[str]) -> Table:

@@ -207,14 +207,18 @@ class NodePool:
         return stub
 
     def store(self, endpoint: Endpoint) -> CacheStore:
-        """The read-only store of a local endpoint (opened in this process)."""
-        store = self._stores.get(endpoint.text)
-        if store is None:
-            store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
-        return store
+        """The read-only store of a local endpoint, opened once per process.
+
+        Under the lock: LMDB must not open one environment twice in a process.
+        """
+        with self._lock:
+            store = self._stores.get(endpoint.text)
+            if store is None:
+                store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
+            return store
 
     def close(self) -> None:
-        """Stop background threads, close channels and stores."""
+        """Stop background threads, close channels and stores (safe to call twice)."""
         self._stop.set()
         for channel in self._channels.values():
             channel.close()

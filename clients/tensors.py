@@ -96,6 +96,19 @@ def _values(column: pa.Array, kind: ColumnKind) -> np.ndarray:
     return values.reshape((len(column), *kind.shape))
 
 
+def _pylist(column: pa.Array, rows: np.ndarray) -> list[object]:
+    """Python values of ``rows``; binary and strings copied once, straight from the buffers."""
+    t = column.type
+    if column.null_count == 0 and (pa.types.is_binary(t) or pa.types.is_string(t)):
+        offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[
+            column.offset : column.offset + len(column) + 1
+        ]
+        data = memoryview(column.buffers()[2])
+        blobs = [bytes(data[offsets[i] : offsets[i + 1]]) for i in rows]
+        return [b.decode() for b in blobs] if pa.types.is_string(t) else blobs  # type: ignore[misc]
+    return column.take(pa.array(rows)).to_pylist()
+
+
 def assemble(
     gathers: Sequence[Gather],
     kinds: Sequence[ColumnKind],
@@ -147,6 +160,6 @@ def assemble(
         else:
             values: list[object] = []
             for g in gathers:
-                values.extend(g.batch.column(kind.name).take(pa.array(g.rows)).to_pylist())
+                values.extend(_pylist(g.batch.column(kind.name), g.rows))
             out[kind.name] = values
     return out
