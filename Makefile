@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store bench-edge proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -24,13 +24,16 @@ typecheck: $(STAMP)
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p edgecache.cache -p edgecache.clients
 
-bench: bench-store bench-edge
+bench: bench-store bench-edge bench-dataset
 
 bench-store: $(STAMP)  ## codec and LMDB store against raw zstd / raw LMDB
 	$(PY) -m bench.codec_store
 
 bench-edge: $(STAMP)  ## edge node ReadShard and staging against bare grpcio / aiobotocore
 	$(PY) -m bench.edge_node
+
+bench-dataset: $(STAMP)  ## EdgeDataset (gRPC and lmdb://) against a hand-written LMDB → tensor loop
+	$(PY) -m bench.dataset
 
 proto: $(STAMP)  ## regenerate edgecache.v1 after editing proto/**/*.proto
 	$(PY) proto/generate.py

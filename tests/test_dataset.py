@@ -288,3 +288,24 @@ def test_topology_file_and_distributed_pinning(cluster, tmp_path: Path) -> None:
         assert (pinned.rank, pinned.world_size, pinned.version) == (0, 1, "tokens@1")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchdata_stateful_dataloader_resumes(cluster, workers: int) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    _, nodes = cluster
+
+    def dataset() -> EdgeDataset:
+        return EdgeDataset("tokens@1", endpoints=[nodes[0].address], seed=3, **SMALL)
+
+    full = labels(StatefulDataLoader(dataset(), batch_size=None, num_workers=workers))
+    loader = StatefulDataLoader(dataset(), batch_size=None, num_workers=workers)
+    first = []
+    for i, batch in enumerate(loader):
+        first.extend(int(x) for x in batch["label"])
+        if i == 9:
+            break
+    again = StatefulDataLoader(dataset(), batch_size=None, num_workers=workers)
+    again.load_state_dict(loader.state_dict())
+    assert first + labels(again) == full
