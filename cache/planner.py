@@ -1,0 +1,394 @@
+"""The prefetch planner: a schedule of jobs → staging tasks and evictions per region.
+
+Pure and deterministic: the same inputs give the same plan. It knows the
+future, so it evicts what is needed furthest ahead or never (Belady), not
+what was used least recently, and it never evicts a version that a job
+reads between that job's start and end.
+
+Per region, jobs are taken in order of start time (then priority, then
+name). Each version a job reads must be resident by the job's start. A
+version not yet resident becomes a staging task on the region's origin link
+(or from a peer region that holds it, when that link is faster); tasks on
+one link run one after another in deadline order (earliest deadline first,
+which meets every deadline that any order could). Room is made by evicting
+versions whose next use is furthest away, among those no job needs between
+the task's start and the job's end. What cannot be met is reported with the
+reason: the version does not exist, the region is too small even after
+evicting everything not needed sooner, or the link is too slow before the
+start time.
+
+Sizes are the versions' source bytes unless the caller knows the cached size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+__all__ = [
+    "Eviction",
+    "Infeasible",
+    "Job",
+    "Plan",
+    "RegionPlan",
+    "RegionState",
+    "StageTask",
+    "plan",
+]
+
+PRIORITIES = {"low": 0, "normal": 1, "high": 2}
+VersionKey = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One scheduled job: reads ``versions`` in ``region`` from ``start`` to ``end``."""
+
+    name: str
+    region: str
+    start: datetime
+    end: datetime
+    versions: tuple[VersionKey, ...]
+    priority: str = "normal"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionState:
+    """What the planner knows of a region now."""
+
+    name: str
+    capacity_bytes: int
+    origin_bandwidth: float  # bytes/s
+    resident: Mapping[VersionKey, int] = field(default_factory=dict)  # version → bytes held
+    peer_bandwidth: Mapping[str, float] = field(default_factory=dict)  # region → bytes/s
+    egress_price_per_gb: float = 0.0  # origin → region
+
+
+@dataclass(frozen=True, slots=True)
+class StageTask:
+    """Stage one version into a region, from origin or a peer, before a deadline."""
+
+    region: str
+    version: VersionKey
+    bytes: int
+    source: str  # "origin" or a region name
+    start: datetime
+    finish: datetime
+    deadline: datetime
+    jobs: tuple[str, ...]
+
+    @property
+    def spec(self) -> str:
+        """``name@N``."""
+        return f"{self.version[0]}@{self.version[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """Remove a version from a region at a time, and why that one."""
+
+    region: str
+    version: VersionKey
+    bytes: int
+    at: datetime
+    next_use: datetime | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Infeasible:
+    """A job's version that cannot be ready in time, and why."""
+
+    job: str
+    region: str
+    version: str
+    reason: str
+
+
+@dataclass
+class RegionPlan:
+    """Ordered staging tasks and evictions of one region."""
+
+    tasks: list[StageTask] = field(default_factory=list)
+    evictions: list[Eviction] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The whole plan: per region, what cannot be met, and what moves over each link."""
+
+    regions: dict[str, RegionPlan]
+    infeasible: list[Infeasible]
+    # (job, link) → bytes, where link is "origin→R" or "P→R"
+    transfers: dict[tuple[str, str], int]
+    cost: dict[str, float]  # job → egress cost, where prices are known
+
+    def feasible(self, job: str) -> bool:
+        """Whether all of ``job``'s data will be there in time."""
+        return not any(i.job == job for i in self.infeasible)
+
+
+def _order_key(job: Job) -> tuple[datetime, int, str]:
+    return (job.start, -PRIORITIES.get(job.priority, 1), job.name)
+
+
+def plan(
+    jobs: Sequence[Job],
+    regions: Mapping[str, RegionState],
+    sizes: Mapping[VersionKey, int],
+    *,
+    now: datetime,
+    missing: Iterable[tuple[str, str, str]] = (),
+) -> Plan:
+    """Plan staging for ``jobs``.
+
+    Args:
+        jobs: the schedule, versions already resolved (``latest`` pinned by the caller).
+        regions: capacity, link speeds and current contents of every region.
+        sizes: bytes of every version the jobs read (a version without a size does not exist).
+        now: when staging can begin.
+        missing: (job, region, spec) of datasets the caller could not resolve.
+    """
+    infeasible = [
+        Infeasible(job, region, spec, f"{spec} does not exist in the registry")
+        for job, region, spec in missing
+    ]
+    by_region: dict[str, list[Job]] = defaultdict(list)
+    for job in sorted(jobs, key=_order_key):
+        if job.region not in regions:
+            infeasible.extend(
+                Infeasible(job.name, job.region, f"{d}@{v}", f"region {job.region!r} is unknown")
+                for d, v in job.versions
+            )
+            continue
+        by_region[job.region].append(job)
+
+    # Who holds what, when: for peer sourcing. Filled region by region in name order,
+    # so it is deterministic; a peer counts once its own task has finished.
+    ready_at: dict[tuple[str, VersionKey], datetime] = {}
+    for name, state in regions.items():
+        for version in state.resident:
+            ready_at[(name, version)] = now
+    result = Plan(regions={}, infeasible=infeasible, transfers={}, cost={})
+    for name in sorted(regions):
+        result.regions[name] = _plan_region(
+            regions[name], by_region.get(name, []), sizes, now, ready_at, result
+        )
+    result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
+    return result
+
+
+def _plan_region(
+    state: RegionState,
+    jobs: list[Job],
+    sizes: Mapping[VersionKey, int],
+    now: datetime,
+    ready_at: dict[tuple[str, VersionKey], datetime],
+    result: Plan,
+) -> RegionPlan:
+    out = RegionPlan()
+    # Uses of each version in this region, for "next use" (Belady) and "in use" checks.
+    uses: dict[VersionKey, list[tuple[datetime, datetime]]] = defaultdict(list)
+    for job in jobs:
+        for version in job.versions:
+            uses[version].append((job.start, job.end))
+    starts = {v: [s for s, _ in sorted(u)] for v, u in uses.items()}
+    ends_sorted = {v: sorted(u) for v, u in uses.items()}
+
+    def next_use(version: VersionKey, after: datetime) -> datetime | None:
+        times = starts.get(version, [])
+        i = bisect.bisect_right(times, after)
+        return times[i] if i < len(times) else None
+
+    def in_use(version: VersionKey, lo: datetime, hi: datetime) -> bool:
+        """Whether a job reads ``version`` at any time in [lo, hi]."""
+        return any(s <= hi and e >= lo for s, e in ends_sorted.get(version, ()))
+
+    resident: dict[VersionKey, int] = dict(state.resident)
+    used = sum(resident.values())
+    link_free = now  # the origin link is busy until then
+    cursor = now  # tasks and evictions happen in time order
+    task_of: dict[VersionKey, int] = {}  # version → index of its task in out.tasks
+    for job in jobs:
+        for version in job.versions:
+            spec = f"{version[0]}@{version[1]}"
+            size = sizes.get(version)
+            if size is None:
+                result.infeasible.append(
+                    Infeasible(job.name, state.name, spec, f"{spec} does not exist in the registry")
+                )
+                continue
+            if version in resident:
+                index = task_of.get(version)
+                if index is None:
+                    continue  # resident before planning began
+                task = out.tasks[index]
+                if job.name not in task.jobs:
+                    out.tasks[index] = _with_job(task, job.name)
+                if task.finish <= job.start:
+                    continue
+                result.infeasible.append(
+                    Infeasible(
+                        job.name, state.name, spec, "staged for an earlier job but not in time"
+                    )
+                )
+                continue
+            # Choose a source: a peer that will hold it sooner and has a faster link.
+            source, bandwidth, begin = "origin", state.origin_bandwidth, max(cursor, link_free)
+            for peer, peer_bw in sorted(state.peer_bandwidth.items()):
+                held = ready_at.get((peer, version))
+                if held is not None and peer_bw > bandwidth and held <= job.start:
+                    source, bandwidth, begin = peer, peer_bw, max(cursor, held)
+            if bandwidth <= 0:
+                result.infeasible.append(
+                    Infeasible(job.name, state.name, spec, "the region has no origin bandwidth")
+                )
+                continue
+            duration = timedelta(seconds=size / bandwidth)
+            finish = begin + duration
+            if size > state.capacity_bytes:
+                result.infeasible.append(
+                    Infeasible(
+                        job.name,
+                        state.name,
+                        spec,
+                        f"{spec} ({_gb(size)}) is larger than the region's capacity "
+                        f"({_gb(state.capacity_bytes)})",
+                    )
+                )
+                continue
+            if finish > job.start:
+                available = max((job.start - begin).total_seconds(), 0.0)
+                result.infeasible.append(
+                    Infeasible(
+                        job.name,
+                        state.name,
+                        spec,
+                        f"needs {duration.total_seconds():,.0f} s at {bandwidth * 8 / 1e9:.2f} "
+                        f"Gbit/s from {source}, only {available:,.0f} s before the start",
+                    )
+                )
+                continue
+            # Make room: evict what is needed furthest ahead (or never), never what a job
+            # reads between this task's start and this job's end. If that is not enough
+            # now, start just in time instead: later, more jobs have finished.
+            shortfall = used + size - state.capacity_bytes
+            victims: list[tuple[VersionKey, datetime | None]] = []
+            if shortfall > 0:
+                victims, freed = _victims(
+                    resident, shortfall, begin, job.end, in_use, next_use, now
+                )
+                if freed < shortfall and job.start - duration > begin:
+                    late = job.start - duration
+                    late_victims, late_freed = _victims(
+                        resident, shortfall, late, job.end, in_use, next_use, now
+                    )
+                    if late_freed >= shortfall:
+                        victims, freed, begin, finish = late_victims, late_freed, late, job.start
+                if freed < shortfall:
+                    locked = sorted(
+                        f"{d}@{v}" for (d, v) in resident if in_use((d, v), begin, job.end)
+                    )
+                    result.infeasible.append(
+                        Infeasible(
+                            job.name,
+                            state.name,
+                            spec,
+                            f"not enough capacity: needs {_gb(size)}, only "
+                            f"{_gb(state.capacity_bytes - used + freed)} free even after evicting "
+                            f"everything not needed sooner; in use then: "
+                            f"{', '.join(locked[:5]) or 'nothing'}",
+                        )
+                    )
+                    continue
+            for held, following in victims:
+                held_size = resident.pop(held)
+                used -= held_size
+                out.evictions.append(
+                    Eviction(
+                        region=state.name,
+                        version=held,
+                        bytes=held_size,
+                        at=begin,
+                        next_use=following,
+                        reason=(
+                            "not needed again"
+                            if following is None
+                            else f"next needed at {following:%Y-%m-%dT%H:%MZ}, furthest ahead"
+                        ),
+                    )
+                )
+                task_of.pop(held, None)
+            task = StageTask(
+                region=state.name,
+                version=version,
+                bytes=size,
+                source=source,
+                start=begin,
+                finish=finish,
+                deadline=job.start,
+                jobs=(job.name,),
+            )
+            if source == "origin":
+                link_free = finish
+            cursor = begin
+            out.tasks.append(task)
+            task_of[version] = len(out.tasks) - 1
+            resident[version] = size
+            used += size
+            ready_at.setdefault((state.name, version), finish)
+            link = f"{source}→{state.name}"
+            result.transfers[(job.name, link)] = result.transfers.get((job.name, link), 0) + size
+            if source == "origin" and state.egress_price_per_gb:
+                result.cost[job.name] = (
+                    result.cost.get(job.name, 0.0) + size / 1e9 * state.egress_price_per_gb
+                )
+    return out
+
+
+def _victims(
+    resident: Mapping[VersionKey, int],
+    shortfall: int,
+    begin: datetime,
+    until: datetime,
+    in_use: Callable[[VersionKey, datetime, datetime], bool],
+    next_use: Callable[[VersionKey, datetime], datetime | None],
+    now: datetime,
+) -> tuple[list[tuple[VersionKey, datetime | None]], int]:
+    """Belady: evictable versions, never-needed first, then needed furthest ahead."""
+    candidates = []
+    for held, held_size in resident.items():
+        if in_use(held, begin, until):
+            continue
+        following = next_use(held, until)
+        key = (following is not None, -(following or now).timestamp(), -held_size, held)
+        candidates.append((key, held, held_size, following))
+    candidates.sort()
+    chosen: list[tuple[VersionKey, datetime | None]] = []
+    freed = 0
+    for _, held, held_size, following in candidates:
+        if freed >= shortfall:
+            break
+        chosen.append((held, following))
+        freed += held_size
+    return chosen, freed
+
+
+def _with_job(task: StageTask, job: str) -> StageTask:
+    return StageTask(
+        task.region,
+        task.version,
+        task.bytes,
+        task.source,
+        task.start,
+        task.finish,
+        task.deadline,
+        (*task.jobs, job),
+    )
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:,.2f} GB"

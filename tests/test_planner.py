@@ -1,0 +1,156 @@
+"""Planner properties: capacity never exceeded, feasible jobs ready in time, no eviction in use."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgecache.cache.planner import Job, RegionState, plan
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+GB = 10**9
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[Job], dict[str, RegionState], dict]:
+    versions = [("ds", v) for v in range(1, draw(st.integers(1, 6)) + 1)]
+    sizes = {v: draw(st.integers(1, 40)) * GB // 10 for v in versions}
+    region_names = [f"r{i}" for i in range(draw(st.integers(1, 3)))]
+    regions = {}
+    for name in region_names:
+        resident = {
+            v: sizes[v] for v in draw(st.lists(st.sampled_from(versions), max_size=2, unique=True))
+        }
+        capacity = max(sum(resident.values()), draw(st.integers(1, 100)) * GB // 10)
+        regions[name] = RegionState(
+            name=name,
+            capacity_bytes=capacity,
+            origin_bandwidth=draw(st.integers(1, 50)) * 1e7,
+            resident=resident,
+            peer_bandwidth={p: 1e9 for p in region_names if p != name and draw(st.booleans())},
+        )
+    jobs = []
+    for i in range(draw(st.integers(1, 15))):
+        start = NOW + timedelta(minutes=draw(st.integers(0, 600)))
+        jobs.append(
+            Job(
+                name=f"job{i}",
+                region=draw(st.sampled_from(region_names)),
+                start=start,
+                end=start + timedelta(minutes=draw(st.integers(1, 300))),
+                versions=tuple(
+                    draw(st.lists(st.sampled_from(versions), min_size=1, max_size=3, unique=True))
+                ),
+                priority=draw(st.sampled_from(["low", "normal", "high"])),
+            )
+        )
+    return jobs, regions, sizes
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenario=scenarios())
+def test_plan_invariants(scenario) -> None:  # noqa: ANN001
+    jobs, regions, sizes = scenario
+    result = plan(jobs, regions, sizes, now=NOW)
+    for name, state in regions.items():
+        region_plan = result.regions[name]
+        # 1. capacity: replay evictions and stagings in time order
+        events = [(e.at, 0, -e.bytes) for e in region_plan.evictions]
+        events += [(t.start, 1, t.bytes) for t in region_plan.tasks]
+        used = sum(state.resident.values())
+        for _, _, delta in sorted(events):
+            used += delta
+            assert used <= state.capacity_bytes
+        for job in (j for j in jobs if j.region == name and result.feasible(j.name)):
+            for version in job.versions:
+                # 2. ready before the start: resident from the outset or staged in time,
+                #    and not evicted in between
+                tasks = [
+                    t for t in region_plan.tasks if t.version == version and t.finish <= job.start
+                ]
+                arrived = max(
+                    (t.finish for t in tasks), default=NOW if version in state.resident else None
+                )
+                assert arrived is not None, (job, version)
+                gone = [
+                    e
+                    for e in region_plan.evictions
+                    if e.version == version and arrived <= e.at <= job.end
+                ]
+                # 3. never evicted while a job reads it (nor between arrival and the start)
+                assert not gone, (job, version, gone)
+
+
+def test_belady_evicts_what_is_needed_furthest_ahead() -> None:
+    v1, v2, v3 = ("a", 1), ("b", 1), ("c", 1)
+    sizes = {v1: 4 * GB, v2: 4 * GB, v3: 4 * GB}
+    region = RegionState(
+        "eu", capacity_bytes=8 * GB, origin_bandwidth=1e9, resident={v1: 4 * GB, v2: 4 * GB}
+    )
+    hour = timedelta(hours=1)
+    jobs = [
+        Job("needs-c", "eu", NOW + hour, NOW + 2 * hour, (v3,)),
+        Job("needs-a-soon", "eu", NOW + 3 * hour, NOW + 4 * hour, (v1,)),
+        Job("needs-b-late", "eu", NOW + 9 * hour, NOW + 10 * hour, (v2,)),
+    ]
+    result = plan(jobs, {"eu": region}, sizes, now=NOW)
+    first, second = result.regions["eu"].evictions
+    assert first.version == v2 and "furthest ahead" in first.reason  # not LRU's pick (a)
+    # b comes back just in time for its job, once a (never needed again) can go
+    assert second.version == v1 and second.reason == "not needed again"
+    assert second.at >= NOW + 4 * hour
+    assert not result.infeasible
+
+
+def test_infeasible_items_say_why() -> None:
+    v1, v2 = ("a", 1), ("big", 1)
+    sizes = {v1: 10 * GB, v2: 50 * GB}
+    regions = {"eu": RegionState("eu", capacity_bytes=20 * GB, origin_bandwidth=1e8)}
+    jobs = [
+        Job("slow", "eu", NOW + timedelta(seconds=10), NOW + timedelta(hours=1), (v1,)),
+        Job("huge", "eu", NOW + timedelta(days=1), NOW + timedelta(days=2), (v2,)),
+        Job("nowhere", "mars", NOW, NOW + timedelta(hours=1), (v1,)),
+        Job("ghost", "eu", NOW, NOW + timedelta(hours=1), (("ghost", 3),)),
+    ]
+    result = plan(jobs, regions, sizes, now=NOW)
+    reasons = {i.job: i.reason for i in result.infeasible}
+    assert "only 10 s before the start" in reasons["slow"]
+    assert "larger than the region's capacity" in reasons["huge"]
+    assert "unknown" in reasons["nowhere"]
+    assert "does not exist" in reasons["ghost"]
+
+
+def test_peer_region_is_used_when_faster_and_transfers_are_counted() -> None:
+    v = ("a", 1)
+    regions = {
+        "eu": RegionState("eu", 100 * GB, 1e8, resident={v: 10 * GB}),
+        "us": RegionState(
+            "us", 100 * GB, 1e8, peer_bandwidth={"eu": 1e9}, egress_price_per_gb=0.02
+        ),
+    }
+    jobs = [Job("train-us", "us", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (v,))]
+    result = plan(jobs, regions, {v: 10 * GB}, now=NOW)
+    (task,) = result.regions["us"].tasks
+    assert task.source == "eu" and result.transfers[("train-us", "eu→us")] == 10 * GB
+    assert "train-us" not in result.cost  # peer traffic has no origin egress price here
+
+
+def test_deterministic() -> None:
+    v = [("d", i) for i in range(5)]
+    sizes = dict.fromkeys(v, 3 * GB)
+    regions = {"eu": RegionState("eu", 7 * GB, 5e8)}
+    jobs = [
+        Job(
+            f"j{i}",
+            "eu",
+            NOW + timedelta(minutes=30 * i),
+            NOW + timedelta(minutes=30 * i + 20),
+            (v[i % 5],),
+        )
+        for i in range(20)
+    ]
+    assert plan(jobs, regions, sizes, now=NOW) == plan(
+        list(reversed(jobs)), regions, sizes, now=NOW
+    )
