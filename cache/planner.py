@@ -23,6 +23,7 @@ Sizes are the versions' source bytes unless the caller knows the cached size.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -195,8 +196,12 @@ def _plan_region(
     for job in jobs:
         for version in job.versions:
             uses[version].append((job.start, job.end))
-    starts = {v: [s for s, _ in sorted(u)] for v, u in uses.items()}
-    ends_sorted = {v: sorted(u) for v, u in uses.items()}
+    starts: dict[VersionKey, list[datetime]] = {}
+    reach: dict[VersionKey, list[datetime]] = {}  # running max of ends, in start order
+    for version, intervals in uses.items():
+        intervals.sort()
+        starts[version] = [s for s, _ in intervals]
+        reach[version] = list(itertools.accumulate((e for _, e in intervals), max))
 
     def next_use(version: VersionKey, after: datetime) -> datetime | None:
         times = starts.get(version, [])
@@ -204,8 +209,9 @@ def _plan_region(
         return times[i] if i < len(times) else None
 
     def in_use(version: VersionKey, lo: datetime, hi: datetime) -> bool:
-        """Whether a job reads ``version`` at any time in [lo, hi]."""
-        return any(s <= hi and e >= lo for s, e in ends_sorted.get(version, ()))
+        """Whether a job reads ``version`` at any time in [lo, hi] (O(log n))."""
+        i = bisect.bisect_right(starts.get(version, []), hi) - 1
+        return i >= 0 and reach[version][i] >= lo
 
     resident: dict[VersionKey, int] = dict(state.resident)
     used = sum(resident.values())
