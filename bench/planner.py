@@ -4,8 +4,8 @@
 
 Prints plan time per size and the ratio of time per job at 10k to time per job
 at 1k (about 1.0 means time grows linearly with jobs). Inputs are generated
-with a fixed seed: versions of 1-200 GB, regions of 2-10 TB (so eviction runs at every size) with 10-100
-Gbit/s origin links, jobs reading 1-3 versions each at a steady rate of about
+with a fixed seed: versions of 1-200 GB, regions of 2-10 TB (so eviction runs
+at every size) with 10-100 Gbit/s origin links, jobs reading 1-3 versions each at a steady rate of about
 1,000 jobs per 3 days (10k jobs span 30 days), so only the job count changes.
 """
 
@@ -104,15 +104,11 @@ def main() -> None:
         )
         return
     table = Table(title=f"planner, best of {args.repeat} (1,000 versions × 20 regions)")
-    for column in ("jobs", "seconds", "µs/job", "tasks", "evictions", "infeasible"):
-        table.add_column(column, justify="right")
+    columns = ("jobs", "seconds", "us_per_job", "us_per_action", "tasks", "evictions", "infeasible")
+    for column in columns:
+        table.add_column(column.replace("us_per_", "µs/"), justify="right")
     for r in rows:
-        table.add_row(
-            *(
-                str(r[k])
-                for k in ("jobs", "seconds", "us_per_job", "tasks", "evictions", "infeasible")
-            )
-        )
+        table.add_row(*(str(r[k]) for k in columns))
     console = Console()
     console.print(table)
     console.print(
