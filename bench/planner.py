@@ -5,8 +5,8 @@
 Prints plan time per size and the ratio of time per job at 10k to time per job
 at 1k (about 1.0 means time grows linearly with jobs). Inputs are generated
 with a fixed seed: versions of 1-200 GB, regions of 2-10 TB (so eviction runs
-at every size) with 10-100 Gbit/s origin links, jobs reading 1-3 versions each at a steady rate of about
-1,000 jobs per 3 days (10k jobs span 30 days), so only the job count changes.
+at every size) with 10-100 Gbit/s origin links, jobs reading 1-3 versions each
+at a steady rate of about 1,000 jobs per 3 days (10k jobs span 30 days).
 """
 
 from __future__ import annotations
