@@ -173,6 +173,568 @@ def serve(
         raise typer.Exit(2) from exc
 
 
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", help="Topology file [$EDGECACHE_CONFIG, ./edgecache.yaml]."),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _fail(exc: Exception, code: int = 2) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(code)
+
+
+def _registry_url(registry: str | None, config: Path | None) -> str:
+    from edgecache.clients.topology import load_topology
+
+    return registry or load_topology(config).registry
+
+
+@app.command()
+def publish(
+    source_url: Annotated[str, typer.Argument(help="Prefix of raw shards (s3://…, file://…).")],
+    dataset: Annotated[str, typer.Option(help="Dataset name.")],
+    fmt: Annotated[
+        str | None, typer.Option("--format", help="parquet, jsonl, csv or arrow [from names].")
+    ] = None,
+    transform: Annotated[str, typer.Option(help="Transform name.")] = "identity",
+    param: Annotated[
+        list[str] | None, typer.Option(help="Transform parameter KEY=VALUE (repeatable).")
+    ] = None,
+    compression: Annotated[str, typer.Option(help="zstd or none.")] = "zstd",
+    level: Annotated[int, typer.Option(help="zstd level.")] = 1,
+    registry: Annotated[str | None, typer.Option(help="Registry URL [from --config].")] = None,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Snapshot a prefix as the next immutable version of a dataset."""
+    import asyncio
+
+    from edgecache.cache.manifest import preprocess_spec
+    from edgecache.cache.preprocess import format_from_name
+    from edgecache.cache.registry import Registry
+    from edgecache.v1 import manifest_pb2 as pb
+
+    try:
+        params = dict(p.split("=", 1) for p in (param or []) if "=" in p)
+        if len(params) != len(param or []):
+            raise ValueError("--param takes KEY=VALUE")
+        spec = preprocess_spec(
+            transform=transform,
+            params=params,
+            compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD,
+            compression_level=level,
+        )
+        url = _registry_url(registry, config)
+
+        async def go():  # noqa: ANN202
+            reg = Registry(url)
+            try:
+                return await reg.publish(
+                    source_url, dataset, fmt=format_from_name(fmt) if fmt else None, spec=spec
+                )
+            finally:
+                await reg.close()
+
+        manifest = asyncio.run(go())
+    except (EdgeCacheError, ValueError, OSError) as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "version": f"{manifest.dataset}@{manifest.version}",
+                    "digest": manifest.digest,
+                    "shards": len(manifest.shards),
+                }
+            )
+        )
+    else:
+        console.print(
+            f"{manifest.dataset}@{manifest.version}  {manifest.digest}  "
+            f"({len(manifest.shards)} shards)"
+        )
+
+
+@app.command()
+def versions(
+    dataset: Annotated[str, typer.Argument(help="Dataset name.")],
+    registry: Annotated[str | None, typer.Option(help="Registry URL [from --config].")] = None,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List a dataset's published versions."""
+    import asyncio
+
+    from edgecache.cache.manifest import summarize
+    from edgecache.cache.registry import Registry
+
+    try:
+        url = _registry_url(registry, config)
+
+        async def go():  # noqa: ANN202
+            reg = Registry(url)
+            try:
+                return [
+                    summarize(await reg.manifest(dataset, n)) for n in await reg.versions(dataset)
+                ]
+            finally:
+                await reg.close()
+
+        rows = asyncio.run(go())
+    except (EdgeCacheError, ValueError, OSError) as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "version": v.version,
+                        "digest": v.digest,
+                        "shards": v.shard_count,
+                        "rows": v.row_count,
+                        "source_bytes": v.source_bytes,
+                        "created_at": v.created_at.ToJsonString(),
+                    }
+                    for v in rows
+                ]
+            )
+        )
+        return
+    table = Table(title=f"{dataset} in {url}")
+    for column in ("version", "digest", "shards", "rows", "source", "created"):
+        table.add_column(
+            column, justify="right" if column in ("version", "shards", "rows", "source") else "left"
+        )
+    for v in rows:
+        table.add_row(
+            str(v.version),
+            v.digest[:19] + "…",
+            str(v.shard_count),
+            f"{v.row_count:,}",
+            f"{v.source_bytes / 1e6:,.1f} MB",
+            v.created_at.ToJsonString(),
+        )
+    console.print(table if rows else f"{dataset} has no versions in {url}")
+
+
+@app.command()
+def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
+    """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio."""
+    from edgecache.clients.ops import gather_status
+    from edgecache.clients.topology import load_topology
+
+    try:
+        reports = gather_status(load_topology(config))
+    except EdgeCacheError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "region": r.region,
+                        "node": r.address,
+                        "healthy": r.healthy,
+                        "rtt_ms": None if r.status is None else round(r.rtt_ms, 2),
+                        "error": r.error,
+                        "capacity_bytes": r.status.capacity_bytes if r.status else None,
+                        "used_bytes": r.status.used_bytes if r.status else None,
+                        "hits": r.status.hits if r.status else None,
+                        "misses": r.status.misses if r.status else None,
+                        "bytes_served": r.status.bytes_served if r.status else None,
+                        "versions": [
+                            {
+                                "version": f"{v.dataset}@{v.version}",
+                                "shards": v.shard_count,
+                                "pinned_until": v.pinned_until.ToJsonString()
+                                if v.HasField("pinned_until")
+                                else None,
+                            }
+                            for v in (r.status.versions if r.status else [])
+                        ],
+                    }
+                    for r in reports
+                ]
+            )
+        )
+    else:
+        table = Table(title="edge nodes")
+        for column in (
+            "region",
+            "node",
+            "health",
+            "RTT",
+            "used / capacity",
+            "versions (shards, pin)",
+            "hit ratio",
+            "served",
+        ):
+            table.add_column(column)
+        for r in reports:
+            if r.status is None:
+                table.add_row(
+                    r.region, r.address, "[red]down[/red]", "", "", f"[red]{r.error}[/red]", "", ""
+                )
+                continue
+            s = r.status
+            versions_text = (
+                ", ".join(
+                    f"{v.dataset}@{v.version} ({v.shard_count}"
+                    f"{'/' + str(v.total_shards) if v.total_shards else ''}"
+                    f"{', pinned' if v.HasField('pinned_until') else ''})"
+                    for v in s.versions
+                )
+                or "—"
+            )
+            lookups = s.hits + s.misses
+            table.add_row(
+                r.region,
+                r.address,
+                "[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]",
+                f"{r.rtt_ms:.1f} ms",
+                f"{s.used_bytes / 1e9:,.2f} / {s.capacity_bytes / 1e9:,.1f} GB",
+                versions_text,
+                f"{s.hits / lookups:.0%}" if lookups else "—",
+                f"{s.bytes_served / 1e6:,.0f} MB",
+            )
+        console.print(table)
+    if any(r.status is None for r in reports):
+        raise typer.Exit(1)
+
+
+@app.command()
+def plan(
+    schedule: Annotated[Path, typer.Argument(help="Schedule file (YAML).")],
+    config: ConfigOption = None,
+    at: Annotated[
+        str | None, typer.Option(help="Plan as of this time (ISO 8601, with zone).")
+    ] = None,
+    explain: Annotated[bool, typer.Option(help="Say why each eviction and source.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Show what to stage where, by when, what to evict, and what cannot be met."""
+    from datetime import datetime
+
+    from edgecache.clients.ops import make_plan
+    from edgecache.clients.topology import load_schedule, load_topology
+
+    try:
+        topology = load_topology(config)
+        jobs = load_schedule(schedule, topology)
+        now = datetime.fromisoformat(at) if at else None
+        if now is not None and now.tzinfo is None:
+            raise ValueError(f"--at {at!r} needs a time zone, e.g. {at}Z")
+        result, _ = make_plan(topology, jobs, now=now)
+    except (EdgeCacheError, ValueError) as exc:
+        raise _fail(exc) from exc
+    _print_plan(result, explain, as_json)
+
+
+def _print_plan(result, explain: bool, as_json: bool) -> None:  # noqa: ANN001
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "regions": {
+                        name: {
+                            "tasks": [
+                                {
+                                    "version": t.spec,
+                                    "bytes": t.bytes,
+                                    "source": t.source,
+                                    "start": t.start.isoformat(),
+                                    "finish": t.finish.isoformat(),
+                                    "deadline": t.deadline.isoformat(),
+                                    "jobs": list(t.jobs),
+                                }
+                                for t in rp.tasks
+                            ],
+                            "evictions": [
+                                {
+                                    "version": f"{e.version[0]}@{e.version[1]}",
+                                    "bytes": e.bytes,
+                                    "at": e.at.isoformat(),
+                                    "reason": e.reason,
+                                }
+                                for e in rp.evictions
+                            ],
+                        }
+                        for name, rp in result.regions.items()
+                    },
+                    "infeasible": [
+                        {"job": i.job, "region": i.region, "version": i.version, "reason": i.reason}
+                        for i in result.infeasible
+                    ],
+                    "transfers": [
+                        {"job": j, "link": link, "bytes": b}
+                        for (j, link), b in sorted(result.transfers.items())
+                    ],
+                    "cost": result.cost,
+                },
+                indent=2,
+            )
+        )
+        return
+    for name, rp in result.regions.items():
+        table = Table(title=f"region {name}")
+        for column in ("stage", "size", "from", "start", "ready by", "deadline", "for jobs"):
+            table.add_column(column)
+        for t in rp.tasks:
+            table.add_row(
+                t.spec,
+                f"{t.bytes / 1e9:,.2f} GB",
+                t.source,
+                f"{t.start:%Y-%m-%d %H:%M}",
+                f"{t.finish:%Y-%m-%d %H:%M:%S}",
+                f"{t.deadline:%Y-%m-%d %H:%M}",
+                ", ".join(t.jobs),
+            )
+        for e in rp.evictions:
+            table.add_row(
+                f"[yellow]evict {e.version[0]}@{e.version[1]}[/yellow]",
+                f"{e.bytes / 1e9:,.2f} GB",
+                "",
+                f"{e.at:%Y-%m-%d %H:%M}",
+                "",
+                "",
+                e.reason if explain else "",
+            )
+        if rp.tasks or rp.evictions:
+            console.print(table)
+        else:
+            console.print(f"region {name}: nothing to do")
+    if explain:
+        for name, rp in result.regions.items():
+            for t in rp.tasks:
+                why = (
+                    "faster than its origin link"
+                    if t.source != "origin"
+                    else "origin (no faster peer holds it in time)"
+                )
+                console.print(f"{name}: {t.spec} from {t.source}: {why}")
+    for (job, link), size in sorted(result.transfers.items()):
+        cost = f", egress ${result.cost[job]:.2f}" if job in result.cost else ""
+        console.print(f"{job}: {size / 1e9:,.2f} GB over {link}{cost}")
+    if result.infeasible:
+        table = Table(title="[red]cannot be met[/red]")
+        for column in ("job", "region", "version", "why"):
+            table.add_column(column)
+        for i in result.infeasible:
+            table.add_row(i.job, i.region, i.version, f"[red]{i.reason}[/red]")
+        console.print(table)
+
+
+@app.command()
+def warm(
+    target: Annotated[str, typer.Argument(help="A schedule file, or NAME@N with --region.")],
+    region: Annotated[str | None, typer.Option(help="Region to warm NAME@N in.")] = None,
+    config: ConfigOption = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be staged.")] = False,
+    token_file: Annotated[Path | None, typer.Option(help="Bearer token for Stage.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Stage data into regions now (a schedule's plan, or one version), with progress."""
+    import asyncio
+    import threading
+
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from edgecache.cache.registry import Registry
+    from edgecache.clients.ops import WarmItem, make_plan
+    from edgecache.clients.ops import warm as run_warm
+    from edgecache.clients.topology import load_schedule, load_topology
+
+    try:
+        topology = load_topology(config)
+        items: list[WarmItem] = []
+        if Path(target).exists():
+            result, manifests = make_plan(topology, load_schedule(target, topology))
+            ends = {}
+            for job in load_schedule(target, topology).jobs:
+                ends[job.name] = job.end
+            for name, rp in result.regions.items():
+                for t in rp.tasks:
+                    items.append(
+                        WarmItem(
+                            name,
+                            t.spec,
+                            topology.regions[name].nodes,
+                            t.bytes,
+                            pin_until=max(ends[j] for j in t.jobs),
+                        )
+                    )
+            for i in result.infeasible:
+                err_console.print(
+                    f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}"
+                )
+        else:
+            if region is None or region not in topology.regions:
+                raise ValueError(f"warm {target} needs --region, one of {sorted(topology.regions)}")
+
+            async def resolve():  # noqa: ANN202
+                reg = Registry(topology.registry)
+                try:
+                    return await reg.resolve(target)
+                finally:
+                    await reg.close()
+
+            manifest = asyncio.run(resolve())
+            items.append(
+                WarmItem(
+                    region,
+                    f"{manifest.dataset}@{manifest.version}",
+                    topology.regions[region].nodes,
+                    sum(s.source_size for s in manifest.shards),
+                )
+            )
+        token = token_file.read_text().strip() if token_file else None
+    except (EdgeCacheError, ValueError, OSError) as exc:
+        raise _fail(exc) from exc
+    if dry_run:
+        for item in items:
+            console.print(
+                f"would stage {item.spec} into {item.region} "
+                f"({item.bytes_total / 1e9:,.2f} GB) on {', '.join(item.nodes)}"
+            )
+        return
+    stop = threading.Event()
+    progress = Progress(
+        TextColumn("{task.description:<32}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        disable=as_json,
+    )
+    tasks = {id(i): progress.add_task(f"{i.region} {i.spec}", total=i.bytes_total) for i in items}
+    try:
+        with progress:
+            run_warm(
+                items,
+                on_progress=lambda i: progress.update(tasks[id(i)], completed=i.bytes_done),
+                stop=stop,
+                token=token,
+            )
+    except KeyboardInterrupt:
+        stop.set()
+        err_console.print("stopped; run the same command again to resume")
+        raise typer.Exit(130) from None
+    failed = [i for i in items if i.failures]
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {"region": i.region, "version": i.spec, "done": i.done, "failures": i.failures}
+                    for i in items
+                ]
+            )
+        )
+    for item in failed:
+        err_console.print(
+            f"[red]failed:[/red] {item.spec} in {item.region}: " + "; ".join(item.failures)
+        )
+    if failed:
+        raise typer.Exit(1)
+    if not as_json:
+        console.print(f"warm: {len(items)} item(s) staged")
+
+
+@app.command()
+def evict(
+    spec: Annotated[str, typer.Argument(help="NAME@N")],
+    region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
+    config: ConfigOption = None,
+    token_file: Annotated[Path | None, typer.Option(help="Bearer token for Evict.")] = None,
+) -> None:
+    """Drop a version from the nodes of a region (or all regions)."""
+    import grpc
+
+    from edgecache.cache.names import parse_spec
+    from edgecache.clients.node_client import connect
+    from edgecache.clients.topology import load_topology
+    from edgecache.v1 import edge_pb2
+
+    try:
+        topology = load_topology(config)
+        parsed = parse_spec(spec)
+        if parsed.version is None:
+            raise ValueError(f"evict needs an explicit version: {parsed.dataset}@N")
+        if region is not None and region not in topology.regions:
+            raise ValueError(
+                f"unknown region {region!r}; the topology has {sorted(topology.regions)}"
+            )
+    except (EdgeCacheError, ValueError) as exc:
+        raise _fail(exc) from exc
+    metadata = (
+        (("authorization", f"Bearer {token_file.read_text().strip()}"),) if token_file else None
+    )
+    failed = False
+    for name, cfg in topology.regions.items():
+        if region and name != region:
+            continue
+        for node in cfg.nodes:
+            try:
+                freed = connect(node).Evict(
+                    edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version),
+                    timeout=30,
+                    metadata=metadata,
+                )
+                console.print(f"{name} {node}: freed {freed.bytes_freed / 1e9:,.2f} GB")
+            except grpc.RpcError as exc:
+                failed = True
+                err_console.print(f"[red]{name} {node}: {exc.code().name}: {exc.details()}[/red]")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def ready(
+    spec: Annotated[str, typer.Argument(help="NAME@N")],
+    region: Annotated[str, typer.Option(help="Region the job runs in.")],
+    config: ConfigOption = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until ready.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600.0,
+) -> None:
+    """Exit 0 only when every shard of the version is staged in the region."""
+    import asyncio
+    import time
+
+    from edgecache.cache.registry import Registry
+    from edgecache.clients.ops import gather_status
+    from edgecache.clients.ops import ready as check
+    from edgecache.clients.topology import load_topology
+
+    try:
+        topology = load_topology(config)
+
+        async def resolve():  # noqa: ANN202
+            reg = Registry(topology.registry)
+            try:
+                return await reg.resolve(spec)
+            finally:
+                await reg.close()
+
+        manifest = asyncio.run(resolve())
+    except (EdgeCacheError, ValueError) as exc:
+        raise _fail(exc) from exc
+    deadline = time.monotonic() + timeout
+    while True:
+        ok, message = check(gather_status(topology), region, manifest)
+        if ok or not wait or time.monotonic() > deadline:
+            (console if ok else err_console).print(message)
+            raise typer.Exit(0 if ok else 1)
+        time.sleep(2)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,265 @@
+"""What the ops CLI does, as functions: gather state, plan, warm, check readiness.
+
+The CLI (``clients/cli.py``) only parses arguments and prints; everything that
+talks to the registry or to nodes lives here, so scripts and tests can call
+it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edgecache.cache.errors import VersionNotFound
+from edgecache.cache.names import parse_spec
+from edgecache.cache.planner import Job, Plan, RegionState, plan
+from edgecache.cache.registry import Registry
+from edgecache.clients.endpoints import CHANNEL_OPTIONS, parse_endpoint
+from edgecache.clients.topology import Schedule, Topology
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
+from edgecache.v1 import manifest_pb2 as pb
+
+__all__ = [
+    "NodeReport",
+    "WarmItem",
+    "gather_status",
+    "make_plan",
+    "ready",
+    "resolve_specs",
+    "warm",
+]
+
+DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
+
+
+def _stub(address: str) -> tuple[grpc.Channel, edge_pb2_grpc.EdgeCacheStub]:
+    channel = grpc.insecure_channel(parse_endpoint(address).target, options=CHANNEL_OPTIONS)
+    return channel, edge_pb2_grpc.EdgeCacheStub(channel)
+
+
+@dataclass
+class NodeReport:
+    """One node as seen from here."""
+
+    region: str
+    address: str
+    healthy: bool
+    rtt_ms: float = math.inf
+    status: edge_pb2.NodeStatus | None = None
+    error: str = ""
+
+
+def gather_status(topology: Topology, timeout: float = 3.0) -> list[NodeReport]:
+    """Health, RTT and Status of every node, in parallel; unreachable ones are reported."""
+
+    def one(region: str, address: str) -> NodeReport:
+        channel, stub = _stub(address)
+        try:
+            health = health_pb2_grpc.HealthStub(channel)
+            started = time.perf_counter()
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            rtt = (time.perf_counter() - started) * 1e3
+            status = stub.Status(edge_pb2.StatusRequest(), timeout=timeout)
+            return NodeReport(
+                region,
+                address,
+                reply.status == health_pb2.HealthCheckResponse.SERVING,
+                rtt,
+                status,
+            )
+        except grpc.RpcError as exc:
+            return NodeReport(region, address, False, error=f"{exc.code().name}: {exc.details()}")
+        finally:
+            channel.close()
+
+    pairs = [(r, n) for r, cfg in topology.regions.items() for n in cfg.nodes]
+    with ThreadPoolExecutor(max(len(pairs), 1)) as pool:
+        return list(pool.map(lambda p: one(*p), pairs))
+
+
+async def resolve_specs(
+    registry: Registry, specs: set[str]
+) -> tuple[dict[str, pb.Manifest], set[str]]:
+    """Manifests of every spec (``latest`` resolved now), and the specs that do not exist."""
+    found: dict[str, pb.Manifest] = {}
+    missing: set[str] = set()
+    for spec in sorted(specs):
+        try:
+            found[spec] = await registry.resolve(spec)
+        except VersionNotFound:
+            missing.add(spec)
+    return found, missing
+
+
+def make_plan(
+    topology: Topology,
+    schedule: Schedule,
+    *,
+    now: datetime | None = None,
+    reports: list[NodeReport] | None = None,
+) -> tuple[Plan, dict[str, pb.Manifest]]:
+    """Resolve the schedule against the registry and the nodes, then plan."""
+    now = now or datetime.now(UTC)
+    reports = gather_status(topology) if reports is None else reports
+    specs = {spec for job in schedule.jobs for spec in job.datasets}
+
+    async def resolve() -> tuple[dict[str, pb.Manifest], set[str]]:
+        registry = Registry(topology.registry)
+        try:
+            return await resolve_specs(registry, specs)
+        finally:
+            await registry.close()
+
+    manifests, missing = asyncio.run(resolve())
+    sizes = {
+        (m.dataset, m.version): sum(s.stored_size or s.source_size for s in m.shards)
+        for m in manifests.values()
+    }
+    jobs = [
+        Job(
+            name=job.name,
+            region=job.region,
+            start=job.start,
+            end=job.end,
+            versions=tuple(
+                (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
+            ),
+            priority=job.priority,
+        )
+        for job in schedule.jobs
+    ]
+    regions = {}
+    for name, config in topology.regions.items():
+        alive = [r for r in reports if r.region == name and r.status is not None]
+        capacity = min((r.status.capacity_bytes for r in alive), default=0)  # type: ignore[union-attr]
+        measured = [
+            r.status.origin_bytes_per_second for r in alive if r.status.origin_bytes_per_second
+        ]  # type: ignore[union-attr]
+        resident: dict[tuple[str, int], int] = {}
+        for report in alive[:1]:  # every node of a region holds the same (see warm)
+            for v in report.status.versions:  # type: ignore[union-attr]
+                known = next(
+                    (
+                        m
+                        for m in manifests.values()
+                        if (m.dataset, m.version) == (v.dataset, v.version)
+                    ),
+                    None,
+                )
+                if known is None or v.shard_count == len(known.shards):
+                    resident[(v.dataset, v.version)] = v.stored_bytes
+        regions[name] = RegionState(
+            name=name,
+            capacity_bytes=capacity,
+            origin_bandwidth=config.origin_bandwidth
+            or (min(measured) if measured else DEFAULT_BANDWIDTH),
+            resident=resident,
+            peer_bandwidth=dict(config.peers),
+            egress_price_per_gb=config.egress_price_per_gb,
+        )
+    missing_items = [
+        (job.name, job.region, spec)
+        for job in schedule.jobs
+        for spec in job.datasets
+        if spec in missing
+    ]
+    return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
+
+
+@dataclass
+class WarmItem:
+    """One version to stage on one region's nodes."""
+
+    region: str
+    spec: str
+    nodes: list[str]
+    bytes_total: int
+    pin_until: datetime | None = None
+    bytes_done: int = 0
+    failures: list[str] = field(default_factory=list)
+    done: bool = False
+
+
+def warm(
+    items: list[WarmItem],
+    *,
+    on_progress: Callable[[WarmItem], None] = lambda item: None,
+    stop: threading.Event | None = None,
+    token: str | None = None,
+) -> list[WarmItem]:
+    """Stage every item through its nodes' ``Stage`` RPCs, regions in parallel.
+
+    Staging skips what is cached, so running it again resumes. Failures are
+    collected per item (unreachable nodes included), never raised.
+    """
+    stop = stop or threading.Event()
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    def run_region(region_items: list[WarmItem]) -> None:
+        for item in region_items:
+            dataset, version = parse_spec(item.spec)
+            request = edge_pb2.StageRequest(dataset=dataset, version=version or 0)
+            if item.pin_until is not None:
+                request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
+            for address in item.nodes:
+                channel, stub = _stub(address)
+                call = stub.Stage(request, metadata=metadata)
+                try:
+                    for event in call:
+                        if stop.is_set():
+                            call.cancel()
+                            return
+                        # Skipped (already cached) shards count as done bytes for progress.
+                        share = event.shards_done / max(event.shards_total, 1)
+                        item.bytes_done = max(item.bytes_done, int(item.bytes_total * share))
+                        on_progress(item)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.CANCELLED:
+                        item.failures.append(f"{address}: {exc.code().name}: {exc.details()}")
+                finally:
+                    channel.close()
+            item.done = not item.failures
+            item.bytes_done = item.bytes_total if item.done else item.bytes_done
+            on_progress(item)
+
+    by_region: dict[str, list[WarmItem]] = {}
+    for item in items:
+        by_region.setdefault(item.region, []).append(item)
+    with ThreadPoolExecutor(max(len(by_region), 1)) as pool:
+        list(pool.map(run_region, by_region.values()))
+    return items
+
+
+def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tuple[bool, str]:
+    """Whether every node of ``region`` holds every shard of the version."""
+    nodes = [r for r in reports if r.region == region]
+    if not nodes:
+        return False, f"region {region!r} has no nodes in the topology"
+    missing = []
+    for report in nodes:
+        if report.status is None:
+            missing.append(f"{report.address} unreachable ({report.error})")
+            continue
+        held = next(
+            (
+                v.shard_count
+                for v in report.status.versions
+                if (v.dataset, v.version) == (manifest.dataset, manifest.version)
+            ),
+            0,
+        )
+        if held < len(manifest.shards):
+            missing.append(f"{report.address} has {held}/{len(manifest.shards)} shards")
+    spec = f"{manifest.dataset}@{manifest.version}"
+    if missing:
+        return False, f"{spec} is not ready in {region}: " + "; ".join(missing)
+    return True, f"{spec} is staged on every node of {region}"

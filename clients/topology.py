@@ -1,0 +1,206 @@
+"""The topology file (edgecache.yaml) and schedule files, validated strictly.
+
+An error names the file, the line and the field, and says what is expected,
+because these files are written by hand and read by scripts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.names import parse_spec
+from edgecache.cache.units import parse_rate
+
+__all__ = [
+    "ConfigFileError",
+    "RegionConfig",
+    "Schedule",
+    "ScheduledJob",
+    "Topology",
+    "find_topology",
+    "load_schedule",
+    "load_topology",
+]
+
+
+class ConfigFileError(EdgeCacheError, ValueError):
+    """A topology or schedule file is missing or invalid."""
+
+
+class RegionConfig(BaseModel):
+    """One region: its nodes and, optionally, its links."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: list[str] = Field(min_length=1)
+    origin_bandwidth: float | None = None  # bytes/s; written like 10Gbit/s
+    peers: dict[str, float] = Field(default_factory=dict)  # region → bytes/s
+    egress_price_per_gb: float = Field(0.0, ge=0)
+
+    @field_validator("origin_bandwidth", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> Any:
+        return None if value is None else parse_rate(value)
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _peer_rates(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: parse_rate(v) for k, v in value.items()}
+        return value
+
+
+class Topology(BaseModel):
+    """Where the registry is and which nodes serve which region."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    registry: str = Field(min_length=1)
+    regions: dict[str, RegionConfig] = Field(min_length=1)
+
+
+_DURATION = re.compile(r"(\d+)\s*(s|m|h|d)")
+
+
+class ScheduledJob(BaseModel):
+    """One job of a schedule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    region: str
+    start: AwareDatetime
+    datasets: list[str] = Field(min_length=1)
+    priority: Literal["low", "normal", "high"] = "normal"
+    epochs: int = Field(1, ge=1)
+    duration: timedelta = timedelta(hours=24)
+
+    @field_validator("datasets")
+    @classmethod
+    def _specs(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            parse_spec(spec)
+        return value
+
+    @field_validator("duration", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            match = _DURATION.fullmatch(value.strip())
+            if not match:
+                raise ValueError("use a duration like 90m, 6h or 2d")
+            unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[match.group(2)]
+            return timedelta(**{unit: int(match.group(1))})
+        return value
+
+    @property
+    def end(self) -> datetime:
+        """When the job stops reading."""
+        return self.start + self.duration
+
+
+class Schedule(BaseModel):
+    """What jobs will run, where and when."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jobs: list[ScheduledJob]
+
+    @field_validator("jobs")
+    @classmethod
+    def _unique(cls, value: list[ScheduledJob]) -> list[ScheduledJob]:
+        seen: set[str] = set()
+        for job in value:
+            if job.name in seen:
+                raise ValueError(f"job name {job.name!r} appears twice; names must be unique")
+            seen.add(job.name)
+        return value
+
+
+def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of the YAML node at ``loc`` (as deep as it exists)."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            found = next((v for k, v in node.value if k.value == str(part)), None)
+            key = next((k for k, _ in node.value if k.value == str(part)), None)
+            if found is None:
+                return line
+            line, node = (key or found).start_mark.line + 1, found
+        elif (
+            isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value)
+        ):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _load(path: Path, model: type[BaseModel], what: str) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+        tree = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigFileError(f"{path}{where}: not valid YAML ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path}: the {what} must be a mapping (see docs/operations.md)")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = tuple(p for p in error["loc"] if not str(p).startswith("function-after"))
+            line = _line(tree, loc)
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            problems.append(f"{path}:{line}: {field}: {error['msg']}")
+        raise ConfigFileError("\n".join(problems)) from exc
+
+
+def find_topology(path: str | os.PathLike[str] | None = None) -> Path:
+    """``--config``, then ``$EDGECACHE_CONFIG``, then ``./edgecache.yaml``."""
+    for candidate in (path, os.environ.get("EDGECACHE_CONFIG"), "edgecache.yaml"):
+        if candidate:
+            p = Path(candidate)
+            if p.exists() or candidate == path:
+                return p
+    raise ConfigFileError(
+        "no topology file: pass --config FILE, set EDGECACHE_CONFIG, or create ./edgecache.yaml"
+    )
+
+
+def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
+    """Read and validate the topology file."""
+    topology: Topology = _load(find_topology(path), Topology, "topology")
+    for name, region in topology.regions.items():
+        for peer in region.peers:
+            if peer not in topology.regions:
+                raise ConfigFileError(f"region {name}: peer {peer!r} is not a region of the file")
+    return topology
+
+
+def load_schedule(path: str | os.PathLike[str], topology: Topology | None = None) -> Schedule:
+    """Read and validate a schedule; with a topology, regions must exist in it."""
+    schedule: Schedule = _load(Path(path), Schedule, "schedule")
+    if topology is not None:
+        for job in schedule.jobs:
+            if job.region not in topology.regions:
+                raise ConfigFileError(
+                    f"{path}: job {job.name!r} runs in region {job.region!r}, which the topology "
+                    f"does not have ({', '.join(sorted(topology.regions))})"
+                )
+    return schedule
