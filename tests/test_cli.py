@@ -1,0 +1,120 @@
+"""The ops CLI through its real entry point, against edge nodes on loopback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import write_parquet_shards
+from typer.testing import CliRunner
+
+from edgecache.clients.cli import app
+from edgecache.clients.node_client import LocalNode, start_local_node
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, LocalNode]]]:
+    root = tmp_path_factory.mktemp("site")
+    write_parquet_shards(root / "origin", 3, rows=500)
+    registry = f"file://{root}/registry"
+    nodes = {r: start_local_node(r, root / f"cache-{r}", registry) for r in ("eu-west", "us-east")}
+    (root / "edgecache.yaml").write_text(
+        f"registry: {registry}\n"
+        "regions:\n"
+        f"  eu-west:\n    nodes: ['{nodes['eu-west'].address}']\n    origin_bandwidth: 1Gbit/s\n"
+        f"  us-east:\n    nodes: ['{nodes['us-east'].address}']\n"
+    )
+    yield root, nodes
+    for node in nodes.values():
+        node.stop()
+
+
+def cli(root: Path, *args: str) -> tuple[int, str]:
+    result = runner.invoke(app, [*args, "--config", str(root / "edgecache.yaml")])
+    return result.exit_code, result.output
+
+
+def test_publish_plan_warm_status_ready_evict(site) -> None:
+    root, nodes = site
+    code, out = cli(root, "publish", f"file://{root}/origin", "--dataset", "tokens", "--json")
+    assert code == 0, out
+    assert json.loads(out)["version"] == "tokens@1"
+    code, out = cli(root, "versions", "tokens", "--json")
+    assert code == 0 and json.loads(out)[0]["shards"] == 3
+    start = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    schedule = root / "schedule.yaml"
+    schedule.write_text(
+        "jobs:\n"
+        f"  - name: train-eu\n    region: eu-west\n    start: '{start}'\n    datasets: [tokens]\n"
+        f"  - name: train-missing\n    region: us-east\n    start: '{start}'\n    datasets: [nope@4]\n"
+    )
+    code, out = cli(root, "plan", str(schedule), "--json")
+    assert code == 0, out
+    planned = json.loads(out)
+    assert [t["version"] for t in planned["regions"]["eu-west"]["tasks"]] == ["tokens@1"]
+    assert planned["infeasible"][0]["job"] == "train-missing"
+    code, out = cli(root, "plan", str(schedule), "--explain")
+    assert code == 0 and "cannot be met" in out and "tokens@1" in out
+    code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
+    assert code == 1 and "0/3 shards" in out
+    code, out = cli(root, "warm", str(schedule))
+    assert code == 0, out
+    code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
+    assert code == 0, out
+    code, out = cli(root, "warm", str(schedule))  # again: resumes, nothing left to fetch
+    assert code == 0, out
+    code, out = cli(root, "status", "--json")
+    assert code == 0, out
+    eu = next(n for n in json.loads(out) if n["region"] == "eu-west")
+    assert eu["versions"][0]["version"] == "tokens@1" and eu["versions"][0]["pinned_until"]
+    code, out = cli(root, "warm", "tokens@1", "--region", "us-east", "--dry-run")
+    assert code == 0 and "would stage tokens@1 into us-east" in out
+    code, out = cli(root, "evict", "tokens@1", "--region", "eu-west")
+    assert code == 0 and "freed" in out
+    code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
+    assert code == 1
+
+
+def test_bad_files_give_clear_errors(site, tmp_path: Path) -> None:
+    root, _ = site
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "jobs:\n  - name: a\n    region: eu-west\n    start: 2026-12-01T08:00:00\n    datasets: [x]\n"
+    )
+    code, out = cli(root, "plan", str(bad))
+    assert code == 2 and "bad.yaml:4: jobs.0.start" in out and "timezone" in out
+    bad.write_text(
+        "jobs:\n  - name: a\n    region: mars\n    start: 2026-12-01T08:00:00Z\n    datasets: [x]\n"
+    )
+    code, out = cli(root, "plan", str(bad))
+    assert code == 2 and "region 'mars'" in out
+    bad.write_text("jobs: [\n")
+    code, out = cli(root, "plan", str(bad))
+    assert code == 2 and "not valid YAML" in out
+    dup = "  - name: a\n    region: eu-west\n    start: 2026-12-01T08:00:00Z\n    datasets: [x]\n"
+    bad.write_text("jobs:\n" + dup + dup)
+    code, out = cli(root, "plan", str(bad))
+    assert code == 2 and "appears twice" in out
+    code, out = cli(root, "publish", f"file://{tmp_path}/empty", "--dataset", "e")
+    assert code == 2 and "no objects under" in out
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.csv").write_text("x\n1\n")
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"x": 1}\n')
+    code, out = cli(root, "publish", f"file://{tmp_path}/mixed", "--dataset", "m")
+    assert code == 2 and "cannot tell the format" in out
+
+
+def test_unreachable_node_is_reported_and_others_go_on(site, tmp_path: Path) -> None:
+    root, nodes = site
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text(
+        (root / "edgecache.yaml").read_text() + "  ap-south:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    result = runner.invoke(app, ["status", "--config", str(topology)])
+    assert result.exit_code == 1
+    assert "down" in result.output and "eu-west" in result.output
