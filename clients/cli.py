@@ -59,14 +59,15 @@ def demo(
             root, total_mib=size_mib, shards=shards, compression=compression, threads=threads
         )
     except (EdgeCacheError, RuntimeError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
+        raise _fail(exc, 1) from exc
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:
         print(json.dumps(result.as_dict(), indent=2))
         return
+    for line in result.plan:
+        console.print(f"plan: {line}")
     table = Table(title=f"edgecache demo: {result.dataset}, two regions on this machine")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -170,8 +171,7 @@ def serve(
         settings = load_node_config(config, flags)
         asyncio.run(serve_forever(settings))
     except EdgeCacheError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+        raise _fail(exc, 2) from exc
 
 
 ConfigOption = Annotated[

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,8 @@ from rich.progress import (
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.clients.node_client import LocalNode, connect, read_shard, start_local_node
+from edgecache.clients.ops import WarmItem, make_plan, warm
+from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -62,6 +65,7 @@ class DemoResult:
     device: str
     verified: bool
     nodes: list[dict[str, object]] = field(default_factory=list)
+    plan: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict for ``--json``."""
@@ -152,6 +156,25 @@ async def _publish(registry_url: str, origin: str, compression: str) -> pb.Manif
         await registry.close()
 
 
+def _sample_files(workdir: Path, nodes: dict[str, LocalNode]) -> tuple[Topology, Schedule]:
+    """The demo's topology file and a schedule with one job in eu-west, an hour from now."""
+    lines = [f"registry: file://{workdir}/registry", "regions:"]
+    for region, node in nodes.items():
+        lines += [f"  {region}:", f"    nodes: ['{node.address}']"]
+    (workdir / "edgecache.yaml").write_text("\n".join(lines) + "\n")
+    start = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    (workdir / "schedule.yaml").write_text(
+        "jobs:\n"
+        "  - name: train-eu\n"
+        "    region: eu-west\n"
+        f"    start: '{start}'\n"
+        f"    datasets: [{DATASET}]\n"
+        "    duration: 6h\n"
+    )
+    topology = load_topology(workdir / "edgecache.yaml")
+    return topology, load_schedule(workdir / "schedule.yaml", topology)
+
+
 def _cuda() -> bool:
     import torch
 
@@ -196,13 +219,29 @@ def run_demo(
                 )
             eu, us = connect(nodes["eu-west"].address), connect(nodes["us-east"].address)
 
-            # The warm-up: what `edgecache warm` does before a job starts.
+            # The warm-up: plan a sample schedule and carry it out, as `edgecache plan`
+            # and `edgecache warm` do. Only eu-west has a job, so only eu-west is staged.
+            topology, schedule = _sample_files(workdir, nodes)
+            plan_result, _ = make_plan(topology, schedule)
             source_bytes = sum(s.source_size for s in manifest.shards)
-            task = progress.add_task("stage eu-west from origin", total=source_bytes)
+            items = [
+                WarmItem(
+                    region, task.spec, topology.regions[region].nodes, task.bytes, task.deadline
+                )
+                for region, region_plan in plan_result.regions.items()
+                for task in region_plan.tasks
+            ]
+            bars = {
+                id(i): progress.add_task(f"warm {i.region} {i.spec}", total=i.bytes_total)
+                for i in items
+            }
             started = time.perf_counter()
-            for event in eu.Stage(edge_pb2.StageRequest(dataset=DATASET, version=manifest.version)):
-                progress.update(task, completed=event.bytes_done)
+            warm(items, on_progress=lambda i: progress.update(bars[id(i)], completed=i.bytes_done))
             stage_seconds = time.perf_counter() - started
+            if any(i.failures for i in items) or plan_result.infeasible:
+                raise RuntimeError(
+                    f"warming the sample schedule failed: {items} {plan_result.infeasible}"
+                )
 
             # Time to the first chunk, warm region against the cold one (read-through).
             def first_chunk_seconds(stub: object, shard: int) -> float:
@@ -244,6 +283,12 @@ def run_demo(
         warm_first_chunk_s=warm_first,
         device="cuda" if _cuda() else "cpu",
         verified=verified,
+        plan=[
+            f"{t.region}: stage {t.spec} ({t.bytes / 1e6:,.0f} MB) from {t.source}, "
+            f"ready by {t.finish:%H:%M:%S} for {', '.join(t.jobs)} (starts {t.deadline:%H:%M})"
+            for rp in plan_result.regions.values()
+            for t in rp.tasks
+        ],
         nodes=[
             {
                 "region": s.region,

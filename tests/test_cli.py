@@ -51,7 +51,8 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     schedule.write_text(
         "jobs:\n"
         f"  - name: train-eu\n    region: eu-west\n    start: '{start}'\n    datasets: [tokens]\n"
-        f"  - name: train-missing\n    region: us-east\n    start: '{start}'\n    datasets: [nope@4]\n"
+        f"  - name: train-missing\n    region: us-east\n    start: '{start}'\n"
+        "    datasets: [nope@4]\n"
     )
     code, out = cli(root, "plan", str(schedule), "--json")
     assert code == 0, out
@@ -84,7 +85,8 @@ def test_bad_files_give_clear_errors(site, tmp_path: Path) -> None:
     root, _ = site
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "jobs:\n  - name: a\n    region: eu-west\n    start: 2026-12-01T08:00:00\n    datasets: [x]\n"
+        "jobs:\n  - name: a\n    region: eu-west\n    start: 2026-12-01T08:00:00\n"
+        "    datasets: [x]\n"
     )
     code, out = cli(root, "plan", str(bad))
     assert code == 2 and "bad.yaml:4: jobs.0.start" in out and "timezone" in out
@@ -118,3 +120,10 @@ def test_unreachable_node_is_reported_and_others_go_on(site, tmp_path: Path) -> 
     result = runner.invoke(app, ["status", "--config", str(topology)])
     assert result.exit_code == 1
     assert "down" in result.output and "eu-west" in result.output
+
+
+def test_demo_completes_and_prints_its_summary() -> None:
+    result = runner.invoke(app, ["demo", "--size-mib", "8", "--shards", "2"])
+    assert result.exit_code == 0, result.output
+    for text in ("plan: eu-west: stage demo-tokens@1", "training epoch via EdgeDataset", "yes"):
+        assert text in result.output
