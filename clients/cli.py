@@ -736,6 +736,61 @@ def ready(
         time.sleep(2)
 
 
+@app.command()
+def doctor(
+    config: ConfigOption = None,
+    region: Annotated[str | None, typer.Option(help="The region this host is in.")] = None,
+    pings: Annotated[int, typer.Option(min=2, max=200, help="Health pings per node.")] = 20,
+    seconds: Annotated[float, typer.Option(help="Throughput test per node, seconds.")] = 2.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Check the network path to every node and this host's TCP settings."""
+    from edgecache.clients.doctor import check_host, check_paths
+    from edgecache.clients.topology import load_topology
+
+    try:
+        topology = load_topology(config)
+    except EdgeCacheError as exc:
+        raise _fail(exc) from exc
+    paths = check_paths(topology, home_region=region, pings=pings, throughput_seconds=seconds)
+    host = check_host(paths, topology)
+    bad = any(p.problems for p in paths) or bool(host.problems)
+    if as_json:
+        print(
+            json.dumps(
+                {"paths": [p.as_dict() for p in paths], "host": host.as_dict(), "ok": not bad}
+            )
+        )
+        raise typer.Exit(1 if bad else 0)
+    table = Table(title="network paths from this host")
+    for column in ("region", "node", "RTT", "jitter", "loss", "read", "verdict"):
+        table.add_column(column)
+    for p in paths:
+        table.add_row(
+            p.region,
+            p.node,
+            "—" if p.rtt_ms is None else f"{p.rtt_ms:.2f} ms",
+            "—" if p.jitter_ms is None else f"{p.jitter_ms:.2f} ms",
+            f"{p.loss:.1%}",
+            "—" if p.throughput_mb_s is None else f"{p.throughput_mb_s:,.0f} MB/s",
+            "[red]" + "; ".join(p.problems) + "[/red]" if p.problems else "[green]ok[/green]",
+        )
+    console.print(table)
+    console.print(
+        f"host: congestion control {host.congestion_control}, rmem_max {host.rmem_max}, "
+        f"wmem_max {host.wmem_max}, bandwidth-delay product of the slowest path "
+        f"{host.bdp_bytes:,} B"
+    )
+    for problem in host.problems:
+        console.print(f"[red]✗[/red] {problem}")
+    if host.fixes:
+        console.print("to fix (as root; persist them in /etc/sysctl.d/):")
+        for line in host.fixes:
+            console.print(f"  {line}", soft_wrap=True)
+    if bad:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

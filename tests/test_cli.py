@@ -111,6 +111,32 @@ def test_bad_files_give_clear_errors(site, tmp_path: Path) -> None:
     assert code == 2 and "cannot tell the format" in out
 
 
+def test_doctor_measures_paths_and_host(site) -> None:
+    root, _ = site
+    result = runner.invoke(
+        app,
+        [
+            "doctor",
+            "--config",
+            str(root / "edgecache.yaml"),
+            "--region",
+            "eu-west",
+            "--pings",
+            "5",
+            "--seconds",
+            "0.5",
+            "--json",
+        ],
+    )
+    report = json.loads(result.output)
+    assert {p["region"] for p in report["paths"]} == {"eu-west", "us-east"}
+    assert all(p["rtt_ms"] is not None and p["rtt_ms"] < 50 for p in report["paths"])
+    assert report["host"]["congestion_control"] and report["host"]["bdp_bytes"] > 0
+    assert result.exit_code == (0 if report["ok"] else 1)
+    if report["host"]["problems"]:
+        assert any(f.startswith("sysctl -w ") for f in report["host"]["fixes"])
+
+
 def test_unreachable_node_is_reported_and_others_go_on(site, tmp_path: Path) -> None:
     root, nodes = site
     topology = tmp_path / "edgecache.yaml"

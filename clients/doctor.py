@@ -1,0 +1,177 @@
+"""``edgecache doctor``: the network path from this host to every node, and its TCP settings.
+
+Measured against the baselines operators use: RTT (in-region < 5 ms,
+cross-region < 50 ms), jitter < 2 ms, loss < 0.1 %, a short bounded
+throughput test per node, and this host's congestion control and socket
+buffer limits against the bandwidth-delay product of the slowest link.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edgecache.clients.endpoints import CHANNEL_OPTIONS, parse_endpoint
+from edgecache.clients.topology import Topology
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
+
+__all__ = ["HostCheck", "PathCheck", "check_host", "check_paths"]
+
+RTT_IN_REGION_MS, RTT_CROSS_REGION_MS, JITTER_MS, LOSS = 5.0, 50.0, 2.0, 0.001
+
+
+@dataclass
+class PathCheck:
+    """What this host sees of one node."""
+
+    region: str
+    node: str
+    rtt_ms: float | None
+    jitter_ms: float | None
+    loss: float
+    throughput_mb_s: float | None
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """For ``--json``."""
+        return asdict(self)
+
+
+def check_paths(
+    topology: Topology,
+    *,
+    home_region: str | None,
+    pings: int = 20,
+    throughput_seconds: float = 2.0,
+) -> list[PathCheck]:
+    """Ping every node (gRPC health checks) and read from it for a bounded time."""
+    out = []
+    for region, config in topology.regions.items():
+        for node in config.nodes:
+            channel = grpc.insecure_channel(parse_endpoint(node).target, options=CHANNEL_OPTIONS)
+            health = health_pb2_grpc.HealthStub(channel)
+            samples, lost = [], 0
+            for _ in range(pings):
+                started = time.perf_counter()
+                try:
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    samples.append((time.perf_counter() - started) * 1e3)
+                except grpc.RpcError:
+                    lost += 1
+            rtt = statistics.median(samples) if samples else None
+            jitter = (
+                statistics.mean(abs(a - b) for a, b in zip(samples, samples[1:], strict=False))
+                if len(samples) > 1
+                else None
+            )
+            check = PathCheck(region, node, rtt, jitter, lost / pings, None)
+            if samples:
+                check.throughput_mb_s = _throughput(channel, throughput_seconds)
+            channel.close()
+            limit = RTT_IN_REGION_MS if region == home_region else RTT_CROSS_REGION_MS
+            if rtt is None:
+                check.problems.append("unreachable")
+            elif rtt > limit:
+                check.problems.append(f"RTT {rtt:.1f} ms > {limit:.0f} ms")
+            if jitter is not None and jitter > JITTER_MS:
+                check.problems.append(f"jitter {jitter:.1f} ms > {JITTER_MS:.0f} ms")
+            if check.loss > LOSS:
+                check.problems.append(f"loss {check.loss:.1%} > {LOSS:.1%}")
+            out.append(check)
+    return out
+
+
+def _throughput(channel: grpc.Channel, seconds: float) -> float | None:
+    """MB/s reading a resident shard for at most ``seconds`` (None if nothing is cached)."""
+    stub = edge_pb2_grpc.EdgeCacheStub(channel)
+    try:
+        status = stub.Status(edge_pb2.StatusRequest(), timeout=3)
+    except grpc.RpcError:
+        return None
+    resident = [v for v in status.versions if v.shard_count]
+    if not resident:
+        return None
+    version = resident[0]
+    received, started = 0, time.perf_counter()
+    shard = 0
+    try:
+        while time.perf_counter() - started < seconds and shard < 64:
+            request = edge_pb2.ReadShardRequest(
+                dataset=version.dataset, version=version.version, shard=shard
+            )
+            call = stub.ReadShard(request, timeout=seconds * 2)
+            for chunk in call:
+                received += len(chunk.frame)
+                if time.perf_counter() - started > seconds:
+                    call.cancel()
+                    break
+            shard += 1
+    except grpc.RpcError:
+        pass  # a shard that is not resident ends the test; what was read counts
+    elapsed = time.perf_counter() - started
+    return received / elapsed / 1e6 if received else None
+
+
+@dataclass
+class HostCheck:
+    """The host's TCP settings against the slowest link's bandwidth-delay product."""
+
+    congestion_control: str
+    rmem_max: int
+    wmem_max: int
+    bdp_bytes: int
+    problems: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """For ``--json``."""
+        return asdict(self)
+
+
+def _sysctl(name: str) -> str:
+    try:
+        return Path("/proc/sys", *name.split(".")).read_text().strip()
+    except OSError:
+        return ""
+
+
+def check_host(paths: list[PathCheck], topology: Topology) -> HostCheck:
+    """Congestion control and buffer limits, with the sysctl lines that would fix them."""
+    rtts = [p.rtt_ms for p in paths if p.rtt_ms is not None]
+    rates = [c.origin_bandwidth for c in topology.regions.values() if c.origin_bandwidth] + [
+        p.throughput_mb_s * 1e6 for p in paths if p.throughput_mb_s
+    ]
+    bandwidth = max(rates, default=1.25e9)  # bytes/s; 10 Gbit/s when nothing is known
+    bdp = int(bandwidth * (max(rtts, default=1.0) / 1e3))
+    check = HostCheck(
+        congestion_control=_sysctl("net.ipv4.tcp_congestion_control") or "unknown",
+        rmem_max=int(_sysctl("net.core.rmem_max") or 0),
+        wmem_max=int(_sysctl("net.core.wmem_max") or 0),
+        bdp_bytes=bdp,
+    )
+    if check.congestion_control != "bbr":
+        check.problems.append(
+            f"congestion control is {check.congestion_control}; BBR keeps long fat links full"
+        )
+        check.fixes += [
+            "sysctl -w net.core.default_qdisc=fq",
+            "sysctl -w net.ipv4.tcp_congestion_control=bbr",
+        ]
+    wanted = max(2 * bdp, 16 << 20)
+    for name, value in (
+        ("net.core.rmem_max", check.rmem_max),
+        ("net.core.wmem_max", check.wmem_max),
+    ):
+        if value < wanted:
+            check.problems.append(f"{name} = {value} < 2 × BDP ({wanted})")
+            check.fixes.append(f"sysctl -w {name}={wanted}")
+    if any(f.startswith("sysctl -w net.core.rmem_max") for f in check.fixes):
+        check.fixes.append(f"sysctl -w net.ipv4.tcp_rmem='4096 131072 {wanted}'")
+    if any(f.startswith("sysctl -w net.core.wmem_max") for f in check.fixes):
+        check.fixes.append(f"sysctl -w net.ipv4.tcp_wmem='4096 16384 {wanted}'")
+    return check
