@@ -203,6 +203,7 @@ def warm(
     """
     stop = stop or threading.Event()
     metadata = (("authorization", f"Bearer {token}"),) if token else None
+    active: set[grpc.Call] = set()
 
     def run_region(region_items: list[WarmItem]) -> None:
         for item in region_items:
@@ -211,8 +212,11 @@ def warm(
             if item.pin_until is not None:
                 request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
             for address in item.nodes:
+                if stop.is_set():
+                    return
                 channel, stub = _stub(address)
                 call = stub.Stage(request, metadata=metadata)
+                active.add(call)
                 try:
                     for event in call:
                         if stop.is_set():
@@ -226,7 +230,10 @@ def warm(
                     if exc.code() != grpc.StatusCode.CANCELLED:
                         item.failures.append(f"{address}: {exc.code().name}: {exc.details()}")
                 finally:
+                    active.discard(call)
                     channel.close()
+            if stop.is_set():
+                return
             item.done = not item.failures
             item.bytes_done = item.bytes_total if item.done else item.bytes_done
             on_progress(item)
@@ -234,8 +241,20 @@ def warm(
     by_region: dict[str, list[WarmItem]] = {}
     for item in items:
         by_region.setdefault(item.region, []).append(item)
-    with ThreadPoolExecutor(max(len(by_region), 1)) as pool:
-        list(pool.map(run_region, by_region.values()))
+    pool = ThreadPoolExecutor(max(len(by_region), 1))
+    futures = [pool.submit(run_region, group) for group in by_region.values()]
+    try:
+        while not all(f.done() for f in futures):
+            time.sleep(0.1)  # stay interruptible: Ctrl-C lands here
+    except KeyboardInterrupt:
+        stop.set()  # stop cleanly: cancel the streams; nodes keep whole shards only
+        for call in list(active):
+            call.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    for future in futures:
+        future.result()
     return items
 
 

@@ -153,3 +153,28 @@ def test_demo_completes_and_prints_its_summary() -> None:
     assert result.exit_code == 0, result.output
     for text in ("plan: eu-west: stage demo-tokens@1", "training epoch via EdgeDataset", "yes"):
         assert text in result.output
+
+
+def test_warm_interrupted_then_resumed(site) -> None:
+    import threading
+
+    from edgeutil import publish
+
+    from edgecache.clients.ops import WarmItem, gather_status, ready, warm
+    from edgecache.clients.topology import load_topology
+
+    root, _ = site
+    write_parquet_shards(root / "more", 40, rows=3000)
+    manifest = publish(f"file://{root}/registry", f"file://{root}/more", "more")
+    topology = load_topology(root / "edgecache.yaml")
+    nodes = topology.regions["us-east"].nodes
+    stop = threading.Event()
+    first = WarmItem("us-east", "more@1", nodes, 1)
+    warm([first], on_progress=lambda item: stop.set(), stop=stop)  # "Ctrl-C" at the first event
+    assert not first.done
+    ok, _ = ready(gather_status(topology), "us-east", manifest)
+    assert not ok
+    again = WarmItem("us-east", "more@1", nodes, 1)
+    warm([again])
+    assert again.done and not again.failures
+    assert ready(gather_status(topology), "us-east", manifest)[0]
