@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -24,7 +24,7 @@ typecheck: $(STAMP)
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p edgecache.cache -p edgecache.clients
 
-bench: bench-store bench-edge bench-dataset
+bench: bench-store bench-edge bench-dataset bench-planner
 
 bench-store: $(STAMP)  ## codec and LMDB store against raw zstd / raw LMDB
 	$(PY) -m bench.codec_store
@@ -34,6 +34,9 @@ bench-edge: $(STAMP)  ## edge node ReadShard and staging against bare grpcio / a
 
 bench-dataset: $(STAMP)  ## EdgeDataset (gRPC and lmdb://) against a hand-written LMDB → tensor loop
 	$(PY) -m bench.dataset
+
+bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 regions
+	$(PY) -m bench.planner
 
 proto: $(STAMP)  ## regenerate edgecache.v1 after editing proto/**/*.proto
 	$(PY) proto/generate.py
