@@ -178,3 +178,35 @@ def test_warm_interrupted_then_resumed(site) -> None:
     warm([again])
     assert again.done and not again.failures
     assert ready(gather_status(topology), "us-east", manifest)[0]
+
+
+def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> None:
+    import uuid
+
+    from s3server import make_bucket, upload_dir
+
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    write_parquet_shards(tmp_path / "raw", 2, rows=100)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    registry = f"s3://{bucket}/_edgecache"
+    for expected in ("tokens@1", "tokens@2"):
+        result = runner.invoke(
+            app,
+            [
+                "publish",
+                f"s3://{bucket}/raw",
+                "--dataset",
+                "tokens",
+                "--registry",
+                registry,
+                "--json",
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["version"] == expected
+    result = runner.invoke(app, ["versions", "tokens", "--registry", registry, "--json"])
+    listed = json.loads(result.output)
+    assert [v["version"] for v in listed] == [1, 2] and listed[0]["digest"] == listed[1]["digest"]
+    result = runner.invoke(app, ["versions", "nope", "--registry", registry])
+    assert result.exit_code == 0 and "no versions" in result.output
