@@ -38,7 +38,6 @@ raw sample bytes (2048*4+8 per token sample; binary length + 8 per image).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import shutil
@@ -120,14 +119,7 @@ def write_parquet(
 
 
 def publish(registry: str, source: str, dataset: str, spec: pb.PreprocessSpec) -> pb.Manifest:
-    async def go() -> pb.Manifest:
-        reg = Registry(registry)
-        try:
-            return await reg.publish(source, dataset, spec=spec)
-        finally:
-            await reg.close()
-
-    return asyncio.run(go())
+    return Registry.run(registry, lambda reg: reg.publish(source, dataset, spec=spec))
 
 
 # ------------------------------------------------------------ measures

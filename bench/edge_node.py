@@ -116,15 +116,8 @@ def publish(registry: str, source: str, dataset: str, compression: str = "zstd")
         compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD
     )
 
-    async def go() -> int:
-        reg = Registry(registry)
-        try:
-            manifest = await reg.publish(source, dataset, spec=spec)
-            return len(manifest.shards)
-        finally:
-            await reg.close()
-
-    return asyncio.run(go())
+    manifest = Registry.run(registry, lambda reg: reg.publish(source, dataset, spec=spec))
+    return len(manifest.shards)
 
 
 def read_all(address: str, shards: int, streams: int) -> tuple[int, float]:

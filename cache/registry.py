@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow as pa
 
@@ -37,6 +39,7 @@ from edgecache.v1 import manifest_pb2 as pb
 __all__ = ["Registry", "SourceObject"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _PUBLISH_ATTEMPTS = 20
 _DESCRIBE_CONCURRENCY = 16
@@ -64,6 +67,22 @@ class Registry:
         """Close the stores this registry opened itself."""
         if self._own_stores:
             await self._stores.close()
+
+    async def __aenter__(self) -> Registry:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @classmethod
+    def run(cls, url: str, work: Callable[[Registry], Awaitable[T]]) -> T:
+        """Run ``work(registry)`` on a fresh event loop: for synchronous callers (the CLI)."""
+
+        async def go() -> T:
+            async with cls(url) as registry:
+                return await work(registry)
+
+        return asyncio.run(go())
 
     def _store(self, url: str) -> ObjectStore:
         return self._stores.for_url(url)

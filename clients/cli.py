@@ -210,8 +210,6 @@ def publish(
     as_json: JsonOption = False,
 ) -> None:
     """Snapshot a prefix as the next immutable version of a dataset."""
-    import asyncio
-
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.registry import Registry
@@ -227,18 +225,11 @@ def publish(
             compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD,
             compression_level=level,
         )
-        url = _registry_url(registry, config)
-
-        async def go():  # noqa: ANN202
-            reg = Registry(url)
-            try:
-                return await reg.publish(
-                    source_url, dataset, fmt=format_from_name(fmt) if fmt else None, spec=spec
-                )
-            finally:
-                await reg.close()
-
-        manifest = asyncio.run(go())
+        source_format = format_from_name(fmt) if fmt else None
+        manifest = Registry.run(
+            _registry_url(registry, config),
+            lambda reg: reg.publish(source_url, dataset, fmt=source_format, spec=spec),
+        )
     except (EdgeCacheError, ValueError, OSError) as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -266,24 +257,16 @@ def versions(
     as_json: JsonOption = False,
 ) -> None:
     """List a dataset's published versions."""
-    import asyncio
-
     from edgecache.cache.manifest import summarize
     from edgecache.cache.registry import Registry
 
     try:
         url = _registry_url(registry, config)
 
-        async def go():  # noqa: ANN202
-            reg = Registry(url)
-            try:
-                return [
-                    summarize(await reg.manifest(dataset, n)) for n in await reg.versions(dataset)
-                ]
-            finally:
-                await reg.close()
+        async def listing(reg: Registry) -> list:  # type: ignore[type-arg]
+            return [summarize(await reg.manifest(dataset, n)) for n in await reg.versions(dataset)]
 
-        rows = asyncio.run(go())
+        rows = Registry.run(url, listing)
     except (EdgeCacheError, ValueError, OSError) as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -537,7 +520,6 @@ def warm(
     as_json: JsonOption = False,
 ) -> None:
     """Stage data into regions now (a schedule's plan, or one version), with progress."""
-    import asyncio
     import threading
 
     from rich.progress import (
@@ -581,14 +563,7 @@ def warm(
             if region is None or region not in topology.regions:
                 raise ValueError(f"warm {target} needs --region, one of {sorted(topology.regions)}")
 
-            async def resolve():  # noqa: ANN202
-                reg = Registry(topology.registry)
-                try:
-                    return await reg.resolve(target)
-                finally:
-                    await reg.close()
-
-            manifest = asyncio.run(resolve())
+            manifest = Registry.run(topology.registry, lambda reg: reg.resolve(target))
             items.append(
                 WarmItem(
                     region,
@@ -706,7 +681,6 @@ def ready(
     timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600.0,
 ) -> None:
     """Exit 0 only when every shard of the version is staged in the region."""
-    import asyncio
     import time
 
     from edgecache.cache.registry import Registry
@@ -717,14 +691,7 @@ def ready(
     try:
         topology = load_topology(config)
 
-        async def resolve():  # noqa: ANN202
-            reg = Registry(topology.registry)
-            try:
-                return await reg.resolve(spec)
-            finally:
-                await reg.close()
-
-        manifest = asyncio.run(resolve())
+        manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
     except (EdgeCacheError, ValueError) as exc:
         raise _fail(exc) from exc
     deadline = time.monotonic() + timeout

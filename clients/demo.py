@@ -12,7 +12,6 @@ tensors. ``us-east`` was not warmed: its first read goes through to origin
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -145,15 +144,11 @@ def train(
     )
 
 
-async def _publish(registry_url: str, origin: str, compression: str) -> pb.Manifest:
-    registry = Registry(registry_url)
-    try:
-        spec = preprocess_spec(
-            compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD
-        )
-        return await registry.publish(origin, DATASET, spec=spec)
-    finally:
-        await registry.close()
+def _publish(registry_url: str, origin: str, compression: str) -> pb.Manifest:
+    spec = preprocess_spec(
+        compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD
+    )
+    return Registry.run(registry_url, lambda reg: reg.publish(origin, DATASET, spec=spec))
 
 
 def _sample_files(workdir: Path, nodes: dict[str, LocalNode]) -> tuple[Topology, Schedule]:
@@ -204,9 +199,7 @@ def run_demo(
     )
     with progress:
         samples = _write_origin(workdir / "origin", total_mib, shards)
-        manifest = asyncio.run(
-            _publish(f"file://{workdir}/registry", f"file://{workdir}/origin", compression)
-        )
+        manifest = _publish(f"file://{workdir}/registry", f"file://{workdir}/origin", compression)
         schema = manifest_schema(manifest)
         nodes: dict[str, LocalNode] = {}
         try:

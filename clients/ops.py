@@ -7,7 +7,6 @@ it directly.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 import time
@@ -112,14 +111,7 @@ def make_plan(
     reports = gather_status(topology) if reports is None else reports
     specs = {spec for job in schedule.jobs for spec in job.datasets}
 
-    async def resolve() -> tuple[dict[str, pb.Manifest], set[str]]:
-        registry = Registry(topology.registry)
-        try:
-            return await resolve_specs(registry, specs)
-        finally:
-            await registry.close()
-
-    manifests, missing = asyncio.run(resolve())
+    manifests, missing = Registry.run(topology.registry, lambda reg: resolve_specs(reg, specs))
     sizes = {
         (m.dataset, m.version): sum(s.stored_size or s.source_size for s in m.shards)
         for m in manifests.values()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -40,18 +39,8 @@ def write_parquet_shards(root: Path, count: int, rows: int = ROWS_PER_SHARD) -> 
 
 
 def publish(registry_url: str, source_url: str, dataset: str, **spec: object) -> pb.Manifest:
-    async def go() -> pb.Manifest:
-        registry = Registry(registry_url)
-        try:
-            return await registry.publish(
-                source_url,
-                dataset,
-                spec=preprocess_spec(chunk_bytes=64 << 10, **spec),  # type: ignore[arg-type]
-            )
-        finally:
-            await registry.close()
-
-    return asyncio.run(go())
+    preprocess = preprocess_spec(chunk_bytes=64 << 10, **spec)  # type: ignore[arg-type]
+    return Registry.run(registry_url, lambda reg: reg.publish(source_url, dataset, spec=preprocess))
 
 
 def stub(address: str) -> edge_pb2_grpc.EdgeCacheStub:
