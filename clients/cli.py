@@ -540,10 +540,10 @@ def warm(
         topology = load_topology(config)
         items: list[WarmItem] = []
         if Path(target).exists():
-            result, manifests = make_plan(topology, load_schedule(target, topology))
-            ends = {}
-            for job in load_schedule(target, topology).jobs:
-                ends[job.name] = job.end
+            schedule = load_schedule(target, topology)
+            result, manifests = make_plan(topology, schedule)
+            ends = {job.name: job.end for job in schedule.jobs}
+            shard_counts = {f"{m.dataset}@{m.version}": len(m.shards) for m in manifests.values()}
             for name, rp in result.regions.items():
                 for t in rp.tasks:
                     items.append(
@@ -553,6 +553,7 @@ def warm(
                             topology.regions[name].nodes,
                             t.bytes,
                             pin_until=max(ends[j] for j in t.jobs),
+                            shard_count=shard_counts[t.spec],
                         )
                     )
             for i in result.infeasible:
@@ -570,6 +571,7 @@ def warm(
                     f"{manifest.dataset}@{manifest.version}",
                     topology.regions[region].nodes,
                     sum(s.source_size for s in manifest.shards),
+                    shard_count=len(manifest.shards),
                 )
             )
         token = token_file.read_text().strip() if token_file else None

@@ -219,7 +219,12 @@ def run_demo(
             source_bytes = sum(s.source_size for s in manifest.shards)
             items = [
                 WarmItem(
-                    region, task.spec, topology.regions[region].nodes, task.bytes, task.deadline
+                    region,
+                    task.spec,
+                    topology.regions[region].nodes,
+                    task.bytes,
+                    task.deadline,
+                    shard_count=len(manifest.shards),
                 )
                 for region, region_plan in plan_result.regions.items()
                 for task in region_plan.tasks

@@ -34,6 +34,7 @@ from edgecache.cache.errors import CacheDirError, ChunkCorrupt, EdgeCacheError, 
 from edgecache.cache.frame import read_header
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
+from edgecache.clients import rendezvous
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = [
@@ -260,16 +261,22 @@ class NodePool:
             except Exception:  # noqa: BLE001 - probing must never kill the reader
                 log.debug("background probe failed", exc_info=True)
 
-    def ranked(self) -> list[Endpoint]:
+    def ranked(self, shard: tuple[str, int, int] | None = None) -> list[Endpoint]:
         """Endpoints, nearest first (unreachable ones last).
 
-        RTTs within 25% (+0.5 ms) of the best count as a tie, broken by the order
-        the endpoints were given in: jitter must not bounce readers between nodes,
-        and the caller's order (own region first) is the better guide.
+        RTTs within 25% (+0.5 ms) of the best count as a tie: jitter must not
+        bounce readers between nodes. Equally near nodes are a region's replicas,
+        which split shards by rendezvous hashing, so for a ``(dataset, version,
+        shard)`` the tie goes to the shard's owner; otherwise to the order given.
         """
         order = {e.text: i for i, e in enumerate(self.endpoints)}
         best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
         near = best * 1.25 + 0.5
+        if shard is not None:
+            group = [e.text for e in self.endpoints if self.stats[e.text].rtt_ms <= near]
+            order = {text: i for i, text in enumerate(rendezvous.rank(group, *shard))} | {
+                e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
+            }
 
         def key(endpoint: Endpoint) -> tuple[bool, float, int]:
             rtt = self.stats[endpoint.text].rtt_ms
@@ -330,7 +337,7 @@ class NodePool:
         attempt = 0
         while next_row < row_end:
             progressed = False
-            for endpoint in self.ranked():
+            for endpoint in self.ranked((dataset, version, shard)):
                 try:
                     source = (
                         self._local_rows(

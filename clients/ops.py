@@ -22,6 +22,7 @@ from edgecache.cache.errors import VersionNotFound
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, plan
 from edgecache.cache.registry import Registry
+from edgecache.clients import rendezvous
 from edgecache.clients.endpoints import CHANNEL_OPTIONS, parse_endpoint
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
@@ -132,7 +133,8 @@ def make_plan(
     regions = {}
     for name, config in topology.regions.items():
         alive = [r for r in reports if r.region == name and r.status is not None]
-        capacity = min((r.status.capacity_bytes for r in alive), default=0)  # type: ignore[union-attr]
+        # Replicas split shards (rendezvous hashing): their capacities add up.
+        capacity = sum(r.status.capacity_bytes for r in alive)  # type: ignore[union-attr]
         measured = [
             r.status.origin_bytes_per_second for r in alive if r.status.origin_bytes_per_second
         ]  # type: ignore[union-attr]
@@ -176,6 +178,7 @@ class WarmItem:
     nodes: list[str]
     bytes_total: int
     pin_until: datetime | None = None
+    shard_count: int = 0  # with several nodes: each stages only the shards it owns
     bytes_done: int = 0
     failures: list[str] = field(default_factory=list)
     done: bool = False
@@ -203,21 +206,35 @@ def warm(
             request = edge_pb2.StageRequest(dataset=dataset, version=version or 0)
             if item.pin_until is not None:
                 request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
+            finished = 0  # shards staged by the nodes before this one
             for address in item.nodes:
                 if stop.is_set():
                     return
+                node_request = edge_pb2.StageRequest()
+                node_request.CopyFrom(request)
+                if len(item.nodes) > 1 and item.shard_count:
+                    mine = rendezvous.owned_shards(
+                        item.nodes, address, dataset, version or 0, item.shard_count
+                    )
+                    if not mine:
+                        continue
+                    node_request.shards.extend(mine)
                 channel, stub = _stub(address)
-                call = stub.Stage(request, metadata=metadata)
+                call = stub.Stage(node_request, metadata=metadata)
                 active.add(call)
                 try:
                     for event in call:
                         if stop.is_set():
                             call.cancel()
                             return
-                        # Skipped (already cached) shards count as done bytes for progress.
-                        share = event.shards_done / max(event.shards_total, 1)
-                        item.bytes_done = max(item.bytes_done, int(item.bytes_total * share))
+                        # Skipped (already cached) shards count as done for progress.
+                        total = item.shard_count or event.shards_total
+                        share = (finished + event.shards_done) / max(total, 1)
+                        item.bytes_done = max(
+                            item.bytes_done, int(item.bytes_total * min(share, 1))
+                        )
                         on_progress(item)
+                    finished += len(node_request.shards) or 0
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.CANCELLED:
                         item.failures.append(f"{address}: {exc.code().name}: {exc.details()}")
@@ -251,26 +268,49 @@ def warm(
 
 
 def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tuple[bool, str]:
-    """Whether every node of ``region`` holds every shard of the version."""
+    """Whether ``region`` holds every shard of the version.
+
+    One node must hold them all; several nodes split them (rendezvous hashing),
+    so together they must hold every shard, each node its own.
+    """
     nodes = [r for r in reports if r.region == region]
     if not nodes:
         return False, f"region {region!r} has no nodes in the topology"
+    total = len(manifest.shards)
+    spec = f"{manifest.dataset}@{manifest.version}"
     missing = []
     for report in nodes:
         if report.status is None:
             missing.append(f"{report.address} unreachable ({report.error})")
             continue
-        held = next(
-            (
-                v.shard_count
-                for v in report.status.versions
-                if (v.dataset, v.version) == (manifest.dataset, manifest.version)
-            ),
-            0,
+        held = _held(report, manifest)
+        wanted = (
+            len(
+                rendezvous.owned_shards(
+                    [n.address for n in nodes],
+                    report.address,
+                    manifest.dataset,
+                    manifest.version,
+                    total,
+                )
+            )
+            if len(nodes) > 1
+            else total
         )
-        if held < len(manifest.shards):
-            missing.append(f"{report.address} has {held}/{len(manifest.shards)} shards")
-    spec = f"{manifest.dataset}@{manifest.version}"
+        if held < wanted:
+            missing.append(f"{report.address} has {held}/{wanted} shards")
     if missing:
         return False, f"{spec} is not ready in {region}: " + "; ".join(missing)
-    return True, f"{spec} is staged on every node of {region}"
+    return True, f"{spec} is staged in {region}"
+
+
+def _held(report: NodeReport, manifest: pb.Manifest) -> int:
+    assert report.status is not None
+    return next(
+        (
+            v.shard_count
+            for v in report.status.versions
+            if (v.dataset, v.version) == (manifest.dataset, manifest.version)
+        ),
+        0,
+    )

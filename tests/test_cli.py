@@ -210,3 +210,39 @@ def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> No
     assert [v["version"] for v in listed] == [1, 2] and listed[0]["digest"] == listed[1]["digest"]
     result = runner.invoke(app, ["versions", "nope", "--registry", registry])
     assert result.exit_code == 0 and "no versions" in result.output
+
+
+def test_replicas_split_shards_by_rendezvous_hashing(tmp_path: Path) -> None:
+    import torch
+    from edgeutil import publish
+
+    from edgecache.clients import EdgeDataset
+    from edgecache.clients.ops import gather_status, ready
+    from edgecache.clients.rendezvous import owned_shards
+    from edgecache.clients.topology import load_topology
+
+    write_parquet_shards(tmp_path / "origin", 8, rows=300)
+    registry = f"file://{tmp_path}/registry"
+    manifest = publish(registry, f"file://{tmp_path}/origin", "split")
+    replicas = [start_local_node("eu-west", tmp_path / f"cache-{i}", registry) for i in range(2)]
+    try:
+        addresses = [n.address for n in replicas]
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(f"registry: {registry}\nregions:\n  eu-west:\n    nodes: {addresses}\n")
+        result = runner.invoke(
+            app, ["warm", "split@1", "--region", "eu-west", "--config", str(config)]
+        )
+        assert result.exit_code == 0, result.output
+        reports = gather_status(load_topology(config))
+        held = {r.address: r.status.versions[0].shard_count for r in reports if r.status.versions}
+        for address in addresses:  # each replica holds exactly the shards it owns
+            assert held.get(address, 0) == len(owned_shards(addresses, address, "split", 1, 8))
+        assert ready(reports, "eu-west", manifest)[0]
+        ds = EdgeDataset("split@1", config=config, region="eu-west", batch_size=64)
+        labels = [
+            int(x) for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]
+        ]
+        assert sorted(labels) == list(range(8 * 300))
+    finally:
+        for node in replicas:
+            node.stop()
