@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner lock proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -37,6 +37,14 @@ bench-dataset: $(STAMP)  ## EdgeDataset (gRPC and lmdb://) against a hand-writte
 
 bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 regions
 	$(PY) -m bench.planner
+
+lock:  ## pin the edge node image's dependencies (deploy/constraints.txt)
+	rm -rf build/lock-venv
+	$(PYTHON) -m venv build/lock-venv
+	build/lock-venv/bin/pip install -q --upgrade pip
+	build/lock-venv/bin/pip install -q .
+	echo "# Edge node image dependencies, pinned: regenerate with 'make lock'." > deploy/constraints.txt
+	build/lock-venv/bin/pip freeze --exclude edgecache >> deploy/constraints.txt
 
 proto: $(STAMP)  ## regenerate edgecache.v1 after editing proto/**/*.proto
 	$(PY) proto/generate.py

@@ -760,6 +760,32 @@ def doctor(
         raise typer.Exit(1)
 
 
+@app.command()
+def healthcheck(
+    address: Annotated[str, typer.Argument(help="HOST:PORT of a node (its probe port).")] = (
+        "127.0.0.1:7071"
+    ),
+    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 3.0,
+) -> None:
+    """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout
+        )
+    except grpc.RpcError as exc:
+        err_console.print(f"{address}: {exc.code().name}: {exc.details()}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    finally:
+        channel.close()
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    console.print(f"{address}: {name}")
+    raise typer.Exit(0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
@@ -193,7 +195,10 @@ class NodePool:
         channel = self._channels.get(endpoint.text)
         if channel is None:
             if endpoint.kind == "grpcs":
-                credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_root)
+                root = self._tls_root
+                if root is None and os.environ.get("EDGECACHE_TLS_CA"):
+                    root = Path(os.environ["EDGECACHE_TLS_CA"]).read_bytes()
+                credentials = grpc.ssl_channel_credentials(root_certificates=root)
                 channel = grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
             else:
                 channel = grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)

@@ -8,12 +8,14 @@ it directly.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,7 +44,16 @@ DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
 
 
 def _stub(address: str) -> tuple[grpc.Channel, edge_pb2_grpc.EdgeCacheStub]:
-    channel = grpc.insecure_channel(parse_endpoint(address).target, options=CHANNEL_OPTIONS)
+    """A channel to a node; ``grpcs://`` uses TLS, trusting ``$EDGECACHE_TLS_CA`` if set."""
+    endpoint = parse_endpoint(address)
+    if endpoint.kind == "grpcs":
+        ca = os.environ.get("EDGECACHE_TLS_CA")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=Path(ca).read_bytes() if ca else None
+        )
+        channel = grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
     return channel, edge_pb2_grpc.EdgeCacheStub(channel)
 
 

@@ -1,0 +1,180 @@
+"""Container, compose and Kubernetes files, checked statically (no Docker engine or cluster
+here), and the image's entrypoint and health check run outside a container."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from edgecache.clients.topology import load_schedule, load_topology
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.metrics import NodeMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+CLIENT_ONLY_ENV = {"EDGECACHE_TLS_CA", "EDGECACHE_CONFIG"}
+
+
+def docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def env_names(text: str) -> set[str]:
+    return set(re.findall(r"\bEDGECACHE_[A-Z_]+", text))
+
+
+def test_every_edgecache_variable_is_a_node_setting() -> None:
+    fields = {f"EDGECACHE_{name.upper()}" for name in NodeConfig.model_fields}
+    for path in [DEPLOY / "Dockerfile", DEPLOY / "compose.yaml", *DEPLOY.glob("k8s/**/*.yaml")]:
+        unknown = env_names(path.read_text()) - fields - CLIENT_ONLY_ENV
+        assert not unknown, f"{path}: {unknown}"
+
+
+def test_dockerfile_shape() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert len(re.findall(r"^FROM python:3\.11-slim", text, re.M)) == 2  # multi-stage, slim
+    assert re.search(r"^USER 10001", text, re.M)
+    assert 'ENTRYPOINT ["edgecache", "serve"]' in text
+    assert re.search(r'^HEALTHCHECK .*\n\s+CMD \["edgecache", "healthcheck"', text, re.M)
+    assert "torch" not in re.sub(r"#.*", "", text).lower()  # comments may say "no torch"
+    assert "-c deploy/constraints.txt" in text
+    constraints = (DEPLOY / "constraints.txt").read_text()
+    assert "grpcio==" in constraints and "torch" not in constraints
+    ignored = (ROOT / ".dockerignore").read_text()
+    assert ".venv" in ignored and "tests" in ignored
+
+
+def test_kubernetes_manifests() -> None:
+    base = DEPLOY / "k8s" / "base"
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (base / resource).exists(), resource
+    objects = {d["kind"]: d for r in kustomization["resources"] for d in docs(base / r)}
+    for obj in objects.values():
+        assert obj["apiVersion"] and obj["metadata"]["name"]
+    sts = objects["StatefulSet"]
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    probe_port = int(env["EDGECACHE_PROBE_LISTEN"].rsplit(":", 1)[1])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["grpc"]["port"] == probe_port
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["limits"]["memory"]
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "cache"
+    assert {m["name"] for m in container["volumeMounts"]} >= {"cache", "tokens", "tls"}
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert (
+        objects["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    )
+    cron = objects["CronJob"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    assert cron["command"][:2] == ["edgecache", "warm"]
+    for overlay in ("eu-west", "us-east"):
+        custom = yaml.safe_load(
+            (DEPLOY / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text()
+        )
+        assert "../../base" in custom["resources"] and custom["namespace"] == f"edgecache-{overlay}"
+    tuning = docs(DEPLOY / "k8s" / "optional" / "node-tuning-daemonset.yaml")[0]
+    assert tuning["kind"] == "DaemonSet" and "bbr" in json.dumps(tuning)
+
+
+def test_topology_and_schedule_files_are_valid() -> None:
+    for path in (DEPLOY / "compose" / "edgecache.yaml", DEPLOY / "k8s" / "base" / "edgecache.yaml"):
+        topology = load_topology(path)
+        assert set(topology.regions) == {"eu-west", "us-east"}
+    load_schedule(
+        DEPLOY / "k8s" / "base" / "schedule.yaml",
+        load_topology(DEPLOY / "k8s" / "base" / "edgecache.yaml"),
+    )
+
+
+def test_compose_stack_and_dashboards() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"minio", "eu-west-1", "eu-west-2", "us-east-1", "prometheus", "grafana", "seed"} <= set(
+        services
+    )
+    for name in ("eu-west-1", "eu-west-2", "us-east-1"):
+        env = services[name]["environment"]
+        assert env["EDGECACHE_REGION"] in ("eu-west", "us-east")
+        assert f"{name}:/var/cache/edgecache" in services[name]["volumes"]
+    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert {t.split(":")[0] for t in targets} == {"eu-west-1", "eu-west-2", "us-east-1"}
+    metrics = NodeMetrics("r", "n")
+    known = {m.name for m in metrics.registry.collect()}
+    known |= {f"{n}_total" for n in known} | {f"{n}_bucket" for n in known}
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "edgecache.json").read_text())
+    used = set(re.findall(r"edgecache_[a-z_]+", json.dumps(dashboard)))
+    assert used and used <= known, used - known
+
+
+def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path) -> None:
+    """The StatefulSet's settings, with local paths and free ports, through `edgecache serve`."""
+    from tlsutil import make_pki
+
+    pki = make_pki(tmp_path)
+    (tmp_path / "admin").write_text("admin-token")
+    (tmp_path / "read").write_text("read-token")
+    sts = docs(DEPLOY / "k8s" / "base" / "statefulset.yaml")[0]
+    env = {
+        e["name"]: e["value"]
+        for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
+    }
+    env.update(
+        EDGECACHE_REGION="eu-west",
+        EDGECACHE_REGISTRY=f"file://{tmp_path}/registry",
+        EDGECACHE_CACHE_DIR=str(tmp_path / "cache"),
+        EDGECACHE_CAPACITY="1GiB",
+        EDGECACHE_LISTEN="127.0.0.1:0",
+        EDGECACHE_PROBE_LISTEN="127.0.0.1:0",
+        EDGECACHE_METRICS_LISTEN="127.0.0.1:0",
+        EDGECACHE_TOKEN_FILE=str(tmp_path / "admin"),
+        EDGECACHE_READ_TOKEN_FILE=str(tmp_path / "read"),
+        EDGECACHE_TLS_CERT=str(pki["server"]),
+        EDGECACHE_TLS_KEY=str(pki["server_key"]),
+    )
+    import os
+
+    from edgecache.edge.config import load_node_config
+
+    settings = load_node_config(None, {}, env)
+    assert settings.probe_listen and settings.token_file and settings.tls_cert
+    from edgecache.edge.server import running_node
+
+    with running_node(settings) as node:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "edgecache.clients.cli",
+                "healthcheck",
+                f"127.0.0.1:{node.probe_port}",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ},
+        )
+        assert out.returncode == 0 and "SERVING" in out.stdout, out.stderr
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgecache.clients.cli",
+            "healthcheck",
+            "127.0.0.1:9",
+            "--timeout",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 1
