@@ -425,15 +425,25 @@ class NodePool:
         with self._lock:
             self._active[key] = stream
         stats = self.stats[endpoint.text]
+        expected: int | None = None  # where the next chunk must start
         try:
             for chunk in call:
                 stream.last, stream.started = time.monotonic(), True
                 stats.bytes += len(chunk.frame)
-                if read_header(chunk.frame).checksum != chunk.checksum:
+                header = read_header(chunk.frame)
+                # The checksum covers the frame; the row numbers beside it are checked
+                # for consistency, so a damaged first_row cannot misplace rows either.
+                placed = (
+                    chunk.first_row <= row_start < chunk.first_row + header.rows
+                    if expected is None
+                    else chunk.first_row == expected
+                )
+                if header.checksum != chunk.checksum or header.rows != chunk.rows or not placed:
                     raise ChunkCorrupt(
                         f"{dataset}@{version} shard {shard} chunk {chunk.index} from "
-                        f"{endpoint.text}: checksum differs from the one sent with it"
+                        f"{endpoint.text}: checksum or row numbers differ from the frame's"
                     )
+                expected = chunk.first_row + header.rows
                 yield chunk.first_row, decode_chunk(chunk.frame, schema)
         finally:
             with self._lock:
