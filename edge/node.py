@@ -265,6 +265,7 @@ class EdgeNode:
         if staging:
             await self.gate.acquire(shard.source_size)
         try:
+            log.info("fetching %s for %s", url, key)  # counted by the chaos tests
             started = time.monotonic()
             store = self.stores.for_url(url)
             retries_before = store.stats.retries
