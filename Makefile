@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner lock proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner chaos lock proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -37,6 +37,9 @@ bench-dataset: $(STAMP)  ## EdgeDataset (gRPC and lmdb://) against a hand-writte
 
 bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 regions
 	$(PY) -m bench.planner
+
+chaos: $(STAMP)  ## fault injection at full counts; prints the figures for docs/reliability.md
+	EDGECACHE_CHAOS=full $(VENV)/bin/pytest -s -q tests/chaos | grep -E "FIGURE|passed|failed"
 
 lock:  ## pin the edge node image's dependencies (deploy/constraints.txt)
 	rm -rf build/lock-venv

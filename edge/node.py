@@ -349,6 +349,8 @@ class EdgeNode:
                 # deterministic, so the stream can go on only if the chunks came out the same.
                 log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
                 again, _ = await self.ensure_shard(manifest, shard)
+                self.counters.misses += 1
+                self.metrics.misses.inc()
                 if again.checksums != info.checksums:
                     raise ChunkCorrupt(
                         f"{key} was re-encoded differently mid-stream; read it again from chunk 0"

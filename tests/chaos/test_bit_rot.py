@@ -1,0 +1,70 @@
+"""Random bytes flipped in a node's LMDB file: detected, dropped, re-fetched, never delivered."""
+
+from __future__ import annotations
+
+import mmap
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from chaosutil import count
+from edgeutil import publish, write_parquet_shards
+
+from edgecache.cache.keys import ShardKey
+from edgecache.cache.store import CacheStore
+from edgecache.clients import EdgeDataset
+from edgecache.clients.node_client import connect, start_local_node
+from edgecache.v1 import edge_pb2
+
+
+def test_flipped_bytes_are_never_delivered(tmp_path: Path, figure) -> None:  # noqa: ANN001
+    flips = count(30, 100)
+    tables = write_parquet_shards(tmp_path / "origin", 6, rows=3000)
+    truth = pa.concat_tables(tables)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    cache = tmp_path / "cache"
+    node = start_local_node("eu", cache, registry)
+    list(connect(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+    node.stop()
+
+    with CacheStore(cache, readonly=True) as store:
+        frames = [
+            (info.key, i, store.get_chunk(info.key, i))
+            for info in store.shards("tokens", 1)
+            for i in range(info.chunk_count)
+        ]
+    rng = random.Random(5)
+    damaged: set[tuple[ShardKey, int]] = set()
+    with (cache / "data.mdb").open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        for _ in range(flips):
+            key, index, frame = rng.choice(frames)
+            at = m.find(frame)
+            if at < 0:  # already damaged by an earlier flip: damage it further
+                continue
+            m[at + rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
+            damaged.add((key, index))
+        m.flush()
+
+    node = start_local_node("eu", cache, registry)
+    try:
+        ds = EdgeDataset(
+            "tokens@1", endpoints=[node.address], batch_size=100, window_bytes=64 << 10
+        )
+        wrong = seen = 0
+        by_label = truth.column("input_ids").combine_chunks().values.to_numpy().reshape(-1, 32)
+        for batch in torch.utils.data.DataLoader(ds, batch_size=None):
+            labels = batch["label"].numpy()
+            seen += len(labels)
+            wrong += int((batch["input_ids"].numpy() != by_label[labels]).any(axis=1).sum())
+        status = connect(node.address).Status(edge_pb2.StatusRequest())
+    finally:
+        node.stop()
+    figure("bytes flipped", flips)
+    figure("chunks damaged", len(damaged))
+    figure("corrupted samples delivered", wrong)
+    figure("shards re-fetched from origin (misses)", status.misses)
+    figure("origin bytes re-fetched", status.origin_bytes)
+    assert seen == truth.num_rows and wrong == 0
+    assert status.misses >= len({key for key, _ in damaged})  # every damaged shard refetched
