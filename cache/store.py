@@ -416,6 +416,18 @@ class CacheStore(ClosingContext):
                             "a long-running reader may be holding old pages — restart stale "
                             "readers or raise --capacity"
                         ) from exc
+                except lmdb.Error as exc:
+                    # A full disk surfaces from mdb_txn_commit as ENOSPC or EIO. The
+                    # transaction is gone whole: nothing of the shard is visible.
+                    free = shutil.disk_usage(self.path).free
+                    if free < 2 * size + _MAP_HEADROOM // 16:
+                        raise CacheFull(
+                            f"{key}: the disk under {self.path} is full ({format_bytes(free)} "
+                            f"free, the shard needs {format_bytes(size)}); --capacity "
+                            f"({format_bytes(self.capacity_bytes)}) is more than the volume "
+                            "holds — lower it or grow the volume"
+                        ) from exc
+                    raise StoreError(f"writing {key} to {self.path} failed: {exc}") from exc
         return self._info(key, record, now)
 
     def pin_version(self, dataset: str, version: int, until: datetime | None) -> None:

@@ -411,8 +411,12 @@ class EdgeNode:
             for _ in wanted:
                 shard, error, fetched = await results.get()
                 if error is not None:
+                    from edgecache.edge.service import status_for  # the one mapping
+
                     progress.shards_failed += 1
-                    progress.failures.add(shard=shard, message=str(error))
+                    progress.failures.add(
+                        shard=shard, message=str(error), code=status_for(error)[0].name
+                    )
                     self.metrics.staged["failed"].inc()
                 else:
                     progress.shards_done += 1

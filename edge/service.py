@@ -23,6 +23,7 @@ from edgecache.cache.errors import (
     CacheFull,
     ChunkCorrupt,
     CodecError,
+    EdgeCacheError,
     InvalidName,
     MalformedShard,
     ManifestError,
@@ -53,6 +54,8 @@ Req = TypeVar("Req")
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an exception raised while handling a request."""
     message = str(exc)
+    if isinstance(exc, _StageIncomplete):
+        return exc.code, message
     match exc:
         case InvalidName() | IndexError():
             return grpc.StatusCode.INVALID_ARGUMENT, message
@@ -193,7 +196,10 @@ class EdgeCacheService:
             raise _StageIncomplete(
                 f"{last.shards_failed} of {last.shards_total} shards of "
                 f"{manifest.dataset}@{manifest.version} failed; "
-                f"shard {first.shard}: {first.message}"
+                f"shard {first.shard}: {first.message}",
+                code=grpc.StatusCode.__members__.get(
+                    first.code, grpc.StatusCode.FAILED_PRECONDITION
+                ),
             )
 
     @_unary
@@ -233,8 +239,12 @@ class EdgeCacheService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-class _StageIncomplete(MalformedShard):
-    """Some shards of a Stage failed (status FAILED_PRECONDITION, reasons in the message)."""
+class _StageIncomplete(EdgeCacheError):
+    """Some shards of a Stage failed; the status is the first failure's, reasons in the message."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _message_class(full_name: str) -> Any:
