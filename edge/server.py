@@ -40,7 +40,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
 ]
 _SERVER_OPTIONS = [
-    *CHANNEL_OPTIONS,
+    ("grpc.max_send_message_length", -1),
+    # Requests are small (names and numbers); refuse anything bigger than 1 MiB up front
+    # instead of parsing it.
+    ("grpc.max_receive_message_length", 1 << 20),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
