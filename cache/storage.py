@@ -172,6 +172,7 @@ class S3Store(ObjectStore):
             BotoCoreError,
             ClientError,
             EndpointConnectionError,
+            IncompleteReadError,
             ResponseStreamingError,
         )
 
@@ -198,7 +199,12 @@ class S3Store(ObjectStore):
                     f"origin for {url} is unreachable ({exc}); check AWS_ENDPOINT_URL and the "
                     "network"
                 ) from exc
-            except (ResponseStreamingError, OSError, asyncio.IncompleteReadError) as exc:
+            except (
+                ResponseStreamingError,
+                IncompleteReadError,  # a truncated body
+                OSError,
+                asyncio.IncompleteReadError,
+            ) as exc:
                 if attempt + 1 == self.attempts:
                     raise OriginError(
                         f"reading {url} kept failing after {self.attempts} attempts: {exc}"
@@ -256,6 +262,8 @@ class S3Store(ObjectStore):
 
         async def once() -> tuple[bytes, ObjectInfo]:
             response = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
+            # botocore's own retries (throttling, 5xx) happen inside the call: count them.
+            self.stats.retries += response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
             async with response["Body"] as body:
                 data = await body.read()
             self.stats.bytes_read += len(data)

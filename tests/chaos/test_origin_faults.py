@@ -1,0 +1,85 @@
+"""Staging through origin faults: throttling, errors, resets, short bodies, stalls."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from edgeutil import publish, read_shard_table, stub, write_parquet_shards
+from faultproxy import OriginFaults
+from s3server import make_bucket, upload_dir
+
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
+
+
+def test_staging_rides_out_origin_faults_and_names_a_dead_object(
+    s3_endpoint: str,
+    tmp_path: Path,
+    figure,  # noqa: ANN001
+) -> None:
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    tables = write_parquet_shards(tmp_path / "raw", 6, rows=3000)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"s3://{bucket}/raw", "tokens")
+    proxy = OriginFaults(
+        s3_endpoint,
+        {
+            r"part-00000": ["503", "503", "503"],
+            r"part-00001": ["500", "reset"],
+            r"part-00002": ["truncate", "503"],
+            r"part-00003": ["stall"],
+            r"part-00005": ["always500"],
+        },
+    )
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS")}
+    os.environ.update(AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="5")
+    try:
+        settings = NodeConfig(
+            region="eu",
+            cache_dir=tmp_path / "cache",
+            registry=registry,
+            listen="127.0.0.1:0",
+            capacity="256MiB",
+            sync=False,
+            metrics_listen="127.0.0.1:0",
+        )
+        with running_node(settings) as node:
+            client = stub(node.address)
+            events = []
+            with pytest.raises(grpc.RpcError) as info:
+                for event in client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)):
+                    events.append(event)
+            last = events[-1]
+            assert last.finished and last.shards_done == 5 and last.shards_failed == 1
+            assert "part-00005.parquet" in last.failures[0].message
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            for shard in range(5):
+                assert read_shard_table(client, "tokens", 1, shard).equals(tables[shard])
+            from urllib.request import urlopen
+
+            metrics = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+            retries = float(
+                next(
+                    line
+                    for line in metrics.splitlines()
+                    if line.startswith("edgecache_origin_retries_total{")
+                ).split()[-1]
+            )
+    finally:
+        proxy.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    figure("faults injected", dict(proxy.injected))
+    figure("shards staged correctly", 5)
+    figure("retries counted by the node (edgecache_origin_retries_total)", retries)
+    assert retries >= 1
