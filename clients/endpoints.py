@@ -343,6 +343,8 @@ class NodePool:
         while next_row < row_end:
             progressed = False
             for endpoint in self.ranked((dataset, version, shard)):
+                if next_row >= row_end:
+                    return  # the stream broke after the last row we needed arrived
                 try:
                     source = (
                         self._local_rows(
