@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +72,7 @@ class LocalNode:
     region: str
     address: str
     process: subprocess.Popen[str]
+    metrics_address: str = ""
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM (graceful drain), then wait; returns the exit code."""
@@ -91,9 +92,15 @@ def start_local_node(
     *,
     capacity: str = "4GiB",
     log_file: Path | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> LocalNode:
-    """Start a node on a free loopback port and wait until it serves."""
-    log = open(log_file, "w") if log_file else subprocess.DEVNULL  # noqa: SIM115
+    """Start a node on a free loopback port and wait until it serves.
+
+    ``extra_args`` are more ``edgecache serve`` flags; with ``--metrics-listen``
+    the node's metrics address is read too.
+    """
+    log = open(log_file, "a") if log_file else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
         [
             sys.executable,
@@ -110,11 +117,12 @@ def start_local_node(
             "127.0.0.1:0",
             "--capacity",
             capacity,
+            *extra_args,
         ],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
-        env={**os.environ, "EDGECACHE_SYNC": "false"},
+        env={**os.environ, "EDGECACHE_SYNC": "false", **(env or {})},
     )
     if log_file:
         log.close()  # the child has its own copy of the descriptor
@@ -125,4 +133,7 @@ def start_local_node(
             process.kill()
         hint = f"; see {log_file}" if log_file else ""
         raise RuntimeError(f"edge node for {region} did not start{hint}")
-    return LocalNode(region=region, address=line.split()[-1], process=process)
+    node = LocalNode(region=region, address=line.split()[-1], process=process)
+    if "--metrics-listen" in extra_args:
+        node.metrics_address = process.stdout.readline().split()[-1]
+    return node

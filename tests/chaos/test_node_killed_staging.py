@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +15,7 @@ from s3server import make_bucket, s3_env, upload_dir
 
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
-from edgecache.clients.node_client import connect
+from edgecache.clients.node_client import connect, start_local_node
 from edgecache.v1 import edge_pb2
 
 SHARDS = 12
@@ -26,33 +24,16 @@ SHARDS = 12
 def start(
     cache: Path, registry: str, env: dict[str, str], log: Path
 ) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edgecache.clients.cli",
-            "serve",
-            "--region",
-            "eu",
-            "--cache-dir",
-            str(cache),
-            "--registry",
-            registry,
-            "--listen",
-            "127.0.0.1:0",
-            "--capacity",
-            "1GiB",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=open(log, "a"),  # noqa: SIM115 - the child owns it
-        text=True,
-        # one fetch at a time: a kill can lose at most the one shard in flight
-        env={**os.environ, **env, "EDGECACHE_SYNC": "false", "EDGECACHE_STAGING_CONCURRENCY": "1"},
+    # one fetch at a time: a kill can lose at most the one shard in flight
+    node = start_local_node(
+        "eu",
+        cache,
+        registry,
+        capacity="1GiB",
+        log_file=log,
+        env={**env, "EDGECACHE_STAGING_CONCURRENCY": "1"},
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("serving on"), line
-    return proc, line.split()[-1]
+    return node.process, node.address
 
 
 def test_node_killed_during_staging_never_shows_partial_shards(

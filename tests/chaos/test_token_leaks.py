@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from urllib.request import urlopen
 
 import grpc
 from edgeutil import publish, stub, write_parquet_shards
 
+from edgecache.clients.node_client import start_local_node
 from edgecache.v1 import edge_pb2
 
 ADMIN, READ = "adm1n-s3cret-Zq9", "r3ad-s3cret-Xw7"
@@ -23,20 +21,12 @@ def test_tokens_never_leak(tmp_path: Path, figure) -> None:  # noqa: ANN001
     (tmp_path / "admin").write_text(ADMIN)
     (tmp_path / "read").write_text(READ)
     log = tmp_path / "node.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edgecache.clients.cli",
-            "serve",
-            "--region",
-            "eu",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--registry",
-            registry,
-            "--listen",
-            "127.0.0.1:0",
+    node = start_local_node(
+        "eu",
+        tmp_path / "cache",
+        registry,
+        log_file=log,
+        extra_args=[
             "--metrics-listen",
             "127.0.0.1:0",
             "--token-file",
@@ -46,15 +36,10 @@ def test_tokens_never_leak(tmp_path: Path, figure) -> None:  # noqa: ANN001
             "--log-level",
             "DEBUG",
         ],
-        stdout=subprocess.PIPE,
-        stderr=open(log, "w"),
-        text=True,  # noqa: SIM115
-        env={**os.environ, "GRPC_VERBOSITY": "debug"},
+        env={"GRPC_VERBOSITY": "debug"},
     )
+    proc, address, metrics_address = node.process, node.address, node.metrics_address
     try:
-        assert proc.stdout is not None
-        address = proc.stdout.readline().split()[-1]
-        metrics_address = proc.stdout.readline().split()[-1]
         client = stub(address)
         details = []
         attempts = [
