@@ -310,24 +310,24 @@ def _plan_region(
                         )
                     )
                     continue
-            for held, following in victims:
-                held_size = resident.pop(held)
-                used -= held_size
+            for victim, victim_next in victims:
+                victim_size = resident.pop(victim)
+                used -= victim_size
                 out.evictions.append(
                     Eviction(
                         region=state.name,
-                        version=held,
-                        bytes=held_size,
+                        version=victim,
+                        bytes=victim_size,
                         at=begin,
-                        next_use=following,
+                        next_use=victim_next,
                         reason=(
                             "not needed again"
-                            if following is None
-                            else f"next needed at {following:%Y-%m-%dT%H:%MZ}, furthest ahead"
+                            if victim_next is None
+                            else f"next needed at {victim_next:%Y-%m-%dT%H:%MZ}, furthest ahead"
                         ),
                     )
                 )
-                task_of.pop(held, None)
+                task_of.pop(victim, None)
             task = StageTask(
                 region=state.name,
                 version=version,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -242,7 +243,7 @@ class S3Store(ObjectStore):
             kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = await self._call(prefix_url, lambda kw=kwargs: s3.list_objects_v2(**kw))
+            page = await self._call(prefix_url, functools.partial(s3.list_objects_v2, **kwargs))
             for item in page.get("Contents", []):
                 out.append(
                     ObjectInfo(

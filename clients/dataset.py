@@ -219,12 +219,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if grpc_endpoints:
             pool = self.pool()
             try:
-                number = (
-                    version
-                    or pool.call(
-                        "ResolveVersion", edge_pb2.ResolveVersionRequest(dataset=dataset)
-                    ).version
-                )  # type: ignore[attr-defined]
+                resolved: Any = (
+                    pool.call("ResolveVersion", edge_pb2.ResolveVersionRequest(dataset=dataset))
+                    if version is None
+                    else None
+                )
+                number = version or resolved.version
                 return pool.call(  # type: ignore[return-value]
                     "GetManifest", edge_pb2.GetManifestRequest(dataset=dataset, version=number)
                 )

@@ -50,7 +50,7 @@ def read_shard(
     schema: pa.Schema | None = None,
     digest: str = "",
     start_chunk: int = 0,
-    metadata: Sequence[tuple[str, str]] | None = None,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Stream one shard's record batches, verifying every chunk."""
     request = edge_pb2.ReadShardRequest(
@@ -124,7 +124,7 @@ def start_local_node(
         text=True,
         env={**os.environ, "EDGECACHE_SYNC": "false", **(env or {})},
     )
-    if log_file:
+    if not isinstance(log, int):
         log.close()  # the child has its own copy of the descriptor
     assert process.stdout is not None
     line = process.stdout.readline()

@@ -143,25 +143,23 @@ def make_plan(
     ]
     regions = {}
     for name, config in topology.regions.items():
-        alive = [r for r in reports if r.region == name and r.status is not None]
+        alive = [r.status for r in reports if r.region == name and r.status is not None]
         # Replicas split shards (rendezvous hashing): their capacities add up.
-        capacity = sum(r.status.capacity_bytes for r in alive)  # type: ignore[union-attr]
-        measured = [
-            r.status.origin_bytes_per_second for r in alive if r.status.origin_bytes_per_second
-        ]  # type: ignore[union-attr]
-        resident: dict[tuple[str, int], int] = {}
-        for report in alive[:1]:  # every node of a region holds the same (see warm)
-            for v in report.status.versions:  # type: ignore[union-attr]
-                known = next(
-                    (
-                        m
-                        for m in manifests.values()
-                        if (m.dataset, m.version) == (v.dataset, v.version)
-                    ),
-                    None,
-                )
-                if known is None or v.shard_count == len(known.shards):
-                    resident[(v.dataset, v.version)] = v.stored_bytes
+        capacity = sum(status.capacity_bytes for status in alive)
+        measured = [s.origin_bytes_per_second for s in alive if s.origin_bytes_per_second]
+        # A version is resident when the region's replicas hold all its shards between them.
+        held: dict[tuple[str, int], list[int]] = {}  # version → [shards, bytes]
+        for status in alive:
+            for v in status.versions:
+                entry = held.setdefault((v.dataset, v.version), [0, 0])
+                entry[0] += v.shard_count
+                entry[1] += v.stored_bytes
+        shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
+        resident = {
+            key: stored
+            for key, (shards, stored) in held.items()
+            if shards >= shard_counts.get(key, shards)
+        }
         regions[name] = RegionState(
             name=name,
             capacity_bytes=capacity,

@@ -105,7 +105,7 @@ def _pylist(column: pa.Array, rows: np.ndarray) -> list[object]:
         ]
         data = memoryview(column.buffers()[2])
         blobs = [bytes(data[offsets[i] : offsets[i + 1]]) for i in rows]
-        return [b.decode() for b in blobs] if pa.types.is_string(t) else blobs  # type: ignore[misc]
+        return [b.decode() for b in blobs] if pa.types.is_string(t) else list(blobs)
     return column.take(pa.array(rows)).to_pylist()
 
 

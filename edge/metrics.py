@@ -7,6 +7,8 @@ follow Prometheus conventions: ``_total`` counters, base units in the name.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = ["NodeMetrics"]
@@ -17,6 +19,7 @@ class NodeMetrics:
 
     def __init__(self, region: str, node_id: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._http: Any = None
         labels = {"region": region, "node": node_id}
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

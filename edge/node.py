@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import itertools
 import logging
 import os
@@ -248,7 +249,7 @@ class EdgeNode:
         if task is None:
             task = asyncio.create_task(self._fetch(manifest, key, staging=staging))
             self._inflight[key] = task
-            task.add_done_callback(lambda t, k=key: self._fetch_done(k, t))
+            task.add_done_callback(functools.partial(self._fetch_done, key))
         return await asyncio.shield(task), True
 
     def _fetch_done(self, key: ShardKey, task: asyncio.Task[ShardInfo]) -> None:

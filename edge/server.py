@@ -77,7 +77,7 @@ class NodeServer:
         self.metrics_port = 0
         self._server: aio.Server | None = None
         self._probe: aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._metrics_http: object | None = None
 
     @property
