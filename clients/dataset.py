@@ -70,7 +70,9 @@ def _distributed() -> tuple[int, int] | None:
     return None
 
 
-def _endpoints_from_config(config: str | os.PathLike[str], region: str | None) -> list[str]:
+def _endpoints_from_config(
+    config: str | os.PathLike[str], region: str | None, *, only_region: bool = False
+) -> list[str]:
     try:
         doc = yaml.safe_load(Path(config).read_text()) or {}
     except OSError as exc:
@@ -81,7 +83,7 @@ def _endpoints_from_config(config: str | os.PathLike[str], region: str | None) -
     if region is not None:
         if region not in regions:
             raise InvalidEndpoint(f"region {region!r} is not in {config}; it has {sorted(regions)}")
-        chosen = [region] + [r for r in regions if r != region]  # others as fallbacks
+        chosen = [region] if only_region else [region] + [r for r in regions if r != region]
     else:
         chosen = list(regions)
     return [node for r in chosen for node in (regions[r] or {}).get("nodes", [])]
@@ -139,6 +141,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
         texts = list(endpoints) if endpoints is not None else _endpoints_from_config(config, region)  # type: ignore[arg-type]
+        replicas = (
+            _endpoints_from_config(config, region, only_region=True)
+            if endpoints is None and region is not None and config is not None
+            else []
+        )
         if not texts:
             raise InvalidEndpoint("the endpoint list is empty; give at least one host:port")
         self.endpoints: list[Endpoint] = [parse_endpoint(t) for t in texts]
@@ -160,6 +167,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             "token": token,
             "stall_timeout": stall_timeout,
             "retry_timeout": retry_timeout,
+            "replicas": replicas,
         }
         self._pool: NodePool | None = None
         self._pid = os.getpid()

@@ -99,9 +99,7 @@ class Training:
     exact_once: bool
 
 
-def train(
-    spec: str, endpoints: list[str], *, threads: int, progress: Progress, total: int
-) -> Training:
+def train(spec: str, topology: Path, *, threads: int, progress: Progress, total: int) -> Training:
     """One epoch of a tiny classifier (predict a sample's first token's parity)."""
     import torch
 
@@ -113,7 +111,9 @@ def train(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     started = time.perf_counter()  # from here on: the data path
-    dataset = EdgeDataset(spec, endpoints=endpoints, batch_size=256, seed=17, threads=threads)
+    dataset = EdgeDataset(
+        spec, config=topology, region="eu-west", batch_size=256, seed=17, threads=threads
+    )
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
     task = progress.add_task("train 1 epoch via EdgeDataset", total=total * (TOKENS * 4 + 8))
     losses, labels, first_batch = [], [], 0.0
@@ -250,11 +250,11 @@ def run_demo(
             warm_first = first_chunk_seconds(eu, 0)
             cold_first = first_chunk_seconds(us, 0)  # us-east was never warmed
 
-            # The job: train a small model for one epoch through EdgeDataset; the pool
-            # picks the nearest healthy node (both regions are given).
+            # The job: train a small model for one epoch through EdgeDataset, in eu-west:
+            # its own region's node first, us-east only as a fallback.
             training = train(
                 f"{DATASET}@{manifest.version}",
-                [nodes["eu-west"].address, nodes["us-east"].address],
+                workdir / "edgecache.yaml",
                 threads=threads,
                 progress=progress,
                 total=samples,

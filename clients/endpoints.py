@@ -162,10 +162,12 @@ class NodePool:
         first_chunk_timeout: float = 120.0,
         retry_timeout: float = 30.0,
         probe_interval: float = 30.0,
+        replicas: Sequence[str] = (),
     ) -> None:
         if not endpoints:
             raise InvalidEndpoint("no endpoints given; pass endpoints=[...] or config=/region=")
         self.endpoints = list(endpoints)
+        self.replicas = set(replicas)  # the own region's nodes: they split shards
         self.stats = {e.text: EndpointStats() for e in self.endpoints}
         self.failovers = 0
         self.stall_timeout = stall_timeout
@@ -270,15 +272,19 @@ class NodePool:
         """Endpoints, nearest first (unreachable ones last).
 
         RTTs within 25% (+0.5 ms) of the best count as a tie: jitter must not
-        bounce readers between nodes. Equally near nodes are a region's replicas,
-        which split shards by rendezvous hashing, so for a ``(dataset, version,
-        shard)`` the tie goes to the shard's owner; otherwise to the order given.
+        bounce readers between nodes, and ties go to the order given (own region
+        first). Among the own region's replicas, which split shards by rendezvous
+        hashing, a ``(dataset, version, shard)`` goes to the shard's owner first.
         """
         order = {e.text: i for i, e in enumerate(self.endpoints)}
         best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
         near = best * 1.25 + 0.5
-        if shard is not None:
-            group = [e.text for e in self.endpoints if self.stats[e.text].rtt_ms <= near]
+        if shard is not None and len(self.replicas) > 1:
+            group = [
+                e.text
+                for e in self.endpoints
+                if e.text in self.replicas and self.stats[e.text].rtt_ms <= near
+            ]
             order = {text: i for i, text in enumerate(rendezvous.rank(group, *shard))} | {
                 e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
             }
