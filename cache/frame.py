@@ -33,7 +33,6 @@ __all__ = [
     "HEADER_SIZE",
     "Codec",
     "FrameHeader",
-    "frame_checksum",
     "pack_frame",
     "payload_view",
     "read_header",
@@ -109,11 +108,6 @@ def read_header(frame: Buffer) -> FrameHeader:
 def payload_view(frame: Buffer, header: FrameHeader) -> memoryview:
     """The payload bytes of a frame, without copying."""
     return memoryview(frame)[HEADER_SIZE : HEADER_SIZE + header.payload_len]
-
-
-def frame_checksum(frame: Buffer) -> int:
-    """The checksum a frame's header records (not recomputed)."""
-    return read_header(frame).checksum
 
 
 def verify_frame(frame: Buffer) -> FrameHeader:

@@ -54,7 +54,6 @@ from edgecache.cache.frame import Buffer, verify_frame
 from edgecache.cache.keys import (
     ShardKey,
     chunk_key,
-    dataset_prefix,
     parse_shard_key,
     parse_version_key,
     version_key,
@@ -727,10 +726,3 @@ class CacheStore(ClosingContext):
             evicted_bytes=self._evicted_bytes,
             corrupt_chunks=self._corrupt,
         )
-
-    def prefix_exists(self, dataset: str) -> bool:
-        """Whether anything of ``dataset`` is resident."""
-        prefix = dataset_prefix(dataset)
-        with self._read_txn() as txn:
-            cursor = txn.cursor(db=self._dbs[b"shards"])
-            return bool(cursor.set_range(prefix)) and bytes(cursor.key()).startswith(prefix)

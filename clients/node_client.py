@@ -22,18 +22,10 @@ import pyarrow as pa
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import ChunkCorrupt
 from edgecache.cache.frame import read_header
+from edgecache.clients.endpoints import CHANNEL_OPTIONS
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
-__all__ = ["CHANNEL_OPTIONS", "LocalNode", "connect", "read_shard", "start_local_node"]
-
-# Chunks are several MiB: lift gRPC's 4 MiB receive limit. Notice dead peers fast.
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 2_000),
-    ("grpc.http2.ping_timeout_ms", 1_000),
-]
+__all__ = ["LocalNode", "connect", "read_shard", "start_local_node"]
 
 
 def connect(address: str) -> edge_pb2_grpc.EdgeCacheStub:
