@@ -58,6 +58,12 @@ class NodeConfig(BaseModel):
     read_token_file: Path | None = Field(None, description="Bearer token required for reads")
     staging_rate: int | None = Field(None, description="Cap on staging's origin bytes/s")
     staging_concurrency: int = Field(4, ge=1, le=64)
+    fetch_concurrency: int = Field(
+        4, ge=1, le=64, description="Read-through origin fetches at once; more misses wait"
+    )
+    max_streams: int = Field(
+        256, ge=1, le=65536, description="Concurrent RPCs; beyond them RESOURCE_EXHAUSTED"
+    )
     preprocess_threads: int = Field(2, ge=1, le=64)
     grace_seconds: float = Field(10.0, ge=0, description="SIGTERM drain time for streams")
     node_id: str = Field(default_factory=socket.gethostname)

@@ -23,12 +23,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from edgecache.cache.codec import CodecOptions, ShardEncoder
 from edgecache.cache.errors import (
@@ -162,6 +162,7 @@ class EdgeNode:
         self.counters = _Counters()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self._inflight: dict[ShardKey, asyncio.Task[ShardInfo]] = {}
+        self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         self._cpu = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._pid = os.getpid()
@@ -247,10 +248,23 @@ class EdgeNode:
             return info, False
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.create_task(self._fetch(manifest, key, staging=staging))
+            fetch = self._fetch(manifest, key, staging=staging)
+            if not staging:  # staging is bounded by its own workers and gate
+                fetch = self._bounded(fetch)
+            task = asyncio.create_task(fetch)
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._fetch_done, key))
         return await asyncio.shield(task), True
+
+    async def _bounded(self, fetch: Coroutine[Any, Any, ShardInfo]) -> ShardInfo:
+        """Run a read-through fetch in one of ``fetch_concurrency`` slots.
+
+        A fetch holds its raw shard, Arrow batches and encoded chunks in memory
+        at once; without a bound, readers missing many shards at the same time
+        would grow the node without limit.
+        """
+        async with self._fetch_slots:
+            return await fetch
 
     def _fetch_done(self, key: ShardKey, task: asyncio.Task[ShardInfo]) -> None:
         self._inflight.pop(key, None)

@@ -98,7 +98,13 @@ class NodeServer:
             interceptors = (
                 [TokenAuthInterceptor(admin_token, read_token)] if admin_token or read_token else []
             )
-            server = aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
+            server = aio.server(
+                interceptors=interceptors,
+                options=_SERVER_OPTIONS,
+                # Each stream holds a chunk in gRPC's buffers: a cap on streams is a cap
+                # on that memory. Beyond it callers get RESOURCE_EXHAUSTED and retry.
+                maximum_concurrent_rpcs=config.max_streams,
+            )
             server.add_generic_rpc_handlers((EdgeCacheService(node).generic_handler(),))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             reflection.enable_server_reflection(

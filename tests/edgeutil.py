@@ -39,7 +39,7 @@ def write_parquet_shards(root: Path, count: int, rows: int = ROWS_PER_SHARD) -> 
 
 
 def publish(registry_url: str, source_url: str, dataset: str, **spec: object) -> pb.Manifest:
-    preprocess = preprocess_spec(chunk_bytes=64 << 10, **spec)  # type: ignore[arg-type]
+    preprocess = preprocess_spec(**{"chunk_bytes": 64 << 10, **spec})  # type: ignore[arg-type]
     return Registry.run(registry_url, lambda reg: reg.publish(source_url, dataset, spec=preprocess))
 
 
