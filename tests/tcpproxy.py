@@ -17,6 +17,7 @@ class FaultyProxy:
         self._blackholed = threading.Event()
         self._corrupt_at: int | None = None
         self._passed = 0
+        self._writers: list[asyncio.StreamWriter] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self.port = 0
@@ -35,7 +36,14 @@ class FaultyProxy:
         self._corrupt_at = self._passed + nbytes
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        """Stop, closing every connection (a node then sees its clients go)."""
+
+        def stop() -> None:
+            for writer in self._writers:
+                writer.transport.abort()
+            self._loop.call_soon(self._loop.stop)  # after the sockets' close callbacks
+
+        self._loop.call_soon_threadsafe(stop)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -51,6 +59,7 @@ class FaultyProxy:
         except OSError:
             writer.close()
             return
+        self._writers += (writer, up_writer)
         await asyncio.gather(
             self._pipe(reader, up_writer, downstream=False),
             self._pipe(up_reader, writer, downstream=True),

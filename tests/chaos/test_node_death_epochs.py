@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -11,9 +12,24 @@ from chaosutil import count
 from edgeutil import publish, write_parquet_shards
 
 from edgecache.clients import EdgeDataset
-from edgecache.clients.node_client import start_local_node
+from edgecache.clients.node_client import LocalNode, connect, start_local_node
+from edgecache.v1 import edge_pb2
 
-SHARDS, ROWS = 6, 800
+SHARDS, ROWS = 6, 3000
+
+
+def kill_the_read_one(nodes: dict[str, LocalNode], killed: list[str]) -> None:
+    """SIGKILL the first node seen with a stream open (the one being read).
+
+    Streams are short (one window each), so poll until one is caught open.
+    """
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for region, node in nodes.items():
+            if connect(node.address).Status(edge_pb2.StatusRequest(), timeout=5).active_streams:
+                node.process.kill()
+                killed.append(region)
+                return
 
 
 def test_every_epoch_completes_exact_once(tmp_path: Path, figure) -> None:  # noqa: ANN001
@@ -23,7 +39,7 @@ def test_every_epoch_completes_exact_once(tmp_path: Path, figure) -> None:  # no
     publish(registry, f"file://{tmp_path}/origin", "tokens")
     nodes = {r: start_local_node(r, tmp_path / f"cache-{r}", registry) for r in ("a", "b")}
     rng = random.Random(8)
-    exact = 0
+    exact = victims = 0
     try:
         for epoch in range(epochs):
             ds = EdgeDataset(
@@ -36,9 +52,8 @@ def test_every_epoch_completes_exact_once(tmp_path: Path, figure) -> None:  # no
                 retry_timeout=10,
             )
             ds.set_epoch(epoch)
-            victim_region = rng.choice(sorted(nodes))
-            victim = nodes[victim_region]
-            timer = threading.Timer(rng.uniform(0.05, 0.4), victim.process.kill)
+            killed: list[str] = []
+            timer = threading.Timer(rng.uniform(0.05, 0.4), kill_the_read_one, (nodes, killed))
             timer.start()
             labels = [
                 int(x)
@@ -47,13 +62,14 @@ def test_every_epoch_completes_exact_once(tmp_path: Path, figure) -> None:  # no
             ]
             timer.join()
             exact += sorted(labels) == list(range(SHARDS * ROWS))
-            victim.stop()
-            nodes[victim_region] = start_local_node(
-                victim_region, tmp_path / f"cache-{victim_region}", registry
-            )
+            victims += bool(killed)
+            for region in killed:
+                nodes[region].stop()
+                nodes[region] = start_local_node(region, tmp_path / f"cache-{region}", registry)
     finally:
         for node in nodes.values():
             node.stop()
-    figure("epochs with a node killed", epochs)
+    figure("epochs", epochs)
+    figure("epochs where the node being read was killed mid-stream", victims)
     figure("epochs completed exact-once", exact)
-    assert exact == epochs
+    assert exact == epochs and victims == epochs
