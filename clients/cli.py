@@ -179,6 +179,25 @@ ConfigOption = Annotated[
     typer.Option("--config", help="Topology file [$EDGECACHE_CONFIG, ./edgecache.yaml]."),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+TokenOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        envvar="EDGECACHE_TOKEN_FILE",
+        help="File holding the bearer token of nodes that require one "
+        "(the admin token for warm/evict; the read token is enough otherwise).",
+    ),
+]
+
+
+def _token(path: Path | None) -> str | None:
+    """The token in ``path``; an unreadable file is a usage error, not a refused call."""
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip() or None
+    except OSError as exc:
+        raise ValueError(f"--token-file {path}: {exc.strerror}") from None
 
 
 def _fail(exc: Exception, code: int = 2) -> typer.Exit:
@@ -304,14 +323,16 @@ def versions(
 
 
 @app.command()
-def status(config: ConfigOption = None, as_json: JsonOption = False) -> None:
+def status(
+    config: ConfigOption = None, token_file: TokenOption = None, as_json: JsonOption = False
+) -> None:
     """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio."""
     from edgecache.clients.ops import gather_status
     from edgecache.clients.topology import load_topology
 
     try:
-        reports = gather_status(load_topology(config))
-    except EdgeCacheError as exc:
+        reports = gather_status(load_topology(config), token=_token(token_file))
+    except (EdgeCacheError, ValueError) as exc:
         raise _fail(exc) from exc
     if as_json:
         print(
@@ -396,6 +417,7 @@ def plan(
         str | None, typer.Option(help="Plan as of this time (ISO 8601, with zone).")
     ] = None,
     explain: Annotated[bool, typer.Option(help="Say why each eviction and source.")] = False,
+    token_file: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Show what to stage where, by when, what to evict, and what cannot be met."""
@@ -410,7 +432,7 @@ def plan(
         now = datetime.fromisoformat(at) if at else None
         if now is not None and now.tzinfo is None:
             raise ValueError(f"--at {at!r} needs a time zone, e.g. {at}Z")
-        result, _ = make_plan(topology, jobs, now=now)
+        result, _ = make_plan(topology, jobs, now=now, token=_token(token_file))
     except (EdgeCacheError, ValueError) as exc:
         raise _fail(exc) from exc
     _print_plan(result, explain, as_json)
@@ -516,7 +538,7 @@ def warm(
     region: Annotated[str | None, typer.Option(help="Region to warm NAME@N in.")] = None,
     config: ConfigOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be staged.")] = False,
-    token_file: Annotated[Path | None, typer.Option(help="Bearer token for Stage.")] = None,
+    token_file: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Stage data into regions now (a schedule's plan, or one version), with progress."""
@@ -538,10 +560,11 @@ def warm(
 
     try:
         topology = load_topology(config)
+        token = _token(token_file)
         items: list[WarmItem] = []
         if Path(target).exists():
             schedule = load_schedule(target, topology)
-            result, manifests = make_plan(topology, schedule)
+            result, manifests = make_plan(topology, schedule, token=token)
             ends = {job.name: job.end for job in schedule.jobs}
             shard_counts = {f"{m.dataset}@{m.version}": len(m.shards) for m in manifests.values()}
             for name, rp in result.regions.items():
@@ -574,7 +597,6 @@ def warm(
                     shard_count=len(manifest.shards),
                 )
             )
-        token = token_file.read_text().strip() if token_file else None
     except (EdgeCacheError, ValueError, OSError) as exc:
         raise _fail(exc) from exc
     if dry_run:
@@ -631,13 +653,13 @@ def evict(
     spec: Annotated[str, typer.Argument(help="NAME@N")],
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
     config: ConfigOption = None,
-    token_file: Annotated[Path | None, typer.Option(help="Bearer token for Evict.")] = None,
+    token_file: TokenOption = None,
 ) -> None:
     """Drop a version from the nodes of a region (or all regions)."""
     import grpc
 
     from edgecache.cache.names import parse_spec
-    from edgecache.clients.node_client import connect
+    from edgecache.clients.ops import bearer, node_stub
     from edgecache.clients.topology import load_topology
     from edgecache.v1 import edge_pb2
 
@@ -650,18 +672,17 @@ def evict(
             raise ValueError(
                 f"unknown region {region!r}; the topology has {sorted(topology.regions)}"
             )
+        metadata = bearer(_token(token_file))
     except (EdgeCacheError, ValueError) as exc:
         raise _fail(exc) from exc
-    metadata = (
-        (("authorization", f"Bearer {token_file.read_text().strip()}"),) if token_file else None
-    )
     failed = False
     for name, cfg in topology.regions.items():
         if region and name != region:
             continue
         for node in cfg.nodes:
+            channel, stub = node_stub(node)
             try:
-                freed = connect(node).Evict(
+                freed = stub.Evict(
                     edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version),
                     timeout=30,
                     metadata=metadata,
@@ -670,6 +691,8 @@ def evict(
             except grpc.RpcError as exc:
                 failed = True
                 err_console.print(f"[red]{name} {node}: {exc.code().name}: {exc.details()}[/red]")
+            finally:
+                channel.close()
     if failed:
         raise typer.Exit(1)
 
@@ -681,6 +704,7 @@ def ready(
     config: ConfigOption = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until ready.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600.0,
+    token_file: TokenOption = None,
 ) -> None:
     """Exit 0 only when every shard of the version is staged in the region."""
     import time
@@ -692,13 +716,13 @@ def ready(
 
     try:
         topology = load_topology(config)
-
+        token = _token(token_file)
         manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
     except (EdgeCacheError, ValueError) as exc:
         raise _fail(exc) from exc
     deadline = time.monotonic() + timeout
     while True:
-        ok, message = check(gather_status(topology), region, manifest)
+        ok, message = check(gather_status(topology, token=token), region, manifest)
         if ok or not wait or time.monotonic() > deadline:
             (console if ok else err_console).print(message)
             raise typer.Exit(0 if ok else 1)
@@ -711,6 +735,7 @@ def doctor(
     region: Annotated[str | None, typer.Option(help="The region this host is in.")] = None,
     pings: Annotated[int, typer.Option(min=2, max=200, help="Health pings per node.")] = 20,
     seconds: Annotated[float, typer.Option(help="Throughput test per node, seconds.")] = 2.0,
+    token_file: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Check the network path to every node and this host's TCP settings."""
@@ -719,9 +744,12 @@ def doctor(
 
     try:
         topology = load_topology(config)
-    except EdgeCacheError as exc:
+        token = _token(token_file)
+    except (EdgeCacheError, ValueError) as exc:
         raise _fail(exc) from exc
-    paths = check_paths(topology, home_region=region, pings=pings, throughput_seconds=seconds)
+    paths = check_paths(
+        topology, home_region=region, pings=pings, throughput_seconds=seconds, token=token
+    )
     host = check_host(paths, topology)
     bad = any(p.problems for p in paths) or bool(host.problems)
     if as_json:

@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgecache.clients.endpoints import CHANNEL_OPTIONS, parse_endpoint
+from edgecache.clients.endpoints import open_channel, parse_endpoint
+from edgecache.clients.ops import bearer
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
@@ -48,12 +49,13 @@ def check_paths(
     home_region: str | None,
     pings: int = 20,
     throughput_seconds: float = 2.0,
+    token: str | None = None,
 ) -> list[PathCheck]:
     """Ping every node (gRPC health checks) and read from it for a bounded time."""
     out = []
     for region, config in topology.regions.items():
         for node in config.nodes:
-            channel = grpc.insecure_channel(parse_endpoint(node).target, options=CHANNEL_OPTIONS)
+            channel = open_channel(parse_endpoint(node))
             health = health_pb2_grpc.HealthStub(channel)
             samples, lost = [], 0
             for _ in range(pings):
@@ -71,7 +73,7 @@ def check_paths(
             )
             check = PathCheck(region, node, rtt, jitter, lost / pings, None)
             if samples:
-                check.throughput_mb_s = _throughput(channel, throughput_seconds)
+                check.throughput_mb_s = _throughput(channel, throughput_seconds, bearer(token))
             channel.close()
             limit = RTT_IN_REGION_MS if region == home_region else RTT_CROSS_REGION_MS
             if rtt is None:
@@ -86,11 +88,13 @@ def check_paths(
     return out
 
 
-def _throughput(channel: grpc.Channel, seconds: float) -> float | None:
+def _throughput(
+    channel: grpc.Channel, seconds: float, metadata: tuple[tuple[str, str], ...] | None
+) -> float | None:
     """MB/s reading a resident shard for at most ``seconds`` (None if nothing is cached)."""
     stub = edge_pb2_grpc.EdgeCacheStub(channel)
     try:
-        status = stub.Status(edge_pb2.StatusRequest(), timeout=3)
+        status = stub.Status(edge_pb2.StatusRequest(), timeout=3, metadata=metadata)
     except grpc.RpcError:
         return None
     resident = [v for v in status.versions if v.shard_count]
@@ -104,7 +108,7 @@ def _throughput(channel: grpc.Channel, seconds: float) -> float | None:
             request = edge_pb2.ReadShardRequest(
                 dataset=version.dataset, version=version.version, shard=shard
             )
-            call = stub.ReadShard(request, timeout=seconds * 2)
+            call = stub.ReadShard(request, timeout=seconds * 2, metadata=metadata)
             for chunk in call:
                 received += len(chunk.frame)
                 if time.perf_counter() - started > seconds:

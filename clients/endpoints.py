@@ -44,6 +44,8 @@ __all__ = [
     "Endpoint",
     "InvalidEndpoint",
     "NodePool",
+    "client_credentials",
+    "open_channel",
     "parse_endpoint",
 ]
 
@@ -132,6 +134,49 @@ def parse_endpoint(text: str) -> Endpoint:
     return Endpoint(raw, scheme, f"{host}:{port}")
 
 
+def _read_pem(variable: str) -> bytes | None:
+    path = os.environ.get(variable)
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidEndpoint(
+            f"${variable} names {path}, which cannot be read ({exc.strerror}); "
+            "point it at a PEM file or unset it"
+        ) from None
+
+
+def client_credentials(root: bytes | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials for ``grpcs://`` endpoints, from the ``EDGECACHE_TLS_*`` environment.
+
+    ``EDGECACHE_TLS_CA`` is the CA bundle that signed the nodes' certificates
+    (default: the system's roots); ``EDGECACHE_TLS_CERT`` and
+    ``EDGECACHE_TLS_KEY`` are this client's certificate and key, for nodes
+    that require mutual TLS (``--tls-client-ca``). The environment, not
+    arguments, because DataLoader workers, the CLI and the warm CronJob all
+    inherit it without code.
+    """
+    cert, key = _read_pem("EDGECACHE_TLS_CERT"), _read_pem("EDGECACHE_TLS_KEY")
+    if (cert is None) != (key is None):
+        raise InvalidEndpoint(
+            "mutual TLS needs both $EDGECACHE_TLS_CERT and $EDGECACHE_TLS_KEY; only one is set"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=root if root is not None else _read_pem("EDGECACHE_TLS_CA"),
+        private_key=key,
+        certificate_chain=cert,
+    )
+
+
+def open_channel(endpoint: Endpoint, *, tls_root: bytes | None = None) -> grpc.Channel:
+    """A channel to a gRPC endpoint: TLS for ``grpcs://`` (see `client_credentials`)."""
+    if endpoint.kind == "grpcs":
+        credentials = client_credentials(tls_root)
+        return grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
+
+
 @dataclass
 class EndpointStats:
     """What a reader saw of one endpoint."""
@@ -196,14 +241,7 @@ class NodePool:
     def _channel(self, endpoint: Endpoint) -> grpc.Channel:
         channel = self._channels.get(endpoint.text)
         if channel is None:
-            if endpoint.kind == "grpcs":
-                root = self._tls_root
-                if root is None and os.environ.get("EDGECACHE_TLS_CA"):
-                    root = Path(os.environ["EDGECACHE_TLS_CA"]).read_bytes()
-                credentials = grpc.ssl_channel_credentials(root_certificates=root)
-                channel = grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
-            else:
-                channel = grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
+            channel = open_channel(endpoint, tls_root=self._tls_root)
             self._channels[endpoint.text] = channel
         return channel
 

@@ -8,14 +8,12 @@ it directly.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,13 +23,15 @@ from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, plan
 from edgecache.cache.registry import Registry
 from edgecache.clients import rendezvous
-from edgecache.clients.endpoints import CHANNEL_OPTIONS, parse_endpoint
+from edgecache.clients.endpoints import open_channel, parse_endpoint
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
     "NodeReport",
+    "bearer",
+    "node_stub",
     "WarmItem",
     "gather_status",
     "make_plan",
@@ -43,17 +43,9 @@ __all__ = [
 DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
 
 
-def _stub(address: str) -> tuple[grpc.Channel, edge_pb2_grpc.EdgeCacheStub]:
-    """A channel to a node; ``grpcs://`` uses TLS, trusting ``$EDGECACHE_TLS_CA`` if set."""
-    endpoint = parse_endpoint(address)
-    if endpoint.kind == "grpcs":
-        ca = os.environ.get("EDGECACHE_TLS_CA")
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=Path(ca).read_bytes() if ca else None
-        )
-        channel = grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
-    else:
-        channel = grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
+def node_stub(address: str) -> tuple[grpc.Channel, edge_pb2_grpc.EdgeCacheStub]:
+    """A channel to a node; ``grpcs://`` uses TLS from ``$EDGECACHE_TLS_*``."""
+    channel = open_channel(parse_endpoint(address))
     return channel, edge_pb2_grpc.EdgeCacheStub(channel)
 
 
@@ -69,17 +61,24 @@ class NodeReport:
     error: str = ""
 
 
-def gather_status(topology: Topology, timeout: float = 3.0) -> list[NodeReport]:
+def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying ``token``, for nodes started with a token file."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def gather_status(
+    topology: Topology, timeout: float = 3.0, *, token: str | None = None
+) -> list[NodeReport]:
     """Health, RTT and Status of every node, in parallel; unreachable ones are reported."""
 
     def one(region: str, address: str) -> NodeReport:
-        channel, stub = _stub(address)
+        channel, stub = node_stub(address)
         try:
             health = health_pb2_grpc.HealthStub(channel)
             started = time.perf_counter()
             reply = health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             rtt = (time.perf_counter() - started) * 1e3
-            status = stub.Status(edge_pb2.StatusRequest(), timeout=timeout)
+            status = stub.Status(edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token))
             return NodeReport(
                 region,
                 address,
@@ -117,10 +116,11 @@ def make_plan(
     *,
     now: datetime | None = None,
     reports: list[NodeReport] | None = None,
+    token: str | None = None,
 ) -> tuple[Plan, dict[str, pb.Manifest]]:
     """Resolve the schedule against the registry and the nodes, then plan."""
     now = now or datetime.now(UTC)
-    reports = gather_status(topology) if reports is None else reports
+    reports = gather_status(topology, token=token) if reports is None else reports
     specs = {spec for job in schedule.jobs for spec in job.datasets}
 
     manifests, missing = Registry.run(topology.registry, lambda reg: resolve_specs(reg, specs))
@@ -206,7 +206,7 @@ def warm(
     collected per item (unreachable nodes included), never raised.
     """
     stop = stop or threading.Event()
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    metadata = bearer(token)
     active: set[grpc.Call] = set()
 
     def run_region(region_items: list[WarmItem]) -> None:
@@ -228,7 +228,7 @@ def warm(
                     if not mine:
                         continue
                     node_request.shards.extend(mine)
-                channel, stub = _stub(address)
+                channel, stub = node_stub(address)
                 call = stub.Stage(node_request, metadata=metadata)
                 active.add(call)
                 try:
