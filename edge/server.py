@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import threading
@@ -30,7 +31,7 @@ from edgecache.edge.config import NodeConfig, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
 
-__all__ = ["CHANNEL_OPTIONS", "NodeServer", "running_node", "serve_forever"]
+__all__ = ["CHANNEL_OPTIONS", "NodeServer", "exposure", "running_node", "serve_forever"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,28 @@ _SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+def exposure(config: NodeConfig) -> list[str]:
+    """What is open to the network about a node bound beyond loopback (see docs/security.md)."""
+    host, _ = split_hostport(config.listen)
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return []
+    except ValueError:
+        pass  # a host name: assume it is reachable
+    problems = []
+    if config.token_file is None:
+        problems.append(
+            f"Stage and Evict on {config.listen} need no token: anyone who reaches this port "
+            "can fill or empty the cache; set --token-file"
+        )
+    if config.tls_cert is None:
+        problems.append(
+            f"{config.listen} is plaintext: data and tokens cross the network readable and "
+            "alterable; set --tls-cert/--tls-key (and --tls-client-ca for mutual TLS)"
+        )
+    return problems
 
 
 def _credentials(config: NodeConfig) -> grpc.ServerCredentials | None:
@@ -140,6 +163,8 @@ class NodeServer:
             config.cache_dir,
             config.registry,
         )
+        for problem in exposure(config):
+            log.warning("%s", problem)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, no new calls, in-flight ones get ``grace`` seconds."""

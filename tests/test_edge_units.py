@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgecache.cache.units import format_bytes, parse_rate, parse_size
-from edgecache.edge.config import ConfigError, load_node_config
+from edgecache.edge.config import ConfigError, NodeConfig, load_node_config
 from edgecache.edge.node import StagingGate
 from edgecache.edge.wire import encode_chunk
 from edgecache.v1 import edge_pb2
@@ -133,3 +133,22 @@ def test_bad_sizes(bad: str) -> None:
 
 def test_format_bytes() -> None:
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+
+
+def test_exposure_warns_only_beyond_loopback(tmp_path: Path) -> None:
+    from edgecache.edge.server import exposure
+
+    def config(listen: str, **extra: object) -> NodeConfig:
+        return NodeConfig(
+            region="eu", cache_dir=tmp_path, registry="file:///r", listen=listen, **extra
+        )
+
+    assert exposure(config("127.0.0.1:0")) == []
+    assert exposure(config("[::1]:7070")) == []
+    assert exposure(config("localhost:7070")) == []
+    open_node = exposure(config("0.0.0.0:7070"))
+    assert len(open_node) == 2 and "--token-file" in open_node[0] and "--tls-cert" in open_node[1]
+    token = tmp_path / "t"
+    token.write_text("x")
+    secured = config("10.0.0.5:7070", token_file=token, tls_cert=token, tls_key=token)
+    assert exposure(secured) == []
