@@ -71,8 +71,11 @@ _RETRY_POLICY = json.dumps(
         ]
     }
 )
+# A chunk is a few MiB. A message over this limit comes from a broken or hostile node:
+# refuse it (RESOURCE_EXHAUSTED, and read elsewhere) instead of allocating it.
+MAX_MESSAGE_BYTES = 256 << 20
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", -1),
     ("grpc.keepalive_time_ms", 2_000),
     ("grpc.keepalive_timeout_ms", 2_000),

@@ -61,6 +61,9 @@ class NodeConfig(BaseModel):
     fetch_concurrency: int = Field(
         4, ge=1, le=64, description="Read-through origin fetches at once; more misses wait"
     )
+    max_request_bytes: int = Field(
+        1 << 20, ge=1 << 10, le=64 << 20, description="Larger requests are refused unparsed"
+    )
     max_streams: int = Field(
         256, ge=1, le=65536, description="Concurrent RPCs; beyond them RESOURCE_EXHAUSTED"
     )

@@ -42,9 +42,6 @@ CHANNEL_OPTIONS = [
 ]
 _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),
-    # Requests are small (names and numbers); refuse anything bigger than 1 MiB up front
-    # instead of parsing it.
-    ("grpc.max_receive_message_length", 1 << 20),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -123,7 +120,12 @@ class NodeServer:
             )
             server = aio.server(
                 interceptors=interceptors,
-                options=_SERVER_OPTIONS,
+                # Requests are small (names and numbers): refuse anything bigger than
+                # max_request_bytes up front instead of parsing it.
+                options=[
+                    *_SERVER_OPTIONS,
+                    ("grpc.max_receive_message_length", config.max_request_bytes),
+                ],
                 # Each stream holds a chunk in gRPC's buffers: a cap on streams is a cap
                 # on that memory. Beyond it callers get RESOURCE_EXHAUSTED and retry.
                 maximum_concurrent_rpcs=config.max_streams,

@@ -46,7 +46,22 @@ def node_stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         sync=False,
     )
     with running_node(settings_) as node:
+        _BEFORE.update(_files_outside_cache(root))
+        _ROOT.append(root)
         yield stub(node.address)
+
+
+_BEFORE: dict[str, int] = {}
+_ROOT: list = []
+
+
+def _files_outside_cache(root) -> dict[str, int]:  # noqa: ANN001
+    """Every file the node could reach besides its cache: the origin, the registry, /tmp."""
+    out = {}
+    for path in [*root.parent.rglob("*"), *root.rglob("*")]:
+        if path.is_file() and "cache" not in path.relative_to(root.parent).parts[1:2]:
+            out[str(path)] = path.stat().st_mtime_ns
+    return out
 
 
 def call(fn) -> None:  # noqa: ANN001
@@ -98,3 +113,29 @@ def test_oversized_requests_are_refused_by_the_limit(node_stub) -> None:  # noqa
         node_stub.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="x" * (2 << 20)))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert node_stub.Status(edge_pb2.StatusRequest()).region == "eu"
+
+
+def test_a_configured_limit_refuses_smaller_requests(tmp_path) -> None:  # noqa: ANN001
+    settings_ = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=f"file://{tmp_path}/registry",
+        listen="127.0.0.1:0",
+        max_request_bytes=4096,
+        sync=False,
+    )
+    with running_node(settings_) as node:
+        client = stub(node.address)
+        with pytest.raises(grpc.RpcError) as info:
+            client.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="x" * 10_000))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as info:
+            client.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="x" * 200))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # parsed, then refused
+
+
+def test_fuzzing_wrote_nothing_outside_the_cache(node_stub, figure) -> None:  # noqa: ANN001
+    after = _files_outside_cache(_ROOT[0])
+    changed = {p for p in after if _BEFORE.get(p) != after[p]} | (set(_BEFORE) - set(after))
+    figure("files created or changed outside the cache directory", len(changed))
+    assert not changed, sorted(changed)
