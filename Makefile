@@ -22,7 +22,7 @@ typecheck: $(STAMP)
 	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/typecheck . 2>/dev/null \
 		|| $(PY) -m pip install -q --no-deps --target build/typecheck .
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
-		-p edgecache.cache -p edgecache.clients
+		-p edgecache.cache -p edgecache.clients -p edgecache.edge
 
 bench: bench-store bench-edge bench-dataset bench-planner
 
