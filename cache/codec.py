@@ -177,10 +177,27 @@ def decode_chunk(
     payload = payload_view(frame, header)
     raw: Buffer
     if header.codec is Codec.ZSTD:
+        # zstd allocates what its own frame header declares, not max_output_size:
+        # check that against ours first, so a lying frame cannot make us allocate.
         try:
-            raw = _decompressor().decompress(payload, max_output_size=header.raw_len)
+            declared = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError as exc:
+            raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
+        if declared != header.raw_len:
+            raise ChunkCorrupt(
+                f"zstd payload declares {'no size' if declared < 0 else f'{declared} bytes'}, "
+                f"header says {header.raw_len}; the entry is damaged — drop it and fetch the "
+                "shard again"
+            )
+        try:
+            raw = _decompressor().decompress(payload)
         except zstandard.ZstdError as exc:
             raise ChunkCorrupt(f"zstd payload cannot be decompressed: {exc}") from exc
+        except MemoryError as exc:
+            raise ChunkCorrupt(
+                f"header says the chunk decodes to {header.raw_len} bytes, more than can be "
+                "allocated; the entry is damaged — drop it and fetch the shard again"
+            ) from exc
     else:
         raw = payload
     if len(raw) != header.raw_len:
@@ -188,13 +205,38 @@ def decode_chunk(
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(raw))
         batch = reader.read_next_batch()
-    except (pa.ArrowInvalid, OSError, StopIteration) as exc:
+        batch.validate()  # buffer sizes against lengths, which reading leaves unchecked; O(columns)
+    except (pa.ArrowException, OSError, StopIteration) as exc:  # also ArrowNotImplementedError
         raise ChunkCorrupt(f"chunk payload is not a valid Arrow IPC stream: {exc}") from exc
-    if schema is not None and not batch.schema.equals(schema):
-        raise SchemaMismatch(_schema_diff(schema, batch.schema))
+    if schema is None or not batch.schema.equals(schema):
+        if not utf8_field_names(batch.schema):
+            raise ChunkCorrupt(
+                "chunk's schema has a column name that is not UTF-8; the entry is damaged — "
+                "drop it and fetch the shard again"
+            )
+        if schema is not None:
+            raise SchemaMismatch(_schema_diff(schema, batch.schema))
     if batch.num_rows != header.rows:
         raise ChunkCorrupt(f"chunk decodes to {batch.num_rows} rows, header says {header.rows}")
     return batch
+
+
+def utf8_field_names(schema: pa.Schema) -> bool:
+    """Whether every field name, nested ones too, is UTF-8.
+
+    Arrow IPC stores names as raw bytes and pyarrow decodes them only when
+    asked, so a damaged or forged schema would otherwise raise
+    UnicodeDecodeError wherever a name is first used.
+    """
+    fields = list(schema)
+    while fields:
+        field = fields.pop()
+        try:
+            field.name  # noqa: B018 - decoding is the check
+        except UnicodeDecodeError:
+            return False
+        fields.extend(field.type.field(i) for i in range(field.type.num_fields))
+    return True
 
 
 def _schema_diff(expected: pa.Schema, actual: pa.Schema) -> str:

@@ -21,6 +21,7 @@ import pyarrow as pa
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from edgecache.cache.codec import utf8_field_names
 from edgecache.cache.errors import ManifestError
 from edgecache.cache.names import validate_name
 from edgecache.v1 import manifest_pb2 as pb
@@ -116,11 +117,17 @@ def manifest_from_bytes(data: bytes, *, source: str = "manifest") -> pb.Manifest
 def manifest_schema(manifest: pb.Manifest) -> pa.Schema:
     """The Arrow schema every stored chunk of this version carries."""
     try:
-        return pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
-    except (pa.ArrowInvalid, OSError) as exc:
+        schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
+    except (pa.ArrowException, OSError) as exc:  # ArrowNotImplementedError too
         raise ManifestError(
             f"{manifest.dataset}@{manifest.version}: arrow_schema cannot be decoded ({exc})"
         ) from exc
+    if not utf8_field_names(schema):
+        raise ManifestError(
+            f"{manifest.dataset}@{manifest.version}: arrow_schema has a column name that is "
+            "not UTF-8; republish the version"
+        )
+    return schema
 
 
 def summarize(manifest: pb.Manifest) -> pb.DatasetVersion:
@@ -162,6 +169,10 @@ def _checked(manifest: pb.Manifest, source: str) -> pb.Manifest:
         raise ManifestError(f"{source}: {exc}") from exc
     if manifest.version < 1:
         raise ManifestError(f"{source}: version must be >= 1, got {manifest.version}")
+    try:  # JSON parsing checks the range; binary parsing does not, and listings would raise
+        manifest.created_at.ToJsonString()
+    except ValueError as exc:
+        raise ManifestError(f"{source}: created_at is not a valid time ({exc})") from exc
     _check_shards(manifest, source)
     expected = content_digest(manifest)
     if manifest.digest != expected:
@@ -182,3 +193,6 @@ def _check_shards(manifest: pb.Manifest, source: str = "manifest") -> None:
             )
         if not shard.source_key:
             raise ManifestError(f"{source}: shard {position} has no source_key")
+    for total in ("row_count", "source_size"):  # summarize() adds them up into a uint64
+        if sum(getattr(shard, total) for shard in manifest.shards) >= 1 << 64:
+            raise ManifestError(f"{source}: the shards' {total} values add up to 2^64 or more")
