@@ -1,0 +1,627 @@
+"""The orchestrator of ``python -m bench.peers``: data, conversions, the node, epochs, report.
+
+It generates both datasets, converts them (see :mod:`bench.peers.formats`),
+publishes and stages them into one edge node subprocess the way
+``bench.dataset`` does, runs every (dataset, workers, system) configuration
+in a process of its own (:mod:`bench.peers.epoch`), systems interleaved so
+that drift on this shared machine hits all alike, then prints the tables and
+writes the JSON. Everything it creates lives in one temporary folder, removed
+at the end, and the node is stopped whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import bench.peers
+from bench import report
+from bench.dataset import Data, publish
+from bench.peers.data import KINDS, Source, generate
+from bench.peers.epoch import RESULT, run_epoch
+from bench.peers.formats import CONVERTERS, Converted
+from bench.peers.loaders import EDGECACHE, PEERS, SYSTEMS, Spec
+from bench.peers.memory import TreeMemory
+
+__all__ = ["TARGETS", "main", "ratios"]
+
+ROOT = Path(__file__).resolve().parents[2]
+# edgecache / best peer; None: reported for what it shows, no target.
+TARGETS: dict[str, float | None] = {
+    "edgecache-grpc": 1.0,
+    "edgecache-lmdb": 1.5,
+    "edgecache-lmdb-none": None,
+}
+LABELS = {
+    "mds": "MosaicML Streaming MDS, local disk",
+    "mds-zstd": "MosaicML Streaming MDS with zstd, local disk",
+    "litdata": "LitData (optimize), local disk",
+    "webdataset": "WebDataset tar shards, local disk",
+    "edgecache-grpc": "edgecache, warm node over gRPC (loopback)",
+    "edgecache-lmdb": "edgecache, local lmdb:// fast path",
+    "edgecache-lmdb-none": (
+        "edgecache, local fast path, tokens staged uncompressed (not the default)"
+    ),
+}
+PACKAGES = (
+    "torch",
+    "numpy",
+    "pyarrow",
+    "mosaicml-streaming",
+    "litdata",
+    "webdataset",
+    "transformers",
+    "grpcio",
+    "lmdb",
+    "zstandard",
+    "edgecache",
+)
+SMOKE_MIB = 4
+UNCOMPRESSED = "tokens-none"  # the tokens, published again with compression none
+
+
+def systems_for(dataset: str, systems: Sequence[str]) -> list[str]:
+    """The systems that read ``dataset``: images are always cached uncompressed."""
+    return [s for s in systems if not (dataset == "images" and s == "edgecache-lmdb-none")]
+
+
+# ------------------------------------------------------------------ data
+
+
+def _convert(system: str, source: Source, out: Path) -> Converted:
+    """Top level, so that a process pool can run it."""
+    return CONVERTERS[system](source, out)
+
+
+class _Inline:
+    """The part of ProcessPoolExecutor that prepare_data uses, run in this process."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def prepare_data(
+    workdir: Path,
+    tokens_mib: int,
+    images_mib: int,
+    peers: Sequence[str],
+    console: Any,
+    *,
+    parallel: bool = True,
+) -> tuple[list[Source], dict[str, dict[str, Converted]]]:
+    """Generate both datasets and convert them, two processes at a time when ``parallel``.
+
+    Generating tokens (Zipf ids) is the slowest step; the images are generated
+    and converted on the other core meanwhile. Nothing here is measured.
+    """
+    formats: dict[str, dict[str, Converted]] = {"tokens": {}, "images": {}}
+    sources: dict[str, Source] = {}
+    context = multiprocessing.get_context("fork")  # no threads or channels exist yet
+    pool = ProcessPoolExecutor(2, mp_context=context) if parallel else _Inline()
+    with pool:
+        generating = {
+            name: pool.submit(generate, workdir, name, mib)
+            for name, mib in (("tokens", tokens_mib), ("images", images_mib))
+        }
+        converting: dict[tuple[str, str], Future[Converted]] = {}
+        for name in ("images", "tokens"):  # images are ready first
+            sources[name] = source = generating[name].result()
+            console.log(
+                f"generated {source.rows:,} {name} samples ({source.raw_bytes / 1e6:,.0f} MB)"
+            )
+            for system in peers:
+                out = workdir / f"{name}-{system}"
+                converting[(name, system)] = pool.submit(_convert, system, source, out)
+        for (name, system), future in converting.items():
+            formats[name][system] = converted = future.result()
+            console.log(
+                f"wrote {name} as {system}: {converted.disk_bytes / 1e6:,.0f} MB "
+                f"in {converted.seconds:.1f} s"
+            )
+    return [sources["tokens"], sources["images"]], formats
+
+
+# ------------------------------------------------------------------ edgecache
+
+
+def stage_edgecache(
+    workdir: Path, sources: Sequence[Source], console: Any, *, uncompressed_tokens: bool = False
+) -> tuple[Any, dict[str, Data], dict[str, float]]:
+    """Publish every source from its file:// Parquet origin and Stage it into a new node.
+
+    Tokens are cached as zstd-1 chunks and images uncompressed (as in
+    bench.dataset); with ``uncompressed_tokens`` the tokens are also published
+    a second time, uncompressed, as ``tokens-none``.
+    """
+    from edgecache.cache.manifest import preprocess_spec
+    from edgecache.cache.store import CacheStore
+    from edgecache.clients.node_client import connect, start_local_node
+    from edgecache.v1 import edge_pb2
+    from edgecache.v1 import manifest_pb2 as pb
+
+    registry = f"file://{workdir}/registry"
+    codecs = {"zstd": pb.COMPRESSION_ZSTD, "none": pb.COMPRESSION_NONE}
+    entries = [(s.name, s, codecs[KINDS[s.name][2]]) for s in sources]
+    if uncompressed_tokens:
+        entries += [(UNCOMPRESSED, s, pb.COMPRESSION_NONE) for s in sources if s.name == "tokens"]
+    published: dict[str, Data] = {}
+    for name, s, codec in entries:
+        manifest = publish(
+            registry, f"file://{s.parquet}", name, preprocess_spec(compression=codec)
+        )
+        published[name] = Data(
+            name, manifest.version, s.batch_size, s.rows, s.raw_bytes, s.parquet_bytes
+        )
+    total = sum(d.raw_bytes for d in published.values())
+    capacity = f"{max(8, 2 * total // (1 << 30) + 1)}GiB"
+    node = start_local_node("bench", workdir / "cache", registry, capacity=capacity)
+    stage_seconds: dict[str, float] = {}
+    try:
+        stub = connect(node.address)
+        for data in published.values():
+            started = time.perf_counter()
+            request = edge_pb2.StageRequest(dataset=data.name, version=data.version)
+            last = list(stub.Stage(request))[-1]
+            if not last.finished or last.failures:
+                raise RuntimeError(f"staging {data.name}@{data.version} failed: {last}")
+            stage_seconds[data.name] = time.perf_counter() - started
+            console.log(f"staged {data.name}@{data.version} in {stage_seconds[data.name]:.1f} s")
+        with CacheStore(workdir / "cache", readonly=True) as store:
+            for data in published.values():
+                shards = store.shards(data.name, data.version)
+                data.shards = len(shards)
+                data.cached_bytes = sum(s.stored_bytes for s in shards)
+    except BaseException:
+        node.stop()
+        raise
+    return node, published, stage_seconds
+
+
+# ------------------------------------------------------------------ epochs
+
+
+def _epoch_in_subprocess(spec: Spec, repeat: int, budget: float, timeout: float) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.peers.epoch",
+            json.dumps(spec.to_dict()),
+            str(repeat),
+            str(budget),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT) :])
+    raise RuntimeError(
+        f"epoch {spec.system} {spec.dataset} workers={spec.workers} failed "
+        f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
+
+
+def run_one(
+    spec: Spec,
+    *,
+    in_process: bool,
+    node_pid: int | None,
+    repeat: int = 1,
+    budget: float = 0.0,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """One configuration's epochs; when the node serves them, its memory and CPU too.
+
+    The node's CPU seconds cover all the configuration's epochs; they are
+    divided by their number to give a per-epoch figure.
+    """
+    serving = node_pid is not None and spec.system == "edgecache-grpc"
+    watch = TreeMemory(node_pid) if serving else None
+    cpu = _process_cpu(node_pid) if serving and node_pid else 0.0
+    if watch:
+        watch.__enter__()
+    try:
+        result = (
+            run_epoch(spec, repeat=repeat, budget=budget)
+            if in_process
+            else _epoch_in_subprocess(spec, repeat, budget, timeout)
+        )
+    finally:
+        if watch:
+            watch.__exit__(None, None, None)
+    if watch and node_pid:
+        figures = watch.figures()
+        result["node_peak_rss_mb"] = figures["peak_rss_mb"]
+        result["node_peak_anon_mb"] = figures["peak_anon_mb"]
+        result["node_cpu_s"] = round((_process_cpu(node_pid) - cpu) / result["epochs"], 2)
+    return result
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def best_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fastest round of each (dataset, system, workers), with how many rounds ran."""
+    best: dict[tuple[str, str, int], dict[str, Any]] = {}
+    counts: dict[tuple[str, str, int], int] = {}
+    for r in runs:
+        key = (r["dataset"], r["system"], r["workers"])
+        counts[key] = counts.get(key, 0) + 1
+        if key not in best or r["seconds"] < best[key]["seconds"]:
+            best[key] = r
+    return [{**r, "rounds": counts[k]} for k, r in best.items()]
+
+
+def ratios(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """edgecache / best peer, per dataset: each at its best worker count, and per worker count.
+
+    The ratio is of samples/s (equivalently MB/s: same samples, same bytes).
+    """
+    out: list[dict[str, Any]] = []
+    for dataset in dict.fromkeys(e["dataset"] for e in epochs):
+        rows = [e for e in epochs if e["dataset"] == dataset]
+        groups: list[tuple[str, list[dict[str, Any]]]] = [("best", rows)]
+        groups += [
+            (f"workers={w}", [e for e in rows if e["workers"] == w])
+            for w in sorted({e["workers"] for e in rows})
+        ]
+        for scope, group in groups:
+            peers = [e for e in group if e["system"] in PEERS]
+            if not peers:
+                continue
+            peer = max(peers, key=lambda e: e["samples_s"])
+            for system, target in TARGETS.items():
+                mine = [e for e in group if e["system"] == system]
+                if not mine:
+                    continue
+                ours = max(mine, key=lambda e: e["samples_s"])
+                ratio = ours["samples_s"] / peer["samples_s"]
+                out.append(
+                    {
+                        "dataset": dataset,
+                        "scope": scope,
+                        "system": system,
+                        "workers": ours["workers"],
+                        "best_peer": peer["system"],
+                        "best_peer_workers": peer["workers"],
+                        "ours_samples_s": ours["samples_s"],
+                        "peer_samples_s": peer["samples_s"],
+                        "ours_mb_s": ours["mb_s"],
+                        "peer_mb_s": peer["mb_s"],
+                        "ratio": round(ratio, 3),
+                        "target": target,
+                        "met": None if target is None else ratio >= target,
+                    }
+                )
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
+    }
+
+
+def print_report(out: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    settings = out["settings"]
+    table = Table(
+        title="Epochs through a torch DataLoader, every system in the same run "
+        f"(fastest of up to {settings['repeat']} epochs per configuration while under "
+        f"{settings['budget_s']:g} s, x {settings['rounds']} round(s))"
+    )
+    for column in (
+        "data",
+        "system",
+        "workers",
+        "samples/s",
+        "MB/s",
+        "first batch s",
+        "epoch s",
+        "CPU s",
+        "node CPU s",
+        "peak RSS MB",
+        "anon MB",
+        "on disk MB",
+    ):
+        table.add_column(column, justify="left" if column in ("data", "system") else "right")
+    for e in out["epochs"]:
+        fmt = out["formats"][e["dataset"]][e["system"]]
+        table.add_row(
+            e["dataset"],
+            e["system"],
+            str(e["workers"]),
+            f"{e['samples_s']:,.0f}",
+            f"{e['mb_s']:,.0f}",
+            f"{e['first_batch_s']:.3f}",
+            f"{e['seconds']:.2f}",
+            f"{e['cpu_s']:.1f}",
+            f"{e['node_cpu_s']:.1f}" if "node_cpu_s" in e else "",
+            f"{e['peak_rss_mb']:,.0f}",
+            f"{e['peak_anon_mb']:,.0f}",
+            f"{fmt['disk_mb']:,.0f}",
+        )
+    console.print(table)
+    results = [
+        {
+            "measure": f"{r['dataset']}: {r['system']} (workers={r['workers']})",
+            "baseline": f"{r['best_peer']} (workers={r['best_peer_workers']})",
+            "mbytes": out["data"][r["dataset"]]["raw_mb"],
+            "ours_mb_s": r["ours_mb_s"],
+            "baseline_mb_s": r["peer_mb_s"],
+            "ratio": r["ratio"],
+            "target": r["target"],
+        }
+        for r in out["ratios"]
+        if r["scope"] == "best"
+    ]
+    title = "edgecache / best peer (each at its best worker count)"
+    console.print(report.ratio_table(title, results, ("measure", "baseline")))
+    for r in out["ratios"]:
+        if r["scope"] != "best":
+            console.print(
+                f"{r['dataset']} {r['scope']}: {r['system']} / {r['best_peer']} = {r['ratio']:.2f}×"
+            )
+    for name, d in out["data"].items():
+        console.print(
+            f"{name}: {d['samples']:,} samples, raw {d['raw_mb']:,} MB, batch {d['batch_size']}; "
+            + ", ".join(f"{s} {f['disk_mb']:,.0f} MB" for s, f in out["formats"][name].items())
+        )
+    console.print(
+        "CPU s: user+system of the loader process and its DataLoader workers over the epoch; "
+        "node CPU s: the edge node's, per epoch. Memory: peaks of the sums over the first "
+        "epoch's process tree (the loader and its workers; not the node, whose peak is in the "
+        "JSON), sampled from /proc every 50 ms; anon = RSS less file-backed and shared pages"
+    )
+    console.print("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items()))
+    m = out["machine"]
+    console.print(
+        f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_gb']} GB, {m['platform']}"
+    )
+    console.print(f"wall time: {out['wall_s']:.0f} s")
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.peers",
+        description=bench.peers.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tokens-mib", type=int, default=1024, help="raw MiB of token data")
+    parser.add_argument("--images-mib", type=int, default=1024, help="raw MiB of image data")
+    parser.add_argument(
+        "--workers", default="0,2", help="DataLoader num_workers values, comma-separated"
+    )
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="systems to run, comma-separated"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="epochs per configuration in its process, while under --budget; fastest kept",
+    )
+    parser.add_argument(
+        "--budget", type=float, default=8.0, help="seconds of epochs after which not to repeat"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="interleaved passes over every configuration"
+    )
+    parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run epochs in this process (faster to start; memory figures then include leftovers)",
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per process")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"{SMOKE_MIB} MiB of each, one epoch each, in-process: proves it runs, no more",
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tokens_mib = args.images_mib = SMOKE_MIB
+        args.in_process = True
+        args.repeat = args.rounds = 1
+    args.workers = [int(w) for w in args.workers.split(",")]
+    args.systems = args.systems.split(",")
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
+    return args
+
+
+def _spec(
+    system: str,
+    source: Source,
+    workers: int,
+    workdir: Path,
+    formats: dict[str, dict[str, Converted]],
+    published: dict[str, Data],
+    node: Any,
+) -> Spec:
+    name = UNCOMPRESSED if system == "edgecache-lmdb-none" else source.name
+    if system == "edgecache-grpc":
+        location = node.address
+    elif system in EDGECACHE:
+        location = f"lmdb://{workdir / 'cache'}"
+    else:
+        location = str(formats[source.name][system].path)
+    return Spec(
+        system=system,
+        dataset=source.name,
+        location=location,
+        version=f"{name}@{published[name].version}" if name in published else "",
+        batch_size=source.batch_size,
+        workers=workers,
+        rows=source.rows,
+        raw_bytes=source.raw_bytes,
+        label_sum=source.label_sum,
+    )
+
+
+def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]:
+    """Everything but the printing; the JSON document."""
+    started = time.perf_counter()
+    peers = [s for s in args.systems if s in PEERS]
+    sources, formats = prepare_data(
+        workdir, args.tokens_mib, args.images_mib, peers, console, parallel=not args.smoke
+    )
+    node = None
+    published: dict[str, Data] = {}
+    stage_seconds: dict[str, float] = {}
+    runs: list[dict[str, Any]] = []
+    try:
+        if any(s in EDGECACHE for s in args.systems):
+            node, published, stage_seconds = stage_edgecache(
+                workdir,
+                sources,
+                console,
+                uncompressed_tokens="edgecache-lmdb-none" in args.systems,
+            )
+        for r in range(args.rounds):
+            for source in sources:
+                for workers in args.workers:
+                    for system in systems_for(source.name, args.systems):
+                        spec = _spec(system, source, workers, workdir, formats, published, node)
+                        result = run_one(
+                            spec,
+                            in_process=args.in_process,
+                            node_pid=node.process.pid if node else None,
+                            repeat=args.repeat,
+                            budget=args.budget,
+                            timeout=args.timeout,
+                        )
+                        result["round"] = r + 1
+                        runs.append(result)
+                        console.log(
+                            f"{source.name} {system} workers={workers}: {result['seconds']:.2f} s "
+                            f"(best of {result['epochs']}), {result['samples_s']:,.0f} samples/s, "
+                            f"{result['mb_s']:,.0f} MB/s, first batch "
+                            f"{result['first_batch_s']:.3f} s, CPU {result['cpu_s']:.1f} s, "
+                            f"anon {result['peak_anon_mb']:,.0f} MB"
+                        )
+    finally:
+        if node is not None:
+            node.stop()
+    epochs = best_runs(runs)
+    disk: dict[str, dict[str, dict[str, float]]] = {}
+    for s in sources:
+        disk[s.name] = {
+            system: {"disk_mb": round(c.disk_bytes / 1e6, 1), "convert_s": round(c.seconds, 1)}
+            for system, c in formats[s.name].items()
+        }
+        for system in systems_for(s.name, args.systems):
+            name = UNCOMPRESSED if system == "edgecache-lmdb-none" else s.name
+            if system in EDGECACHE and name in published:
+                disk[s.name][system] = {
+                    "disk_mb": round(published[name].cached_bytes / 1e6, 1),
+                    "convert_s": round(stage_seconds.get(name, 0.0), 1),
+                }
+    return {
+        "benchmark": "bench.peers",
+        "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "versions": report.versions(*PACKAGES),
+        "targets": TARGETS,
+        "labels": LABELS,
+        "data": {
+            s.name: {
+                "samples": s.rows,
+                "raw_mb": round(s.raw_bytes / 1e6, 1),
+                "parquet_mb": round(s.parquet_bytes / 1e6, 1),
+                "batch_size": s.batch_size,
+                "edgecache_version": (
+                    f"{s.name}@{published[s.name].version}" if s.name in published else None
+                ),
+                "edgecache_shards": published[s.name].shards if s.name in published else None,
+            }
+            for s in sources
+        },
+        "formats": disk,
+        "settings": {
+            "workers": args.workers,
+            "repeat": args.repeat,
+            "budget_s": args.budget,
+            "rounds": args.rounds,
+            "in_process": args.in_process,
+        },
+        "epochs": epochs,
+        "runs": runs,
+        "ratios": ratios(epochs),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the tables; write ``--json``; return the document."""
+    from rich.console import Console
+
+    args = parse(argv)
+    console = Console(width=170)
+    workdir = Path(tempfile.mkdtemp(prefix="edgecache-bench-peers-"))
+    try:
+        out = run(args, workdir, console)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_report(out, console)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return out
