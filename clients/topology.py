@@ -123,6 +123,13 @@ class ScheduledJob(BaseModel):
                 raise ValueError(f"duration {value!r} is too long") from None
         return value
 
+    @field_validator("duration")
+    @classmethod
+    def _positive(cls, value: timedelta) -> timedelta:
+        if value <= timedelta(0):
+            raise ValueError(f"duration must be positive, got {value}; e.g. 90m, 6h or 2d")
+        return value
+
     @model_validator(mode="after")
     def _ends(self) -> ScheduledJob:
         try:

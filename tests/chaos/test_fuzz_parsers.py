@@ -780,3 +780,17 @@ def test_big_values_finish_quickly(tmp_path: Path) -> None:
     tally.feed("manifest", t.check_manifest_json, t.manifest_to_json(big))
     assert tally.accepted == 2  # the long registry and source_url
     assert not tally.crashes, tally.crashes
+
+
+def test_a_negative_or_zero_duration_is_refused(tmp_path: Path) -> None:
+    """Found by the full-count fuzz: ``duration: -1`` (seconds) ended a job before it began."""
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text("registry: file:///r\nregions:\n  eu-west:\n    nodes: ['a:1']\n")
+    for duration in ("-1", "0", "0m"):
+        schedule = tmp_path / "schedule.yaml"
+        schedule.write_text(
+            "jobs:\n  - name: j\n    region: eu-west\n    start: 2026-12-01T08:00:00Z\n"
+            f"    datasets: [tokens@1]\n    duration: {duration}\n"
+        )
+        with pytest.raises(ConfigFileError, match="duration"):
+            load_schedule(schedule, load_topology(topology))

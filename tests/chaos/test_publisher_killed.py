@@ -43,17 +43,27 @@ def test_killed_publishers_leave_no_visible_half_versions(tmp_path: Path, figure
             proc.send_signal(signal.SIGKILL)
         completed += proc.wait() == 0
 
-    async def listing(reg: Registry) -> list[int]:
+    async def listing(reg: Registry) -> tuple[list[int], int]:
         numbers = await reg.versions("tokens")
-        for n in numbers:  # every visible version is whole and verifies
-            await reg.manifest("tokens", n)
-        return numbers
+        broken = 0
+        for n in numbers:  # every visible version must be whole and verify
+            try:
+                manifest = await reg.manifest("tokens", n)
+                broken += len(manifest.shards) != 20
+            except Exception:  # noqa: BLE001 - a half-written manifest counts as broken
+                broken += 1
+        return numbers, broken
 
-    visible = Registry.run(registry, listing)
+    visible, broken = Registry.run(registry, listing)
     out = subprocess.run(command, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     figure("publishers killed", kills)
-    figure("versions completed before their kill", completed)
-    figure("half-published versions visible", len(visible) - completed)
+    figure("publishes that exited 0 (the first, uninterrupted one included)", completed)
+    figure(
+        "publishers killed after their manifest landed (their version is whole)",
+        len(visible) - completed,
+    )
+    figure("half-published versions visible", broken)
+    assert broken == 0
     assert visible == list(range(1, len(visible) + 1))
     assert f'"tokens@{len(visible) + 1}"' in out.stdout  # the next publish gets a clean number
