@@ -1,7 +1,7 @@
 """edgecache against the streaming loaders users already know, same data, same run (issue 7).
 
     python -m bench.peers [--tokens-mib 1024] [--images-mib 1024] [--workers 0,2]
-                          [--repeat 1] [--json PATH] [--smoke]
+                          [--repeat 3] [--budget 8] [--rounds 1] [--json PATH] [--smoke]
 
 Two datasets are generated (bench.datasets) and written once as Parquet
 shards; every system reads those same samples:
@@ -13,11 +13,15 @@ shards; every system reads those same samples:
 Each is converted into MosaicML Streaming MDS (uncompressed and zstd),
 LitData (``litdata.optimize``), WebDataset tar shards and edgecache (published
 from a file:// origin and staged into one edge node subprocess, tokens as
-zstd-1 chunks, images uncompressed, as in bench.dataset). Then one full,
-shuffled epoch of each is read through a torch DataLoader, with
-``num_workers`` 0 and 2, each epoch in a fresh process: the peers from local
-disk (warm page cache: their best case), edgecache from the warm node over
-gRPC on loopback and through its local fast path (``lmdb://<cache dir>``).
+zstd-1 chunks, images uncompressed, as in bench.dataset; the tokens once more
+uncompressed, ``edgecache-lmdb-none``, to show what zstd costs the fast path:
+not the default, no target). Then full, shuffled epochs of each are read
+through a torch DataLoader, with ``num_workers`` 0 and 2, each configuration
+in a fresh process: the peers from local disk (warm page cache: their best
+case), edgecache from the warm node over gRPC on loopback and through its
+local fast path (``lmdb://<cache dir>``). A configuration whose epochs are
+short is read up to ``--repeat`` times while under ``--budget`` seconds and
+its fastest epoch kept (bench.peers.epoch says why).
 
 What each system does per sample, and what every batch must be (checked):
 tokens ``{"input_ids": int32 tensor [B, 2048], "label": int64 tensor [B]}``,
@@ -31,9 +35,10 @@ images ``{"image": list of B bytes, "label": int64 tensor [B]}``.
   arrays into a fresh tensor. With zstd, each shard is first decompressed
   whole into a file next to it, the first time it is touched; every mds-zstd
   epoch here starts from compressed shards only, so that cost is included.
-* LitData (``StreamingDataset`` + ``StreamingDataLoader``, shuffle on): reads
-  its chunk files and deserialises each item (a copy of the int32 ids into a
-  fresh array, the image bytes, the int); ``default_collate`` stacks.
+* LitData (``StreamingDataset`` + ``StreamingDataLoader``, shuffle on): maps
+  its chunk files and deserialises items in windows (its "batch decode"): a
+  copy of each sample's int32 ids into a fresh array, the image bytes, the
+  int; ``default_collate`` stacks.
 * WebDataset (``WebDataset(shardshuffle=…).shuffle(1000)``, batched in the
   pipeline with ``default_collate`` and a ``WebLoader(batch_size=None)``, as
   its docs recommend): streams tar members, groups them by key,
@@ -44,7 +49,7 @@ images ``{"image": list of B bytes, "label": int64 tensor [B]}``.
   threads, then gathers the B shuffled rows of a batch straight into one
   fresh tensor (``np.take``) and copies each image's bytes once.
 
-Measured per epoch: samples/s, MB/s (raw sample bytes: 2048*4+8 per token
+Measured per configuration: samples/s, MB/s (raw sample bytes: 2048*4+8 per token
 sample, blob length + 8 per image), time to first batch (from constructing
 the dataset), and peak memory of the epoch's process tree (the loader and its
 DataLoader workers, sampled from /proc every 50 ms: RSS and anonymous memory;

@@ -100,8 +100,7 @@ def _webdataset(source: Source, out: Path) -> None:
     with wds.ShardWriter(str(out / "shard-%05d.tar"), maxsize=SHARD_BYTES, verbose=0) as sink:
         for path in source.files:
             for sample in samples(path, source.name):
-                payload = sample.get("input_ids", sample.get("image"))
-                data = payload.tobytes() if field == "ids" else payload
+                data = sample["input_ids"].tobytes() if field == "ids" else sample["image"]
                 sink.write(
                     {"__key__": f"{key:010d}", field: data, "cls": str(sample["label"]).encode()}
                 )
