@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner chaos lock proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan chaos lock proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -24,7 +24,8 @@ typecheck: $(STAMP)
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p edgecache.cache -p edgecache.clients -p edgecache.edge
 
-bench: bench-store bench-edge bench-dataset bench-planner
+bench: $(STAMP)  ## every benchmark in one run; prints the summary, rewrites docs/benchmarks.md + charts
+	$(PY) -m bench $(BENCH_ARGS)
 
 bench-store: $(STAMP)  ## codec and LMDB store against raw zstd / raw LMDB
 	$(PY) -m bench.codec_store
@@ -37,6 +38,12 @@ bench-dataset: $(STAMP)  ## EdgeDataset (gRPC and lmdb://) against a hand-writte
 
 bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 regions
 	$(PY) -m bench.planner
+
+bench-peers: $(STAMP)  ## EdgeDataset against MosaicML Streaming, LitData and WebDataset
+	$(PY) -m bench.peers
+
+bench-wan: $(STAMP)  ## staging and epochs across a simulated 80 ms / 100 Mbit/s / 0.1 % loss link
+	$(PY) -m bench.wan
 
 chaos: $(STAMP)  ## fault injection at full counts; prints the figures for docs/reliability.md
 	EDGECACHE_CHAOS=full $(VENV)/bin/pytest -s -q tests/chaos | grep -E "FIGURE|passed|failed"
@@ -54,11 +61,14 @@ proto: $(STAMP)  ## regenerate edgecache.v1 after editing proto/**/*.proto
 
 # torch==2.13.0 first: it is the CPU build on this disk; any looser spec may
 # pull a multi-GB CUDA build. Users elsewhere may use any torch >= 2.2.
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py bench/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[torch,dev]'
+	# The benchmark peers, pinned and --no-deps: their declared requirements cannot be
+	# met beside this project (see bench/requirements.txt); the tests smoke-run them.
+	$(PY) -m pip install -q --no-deps -r bench/requirements.txt
 	touch $@
 
 clean:

@@ -1,0 +1,150 @@
+"""Every benchmark in one run: ``make bench`` = ``python -m bench``.
+
+    python -m bench [--scale 1.0] [--only store,edge,...] [--out build/bench] [--no-docs]
+
+Each suite runs as its own process (a fresh interpreter, its own node and
+S3 subprocesses, nothing shared between suites but the machine), writes its
+results as JSON under ``--out``, and prints its progress as it goes. At the
+end a summary table of every ratio against its target is printed and
+``docs/benchmarks.md`` is rewritten from the results, with PNG charts in
+``docs/img/`` (see ``bench/render.py``).
+
+``--scale`` multiplies every data size (0.25 for a quick look; the figures
+in the docs come from 1.0). Suites whose results already exist under
+``--out`` can be re-rendered without running: ``--render-only``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from bench import render
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One benchmark module and how to size it."""
+
+    name: str
+    module: str
+    args: Callable[[float], list[str]]
+    json_to_file: bool = False  # `--json PATH` rather than JSON on stdout
+
+
+def _mib(value: float, scale: float, least: int = 8) -> str:
+    return str(max(int(value * scale), least))
+
+
+SUITES = [
+    Suite(
+        "store",
+        "bench.codec_store",
+        lambda s: ["--mib", _mib(256, s), "--repeat", "3"],
+    ),
+    Suite(
+        "edge",
+        "bench.edge_node",
+        lambda s: ["--read-mib", _mib(512, s), "--stage-mib", _mib(256, s), "--repeat", "2"],
+    ),
+    Suite(
+        "dataset",
+        "bench.dataset",
+        lambda s: ["--tokens-mib", _mib(1024, s), "--images-mib", _mib(512, s), "--repeat", "2"],
+    ),
+    Suite("planner", "bench.planner", lambda s: ["--repeat", "3"]),
+    Suite(
+        "peers",
+        "bench.peers",
+        lambda s: ["--tokens-mib", _mib(1024, s), "--images-mib", _mib(1024, s)],
+        json_to_file=True,
+    ),
+    Suite("wan", "bench.wan", lambda s: ["--scale", str(s)], json_to_file=True),
+]
+
+
+def run_suite(suite: Suite, scale: float, out: Path, console: Console) -> dict | None:
+    """Run one suite; its JSON, or None (with the reason printed) if it failed."""
+    target = out / f"{suite.name}.json"
+    command = [sys.executable, "-m", suite.module, *suite.args(scale)]
+    command += ["--json", str(target)] if suite.json_to_file else ["--json"]
+    console.rule(f"[bold]{suite.name}[/bold]: {' '.join(command[2:])}")
+    started = time.monotonic()
+    proc = subprocess.run(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE if not suite.json_to_file else subprocess.DEVNULL,
+        text=True,
+        check=False,
+    )
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        console.print(f"[red]{suite.name} failed (exit {proc.returncode}) after {seconds:.0f} s")
+        return None
+    if not suite.json_to_file:
+        target.write_text(proc.stdout)
+    data = json.loads(target.read_text())
+    data["_wall_seconds"] = round(seconds, 1)
+    data["_scale"] = scale
+    target.write_text(json.dumps(data, indent=2))
+    console.print(f"{suite.name}: done in {seconds:.0f} s")
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every data size")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated suites of {[s.name for s in SUITES]}"
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs")
+    parser.add_argument(
+        "--render-only", action="store_true", help="re-render the docs from --out, run nothing"
+    )
+    args = parser.parse_args()
+    console = Console(width=150)
+    wanted = {s for s in args.only.split(",") if s}
+    unknown = wanted - {s.name for s in SUITES}
+    if unknown:
+        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {[s.name for s in SUITES]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    failed = []
+    if not args.render_only:
+        for suite in SUITES:
+            if wanted and suite.name not in wanted:
+                continue
+            if run_suite(suite, args.scale, args.out, console) is None:
+                failed.append(suite.name)
+    results = {
+        s.name: json.loads((args.out / f"{s.name}.json").read_text())
+        for s in SUITES
+        if (args.out / f"{s.name}.json").exists()
+    }
+    console.rule("[bold]summary")
+    console.print(render.summary_table(results))
+    if not args.no_docs:
+        render.write_docs(results, args.docs)
+        console.print(f"wrote {args.docs} and its charts")
+    console.print(f"all suites: {time.monotonic() - started:.0f} s")
+    if failed:
+        console.print(f"[red]failed: {', '.join(failed)}")
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
