@@ -31,7 +31,8 @@ import random
 import re
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -50,11 +51,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Slot = Callable[[], AbstractAsyncContextManager[object]]
 
-# Objects above this are fetched as parallel ranged parts; below, one GET (fewer
-# requests beat more parallelism for objects of a few tens of MiB).
-MULTIPART_THRESHOLD = 32 << 20
+# Objects above MULTIPART_THRESHOLD are fetched as parallel ranged parts, up to
+# PARTS_PER_OBJECT of them, each of MIN_PART_BYTES to PART_BYTES. Across a long,
+# lossy path one TCP stream carries little (cubic at 80 ms RTT and 0.1 % loss:
+# ~10 Mbit/s), so filling the bandwidth-delay product takes many streams, and
+# parts give them without holding more shards in memory. A part's request
+# costs one round trip, small next to moving a MiB or more.
+MULTIPART_THRESHOLD = 2 << 20
+MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
+PARTS_PER_OBJECT = 8
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
 
@@ -95,8 +103,14 @@ class ObjectStore(ABC):
         """Every object under a prefix, sorted by URL."""
 
     @abstractmethod
-    async def get(self, url: str, *, expect: ObjectInfo | None = None) -> bytes:
-        """The whole object, verified; :class:`OriginChanged` if it no longer matches ``expect``."""
+    async def get(
+        self, url: str, *, expect: ObjectInfo | None = None, slot: Slot | None = None
+    ) -> bytes:
+        """The whole object, verified; :class:`OriginChanged` if it no longer matches ``expect``.
+
+        With ``slot``, every request to origin runs inside ``slot()``: a caller
+        shapes its traffic per request (a ranged part), not per object.
+        """
 
     @abstractmethod
     async def get_range(self, url: str, start: int, end: int) -> bytes:
@@ -283,7 +297,9 @@ class S3Store(ObjectStore):
         data, _ = await self._read(url, Range=f"bytes={start}-{end - 1}")
         return data
 
-    async def get(self, url: str, *, expect: ObjectInfo | None = None) -> bytes:
+    async def get(
+        self, url: str, *, expect: ObjectInfo | None = None, slot: Slot | None = None
+    ) -> bytes:
         """The whole object, verified against origin's checksum.
 
         With ``expect`` (what a manifest recorded) no HEAD is needed: every GET
@@ -293,7 +309,7 @@ class S3Store(ObjectStore):
         info = expect or await self.head(url)
         for attempt in range(2):
             try:
-                data, seen = await self._get_parts(url, info)
+                data, seen = await self._get_parts(url, info, slot or _no_slot)
             except _PreconditionFailed as exc:
                 found = await self.head(url)
                 raise _changed(url, info, found) from exc
@@ -308,16 +324,24 @@ class S3Store(ObjectStore):
             f"{url}: {problem}; origin keeps returning damaged bytes — check the storage backend"
         )
 
-    async def _get_parts(self, url: str, info: ObjectInfo) -> tuple[bytes, ObjectInfo]:
+    def part_size(self, size: int) -> int:
+        """Bytes per ranged part for an object of ``size`` bytes."""
+        wanted = -(-size // PARTS_PER_OBJECT)
+        return min(self.part_bytes, max(MIN_PART_BYTES, wanted))
+
+    async def _get_parts(self, url: str, info: ObjectInfo, slot: Slot) -> tuple[bytes, ObjectInfo]:
         condition = {"IfMatch": f'"{info.etag}"', "ChecksumMode": "ENABLED"}
         if info.size <= self.multipart_threshold:
-            return await self._read(url, **condition)
+            async with slot():
+                return await self._read(url, **condition)
         buffer = bytearray(info.size)
         seen: list[ObjectInfo] = []
+        step = self.part_size(info.size)
 
         async def part(start: int) -> None:
-            end = min(start + self.part_bytes, info.size)
-            async with self._parts:
+            end = min(start + step, info.size)
+            # The caller's slot first: a part waiting for it holds no connection.
+            async with slot(), self._parts:
                 chunk, part_info = await self._read(
                     url, Range=f"bytes={start}-{end - 1}", **condition
                 )
@@ -326,7 +350,7 @@ class S3Store(ObjectStore):
             buffer[start:end] = chunk
             seen.append(part_info)
 
-        await asyncio.gather(*(part(s) for s in range(0, info.size, self.part_bytes)))
+        await asyncio.gather(*(part(s) for s in range(0, info.size, step)))
         return bytes(buffer), seen[0]
 
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
@@ -339,6 +363,11 @@ class S3Store(ObjectStore):
             await self._call(url, lambda: s3.put_object(**kwargs))
         except _PreconditionFailed as exc:
             raise ObjectExists(f"{url} already exists") from exc
+
+
+@contextlib.asynccontextmanager
+async def _no_slot() -> AsyncIterator[None]:
+    yield
 
 
 class _PreconditionFailed(OriginError):
@@ -428,13 +457,16 @@ class FsspecStore(ObjectStore):
             key=lambda o: o.url,
         )
 
-    async def get(self, url: str, *, expect: ObjectInfo | None = None) -> bytes:
+    async def get(
+        self, url: str, *, expect: ObjectInfo | None = None, slot: Slot | None = None
+    ) -> bytes:
         fs, path = self._fs(url)
         if expect is not None:
             found = await self.head(url)
             if not expect.same_content(found):
                 raise _changed(url, expect, found)
-        data = await self._run(url, lambda: fs.cat_file(path))
+        async with (slot or _no_slot)():
+            data = await self._run(url, lambda: fs.cat_file(path))
         self.stats.bytes_read += len(data)
         if expect is not None and len(data) != expect.size:
             raise _changed(url, expect, ObjectInfo(url, len(data), "?"))
