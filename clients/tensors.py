@@ -3,7 +3,8 @@
 A batch is assembled from pieces of decoded chunks. Its tensors are allocated
 once (from torch's pinned host allocator when pinning), and each piece's rows
 are gathered from the chunk's Arrow buffers directly into their slice of the
-batch tensor (``numpy.take(..., out=...)``): one copy, none more. Within a
+batch tensor (``numpy.take(..., out=..., mode="clip")``, the rows checked to be in
+range first): one copy, none more. Within a
 batch, rows are ordered by where they come from, so each chunk's rows land in
 one contiguous slice; the order inside a batch does not matter to training,
 and it is still deterministic.
@@ -109,6 +110,16 @@ def _pylist(column: pa.Array, rows: np.ndarray) -> list[object]:
     return column.take(pa.array(rows)).to_pylist()
 
 
+def _check_rows(gather: Gather) -> None:
+    """Every row index must be within its chunk (gathers copy with ``mode="clip"``)."""
+    rows = gather.rows
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= gather.batch.num_rows):
+        raise IndexError(
+            f"row indices {int(rows.min())}..{int(rows.max())} are outside the chunk's "
+            f"{gather.batch.num_rows} rows"
+        )
+
+
 def assemble(
     gathers: Sequence[Gather],
     kinds: Sequence[ColumnKind],
@@ -118,6 +129,8 @@ def assemble(
     """One batch: every requested column, rows in ``gathers`` order."""
     import torch
 
+    for g in gathers:
+        _check_rows(g)
     size = sum(len(g.rows) for g in gathers)
     out: dict[str, object] = {}
     for kind in kinds:
@@ -131,7 +144,12 @@ def assemble(
             offset = 0
             for g in gathers:
                 source = _values(g.batch.column(kind.name), kind)
-                np.take(source, g.rows, axis=0, out=target[offset : offset + len(g.rows)])
+                # mode="clip" writes straight into ``out``; the default ("raise") gathers
+                # into a temporary and copies it over (2-3x slower). Clipping never
+                # happens: every row was checked to be in range above.
+                np.take(
+                    source, g.rows, axis=0, out=target[offset : offset + len(g.rows)], mode="clip"
+                )
                 offset += len(g.rows)
             out[kind.name] = tensor
         elif kind.kind == "ragged":

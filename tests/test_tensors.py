@@ -66,3 +66,12 @@ def test_unknown_columns_and_nulls_are_refused() -> None:
     nulls = pa.record_batch([pa.array([1, None], pa.int32())], schema=schema)
     with pytest.raises(ValueError, match="has nulls"):
         assemble([Gather(nulls, np.array([0, 1]))], column_kinds(schema, None), pin_memory=False)
+
+
+@pytest.mark.parametrize("rows", [[0, 10], [-1, 2], [10]])
+def test_rows_outside_the_chunk_are_refused_not_clipped(rows: list[int]) -> None:
+    # Fixed columns gather with mode="clip": an index out of range must raise, never
+    # silently repeat the chunk's first or last row.
+    kinds = column_kinds(SCHEMA, ["ids"])
+    with pytest.raises(IndexError, match="outside the chunk"):
+        assemble([Gather(chunk(0, 10), np.array(rows))], kinds, pin_memory=False)
