@@ -197,6 +197,89 @@ class _Stream:
     started: bool = False
 
 
+# ReadShard responses, parsed without protobuf's copy of the frame ------------------------
+
+_READ_SHARD = "/edgecache.v1.EdgeCache/ReadShard"
+# Fields of edgecache.v1.Chunk the fast path accepts: tag → (name, wire type, largest value).
+# (edge/wire.py writes these; protobuf serializers write the same bytes, in field order.)
+_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
+_CHUNK_FIELDS = {
+    0x08: ("index", 0, _U32),
+    0x10: ("chunk_count", 0, _U32),
+    0x18: ("rows", 0, _U32),
+    0x21: ("checksum", 1, _U64),
+    0x2A: ("frame", 2, 0),
+    0x30: ("first_row", 0, _U64),
+}
+
+
+class WireChunk:
+    """A ``Chunk`` whose ``frame`` is a memoryview into the received message (no copy)."""
+
+    __slots__ = ("index", "chunk_count", "rows", "checksum", "frame", "first_row")
+
+    def __init__(self) -> None:
+        self.index = self.chunk_count = self.rows = self.checksum = self.first_row = 0
+        self.frame: memoryview | bytes = b""
+
+
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    """A varint of at most 10 bytes at ``pos``; ``(-1, pos)`` if it is longer or truncated."""
+    value = shift = 0
+    limit = min(end, pos + 10)
+    while pos < limit:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos
+
+
+def parse_chunk(data: bytes) -> WireChunk | edge_pb2.Chunk:
+    """ReadShard's response deserializer: the ``Chunk`` in ``data``, its frame not copied.
+
+    The generated parser copies each multi-MiB frame out of the message; this
+    one returns a memoryview into ``data`` instead. It accepts only the plain
+    encoding (known fields, each at most once, values in range); anything else,
+    valid or not, is handed to protobuf, so results and errors are exactly
+    protobuf's (a malformed message raises, which gRPC turns into INTERNAL, and
+    the stream fails over as before).
+    """
+    out = WireChunk()
+    seen = 0
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            tag = data[pos]
+            field = _CHUNK_FIELDS.get(tag)
+            if field is None or seen & (1 << (tag >> 3)):
+                return edge_pb2.Chunk.FromString(data)  # unknown or repeated field
+            seen |= 1 << (tag >> 3)
+            name, wire, top = field
+            pos += 1
+            if wire == 0:
+                value, pos = _varint(data, pos, end)
+                if not 0 <= value <= top:
+                    return edge_pb2.Chunk.FromString(data)  # overlong, truncated or wrapped
+                setattr(out, name, value)
+            elif wire == 1:
+                if pos + 8 > end:
+                    return edge_pb2.Chunk.FromString(data)
+                out.checksum = int.from_bytes(data[pos : pos + 8], "little")
+                pos += 8
+            else:
+                size, pos = _varint(data, pos, end)
+                if size < 0 or pos + size > end:
+                    return edge_pb2.Chunk.FromString(data)
+                out.frame = memoryview(data)[pos : pos + size]
+                pos += size
+    except Exception:  # noqa: BLE001 - whatever went wrong, protobuf decides
+        return edge_pb2.Chunk.FromString(data)
+    return out
+
+
 class NodePool:
     """Channels to every endpoint, ranked by RTT, with failover and a stall watchdog."""
 
@@ -224,6 +307,7 @@ class NodePool:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._tls_root = tls_root
         self._stubs: dict[str, edge_pb2_grpc.EdgeCacheStub] = {}
+        self._readers: dict[str, grpc.UnaryStreamMultiCallable] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stores: dict[str, CacheStore] = {}
         self._active: dict[int, _Stream] = {}
@@ -255,6 +339,17 @@ class NodePool:
             stub = self._stubs[endpoint.text] = edge_pb2_grpc.EdgeCacheStub(self._channel(endpoint))
         return stub
 
+    def read_shard_call(self, endpoint: Endpoint) -> grpc.UnaryStreamMultiCallable:
+        """ReadShard of a gRPC endpoint, its responses parsed by :func:`parse_chunk`."""
+        reader = self._readers.get(endpoint.text)
+        if reader is None:
+            reader = self._readers[endpoint.text] = self._channel(endpoint).unary_stream(
+                _READ_SHARD,
+                request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=parse_chunk,
+            )
+        return reader
+
     def store(self, endpoint: Endpoint) -> CacheStore:
         """The read-only store of a local endpoint, opened once per process.
 
@@ -275,6 +370,7 @@ class NodePool:
             store.close()
         self._channels.clear()
         self._stubs.clear()
+        self._readers.clear()
         self._stores.clear()
 
     # ----------------------------------------------------------------- ranking
@@ -468,7 +564,7 @@ class NodePool:
             start_row=row_start,
             end_row=row_end,
         )
-        call = self.stub(endpoint).ReadShard(request, metadata=self._metadata)
+        call = self.read_shard_call(endpoint)(request, metadata=self._metadata)
         stream = _Stream(call)
         key = id(stream)
         with self._lock:

@@ -311,3 +311,52 @@ def test_torchdata_stateful_dataloader_resumes(cluster, workers: int) -> None:
     again = StatefulDataLoader(dataset(), batch_size=None, num_workers=workers)
     again.load_state_dict(loader.state_dict())
     assert first + labels(again) == full
+
+
+def test_readshard_parser_matches_protobuf_or_defers_to_it() -> None:
+    # parse_chunk returns the frame as a view into the message instead of protobuf's copy;
+    # on every input it must give protobuf's fields, or raise where protobuf raises.
+    from google.protobuf.message import DecodeError
+
+    from edgecache.clients.endpoints import WireChunk, parse_chunk
+    from edgecache.edge.wire import encode_chunk
+    from edgecache.v1 import edge_pb2
+
+    def fields(chunk: object) -> tuple:
+        names = ("index", "chunk_count", "rows", "checksum", "first_row")
+        return (*(getattr(chunk, n) for n in names), bytes(chunk.frame))  # type: ignore[attr-defined]
+
+    rng = random.Random(3)
+    samples = [
+        encode_chunk(index=0, chunk_count=0, rows=0, checksum=0, frame=b""),
+        encode_chunk(
+            index=3, chunk_count=9, rows=500, checksum=2**64 - 1, frame=b"x" * 300, first_row=2**40
+        ),
+        edge_pb2.Chunk(index=1, rows=7, frame=b"abc", first_row=5).SerializeToString(),
+        # valid, but not the plain layout: fields out of order, repeated, unknown, oversized
+        bytes([0x30, 5, 0x08, 1, 0x08, 2]),
+        bytes([0x18]) + b"\xff" * 9 + b"\x01",  # uint32 field given a 64-bit varint
+        bytes([0x40, 7, 0x08, 1]),  # unknown field 8
+    ]
+    base = encode_chunk(
+        index=2, chunk_count=4, rows=10, checksum=12345, frame=b"F" * 64, first_row=20
+    )
+    for _ in range(2000):
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        samples.append(bytes(data[: rng.randint(0, len(data))] if rng.random() < 0.3 else data))
+    fast = 0
+    for data in samples:
+        try:
+            want = fields(edge_pb2.Chunk.FromString(data))
+        except DecodeError:
+            with pytest.raises(DecodeError):
+                parse_chunk(data)
+            continue
+        got = parse_chunk(data)
+        assert fields(got) == want, data
+        if isinstance(got, WireChunk) and len(got.frame):
+            fast += 1
+            assert isinstance(got.frame, memoryview) and got.frame.obj is data  # no copy
+    assert fast > 100
