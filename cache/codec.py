@@ -163,6 +163,25 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+def _decompress(payload: Buffer, raw_len: int) -> Buffer:
+    """The first zstd frame of ``payload``, which declares ``raw_len`` bytes, decompressed.
+
+    The output goes into a buffer from Arrow's memory pool rather than a fresh
+    ``bytes``: the batch decoded from it points into it (zero-copy), and the
+    pool reuses the memory once no batch does, where every ``bytes`` of a few
+    MiB was a new mapping, page-faulted in and unmapped again. One ``readinto``
+    of exactly ``raw_len`` bytes takes zstd's single-pass path over the first
+    frame, as ``decompress`` does: a frame that decodes to more or fewer bytes
+    than it declares raises ZstdError, anything after the frame is ignored.
+    """
+    if raw_len == 0:
+        return _decompressor().decompress(payload)
+    out = pa.allocate_buffer(raw_len)
+    with _decompressor().stream_reader(payload) as reader:
+        filled = reader.readinto(out)
+    return out if filled == raw_len else memoryview(out)[:filled]
+
+
 def decode_chunk(
     frame: Buffer, schema: pa.Schema | None = None, *, verify: bool = True
 ) -> pa.RecordBatch:
@@ -190,7 +209,7 @@ def decode_chunk(
                 "shard again"
             )
         try:
-            raw = _decompressor().decompress(payload)
+            raw = _decompress(payload, header.raw_len)
         except zstandard.ZstdError as exc:
             raise ChunkCorrupt(f"zstd payload cannot be decompressed: {exc}") from exc
         except MemoryError as exc:
@@ -203,7 +222,7 @@ def decode_chunk(
     if len(raw) != header.raw_len:
         raise ChunkCorrupt(f"payload decodes to {len(raw)} bytes, header says {header.raw_len}")
     try:
-        reader = pa.ipc.open_stream(pa.py_buffer(raw))
+        reader = pa.ipc.open_stream(raw if isinstance(raw, pa.Buffer) else pa.py_buffer(raw))
         batch = reader.read_next_batch()
         batch.validate()  # buffer sizes against lengths, which reading leaves unchecked; O(columns)
     except (pa.ArrowException, OSError, StopIteration) as exc:  # also ArrowNotImplementedError

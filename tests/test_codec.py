@@ -178,3 +178,82 @@ def test_codec_round_trip_property(data, chunk_bytes: int, compression: str, lev
     out = roundtrip(frames, table.schema)
     assert out.equals(table)
     assert sum(read_header(f).rows for f in frames) == table.num_rows
+
+
+def _reference_decode(frame: bytes, schema: pa.Schema) -> pa.RecordBatch:
+    """decode_chunk as it was with ``ZstdDecompressor().decompress`` into fresh bytes."""
+    import zstandard
+
+    from edgecache.cache.frame import payload_view
+
+    header = verify_frame(frame)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(payload_view(frame, header))
+    except zstandard.ZstdError as exc:
+        raise ChunkCorrupt(str(exc)) from exc
+    if len(raw) != header.raw_len:
+        raise ChunkCorrupt("length")
+    return pa.ipc.open_stream(pa.py_buffer(raw)).read_next_batch()
+
+
+def test_zstd_payload_edge_cases_decode_as_before() -> None:
+    # Decompression writes into a pooled Arrow buffer (readinto) instead of fresh bytes:
+    # the first frame must still be decoded exactly, its declared size enforced both
+    # ways, and whatever follows it ignored, as ZstdDecompressor.decompress does.
+    import zstandard
+
+    from edgecache.cache.frame import pack_frame
+
+    batch = token_batch(20, seed=1)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, TOKEN_SCHEMA) as writer:
+        writer.write_batch(batch)
+    raw = sink.getvalue().to_pybytes()
+    assert 256 < len(raw) < 65536
+    compressed = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw)
+    assert compressed[4] & 0xC0 == 0x40 and compressed[4] & 0x20  # 2-byte size, one segment
+
+    def declaring(size: int) -> bytes:  # the same frame, lying about its content size
+        return compressed[:5] + (size - 256).to_bytes(2, "little") + compressed[7:]
+
+    cases = {
+        "plain": (compressed, len(raw)),
+        "frame after": (compressed + zstandard.ZstdCompressor().compress(b"zz"), len(raw)),
+        "garbage after": (compressed + b"garbage!", len(raw)),
+        "truncated": (compressed[:-5], len(raw)),
+        "declares less": (declaring(len(raw) - 1), len(raw) - 1),
+        "declares more": (declaring(len(raw) + 1), len(raw) + 1),
+    }
+    outcomes = {}
+    for name, (payload, raw_len) in cases.items():
+        frame = pack_frame(payload, codec=Codec.ZSTD, rows=20, raw_len=raw_len)
+        try:
+            want = _reference_decode(frame, TOKEN_SCHEMA)
+        except ChunkCorrupt:
+            with pytest.raises(ChunkCorrupt):
+                decode_chunk(frame, TOKEN_SCHEMA)
+            outcomes[name] = "corrupt"
+            continue
+        assert decode_chunk(frame, TOKEN_SCHEMA).equals(want), name
+        outcomes[name] = "decoded"
+    assert outcomes == {
+        "plain": "decoded",
+        "frame after": "decoded",
+        "garbage after": "decoded",
+        "truncated": "corrupt",
+        "declares less": "corrupt",
+        "declares more": "corrupt",
+    }
+
+
+def test_decoded_batches_survive_later_decodes() -> None:
+    # Decompressed chunks live in pooled memory that is reused once freed; a batch
+    # still referenced must never see a later chunk's bytes.
+    batches = [token_batch(2000, seed=i, start=2000 * i) for i in range(6)]
+    frames = encode_shard(batches, TOKEN_SCHEMA, CodecOptions(chunk_bytes=256 << 10))
+    kept = [decode_chunk(f, TOKEN_SCHEMA) for f in frames[::2]]
+    for _ in range(3):
+        for f in frames:
+            decode_chunk(f, TOKEN_SCHEMA)  # decoded and dropped at once: memory recycled
+    again = [decode_chunk(f, TOKEN_SCHEMA) for f in frames[::2]]
+    assert all(a.equals(b) for a, b in zip(kept, again, strict=True))
