@@ -53,16 +53,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Slot = Callable[[], AbstractAsyncContextManager[object]]
 
-# Objects above MULTIPART_THRESHOLD are fetched as parallel ranged parts, up to
-# PARTS_PER_OBJECT of them, each of MIN_PART_BYTES to PART_BYTES. Across a long,
-# lossy path one TCP stream carries little (cubic at 80 ms RTT and 0.1 % loss:
-# ~10 Mbit/s), so filling the bandwidth-delay product takes many streams, and
-# parts give them without holding more shards in memory. A part's request
-# costs one round trip, small next to moving a MiB or more.
+# Objects above MULTIPART_THRESHOLD are fetched as parallel ranged parts: split
+# into PARTS_PER_OBJECT parts, each at least MIN_PART_BYTES and at most PART_BYTES
+# (so a large object gets more parts of PART_BYTES). Across a long, lossy path one
+# TCP stream carries little (cubic at 80 ms RTT and 0.1 % loss: ~10 Mbit/s), so
+# filling the bandwidth-delay product takes many streams, and parts give them
+# without holding more shards in memory. A part's request costs one round trip,
+# small next to moving a MiB; small parts also keep the bytes in flight few, so
+# a caller that throttles per request (staging, see ``slot``) slows down soon.
 MULTIPART_THRESHOLD = 2 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
-PARTS_PER_OBJECT = 8
+PARTS_PER_OBJECT = 12
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
 

@@ -73,7 +73,7 @@ class StagingGate:
     """
 
     def __init__(
-        self, rate: int | None, concurrency: int, *, hold: float = 2.0, requests: int = 32
+        self, rate: int | None, concurrency: int, *, hold: float = 2.0, requests: int = 24
     ) -> None:
         self.rate = rate
         self.concurrency = concurrency

@@ -157,7 +157,7 @@ def test_objects_are_split_into_enough_parts_to_fill_a_long_path() -> None:
     from edgecache.cache.storage import MIN_PART_BYTES, PART_BYTES, S3Store
 
     store = S3Store()
-    assert store.part_size(12_000_000) == 1_500_000  # 8 parts
+    assert store.part_size(24 << 20) == 2 << 20  # 12 parts
     assert store.part_size(4 << 20) == MIN_PART_BYTES  # 4 parts, never below 1 MiB
     assert store.part_size(1 << 30) == PART_BYTES  # 64 parts of 16 MiB
     assert S3Store(part_bytes=64 << 10).part_size(1 << 20) == 64 << 10  # the cap wins

@@ -82,7 +82,11 @@ class Run:
         exe = str(Path(sys.executable).with_name("moto_server"))
         with open(log, "w") as out:
             proc = self.spawn(
-                self.link.origin_command([exe, "-H", self.link.origin_host, "-p", str(port)]),
+                # At nice 10: the origin stands in for another machine, so on this small
+                # host it must not take CPU from the edge side's node and training job.
+                self.link.origin_command(
+                    ["nice", "-n", "10", exe, "-H", self.link.origin_host, "-p", str(port)]
+                ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
