@@ -22,7 +22,8 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -33,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import CacheDirError, ChunkCorrupt, EdgeCacheError, ShardNotCached
-from edgecache.cache.frame import read_header
+from edgecache.cache.frame import read_header, verify_frame
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
 from edgecache.clients import rendezvous
@@ -41,6 +42,7 @@ from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = [
     "AllNodesFailed",
+    "EdgeChunks",
     "Endpoint",
     "InvalidEndpoint",
     "NodePool",
@@ -280,6 +282,81 @@ def parse_chunk(data: bytes) -> WireChunk | edge_pb2.Chunk:
     return out
 
 
+class _Decoded:
+    """One chunk's decode, shared by the reads on either side of a window edge."""
+
+    __slots__ = ("batch", "claimed", "done", "rows")
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.claimed = rows, 0
+        self.batch: pa.RecordBatch | None = None
+        self.done = threading.Event()
+
+
+class EdgeChunks:
+    """Decoded chunks that straddle the edge of a read, kept for the read beside it.
+
+    Shuffle windows rarely end on chunk boundaries, so the chunk across an edge
+    is read by both windows; adjacent windows are read at about the same time
+    (adjacent lanes). The first read to reach such a chunk decodes it, the other
+    waits for that and takes the same batch (its own copy of the frame still
+    verified when it came over the network). Keys carry the chunk's checksum, so
+    only identical bytes are shared. ``shared`` names, per shard, the rows where
+    two reads of the caller meet; only chunks across those are kept, until their
+    rows were all taken, and at most ``limit`` (the oldest are dropped: the
+    other read then decodes its own copy, as without this).
+    """
+
+    def __init__(self, shared: dict[int, set[int]], limit: int = 8) -> None:
+        self.shared, self.limit = shared, limit
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[object, ...], _Decoded] = OrderedDict()
+
+    def across(self, shard: int, first: int, end: int, row_start: int, row_end: int) -> bool:
+        """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
+        edges = self.shared.get(shard, ())
+        return (first < row_start < end and row_start in edges) or (
+            first < row_end < end and row_end in edges
+        )
+
+    def decode(
+        self, key: tuple[object, ...], rows: int, taken: int, decode: Callable[[], pa.RecordBatch]
+    ) -> pa.RecordBatch:
+        """``decode()`` once for both reads of chunk ``key``; this read takes ``taken`` rows."""
+        with self._lock:
+            entry = self._entries.get(key)
+            owner = entry is None
+            if entry is None:
+                entry = self._entries[key] = _Decoded(rows)
+                while len(self._entries) > self.limit:
+                    self._entries.popitem(last=False)
+        if owner:
+            try:
+                entry.batch = decode()
+            finally:
+                entry.done.set()
+                if entry.batch is None:  # failed: nothing to share
+                    self._forget(key, entry)
+        else:
+            entry.done.wait()
+        batch = entry.batch
+        if batch is None:
+            return decode()  # the other read's decode failed; ours may not
+        with self._lock:
+            entry.claimed += taken
+            if entry.claimed >= entry.rows:
+                self._forget_locked(key, entry)
+        return batch
+
+    def _forget(self, key: tuple[object, ...], entry: _Decoded) -> None:
+        with self._lock:
+            self._forget_locked(key, entry)
+
+    def _forget_locked(self, key: tuple[object, ...], entry: _Decoded) -> None:
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+
+
 class NodePool:
     """Channels to every endpoint, ranked by RTT, with failover and a stall watchdog."""
 
@@ -471,12 +548,14 @@ class NodePool:
         row_start: int,
         row_end: int,
         schema: pa.Schema | None,
+        edges: EdgeChunks | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
         """(first row, batch) of the chunks covering rows ``[row_start, row_end)``.
 
         Batches are verified and decoded; a broken stream resumes on the next
         node from the first row not yet received. Raises :class:`AllNodesFailed`
-        after ``retry_timeout`` seconds without progress on any node.
+        after ``retry_timeout`` seconds without progress on any node. Reads
+        given the same ``edges`` decode a chunk across their shared edge once.
         """
         next_row = row_start
         deadline = time.monotonic() + self.retry_timeout
@@ -491,11 +570,19 @@ class NodePool:
                 try:
                     source = (
                         self._local_rows(
-                            endpoint, dataset, version, shard, next_row, row_end, schema
+                            endpoint, dataset, version, shard, next_row, row_end, schema, edges
                         )
                         if endpoint.local
                         else self._grpc_rows(
-                            endpoint, dataset, version, digest, shard, next_row, row_end, schema
+                            endpoint,
+                            dataset,
+                            version,
+                            digest,
+                            shard,
+                            next_row,
+                            row_end,
+                            schema,
+                            edges,
                         )
                     )
                     for first, batch in source:
@@ -555,6 +642,7 @@ class NodePool:
         row_start: int,
         row_end: int,
         schema: pa.Schema | None,
+        edges: EdgeChunks | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
         request = edge_pb2.ReadShardRequest(
             dataset=dataset,
@@ -589,7 +677,22 @@ class NodePool:
                         f"{endpoint.text}: checksum or row numbers differ from the frame's"
                     )
                 expected = chunk.first_row + header.rows
-                yield chunk.first_row, decode_chunk(chunk.frame, schema)
+                first, end, frame = chunk.first_row, chunk.first_row + header.rows, chunk.frame
+                if edges is None or not edges.across(shard, first, end, row_start, row_end):
+                    yield first, decode_chunk(frame, schema)
+                else:  # across an edge of this read: the read beside it needs it too
+
+                    def decode(frame: object = frame) -> pa.RecordBatch:
+                        return decode_chunk(frame, schema)  # type: ignore[arg-type]
+
+                    batch = edges.decode(
+                        (dataset, version, shard, first, header.rows, header.checksum),
+                        header.rows,
+                        min(end, row_end) - max(first, row_start),
+                        decode,
+                    )
+                    verify_frame(frame)  # our own copy, even when the other read decoded it
+                    yield first, batch
         finally:
             with self._lock:
                 self._active.pop(key, None)
@@ -604,6 +707,7 @@ class NodePool:
         row_start: int,
         row_end: int,
         schema: pa.Schema | None,
+        edges: EdgeChunks | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
         store = self.store(endpoint)
         with store.read_shard(ShardKey(dataset, version, shard)) as reader:
@@ -614,7 +718,18 @@ class NodePool:
                     self.stats[endpoint.text].bytes += len(view)
                     # Copy-free decode points into LMDB; the store keeps the snapshot alive
                     # while any of these batches are referenced.
-                    yield first, decode_chunk(view, schema, verify=False)
+                    if edges is None or not edges.across(
+                        shard, first, first + rows, row_start, row_end
+                    ):
+                        yield first, decode_chunk(view, schema, verify=False)
+                    else:  # across an edge of this read: the read beside it needs it too
+
+                        def decode(view: object = view) -> pa.RecordBatch:
+                            return decode_chunk(view, schema, verify=False)  # type: ignore[arg-type]
+
+                        key = (dataset, version, shard, first, rows, reader.info.checksums[index])
+                        taken = min(first + rows, row_end) - max(first, row_start)
+                        yield first, edges.decode(key, rows, taken, decode)
                 first += rows
                 if first >= row_end:
                     break

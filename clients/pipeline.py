@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from edgecache.clients.endpoints import NodePool
+from edgecache.clients.endpoints import EdgeChunks, NodePool
 from edgecache.clients.plan import EpochPlan, Window
 from edgecache.clients.tensors import ColumnKind, Gather, assemble
 
@@ -78,6 +78,7 @@ class Pipeline:
         self._stop = threading.Event()
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="edgecache-fetch")
         self._assembler = threading.Thread(target=self._run, name="edgecache-assemble", daemon=True)
+        self._edges: EdgeChunks | None = None
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, object]]]:
         self._assembler.start()
@@ -116,6 +117,7 @@ class Pipeline:
             window.row_start,
             window.row_start + window.rows,
             self.target.schema,
+            self._edges,
         ):
             if self._stop.is_set():
                 break
@@ -148,6 +150,14 @@ class Pipeline:
                 if piece.window not in uses:
                     first_use.append(piece.window)
                 uses[piece.window] = uses.get(piece.window, 0) + 1
+        # Rows where two windows read here meet: the chunk across is decoded once.
+        starts: dict[int, set[int]] = {}
+        ends: dict[int, set[int]] = {}
+        for index in first_use:
+            w = plan.windows[index]
+            starts.setdefault(w.shard, set()).add(w.row_start)
+            ends.setdefault(w.shard, set()).add(w.row_start + w.rows)
+        self._edges = EdgeChunks({s: starts[s] & ends.get(s, set()) for s in starts})
         futures: dict[int, Future[_Loaded]] = {}
         in_flight = 0.0
         next_load = 0

@@ -360,3 +360,49 @@ def test_readshard_parser_matches_protobuf_or_defers_to_it() -> None:
             fast += 1
             assert isinstance(got.frame, memoryview) and got.frame.obj is data  # no copy
     assert fast > 100
+
+
+def test_edge_chunks_decode_once_for_both_reads() -> None:
+    # The chunk across the edge of two windows is decoded once and shared; a failed
+    # decode is never shared, and entries go once both reads took their rows.
+    import threading
+
+    import pyarrow as pa
+
+    from edgecache.clients.endpoints import EdgeChunks
+
+    edges = EdgeChunks({0: {100}}, limit=2)
+    assert edges.across(0, 90, 110, 100, 200) and edges.across(0, 90, 110, 0, 100)
+    assert not edges.across(0, 100, 110, 100, 200)  # starts on the edge: not shared
+    assert not edges.across(1, 90, 110, 100, 200)  # another shard
+    batch = pa.record_batch([pa.array(range(20))], names=["x"])
+    calls: list[int] = []
+    gate = threading.Event()
+
+    def slow() -> pa.RecordBatch:
+        calls.append(1)
+        gate.wait(5)
+        return batch
+
+    got: list[pa.RecordBatch] = []
+    readers = [
+        threading.Thread(target=lambda t=t: got.append(edges.decode(("k",), 20, t, slow)))
+        for t in (10, 10)
+    ]
+    for r in readers:
+        r.start()
+    gate.set()
+    for r in readers:
+        r.join(5)
+    assert len(calls) == 1 and len(got) == 2 and all(g is batch for g in got)
+    assert not edges._entries  # both took their 10 rows: gone
+
+    def broken() -> pa.RecordBatch:
+        raise ValueError("damaged")
+
+    with pytest.raises(ValueError, match="damaged"):
+        edges.decode(("bad",), 20, 10, broken)
+    assert edges.decode(("bad",), 20, 10, lambda: batch) is batch  # decoded anew
+    for i in range(5):
+        edges.decode((i,), 20, 10, lambda: batch)
+    assert len(edges._entries) == 2  # at most ``limit`` kept
