@@ -55,30 +55,60 @@ def _peers(data: dict, out: Path) -> Path:
     return path
 
 
-def _wan(data: dict, out: Path) -> Path | None:
-    """Timelines over the simulated WAN: staging bytes and epoch batches against time."""
-    timelines = data.get("timelines") or {}
-    if not timelines:
-        return None
-    panels = [(k, v) for k, v in timelines.items() if v.get("t")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for ax, (name, series) in zip(axes[0], panels, strict=True):
-        for label, ys in series.items():
-            if label in ("t", "unit", "title"):
-                continue
-            ts = series["t"] if not isinstance(ys, dict) else ys["t"]
-            values = ys if not isinstance(ys, dict) else ys["y"]
-            ax.plot(ts, values, label=label)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel(series.get("unit", ""))
-        ax.set_title(series.get("title", name))
+def _wan(data: dict, out: Path) -> Path:
+    """Staging bytes against the link's rate; epochs cold, pre-staged and local; contention."""
+    fig, (stage, epochs, contention) = plt.subplots(1, 3, figsize=(17, 4.3))
+    staging = data["staging"]
+    t0 = staging["staging_window"][0]
+    ts = [t - t0 for t, _ in staging["timeline"]]
+    stage.plot(
+        ts, [b / 1e6 for _, b in staging["timeline"]], color=_OURS, label="staged (origin bytes)"
+    )
+    rate = data["link"]["measured"]["nominal_bytes_per_s"]
+    end = staging["staging_window"][1] - t0
+    stage.plot([0, end], [0, rate * end / 1e6], "--", color=_PEER, label="link rate")
+    stage.set_xlim(left=0)
+    stage.set_xlabel("seconds since staging started")
+    stage.set_ylabel("MB over the link")
+    stage.set_title(f"edgecache warm across {_link_name(data)}")
+    stage.legend(fontsize=8)
+    for name, style in (("cold", "-"), ("prestaged", "-"), ("local", "--"), ("lmdb", ":")):
+        run = data["epochs"].get(name)
+        if run:
+            epochs.plot(
+                [t for t, _ in run["timeline"]],
+                [n for _, n in run["timeline"]],
+                style,
+                label=f"{name}: {run['seconds']:.1f} s",
+            )
+    epochs.set_xscale("symlog", linthresh=1.0)
+    epochs.set_xlabel("seconds since the epoch started (symlog)")
+    epochs.set_ylabel("batches delivered")
+    epochs.set_title("one epoch: through the link vs pre-staged vs local")
+    epochs.legend(fontsize=8)
+    runs = data["contention"]
+    alone = runs["alone"]["epoch_seconds"]
+    beside = runs["with_staging"]["epoch_seconds"]
+    contention.bar(range(len(alone)), alone, color=_PEER, label="alone")
+    contention.bar(
+        range(len(alone), len(alone) + len(beside)), beside, color=_OURS, label="staging running"
+    )
+    contention.set_xlabel("epoch")
+    contention.set_ylabel("epoch seconds (warm node)")
+    contention.set_title("training reads with and without staging on the node")
+    contention.legend(fontsize=8)
+    for ax in (stage, epochs, contention):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "wan-timelines.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _link_name(data: dict) -> str:
+    link = data["link"]
+    return f"{link['rtt_ms']:g} ms, {link['rate_mbit']:g} Mbit/s, {link['loss'] * 100:g} % loss"
 
 
 def draw(results: dict[str, dict], out: Path) -> dict[str, Path]:
@@ -87,7 +117,5 @@ def draw(results: dict[str, dict], out: Path) -> dict[str, Path]:
     if "peers" in results:
         drawn["peers"] = _peers(results["peers"], out)
     if "wan" in results:
-        path = _wan(results["wan"], out)
-        if path is not None:
-            drawn["wan"] = path
+        drawn["wan"] = _wan(results["wan"], out)
     return drawn

@@ -72,9 +72,27 @@ def _peers_rows(data: dict) -> list[dict]:
     ]
 
 
-def _targets(data: dict, suite: str) -> list[dict]:
-    """Suites that report a list of `targets`: [{measure, baseline, value, target, kind, met}]."""
-    return [{"suite": suite, **t} for t in data.get("targets", [])]
+def _wan_rows(data: dict) -> list[dict]:
+    out = []
+    for r in data["rows"]:
+        if not r.get("target"):
+            continue
+        kind = r["target"][0]
+        number = float(r["target"][1:].split()[0])
+        out.append(
+            {
+                "suite": "wan",
+                "measure": r["measure"].strip(),
+                "baseline": f"{r['baseline']} (ours {r['ours']})",
+                "value": r["value"],
+                "shown": r["shown"],
+                "target": number / 100 if "%" in r["target"] else number,
+                "target_shown": r["target"],
+                "met": bool(r["met"]),
+                "kind": kind,
+            }
+        )
+    return out
 
 
 def summary_rows(results: dict[str, dict]) -> list[dict]:
@@ -85,8 +103,8 @@ def summary_rows(results: dict[str, dict]) -> list[dict]:
             rows += _planner_rows(data)
         elif suite == "peers":
             rows += _peers_rows(data)
-        elif isinstance(data.get("targets"), list):
-            rows += _targets(data, suite)
+        elif suite == "wan":
+            rows += _wan_rows(data)
         else:
             rows += _ratio_rows(suite, data)
     return rows
@@ -106,8 +124,8 @@ def summary_table(results: dict[str, dict]) -> Table:
             r["suite"],
             r["measure"],
             r["baseline"],
-            _fmt(r["value"], r["kind"]),
-            f"{r['kind']} {r['target']:g}",
+            r.get("shown") or _fmt(r["value"], r["kind"]),
+            r.get("target_shown") or f"{r['kind']} {r['target']:g}",
             "[green]met" if r["met"] else "[red]missed",
         )
     return table
@@ -232,7 +250,50 @@ def _section_dataset(data: dict) -> str:
 
 
 def _section_wan(data: dict, picture: Path | None) -> str:
-    return "## Wide-area link\n\n(results of `python -m bench.wan`: to be rendered)"
+    link = data["link"]
+    measured = link["measured"]
+    bulk = "; ".join(f"{b['streams']} stream(s) {b['mbit_s']:.1f} Mbit/s" for b in measured["bulk"])
+    rows = [
+        [
+            r["measure"].strip(),
+            r["ours"],
+            r["baseline"],
+            f"**{r['shown']}**" if r.get("target") else r["shown"],
+            r.get("target") or "",
+            "" if r.get("met") is None else ("✓" if r["met"] else "✗"),
+        ]
+        for r in data["rows"]
+    ]
+    epochs = [
+        [
+            name,
+            f"{run['seconds']:.2f}",
+            f"{run['first_batch_s'] * 1e3:,.0f}",
+            f"{run['samples'] / run['seconds']:,.0f}",
+        ]
+        for name, run in data["epochs"].items()
+    ]
+    d = data["data"]
+    return "\n\n".join(
+        [
+            "## Wide-area link",
+            f"{_command('wan', data)}. The origin (moto's S3) sits behind a link built "
+            f"from {link['chosen_because']}: {link['rtt_ms']:g} ms round trip, "
+            f"{link['rate_mbit']:g} Mbit/s, {link['loss'] * 100:g} % loss, "
+            f"{link['congestion_control']}. Measured before use: RTT median "
+            f"{measured['rtt_median_ms']} ms; bulk TCP {bulk}; loss to the edge "
+            f"{measured['loss']['to_edge'] * 100:.3f} %, to the origin "
+            f"{measured['loss']['to_origin'] * 100:.3f} %. Data: {d['rows']:,} token samples, "
+            f"{d['raw_bytes'] / 1e6:,.0f} MB raw, {d['parquet_bytes'] / 1e6:,.0f} MB of Parquet "
+            f"in {d['shards']} shards.",
+            f"![staging and epochs across the link]({picture.parent.name}/{picture.name})"
+            if picture
+            else "",
+            _md_table(["measure", "ours", "baseline", "ratio", "target", ""], rows),
+            _md_table(["epoch", "seconds", "first batch ms", "samples/s"], epochs),
+            _versions_line(data),
+        ]
+    )
 
 
 def _section_planner(data: dict) -> str:
@@ -377,8 +438,8 @@ def write_docs(results: dict[str, dict], path: Path) -> None:
             r["suite"],
             r["measure"],
             r["baseline"],
-            f"**{_fmt(r['value'], r['kind'])}**",
-            f"{r['kind']} {r['target']:g}",
+            f"**{r.get('shown') or _fmt(r['value'], r['kind'])}**",
+            r.get("target_shown") or f"{r['kind']} {r['target']:g}",
             "met" if r["met"] else "**missed**",
         ]
         for r in summary_rows(results)
