@@ -300,17 +300,39 @@ class EdgeChunks:
     is read by both windows; adjacent windows are read at about the same time
     (adjacent lanes). The first read to reach such a chunk decodes it, the other
     waits for that and takes the same batch (its own copy of the frame still
-    verified when it came over the network). Keys carry the chunk's checksum, so
-    only identical bytes are shared. ``shared`` names, per shard, the rows where
-    two reads of the caller meet; only chunks across those are kept, until their
-    rows were all taken, and at most ``limit`` (the oldest are dropped: the
-    other read then decodes its own copy, as without this).
+    verified when it came over the network). A read that starts after the chunk
+    was decoded does not fetch it at all (:meth:`take`). Keys are ``(dataset,
+    version, shard, first row, rows, checksum)``, so only identical bytes are
+    shared. ``shared`` names, per shard, the rows where two reads of the caller
+    meet; only chunks across those are kept, until their rows were all taken,
+    and at most ``limit`` (the oldest are dropped: the other read then fetches
+    and decodes its own copy, as without this).
     """
 
     def __init__(self, shared: dict[int, set[int]], limit: int = 8) -> None:
         self.shared, self.limit = shared, limit
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[object, ...], _Decoded] = OrderedDict()
+        self._ready: dict[tuple[object, ...], tuple[object, ...]] = {}  # edge → decoded chunk
+
+    def take(
+        self, dataset: str, version: int, shard: int, edge: int, row_start: int, row_end: int
+    ) -> tuple[int, pa.RecordBatch] | None:
+        """(first row, batch) of a decoded chunk across row ``edge``, if there is one.
+
+        The read of rows ``[row_start, row_end)`` takes its rows of it, so it
+        need not fetch that chunk.
+        """
+        with self._lock:
+            key = self._ready.get((dataset, version, shard, edge))
+            entry = self._entries.get(key) if key is not None else None
+            if entry is None or entry.batch is None:
+                return None
+            first = key[3]  # type: ignore[index]
+            entry.claimed += min(first + entry.rows, row_end) - max(first, row_start)  # type: ignore[operator]
+            if entry.claimed >= entry.rows:
+                self._forget_locked(key, entry)  # type: ignore[arg-type]
+            return first, entry.batch  # type: ignore[return-value]
 
     def across(self, shard: int, first: int, end: int, row_start: int, row_end: int) -> bool:
         """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
@@ -329,7 +351,8 @@ class EdgeChunks:
             if entry is None:
                 entry = self._entries[key] = _Decoded(rows)
                 while len(self._entries) > self.limit:
-                    self._entries.popitem(last=False)
+                    oldest, dropped = next(iter(self._entries.items()))
+                    self._forget_locked(oldest, dropped)
         if owner:
             try:
                 entry.batch = decode()
@@ -337,6 +360,12 @@ class EdgeChunks:
                 entry.done.set()
                 if entry.batch is None:  # failed: nothing to share
                     self._forget(key, entry)
+            dataset, version, shard, first = key[:4]
+            with self._lock:
+                if self._entries.get(key) is entry:
+                    for edge in self.shared.get(shard, ()):  # type: ignore[call-overload]
+                        if first < edge < first + rows:  # type: ignore[operator]
+                            self._ready[(dataset, version, shard, edge)] = key
         else:
             entry.done.wait()
         batch = entry.batch
@@ -355,6 +384,8 @@ class EdgeChunks:
     def _forget_locked(self, key: tuple[object, ...], entry: _Decoded) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
+            for edge in [e for e, k in self._ready.items() if k == key]:
+                del self._ready[edge]
 
 
 class NodePool:
@@ -557,6 +588,35 @@ class NodePool:
         after ``retry_timeout`` seconds without progress on any node. Reads
         given the same ``edges`` decode a chunk across their shared edge once.
         """
+        tail = None
+        if edges is not None:  # chunks across our edges that a read beside us decoded
+            head = edges.take(dataset, version, shard, row_start, row_start, row_end)
+            if head is not None:
+                yield head
+                row_start = head[0] + head[1].num_rows
+                if row_start >= row_end:
+                    return
+            tail = edges.take(dataset, version, shard, row_end, row_start, row_end)
+            if tail is not None:
+                row_end = tail[0]
+        if row_start < row_end:
+            yield from self._read_range(
+                dataset, version, digest, shard, row_start, row_end, schema, edges
+            )
+        if tail is not None:
+            yield tail
+
+    def _read_range(
+        self,
+        dataset: str,
+        version: int,
+        digest: str,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+        edges: EdgeChunks | None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
         next_row = row_start
         deadline = time.monotonic() + self.retry_timeout
         errors: dict[str, str] = {}

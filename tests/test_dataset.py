@@ -376,6 +376,7 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
     assert not edges.across(0, 100, 110, 100, 200)  # starts on the edge: not shared
     assert not edges.across(1, 90, 110, 100, 200)  # another shard
     batch = pa.record_batch([pa.array(range(20))], names=["x"])
+    key = ("d", 1, 0, 90, 20, 0xC0FFEE)  # dataset, version, shard, first row, rows, checksum
     calls: list[int] = []
     gate = threading.Event()
 
@@ -386,7 +387,7 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
 
     got: list[pa.RecordBatch] = []
     readers = [
-        threading.Thread(target=lambda t=t: got.append(edges.decode(("k",), 20, t, slow)))
+        threading.Thread(target=lambda t=t: got.append(edges.decode(key, 20, t, slow)))
         for t in (10, 10)
     ]
     for r in readers:
@@ -395,14 +396,22 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
     for r in readers:
         r.join(5)
     assert len(calls) == 1 and len(got) == 2 and all(g is batch for g in got)
-    assert not edges._entries  # both took their 10 rows: gone
+    assert not edges._entries and not edges._ready  # both took their 10 rows: gone
+
+    # A read that starts after the chunk was decoded takes it without fetching it.
+    assert edges.take("d", 1, 0, 100, 100, 200) is None
+    assert edges.decode(key, 20, 10, lambda: batch) is batch  # the window [0, 100)
+    assert edges.take("d", 1, 0, 100, 100, 200) == (90, batch)  # the window [100, 200)
+    assert not edges._entries and not edges._ready
 
     def broken() -> pa.RecordBatch:
         raise ValueError("damaged")
 
     with pytest.raises(ValueError, match="damaged"):
-        edges.decode(("bad",), 20, 10, broken)
-    assert edges.decode(("bad",), 20, 10, lambda: batch) is batch  # decoded anew
+        edges.decode(key, 20, 10, broken)
+    assert edges.take("d", 1, 0, 100, 100, 200) is None  # nothing shared after a failure
+    assert edges.decode(key, 20, 10, lambda: batch) is batch  # decoded anew
     for i in range(5):
-        edges.decode((i,), 20, 10, lambda: batch)
+        edges.decode(("d", 1, 0, 1000 + 20 * i, 20, i), 20, 10, lambda: batch)
     assert len(edges._entries) == 2  # at most ``limit`` kept
+    assert edges.take("d", 1, 0, 100, 100, 200) is None  # dropped with its entry
