@@ -72,7 +72,7 @@ class Settings:
     parquet_bytes: int
     shards: int
     node_env: dict[str, str]  # node settings, e.g. EDGECACHE_STAGING_CONCURRENCY
-    repeat: int = 3
+    repeat: int = 4
     settle_seconds: float = 4.0  # staging runs this long before a contended epoch starts
     parts: tuple[int, ...] = (1, 2, 3)  # 2 and 3 read what 1 staged
 
