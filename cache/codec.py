@@ -155,6 +155,9 @@ def encode_shard(
 _local = threading.local()
 
 
+_ZSTD_BLOCK_MAX = 128 << 10  # zstd's largest block (Block_Maximum_Size)
+
+
 def _decompressor() -> zstandard.ZstdDecompressor:
     # ZstdDecompressor is not thread-safe; one per thread keeps decode parallel.
     dctx = getattr(_local, "dctx", None)
@@ -208,11 +211,19 @@ def decode_chunk(
                 f"header says {header.raw_len}; the entry is damaged — drop it and fetch the "
                 "shard again"
             )
+        if header.raw_len > (len(payload) // 3 + 1) * _ZSTD_BLOCK_MAX:
+            # Each zstd block takes at least a 3-byte header and yields at most 128 KiB:
+            # a header claiming more than that is a lie; refuse it before allocating.
+            raise ChunkCorrupt(
+                f"header says the chunk decodes to {header.raw_len} bytes, more than "
+                f"{len(payload)} bytes of zstd can hold; the entry is damaged — drop it and "
+                "fetch the shard again"
+            )
         try:
             raw = _decompress(payload, header.raw_len)
         except zstandard.ZstdError as exc:
             raise ChunkCorrupt(f"zstd payload cannot be decompressed: {exc}") from exc
-        except MemoryError as exc:
+        except (MemoryError, OverflowError) as exc:
             raise ChunkCorrupt(
                 f"header says the chunk decodes to {header.raw_len} bytes, more than can be "
                 "allocated; the entry is damaged — drop it and fetch the shard again"
