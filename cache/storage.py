@@ -61,7 +61,9 @@ Slot = Callable[[], AbstractAsyncContextManager[object]]
 # without holding more shards in memory. A part's request costs one round trip,
 # small next to moving a MiB; small parts also keep the bytes in flight few, so
 # a caller that throttles per request (staging, see ``slot``) slows down soon.
-MULTIPART_THRESHOLD = 2 << 20
+# Smaller objects are fetched whole: their parallelism comes from fetching
+# several at once, and a request each is cheaper for origin.
+MULTIPART_THRESHOLD = 8 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
 PARTS_PER_OBJECT = 12

@@ -70,6 +70,9 @@ class StagingGate:
     already running slow down within one part. Otherwise staging keeps at
     most ``requests`` origin requests in flight, enough to fill a long path
     and few enough that none waits for a connection it would then hold.
+
+    Hundreds of parts may wait here at once, on the event loop that serves
+    reads, so a freed slot wakes one waiter, never all of them.
     """
 
     def __init__(
@@ -81,11 +84,14 @@ class StagingGate:
         self.max_requests = requests
         self.reads_active = 0
         self._quiet_from = 0.0  # monotonic time the hold after the last read ends
-        self._running = 0
+        self._running = 0  # staging fetches in flight
         self._requests = 0  # staging origin requests in flight
         self._tokens = 0.0  # no initial burst: a warm-up starts at the configured rate
         self._stamp = time.monotonic()
-        self._changed = asyncio.Condition()
+        lock = asyncio.Lock()
+        self._fetch_free = asyncio.Condition(lock)
+        self._request_free = asyncio.Condition(lock)
+        self._timer: asyncio.TimerHandle | None = None
         self._wakers: set[asyncio.Future[None]] = set()
 
     def reading(self) -> bool:
@@ -104,21 +110,31 @@ class StagingGate:
         self.reads_active -= 1
         if not self.reads_active:
             self._quiet_from = time.monotonic() + self.hold
-            asyncio.get_running_loop().call_later(self.hold, self._wake)
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(self.hold, self._hold_over)
 
-    def _wake(self) -> None:
-        async def notify() -> None:
-            async with self._changed:
-                self._changed.notify_all()
+    def _hold_over(self) -> None:
+        self._timer = None
+        if self.reads_active:
+            return  # reading again: the read that ends last arms a new timer
+        left = self._quiet_from - time.monotonic()
+        if left > 0:  # a later read ended meanwhile
+            self._timer = asyncio.get_running_loop().call_later(left, self._hold_over)
+            return
 
-        task = asyncio.ensure_future(notify())
+        async def open_up() -> None:
+            async with self._fetch_free:
+                self._fetch_free.notify(self.concurrency)
+                self._request_free.notify(self.max_requests)
+
+        task = asyncio.ensure_future(open_up())
         self._wakers.add(task)
         task.add_done_callback(self._wakers.discard)
 
     async def acquire(self, nbytes: int) -> None:
         """Wait for a staging slot and for ``nbytes`` of rate budget."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._running < self._limit())
+        async with self._fetch_free:
+            await self._fetch_free.wait_for(lambda: self._running < self._limit())
             self._running += 1
         if self.rate:
             now = time.monotonic()
@@ -132,24 +148,24 @@ class StagingGate:
 
     async def release(self) -> None:
         """Give a staging slot back."""
-        async with self._changed:
+        async with self._fetch_free:
             self._running -= 1
-            self._changed.notify_all()
+            self._fetch_free.notify(1)
 
     @contextlib.asynccontextmanager
     async def request(self) -> AsyncIterator[None]:
         """Hold one of staging's origin-request slots (pass as ``slot`` to a store's get)."""
-        async with self._changed:
-            await self._changed.wait_for(
+        async with self._request_free:
+            await self._request_free.wait_for(
                 lambda: self._requests < (1 if self.reading() else self.max_requests)
             )
             self._requests += 1
         try:
             yield
         finally:
-            async with self._changed:
+            async with self._request_free:
                 self._requests -= 1
-                self._changed.notify_all()
+                self._request_free.notify(1)
 
 
 @dataclass

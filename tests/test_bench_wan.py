@@ -174,7 +174,7 @@ def test_every_origin_request_runs_in_the_callers_slot(s3_endpoint: str) -> None
 
     bucket = f"bkt-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
-    body = os.urandom((5 << 20) + 7)
+    body = os.urandom((9 << 20) + 7)
     put_object(s3_endpoint, bucket, "k", body)
     entered, inside, peak = 0, 0, 0
 
@@ -197,7 +197,7 @@ def test_every_origin_request_runs_in_the_callers_slot(s3_endpoint: str) -> None
             await store.close()
 
     assert asyncio.run(scenario()) == body
-    assert entered == 6 and peak > 1  # 6 ranged parts of ~1 MiB, in parallel
+    assert entered == 10 and peak > 1  # 10 ranged parts of 1 MiB, in parallel
 
 
 def test_gate_sends_one_staging_request_while_reads_stream_and_for_a_hold_after() -> None:
