@@ -85,7 +85,7 @@ def run_suite(suite: Suite, scale: float, out: Path, console: Console) -> dict |
     proc = subprocess.run(
         command,
         cwd=ROOT,
-        stdout=subprocess.PIPE if not suite.json_to_file else subprocess.DEVNULL,
+        stdout=None if suite.json_to_file else subprocess.PIPE,  # their tables go to the terminal
         text=True,
         check=False,
     )
