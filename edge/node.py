@@ -19,6 +19,7 @@ import asyncio
 import bisect
 import contextlib
 import functools
+import heapq
 import itertools
 import logging
 import os
@@ -71,8 +72,12 @@ class StagingGate:
     most ``requests`` origin requests in flight, enough to fill a long path
     and few enough that none waits for a connection it would then hold.
 
-    Hundreds of parts may wait here at once, on the event loop that serves
-    reads, so a freed slot wakes one waiter, never all of them.
+    Waiting requests are let in by ``order``, lowest first: staging numbers
+    its fetches as they start, so the parts of the oldest shard go first and
+    shards complete one after another, each preprocessed while later ones
+    download, instead of all together at the end. Hundreds of parts may wait
+    here at once, on the event loop that serves reads, so a freed slot wakes
+    one waiter, never all of them.
     """
 
     def __init__(
@@ -88,9 +93,9 @@ class StagingGate:
         self._requests = 0  # staging origin requests in flight
         self._tokens = 0.0  # no initial burst: a warm-up starts at the configured rate
         self._stamp = time.monotonic()
-        lock = asyncio.Lock()
-        self._fetch_free = asyncio.Condition(lock)
-        self._request_free = asyncio.Condition(lock)
+        self._fetch_free = asyncio.Condition()
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._arrivals = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._wakers: set[asyncio.Future[None]] = set()
 
@@ -121,11 +126,11 @@ class StagingGate:
         if left > 0:  # a later read ended meanwhile
             self._timer = asyncio.get_running_loop().call_later(left, self._hold_over)
             return
+        self._grant()
 
         async def open_up() -> None:
             async with self._fetch_free:
                 self._fetch_free.notify(self.concurrency)
-                self._request_free.notify(self.max_requests)
 
         task = asyncio.ensure_future(open_up())
         self._wakers.add(task)
@@ -152,20 +157,38 @@ class StagingGate:
             self._running -= 1
             self._fetch_free.notify(1)
 
+    def _request_limit(self) -> int:
+        return 1 if self.reading() else self.max_requests
+
+    def _grant(self) -> None:
+        """Let waiting requests in, lowest order first, while the limit allows."""
+        while self._waiting and self._requests < self._request_limit():
+            _, _, granted = heapq.heappop(self._waiting)
+            if not granted.done():  # else its waiter was cancelled
+                self._requests += 1
+                granted.set_result(None)
+
     @contextlib.asynccontextmanager
-    async def request(self) -> AsyncIterator[None]:
-        """Hold one of staging's origin-request slots (pass as ``slot`` to a store's get)."""
-        async with self._request_free:
-            await self._request_free.wait_for(
-                lambda: self._requests < (1 if self.reading() else self.max_requests)
-            )
+    async def request(self, order: int = 0) -> AsyncIterator[None]:
+        """Hold one of staging's origin-request slots (a store's ``slot``), by ``order``."""
+        if self._waiting or self._requests >= self._request_limit():
+            granted = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (order, next(self._arrivals), granted))
+            self._grant()  # room may be free: then the lowest order goes, maybe this one
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():  # granted, then cancelled
+                    self._requests -= 1
+                    self._grant()
+                raise
+        else:
             self._requests += 1
         try:
             yield
         finally:
-            async with self._request_free:
-                self._requests -= 1
-                self._request_free.notify(1)
+            self._requests -= 1
+            self._grant()
 
 
 @dataclass
@@ -234,6 +257,7 @@ class EdgeNode:
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self._inflight: dict[ShardKey, asyncio.Task[ShardInfo]] = {}
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
+        self._staging_order = itertools.count()
         self._cpu = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
         # Staging's preprocessing runs at a lower CPU priority than everything else here
         # (serving reads, the event loop's network I/O, read-through misses).
@@ -363,7 +387,13 @@ class EdgeNode:
             started = time.monotonic()
             store = self.stores.for_url(url)
             retries_before = store.stats.retries
-            data = await store.get(url, expect=expect, slot=self.gate.request if staging else None)
+            # Staging's parts go to origin oldest fetch first (see StagingGate).
+            slot = (
+                functools.partial(self.gate.request, order=next(self._staging_order))
+                if staging
+                else None
+            )
+            data = await store.get(url, expect=expect, slot=slot)
             elapsed = time.monotonic() - started
             self.metrics.origin_seconds.observe(elapsed)
             self.metrics.origin_bytes.inc(len(data))

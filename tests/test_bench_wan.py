@@ -233,6 +233,36 @@ def test_gate_sends_one_staging_request_while_reads_stream_and_for_a_hold_after(
     assert asyncio.run(scenario()) == [3, 1, 1, 3]
 
 
+def test_gate_lets_waiting_requests_in_oldest_fetch_first() -> None:
+    import asyncio
+
+    from edgecache.edge.node import StagingGate
+
+    async def scenario() -> list[int]:
+        gate = StagingGate(rate=None, concurrency=4, requests=1)
+        order: list[int] = []
+        release = asyncio.Event()
+
+        async def first() -> None:
+            async with gate.request(order=0):
+                await release.wait()
+
+        async def later(n: int) -> None:
+            async with gate.request(order=n):
+                order.append(n)
+
+        holder = asyncio.create_task(first())
+        await asyncio.sleep(0)
+        waiting = [asyncio.create_task(later(n)) for n in (7, 3, 5, 1)]
+        await asyncio.sleep(0.01)
+        waiting[0].cancel()  # a cancelled waiter gives its turn away
+        release.set()
+        await asyncio.gather(holder, *waiting, return_exceptions=True)
+        return order
+
+    assert asyncio.run(scenario()) == [1, 3, 5]
+
+
 def test_staging_preprocesses_at_a_lower_cpu_priority() -> None:
     import threading
 
