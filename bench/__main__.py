@@ -71,7 +71,7 @@ SUITES = [
         lambda s: ["--tokens-mib", _mib(1024, s), "--images-mib", _mib(1024, s)],
         json_to_file=True,
     ),
-    Suite("wan", "bench.wan", lambda s: ["--scale", str(s)], json_to_file=True),
+    Suite("wan", "bench.wan", lambda s: ["--raw-mib", _mib(1024, s)], json_to_file=True),
 ]
 
 
