@@ -381,7 +381,9 @@ def _section_peers(data: dict, picture: Path | None) -> str:
     )
 
 
-_PEERS_NOTES = """Where the time goes (py-spy, see the closing note of issue 7 for the profiles):
+_PEERS_NOTES = """Where the time goes (py-spy profiles taken while building this benchmark, before
+the client changes that followed them: hand-parsed `ReadShard` messages, decompression
+into reused Arrow pool buffers, `np.take(mode="clip")`, chunks shared between windows):
 
 - **gRPC** is bound by the Python client: 2.2–2.9 CPU-s per GiB in the reading process
   against 0.4–0.9 in the node. The synchronous grpcio client handles each message on its
@@ -393,7 +395,8 @@ _PEERS_NOTES = """Where the time goes (py-spy, see the closing note of issue 7 f
 - **Local fast path, tokens**: LitData reads uncompressed tokens from the page cache;
   edgecache's default caches them zstd-1 (2.5× less disk), and decompression alone is
   ~1 CPU-s per GiB here. Staged uncompressed (`edgecache-lmdb-none`, same data) the fast
-  path reads 3× faster than LitData.
+  path is far ahead of LitData (see the ratios above): compression is a per-dataset
+  choice between cache space and local read speed.
 - **Local fast path, images**: both edgecache and LitData copy each ~100 KiB blob once out
   of the page cache (~3.2 GB/s on this machine, its memory bandwidth for one copy). A
   1.5× lead would need zero-copy views into LMDB instead of owned `bytes`.
