@@ -12,8 +12,9 @@ end a summary table of every ratio against its target is printed and
 ``--scale`` multiplies every data size (0.25 for a quick look; the figures
 in the docs come from 1.0). At 1.0 the peers and the WAN get the issue's
 1 GiB datasets; the older suites run at half their standalone defaults so
-the whole run stays well under 15 minutes on a 2-core machine. Suites whose results already exist under
-``--out`` can be re-rendered without running: ``--render-only``.
+the whole run stays well under 15 minutes on a 2-core machine. Suites whose
+results already exist under ``--out`` can be re-rendered without running:
+``--render-only``.
 """
 
 from __future__ import annotations

@@ -414,14 +414,9 @@ _SECTIONS: dict[str, Callable[[dict], str]] = {
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from bench.report import cpu_model
+
+    cpu = cpu_model() or "unknown CPU"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (
         f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB RAM, Linux {platform.release()}, "

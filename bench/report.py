@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from importlib.metadata import version
+from pathlib import Path
 
 from rich.table import Table
 
-__all__ = ["ratio_table", "versions"]
+__all__ = ["cpu_model", "ratio_table", "versions"]
 
 
 def _mark(row: dict) -> str:
@@ -37,3 +38,14 @@ def ratio_table(title: str, results: Iterable[dict], labels: Sequence[str]) -> T
 def versions(*packages: str) -> dict[str, str]:
     """Installed versions of ``packages``, printed with every benchmark."""
     return {p: version(p) for p in packages}
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none), for the reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -335,14 +335,7 @@ def ratios(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def machine() -> dict[str, Any]:
     import psutil
 
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = report.cpu_model()
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
