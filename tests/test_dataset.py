@@ -181,6 +181,18 @@ def test_bad_input_is_refused_clearly(cluster) -> None:
         ds.load_state_dict({**state, "batch_size": 7})
 
 
+def reading_node(nodes: list[LocalNode]) -> LocalNode:
+    """The node that has served this test's reads so far (the most bytes served)."""
+    from edgecache.clients.node_client import connect
+    from edgecache.v1 import edge_pb2
+
+    served = {
+        n.address: connect(n.address).Status(edge_pb2.StatusRequest(), timeout=5).bytes_served
+        for n in nodes
+    }
+    return max(nodes, key=lambda n: served[n.address])
+
+
 def test_node_killed_mid_epoch_fails_over_exact_once(tmp_path: Path) -> None:
     write_parquet_shards(tmp_path / "origin", SHARDS, rows=ROWS)
     registry = f"file://{tmp_path}/registry"
@@ -195,12 +207,11 @@ def test_node_killed_mid_epoch_fails_over_exact_once(tmp_path: Path) -> None:
             threads=1,
             **SMALL,
         )
-        reader = {n.address: n for n in nodes}[ds.pool().ranked()[0].text]  # the one it reads
         got = []
         for i, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
             got.extend(int(x) for x in batch["label"])
             if i == 5:
-                reader.process.send_signal(signal.SIGKILL)
+                reading_node(nodes).process.send_signal(signal.SIGKILL)
         assert sorted(got) == list(range(TOTAL))
         assert ds.stats()["failovers"] >= 1
         for node in nodes:

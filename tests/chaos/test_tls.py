@@ -109,6 +109,7 @@ def test_mtls_epoch_survives_a_node_death(
         threads=1,
     )
     reading = nodes[endpoints.index(ds.pool().ranked()[0].text)]
+    survivor = endpoints[1 - nodes.index(reading)]
     threading.Timer(0.3, reading.process.kill).start()
     started = time.monotonic()
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
@@ -123,7 +124,7 @@ def test_mtls_epoch_survives_a_node_death(
     # The ops CLI speaks mTLS from the same environment.
     topology = tmp_path / "edgecache.yaml"
     topology.write_text(
-        f"registry: file://{tmp_path}/registry\nregions:\n  b:\n    nodes: ['{endpoints[1]}']\n"
+        f"registry: file://{tmp_path}/registry\nregions:\n  b:\n    nodes: ['{survivor}']\n"
     )
     status = subprocess.run(
         [sys.executable, "-m", "edgecache.clients.cli", "status", "--config", str(topology)],
