@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan chaos lock proto clean
+.PHONY: demo test lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan wan-tools chaos lock proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -24,8 +24,15 @@ typecheck: $(STAMP)
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p edgecache.cache -p edgecache.clients -p edgecache.edge
 
-bench: $(STAMP)  ## every benchmark in one run; prints the summary, rewrites docs/benchmarks.md + charts
+bench: $(STAMP) wan-tools  ## every benchmark in one run; prints the summary, rewrites docs/benchmarks.md + charts
 	$(PY) -m bench $(BENCH_ARGS)
+
+# bench.wan builds its link from network namespaces, tc and iptables (NFQUEUE); without
+# iptables or root it falls back to a delaying proxy and says so.
+wan-tools:
+	@command -v iptables >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get install -y -q iptables >/dev/null; } \
+		|| echo "no iptables here: bench.wan will use its proxy link (no packet loss)"
 
 bench-store: $(STAMP)  ## codec and LMDB store against raw zstd / raw LMDB
 	$(PY) -m bench.codec_store
@@ -42,7 +49,7 @@ bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 reg
 bench-peers: $(STAMP)  ## EdgeDataset against MosaicML Streaming, LitData and WebDataset
 	$(PY) -m bench.peers
 
-bench-wan: $(STAMP)  ## staging and epochs across a simulated 80 ms / 100 Mbit/s / 0.1 % loss link
+bench-wan: $(STAMP) wan-tools  ## staging and epochs across a simulated 80 ms / 100 Mbit/s / 0.1 % loss link
 	$(PY) -m bench.wan
 
 chaos: $(STAMP)  ## fault injection at full counts; prints the figures for docs/reliability.md
