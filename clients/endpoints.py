@@ -736,14 +736,16 @@ class NodePool:
                         f"{dataset}@{version} shard {shard} chunk {chunk.index} from "
                         f"{endpoint.text}: checksum or row numbers differ from the frame's"
                     )
-                expected = chunk.first_row + header.rows
-                first, end, frame = chunk.first_row, chunk.first_row + header.rows, chunk.frame
+                first, frame = chunk.first_row, chunk.frame
+                expected = end = first + header.rows
                 if edges is None or not edges.across(shard, first, end, row_start, row_end):
                     yield first, decode_chunk(frame, schema)
                 else:  # across an edge of this read: the read beside it needs it too
+                    # Our own copy is verified once, here, whichever read decodes it.
+                    verify_frame(frame)
 
                     def decode(frame: object = frame) -> pa.RecordBatch:
-                        return decode_chunk(frame, schema)  # type: ignore[arg-type]
+                        return decode_chunk(frame, schema, verify=False)  # type: ignore[arg-type]
 
                     batch = edges.decode(
                         (dataset, version, shard, first, header.rows, header.checksum),
@@ -751,7 +753,6 @@ class NodePool:
                         min(end, row_end) - max(first, row_start),
                         decode,
                     )
-                    verify_frame(frame)  # our own copy, even when the other read decoded it
                     yield first, batch
         finally:
             with self._lock:
