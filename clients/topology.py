@@ -197,9 +197,11 @@ def _load(path: Path, model: type[BaseModel], what: str) -> Any:
         raise ConfigFileError(
             f"{path}: the {what} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
         ) from exc
+    loader = _SAFE_LOADER(text)
     try:
-        data = yaml.load(text, Loader=_SAFE_LOADER)
-        tree = yaml.compose(text, Loader=_SAFE_LOADER)
+        # One parse: the node tree gives line numbers for errors, the data is built from it.
+        tree = loader.get_single_node()
+        data = None if tree is None else loader.construct_document(tree)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -213,6 +215,8 @@ def _load(path: Path, model: type[BaseModel], what: str) -> Any:
         raise ConfigFileError(
             f"{path}: not valid YAML (a value cannot be read: {type(exc).__name__}: {exc})"
         ) from exc
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise ConfigFileError(f"{path}: the {what} must be a mapping (see docs/operations.md)")
     try:
