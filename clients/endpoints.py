@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import CacheDirError, ChunkCorrupt, EdgeCacheError, ShardNotCached
-from edgecache.cache.frame import read_header, verify_frame
+from edgecache.cache.frame import Buffer, read_header, verify_frame
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
 from edgecache.clients import rendezvous
@@ -282,6 +282,10 @@ def parse_chunk(data: bytes) -> WireChunk | edge_pb2.Chunk:
     return out
 
 
+ChunkKey = tuple[str, int, int, int, int, int]  # dataset, version, shard, first row, rows, checksum
+EdgeKey = tuple[str, int, int, int]  # dataset, version, shard, edge row
+
+
 class _Decoded:
     """One chunk's decode, shared by the reads on either side of a window edge."""
 
@@ -312,8 +316,8 @@ class EdgeChunks:
     def __init__(self, shared: dict[int, set[int]], limit: int = 8) -> None:
         self.shared, self.limit = shared, limit
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[object, ...], _Decoded] = OrderedDict()
-        self._ready: dict[tuple[object, ...], tuple[object, ...]] = {}  # edge → decoded chunk
+        self._entries: OrderedDict[ChunkKey, _Decoded] = OrderedDict()
+        self._ready: dict[EdgeKey, ChunkKey] = {}  # edge → the decoded chunk across it
 
     def take(
         self, dataset: str, version: int, shard: int, edge: int, row_start: int, row_end: int
@@ -325,14 +329,14 @@ class EdgeChunks:
         """
         with self._lock:
             key = self._ready.get((dataset, version, shard, edge))
-            entry = self._entries.get(key) if key is not None else None
-            if entry is None or entry.batch is None:
+            entry = None if key is None else self._entries.get(key)
+            if key is None or entry is None or entry.batch is None:
                 return None
-            first = key[3]  # type: ignore[index]
-            entry.claimed += min(first + entry.rows, row_end) - max(first, row_start)  # type: ignore[operator]
+            first = key[3]
+            entry.claimed += min(first + entry.rows, row_end) - max(first, row_start)
             if entry.claimed >= entry.rows:
-                self._forget_locked(key, entry)  # type: ignore[arg-type]
-            return first, entry.batch  # type: ignore[return-value]
+                self._forget_locked(key, entry)
+            return first, entry.batch
 
     def across(self, shard: int, first: int, end: int, row_start: int, row_end: int) -> bool:
         """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
@@ -342,7 +346,7 @@ class EdgeChunks:
         )
 
     def decode(
-        self, key: tuple[object, ...], rows: int, taken: int, decode: Callable[[], pa.RecordBatch]
+        self, key: ChunkKey, rows: int, taken: int, decode: Callable[[], pa.RecordBatch]
     ) -> pa.RecordBatch:
         """``decode()`` once for both reads of chunk ``key``; this read takes ``taken`` rows."""
         with self._lock:
@@ -363,8 +367,8 @@ class EdgeChunks:
             dataset, version, shard, first = key[:4]
             with self._lock:
                 if self._entries.get(key) is entry:
-                    for edge in self.shared.get(shard, ()):  # type: ignore[call-overload]
-                        if first < edge < first + rows:  # type: ignore[operator]
+                    for edge in self.shared.get(shard, ()):
+                        if first < edge < first + rows:
                             self._ready[(dataset, version, shard, edge)] = key
         else:
             entry.done.wait()
@@ -377,11 +381,11 @@ class EdgeChunks:
                 self._forget_locked(key, entry)
         return batch
 
-    def _forget(self, key: tuple[object, ...], entry: _Decoded) -> None:
+    def _forget(self, key: ChunkKey, entry: _Decoded) -> None:
         with self._lock:
             self._forget_locked(key, entry)
 
-    def _forget_locked(self, key: tuple[object, ...], entry: _Decoded) -> None:
+    def _forget_locked(self, key: ChunkKey, entry: _Decoded) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
             for edge in [e for e, k in self._ready.items() if k == key]:
@@ -744,8 +748,8 @@ class NodePool:
                     # Our own copy is verified once, here, whichever read decodes it.
                     verify_frame(frame)
 
-                    def decode(frame: object = frame) -> pa.RecordBatch:
-                        return decode_chunk(frame, schema, verify=False)  # type: ignore[arg-type]
+                    def decode(frame: Buffer = frame) -> pa.RecordBatch:
+                        return decode_chunk(frame, schema, verify=False)
 
                     batch = edges.decode(
                         (dataset, version, shard, first, header.rows, header.checksum),
@@ -785,8 +789,8 @@ class NodePool:
                         yield first, decode_chunk(view, schema, verify=False)
                     else:  # across an edge of this read: the read beside it needs it too
 
-                        def decode(view: object = view) -> pa.RecordBatch:
-                            return decode_chunk(view, schema, verify=False)  # type: ignore[arg-type]
+                        def decode(view: Buffer = view) -> pa.RecordBatch:
+                            return decode_chunk(view, schema, verify=False)
 
                         key = (dataset, version, shard, first, rows, reader.info.checksums[index])
                         taken = min(first + rows, row_end) - max(first, row_start)
