@@ -659,7 +659,8 @@ def evict(
     import grpc
 
     from edgecache.cache.names import parse_spec
-    from edgecache.clients.ops import bearer, node_stub
+    from edgecache.clients.endpoints import bearer
+    from edgecache.clients.ops import node_stub
     from edgecache.clients.topology import load_topology
     from edgecache.v1 import edge_pb2
 

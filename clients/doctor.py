@@ -16,8 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgecache.clients.endpoints import open_channel, parse_endpoint
-from edgecache.clients.ops import bearer
+from edgecache.clients.endpoints import bearer, open_channel, parse_endpoint
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 

@@ -46,6 +46,7 @@ __all__ = [
     "Endpoint",
     "InvalidEndpoint",
     "NodePool",
+    "bearer",
     "client_credentials",
     "open_channel",
     "parse_endpoint",
@@ -172,6 +173,11 @@ def client_credentials(root: bytes | None = None) -> grpc.ChannelCredentials:
         private_key=key,
         certificate_chain=cert,
     )
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying ``token``, for nodes started with a token file."""
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def open_channel(endpoint: Endpoint, *, tls_root: bytes | None = None) -> grpc.Channel:
@@ -416,7 +422,7 @@ class NodePool:
         self.stall_timeout = stall_timeout
         self.first_chunk_timeout = first_chunk_timeout
         self.retry_timeout = retry_timeout
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = bearer(token)
         self._tls_root = tls_root
         self._stubs: dict[str, edge_pb2_grpc.EdgeCacheStub] = {}
         self._readers: dict[str, grpc.UnaryStreamMultiCallable] = {}

@@ -23,14 +23,13 @@ from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, plan
 from edgecache.cache.registry import Registry
 from edgecache.clients import rendezvous
-from edgecache.clients.endpoints import open_channel, parse_endpoint
+from edgecache.clients.endpoints import bearer, open_channel, parse_endpoint
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
     "NodeReport",
-    "bearer",
     "node_stub",
     "WarmItem",
     "gather_status",
@@ -59,11 +58,6 @@ class NodeReport:
     rtt_ms: float = math.inf
     status: edge_pb2.NodeStatus | None = None
     error: str = ""
-
-
-def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The call metadata carrying ``token``, for nodes started with a token file."""
-    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def gather_status(
