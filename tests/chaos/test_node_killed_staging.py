@@ -82,13 +82,15 @@ def test_node_killed_during_staging_never_shows_partial_shards(
         proc.wait(timeout=30)
     fetches = log.read_text().count("fetching s3://")
     refetched = fetches - SHARDS
-    shard_bytes = max(s.source_size for s in manifest.shards)
     figure("kills", kills)
     figure("shards visible but incomplete or corrupt", bad)
-    figure("re-fetched shards (bytes / largest shard)", refetched)
+    figure("re-fetched shards (whole shards whose fetch had started)", refetched)
     assert bad == 0
     assert last.finished and last.shards_done == SHARDS and not last.failures
     with CacheStore(cache, readonly=True) as store:
         assert len(store.shards("tokens", 1)) == SHARDS
         assert all(store.get_chunk(ShardKey("tokens", 1, s), 0) for s in range(SHARDS))
-    assert refetched * shard_bytes < kills * shard_bytes  # below one shard per kill
+    # At most the one shard in flight per kill. Counted in whole shards (a fetch that
+    # started counts as re-fetched even if the kill landed a few bytes into it), so a run
+    # where every kill lands mid-shard reaches the bound exactly.
+    assert refetched <= kills
