@@ -6,6 +6,10 @@ caller would naturally catch, so ``except KeyError`` still works::
     EdgeCacheError
     ├── InvalidName (ValueError)               a dataset name or "name@N" spec is malformed
     ├── ManifestError (ValueError)             a manifest cannot be parsed or fails its digest
+    ├── ConfigError (ValueError)               a node setting is missing or invalid
+    │   └── ConfigFileError                    a topology or schedule file is missing or invalid
+    ├── InvalidEndpoint (ValueError)           an endpoint string, list or region cannot be used
+    ├── StateMismatch (ValueError)             a resume state of another version or layout
     ├── VersionNotFound (KeyError)             no such dataset or version in the registry
     ├── VersionExists                          another publisher took that version number first
     ├── MalformedShard (ValueError)            a raw shard cannot be parsed; names object and row
@@ -15,18 +19,22 @@ caller would naturally catch, so ``except KeyError`` still works::
     │   ├── ObjectNotFound (FileNotFoundError) no object at that URL
     │   └── OriginChanged                      an object differs from what the version recorded
     ├── CodecError (ValueError)
-    │   ├── ChunkCorrupt                       checksum mismatch: the bytes changed after encoding
-    │   ├── ChunkTruncated                     fewer bytes than the frame header promises
+    │   ├── ChunkCorrupt                       the bytes changed after encoding: never use them
+    │   │   └── ChunkTruncated                 fewer bytes than the frame header promises
     │   ├── SchemaMismatch                     data does not have the schema the version declares
     │   └── EmptyShard                         a shard with no rows
-    └── StoreError (OSError)
-        ├── CacheDirError                      the cache dir is missing, unwritable or foreign
-        ├── WriterLocked                       another process holds the cache's writer lock
-        ├── ReadOnlyStore                      a write on a store opened read-only
-        ├── StoreForked                        a store used in a child after fork()
-        ├── ShardNotCached (KeyError)          the shard is not resident (a miss)
-        └── CacheFull                          no room even after evicting everything allowed
-            └── ShardTooLarge                  one shard is larger than the whole capacity
+    ├── StoreError (OSError)
+    │   ├── CacheDirError                      the cache dir is missing, unwritable or foreign
+    │   ├── WriterLocked                       another process holds the cache's writer lock
+    │   ├── ReadOnlyStore                      a write on a store opened read-only
+    │   ├── StoreForked                        a store used in a child after fork()
+    │   ├── ShardNotCached (KeyError)          the shard is not resident (a miss)
+    │   └── CacheFull                          no room even after evicting everything allowed
+    │       └── ShardTooLarge                  one shard is larger than the whole capacity
+    └── NodeError                              a node answered a call with an error status
+        ├── NodeUnavailable (ConnectionError)  unreachable, draining, or out of time
+        ├── AccessDenied (PermissionError)     a token or certificate is missing or wrong
+        └── AllNodesFailed (ConnectionError)   every endpoint failed; each one's error listed
 
 Messages say what to do next, because they end up in front of operators.
 """
@@ -34,15 +42,22 @@ Messages say what to do next, because they end up in front of operators.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDenied",
+    "AllNodesFailed",
     "CacheDirError",
     "CacheFull",
     "ChunkCorrupt",
     "ChunkTruncated",
     "CodecError",
+    "ConfigError",
+    "ConfigFileError",
     "EdgeCacheError",
     "EmptyShard",
+    "InvalidEndpoint",
     "InvalidName",
     "MalformedShard",
+    "NodeError",
+    "NodeUnavailable",
     "ObjectExists",
     "ObjectNotFound",
     "ManifestError",
@@ -52,6 +67,7 @@ __all__ = [
     "SchemaMismatch",
     "ShardNotCached",
     "ShardTooLarge",
+    "StateMismatch",
     "StoreError",
     "StoreForked",
     "UnknownTransform",
@@ -71,6 +87,22 @@ class InvalidName(EdgeCacheError, ValueError):
 
 class ManifestError(EdgeCacheError, ValueError):
     """A manifest is malformed or its digest does not match its content."""
+
+
+class ConfigError(EdgeCacheError, ValueError):
+    """A setting is missing or invalid."""
+
+
+class ConfigFileError(ConfigError):
+    """A topology or schedule file is missing or invalid; the message names file and line."""
+
+
+class InvalidEndpoint(EdgeCacheError, ValueError):
+    """An endpoint cannot be used: not ``host:port``, not a list, or an unknown region."""
+
+
+class StateMismatch(EdgeCacheError, ValueError):
+    """A resume state dict from another dataset, version or layout."""
 
 
 class VersionNotFound(EdgeCacheError, KeyError):
@@ -116,8 +148,8 @@ class ChunkCorrupt(CodecError):
     """A chunk's checksum does not match its bytes; the data must not be used."""
 
 
-class ChunkTruncated(CodecError):
-    """A chunk is shorter than its header says."""
+class ChunkTruncated(ChunkCorrupt):
+    """A chunk is shorter than its header says: damage like any other, never served."""
 
 
 class SchemaMismatch(CodecError):
@@ -161,3 +193,29 @@ class CacheFull(StoreError):
 
 class ShardTooLarge(CacheFull):
     """A single shard is larger than the cache's whole capacity."""
+
+
+class NodeError(EdgeCacheError):
+    """A node answered a call with an error status.
+
+    ``endpoint`` is the node, ``code`` the gRPC status name (``""`` when the
+    failure was not a status), so scripts can tell causes apart without
+    importing grpc.
+    """
+
+    def __init__(self, message: str, *, endpoint: str = "", code: str = "") -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.code = code
+
+
+class NodeUnavailable(NodeError, ConnectionError):
+    """A node cannot be reached, is draining, or did not answer in time."""
+
+
+class AccessDenied(NodeError, PermissionError):
+    """A node refused the call's credentials (bearer token or client certificate)."""
+
+
+class AllNodesFailed(NodeError, ConnectionError):
+    """Every endpoint failed; the message lists each with its last error."""

@@ -42,26 +42,22 @@ import torch
 import yaml
 from torch.utils.data import IterableDataset, get_worker_info
 
-from edgecache.cache.errors import EdgeCacheError, VersionNotFound
+from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint, StateMismatch, VersionNotFound
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import parse_spec
 from edgecache.cache.store import CacheStore
-from edgecache.clients.endpoints import Endpoint, InvalidEndpoint, NodePool, parse_endpoint
+from edgecache.clients.endpoints import Endpoint, NodePool, parse_endpoint
 from edgecache.clients.pipeline import Pipeline, ReadTarget
 from edgecache.clients.plan import EpochPlan, window_rows_for
 from edgecache.clients.tensors import ColumnKind, column_kinds
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["EdgeDataset", "StateMismatch"]
+__all__ = ["EdgeDataset"]
 
 log = logging.getLogger(__name__)
 _STATE_FORMAT = 1
 _said_unpinned = False
-
-
-class StateMismatch(EdgeCacheError, ValueError):
-    """A state dict from another dataset, version or layout."""
 
 
 def _distributed() -> tuple[int, int] | None:

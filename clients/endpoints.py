@@ -33,7 +33,13 @@ import pyarrow as pa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache.codec import decode_chunk
-from edgecache.cache.errors import CacheDirError, ChunkCorrupt, EdgeCacheError, ShardNotCached
+from edgecache.cache.errors import (
+    AllNodesFailed,
+    CacheDirError,
+    ChunkCorrupt,
+    InvalidEndpoint,
+    ShardNotCached,
+)
 from edgecache.cache.frame import Buffer, read_header, verify_frame
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
@@ -41,10 +47,8 @@ from edgecache.clients import rendezvous
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = [
-    "AllNodesFailed",
     "EdgeChunks",
     "Endpoint",
-    "InvalidEndpoint",
     "NodePool",
     "bearer",
     "client_credentials",
@@ -90,14 +94,6 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
     ("grpc.service_config", _RETRY_POLICY),
 ]
-
-
-class InvalidEndpoint(EdgeCacheError, ValueError):
-    """An endpoint string cannot be parsed."""
-
-
-class AllNodesFailed(EdgeCacheError, ConnectionError):
-    """Every endpoint failed; the message lists each with its last error."""
 
 
 @dataclass(frozen=True, slots=True)

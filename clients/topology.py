@@ -23,12 +23,11 @@ from pydantic import (
     model_validator,
 )
 
-from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.errors import ConfigFileError
 from edgecache.cache.names import parse_spec
 from edgecache.cache.units import parse_rate
 
 __all__ = [
-    "ConfigFileError",
     "RegionConfig",
     "Schedule",
     "ScheduledJob",
@@ -37,10 +36,6 @@ __all__ = [
     "load_schedule",
     "load_topology",
 ]
-
-
-class ConfigFileError(EdgeCacheError, ValueError):
-    """A topology or schedule file is missing or invalid."""
 
 
 class RegionConfig(BaseModel):

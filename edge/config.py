@@ -17,16 +17,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import parse_rate, parse_size
 
-__all__ = ["ConfigError", "NodeConfig", "load_node_config", "split_hostport"]
+__all__ = ["NodeConfig", "load_node_config", "split_hostport"]
 
 ENV_PREFIX = "EDGECACHE_"
-
-
-class ConfigError(EdgeCacheError, ValueError):
-    """A setting is missing or invalid."""
 
 
 def split_hostport(value: str) -> tuple[str, int]:

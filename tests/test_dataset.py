@@ -12,10 +12,14 @@ import pytest
 import torch
 from edgeutil import publish, write_parquet_shards
 
-from edgecache.cache.errors import InvalidName, VersionNotFound
+from edgecache.cache.errors import (
+    AllNodesFailed,
+    InvalidEndpoint,
+    InvalidName,
+    StateMismatch,
+    VersionNotFound,
+)
 from edgecache.clients import EdgeDataset
-from edgecache.clients.dataset import StateMismatch
-from edgecache.clients.endpoints import AllNodesFailed, InvalidEndpoint
 from edgecache.clients.node_client import LocalNode, start_local_node
 
 SHARDS, ROWS = 6, 700

@@ -40,11 +40,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgecache.cache.codec import decode_chunk
-from edgecache.cache.errors import ChunkCorrupt, ManifestError
+from edgecache.cache.errors import ChunkCorrupt, ConfigFileError, ManifestError
 from edgecache.cache.frame import Codec as FrameCodec
 from edgecache.cache.frame import pack_frame
 from edgecache.cache.manifest import manifest_from_bytes
-from edgecache.clients.topology import ConfigFileError, load_schedule, load_topology
+from edgecache.clients.topology import load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
 
 HANG_S = 5.0  # one parse taking longer than this is a hang

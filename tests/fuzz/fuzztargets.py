@@ -36,7 +36,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from edgecache.cache.codec import CodecOptions, decode_chunk, encode_shard
-from edgecache.cache.errors import CodecError, ManifestError
+from edgecache.cache.errors import CodecError, ConfigFileError, ManifestError
 from edgecache.cache.frame import HEADER_SIZE, Codec, payload_view, read_header
 from edgecache.cache.manifest import (
     build_manifest,
@@ -49,7 +49,7 @@ from edgecache.cache.manifest import (
     summarize,
 )
 from edgecache.cache.names import parse_spec
-from edgecache.clients.topology import ConfigFileError, Topology, load_schedule, load_topology
+from edgecache.clients.topology import Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
 
 ACCEPTED = "accepted"
