@@ -33,6 +33,7 @@ caller would naturally catch, so ``except KeyError`` still works::
     │       └── ShardTooLarge                  one shard is larger than the whole capacity
     └── NodeError                              a node answered a call with an error status
         ├── NodeUnavailable (ConnectionError)  unreachable, draining, or out of time
+        ├── InvalidRequest (ValueError)        the node refused the request's arguments
         ├── AccessDenied (PermissionError)     a token or certificate is missing or wrong
         └── AllNodesFailed (ConnectionError)   every endpoint failed; each one's error listed
 
@@ -55,6 +56,7 @@ __all__ = [
     "EmptyShard",
     "InvalidEndpoint",
     "InvalidName",
+    "InvalidRequest",
     "MalformedShard",
     "NodeError",
     "NodeUnavailable",
@@ -211,6 +213,10 @@ class NodeError(EdgeCacheError):
 
 class NodeUnavailable(NodeError, ConnectionError):
     """A node cannot be reached, is draining, or did not answer in time."""
+
+
+class InvalidRequest(NodeError, ValueError):
+    """A node refused the arguments of a call (INVALID_ARGUMENT)."""
 
 
 class AccessDenied(NodeError, PermissionError):

@@ -659,7 +659,7 @@ def evict(
     import grpc
 
     from edgecache.cache.names import parse_spec
-    from edgecache.clients.endpoints import bearer
+    from edgecache.clients.channels import bearer
     from edgecache.clients.ops import node_stub
     from edgecache.clients.topology import load_topology
     from edgecache.v1 import edge_pb2

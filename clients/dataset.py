@@ -46,7 +46,8 @@ from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint, StateMismatc
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import parse_spec
 from edgecache.cache.store import CacheStore
-from edgecache.clients.endpoints import Endpoint, NodePool, parse_endpoint
+from edgecache.clients.endpoints import Endpoint, parse_endpoint
+from edgecache.clients.node_pool import NodePool
 from edgecache.clients.pipeline import Pipeline, ReadTarget
 from edgecache.clients.plan import EpochPlan, window_rows_for
 from edgecache.clients.tensors import ColumnKind, column_kinds

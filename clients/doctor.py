@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgecache.clients.endpoints import bearer, open_channel, parse_endpoint
+from edgecache.clients.channels import bearer, open_channel
+from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import ChunkCorrupt
 from edgecache.cache.frame import read_header
-from edgecache.clients.endpoints import CHANNEL_OPTIONS
+from edgecache.clients.channels import CHANNEL_OPTIONS
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = ["LocalNode", "connect", "read_shard", "start_local_node"]

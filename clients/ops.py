@@ -23,7 +23,8 @@ from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, plan
 from edgecache.cache.registry import Registry
 from edgecache.clients import rendezvous
-from edgecache.clients.endpoints import bearer, open_channel, parse_endpoint
+from edgecache.clients.channels import bearer, open_channel
+from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb

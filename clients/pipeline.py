@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from edgecache.clients.endpoints import EdgeChunks, NodePool
+from edgecache.clients.edge_chunks import EdgeChunks
+from edgecache.clients.node_pool import NodePool
 from edgecache.clients.plan import EpochPlan, Window
 from edgecache.clients.tensors import ColumnKind, Gather, assemble
 

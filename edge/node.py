@@ -49,9 +49,9 @@ from edgecache.cache.preprocess import preprocess
 from edgecache.cache.registry import Registry
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo
+from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.metrics import NodeMetrics
-from edgecache.edge.wire import encode_chunk
 from edgecache.v1 import edge_pb2, manifest_pb2
 
 __all__ = ["EdgeNode", "StagingGate"]

@@ -3,7 +3,7 @@
 Every handler validates its request, delegates, and lets :func:`status_for`
 turn edgecache's exceptions into gRPC status codes in this one place, with a
 message a person can act on. ``ReadShard`` yields pre-encoded wire bytes (see
-:mod:`edgecache.edge.wire`), so its handler is registered with a pass-through
+:mod:`edgecache.cache.wire`), so its handler is registered with a pass-through
 serializer instead of the generated one.
 """
 

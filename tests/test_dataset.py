@@ -333,8 +333,7 @@ def test_readshard_parser_matches_protobuf_or_defers_to_it() -> None:
     # on every input it must give protobuf's fields, or raise where protobuf raises.
     from google.protobuf.message import DecodeError
 
-    from edgecache.clients.endpoints import WireChunk, parse_chunk
-    from edgecache.edge.wire import encode_chunk
+    from edgecache.cache.wire import WireChunk, encode_chunk, parse_chunk
     from edgecache.v1 import edge_pb2
 
     def fields(chunk: object) -> tuple:
@@ -384,7 +383,7 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
 
     import pyarrow as pa
 
-    from edgecache.clients.endpoints import EdgeChunks
+    from edgecache.clients.edge_chunks import EdgeChunks
 
     edges = EdgeChunks({0: {100}}, limit=2)
     assert edges.across(0, 90, 110, 100, 200) and edges.across(0, 90, 110, 0, 100)

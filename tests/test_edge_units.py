@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import format_bytes, parse_rate, parse_size
+from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, load_node_config
 from edgecache.edge.node import StagingGate
-from edgecache.edge.wire import encode_chunk
 from edgecache.v1 import edge_pb2
 
 

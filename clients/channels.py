@@ -1,0 +1,195 @@
+"""Channels to edge nodes, and what their error statuses mean to a caller.
+
+Every client of a node (EdgeDataset, the ops commands, doctor, the demo, a
+controller) opens its channels through :func:`open_channel`, so keepalive,
+message limits, TLS and the retry policy are the same everywhere, and turns
+a failed call into an :class:`~edgecache.cache.errors.EdgeCacheError` with
+:func:`node_error`, so no raw ``grpc.RpcError`` reaches a user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from edgecache.cache.errors import (
+    AccessDenied,
+    EdgeCacheError,
+    InvalidEndpoint,
+    InvalidRequest,
+    NodeError,
+    NodeUnavailable,
+    VersionNotFound,
+)
+from edgecache.clients.endpoints import Endpoint, parse_endpoint
+from edgecache.v1 import edge_pb2_grpc
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
+    "bearer",
+    "client_credentials",
+    "describe",
+    "edge_stub",
+    "node_error",
+    "open_channel",
+]
+
+_RETRY_POLICY = json.dumps(
+    {
+        "methodConfig": [
+            {
+                # Unary calls only: a stream is resumed by read_rows from the right row.
+                "name": [
+                    {"service": "edgecache.v1.EdgeCache", "method": m}
+                    for m in ("ResolveVersion", "GetManifest", "Status")
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+# A chunk is a few MiB. A message over this limit comes from a broken or hostile node:
+# refuse it (RESOURCE_EXHAUSTED, and read elsewhere) instead of allocating it.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    # Without this a dropped route goes unnoticed for a minute (the ping timeout
+    # defaults to 60 s, whatever the keepalive timeout says).
+    ("grpc.http2.ping_timeout_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", _RETRY_POLICY),
+]
+
+
+def _read_pem(variable: str) -> bytes | None:
+    path = os.environ.get(variable)
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidEndpoint(
+            f"${variable} names {path}, which cannot be read ({exc.strerror}); "
+            "point it at a PEM file or unset it"
+        ) from None
+
+
+def client_credentials(root: bytes | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials for ``grpcs://`` endpoints, from the ``EDGECACHE_TLS_*`` environment.
+
+    ``EDGECACHE_TLS_CA`` is the CA bundle that signed the nodes' certificates
+    (default: the system's roots); ``EDGECACHE_TLS_CERT`` and
+    ``EDGECACHE_TLS_KEY`` are this client's certificate and key, for nodes
+    that require mutual TLS (``--tls-client-ca``). The environment, not
+    arguments, because DataLoader workers, the CLI and the warm CronJob all
+    inherit it without code.
+    """
+    cert, key = _read_pem("EDGECACHE_TLS_CERT"), _read_pem("EDGECACHE_TLS_KEY")
+    if (cert is None) != (key is None):
+        raise InvalidEndpoint(
+            "mutual TLS needs both $EDGECACHE_TLS_CERT and $EDGECACHE_TLS_KEY; only one is set"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=root if root is not None else _read_pem("EDGECACHE_TLS_CA"),
+        private_key=key,
+        certificate_chain=cert,
+    )
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying ``token``, for nodes started with a token file."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def open_channel(endpoint: Endpoint | str, *, tls_root: bytes | None = None) -> grpc.Channel:
+    """A channel to a gRPC endpoint: TLS for ``grpcs://`` (see `client_credentials`).
+
+    The one place clients open channels (EdgeDataset, the ops commands, doctor,
+    the demo), so keepalive, message limits and retries are the same everywhere.
+    """
+    if isinstance(endpoint, str):
+        endpoint = parse_endpoint(endpoint)
+    if endpoint.local:
+        raise InvalidEndpoint(f"{endpoint.text} is a local cache directory, not a gRPC node")
+    if endpoint.kind == "grpcs":
+        credentials = client_credentials(tls_root)
+        return grpc.secure_channel(endpoint.target, credentials, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
+
+
+@contextlib.contextmanager
+def edge_stub(endpoint: Endpoint | str) -> Iterator[edge_pb2_grpc.EdgeCacheStub]:
+    """An ``EdgeCache`` stub on a channel of its own, closed when the block ends."""
+    channel = open_channel(endpoint)
+    try:
+        yield edge_pb2_grpc.EdgeCacheStub(channel)
+    finally:
+        channel.close()
+
+
+def describe(exc: grpc.RpcError) -> str:
+    """``CODE: details`` of a failed call, for messages and logs."""
+    return f"{exc.code().name}: {exc.details()}"
+
+
+_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "check that the node runs (edgecache status) and is "
+    "reachable from this host (edgecache doctor)",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the node did not answer in time; check its load "
+    "and the path to it (edgecache doctor)",
+    grpc.StatusCode.CANCELLED: "the call was cancelled; run it again",
+    grpc.StatusCode.UNAUTHENTICATED: "pass the node's bearer token with --token-file "
+    "(or $EDGECACHE_TOKEN_FILE; token= for EdgeDataset)",
+    grpc.StatusCode.PERMISSION_DENIED: "use a token or client certificate the node accepts "
+    "($EDGECACHE_TLS_CERT / $EDGECACHE_TLS_KEY)",
+    grpc.StatusCode.NOT_FOUND: "list what is published with: edgecache versions NAME",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the node is full or at its stream limit: free room "
+    "(edgecache evict), raise --capacity, or retry later",
+    grpc.StatusCode.INTERNAL: "the node failed; see its log",
+    grpc.StatusCode.UNKNOWN: "the node failed; see its log",
+}
+
+
+def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheError:
+    """The edgecache error for a failed call of ``what`` on ``endpoint``.
+
+    The message names the node, the call and what to do; the class says the
+    cause (unreachable, refused credentials, bad arguments, not found), so
+    callers catch edgecache's tree, never ``grpc.RpcError``. Raise it ``from``
+    the original so the status stays in the traceback.
+    """
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    hint = _HINTS.get(code)
+    message = f"{what} on {endpoint}: {code.name}: {details}" + (f"; {hint}" if hint else "")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return VersionNotFound(message)
+    kind: type[NodeError] = NodeError
+    if code in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    ):
+        kind = NodeUnavailable
+    elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        kind = AccessDenied
+    elif code == grpc.StatusCode.INVALID_ARGUMENT:
+        kind = InvalidRequest
+    return kind(message, endpoint=endpoint, code=code.name)

@@ -1,0 +1,121 @@
+"""Decoded chunks shared by two reads that meet inside one chunk (a shuffle window's edge)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import pyarrow as pa
+
+__all__ = ["ChunkKey", "EdgeChunks", "EdgeKey"]
+
+
+ChunkKey = tuple[str, int, int, int, int, int]  # dataset, version, shard, first row, rows, checksum
+EdgeKey = tuple[str, int, int, int]  # dataset, version, shard, edge row
+
+
+class _Decoded:
+    """One chunk's decode, shared by the reads on either side of a window edge."""
+
+    __slots__ = ("batch", "claimed", "done", "rows")
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.claimed = rows, 0
+        self.batch: pa.RecordBatch | None = None
+        self.done = threading.Event()
+
+
+class EdgeChunks:
+    """Decoded chunks that straddle the edge of a read, kept for the read beside it.
+
+    Shuffle windows rarely end on chunk boundaries, so the chunk across an edge
+    is read by both windows; adjacent windows are read at about the same time
+    (adjacent lanes). The first read to reach such a chunk decodes it, the other
+    waits for that and takes the same batch (its own copy of the frame still
+    verified when it came over the network). A read that starts after the chunk
+    was decoded does not fetch it at all (:meth:`take`). Keys are ``(dataset,
+    version, shard, first row, rows, checksum)``, so only identical bytes are
+    shared. ``shared`` names, per shard, the rows where two reads of the caller
+    meet; only chunks across those are kept, until their rows were all taken,
+    and at most ``limit`` (the oldest are dropped: the other read then fetches
+    and decodes its own copy, as without this).
+    """
+
+    def __init__(self, shared: dict[int, set[int]], limit: int = 8) -> None:
+        self.shared, self.limit = shared, limit
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[ChunkKey, _Decoded] = OrderedDict()
+        self._ready: dict[EdgeKey, ChunkKey] = {}  # edge → the decoded chunk across it
+
+    def take(
+        self, dataset: str, version: int, shard: int, edge: int, row_start: int, row_end: int
+    ) -> tuple[int, pa.RecordBatch] | None:
+        """(first row, batch) of a decoded chunk across row ``edge``, if there is one.
+
+        The read of rows ``[row_start, row_end)`` takes its rows of it, so it
+        need not fetch that chunk.
+        """
+        with self._lock:
+            key = self._ready.get((dataset, version, shard, edge))
+            entry = None if key is None else self._entries.get(key)
+            if key is None or entry is None or entry.batch is None:
+                return None
+            first = key[3]
+            entry.claimed += min(first + entry.rows, row_end) - max(first, row_start)
+            if entry.claimed >= entry.rows:
+                self._forget_locked(key, entry)
+            return first, entry.batch
+
+    def across(self, shard: int, first: int, end: int, row_start: int, row_end: int) -> bool:
+        """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
+        edges = self.shared.get(shard, ())
+        return (first < row_start < end and row_start in edges) or (
+            first < row_end < end and row_end in edges
+        )
+
+    def decode(
+        self, key: ChunkKey, rows: int, taken: int, decode: Callable[[], pa.RecordBatch]
+    ) -> pa.RecordBatch:
+        """``decode()`` once for both reads of chunk ``key``; this read takes ``taken`` rows."""
+        with self._lock:
+            entry = self._entries.get(key)
+            owner = entry is None
+            if entry is None:
+                entry = self._entries[key] = _Decoded(rows)
+                while len(self._entries) > self.limit:
+                    oldest, dropped = next(iter(self._entries.items()))
+                    self._forget_locked(oldest, dropped)
+        if owner:
+            try:
+                entry.batch = decode()
+            finally:
+                entry.done.set()
+                if entry.batch is None:  # failed: nothing to share
+                    self._forget(key, entry)
+            dataset, version, shard, first = key[:4]
+            with self._lock:
+                if self._entries.get(key) is entry:
+                    for edge in self.shared.get(shard, ()):
+                        if first < edge < first + rows:
+                            self._ready[(dataset, version, shard, edge)] = key
+        else:
+            entry.done.wait()
+        batch = entry.batch
+        if batch is None:
+            return decode()  # the other read's decode failed; ours may not
+        with self._lock:
+            entry.claimed += taken
+            if entry.claimed >= entry.rows:
+                self._forget_locked(key, entry)
+        return batch
+
+    def _forget(self, key: ChunkKey, entry: _Decoded) -> None:
+        with self._lock:
+            self._forget_locked(key, entry)
+
+    def _forget_locked(self, key: ChunkKey, entry: _Decoded) -> None:
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+            for edge in [e for e, k in self._ready.items() if k == key]:
+                del self._ready[edge]

@@ -1,0 +1,496 @@
+"""The node pool: nearest healthy node first, failover mid-stream, the local fast path.
+
+Endpoints are ``host:port`` (``grpc://`` optional), ``grpcs://host:port`` (TLS)
+or ``lmdb:///path/to/cache`` (a node's cache directory on this host: read
+directly, no gRPC). gRPC endpoints are ranked by round-trip time (median of
+health-check pings) and re-probed in the background.
+
+A stream that breaks is resumed on the next-best node at the first row not
+yet received (``start_row``), so nothing is lost or duplicated; gRPC never
+retries a stream that has started answering, so this is done here. Dead
+peers are noticed by HTTP/2 keepalive pings (a blackholed node within a few
+seconds, where default keepalive took a minute) and by a watchdog that
+cancels a stream that delivers nothing for ``stall_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import pyarrow as pa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edgecache.cache.codec import decode_chunk
+from edgecache.cache.errors import (
+    AllNodesFailed,
+    CacheDirError,
+    ChunkCorrupt,
+    InvalidEndpoint,
+    ShardNotCached,
+)
+from edgecache.cache.frame import Buffer, read_header, verify_frame
+from edgecache.cache.keys import ShardKey
+from edgecache.cache.store import CacheStore
+from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
+from edgecache.clients import rendezvous
+from edgecache.clients.channels import bearer, describe, open_channel
+from edgecache.clients.edge_chunks import EdgeChunks
+from edgecache.clients.endpoints import Endpoint
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
+
+__all__ = ["EndpointStats", "NodePool"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EndpointStats:
+    """What a reader saw of one endpoint."""
+
+    rtt_ms: float = math.inf
+    bytes: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class _Stream:
+    call: grpc.Call | None
+    last: float = field(default_factory=time.monotonic)
+    started: bool = False
+
+
+class NodePool:
+    """Channels to every endpoint, ranked by RTT, with failover and a stall watchdog."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        token: str | None = None,
+        tls_root: bytes | None = None,
+        stall_timeout: float = 5.0,
+        first_chunk_timeout: float = 120.0,
+        retry_timeout: float = 30.0,
+        probe_interval: float = 30.0,
+        replicas: Sequence[str] = (),
+    ) -> None:
+        if not endpoints:
+            raise InvalidEndpoint("no endpoints given; pass endpoints=[...] or config=/region=")
+        self.endpoints = list(endpoints)
+        self.replicas = set(replicas)  # the own region's nodes: they split shards
+        self.stats = {e.text: EndpointStats() for e in self.endpoints}
+        self.failovers = 0
+        self.stall_timeout = stall_timeout
+        self.first_chunk_timeout = first_chunk_timeout
+        self.retry_timeout = retry_timeout
+        self._metadata = bearer(token)
+        self._tls_root = tls_root
+        self._stubs: dict[str, edge_pb2_grpc.EdgeCacheStub] = {}
+        self._readers: dict[str, grpc.UnaryStreamMultiCallable] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stores: dict[str, CacheStore] = {}
+        self._active: dict[int, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.probe()
+        self._threads = [
+            threading.Thread(target=self._watchdog, name="edgecache-watchdog", daemon=True),
+            threading.Thread(
+                target=self._reprobe, args=(probe_interval,), name="edgecache-probe", daemon=True
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------- plumbing
+
+    def _channel(self, endpoint: Endpoint) -> grpc.Channel:
+        channel = self._channels.get(endpoint.text)
+        if channel is None:
+            channel = open_channel(endpoint, tls_root=self._tls_root)
+            self._channels[endpoint.text] = channel
+        return channel
+
+    def stub(self, endpoint: Endpoint) -> edge_pb2_grpc.EdgeCacheStub:
+        """The EdgeCache stub of a gRPC endpoint."""
+        stub = self._stubs.get(endpoint.text)
+        if stub is None:
+            stub = self._stubs[endpoint.text] = edge_pb2_grpc.EdgeCacheStub(self._channel(endpoint))
+        return stub
+
+    def read_shard_call(self, endpoint: Endpoint) -> grpc.UnaryStreamMultiCallable:
+        """ReadShard of a gRPC endpoint, its responses parsed by :func:`parse_chunk`."""
+        reader = self._readers.get(endpoint.text)
+        if reader is None:
+            reader = self._readers[endpoint.text] = self._channel(endpoint).unary_stream(
+                READ_SHARD_METHOD,
+                request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=parse_chunk,
+            )
+        return reader
+
+    def store(self, endpoint: Endpoint) -> CacheStore:
+        """The read-only store of a local endpoint, opened once per process.
+
+        Under the lock: LMDB must not open one environment twice in a process.
+        """
+        with self._lock:
+            store = self._stores.get(endpoint.text)
+            if store is None:
+                store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
+            return store
+
+    def close(self) -> None:
+        """Stop background threads, close channels and stores (safe to call twice)."""
+        self._stop.set()
+        for channel in self._channels.values():
+            channel.close()
+        for store in self._stores.values():
+            store.close()
+        self._channels.clear()
+        self._stubs.clear()
+        self._readers.clear()
+        self._stores.clear()
+
+    # ----------------------------------------------------------------- ranking
+
+    def probe(self, pings: int = 3) -> None:
+        """Measure each gRPC endpoint's RTT (median of health checks)."""
+        for endpoint in self.endpoints:
+            if endpoint.local:
+                self.stats[endpoint.text].rtt_ms = 0.0
+                continue
+            health = health_pb2_grpc.HealthStub(self._channel(endpoint))
+            samples = []
+            for _ in range(pings):
+                started = time.perf_counter()
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                except grpc.RpcError as exc:
+                    self.stats[endpoint.text].last_error = describe(exc)
+                    break
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    self.stats[endpoint.text].last_error = "not serving (draining?)"
+                    break
+                samples.append((time.perf_counter() - started) * 1e3)
+            self.stats[endpoint.text].rtt_ms = (
+                statistics.median(samples) if len(samples) == pings else math.inf
+            )
+
+    def _reprobe(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.probe()
+            except Exception:  # noqa: BLE001 - probing must never kill the reader
+                log.debug("background probe failed", exc_info=True)
+
+    def ranked(self, shard: tuple[str, int, int] | None = None) -> list[Endpoint]:
+        """Endpoints, nearest first (unreachable ones last).
+
+        RTTs within 25% (+0.5 ms) of the best count as a tie: jitter must not
+        bounce readers between nodes, and ties go to the order given (own region
+        first). Among the own region's replicas, which split shards by rendezvous
+        hashing, a ``(dataset, version, shard)`` goes to the shard's owner first.
+        """
+        order = {e.text: i for i, e in enumerate(self.endpoints)}
+        best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
+        near = best * 1.25 + 0.5
+        if shard is not None and len(self.replicas) > 1:
+            group = [
+                e.text
+                for e in self.endpoints
+                if e.text in self.replicas and self.stats[e.text].rtt_ms <= near
+            ]
+            order = {text: i for i, text in enumerate(rendezvous.rank(group, *shard))} | {
+                e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
+            }
+
+        def key(endpoint: Endpoint) -> tuple[bool, float, int]:
+            rtt = self.stats[endpoint.text].rtt_ms
+            return (rtt > near, rtt if rtt > near else 0.0, order[endpoint.text])
+
+        return sorted(self.endpoints, key=key)
+
+    # ---------------------------------------------------------------- unary
+
+    def call(self, method: str, request: object) -> object:
+        """A unary call on the best gRPC endpoint, failing over to the others."""
+        errors: dict[str, str] = {}
+        for endpoint in [e for e in self.ranked() if not e.local]:
+            try:
+                return getattr(self.stub(endpoint), method)(
+                    request, timeout=30, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    errors[endpoint.text] = describe(exc)
+                    self.stats[endpoint.text].last_error = errors[endpoint.text]
+                    continue
+                raise
+        raise AllNodesFailed(_all_failed(f"{method}", errors or {"(none)": "no gRPC endpoint"}))
+
+    # ------------------------------------------------------------ streaming
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                streams = list(self._active.values())
+            for stream in streams:
+                limit = self.stall_timeout if stream.started else self.first_chunk_timeout
+                if stream.call is not None and now - stream.last > limit:
+                    stream.call.cancel()
+
+    def read_rows(
+        self,
+        dataset: str,
+        version: int,
+        digest: str,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+        edges: EdgeChunks | None = None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(first row, batch) of the chunks covering rows ``[row_start, row_end)``.
+
+        Batches are verified and decoded; a broken stream resumes on the next
+        node from the first row not yet received. Raises :class:`AllNodesFailed`
+        after ``retry_timeout`` seconds without progress on any node. Reads
+        given the same ``edges`` decode a chunk across their shared edge once.
+        """
+        tail = None
+        if edges is not None:  # chunks across our edges that a read beside us decoded
+            head = edges.take(dataset, version, shard, row_start, row_start, row_end)
+            if head is not None:
+                yield head
+                row_start = head[0] + head[1].num_rows
+                if row_start >= row_end:
+                    return
+            tail = edges.take(dataset, version, shard, row_end, row_start, row_end)
+            if tail is not None:
+                row_end = tail[0]
+        if row_start < row_end:
+            yield from self._read_range(
+                dataset, version, digest, shard, row_start, row_end, schema, edges
+            )
+        if tail is not None:
+            yield tail
+
+    def _read_range(
+        self,
+        dataset: str,
+        version: int,
+        digest: str,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+        edges: EdgeChunks | None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        next_row = row_start
+        deadline = time.monotonic() + self.retry_timeout
+        errors: dict[str, str] = {}
+        corrupt_retries = 1
+        attempt = 0
+        while next_row < row_end:
+            progressed = False
+            for endpoint in self.ranked((dataset, version, shard)):
+                if next_row >= row_end:
+                    return  # the stream broke after the last row we needed arrived
+                try:
+                    source = (
+                        self._local_rows(
+                            endpoint, dataset, version, shard, next_row, row_end, schema, edges
+                        )
+                        if endpoint.local
+                        else self._grpc_rows(
+                            endpoint,
+                            dataset,
+                            version,
+                            digest,
+                            shard,
+                            next_row,
+                            row_end,
+                            schema,
+                            edges,
+                        )
+                    )
+                    for first, batch in source:
+                        end = first + batch.num_rows
+                        if end <= next_row:
+                            continue  # already have these rows (resumed mid-chunk)
+                        yield first, batch
+                        next_row = end
+                        progressed = True
+                    if next_row >= row_end:
+                        return
+                except (ShardNotCached, CacheDirError) as exc:  # not here: try the others
+                    errors[endpoint.text] = str(exc)
+                except ChunkCorrupt as exc:
+                    errors[endpoint.text] = str(exc)
+                    self.stats[endpoint.text].failures += 1
+                    if corrupt_retries == 0:
+                        raise
+                    corrupt_retries -= 1
+                except grpc.RpcError as exc:
+                    if exc.code() not in _FAILOVER_CODES:
+                        raise
+                    errors[endpoint.text] = describe(exc)
+                    self.stats[endpoint.text].failures += 1
+                    self.stats[endpoint.text].last_error = errors[endpoint.text]
+                    self.stats[
+                        endpoint.text
+                    ].rtt_ms = math.inf  # until the next probe says otherwise
+                if next_row < row_end:
+                    self.failovers += 1
+                    (log.warning if attempt == 0 else log.debug)(
+                        "%s@%s shard %d: %s failed (%s); continuing from row %d on the next node",
+                        dataset,
+                        version,
+                        shard,
+                        endpoint.text,
+                        errors.get(endpoint.text),
+                        next_row,
+                    )
+            if progressed:
+                deadline = time.monotonic() + self.retry_timeout
+            if time.monotonic() > deadline:
+                raise AllNodesFailed(
+                    _all_failed(f"reading {dataset}@{version} shard {shard}", errors)
+                )
+            time.sleep(min(0.1 * 2**attempt, 2.0))
+            attempt += 1
+            self.probe(pings=1)
+
+    def _grpc_rows(
+        self,
+        endpoint: Endpoint,
+        dataset: str,
+        version: int,
+        digest: str,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+        edges: EdgeChunks | None = None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        request = edge_pb2.ReadShardRequest(
+            dataset=dataset,
+            version=version,
+            shard=shard,
+            digest=digest,
+            start_row=row_start,
+            end_row=row_end,
+        )
+        call = self.read_shard_call(endpoint)(request, metadata=self._metadata)
+        stream = _Stream(call)
+        key = id(stream)
+        with self._lock:
+            self._active[key] = stream
+        stats = self.stats[endpoint.text]
+        expected: int | None = None  # where the next chunk must start
+        try:
+            for chunk in call:
+                stream.last, stream.started = time.monotonic(), True
+                stats.bytes += len(chunk.frame)
+                header = read_header(chunk.frame)
+                # The checksum covers the frame; the row numbers beside it are checked
+                # for consistency, so a damaged first_row cannot misplace rows either.
+                placed = (
+                    chunk.first_row <= row_start < chunk.first_row + header.rows
+                    if expected is None
+                    else chunk.first_row == expected
+                )
+                if header.checksum != chunk.checksum or header.rows != chunk.rows or not placed:
+                    raise ChunkCorrupt(
+                        f"{dataset}@{version} shard {shard} chunk {chunk.index} from "
+                        f"{endpoint.text}: checksum or row numbers differ from the frame's"
+                    )
+                first, frame = chunk.first_row, chunk.frame
+                expected = end = first + header.rows
+                if edges is None or not edges.across(shard, first, end, row_start, row_end):
+                    yield first, decode_chunk(frame, schema)
+                else:  # across an edge of this read: the read beside it needs it too
+                    # Our own copy is verified once, here, whichever read decodes it.
+                    verify_frame(frame)
+
+                    def decode(frame: Buffer = frame) -> pa.RecordBatch:
+                        return decode_chunk(frame, schema, verify=False)
+
+                    batch = edges.decode(
+                        (dataset, version, shard, first, header.rows, header.checksum),
+                        header.rows,
+                        min(end, row_end) - max(first, row_start),
+                        decode,
+                    )
+                    yield first, batch
+        finally:
+            with self._lock:
+                self._active.pop(key, None)
+            call.cancel()
+
+    def _local_rows(
+        self,
+        endpoint: Endpoint,
+        dataset: str,
+        version: int,
+        shard: int,
+        row_start: int,
+        row_end: int,
+        schema: pa.Schema | None,
+        edges: EdgeChunks | None = None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        store = self.store(endpoint)
+        with store.read_shard(ShardKey(dataset, version, shard)) as reader:
+            first = 0
+            for index, rows in enumerate(reader.info.chunk_rows):
+                if first + rows > row_start and first < row_end:
+                    view = reader.chunk(index)
+                    self.stats[endpoint.text].bytes += len(view)
+                    # Copy-free decode points into LMDB; the store keeps the snapshot alive
+                    # while any of these batches are referenced.
+                    if edges is None or not edges.across(
+                        shard, first, first + rows, row_start, row_end
+                    ):
+                        yield first, decode_chunk(view, schema, verify=False)
+                    else:  # across an edge of this read: the read beside it needs it too
+
+                        def decode(view: Buffer = view) -> pa.RecordBatch:
+                            return decode_chunk(view, schema, verify=False)
+
+                        key = (dataset, version, shard, first, rows, reader.info.checksums[index])
+                        taken = min(first + rows, row_end) - max(first, row_start)
+                        yield first, edges.decode(key, rows, taken, decode)
+                first += rows
+                if first >= row_end:
+                    break
+
+
+_FAILOVER_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,  # our watchdog
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+def _all_failed(what: str, errors: dict[str, str]) -> str:
+    lines = "\n  ".join(f"{name}: {error}" for name, error in errors.items())
+    return (
+        f"{what} failed on every endpoint:\n  {lines}\n"
+        "Check that the nodes run (edgecache status) and are reachable from this host."
+    )
