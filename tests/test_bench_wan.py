@@ -154,7 +154,7 @@ def test_proxy_link_carries_bytes_both_ways() -> None:
 
 
 def test_objects_are_split_into_enough_parts_to_fill_a_long_path() -> None:
-    from edgecache.cache.storage import MIN_PART_BYTES, PART_BYTES, S3Store
+    from edgecache.cache.storage.s3 import MIN_PART_BYTES, PART_BYTES, S3Store
 
     store = S3Store()
     assert store.part_size(24 << 20) == 2 << 20  # 12 parts

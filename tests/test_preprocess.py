@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgecache.cache import preprocess as pp
 from edgecache.cache.errors import MalformedShard, UnknownTransform
 from edgecache.cache.preprocess import (
     FORMATS,
@@ -26,6 +25,7 @@ from edgecache.cache.preprocess import (
     register_transform,
     unregister_transform,
 )
+from edgecache.cache.preprocess import transforms as pp
 from edgecache.v1 import manifest_pb2 as pb
 
 SRC = "s3://bucket/prefix/part-3"
@@ -316,7 +316,9 @@ def test_registry_restored_by_fixture() -> None:
 def test_entry_point_transform(monkeypatch: pytest.MonkeyPatch) -> None:
     group = "edgecache.transforms"
     eps = [
-        importlib.metadata.EntryPoint("plain", "edgecache.cache.preprocess:_identity", group),
+        importlib.metadata.EntryPoint(
+            "plain", "edgecache.cache.preprocess.transforms:_identity", group
+        ),
         importlib.metadata.EntryPoint("broken", "no_such_module_xyz:factory", group),
     ]
     real = importlib.metadata.entry_points

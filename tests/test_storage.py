@@ -13,7 +13,8 @@ import pytest
 from s3server import make_bucket, put_object
 
 from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginChanged
-from edgecache.cache.storage import FsspecStore, ObjectInfo, S3Store, _verify
+from edgecache.cache.storage import FsspecStore, ObjectInfo, S3Store
+from edgecache.cache.storage.base import verify as _verify
 
 
 def run(coro):  # noqa: ANN001, ANN201
@@ -84,3 +85,21 @@ def test_fsspec_store(tmp_path: Path, scheme: str) -> None:
         assert await store.list(f"{root}/nothing/") == []
 
     run(scenario())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_create_only_writes_honour_the_umask(tmp_path: Path, umask: int) -> None:
+    # A node running as another user (the image's uid 10001) must be able to read the
+    # registry files publish wrote: create-only writes get 0666 minus the umask, exactly
+    # like a plain write, never mkstemp's 0600.
+    store = FsspecStore()
+    old = os.umask(umask)
+    try:
+        run(store.put(f"file://{tmp_path}/versions/2.json", b"{}", if_absent=True))
+        run(store.put(f"file://{tmp_path}/latest", b"2"))
+    finally:
+        os.umask(old)
+    created = (tmp_path / "versions" / "2.json").stat().st_mode & 0o777
+    plain = (tmp_path / "latest").stat().st_mode & 0o777
+    assert created == plain == 0o666 & ~umask
+    assert not [p for p in (tmp_path / "versions").iterdir() if p.name.startswith(".tmp-")]

@@ -1,7 +1,6 @@
-"""Object storage: S3 through aiobotocore, every other URL scheme through fsspec.
+"""S3 and S3-compatible stores through one pooled aiobotocore client.
 
-Origin data and the version registry both live in object storage. S3 gets a
-direct aiobotocore client because staging speed depends on it: a bounded
+A direct aiobotocore client because staging speed depends on it: a bounded
 connection pool, concurrent ranged GETs for large objects, ``If-Match`` on
 every part so an object replaced mid-download is noticed, create-only PUTs
 (``If-None-Match: *``) for the registry, and verification of the bytes
@@ -13,45 +12,35 @@ config files (``AWS_ENDPOINT_URL`` etc.), so any S3-compatible store works.
 Request-level retries (503 SlowDown, 5xx, connection errors) are botocore's
 "standard" mode: exponential backoff with jitter. A connection reset while
 reading a body is retried here, the same way.
-
-Everything else (``file://``, ``memory://``, ``gs://``, …) goes through
-fsspec; where a backend has no ETag, ``size-mtime`` stands in for one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import random
-import re
-import tempfile
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import fsspec
+from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginError
+from edgecache.cache.storage.base import (
+    ObjectInfo,
+    ObjectStore,
+    RetryStats,
+    Slot,
+    changed,
+    no_slot,
+    verify,
+)
 
-from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginChanged, OriginError
-
-__all__ = [
-    "ObjectInfo",
-    "ObjectStore",
-    "RetryStats",
-    "Stores",
-]
+__all__ = ["MIN_PART_BYTES", "MULTIPART_THRESHOLD", "PART_BYTES", "PARTS_PER_OBJECT", "S3Store"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Slot = Callable[[], AbstractAsyncContextManager[object]]
 
 # Objects above MULTIPART_THRESHOLD are fetched as parallel ranged parts: split
 # into PARTS_PER_OBJECT parts, each at least MIN_PART_BYTES and at most PART_BYTES
@@ -67,70 +56,15 @@ MULTIPART_THRESHOLD = 8 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
 PARTS_PER_OBJECT = 12
-_MD5_ETAG = re.compile(r"[0-9a-f]{32}")
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """What a version records about a source object, and what a fetch checks again."""
-
-    url: str
-    size: int
-    etag: str
-    sha256: str | None = None  # base64 full-object SHA-256, when the store reports one
-
-    def same_content(self, other: ObjectInfo) -> bool:
-        """Whether ``other`` describes the same bytes (ETag and size agree)."""
-        return self.etag == other.etag and self.size == other.size
-
-
-@dataclass
-class RetryStats:
-    """Counters a node exports as metrics."""
-
-    retries: int = 0
-    bytes_read: int = 0
-    requests: int = 0
-
-
-class ObjectStore(ABC):
-    """Async access to one kind of object storage, addressed by full URLs."""
-
-    stats: RetryStats
-
-    @abstractmethod
-    async def head(self, url: str) -> ObjectInfo:
-        """Size, ETag and checksum of one object; :class:`ObjectNotFound` if absent."""
-
-    @abstractmethod
-    async def list(self, prefix_url: str) -> list[ObjectInfo]:
-        """Every object under a prefix, sorted by URL."""
-
-    @abstractmethod
-    async def get(
-        self, url: str, *, expect: ObjectInfo | None = None, slot: Slot | None = None
-    ) -> bytes:
-        """The whole object, verified; :class:`OriginChanged` if it no longer matches ``expect``.
-
-        With ``slot``, every request to origin runs inside ``slot()``: a caller
-        shapes its traffic per request (a ranged part), not per object.
-        """
-
-    @abstractmethod
-    async def get_range(self, url: str, start: int, end: int) -> bytes:
-        """Bytes ``start`` to ``end`` (exclusive) of an object."""
-
-    @abstractmethod
-    async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
-        """Write an object; with ``if_absent``, raise :class:`ObjectExists` rather than replace."""
-
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections."""
 
 
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff (the AWS architecture blog's recommendation)."""
     return random.uniform(0, min(cap, base * 2**attempt))
+
+
+class _PreconditionFailed(OriginError):
+    """An If-Match / If-None-Match condition did not hold."""
 
 
 class S3Store(ObjectStore):
@@ -174,6 +108,7 @@ class S3Store(ObjectStore):
             return self._client
 
     async def close(self) -> None:
+        """Close the client and its connection pool."""
         if self._stack is not None:
             await self._stack.aclose()
         self._client = self._stack = None
@@ -240,6 +175,7 @@ class S3Store(ObjectStore):
         raise AssertionError("unreachable")
 
     async def head(self, url: str) -> ObjectInfo:
+        """HEAD the object, asking for its full-object checksum."""
         bucket, key = self._split(url)
         s3 = await self._s3()
         response = await self._call(
@@ -253,6 +189,7 @@ class S3Store(ObjectStore):
         )
 
     async def list(self, prefix_url: str) -> list[ObjectInfo]:
+        """ListObjectsV2 under the prefix, every page."""
         bucket, prefix = self._split(prefix_url)
         s3 = await self._s3()
         out: list[ObjectInfo] = []
@@ -298,6 +235,7 @@ class S3Store(ObjectStore):
         return await self._call(url, once)
 
     async def get_range(self, url: str, start: int, end: int) -> bytes:
+        """One ranged GET (``end`` exclusive)."""
         data, _ = await self._read(url, Range=f"bytes={start}-{end - 1}")
         return data
 
@@ -313,13 +251,13 @@ class S3Store(ObjectStore):
         info = expect or await self.head(url)
         for attempt in range(2):
             try:
-                data, seen = await self._get_parts(url, info, slot or _no_slot)
+                data, seen = await self._get_parts(url, info, slot or no_slot)
             except _PreconditionFailed as exc:
                 found = await self.head(url)
-                raise _changed(url, info, found) from exc
+                raise changed(url, info, found) from exc
             if expect is not None and not expect.same_content(seen):
-                raise _changed(url, expect, seen)
-            problem = _verify(data, seen)
+                raise changed(url, expect, seen)
+            problem = verify(data, seen)
             if problem is None:
                 return data
             log.warning("%s: %s (attempt %d)", url, problem, attempt + 1)
@@ -358,6 +296,7 @@ class S3Store(ObjectStore):
         return bytes(buffer), seen[0]
 
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
+        """PUT; with ``if_absent``, ``If-None-Match: *`` makes it create-only."""
         bucket, key = self._split(url)
         s3 = await self._s3()
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": data}
@@ -367,187 +306,3 @@ class S3Store(ObjectStore):
             await self._call(url, lambda: s3.put_object(**kwargs))
         except _PreconditionFailed as exc:
             raise ObjectExists(f"{url} already exists") from exc
-
-
-@contextlib.asynccontextmanager
-async def _no_slot() -> AsyncIterator[None]:
-    yield
-
-
-class _PreconditionFailed(OriginError):
-    """An If-Match / If-None-Match condition did not hold."""
-
-
-def _changed(url: str, expect: ObjectInfo, found: ObjectInfo) -> OriginChanged:
-    return OriginChanged(
-        f"{url} changed after the version was published (ETag {expect.etag}, size "
-        f"{expect.size} recorded; origin now has ETag {found.etag}, size {found.size}). "
-        "A version is immutable: publish a new version to pick up the change"
-    )
-
-
-def _verify(data: bytes, info: ObjectInfo) -> str | None:
-    """Check bytes against the checksum origin reports; a problem description or None."""
-    if len(data) != info.size:
-        return f"got {len(data)} bytes, expected {info.size}"
-    if info.sha256 and "-" not in info.sha256:  # "-N" marks a composite multipart checksum
-        actual = base64.b64encode(hashlib.sha256(data).digest()).decode()
-        if actual != info.sha256:
-            return f"SHA-256 {actual} does not match origin's {info.sha256}"
-    elif _MD5_ETAG.fullmatch(info.etag):  # single-part uploads: the ETag is the MD5
-        actual = hashlib.md5(data, usedforsecurity=False).hexdigest()
-        if actual != info.etag:
-            return f"MD5 {actual} does not match the ETag {info.etag}"
-    return None
-
-
-class FsspecStore(ObjectStore):
-    """Any fsspec filesystem; blocking calls run in worker threads."""
-
-    def __init__(self) -> None:
-        self.stats = RetryStats()
-
-    @staticmethod
-    def _fs(url: str) -> tuple[Any, str]:
-        try:
-            return fsspec.core.url_to_fs(url)
-        except (ImportError, ValueError) as exc:
-            raise OriginError(f"cannot open {url}: {exc}") from exc
-
-    @staticmethod
-    def _info(url: str, raw: dict[str, Any]) -> ObjectInfo:
-        etag = raw.get("ETag") or raw.get("etag") or raw.get("md5Hash")
-        if not etag:
-            mtime = raw.get("mtime") or raw.get("LastModified") or raw.get("created") or 0
-            if isinstance(mtime, datetime):
-                mtime = mtime.timestamp()
-            etag = f"{raw['size']}-{int(float(mtime) * 1e9)}"
-        return ObjectInfo(url=url, size=int(raw["size"]), etag=str(etag).strip('"'))
-
-    async def _run(self, url: str, fn: Callable[[], T]) -> T:
-        self.stats.requests += 1
-        try:
-            return await asyncio.to_thread(fn)
-        except FileNotFoundError as exc:
-            raise ObjectNotFound(f"no object at {url}") from exc
-        except FileExistsError as exc:
-            raise ObjectExists(f"{url} already exists") from exc
-        except OSError as exc:
-            raise OriginError(f"origin request for {url} failed: {exc}") from exc
-
-    async def head(self, url: str) -> ObjectInfo:
-        fs, path = self._fs(url)
-
-        def info() -> dict[str, Any]:
-            raw = fs.info(path)
-            if raw.get("type") == "directory":
-                raise FileNotFoundError(path)
-            return raw
-
-        return self._info(url, await self._run(url, info))
-
-    async def list(self, prefix_url: str) -> list[ObjectInfo]:
-        fs, path = self._fs(prefix_url)
-        protocol = prefix_url.split("://", 1)[0] if "://" in prefix_url else "file"
-
-        def find() -> dict[str, dict[str, Any]]:
-            if not fs.exists(path):
-                return {}
-            return fs.find(path, detail=True)
-
-        found = await self._run(prefix_url, find)
-        return sorted(
-            (self._info(f"{protocol}://{name}", raw) for name, raw in found.items()),
-            key=lambda o: o.url,
-        )
-
-    async def get(
-        self, url: str, *, expect: ObjectInfo | None = None, slot: Slot | None = None
-    ) -> bytes:
-        fs, path = self._fs(url)
-        if expect is not None:
-            found = await self.head(url)
-            if not expect.same_content(found):
-                raise _changed(url, expect, found)
-        async with (slot or _no_slot)():
-            data = await self._run(url, lambda: fs.cat_file(path))
-        self.stats.bytes_read += len(data)
-        if expect is not None and len(data) != expect.size:
-            raise _changed(url, expect, ObjectInfo(url, len(data), "?"))
-        return bytes(data)
-
-    async def get_range(self, url: str, start: int, end: int) -> bytes:
-        fs, path = self._fs(url)
-        data = await self._run(url, lambda: fs.cat_file(path, start=start, end=end))
-        self.stats.bytes_read += len(data)
-        return bytes(data)
-
-    async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
-        fs, path = self._fs(url)
-
-        def write() -> None:
-            fs.makedirs(fs._parent(path), exist_ok=True)
-            if not if_absent:
-                fs.pipe_file(path, data)
-            elif fs.protocol in ("file", "local") or "file" in fs.protocol:
-                _link_new_file(path, data)
-            else:
-                # No create-only primitive in generic fsspec: check, then write. Racy;
-                # publishers on such stores must be serialised (see docs/registry.md).
-                if fs.exists(path):
-                    raise FileExistsError(path)
-                fs.pipe_file(path, data)
-
-        await self._run(url, write)
-
-
-def _link_new_file(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` atomically, failing if it exists (no torn files)."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, path)  # atomic, and fails with FileExistsError if taken
-    finally:
-        os.unlink(tmp)
-
-
-class Stores:
-    """The object stores one component uses, one per kind, opened lazily.
-
-    S3 clients are bound to the event loop that opened them, so a ``Stores``
-    belongs to one loop; ``close()`` it before the loop ends.
-    """
-
-    def __init__(self) -> None:
-        self._s3: S3Store | None = None
-        self._fsspec: FsspecStore | None = None
-
-    def for_url(self, url: str) -> ObjectStore:
-        """The store that serves ``url``."""
-        if url.startswith("s3://"):
-            if self._s3 is None:
-                self._s3 = S3Store()
-            return self._s3
-        if self._fsspec is None:
-            self._fsspec = FsspecStore()
-        return self._fsspec
-
-    def stats(self) -> RetryStats:
-        """Requests, retries and bytes read, summed over the stores opened."""
-        total = RetryStats()
-        for store in (self._s3, self._fsspec):
-            if store is not None:
-                total.retries += store.stats.retries
-                total.requests += store.stats.requests
-                total.bytes_read += store.stats.bytes_read
-        return total
-
-    async def close(self) -> None:
-        """Close every store opened."""
-        if self._s3 is not None:
-            await self._s3.close()
-        self._s3 = self._fsspec = None

@@ -1,0 +1,46 @@
+"""Arrow type strings, as written in transform parameters (``cast=x=list<float>``)."""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+__all__ = ["parse_type"]
+
+_PRIMITIVES = (
+    "int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 float double bool "
+    "string utf8 large_string binary large_binary date32 timestamp[unit]"
+)
+_LIST = re.compile(r"(large_list|list|fixed_size_list)\s*<(.*)>\s*(?:\[\s*(\d+)\s*\])?", re.S)
+_FIELD_NAME = re.compile(r"^\s*\w+\s*:\s*")  # pyarrow prints list<item: int32>
+
+
+def parse_type(text: str) -> pa.DataType:
+    """Parse an Arrow type string: ``int32``, ``list<string>``, ``fixed_size_list<float, 8>``, ...
+
+    Also accepts pyarrow's own spelling, e.g. ``fixed_size_list<item: float>[64]``.
+
+    Raises:
+        ValueError: the string is not a type this parser knows; the message names it.
+    """
+    spec = text.strip()
+    if not (match := _LIST.fullmatch(spec)):
+        try:  # the names str(type) prints, and aliases: timestamp[ms], halffloat, utf8, ...
+            return pa.type_for_alias(spec)
+        except ValueError:
+            raise ValueError(
+                f"unknown Arrow type {spec!r}; known: {_PRIMITIVES.replace(' ', ', ')}"
+                ", list<T>, large_list<T>, fixed_size_list<T, N>"
+            ) from None
+    kind, inner, size = match.groups()
+    if kind == "fixed_size_list" and size is None:
+        inner, _, size = inner.rpartition(",")
+    if (kind == "fixed_size_list") != bool(size) or (size and not size.strip().isdigit()):
+        raise ValueError(
+            f"bad Arrow type {spec!r}: fixed_size_list needs a size N, other lists none"
+        )
+    item = parse_type(_FIELD_NAME.sub("", inner, count=1))
+    if kind == "fixed_size_list":
+        return pa.list_(item, int(size))
+    return pa.list_(item) if kind == "list" else pa.large_list(item)

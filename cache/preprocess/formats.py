@@ -1,0 +1,206 @@
+"""Source formats: the raw bytes of one origin object → Arrow record batches.
+
+Parquet, JSON Lines, CSV and Arrow IPC (file, stream, Feather). Every way an
+object can be unreadable becomes :class:`MalformedShard` naming the object
+(and the line or row where that can be known).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.feather as pa_feather
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.v1 import manifest_pb2 as pb
+
+__all__ = [
+    "ARROW_ERRORS",
+    "FIX",
+    "FORMATS",
+    "format_from_key",
+    "format_from_name",
+    "guarded",
+    "open_source",
+    "read_source",
+]
+
+FIX = "fix or remove the object and publish a new version"
+_P, _J, _C, _A = (
+    pb.SOURCE_FORMAT_PARQUET,
+    pb.SOURCE_FORMAT_JSONL,
+    pb.SOURCE_FORMAT_CSV,
+    pb.SOURCE_FORMAT_ARROW_IPC,
+)
+FORMATS: Mapping[str, pb.SourceFormat.ValueType] = MappingProxyType(
+    {"parquet": _P, "jsonl": _J, "csv": _C, "arrow": _A, "ipc": _A, "feather": _A}
+)
+_EXTENSIONS = {f".{ext}": FORMATS[kind] for kind, exts in (("parquet", "parquet pq"),
+               ("jsonl", "jsonl ndjson json"), ("csv", "csv"), ("arrow", "arrow ipc feather"))
+               for ext in exts.split()}  # fmt: skip
+_JSON_KINDS = {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+               dict: "object"}  # fmt: skip
+ARROW_ERRORS = (pa.ArrowException, OSError, ValueError)
+
+
+def format_from_name(name: str) -> pb.SourceFormat.ValueType:
+    """Return the source format called ``name`` ("parquet", "jsonl", "csv", "arrow", ...).
+
+    Raises:
+        ValueError: the name is not one of :data:`FORMATS`.
+    """
+    try:
+        return FORMATS[name.strip().lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown source format {name!r}; use one of: {', '.join(FORMATS)}"
+        ) from None
+
+
+def format_from_key(key: str) -> pb.SourceFormat.ValueType | None:
+    """Guess an object's source format from its file extension; None when there is no telling."""
+    name = key.rsplit("/", 1)[-1].lower()
+    dot = name.rfind(".")
+    return _EXTENSIONS.get(name[dot:]) if dot >= 0 else None
+
+
+def _rebatch(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        for start in range(0, batch.num_rows, rows):
+            yield batch.slice(start, rows)
+
+
+def _jsonl_culprit(data: pa.Buffer) -> str | None:
+    """Find the first line pyarrow would reject, as 'line N: what is wrong'."""
+    kinds: dict[str, tuple[str, int]] = {}
+    for number, raw in enumerate(memoryview(data).tobytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except UnicodeDecodeError:
+            return f"line {number}: not valid UTF-8"
+        except json.JSONDecodeError as exc:
+            return f"line {number}: not valid JSON ({exc.msg})"
+        if not isinstance(value, dict):
+            return f"line {number}: not a JSON object (each line must be one {{...}} record)"
+        for key, item in value.items():
+            if item is None:
+                continue
+            kind = _JSON_KINDS[type(item)]
+            seen = kinds.setdefault(key, (kind, number))
+            if seen[0] != kind:
+                return (
+                    f"line {number}: field {key!r} is a {kind} but line {seen[1]} has a {seen[0]}"
+                )
+    return None
+
+
+def _read_text(buf: pa.Buffer, fmt: pb.SourceFormat.ValueType, source: str) -> pa.Table:
+    def parse(block_size: int | None, threads: bool = True) -> pa.Table:
+        opts = {"use_threads": threads, **({"block_size": block_size} if block_size else {})}
+        if fmt == _J:
+            return pa_json.read_json(pa.BufferReader(buf), read_options=pa_json.ReadOptions(**opts))
+        # An empty unquoted field is null and "" is an empty string, as pyarrow writes them.
+        convert = pa_csv.ConvertOptions(strings_can_be_null=True, quoted_strings_can_be_null=False)
+        return pa_csv.read_csv(
+            pa.BufferReader(buf), read_options=pa_csv.ReadOptions(**opts), convert_options=convert
+        )
+
+    try:
+        try:
+            return parse(None)
+        except pa.ArrowInvalid as exc:
+            if "straddl" not in str(exc):
+                raise
+            return parse(min(buf.size + 1, 2**31 - 1))  # one record longer than a block
+    except ARROW_ERRORS as exc:
+        if fmt == _J:
+            where = _jsonl_culprit(buf) or f"not valid JSON Lines ({exc})"
+            raise MalformedShard(f"{source} {where}; {FIX}") from exc
+        try:  # the serial reader reports the row number; the threaded one does not
+            parse(min(buf.size + 1, 2**31 - 1), threads=False)
+        except ARROW_ERRORS as serial:
+            exc = serial
+        note = " (rows count the header as row 1)" if "Row #" in str(exc) else ""
+        raise MalformedShard(f"{source}: {exc}{note}; {FIX}") from exc
+
+
+def open_source(
+    data: bytes | memoryview, fmt: pb.SourceFormat.ValueType, source: str, batch_rows: int
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int | None]:
+    """Parse enough of ``data`` to know its schema (and, for Parquet, its row count)."""
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+    buf = pa.py_buffer(data)
+    if buf.size == 0:
+        raise MalformedShard(f"{source} is empty (0 bytes); {FIX}")
+    kind = {_P: "Parquet", _J: "JSON Lines", _C: "CSV", _A: "Arrow IPC"}.get(fmt)
+    if kind is None:
+        raise MalformedShard(
+            f"{source}: unsupported source format {fmt!r}; the version must name one of "
+            f"{', '.join(FORMATS)} (publish it with the right format)"
+        )
+    try:
+        if fmt in (_J, _C):
+            table = _read_text(buf, fmt, source)
+            return table.schema, iter(table.to_batches(max_chunksize=batch_rows)), None
+        if fmt == _P:
+            parquet = pq.ParquetFile(pa.BufferReader(buf))
+            batches = parquet.iter_batches(batch_size=batch_rows)
+            return parquet.schema_arrow, batches, parquet.metadata.num_rows
+        head = memoryview(buf)[:6].tobytes()
+        if head == b"ARROW1":  # IPC file format, which Feather v2 is
+            reader = pa.ipc.open_file(buf)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            return reader.schema, _rebatch(batches, batch_rows), None
+        if head[:4] == b"FEA1":
+            table = pa_feather.read_table(pa.BufferReader(buf))
+            return table.schema, iter(table.to_batches(max_chunksize=batch_rows)), None
+        stream = pa.ipc.open_stream(buf)
+        return stream.schema, _rebatch(iter(stream), batch_rows), None
+    except MalformedShard:
+        raise
+    except ARROW_ERRORS as exc:
+        raise MalformedShard(f"{source}: not a readable {kind} object ({exc}); {FIX}") from exc
+
+
+def guarded(batches: Iterator[pa.RecordBatch], source: str) -> Iterator[pa.RecordBatch]:
+    """``batches``, with Arrow's errors while decoding turned into MalformedShard."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except ARROW_ERRORS as exc:
+            raise MalformedShard(f"{source}: corrupt data ({exc}); {FIX}") from exc
+        yield batch
+
+
+def read_source(
+    data: bytes | memoryview,
+    *,
+    fmt: pb.SourceFormat.ValueType,
+    source: str,
+    batch_rows: int = 65536,
+) -> Iterator[pa.RecordBatch]:
+    """Parse one raw object into record batches of at most ``batch_rows`` rows.
+
+    Args:
+        data: the whole object.
+        fmt: its format; for ``SOURCE_FORMAT_ARROW_IPC`` the IPC file format,
+            the IPC stream format and Feather (v1 and v2) are told apart by magic bytes.
+        source: the object's URL or key, named in every error.
+        batch_rows: the most rows per yielded batch.
+
+    Raises:
+        MalformedShard: the object is empty, corrupt, or not in ``fmt``.
+    """
+    _, batches, _ = open_source(data, fmt, source, batch_rows)
+    yield from guarded(batches, source)

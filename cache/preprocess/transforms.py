@@ -1,0 +1,206 @@
+"""Transforms: built-in ones, and the registry that finds the rest.
+
+A version's preprocessing spec names a transform: built-in (``identity``,
+``columns``), registered in this process, or installed as a Python entry
+point in group ``edgecache.transforms``. The same raw data with a different
+transform is a different version.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Protocol
+
+import pyarrow as pa
+
+from edgecache.cache.errors import MalformedShard, UnknownTransform
+from edgecache.cache.preprocess.arrow_types import parse_type
+from edgecache.cache.preprocess.formats import ARROW_ERRORS
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Transform",
+    "TransformFactory",
+    "cast_column",
+    "column_index",
+    "is_builtin",
+    "load_transform",
+    "register_transform",
+    "unregister_transform",
+]
+
+ENTRY_POINT_GROUP = "edgecache.transforms"
+
+
+class Transform(Protocol):
+    """Turns one record batch into another; must be thread-safe and keep no per-shard state."""
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Return the transformed batch; raise MalformedShard for data it cannot handle."""
+        ...
+
+
+TransformFactory = Callable[[dict[str, str]], Transform]
+_registered: dict[str, TransformFactory] = {}
+
+
+def _split(value: str) -> list[str]:
+    """Split on commas outside <...> and [...], so list types with a size stay whole."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(value):
+        depth += (char in "<[") - (char in ">]")
+        if char == "," and depth == 0:
+            parts.append(value[start:i])
+            start = i + 1
+    parts.append(value[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _pairs(key: str, value: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in _split(value):
+        old, eq, new = (s.strip() for s in part.partition("="))
+        if not eq or not old or not new or old in out:
+            raise ValueError(f"columns param {key}={value!r}: expected unique 'name=value' pairs")
+        out[old] = new
+    return out
+
+
+def cast_column(batch: pa.RecordBatch, index: int, target: pa.DataType) -> pa.Array:
+    """Column ``index`` safely cast to ``target``; MalformedShard naming it if it cannot be."""
+    column, name = batch.column(index), batch.schema.field(index).name
+    if column.type == target:
+        return column
+    try:
+        return column.cast(target, safe=True)
+    except ARROW_ERRORS as exc:
+        raise MalformedShard(
+            f"column {name!r} cannot be cast from {column.type} to {target}: {exc}"
+        ) from exc
+
+
+def column_index(batch: pa.RecordBatch, name: str, why: str) -> int:
+    """The position of column ``name``; MalformedShard (saying ``why``) if missing or twice."""
+    names = batch.schema.names
+    if names.count(name) != 1:
+        found = "appears more than once" if name in names else "is missing"
+        raise MalformedShard(f"column {name!r} ({why}) {found}; the data has: {', '.join(names)}")
+    return names.index(name)
+
+
+def _columns(params: dict[str, str]) -> Transform:
+    allowed = ("select", "rename", "cast")
+    if unknown := sorted(set(params) - set(allowed)):
+        raise ValueError(
+            f"columns transform: unknown params {unknown}; allowed: {', '.join(allowed)}"
+        )
+    select = _split(params.get("select", ""))
+    if len(set(select)) != len(select):
+        raise ValueError(f"columns param select={params['select']!r} names a column twice")
+    rename = _pairs("rename", params.get("rename", ""))
+    cast = {k: parse_type(v) for k, v in _pairs("cast", params.get("cast", "")).items()}
+
+    def columns(batch: pa.RecordBatch) -> pa.RecordBatch:
+        if select:
+            batch = batch.select([column_index(batch, n, "in select") for n in select])
+        if rename:
+            for old in rename:
+                column_index(batch, old, "in rename")
+            batch = batch.rename_columns([rename.get(n, n) for n in batch.schema.names])
+        if cast:
+            arrays = list(batch.columns)
+            for name, target in cast.items():
+                i = column_index(batch, name, "in cast")
+                arrays[i] = cast_column(batch, i, target)
+            batch = pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
+        return batch
+
+    return columns
+
+
+def _identity(params: dict[str, str]) -> Transform:
+    if params:
+        raise ValueError(f"identity transform takes no params, got {sorted(params)}")
+    return lambda batch: batch
+
+
+_BUILTINS: Mapping[str, TransformFactory] = MappingProxyType(
+    {"identity": _identity, "columns": _columns}
+)
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is a built-in transform (built-ins never add or drop rows)."""
+    return (name or "identity") in _BUILTINS
+
+
+def register_transform(name: str, factory: TransformFactory, *, overwrite: bool = False) -> None:
+    """Register ``factory(params) -> Transform`` under ``name`` for this process.
+
+    An in-process registration shadows an installed entry point of the same name.
+
+    Raises:
+        ValueError: the name is empty or built-in, or already registered and not ``overwrite``.
+        TypeError: ``factory`` is not callable.
+    """
+    if not name or name in _BUILTINS:
+        raise ValueError(f"cannot register transform {name!r}: empty or a built-in name")
+    if not callable(factory):
+        raise TypeError(f"transform factory for {name!r} must be callable, got {factory!r}")
+    if not overwrite and (name in _registered or name in _entry_points()):
+        raise ValueError(
+            f"transform {name!r} is already registered; pass overwrite=True to replace"
+        )
+    _registered[name] = factory
+
+
+def unregister_transform(name: str) -> None:
+    """Remove an in-process registration.
+
+    Raises:
+        KeyError: ``name`` was not registered with :func:`register_transform`.
+    """
+    if _registered.pop(name, None) is None:
+        raise KeyError(f"transform {name!r} was not registered in this process")
+
+
+def load_transform(name: str, params: Mapping[str, str]) -> Transform:
+    """Build the transform ``name`` with ``params``: built-in, registered, then entry point.
+
+    Built-ins: ``identity`` (no params) and ``columns`` (``select="a,b"``,
+    ``rename="a=x,b=y"`` applied after select, ``cast="x=int32,y=list<float>"``
+    on the renamed columns).
+
+    Raises:
+        UnknownTransform: no transform has that name, or its entry point fails to load.
+        ValueError: the params are not what the transform accepts.
+    """
+    plain = {str(k): str(v) for k, v in params.items()}
+    factory = _BUILTINS.get(name) or _registered.get(name)
+    if factory is None:
+        installed = _entry_points()
+        if name not in installed:
+            known = sorted({*_BUILTINS, *_registered, *installed})
+            raise UnknownTransform(
+                f"no transform named {name!r}; available: {', '.join(known)}. To add one, install "
+                f'a package declaring [project.entry-points."{ENTRY_POINT_GROUP}"] '
+                f'{name or "name"} = "module:factory", where factory(params) returns a callable '
+                "RecordBatch -> RecordBatch"
+            )
+        try:
+            factory = installed[name].load()
+        except Exception as exc:
+            raise UnknownTransform(
+                f"transform {name!r} is installed as {installed[name].value!r} but fails to "
+                f"load ({type(exc).__name__}: {exc}); fix or reinstall that package"
+            ) from exc
+    transform = factory(plain)
+    if not callable(transform):
+        raise TypeError(f"transform factory {name!r} returned {transform!r}, which is not callable")
+    return transform

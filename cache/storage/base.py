@@ -1,0 +1,107 @@
+"""What every object store offers, and the checks all of them share."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import re
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+from edgecache.cache.errors import OriginChanged
+
+__all__ = ["ObjectInfo", "ObjectStore", "RetryStats", "Slot", "changed", "no_slot", "verify"]
+
+Slot = Callable[[], AbstractAsyncContextManager[object]]
+_MD5_ETAG = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a version records about a source object, and what a fetch checks again."""
+
+    url: str
+    size: int
+    etag: str
+    sha256: str | None = None  # base64 full-object SHA-256, when the store reports one
+
+    def same_content(self, other: ObjectInfo) -> bool:
+        """Whether ``other`` describes the same bytes (ETag and size agree)."""
+        return self.etag == other.etag and self.size == other.size
+
+
+@dataclass
+class RetryStats:
+    """Counters a node exports as metrics."""
+
+    retries: int = 0
+    bytes_read: int = 0
+    requests: int = 0
+
+
+class ObjectStore(ABC):
+    """Async access to one kind of object storage, addressed by full URLs."""
+
+    stats: RetryStats
+
+    @abstractmethod
+    async def head(self, url: str) -> ObjectInfo:
+        """Size, ETag and checksum of one object; :class:`ObjectNotFound` if absent."""
+
+    @abstractmethod
+    async def list(self, prefix_url: str) -> list[ObjectInfo]:
+        """Every object under a prefix, sorted by URL."""
+
+    @abstractmethod
+    async def get(
+        self, url: str, *, expect: ObjectInfo | None = None, slot: Slot | None = None
+    ) -> bytes:
+        """The whole object, verified; :class:`OriginChanged` if it no longer matches ``expect``.
+
+        With ``slot``, every request to origin runs inside ``slot()``: a caller
+        shapes its traffic per request (a ranged part), not per object.
+        """
+
+    @abstractmethod
+    async def get_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (exclusive) of an object."""
+
+    @abstractmethod
+    async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write an object; with ``if_absent``, raise :class:`ObjectExists` rather than replace."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+@contextlib.asynccontextmanager
+async def no_slot() -> AsyncIterator[None]:
+    """A slot that admits every request at once."""
+    yield
+
+
+def changed(url: str, expect: ObjectInfo, found: ObjectInfo) -> OriginChanged:
+    """The error for an object that no longer matches what its version recorded."""
+    return OriginChanged(
+        f"{url} changed after the version was published (ETag {expect.etag}, size "
+        f"{expect.size} recorded; origin now has ETag {found.etag}, size {found.size}). "
+        "A version is immutable: publish a new version to pick up the change"
+    )
+
+
+def verify(data: bytes, info: ObjectInfo) -> str | None:
+    """Check bytes against the checksum origin reports; a problem description or None."""
+    if len(data) != info.size:
+        return f"got {len(data)} bytes, expected {info.size}"
+    if info.sha256 and "-" not in info.sha256:  # "-N" marks a composite multipart checksum
+        actual = base64.b64encode(hashlib.sha256(data).digest()).decode()
+        if actual != info.sha256:
+            return f"SHA-256 {actual} does not match origin's {info.sha256}"
+    elif _MD5_ETAG.fullmatch(info.etag):  # single-part uploads: the ETag is the MD5
+        actual = hashlib.md5(data, usedforsecurity=False).hexdigest()
+        if actual != info.etag:
+            return f"MD5 {actual} does not match the ETag {info.etag}"
+    return None
