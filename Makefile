@@ -1,4 +1,7 @@
 # Every target sets itself up: a fresh machine with Python 3.11 needs nothing else.
+# bash with pipefail: a recipe that pipes a failing command into grep or tee fails too.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -16,11 +19,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# mypy cannot follow setuptools' editable import hook, so check an installed copy.
+# mypy cannot follow setuptools' editable import hook, so check an installed copy (built
+# with the venv's own setuptools and grpcio-tools, which the dev extra pins).
 typecheck: $(STAMP)
 	rm -rf build/typecheck
-	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/typecheck . 2>/dev/null \
-		|| $(PY) -m pip install -q --no-deps --target build/typecheck .
+	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/typecheck .
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p edgecache.cache -p edgecache.clients -p edgecache.edge
 
@@ -52,8 +55,9 @@ bench-peers: $(STAMP)  ## EdgeDataset against MosaicML Streaming, LitData and We
 bench-wan: $(STAMP) wan-tools  ## staging and epochs across a simulated 80 ms / 100 Mbit/s / 0.1 % loss link
 	$(PY) -m bench.wan
 
+CHAOS_TESTS ?= tests/chaos
 chaos: $(STAMP)  ## fault injection at full counts; prints the figures for docs/reliability.md
-	EDGECACHE_CHAOS=full $(VENV)/bin/pytest -s -q tests/chaos | grep -E "FIGURE|passed|failed"
+	EDGECACHE_CHAOS=full $(VENV)/bin/pytest -s -q $(CHAOS_TESTS) | grep -E "FIGURE|passed|failed|error"
 
 lock:  ## pin the edge node image's dependencies (deploy/constraints.txt)
 	rm -rf build/lock-venv

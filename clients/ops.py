@@ -1,8 +1,11 @@
-"""What the ops CLI does, as functions: gather state, plan, warm, check readiness.
+"""What the ops CLI does, as functions: gather state, plan, warm, evict, check readiness.
 
-The CLI (``clients/cli.py``) only parses arguments and prints; everything that
-talks to the registry or to nodes lives here, so scripts and tests can call
-it directly.
+The CLI (``clients/cli/``) only parses arguments, calls these and renders
+what they return; everything that talks to the registry or to nodes lives
+here, so scripts and tests can call it directly. Node errors come back as
+data (a report's ``error``, an item's ``failures``) where one node failing
+must not stop the others, and as :class:`~edgecache.cache.errors.EdgeCacheError`
+otherwise; never as ``grpc.RpcError``.
 """
 
 from __future__ import annotations
@@ -18,35 +21,45 @@ from datetime import UTC, datetime
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgecache.cache.errors import VersionNotFound
+from edgecache.cache.errors import InvalidEndpoint, InvalidName, VersionNotFound
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, plan
 from edgecache.cache.registry import Registry
 from edgecache.clients import rendezvous
-from edgecache.clients.channels import bearer, open_channel
-from edgecache.clients.endpoints import parse_endpoint
+from edgecache.clients.channels import bearer, describe, edge_stub, node_error, open_channel
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
+    "EvictResult",
     "NodeReport",
-    "node_stub",
+    "Readiness",
     "WarmItem",
+    "evict",
     "gather_status",
     "make_plan",
     "ready",
     "resolve_specs",
+    "region_nodes",
+    "wait_ready",
     "warm",
+    "warm_items_for_plan",
+    "warm_item_for_version",
 ]
 
 DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
 
 
-def node_stub(address: str) -> tuple[grpc.Channel, edge_pb2_grpc.EdgeCacheStub]:
-    """A channel to a node; ``grpcs://`` uses TLS from ``$EDGECACHE_TLS_*``."""
-    channel = open_channel(parse_endpoint(address))
-    return channel, edge_pb2_grpc.EdgeCacheStub(channel)
+def region_nodes(topology: Topology, region: str | None) -> dict[str, list[str]]:
+    """Region → nodes, for one region or (``None``) all; an unknown region is named."""
+    if region is None:
+        return {name: list(cfg.nodes) for name, cfg in topology.regions.items()}
+    if region not in topology.regions:
+        raise InvalidEndpoint(
+            f"unknown region {region!r}; the topology has {', '.join(sorted(topology.regions))}"
+        )
+    return {region: list(topology.regions[region].nodes)}
 
 
 @dataclass
@@ -67,7 +80,8 @@ def gather_status(
     """Health, RTT and Status of every node, in parallel; unreachable ones are reported."""
 
     def one(region: str, address: str) -> NodeReport:
-        channel, stub = node_stub(address)
+        channel = open_channel(address)
+        stub = edge_pb2_grpc.EdgeCacheStub(channel)
         try:
             health = health_pb2_grpc.HealthStub(channel)
             started = time.perf_counter()
@@ -82,7 +96,7 @@ def gather_status(
                 status,
             )
         except grpc.RpcError as exc:
-            return NodeReport(region, address, False, error=f"{exc.code().name}: {exc.details()}")
+            return NodeReport(region, address, False, error=describe(exc))
         finally:
             channel.close()
 
@@ -223,8 +237,8 @@ def warm(
                     if not mine:
                         continue
                     node_request.shards.extend(mine)
-                channel, stub = node_stub(address)
-                call = stub.Stage(node_request, metadata=metadata)
+                channel = open_channel(address)
+                call = edge_pb2_grpc.EdgeCacheStub(channel).Stage(node_request, metadata=metadata)
                 active.add(call)
                 try:
                     for event in call:
@@ -241,7 +255,8 @@ def warm(
                     finished += len(node_request.shards) or 0
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.CANCELLED:
-                        item.failures.append(f"{address}: {exc.code().name}: {exc.details()}")
+                        error = node_error(exc, endpoint=address, what=f"staging {item.spec}")
+                        item.failures.append(str(error))
                 finally:
                     active.discard(call)
                     channel.close()
@@ -318,3 +333,112 @@ def _held(report: NodeReport, manifest: pb.Manifest) -> int:
         ),
         0,
     )
+
+
+def warm_items_for_plan(
+    topology: Topology, schedule: Schedule, result: Plan, manifests: dict[str, pb.Manifest]
+) -> list[WarmItem]:
+    """The plan's staging tasks as warm items, each pinned until its last job ends."""
+    ends = {job.name: job.end for job in schedule.jobs}
+    shard_counts = {f"{m.dataset}@{m.version}": len(m.shards) for m in manifests.values()}
+    return [
+        WarmItem(
+            name,
+            task.spec,
+            list(topology.regions[name].nodes),
+            task.bytes,
+            pin_until=max(ends[j] for j in task.jobs),
+            shard_count=shard_counts[task.spec],
+        )
+        for name, region_plan in result.regions.items()
+        for task in region_plan.tasks
+    ]
+
+
+def warm_item_for_version(topology: Topology, region: str, manifest: pb.Manifest) -> WarmItem:
+    """One version to stage into every node of ``region`` (each its own shards)."""
+    nodes = region_nodes(topology, region)[region]
+    return WarmItem(
+        region,
+        f"{manifest.dataset}@{manifest.version}",
+        nodes,
+        sum(s.source_size for s in manifest.shards),
+        shard_count=len(manifest.shards),
+    )
+
+
+@dataclass
+class EvictResult:
+    """What one node said to an eviction."""
+
+    region: str
+    node: str
+    bytes_freed: int = 0
+    error: str = ""
+
+
+def evict(
+    topology: Topology, spec: str, *, region: str | None = None, token: str | None = None
+) -> list[EvictResult]:
+    """Drop ``NAME@N`` from every node of ``region`` (or of every region).
+
+    Every node is asked even when one fails; failures come back in ``error``.
+    """
+    parsed = parse_spec(spec)
+    if parsed.version is None:
+        raise InvalidName(f"evict needs an explicit version: {parsed.dataset}@N")
+    request = edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version)
+    results = []
+    for name, nodes in region_nodes(topology, region).items():
+        for node in nodes:
+            result = EvictResult(name, node)
+            with edge_stub(node) as stub:
+                try:
+                    reply = stub.Evict(request, timeout=30, metadata=bearer(token))
+                    result.bytes_freed = reply.bytes_freed
+                except grpc.RpcError as exc:
+                    result.error = str(node_error(exc, endpoint=node, what=f"evicting {spec}"))
+            results.append(result)
+    return results
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether a version is staged in a region, and what is missing if not."""
+
+    ok: bool
+    message: str
+    timed_out: bool = False
+    waited_seconds: float = 0.0
+
+
+def wait_ready(
+    topology: Topology,
+    manifest: pb.Manifest,
+    region: str,
+    *,
+    token: str | None = None,
+    timeout: float | None = None,
+    poll_seconds: float = 2.0,
+) -> Readiness:
+    """Check readiness once (``timeout=None``) or until ready or ``timeout`` seconds pass.
+
+    The wait never overruns the timeout by more than one status round, and a
+    wait that ends unready says it timed out.
+    """
+    region_nodes(topology, region)  # an unknown region is an error, not "not ready"
+    started = time.monotonic()
+    while True:
+        ok, message = ready(gather_status(topology, token=token), region, manifest)
+        waited = time.monotonic() - started
+        if ok or timeout is None:
+            return Readiness(ok, message, waited_seconds=waited)
+        left = timeout - waited
+        if left <= 0:
+            return Readiness(
+                False,
+                f"timed out after {waited:.1f} s: {message}",
+                timed_out=True,
+                waited_seconds=waited,
+            )
+        time.sleep(min(poll_seconds, left))

@@ -1,0 +1,106 @@
+"""What every command shares: topology and token options, exit codes, error reporting.
+
+Errors become one line on stderr and an exit code here, in one place, so
+every command reports the same kind of failure the same way and scripts
+can rely on the codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgecache.cache.errors import EdgeCacheError, VersionNotFound
+from edgecache.clients.cli.render import err_console, error
+from edgecache.clients.topology import Topology, load_topology
+
+__all__ = [
+    "ConfigOption",
+    "ExitCode",
+    "JsonOption",
+    "Options",
+    "TokenOption",
+    "exit_with",
+    "reporting",
+]
+
+
+class ExitCode(IntEnum):
+    """What a command's exit status means (documented in ``edgecache --help``)."""
+
+    OK = 0
+    FAILED = 1  # a node, a transfer or the origin failed: retrying may help
+    BAD_INPUT = 2  # options, files or names are wrong: retrying will not help
+    CANNOT_BE_MET = 3  # a scheduled job's data cannot be ready in time
+
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", help="Topology file [$EDGECACHE_CONFIG, ./edgecache.yaml]."),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+TokenOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        envvar="EDGECACHE_TOKEN_FILE",
+        help="File holding the bearer token of nodes that require one "
+        "(the admin token for warm/evict; the read token is enough otherwise).",
+    ),
+]
+
+
+@dataclass
+class Options:
+    """The topology and token a command was given, read when first needed."""
+
+    config: Path | None = None
+    token_file: Path | None = None
+    _topology: Topology | None = field(default=None, init=False, repr=False)
+
+    @property
+    def topology(self) -> Topology:
+        """The validated topology: ``--config``, ``$EDGECACHE_CONFIG``, ``./edgecache.yaml``."""
+        if self._topology is None:
+            self._topology = load_topology(self.config)
+        return self._topology
+
+    @property
+    def token(self) -> str | None:
+        """The token in ``--token-file``; an unreadable file is bad input, not a refused call."""
+        if self.token_file is None:
+            return None
+        try:
+            return self.token_file.read_text().strip() or None
+        except OSError as exc:
+            raise ValueError(f"--token-file {self.token_file}: {exc.strerror}") from None
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """Bad input (2) for what the user can fix in the command; failure (1) otherwise."""
+    if isinstance(exc, ValueError | VersionNotFound | FileNotFoundError):
+        return ExitCode.BAD_INPUT
+    return ExitCode.FAILED
+
+
+def exit_with(code: ExitCode) -> typer.Exit:
+    """The ``typer.Exit`` to raise for ``code``."""
+    return typer.Exit(int(code))
+
+
+@contextlib.contextmanager
+def reporting() -> Iterator[None]:
+    """Print an edgecache error (or a bad value, or an OS error) as one line and exit."""
+    try:
+        yield
+    except (EdgeCacheError, ValueError, OSError) as exc:
+        error(str(exc))
+        for note in getattr(exc, "__notes__", ()):
+            err_console.print(f"  {note}", soft_wrap=True, highlight=False, markup=False)
+        raise exit_with(exit_code_for(exc)) from exc

@@ -1,0 +1,279 @@
+"""Commands on edge nodes: ``serve`` one, and ``status``, ``evict``, ``doctor``, ``healthcheck``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from edgecache.clients.cli.app import app
+from edgecache.clients.cli.context import (
+    ConfigOption,
+    ExitCode,
+    JsonOption,
+    Options,
+    TokenOption,
+    exit_with,
+    reporting,
+)
+from edgecache.clients.cli.render import console, err_console, format_bytes
+
+
+@app.command()
+def serve(
+    region: Annotated[str | None, typer.Option(help="Region this node serves.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="LMDB cache directory.")] = None,
+    listen: Annotated[str | None, typer.Option(help="gRPC HOST:PORT [127.0.0.1:7070].")] = None,
+    registry: Annotated[str | None, typer.Option(help="Registry URL (s3://…, file://…).")] = None,
+    capacity: Annotated[str | None, typer.Option(help="Cache capacity, e.g. 500GiB.")] = None,
+    metrics_listen: Annotated[str | None, typer.Option(help="Prometheus HOST:PORT.")] = None,
+    probe_listen: Annotated[
+        str | None, typer.Option(help="Plaintext health-only HOST:PORT for probes.")
+    ] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        Path | None, typer.Option(help="CA for client certificates (mutual TLS).")
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="Bearer token required for Stage/Evict.")
+    ] = None,
+    read_token_file: Annotated[
+        Path | None, typer.Option(help="Bearer token required for reads.")
+    ] = None,
+    staging_rate: Annotated[
+        str | None, typer.Option(help="Cap on staging's origin rate, e.g. 200MB/s.")
+    ] = None,
+    node_id: Annotated[str | None, typer.Option(help="Node name [hostname].")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML file of settings (flags and EDGECACHE_* win).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
+) -> None:
+    """Run an edge node: serve, fetch, preprocess and cache shards for one region."""
+    import asyncio
+    import logging
+
+    from edgecache.edge.config import load_node_config
+    from edgecache.edge.server import serve_forever
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    flags = {
+        "region": region,
+        "cache_dir": cache_dir,
+        "listen": listen,
+        "registry": registry,
+        "capacity": capacity,
+        "metrics_listen": metrics_listen,
+        "probe_listen": probe_listen,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
+        "token_file": token_file,
+        "read_token_file": read_token_file,
+        "staging_rate": staging_rate,
+        "node_id": node_id,
+    }
+    with reporting():
+        settings = load_node_config(config, flags)
+        asyncio.run(serve_forever(settings))
+
+
+@app.command()
+def status(
+    config: ConfigOption = None, token_file: TokenOption = None, as_json: JsonOption = False
+) -> None:
+    """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio."""
+    from edgecache.clients.ops import gather_status
+
+    options = Options(config, token_file)
+    with reporting():
+        reports = gather_status(options.topology, token=options.token)
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "region": r.region,
+                        "node": r.address,
+                        "healthy": r.healthy,
+                        "rtt_ms": None if r.status is None else round(r.rtt_ms, 2),
+                        "error": r.error,
+                        "capacity_bytes": r.status.capacity_bytes if r.status else None,
+                        "used_bytes": r.status.used_bytes if r.status else None,
+                        "hits": r.status.hits if r.status else None,
+                        "misses": r.status.misses if r.status else None,
+                        "bytes_served": r.status.bytes_served if r.status else None,
+                        "versions": [
+                            {
+                                "version": f"{v.dataset}@{v.version}",
+                                "shards": v.shard_count,
+                                "pinned_until": v.pinned_until.ToJsonString()
+                                if v.HasField("pinned_until")
+                                else None,
+                            }
+                            for v in (r.status.versions if r.status else [])
+                        ],
+                    }
+                    for r in reports
+                ]
+            )
+        )
+    else:
+        table = Table(title="edge nodes")
+        for column in (
+            "region",
+            "node",
+            "health",
+            "RTT",
+            "used / capacity",
+            "versions (shards, pin)",
+            "hit ratio",
+            "served",
+        ):
+            table.add_column(column)
+        for r in reports:
+            if r.status is None:
+                table.add_row(
+                    r.region, r.address, "[red]down[/red]", "", "", f"[red]{r.error}[/red]", "", ""
+                )
+                continue
+            s = r.status
+            versions_text = (
+                ", ".join(
+                    f"{v.dataset}@{v.version} ({v.shard_count}"
+                    f"{'/' + str(v.total_shards) if v.total_shards else ''}"
+                    f"{', pinned' if v.HasField('pinned_until') else ''})"
+                    for v in s.versions
+                )
+                or "—"
+            )
+            lookups = s.hits + s.misses
+            table.add_row(
+                r.region,
+                r.address,
+                "[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]",
+                f"{r.rtt_ms:.1f} ms",
+                f"{format_bytes(s.used_bytes)} / {format_bytes(s.capacity_bytes)}",
+                versions_text,
+                f"{s.hits / lookups:.0%}" if lookups else "—",
+                format_bytes(s.bytes_served),
+            )
+        console.print(table)
+    if any(r.status is None for r in reports):
+        raise exit_with(ExitCode.FAILED)
+
+
+@app.command()
+def evict(
+    spec: Annotated[str, typer.Argument(help="NAME@N")],
+    region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
+    config: ConfigOption = None,
+    token_file: TokenOption = None,
+) -> None:
+    """Drop a version from the nodes of a region (or all regions)."""
+    from edgecache.clients import ops
+
+    options = Options(config, token_file)
+    with reporting():
+        results = ops.evict(options.topology, spec, region=region, token=options.token)
+    for result in results:
+        if result.error:
+            err_console.print(f"[red]{result.region} {result.node}: {result.error}[/red]")
+        else:
+            console.print(
+                f"{result.region} {result.node}: freed {format_bytes(result.bytes_freed)}"
+            )
+    if any(result.error for result in results):
+        raise exit_with(ExitCode.FAILED)
+
+
+@app.command()
+def doctor(
+    config: ConfigOption = None,
+    region: Annotated[str | None, typer.Option(help="The region this host is in.")] = None,
+    pings: Annotated[int, typer.Option(min=2, max=200, help="Health pings per node.")] = 20,
+    seconds: Annotated[float, typer.Option(help="Throughput test per node, seconds.")] = 2.0,
+    token_file: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Check the network path to every node and this host's TCP settings."""
+    from edgecache.clients.doctor import check_host, check_paths
+
+    options = Options(config, token_file)
+    with reporting():
+        topology, token = options.topology, options.token
+        paths = check_paths(
+            topology, home_region=region, pings=pings, throughput_seconds=seconds, token=token
+        )
+        host = check_host(paths, topology)
+    bad = any(p.problems for p in paths) or bool(host.problems)
+    if as_json:
+        print(
+            json.dumps(
+                {"paths": [p.as_dict() for p in paths], "host": host.as_dict(), "ok": not bad}
+            )
+        )
+        raise exit_with(ExitCode.FAILED if bad else ExitCode.OK)
+    table = Table(title="network paths from this host")
+    for column in ("region", "node", "RTT", "jitter", "loss", "read", "verdict"):
+        table.add_column(column)
+    for p in paths:
+        table.add_row(
+            p.region,
+            p.node,
+            "—" if p.rtt_ms is None else f"{p.rtt_ms:.2f} ms",
+            "—" if p.jitter_ms is None else f"{p.jitter_ms:.2f} ms",
+            f"{p.loss:.1%}",
+            "—" if p.throughput_mb_s is None else f"{p.throughput_mb_s:,.0f} MB/s",
+            "[red]" + "; ".join(p.problems) + "[/red]" if p.problems else "[green]ok[/green]",
+        )
+    console.print(table)
+    console.print(
+        f"host: congestion control {host.congestion_control}, rmem_max {host.rmem_max}, "
+        f"wmem_max {host.wmem_max}, bandwidth-delay product of the slowest path "
+        f"{host.bdp_bytes:,} B"
+    )
+    for problem in host.problems:
+        console.print(f"[red]✗[/red] {problem}")
+    if host.fixes:
+        console.print("to fix (as root; persist them in /etc/sysctl.d/):")
+        for line in host.fixes:
+            console.print(f"  {line}", soft_wrap=True)
+    if bad:
+        raise exit_with(ExitCode.FAILED)
+
+
+@app.command()
+def healthcheck(
+    address: Annotated[str, typer.Argument(help="HOST:PORT of a node (its probe port).")] = (
+        "127.0.0.1:7071"
+    ),
+    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 3.0,
+) -> None:
+    """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from edgecache.clients.channels import describe, open_channel
+
+    with reporting():
+        channel = open_channel(address)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout
+        )
+    except grpc.RpcError as exc:
+        err_console.print(f"{address}: {describe(exc)}", soft_wrap=True)
+        raise exit_with(ExitCode.FAILED) from None
+    finally:
+        channel.close()
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    console.print(f"{address}: {name}")
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    raise exit_with(ExitCode.OK if serving else ExitCode.FAILED)
