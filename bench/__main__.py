@@ -10,7 +10,7 @@ end a summary table of every ratio against its target is printed and
 ``docs/img/`` (see ``bench/render.py``).
 
 ``--scale`` multiplies every data size (0.25 for a quick look; the figures
-in the docs come from 1.0). At 1.0 the peers and the WAN get the issue's
+in the docs come from 1.0). At 1.0 the peers and the WAN get their
 1 GiB datasets; the older suites run at half their standalone defaults so
 the whole run stays well under 15 minutes on a 2-core machine. Suites whose
 results already exist under ``--out`` can be re-rendered without running:

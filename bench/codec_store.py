@@ -13,7 +13,7 @@ Figures (MB/s of uncompressed Arrow data for the codec, of stored bytes for the 
   out; and CacheStore.iter_chunks (verified copies) vs raw LMDB ``get``.
 
 Each pair runs interleaved, best of ``--repeat``; the ratio is ours / baseline.
-Targets (issue 2): store get >= 0.8x raw LMDB read; codec decode >= 0.8x raw zstd + IPC read.
+Targets: store get >= 0.8x raw LMDB read; codec decode >= 0.8x raw zstd + IPC read.
 """
 
 from __future__ import annotations

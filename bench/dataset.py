@@ -1,4 +1,4 @@
-"""EdgeDataset epochs against a hand-written LMDB → tensor loop, in one run (issue 4).
+"""EdgeDataset epochs against a hand-written LMDB → tensor loop, in one run.
 
     python -m bench.dataset [--tokens-mib 1024] [--images-mib 512] [--repeat 2] [--json]
 

@@ -5,7 +5,7 @@
 (a) ReadShard from a warm cache, with 1 and 4 concurrent client streams,
     against a bare grpcio server-streaming server (bench/grpc_baseline.py)
     sending the same wire bytes from memory. Both servers are separate
-    processes; the client code is the same. Target (issue 3): >= 0.7x.
+    processes; the client code is the same. Target: >= 0.7x.
 (b) Staging from moto's S3 server on loopback, including preprocessing
     (Parquet decode, zstd-1 encode, LMDB commit), against raw aiobotocore GETs
     of the same objects at the same concurrency. Target: >= 0.6x. The node's

@@ -1,4 +1,4 @@
-"""edgecache against the streaming loaders users already know, same data, same run (issue 7).
+"""edgecache against the streaming loaders users already know, same data, same run.
 
     python -m bench.peers [--tokens-mib 1024] [--images-mib 1024] [--workers 0,2]
                           [--repeat 3] [--budget 8] [--rounds 1] [--json PATH] [--smoke]

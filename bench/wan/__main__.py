@@ -5,10 +5,10 @@
 
 Needs root for the namespace link (it falls back to a loopback proxy
 otherwise, and says so). Prints the link's own figures first, then a table of
-ratios against the issue's targets; ``--json`` writes everything, timelines
+ratios against the targets; ``--json`` writes everything, timelines
 included, for tables and charts.
 
-The default is the issue's 1 GiB of raw tokens: 374 MB of zstd Parquet at
+The default is 1 GiB of raw tokens: 374 MB of zstd Parquet at
 origin, about 33 s per pass over a 100 Mbit/s link. A run moves it across
 twice (staging; the cold epoch, which reads through at about half the link
 rate) and part of it a third time (the version staged beside the training

@@ -1,4 +1,4 @@
-"""Hostile parser input (issue 8): fuzzed manifests, topology and schedule files, chunk frames.
+"""Hostile parser input: fuzzed manifests, topology and schedule files, chunk frames.
 
 Every input must be accepted, or refused with the project's own error and a
 message a person can act on (ManifestError, ConfigFileError, CodecError);

@@ -1,6 +1,6 @@
 """What each parser is fed and what it must do with it: shared by hypothesis and atheris.
 
-The hostile-input rule (issue 8) is that a bad manifest, topology file,
+The hostile-input rule is that a bad manifest, topology file,
 schedule file or chunk frame gets the project's own error with a message a
 person can act on, and nothing else: no KeyError, TypeError,
 UnicodeDecodeError or RecursionError escaping a parser, no hang, no huge

@@ -1,11 +1,11 @@
 """Run the atheris harnesses and report inputs tried and crashes; exit 1 on any crash.
 
-Coverage-guided fuzzing finds what hand-picked hostile inputs miss (issue 8,
-"Hostile input"), but libFuzzer's own output is a stream of status lines. This
-runner gives each harness a fresh seed corpus of valid inputs, runs it for N
-seconds or N inputs with a per-input time limit (a hang) and a memory limit
-(huge allocation), and prints one figure per harness in the form ``make
-chaos`` collects::
+Coverage-guided fuzzing finds what hand-picked hostile inputs miss, but
+libFuzzer's own output is a stream of status lines. This runner gives each
+harness a fresh seed corpus of valid inputs, runs it for N seconds or N
+inputs with a per-input time limit (a hang) and a memory limit (huge
+allocation), and prints one figure per harness in the form ``make chaos``
+collects::
 
     python tests/fuzz/run.py --seconds 60           # the full run: 60 s per harness
     python tests/fuzz/run.py --runs 2000 chunk      # a quick look at one harness
