@@ -12,11 +12,13 @@ tensors. ``us-east`` was not warmed: its first read goes through to origin
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,10 +32,11 @@ from rich.progress import (
 
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.registry import Registry
-from edgecache.clients.node_client import LocalNode, connect, read_shard, start_local_node
-from edgecache.clients.ops import WarmItem, make_plan, warm
+from edgecache.clients.channels import node_error, open_channel
+from edgecache.clients.node_client import LocalNode, read_shard, start_local_node
+from edgecache.clients.ops import make_plan, warm, warm_items_for_plan
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
-from edgecache.v1 import edge_pb2
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["DemoResult", "run_demo"]
@@ -202,6 +205,7 @@ def run_demo(
         manifest = _publish(f"file://{workdir}/registry", f"file://{workdir}/origin", compression)
         schema = manifest_schema(manifest)
         nodes: dict[str, LocalNode] = {}
+        stack = contextlib.ExitStack()
         try:
             for region in REGIONS:
                 nodes[region] = start_local_node(
@@ -210,25 +214,17 @@ def run_demo(
                     f"file://{workdir}/registry",
                     log_file=workdir / f"node-{region}.log",
                 )
-            eu, us = connect(nodes["eu-west"].address), connect(nodes["us-east"].address)
+            eu, us = (
+                edge_pb2_grpc.EdgeCacheStub(stack.enter_context(open_channel(nodes[r].address)))
+                for r in REGIONS
+            )
 
             # The warm-up: plan a sample schedule and carry it out, as `edgecache plan`
             # and `edgecache warm` do. Only eu-west has a job, so only eu-west is staged.
             topology, schedule = _sample_files(workdir, nodes)
-            plan_result, _ = make_plan(topology, schedule)
+            plan_result, manifests = make_plan(topology, schedule)
             source_bytes = sum(s.source_size for s in manifest.shards)
-            items = [
-                WarmItem(
-                    region,
-                    task.spec,
-                    topology.regions[region].nodes,
-                    task.bytes,
-                    task.deadline,
-                    shard_count=len(manifest.shards),
-                )
-                for region, region_plan in plan_result.regions.items()
-                for task in region_plan.tasks
-            ]
+            items = warm_items_for_plan(topology, schedule, plan_result, manifests)
             bars = {
                 id(i): progress.add_task(f"warm {i.region} {i.spec}", total=i.bytes_total)
                 for i in items
@@ -261,7 +257,11 @@ def run_demo(
             )
             got, read_seconds, verified = training.samples, training.seconds, training.exact_once
             statuses = [stub.Status(edge_pb2.StatusRequest()) for stub in (eu, us)]
+        except grpc.RpcError as exc:  # a demo node failed: say which, not a raw status
+            failed = next((r for r, n in nodes.items() if n.process.poll() is not None), "a node")
+            raise node_error(exc, endpoint=failed, what="the demo") from exc
         finally:
+            stack.close()
             for node in nodes.values():
                 node.stop()
     return DemoResult(
