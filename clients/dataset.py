@@ -10,7 +10,7 @@
         for batch in loader:  # dict[str, torch.Tensor]
             batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
 
-Guarantees (see :mod:`edgecache.clients.plan` for how):
+Guarantees (see :mod:`edgecache.clients.epoch_order` for how):
 
 * every sample exactly once per epoch across all ranks and workers
   (``drop_last=False``); with ``drop_last=True`` the same number of full
@@ -47,9 +47,10 @@ from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import parse_spec
 from edgecache.cache.store import CacheStore
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
+from edgecache.clients.epoch_order import EpochOrder, window_rows_for
 from edgecache.clients.node_pool import NodePool
-from edgecache.clients.pipeline import Pipeline, ReadTarget
-from edgecache.clients.plan import EpochPlan, window_rows_for
+from edgecache.clients.pipeline import Pipeline
+from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import ColumnKind, column_kinds
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
@@ -295,9 +296,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if epoch != self.epoch:
             self.epoch, self._cursor, self._samples_epoch = epoch, 0, 0
 
-    def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The plan of this rank for an epoch."""
-        return EpochPlan(
+    def epoch_order(self, epoch: int | None = None) -> EpochOrder:
+        """Which samples this rank yields in an epoch (default: the current one), in order."""
+        return EpochOrder(
             [s.row_count for s in self.manifest.shards],
             window_rows=self.window_rows,
             seed=self.seed,
@@ -310,9 +311,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             shuffle=self.shuffle,
         )
 
+    plan = epoch_order  # the method's earlier name, kept for existing callers
+
     def __len__(self) -> int:
         """Batches (or samples, with batch_size=None) this rank yields per epoch."""
-        return self.plan().batch_count
+        return self.epoch_order().batch_count
 
     def _pin(self, in_worker: bool) -> bool:
         global _said_unpinned
@@ -330,10 +333,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        plan = self.plan()
-        numbers = plan.batches_for(index, workers, self._cursor)
+        order = self.epoch_order()
+        numbers = order.batches_for(index, workers, self._cursor)
         pipeline = Pipeline(
-            plan,
+            order,
             numbers,
             self.pool(),
             ReadTarget(

@@ -1,8 +1,9 @@
-"""The epoch plan: which samples each rank and worker yields, in which order, exactly once.
+"""The epoch order: which samples each rank and worker yields, in which order, exactly once.
 
 Everything here is a pure function of (manifest, seed, epoch, world size, rank,
 batch size, drop_last, lanes), so every rank and every machine computes the
-same plan without talking to each other.
+same order without talking to each other. (Staging plans, which decide what
+to copy into which region's cache, are another thing: ``cache/planner.py``.)
 
 The order of one epoch:
 
@@ -40,11 +41,13 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["Batch", "EpochPlan", "Piece", "Window", "window_rows_for"]
+__all__ = ["Batch", "EpochOrder", "Piece", "Window", "window_rows_for"]
 
 
 def _rng(*key: int) -> np.random.Generator:
     """A generator seeded from integers, stable across machines and numpy versions."""
+    # The prefix is part of every seed: changing it would change every order ever
+    # saved in a resume state, so it keeps the module's old name.
     digest = hashlib.sha256(b"edgecache-plan:" + b":".join(str(k).encode() for k in key))
     return np.random.Generator(np.random.PCG64(int.from_bytes(digest.digest()[:16], "little")))
 
@@ -88,7 +91,7 @@ class Window:
 class Piece:
     """Part of a batch: positions ``[start, stop)`` of one window's order."""
 
-    window: int  # index into EpochPlan.windows
+    window: int  # index into EpochOrder.windows
     start: int
     stop: int
 
@@ -106,8 +109,8 @@ class Batch:
         return sum(p.stop - p.start for p in self.pieces)
 
 
-class EpochPlan:
-    """The plan of one epoch for one rank."""
+class EpochOrder:
+    """The order of one epoch for one rank: its windows, lanes and canonical batches."""
 
     def __init__(
         self,
@@ -198,7 +201,7 @@ class EpochPlan:
         if not self.drop_last:
             return sum(-(-n // self.batch_size) for n in self._lane_samples)
         others = (
-            EpochPlan(
+            EpochOrder(
                 self.shard_rows,
                 window_rows=self.window_rows,
                 seed=self.seed,

@@ -43,6 +43,7 @@ from edgecache.clients import rendezvous
 from edgecache.clients.channels import bearer, describe, open_channel
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.endpoints import Endpoint
+from edgecache.clients.read_target import ShardRange
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = ["EndpointStats", "NodePool"]
@@ -250,17 +251,9 @@ class NodePool:
                     stream.call.cancel()
 
     def read_rows(
-        self,
-        dataset: str,
-        version: int,
-        digest: str,
-        shard: int,
-        row_start: int,
-        row_end: int,
-        schema: pa.Schema | None,
-        edges: EdgeChunks | None = None,
+        self, rows: ShardRange, edges: EdgeChunks | None = None
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        """(first row, batch) of the chunks covering rows ``[row_start, row_end)``.
+        """(first row, batch) of the chunks covering ``rows``.
 
         Batches are verified and decoded; a broken stream resumes on the next
         node from the first row not yet received. Raises :class:`AllNodesFailed`
@@ -269,60 +262,40 @@ class NodePool:
         """
         tail = None
         if edges is not None:  # chunks across our edges that a read beside us decoded
-            head = edges.take(dataset, version, shard, row_start, row_start, row_end)
+            t = rows.target
+            head = edges.take(t.dataset, t.version, rows.shard, rows.row_start, *_span(rows))
             if head is not None:
                 yield head
-                row_start = head[0] + head[1].num_rows
-                if row_start >= row_end:
+                rows = rows.starting_at(head[0] + head[1].num_rows)
+                if rows.empty:
                     return
-            tail = edges.take(dataset, version, shard, row_end, row_start, row_end)
+            tail = edges.take(t.dataset, t.version, rows.shard, rows.row_end, *_span(rows))
             if tail is not None:
-                row_end = tail[0]
-        if row_start < row_end:
-            yield from self._read_range(
-                dataset, version, digest, shard, row_start, row_end, schema, edges
-            )
+                rows = rows.ending_at(tail[0])
+        if not rows.empty:
+            yield from self._read_range(rows, edges)
         if tail is not None:
             yield tail
 
     def _read_range(
-        self,
-        dataset: str,
-        version: int,
-        digest: str,
-        shard: int,
-        row_start: int,
-        row_end: int,
-        schema: pa.Schema | None,
-        edges: EdgeChunks | None,
+        self, rows: ShardRange, edges: EdgeChunks | None
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        next_row = row_start
+        next_row, row_end = rows.row_start, rows.row_end
         deadline = time.monotonic() + self.retry_timeout
         errors: dict[str, str] = {}
         corrupt_retries = 1
         attempt = 0
         while next_row < row_end:
             progressed = False
-            for endpoint in self.ranked((dataset, version, shard)):
+            for endpoint in self.ranked(rows.shard_id):
                 if next_row >= row_end:
                     return  # the stream broke after the last row we needed arrived
                 try:
+                    rest = rows.starting_at(next_row)
                     source = (
-                        self._local_rows(
-                            endpoint, dataset, version, shard, next_row, row_end, schema, edges
-                        )
+                        self._local_rows(endpoint, rest, edges)
                         if endpoint.local
-                        else self._grpc_rows(
-                            endpoint,
-                            dataset,
-                            version,
-                            digest,
-                            shard,
-                            next_row,
-                            row_end,
-                            schema,
-                            edges,
-                        )
+                        else self._grpc_rows(endpoint, rest, edges)
                     )
                     for first, batch in source:
                         end = first + batch.num_rows
@@ -354,9 +327,9 @@ class NodePool:
                     self.failovers += 1
                     (log.warning if attempt == 0 else log.debug)(
                         "%s@%s shard %d: %s failed (%s); continuing from row %d on the next node",
-                        dataset,
-                        version,
-                        shard,
+                        rows.target.dataset,
+                        rows.target.version,
+                        rows.shard,
                         endpoint.text,
                         errors.get(endpoint.text),
                         next_row,
@@ -365,33 +338,18 @@ class NodePool:
                 deadline = time.monotonic() + self.retry_timeout
             if time.monotonic() > deadline:
                 raise AllNodesFailed(
-                    _all_failed(f"reading {dataset}@{version} shard {shard}", errors)
+                    _all_failed(f"reading {rows.target} shard {rows.shard}", errors)
                 )
             time.sleep(min(0.1 * 2**attempt, 2.0))
             attempt += 1
             self.probe(pings=1)
 
     def _grpc_rows(
-        self,
-        endpoint: Endpoint,
-        dataset: str,
-        version: int,
-        digest: str,
-        shard: int,
-        row_start: int,
-        row_end: int,
-        schema: pa.Schema | None,
-        edges: EdgeChunks | None = None,
+        self, endpoint: Endpoint, rows: ShardRange, edges: EdgeChunks | None = None
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        request = edge_pb2.ReadShardRequest(
-            dataset=dataset,
-            version=version,
-            shard=shard,
-            digest=digest,
-            start_row=row_start,
-            end_row=row_end,
-        )
-        call = self.read_shard_call(endpoint)(request, metadata=self._metadata)
+        target, shard = rows.target, rows.shard
+        row_start, row_end = rows.row_start, rows.row_end
+        call = self.read_shard_call(endpoint)(rows.request(), metadata=self._metadata)
         stream = _Stream(call)
         key = id(stream)
         with self._lock:
@@ -412,22 +370,29 @@ class NodePool:
                 )
                 if header.checksum != chunk.checksum or header.rows != chunk.rows or not placed:
                     raise ChunkCorrupt(
-                        f"{dataset}@{version} shard {shard} chunk {chunk.index} from "
+                        f"{target} shard {shard} chunk {chunk.index} from "
                         f"{endpoint.text}: checksum or row numbers differ from the frame's"
                     )
                 first, frame = chunk.first_row, chunk.frame
                 expected = end = first + header.rows
                 if edges is None or not edges.across(shard, first, end, row_start, row_end):
-                    yield first, decode_chunk(frame, schema)
+                    yield first, decode_chunk(frame, target.schema)
                 else:  # across an edge of this read: the read beside it needs it too
                     # Our own copy is verified once, here, whichever read decodes it.
                     verify_frame(frame)
 
                     def decode(frame: Buffer = frame) -> pa.RecordBatch:
-                        return decode_chunk(frame, schema, verify=False)
+                        return decode_chunk(frame, target.schema, verify=False)
 
                     batch = edges.decode(
-                        (dataset, version, shard, first, header.rows, header.checksum),
+                        (
+                            target.dataset,
+                            target.version,
+                            shard,
+                            first,
+                            header.rows,
+                            header.checksum,
+                        ),
                         header.rows,
                         min(end, row_end) - max(first, row_start),
                         decode,
@@ -439,40 +404,39 @@ class NodePool:
             call.cancel()
 
     def _local_rows(
-        self,
-        endpoint: Endpoint,
-        dataset: str,
-        version: int,
-        shard: int,
-        row_start: int,
-        row_end: int,
-        schema: pa.Schema | None,
-        edges: EdgeChunks | None = None,
+        self, endpoint: Endpoint, rows: ShardRange, edges: EdgeChunks | None = None
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        target, shard = rows.target, rows.shard
+        row_start, row_end = rows.row_start, rows.row_end
         store = self.store(endpoint)
-        with store.read_shard(ShardKey(dataset, version, shard)) as reader:
+        with store.read_shard(ShardKey(target.dataset, target.version, shard)) as reader:
             first = 0
-            for index, rows in enumerate(reader.info.chunk_rows):
-                if first + rows > row_start and first < row_end:
+            for index, count in enumerate(reader.info.chunk_rows):
+                if first + count > row_start and first < row_end:
                     view = reader.chunk(index)
                     self.stats[endpoint.text].bytes += len(view)
                     # Copy-free decode points into LMDB; the store keeps the snapshot alive
                     # while any of these batches are referenced.
                     if edges is None or not edges.across(
-                        shard, first, first + rows, row_start, row_end
+                        shard, first, first + count, row_start, row_end
                     ):
-                        yield first, decode_chunk(view, schema, verify=False)
+                        yield first, decode_chunk(view, target.schema, verify=False)
                     else:  # across an edge of this read: the read beside it needs it too
 
                         def decode(view: Buffer = view) -> pa.RecordBatch:
-                            return decode_chunk(view, schema, verify=False)
+                            return decode_chunk(view, target.schema, verify=False)
 
-                        key = (dataset, version, shard, first, rows, reader.info.checksums[index])
-                        taken = min(first + rows, row_end) - max(first, row_start)
-                        yield first, edges.decode(key, rows, taken, decode)
-                first += rows
+                        checksum = reader.info.checksums[index]
+                        key = (target.dataset, target.version, shard, first, count, checksum)
+                        taken = min(first + count, row_end) - max(first, row_start)
+                        yield first, edges.decode(key, count, taken, decode)
+                first += count
                 if first >= row_end:
                     break
+
+
+def _span(rows: ShardRange) -> tuple[int, int]:
+    return rows.row_start, rows.row_end
 
 
 _FAILOVER_CODES = frozenset(

@@ -21,23 +21,14 @@ import numpy as np
 import pyarrow as pa
 
 from edgecache.clients.edge_chunks import EdgeChunks
+from edgecache.clients.epoch_order import EpochOrder, Window
 from edgecache.clients.node_pool import NodePool
-from edgecache.clients.plan import EpochPlan, Window
+from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import ColumnKind, Gather, assemble
 
-__all__ = ["Pipeline", "ReadTarget"]
+__all__ = ["Pipeline"]
 
 _DONE = object()
-
-
-@dataclass(frozen=True, slots=True)
-class ReadTarget:
-    """What to read: a pinned version and its schema."""
-
-    dataset: str
-    version: int
-    digest: str
-    schema: pa.Schema
 
 
 @dataclass
@@ -55,11 +46,11 @@ class _Failure:
 
 
 class Pipeline:
-    """Yields assembled batches for ``numbers`` of ``plan``, reading ahead on threads."""
+    """Yields assembled batches for ``numbers`` of ``order``, reading ahead on threads."""
 
     def __init__(
         self,
-        plan: EpochPlan,
+        order: EpochOrder,
         numbers: Sequence[int],
         pool: NodePool,
         target: ReadTarget,
@@ -71,7 +62,7 @@ class Pipeline:
         prefetch_bytes: int,
         ready_batches: int = 4,
     ) -> None:
-        self.plan, self.numbers, self.pool, self.target = plan, list(numbers), pool, target
+        self.order, self.numbers, self.pool, self.target = order, list(numbers), pool, target
         self.kinds, self.pin_memory = list(kinds), pin_memory
         self.row_bytes, self.prefetch_bytes = row_bytes, prefetch_bytes
         self.wait_seconds = 0.0
@@ -110,16 +101,8 @@ class Pipeline:
 
     def _load(self, window: Window) -> _Loaded:
         firsts, batches = [], []
-        for first, batch in self.pool.read_rows(
-            self.target.dataset,
-            self.target.version,
-            self.target.digest,
-            window.shard,
-            window.row_start,
-            window.row_start + window.rows,
-            self.target.schema,
-            self._edges,
-        ):
+        rows = self.target.rows(window.shard, window.row_start, window.row_start + window.rows)
+        for first, batch in self.pool.read_rows(rows, self._edges):
             if self._stop.is_set():
                 break
             firsts.append(first)
@@ -142,8 +125,8 @@ class Pipeline:
                 continue
 
     def _assemble_all(self) -> None:
-        plan = self.plan
-        batches = [plan.batch(n) for n in self.numbers]
+        order = self.order
+        batches = [order.batch(n) for n in self.numbers]
         uses: dict[int, int] = {}
         first_use: list[int] = []
         for batch in batches:
@@ -155,7 +138,7 @@ class Pipeline:
         starts: dict[int, set[int]] = {}
         ends: dict[int, set[int]] = {}
         for index in first_use:
-            w = plan.windows[index]
+            w = order.windows[index]
             starts.setdefault(w.shard, set()).add(w.row_start)
             ends.setdefault(w.shard, set()).add(w.row_start + w.rows)
         self._edges = EdgeChunks({s: starts[s] & ends.get(s, set()) for s in starts})
@@ -170,8 +153,8 @@ class Pipeline:
                 not needed.issubset(futures) or in_flight < self.prefetch_bytes
             ):
                 index = first_use[next_load]
-                futures[index] = self._executor.submit(self._load, plan.windows[index])
-                in_flight += plan.windows[index].rows * self.row_bytes
+                futures[index] = self._executor.submit(self._load, order.windows[index])
+                in_flight += order.windows[index].rows * self.row_bytes
                 next_load += 1
 
         for batch in batches:
@@ -189,5 +172,5 @@ class Pipeline:
                 uses[piece.window] -= 1
                 if uses[piece.window] == 0:  # last use: free it, make room to read ahead
                     del futures[piece.window]
-                    in_flight -= plan.windows[piece.window].rows * self.row_bytes
+                    in_flight -= order.windows[piece.window].rows * self.row_bytes
             self._put((batch.size, assemble(gathers, self.kinds, pin_memory=self.pin_memory)))
