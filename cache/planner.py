@@ -17,7 +17,18 @@ reason: the version does not exist, the region is too small even after
 evicting everything not needed sooner, or the link is too slow before the
 start time.
 
-Sizes are the versions' source bytes unless the caller knows the cached size.
+Sizes come in two kinds (:class:`VersionSize`): the bytes a version takes in
+a cache once stored (Arrow, compressed), which fill capacity and cross a peer
+link (a peer sends stored chunks), and its source bytes, which cross the
+origin link. Preprocessing changes the size (Parquet decodes to more Arrow;
+JSON text compresses to much less), so capacity arithmetic on source bytes
+is wrong by that factor. The caller gives the stored size where a cache
+holds a copy and an estimate otherwise.
+
+Besides tasks and evictions, the plan says what to pin: every version a job
+in a region reads, until the last such job ends, resident ones included, so
+a node's own LRU never evicts what the plan counted on keeping. Only the
+plan's evictions (carried out explicitly) remove pinned versions.
 """
 
 from __future__ import annotations
@@ -29,7 +40,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from edgecache.cache.units import format_bytes
+
 __all__ = [
+    "VersionSize",
     "Eviction",
     "Infeasible",
     "Job",
@@ -42,6 +56,14 @@ __all__ = [
 
 PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 VersionKey = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSize:
+    """How big a version is in a cache (``stored``) and at its origin (``source``)."""
+
+    stored: int
+    source: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +86,21 @@ class RegionState:
     capacity_bytes: int
     origin_bandwidth: float  # bytes/s
     resident: Mapping[VersionKey, int] = field(default_factory=dict)  # version → bytes held
+    # Versions only partly held (a stage cut short): their bytes fill the cache too, and
+    # staging them again fetches only the rest.
+    partial: Mapping[VersionKey, int] = field(default_factory=dict)
     peer_bandwidth: Mapping[str, float] = field(default_factory=dict)  # region → bytes/s
     egress_price_per_gb: float = 0.0  # origin → region
+    # Source bytes/s the region's nodes turn into cached chunks (fetch + preprocess),
+    # measured; staging from origin goes no faster than this or the link.
+    staging_rate: float | None = None
+
+    @property
+    def origin_rate(self) -> float:
+        """What staging from origin achieves: the slower of the link and the nodes."""
+        if self.staging_rate:
+            return min(self.origin_bandwidth, self.staging_rate)
+        return self.origin_bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +150,8 @@ class RegionPlan:
 
     tasks: list[StageTask] = field(default_factory=list)
     evictions: list[Eviction] = field(default_factory=list)
+    # version → pin until (the end of the last job here that reads it)
+    pins: dict[VersionKey, datetime] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,7 +176,7 @@ def _order_key(job: Job) -> tuple[datetime, int, str]:
 def plan(
     jobs: Sequence[Job],
     regions: Mapping[str, RegionState],
-    sizes: Mapping[VersionKey, int],
+    sizes: Mapping[VersionKey, int | VersionSize],
     *,
     now: datetime,
     missing: Iterable[tuple[str, str, str]] = (),
@@ -149,10 +186,15 @@ def plan(
     Args:
         jobs: the schedule, versions already resolved (``latest`` pinned by the caller).
         regions: capacity, link speeds and current contents of every region.
-        sizes: bytes of every version the jobs read (a version without a size does not exist).
+        sizes: every version the jobs read (a version without a size does not exist), as a
+            :class:`VersionSize` or one number for both.
         now: when staging can begin.
         missing: (job, region, spec) of datasets the caller could not resolve.
     """
+    sized = {
+        version: size if isinstance(size, VersionSize) else VersionSize(size, size)
+        for version, size in sizes.items()
+    }
     infeasible = [
         Infeasible(job, region, spec, f"{spec} does not exist in the registry")
         for job, region, spec in missing
@@ -176,7 +218,7 @@ def plan(
     result = Plan(regions={}, infeasible=infeasible, transfers={}, cost={})
     for name in sorted(regions):
         result.regions[name] = _plan_region(
-            regions[name], by_region.get(name, []), sizes, now, ready_at, result
+            regions[name], by_region.get(name, []), sized, now, ready_at, result
         )
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     return result
@@ -185,12 +227,17 @@ def plan(
 def _plan_region(
     state: RegionState,
     jobs: list[Job],
-    sizes: Mapping[VersionKey, int],
+    sizes: Mapping[VersionKey, VersionSize],
     now: datetime,
     ready_at: dict[tuple[str, VersionKey], datetime],
     result: Plan,
 ) -> RegionPlan:
     out = RegionPlan()
+    for job in jobs:
+        if job.end > now:
+            for version in job.versions:
+                if version in sizes:
+                    out.pins[version] = max(out.pins.get(version, job.end), job.end)
     # Uses of each version in this region, for "next use" (Belady) and "in use" checks.
     uses: dict[VersionKey, list[tuple[datetime, datetime]]] = defaultdict(list)
     for job in jobs:
@@ -214,15 +261,16 @@ def _plan_region(
         return i >= 0 and reach[version][i] >= lo
 
     resident: dict[VersionKey, int] = dict(state.resident)
-    used = sum(resident.values())
+    partial: dict[VersionKey, int] = {v: b for v, b in state.partial.items() if v not in resident}
+    used = sum(resident.values()) + sum(partial.values())
     link_free = now  # the origin link is busy until then
     cursor = now  # tasks and evictions happen in time order
     task_of: dict[VersionKey, int] = {}  # version → index of its task in out.tasks
     for job in jobs:
         for version in job.versions:
             spec = f"{version[0]}@{version[1]}"
-            size = sizes.get(version)
-            if size is None:
+            sized = sizes.get(version)
+            if sized is None:
                 result.infeasible.append(
                     Infeasible(job.name, state.name, spec, f"{spec} does not exist in the registry")
                 )
@@ -242,18 +290,27 @@ def _plan_region(
                     )
                 )
                 continue
-            # Choose a source: a peer that will hold it sooner and has a faster link.
-            source, bandwidth, begin = "origin", state.origin_bandwidth, max(cursor, link_free)
+            size = sized.stored
+            # Choose a source: a peer that will hold it in time and moves it sooner than
+            # origin (a peer sends stored bytes, origin sends source bytes).
+            source, bandwidth, moved = "origin", state.origin_rate, sized.source
+            begin = max(cursor, link_free)
+            best = sized.source / bandwidth if bandwidth > 0 else float("inf")
             for peer, peer_bw in sorted(state.peer_bandwidth.items()):
                 held = ready_at.get((peer, version))
-                if held is not None and peer_bw > bandwidth and held <= job.start:
-                    source, bandwidth, begin = peer, peer_bw, max(cursor, held)
+                if held is None or held > job.start or peer_bw <= 0:
+                    continue
+                peer_begin = max(cursor, held)
+                peer_end = (peer_begin - begin).total_seconds() + sized.stored / peer_bw
+                if peer_end < best:
+                    source, bandwidth, moved, best = peer, peer_bw, sized.stored, peer_end
+                    begin = peer_begin
             if bandwidth <= 0:
                 result.infeasible.append(
                     Infeasible(job.name, state.name, spec, "the region has no origin bandwidth")
                 )
                 continue
-            duration = timedelta(seconds=size / bandwidth)
+            duration = timedelta(seconds=moved / bandwidth)
             finish = begin + duration
             if size > state.capacity_bytes:
                 result.infeasible.append(
@@ -261,8 +318,8 @@ def _plan_region(
                         job.name,
                         state.name,
                         spec,
-                        f"{spec} ({_gb(size)}) is larger than the region's capacity "
-                        f"({_gb(state.capacity_bytes)})",
+                        f"{spec} ({format_bytes(size)} once stored) is larger than the "
+                        f"region's capacity ({format_bytes(state.capacity_bytes)})",
                     )
                 )
                 continue
@@ -281,7 +338,7 @@ def _plan_region(
             # Make room: evict what is needed furthest ahead (or never), never what a job
             # reads between this task's start and this job's end. If that is not enough
             # now, start just in time instead: later, more jobs have finished.
-            shortfall = used + size - state.capacity_bytes
+            shortfall = used + size - partial.get(version, 0) - state.capacity_bytes
             victims: list[tuple[VersionKey, datetime | None]] = []
             if shortfall > 0:
                 victims, freed = _victims(
@@ -303,8 +360,9 @@ def _plan_region(
                             job.name,
                             state.name,
                             spec,
-                            f"not enough capacity: needs {_gb(size)}, only "
-                            f"{_gb(state.capacity_bytes - used + freed)} free even after evicting "
+                            f"not enough capacity: needs {format_bytes(size)}, only "
+                            f"{format_bytes(state.capacity_bytes - used + freed)} free even after "
+                            "evicting "
                             f"everything not needed sooner; in use then: "
                             f"{', '.join(locked[:5]) or 'nothing'}",
                         )
@@ -344,13 +402,13 @@ def _plan_region(
             out.tasks.append(task)
             task_of[version] = len(out.tasks) - 1
             resident[version] = size
-            used += size
+            used += size - partial.pop(version, 0)
             ready_at.setdefault((state.name, version), finish)
             link = f"{source}→{state.name}"
-            result.transfers[(job.name, link)] = result.transfers.get((job.name, link), 0) + size
+            result.transfers[(job.name, link)] = result.transfers.get((job.name, link), 0) + moved
             if source == "origin" and state.egress_price_per_gb:
                 result.cost[job.name] = (
-                    result.cost.get(job.name, 0.0) + size / 1e9 * state.egress_price_per_gb
+                    result.cost.get(job.name, 0.0) + moved / 1e9 * state.egress_price_per_gb
                 )
     return out
 
@@ -394,7 +452,3 @@ def _with_job(task: StageTask, job: str) -> StageTask:
         task.deadline,
         (*task.jobs, job),
     )
-
-
-def _gb(size: float) -> str:
-    return f"{size / 1e9:,.2f} GB"

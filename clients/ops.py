@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache.errors import InvalidEndpoint, InvalidName, VersionNotFound
 from edgecache.cache.names import parse_spec
-from edgecache.cache.planner import Job, Plan, RegionState, plan
+from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
 from edgecache.cache.registry import Registry
 from edgecache.clients import rendezvous
 from edgecache.clients.channels import bearer, describe, edge_stub, node_error, open_channel
@@ -33,6 +33,7 @@ from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
     "EvictResult",
+    "Holding",
     "NodeReport",
     "Readiness",
     "WarmItem",
@@ -41,6 +42,7 @@ __all__ = [
     "make_plan",
     "ready",
     "resolve_specs",
+    "version_sizes",
     "region_nodes",
     "wait_ready",
     "warm",
@@ -133,10 +135,8 @@ def make_plan(
     specs = {spec for job in schedule.jobs for spec in job.datasets}
 
     manifests, missing = Registry.run(topology.registry, lambda reg: resolve_specs(reg, specs))
-    sizes = {
-        (m.dataset, m.version): sum(s.stored_size or s.source_size for s in m.shards)
-        for m in manifests.values()
-    }
+    held = _held_by_region(reports, manifests)
+    sizes = version_sizes(manifests, held)
     jobs = [
         Job(
             name=job.name,
@@ -156,25 +156,15 @@ def make_plan(
         # Replicas split shards (rendezvous hashing): their capacities add up.
         capacity = sum(status.capacity_bytes for status in alive)
         measured = [s.origin_bytes_per_second for s in alive if s.origin_bytes_per_second]
-        # A version is resident when the region's replicas hold all its shards between them.
-        held: dict[tuple[str, int], list[int]] = {}  # version → [shards, bytes]
-        for status in alive:
-            for v in status.versions:
-                entry = held.setdefault((v.dataset, v.version), [0, 0])
-                entry[0] += v.shard_count
-                entry[1] += v.stored_bytes
-        shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
-        resident = {
-            key: stored
-            for key, (shards, stored) in held.items()
-            if shards >= shard_counts.get(key, shards)
-        }
+        resident = {v: h.stored_bytes for v, h in held.get(name, {}).items() if h.complete}
+        partial = {v: h.stored_bytes for v, h in held.get(name, {}).items() if not h.complete}
         regions[name] = RegionState(
             name=name,
             capacity_bytes=capacity,
             origin_bandwidth=config.origin_bandwidth
             or (min(measured) if measured else DEFAULT_BANDWIDTH),
             resident=resident,
+            partial=partial,
             peer_bandwidth=dict(config.peers),
             egress_price_per_gb=config.egress_price_per_gb,
         )
@@ -185,6 +175,83 @@ def make_plan(
         if spec in missing
     ]
     return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
+
+
+@dataclass
+class Holding:
+    """How much of one version a region's nodes hold between them."""
+
+    shards: int = 0
+    stored_bytes: int = 0
+    complete: bool = False
+
+
+def _held_by_region(
+    reports: list[NodeReport], manifests: dict[str, pb.Manifest]
+) -> dict[str, dict[VersionKey, Holding]]:
+    """Region → version → holding; replicas split shards, so their holdings add up."""
+    shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
+    out: dict[str, dict[VersionKey, Holding]] = {}
+    for report in reports:
+        if report.status is None:
+            continue
+        region = out.setdefault(report.region, {})
+        for v in report.status.versions:
+            if not v.shard_count:
+                continue  # a pin without data
+            holding = region.setdefault((v.dataset, v.version), Holding())
+            holding.shards += v.shard_count
+            holding.stored_bytes += v.stored_bytes
+    for region in out.values():
+        for key, holding in region.items():
+            total = shard_counts.get(key) or next(
+                (
+                    v.total_shards
+                    for r in reports
+                    if r.status is not None
+                    for v in r.status.versions
+                    if (v.dataset, v.version) == key and v.total_shards
+                ),
+                holding.shards,
+            )
+            holding.complete = holding.shards >= total
+    return out
+
+
+def version_sizes(
+    manifests: dict[str, pb.Manifest], held: dict[str, dict[VersionKey, Holding]]
+) -> dict[VersionKey, VersionSize]:
+    """Stored and source bytes of every version: stored as a region holds it, else estimated.
+
+    The estimate scales the source bytes by the stored/source ratio of the
+    dataset's other versions that some region holds whole (same data, same
+    preprocessing, as a rule), else by that ratio over everything held, else
+    1. Preprocessing changes size a lot (Parquet → Arrow grows, JSON text →
+    zstd shrinks), so source bytes alone would misjudge capacity.
+    """
+    source = {
+        (m.dataset, m.version): sum(s.source_size for s in m.shards) for m in manifests.values()
+    }
+    stored: dict[VersionKey, int] = {}
+    for region in held.values():
+        for key, holding in region.items():
+            if holding.complete:
+                stored[key] = max(stored.get(key, 0), holding.stored_bytes)
+    ratios: dict[str, list[float]] = {}
+    for (dataset, version), size in stored.items():
+        if source.get((dataset, version)):
+            ratios.setdefault(dataset, []).append(size / source[(dataset, version)])
+    everything = [r for values in ratios.values() for r in values]
+    overall = sum(everything) / len(everything) if everything else 1.0
+    sizes = {}
+    for key, source_bytes in source.items():
+        if key in stored:
+            sizes[key] = VersionSize(stored=stored[key], source=source_bytes)
+            continue
+        known = ratios.get(key[0])
+        ratio = sum(known) / len(known) if known else overall
+        sizes[key] = VersionSize(stored=max(int(source_bytes * ratio), 1), source=source_bytes)
+    return sizes
 
 
 @dataclass

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgecache.cache.planner import Job, RegionState, plan
+from edgecache.cache.planner import Job, RegionState, VersionSize, plan
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 GB = 10**9
@@ -81,6 +81,10 @@ def test_plan_invariants(scenario) -> None:  # noqa: ANN001
                 ]
                 # 3. never evicted while a job reads it (nor between arrival and the start)
                 assert not gone, (job, version, gone)
+        # 4. every version a job here reads is pinned until the last such job ends
+        for job in (j for j in jobs if j.region == name):
+            for version in job.versions:
+                assert region_plan.pins[version] >= job.end
 
 
 def test_belady_evicts_what_is_needed_furthest_ahead() -> None:
@@ -154,3 +158,48 @@ def test_deterministic() -> None:
     assert plan(jobs, regions, sizes, now=NOW) == plan(
         list(reversed(jobs)), regions, sizes, now=NOW
     )
+
+
+def test_capacity_counts_stored_bytes_and_origin_time_counts_source_bytes() -> None:
+    # 374 MB of Parquet stored as 437 MB of Arrow; a region sized for 2.5 stored copies.
+    old, new = ("tokens", 1), ("tokens", 2)
+    size = VersionSize(stored=437_000_000, source=374_000_000)
+    region = RegionState(
+        "eu",
+        capacity_bytes=int(2.5 * size.stored),
+        origin_bandwidth=1e8,
+        resident={old: size.stored},
+    )
+    jobs = [Job("train", "eu", NOW + timedelta(minutes=10), NOW + timedelta(hours=1), (new,))]
+    result = plan(jobs, {"eu": region}, {old: size, new: size}, now=NOW)
+    assert not result.infeasible
+    (task,) = result.regions["eu"].tasks
+    assert task.bytes == size.stored  # what it takes in the cache
+    assert (task.finish - task.start).total_seconds() == size.source / 1e8  # what crosses the link
+    assert result.transfers[("train", "origin→eu")] == size.source
+    # Too small for one stored copy, though the source would fit: refused, in fitting units.
+    tiny = RegionState("eu", capacity_bytes=400_000_000, origin_bandwidth=1e8)
+    (refused,) = plan(jobs, {"eu": tiny}, {new: size}, now=NOW).infeasible
+    assert "437.0 MB" in refused.reason or "416.8 MiB" in refused.reason
+    assert "0.00 GB" not in refused.reason
+
+
+def test_resident_versions_needed_later_are_pinned() -> None:
+    kept, other = ("kept", 1), ("other", 1)
+    region = RegionState(
+        "eu", capacity_bytes=10 * GB, origin_bandwidth=1e9, resident={kept: 4 * GB}
+    )
+    later = Job("later", "eu", NOW + timedelta(hours=5), NOW + timedelta(hours=6), (kept,))
+    soon = Job("soon", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (other,))
+    result = plan([soon, later], {"eu": region}, {kept: 4 * GB, other: 4 * GB}, now=NOW)
+    pins = result.regions["eu"].pins
+    assert pins[kept] == later.end and pins[other] == soon.end
+    assert not result.regions["eu"].evictions  # room enough: nothing the plan keeps goes
+
+
+def test_staging_rate_of_the_nodes_bounds_origin_staging() -> None:
+    v = ("a", 1)
+    fast_link = RegionState("eu", 100 * GB, origin_bandwidth=1e9, staging_rate=1e8)
+    jobs = [Job("j", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (v,))]
+    (task,) = plan(jobs, {"eu": fast_link}, {v: 10 * GB}, now=NOW).regions["eu"].tasks
+    assert (task.finish - task.start).total_seconds() == 100  # 10 GB at the nodes' 100 MB/s
