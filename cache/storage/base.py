@@ -73,6 +73,10 @@ class ObjectStore(ABC):
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         """Write an object; with ``if_absent``, raise :class:`ObjectExists` rather than replace."""
 
+    @abstractmethod
+    async def delete(self, url: str) -> None:
+        """Remove an object; removing one that is not there is not an error."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

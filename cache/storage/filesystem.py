@@ -126,6 +126,16 @@ class FsspecStore(ObjectStore):
 
         await self._run(url, write)
 
+    async def delete(self, url: str) -> None:
+        """Remove the file, if it is there."""
+        fs, path = self._fs(url)
+
+        def remove() -> None:
+            if fs.exists(path):
+                fs.rm_file(path)
+
+        await self._run(url, remove)
+
 
 def _link_new_file(path: str, data: bytes) -> None:
     """Create ``path`` with ``data`` atomically, failing if it exists (no torn files).

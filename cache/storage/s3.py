@@ -306,3 +306,9 @@ class S3Store(ObjectStore):
             await self._call(url, lambda: s3.put_object(**kwargs))
         except _PreconditionFailed as exc:
             raise ObjectExists(f"{url} already exists") from exc
+
+    async def delete(self, url: str) -> None:
+        """DeleteObject (S3 answers success for a missing key too)."""
+        bucket, key = self._split(url)
+        s3 = await self._s3()
+        await self._call(url, lambda: s3.delete_object(Bucket=bucket, Key=key))
