@@ -42,6 +42,7 @@ __all__ = [
     "make_plan",
     "ready",
     "resolve_specs",
+    "stage_item",
     "version_sizes",
     "region_nodes",
     "wait_ready",
@@ -264,9 +265,84 @@ class WarmItem:
     bytes_total: int
     pin_until: datetime | None = None
     shard_count: int = 0  # with several nodes: each stages only the shards it owns
+    peers: list[str] = field(default_factory=list)  # copy from these nodes; empty: origin
     bytes_done: int = 0
+    peer_bytes: int = 0  # of which copied from peers
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. a peer that failed mid-shard
     done: bool = False
+    _peer_seen: dict[str, int] = field(default_factory=dict, repr=False)
+
+
+def stage_item(
+    item: WarmItem,
+    *,
+    token: str | None = None,
+    stop: threading.Event | None = None,
+    on_progress: Callable[[WarmItem], None] = lambda item: None,
+) -> WarmItem:
+    """Stage one item through its nodes' ``Stage`` RPCs, each node its own shards.
+
+    With ``item.peers``, nodes copy the shards from those nodes (a peer
+    region's) and fall back to origin for any a peer cannot give. Staging
+    skips what is cached, so running it again resumes. Failures are collected
+    in ``item.failures`` (unreachable nodes included), never raised. Setting
+    ``stop`` cancels the streams; nodes keep the whole shards they committed.
+    """
+    stop = stop or threading.Event()
+    dataset, version = parse_spec(item.spec)
+    request = edge_pb2.StageRequest(dataset=dataset, version=version or 0, peers=item.peers)
+    if item.pin_until is not None:
+        request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
+    finished = 0  # shards staged by the nodes before this one
+    for address in item.nodes:
+        if stop.is_set():
+            return item
+        node_request = edge_pb2.StageRequest()
+        node_request.CopyFrom(request)
+        if len(item.nodes) > 1 and item.shard_count:
+            mine = rendezvous.owned_shards(
+                item.nodes, address, dataset, version or 0, item.shard_count
+            )
+            if not mine:
+                continue
+            node_request.shards.extend(mine)
+        channel = open_channel(address)
+        call = edge_pb2_grpc.EdgeCacheStub(channel).Stage(node_request, metadata=bearer(token))
+        watcher = threading.Thread(target=_cancel_on, args=(stop, call), daemon=True)
+        watcher.start()
+        try:
+            for event in call:
+                # Skipped (already cached) shards count as done for progress.
+                total = item.shard_count or event.shards_total
+                share = (finished + event.shards_done) / max(total, 1)
+                item.bytes_done = max(item.bytes_done, int(item.bytes_total * min(share, 1)))
+                item.peer_bytes += event.peer_bytes_done - item._peer_seen.get(address, 0)
+                item._peer_seen[address] = event.peer_bytes_done
+                item.notes.extend(n for n in event.notes if n not in item.notes)
+                on_progress(item)
+            finished += len(node_request.shards) or 0
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED or not stop.is_set():
+                error = node_error(exc, endpoint=address, what=f"staging {item.spec}")
+                item.failures.append(str(error))
+        finally:
+            call.cancel()
+            channel.close()
+    if stop.is_set():
+        return item
+    item.done = not item.failures
+    item.bytes_done = item.bytes_total if item.done else item.bytes_done
+    on_progress(item)
+    return item
+
+
+def _cancel_on(stop: threading.Event, call: grpc.Call) -> None:
+    """Cancel ``call`` when ``stop`` is set (a Ctrl-C lands in the main thread)."""
+    while call.is_active():
+        if stop.wait(0.1):
+            call.cancel()
+            return
 
 
 def warm(
@@ -276,62 +352,14 @@ def warm(
     stop: threading.Event | None = None,
     token: str | None = None,
 ) -> list[WarmItem]:
-    """Stage every item through its nodes' ``Stage`` RPCs, regions in parallel.
-
-    Staging skips what is cached, so running it again resumes. Failures are
-    collected per item (unreachable nodes included), never raised.
-    """
+    """Stage every item (:func:`stage_item`), regions in parallel, a region's items in order."""
     stop = stop or threading.Event()
-    metadata = bearer(token)
-    active: set[grpc.Call] = set()
 
     def run_region(region_items: list[WarmItem]) -> None:
         for item in region_items:
-            dataset, version = parse_spec(item.spec)
-            request = edge_pb2.StageRequest(dataset=dataset, version=version or 0)
-            if item.pin_until is not None:
-                request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
-            finished = 0  # shards staged by the nodes before this one
-            for address in item.nodes:
-                if stop.is_set():
-                    return
-                node_request = edge_pb2.StageRequest()
-                node_request.CopyFrom(request)
-                if len(item.nodes) > 1 and item.shard_count:
-                    mine = rendezvous.owned_shards(
-                        item.nodes, address, dataset, version or 0, item.shard_count
-                    )
-                    if not mine:
-                        continue
-                    node_request.shards.extend(mine)
-                channel = open_channel(address)
-                call = edge_pb2_grpc.EdgeCacheStub(channel).Stage(node_request, metadata=metadata)
-                active.add(call)
-                try:
-                    for event in call:
-                        if stop.is_set():
-                            call.cancel()
-                            return
-                        # Skipped (already cached) shards count as done for progress.
-                        total = item.shard_count or event.shards_total
-                        share = (finished + event.shards_done) / max(total, 1)
-                        item.bytes_done = max(
-                            item.bytes_done, int(item.bytes_total * min(share, 1))
-                        )
-                        on_progress(item)
-                    finished += len(node_request.shards) or 0
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.CANCELLED:
-                        error = node_error(exc, endpoint=address, what=f"staging {item.spec}")
-                        item.failures.append(str(error))
-                finally:
-                    active.discard(call)
-                    channel.close()
             if stop.is_set():
                 return
-            item.done = not item.failures
-            item.bytes_done = item.bytes_total if item.done else item.bytes_done
-            on_progress(item)
+            stage_item(item, token=token, stop=stop, on_progress=on_progress)
 
     by_region: dict[str, list[WarmItem]] = {}
     for item in items:
@@ -343,8 +371,6 @@ def warm(
             time.sleep(0.1)  # stay interruptible: Ctrl-C lands here
     except KeyboardInterrupt:
         stop.set()  # stop cleanly: cancel the streams; nodes keep whole shards only
-        for call in list(active):
-            call.cancel()
         raise
     finally:
         pool.shutdown(wait=True)
