@@ -11,6 +11,7 @@ kept open by the store until the export is gone.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
@@ -79,6 +80,7 @@ class ShardReader(ClosingContext):
         self._raw_key = key.encode()
         self._views: list[memoryview] = []
         self._verify = verify
+        self._thread = threading.get_ident()  # the store counts open readers per thread
         self.info = info
 
     def chunk(self, index: int) -> memoryview:
@@ -125,6 +127,7 @@ class ShardReader(ClosingContext):
             txn.abort()
         else:
             self._store._linger(txn, views)
+        self._store._read_ended(self._thread)
 
     def __del__(self) -> None:
         if self._txn is not None and os.getpid() == self._store._pid:

@@ -70,6 +70,7 @@ _FORMAT = b"edgecache-store/1"
 _DBS = (b"chunks", b"shards", b"versions", b"access", b"manifests", b"meta")
 _MAP_HEADROOM = 256 << 20
 _LOCK_FILE = "writer.lock"
+_CLOSE_WAIT_S = 10.0  # how long close() waits for readers in other threads to finish
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +153,11 @@ class CacheStore(ClosingContext):
         self._counter_lock = threading.Lock()
         self._touched: dict[bytes, int] = {}
         self._lingering: list[tuple[lmdb.Transaction, list[memoryview]]] = []
+        # Open ShardReaders per thread: close() must not unmap the environment under a
+        # reader in another thread (its views point into the map: using them would crash).
+        self._reads: dict[int, int] = {}
+        self._reads_changed = threading.Condition()
+        self._closing = False
         self._hits = self._misses = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
         self._lock_fd: int | None = None
@@ -313,12 +319,33 @@ class CacheStore(ClosingContext):
     def close(self) -> None:
         """Close the environment and release the writer lock.
 
-        If zero-copy views handed out by :meth:`read_shard` are still exported,
+        Readers open in other threads are waited for (up to ``_CLOSE_WAIT_S``
+        seconds); if some are still open then, or open in this thread, new reads
+        are refused and the environment closes when the last of them does:
+        unmapping it under a reader's views would crash the process. If
+        zero-copy views handed out by :meth:`read_shard` are still exported,
         the environment is left open (a leak, not a crash) and a warning logged.
         """
         env = getattr(self, "_env", None)
         if env is None or os.getpid() != self._pid:
             return
+        me = threading.get_ident()
+        with self._reads_changed:
+            if self._closing:
+                return  # closed, or closing when its last reader ends
+            self._reads_changed.wait_for(lambda: set(self._reads) <= {me}, timeout=_CLOSE_WAIT_S)
+            if self._reads:
+                self._closing = True
+                log.debug(
+                    "%d readers of %s are still open; the last one closes the store",
+                    sum(self._reads.values()),
+                    self.path,
+                )
+                return
+            self._closing = True
+        self._finish_close(env)
+
+    def _finish_close(self, env: lmdb.Environment) -> None:
         self._reap_lingering()
         if self._lingering:
             log.warning(
@@ -334,13 +361,29 @@ class CacheStore(ClosingContext):
         self._env = None
         self._release_writer_lock()
 
+    def _read_started(self, thread: int) -> None:
+        self._reads[thread] = self._reads.get(thread, 0) + 1
+
+    def _read_ended(self, thread: int) -> None:
+        """A ShardReader of ``thread`` closed; the last one finishes a deferred close."""
+        with self._reads_changed:
+            left = self._reads.get(thread, 0) - 1
+            if left > 0:
+                self._reads[thread] = left
+            else:
+                self._reads.pop(thread, None)
+            self._reads_changed.notify_all()
+            finish = self._closing and not self._reads and self._env is not None
+        if finish and os.getpid() == self._pid:
+            self._finish_close(self._env)  # type: ignore[arg-type]
+
     def _check(self, write: bool = False) -> lmdb.Environment:
         if os.getpid() != self._pid:
             raise StoreForked(
                 f"this store of {self.path} was opened in process {self._pid} and used in "
                 f"{os.getpid()} after fork(); open a new CacheStore in the child"
             )
-        if self._env is None:
+        if self._env is None or self._closing:
             raise StoreError(f"the store at {self.path} is closed")
         if write and self.readonly:
             raise ReadOnlyStore(
@@ -609,11 +652,15 @@ class CacheStore(ClosingContext):
         self._reap_lingering()
         key = key.validated()
         raw_key = key.encode()
-        txn = self._read_txn()
+        thread = threading.get_ident()
+        with self._reads_changed:  # counted before close() can decide nobody reads
+            txn = self._read_txn()
+            self._read_started(thread)
         try:
             record = self._shard_record(txn, raw_key)
         except BaseException:
             txn.abort()
+            self._read_ended(thread)
             raise
         with self._counter_lock:
             if record is None:
@@ -623,6 +670,7 @@ class CacheStore(ClosingContext):
                 self._touched[raw_key] = time.time_ns()
         if record is None:
             txn.abort()
+            self._read_ended(thread)
             raise ShardNotCached(f"{key} is not in the cache at {self.path}")
         return ShardReader(self, txn, key, self._info(key, record, time.time_ns()), verify)
 

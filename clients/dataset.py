@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -167,7 +168,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             "retry_timeout": retry_timeout,
             "replicas": replicas,
         }
-        self._pool: NodePool | None = None
+        self._open: _Readers | None = None
         self._pid = os.getpid()
         self.epoch = 0
         self._cursor = 0  # canonical batches yielded this epoch (by this process)
@@ -191,17 +192,25 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
         It is closed by :meth:`close`, or when the dataset is garbage-collected.
         """
-        if self._pool is None or self._pid != os.getpid():
-            self._pool = NodePool(self.endpoints, **self._pool_args)  # type: ignore[arg-type]
+        return self._readers().pool
+
+    def _readers(self) -> _Readers:
+        if self._open is None or self._pid != os.getpid():
+            self._open = _Readers(NodePool(self.endpoints, **self._pool_args))  # type: ignore[arg-type]
             self._pid = os.getpid()
-            self._finalizer = weakref.finalize(self, self._pool.close)
-        return self._pool
+            # Not a method of self: the dataset must stay collectable.
+            self._finalizer = weakref.finalize(self, self._open.close)
+        return self._open
 
     def close(self) -> None:
-        """Close channels, background threads and local caches of this process."""
-        if self._pool is not None and self._pid == os.getpid():
+        """Stop this process's reads, then close its channels, stores and threads.
+
+        Iterators still live end: the next batch asked of one raises ValueError.
+        Iterating again opens everything anew.
+        """
+        if self._open is not None and self._pid == os.getpid():
             self._finalizer()
-        self._pool = None
+        self._open = None
 
     def __enter__(self) -> EdgeDataset:
         return self
@@ -335,10 +344,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
+        readers = self._readers()
         pipeline = Pipeline(
             order,
             numbers,
-            self.pool(),
+            readers.pool,
             ReadTarget(
                 self.manifest.dataset, self.manifest.version, self.manifest.digest, self.schema
             ),
@@ -348,6 +358,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             threads=self.threads,
             prefetch_bytes=self.prefetch_bytes,
         )
+        readers.add(pipeline)
         try:
             for size, batch in pipeline:
                 self._cursor += workers if worker else 1
@@ -366,6 +377,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         except EdgeCacheError as exc:
             raise type(exc)(f"{self.version}: {exc}") from exc
         finally:
+            # A break, an abandoned iterator or a DataLoader worker's exit end up here
+            # (GeneratorExit): the reads stop and their threads are joined now.
+            pipeline.close()
+            readers.discard(pipeline)
             self._delivered["wait_seconds"] += pipeline.wait_seconds
 
     # ---------------------------------------------------------------- state
@@ -426,7 +441,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def stats(self) -> dict[str, Any]:
         """What this process delivered and saw (workers keep their own)."""
-        pool = self._pool
+        pool = self._open.pool if self._open is not None else None
         endpoints = (
             {
                 text: {
@@ -450,6 +465,36 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pool"] = None  # channels and LMDB environments never cross processes
+        state["_open"] = None  # channels and LMDB environments never cross processes
         state.pop("_finalizer", None)
         return state
+
+
+class _Readers:
+    """One process's node pool and the pipelines reading through it.
+
+    Closing it stops and joins the pipelines before the pool closes, whoever
+    closes it: :meth:`EdgeDataset.close`, or the dataset's finalizer when it is
+    garbage-collected (in a reference cycle the finalizer runs before the
+    iterators are closed, so it must not assume they were).
+    """
+
+    def __init__(self, pool: NodePool) -> None:
+        self.pool = pool
+        self._pipelines: set[Pipeline] = set()
+        self._lock = threading.Lock()
+
+    def add(self, pipeline: Pipeline) -> None:
+        with self._lock:
+            self._pipelines.add(pipeline)
+
+    def discard(self, pipeline: Pipeline) -> None:
+        with self._lock:
+            self._pipelines.discard(pipeline)
+
+    def close(self) -> None:
+        with self._lock:
+            pipelines, self._pipelines = list(self._pipelines), set()
+        for pipeline in pipelines:
+            pipeline.close()
+        self.pool.close()

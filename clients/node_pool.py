@@ -64,6 +64,7 @@ class EndpointStats:
 @dataclass
 class _Stream:
     call: grpc.Call | None
+    stop: threading.Event | None = None  # set when the reader that opened it stops
     last: float = field(default_factory=time.monotonic)
     started: bool = False
 
@@ -250,8 +251,24 @@ class NodePool:
                 if stream.call is not None and now - stream.last > limit:
                     stream.call.cancel()
 
+    def cancel(self, stop: threading.Event) -> None:
+        """Cancel the gRPC streams of reads given ``stop`` (set it first).
+
+        Their readers then end at once instead of at the next chunk, and say
+        nothing: a read its caller stopped has not failed.
+        """
+        with self._lock:
+            calls = [s.call for s in self._active.values() if s.stop is stop]
+        for call in calls:
+            if call is not None:
+                call.cancel()
+
     def read_rows(
-        self, rows: ShardRange, edges: EdgeChunks | None = None
+        self,
+        rows: ShardRange,
+        edges: EdgeChunks | None = None,
+        *,
+        stop: threading.Event | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
         """(first row, batch) of the chunks covering ``rows``.
 
@@ -259,6 +276,8 @@ class NodePool:
         node from the first row not yet received. Raises :class:`AllNodesFailed`
         after ``retry_timeout`` seconds without progress on any node. Reads
         given the same ``edges`` decode a chunk across their shared edge once.
+        Once ``stop`` is set (and :meth:`cancel` called with it) the read ends
+        quietly, without failing over: its caller no longer wants the rows.
         """
         tail = None
         if edges is not None:  # chunks across our edges that a read beside us decoded
@@ -273,13 +292,14 @@ class NodePool:
             if tail is not None:
                 rows = rows.ending_at(tail[0])
         if not rows.empty:
-            yield from self._read_range(rows, edges)
+            yield from self._read_range(rows, edges, stop)
         if tail is not None:
             yield tail
 
     def _read_range(
-        self, rows: ShardRange, edges: EdgeChunks | None
+        self, rows: ShardRange, edges: EdgeChunks | None, stop: threading.Event | None
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        stop = stop or threading.Event()  # without one, the read runs until done or failed
         next_row, row_end = rows.row_start, rows.row_end
         deadline = time.monotonic() + self.retry_timeout
         errors: dict[str, str] = {}
@@ -288,14 +308,14 @@ class NodePool:
         while next_row < row_end:
             progressed = False
             for endpoint in self.ranked(rows.shard_id):
-                if next_row >= row_end:
-                    return  # the stream broke after the last row we needed arrived
+                if next_row >= row_end or stop.is_set():
+                    return  # done (the stream broke after the last row we needed), or stopped
                 try:
                     rest = rows.starting_at(next_row)
                     source = (
                         self._local_rows(endpoint, rest, edges)
                         if endpoint.local
-                        else self._grpc_rows(endpoint, rest, edges)
+                        else self._grpc_rows(endpoint, rest, edges, stop)
                     )
                     for first, batch in source:
                         end = first + batch.num_rows
@@ -306,29 +326,19 @@ class NodePool:
                         progressed = True
                     if next_row >= row_end:
                         return
-                except (ShardNotCached, CacheDirError) as exc:  # not here: try the others
-                    errors[endpoint.text] = str(exc)
-                except ChunkCorrupt as exc:
-                    errors[endpoint.text] = str(exc)
-                    self.stats[endpoint.text].failures += 1
-                    if corrupt_retries == 0:
-                        raise
-                    corrupt_retries -= 1
-                except grpc.RpcError as exc:
-                    if exc.code() not in _FAILOVER_CODES:
-                        raise
-                    errors[endpoint.text] = describe(exc)
-                    self.stats[endpoint.text].failures += 1
-                    self.stats[endpoint.text].last_error = errors[endpoint.text]
-                    self.stats[
-                        endpoint.text
-                    ].rtt_ms = math.inf  # until the next probe says otherwise
+                except Exception as exc:
+                    if stop.is_set():
+                        return  # our caller cancelled the read: not this node's failure
+                    errors[endpoint.text] = self._failover_reason(endpoint, exc)
+                    if isinstance(exc, ChunkCorrupt):
+                        if corrupt_retries == 0:
+                            raise
+                        corrupt_retries -= 1
                 if next_row < row_end:
                     self.failovers += 1
                     (log.warning if attempt == 0 else log.debug)(
-                        "%s@%s shard %d: %s failed (%s); continuing from row %d on the next node",
-                        rows.target.dataset,
-                        rows.target.version,
+                        "%s shard %d: %s failed (%s); continuing from row %d on the next node",
+                        rows.target,
                         rows.shard,
                         endpoint.text,
                         errors.get(endpoint.text),
@@ -340,20 +350,42 @@ class NodePool:
                 raise AllNodesFailed(
                     _all_failed(f"reading {rows.target} shard {rows.shard}", errors)
                 )
-            time.sleep(min(0.1 * 2**attempt, 2.0))
+            if stop.wait(min(0.1 * 2**attempt, 2.0)):
+                return
             attempt += 1
             self.probe(pings=1)
 
+    def _failover_reason(self, endpoint: Endpoint, exc: Exception) -> str:
+        """Why a read on ``endpoint`` failed, if another node may have the rows; else raise."""
+        stats = self.stats[endpoint.text]
+        if isinstance(exc, (ShardNotCached, CacheDirError)):  # not here: try the others
+            return str(exc)
+        if isinstance(exc, ChunkCorrupt):
+            stats.failures += 1
+            return str(exc)
+        if isinstance(exc, grpc.RpcError) and exc.code() in _FAILOVER_CODES:
+            stats.failures += 1
+            stats.last_error = describe(exc)
+            stats.rtt_ms = math.inf  # until the next probe says otherwise
+            return stats.last_error
+        raise exc
+
     def _grpc_rows(
-        self, endpoint: Endpoint, rows: ShardRange, edges: EdgeChunks | None = None
+        self,
+        endpoint: Endpoint,
+        rows: ShardRange,
+        edges: EdgeChunks | None = None,
+        stop: threading.Event | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
         target, shard = rows.target, rows.shard
         row_start, row_end = rows.row_start, rows.row_end
         call = self.read_shard_call(endpoint)(rows.request(), metadata=self._metadata)
-        stream = _Stream(call)
+        stream = _Stream(call, stop)
         key = id(stream)
         with self._lock:
             self._active[key] = stream
+        if stop is not None and stop.is_set():
+            call.cancel()  # stopped while it was being opened: cancel() did not see it
         stats = self.stats[endpoint.text]
         expected: int | None = None  # where the next chunk must start
         try:

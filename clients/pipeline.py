@@ -10,6 +10,7 @@ queue; a window is dropped as soon as the last batch that uses it is built.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -29,6 +30,11 @@ from edgecache.clients.tensors import ColumnKind, Gather, assemble
 __all__ = ["Pipeline"]
 
 _DONE = object()
+_CLOSED = object()
+
+
+class _Stopped(Exception):
+    """A read cut short by close(): its rows are incomplete and never used."""
 
 
 @dataclass
@@ -68,9 +74,14 @@ class Pipeline:
         self.wait_seconds = 0.0
         self._ready: queue.Queue[object] = queue.Queue(maxsize=ready_batches)
         self._stop = threading.Event()
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="edgecache-fetch")
+        self._fetchers: set[int] = set()
+        self._executor = ThreadPoolExecutor(
+            threads, thread_name_prefix="edgecache-fetch", initializer=self._fetcher_started
+        )
         self._assembler = threading.Thread(target=self._run, name="edgecache-assemble", daemon=True)
         self._edges: EdgeChunks | None = None
+        self._close_lock = threading.Lock()
+        self._closed = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, object]]]:
         self._assembler.start()
@@ -81,6 +92,11 @@ class Pipeline:
                 self.wait_seconds += time.perf_counter() - started
                 if item is _DONE:
                     return
+                if item is _CLOSED:
+                    raise ValueError(
+                        f"reading {self.target} after its dataset was closed; "
+                        "iterate the dataset again to start a new pass"
+                    )
                 if isinstance(item, _Failure):
                     raise item.exc
                 yield item  # type: ignore[misc]
@@ -88,25 +104,56 @@ class Pipeline:
             self.close()
 
     def close(self) -> None:
-        """Stop reading ahead (safe to call twice)."""
+        """Stop reading ahead and wait until every thread of this pipeline has finished.
+
+        Safe to call twice and from any thread. The caller may release what the
+        reads use (the node pool's channels and LMDB stores) once this returns:
+        the fetch threads decode zero-copy views of the LMDB map, so closing a
+        store under them would crash the process. In-flight gRPC streams are
+        cancelled so the joins are prompt, and a stopped read is not a failure
+        (no failover is counted or logged). A thread of this pipeline that
+        closes it (the garbage collector can run anywhere) is not waited for.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stop.set()
-        while True:  # unblock the assembler if it waits on a full queue
+        self.pool.cancel(self._stop)
+        self._drain()  # the assembler may wait for room in the queue
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        me = threading.current_thread()
+        if me is not self._assembler and self._assembler.ident is not None:
+            self._assembler.join()
+        if me.ident not in self._fetchers:
+            self._executor.shutdown(wait=True)
+        self._edges = None  # decoded chunks at window edges: they may hold LMDB views
+        self._drain()
+        self._ready.put(_CLOSED)  # a consumer still waiting, or asking later, is told
+
+    def _drain(self) -> None:
+        while True:
             try:
                 self._ready.get_nowait()
             except queue.Empty:
-                break
-        self._executor.shutdown(wait=False, cancel_futures=True)
+                return
 
     # ------------------------------------------------------------- assembler
+
+    def _fetcher_started(self) -> None:
+        self._fetchers.add(threading.get_ident())
 
     def _load(self, window: Window) -> _Loaded:
         firsts, batches = [], []
         rows = self.target.rows(window.shard, window.row_start, window.row_start + window.rows)
-        for first, batch in self.pool.read_rows(rows, self._edges):
-            if self._stop.is_set():
-                break
-            firsts.append(first)
-            batches.append(batch)
+        with contextlib.closing(self.pool.read_rows(rows, self._edges, stop=self._stop)) as read:
+            for first, batch in read:
+                if self._stop.is_set():
+                    break
+                firsts.append(first)
+                batches.append(batch)
+        if self._stop.is_set():
+            raise _Stopped  # partial: never assembled
         return _Loaded(firsts, batches, window.row_start + window.order())
 
     def _run(self) -> None:

@@ -1,0 +1,76 @@
+"""Stopping a training loop early: reads stop and join before what they read from is released.
+
+A max-steps training loop leaves every epoch early. The read-ahead threads
+may then be decoding zero-copy views of an LMDB map, or holding a gRPC
+stream; closing the store or channel under them crashed the process (SIGSEGV)
+or logged failovers that never happened. The loops run in a subprocess
+(tests/early_stop_child.py) so that a crash fails the test instead of pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, stub, write_parquet_shards
+
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.v1 import edge_pb2
+
+ROUNDS = 25
+CHILD = Path(__file__).with_name("early_stop_child.py")
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[LocalNode]]]:
+    """Two nodes; the first has the whole version staged in its LMDB cache."""
+    root = tmp_path_factory.mktemp("early-stop")
+    write_parquet_shards(root / "origin", 6, rows=2000)
+    registry = f"file://{root}/registry"
+    publish(registry, f"file://{root}/origin", "tokens")
+    nodes = [start_local_node(r, root / f"cache-{r}", registry) for r in ("eu", "us")]
+    for _ in stub(nodes[0].address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)):
+        pass
+    yield root / "cache-eu", nodes
+    for node in nodes:
+        node.stop()
+
+
+def run_child(endpoints: list[str], cache_dir: Path) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), json.dumps(endpoints), str(cache_dir), str(ROUNDS)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, (
+        f"exit code {proc.returncode} (-11 is SIGSEGV)\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def assert_clean(report: dict, log: str) -> None:
+    failures = [
+        line for line in log.splitlines() if line.startswith(("WARNING", "ERROR", "CRITICAL"))
+    ]
+    assert not failures, "\n".join(failures[:20])
+    assert "continuing from row" not in log and "Traceback" not in log, log[-4000:]
+    assert report["failovers"] == 0 and report["failures"] == 0, report
+    assert report["after"] == report["before"], report  # threads, descriptors, reader slots
+    assert report["exit_codes"] and set(report["exit_codes"]) == {0}, report  # workers too
+
+
+def test_early_stops_over_lmdb_never_crash_or_leak(staged) -> None:
+    cache_dir, _ = staged
+    report, log = run_child([f"lmdb://{cache_dir}"], cache_dir)
+    assert_clean(report, log)
+
+
+def test_early_stops_over_grpc_log_no_phantom_failovers(staged) -> None:
+    cache_dir, nodes = staged
+    report, log = run_child([n.address for n in nodes], cache_dir)
+    assert_clean(report, log)
