@@ -33,6 +33,7 @@ from edgecache.cache.errors import (
     CacheDirError,
     ChunkCorrupt,
     InvalidEndpoint,
+    NodeUnavailable,
     ShardNotCached,
 )
 from edgecache.cache.frame import Buffer, read_header, verify_frame
@@ -100,7 +101,9 @@ class NodePool:
         self._channels: dict[str, grpc.Channel] = {}
         self._stores: dict[str, CacheStore] = {}
         self._active: dict[int, _Stream] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the active streams
+        self._channel_lock = threading.RLock()  # channels, stubs, stores and the closed flag
+        self._closed = False
         self._stop = threading.Event()
         self.probe()
         self._threads = [
@@ -115,52 +118,92 @@ class NodePool:
     # ------------------------------------------------------------- plumbing
 
     def _channel(self, endpoint: Endpoint) -> grpc.Channel:
-        channel = self._channels.get(endpoint.text)
-        if channel is None:
-            channel = open_channel(endpoint, tls_root=self._tls_root)
-            self._channels[endpoint.text] = channel
-        return channel
+        """The endpoint's channel, opened once; never again after :meth:`close`.
+
+        Under the channel lock: a probe or read in flight when the pool closes
+        must not open a channel nobody will close.
+        """
+        with self._channel_lock:
+            if self._closed:
+                raise self._closed_error(endpoint)
+            channel = self._channels.get(endpoint.text)
+            if channel is None:
+                channel = open_channel(endpoint, tls_root=self._tls_root)
+                self._channels[endpoint.text] = channel
+            return channel
+
+    def _closed_error(self, endpoint: Endpoint) -> NodeUnavailable:
+        return NodeUnavailable(
+            f"{endpoint.text}: this NodePool is closed; open a new one "
+            "(EdgeDataset opens one when it is iterated again)",
+            endpoint=endpoint.text,
+        )
 
     def stub(self, endpoint: Endpoint) -> edge_pb2_grpc.EdgeCacheStub:
         """The EdgeCache stub of a gRPC endpoint."""
-        stub = self._stubs.get(endpoint.text)
-        if stub is None:
-            stub = self._stubs[endpoint.text] = edge_pb2_grpc.EdgeCacheStub(self._channel(endpoint))
-        return stub
+        with self._channel_lock:
+            stub = self._stubs.get(endpoint.text)
+            if stub is None:
+                stub = self._stubs[endpoint.text] = edge_pb2_grpc.EdgeCacheStub(
+                    self._channel(endpoint)
+                )
+            return stub
 
     def read_shard_call(self, endpoint: Endpoint) -> grpc.UnaryStreamMultiCallable:
         """ReadShard of a gRPC endpoint, its responses parsed by :func:`parse_chunk`."""
-        reader = self._readers.get(endpoint.text)
-        if reader is None:
-            reader = self._readers[endpoint.text] = self._channel(endpoint).unary_stream(
-                READ_SHARD_METHOD,
-                request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
-                response_deserializer=parse_chunk,
-            )
-        return reader
+        with self._channel_lock:
+            reader = self._readers.get(endpoint.text)
+            if reader is None:
+                reader = self._readers[endpoint.text] = self._channel(endpoint).unary_stream(
+                    READ_SHARD_METHOD,
+                    request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
+                    response_deserializer=parse_chunk,
+                )
+            return reader
 
     def store(self, endpoint: Endpoint) -> CacheStore:
         """The read-only store of a local endpoint, opened once per process.
 
         Under the lock: LMDB must not open one environment twice in a process.
         """
-        with self._lock:
+        with self._channel_lock:
+            if self._closed:
+                raise self._closed_error(endpoint)
             store = self._stores.get(endpoint.text)
             if store is None:
                 store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
             return store
 
     def close(self) -> None:
-        """Stop background threads, close channels and stores (safe to call twice)."""
-        self._stop.set()
-        for channel in self._channels.values():
-            channel.close()
-        for store in self._stores.values():
+        """Stop and join the background threads, then close channels and stores.
+
+        Safe to call twice. Streams still open are cancelled; a read in flight
+        ends with a "closed" error rather than failing over, and nothing reopens
+        a channel afterwards. Stop the reads first (EdgeDataset does): a store
+        still read from closes only when its last reader is done.
+        """
+        with self._channel_lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels, stores = list(self._channels.values()), list(self._stores.values())
+            self._channels.clear()
+            self._stubs.clear()
+            self._readers.clear()
+            self._stores.clear()
+        self._stop.set()  # wakes the watchdog's and the prober's waits
+        with self._lock:
+            calls = [s.call for s in self._active.values() if s.call is not None]
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()  # also ends a health check in flight
+        me = threading.current_thread()
+        for thread in self._threads:
+            if thread is not me and thread.ident is not None:
+                thread.join()
+        for store in stores:
             store.close()
-        self._channels.clear()
-        self._stubs.clear()
-        self._readers.clear()
-        self._stores.clear()
 
     # ----------------------------------------------------------------- ranking
 
@@ -170,13 +213,20 @@ class NodePool:
             if endpoint.local:
                 self.stats[endpoint.text].rtt_ms = 0.0
                 continue
-            health = health_pb2_grpc.HealthStub(self._channel(endpoint))
+            if self._closed:
+                return  # closing: a probe now would only measure the channels going away
+            try:
+                health = health_pb2_grpc.HealthStub(self._channel(endpoint))
+            except NodeUnavailable:
+                return  # closed since the check above
             samples = []
             for _ in range(pings):
                 started = time.perf_counter()
                 try:
                     reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
                 except grpc.RpcError as exc:
+                    if self._closed:
+                        return
                     self.stats[endpoint.text].last_error = describe(exc)
                     break
                 if reply.status != health_pb2.HealthCheckResponse.SERVING:
@@ -329,6 +379,8 @@ class NodePool:
                 except Exception as exc:
                     if stop.is_set():
                         return  # our caller cancelled the read: not this node's failure
+                    if self._closed:
+                        raise self._closed_error(endpoint) from exc
                     errors[endpoint.text] = self._failover_reason(endpoint, exc)
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
