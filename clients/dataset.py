@@ -35,12 +35,10 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
-import yaml
 from torch.utils.data import IterableDataset, get_worker_info
 
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint, StateMismatch, VersionNotFound
@@ -53,6 +51,7 @@ from edgecache.clients.node_pool import NodePool
 from edgecache.clients.pipeline import Pipeline
 from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import ColumnKind, column_kinds
+from edgecache.clients.topology import load_topology
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -70,22 +69,25 @@ def _distributed() -> tuple[int, int] | None:
 
 
 def _endpoints_from_config(
-    config: str | os.PathLike[str], region: str | None, *, only_region: bool = False
-) -> list[str]:
-    try:
-        doc = yaml.safe_load(Path(config).read_text()) or {}
-    except OSError as exc:
-        raise InvalidEndpoint(f"cannot read topology file {config}: {exc.strerror}") from exc
-    regions = doc.get("regions") if isinstance(doc, dict) else None
-    if not isinstance(regions, dict) or not regions:
-        raise InvalidEndpoint(f"{config} has no 'regions:' mapping of region → nodes")
-    if region is not None:
-        if region not in regions:
-            raise InvalidEndpoint(f"region {region!r} is not in {config}; it has {sorted(regions)}")
-        chosen = [region] if only_region else [region] + [r for r in regions if r != region]
-    else:
-        chosen = list(regions)
-    return [node for r in chosen for node in (regions[r] or {}).get("nodes", [])]
+    config: str | os.PathLike[str], region: str | None
+) -> tuple[list[str], list[str]]:
+    """(every node, the region's own nodes) of a topology file.
+
+    The region's nodes come first, then the other regions' in file order; with
+    no region, every node in file order. Read with :func:`load_topology`, the
+    loader the CLI uses, so a malformed file fails here with the same message
+    (file, line, field).
+    """
+    topology = load_topology(config)
+    regions = topology.regions
+    if region is None:
+        return [node for r in regions.values() for node in r.nodes], []
+    if region not in regions:
+        raise InvalidEndpoint(
+            f"region {region!r} is unknown: {config} has regions {', '.join(sorted(regions))}"
+        )
+    own = list(regions[region].nodes)
+    return own + [node for name, r in regions.items() if name != region for node in r.nodes], own
 
 
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
@@ -93,7 +95,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     Args:
         spec: ``name``, ``name@latest`` or ``name@N``; resolved once, here.
-        endpoints: ``host:port``, ``grpcs://host:port`` or ``lmdb:///cache/dir`` entries.
+        endpoints: ``host:port``, ``grpcs://host:port`` or ``lmdb:///cache/dir`` entries
+            (one endpoint may be given as a plain string).
         config / region: read the endpoints from a topology file (edgecache.yaml)
             instead; the region's nodes come first, other regions' after them.
         batch_size: samples per batch; ``None`` yields one sample at a time.
@@ -115,7 +118,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self,
         spec: str,
         *,
-        endpoints: Sequence[str] | None = None,
+        endpoints: str | Sequence[str] | None = None,
         config: str | os.PathLike[str] | None = None,
         region: str | None = None,
         batch_size: int | None = 256,
@@ -139,12 +142,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
-        texts = list(endpoints) if endpoints is not None else _endpoints_from_config(config, region)  # type: ignore[arg-type]
-        replicas = (
-            _endpoints_from_config(config, region, only_region=True)
-            if endpoints is None and region is not None and config is not None
-            else []
-        )
+        if endpoints is not None:
+            # One endpoint given as a string is one endpoint, not a list of characters.
+            texts, replicas = [endpoints] if isinstance(endpoints, str) else list(endpoints), []
+        else:
+            texts, replicas = _endpoints_from_config(config, region)  # type: ignore[arg-type]
         if not texts:
             raise InvalidEndpoint("the endpoint list is empty; give at least one host:port")
         self.endpoints: list[Endpoint] = [parse_endpoint(t) for t in texts]

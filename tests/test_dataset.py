@@ -14,6 +14,7 @@ from edgeutil import publish, write_parquet_shards
 
 from edgecache.cache.errors import (
     AllNodesFailed,
+    ConfigFileError,
     InvalidEndpoint,
     InvalidName,
     StateMismatch,
@@ -305,6 +306,35 @@ def test_topology_file_and_distributed_pinning(cluster, tmp_path: Path) -> None:
         assert (pinned.rank, pinned.world_size, pinned.version) == (0, 1, "tokens@1")
     finally:
         dist.destroy_process_group()
+
+
+def test_topology_errors_come_from_the_one_loader(cluster, tmp_path: Path) -> None:
+    # EdgeDataset reads edgecache.yaml with load_topology, like the CLI: a malformed
+    # region is a ConfigFileError naming file, line and field, never an AttributeError,
+    # and a string where a list belongs is refused, not read character by character.
+    _, nodes = cluster
+    head = "registry: file:///unused\nregions:\n"
+    shorthand = tmp_path / "shorthand.yaml"
+    shorthand.write_text(head + "  eu: [a:1, b:2]\n")
+    with pytest.raises(ConfigFileError, match=r"shorthand.yaml:3: regions.eu: .*dictionary"):
+        EdgeDataset("tokens@1", config=shorthand, region="eu")
+    one = tmp_path / "one.yaml"
+    one.write_text(head + '  eu:\n    nodes: "a:1"\n')
+    with pytest.raises(ConfigFileError, match=r"one.yaml:4: regions.eu.nodes: .*list"):
+        EdgeDataset("tokens@1", config=one)
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        head + f"  us-east:\n    nodes: [{nodes[1].address}]\n"
+        f"  eu-west:\n    nodes: [{nodes[0].address}]\n"
+    )
+    with pytest.raises(InvalidEndpoint, match=r"region 'mars' is unknown.*eu-west, us-east"):
+        EdgeDataset("tokens@1", config=good, region="mars")
+    ds = EdgeDataset("tokens@1", config=good, **SMALL)  # no region: every node, file order
+    assert [e.text for e in ds.endpoints] == [nodes[1].address, nodes[0].address]
+    # One endpoint as a plain string is one endpoint, not a list of characters.
+    single = EdgeDataset("tokens@1", endpoints=nodes[0].address, **SMALL)
+    assert [e.text for e in single.endpoints] == [nodes[0].address]
+    assert len(read_epoch(single, 0)) == TOTAL
 
 
 @pytest.mark.parametrize("workers", [0, 2])
