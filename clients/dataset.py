@@ -232,33 +232,26 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         return self._fetch_manifest(parsed.dataset, parsed.version)
 
     def _fetch_manifest(self, dataset: str, version: int | None) -> pb.Manifest:
-        grpc_endpoints = [e for e in self.endpoints if not e.local]
-        if grpc_endpoints:
-            pool = self.pool()
-            try:
-                resolved: Any = (
-                    pool.call("ResolveVersion", edge_pb2.ResolveVersionRequest(dataset=dataset))
-                    if version is None
-                    else None
-                )
-                number = version or resolved.version
-                return pool.call(  # type: ignore[return-value]
-                    "GetManifest", edge_pb2.GetManifestRequest(dataset=dataset, version=number)
-                )
-            except Exception as exc:
-                import grpc
+        """The manifest of ``dataset@version`` (latest when None), from a node if any.
 
-                if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND:
-                    raise VersionNotFound(
-                        f"{dataset}@{version or 'latest'}: {exc.details()}"
-                    ) from exc
-                if (
-                    isinstance(exc, grpc.RpcError)
-                    and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
-                ):
-                    raise ValueError(exc.details()) from exc
-                raise
-        return self._local_manifest(dataset, version)
+        A node's refusal arrives as an edgecache error naming it (see
+        :meth:`NodePool.call`): VersionNotFound, AccessDenied, InvalidRequest.
+        """
+        if not any(not e.local for e in self.endpoints):
+            return self._local_manifest(dataset, version)
+        pool = self.pool()
+        if version is None:
+            resolved: Any = pool.call(
+                "ResolveVersion",
+                edge_pb2.ResolveVersionRequest(dataset=dataset),
+                what=f"{dataset}@latest",
+            )
+            version = int(resolved.version)
+        return pool.call(  # type: ignore[return-value]
+            "GetManifest",
+            edge_pb2.GetManifestRequest(dataset=dataset, version=version),
+            what=f"{dataset}@{version}",
+        )
 
     def _local_manifest(self, dataset: str, version: int | None) -> pb.Manifest:
         for endpoint in self.endpoints:

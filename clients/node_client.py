@@ -16,21 +16,24 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pyarrow as pa
 
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import ChunkCorrupt
 from edgecache.cache.frame import read_header
-from edgecache.clients.channels import CHANNEL_OPTIONS
+from edgecache.clients.channels import open_channel
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = ["LocalNode", "connect", "read_shard", "start_local_node"]
 
 
 def connect(address: str) -> edge_pb2_grpc.EdgeCacheStub:
-    """A stub for the node at ``address`` (plaintext)."""
-    return edge_pb2_grpc.EdgeCacheStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    """A stub for the node at ``address`` (``host:port``, or ``grpcs://`` for TLS).
+
+    The channel comes from :func:`~edgecache.clients.channels.open_channel`, so
+    it has the same keepalive, message limits and retries as every client's.
+    """
+    return edge_pb2_grpc.EdgeCacheStub(open_channel(address))
 
 
 def read_shard(

@@ -41,7 +41,7 @@ from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.clients import rendezvous
-from edgecache.clients.channels import bearer, describe, open_channel
+from edgecache.clients.channels import bearer, describe, node_error, open_channel
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.endpoints import Endpoint
 from edgecache.clients.read_target import ShardRange
@@ -273,8 +273,16 @@ class NodePool:
 
     # ---------------------------------------------------------------- unary
 
-    def call(self, method: str, request: object) -> object:
-        """A unary call on the best gRPC endpoint, failing over to the others."""
+    def call(self, method: str, request: object, *, what: str = "") -> object:
+        """A unary call on the best gRPC endpoint, failing over to the others.
+
+        ``what`` names the subject (``tokens@3``) in error messages. A node
+        that is unreachable or too slow is skipped; any other refusal is the
+        answer (another node would give the same) and is raised as the
+        matching :class:`~edgecache.cache.errors.EdgeCacheError` by
+        :func:`~edgecache.clients.channels.node_error`, never as ``grpc.RpcError``.
+        """
+        label = f"{method} {what}".strip()
         errors: dict[str, str] = {}
         for endpoint in [e for e in self.ranked() if not e.local]:
             try:
@@ -286,8 +294,8 @@ class NodePool:
                     errors[endpoint.text] = describe(exc)
                     self.stats[endpoint.text].last_error = errors[endpoint.text]
                     continue
-                raise
-        raise AllNodesFailed(_all_failed(f"{method}", errors or {"(none)": "no gRPC endpoint"}))
+                raise node_error(exc, endpoint=endpoint.text, what=label) from exc
+        raise AllNodesFailed(_all_failed(label, errors or {"(none)": "no gRPC endpoint"}))
 
     # ------------------------------------------------------------ streaming
 
@@ -381,7 +389,7 @@ class NodePool:
                         return  # our caller cancelled the read: not this node's failure
                     if self._closed:
                         raise self._closed_error(endpoint) from exc
-                    errors[endpoint.text] = self._failover_reason(endpoint, exc)
+                    errors[endpoint.text] = self._failover_reason(endpoint, rest, exc)
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
                             raise
@@ -407,8 +415,13 @@ class NodePool:
             attempt += 1
             self.probe(pings=1)
 
-    def _failover_reason(self, endpoint: Endpoint, exc: Exception) -> str:
-        """Why a read on ``endpoint`` failed, if another node may have the rows; else raise."""
+    def _failover_reason(self, endpoint: Endpoint, rows: ShardRange, exc: Exception) -> str:
+        """Why a read on ``endpoint`` failed, if another node may have the rows; else raise.
+
+        Statuses that another node would answer the same way (refused
+        credentials, an unknown version, bad arguments) end the read as an
+        edgecache error naming the node and the rows.
+        """
         stats = self.stats[endpoint.text]
         if isinstance(exc, (ShardNotCached, CacheDirError)):  # not here: try the others
             return str(exc)
@@ -420,6 +433,8 @@ class NodePool:
             stats.last_error = describe(exc)
             stats.rtt_ms = math.inf  # until the next probe says otherwise
             return stats.last_error
+        if isinstance(exc, grpc.RpcError):
+            raise node_error(exc, endpoint=endpoint.text, what=f"ReadShard {rows}") from exc
         raise exc
 
     def _grpc_rows(

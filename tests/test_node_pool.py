@@ -5,23 +5,47 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import grpc
 import pytest
 from edgeutil import publish, write_parquet_shards
 
-from edgecache.cache.errors import NodeUnavailable
+from edgecache.cache.errors import AccessDenied, NodeUnavailable, VersionNotFound
 from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.clients.node_pool import NodePool
+from edgecache.clients.read_target import ReadTarget
 from edgecache.v1 import edge_pb2
+
+TOKEN = "read-secret"
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pool")
     write_parquet_shards(root / "origin", 2, rows=500)
     publish(f"file://{root}/registry", f"file://{root}/origin", "tokens")
-    node = start_local_node("eu", root / "cache", f"file://{root}/registry")
+    (root / "token").write_text(TOKEN)
+    return root
+
+
+@pytest.fixture(scope="module")
+def node(registry: Path) -> Iterator[LocalNode]:
+    node = start_local_node("eu", registry / "cache", f"file://{registry}/registry")
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded(registry: Path) -> Iterator[LocalNode]:
+    """A node that requires a read token."""
+    node = start_local_node(
+        "us",
+        registry / "cache-guarded",
+        f"file://{registry}/registry",
+        extra_args=["--read-token-file", str(registry / "token")],
+    )
     yield node
     node.stop()
 
@@ -43,3 +67,35 @@ def test_close_joins_background_threads_and_never_reopens_a_channel(node) -> Non
         assert not pool._channels  # nothing in flight reopened one after close
         pool.close()  # twice is fine
     assert not [t for t in threading.enumerate() if t.name.startswith("edgecache-")]
+
+
+def test_node_errors_reach_callers_as_edgecache_errors(guarded) -> None:
+    # Status codes become the EdgeCacheError tree at the client boundary, naming the
+    # node, the version and what to do; no grpc.RpcError reaches EdgeDataset's user.
+    from edgecache.clients import EdgeDataset
+
+    address = guarded.address
+    with pytest.raises(AccessDenied) as denied:
+        EdgeDataset("tokens@1", endpoints=[address])
+    assert not isinstance(denied.value, grpc.RpcError)
+    assert denied.value.endpoint == address and denied.value.code == "UNAUTHENTICATED"
+    assert address in str(denied.value) and "tokens@1" in str(denied.value)
+    assert "token" in str(denied.value)  # what to do: pass the token
+    with pytest.raises(VersionNotFound) as missing:
+        EdgeDataset("tokens@9", endpoints=[address], token=TOKEN)
+    assert address in str(missing.value) and "tokens@9" in str(missing.value)
+    with pytest.raises(VersionNotFound, match=f"nothing@latest on {address}"):
+        EdgeDataset("nothing", endpoints=[address], token=TOKEN)
+
+    # The streaming path: a shard read without the token.
+    ds = EdgeDataset("tokens@1", endpoints=[address], token=TOKEN)
+    pool = NodePool([parse_endpoint(address)])
+    try:
+        target = ReadTarget("tokens", 1, ds.manifest.digest, ds.schema)
+        with pytest.raises(AccessDenied) as denied:
+            list(pool.read_rows(target.rows(0, 0, 100)))
+        assert denied.value.endpoint == address and "tokens@1 shard 0" in str(denied.value)
+        assert pool.failovers == 0  # refused credentials are not a node failure
+    finally:
+        pool.close()
+        ds.close()
