@@ -370,7 +370,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             if worker is None:
                 self._cursor, self._samples_epoch = 0, 0  # epoch done: the next pass starts over
         except EdgeCacheError as exc:
-            raise type(exc)(f"{self.version}: {exc}") from exc
+            # The same object, re-raised: its class, attributes (a NodeError's endpoint
+            # and code) and traceback stay; the version is added as context.
+            note = f"while reading {self.version} with EdgeDataset"
+            if note not in getattr(exc, "__notes__", ()):
+                exc.add_note(note)
+            raise
         finally:
             # A break, an abandoned iterator or a DataLoader worker's exit end up here
             # (GeneratorExit): the reads stop and their threads are joined now.

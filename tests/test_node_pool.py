@@ -99,3 +99,19 @@ def test_node_errors_reach_callers_as_edgecache_errors(guarded) -> None:
     finally:
         pool.close()
         ds.close()
+
+
+def test_errors_during_iteration_keep_their_class_and_attributes(guarded) -> None:
+    # The dataset adds the version to an error as a note and re-raises the same
+    # object: rebuilding it as type(exc)(message) dropped endpoint and code.
+    from edgecache.clients import EdgeDataset
+
+    ds = EdgeDataset("tokens@1", endpoints=[guarded.address], token=TOKEN, batch_size=50)
+    ds.close()
+    ds._pool_args["token"] = None  # reads from here on go without it, as after a rotation
+    with pytest.raises(AccessDenied) as denied:
+        list(ds)
+    ds.close()
+    error = denied.value
+    assert error.endpoint == guarded.address and error.code == "UNAUTHENTICATED"
+    assert any("tokens@1" in note for note in getattr(error, "__notes__", []))
