@@ -483,6 +483,7 @@ class _Readers:
         self.pool = pool
         self._pipelines: set[Pipeline] = set()
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def add(self, pipeline: Pipeline) -> None:
         with self._lock:
@@ -493,6 +494,11 @@ class _Readers:
             self._pipelines.discard(pipeline)
 
     def close(self) -> None:
+        if os.getpid() != self._pid:
+            # A forked DataLoader worker inherits this (and the finalizer that calls it):
+            # the parent's threads do not exist here, and a lock one of them held at the
+            # fork would never be released. The worker's own readers are another object.
+            return
         with self._lock:
             pipelines, self._pipelines = list(self._pipelines), set()
         for pipeline in pipelines:

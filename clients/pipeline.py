@@ -6,6 +6,11 @@ they give on small hosts (every batch is pickled through shared memory).
 Windows are fetched in the order batches need them, up to ``prefetch_bytes``
 ahead; one assembler thread builds batches in canonical order into a small
 queue; a window is dropped as soon as the last batch that uses it is built.
+
+Stopping early (a ``break``, ``close()``, garbage collection, a DataLoader
+worker's exit) cancels the reads and joins every thread before it returns:
+the fetch threads decode zero-copy views of an LMDB map, and the node pool
+may close that store, or the channels of in-flight streams, right after.
 """
 
 from __future__ import annotations
@@ -84,7 +89,9 @@ class Pipeline:
         self._closed = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, object]]]:
-        self._assembler.start()
+        with self._close_lock:
+            if not self._closed:  # closed before the first batch: _CLOSED is waiting
+                self._assembler.start()
         try:
             while True:
                 started = time.perf_counter()
