@@ -142,9 +142,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
+        replicas: list[str] = []
         if endpoints is not None:
             # One endpoint given as a string is one endpoint, not a list of characters.
-            texts, replicas = [endpoints] if isinstance(endpoints, str) else list(endpoints), []
+            texts = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         else:
             texts, replicas = _endpoints_from_config(config, region)  # type: ignore[arg-type]
         if not texts:

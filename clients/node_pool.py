@@ -20,7 +20,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -327,7 +327,7 @@ class NodePool:
         edges: EdgeChunks | None = None,
         *,
         stop: threading.Event | None = None,
-    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+    ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
         """(first row, batch) of the chunks covering ``rows``.
 
         Batches are verified and decoded; a broken stream resumes on the next
