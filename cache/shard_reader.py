@@ -92,21 +92,39 @@ class ShardReader(ClosingContext):
                 f"{self.info.key} has {self.info.chunk_count} chunks; chunk {index} does not exist"
             )
         view = self._txn.get(chunk_key(self._raw_key, index), db=self._store._dbs[b"chunks"])
-        if not isinstance(view, memoryview):  # None: gone, which a complete shard never is
-            raise ChunkCorrupt(f"{self.info.key}: chunk {index} is missing from the store")
-        self._views.append(view)
-        if self._verify:
+        if isinstance(view, memoryview):
+            self._views.append(view)
+        if self._verify or view is None:
+            # Every way the entry can be wrong is damage: drop the shard so the next
+            # read is a miss and fetches it again, and never hand these bytes out.
             try:
-                header = verify_frame(view)
-                if header.checksum != self.info.checksums[index]:
-                    raise ChunkCorrupt(
-                        f"chunk checksum {header.checksum:016x} differs from the shard "
-                        f"record's {self.info.checksums[index]:016x}"
-                    )
+                self._check(index, view)
             except ChunkCorrupt as exc:
                 self._store._corrupt_chunk(self.info.key)
                 raise ChunkCorrupt(f"{self.info.key} chunk {index}: {exc}") from exc
+        assert isinstance(view, memoryview)
         return view
+
+    def _check(self, index: int, view: memoryview | None) -> None:
+        """Raise :class:`ChunkCorrupt` unless chunk ``index`` is whole and as the record says."""
+        info = self.info
+        if view is None:  # gone, which a complete shard's chunk never is
+            raise ChunkCorrupt("the chunk is missing from the store")
+        if len(info.checksums) != info.chunk_count or len(info.chunk_rows) != info.chunk_count:
+            raise ChunkCorrupt(
+                f"the shard record lists {len(info.checksums)} checksums and "
+                f"{len(info.chunk_rows)} row counts for {info.chunk_count} chunks"
+            )
+        header = verify_frame(view)  # magic, format, codec, lengths, then the checksum
+        if header.checksum != info.checksums[index]:
+            raise ChunkCorrupt(
+                f"chunk checksum {header.checksum:016x} differs from the shard "
+                f"record's {info.checksums[index]:016x}"
+            )
+        if header.rows != info.chunk_rows[index]:
+            raise ChunkCorrupt(
+                f"chunk holds {header.rows} rows, the shard record says {info.chunk_rows[index]}"
+            )
 
     def __iter__(self) -> Iterator[memoryview]:
         for index in range(self.info.chunk_count):

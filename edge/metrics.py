@@ -43,6 +43,14 @@ class NodeMetrics:
         self.origin_bytes = counter(
             "edgecache_origin_bytes_total", "Bytes fetched from origin"
         ).labels(**labels)
+        self.origin_fetches = counter(
+            "edgecache_origin_fetches_total",
+            "Raw shards fetched from origin (read-through misses, staging, re-fetches)",
+        ).labels(**labels)
+        self.corrupt_chunks = counter(
+            "edgecache_corrupt_chunks_total",
+            "Damaged chunks found in the cache: the shard was dropped and fetched again",
+        ).labels(**labels)
         self.origin_retries = counter(
             "edgecache_origin_retries_total", "Origin requests retried"
         ).labels(**labels)

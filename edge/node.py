@@ -383,7 +383,8 @@ class EdgeNode:
         if staging:
             await self.gate.acquire(shard.source_size)
         try:
-            log.info("fetching %s for %s", url, key)  # counted by the chaos tests
+            log.info("fetching %s for %s", url, key)
+            self.metrics.origin_fetches.inc()
             started = time.monotonic()
             store = self.stores.for_url(url)
             retries_before = store.stats.retries
@@ -470,12 +471,21 @@ class EdgeNode:
             )
         stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
         index = start_chunk
+        damaged = 0  # damaged chunks found since the last chunk served
         while index < stop:
             try:
                 encoded = self.encoded_chunk(key, index, firsts[index])
             except (ShardNotCached, ChunkCorrupt) as exc:
                 # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
                 # deterministic, so the stream can go on only if the chunks came out the same.
+                if isinstance(exc, ChunkCorrupt):
+                    self.metrics.corrupt_chunks.inc()
+                    damaged += 1
+                    if damaged > 1:  # damaged again straight after a re-fetch: not here
+                        raise ChunkCorrupt(
+                            f"{key} chunk {index} was damaged again after fetching the shard "
+                            f"anew ({exc}); read it from another node"
+                        ) from exc
                 log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
                 again, _ = await self.ensure_shard(manifest, shard)
                 self.counters.misses += 1
@@ -485,6 +495,7 @@ class EdgeNode:
                         f"{key} was re-encoded differently mid-stream; read it again from chunk 0"
                     ) from exc
                 continue
+            damaged = 0
             self.counters.bytes_served += len(encoded)
             self.counters.chunks_served += 1
             self.metrics.bytes_served.inc(len(encoded))

@@ -24,12 +24,14 @@ from edgecache.cache.errors import (
     ChunkCorrupt,
     CodecError,
     EdgeCacheError,
+    EmptyShard,
     InvalidName,
     MalformedShard,
     ManifestError,
     ObjectNotFound,
     OriginChanged,
     OriginError,
+    SchemaMismatch,
     ShardNotCached,
     StoreError,
     UnknownTransform,
@@ -74,10 +76,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         case OriginError():
             return grpc.StatusCode.UNAVAILABLE, message
         case ChunkCorrupt() | ShardNotCached():
-            # The node dropped a damaged entry; the client retries or fails over.
+            # Stored damage (any way a frame can be wrong, its length fields included):
+            # the node dropped the entry and fetches it again; the client retries or
+            # fails over meanwhile. Never FAILED_PRECONDITION, which clients do not retry.
             return grpc.StatusCode.UNAVAILABLE, message
-        case CodecError():
+        case SchemaMismatch() | EmptyShard():
+            # Origin's rows do not fit the version (found while encoding a fetched shard).
             return grpc.StatusCode.FAILED_PRECONDITION, message
+        case CodecError():
+            return grpc.StatusCode.UNAVAILABLE, message
         case StoreError():
             return grpc.StatusCode.INTERNAL, f"cache store error: {message}"
         case ValueError():

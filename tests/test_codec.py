@@ -92,8 +92,22 @@ def test_every_flipped_byte_is_detected(compression: str) -> None:
     for pos in positions:
         damaged = bytearray(frame)
         damaged[pos] ^= 1 << int(rng.integers(8))
-        with pytest.raises((ChunkCorrupt, ChunkTruncated)):
+        with pytest.raises(ChunkCorrupt):  # ChunkTruncated is a ChunkCorrupt too
             decode_chunk(bytes(damaged), TOKEN_SCHEMA)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_every_header_bit_is_checked_even_without_the_checksum(compression: str) -> None:
+    # decode_chunk(verify=False) trusts the checksum but not the header: every flipped bit
+    # of magic, format, codec, rows and both lengths is still ChunkCorrupt (never a
+    # MemoryError, an OverflowError or a ValueError of another kind).
+    frame = encode_shard([token_batch(50)], TOKEN_SCHEMA, CodecOptions(compression=compression))[0]  # type: ignore[arg-type]
+    for pos in range(HEADER_SIZE - 8):  # the last 8 bytes are the checksum
+        for bit in range(8):
+            damaged = bytearray(frame)
+            damaged[pos] ^= 1 << bit
+            with pytest.raises(ChunkCorrupt):
+                decode_chunk(bytes(damaged), TOKEN_SCHEMA, verify=False)
 
 
 def test_truncated_chunks() -> None:

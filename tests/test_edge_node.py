@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.request import urlopen
 
 import grpc
+import numpy as np
 import pyarrow as pa
 import pytest
 from edgeutil import publish, read_shard_table, stub, write_parquet_shards
@@ -20,6 +21,7 @@ from s3server import make_bucket, put_object, upload_dir
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.registry import Registry
 from edgecache.edge.config import NodeConfig
+from edgecache.edge.node import EdgeNode
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
@@ -42,6 +44,14 @@ def file_setup(tmp_path: Path) -> tuple[str, list[pa.Table]]:
     tables = write_parquet_shards(tmp_path / "origin", 4)
     publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/origin", "tokens")
     return f"file://{tmp_path}/registry", tables
+
+
+def metric(node: EdgeNode, name: str, **labels: str) -> float:
+    """A node's metric value, read from its Prometheus registry."""
+    value = node.metrics.registry.get_sample_value(
+        name, {"region": node.config.region, "node": node.node_id, **labels}
+    )
+    return 0.0 if value is None else value
 
 
 def code_of(call) -> grpc.StatusCode:  # noqa: ANN001
@@ -414,3 +424,81 @@ def test_s3_conditional_publish_and_changed_object(
         )
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"s3://{bucket}/raw/tokens/part-00000.parquet changed" in error.details()
+
+
+# ------------------------------------------------------------ stored damage
+
+
+def _header_flips(frame: bytes) -> dict[str, tuple[int, int]]:
+    """One flipped bit per header field: field name -> (offset into the frame, bit)."""
+    payload_len = int.from_bytes(frame[8:16], "little")
+    top = payload_len.bit_length() - 1  # a set bit: clearing it makes the header claim less
+    return {
+        "magic": (0, 0),
+        "format": (2, 1),
+        "codec": (3, 2),  # 1 ^ 4 = 5: no such codec
+        "rows": (4, 0),
+        "payload_len claims more": (11, 7),  # + 2 GiB
+        "payload_len claims less": (8 + top // 8, top % 8),
+        "raw_len": (16, 0),
+        "checksum": (24, 0),
+    }
+
+
+def test_damaged_frame_headers_are_dropped_and_refetched(tmp_path: Path) -> None:
+    """A flipped bit in any header field of a stored chunk, or a chunk gone: dropped,
+    re-fetched, never served.
+
+    The client (EdgeDataset over a real node) sees the right rows and no error; the node
+    counts each damaged chunk and fetches each damaged shard from origin once more.
+    """
+    import lmdb
+    from storeutil import flip_on_disk
+
+    from edgecache.cache.keys import chunk_key
+    from edgecache.cache.store import CacheStore
+    from edgecache.clients import EdgeDataset
+
+    kinds = [*_header_flips(b"\0" * 32), "chunk missing"]
+    tables = write_parquet_shards(tmp_path / "origin", len(kinds), rows=1000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(config(tmp_path, registry)) as node:
+        last = list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+        assert last[-1].shards_done == len(kinds)
+    with CacheStore(tmp_path / "cache", readonly=True) as store:
+        infos = store.shards("tokens", 1)
+        frames = [store.get_chunk(info.key, 1) for info in infos]  # a middle chunk of each
+    assert all(info.chunk_count > 2 for info in infos)
+    for info, kind, frame in zip(infos, kinds, frames, strict=True):
+        if kind == "chunk missing":  # the shard record lists it, the chunks db lost it
+            env = lmdb.open(str(tmp_path / "cache"), max_dbs=8)
+            chunks = env.open_db(b"chunks", create=False)
+            with env.begin(write=True) as txn:
+                assert txn.delete(chunk_key(info.key.encode(), 1), db=chunks)
+            env.close()
+        else:
+            offset, bit = _header_flips(frame)[kind]
+            flip_on_disk(tmp_path / "cache", frame, offset, bit)
+
+    with running_node(config(tmp_path, registry)) as node:
+        ds = EdgeDataset("tokens@1", endpoints=[node.address], batch_size=500, shuffle=False)
+        labels, ids = [], []
+        try:
+            for batch in ds:
+                labels.append(batch["label"].numpy().copy())
+                ids.append(batch["input_ids"].numpy().copy())
+        finally:
+            ds.close()
+        assert node.node is not None
+        corrupt = metric(node.node, "edgecache_corrupt_chunks_total")
+        fetches = metric(node.node, "edgecache_origin_fetches_total")
+        status = stub(node.address).Status(edge_pb2.StatusRequest())
+    truth = pa.concat_tables(tables)
+    want = truth.column("input_ids").combine_chunks().values.to_numpy().reshape(-1, 32)
+    label = np.concatenate(labels)
+    assert np.array_equal(np.sort(label), truth.column("label").to_numpy())  # each row once
+    assert np.array_equal(np.concatenate(ids), want[label])  # with the bytes it was published with
+    assert corrupt == len(kinds)  # every damaged chunk seen and counted
+    assert fetches == len(kinds)  # every damaged shard fetched from origin once more
+    assert status.misses == len(kinds)

@@ -153,3 +153,16 @@ def test_exposure_warns_only_beyond_loopback(tmp_path: Path) -> None:
     token.write_text("x")
     secured = config("10.0.0.5:7070", token_file=token, tls_cert=token, tls_key=token)
     assert exposure(secured) == []
+
+
+def test_stored_damage_is_unavailable_never_failed_precondition() -> None:
+    # Clients fail over or retry on UNAVAILABLE; FAILED_PRECONDITION ends their read.
+    import grpc
+
+    from edgecache.cache.errors import ChunkCorrupt, ChunkTruncated, EmptyShard, SchemaMismatch
+    from edgecache.edge.service import status_for
+
+    for damage in (ChunkCorrupt("x"), ChunkTruncated("x")):
+        assert status_for(damage)[0] == grpc.StatusCode.UNAVAILABLE
+    for origin_rows in (SchemaMismatch("x"), EmptyShard("x")):  # origin does not fit the version
+        assert status_for(origin_rows)[0] == grpc.StatusCode.FAILED_PRECONDITION

@@ -165,6 +165,61 @@ def test_bit_rot_in_lmdb_is_detected_and_shard_dropped(tmp_path: Path) -> None:
         assert s.stats.corrupt_chunks == 1 and s.stats.used_bytes == 0
 
 
+@pytest.mark.parametrize(
+    ("field", "offset", "bit"),
+    [
+        ("magic", 1, 0),
+        ("format", 2, 1),
+        ("codec", 3, 2),
+        ("rows", 5, 0),
+        ("payload_len: claims 2 GiB more", 11, 7),
+        ("payload_len: claims less", 9, 0),
+        ("raw_len", 17, 3),
+        ("checksum", 30, 6),
+    ],
+)
+def test_damaged_header_field_drops_the_shard(
+    tmp_path: Path, field: str, offset: int, bit: int
+) -> None:
+    # A damaged length field is damage like any other: the same ChunkCorrupt, the shard
+    # dropped, the corrupt counter up (a lying payload_len used to escape as a sibling).
+    frames = shard_frames()
+    with CacheStore(tmp_path / "c", capacity_bytes=64 << 20, sync=False) as s:
+        s.put_shard(K, frames)
+    if field == "payload_len: claims less":
+        assert int.from_bytes(frames[2][8:16], "little") >> 8 & 1  # a set bit to clear
+    flip_on_disk(tmp_path / "c", frames[2], offset=offset, bit=bit)
+    with CacheStore(tmp_path / "c", sync=False) as s:
+        with pytest.raises(ChunkCorrupt, match="chunk 2: "):
+            s.get_chunk(K, 2)
+        assert s.shard_info(K) is None, field
+        assert s.stats.corrupt_chunks == 1
+
+
+def test_missing_chunk_or_lying_record_drops_the_shard(tmp_path: Path) -> None:
+    from edgecache.cache.keys import chunk_key
+    from edgecache.v1 import store_pb2
+
+    frames = shard_frames()
+    with CacheStore(tmp_path / "c", capacity_bytes=64 << 20, sync=False) as s:
+        s.put_shard(K, frames)
+        s.put_shard(ShardKey("tokens", 1, 1), frames)
+        env, dbs = s._env, s._dbs
+        assert env is not None
+        with env.begin(write=True) as txn:  # damage LMDB's values the way bit rot would
+            txn.delete(chunk_key(K.encode(), 1), db=dbs[b"chunks"])
+            raw_key = ShardKey("tokens", 1, 1).encode()
+            record = store_pb2.StoredShard.FromString(txn.get(raw_key, db=dbs[b"shards"]))
+            record.chunk_rows[0] += 1
+            txn.put(raw_key, record.SerializeToString(), db=dbs[b"shards"])
+        with pytest.raises(ChunkCorrupt, match="chunk 1: the chunk is missing"):
+            s.get_chunk(K, 1)
+        with pytest.raises(ChunkCorrupt, match="chunk 0: chunk holds .* rows, the shard record"):
+            s.get_chunk(ShardKey("tokens", 1, 1), 0)
+        assert s.shard_info(K) is None and s.shard_info(ShardKey("tokens", 1, 1)) is None
+        assert s.stats.corrupt_chunks == 2 and s.stats.used_bytes == 0
+
+
 def test_bit_rot_seen_by_read_only_reader_is_never_returned(tmp_path: Path) -> None:
     frames = shard_frames()
     with CacheStore(tmp_path / "c", capacity_bytes=64 << 20, sync=False) as s:
