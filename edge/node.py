@@ -9,8 +9,11 @@ open (which would pin old pages and let the file grow).
 
 Concurrent requests for the same missing shard share one origin fetch
 (single-flight). Staging is background traffic: it goes through a
-:class:`StagingGate` that limits its byte rate and drops it to one shard at a
-time while training reads are streaming.
+:class:`~edgecache.edge.staging_gate.StagingGate` that limits its byte rate
+and drops it to one shard at a time while training reads are streaming.
+
+Results are domain values and exceptions from :mod:`edgecache.cache.errors`;
+turning them into gRPC messages and status codes is the service's job.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import asyncio
 import bisect
 import contextlib
 import functools
-import heapq
 import itertools
 import logging
 import os
@@ -52,143 +54,13 @@ from edgecache.cache.store import CacheStore, ShardInfo
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.metrics import NodeMetrics
+from edgecache.edge.staging_gate import StagingGate
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["EdgeNode", "StagingGate"]
+__all__ = ["STAGING_NICE", "EdgeNode", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class StagingGate:
-    """Shapes staging so it never starves training reads.
-
-    A token bucket caps staging's origin bytes per second (``rate=None``: no
-    cap). While training reads stream, and for ``hold`` seconds after the last
-    one ends (readers pause between windows and epochs), staging is background
-    work: one staging fetch may start at a time, and all staging fetches
-    together send one origin request (a ranged part) at a time, so fetches
-    already running slow down within one part. Otherwise staging keeps at
-    most ``requests`` origin requests in flight, enough to fill a long path
-    and few enough that none waits for a connection it would then hold.
-
-    Waiting requests are let in by ``order``, lowest first: staging numbers
-    its fetches as they start, so the parts of the oldest shard go first and
-    shards complete one after another, each preprocessed while later ones
-    download, instead of all together at the end. Hundreds of parts may wait
-    here at once, on the event loop that serves reads, so a freed slot wakes
-    one waiter, never all of them.
-    """
-
-    def __init__(
-        self, rate: int | None, concurrency: int, *, hold: float = 2.0, requests: int = 24
-    ) -> None:
-        self.rate = rate
-        self.concurrency = concurrency
-        self.hold = hold
-        self.max_requests = requests
-        self.reads_active = 0
-        self._quiet_from = 0.0  # monotonic time the hold after the last read ends
-        self._running = 0  # staging fetches in flight
-        self._requests = 0  # staging origin requests in flight
-        self._tokens = 0.0  # no initial burst: a warm-up starts at the configured rate
-        self._stamp = time.monotonic()
-        self._fetch_free = asyncio.Condition()
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
-        self._arrivals = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
-        self._wakers: set[asyncio.Future[None]] = set()
-
-    def reading(self) -> bool:
-        """Whether training reads are streaming (or stopped less than ``hold`` ago)."""
-        return self.reads_active > 0 or time.monotonic() < self._quiet_from
-
-    def _limit(self) -> int:
-        return 1 if self.reading() else self.concurrency
-
-    async def read_started(self) -> None:
-        """A training read began: staging drops to one fetch and one request at a time."""
-        self.reads_active += 1
-
-    async def read_finished(self) -> None:
-        """A training read ended; staging speeds up again ``hold`` seconds after the last."""
-        self.reads_active -= 1
-        if not self.reads_active:
-            self._quiet_from = time.monotonic() + self.hold
-            if self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(self.hold, self._hold_over)
-
-    def _hold_over(self) -> None:
-        self._timer = None
-        if self.reads_active:
-            return  # reading again: the read that ends last arms a new timer
-        left = self._quiet_from - time.monotonic()
-        if left > 0:  # a later read ended meanwhile
-            self._timer = asyncio.get_running_loop().call_later(left, self._hold_over)
-            return
-        self._grant()
-
-        async def open_up() -> None:
-            async with self._fetch_free:
-                self._fetch_free.notify(self.concurrency)
-
-        task = asyncio.ensure_future(open_up())
-        self._wakers.add(task)
-        task.add_done_callback(self._wakers.discard)
-
-    async def acquire(self, nbytes: int) -> None:
-        """Wait for a staging slot and for ``nbytes`` of rate budget."""
-        async with self._fetch_free:
-            await self._fetch_free.wait_for(lambda: self._running < self._limit())
-            self._running += 1
-        if self.rate:
-            now = time.monotonic()
-            self._tokens = min(
-                self._tokens + (now - self._stamp) * self.rate, float(max(self.rate, nbytes))
-            )
-            self._stamp = now
-            self._tokens -= nbytes
-            if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
-
-    async def release(self) -> None:
-        """Give a staging slot back."""
-        async with self._fetch_free:
-            self._running -= 1
-            self._fetch_free.notify(1)
-
-    def _request_limit(self) -> int:
-        return 1 if self.reading() else self.max_requests
-
-    def _grant(self) -> None:
-        """Let waiting requests in, lowest order first, while the limit allows."""
-        while self._waiting and self._requests < self._request_limit():
-            _, _, granted = heapq.heappop(self._waiting)
-            if not granted.done():  # else its waiter was cancelled
-                self._requests += 1
-                granted.set_result(None)
-
-    @contextlib.asynccontextmanager
-    async def request(self, order: int = 0) -> AsyncIterator[None]:
-        """Hold one of staging's origin-request slots (a store's ``slot``), by ``order``."""
-        if self._waiting or self._requests >= self._request_limit():
-            granted = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (order, next(self._arrivals), granted))
-            self._grant()  # room may be free: then the lowest order goes, maybe this one
-            try:
-                await granted
-            except asyncio.CancelledError:
-                if granted.done() and not granted.cancelled():  # granted, then cancelled
-                    self._requests -= 1
-                    self._grant()
-                raise
-        else:
-            self._requests += 1
-        try:
-            yield
-        finally:
-            self._requests -= 1
-            self._grant()
 
 
 @dataclass
@@ -201,6 +73,16 @@ class _Counters:
     origin_seconds: float = 0.0
     active_streams: int = 0
     started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedShard:
+    """What staging did with one shard: fetched it, found it cached, or failed."""
+
+    shard: int
+    source_bytes: int  # the raw object's size in origin
+    fetched: bool = False  # False with no error: it was cached already (skipped)
+    error: Exception | None = None  # why it failed; the shard stays absent
 
 
 def _encode_raw_shard(
@@ -505,40 +387,45 @@ class EdgeNode:
 
     # ----------------------------------------------------------------- staging
 
+    def staging_targets(self, manifest: manifest_pb2.Manifest, shards: Sequence[int]) -> list[int]:
+        """The shards a stage of ``shards`` covers (all when empty), validated, in key order."""
+        wanted = sorted(set(shards)) if shards else list(range(len(manifest.shards)))
+        for shard in wanted:
+            self.shard_ref(manifest, shard)
+        return wanted
+
     async def stage(
         self,
         manifest: manifest_pb2.Manifest,
         shards: Sequence[int],
         pin_until: datetime | None,
-    ) -> AsyncIterator[edge_pb2.StageProgress]:
-        """Fetch the shards not yet cached, reporting progress after each."""
-        wanted = sorted(set(shards)) if shards else list(range(len(manifest.shards)))
-        for shard in wanted:
-            self.shard_ref(manifest, shard)
+    ) -> AsyncIterator[StagedShard]:
+        """Fetch the shards not yet cached, yielding what became of each as it completes.
+
+        ``shards`` as for :meth:`staging_targets`. A shard that fails is reported
+        with its exception and does not stop the others.
+        """
+        wanted = self.staging_targets(manifest, shards)
         if pin_until is not None:
             await self._write(self.store.pin_version, manifest.dataset, manifest.version, pin_until)
-        progress = edge_pb2.StageProgress(
-            shards_total=len(wanted),
-            bytes_total=sum(manifest.shards[s].source_size for s in wanted),
-        )
-        started = time.monotonic()
         todo: asyncio.Queue[int] = asyncio.Queue()
         for shard in wanted:  # key order: sequential LMDB writes, predictable progress
             todo.put_nowait(shard)
-        results: asyncio.Queue[tuple[int, BaseException | None, bool]] = asyncio.Queue()
+        results: asyncio.Queue[StagedShard] = asyncio.Queue()
 
         async def worker() -> None:
             while not todo.empty():
                 shard = todo.get_nowait()
+                size = manifest.shards[shard].source_size
                 try:
                     _, fetched = await self.ensure_shard(manifest, shard, staging=True)
                 except EdgeCacheError as exc:
-                    await results.put((shard, exc, False))
+                    await results.put(StagedShard(shard, size, error=exc))
                 except Exception as exc:  # noqa: BLE001 - reported per shard, never crashes the node
                     log.exception("staging %s shard %d failed", manifest.dataset, shard)
-                    await results.put((shard, exc, False))
+                    await results.put(StagedShard(shard, size, error=exc))
                 else:
-                    await results.put((shard, None, fetched))
+                    await results.put(StagedShard(shard, size, fetched=fetched))
 
         self.metrics.staging_active.inc()
         # A cancelled Stage stops its workers; fetches already running finish and commit
@@ -549,29 +436,10 @@ class EdgeNode:
         ]
         try:
             for _ in wanted:
-                shard, error, fetched = await results.get()
-                if error is not None:
-                    from edgecache.edge.service import status_for  # the one mapping
-
-                    progress.shards_failed += 1
-                    progress.failures.add(
-                        shard=shard, message=str(error), code=status_for(error)[0].name
-                    )
-                    self.metrics.staged["failed"].inc()
-                else:
-                    progress.shards_done += 1
-                    if fetched:
-                        progress.bytes_done += manifest.shards[shard].source_size
-                        self.metrics.staged["staged"].inc()
-                    else:
-                        progress.shards_skipped += 1
-                        self.metrics.staged["skipped"].inc()
-                progress.bytes_per_second = progress.bytes_done / max(
-                    time.monotonic() - started, 1e-9
-                )
-                yield progress
-            progress.finished = True
-            yield progress
+                outcome = await results.get()
+                result = "failed" if outcome.error else "staged" if outcome.fetched else "skipped"
+                self.metrics.staged[result].inc()
+                yield outcome
         finally:
             self.metrics.staging_active.dec()
             for task in workers:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC
 from typing import Any, TypeVar
@@ -193,20 +194,38 @@ class EdgeCacheService:
         """Fetch a version's missing shards in the background, streaming progress."""
         manifest = await self.node.manifest(request.dataset, request.version)
         pin = request.pin_until.ToDatetime(tzinfo=UTC) if request.HasField("pin_until") else None
-        last: edge_pb2.StageProgress | None = None
-        async for progress in self.node.stage(manifest, list(request.shards), pin):
-            last = progress
+        wanted = self.node.staging_targets(manifest, list(request.shards))
+        progress = edge_pb2.StageProgress(
+            shards_total=len(wanted),
+            bytes_total=sum(manifest.shards[s].source_size for s in wanted),
+        )
+        started = time.monotonic()
+        first_failure: tuple[int, Exception, grpc.StatusCode] | None = None
+        async for outcome in self.node.stage(manifest, wanted, pin):
+            if outcome.error is not None:
+                code, _ = status_for(outcome.error)
+                progress.shards_failed += 1
+                progress.failures.add(
+                    shard=outcome.shard, message=str(outcome.error), code=code.name
+                )
+                first_failure = first_failure or (outcome.shard, outcome.error, code)
+            else:
+                progress.shards_done += 1
+                if outcome.fetched:
+                    progress.bytes_done += outcome.source_bytes
+                else:
+                    progress.shards_skipped += 1
+            progress.bytes_per_second = progress.bytes_done / max(time.monotonic() - started, 1e-9)
             yield progress
-        if last is not None and last.failures:
+        progress.finished = True
+        yield progress
+        if first_failure is not None:
             # Progress went out; the status says the stage is incomplete and why.
-            first = last.failures[0]
+            shard, error, code = first_failure
             raise _StageIncomplete(
-                f"{last.shards_failed} of {last.shards_total} shards of "
-                f"{manifest.dataset}@{manifest.version} failed; "
-                f"shard {first.shard}: {first.message}",
-                code=grpc.StatusCode.__members__.get(
-                    first.code, grpc.StatusCode.FAILED_PRECONDITION
-                ),
+                f"{progress.shards_failed} of {progress.shards_total} shards of "
+                f"{manifest.dataset}@{manifest.version} failed; shard {shard}: {error}",
+                code=code,
             )
 
     @_unary

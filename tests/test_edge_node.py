@@ -251,6 +251,7 @@ def test_malformed_shard_fails_alone_during_stage(tmp_path: Path) -> None:
         last = events[-1]
         assert last.finished and last.shards_failed == 1 and last.shards_done == 2
         assert "part-00001.parquet" in last.failures[0].message
+        assert last.failures[0].code == "FAILED_PRECONDITION"  # mapped by the service
         assert read_shard_table(c, "tokens", 1, 2).num_rows == 3000
         status = c.Status(edge_pb2.StatusRequest())
         assert status.versions[0].shard_count == 2  # nothing partial

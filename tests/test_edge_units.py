@@ -14,7 +14,7 @@ from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import format_bytes, parse_rate, parse_size
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, load_node_config
-from edgecache.edge.node import StagingGate
+from edgecache.edge.staging_gate import StagingGate
 from edgecache.v1 import edge_pb2
 
 
@@ -166,3 +166,62 @@ def test_stored_damage_is_unavailable_never_failed_precondition() -> None:
         assert status_for(damage)[0] == grpc.StatusCode.UNAVAILABLE
     for origin_rows in (SchemaMismatch("x"), EmptyShard("x")):  # origin does not fit the version
         assert status_for(origin_rows)[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_node_logic_knows_nothing_of_grpc() -> None:
+    # EdgeNode yields domain results and raises edgecache errors; the service alone maps
+    # them to gRPC status codes (importing it back would make the two one module).
+    import ast
+
+    import edgecache.edge.node as node
+    import edgecache.edge.staging_gate as gate
+
+    for module in (node, gate):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {
+            name
+            for stmt in ast.walk(tree)
+            if isinstance(stmt, ast.Import | ast.ImportFrom)
+            for name in (
+                [a.name for a in stmt.names] if isinstance(stmt, ast.Import) else [stmt.module]
+            )
+        }
+        assert not {n for n in imported if n and (n == "grpc" or n.startswith("grpc."))}
+        assert "edgecache.edge.service" not in imported
+
+
+def test_stage_yields_each_shard_with_its_exception(tmp_path: Path) -> None:
+    from edgecache.cache.errors import MalformedShard
+    from edgecache.edge.node import EdgeNode, StagedShard
+    from edgecache.v1 import manifest_pb2
+
+    async def scenario() -> list[StagedShard]:
+        node = EdgeNode(
+            NodeConfig(
+                region="eu", cache_dir=tmp_path / "c", registry="file:///r", capacity="64MiB"
+            )
+        )
+        failure = MalformedShard("row 3 of part-1 is not JSON")
+
+        async def ensure_shard(manifest, shard, *, staging=False):  # noqa: ANN001, ANN202
+            assert staging
+            if shard == 1:
+                raise failure
+            return None, shard == 2
+
+        node.ensure_shard = ensure_shard  # type: ignore[method-assign]
+        manifest = manifest_pb2.Manifest(dataset="d", version=1)
+        for size in (10, 20, 30):
+            manifest.shards.add(source_size=size)
+        try:
+            return [o async for o in node.stage(manifest, [], None)]
+        finally:
+            await node.close()
+
+    outcomes = sorted(asyncio.run(scenario()), key=lambda o: o.shard)
+    assert [(o.shard, o.source_bytes, o.fetched) for o in outcomes] == [
+        (0, 10, False),
+        (1, 20, False),
+        (2, 30, True),
+    ]
+    assert isinstance(outcomes[1].error, MalformedShard) and outcomes[0].error is None

@@ -1,0 +1,150 @@
+"""The staging gate: shapes background staging so it never starves training reads.
+
+Staging fetches raw shards from origin ahead of the jobs that will read them;
+training reads (``ReadShard`` streams) come first. Every staging fetch and
+every origin request it sends (a whole object or one ranged part) passes
+through one :class:`StagingGate` per node, which holds a byte-rate budget and
+slot counts, and lets waiting requests in oldest fetch first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import AsyncIterator
+
+__all__ = ["StagingGate"]
+
+
+class StagingGate:
+    """Shapes staging so it never starves training reads.
+
+    A token bucket caps staging's origin bytes per second (``rate=None``: no
+    cap). While training reads stream, and for ``hold`` seconds after the last
+    one ends (readers pause between windows and epochs), staging is background
+    work: one staging fetch may start at a time, and all staging fetches
+    together send one origin request (a ranged part) at a time, so fetches
+    already running slow down within one part. Otherwise staging keeps at
+    most ``requests`` origin requests in flight, enough to fill a long path
+    and few enough that none waits for a connection it would then hold.
+
+    Waiting requests are let in by ``order``, lowest first: staging numbers
+    its fetches as they start, so the parts of the oldest shard go first and
+    shards complete one after another, each preprocessed while later ones
+    download, instead of all together at the end. Hundreds of parts may wait
+    here at once, on the event loop that serves reads, so a freed slot wakes
+    one waiter, never all of them.
+    """
+
+    def __init__(
+        self, rate: int | None, concurrency: int, *, hold: float = 2.0, requests: int = 24
+    ) -> None:
+        self.rate = rate
+        self.concurrency = concurrency
+        self.hold = hold
+        self.max_requests = requests
+        self.reads_active = 0
+        self._quiet_from = 0.0  # monotonic time the hold after the last read ends
+        self._running = 0  # staging fetches in flight
+        self._requests = 0  # staging origin requests in flight
+        self._tokens = 0.0  # no initial burst: a warm-up starts at the configured rate
+        self._stamp = time.monotonic()
+        self._fetch_free = asyncio.Condition()
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._arrivals = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._wakers: set[asyncio.Future[None]] = set()
+
+    def reading(self) -> bool:
+        """Whether training reads are streaming (or stopped less than ``hold`` ago)."""
+        return self.reads_active > 0 or time.monotonic() < self._quiet_from
+
+    def _limit(self) -> int:
+        return 1 if self.reading() else self.concurrency
+
+    async def read_started(self) -> None:
+        """A training read began: staging drops to one fetch and one request at a time."""
+        self.reads_active += 1
+
+    async def read_finished(self) -> None:
+        """A training read ended; staging speeds up again ``hold`` seconds after the last."""
+        self.reads_active -= 1
+        if not self.reads_active:
+            self._quiet_from = time.monotonic() + self.hold
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(self.hold, self._hold_over)
+
+    def _hold_over(self) -> None:
+        self._timer = None
+        if self.reads_active:
+            return  # reading again: the read that ends last arms a new timer
+        left = self._quiet_from - time.monotonic()
+        if left > 0:  # a later read ended meanwhile
+            self._timer = asyncio.get_running_loop().call_later(left, self._hold_over)
+            return
+        self._grant()
+
+        async def open_up() -> None:
+            async with self._fetch_free:
+                self._fetch_free.notify(self.concurrency)
+
+        task = asyncio.ensure_future(open_up())
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
+
+    async def acquire(self, nbytes: int) -> None:
+        """Wait for a staging slot and for ``nbytes`` of rate budget."""
+        async with self._fetch_free:
+            await self._fetch_free.wait_for(lambda: self._running < self._limit())
+            self._running += 1
+        if self.rate:
+            now = time.monotonic()
+            self._tokens = min(
+                self._tokens + (now - self._stamp) * self.rate, float(max(self.rate, nbytes))
+            )
+            self._stamp = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+
+    async def release(self) -> None:
+        """Give a staging slot back."""
+        async with self._fetch_free:
+            self._running -= 1
+            self._fetch_free.notify(1)
+
+    def _request_limit(self) -> int:
+        return 1 if self.reading() else self.max_requests
+
+    def _grant(self) -> None:
+        """Let waiting requests in, lowest order first, while the limit allows."""
+        while self._waiting and self._requests < self._request_limit():
+            _, _, granted = heapq.heappop(self._waiting)
+            if not granted.done():  # else its waiter was cancelled
+                self._requests += 1
+                granted.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def request(self, order: int = 0) -> AsyncIterator[None]:
+        """Hold one of staging's origin-request slots (a store's ``slot``), by ``order``."""
+        if self._waiting or self._requests >= self._request_limit():
+            granted = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (order, next(self._arrivals), granted))
+            self._grant()  # room may be free: then the lowest order goes, maybe this one
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():  # granted, then cancelled
+                    self._requests -= 1
+                    self._grant()
+                raise
+        else:
+            self._requests += 1
+        try:
+            yield
+        finally:
+            self._requests -= 1
+            self._grant()
