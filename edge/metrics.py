@@ -1,8 +1,10 @@
-"""Prometheus metrics of one edge node.
+"""Prometheus metrics of one edge node: the one place its counts are kept.
 
 Each node owns a ``CollectorRegistry`` (not the process-global one), so
 several nodes in one process (tests, the demo) keep separate figures. Names
 follow Prometheus conventions: ``_total`` counters, base units in the name.
+The node's ``Status`` reply reads its hits, misses and traffic back from here
+(:meth:`NodeMetrics.value`), so ``/metrics`` and ``Status`` cannot disagree.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class NodeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._http: Any = None
         labels = {"region": region, "node": node_id}
+        self._labels = labels
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, [*labels, *extra], registry=self.registry)
@@ -82,6 +85,16 @@ class NodeMetrics:
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
         self.active_streams = gauge("edgecache_active_streams", "ReadShard streams in flight")
         self.staging_active = gauge("edgecache_staging_active", "Stage requests in flight")
+
+    def value(self, name: str, **labels: str) -> float:
+        """The current value of one of this node's samples (0 before it has one).
+
+        ``name`` is the sample's name as ``/metrics`` shows it (a histogram's
+        ``_sum`` or ``_count`` too); ``labels`` beyond region and node, such as
+        ``result="staged"``.
+        """
+        found = self.registry.get_sample_value(name, {**self._labels, **labels})
+        return 0.0 if found is None else found
 
     def serve(self, host: str, port: int) -> int:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks one)."""

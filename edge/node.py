@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
@@ -61,18 +61,6 @@ __all__ = ["STAGING_NICE", "EdgeNode", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    bytes_served: int = 0
-    chunks_served: int = 0
-    origin_bytes: int = 0
-    origin_seconds: float = 0.0
-    active_streams: int = 0
-    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +110,7 @@ def _lower_priority() -> None:
 
 
 class EdgeNode:
-    """One region's edge node: a cache store, a registry view, staging and counters."""
+    """One region's edge node: a cache store, a registry view, staging and metrics."""
 
     def __init__(self, config: NodeConfig, *, store: CacheStore | None = None) -> None:
         self.config = config
@@ -135,7 +123,7 @@ class EdgeNode:
         self.metrics = NodeMetrics(config.region, self.node_id)
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
-        self.counters = _Counters()
+        self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self._inflight: dict[ShardKey, asyncio.Task[ShardInfo]] = {}
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
@@ -281,8 +269,6 @@ class EdgeNode:
             self.metrics.origin_seconds.observe(elapsed)
             self.metrics.origin_bytes.inc(len(data))
             self.metrics.origin_retries.inc(store.stats.retries - retries_before)
-            self.counters.origin_bytes += len(data)
-            self.counters.origin_seconds += elapsed
             if staging:
                 self.metrics.staged_bytes.inc(len(data))
         finally:
@@ -338,12 +324,7 @@ class EdgeNode:
                 f"{key} has rows 0..{rows}; the range {start_row}..{end_row or rows} is invalid"
             )
         info, missed = await self.ensure_shard(manifest, shard)
-        if missed:
-            self.counters.misses += 1
-            self.metrics.misses.inc()
-        else:
-            self.counters.hits += 1
-            self.metrics.hits.inc()
+        (self.metrics.misses if missed else self.metrics.hits).inc()
         firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
         if start_row:
             start_chunk = bisect.bisect_right(firsts, start_row) - 1
@@ -370,7 +351,6 @@ class EdgeNode:
                         ) from exc
                 log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
                 again, _ = await self.ensure_shard(manifest, shard)
-                self.counters.misses += 1
                 self.metrics.misses.inc()
                 if again.checksums != info.checksums:
                     raise ChunkCorrupt(
@@ -378,8 +358,6 @@ class EdgeNode:
                     ) from exc
                 continue
             damaged = 0
-            self.counters.bytes_served += len(encoded)
-            self.counters.chunks_served += 1
             self.metrics.bytes_served.inc(len(encoded))
             self.metrics.chunks_served.inc()
             yield encoded
@@ -454,25 +432,24 @@ class EdgeNode:
         return freed
 
     def status(self) -> edge_pb2.NodeStatus:
-        """What the node holds and has done."""
+        """What the node holds and has done (its counts as its metrics keep them)."""
         stats = self.store.stats
+        value = self.metrics.value
+        origin_bytes = value("edgecache_origin_bytes_total")
+        origin_seconds = value("edgecache_origin_fetch_seconds_sum")
         status = edge_pb2.NodeStatus(
             region=self.config.region,
             node_id=self.node_id,
             capacity_bytes=stats.capacity_bytes,
             used_bytes=stats.used_bytes,
-            hits=self.counters.hits,
-            misses=self.counters.misses,
-            bytes_served=self.counters.bytes_served,
-            chunks_served=self.counters.chunks_served,
-            origin_bytes=self.counters.origin_bytes,
-            origin_bytes_per_second=(
-                self.counters.origin_bytes / self.counters.origin_seconds
-                if self.counters.origin_seconds
-                else 0.0
-            ),
-            active_streams=self.counters.active_streams,
-            uptime_seconds=time.monotonic() - self.counters.started,
+            hits=int(value("edgecache_cache_hits_total")),
+            misses=int(value("edgecache_cache_misses_total")),
+            bytes_served=int(value("edgecache_served_bytes_total")),
+            chunks_served=int(value("edgecache_served_chunks_total")),
+            origin_bytes=int(origin_bytes),
+            origin_bytes_per_second=origin_bytes / origin_seconds if origin_seconds else 0.0,
+            active_streams=int(value("edgecache_active_streams")),
+            uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
         )
         for v in self.store.versions():

@@ -174,7 +174,6 @@ class EdgeCacheService:
                 f"not {request.digest}: the registry and the reader disagree about the version"
             )
         node = self.node
-        node.counters.active_streams += 1
         node.metrics.active_streams.inc()
         await node.gate.read_started()
         try:
@@ -185,7 +184,6 @@ class EdgeCacheService:
         finally:
             await node.gate.read_finished()
             node.metrics.active_streams.dec()
-            node.counters.active_streams -= 1
 
     @_streaming
     async def Stage(  # noqa: N802
