@@ -14,15 +14,40 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-__all__ = ["StagingGate"]
+__all__ = ["StagingGate", "TokenBucket"]
+
+
+class TokenBucket:
+    """A byte-rate budget: how long to wait before sending ``nbytes`` at ``rate`` bytes/s.
+
+    It starts empty (no initial burst: a warm-up starts at the configured rate)
+    and holds at most one second of budget, or one request if that is larger.
+    ``clock`` is the time source, in seconds (monotonic).
+    """
+
+    def __init__(self, rate: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self._clock = clock
+        self._tokens = 0.0
+        self._stamp = clock()
+
+    def debit(self, nbytes: int) -> float:
+        """Take ``nbytes`` of budget; the seconds to wait before using it (0: none)."""
+        now = self._clock()
+        self._tokens = min(
+            self._tokens + (now - self._stamp) * self.rate, float(max(self.rate, nbytes))
+        )
+        self._stamp = now
+        self._tokens -= nbytes
+        return -self._tokens / self.rate if self._tokens < 0 else 0.0
 
 
 class StagingGate:
     """Shapes staging so it never starves training reads.
 
-    A token bucket caps staging's origin bytes per second (``rate=None``: no
+    A :class:`TokenBucket` caps staging's origin bytes per second (``rate=None``: no
     cap). While training reads stream, and for ``hold`` seconds after the last
     one ends (readers pause between windows and epochs), staging is background
     work: one staging fetch may start at a time, and all staging fetches
@@ -50,8 +75,7 @@ class StagingGate:
         self._quiet_from = 0.0  # monotonic time the hold after the last read ends
         self._running = 0  # staging fetches in flight
         self._requests = 0  # staging origin requests in flight
-        self._tokens = 0.0  # no initial burst: a warm-up starts at the configured rate
-        self._stamp = time.monotonic()
+        self._bucket = TokenBucket(rate) if rate else None
         self._fetch_free = asyncio.Condition()
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
         self._arrivals = itertools.count()
@@ -100,15 +124,9 @@ class StagingGate:
         async with self._fetch_free:
             await self._fetch_free.wait_for(lambda: self._running < self._limit())
             self._running += 1
-        if self.rate:
-            now = time.monotonic()
-            self._tokens = min(
-                self._tokens + (now - self._stamp) * self.rate, float(max(self.rate, nbytes))
-            )
-            self._stamp = now
-            self._tokens -= nbytes
-            if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
+        wait = self._bucket.debit(nbytes) if self._bucket else 0.0
+        if wait:
+            await asyncio.sleep(wait)
 
     async def release(self) -> None:
         """Give a staging slot back."""

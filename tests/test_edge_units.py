@@ -14,7 +14,7 @@ from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import format_bytes, parse_rate, parse_size
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, load_node_config
-from edgecache.edge.staging_gate import StagingGate
+from edgecache.edge.staging_gate import StagingGate, TokenBucket
 from edgecache.v1 import edge_pb2
 
 
@@ -44,7 +44,20 @@ def test_gate_drops_to_one_fetch_while_reads_stream() -> None:
     assert asyncio.run(scenario()) == (4, 1)
 
 
-def test_gate_limits_the_byte_rate() -> None:
+def test_token_bucket_spaces_requests_at_the_rate() -> None:
+    now = [0.0]
+    bucket = TokenBucket(10_000_000, clock=lambda: now[0])  # 10 MB/s, starts empty
+    waits = []
+    for _ in range(5):  # 1 MB each, sent as soon as allowed
+        waits.append(bucket.debit(1_000_000))
+        now[0] += waits[-1]
+    assert waits == pytest.approx([0.1] * 5) and now[0] == pytest.approx(0.5)
+    now[0] += 10  # idle for long: at most one second of budget builds up
+    assert bucket.debit(10_000_000) == 0 and bucket.debit(1_000_000) == pytest.approx(0.1)
+    assert bucket.debit(50_000_000) == pytest.approx(5.1)  # a request larger than a second's
+
+
+def test_gate_holds_staging_back_to_its_byte_rate() -> None:
     async def scenario() -> float:
         gate = StagingGate(rate=10_000_000, concurrency=8)  # 10 MB/s
         started = time.monotonic()
@@ -53,7 +66,9 @@ def test_gate_limits_the_byte_rate() -> None:
             await gate.release()
         return time.monotonic() - started
 
-    assert 0.4 <= asyncio.run(scenario()) <= 2.0  # 5 MB at 10 MB/s
+    # 5 MB at 10 MB/s cannot pass in less than about 0.5 s; how much longer a loaded
+    # machine takes is not the gate's doing (speed is measured in bench/).
+    assert asyncio.run(scenario()) >= 0.45
 
 
 def test_settings_precedence_and_errors(tmp_path: Path) -> None:
