@@ -91,8 +91,9 @@ class ShardReader(ClosingContext):
             raise IndexError(
                 f"{self.info.key} has {self.info.chunk_count} chunks; chunk {index} does not exist"
             )
-        view = self._txn.get(chunk_key(self._raw_key, index), db=self._store._dbs[b"chunks"])
-        if isinstance(view, memoryview):
+        found = self._txn.get(chunk_key(self._raw_key, index), db=self._store._dbs[b"chunks"])
+        view = found if isinstance(found, memoryview) else None  # None: gone
+        if view is not None:
             self._views.append(view)
         if self._verify or view is None:
             # Every way the entry can be wrong is damage: drop the shard so the next
@@ -102,7 +103,7 @@ class ShardReader(ClosingContext):
             except ChunkCorrupt as exc:
                 self._store._corrupt_chunk(self.info.key)
                 raise ChunkCorrupt(f"{self.info.key} chunk {index}: {exc}") from exc
-        assert isinstance(view, memoryview)
+        assert view is not None  # _check raised otherwise
         return view
 
     def _check(self, index: int, view: memoryview | None) -> None:
