@@ -48,6 +48,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    started = os.environ.get("EDGECACHE_DEPLOY_STARTED")  # set by make test-deploy
+    if started:
+        REPORT.append(
+            f"make test-deploy wall time: {time.time() - int(started):.0f} s "
+            "(engine, base image, builds, stack, tests)"
+        )
     if REPORT:
         terminalreporter.section("test-deploy")
         for line in REPORT:
