@@ -162,6 +162,8 @@ def stack() -> Iterator[Stack]:
     started = time.monotonic()
     s("build")
     built = time.monotonic()
+    # Superseded builds of a changing tree pile up untagged; keep a day's for the cache.
+    run("docker", "image", "prune", "-f", "--filter", "until=24h", check=False)
     s("up", "-d")
     s.refresh()
     try:
