@@ -323,34 +323,40 @@ def _plan_region(
                     )
                 )
                 continue
+            too_slow: Infeasible | None = None
             if finish > job.start:
                 available = max((job.start - begin).total_seconds(), 0.0)
-                result.infeasible.append(
-                    Infeasible(
-                        job.name,
-                        state.name,
-                        spec,
-                        f"needs {duration.total_seconds():,.0f} s at {bandwidth * 8 / 1e9:.2f} "
-                        f"Gbit/s from {source}, only {available:,.0f} s before the start",
-                    )
+                too_slow = Infeasible(
+                    job.name,
+                    state.name,
+                    spec,
+                    f"needs {duration.total_seconds():,.0f} s at {bandwidth * 8 / 1e9:.2f} "
+                    f"Gbit/s from {source}, only {available:,.0f} s before the start",
                 )
-                continue
-            # Make room: evict what is needed furthest ahead (or never), never what a job
-            # reads between this task's start and this job's end. If that is not enough
-            # now, start just in time instead: later, more jobs have finished.
+                if finish >= job.end:  # it would arrive after the job: no use staging it
+                    result.infeasible.append(too_slow)
+                    continue
+                # Late, but the job still reads it after it arrives: stage it anyway (the
+                # job reads through to origin until then), and say it is late.
+            # Make room. Best: evict only versions no job needs again, now or, failing
+            # that, just in time (later, more jobs have finished). Otherwise Belady: what
+            # is needed furthest ahead, to be staged again for its job. Never what a job
+            # reads between this task's start and this job's end.
             shortfall = used + size - partial.get(version, 0) - state.capacity_bytes
             victims: list[tuple[VersionKey, datetime | None]] = []
             if shortfall > 0:
-                victims, freed = _victims(
-                    resident, shortfall, begin, job.end, in_use, next_use, now
-                )
-                if freed < shortfall and job.start - duration > begin:
-                    late = job.start - duration
-                    late_victims, late_freed = _victims(
-                        resident, shortfall, late, job.end, in_use, next_use, now
+                late = job.start - duration - _margin(duration)
+                attempts = [(begin, True)] + ([(late, True)] if late > begin else [])
+                attempts += [(begin, False)] + ([(late, False)] if late > begin else [])
+                freed = 0
+                for when, spare_needed in attempts:
+                    victims, freed = _victims(
+                        resident, shortfall, when, job.end, in_use, next_use, now, spare_needed
                     )
-                    if late_freed >= shortfall:
-                        victims, freed, begin, finish = late_victims, late_freed, late, job.start
+                    if freed >= shortfall:
+                        if when != begin:
+                            begin, finish = when, when + duration
+                        break
                 if freed < shortfall:
                     locked = sorted(
                         f"{d}@{v}" for (d, v) in resident if in_use((d, v), begin, job.end)
@@ -400,6 +406,8 @@ def _plan_region(
                 link_free = finish
             cursor = begin
             out.tasks.append(task)
+            if too_slow is not None:
+                result.infeasible.append(too_slow)
             task_of[version] = len(out.tasks) - 1
             resident[version] = size
             used += size - partial.pop(version, 0)
@@ -413,6 +421,16 @@ def _plan_region(
     return out
 
 
+def _margin(duration: timedelta) -> timedelta:
+    """Slack left before a job's start when a task starts as late as it can.
+
+    Transfer times are predictions (links and nodes vary): a quarter of the
+    transfer, at least five minutes, keeps a just-in-time task from being late
+    when it runs a little slow.
+    """
+    return max(duration / 4, timedelta(minutes=5))
+
+
 def _victims(
     resident: Mapping[VersionKey, int],
     shortfall: int,
@@ -421,13 +439,20 @@ def _victims(
     in_use: Callable[[VersionKey, datetime, datetime], bool],
     next_use: Callable[[VersionKey, datetime], datetime | None],
     now: datetime,
+    spare_needed: bool = False,
 ) -> tuple[list[tuple[VersionKey, datetime | None]], int]:
-    """Belady: evictable versions, never-needed first, then needed furthest ahead."""
+    """Belady: evictable versions, never-needed first, then needed furthest ahead.
+
+    With ``spare_needed``, only versions no later job needs (none has to be
+    staged again).
+    """
     candidates = []
     for held, held_size in resident.items():
         if in_use(held, begin, until):
             continue
         following = next_use(held, until)
+        if spare_needed and following is not None:
+            continue
         key = (following is not None, -(following or now).timestamp(), -held_size, held)
         candidates.append((key, held, held_size, following))
     candidates.sort()

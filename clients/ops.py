@@ -21,11 +21,11 @@ from datetime import UTC, datetime
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from edgecache.cache import rendezvous
 from edgecache.cache.errors import InvalidEndpoint, InvalidName, VersionNotFound
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
 from edgecache.cache.registry import Registry
-from edgecache.clients import rendezvous
 from edgecache.clients.channels import bearer, describe, edge_stub, node_error, open_channel
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc

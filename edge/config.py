@@ -52,6 +52,14 @@ class NodeConfig(BaseModel):
     tls_client_ca: Path | None = Field(None, description="Require client certificates (mTLS)")
     token_file: Path | None = Field(None, description="Bearer token required for Stage/Evict")
     read_token_file: Path | None = Field(None, description="Bearer token required for reads")
+    peer_token_file: Path | None = Field(
+        None,
+        description="Bearer token for reading from peer nodes when staging from them "
+        "[the read token, else the admin token]",
+    )
+    peer_tls_ca: Path | None = Field(
+        None, description="CA of peers' certificates, for grpcs:// peers [the system's roots]"
+    )
     staging_rate: int | None = Field(None, description="Cap on staging's origin bytes/s")
     staging_concurrency: int = Field(4, ge=1, le=64)
     fetch_concurrency: int = Field(

@@ -64,9 +64,15 @@ class NodeMetrics:
             result: self._staged.labels(**labels, result=result)
             for result in ("staged", "skipped", "failed")
         }
-        self.staged_bytes = counter(
-            "edgecache_staged_bytes_total", "Origin bytes fetched by staging"
-        ).labels(**labels)
+        staged_bytes = counter(
+            "edgecache_staged_bytes_total",
+            "Bytes staging brought in, by source: origin (source bytes, also counted in "
+            "edgecache_origin_bytes_total) or peer (stored chunk bytes copied from a peer node)",
+            ("source",),
+        )
+        self.staged_bytes = {
+            source: staged_bytes.labels(**labels, source=source) for source in ("origin", "peer")
+        }
         self.origin_seconds = Histogram(
             "edgecache_origin_fetch_seconds",
             "Time to fetch one raw shard from origin",

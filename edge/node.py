@@ -54,13 +54,24 @@ from edgecache.cache.store import CacheStore, ShardInfo
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.metrics import NodeMetrics
+from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.staging_gate import StagingGate
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["STAGING_NICE", "EdgeNode", "StagedShard", "StagingGate"]
+__all__ = ["STAGING_NICE", "EdgeNode", "Fetched", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """How a missing shard came into the cache: from origin or copied from peers."""
+
+    info: ShardInfo
+    source: str  # "origin" or "peer"
+    bytes: int  # source bytes from origin, stored bytes from peers
+    notes: tuple[str, ...] = ()  # e.g. peers that failed before origin gave it
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,9 @@ class StagedShard:
     source_bytes: int  # the raw object's size in origin
     fetched: bool = False  # False with no error: it was cached already (skipped)
     error: Exception | None = None  # why it failed; the shard stays absent
+    source: str = ""  # where a fetched shard came from: "origin" or "peer"
+    peer_bytes: int = 0  # stored bytes copied from peers
+    notes: tuple[str, ...] = ()
 
 
 def _encode_raw_shard(
@@ -125,7 +139,8 @@ class EdgeNode:
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
-        self._inflight: dict[ShardKey, asyncio.Task[ShardInfo]] = {}
+        self.peers = Peers(config)
+        self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         self._staging_order = itertools.count()
         self._cpu = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
@@ -146,6 +161,7 @@ class EdgeNode:
         self._cpu.shutdown(wait=True, cancel_futures=True)
         self._cpu_staging.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True, cancel_futures=True)
+        await self.peers.close()
         await self.stores.close()
         self.store.close()
 
@@ -207,29 +223,38 @@ class EdgeNode:
         return ShardKey(manifest.dataset, manifest.version, shard)
 
     async def ensure_shard(
-        self, manifest: manifest_pb2.Manifest, shard: int, *, staging: bool = False
-    ) -> tuple[ShardInfo, bool]:
-        """The shard's record, fetching it first if needed; True when it was a miss.
+        self,
+        manifest: manifest_pb2.Manifest,
+        shard: int,
+        *,
+        staging: bool = False,
+        peers: Sequence[str] = (),
+        peers_only: bool = False,
+    ) -> tuple[ShardInfo, Fetched | None]:
+        """The shard's record, fetching it first if needed (then also how: a miss).
 
-        Callers for the same missing shard share one origin fetch, which runs as
-        its own task: a reader that disconnects does not cancel it for the others,
-        and what was fetched is cached anyway.
+        Callers for the same missing shard share one fetch, which runs as its
+        own task: a reader that disconnects does not cancel it for the others,
+        and what was fetched is cached anyway. With ``peers`` the shard is
+        copied from them (see :mod:`edgecache.edge.peers`), from origin if none
+        can give it (unless ``peers_only``).
         """
         key = self.shard_ref(manifest, shard)
         info = self.store.shard_info(key)
         if info is not None:
-            return info, False
+            return info, None
         task = self._inflight.get(key)
         if task is None:
-            fetch = self._fetch(manifest, key, staging=staging)
+            fetch = self._fetch(manifest, key, staging=staging, peers=peers, peers_only=peers_only)
             if not staging:  # staging is bounded by its own workers and gate
                 fetch = self._bounded(fetch)
             task = asyncio.create_task(fetch)
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._fetch_done, key))
-        return await asyncio.shield(task), True
+        fetched = await asyncio.shield(task)
+        return fetched.info, fetched
 
-    async def _bounded(self, fetch: Coroutine[Any, Any, ShardInfo]) -> ShardInfo:
+    async def _bounded(self, fetch: Coroutine[Any, Any, Fetched]) -> Fetched:
         """Run a read-through fetch in one of ``fetch_concurrency`` slots.
 
         A fetch holds its raw shard, Arrow batches and encoded chunks in memory
@@ -239,14 +264,46 @@ class EdgeNode:
         async with self._fetch_slots:
             return await fetch
 
-    def _fetch_done(self, key: ShardKey, task: asyncio.Task[ShardInfo]) -> None:
+    def _fetch_done(self, key: ShardKey, task: asyncio.Task[Fetched]) -> None:
         self._inflight.pop(key, None)
         if not task.cancelled():
             task.exception()  # retrieved here: every waiter re-raises it itself
 
     async def _fetch(
+        self,
+        manifest: manifest_pb2.Manifest,
+        key: ShardKey,
+        *,
+        staging: bool,
+        peers: Sequence[str] = (),
+        peers_only: bool = False,
+    ) -> Fetched:
+        notes: tuple[str, ...] = ()
+        if peers:
+            try:
+                copy = await self.peers.copy_shard(manifest, key.shard, peers)
+            except PeerCopyFailed as exc:
+                if peers_only:
+                    raise
+                notes = (f"shard {key.shard}: {exc}; took it from origin",)
+                log.warning("%s", notes[0])
+            else:
+                info = await self._write(self.store.put_shard, key, copy.frames)
+                self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
+                self.metrics.used_bytes.set(self.store.stats.used_bytes)
+                log.info(
+                    "cached %s from peers %s (%d chunks)",
+                    key,
+                    ", ".join(copy.peers),
+                    len(copy.frames),
+                )
+                return Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes))
+        info, size = await self._fetch_origin(manifest, key, staging=staging)
+        return Fetched(info, "origin", size, notes)
+
+    async def _fetch_origin(
         self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
-    ) -> ShardInfo:
+    ) -> tuple[ShardInfo, int]:
         shard = manifest.shards[key.shard]
         url = manifest.source_url + shard.source_key
         expect = ObjectInfo(url=url, size=shard.source_size, etag=shard.source_etag)
@@ -270,7 +327,7 @@ class EdgeNode:
             self.metrics.origin_bytes.inc(len(data))
             self.metrics.origin_retries.inc(store.stats.retries - retries_before)
             if staging:
-                self.metrics.staged_bytes.inc(len(data))
+                self.metrics.staged_bytes["origin"].inc(len(data))
         finally:
             if staging:
                 await self.gate.release()
@@ -284,11 +341,12 @@ class EdgeNode:
                 shard,
                 url,
             )
+        size = len(data)
         del data
         info = await self._write(self.store.put_shard, key, frames)
         self.metrics.used_bytes.set(self.store.stats.used_bytes)
         log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
-        return info
+        return info, size
 
     def encoded_chunk(self, key: ShardKey, index: int, first_row: int) -> bytes:
         """One chunk as wire bytes, in its own short read transaction (verified)."""
@@ -323,8 +381,8 @@ class EdgeNode:
             raise IndexError(
                 f"{key} has rows 0..{rows}; the range {start_row}..{end_row or rows} is invalid"
             )
-        info, missed = await self.ensure_shard(manifest, shard)
-        (self.metrics.misses if missed else self.metrics.hits).inc()
+        info, fetched = await self.ensure_shard(manifest, shard)
+        (self.metrics.hits if fetched is None else self.metrics.misses).inc()
         firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
         if start_row:
             start_chunk = bisect.bisect_right(firsts, start_row) - 1
@@ -377,11 +435,15 @@ class EdgeNode:
         manifest: manifest_pb2.Manifest,
         shards: Sequence[int],
         pin_until: datetime | None,
+        *,
+        peers: Sequence[str] = (),
+        peers_only: bool = False,
     ) -> AsyncIterator[StagedShard]:
         """Fetch the shards not yet cached, yielding what became of each as it completes.
 
-        ``shards`` as for :meth:`staging_targets`. A shard that fails is reported
-        with its exception and does not stop the others.
+        ``shards`` as for :meth:`staging_targets`; from ``peers`` when given (see
+        :meth:`ensure_shard`). A shard that fails is reported with its exception
+        and does not stop the others.
         """
         wanted = self.staging_targets(manifest, shards)
         if pin_until is not None:
@@ -396,14 +458,25 @@ class EdgeNode:
                 shard = todo.get_nowait()
                 size = manifest.shards[shard].source_size
                 try:
-                    _, fetched = await self.ensure_shard(manifest, shard, staging=True)
+                    _, fetched = await self.ensure_shard(
+                        manifest, shard, staging=True, peers=peers, peers_only=peers_only
+                    )
                 except EdgeCacheError as exc:
                     await results.put(StagedShard(shard, size, error=exc))
                 except Exception as exc:  # noqa: BLE001 - reported per shard, never crashes the node
                     log.exception("staging %s shard %d failed", manifest.dataset, shard)
                     await results.put(StagedShard(shard, size, error=exc))
                 else:
-                    await results.put(StagedShard(shard, size, fetched=fetched))
+                    await results.put(
+                        StagedShard(
+                            shard,
+                            size,
+                            fetched=fetched is not None,
+                            source=fetched.source if fetched else "",
+                            peer_bytes=fetched.bytes if fetched and fetched.source == "peer" else 0,
+                            notes=fetched.notes if fetched else (),
+                        )
+                    )
 
         self.metrics.staging_active.inc()
         # A cancelled Stage stops its workers; fetches already running finish and commit
@@ -424,6 +497,10 @@ class EdgeNode:
                 task.cancel()
 
     # -------------------------------------------------------------- admin
+
+    async def pin(self, dataset: str, version: int, until: datetime | None) -> None:
+        """Keep a version from the LRU until ``until`` (None: unpin), resident or not yet."""
+        await self._write(self.store.pin_version, dataset, version, until)
 
     async def evict(self, dataset: str, version: int) -> int:
         """Remove a version's shards and pin; returns the bytes freed."""
@@ -449,6 +526,8 @@ class EdgeNode:
             origin_bytes=int(origin_bytes),
             origin_bytes_per_second=origin_bytes / origin_seconds if origin_seconds else 0.0,
             active_streams=int(value("edgecache_active_streams")),
+            staged_origin_bytes=int(value("edgecache_staged_bytes_total", source="origin")),
+            staged_peer_bytes=int(value("edgecache_staged_bytes_total", source="peer")),
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
         )

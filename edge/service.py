@@ -39,6 +39,7 @@ from edgecache.cache.errors import (
     VersionNotFound,
 )
 from edgecache.edge.node import EdgeNode
+from edgecache.edge.peers import PeerCopyFailed
 from edgecache.v1 import edge_pb2, manifest_pb2
 
 __all__ = [
@@ -50,7 +51,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name
-ADMIN_METHODS = frozenset({"Stage", "Evict"})
+ADMIN_METHODS = frozenset({"Stage", "Evict", "Pin"})
 Req = TypeVar("Req")
 
 
@@ -60,6 +61,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, _StageIncomplete):
         return exc.code, message
     match exc:
+        case _NotHere():
+            return grpc.StatusCode.FAILED_PRECONDITION, message
+        case PeerCopyFailed():
+            return grpc.StatusCode.UNAVAILABLE, message
         case InvalidName() | IndexError():
             return grpc.StatusCode.INVALID_ARGUMENT, message
         case VersionNotFound():
@@ -174,6 +179,10 @@ class EdgeCacheService:
                 f"not {request.digest}: the registry and the reader disagree about the version"
             )
         node = self.node
+        if request.cached_only:
+            key = node.shard_ref(manifest, request.shard)
+            if not node.store.contains(key):
+                raise _NotHere(f"{key} is not cached on {node.node_id} and cached_only was asked")
         node.metrics.active_streams.inc()
         await node.gate.read_started()
         try:
@@ -199,7 +208,11 @@ class EdgeCacheService:
         )
         started = time.monotonic()
         first_failure: tuple[int, Exception, grpc.StatusCode] | None = None
-        async for outcome in self.node.stage(manifest, wanted, pin):
+        async for outcome in self.node.stage(
+            manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
+        ):
+            progress.notes.extend(outcome.notes)
+            progress.peer_bytes_done += outcome.peer_bytes
             if outcome.error is not None:
                 code, _ = status_for(outcome.error)
                 progress.shards_failed += 1
@@ -209,8 +222,10 @@ class EdgeCacheService:
                 first_failure = first_failure or (outcome.shard, outcome.error, code)
             else:
                 progress.shards_done += 1
-                if outcome.fetched:
+                if outcome.fetched and outcome.source == "origin":
                     progress.bytes_done += outcome.source_bytes
+                elif outcome.fetched:
+                    pass  # copied from a peer: peer_bytes_done
                 else:
                     progress.shards_skipped += 1
             progress.bytes_per_second = progress.bytes_done / max(time.monotonic() - started, 1e-9)
@@ -234,6 +249,16 @@ class EdgeCacheService:
         return edge_pb2.EvictResponse(
             bytes_freed=await self.node.evict(request.dataset, request.version)
         )
+
+    @_unary
+    async def Pin(  # noqa: N802
+        self, request: edge_pb2.PinRequest, context: aio.ServicerContext
+    ) -> edge_pb2.PinResponse:
+        """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
+        until = request.until.ToDatetime(tzinfo=UTC) if request.HasField("until") else None
+        self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
+        await self.node.pin(request.dataset, request.version, until)
+        return edge_pb2.PinResponse()
 
     @_unary
     async def Status(  # noqa: N802
@@ -261,6 +286,10 @@ class EdgeCacheService:
                 response_serializer=serializer,
             )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+class _NotHere(EdgeCacheError):
+    """A cached_only read of a shard this node does not hold (it will not fetch it)."""
 
 
 class _StageIncomplete(EdgeCacheError):

@@ -16,6 +16,7 @@ class FaultyProxy:
         self._target = (host, int(port))
         self._blackholed = threading.Event()
         self._corrupt_at: int | None = None
+        self._cut_at: int | None = None
         self._passed = 0
         self._writers: list[asyncio.StreamWriter] = []
         self._loop = asyncio.new_event_loop()
@@ -34,6 +35,10 @@ class FaultyProxy:
 
     def corrupt_after(self, nbytes: int) -> None:
         self._corrupt_at = self._passed + nbytes
+
+    def cut_after(self, nbytes: int) -> None:
+        """Abort every connection once ``nbytes`` more reply bytes have passed (a dying peer)."""
+        self._cut_at = self._passed + nbytes
 
     def close(self) -> None:
         """Stop, closing every connection (a node then sees its clients go)."""
@@ -84,5 +89,10 @@ class FaultyProxy:
                     data = bytes(data)
                     self._corrupt_at = None
                 self._passed += len(data)
+                if self._cut_at is not None and self._passed >= self._cut_at:
+                    self._cut_at = None
+                    for each in self._writers:
+                        each.transport.abort()
+                    return
             writer.write(data)
             await writer.drain()

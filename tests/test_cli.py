@@ -55,20 +55,22 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
         "    datasets: [nope@4]\n"
     )
     code, out = cli(root, "plan", str(schedule), "--json")
-    assert code == 0, out
+    assert code == 3, out  # a job cannot be met: its own exit code
     planned = json.loads(out)
     assert [t["version"] for t in planned["regions"]["eu-west"]["tasks"]] == ["tokens@1"]
+    assert [p["version"] for p in planned["regions"]["eu-west"]["pins"]] == ["tokens@1"]
     assert planned["infeasible"][0]["job"] == "train-missing"
     code, out = cli(root, "plan", str(schedule), "--explain")
-    assert code == 0 and "cannot be met" in out and "tokens@1" in out
+    assert code == 3 and "cannot be met" in out and "tokens@1" in out
     code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
     assert code == 1 and "0/3 shards" in out
     code, out = cli(root, "warm", str(schedule))
-    assert code == 0, out
+    assert code == 3, out  # eu-west staged; the missing version is reported
+    assert "train-missing" in out and "warm: 1 of 1 item(s) staged" in out
     code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
     assert code == 0, out
     code, out = cli(root, "warm", str(schedule))  # again: resumes, nothing left to fetch
-    assert code == 0, out
+    assert code == 3, out
     code, out = cli(root, "status", "--json")
     assert code == 0, out
     eu = next(n for n in json.loads(out) if n["region"] == "eu-west")

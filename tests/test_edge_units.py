@@ -207,7 +207,7 @@ def test_node_logic_knows_nothing_of_grpc() -> None:
 
 def test_stage_yields_each_shard_with_its_exception(tmp_path: Path) -> None:
     from edgecache.cache.errors import MalformedShard
-    from edgecache.edge.node import EdgeNode, StagedShard
+    from edgecache.edge.node import EdgeNode, Fetched, StagedShard
     from edgecache.v1 import manifest_pb2
 
     async def scenario() -> list[StagedShard]:
@@ -218,11 +218,11 @@ def test_stage_yields_each_shard_with_its_exception(tmp_path: Path) -> None:
         )
         failure = MalformedShard("row 3 of part-1 is not JSON")
 
-        async def ensure_shard(manifest, shard, *, staging=False):  # noqa: ANN001, ANN202
+        async def ensure_shard(manifest, shard, *, staging=False, **peers):  # noqa: ANN001, ANN202
             assert staging
             if shard == 1:
                 raise failure
-            return None, shard == 2
+            return None, (Fetched(None, "origin", 30) if shard == 2 else None)  # type: ignore[arg-type]
 
         node.ensure_shard = ensure_shard  # type: ignore[method-assign]
         manifest = manifest_pb2.Manifest(dataset="d", version=1)

@@ -203,3 +203,25 @@ def test_staging_rate_of_the_nodes_bounds_origin_staging() -> None:
     jobs = [Job("j", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (v,))]
     (task,) = plan(jobs, {"eu": fast_link}, {v: 10 * GB}, now=NOW).regions["eu"].tasks
     assert (task.finish - task.start).total_seconds() == 100  # 10 GB at the nodes' 100 MB/s
+
+
+def test_waits_for_a_finished_job_rather_than_evict_what_a_later_job_needs() -> None:
+    # Room for two. "kept" is needed at +5 h, "b" by a job until +1.5 h, "c" at +2 h:
+    # evicting "kept" now would cost a second fetch of it; waiting for b's job to end
+    # and evicting b (never needed again) costs nothing.
+    kept, b, c = ("kept", 1), ("b", 1), ("c", 1)
+    hour = timedelta(hours=1)
+    region = RegionState(
+        "eu", capacity_bytes=8 * GB, origin_bandwidth=1e9, resident={kept: 4 * GB, b: 4 * GB}
+    )
+    jobs = [
+        Job("uses-b", "eu", NOW, NOW + 1.5 * hour, (b,)),
+        Job("uses-c", "eu", NOW + 2 * hour, NOW + 3 * hour, (c,)),
+        Job("uses-kept", "eu", NOW + 5 * hour, NOW + 6 * hour, (kept,)),
+    ]
+    result = plan(jobs, {"eu": region}, dict.fromkeys((kept, b, c), 4 * GB), now=NOW)
+    assert not result.infeasible
+    (eviction,) = result.regions["eu"].evictions
+    assert eviction.version == b and eviction.at >= NOW + 1.5 * hour
+    (task,) = result.regions["eu"].tasks
+    assert task.version == c and task.start >= NOW + 1.5 * hour and task.finish <= NOW + 2 * hour

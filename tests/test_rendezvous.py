@@ -3,7 +3,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgecache.clients.rendezvous import owned_shards, owner, rank
+from edgecache.cache.rendezvous import owned_shards, owner, rank
 
 nodes_st = st.lists(
     st.text("abcdefgh:0123456789.", min_size=1, max_size=12), min_size=1, max_size=6, unique=True

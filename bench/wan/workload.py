@@ -278,7 +278,7 @@ class Workload:
             ended = self.now()
         if done.returncode:
             raise RuntimeError(f"edgecache warm failed ({done.returncode}): {done.stderr[-2000:]}")
-        report = json.loads(done.stdout.strip().splitlines()[-1])
+        report = json.loads(done.stdout.strip().splitlines()[-1])["items"]
         if not all(item["done"] for item in report):
             raise RuntimeError(f"edgecache warm did not stage everything: {report}")
         # Staging runs from the node's Stage call (planning, before it, is the CLI's) to

@@ -13,7 +13,7 @@ from edgecache.clients.cli.app import app, main
 
 # Importing a command module registers its commands; --help lists them in this order.
 # isort: off
-from edgecache.clients.cli import demo, publishing, staging, nodes  # noqa: F401
+from edgecache.clients.cli import demo, publishing, staging, controlling, nodes  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -1,0 +1,104 @@
+"""``edgecache controller``: run a schedule's plan continuously, on time."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgecache.clients.cli.app import app
+from edgecache.clients.cli.context import (
+    ConfigOption,
+    ExitCode,
+    Options,
+    TokenOption,
+    exit_with,
+    reporting,
+)
+from edgecache.clients.cli.render import console
+
+
+@app.command()
+def controller(
+    schedule: Annotated[
+        Path,
+        typer.Option(
+            "--schedule", envvar="EDGECACHE_SCHEDULE", help="Schedule file (re-read every round)."
+        ),
+    ],
+    config: ConfigOption = None,
+    interval: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between planning rounds.")
+    ] = 30.0,
+    metrics_listen: Annotated[
+        str | None,
+        typer.Option(envvar="EDGECACHE_CONTROLLER_METRICS_LISTEN", help="Prometheus HOST:PORT."),
+    ] = None,
+    lease_ttl: Annotated[
+        float, typer.Option(min=1.0, help="Seconds the lease lasts without renewal.")
+    ] = 30.0,
+    at: Annotated[
+        str | None,
+        typer.Option(help="Start the clock at this time (ISO 8601 with zone): rehearse a day."),
+    ] = None,
+    speed: Annotated[
+        float, typer.Option(min=0.001, help="Simulated seconds per second (with --at).")
+    ] = 1.0,
+    once: Annotated[
+        bool, typer.Option("--once", help="One round; wait for the tasks it started; exit.")
+    ] = False,
+    token_file: TokenOption = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
+) -> None:
+    """Run the schedule: pin, evict and stage each task when its planned start comes.
+
+    Every round re-plans from the nodes' live status, so a dead node or a
+    vanished version is planned around. Only one controller acts at a time
+    (a lease in the registry); others stand by and take over when it lapses.
+    Plan against reality: `edgecache plan SCHEDULE --status` and the
+    edgecache_controller_* metrics. Exit codes: 0 stopped by SIGTERM or
+    Ctrl-C (or --once done); 1 failed; 2 bad input.
+    """
+    from edgecache.clients.controller import Controller, SimulatedClock
+    from edgecache.edge.config import split_hostport
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    options = Options(config, token_file)
+    with reporting():
+        start = datetime.fromisoformat(at) if at else None
+        if start is not None and start.tzinfo is None:
+            raise ValueError(f"--at {at!r} needs a time zone, e.g. {at}Z")
+        if start is None and speed != 1.0:
+            raise ValueError("--speed needs --at (the time the simulated clock starts)")
+        clock = SimulatedClock(start, speed) if start else (lambda: datetime.now(UTC))
+        running = Controller(
+            options.config,
+            schedule,
+            token=options.token,
+            clock=clock,
+            lease_ttl=lease_ttl,
+        )
+    try:
+        if metrics_listen:
+            host, port = split_hostport(metrics_listen)
+            bound = running.metrics.serve(host, port)
+            console.print(f"metrics on {host}:{bound}")
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: running.stop.set())
+        console.print(f"controller {running.holder} running {schedule} every {interval:g} s")
+        if once:
+            with reporting():
+                if running.tick() is None:
+                    raise exit_with(ExitCode.FAILED)  # another controller holds the lease
+            running.wait_idle()
+        else:
+            running.run(interval)
+    finally:
+        running.close()
+        running.metrics.shutdown()

@@ -1,0 +1,506 @@
+"""The controller: runs a schedule's plan, on time, and records plan against reality.
+
+Every ``interval`` seconds (a *tick*) it re-reads the schedule, asks every
+node for its status, plans from what is actually there (a node that died, a
+version that vanished, a task that finished are all planned around), and
+then carries out what is due: pins for every scheduled version, evictions
+whose time has come, and staging tasks whose planned start has come, each on
+a thread of its own, from the plan's source.
+
+It keeps a record of plan against reality in the registry
+(``<registry>/_controller/state.json``): per task the predicted and actual
+ready time, per job whether its data was complete when it started and what
+was missing. ``edgecache plan --status`` reads it; Prometheus metrics say the
+same (:mod:`edgecache.clients.controller_metrics`).
+
+Only one controller acts at a time: it holds a lease in the registry's object
+store (:mod:`edgecache.cache.lease`) and does nothing while another holds it.
+A controller killed mid-task loses nothing: staging commits whole shards, the
+next tick (of this controller or of the next leaseholder) plans the rest of
+the version and fetches only the missing shards.
+
+The clock is injectable (``clock``) so a test or a benchmark can run a day of
+schedule in minutes: times in the schedule and the plan are then simulated,
+and link speeds in the topology must be given in simulated bytes per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from edgecache.cache.errors import EdgeCacheError, ObjectNotFound
+from edgecache.cache.lease import Lease, LeaseRecord
+from edgecache.cache.planner import Plan, VersionKey
+from edgecache.cache.storage import Stores
+from edgecache.clients.controller_metrics import ControllerMetrics
+from edgecache.clients.executor import PlanExecutor, TaskRun
+from edgecache.clients.ops import NodeReport, gather_status, make_plan
+from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
+from edgecache.v1 import manifest_pb2 as pb
+
+__all__ = [
+    "Controller",
+    "ControllerState",
+    "JobRecord",
+    "SimulatedClock",
+    "TaskRecord",
+    "read_state",
+]
+
+log = logging.getLogger(__name__)
+
+STATE_NAME = "_controller/state.json"
+LEASE_PREFIX = "_controller/lease"
+
+
+@dataclass
+class TaskRecord:
+    """One staging task as planned and as it went."""
+
+    region: str
+    version: str
+    source: str
+    jobs: list[str]
+    deadline: str
+    planned_start: str
+    predicted_ready: str  # the plan's finish when the task started
+    state: str = "pending"  # pending, running, done, failed
+    started_at: str | None = None
+    ready_at: str | None = None
+    error: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class JobRecord:
+    """One scheduled job, and whether its data was there when it started."""
+
+    name: str
+    region: str
+    start: str
+    end: str
+    versions: list[str]
+    planned_ready: str | None = None  # when the plan says its data is complete
+    ready_at: str | None = None  # when the controller saw it complete
+    complete_at_start: bool | None = None  # None until the job starts
+    missing_at_start: list[str] = field(default_factory=list)
+    infeasible: list[str] = field(default_factory=list)  # the planner's reasons
+
+
+@dataclass
+class ControllerState:
+    """What the controller has seen, persisted between ticks and restarts."""
+
+    updated_at: str = ""
+    holder: str = ""
+    tasks: dict[str, TaskRecord] = field(default_factory=dict)  # "region version" → record
+    jobs: dict[str, JobRecord] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        """The state as JSON."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ControllerState:
+        """Read a saved state; fields added later get their defaults."""
+        data = json.loads(raw)
+        return cls(
+            updated_at=data.get("updated_at", ""),
+            holder=data.get("holder", ""),
+            tasks={k: TaskRecord(**v) for k, v in data.get("tasks", {}).items()},
+            jobs={k: JobRecord(**v) for k, v in data.get("jobs", {}).items()},
+        )
+
+
+def read_state(registry: str) -> ControllerState | None:
+    """The controller's last saved state in ``registry``, or None if none ran there."""
+
+    async def go() -> ControllerState | None:
+        stores = Stores()
+        try:
+            raw = await stores.for_url(registry).get(f"{registry.rstrip('/')}/{STATE_NAME}")
+        except ObjectNotFound:
+            return None
+        finally:
+            await stores.close()
+        return ControllerState.from_json(raw)
+
+    return asyncio.run(go())
+
+
+class SimulatedClock:
+    """A clock that starts at ``start`` and runs ``speed`` times faster than real time."""
+
+    def __init__(self, start: datetime, speed: float = 1.0) -> None:
+        if start.tzinfo is None:
+            raise ValueError(f"the clock's start {start} needs a time zone")
+        if speed <= 0:
+            raise ValueError(f"the clock's speed must be positive, got {speed}")
+        self.start, self.speed = start, speed
+        self._origin = time.monotonic()
+
+    def __call__(self) -> datetime:
+        """Now, on this clock."""
+        return self.start + timedelta(seconds=(time.monotonic() - self._origin) * self.speed)
+
+
+def _iso(when: datetime | None) -> str | None:
+    return None if when is None else when.astimezone(UTC).isoformat()
+
+
+def _spec(version: VersionKey) -> str:
+    return f"{version[0]}@{version[1]}"
+
+
+def default_holder() -> str:
+    """Unique per process: hostname, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Controller:
+    """Runs the schedule in ``schedule_path`` against the nodes of ``topology_path``."""
+
+    def __init__(
+        self,
+        topology_path: str | os.PathLike[str] | None,
+        schedule_path: str | os.PathLike[str],
+        *,
+        token: str | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        lease_ttl: float = 30.0,
+        holder: str | None = None,
+        metrics: ControllerMetrics | None = None,
+    ) -> None:
+        self.topology_path, self.schedule_path = topology_path, Path(schedule_path)
+        self.topology: Topology = load_topology(topology_path)
+        self.token, self.clock = token, clock
+        self.holder = holder or default_holder()
+        self.metrics = metrics or ControllerMetrics()
+        self.stop = threading.Event()
+        self.executor = PlanExecutor(self.topology, token=token, stop=self.stop, clock=clock)
+        self._loop = asyncio.new_event_loop()
+        self._stores = Stores()
+        registry = self.topology.registry.rstrip("/")
+        self._state_url = f"{registry}/{STATE_NAME}"
+        self.lease = Lease(
+            self._stores.for_url(registry), f"{registry}/{LEASE_PREFIX}", self.holder, lease_ttl
+        )
+        self.state = self._load_state()
+        self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
+        self._lock = threading.Lock()
+        self.last_plan: Plan | None = None
+        self.last_error = ""
+        self._complete: dict[str, set[VersionKey]] = {}
+
+    # -------------------------------------------------------------- plumbing
+
+    def _await(self, coroutine: Any) -> Any:
+        return self._loop.run_until_complete(coroutine)
+
+    def _load_state(self) -> ControllerState:
+        try:
+            raw = self._await(self._stores.for_url(self._state_url).get(self._state_url))
+        except ObjectNotFound:
+            return ControllerState()
+        try:
+            return ControllerState.from_json(raw)
+        except (ValueError, TypeError, KeyError):
+            log.warning("%s is unreadable; starting a fresh record", self._state_url)
+            return ControllerState()
+
+    def _save_state(self) -> None:
+        self.state.updated_at = _iso(self.clock()) or ""
+        self.state.holder = self.holder
+        self._await(
+            self._stores.for_url(self._state_url).put(self._state_url, self.state.to_json())
+        )
+
+    def close(self) -> None:
+        """Stop running tasks, give the lease up, close connections."""
+        self.stop.set()
+        with self._lock:
+            threads = [thread for _, thread in self._runs.values()]
+        for thread in threads:
+            thread.join(timeout=30)
+        try:
+            self._await(self.lease.release())
+        except Exception:  # noqa: BLE001 - the lease expires by itself anyway
+            log.debug("could not release the lease", exc_info=True)
+        self._await(self._stores.close())
+        self._loop.close()
+
+    # ----------------------------------------------------------------- ticks
+
+    def leader(self) -> LeaseRecord | None:
+        """Take or renew the lease: None when this controller holds it, else the holder's record."""
+        held = self._await(self.lease.acquire())
+        self.metrics.leader.set(0 if held else 1)
+        return held
+
+    def tick(self) -> Plan | None:
+        """One round: lease, status, plan, then pins, due evictions and due tasks.
+
+        Returns the plan acted on, or None when another controller holds the lease.
+        """
+        other = self.leader()
+        if other is not None:
+            log.info(
+                "controller %s holds the lease until %s; standing by",
+                other.holder,
+                datetime.fromtimestamp(other.expires, UTC).isoformat(timespec="seconds"),
+            )
+            return None
+        now = self.clock()
+        schedule = load_schedule(self.schedule_path, self.topology)
+        reports = gather_status(self.topology, token=self.token)
+        for report in reports:
+            if report.status is None:
+                log.warning(
+                    "node %s of %s is down: %s", report.address, report.region, report.error
+                )
+        plan, manifests = make_plan(
+            self.topology, schedule, now=now, reports=reports, token=self.token
+        )
+        self.last_plan = plan
+        self._observe(plan, schedule, manifests, reports, now)
+        failures = self.executor.pin(plan, reports)
+        for failure in failures:
+            log.warning("%s", failure)
+        self._evict_due(plan, schedule, manifests, now)
+        self._start_due(plan, schedule, manifests, now)
+        self._update_metrics(now)
+        self._save_state()
+        self.metrics.ticks.inc()
+        self.metrics.last_tick.set(time.time())
+        return plan
+
+    def _evict_due(
+        self, plan: Plan, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
+    ) -> None:
+        for region, region_plan in plan.regions.items():
+            for eviction in region_plan.evictions:
+                if eviction.at > now:
+                    continue
+                key = (region, eviction.version)
+                with self._lock:
+                    if key in self._runs:
+                        continue  # being staged right now: the plan is behind; next tick
+                freed, problem = self.executor.evict(eviction, schedule, manifests)
+                if problem:
+                    log.warning("%s: %s", region, problem)
+                    self.metrics.evictions_refused.inc()
+                else:
+                    log.info(
+                        "%s: evicted %s (%d bytes): %s",
+                        region,
+                        _spec(eviction.version),
+                        freed,
+                        eviction.reason,
+                    )
+                    self.metrics.evictions.inc()
+
+    def _start_due(
+        self, plan: Plan, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
+    ) -> None:
+        ends = {job.name: job.end for job in schedule.jobs}
+        for region, region_plan in plan.regions.items():
+            for task in region_plan.tasks:
+                key = (region, task.version)
+                record_key = f"{region} {task.spec}"
+                with self._lock:
+                    running = key in self._runs
+                if running:
+                    continue
+                record = self.state.tasks.get(record_key)
+                if record is None or record.state in ("done", "failed"):
+                    record = self.state.tasks[record_key] = TaskRecord(
+                        region=region,
+                        version=task.spec,
+                        source=task.source,
+                        jobs=list(task.jobs),
+                        deadline=_iso(task.deadline) or "",
+                        planned_start=_iso(task.start) or "",
+                        predicted_ready=_iso(task.finish) or "",
+                    )
+                else:  # pending: the latest plan's view of it
+                    record.source, record.jobs = task.source, list(task.jobs)
+                    record.planned_start = _iso(task.start) or ""
+                    record.predicted_ready = _iso(task.finish) or ""
+                if task.start > now:
+                    continue
+                if task.source != "origin" and not self._peer_holds(task.source, task.version):
+                    continue  # the plan counts on the peer's own task; it is not done yet
+                pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)
+                run = self.executor.make_run(task, manifests, pin_until)
+                record.state, record.started_at = "running", _iso(now)
+                record.predicted_ready = _iso(task.finish) or ""
+                thread = threading.Thread(
+                    target=self._run_task, args=(run, record), name=f"stage-{region}", daemon=True
+                )
+                with self._lock:
+                    self._runs[key] = (run, thread)
+                log.info(
+                    "%s: staging %s from %s (planned ready %s)",
+                    region,
+                    task.spec,
+                    task.source,
+                    record.predicted_ready,
+                )
+                thread.start()
+
+    def _peer_holds(self, region: str, version: VersionKey) -> bool:
+        return version in self._complete.get(region, set())
+
+    def _run_task(self, run: TaskRun, record: TaskRecord) -> None:
+        try:
+            self.executor.run(run, peer_wait=5.0)
+            record.notes = list(run.item.notes)
+            if run.state == "done":
+                record.state, record.ready_at = "done", _iso(self.clock())
+                self.metrics.staged_bytes["peer" if run.item.peers else "origin"].inc(
+                    run.item.peer_bytes if run.item.peers else run.item.bytes_total
+                )
+                predicted = datetime.fromisoformat(record.predicted_ready)
+                self.metrics.ready_delay.observe((self.clock() - predicted).total_seconds())
+            elif run.state == "pending":  # stopped: the next leaseholder resumes it
+                record.state = "pending"
+            else:
+                record.state, record.error = "failed", "; ".join(run.item.failures)
+        except EdgeCacheError as exc:
+            record.state, record.error = "failed", str(exc)
+        except Exception as exc:  # noqa: BLE001 - a task thread must never die silently
+            log.exception("staging %s in %s failed", record.version, record.region)
+            record.state, record.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            with self._lock:
+                self._runs.pop(run.key, None)
+
+    # ------------------------------------------------------ plan vs reality
+
+    def _observe(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        manifests: dict[str, pb.Manifest],
+        reports: list[NodeReport],
+        now: datetime,
+    ) -> None:
+        """Record which jobs' data is complete, and whether it was when each job started."""
+        complete = _complete_by_region(reports, manifests)
+        self._complete = complete
+        for region, versions in complete.items():
+            for version in versions:
+                self.executor.mark_resident(region, version)
+        reasons: dict[str, list[str]] = {}
+        for item in plan.infeasible:
+            reasons.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
+        for job in schedule.jobs:
+            versions = [
+                (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
+            ]
+            record = self.state.jobs.get(job.name)
+            if record is None or record.start != _iso(job.start):
+                record = self.state.jobs[job.name] = JobRecord(
+                    name=job.name,
+                    region=job.region,
+                    start=_iso(job.start) or "",
+                    end=_iso(job.end) or "",
+                    versions=[_spec(v) for v in versions],
+                )
+            record.infeasible = reasons.get(job.name, [])
+            held = complete.get(job.region, set())
+            missing = [_spec(v) for v in versions if v not in held] + [
+                s for s in job.datasets if s not in manifests
+            ]
+            region_plan = plan.regions.get(job.region)
+            tasks = [t for t in region_plan.tasks if job.name in t.jobs] if region_plan else []
+            if not missing and record.ready_at is None:
+                record.ready_at = _iso(now)
+            if tasks:
+                record.planned_ready = _iso(max(t.finish for t in tasks))
+            elif not missing and record.planned_ready is None:
+                record.planned_ready = record.ready_at
+            if record.complete_at_start is None and job.start <= now:
+                record.complete_at_start = not missing
+                record.missing_at_start = missing
+                if missing:
+                    self.metrics.jobs_unready_at_start.inc()
+                    log.warning("job %s started without %s", job.name, ", ".join(missing))
+
+    def _update_metrics(self, now: datetime) -> None:
+        counts = dict.fromkeys(("pending", "running", "done", "failed", "late"), 0)
+        for record in self.state.tasks.values():
+            counts[record.state] = counts.get(record.state, 0) + 1
+            deadline = datetime.fromisoformat(record.deadline) if record.deadline else None
+            ready = datetime.fromisoformat(record.ready_at) if record.ready_at else None
+            if deadline is not None and (ready or now) > deadline:
+                counts["late"] += 1
+        for state, count in counts.items():
+            self.metrics.tasks.labels(state=state).set(count)
+
+    # ------------------------------------------------------------------ loop
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Wait until every task started so far has ended, then record what is there."""
+        with self._lock:
+            threads = [thread for _, thread in self._runs.values()]
+        for thread in threads:
+            thread.join(timeout)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Look at the nodes and record which jobs' data is complete, without acting."""
+        now = self.clock()
+        schedule = load_schedule(self.schedule_path, self.topology)
+        reports = gather_status(self.topology, token=self.token)
+        plan, manifests = make_plan(
+            self.topology, schedule, now=now, reports=reports, token=self.token
+        )
+        self._observe(plan, schedule, manifests, reports, now)
+        self._update_metrics(now)
+        self._save_state()
+
+    def run(self, interval: float) -> None:
+        """Tick every ``interval`` seconds until :attr:`stop` is set (SIGTERM, Ctrl-C)."""
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+                self.last_error = ""
+            except EdgeCacheError as exc:
+                # A bad schedule edit or an unreachable registry: say so, keep the last
+                # work running, and try again next tick.
+                self.last_error = str(exc)
+                self.metrics.tick_errors.inc()
+                log.error("tick failed: %s", exc)
+            self.stop.wait(max(interval - (time.monotonic() - started), 0.0))
+
+
+def _complete_by_region(
+    reports: list[NodeReport], manifests: dict[str, pb.Manifest]
+) -> dict[str, set[VersionKey]]:
+    totals = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
+    held: dict[str, dict[VersionKey, int]] = {}
+    for report in reports:
+        if report.status is None:
+            continue
+        region = held.setdefault(report.region, {})
+        for v in report.status.versions:
+            key = (v.dataset, v.version)
+            region[key] = region.get(key, 0) + v.shard_count
+    return {
+        region: {k for k, n in versions.items() if k in totals and n >= totals[k]}
+        for region, versions in held.items()
+    }

@@ -1,0 +1,83 @@
+"""Prometheus metrics of the controller: plan against reality.
+
+Names follow Prometheus conventions (``_total`` counters, base units). The
+questions they answer: is staging keeping up with the schedule (tasks by
+state, late ones), did any job start without its data, how far off were the
+plan's predictions, and where did the bytes come from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["ControllerMetrics"]
+
+
+class ControllerMetrics:
+    """The controller's metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._http: Any = None
+        r = self.registry
+        self.tasks = Gauge(
+            "edgecache_controller_tasks",
+            "Staging tasks by state (late: ready after, or not ready at, their deadline)",
+            ["state"],
+            registry=r,
+        )
+        self.jobs_unready_at_start = Counter(
+            "edgecache_controller_jobs_unready_at_start_total",
+            "Jobs whose data was not complete in their region when they started",
+            registry=r,
+        )
+        staged = Counter(
+            "edgecache_controller_staged_bytes_total",
+            "Bytes staged by the controller's tasks, by source (origin: source bytes; "
+            "peer: stored bytes)",
+            ["source"],
+            registry=r,
+        )
+        self.staged_bytes = {source: staged.labels(source=source) for source in ("origin", "peer")}
+        self.ready_delay = Histogram(
+            "edgecache_controller_ready_delay_seconds",
+            "Actual minus predicted ready time of finished tasks (negative: early)",
+            buckets=(-3600, -600, -60, -10, 0, 10, 60, 300, 600, 1800, 3600, 14400),
+            registry=r,
+        )
+        self.evictions = Counter(
+            "edgecache_controller_evictions_total", "Evictions carried out", registry=r
+        )
+        self.evictions_refused = Counter(
+            "edgecache_controller_evictions_refused_total",
+            "Planned evictions refused because a job reads (or is about to read) the version",
+            registry=r,
+        )
+        self.ticks = Counter("edgecache_controller_ticks_total", "Planning rounds", registry=r)
+        self.tick_errors = Counter(
+            "edgecache_controller_tick_errors_total", "Rounds that failed", registry=r
+        )
+        self.last_tick = Gauge(
+            "edgecache_controller_last_tick_timestamp_seconds",
+            "When the last round finished (unix time)",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "edgecache_controller_leader",
+            "1 while this controller holds the lease and acts, 0 while it stands by",
+            registry=r,
+        )
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose ``/metrics``; returns the bound port."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_address[1])
+
+    def shutdown(self) -> None:
+        """Stop the ``/metrics`` server, if started."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,329 @@
+"""Carrying out a plan: pins, evictions and staging, from the plan's sources, at its times.
+
+The planner decides; this module does what it decided, for ``edgecache warm``
+(everything now) and for the controller (each task when its start comes):
+
+* **Pins.** Every version a scheduled job reads is pinned on its region's
+  nodes until that job ends, resident ones included, so a node's LRU never
+  evicts what the plan counts on keeping.
+* **Evictions.** The plan's evictions run with ``Evict`` before the staging
+  that needs their room, and never take a version a job is reading now, or
+  will read before the plan's eviction time (``warm`` runs early; the guard
+  holds the plan's promise to the jobs in between).
+* **Staging.** Each task stages on the region's nodes (each node its own
+  shards), from the source the plan chose: origin, or a peer region's nodes,
+  which the receiving node copies chunk for chunk. A task from a peer waits
+  until the peer region holds the whole version.
+
+Everything is idempotent: staging skips shards already cached, pins and
+evictions are set states, so running the same plan again finishes what a
+crash or a Ctrl-C left undone without fetching anything twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import grpc
+
+from edgecache.cache.planner import Eviction, Plan, StageTask, VersionKey
+from edgecache.clients.channels import bearer, edge_stub, node_error
+from edgecache.clients.ops import WarmItem, gather_status, region_nodes, stage_item
+from edgecache.clients.topology import Schedule, Topology
+from edgecache.v1 import edge_pb2
+from edgecache.v1 import manifest_pb2 as pb
+
+__all__ = ["Deferred", "PlanExecutor", "TaskRun", "WarmOutcome", "eviction_blocker"]
+
+log = logging.getLogger(__name__)
+
+PEER_WAIT_SECONDS = 3600.0  # how long a peer-sourced task waits for its source region
+
+
+@dataclass
+class TaskRun:
+    """One staging task being carried out, and what happened to it."""
+
+    task: StageTask
+    item: WarmItem
+    state: str = "pending"  # pending, waiting (for a peer), running, done, failed, deferred
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    note: str = ""
+
+    @property
+    def key(self) -> tuple[str, VersionKey]:
+        """(region, version): at most one run of it at a time."""
+        return self.task.region, self.task.version
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Something of the plan that could not be done now, and why."""
+
+    region: str
+    what: str
+    reason: str
+
+
+@dataclass
+class WarmOutcome:
+    """What ``warm`` did with a plan."""
+
+    runs: list[TaskRun] = field(default_factory=list)
+    evicted: list[tuple[Eviction, int]] = field(default_factory=list)  # (eviction, bytes freed)
+    deferred: list[Deferred] = field(default_factory=list)
+    pin_failures: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[TaskRun]:
+        """Runs that failed (a node or a transfer)."""
+        return [r for r in self.runs if r.state == "failed"]
+
+
+def eviction_blocker(
+    eviction: Eviction, schedule: Schedule, manifests: Mapping[str, pb.Manifest], now: datetime
+) -> str | None:
+    """The job that evicting now would break, or None.
+
+    A job in the eviction's region that reads the version and is running, or
+    starts before the plan's eviction time, counts on the version being there.
+    """
+    latest = max(now, eviction.at)
+    for job in schedule.jobs:
+        if job.region != eviction.region or job.end <= now or job.start > latest:
+            continue
+        for spec in job.datasets:
+            manifest = manifests.get(spec)
+            if manifest is not None and (manifest.dataset, manifest.version) == eviction.version:
+                when = "is reading it" if job.start <= now else f"starts at {job.start:%H:%M}"
+                return f"job {job.name} {when} (until {job.end:%Y-%m-%d %H:%M})"
+    return None
+
+
+class PlanExecutor:
+    """Pins, evicts and stages as a plan says, on the nodes of a topology."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        token: str | None = None,
+        stop: threading.Event | None = None,
+        on_progress: Callable[[TaskRun], None] = lambda run: None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.topology, self.token = topology, token
+        self.stop = stop or threading.Event()
+        self.on_progress = on_progress
+        self.clock = clock
+        self._resident: dict[tuple[str, VersionKey], threading.Event] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, plan: Plan, reports: Sequence[object] | None = None) -> list[str]:
+        """Pin every version the plan keeps, on every node of its region; failures listed.
+
+        A node already pinning a version until that time is not asked again.
+        """
+        reports = gather_status(self.topology, token=self.token) if reports is None else reports
+        current: dict[tuple[str, VersionKey], datetime] = {}
+        for report in reports:
+            status = getattr(report, "status", None)
+            if status is None:
+                continue
+            for v in status.versions:
+                if v.HasField("pinned_until"):
+                    until = v.pinned_until.ToDatetime(tzinfo=UTC)
+                    current[(report.address, (v.dataset, v.version))] = until  # type: ignore[attr-defined]
+        failures = []
+        for region, region_plan in plan.regions.items():
+            for node in self.topology.regions[region].nodes:
+                for version, until in sorted(region_plan.pins.items()):
+                    have = current.get((node, version))
+                    if have is not None and abs((have - until).total_seconds()) < 1:
+                        continue
+                    request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+                    request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
+                    try:
+                        with edge_stub(node) as stub:
+                            stub.Pin(request, timeout=30, metadata=bearer(self.token))
+                    except grpc.RpcError as exc:
+                        spec = f"{version[0]}@{version[1]}"
+                        failures.append(str(node_error(exc, endpoint=node, what=f"pinning {spec}")))
+        return failures
+
+    # ------------------------------------------------------------- evictions
+
+    def evict(
+        self,
+        eviction: Eviction,
+        schedule: Schedule,
+        manifests: Mapping[str, pb.Manifest],
+    ) -> tuple[int, str | None]:
+        """Carry out one eviction on every node of its region: (bytes freed, refusal or error)."""
+        spec = f"{eviction.version[0]}@{eviction.version[1]}"
+        blocker = eviction_blocker(eviction, schedule, manifests, self.clock())
+        if blocker is not None:
+            return 0, f"not evicting {spec}: {blocker}"
+        freed, errors = 0, []
+        request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
+        for node in region_nodes(self.topology, eviction.region)[eviction.region]:
+            try:
+                with edge_stub(node) as stub:
+                    freed += stub.Evict(
+                        request, timeout=30, metadata=bearer(self.token)
+                    ).bytes_freed
+            except grpc.RpcError as exc:
+                errors.append(str(node_error(exc, endpoint=node, what=f"evicting {spec}")))
+        with self._lock:
+            self._resident.pop((eviction.region, eviction.version), None)
+        return freed, "; ".join(errors) or None
+
+    # --------------------------------------------------------------- staging
+
+    def make_run(
+        self, task: StageTask, manifests: Mapping[str, pb.Manifest], pin_until: datetime | None
+    ) -> TaskRun:
+        """A run of ``task``: the item to stage, with the source's nodes as peers."""
+        manifest = next(m for m in manifests.values() if (m.dataset, m.version) == task.version)
+        peers = [] if task.source == "origin" else list(self.topology.regions[task.source].nodes)
+        item = WarmItem(
+            task.region,
+            task.spec,
+            list(self.topology.regions[task.region].nodes),
+            task.bytes,
+            pin_until=pin_until,
+            shard_count=len(manifest.shards),
+            peers=peers,
+        )
+        return TaskRun(task, item)
+
+    def _resident_event(self, region: str, version: VersionKey) -> threading.Event:
+        with self._lock:
+            return self._resident.setdefault((region, version), threading.Event())
+
+    def mark_resident(self, region: str, version: VersionKey) -> None:
+        """Tell tasks waiting on ``region`` as their peer source that it holds ``version``."""
+        self._resident_event(region, version).set()
+
+    def run(self, run: TaskRun, *, peer_wait: float = PEER_WAIT_SECONDS) -> TaskRun:
+        """Stage one task to the end (blocking); from a peer, once the peer holds it."""
+        task = run.task
+        if task.source != "origin":
+            run.state = "waiting"
+            self.on_progress(run)
+            source_ready = self._resident_event(task.source, task.version)
+            deadline = time.monotonic() + peer_wait
+            while not source_ready.wait(0.2):
+                if self.stop.is_set():
+                    return run
+                if time.monotonic() > deadline:
+                    run.state, run.note = "failed", f"{task.source} never held {task.spec}"
+                    run.item.failures.append(run.note)
+                    return run
+        run.state, run.started_at = "running", self.clock()
+        self.on_progress(run)
+        stage_item(
+            run.item,
+            token=self.token,
+            stop=self.stop,
+            on_progress=lambda item: self.on_progress(run),
+        )
+        if self.stop.is_set() and not run.item.done:
+            run.state = "pending"
+            return run
+        run.finished_at = self.clock()
+        run.state = "done" if run.item.done else "failed"
+        if run.item.done:
+            self.mark_resident(task.region, task.version)
+        self.on_progress(run)
+        return run
+
+    # ------------------------------------------------------------------- warm
+
+    def warm(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        manifests: Mapping[str, pb.Manifest],
+    ) -> WarmOutcome:
+        """Carry out the whole plan now: regions in parallel, each in the plan's order.
+
+        Within a region, evictions come before the task that needs their room;
+        an eviction the guard refuses defers the tasks after it (they need the
+        room), which a later run or the controller carries out when the time
+        comes.
+        """
+        outcome = WarmOutcome()
+        reports = gather_status(self.topology, token=self.token)
+        outcome.pin_failures = self.pin(plan, reports)
+        for region in plan.regions:  # what regions already hold can serve as a peer source
+            for version in _complete_versions(reports, region, manifests):
+                self.mark_resident(region, version)
+        ends = {job.name: job.end for job in schedule.jobs}
+        lock = threading.Lock()
+
+        def one_region(region: str) -> None:
+            region_plan = plan.regions[region]
+            steps: list[tuple[datetime, int, Eviction | StageTask]] = [
+                (e.at, 0, e) for e in region_plan.evictions
+            ] + [(t.start, 1, t) for t in region_plan.tasks]
+            blocked: str | None = None
+            for _, _, step in sorted(steps, key=lambda s: (s[0], s[1])):
+                if self.stop.is_set():
+                    return
+                if isinstance(step, Eviction):
+                    spec = f"{step.version[0]}@{step.version[1]}"
+                    freed, problem = self.evict(step, schedule, manifests)
+                    with lock:
+                        if problem is None:
+                            outcome.evicted.append((step, freed))
+                        else:
+                            blocked = problem
+                            outcome.deferred.append(Deferred(region, f"evict {spec}", problem))
+                    continue
+                pin_until = max(ends[j] for j in step.jobs if j in ends)
+                run = self.make_run(step, manifests, pin_until)
+                with lock:
+                    outcome.runs.append(run)
+                if blocked is not None:
+                    run.state, run.note = "deferred", f"needs room: {blocked}"
+                    with lock:
+                        outcome.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
+                    continue
+                self.run(run)
+
+        with ThreadPoolExecutor(max(len(plan.regions), 1)) as pool:
+            futures = [pool.submit(one_region, region) for region in plan.regions]
+            try:
+                while not all(f.done() for f in futures):
+                    time.sleep(0.1)  # stay interruptible: Ctrl-C lands here
+            except KeyboardInterrupt:
+                self.stop.set()
+                raise
+            for future in futures:
+                future.result()
+        return outcome
+
+
+def _complete_versions(
+    reports: Sequence[object], region: str, manifests: Mapping[str, pb.Manifest]
+) -> set[VersionKey]:
+    """Versions whose every shard some node of ``region`` holds (replicas add up)."""
+    counts: dict[VersionKey, int] = {}
+    for report in reports:
+        status = getattr(report, "status", None)
+        if getattr(report, "region", None) != region or status is None:
+            continue
+        for v in status.versions:
+            counts[(v.dataset, v.version)] = counts.get((v.dataset, v.version), 0) + v.shard_count
+    totals = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
+    return {key for key, held in counts.items() if key in totals and held >= totals[key]}

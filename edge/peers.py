@@ -1,0 +1,222 @@
+"""Copying a shard from a peer region's node: its stored chunk frames, verified, as they are.
+
+A node staging a version from a peer asks each peer for the shard with
+``ReadShard(cached_only=true)`` (a peer never pulls a shard across its own
+origin link for someone else) and the version's digest (a peer with other
+content for that version refuses). Every frame is verified against its own
+checksum and the one sent beside it, and chunk numbers and rows must follow
+on from each other and add up to the manifest's row count, so what is
+committed is exactly what the peer stored: no second preprocessing.
+
+Peers are asked in rendezvous order for the shard (the owner among a region's
+replicas first). A peer that fails mid-shard is left for the next one, which
+continues from the first chunk not yet received (encoding is deterministic,
+so chunk *k* is the same on every node); a peer whose chunking differs is
+asked from chunk 0. Peers authenticate this node like any client: the
+node's read or admin token, and its own certificate for mutual TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from edgecache.cache import rendezvous
+from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
+from edgecache.cache.frame import verify_frame
+from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
+from edgecache.edge.config import NodeConfig
+from edgecache.v1 import edge_pb2, manifest_pb2
+
+__all__ = ["PeerCopy", "PeerCopyFailed", "Peers"]
+
+log = logging.getLogger(__name__)
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.http2.ping_timeout_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+STALL_SECONDS = 30.0  # a peer that sends nothing for this long is abandoned
+
+
+class PeerCopyFailed(EdgeCacheError):
+    """No peer could give the shard; the message says what each one answered."""
+
+
+@dataclass
+class PeerCopy:
+    """A shard copied from peers: its frames, and who gave them."""
+
+    frames: list[bytes | memoryview]
+    peers: list[str]  # the peers that gave chunks, in order
+    notes: list[str] = field(default_factory=list)  # peers that failed, and how
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes received (the stored size of the shard)."""
+        return sum(len(f) for f in self.frames)
+
+
+class Peers:
+    """Channels to peer nodes, opened as needed, with this node's credentials."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self._channels: dict[str, aio.Channel] = {}
+        token = (
+            config.read_token("peer_token_file")
+            or config.read_token("read_token_file")
+            or config.read_token("token_file")
+        )
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        config = self.config
+        root = Path(config.peer_tls_ca).read_bytes() if config.peer_tls_ca else None
+        key = Path(config.tls_key).read_bytes() if config.tls_key else None
+        cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
+        return grpc.ssl_channel_credentials(root, key, cert)
+
+    def _channel(self, peer: str) -> aio.Channel:
+        channel = self._channels.get(peer)
+        if channel is None:
+            if peer.startswith("grpcs://"):
+                channel = aio.secure_channel(
+                    peer[len("grpcs://") :], self._credentials(), options=_OPTIONS
+                )
+            else:
+                target = peer[len("grpc://") :] if peer.startswith("grpc://") else peer
+                channel = aio.insecure_channel(target, options=_OPTIONS)
+            self._channels[peer] = channel
+        return channel
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def copy_shard(
+        self, manifest: manifest_pb2.Manifest, shard: int, peers: Sequence[str]
+    ) -> PeerCopy:
+        """The shard's frames from ``peers`` (owner first); :class:`PeerCopyFailed` if none can."""
+        copy = _Copy(manifest, shard)
+        notes: list[str] = []
+        for peer in rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard):
+            for _attempt in range(2):  # a second time from chunk 0 if it chunks differently
+                before = len(copy.frames)
+                try:
+                    await self._stream(peer, copy)
+                except _ChunkedDifferently:
+                    notes.append(f"{peer} chunks the shard differently; copying it whole from it")
+                    copy.reset()
+                    continue
+                except grpc.RpcError as exc:
+                    name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
+                    notes.append(
+                        f"{peer} failed after {len(copy.frames) - before} chunks "
+                        f"({name}: {exc.details()})"
+                    )
+                except ChunkCorrupt as exc:
+                    notes.append(f"{peer} failed after {len(copy.frames) - before} chunks ({exc})")
+                if len(copy.frames) > before:
+                    copy.givers.append(peer)
+                if copy.complete():
+                    return PeerCopy(copy.frames, copy.givers, notes)
+                break
+        spec = f"{manifest.dataset}@{manifest.version}"
+        raise PeerCopyFailed(f"{spec} shard {shard}: no peer could give it: " + "; ".join(notes))
+
+    async def _stream(self, peer: str, copy: _Copy) -> None:
+        """Append the peer's verified chunks to ``copy``, from the first one it lacks."""
+        manifest = copy.manifest
+        request = edge_pb2.ReadShardRequest(
+            dataset=manifest.dataset,
+            version=manifest.version,
+            shard=copy.shard,
+            digest=manifest.digest,
+            start_chunk=len(copy.frames),
+            cached_only=True,
+        )
+        call = self._channel(peer).unary_stream(
+            READ_SHARD_METHOD,
+            request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
+            response_deserializer=parse_chunk,
+        )(request, metadata=self._metadata)
+        try:
+            stream = call.__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), STALL_SECONDS)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise ChunkCorrupt(f"no chunk for {STALL_SECONDS:.0f} s") from None
+                copy.add(chunk)
+            if not copy.complete():
+                raise ChunkCorrupt(
+                    f"the stream ended after {len(copy.frames)} of {copy.chunk_count} chunks "
+                    f"({copy.rows} of {copy.expected_rows} rows)"
+                )
+        finally:
+            call.cancel()
+
+
+class _ChunkedDifferently(Exception):
+    """A peer's chunks do not continue the ones already received."""
+
+
+class _Copy:
+    """The chunks of one shard received so far, each checked before it is kept."""
+
+    def __init__(self, manifest: manifest_pb2.Manifest, shard: int) -> None:
+        self.manifest, self.shard = manifest, shard
+        self.expected_rows = manifest.shards[shard].row_count
+        self.givers: list[str] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was received (a peer that chunks differently starts over)."""
+        self.frames: list[bytes | memoryview] = []
+        self.chunk_count: int | None = None
+        self.rows = 0
+        self.givers = []
+
+    def add(self, chunk: object) -> None:
+        """Verify one received chunk and keep it; ChunkCorrupt if it is wrong."""
+        index, count = chunk.index, chunk.chunk_count  # type: ignore[attr-defined]
+        if self.chunk_count is None:
+            self.chunk_count = count
+        if count != self.chunk_count or index != len(self.frames):
+            if self.frames and index == len(self.frames):
+                raise _ChunkedDifferently
+            raise ChunkCorrupt(
+                f"chunk {index} of {count} does not follow chunk {len(self.frames) - 1} "
+                f"of {self.chunk_count}"
+            )
+        frame = chunk.frame  # type: ignore[attr-defined]
+        header = verify_frame(frame)  # ChunkCorrupt (or ChunkTruncated) when damaged
+        if header.checksum != chunk.checksum or header.rows != chunk.rows:  # type: ignore[attr-defined]
+            raise ChunkCorrupt(f"chunk {index}: checksum or rows differ from the frame's")
+        if chunk.first_row != self.rows:  # type: ignore[attr-defined]
+            raise ChunkCorrupt(f"chunk {index} starts at row {chunk.first_row}, not {self.rows}")  # type: ignore[attr-defined]
+        self.frames.append(frame)
+        self.rows += header.rows
+
+    def complete(self) -> bool:
+        """Whether every chunk and row is here."""
+        return (
+            self.chunk_count is not None
+            and len(self.frames) == self.chunk_count
+            and self.rows == self.expected_rows
+        )

@@ -1,0 +1,248 @@
+"""The controller carries the plan out: pins, evictions, sources and start times, on real nodes.
+
+Nodes are ``edgecache serve`` subprocesses on loopback; the controller runs
+in-process on a clock the test sets (a day of schedule in seconds), or as
+``edgecache controller`` subprocesses where killing it is the point. Link
+speeds in the topology are in simulated bytes per second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, stub, write_parquet_shards
+
+from edgecache.clients.controller import Controller, read_state
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.v1 import edge_pb2
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+HOUR = timedelta(hours=1)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def versions_on(node: LocalNode) -> dict[str, int]:
+    status = stub(node.address).Status(edge_pb2.StatusRequest())
+    return {f"{v.dataset}@{v.version}": v.shard_count for v in status.versions if v.shard_count}
+
+
+def status(node: LocalNode) -> edge_pb2.NodeStatus:
+    return stub(node.address).Status(edge_pb2.StatusRequest())
+
+
+def job(name: str, region: str, start: datetime, hours: float, *datasets: str) -> str:
+    return (
+        f"  - name: {name}\n    region: {region}\n    start: '{start.isoformat()}'\n"
+        f"    duration: {int(hours * 60)}m\n    datasets: [{', '.join(datasets)}]\n"
+    )
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    registry = f"file://{tmp_path}/registry"
+    for name in ("kept", "b", "c"):
+        write_parquet_shards(tmp_path / "origin" / name, 3, rows=500)
+        publish(registry, f"file://{tmp_path}/origin/{name}", name)
+    yield tmp_path, registry
+
+
+def test_plan_is_carried_out_pins_sources_evictions_and_start_times(site) -> None:
+    root, registry = site
+    # eu has room for two versions; us reaches origin slowly and eu quickly.
+    eu = start_local_node("eu", root / "cache-eu", registry, capacity="300KB")
+    us = start_local_node("us", root / "cache-us", registry)
+    try:
+        (root / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  eu:\n    nodes: ['{eu.address}']\n    origin_bandwidth: 10MB/s\n"
+            f"    peers: {{us: 1GB/s}}\n"
+            f"  us:\n    nodes: ['{us.address}']\n    origin_bandwidth: 1kB/s\n"
+            f"    peers: {{eu: 1GB/s}}\n"
+        )
+        list(stub(eu.address).Stage(edge_pb2.StageRequest(dataset="kept", version=1)))
+        list(stub(eu.address).Stage(edge_pb2.StageRequest(dataset="b", version=1)))
+        stored = status(eu).used_bytes
+        assert stored <= 300_000 < stored * 3 // 2  # two fit, three do not
+        (root / "schedule.yaml").write_text(
+            "jobs:\n"
+            + job("uses-b", "eu", T0, 1.5, "b@1")
+            + job("uses-c", "eu", T0 + 2 * HOUR, 1, "c@1")
+            + job("uses-kept", "eu", T0 + 5 * HOUR, 1, "kept@1")
+            + job("us-kept", "us", T0 + 3 * HOUR, 1, "kept@1")
+        )
+        clock = Clock(T0 + timedelta(minutes=1))
+        controller = Controller(
+            root / "edgecache.yaml", root / "schedule.yaml", clock=clock, lease_ttl=5
+        )
+        try:
+            plan = controller.tick()
+            controller.wait_idle()
+            assert plan is not None and not plan.infeasible
+            (c_task,) = [t for t in plan.regions["eu"].tasks if t.spec == "c@1"]
+            assert c_task.start >= T0 + 1.5 * HOUR  # just in time, after uses-b ends
+            (us_task,) = plan.regions["us"].tasks
+            assert us_task.source == "eu"  # faster than us's own origin link
+            # Pins: every version a job reads, resident ones included, until its job ends.
+            eu_versions = status(eu).versions
+            pins = {f"{v.dataset}@{v.version}": v for v in eu_versions}
+            assert pins["kept@1"].pinned_until.ToDatetime(tzinfo=UTC) == T0 + 6 * HOUR
+            assert pins["b@1"].pinned_until.ToDatetime(tzinfo=UTC) == T0 + 1.5 * HOUR
+            # Nothing for c yet: its planned start has not come; us copied kept from eu.
+            assert "c@1" not in versions_on(eu)
+            us_status = status(us)
+            assert versions_on(us) == {"kept@1": 3}
+            assert us_status.staged_peer_bytes > 0 and us_status.origin_bytes == 0
+            for minutes in (30, 60, 80):  # still before c's start: nothing changes in eu
+                clock.now = T0 + timedelta(minutes=minutes)
+                controller.tick()
+                controller.wait_idle()
+                assert versions_on(eu) == {"kept@1": 3, "b@1": 3}
+            clock.now = c_task.start + timedelta(seconds=1)
+            controller.tick()
+            controller.wait_idle()
+            # b (never needed again) made room for c; kept, needed at +5 h, stayed.
+            assert versions_on(eu) == {"kept@1": 3, "c@1": 3}
+            clock.now = T0 + 5 * HOUR + timedelta(minutes=1)
+            controller.tick()
+            controller.wait_idle()
+            state = read_state(registry)
+            assert state is not None
+            assert state.jobs["uses-c"].complete_at_start is True
+            assert state.jobs["uses-kept"].complete_at_start is True
+            assert state.jobs["us-kept"].complete_at_start is True
+            assert state.tasks["eu c@1"].state == "done"
+            assert state.tasks["us kept@1"].source == "eu"
+            # kept was fetched from origin once, before the controller began.
+            fetches = status(eu).origin_bytes
+            assert fetches == sum(
+                (root / "origin" / name / f"part-{i:05d}.parquet").stat().st_size
+                for name in ("kept", "b", "c")
+                for i in range(3)
+            )
+        finally:
+            controller.close()
+    finally:
+        eu.stop()
+        us.stop()
+
+
+def test_a_second_controller_stands_by(site) -> None:
+    root, registry = site
+    node = start_local_node("eu", root / "cache-eu", registry)
+    try:
+        (root / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        (root / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        clock = Clock(T0)
+        first = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+        second = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+        try:
+            assert first.tick() is not None
+            assert second.tick() is None  # refused: the first holds the lease
+            assert second.metrics.leader._value.get() == 0
+            first.wait_idle()
+            first.close()  # gives the lease up
+            assert second.tick() is not None
+        finally:
+            second.close()
+    finally:
+        node.stop()
+
+
+def controller_process(root: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgecache.clients.cli",
+            "controller",
+            "--config",
+            str(root / "edgecache.yaml"),
+            "--schedule",
+            str(root / "schedule.yaml"),
+            "--interval",
+            "0.5",
+            "--lease-ttl",
+            "2",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_a_controller_killed_mid_task_is_finished_by_the_next_without_refetching(
+    tmp_path: Path,
+) -> None:
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 12, rows=3000)
+    publish(registry, f"file://{tmp_path}/origin", "big")
+    # Staging crawls (64 KB/s of origin), so the kill lands mid-version.
+    node = start_local_node(
+        "eu", tmp_path / "cache", registry, extra_args=["--staging-rate", "400KB/s"]
+    )
+    try:
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        start = datetime.now(UTC) + timedelta(days=1)
+        (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", start, 1, "big@1"))
+        first = controller_process(tmp_path)
+        deadline = time.monotonic() + 60
+        while not 2 <= versions_on(node).get("big@1", 0) < 12:
+            assert time.monotonic() < deadline, "staging never started"
+            time.sleep(0.1)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        held = versions_on(node)["big@1"]
+        second = controller_process(tmp_path)
+        try:
+            deadline = time.monotonic() + 120
+            while versions_on(node).get("big@1", 0) < 12:
+                assert time.monotonic() < deadline, "the second controller did not finish"
+                time.sleep(0.2)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            out, _ = second.communicate(timeout=30)
+        assert second.returncode == 0, out
+        assert held < 12
+        metrics = stub(node.address).Status(edge_pb2.StatusRequest())
+        # Every shard came from origin once: the kill lost at most the shards in flight,
+        # which never committed; nothing committed was fetched again.
+        sizes = [(tmp_path / "origin" / f"part-{i:05d}.parquet").stat().st_size for i in range(12)]
+        assert sum(sizes) <= metrics.origin_bytes <= sum(sizes) + 4 * max(sizes)
+    finally:
+        node.stop()
+
+
+def test_bad_schedules_are_refused_with_the_file_and_line(site) -> None:
+    root, registry = site
+    (root / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    (root / "schedule.yaml").write_text(
+        "jobs:\n  - name: a\n    region: eu\n    start: 2026-12-01T08:00:00\n    datasets: [b]\n"
+    )
+    process = controller_process(root, "--once")
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 2, out
+    assert "schedule.yaml:4: jobs.0.start" in out

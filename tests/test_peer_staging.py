@@ -1,0 +1,121 @@
+"""Staging a version from a peer region's node: stored chunks copied, verified, counted apart.
+
+Real nodes (``edgecache serve`` subprocesses) on loopback; a TCP proxy in front of
+one peer cuts its stream mid-shard, as a peer that dies would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from edgeutil import publish, read_shard_table, shard_table, stub, write_parquet_shards
+from tcpproxy import FaultyProxy
+
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.v1 import edge_pb2
+
+SHARDS = 4
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, LocalNode]]]:
+    root = tmp_path_factory.mktemp("peers")
+    write_parquet_shards(root / "origin", SHARDS)
+    registry = f"file://{root}/registry"
+    publish(registry, f"file://{root}/origin", "tokens")
+    nodes = {
+        name: start_local_node(name.split("-")[0], root / f"cache-{name}", registry)
+        for name in ("eu-1", "eu-2", "us-1", "us-2", "ap-1")
+    }
+    for name in ("eu-1", "eu-2"):  # two full copies in eu
+        last = list(
+            stub(nodes[name].address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1))
+        )[-1]
+        assert last.finished and last.shards_done == SHARDS
+    yield root, nodes
+    for node in nodes.values():
+        node.stop()
+
+
+def stage(address: str, peers: list[str], **fields: object) -> edge_pb2.StageProgress:
+    request = edge_pb2.StageRequest(dataset="tokens", version=1, peers=peers, **fields)
+    return list(stub(address).Stage(request))[-1]
+
+
+def status(address: str) -> edge_pb2.NodeStatus:
+    return stub(address).Status(edge_pb2.StatusRequest())
+
+
+def assert_holds_the_version(address: str) -> None:
+    client = stub(address)
+    for shard in range(SHARDS):
+        got = read_shard_table(client, "tokens", 1, shard)
+        assert got.equals(pa.Table.from_batches(shard_table(shard).to_batches()).cast(got.schema))
+
+
+def test_copy_from_a_peer_never_touches_origin(site) -> None:
+    _, nodes = site
+    last = stage(nodes["us-1"].address, [nodes["eu-1"].address, nodes["eu-2"].address])
+    assert last.finished and last.shards_done == SHARDS and not last.failures
+    assert last.bytes_done == 0 and last.peer_bytes_done > 0  # no origin bytes at all
+    s = status(nodes["us-1"].address)
+    assert s.origin_bytes == 0 and s.staged_origin_bytes == 0
+    assert s.staged_peer_bytes == last.peer_bytes_done
+    assert s.versions[0].stored_bytes == status(nodes["eu-1"].address).versions[0].stored_bytes
+    assert_holds_the_version(nodes["us-1"].address)
+    # Again: nothing left to copy.
+    again = stage(nodes["us-1"].address, [nodes["eu-1"].address])
+    assert again.shards_skipped == SHARDS and again.peer_bytes_done == 0
+
+
+def test_a_peer_cut_mid_shard_is_resumed_on_the_next_peer(site) -> None:
+    _, nodes = site
+    proxy = FaultyProxy(nodes["eu-1"].address)
+    try:
+        proxy.cut_after(150_000)  # inside the first shard it sends (~400 KB each)
+        last = stage(nodes["us-2"].address, [proxy.address, nodes["eu-2"].address])
+    finally:
+        proxy.close()
+    assert last.finished and last.shards_done == SHARDS and not last.failures
+    assert any("failed after" in note for note in last.notes), last.notes
+    assert status(nodes["us-2"].address).origin_bytes == 0  # eu-2 gave the rest
+    assert_holds_the_version(nodes["us-2"].address)
+
+
+def test_when_no_peer_can_give_a_shard_origin_does_and_says_so(site) -> None:
+    _, nodes = site
+    proxy = FaultyProxy(nodes["eu-1"].address)
+    try:
+        proxy.cut_after(150_000)
+        last = stage(nodes["ap-1"].address, [proxy.address])
+    finally:
+        proxy.close()
+    assert last.finished and last.shards_done == SHARDS and not last.failures
+    assert any("took it from origin" in note for note in last.notes), last.notes
+    s = status(nodes["ap-1"].address)
+    # The cut broke every stream in flight (they share one connection): those shards
+    # came from origin, whole; none was committed half from one source, half the other.
+    assert s.staged_origin_bytes > 0 and s.origin_bytes == s.staged_origin_bytes
+    assert_holds_the_version(nodes["ap-1"].address)
+
+
+def test_peers_only_fails_what_no_peer_has_and_a_peer_never_fetches_for_others(
+    site, tmp_path: Path
+) -> None:
+    root, nodes = site
+    write_parquet_shards(tmp_path / "fresh", 2, rows=500)
+    publish(f"file://{root}/registry", f"file://{tmp_path}/fresh", "fresh")
+    request = edge_pb2.StageRequest(
+        dataset="fresh", version=1, peers=[nodes["eu-1"].address], peers_only=True
+    )
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as failed:
+        list(stub(nodes["us-1"].address).Stage(request))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no peer could give it" in failed.value.details()
+    # eu-1 was asked for shards it lacks and did not fetch them from its origin.
+    assert not [v for v in status(nodes["eu-1"].address).versions if v.dataset == "fresh"]
