@@ -53,8 +53,9 @@ def test_dockerfile_shape() -> None:
     assert "--system" not in code and re.search(r"useradd .*--uid 10001 --gid 10001", code)
     assert 'ENTRYPOINT ["edgecache", "serve"]' in text
     healthcheck = re.search(r"^HEALTHCHECK .*\n\s+CMD (.*)$", text, re.M)
-    assert healthcheck and "edgecache healthcheck" in healthcheck.group(1)
-    assert "EDGECACHE_PROBE_LISTEN" in healthcheck.group(1), "follow the configured probe port"
+    # No address: the command asks the node's own configured probe (EDGECACHE_PROBE_LISTEN).
+    assert healthcheck and json.loads(healthcheck.group(1))[:2] == ["edgecache", "healthcheck"]
+    assert ":7071" not in healthcheck.group(1), "follow the configured probe port"
     assert "torch" not in code.lower()  # comments may say "no torch"
     assert "-c deploy/constraints.txt" in text and "PIP_NO_CACHE_DIR=1" in text
     constraints = (DEPLOY / "constraints.txt").read_text()
@@ -64,15 +65,13 @@ def test_dockerfile_shape() -> None:
 
 
 def test_healthcheck_command_follows_the_probe_address(tmp_path: Path) -> None:
-    """The HEALTHCHECK's shell, run with a stand-in `edgecache` that prints its arguments."""
+    """The HEALTHCHECK asks the node on its own configured probe address."""
+    from edgecache.clients.cli.nodes import probe_address
+
     text = (DEPLOY / "Dockerfile").read_text()
     found = re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", text, re.M)
     assert found
-    cmd = json.loads(found.group(1))
-    assert cmd[:2] == ["sh", "-c"]
-    fake = tmp_path / "edgecache"
-    fake.write_text('#!/bin/sh\necho "$@"\n')
-    fake.chmod(0o755)
+    assert json.loads(found.group(1))[:2] == ["edgecache", "healthcheck"]
     cases = {
         None: "127.0.0.1:7071",
         "0.0.0.0:7071": "127.0.0.1:7071",
@@ -82,11 +81,11 @@ def test_healthcheck_command_follows_the_probe_address(tmp_path: Path) -> None:
         "10.1.2.3:7071": "10.1.2.3:7071",
     }
     for probe, address in cases.items():
-        env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-        if probe is not None:
-            env["EDGECACHE_PROBE_LISTEN"] = probe
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split() == ["healthcheck", address, "--timeout", "4"], (probe, out)
+        env = {} if probe is None else {"EDGECACHE_PROBE_LISTEN": probe}
+        assert probe_address(environ=env) == address, probe
+    settings = tmp_path / "node.yaml"
+    settings.write_text("probe_listen: 0.0.0.0:7444\n")
+    assert probe_address(settings, environ={}) == "127.0.0.1:7444"
 
 
 def test_host_network_compose_stays_on_loopback() -> None:
@@ -393,17 +392,11 @@ def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path
     from edgecache.edge.server import running_node
 
     with running_node(settings) as node:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "edgecache.clients.cli",
-                "healthcheck",
-                f"127.0.0.1:{node.probe_port}",
-            ],
+        out = subprocess.run(  # no address: the probe address the node was configured with
+            [sys.executable, "-m", "edgecache.clients.cli", "healthcheck"],
             capture_output=True,
             text=True,
-            env={**os.environ},
+            env={**os.environ, "EDGECACHE_PROBE_LISTEN": f"0.0.0.0:{node.probe_port}"},
         )
         assert out.returncode == 0 and "SERVING" in out.stdout, out.stderr
     refused = subprocess.run(

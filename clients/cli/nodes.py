@@ -249,20 +249,60 @@ def doctor(
         raise exit_with(ExitCode.FAILED)
 
 
+def probe_address(config: Path | None = None, environ: dict[str, str] | None = None) -> str:
+    """Where this host's node answers health checks: its configured probe address.
+
+    ``$EDGECACHE_PROBE_LISTEN``, else ``probe_listen`` in the node's settings
+    file, else the default 127.0.0.1:7071; a wildcard host (0.0.0.0, ::) is
+    asked on loopback, where the probe also listens.
+    """
+    import os
+
+    import yaml
+
+    env = os.environ if environ is None else environ
+    listen = env.get("EDGECACHE_PROBE_LISTEN")
+    if not listen and config is not None:
+        try:
+            settings = yaml.safe_load(config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read the node settings {config}: {exc}") from exc
+        listen = settings.get("probe_listen") or settings.get("probe-listen")
+    listen = str(listen or "127.0.0.1:7071")
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"the probe address {listen!r} is not HOST:PORT")
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
 @app.command()
 def healthcheck(
-    address: Annotated[str, typer.Argument(help="HOST:PORT of a node (its probe port).")] = (
-        "127.0.0.1:7071"
-    ),
+    address: Annotated[
+        str | None,
+        typer.Argument(
+            help="HOST:PORT of a node's probe [$EDGECACHE_PROBE_LISTEN, the --config file's "
+            "probe_listen, 127.0.0.1:7071]."
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="The node's settings file (for its probe_listen).")
+    ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 3.0,
 ) -> None:
-    """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker)."""
+    """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker).
+
+    With no address it asks this host's node on its own configured probe port,
+    so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN.
+    """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from edgecache.clients.channels import describe, open_channel
 
     with reporting():
+        address = address or probe_address(config)
         channel = open_channel(address)
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(
