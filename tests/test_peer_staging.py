@@ -6,6 +6,7 @@ one peer cuts its stream mid-shard, as a peer that dies would.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,3 +120,36 @@ def test_peers_only_fails_what_no_peer_has_and_a_peer_never_fetches_for_others(
     assert "no peer could give it" in failed.value.details()
     # eu-1 was asked for shards it lacks and did not fetch them from its origin.
     assert not [v for v in status(nodes["eu-1"].address).versions if v.dataset == "fresh"]
+
+
+def test_a_pin_keeps_a_resident_version_from_the_lru(tmp_path: Path) -> None:
+    # Room for two versions; "kept" was staged first (least recently used), "other"
+    # second. Staging a third evicts by LRU: without a pin that is "kept", exactly what a
+    # later job needs; with the controller's pin the unpinned one goes instead.
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    registry = f"file://{tmp_path}/registry"
+    for name in ("kept", "other", "third"):
+        write_parquet_shards(tmp_path / name, 2, rows=500)
+        publish(registry, f"file://{tmp_path}/{name}", name)
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity="180KB")
+    try:
+        client = stub(node.address)
+        for name in ("kept", "other"):
+            list(client.Stage(edge_pb2.StageRequest(dataset=name, version=1)))
+        until = Timestamp()
+        until.FromSeconds(int(time.time()) + 3600)
+        client.Pin(edge_pb2.PinRequest(dataset="kept", version=1, until=until))
+        list(client.Stage(edge_pb2.StageRequest(dataset="third", version=1)))
+        held = {
+            v.dataset for v in client.Status(edge_pb2.StatusRequest()).versions if v.shard_count
+        }
+        assert held == {"kept", "third"}
+        client.Pin(edge_pb2.PinRequest(dataset="kept", version=1))  # unset: unpinned
+        list(client.Stage(edge_pb2.StageRequest(dataset="other", version=1)))
+        held = {
+            v.dataset for v in client.Status(edge_pb2.StatusRequest()).versions if v.shard_count
+        }
+        assert "kept" not in held  # the LRU takes it once nothing protects it
+    finally:
+        node.stop()
