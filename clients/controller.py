@@ -56,6 +56,7 @@ __all__ = [
     "JobRecord",
     "SimulatedClock",
     "TaskRecord",
+    "lease_holder",
     "read_state",
 ]
 
@@ -154,6 +155,21 @@ class SimulatedClock:
     def __call__(self) -> datetime:
         """Now, on this clock."""
         return self.start + timedelta(seconds=(time.monotonic() - self._origin) * self.speed)
+
+
+def lease_holder(registry: str) -> LeaseRecord | None:
+    """The controller that holds the lease on ``registry`` now, if one does."""
+
+    async def go() -> LeaseRecord | None:
+        stores = Stores()
+        try:
+            url = f"{registry.rstrip('/')}/{LEASE_PREFIX}"
+            record = await Lease(stores.for_url(registry), url, "reader").current()
+        finally:
+            await stores.close()
+        return record if record is not None and record.live(time.time()) else None
+
+    return asyncio.run(go())
 
 
 def _iso(when: datetime | None) -> str | None:
@@ -452,6 +468,13 @@ class Controller:
 
     # ------------------------------------------------------------------ loop
 
+    def health(self, interval: float) -> str | None:
+        """None while rounds keep turning; else why not (for a liveness probe)."""
+        last = self.metrics.last_tick._value.get()
+        if last and time.time() - last > max(3 * interval, 60.0):
+            return f"no planning round for {time.time() - last:.0f} s"
+        return None
+
     def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until every task started so far has ended, then record what is there."""
         with self._lock:
@@ -484,6 +507,7 @@ class Controller:
                 # work running, and try again next tick.
                 self.last_error = str(exc)
                 self.metrics.tick_errors.inc()
+                self.metrics.last_tick.set(time.time())  # alive, if unhappy: alerts say so
                 log.error("tick failed: %s", exc)
             self.stop.wait(max(interval - (time.monotonic() - started), 0.0))
 

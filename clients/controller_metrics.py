@@ -8,9 +8,18 @@ plan's predictions, and where did the bytes come from.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 __all__ = ["ControllerMetrics"]
 
@@ -20,7 +29,7 @@ class ControllerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._http: Any = None
+        self._http: ThreadingHTTPServer | None = None
         r = self.registry
         self.tasks = Gauge(
             "edgecache_controller_tasks",
@@ -70,9 +79,35 @@ class ControllerMetrics:
             registry=r,
         )
 
-    def serve(self, host: str, port: int) -> int:
-        """Expose ``/metrics``; returns the bound port."""
-        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, healthy: Callable[[], str | None]) -> int:
+        """Serve ``/metrics`` and ``/healthz``; returns the bound port.
+
+        ``healthy()`` returns None when the controller is alive, else why not
+        (for a liveness probe: a planning loop that stopped turning is not
+        seen by a scrape, which a separate thread answers).
+        """
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.startswith("/healthz"):
+                    problem = healthy()
+                    body = (problem or "ok").encode() + b"\n"
+                    self.send_response(503 if problem else 200)
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                else:
+                    body = generate_latest(registry)
+                    self.send_response(200)
+                    self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass  # scrapes every few seconds would flood the log
+
+        self._http = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self._http.serve_forever, name="metrics", daemon=True).start()
         return int(self._http.server_address[1])
 
     def shutdown(self) -> None:

@@ -155,8 +155,6 @@ def test_kubernetes_manifests() -> None:
     assert (
         objects["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
     )
-    cron = objects["CronJob"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-    assert cron["command"][:2] == ["edgecache", "warm"]
     for overlay in ("eu-west", "us-east"):
         custom = yaml.safe_load(
             (DEPLOY / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text()
@@ -167,13 +165,11 @@ def test_kubernetes_manifests() -> None:
 
 
 def test_topology_and_schedule_files_are_valid() -> None:
-    for path in (DEPLOY / "compose" / "edgecache.yaml", DEPLOY / "k8s" / "base" / "edgecache.yaml"):
+    controller = DEPLOY / "k8s" / "controller"
+    for path in (DEPLOY / "compose" / "edgecache.yaml", controller / "edgecache.yaml"):
         topology = load_topology(path)
         assert set(topology.regions) == {"eu-west", "us-east"}
-    load_schedule(
-        DEPLOY / "k8s" / "base" / "schedule.yaml",
-        load_topology(DEPLOY / "k8s" / "base" / "edgecache.yaml"),
-    )
+    load_schedule(controller / "schedule.yaml", load_topology(controller / "edgecache.yaml"))
 
 
 def test_compose_stack_and_dashboards() -> None:
@@ -242,13 +238,7 @@ def kubectl() -> str:
 
 def render_overlay(overlay: str) -> list[dict]:
     """What `kubectl apply -k deploy/k8s/overlays/OVERLAY` applies: the real kustomize."""
-    out = subprocess.run(
-        [kubectl(), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return render(DEPLOY / "k8s" / "overlays" / overlay)
 
 
 def validate(objects: list[dict]) -> set[str]:
@@ -271,7 +261,8 @@ def test_every_overlay_builds_with_kustomize_and_validates() -> None:
         objects = render_overlay(overlay)
         namespace = f"edgecache-{overlay}"
         kinds = {o["kind"] for o in objects}
-        assert {"Namespace", "StatefulSet", "Service", "ConfigMap", "CronJob"} <= kinds
+        assert {"Namespace", "StatefulSet", "Service", "PodDisruptionBudget"} <= kinds
+        assert "CronJob" not in kinds  # the controller runs the schedule
         for obj in objects:
             if obj["kind"] == "Namespace":
                 assert obj["metadata"]["name"] == namespace
@@ -280,24 +271,44 @@ def test_every_overlay_builds_with_kustomize_and_validates() -> None:
         sts = next(o for o in objects if o["kind"] == "StatefulSet")
         env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
         assert env[0] == {"name": "EDGECACHE_REGION", "value": overlay}
-        # The generated ConfigMaps (hash-suffixed) are the ones the CronJob mounts.
-        maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
-        cron = next(o for o in objects if o["kind"] == "CronJob")
-        volumes = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["volumes"]
-        mounted = {v["configMap"]["name"] for v in volumes if "configMap" in v}
-        assert len(mounted) == 2 and mounted <= set(maps), (mounted, set(maps))
-        topologies = [maps[m]["data"]["edgecache.yaml"] for m in mounted if "edgecache.yaml"
-                      in maps[m]["data"]]  # fmt: skip
-        assert overlay in yaml.safe_load(topologies[0])["regions"]
         assert validate(objects) == {"ServiceMonitor"}  # no upstream schema for the CRD
     for obj in docs(DEPLOY / "k8s" / "optional" / "node-tuning-daemonset.yaml"):
         assert validate([obj]) == set()
 
 
-def kubernetes_steps() -> list[str]:
-    """The shell commands of deploy/README.md's "Kubernetes, one region", in order."""
+def test_the_controller_kustomization_builds_and_validates() -> None:
+    objects = render(DEPLOY / "k8s" / "controller")
+    assert validate(objects) == {"ServiceMonitor"}
+    for obj in objects:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == "edgecache-control", obj["metadata"]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"][:2] == ["edgecache", "controller"]
+    flags = container["command"]
+    for flag in ("--schedule", "--config", "--token-file", "--metrics-listen"):
+        assert flag in flags, flag
+    port = flags[flags.index("--metrics-listen") + 1].rsplit(":", 1)[1]
+    assert container["ports"][0]["containerPort"] == int(port)
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # The ConfigMaps it mounts are the generated ones, holding a valid topology and schedule.
+    maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    mounted = {v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v}
+    assert len(mounted) == 2 and mounted <= set(maps), (mounted, set(maps))
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    for flag in ("--schedule", "--config"):
+        assert str(Path(flags[flags.index(flag) + 1]).parent) in mounts
+
+
+def kubernetes_steps(section: str) -> list[str]:
+    """The shell commands of one deploy/README.md section, in order."""
     text = (DEPLOY / "README.md").read_text()
-    section = text.split("## Kubernetes, one region", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
     commands = []
     for block, inline in re.findall(r"```sh\n(.*?)```|`([^`\n]+)`", section, re.S):
         lines = (block or inline).replace("\\\n", " ").splitlines()
@@ -307,23 +318,29 @@ def kubernetes_steps() -> list[str]:
     return commands
 
 
-def test_readme_kubernetes_steps_run_in_order(tmp_path: Path) -> None:
-    """deploy/README.md's kubectl steps, in order, as far as no cluster allows: the namespace
-    exists before anything is created in it, every secret is created in it (`-n`) with the
-    names and keys the manifests mount, and `apply -k` names an overlay that renders."""
+def render(kustomization: Path) -> list[dict]:
+    """What `kubectl apply -k DIR` applies: the real kustomize."""
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(kustomization)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def check_steps_in_order(steps: list[str], namespace: str, target: str, tmp_path: Path) -> None:
+    """Kubectl steps as far as no cluster allows: the namespace exists before anything is
+    created in it, every secret is created in it (`-n`) with the names and keys the
+    manifests mount, and `apply -k` names a kustomization that renders."""
     import shlex
 
-    steps = kubernetes_steps()
-    assert steps[0].startswith("docker build -f deploy/Dockerfile"), steps
-    namespace = "edgecache-eu-west"
-    rendered = json.dumps(render_overlay("eu-west"))
+    rendered = json.dumps(render(ROOT / target))
     mounted = set(re.findall(r'"secretName": "([^"]+)"', rendered))
     mounted |= set(re.findall(r'"secretRef": \{"name": "([^"]+)"', rendered))
     assert mounted == {"edgecache-tokens", "edgecache-tls", "edgecache-origin-credentials"}
     for path in ("admin.token", "read.token", "tls.crt", "tls.key", "ca.crt"):
         (tmp_path / path).write_text("x\n")
     namespace_created, created = False, {}
-    for step in steps[1:]:
+    for step in steps:
         # "[--from-literal=…]" is optional: take it; "…" stands for a value.
         args = shlex.split(re.sub(r"\[(--[^]]*)\]", r"\1", step).replace("…", "v"))
         if args[:2] == ["kubectl", "apply"] and "-f" in args:
@@ -345,16 +362,24 @@ def test_readme_kubernetes_steps_run_in_order(tmp_path: Path) -> None:
             assert validate([secret]) == set()
             created[secret["metadata"]["name"]] = set(secret["data"])
         elif args[:2] == ["kubectl", "kustomize"]:
-            assert render_overlay(Path(args[2]).name), step
+            assert render(ROOT / args[2]), step
         elif args[:3] == ["kubectl", "apply", "-k"]:
             assert namespace_created and set(created) == mounted, (step, created)
-            assert args[3] == "deploy/k8s/overlays/eu-west", step
+            assert args[3] == target, step
         else:
             raise AssertionError(f"a step this test does not know how to check: {step!r}")
     assert created["edgecache-tokens"] == {"admin", "read"}
     assert created["edgecache-tls"] == {"tls.crt", "tls.key", "ca.crt"}
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= created["edgecache-origin-credentials"]
-    assert steps[-1] == "kubectl apply -k deploy/k8s/overlays/eu-west", steps
+    assert steps[-1] == f"kubectl apply -k {target}", steps
+
+
+def test_readme_kubernetes_steps_run_in_order(tmp_path: Path) -> None:
+    steps = kubernetes_steps("Kubernetes, one region")
+    assert steps[0].startswith("docker build -f deploy/Dockerfile"), steps
+    check_steps_in_order(steps[1:], "edgecache-eu-west", "deploy/k8s/overlays/eu-west", tmp_path)
+    steps = kubernetes_steps("The controller")
+    check_steps_in_order(steps, "edgecache-control", "deploy/k8s/controller", tmp_path)
 
 
 def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path) -> None:

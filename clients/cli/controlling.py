@@ -87,7 +87,7 @@ def controller(
     try:
         if metrics_listen:
             host, port = split_hostport(metrics_listen)
-            bound = running.metrics.serve(host, port)
+            bound = running.metrics.serve(host, port, lambda: running.health(interval))
             console.print(f"metrics on {host}:{bound}")
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: running.stop.set())

@@ -30,7 +30,7 @@ from edgecache.clients.cli.context import (
     exit_with,
     reporting,
 )
-from edgecache.clients.cli.render import console, err_console, format_bytes
+from edgecache.clients.cli.render import console, err_console, format_bytes, warning
 from edgecache.clients.plan_status import JobView
 
 
@@ -260,9 +260,18 @@ def warm(
     with reporting():
         topology, token = options.topology, options.token
         if Path(target).exists():
+            from edgecache.clients.controller import lease_holder
+
             schedule = load_schedule(target, topology)
             result, manifests = ops.make_plan(topology, schedule, token=token)
             single = None
+            holder = lease_holder(topology.registry)
+            if holder is not None:
+                warning(
+                    f"controller {holder.holder} runs a schedule on this registry; warm acts "
+                    "now as well (pins, evictions and staging are idempotent, so nothing is "
+                    "done twice, but its timing is not the controller's)"
+                )
         else:
             if region is None:
                 raise ValueError(f"warm {target} needs --region, one of {sorted(topology.regions)}")

@@ -30,11 +30,10 @@ NODES = {  # compose service → (gRPC, probe, metrics) ports, as deploy/compose
     "eu-west-2": (17080, 17081, 17082),
     "us-east-1": (17090, 17091, 17092),
 }
-# ── CONTROLLER (placeholder) ─────────────────────────────────────────────────────────
-# When deploy/compose.host.yaml gets its `controller` service, set this to "controller":
-# the stack then waits for it to run (healthy, if its image has a HEALTHCHECK) and
-# test_stack.py checks it runs as uid 10001 with a read-only root and a tmpfs /tmp.
-CONTROLLER_SERVICE: str | None = None
+# The stack waits for the controller to turn healthy, and test_stack.py checks it runs
+# as uid 10001 with a read-only root and a tmpfs /tmp, and carries out its schedule.
+CONTROLLER_SERVICE: str | None = "controller"
+CONTROLLER_METRICS = 17060
 REPORT: list[str] = []  # lines for the terminal summary (image sizes, timings)
 
 
@@ -157,7 +156,8 @@ def stack() -> Iterator[Stack]:
     }
     s = Stack(compose_command(), env)
     s("down", "-v", "--remove-orphans", check=False)  # a stack left by an interrupted run
-    busy = [p for ports in [(S3_PORT,), *NODES.values()] for p in ports if not port_free(p)]
+    ports = [(S3_PORT, CONTROLLER_METRICS), *NODES.values()]
+    busy = [p for group in ports for p in group if not port_free(p)]
     assert not busy, f"loopback ports in use, stop what holds them first: {busy}"
     started = time.monotonic()
     s("build")

@@ -188,6 +188,43 @@ def test_publish_plan_warm_and_an_epoch_that_survives_a_killed_node(
     assert sorted(labels) == list(range(TOTAL))
 
 
+def test_the_controller_copies_the_version_into_us_east_from_eu_west(stack) -> None:  # noqa: ANN001
+    """deploy/compose/schedule.host.yaml wants tokens@1 in both regions; eu-west holds it
+    (the test above warmed it) and us-east's origin link is slow, so the plan's source
+    for us-east is eu-west: the controller has us-east copy it from there."""
+    import urllib.request
+
+    from edgecache.clients.channels import open_channel
+    from edgecache.v1 import edge_pb2, edge_pb2_grpc
+
+    us_east = f"127.0.0.1:{stack.nodes['us-east-1'][0]}"
+    deadline = time.monotonic() + 120
+    while True:
+        channel = open_channel(us_east)
+        try:
+            status = edge_pb2_grpc.EdgeCacheStub(channel).Status(edge_pb2.StatusRequest())
+        finally:
+            channel.close()
+        held = {f"{v.dataset}@{v.version}": v.shard_count for v in status.versions}
+        if held.get(f"{DATASET}@1") == SHARDS:
+            break
+        assert time.monotonic() < deadline, (held, stack.logs())
+        time.sleep(1)
+    assert status.staged_peer_bytes > 0 and status.staged_origin_bytes == 0, status
+    pinned = next(v for v in status.versions if v.dataset == DATASET)
+    assert pinned.HasField("pinned_until")  # until train-us ends
+    with urllib.request.urlopen("http://127.0.0.1:17060/metrics", timeout=5) as reply:
+        metrics = reply.read().decode()
+    assert "edgecache_controller_leader 1.0" in metrics, metrics
+    assert 'edgecache_controller_tasks{state="done"}' in metrics, metrics
+    with urllib.request.urlopen("http://127.0.0.1:17060/healthz", timeout=5) as reply:
+        assert reply.status == 200
+    stack.report.append(
+        f"controller: us-east copied {DATASET}@1 from eu-west "
+        f"({status.staged_peer_bytes / 1e6:.1f} MB stored bytes, 0 from origin)"
+    )
+
+
 def test_docker_stop_drains_within_the_grace_period(stack) -> None:  # noqa: ANN001
     """SIGTERM with a stream open: the node lets it finish (drains), then exits 0 by itself
     within its grace, well before docker's SIGKILL at the stop timeout (exit 137)."""
