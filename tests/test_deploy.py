@@ -170,6 +170,9 @@ def test_topology_and_schedule_files_are_valid() -> None:
         topology = load_topology(path)
         assert set(topology.regions) == {"eu-west", "us-east"}
     load_schedule(controller / "schedule.yaml", load_topology(controller / "edgecache.yaml"))
+    compose = DEPLOY / "compose"
+    load_schedule(compose / "schedule.yaml", load_topology(compose / "edgecache.yaml"))
+    load_schedule(compose / "schedule.host.yaml", load_topology(compose / "edgecache.host.yaml"))
 
 
 def test_compose_stack_and_dashboards() -> None:
@@ -185,6 +188,9 @@ def test_compose_stack_and_dashboards() -> None:
     prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert {t.split(":")[0] for t in targets} == {"eu-west-1", "eu-west-2", "us-east-1"}
+    controller = prometheus["scrape_configs"][1]["static_configs"][0]["targets"]
+    assert controller == ["controller:9091"] and "controller" in services
+    assert "--metrics-listen" in services["controller"]["command"]
     dependencies = {d for svc in services.values() for d in svc.get("depends_on", [])}
     assert dependencies <= set(services)
     named = set(compose["volumes"])
@@ -211,8 +217,22 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         capacity="64MiB",
         sync=False,
     )
+    from edgecache.clients.controller import Controller
+
     with running_node(settings) as node:
         text = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: file://{tmp_path}/r\nregions:\n  eu-west:\n    nodes: ['{node.address}']\n"
+        )
+        (tmp_path / "schedule.yaml").write_text("jobs: []\n")
+        controller = Controller(tmp_path / "edgecache.yaml", tmp_path / "schedule.yaml")
+        try:
+            controller.tick()
+            port = controller.metrics.serve("127.0.0.1", 0, lambda: None)
+            text += urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        finally:
+            controller.close()
+            controller.metrics.shutdown()
     exported = set(re.findall(r"^(edgecache_[a-z_]+)", text, re.M))
     dashboard = json.loads((DEPLOY / "grafana" / "edgecache.json").read_text())
     used = set(re.findall(r"edgecache_[a-z_]+", json.dumps(dashboard)))
@@ -226,6 +246,10 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         "capacity",
         "active streams",
         "rtt",
+        "tasks by state",
+        "started without their data",
+        "actual minus predicted",
+        "by source",
     ):
         assert topic in titles, topic
 
