@@ -26,21 +26,18 @@ write; read-only processes do not affect eviction order.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import lmdb
 
 from edgecache.cache.errors import (
-    CacheDirError,
     CacheFull,
     EmptyShard,
     ReadOnlyStore,
@@ -48,7 +45,6 @@ from edgecache.cache.errors import (
     ShardTooLarge,
     StoreError,
     StoreForked,
-    WriterLocked,
 )
 from edgecache.cache.frame import Buffer, verify_frame
 from edgecache.cache.keys import (
@@ -59,6 +55,8 @@ from edgecache.cache.keys import (
     version_key,
 )
 from edgecache.cache.shard_reader import ClosingContext, ShardReader, release_all
+from edgecache.cache.store_files import DBS, MAP_HEADROOM, WriterLock, open_reader, open_writer
+from edgecache.cache.store_records import ShardInfo, StoreStats, VersionInfo, ns_to_datetime
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import store_pb2
 
@@ -66,61 +64,7 @@ __all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"
 
 log = logging.getLogger(__name__)
 
-_FORMAT = b"edgecache-store/1"
-_DBS = (b"chunks", b"shards", b"versions", b"access", b"manifests", b"meta")
-_MAP_HEADROOM = 256 << 20
-_LOCK_FILE = "writer.lock"
 _CLOSE_WAIT_S = 10.0  # how long close() waits for readers in other threads to finish
-
-
-@dataclass(frozen=True, slots=True)
-class ShardInfo:
-    """A resident shard, as recorded when it was committed."""
-
-    key: ShardKey
-    chunk_count: int
-    stored_bytes: int
-    row_count: int
-    checksums: tuple[int, ...]
-    chunk_rows: tuple[int, ...]
-    committed_at: datetime
-    last_access: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class VersionInfo:
-    """A version with at least one resident shard, or a pin."""
-
-    dataset: str
-    version: int
-    shard_count: int
-    stored_bytes: int
-    pinned_until: datetime | None
-
-    def pinned(self, now_ns: int | None = None) -> bool:
-        """Whether eviction must leave this version alone."""
-        if self.pinned_until is None:
-            return False
-        now = time.time_ns() if now_ns is None else now_ns
-        return int(self.pinned_until.timestamp() * 1e9) > now
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    """Capacity and traffic counters; hits and misses count this process's lookups."""
-
-    capacity_bytes: int
-    used_bytes: int
-    shard_count: int
-    hits: int
-    misses: int
-    evicted_shards: int
-    evicted_bytes: int
-    corrupt_chunks: int
-
-
-def _ns_to_dt(ns: int) -> datetime:
-    return datetime.fromtimestamp(ns / 1e9, UTC)
 
 
 class CacheStore(ClosingContext):
@@ -160,154 +104,25 @@ class CacheStore(ClosingContext):
         self._closing = False
         self._hits = self._misses = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
-        self._lock_fd: int | None = None
+        self._lock: WriterLock | None = None
         self._env: lmdb.Environment | None = None
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        env = (
-            self._open_reader(max_readers)
-            if readonly
-            else self._open_writer(capacity_bytes, sync, max_readers)
-        )
+        if readonly:
+            env = open_reader(self.path, max_readers)
+        else:
+            self._lock = WriterLock(self.path)
+            try:
+                env, self.capacity_bytes = open_writer(
+                    self.path, capacity_bytes, sync=sync, max_readers=max_readers
+                )
+            except BaseException:
+                self._lock.release()
+                raise
         self._env = env
-        self._dbs = {name: env.open_db(name, create=False) for name in _DBS}
+        self._dbs = {name: env.open_db(name, create=False) for name in DBS}
         if readonly:
             self.capacity_bytes = self._read_meta_int(b"capacity")
-
-    # ----------------------------------------------------------------- opening
-
-    def _open_reader(self, max_readers: int) -> lmdb.Environment:
-        if not (self.path / "data.mdb").is_file():
-            raise CacheDirError(
-                f"no edgecache store at {self.path}: check the path, or start a node "
-                f"with --cache-dir {self.path} to create one"
-            )
-        try:
-            env = lmdb.open(
-                str(self.path),
-                readonly=True,
-                max_dbs=len(_DBS),
-                max_readers=max_readers,
-                map_size=1 << 20,  # LMDB takes the larger size recorded in the file
-            )
-        except lmdb.Error as exc:
-            raise CacheDirError(f"cannot open the cache at {self.path} read-only: {exc}") from exc
-        self._check_format(env)
-        return env
-
-    def _open_writer(
-        self, capacity_bytes: int | None, sync: bool, max_readers: int
-    ) -> lmdb.Environment:
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CacheDirError(
-                f"cannot create cache directory {self.path}: {exc.strerror}; "
-                "create it with the right owner or choose another --cache-dir"
-            ) from exc
-        self._take_writer_lock()
-        try:
-            existing = self._existing_capacity()
-            if capacity_bytes is None:
-                capacity_bytes = existing or int(shutil.disk_usage(self.path).free * 0.8)
-            self.capacity_bytes = capacity_bytes
-            data_file = self.path / "data.mdb"
-            current = data_file.stat().st_size if data_file.exists() else 0
-            map_size = max(2 * capacity_bytes + _MAP_HEADROOM, current + _MAP_HEADROOM)
-            env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=len(_DBS),
-                max_readers=max_readers,
-                sync=sync,
-                metasync=sync,
-                meminit=False,
-                readahead=True,
-            )
-            with env.begin(write=True) as txn:
-                meta = env.open_db(b"meta", txn=txn)
-                found = txn.get(b"format", db=meta)
-                if found is not None and found != _FORMAT:
-                    raise CacheDirError(
-                        f"{self.path} holds an LMDB database that is not an edgecache store "
-                        f"(format {found!r}); point --cache-dir at an empty directory"
-                    )
-                for name in _DBS:
-                    env.open_db(name, txn=txn)
-                txn.put(b"format", _FORMAT, db=meta)
-                txn.put(b"capacity", capacity_bytes.to_bytes(8, "big"), db=meta)
-            stale = env.reader_check()  # slots of readers killed with SIGKILL
-            if stale:
-                log.info("reclaimed %d stale LMDB reader slots in %s", stale, self.path)
-            return env
-        except lmdb.Error as exc:
-            self._release_writer_lock()
-            raise CacheDirError(f"cannot open the cache at {self.path}: {exc}") from exc
-        except BaseException:
-            self._release_writer_lock()
-            raise
-
-    def _existing_capacity(self) -> int | None:
-        if not (self.path / "data.mdb").is_file():
-            return None
-        env = lmdb.open(str(self.path), readonly=True, max_dbs=len(_DBS), lock=False)
-        try:
-            with env.begin() as txn:
-                meta = env.open_db(b"meta", txn=txn, create=False)
-                raw = txn.get(b"capacity", db=meta)
-                return int.from_bytes(raw, "big") if raw else None
-        except lmdb.Error:
-            return None
-        finally:
-            env.close()
-
-    def _take_writer_lock(self) -> None:
-        lock_path = self.path / _LOCK_FILE
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise CacheDirError(
-                f"cache directory {self.path} is not writable ({exc.strerror}): fix its "
-                "permissions, mount it read-write, or open the store with readonly=True"
-            ) from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise WriterLocked(
-                f"another process (pid {holder}) is the writer of {self.path}; stop it, "
-                "use another --cache-dir, or open this store with readonly=True"
-            ) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-        except OSError as exc:  # read-only filesystems can still grant the flock
-            os.close(fd)
-            raise CacheDirError(
-                f"cache directory {self.path} is not writable ({exc.strerror}): fix its "
-                "permissions, mount it read-write, or open the store with readonly=True"
-            ) from exc
-        self._lock_fd = fd
-
-    def _release_writer_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing drops the flock
-            self._lock_fd = None
-
-    def _check_format(self, env: lmdb.Environment) -> None:
-        try:
-            with env.begin() as txn:
-                meta = env.open_db(b"meta", txn=txn, create=False)
-                found = txn.get(b"format", db=meta)
-        except lmdb.Error as exc:
-            env.close()
-            raise CacheDirError(f"{self.path} is not an edgecache store: {exc}") from exc
-        if found != _FORMAT:
-            env.close()
-            raise CacheDirError(
-                f"{self.path} is not an edgecache store (format {found!r}); check --cache-dir"
-            )
 
     def _read_meta_int(self, name: bytes) -> int:
         with self._read_txn() as txn:
@@ -359,7 +174,8 @@ class CacheStore(ClosingContext):
                     self._flush_access(txn)
             env.close()
         self._env = None
-        self._release_writer_lock()
+        if self._lock is not None:
+            self._lock.release()
 
     def _read_started(self, thread: int) -> None:
         self._reads[thread] = self._reads.get(thread, 0) + 1
@@ -462,7 +278,7 @@ class CacheStore(ClosingContext):
                     # A full disk surfaces from mdb_txn_commit as ENOSPC or EIO. The
                     # transaction is gone whole: nothing of the shard is visible.
                     free = shutil.disk_usage(self.path).free
-                    if free < 2 * size + _MAP_HEADROOM // 16:
+                    if free < 2 * size + MAP_HEADROOM // 16:
                         raise CacheFull(
                             f"{key}: the disk under {self.path} is full ({format_bytes(free)} "
                             f"free, the shard needs {format_bytes(size)}); --capacity "
@@ -536,7 +352,7 @@ class CacheStore(ClosingContext):
                 "{}@{} ({}, until {:%Y-%m-%dT%H:%MZ})".format(
                     *parse_version_key(v),
                     format_bytes(r.stored_bytes),
-                    _ns_to_dt(r.pinned_until_ns),
+                    ns_to_datetime(r.pinned_until_ns),
                 )
                 for v, r in sorted(pinned.items())
             )
@@ -627,8 +443,8 @@ class CacheStore(ClosingContext):
             row_count=record.row_count,
             checksums=tuple(record.checksums),
             chunk_rows=tuple(record.chunk_rows),
-            committed_at=_ns_to_dt(record.committed_at_ns),
-            last_access=_ns_to_dt(last_access_ns or record.committed_at_ns),
+            committed_at=ns_to_datetime(record.committed_at_ns),
+            last_access=ns_to_datetime(last_access_ns or record.committed_at_ns),
         )
 
     def shard_info(self, key: ShardKey) -> ShardInfo | None:
@@ -739,7 +555,9 @@ class CacheStore(ClosingContext):
                         shard_count=record.shard_count,
                         stored_bytes=record.stored_bytes,
                         pinned_until=(
-                            _ns_to_dt(record.pinned_until_ns) if record.pinned_until_ns else None
+                            ns_to_datetime(record.pinned_until_ns)
+                            if record.pinned_until_ns
+                            else None
                         ),
                     )
                 )

@@ -423,7 +423,7 @@ class Controller:
         for item in plan.infeasible:
             reasons.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
         for job in schedule.jobs:
-            versions = [
+            reads = [
                 (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
             ]
             record = self.state.jobs.get(job.name)
@@ -433,11 +433,11 @@ class Controller:
                     region=job.region,
                     start=_iso(job.start) or "",
                     end=_iso(job.end) or "",
-                    versions=[_spec(v) for v in versions],
+                    versions=[_spec(v) for v in reads],
                 )
             record.infeasible = reasons.get(job.name, [])
             held = complete.get(job.region, set())
-            missing = [_spec(v) for v in versions if v not in held] + [
+            missing = [_spec(v) for v in reads if v not in held] + [
                 s for s in job.datasets if s not in manifests
             ]
             region_plan = plan.regions.get(job.region)

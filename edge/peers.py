@@ -103,7 +103,7 @@ class Peers:
     async def close(self) -> None:
         """Close every channel."""
         for channel in self._channels.values():
-            await channel.close()
+            await channel.close(None)
         self._channels.clear()
 
     async def copy_shard(

@@ -1,0 +1,62 @@
+"""What the cache store reports about what it holds: shards, versions, counters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from edgecache.cache.keys import ShardKey
+
+__all__ = ["ShardInfo", "StoreStats", "VersionInfo", "ns_to_datetime"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """A resident shard, as recorded when it was committed."""
+
+    key: ShardKey
+    chunk_count: int
+    stored_bytes: int
+    row_count: int
+    checksums: tuple[int, ...]
+    chunk_rows: tuple[int, ...]
+    committed_at: datetime
+    last_access: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    """A version with at least one resident shard, or a pin."""
+
+    dataset: str
+    version: int
+    shard_count: int
+    stored_bytes: int
+    pinned_until: datetime | None
+
+    def pinned(self, now_ns: int | None = None) -> bool:
+        """Whether eviction must leave this version alone."""
+        if self.pinned_until is None:
+            return False
+        now = time.time_ns() if now_ns is None else now_ns
+        return int(self.pinned_until.timestamp() * 1e9) > now
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Capacity and traffic counters; hits and misses count this process's lookups."""
+
+    capacity_bytes: int
+    used_bytes: int
+    shard_count: int
+    hits: int
+    misses: int
+    evicted_shards: int
+    evicted_bytes: int
+    corrupt_chunks: int
+
+
+def ns_to_datetime(ns: int) -> datetime:
+    """Unix nanoseconds (as the store records times) as an aware UTC datetime."""
+    return datetime.fromtimestamp(ns / 1e9, UTC)
