@@ -1,4 +1,4 @@
-"""EdgeDataset: a PyTorch IterableDataset that streams a pinned dataset version from edge nodes.
+"""EdgeDataset: a PyTorch IterableDataset that streams pinned dataset versions from edge nodes.
 
 .. code-block:: python
 
@@ -12,16 +12,21 @@
 
 Guarantees (see :mod:`edgecache.clients.epoch_order` for how):
 
+* every batch draws from ``shuffle_windows`` windows spread over the stored
+  order; memory about ``lanes * shuffle_windows * window_bytes`` plus the
+  read-ahead;
 * every sample exactly once per epoch across all ranks and workers
-  (``drop_last=False``); with ``drop_last=True`` the same number of full
-  batches on every rank and no sample twice;
-* the same (version, seed, epoch) gives the same order on any machine, for
-  any number of DataLoader workers;
-* ``state_dict()`` is (version, seed, epoch, batches yielded): resume with
-  other workers, other endpoints or in another region and get exactly the
-  samples not yet yielded. With ``num_workers > 0`` the main process cannot
-  see what workers yielded: pass ``state_dict(batches=steps_this_epoch)``
-  (the canonical order makes the step count exact).
+  (``drop_last=False``), at most one partial batch per rank; with
+  ``drop_last=True`` the same number of full batches on every rank and no
+  sample twice;
+* the same (versions, seed, epoch) gives the same order on any machine, for
+  any number of DataLoader workers, world size or batch size;
+* ``state_dict()`` resumes with other workers, endpoints or regions, and at
+  another world size or batch size (elastic) with exactly the samples not yet
+  consumed this epoch. With ``num_workers > 0`` pass
+  ``state_dict(batches=steps_this_epoch)``.
+* a mapping spec ``{"web@3": 0.7, "code@2": 0.3}`` reads a weighted mixture
+  (:mod:`edgecache.clients.mixture`); ``rows=`` reads a stable split.
 
 Reading runs on background threads of the iterating process; with
 ``num_workers=0`` (recommended on small hosts) batches land directly in
@@ -34,31 +39,29 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint, StateMismatch, VersionNotFound
+from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
-from edgecache.cache.names import parse_spec
-from edgecache.cache.store import CacheStore
+from edgecache.cache.names import VersionSpec
+from edgecache.clients.dataset_state import make_state, resume_from
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
-from edgecache.clients.epoch_order import EpochOrder, window_rows_for
+from edgecache.clients.epoch_order import Component, EpochOrder, Remaining, window_rows_for
+from edgecache.clients.mixture import allocate, parse_mixture, parse_rows, split_extents
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.pipeline import Pipeline
 from edgecache.clients.read_target import ReadTarget
-from edgecache.clients.tensors import ColumnKind, column_kinds
 from edgecache.clients.topology import load_topology
-from edgecache.v1 import edge_pb2
+from edgecache.clients.versions import fetch_manifest, local_manifest, row_bytes, select_columns
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["EdgeDataset"]
 
 log = logging.getLogger(__name__)
-_STATE_FORMAT = 1
 _said_unpinned = False
 
 
@@ -91,24 +94,37 @@ def _endpoints_from_config(
 
 
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
-    """Stream one pinned dataset version from the nearest healthy edge node.
+    """Stream pinned dataset versions (one, or a weighted mixture) from the nearest healthy node.
 
     Args:
-        spec: ``name``, ``name@latest`` or ``name@N``; resolved once, here.
+        spec: ``name``, ``name@latest`` or ``name@N``; or a mapping of such specs to
+            positive weights for a mixture. Resolved once, here, and pinned.
         endpoints: ``host:port``, ``grpcs://host:port`` or ``lmdb:///cache/dir`` entries
             (one endpoint may be given as a plain string).
         config / region: read the endpoints from a topology file (edgecache.yaml)
             instead; the region's nodes come first, other regions' after them.
         batch_size: samples per batch; ``None`` yields one sample at a time.
-        columns: columns to read (default: all).
-        shuffle / seed: deterministic shuffling of shards and of windows of rows.
+        columns: columns to read (default: all; for a mixture, those every component
+            has with the same type).
+        shuffle / seed: deterministic shuffling (see ``shuffle_windows``).
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
         drop_last: drop partial batches; every rank then yields the same number.
         pin_memory: ``"auto"`` pins when CUDA is available (in the main process).
-        prefetch_bytes: how far ahead (decoded bytes) background threads read.
+        prefetch_bytes: decoded bytes read ahead beyond the windows in use.
         threads: fetch/decode threads.
-        window_bytes: shuffle window size; memory is about ``lanes × window_bytes``.
-        lanes: windows read in parallel; choose ``num_workers`` dividing it.
+        window_bytes: bytes of consecutive rows read and shuffled as one window
+            (default: the version's chunk size, so windows are whole chunks).
+        shuffle_windows: windows each batch is drawn from (per lane). 1 is the plain
+            window shuffle: each batch cut from one window. Memory is about
+            ``lanes * shuffle_windows * window_bytes``.
+        lanes: groups of windows read side by side; ``num_workers`` dividing it keeps
+            each worker on its own windows.
+        samples_per_epoch: epoch length of a mixture (default: all rows of its
+            components); component ``i`` gives ``round(w_i * samples_per_epoch)``.
+        rows: ``(start, end)`` of each version's canonical row order, as fractions
+            (``(0.0, 0.95)``) or row numbers: splits that never overlap.
+        component_column: also yield this column: each sample's component index
+            (into :attr:`components`).
         token: bearer token for nodes that require one for reads.
         stall_timeout: seconds without a chunk before a stream is abandoned.
         retry_timeout: seconds without progress on any node before giving up.
@@ -116,7 +132,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def __init__(
         self,
-        spec: str,
+        spec: str | Mapping[str, float],
         *,
         endpoints: str | Sequence[str] | None = None,
         config: str | os.PathLike[str] | None = None,
@@ -129,10 +145,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         world_size: int | None = None,
         drop_last: bool = False,
         pin_memory: bool | str = "auto",
-        prefetch_bytes: int = 256 << 20,
+        prefetch_bytes: int = 128 << 20,
         threads: int = 2,
-        window_bytes: int = 16 << 20,
-        lanes: int = 8,
+        window_bytes: int | None = None,
+        shuffle_windows: int = 16,
+        lanes: int = 4,
+        samples_per_epoch: int | None = None,
+        rows: tuple[float, float] | tuple[int, int] | None = None,
+        component_column: str | None = None,
         token: str | None = None,
         stall_timeout: float = 5.0,
         retry_timeout: float = 30.0,
@@ -140,6 +160,19 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         super().__init__()
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        for name, value in (("shuffle_windows", shuffle_windows), ("lanes", lanes)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if window_bytes is not None and window_bytes < 1:
+            raise ValueError(f"window_bytes must be positive, got {window_bytes!r}")
+        if samples_per_epoch is not None and (
+            not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
+        ):
+            raise ValueError(
+                f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}"
+            )
+        mixture = parse_mixture(spec)
+        self.rows = parse_rows(rows)
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
         replicas: list[str] = []
@@ -162,7 +195,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if pin_memory not in (True, False, "auto"):
             raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
         self.batch_size, self.drop_last = batch_size, drop_last
-        self.shuffle, self.seed, self.lanes = shuffle, seed, lanes
+        self.shuffle, self.seed = shuffle, seed
+        self.lanes, self.shuffle_windows = lanes, shuffle_windows
         self.pin_memory_setting = pin_memory
         self.prefetch_bytes, self.threads, self.window_bytes = prefetch_bytes, threads, window_bytes
         self._pool_args = {
@@ -174,21 +208,56 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._open: _Readers | None = None
         self._pid = os.getpid()
         self.epoch = 0
-        self._cursor = 0  # canonical batches yielded this epoch (by this process)
-        self._samples_epoch = 0
+        self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
+        self._remaining: Remaining | None = None  # None: the whole epoch is left
+        self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
-        self.manifest = self._resolve(spec)
-        self.schema = manifest_schema(self.manifest)
-        self.kinds: list[ColumnKind] = column_kinds(self.schema, columns)
+        self.manifests = self._resolve(mixture.specs)
+        self.manifest = self.manifests[0]
+        self.schemas = [manifest_schema(m) for m in self.manifests]
+        self.schema = self.schemas[0]
+        self.components = [f"{m.dataset}@{m.version}" for m in self.manifests]
+        self.weights = None if mixture.single else list(mixture.weights)
+        self.kinds = select_columns(self.schemas, self.components, columns)
         self.columns = [k.name for k in self.kinds]
-        self.window_rows = window_rows_for(self._row_bytes(), window_bytes)
+        if component_column is not None and component_column in {
+            c for k in self.kinds for c in (k.name, f"{k.name}_lengths")
+        }:
+            raise ValueError(f"component_column {component_column!r} names a data column")
+        self.component_column = component_column
+        self._row_bytes = [
+            row_bytes(m, s) for m, s in zip(self.manifests, self.schemas, strict=True)
+        ]
+        self.window_rows = [
+            window_rows_for(b, window_bytes or m.preprocess.chunk_bytes or 4 << 20)
+            for b, m in zip(self._row_bytes, self.manifests, strict=True)
+        ]
+        extents = [
+            split_extents([s.row_count for s in m.shards], self.rows) for m in self.manifests
+        ]
+        sizes = [sum(e.rows for e in ext) for ext in extents]
+        for name, size in zip(self.components, sizes, strict=True):
+            if size == 0:
+                raise ValueError(f"{name} has no rows in rows={rows!r}; choose a wider range")
+        self.samples_per_epoch = samples_per_epoch or sum(sizes)
+        shares = (
+            [self.samples_per_epoch]
+            if mixture.single and samples_per_epoch is None
+            else allocate([1.0] if mixture.single else mixture.weights, self.samples_per_epoch)
+        )
+        self._components = [
+            Component(name, ext, window_rows, share)
+            for name, ext, window_rows, share in zip(
+                self.components, extents, self.window_rows, shares, strict=True
+            )
+        ]
 
     # ------------------------------------------------------------- versions
 
     @property
     def version(self) -> str:
-        """``name@N`` of the pinned version (also in every error message)."""
-        return f"{self.manifest.dataset}@{self.manifest.version}"
+        """``name@N`` of the pinned version (``+``-joined for a mixture; in every error)."""
+        return "+".join(self.components)
 
     def pool(self) -> NodePool:
         """The node pool of the current process (opened lazily, again after fork).
@@ -221,105 +290,67 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _resolve(self, spec: str) -> pb.Manifest:
-        parsed = parse_spec(spec)
+    def _resolve(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
         dist = _distributed()
         if dist is not None:
             box: list[Any] = [None]
             if dist[0] == 0:
-                box[0] = self._fetch_manifest(parsed.dataset, parsed.version).SerializeToString()
-            torch.distributed.broadcast_object_list(box, src=0)  # every rank: one version
-            return manifest_from_bytes(box[0], source=f"manifest of {spec} from rank 0")
-        return self._fetch_manifest(parsed.dataset, parsed.version)
+                box[0] = [m.SerializeToString() for m in self._fetch(specs)]
+            torch.distributed.broadcast_object_list(box, src=0)  # every rank: one version each
+            return [manifest_from_bytes(raw, source="manifest from rank 0") for raw in box[0]]
+        return self._fetch(specs)
 
-    def _fetch_manifest(self, dataset: str, version: int | None) -> pb.Manifest:
-        """The manifest of ``dataset@version`` (latest when None), from a node if any.
-
-        A node's refusal arrives as an edgecache error naming it (see
-        :meth:`NodePool.call`): VersionNotFound, AccessDenied, InvalidRequest.
-        """
-        if not any(not e.local for e in self.endpoints):
-            return self._local_manifest(dataset, version)
+    def _fetch(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
+        if all(e.local for e in self.endpoints):  # each store is closed again at once
+            return [local_manifest(self.endpoints, s.dataset, s.version) for s in specs]
+        # The pool stays open for reading. (Closing its gRPC channels just before a
+        # DataLoader forks its workers made a worker hang opening its own channel.)
         pool = self.pool()
-        if version is None:
-            resolved: Any = pool.call(
-                "ResolveVersion",
-                edge_pb2.ResolveVersionRequest(dataset=dataset),
-                what=f"{dataset}@latest",
-            )
-            version = int(resolved.version)
-        return pool.call(  # type: ignore[return-value]
-            "GetManifest",
-            edge_pb2.GetManifestRequest(dataset=dataset, version=version),
-            what=f"{dataset}@{version}",
-        )
-
-    def _local_manifest(self, dataset: str, version: int | None) -> pb.Manifest:
-        for endpoint in self.endpoints:
-            store = CacheStore(endpoint.target, readonly=True)
-            try:
-                numbers = sorted({v.version for v in store.versions() if v.dataset == dataset})
-                wanted = version or (numbers[-1] if numbers else None)
-                raw = store.get_manifest(dataset, wanted) if wanted else None
-            finally:
-                store.close()
-            if raw is not None:
-                if version is None:
-                    log.warning(
-                        "resolved %s@latest from the local cache only: %s@%s",
-                        dataset,
-                        dataset,
-                        wanted,
-                    )
-                return manifest_from_bytes(raw, source=f"{endpoint.text} manifest")
-        raise VersionNotFound(
-            f"{dataset}@{version or 'latest'} is in none of the local caches "
-            f"{[e.target for e in self.endpoints]}; stage it first (edgecache warm)"
-        )
-
-    def _row_bytes(self) -> float:
-        """Decoded bytes per row: exact for fixed-width schemas, estimated otherwise."""
-        exact = 0
-        for field in self.schema:
-            t, width = field.type, 1
-            while pa.types.is_fixed_size_list(t):
-                width *= t.list_size
-                t = t.value_type
-            try:
-                exact += width * t.bit_width // 8
-            except ValueError:
-                # Variable width: estimate from the source (columnar sources are often
-                # compressed ~2x; raw binary not at all). Only the window size depends on it.
-                rows = sum(s.row_count for s in self.manifest.shards) or 1
-                return 1.5 * sum(s.source_size for s in self.manifest.shards) / rows
-        return float(max(exact, 1))
+        return [fetch_manifest(pool, s.dataset, s.version) for s in specs]
 
     # ------------------------------------------------------------ iteration
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
         if epoch != self.epoch:
-            self.epoch, self._cursor, self._samples_epoch = epoch, 0, 0
+            self.epoch, self._cursor, self._remaining = epoch, 0, None
+
+    def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
+        key = (seed, epoch)
+        order = self._orders.get(key)
+        if order is None or order.remaining != (remaining or Remaining.whole(order.lane_lengths)):
+            order = EpochOrder(
+                self._components,
+                seed=seed,
+                epoch=epoch,
+                world_size=self.world_size,
+                rank=self.rank,
+                batch_size=self.batch_size or 1,
+                drop_last=self.drop_last,
+                lanes=self.lanes,
+                shuffle_windows=self.shuffle_windows,
+                shuffle=self.shuffle,
+                remaining=remaining,
+            )
+            self._orders = {key: order}  # one epoch at a time
+        return order
 
     def epoch_order(self, epoch: int | None = None) -> EpochOrder:
-        """Which samples this rank yields in an epoch (default: the current one), in order."""
-        return EpochOrder(
-            [s.row_count for s in self.manifest.shards],
-            window_rows=self.window_rows,
-            seed=self.seed,
-            epoch=self.epoch if epoch is None else epoch,
-            world_size=self.world_size,
-            rank=self.rank,
-            batch_size=self.batch_size or 1,
-            drop_last=self.drop_last,
-            lanes=self.lanes,
-            shuffle=self.shuffle,
-        )
+        """Which samples this rank yields in an epoch (default: the current one), in order.
+
+        For the current epoch after a resume, only what was left of it.
+        """
+        if epoch is None or epoch == self.epoch:
+            return self._order(self.seed, self.epoch, self._remaining)
+        return self._order(self.seed, epoch, None)
 
     plan = epoch_order  # the method's earlier name, kept for existing callers
 
     def __len__(self) -> int:
-        """Batches (or samples, with batch_size=None) this rank yields per epoch."""
+        """Batches (or samples, with batch_size=None) this rank yields in the current epoch.
+
+        After an elastic resume: those of what was left of the epoch.
+        """
         return self.epoch_order().batch_count
 
     def _pin(self, in_worker: bool) -> bool:
@@ -335,6 +366,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             _said_unpinned = True
         return available
 
+    def _budget(self, order: EpochOrder, workers: int) -> float:
+        """Decoded bytes a pipeline may hold: its open windows plus the read-ahead."""
+        window = max(r * b for r, b in zip(self.window_rows, self._row_bytes, strict=True))
+        lanes = self.lanes // workers if self.lanes % workers == 0 else self.lanes
+        return order.order.per_lane * max(lanes, 1) * window + self.prefetch_bytes
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
@@ -345,20 +382,21 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             order,
             numbers,
             readers.pool,
-            ReadTarget(
-                self.manifest.dataset, self.manifest.version, self.manifest.digest, self.schema
-            ),
+            [
+                ReadTarget(m.dataset, m.version, m.digest, s)
+                for m, s in zip(self.manifests, self.schemas, strict=True)
+            ],
             self.kinds,
-            row_bytes=self._row_bytes(),
+            row_bytes=self._row_bytes,
             pin_memory=self._pin(worker is not None),
             threads=self.threads,
-            prefetch_bytes=self.prefetch_bytes,
+            budget_bytes=self._budget(order, workers),
+            component_column=self.component_column,
         )
         readers.add(pipeline)
         try:
             for size, batch in pipeline:
                 self._cursor += workers if worker else 1
-                self._samples_epoch += size
                 self._delivered["samples"] += size
                 self._delivered["batches"] += 1
                 if self.batch_size is None:
@@ -368,8 +406,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     }
                 else:
                     yield batch
-            if worker is None:
-                self._cursor, self._samples_epoch = 0, 0  # epoch done: the next pass starts over
+            if worker is None:  # epoch done: the next pass starts over
+                self._cursor, self._remaining = 0, None
         except EdgeCacheError as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
             # and code) and traceback stay; the version is added as context.
@@ -386,57 +424,74 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     # ---------------------------------------------------------------- state
 
-    def state_dict(self, batches: int | None = None) -> dict[str, Any]:
-        """Where this rank is: version, seed, epoch and a cursor of batches yielded.
-
-        With ``num_workers > 0`` pass ``batches`` (your step count this epoch).
-        """
-        cursor = self._cursor if batches is None else batches
-        return {
-            "format": _STATE_FORMAT,
-            "dataset": self.manifest.dataset,
-            "version": self.manifest.version,
-            "digest": self.manifest.digest,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "batches": cursor,
-            "batch_size": self.batch_size,
+    def _identity(self) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+        components = [
+            {
+                "dataset": m.dataset,
+                "version": m.version,
+                "digest": m.digest,
+                "weight": None if self.weights is None else self.weights[i],
+            }
+            for i, m in enumerate(self.manifests)
+        ]
+        order = {
+            "shuffle": self.shuffle,
+            "shuffle_windows": self.shuffle_windows,
+            "lanes": self.lanes,
+            "window_rows": list(self.window_rows),
+            "samples_per_epoch": self.samples_per_epoch,
+            "rows": None if self.rows is None else list(self.rows),
+        }
+        layout = {
             "world_size": self.world_size,
             "rank": self.rank,
+            "batch_size": self.batch_size,
             "drop_last": self.drop_last,
-            "shuffle": self.shuffle,
-            "lanes": self.lanes,
-            "window_rows": self.window_rows,
         }
+        return components, order, layout
+
+    def state_dict(self, batches: int | None = None) -> dict[str, Any]:
+        """Where this rank is: versions, seed, epoch, what was left, batches yielded since.
+
+        With ``num_workers > 0`` pass ``batches`` (your step count this epoch, or
+        since the resume). Under DDP every rank steps in lockstep, so rank 0's state
+        resumes every rank, at any world size.
+        """
+        components, order, layout = self._identity()
+        return make_state(
+            components=components,
+            order=order,
+            seed=self.seed,
+            epoch=self.epoch,
+            remaining=self._remaining,
+            layout=layout,
+            batches=self._cursor if batches is None else batches,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume where ``state`` left off; refuses a state of another version or layout."""
-        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise StateMismatch("not an EdgeDataset state dict (or from an incompatible release)")
-        mine = self.state_dict()
-        for key in ("dataset", "version", "digest"):
-            if state[key] != mine[key]:
-                raise StateMismatch(
-                    f"the state is for {state['dataset']}@{state['version']} but this dataset "
-                    f"reads {self.version}; create "
-                    f"EdgeDataset('{state['dataset']}@{state['version']}', …) to resume it"
-                )
-        for key in (
-            "batch_size",
-            "world_size",
-            "rank",
-            "drop_last",
-            "shuffle",
-            "lanes",
-            "window_rows",
-        ):
-            if state[key] != mine[key]:
-                raise StateMismatch(
-                    f"{self.version}: the state was saved with {key}={state[key]!r}, this "
-                    f"dataset has {mine[key]!r}; use the same value to resume exactly"
-                )
-        self.seed, self.epoch, self._cursor = state["seed"], state["epoch"], state["batches"]
-        self._samples_epoch = 0
+        """Resume where ``state`` left off, at this dataset's world size and batch size.
+
+        Refuses (StateMismatch) a state of other versions, weights or order knobs.
+        """
+        components, order, layout = self._identity()
+        resume = resume_from(
+            state,
+            components=components,
+            order=order,
+            layout=layout,
+            lane_lengths=lambda seed, epoch: self._order(seed, epoch, None).lane_lengths,
+        )
+        if resume.elastic:
+            log.info(
+                "%s: resuming epoch %d at world size %d, batch size %s: %d samples left",
+                self.version,
+                resume.epoch,
+                self.world_size,
+                self.batch_size,
+                resume.remaining.samples if resume.remaining else 0,
+            )
+        self.seed, self.epoch = resume.seed, resume.epoch
+        self._remaining, self._cursor = resume.remaining, resume.cursor
 
     # ---------------------------------------------------------------- stats
 
@@ -467,6 +522,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = None  # channels and LMDB environments never cross processes
+        state["_orders"] = {}  # rebuilt where needed
         state.pop("_finalizer", None)
         return state
 
@@ -491,8 +547,18 @@ class _Readers:
             self._pipelines.add(pipeline)
 
     def discard(self, pipeline: Pipeline) -> None:
+        """A pipeline ended; with none left, the pool's LMDB environments are closed.
+
+        py-lmdb refuses to open an environment a second time in one process, and a
+        forked DataLoader worker inherits its parent's: a parent that iterated
+        (``num_workers=0``, an evaluation pass) must not hold them open when a
+        loader with workers starts. The next iteration reopens them.
+        """
         with self._lock:
             self._pipelines.discard(pipeline)
+            idle = not self._pipelines
+        if idle and os.getpid() == self._pid:
+            self.pool.close_stores()
 
     def close(self) -> None:
         if os.getpid() != self._pid:

@@ -13,6 +13,7 @@ __all__ = ["ChunkKey", "EdgeChunks", "EdgeKey"]
 
 ChunkKey = tuple[str, int, int, int, int, int]  # dataset, version, shard, first row, rows, checksum
 EdgeKey = tuple[str, int, int, int]  # dataset, version, shard, edge row
+ShardId = tuple[str, int, int]  # dataset, version, shard
 
 
 class _Decoded:
@@ -29,21 +30,24 @@ class _Decoded:
 class EdgeChunks:
     """Decoded chunks that straddle the edge of a read, kept for the read beside it.
 
-    Shuffle windows rarely end on chunk boundaries, so the chunk across an edge
-    is read by both windows; adjacent windows are read at about the same time
-    (adjacent lanes). The first read to reach such a chunk decodes it, the other
-    waits for that and takes the same batch (its own copy of the frame still
-    verified when it came over the network). A read that starts after the chunk
-    was decoded does not fetch it at all (:meth:`take`). Keys are ``(dataset,
-    version, shard, first row, rows, checksum)``, so only identical bytes are
-    shared. ``shared`` names, per shard, the rows where two reads of the caller
-    meet; only chunks across those are kept, until their rows were all taken,
-    and at most ``limit`` (the oldest are dropped: the other read then fetches
-    and decodes its own copy, as without this).
+    Shuffle windows need not end on chunk boundaries, so the chunk across an
+    edge is read by both windows; a stream reads adjacent windows one after the
+    other (:mod:`edgecache.clients.shuffle`). The first read to reach such a
+    chunk decodes it, the other waits for that and takes the same batch (its
+    own copy of the frame still verified when it came over the network). A
+    read that starts after the chunk was decoded does not fetch it at all
+    (:meth:`take`). Keys are ``(dataset, version, shard, first row, rows,
+    checksum)``, so only identical bytes are shared. ``shared`` names, per
+    ``(dataset, version, shard)``, the rows where two reads of the caller meet
+    (the caller adds them with :meth:`share` before either read starts); only
+    chunks across those are kept, until their rows were all taken, and at most
+    ``limit`` (the oldest are dropped: the other read then fetches and decodes
+    its own copy, as without this).
     """
 
-    def __init__(self, shared: dict[int, set[int]], limit: int = 8) -> None:
-        self.shared, self.limit = shared, limit
+    def __init__(self, shared: dict[ShardId, set[int]] | None = None, limit: int = 8) -> None:
+        self.shared: dict[ShardId, set[int]] = shared if shared is not None else {}
+        self.limit = limit
         self._lock = threading.Lock()
         self._entries: OrderedDict[ChunkKey, _Decoded] = OrderedDict()
         self._ready: dict[EdgeKey, ChunkKey] = {}  # edge → the decoded chunk across it
@@ -67,9 +71,15 @@ class EdgeChunks:
                 self._forget_locked(key, entry)
             return first, entry.batch
 
-    def across(self, shard: int, first: int, end: int, row_start: int, row_end: int) -> bool:
+    def share(self, shard: ShardId, row: int) -> None:
+        """Two reads of the caller will meet at row ``row`` of ``shard``."""
+        with self._lock:
+            self.shared.setdefault(shard, set()).add(row)
+
+    def across(self, shard: ShardId, first: int, end: int, row_start: int, row_end: int) -> bool:
         """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
-        edges = self.shared.get(shard, ())
+        with self._lock:
+            edges = set(self.shared.get(shard, ()))
         return (first < row_start < end and row_start in edges) or (
             first < row_end < end and row_end in edges
         )
@@ -96,7 +106,7 @@ class EdgeChunks:
             dataset, version, shard, first = key[:4]
             with self._lock:
                 if self._entries.get(key) is entry:
-                    for edge in self.shared.get(shard, ()):
+                    for edge in self.shared.get((dataset, version, shard), ()):
                         if first < edge < first + rows:
                             self._ready[(dataset, version, shard, edge)] = key
         else:

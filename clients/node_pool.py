@@ -174,6 +174,17 @@ class NodePool:
                 store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
             return store
 
+    def close_stores(self) -> None:
+        """Close the local endpoints' LMDB environments; the next read reopens them.
+
+        Call it when no read of this pool is in flight (EdgeDataset does, when its
+        last pipeline of this process has stopped).
+        """
+        with self._channel_lock:
+            stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            store.close()
+
     def close(self) -> None:
         """Stop and join the background threads, then close channels and stores.
 
@@ -474,7 +485,7 @@ class NodePool:
                     )
                 first, frame = chunk.first_row, chunk.frame
                 expected = end = first + header.rows
-                if edges is None or not edges.across(shard, first, end, row_start, row_end):
+                if edges is None or not edges.across(rows.shard_id, first, end, row_start, row_end):
                     yield first, decode_chunk(frame, target.schema)
                 else:  # across an edge of this read: the read beside it needs it too
                     # Our own copy is verified once, here, whichever read decodes it.
@@ -517,7 +528,7 @@ class NodePool:
                     # Copy-free decode points into LMDB; the store keeps the snapshot alive
                     # while any of these batches are referenced.
                     if edges is None or not edges.across(
-                        shard, first, first + count, row_start, row_end
+                        rows.shard_id, first, first + count, row_start, row_end
                     ):
                         yield first, decode_chunk(view, target.schema, verify=False)
                     else:  # across an edge of this read: the read beside it needs it too

@@ -3,9 +3,14 @@
 Threads, not processes: fetching, checksum verification, zstd and Arrow
 decoding all release the GIL, and DataLoader worker processes cost more than
 they give on small hosts (every batch is pickled through shared memory).
-Windows are fetched in the order batches need them, up to ``prefetch_bytes``
-ahead; one assembler thread builds batches in canonical order into a small
-queue; a window is dropped as soon as the last batch that uses it is built.
+
+The assembler plans batches in canonical order (which window positions each
+holds, :meth:`EpochOrder.batch`) and submits the windows they need to the
+fetch threads in order of first need, planning further ahead while the
+decoded bytes held stay under ``budget_bytes``. A window is dropped once its
+lane has moved past the last block that holds any of its rows (no later
+batch can need it) and every planned batch using it was built: at any time a
+pipeline holds about one window per stream it reads, plus the read-ahead.
 
 Stopping early (a ``break``, ``close()``, garbage collection, a DataLoader
 worker's exit) cancels the reads and joins every thread before it returns:
@@ -15,6 +20,7 @@ may close that store, or the channels of in-flight streams, right after.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -27,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from edgecache.clients.edge_chunks import EdgeChunks
-from edgecache.clients.epoch_order import EpochOrder, Window
+from edgecache.clients.epoch_order import Batch, EpochOrder
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import ColumnKind, Gather, assemble
@@ -46,9 +52,9 @@ class _Stopped(Exception):
 class _Loaded:
     """A window's decoded chunks and its order."""
 
-    firsts: list[int]
+    firsts: np.ndarray
     batches: list[pa.RecordBatch]
-    order: np.ndarray  # absolute row numbers, in this epoch's order (rank's slice)
+    order: np.ndarray  # absolute row numbers, in this pass's window order
 
 
 class _Failure:
@@ -57,25 +63,33 @@ class _Failure:
 
 
 class Pipeline:
-    """Yields assembled batches for ``numbers`` of ``order``, reading ahead on threads."""
+    """Yields assembled batches for ``numbers`` of ``order``, reading ahead on threads.
+
+    ``targets[i]`` and ``row_bytes[i]`` are component ``i``'s version and decoded
+    bytes per row; with ``component_column`` each batch also holds that column:
+    the component index of every sample.
+    """
 
     def __init__(
         self,
         order: EpochOrder,
         numbers: Sequence[int],
         pool: NodePool,
-        target: ReadTarget,
+        targets: Sequence[ReadTarget],
         kinds: Sequence[ColumnKind],
         *,
-        row_bytes: float,
+        row_bytes: Sequence[float],
         pin_memory: bool,
         threads: int,
-        prefetch_bytes: int,
+        budget_bytes: float,
+        component_column: str | None = None,
         ready_batches: int = 4,
     ) -> None:
-        self.order, self.numbers, self.pool, self.target = order, list(numbers), pool, target
+        self.order, self.numbers, self.pool = order, numbers, pool
+        self.targets = list(targets)
         self.kinds, self.pin_memory = list(kinds), pin_memory
-        self.row_bytes, self.prefetch_bytes = row_bytes, prefetch_bytes
+        self.row_bytes, self.budget_bytes = list(row_bytes), budget_bytes
+        self.component_column = component_column
         self.wait_seconds = 0.0
         self._ready: queue.Queue[object] = queue.Queue(maxsize=ready_batches)
         self._stop = threading.Event()
@@ -101,7 +115,8 @@ class Pipeline:
                     return
                 if item is _CLOSED:
                     raise ValueError(
-                        f"reading {self.target} after its dataset was closed; "
+                        f"reading {', '.join(map(str, self.targets))} after its dataset was "
+                        "closed; "
                         "iterate the dataset again to start a new pass"
                     )
                 if isinstance(item, _Failure):
@@ -150,9 +165,16 @@ class Pipeline:
     def _fetcher_started(self) -> None:
         self._fetchers.add(threading.get_ident())
 
-    def _load(self, window: Window) -> _Loaded:
+    def _load(self, unit: int) -> _Loaded:
+        order, units = self.order.order, self.order.order.units
+        window = order.window_order(unit)
+        taken = window[units.take_from[unit] : units.take_to[unit]]
+        start = int(units.row_start[unit])
+        target = self.targets[int(units.component[unit])]
+        rows = target.rows(
+            int(units.shard[unit]), start + int(taken.min()), start + int(taken.max()) + 1
+        )
         firsts, batches = [], []
-        rows = self.target.rows(window.shard, window.row_start, window.row_start + window.rows)
         with contextlib.closing(self.pool.read_rows(rows, self._edges, stop=self._stop)) as read:
             for first, batch in read:
                 if self._stop.is_set():
@@ -161,7 +183,7 @@ class Pipeline:
                 batches.append(batch)
         if self._stop.is_set():
             raise _Stopped  # partial: never assembled
-        return _Loaded(firsts, batches, window.row_start + window.order())
+        return _Loaded(np.asarray(firsts, dtype=np.int64), batches, start + window)
 
     def _run(self) -> None:
         try:
@@ -178,53 +200,100 @@ class Pipeline:
             except queue.Full:
                 continue
 
+    def _unit_bytes(self, unit: int) -> float:
+        units = self.order.order.units
+        return float(units.rows[unit]) * self.row_bytes[int(units.component[unit])]
+
     def _assemble_all(self) -> None:
         order = self.order
-        batches = [order.batch(n) for n in self.numbers]
-        uses: dict[int, int] = {}
-        first_use: list[int] = []
-        for batch in batches:
-            for piece in batch.pieces:
-                if piece.window not in uses:
-                    first_use.append(piece.window)
-                uses[piece.window] = uses.get(piece.window, 0) + 1
-        # Rows where two windows read here meet: the chunk across is decoded once.
-        starts: dict[int, set[int]] = {}
-        ends: dict[int, set[int]] = {}
-        for index in first_use:
-            w = order.windows[index]
-            starts.setdefault(w.shard, set()).add(w.row_start)
-            ends.setdefault(w.shard, set()).add(w.row_start + w.rows)
-        self._edges = EdgeChunks({s: starts[s] & ends.get(s, set()) for s in starts})
+        units = order.order.units
+        self._edges = EdgeChunks(limit=4 * len(order.order.lanes) * order.order.per_lane + 8)
         futures: dict[int, Future[_Loaded]] = {}
-        in_flight = 0.0
-        next_load = 0
+        refs: collections.Counter[int] = collections.Counter()
+        frontier: dict[int, int] = {}  # per lane: where the last planned batch starts
+        idle: set[int] = set()  # loaded windows no planned batch uses (yet)
+        planned: collections.deque[Batch] = collections.deque()
+        numbers = iter(self.numbers)
+        more = True
+        held = 0.0
 
-        def top_up(needed: set[int]) -> None:
-            """Submit loads in order of need: at least what ``needed`` uses, then up to budget."""
-            nonlocal in_flight, next_load
-            while next_load < len(first_use) and (
-                not needed.issubset(futures) or in_flight < self.prefetch_bytes
-            ):
-                index = first_use[next_load]
-                futures[index] = self._executor.submit(self._load, order.windows[index])
-                in_flight += order.windows[index].rows * self.row_bytes
-                next_load += 1
+        def plan() -> None:
+            nonlocal more, held
+            number = next(numbers, None)
+            if number is None:
+                more = False
+                return
+            batch = order.batch(number)
+            for span in batch.spans:
+                frontier[span.lane] = max(frontier.get(span.lane, span.lo), span.lo)
+            for piece in batch.pieces:
+                unit = piece.unit
+                refs[unit] += 1
+                idle.discard(unit)
+                if unit not in futures:
+                    following = order.order.successor(unit)
+                    if following is not None:  # the stream reads it next: share the edge chunk
+                        shard = (
+                            self.targets[int(units.component[unit])]
+                            .rows(int(units.shard[unit]), 0, 0)
+                            .shard_id
+                        )
+                        self._edges.share(shard, int(units.row_start[following]))  # type: ignore[union-attr]
+                    futures[unit] = self._executor.submit(self._load, unit)
+                    held += self._unit_bytes(unit)
+            planned.append(batch)
 
-        for batch in batches:
+        def release() -> None:
+            """Drop windows that no planned or later batch can use."""
+            nonlocal held
+            for unit in list(idle):
+                lane, end = order.order.unit_lane_end(unit)
+                if not more or frontier.get(lane, -1) >= end:
+                    idle.discard(unit)
+                    del futures[unit]
+                    held -= self._unit_bytes(unit)
+
+        while True:
             if self._stop.is_set():
                 return
-            top_up({piece.window for piece in batch.pieces})
+            if not planned and more:
+                plan()
+            while more and held < self.budget_bytes:
+                plan()
+            if not planned:
+                return
+            batch = planned.popleft()
             gathers: list[Gather] = []
+            owners: list[tuple[int, int]] = []  # (component, rows) per gather
             for piece in batch.pieces:
-                loaded = futures[piece.window].result()
-                rows = np.sort(loaded.order[piece.start : piece.stop])
-                chunk_of = np.searchsorted(loaded.firsts, rows, side="right") - 1
-                for chunk in np.unique(chunk_of):
-                    selected = rows[chunk_of == chunk] - loaded.firsts[chunk]
-                    gathers.append(Gather(loaded.batches[chunk], selected))
-                uses[piece.window] -= 1
-                if uses[piece.window] == 0:  # last use: free it, make room to read ahead
-                    del futures[piece.window]
-                    in_flight -= order.windows[piece.window].rows * self.row_bytes
-            self._put((batch.size, assemble(gathers, self.kinds, pin_memory=self.pin_memory)))
+                loaded = futures[piece.unit].result()
+                rows = np.sort(loaded.order[piece.positions])
+                component = int(units.component[piece.unit])
+                if len(loaded.firsts) == 1:
+                    gathers.append(Gather(loaded.batches[0], rows - loaded.firsts[0]))
+                    owners.append((component, len(rows)))
+                else:
+                    chunk_of = np.searchsorted(loaded.firsts, rows, side="right") - 1
+                    cuts = np.flatnonzero(np.diff(chunk_of)) + 1
+                    for part in np.split(np.arange(len(rows)), cuts):
+                        chunk = int(chunk_of[part[0]])
+                        gathers.append(
+                            Gather(loaded.batches[chunk], rows[part] - loaded.firsts[chunk])
+                        )
+                        owners.append((component, len(part)))
+                refs[piece.unit] -= 1
+                if refs[piece.unit] == 0:
+                    del refs[piece.unit]
+                    idle.add(piece.unit)
+            release()
+            out = assemble(gathers, self.kinds, pin_memory=self.pin_memory)
+            if self.component_column is not None:
+                out[self.component_column] = self._components(owners, batch.size)
+            self._put((batch.size, out))
+
+    def _components(self, owners: Sequence[tuple[int, int]], size: int) -> object:
+        import torch
+
+        column = torch.empty(size, dtype=torch.int64, pin_memory=self.pin_memory)
+        column.numpy()[:] = np.repeat([c for c, _ in owners], [n for _, n in owners])
+        return column

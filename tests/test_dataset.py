@@ -180,10 +180,14 @@ def test_bad_input_is_refused_clearly(cluster) -> None:
         EdgeDataset("tokens@1", endpoints=[address], rank=2, world_size=2)
     ds = EdgeDataset("tokens@1", endpoints=[address], **SMALL)
     state = ds.state_dict()
-    with pytest.raises(StateMismatch, match="tokens@1"):
-        ds.load_state_dict({**state, "version": 2})
-    with pytest.raises(StateMismatch, match="batch_size"):
-        ds.load_state_dict({**state, "batch_size": 7})
+    other = [{**state["components"][0], "version": 2}]
+    with pytest.raises(StateMismatch, match="tokens@2 but this dataset reads tokens@1"):
+        ds.load_state_dict({**state, "components": other})
+    with pytest.raises(StateMismatch, match="shuffle_windows=3"):
+        ds.load_state_dict({**state, "order": {**state["order"], "shuffle_windows": 3}})
+    old = {"format": 1, "dataset": "tokens", "version": 1, "batches": 3, "lanes": 8}
+    with pytest.raises(StateMismatch, match="format 1"):
+        ds.load_state_dict(old)
 
 
 def reading_node(nodes: list[LocalNode]) -> LocalNode:
@@ -415,10 +419,13 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
 
     from edgecache.clients.edge_chunks import EdgeChunks
 
-    edges = EdgeChunks({0: {100}}, limit=2)
-    assert edges.across(0, 90, 110, 100, 200) and edges.across(0, 90, 110, 0, 100)
-    assert not edges.across(0, 100, 110, 100, 200)  # starts on the edge: not shared
-    assert not edges.across(1, 90, 110, 100, 200)  # another shard
+    edges = EdgeChunks(limit=2)
+    edges.share(("d", 1, 0), 100)
+    shard = ("d", 1, 0)
+    assert edges.across(shard, 90, 110, 100, 200) and edges.across(shard, 90, 110, 0, 100)
+    assert not edges.across(shard, 100, 110, 100, 200)  # starts on the edge: not shared
+    assert not edges.across(("d", 1, 1), 90, 110, 100, 200)  # another shard
+    assert not edges.across(("e", 1, 0), 90, 110, 100, 200)  # another version's shard 0
     batch = pa.record_batch([pa.array(range(20))], names=["x"])
     key = ("d", 1, 0, 90, 20, 0xC0FFEE)  # dataset, version, shard, first row, rows, checksum
     calls: list[int] = []

@@ -1,23 +1,29 @@
-"""Property tests of the epoch order: exact-once, determinism, resumption, equal DDP steps."""
+"""Property tests of the epoch order: exact-once, determinism, resumption, elasticity, mixtures."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgecache.clients.epoch_order import EpochOrder
+from edgecache.clients.epoch_order import Component, EpochOrder, Extent, Remaining
+from edgecache.clients.mixture import allocate, split_extents
 
 
-def samples_of(order: EpochOrder, numbers) -> list[tuple[int, int]]:  # noqa: ANN001
-    out = []
-    for n in numbers:
-        for piece in order.batch(n).pieces:
-            window = order.windows[piece.window]
-            for offset in window.order()[piece.start : piece.stop]:
-                out.append((window.shard, window.row_start + int(offset)))
-    return out
+def component(shard_rows: list[int], window_rows: int, key: str = "d@1", samples=None):  # noqa: ANN001, ANN201
+    extents = tuple(Extent(s, 0, n) for s, n in enumerate(shard_rows) if n)
+    total = sum(shard_rows)
+    return Component(key, extents, window_rows, total if samples is None else samples)
+
+
+def epoch_samples(order: EpochOrder, numbers) -> list[tuple[int, int, int]]:  # noqa: ANN001
+    return [s for n in numbers for s in order.sample_ids(order.batch(n))]
+
+
+def everything(shard_rows: list[int]) -> set[tuple[int, int, int]]:
+    return {(0, s, r) for s, rows in enumerate(shard_rows) for r in range(rows)}
 
 
 configs = st.fixed_dictionaries(
@@ -28,23 +34,32 @@ configs = st.fixed_dictionaries(
         "epoch": st.integers(0, 5),
         "world_size": st.integers(1, 4),
         "batch_size": st.integers(1, 40),
-        "lanes": st.integers(1, 9),
+        "lanes": st.integers(1, 5),
+        "shuffle_windows": st.integers(1, 6),
+        "shuffle": st.booleans(),
     }
 )
 
 
+def order_of(cfg: dict, **changes: object) -> EpochOrder:
+    cfg = {**cfg, **changes}
+    return EpochOrder(
+        [component(cfg.pop("shard_rows"), cfg.pop("window_rows"))],
+        **cfg,  # type: ignore[arg-type]
+    )
+
+
 @settings(max_examples=150, deadline=None)
 @given(cfg=configs)
-def test_every_sample_exactly_once_across_ranks(cfg: dict) -> None:
+def test_every_sample_exactly_once_across_ranks_with_one_partial_batch_each(cfg: dict) -> None:
     seen: Counter = Counter()
     for rank in range(cfg["world_size"]):
-        order = EpochOrder(**cfg, rank=rank)
-        got = samples_of(order, range(order.batch_count))
-        partial = [n for n in range(order.batch_count) if order.batch(n).size < cfg["batch_size"]]
-        assert len(partial) <= cfg["lanes"]  # at most the end of each lane
-        seen.update(got)
-    expected = {(s, r) for s, rows in enumerate(cfg["shard_rows"]) for r in range(rows)}
-    assert set(seen) == expected and all(c == 1 for c in seen.values())
+        order = order_of(cfg, rank=rank)
+        seen.update(epoch_samples(order, range(order.batch_count)))
+        sizes = [order.batch(n).size for n in range(order.batch_count)]
+        assert sum(1 for s in sizes if s < cfg["batch_size"]) <= 1  # at most one, at the end
+        assert all(s == cfg["batch_size"] for s in sizes[:-1])
+    assert set(seen) == everything(cfg["shard_rows"]) and set(seen.values()) <= {1}
 
 
 @settings(max_examples=150, deadline=None)
@@ -52,12 +67,14 @@ def test_every_sample_exactly_once_across_ranks(cfg: dict) -> None:
 def test_drop_last_gives_equal_full_batches_and_no_repeats(cfg: dict) -> None:
     counts, seen = set(), Counter()
     for rank in range(cfg["world_size"]):
-        order = EpochOrder(**cfg, rank=rank, drop_last=True)
+        order = order_of(cfg, rank=rank, drop_last=True)
         counts.add(order.batch_count)
         assert all(order.batch(n).size == cfg["batch_size"] for n in range(order.batch_count))
-        seen.update(samples_of(order, range(order.batch_count)))
-    assert len(counts) == 1
-    assert all(c == 1 for c in seen.values())
+        seen.update(epoch_samples(order, range(order.batch_count)))
+    assert len(counts) == 1 and set(seen.values()) <= {1}
+    # nothing more is dropped than what cannot make a full batch on every rank
+    total = sum(cfg["shard_rows"])
+    assert total - len(seen) < cfg["world_size"] * cfg["batch_size"] * (cfg["lanes"] + 1)
 
 
 @settings(max_examples=100, deadline=None)
@@ -65,14 +82,13 @@ def test_drop_last_gives_equal_full_batches_and_no_repeats(cfg: dict) -> None:
 def test_workers_partition_the_canonical_sequence_and_resume_anywhere(
     cfg: dict, workers: int, cut: float
 ) -> None:
-    order = EpochOrder(**cfg)
+    order = order_of(cfg)
     owned = [order.batches_for(k, workers) for k in range(workers)]
     assert sorted(n for w in owned for n in w) == list(range(order.batch_count))
-    # the DataLoader's round-robin over workers yields canonical order
     interleaved = [
         w[i] for i in range(max(map(len, owned), default=0)) for w in owned if i < len(w)
     ]
-    assert interleaved == list(range(order.batch_count))
+    assert interleaved == list(range(order.batch_count))  # the DataLoader's round-robin
     start = int(cut * order.batch_count)
     resumed = [order.batches_for(k, workers, start) for k in range(workers)]
     yielded = [
@@ -81,20 +97,148 @@ def test_workers_partition_the_canonical_sequence_and_resume_anywhere(
     assert yielded == list(range(start, order.batch_count))
 
 
+@settings(max_examples=120, deadline=None)
+@given(
+    cfg=configs,
+    cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3),
+    layouts=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(1, 40), st.booleans()), min_size=3, max_size=3
+    ),
+)
+def test_elastic_resume_yields_exactly_what_was_not_consumed(
+    cfg: dict, cuts: list[float], layouts: list[tuple[int, int, bool]]
+) -> None:
+    # Train in lockstep at one world size and batch size, stop, resume at another:
+    # chained, the segments yield every sample at most once, and all of them
+    # when the last segment runs to the end without drop_last.
+    remaining = None
+    seen: Counter = Counter()
+    segments = [*zip(cuts, layouts, strict=False), (1.0, (layouts[-1][0], layouts[-1][1], False))]
+    for cut, (world, batch, drop) in segments:
+        orders = [
+            order_of(
+                cfg,
+                world_size=world,
+                rank=r,
+                batch_size=batch,
+                drop_last=drop,
+                remaining=remaining,
+            )
+            for r in range(world)
+        ]
+        steps = round(cut * max(o.batch_count for o in orders))
+        for order in orders:  # every rank steps in lockstep; rank 0's count is enough
+            seen.update(epoch_samples(order, range(min(steps, order.batch_count))))
+        remaining = orders[0].remaining_after(steps)
+    assert set(seen.values()) <= {1}
+    assert set(seen) == everything(cfg["shard_rows"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=configs, world=st.integers(1, 4), batch=st.integers(1, 40))
+def test_the_global_order_does_not_depend_on_world_or_batch_size(
+    cfg: dict, world: int, batch: int
+) -> None:
+    # Concatenated over ranks and batches, ranks read each lane front to back.
+    a, b = order_of(cfg), order_of(cfg, world_size=world, batch_size=batch)
+    for lane_a, lane_b in zip(a.order.lanes, b.order.lanes, strict=True):
+        assert np.array_equal(
+            lane_a.positions(0, lane_a.length), lane_b.positions(0, lane_b.length)
+        )
+
+
 def test_order_is_deterministic_and_changes_with_epoch() -> None:
-    args = dict(shard_rows=[100] * 10, window_rows=16, seed=17, batch_size=8)
-    a = samples_of(EpochOrder(**args, epoch=0), range(20))
-    b = samples_of(EpochOrder(**args, epoch=0), range(20))
-    c = samples_of(EpochOrder(**args, epoch=1), range(20))
+    args = dict(seed=17, batch_size=8)
+    comp = component([100] * 10, 16)
+    a = epoch_samples(EpochOrder([comp], **args, epoch=0), range(20))
+    b = epoch_samples(EpochOrder([comp], **args, epoch=0), range(20))
+    c = epoch_samples(EpochOrder([comp], **args, epoch=1), range(20))
     assert a == b and a != c
 
 
+def test_batches_mix_many_windows_of_data_stored_in_label_order() -> None:
+    # 10 labels, stored sorted, 64 shards: each batch of 32 draws from many windows
+    # spread over the stored order, nearly as many labels as a full permutation.
+    rows = 160_000
+    comp = component([rows // 64] * 64, 500)
+    order = EpochOrder([comp], seed=3, epoch=0, batch_size=32, lanes=4, shuffle_windows=16)
+    label = lambda s, r: (s * (rows // 64) + r) * 10 // rows  # noqa: E731
+    distinct = [
+        len({label(s, r) for _, s, r in order.sample_ids(order.batch(n))})
+        for n in range(0, order.batch_count, 17)
+    ]
+    random_permutation = 10 * (1 - 0.9**32)
+    assert np.mean(distinct) >= 0.9 * random_permutation
+    one_window = EpochOrder([comp], seed=3, epoch=0, batch_size=32, lanes=4, shuffle_windows=1)
+    assert len({label(s, r) for _, s, r in one_window.sample_ids(one_window.batch(5))}) <= 2
+
+
 def test_lanes_keep_workers_on_their_own_windows() -> None:
-    order = EpochOrder([1000] * 8, window_rows=50, seed=1, epoch=0, batch_size=10, lanes=8)
+    comp = component([1000] * 8, 50)
+    order = EpochOrder([comp], seed=1, epoch=0, batch_size=10, lanes=8, shuffle_windows=4)
     for workers in (1, 2, 4, 8):
         for k in range(workers):
-            numbers = order.batches_for(k, workers)[
-                : order.batch_count // 2
-            ]  # before lanes run dry
-            lanes = {order.batch(n).pieces[0].window % 8 for n in numbers}
+            numbers = order.batches_for(k, workers)[: order.batch_count // 2]
+            lanes = {span.lane for n in numbers for span in order.batch(n).spans}
             assert lanes <= {lane for lane in range(8) if lane % workers == k}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 200), min_size=1, max_size=4),
+    weights=st.lists(st.floats(0.01, 10), min_size=4, max_size=4),
+    per_epoch=st.integers(1, 600),
+    epochs=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+)
+def test_mixtures_give_each_component_its_share_and_continue_across_epochs(
+    sizes: list[int], weights: list[float], per_epoch: int, epochs: int, seed: int
+) -> None:
+    weights = weights[: len(sizes)]
+    shares = allocate(weights, per_epoch)
+    assert sum(shares) == per_epoch
+    for share, w in zip(shares, weights, strict=True):
+        assert abs(share - w / sum(weights) * per_epoch) < 1 + 1e-9
+    comps = [
+        Component(f"c{i}@1", (Extent(0, 0, n),), 7, share)
+        for i, (n, share) in enumerate(zip(sizes, shares, strict=True))
+    ]
+    drawn: list[list[int]] = [[] for _ in comps]
+    for epoch in range(epochs):
+        order = EpochOrder(comps, seed=seed, epoch=epoch, batch_size=5, lanes=2, shuffle_windows=3)
+        got = epoch_samples(order, range(order.batch_count))
+        assert len(got) == per_epoch
+        counts = Counter(c for c, _, _ in got)
+        assert all(counts[i] == share for i, share in enumerate(shares))
+        for c, _, row in got:
+            drawn[c].append(row)
+        for rows, size in zip(drawn, sizes, strict=True):
+            # A component's passes continue across epochs: after any number of
+            # epochs, every row was drawn q or q + 1 times (q full passes so far),
+            # so no row repeats before all rows of the component were drawn.
+            full = len(rows) // size
+            assert set(Counter(rows).values()) <= {full, full + 1}
+            assert len(set(rows)) == min(len(rows), size)
+
+
+@given(
+    shard_rows=st.lists(st.integers(0, 50), min_size=1, max_size=6),
+    cut=st.floats(0, 1),
+)
+def test_splits_never_overlap_and_cover_every_row(shard_rows: list[int], cut: float) -> None:
+    def rows_of(split: tuple) -> list[tuple[int, int]]:
+        return [
+            (e.shard, e.row_start + i)
+            for e in split_extents(shard_rows, split)
+            for i in range(e.rows)
+        ]
+
+    train, val = rows_of((0.0, cut)), rows_of((cut, 1.0))
+    assert not set(train) & set(val)
+    assert sorted(train + val) == [(s, r) for s, n in enumerate(shard_rows) for r in range(n)]
+    assert rows_of((0.0, cut)) == train  # stable
+
+
+def test_remaining_round_trips_through_json() -> None:
+    remaining = Remaining((((0, 5), (9, 12)), ()))
+    assert Remaining.from_json(remaining.to_json(), [12, 0]) == remaining

@@ -1,0 +1,130 @@
+"""EdgeDataset's resume state: what identifies an epoch's order, and where consumption stands.
+
+A state is a small dict of plain values (portable: JSON, torch.save, another
+region, another release of the same format)::
+
+    {"format": 2, "components": [{dataset, version, digest, weight}, …],
+     "order": {seed-independent knobs that fix the global order},
+     "seed", "epoch",
+     "remaining": what was left of the epoch when this stretch of it began
+                  (None: the whole epoch),
+     "world_size", "batch_size", "drop_last", "rank": how it was consumed,
+     "batches": canonical batches each rank yielded since then (lockstep)}
+
+Resuming with the same world size, batch size and ``drop_last`` continues
+the same canonical batches at ``batches`` (exact for each DataLoader worker
+too). Resuming with another world size or batch size is *elastic*: what every
+rank consumed is removed (:meth:`Remaining.after`, from ``batches`` alone, as
+DDP ranks step in lockstep) and what is left is split among the new ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from edgecache.cache.errors import StateMismatch
+from edgecache.clients.partition import Remaining
+
+__all__ = ["FORMAT", "Resume", "make_state", "resume_from"]
+
+FORMAT = 2
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a loaded state puts the dataset: seed, epoch, what is left, batches yielded."""
+
+    seed: int
+    epoch: int
+    remaining: Remaining | None
+    cursor: int
+    elastic: bool
+
+
+def make_state(
+    *,
+    components: Sequence[dict[str, Any]],
+    order: dict[str, Any],
+    seed: int,
+    epoch: int,
+    remaining: Remaining | None,
+    layout: dict[str, Any],
+    batches: int,
+) -> dict[str, Any]:
+    """A state dict (see the module docstring)."""
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "components": [dict(c) for c in components],
+        "order": dict(order),
+        "seed": seed,
+        "epoch": epoch,
+        "remaining": None if remaining is None else remaining.to_json(),
+        **layout,
+        "batches": batches,
+    }
+    if len(components) == 1:  # the plain-string case reads as before
+        state.update({k: components[0][k] for k in ("dataset", "version", "digest")})
+    return state
+
+
+def _names(components: Sequence[dict[str, Any]]) -> str:
+    return ", ".join(f"{c['dataset']}@{c['version']}" for c in components)
+
+
+def resume_from(
+    state: object,
+    *,
+    components: Sequence[dict[str, Any]],
+    order: dict[str, Any],
+    layout: dict[str, Any],
+    lane_lengths: Any,
+) -> Resume:
+    """Check ``state`` against this dataset and say where to resume; StateMismatch if it cannot.
+
+    ``lane_lengths(seed, epoch)`` gives the lanes of the state's epoch, to check
+    its intervals.
+    """
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise StateMismatch(
+            f"not an EdgeDataset state dict of format {FORMAT} (got format {found!r}): states "
+            "saved before batch-level shuffling (format 1) describe another order and cannot "
+            "be resumed exactly; start the epoch again with set_epoch(epoch)"
+        )
+    theirs = state.get("components", [])
+    if [(c["dataset"], c["version"], c["digest"]) for c in theirs] != [
+        (c["dataset"], c["version"], c["digest"]) for c in components
+    ]:
+        raise StateMismatch(
+            f"the state is for {_names(theirs)} but this dataset reads {_names(components)}; "
+            f"create EdgeDataset with the state's versions to resume it"
+        )
+    if [c.get("weight") for c in theirs] != [c.get("weight") for c in components]:
+        raise StateMismatch(
+            f"the state's mixture weights {[c.get('weight') for c in theirs]} differ from this "
+            f"dataset's {[c.get('weight') for c in components]}; use the same weights to resume"
+        )
+    for key, mine in order.items():
+        if state["order"].get(key) != mine:
+            saved = state["order"].get(key)
+            raise StateMismatch(
+                f"{_names(components)}: the state was saved with {key}={saved!r}, this "
+                f"dataset has {mine!r}; the epoch's order depends on it, use the same value"
+            )
+    seed, epoch = int(state["seed"]), int(state["epoch"])
+    lengths = lane_lengths(seed, epoch)
+    try:
+        remaining = (
+            None if state["remaining"] is None else Remaining.from_json(state["remaining"], lengths)
+        )
+    except (ValueError, TypeError) as exc:
+        raise StateMismatch(f"{_names(components)}: the state's remaining samples: {exc}") from exc
+    batches = int(state["batches"])
+    same = all(state[k] == layout[k] for k in ("world_size", "batch_size", "drop_last"))
+    if same:
+        return Resume(seed, epoch, remaining, batches, elastic=False)
+    start = remaining or Remaining.whole(lengths)
+    left = start.after(state["world_size"], state["batch_size"], state["drop_last"], batches)
+    return Resume(seed, epoch, left, 0, elastic=True)

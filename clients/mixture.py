@@ -1,0 +1,159 @@
+"""Weighted mixtures of dataset versions, and ``rows=`` splits: what each component yields.
+
+``EdgeDataset({"web@3": 0.7, "code@2": 0.3}, samples_per_epoch=…)`` reads a
+mixture. Each component is a pinned version (resolved once, like a single
+one); component ``i`` contributes ``round(w_i * samples_per_epoch)`` samples
+to every epoch (:func:`allocate`: the shares add up to the epoch exactly and
+each is within one sample of its weight). A component is drawn without
+replacement and continues through its rows across epochs before any row
+repeats (:func:`edgecache.clients.shuffle.component_epoch`). A plain string
+is a mixture of one component with all the samples: the ordinary case.
+
+``rows=(a, b)`` keeps part of every component's *canonical* row order (shards
+in manifest order, rows in order): fractions in ``[0, 1]`` or row numbers.
+Splits that share a boundary, ``(0.0, 0.95)`` and ``(0.95, 1.0)``, never
+overlap and together cover every row, on every run (:func:`split_extents`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from edgecache.cache.names import VersionSpec, parse_spec
+from edgecache.clients.shuffle import Extent
+
+__all__ = [
+    "MixtureSpec",
+    "allocate",
+    "common_columns",
+    "parse_mixture",
+    "parse_rows",
+    "split_extents",
+]
+
+
+@dataclass(frozen=True)
+class MixtureSpec:
+    """The components asked for (specs as given, parsed) and their weights, in the given order."""
+
+    texts: tuple[str, ...]
+    specs: tuple[VersionSpec, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def single(self) -> bool:
+        """A plain string spec: one component, all of its rows every epoch."""
+        return len(self.specs) == 1 and math.isnan(self.weights[0])
+
+
+def parse_mixture(spec: str | Mapping[str, float]) -> MixtureSpec:
+    """Parse ``"name@N"`` or ``{"name@N": weight, …}``; raise ValueError on bad weights."""
+    if isinstance(spec, str):
+        return MixtureSpec((spec,), (parse_spec(spec),), (math.nan,))
+    if not isinstance(spec, Mapping) or not spec:
+        raise ValueError(
+            "pass a dataset spec ('name@N') or a non-empty mapping of specs to weights "
+            f"({{'web@3': 0.7, 'code@2': 0.3}}), got {spec!r}"
+        )
+    texts, specs, weights = [], [], []
+    for text, weight in spec.items():
+        parsed = parse_spec(text)
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise ValueError(f"the weight of {text!r} must be a positive number, got {weight!r}")
+        texts.append(text)
+        specs.append(parsed)
+        weights.append(float(weight))
+    names = [(s.dataset, s.version) for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a component appears twice in {list(spec)}; give each version once")
+    return MixtureSpec(tuple(texts), tuple(specs), tuple(weights))
+
+
+def allocate(weights: Sequence[float], samples: int) -> list[int]:
+    """Samples per component: ``round(w * samples)`` (weights normalised), adding up exactly.
+
+    Largest remainders: every share is within one sample of ``w * samples``.
+    """
+    if samples < 0:
+        raise ValueError(f"samples_per_epoch must be positive, got {samples}")
+    total = sum(weights)
+    ideal = [w / total * samples for w in weights]
+    shares = [math.floor(x) for x in ideal]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - ideal[i], i))
+    for i in by_remainder[: samples - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def parse_rows(rows: object) -> tuple[float, float] | tuple[int, int] | None:
+    """Check a ``rows=`` argument: None, two fractions in [0, 1], or two row numbers."""
+    if rows is None:
+        return None
+    if not isinstance(rows, (tuple, list)) or len(rows) != 2:
+        raise ValueError(f"rows must be (start, end): fractions or row numbers, got {rows!r}")
+    a, b = rows
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)):
+        if not 0 <= a <= b:
+            raise ValueError(f"rows=({a}, {b}): row numbers must satisfy 0 <= start <= end")
+        return (a, b)
+    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+        if not 0.0 <= a <= b <= 1.0:
+            raise ValueError(f"rows=({a}, {b}): fractions must satisfy 0 <= start <= end <= 1")
+        return (float(a), float(b))
+    raise ValueError(f"rows must be two fractions or two row numbers, got {rows!r}")
+
+
+def split_extents(
+    shard_rows: Sequence[int], rows: tuple[float, float] | tuple[int, int] | None
+) -> tuple[Extent, ...]:
+    """The rows a ``rows=`` split keeps, as extents of the canonical order.
+
+    A fraction ``f`` is row ``floor(f * total)``, the same number for every
+    split that names it; row numbers past the end are clipped.
+    """
+    total = sum(shard_rows)
+    if rows is None:
+        lo, hi = 0, total
+    elif isinstance(rows[0], float) or isinstance(rows[1], float):
+        lo, hi = (math.floor(rows[0] * total), math.floor(rows[1] * total))
+        if rows[1] == 1.0:
+            hi = total
+    else:
+        lo, hi = min(int(rows[0]), total), min(int(rows[1]), total)
+    out = []
+    first = 0
+    for shard, count in enumerate(shard_rows):
+        a, b = max(lo, first), min(hi, first + count)
+        if a < b:
+            out.append(Extent(shard, a - first, b - a))
+        first += count
+    return tuple(out)
+
+
+def common_columns(schemas: Sequence[pa.Schema], names: Sequence[str]) -> list[str]:
+    """Columns every component has with the same type, in the first one's order.
+
+    Raises ValueError naming each component's columns when there are none.
+    """
+    first = schemas[0]
+    shared = [
+        f.name
+        for f in first
+        if all(f.name in s.names and s.field(f.name).type == f.type for s in schemas[1:])
+    ]
+    if not shared:
+        listing = "; ".join(f"{n}: {s.names}" for n, s in zip(names, schemas, strict=True))
+        raise ValueError(
+            f"the components share no column of the same type ({listing}); "
+            "publish them with a common schema or pass columns= that each has"
+        )
+    return shared

@@ -1,0 +1,435 @@
+"""The global order of an epoch: which sample sits at each position of each lane.
+
+A pure function of the components' rows, the seed, the epoch and three knobs
+(``shuffle_windows``, ``lanes``, the window size); never of the world size,
+the batch size or the number of DataLoader workers, so any of those may
+change between a checkpoint and its resume. How ranks and workers consume it
+is :mod:`edgecache.clients.partition`.
+
+1. **Passes.** A component (one dataset version, or the rows of it that a
+   ``rows=`` split keeps) is read in *passes*. A pass permutes the shards,
+   cuts each shard into *windows* of ``window_rows`` consecutive rows and
+   permutes the rows of each window. A window is what is read from a node
+   and decoded at once; its rows depend on row counts only, never on how a
+   node chunked the shard, so any node can serve any part of the order.
+2. **The epoch sequence.** Epoch ``e`` takes samples ``[e*n, (e+1)*n)`` of
+   the component's endless sequence of passes (``n`` its samples per epoch:
+   all its rows, or its share of a mixture, :mod:`edgecache.clients.mixture`).
+   Mixture components are interleaved window by window in proportion, so
+   every stretch of the sequence holds each component at its weight.
+3. **Streams and lanes.** The sequence is cut into ``lanes * shuffle_windows``
+   *streams* of equal length; stream ``s`` belongs to lane ``s % lanes``, so
+   each lane's streams are spread evenly over the whole sequence. A stream is
+   read front to back, one window at a time.
+4. **Blocks.** A lane's sequence is a series of *blocks*: block ``b`` takes
+   the next few rows (``rows_per_stream``) of every stream of the lane and
+   permutes them. Consecutive samples, hence every batch, are drawn from all
+   ``shuffle_windows`` streams of the lane — from far-apart places in the
+   data — while each stream has only one window (two where it moves on)
+   open at a time: memory is about ``lanes * shuffle_windows`` windows.
+
+With ``shuffle=False`` nothing is permuted and each lane has one stream: a
+lane reads its part of the data in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["BLOCK_ROWS", "Component", "Extent", "GlobalOrder", "Lane", "Units", "rng"]
+
+BLOCK_ROWS = 1024  # rows a block aims at: a block draws about BLOCK_ROWS // K from each stream
+
+
+def rng(*key: int | str) -> np.random.Generator:
+    """A generator seeded from integers and strings, stable across machines and numpy versions."""
+    text = b":".join(str(k).encode() for k in key)
+    digest = hashlib.sha256(b"edgecache-order:" + text).digest()
+    return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Rows ``[row_start, row_start + rows)`` of shard ``shard``: part of a component."""
+
+    shard: int
+    row_start: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Component:
+    """One dataset version as the order sees it: which rows, how many per epoch, window size.
+
+    ``key`` (``name@N``) seeds its permutations, so components never share them.
+    """
+
+    key: str
+    extents: tuple[Extent, ...]
+    window_rows: int
+    samples: int  # samples it contributes to each epoch
+
+    @property
+    def rows(self) -> int:
+        """Rows one pass holds."""
+        return sum(e.rows for e in self.extents)
+
+
+class Units:
+    """The read units of an epoch, in epoch-sequence order.
+
+    Unit ``u`` is positions ``[take_from, take_to)`` of the permuted order of one
+    window (``rows`` rows from ``row_start`` of ``shard`` of ``component``, in pass
+    ``pass_``), and occupies epoch positions ``[start, start + take_to - take_from)``.
+    A window split between two streams, or between two epochs, is two units.
+    """
+
+    def __init__(self, columns: dict[str, np.ndarray]) -> None:
+        self.component = columns["component"]
+        self.pass_ = columns["pass_"]
+        self.shard = columns["shard"]
+        self.row_start = columns["row_start"]
+        self.rows = columns["rows"]
+        self.take_from = columns["take_from"]
+        self.take_to = columns["take_to"]
+        self.start = np.concatenate(([0], np.cumsum(self.take_to - self.take_from)))[:-1]
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    def of(self, positions: np.ndarray) -> np.ndarray:
+        """The unit holding each epoch position."""
+        return np.searchsorted(self.start, positions, side="right") - 1
+
+    def select(self, index: np.ndarray) -> Units:
+        """The units at ``index`` (their epoch positions are recomputed)."""
+        return Units({name: getattr(self, name)[index] for name in _UNIT_COLUMNS})
+
+
+_UNIT_COLUMNS = ("component", "pass_", "shard", "row_start", "rows", "take_from", "take_to")
+
+
+def _windows(component: Component) -> Units:
+    """The component's windows in canonical order (shards in order, rows in order)."""
+    extents = component.extents
+    size = component.window_rows
+    counts = np.array([-(-e.rows // size) for e in extents], dtype=np.int64)
+    total = int(counts.sum())
+    which = np.repeat(np.arange(len(extents)), counts)
+    index = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    column = {
+        name: np.array([getattr(e, name) for e in extents], dtype=np.int64)[which]
+        for name in ("shard", "row_start", "rows")
+    }
+    row_start = column["row_start"] + index * size
+    rows = np.minimum(row_start + size, column["row_start"] + column["rows"]) - row_start
+    zeros = np.zeros(total, dtype=np.int64)
+    return Units(
+        {
+            "component": zeros,
+            "pass_": zeros.copy(),
+            "shard": column["shard"],
+            "row_start": row_start,
+            "rows": rows,
+            "take_from": zeros.copy(),
+            "take_to": rows.copy(),
+        }
+    )
+
+
+def _clip(units: Units, lo: int, hi: int) -> tuple[Units, np.ndarray]:
+    """The part of ``units`` at positions ``[lo, hi)`` (cut at the edges), and which they were."""
+    size = units.take_to - units.take_from
+    end = units.start + size
+    keep = np.nonzero((end > lo) & (units.start < hi))[0]
+    out = units.select(keep)
+    out.take_from = out.take_from + np.maximum(lo - units.start[keep], 0)
+    out.take_to = out.take_to - np.maximum(end[keep] - hi, 0)
+    return Units({name: getattr(out, name) for name in _UNIT_COLUMNS}), keep
+
+
+def component_epoch(
+    component: Component, index: int, seed: int, epoch: int, shuffle: bool
+) -> Units:
+    """Samples ``[epoch*n, (epoch+1)*n)`` of the component's endless sequence of passes.
+
+    A pass visits the component's windows in a random order (the rows of each
+    window in a random order too), so any stretch of a pass is a random
+    sample of the whole. An under-weighted component continues where the
+    last epoch stopped; an over-weighted one runs through several passes; no
+    row repeats before a pass is complete. Within each pass the epoch's
+    windows are then put back in canonical order: streams cut from that
+    order are evenly spread over where the data is stored
+    (:class:`GlobalOrder`), whatever its stored order correlates with.
+    """
+    rows, n = component.rows, component.samples
+    if n == 0 or rows == 0:
+        return _empty()
+    canonical = _windows(component)
+    lo, hi = epoch * n, (epoch + 1) * n
+    parts = []
+    for pass_ in range(lo // rows, (hi - 1) // rows + 1):
+        visit = np.arange(len(canonical))
+        if shuffle and n != rows:  # all of a pass is all windows: no need to choose
+            visit = rng(seed, component.key, "pass", pass_).permutation(len(canonical))
+        taken, keep = _clip(
+            canonical.select(visit), max(lo - pass_ * rows, 0), min(hi - pass_ * rows, rows)
+        )
+        taken = taken.select(np.argsort(visit[keep], kind="stable"))
+        taken.pass_[:] = pass_
+        parts.append(taken)
+    out = _concat(parts)
+    out.component[:] = index
+    return out
+
+
+def _empty() -> Units:
+    return Units({name: np.zeros(0, dtype=np.int64) for name in _UNIT_COLUMNS})
+
+
+def _concat(parts: Sequence[Units]) -> Units:
+    if not parts:
+        return _empty()
+    return Units({n: np.concatenate([getattr(p, n) for p in parts]) for n in _UNIT_COLUMNS})
+
+
+def _interleave(parts: Sequence[Units], samples: Sequence[int]) -> Units:
+    """Components' units merged so each stretch of the sequence holds each at its share.
+
+    Each unit is placed at the middle of its span as a fraction of its
+    component's epoch samples; ties go to the earlier component.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    keys, owners = [], []
+    for index, (units, n) in enumerate(zip(parts, samples, strict=True)):
+        size = units.take_to - units.take_from
+        keys.append((units.start + size / 2) / max(n, 1))
+        owners.append(np.full(len(units), index))
+    merged = _concat(parts)
+    order = np.lexsort((np.concatenate(owners), np.concatenate(keys)))
+    return merged.select(order)
+
+
+def _split_at(units: Units, bounds: np.ndarray) -> tuple[Units, np.ndarray]:
+    """Units cut at the epoch positions ``bounds``; and each piece's stream (bound index)."""
+    size = units.take_to - units.take_from
+    total = int(size.sum())
+    cuts = np.union1d(np.concatenate((units.start, [total])), bounds)
+    cuts = cuts[(cuts >= 0) & (cuts <= total)]
+    heads = cuts[:-1]
+    source = units.of(heads)
+    out = units.select(source)
+    out.take_from = out.take_from + (heads - units.start[source])
+    out.take_to = out.take_from + np.diff(cuts)
+    stream = np.searchsorted(bounds, heads, side="right") - 1
+    return Units({name: getattr(out, name) for name in _UNIT_COLUMNS}), stream
+
+
+class Lane:
+    """One lane: its streams merged block by block into a sequence of epoch positions.
+
+    Block ``b`` takes rows ``[b*L//B, (b+1)*L//B)`` of each stream of length
+    ``L`` (``B`` blocks), so the streams advance together and block starts
+    are exact integers: the order is the same on every machine.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        offsets: np.ndarray,
+        *,
+        rows_per_stream: int,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+    ) -> None:
+        self.index = index
+        self.starts, self.lengths = starts.astype(np.int64), lengths.astype(np.int64)
+        self.offsets = offsets.astype(np.int64)
+        self.length = int(self.lengths.sum())
+        longest = int(self.lengths.max(initial=0))
+        self.blocks = -(-longest // rows_per_stream) if longest else 0
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def block_start(self, block: int | np.ndarray) -> int | np.ndarray:
+        """Lane position where block ``block`` starts (``blocks`` gives the lane's length)."""
+        b = np.asarray(block, dtype=np.int64)
+        starts = (b[..., None] * self.lengths) // max(self.blocks, 1)
+        total = starts.sum(axis=-1)
+        return int(total) if np.ndim(block) == 0 else total
+
+    @cached_property
+    def _block_starts(self) -> np.ndarray:
+        return np.asarray(self.block_start(np.arange(self.blocks + 1)))
+
+    def block_of(self, position: int) -> int:
+        """The block holding lane position ``position``."""
+        return int(np.searchsorted(self._block_starts, position, side="right") - 1)
+
+    def block(self, b: int) -> np.ndarray:
+        """Epoch positions of block ``b``, in lane order."""
+        cached = self._cache.get(b)
+        if cached is not None:
+            self._cache.move_to_end(b)
+            return cached
+        blocks = max(self.blocks, 1)
+        lo = (b * self.lengths) // blocks
+        hi = ((b + 1) * self.lengths) // blocks
+        counts = hi - lo
+        streams = np.repeat(np.arange(len(counts)), counts)
+        index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - lo, counts)
+        rotated = (index + self.offsets[streams]) % np.maximum(self.lengths[streams], 1)
+        positions = self.starts[streams] + rotated
+        if self.shuffle:
+            positions = rng(self.seed, self.epoch, "block", self.index, b).permutation(positions)
+        self._cache[b] = positions
+        while len(self._cache) > 8:
+            self._cache.popitem(last=False)
+        return positions
+
+    def positions(self, lo: int, hi: int) -> np.ndarray:
+        """Epoch positions at lane positions ``[lo, hi)``."""
+        if lo >= hi:
+            return np.zeros(0, dtype=np.int64)
+        parts = []
+        b = self.block_of(lo)
+        while lo < hi:
+            start = int(self._block_starts[b])
+            end = int(self._block_starts[b + 1])
+            parts.append(self.block(b)[lo - start : min(hi, end) - start])
+            lo = min(hi, end)
+            b += 1
+        return np.concatenate(parts)
+
+    def last_block_end(self, stream: int, row: int) -> int:
+        """Lane position after the block holding row ``row`` of the lane's ``stream``-th stream.
+
+        ``row`` counts from the stream's first epoch position; the stream is read
+        from its rotation offset on.
+        """
+        length = int(self.lengths[stream])
+        index = (row - int(self.offsets[stream])) % length
+        b = ((index + 1) * self.blocks - 1) // length
+        return int(self._block_starts[b + 1])
+
+
+class GlobalOrder:
+    """Every lane's sequence of samples for one epoch (see the module docstring)."""
+
+    def __init__(
+        self,
+        components: Sequence[Component],
+        *,
+        seed: int,
+        epoch: int,
+        lanes: int,
+        shuffle_windows: int,
+        shuffle: bool = True,
+    ) -> None:
+        if lanes < 1 or shuffle_windows < 1:
+            raise ValueError(f"{lanes=} and {shuffle_windows=} must be positive")
+        self.components = list(components)
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.lane_count = lanes
+        self.per_lane = shuffle_windows if shuffle else 1
+        parts = [component_epoch(c, i, seed, epoch, shuffle) for i, c in enumerate(self.components)]
+        merged = _interleave(parts, [c.samples for c in self.components])
+        self.total = int((merged.take_to - merged.take_from).sum())
+        streams = lanes * self.per_lane
+        bounds = np.arange(streams + 1, dtype=np.int64) * self.total // streams
+        self.units, self.unit_stream = _split_at(merged, bounds)
+        smallest = min((c.window_rows for c in self.components), default=1)
+        rows_per_stream = max(1, min(BLOCK_ROWS // self.per_lane, smallest))
+        offsets = self._rotations(bounds) if shuffle else np.zeros(streams, dtype=np.int64)
+        self.lanes = [
+            Lane(
+                lane,
+                bounds[lane:streams:lanes],
+                np.diff(bounds)[lane:streams:lanes],
+                offsets[lane::lanes],
+                rows_per_stream=rows_per_stream,
+                seed=seed,
+                epoch=epoch,
+                shuffle=shuffle,
+            )
+            for lane in range(lanes)
+        ]
+        self._bounds = bounds
+
+    def _rotations(self, bounds: np.ndarray) -> np.ndarray:
+        """Where each stream starts reading: a random unit boundary of the stream.
+
+        A stream reads its stretch of the sequence front to back from there and
+        wraps around, so windows next to each other are read one after the other
+        (a chunk across their edge is decoded once), while which windows are
+        open together changes from epoch to epoch.
+        """
+        streams = len(bounds) - 1
+        first = np.searchsorted(self.unit_stream, np.arange(streams), side="left")
+        last = np.searchsorted(self.unit_stream, np.arange(streams), side="right")
+        draws = rng(self.seed, self.epoch, "rotations").random(streams)
+        pick = first + (draws * np.maximum(last - first, 1)).astype(np.int64)
+        pick = np.minimum(pick, np.maximum(last - 1, first))
+        starts = np.append(self.units.start, self.total)[pick]
+        return np.where(last > first, starts - bounds[:-1], 0)
+
+    def unit_lane_end(self, unit: int) -> tuple[int, int]:
+        """(lane, lane position) after which no sample of ``unit`` appears in its lane."""
+        stream = int(self.unit_stream[unit])
+        lane = self.lanes[stream % self.lane_count]
+        last = int(self.units.start[unit] + self.units.take_to[unit] - self.units.take_from[unit])
+        return lane.index, lane.last_block_end(
+            stream // self.lane_count, last - 1 - int(self._bounds[stream])
+        )
+
+    def successor(self, unit: int) -> int | None:
+        """The unit its stream reads right after ``unit``, when it is the next window of the shard.
+
+        Both whole windows, so the two reads meet at a window edge and may share
+        the chunk across it; None otherwise (and at the stream's wrap-around).
+        """
+        nxt = unit + 1
+        u = self.units
+        if nxt >= len(u) or self.unit_stream[nxt] != self.unit_stream[unit]:
+            return None
+        stream = int(self.unit_stream[unit])
+        lane = self.lanes[stream % self.lane_count]
+        if int(u.start[nxt]) == int(self._bounds[stream]) + int(
+            lane.offsets[stream // self.lane_count]
+        ):
+            return None  # the stream starts reading there: it reads ``unit`` last
+        whole = all(u.take_from[i] == 0 and u.take_to[i] == u.rows[i] for i in (unit, nxt))
+        same = u.component[nxt] == u.component[unit] and u.shard[nxt] == u.shard[unit]
+        adjacent = u.row_start[nxt] == u.row_start[unit] + u.rows[unit]
+        return nxt if whole and same and adjacent else None
+
+    def window_order(self, unit: int) -> np.ndarray:
+        """Row offsets within unit ``unit``'s window, in this pass's order (the whole window)."""
+        u = self.units
+        rows = int(u.rows[unit])
+        if not self.shuffle:
+            return np.arange(rows)
+        component = self.components[int(u.component[unit])]
+        return rng(
+            self.seed,
+            component.key,
+            "window",
+            int(u.pass_[unit]),
+            int(u.shard[unit]),
+            int(u.row_start[unit]),
+        ).permutation(rows)
+
+    def samples_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(unit, position in the unit's window order) of each epoch position."""
+        unit = self.units.of(positions)
+        return unit, self.units.take_from[unit] + (positions - self.units.start[unit])
