@@ -46,7 +46,7 @@ from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import ControllerMetrics
 from edgecache.clients.executor import PlanExecutor, TaskRun
-from edgecache.clients.ops import NodeReport, gather_status, make_plan
+from edgecache.clients.ops import NodeReport, complete_versions, gather_status, make_plan
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -414,7 +414,7 @@ class Controller:
         now: datetime,
     ) -> None:
         """Record which jobs' data is complete, and whether it was when each job started."""
-        complete = _complete_by_region(reports, manifests)
+        complete = complete_versions(reports, manifests)
         self._complete = complete
         for region, versions in complete.items():
             for version in versions:
@@ -510,21 +510,3 @@ class Controller:
                 self.metrics.last_tick.set(time.time())  # alive, if unhappy: alerts say so
                 log.error("tick failed: %s", exc)
             self.stop.wait(max(interval - (time.monotonic() - started), 0.0))
-
-
-def _complete_by_region(
-    reports: list[NodeReport], manifests: dict[str, pb.Manifest]
-) -> dict[str, set[VersionKey]]:
-    totals = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
-    held: dict[str, dict[VersionKey, int]] = {}
-    for report in reports:
-        if report.status is None:
-            continue
-        region = held.setdefault(report.region, {})
-        for v in report.status.versions:
-            key = (v.dataset, v.version)
-            region[key] = region.get(key, 0) + v.shard_count
-    return {
-        region: {k for k, n in versions.items() if k in totals and n >= totals[k]}
-        for region, versions in held.items()
-    }

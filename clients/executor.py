@@ -34,7 +34,13 @@ import grpc
 
 from edgecache.cache.planner import Eviction, Plan, StageTask, VersionKey
 from edgecache.clients.channels import bearer, edge_stub, node_error
-from edgecache.clients.ops import WarmItem, gather_status, region_nodes, stage_item
+from edgecache.clients.ops import (
+    WarmItem,
+    complete_versions,
+    gather_status,
+    region_nodes,
+    stage_item,
+)
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
@@ -265,8 +271,9 @@ class PlanExecutor:
         outcome = WarmOutcome()
         reports = gather_status(self.topology, token=self.token)
         outcome.pin_failures = self.pin(plan, reports)
-        for region in plan.regions:  # what regions already hold can serve as a peer source
-            for version in _complete_versions(reports, region, manifests):
+        held = complete_versions(reports, dict(manifests))
+        for region, versions in held.items():  # what regions hold can serve as a peer source
+            for version in versions:
                 self.mark_resident(region, version)
         ends = {job.name: job.end for job in schedule.jobs}
         lock = threading.Lock()
@@ -312,18 +319,3 @@ class PlanExecutor:
             for future in futures:
                 future.result()
         return outcome
-
-
-def _complete_versions(
-    reports: Sequence[object], region: str, manifests: Mapping[str, pb.Manifest]
-) -> set[VersionKey]:
-    """Versions whose every shard some node of ``region`` holds (replicas add up)."""
-    counts: dict[VersionKey, int] = {}
-    for report in reports:
-        status = getattr(report, "status", None)
-        if getattr(report, "region", None) != region or status is None:
-            continue
-        for v in status.versions:
-            counts[(v.dataset, v.version)] = counts.get((v.dataset, v.version), 0) + v.shard_count
-    totals = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
-    return {key for key, held in counts.items() if key in totals and held >= totals[key]}

@@ -34,6 +34,8 @@ from edgecache.v1 import manifest_pb2 as pb
 __all__ = [
     "EvictResult",
     "Holding",
+    "complete_versions",
+    "holdings",
     "NodeReport",
     "Readiness",
     "WarmItem",
@@ -136,7 +138,7 @@ def make_plan(
     specs = {spec for job in schedule.jobs for spec in job.datasets}
 
     manifests, missing = Registry.run(topology.registry, lambda reg: resolve_specs(reg, specs))
-    held = _held_by_region(reports, manifests)
+    held = holdings(reports, manifests)
     sizes = version_sizes(manifests, held)
     jobs = [
         Job(
@@ -187,10 +189,10 @@ class Holding:
     complete: bool = False
 
 
-def _held_by_region(
+def holdings(
     reports: list[NodeReport], manifests: dict[str, pb.Manifest]
 ) -> dict[str, dict[VersionKey, Holding]]:
-    """Region → version → holding; replicas split shards, so their holdings add up."""
+    """Region → version → what its nodes hold of it; replicas split shards, so they add up."""
     shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
     out: dict[str, dict[VersionKey, Holding]] = {}
     for report in reports:
@@ -217,6 +219,16 @@ def _held_by_region(
             )
             holding.complete = holding.shards >= total
     return out
+
+
+def complete_versions(
+    reports: list[NodeReport], manifests: dict[str, pb.Manifest]
+) -> dict[str, set[VersionKey]]:
+    """Region → the versions its nodes hold every shard of, between them."""
+    return {
+        region: {key for key, holding in versions.items() if holding.complete}
+        for region, versions in holdings(reports, manifests).items()
+    }
 
 
 def version_sizes(

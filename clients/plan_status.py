@@ -14,7 +14,7 @@ from datetime import datetime
 
 from edgecache.cache.planner import Plan
 from edgecache.clients.controller import ControllerState
-from edgecache.clients.ops import NodeReport
+from edgecache.clients.ops import NodeReport, holdings
 from edgecache.clients.topology import Schedule
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -55,13 +55,7 @@ def job_views(
     now: datetime,
 ) -> list[JobView]:
     """A view of every scheduled job, in start order."""
-    held: dict[tuple[str, str, int], int] = {}
-    for report in reports:
-        if report.status is None:
-            continue
-        for v in report.status.versions:
-            key = (report.region, v.dataset, v.version)
-            held[key] = held.get(key, 0) + v.shard_count
+    held = holdings(reports, manifests)
     infeasible: dict[str, list[str]] = {}
     for item in plan.infeasible:
         infeasible.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
@@ -74,7 +68,8 @@ def job_views(
                 missing.append(f"{spec}: not in the registry")
                 continue
             total = len(manifest.shards)
-            have = held.get((job.region, manifest.dataset, manifest.version), 0)
+            holding = held.get(job.region, {}).get((manifest.dataset, manifest.version))
+            have = holding.shards if holding else 0
             if have < total:
                 missing.append(f"{manifest.dataset}@{manifest.version}: {have}/{total} shards")
         region_plan = plan.regions.get(job.region)

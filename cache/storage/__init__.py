@@ -1,24 +1,9 @@
-"""Object storage: S3 through aiobotocore, every other URL scheme through fsspec.
+"""Object storage: origin data and the version registry, addressed by full URLs.
 
-Origin data and the version registry both live in object storage. S3 gets a
-direct aiobotocore client because staging speed depends on it: a bounded
-connection pool, concurrent ranged GETs for large objects, ``If-Match`` on
-every part so an object replaced mid-download is noticed, create-only PUTs
-(``If-None-Match: *``) for the registry, and verification of the bytes
-against the checksum S3 reports (a full-object SHA-256, or the MD5 ETag of a
-single-part object): S3-compatible stores have served flipped bytes silently.
-Endpoint, region and credentials come from the standard AWS environment and
-config files (``AWS_ENDPOINT_URL`` etc.), so any S3-compatible store works.
-
-Request-level retries (503 SlowDown, 5xx, connection errors) are botocore's
-"standard" mode: exponential backoff with jitter. A connection reset while
-reading a body is retried here, the same way.
-
-Everything else (``file://``, ``memory://``, ``gs://``, …) goes through
-fsspec; where a backend has no ETag, ``size-mtime`` stands in for one.
-
-:mod:`.base` holds what every store offers and the checks they share,
-:mod:`.s3` and :mod:`.filesystem` the two backends, and :class:`Stores`
+:mod:`.s3` serves ``s3://`` through one pooled aiobotocore client (ranged
+parallel GETs, ``If-Match``, create-only PUTs, checksums checked, retries);
+:mod:`.filesystem` serves every other scheme through fsspec; :mod:`.base`
+holds what every store offers and the checks they share; :class:`Stores`
 picks one per URL.
 """
 
