@@ -12,6 +12,7 @@ caller would naturally catch, so ``except KeyError`` still works::
     ├── StateMismatch (ValueError)             a resume state of another version or layout
     ├── VersionNotFound (KeyError)             no such dataset or version in the registry
     ├── VersionExists                          another publisher took that version number first
+    ├── VersionPinned (ValueError)             an eviction refused: a scheduled job reads it
     ├── MalformedShard (ValueError)            a raw shard cannot be parsed; names object and row
     ├── UnknownTransform (ValueError)          no built-in or entry-point transform of that name
     ├── ObjectExists (FileExistsError)         a create-only write found the object already there
@@ -75,6 +76,7 @@ __all__ = [
     "UnknownTransform",
     "VersionExists",
     "VersionNotFound",
+    "VersionPinned",
     "WriterLocked",
 ]
 
@@ -116,6 +118,10 @@ class VersionNotFound(EdgeCacheError, KeyError):
 
 class VersionExists(EdgeCacheError):
     """A version number was taken by another publisher; publish again for the next one."""
+
+
+class VersionPinned(EdgeCacheError, ValueError):
+    """An eviction was refused: the version is pinned for a scheduled job (--force overrides)."""
 
 
 class MalformedShard(EdgeCacheError, ValueError):

@@ -205,12 +205,16 @@ class Registry:
         *,
         fmt: pb.SourceFormat.ValueType | None = None,
         spec: pb.PreprocessSpec,
+        if_changed: bool = False,
     ) -> pb.Manifest:
         """Snapshot a prefix of raw shards as the next version of ``dataset``.
 
         Records each object's ETag, size and row count (Parquet from its footer
         alone; other formats are read once) and the schema after preprocessing;
-        every object must give the same schema.
+        every object must give the same schema. With ``if_changed``, when the
+        newest version already has this content (the same digest: the same
+        objects, schema and preprocessing), that version is returned and no new
+        one is written.
         """
         validate_name(dataset)
         load_transform(spec.transform or "identity", dict(spec.params))  # fail fast on names
@@ -248,6 +252,12 @@ class Registry:
             preprocess=spec,
             shards=shards,
         )
+        if if_changed:
+            newest = await self.versions(dataset)
+            if newest:
+                latest = await self.manifest(dataset, newest[-1])
+                if latest.digest == manifest.digest:
+                    return latest
         return await self.commit(manifest)
 
     async def _describe(

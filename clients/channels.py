@@ -12,10 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache.errors import (
     AccessDenied,
@@ -31,6 +35,8 @@ from edgecache.v1 import edge_pb2_grpc
 
 __all__ = [
     "CHANNEL_OPTIONS",
+    "Pings",
+    "health_pings",
     "MAX_MESSAGE_BYTES",
     "bearer",
     "client_credentials",
@@ -193,3 +199,53 @@ def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheErro
     elif code == grpc.StatusCode.INVALID_ARGUMENT:
         kind = InvalidRequest
     return kind(message, endpoint=endpoint, code=code.name)
+
+
+@dataclass
+class Pings:
+    """Round trips of standard health checks on a connected channel."""
+
+    samples_ms: list[float] = field(default_factory=list)
+    lost: int = 0
+    error: str = ""  # the last failure, or why the node is not serving
+    serving: bool = True
+
+    @property
+    def rtt_ms(self) -> float | None:
+        """The median round trip, or None without one."""
+        return statistics.median(self.samples_ms) if self.samples_ms else None
+
+    @property
+    def jitter_ms(self) -> float | None:
+        """Mean difference of consecutive round trips (RFC 3550's idea), or None."""
+        pairs = list(zip(self.samples_ms, self.samples_ms[1:], strict=False))
+        return statistics.mean(abs(a - b) for a, b in pairs) if pairs else None
+
+
+def health_pings(channel: grpc.Channel, pings: int = 5, timeout: float = 2.0) -> Pings:
+    """``pings`` health checks, timed once the channel is connected.
+
+    The one RTT method of edgecache (status, doctor and the node pool agree):
+    the connection's setup (TCP, TLS, HTTP/2) is not a round trip, so it is
+    done first and not counted; the median of what follows is the RTT.
+    """
+    result = Pings()
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        result.lost, result.error = pings, f"not connected within {timeout:g} s"
+        return result
+    health = health_pb2_grpc.HealthStub(channel)
+    for _ in range(pings):
+        started = time.perf_counter()
+        try:
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            result.lost += 1
+            result.error = describe(exc)
+            continue
+        result.samples_ms.append((time.perf_counter() - started) * 1e3)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            result.serving = False
+            result.error = "not serving (draining?)"
+    return result

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -26,15 +27,18 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TransferSpeedColumn,
 )
 
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.registry import Registry
+from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
+from edgecache.clients.executor import PlanExecutor, TaskRun
 from edgecache.clients.node_client import LocalNode, read_shard, start_local_node
-from edgecache.clients.ops import make_plan, warm, warm_items_for_plan
+from edgecache.clients.ops import make_plan
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
@@ -55,9 +59,9 @@ class DemoResult:
     samples: int
     source_bytes: int
     stored_bytes: int
-    stage_mb_s: float
+    stage_bytes_per_s: float  # source bytes staged per second (fetch + preprocess + commit)
     read_samples_s: float
-    read_mb_s: float
+    read_bytes_per_s: float
     read_threads: int
     cold_first_chunk_s: float
     warm_first_chunk_s: float
@@ -66,6 +70,7 @@ class DemoResult:
     first_batch_s: float
     device: str
     verified: bool
+    workdir: str = ""
     nodes: list[dict[str, object]] = field(default_factory=list)
     plan: list[str] = field(default_factory=list)
 
@@ -187,8 +192,16 @@ def run_demo(
     compression: str = "zstd",
     threads: int = 2,
     progress: Progress | None = None,
+    say: Callable[[str], None] = lambda line: None,
+    while_running: Callable[[DemoResult, Path], None] | None = None,
 ) -> DemoResult:
-    """Run the whole flow in ``workdir`` and return its figures (needs torch)."""
+    """Run the whole flow in ``workdir`` and return its figures (needs torch).
+
+    ``say`` hears each step as it happens (what was written where, the plan,
+    what staging achieved), so a reader follows the story in order.
+    ``while_running`` is called with the result while the nodes still run
+    (the CLI's ``--keep-nodes`` waits there for Ctrl-C).
+    """
     try:
         import torch  # noqa: F401
     except ImportError as exc:
@@ -202,7 +215,16 @@ def run_demo(
     )
     with progress:
         samples = _write_origin(workdir / "origin", total_mib, shards)
+        source_bytes = sum(f.stat().st_size for f in (workdir / "origin").iterdir())
+        say(
+            f"origin: {shards} Parquet shards, {samples:,} samples of {TOKENS} tokens "
+            f"({format_bytes(source_bytes)}) in {workdir / 'origin'}"
+        )
         manifest = _publish(f"file://{workdir}/registry", f"file://{workdir}/origin", compression)
+        say(
+            f"publish: {DATASET}@{manifest.version} {manifest.digest[:19]}… "
+            f"in file://{workdir}/registry"
+        )
         schema = manifest_schema(manifest)
         nodes: dict[str, LocalNode] = {}
         stack = contextlib.ExitStack()
@@ -214,6 +236,11 @@ def run_demo(
                     f"file://{workdir}/registry",
                     log_file=workdir / f"node-{region}.log",
                 )
+            say(
+                "nodes: "
+                + ", ".join(f"{r} on {n.address}" for r, n in nodes.items())
+                + f" (logs {workdir}/node-*.log)"
+            )
             eu, us = (
                 edge_pb2_grpc.EdgeCacheStub(stack.enter_context(open_channel(nodes[r].address)))
                 for r in REGIONS
@@ -223,19 +250,44 @@ def run_demo(
             # and `edgecache warm` do. Only eu-west has a job, so only eu-west is staged.
             topology, schedule = _sample_files(workdir, nodes)
             plan_result, manifests = make_plan(topology, schedule)
-            source_bytes = sum(s.source_size for s in manifest.shards)
-            items = warm_items_for_plan(topology, schedule, plan_result, manifests)
-            bars = {
-                id(i): progress.add_task(f"warm {i.region} {i.spec}", total=i.bytes_total)
-                for i in items
-            }
+            plan_lines = [
+                f"{t.region}: stage {t.spec} ({format_bytes(t.bytes)}) from {t.source}, "
+                f"ready by {t.finish:%H:%M:%S} for {', '.join(t.jobs)} (starts {t.deadline:%H:%M})"
+                for rp in plan_result.regions.values()
+                for t in rp.tasks
+            ]
+            for line in plan_lines:
+                say(f"plan: {line}")
+            bars: dict[int, TaskID] = {}
+
+            def show(run: TaskRun) -> None:
+                bar = bars.get(id(run.item))
+                if bar is None:
+                    bar = bars[id(run.item)] = progress.add_task(
+                        f"warm {run.task.region} {run.task.spec}", total=run.item.bytes_total
+                    )
+                progress.update(bar, completed=run.item.bytes_done)
+
             started = time.perf_counter()
-            warm(items, on_progress=lambda i: progress.update(bars[id(i)], completed=i.bytes_done))
+            outcome = PlanExecutor(topology, on_progress=show).warm(
+                plan_result, schedule, manifests
+            )
             stage_seconds = time.perf_counter() - started
-            if any(i.failures for i in items) or plan_result.infeasible:
+            if outcome.failed or outcome.deferred or plan_result.infeasible:
                 raise RuntimeError(
-                    f"warming the sample schedule failed: {items} {plan_result.infeasible}"
+                    "warming the sample schedule failed: "
+                    + "; ".join(
+                        [f for r in outcome.failed for f in r.item.failures]
+                        + [d.reason for d in outcome.deferred]
+                        + [i.reason for i in plan_result.infeasible]
+                    )
                 )
+            stage_rate = source_bytes / stage_seconds
+            say(
+                f"warm: eu-west staged {format_bytes(source_bytes)} of Parquet in "
+                f"{stage_seconds:.1f} s ({format_bytes(stage_rate)}/s: fetch, preprocess, "
+                "compress, commit)"
+            )
 
             # Time to the first chunk, warm region against the cold one (read-through).
             def first_chunk_seconds(stub: object, shard: int) -> float:
@@ -245,6 +297,10 @@ def run_demo(
 
             warm_first = first_chunk_seconds(eu, 0)
             cold_first = first_chunk_seconds(us, 0)  # us-east was never warmed
+            say(
+                f"first chunk: {warm_first * 1e3:,.1f} ms from warm eu-west, "
+                f"{cold_first * 1e3:,.1f} ms from cold us-east (read through to origin)"
+            )
 
             # The job: train a small model for one epoch through EdgeDataset, in eu-west:
             # its own region's node first, us-east only as a fallback.
@@ -257,45 +313,47 @@ def run_demo(
             )
             got, read_seconds, verified = training.samples, training.seconds, training.exact_once
             statuses = [stub.Status(edge_pb2.StatusRequest()) for stub in (eu, us)]
+            result = DemoResult(
+                dataset=f"{DATASET}@{manifest.version}",
+                shards=len(manifest.shards),
+                samples=got,
+                source_bytes=source_bytes,
+                stored_bytes=statuses[0].used_bytes,
+                stage_bytes_per_s=stage_rate,
+                read_samples_s=got / read_seconds,
+                read_bytes_per_s=got * (TOKENS * 4 + 8) / read_seconds,
+                loss_first=training.loss_first,
+                loss_last=training.loss_last,
+                first_batch_s=training.first_batch_seconds,
+                read_threads=threads,
+                cold_first_chunk_s=cold_first,
+                warm_first_chunk_s=warm_first,
+                device="cuda" if _cuda() else "cpu",
+                verified=verified,
+                workdir=str(workdir),
+                plan=plan_lines,
+                nodes=[
+                    {
+                        "region": s.region,
+                        "address": nodes[s.region].address,
+                        "shards_resident": sum(v.shard_count for v in s.versions),
+                        "used_bytes": s.used_bytes,
+                        "hits": s.hits,
+                        "misses": s.misses,
+                        "bytes_served": s.bytes_served,
+                    }
+                    for s in statuses
+                ],
+            )
         except grpc.RpcError as exc:  # a demo node failed: say which, not a raw status
             failed = next((r for r, n in nodes.items() if n.process.poll() is not None), "a node")
             raise node_error(exc, endpoint=failed, what="the demo") from exc
         finally:
             stack.close()
-            for node in nodes.values():
-                node.stop()
-    return DemoResult(
-        dataset=f"{DATASET}@{manifest.version}",
-        shards=len(manifest.shards),
-        samples=got,
-        source_bytes=source_bytes,
-        stored_bytes=statuses[0].used_bytes,
-        stage_mb_s=source_bytes / stage_seconds / 1e6,
-        read_samples_s=got / read_seconds,
-        read_mb_s=got * (TOKENS * 4 + 8) / read_seconds / 1e6,
-        loss_first=training.loss_first,
-        loss_last=training.loss_last,
-        first_batch_s=training.first_batch_seconds,
-        read_threads=threads,
-        cold_first_chunk_s=cold_first,
-        warm_first_chunk_s=warm_first,
-        device="cuda" if _cuda() else "cpu",
-        verified=verified,
-        plan=[
-            f"{t.region}: stage {t.spec} ({t.bytes / 1e6:,.0f} MB) from {t.source}, "
-            f"ready by {t.finish:%H:%M:%S} for {', '.join(t.jobs)} (starts {t.deadline:%H:%M})"
-            for rp in plan_result.regions.values()
-            for t in rp.tasks
-        ],
-        nodes=[
-            {
-                "region": s.region,
-                "shards_resident": sum(v.shard_count for v in s.versions),
-                "used_bytes": s.used_bytes,
-                "hits": s.hits,
-                "misses": s.misses,
-                "bytes_served": s.bytes_served,
-            }
-            for s in statuses
-        ],
-    )
+    try:
+        if while_running is not None:
+            while_running(result, workdir)
+    finally:
+        for node in nodes.values():
+            node.stop()
+    return result

@@ -8,15 +8,13 @@ buffer limits against the bandwidth-delay product of the slowest link.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgecache.clients.channels import bearer, open_channel
+from edgecache.clients.channels import bearer, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
@@ -56,23 +54,10 @@ def check_paths(
     for region, config in topology.regions.items():
         for node in config.nodes:
             channel = open_channel(parse_endpoint(node))
-            health = health_pb2_grpc.HealthStub(channel)
-            samples, lost = [], 0
-            for _ in range(pings):
-                started = time.perf_counter()
-                try:
-                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    samples.append((time.perf_counter() - started) * 1e3)
-                except grpc.RpcError:
-                    lost += 1
-            rtt = statistics.median(samples) if samples else None
-            jitter = (
-                statistics.mean(abs(a - b) for a, b in zip(samples, samples[1:], strict=False))
-                if len(samples) > 1
-                else None
-            )
-            check = PathCheck(region, node, rtt, jitter, lost / pings, None)
-            if samples:
+            result = health_pings(channel, pings=pings, timeout=1.0)
+            rtt, jitter = result.rtt_ms, result.jitter_ms
+            check = PathCheck(region, node, rtt, jitter, result.lost / pings, None)
+            if result.samples_ms:
                 check.throughput_mb_s = _throughput(channel, throughput_seconds, bearer(token))
             channel.close()
             limit = RTT_IN_REGION_MS if region == home_region else RTT_CROSS_REGION_MS

@@ -76,6 +76,21 @@ class EdgeChunks:
         with self._lock:
             self.shared.setdefault(shard, set()).add(row)
 
+    def forget(self, shard: ShardId, rows: tuple[int, ...]) -> None:
+        """Drop decoded chunks across rows ``rows`` of ``shard`` that no read took yet.
+
+        Called when the read that decoded them is no longer needed: the read on
+        the other side, if it comes at all, decodes its own copy. So a chunk kept
+        here never outlives the window that decoded it.
+        """
+        dataset, version, number = shard
+        with self._lock:
+            for row in rows:
+                key = self._ready.get((dataset, version, number, row))
+                entry = None if key is None else self._entries.get(key)
+                if key is not None and entry is not None:
+                    self._forget_locked(key, entry)
+
     def across(self, shard: ShardId, first: int, end: int, row_start: int, row_end: int) -> bool:
         """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
         with self._lock:

@@ -19,14 +19,20 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import rendezvous
-from edgecache.cache.errors import InvalidEndpoint, InvalidName, VersionNotFound
+from edgecache.cache.errors import InvalidEndpoint, InvalidName, VersionNotFound, VersionPinned
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
 from edgecache.cache.registry import Registry
-from edgecache.clients.channels import bearer, describe, edge_stub, node_error, open_channel
+from edgecache.clients.channels import (
+    bearer,
+    describe,
+    edge_stub,
+    health_pings,
+    node_error,
+    open_channel,
+)
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
@@ -88,18 +94,11 @@ def gather_status(
         channel = open_channel(address)
         stub = edge_pb2_grpc.EdgeCacheStub(channel)
         try:
-            health = health_pb2_grpc.HealthStub(channel)
-            started = time.perf_counter()
-            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            rtt = (time.perf_counter() - started) * 1e3
+            pings = health_pings(channel, pings=3, timeout=timeout)
+            if pings.rtt_ms is None:
+                return NodeReport(region, address, False, error=pings.error)
             status = stub.Status(edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token))
-            return NodeReport(
-                region,
-                address,
-                reply.status == health_pb2.HealthCheckResponse.SERVING,
-                rtt,
-                status,
-            )
+            return NodeReport(region, address, pings.serving, pings.rtt_ms, status)
         except grpc.RpcError as exc:
             return NodeReport(region, address, False, error=describe(exc))
         finally:
@@ -483,18 +482,54 @@ class EvictResult:
 
 
 def evict(
-    topology: Topology, spec: str, *, region: str | None = None, token: str | None = None
+    topology: Topology,
+    spec: str,
+    *,
+    region: str | None = None,
+    token: str | None = None,
+    force: bool = False,
+    now: datetime | None = None,
 ) -> list[EvictResult]:
     """Drop ``NAME@N`` from every node of ``region`` (or of every region).
 
-    Every node is asked even when one fails; failures come back in ``error``.
+    Refused (:class:`VersionPinned`, naming the jobs) while any of those nodes
+    pins the version for a scheduled job, unless ``force``; a version neither
+    published nor held anywhere is :class:`VersionNotFound`. Every node is
+    asked even when one fails; failures come back in ``error``.
     """
     parsed = parse_spec(spec)
     if parsed.version is None:
         raise InvalidName(f"evict needs an explicit version: {parsed.dataset}@N")
+    key = (parsed.dataset, parsed.version)
+    regions = region_nodes(topology, region)
+    now = now or datetime.now(UTC)
+    reports = [r for r in gather_status(topology, token=token) if r.region in regions]
+    held = [
+        (r, v)
+        for r in reports
+        if r.status is not None
+        for v in r.status.versions
+        if (v.dataset, v.version) == key
+    ]
+    pins = [
+        (r.address, v.pinned_until.ToDatetime(tzinfo=UTC))
+        for r, v in held
+        if v.HasField("pinned_until") and v.pinned_until.ToDatetime(tzinfo=UTC) > now
+    ]
+    if pins and not force:
+        raise VersionPinned(_pinned_message(topology, spec, pins, now))
+    if not held:
+        try:
+            Registry.run(topology.registry, lambda reg: reg.manifest(*key))
+        except VersionNotFound:
+            where = ", ".join(regions)
+            raise VersionNotFound(
+                f"{spec} is neither published in {topology.registry} nor held by any node of "
+                f"{where}; list versions with: edgecache versions {parsed.dataset}"
+            ) from None
     request = edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version)
     results = []
-    for name, nodes in region_nodes(topology, region).items():
+    for name, nodes in regions.items():
         for node in nodes:
             result = EvictResult(name, node)
             with edge_stub(node) as stub:
@@ -505,6 +540,27 @@ def evict(
                     result.error = str(node_error(exc, endpoint=node, what=f"evicting {spec}"))
             results.append(result)
     return results
+
+
+def _pinned_message(
+    topology: Topology, spec: str, pins: list[tuple[str, datetime]], now: datetime
+) -> str:
+    """Which scheduled jobs a pinned version is kept for, as the controller recorded them."""
+    from edgecache.clients.controller import read_state  # the controller builds on ops
+
+    until = max(when for _, when in pins)
+    nodes = ", ".join(sorted({node for node, _ in pins}))
+    state = read_state(topology.registry)
+    jobs = sorted(
+        f"{job.name} ({job.region}, until {job.end[:16].replace('T', ' ')})"
+        for job in (state.jobs.values() if state else [])
+        if spec in job.versions and datetime.fromisoformat(job.end) > now
+    )
+    reads = f"read by {', '.join(jobs)}" if jobs else "kept for a scheduled job"
+    return (
+        f"{spec} is pinned on {nodes} until {until:%Y-%m-%d %H:%M} UTC, {reads}; evicting it "
+        "would leave that job without its data. Change the schedule, or pass --force"
+    )
 
 
 @dataclass(frozen=True)

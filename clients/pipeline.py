@@ -200,6 +200,17 @@ class Pipeline:
             except queue.Full:
                 continue
 
+    def _shard(self, unit: int) -> tuple[str, int, int]:
+        units = self.order.order.units
+        target = self.targets[int(units.component[unit])]
+        return (target.dataset, target.version, int(units.shard[unit]))
+
+    def _edge(self, unit: int, other: int) -> int:
+        """The row where windows ``unit`` and ``other`` (neighbours) meet."""
+        units = self.order.order.units
+        start = int(units.row_start[unit])
+        return start if int(units.row_start[other]) < start else start + int(units.rows[unit])
+
     def _unit_bytes(self, unit: int) -> float:
         units = self.order.order.units
         return float(units.rows[unit]) * self.row_bytes[int(units.component[unit])]
@@ -231,14 +242,12 @@ class Pipeline:
                 refs[unit] += 1
                 idle.discard(unit)
                 if unit not in futures:
-                    following = order.order.successor(unit)
-                    if following is not None:  # the stream reads it next: share the edge chunk
-                        shard = (
-                            self.targets[int(units.component[unit])]
-                            .rows(int(units.shard[unit]), 0, 0)
-                            .shard_id
-                        )
-                        self._edges.share(shard, int(units.row_start[following]))  # type: ignore[union-attr]
+                    # A chunk across the edge with a neighbouring window is decoded
+                    # once if both are read while it is kept (it is dropped with the
+                    # window that decoded it, so this costs no memory).
+                    for other in order.order.neighbours(unit):
+                        edge = self._edge(unit, other)
+                        self._edges.share(self._shard(unit), edge)  # type: ignore[union-attr]
                     futures[unit] = self._executor.submit(self._load, unit)
                     held += self._unit_bytes(unit)
             planned.append(batch)
@@ -247,11 +256,14 @@ class Pipeline:
             """Drop windows that no planned or later batch can use."""
             nonlocal held
             for unit in list(idle):
-                lane, end = order.order.unit_lane_end(unit)
+                lane, _, end = order.order.unit_span(unit)
                 if not more or frontier.get(lane, -1) >= end:
                     idle.discard(unit)
                     del futures[unit]
                     held -= self._unit_bytes(unit)
+                    start = int(units.row_start[unit])
+                    edges = (start, start + int(units.rows[unit]))
+                    self._edges.forget(self._shard(unit), edges)  # type: ignore[union-attr]
 
         while True:
             if self._stop.is_set():

@@ -18,9 +18,13 @@ is :mod:`edgecache.clients.partition`.
    Mixture components are interleaved window by window in proportion, so
    every stretch of the sequence holds each component at its weight.
 3. **Streams and lanes.** The sequence is cut into ``lanes * shuffle_windows``
-   *streams* of equal length; stream ``s`` belongs to lane ``s % lanes``, so
-   each lane's streams are spread evenly over the whole sequence. A stream is
-   read front to back, one window at a time.
+   *streams* of about equal length (cut at window edges, so no window is read
+   twice; fewer streams when there are fewer than ``MIN_STREAM_WINDOWS``
+   windows for each: small versions get less mixing, not reads that cannot
+   spread over the epoch or that ranks share); stream
+   ``s`` belongs to lane ``s % lanes``, so each lane's streams are spread
+   evenly over the whole sequence. A stream is read front to back, one window
+   at a time, from a random starting window (wrapping around).
 4. **Blocks.** A lane's sequence is a series of *blocks*: block ``b`` takes
    the next few rows (``rows_per_stream``) of every stream of the lane and
    permutes them. Consecutive samples, hence every batch, are drawn from all
@@ -42,9 +46,19 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["BLOCK_ROWS", "Component", "Extent", "GlobalOrder", "Lane", "Units", "rng"]
+__all__ = [
+    "BLOCK_ROWS",
+    "MIN_STREAM_WINDOWS",
+    "Component",
+    "Extent",
+    "GlobalOrder",
+    "Lane",
+    "Units",
+    "rng",
+]
 
 BLOCK_ROWS = 1024  # rows a block aims at: a block draws about BLOCK_ROWS // K from each stream
+MIN_STREAM_WINDOWS = 4  # fewer streams than shuffle_windows when the data has too few windows
 
 
 def rng(*key: int | str) -> np.random.Generator:
@@ -116,7 +130,11 @@ _UNIT_COLUMNS = ("component", "pass_", "shard", "row_start", "rows", "take_from"
 
 
 def _windows(component: Component) -> Units:
-    """The component's windows in canonical order (shards in order, rows in order)."""
+    """The component's windows in canonical order (shards in order, rows in order).
+
+    Each extent is cut into as few windows of at most ``window_rows`` as it takes,
+    of equal size (±1 row): no window of a few rows at the end of a shard.
+    """
     extents = component.extents
     size = component.window_rows
     counts = np.array([-(-e.rows // size) for e in extents], dtype=np.int64)
@@ -127,8 +145,9 @@ def _windows(component: Component) -> Units:
         name: np.array([getattr(e, name) for e in extents], dtype=np.int64)[which]
         for name in ("shard", "row_start", "rows")
     }
-    row_start = column["row_start"] + index * size
-    rows = np.minimum(row_start + size, column["row_start"] + column["rows"]) - row_start
+    parts = counts[which]
+    row_start = column["row_start"] + index * column["rows"] // parts
+    rows = column["row_start"] + (index + 1) * column["rows"] // parts - row_start
     zeros = np.zeros(total, dtype=np.int64)
     return Units(
         {
@@ -311,6 +330,13 @@ class Lane:
             b += 1
         return np.concatenate(parts)
 
+    def first_block_start(self, stream: int, row: int) -> int:
+        """Lane position where the block holding row ``row`` of the ``stream``-th stream starts."""
+        length = int(self.lengths[stream])
+        index = (row - int(self.offsets[stream])) % length
+        b = ((index + 1) * self.blocks - 1) // length
+        return int(self._block_starts[b])
+
     def last_block_end(self, stream: int, row: int) -> int:
         """Lane position after the block holding row ``row`` of the lane's ``stream``-th stream.
 
@@ -341,12 +367,23 @@ class GlobalOrder:
         self.components = list(components)
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
         self.lane_count = lanes
-        self.per_lane = shuffle_windows if shuffle else 1
         parts = [component_epoch(c, i, seed, epoch, shuffle) for i, c in enumerate(self.components)]
         merged = _interleave(parts, [c.samples for c in self.components])
         self.total = int((merged.take_to - merged.take_from).sum())
+        # At least MIN_STREAM_WINDOWS windows a stream: reads stay spread over the
+        # epoch, and ranks (which take a stretch of every stream) rarely share one.
+        most = len(merged) // (MIN_STREAM_WINDOWS * lanes)
+        self.per_lane = max(1, min(shuffle_windows, most)) if shuffle else 1
         streams = lanes * self.per_lane
-        bounds = np.arange(streams + 1, dtype=np.int64) * self.total // streams
+        # Streams of equal length, their ends moved to the nearest window edge: a
+        # window split between two streams would be read (and decoded) twice.
+        edges = np.append(merged.start, self.total)
+        even = np.arange(streams + 1, dtype=np.int64) * self.total // streams
+        after = np.minimum(np.searchsorted(edges, even), len(edges) - 1)
+        before = np.maximum(after - 1, 0)
+        nearer = np.where(even - edges[before] <= edges[after] - even, before, after)
+        bounds = edges[nearer]
+        bounds[0], bounds[-1] = 0, self.total
         self.units, self.unit_stream = _split_at(merged, bounds)
         smallest = min((c.window_rows for c in self.components), default=1)
         rows_per_stream = max(1, min(BLOCK_ROWS // self.per_lane, smallest))
@@ -365,6 +402,8 @@ class GlobalOrder:
             for lane in range(lanes)
         ]
         self._bounds = bounds
+        self._starts: dict[tuple[int, int, int], list[int]] | None = None
+        self._ends: dict[tuple[int, int, int], list[int]] | None = None
 
     def _rotations(self, bounds: np.ndarray) -> np.ndarray:
         """Where each stream starts reading: a random unit boundary of the stream.
@@ -383,35 +422,41 @@ class GlobalOrder:
         starts = np.append(self.units.start, self.total)[pick]
         return np.where(last > first, starts - bounds[:-1], 0)
 
-    def unit_lane_end(self, unit: int) -> tuple[int, int]:
-        """(lane, lane position) after which no sample of ``unit`` appears in its lane."""
-        stream = int(self.unit_stream[unit])
-        lane = self.lanes[stream % self.lane_count]
-        last = int(self.units.start[unit] + self.units.take_to[unit] - self.units.take_from[unit])
-        return lane.index, lane.last_block_end(
-            stream // self.lane_count, last - 1 - int(self._bounds[stream])
-        )
+    def unit_span(self, unit: int) -> tuple[int, int, int]:
+        """(lane, first, end) of the blocks that hold samples of ``unit``.
 
-    def successor(self, unit: int) -> int | None:
-        """The unit its stream reads right after ``unit``, when it is the next window of the shard.
-
-        Both whole windows, so the two reads meet at a window edge and may share
-        the chunk across it; None otherwise (and at the stream's wrap-around).
+        Lane positions ``[first, end)`` run from the start of the first such
+        block to the end of the last; no other lane position holds one.
         """
-        nxt = unit + 1
-        u = self.units
-        if nxt >= len(u) or self.unit_stream[nxt] != self.unit_stream[unit]:
-            return None
         stream = int(self.unit_stream[unit])
         lane = self.lanes[stream % self.lane_count]
-        if int(u.start[nxt]) == int(self._bounds[stream]) + int(
-            lane.offsets[stream // self.lane_count]
-        ):
-            return None  # the stream starts reading there: it reads ``unit`` last
-        whole = all(u.take_from[i] == 0 and u.take_to[i] == u.rows[i] for i in (unit, nxt))
-        same = u.component[nxt] == u.component[unit] and u.shard[nxt] == u.shard[unit]
-        adjacent = u.row_start[nxt] == u.row_start[unit] + u.rows[unit]
-        return nxt if whole and same and adjacent else None
+        first = int(self.units.start[unit]) - int(self._bounds[stream])
+        last = first + int(self.units.take_to[unit] - self.units.take_from[unit]) - 1
+        k = stream // self.lane_count
+        return lane.index, lane.first_block_start(k, first), lane.last_block_end(k, last)
+
+    def neighbours(self, unit: int) -> list[int]:
+        """Whole windows right before and right after ``unit``'s window in its shard.
+
+        A read of one meets a read of the other at their shared edge (only whole
+        windows are read edge to edge; an empty list for a part of a window).
+        """
+        u = self.units
+        if self._starts is None:
+            whole = np.flatnonzero((u.take_from == 0) & (u.take_to == u.rows))
+            starts: dict[tuple[int, int, int], list[int]] = {}
+            ends: dict[tuple[int, int, int], list[int]] = {}
+            for i in whole.tolist():
+                comp, shard, first = int(u.component[i]), int(u.shard[i]), int(u.row_start[i])
+                starts.setdefault((comp, shard, first), []).append(i)
+                ends.setdefault((comp, shard, first + int(u.rows[i])), []).append(i)
+            self._starts, self._ends = starts, ends
+        if u.take_from[unit] != 0 or u.take_to[unit] != u.rows[unit]:
+            return []
+        comp, shard, first = int(u.component[unit]), int(u.shard[unit]), int(u.row_start[unit])
+        after = self._starts.get((comp, shard, first + int(u.rows[unit])), [])
+        before = self._ends.get((comp, shard, first), []) if self._ends else []
+        return before + after
 
     def window_order(self, unit: int) -> np.ndarray:
         """Row offsets within unit ``unit``'s window, in this pass's order (the whole window)."""

@@ -184,6 +184,11 @@ def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def _load(path: Path, model: type[BaseModel], what: str) -> Any:
+    """The validated model of a YAML file (see :func:`_load_with_tree`)."""
+    return _load_with_tree(path, model, what)[0]
+
+
+def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any, yaml.Node | None]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -215,7 +220,7 @@ def _load(path: Path, model: type[BaseModel], what: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigFileError(f"{path}: the {what} must be a mapping (see docs/operations.md)")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), tree
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
@@ -253,12 +258,14 @@ def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
 
 def load_schedule(path: str | os.PathLike[str], topology: Topology | None = None) -> Schedule:
     """Read and validate a schedule; with a topology, regions must exist in it."""
-    schedule: Schedule = _load(Path(path), Schedule, "schedule")
+    schedule, tree = _load_with_tree(Path(path), Schedule, "schedule")
     if topology is not None:
-        for job in schedule.jobs:
+        for index, job in enumerate(schedule.jobs):
             if job.region not in topology.regions:
+                line = _line(tree, ("jobs", index, "region"))
                 raise ConfigFileError(
-                    f"{path}: job {job.name!r} runs in region {job.region!r}, which the topology "
-                    f"does not have ({', '.join(sorted(topology.regions))})"
+                    f"{path}:{line}: jobs.{index}.region: job {job.name!r} runs in region "
+                    f"{job.region!r}, which the topology does not have "
+                    f"({', '.join(sorted(topology.regions))})"
                 )
-    return schedule
+    return schedule  # type: ignore[no-any-return]

@@ -73,7 +73,9 @@ class NodeConfig(BaseModel):
     )
     preprocess_threads: int = Field(2, ge=1, le=64)
     grace_seconds: float = Field(10.0, ge=0, description="SIGTERM drain time for streams")
-    node_id: str = Field(default_factory=socket.gethostname)
+    node_id: str | None = Field(
+        None, description="Name in logs and metrics [hostname:port, unique per node on a host]"
+    )
     sync: bool = Field(True, description="fsync LMDB commits (survives power loss)")
 
     @field_validator("capacity", mode="before")
@@ -99,6 +101,14 @@ class NodeConfig(BaseModel):
         if (value is None) != (info.data.get("tls_cert") is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return value
+
+    def default_node_id(self) -> str:
+        """``hostname:port``, or ``hostname:<cache dir>`` when the port is picked at bind.
+
+        Two nodes on one host must not share a name in logs and metrics.
+        """
+        _, port = split_hostport(self.listen)
+        return f"{socket.gethostname()}:{port or self.cache_dir.name}"
 
     def read_token(self, which: str) -> str | None:
         """The token from ``token_file`` or ``read_token_file``, stripped; never logged."""

@@ -25,7 +25,6 @@ import functools
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -50,7 +49,7 @@ from edgecache.cache.names import LATEST, validate_name
 from edgecache.cache.preprocess import preprocess
 from edgecache.cache.registry import Registry
 from edgecache.cache.storage import ObjectInfo, Stores
-from edgecache.cache.store import CacheStore, ShardInfo
+from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.metrics import NodeMetrics
@@ -128,7 +127,7 @@ class EdgeNode:
 
     def __init__(self, config: NodeConfig, *, store: CacheStore | None = None) -> None:
         self.config = config
-        self.node_id = config.node_id or socket.gethostname()
+        self.node_id = config.node_id or config.default_node_id()
         self.store = store or CacheStore(
             config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
         )
@@ -508,6 +507,20 @@ class EdgeNode:
         self.metrics.used_bytes.set(self.store.stats.used_bytes)
         return freed
 
+    def _kept_manifest(self, v: VersionInfo) -> manifest_pb2.Manifest | None:
+        """The manifest this node kept for a version (a restarted node knows its size too)."""
+        raw = self.store.get_manifest(v.dataset, v.version)
+        if raw is None:
+            return None
+        try:
+            manifest = manifest_from_bytes(
+                raw, source=f"cached manifest of {v.dataset}@{v.version}"
+            )
+        except EdgeCacheError:
+            return None
+        self._manifests[(v.dataset, v.version)] = manifest
+        return manifest
+
     def status(self) -> edge_pb2.NodeStatus:
         """What the node holds and has done (its counts as its metrics keep them)."""
         stats = self.store.stats
@@ -532,7 +545,7 @@ class EdgeNode:
             version=package_version("edgecache"),
         )
         for v in self.store.versions():
-            known = self._manifests.get((v.dataset, v.version))
+            known = self._manifests.get((v.dataset, v.version)) or self._kept_manifest(v)
             entry = status.versions.add(
                 dataset=v.dataset,
                 version=v.version,

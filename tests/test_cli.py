@@ -78,6 +78,8 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     code, out = cli(root, "warm", "tokens@1", "--region", "us-east", "--dry-run")
     assert code == 0 and "would stage tokens@1 into us-east" in out
     code, out = cli(root, "evict", "tokens@1", "--region", "eu-west")
+    assert code == 2 and "pinned" in out and "--force" in out  # train-eu still needs it
+    code, out = cli(root, "evict", "tokens@1", "--region", "eu-west", "--force")
     assert code == 0 and "freed" in out
     code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
     assert code == 1

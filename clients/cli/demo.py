@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from edgecache.clients.cli.app import app
+
+if TYPE_CHECKING:
+    from edgecache.clients.demo import DemoResult
 from edgecache.clients.cli.context import ExitCode, exit_with, reporting
-from edgecache.clients.cli.render import console, error, format_bytes
+from edgecache.clients.cli.render import Column, error, format_bytes, line, progress, table
 
 
 @app.command()
@@ -27,67 +30,143 @@ def demo(
     workdir: Annotated[
         Path | None, typer.Option(help="Directory to keep (default: a temporary one).")
     ] = None,
+    keep_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--keep-nodes",
+            help="Keep the two nodes running after the demo, with the commands to try on "
+            "them, until Ctrl-C.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
 ) -> None:
-    """Run the local multi-region demo: origin, registry, two edge nodes, a reading job."""
+    """Run the local multi-region demo: origin, registry, two edge nodes, a training job.
+
+    Tells the story as it goes (what is written where, the plan, what staging
+    achieved, the first chunk from a warm and a cold region, a training epoch),
+    then the figures. Exit codes: 0 every sample read exactly once and every
+    chunk verified; 1 otherwise or a node failed.
+    """
     from edgecache.clients.demo import run_demo
 
     if compression not in ("zstd", "none"):
         raise typer.BadParameter("use 'zstd' or 'none'", param_hint="--compression")
     root = workdir or Path(tempfile.mkdtemp(prefix="edgecache-demo-"))
+    kept = workdir is not None or keep_nodes
+
+    def say(text: str) -> None:
+        if not as_json:
+            line(text)
+
+    def hold(result: DemoResult, where: Path) -> None:
+        if not keep_nodes:
+            return
+        _summary(result)
+        config = where / "edgecache.yaml"
+        line(f"\nThe nodes keep running; the demo's files are in {where}. Try:")
+        for command in (
+            f"edgecache status --config {config}",
+            f"edgecache plan {where / 'schedule.yaml'} --config {config} --explain",
+            f"edgecache warm {result.dataset} --region us-east --config {config}",
+            f"edgecache ready {result.dataset} --region us-east --config {config}",
+            f"edgecache doctor --config {config} --region eu-west",
+            f"edgecache versions demo-tokens --config {config}",
+        ):
+            line(f"  {command}")
+        line("Ctrl-C stops the nodes.")
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            line("stopping the nodes")
+
     try:
         with reporting():
             result = run_demo(
-                root, total_mib=size_mib, shards=shards, compression=compression, threads=threads
+                root,
+                total_mib=size_mib,
+                shards=shards,
+                compression=compression,
+                threads=threads,
+                progress=progress(disable=as_json, label_width=36, speed=False),
+                say=say,
+                while_running=hold,
             )
     except RuntimeError as exc:  # torch missing, a node that did not start
         error(str(exc))
         raise exit_with(ExitCode.FAILED) from exc
     finally:
-        if workdir is None:
+        if not kept:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:
         print(json.dumps(result.as_dict(), indent=2))
-        return
-    for line in result.plan:
-        console.print(f"plan: {line}")
-    table = Table(title=f"edgecache demo: {result.dataset}, two regions on this machine")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    table.add_row("shards / samples", f"{result.shards} / {result.samples:,}")
-    table.add_row(
-        "origin Parquet / cached in eu-west",
-        f"{format_bytes(result.source_bytes)} / {format_bytes(result.stored_bytes)}",
-    )
-    table.add_row("stage eu-west (fetch + preprocess + cache)", f"{result.stage_mb_s:,.0f} MB/s")
-    table.add_row(
-        f"training epoch via EdgeDataset ({result.device}, {result.read_threads} threads)",
-        f"{result.read_samples_s:,.0f} samples/s, {result.read_mb_s:,.0f} MB/s",
-    )
-    table.add_row("time to first batch", f"{result.first_batch_s * 1e3:,.0f} ms")
-    table.add_row(
-        "loss, first → last tenth of the epoch", f"{result.loss_first:.3f} → {result.loss_last:.3f}"
-    )
-    table.add_row(
-        "first chunk: warm eu-west / cold us-east",
-        f"{result.warm_first_chunk_s * 1e3:,.1f} ms / {result.cold_first_chunk_s * 1e3:,.1f} ms",
-    )
-    table.add_row(
-        "every sample once, every chunk verified", "yes" if result.verified else "[red]NO[/red]"
-    )
-    console.print(table)
-    nodes = Table(title="edge nodes")
-    for column in ("region", "shards resident", "used", "hits", "misses", "served"):
-        nodes.add_column(column, justify="left" if column == "region" else "right")
-    for n in result.nodes:
-        nodes.add_row(
-            str(n["region"]),
-            str(n["shards_resident"]),
-            format_bytes(int(n["used_bytes"])),  # type: ignore[call-overload]
-            str(n["hits"]),
-            str(n["misses"]),
-            format_bytes(int(n["bytes_served"])),  # type: ignore[call-overload]
+    elif not keep_nodes:
+        _summary(result)
+        if kept:
+            line(f"the demo's files (origin, registry, caches, node logs) are in {root}")
+        line(
+            "to try the commands on the running nodes: edgecache demo --keep-nodes "
+            "(see docs/operations.md)"
         )
-    console.print(nodes)
     if not result.verified:
         raise exit_with(ExitCode.FAILED)
+
+
+def _summary(result: DemoResult) -> None:
+    table(
+        f"edgecache demo: {result.dataset}, two regions on this machine",
+        [Column("figure"), Column("value", right=True)],
+        [
+            ["shards / samples", f"{result.shards} / {result.samples:,}"],
+            [
+                "origin Parquet / cached in eu-west",
+                f"{format_bytes(result.source_bytes)} / {format_bytes(result.stored_bytes)}",
+            ],
+            [
+                "stage eu-west (fetch, preprocess, compress, commit)",
+                f"{format_bytes(result.stage_bytes_per_s)}/s",
+            ],
+            [
+                f"training epoch via EdgeDataset ({result.device}, {result.read_threads} threads)",
+                f"{result.read_samples_s:,.0f} samples/s, "
+                f"{format_bytes(result.read_bytes_per_s)}/s",
+            ],
+            ["time to first batch", f"{result.first_batch_s * 1e3:,.0f} ms"],
+            [
+                "loss, first → last tenth of the epoch",
+                f"{result.loss_first:.3f} → {result.loss_last:.3f}",
+            ],
+            [
+                "first chunk: warm eu-west / cold us-east",
+                f"{result.warm_first_chunk_s * 1e3:,.1f} ms / "
+                f"{result.cold_first_chunk_s * 1e3:,.1f} ms",
+            ],
+            [
+                "every sample once, every chunk verified",
+                "yes" if result.verified else "[red]NO[/red]",
+            ],
+        ],
+    )
+    table(
+        "edge nodes",
+        [
+            Column("region", ident=True),
+            Column("node", ident=True),
+            Column("shards", right=True),
+            Column("used", right=True),
+            Column("hits", right=True),
+            Column("misses", right=True),
+            Column("served", right=True),
+        ],
+        [
+            [
+                str(n["region"]),
+                str(n["address"]),
+                str(n["shards_resident"]),
+                format_bytes(int(n["used_bytes"])),  # type: ignore[call-overload]
+                str(n["hits"]),
+                str(n["misses"]),
+                format_bytes(int(n["bytes_served"])),  # type: ignore[call-overload]
+            ]
+            for n in result.nodes
+        ],
+    )

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
@@ -19,7 +18,8 @@ from edgecache.clients.cli.context import (
     exit_with,
     reporting,
 )
-from edgecache.clients.cli.render import console, err_console, format_bytes
+from edgecache.clients.cli.render import Column, console, err_console, format_bytes, line, table
+from edgecache.v1 import edge_pb2
 
 
 @app.command()
@@ -101,6 +101,7 @@ def status(
                     {
                         "region": r.region,
                         "node": r.address,
+                        "node_id": r.status.node_id if r.status else None,
                         "healthy": r.healthy,
                         "rtt_ms": None if r.status is None else round(r.rtt_ms, 2),
                         "error": r.error,
@@ -125,63 +126,80 @@ def status(
             )
         )
     else:
-        table = Table(title="edge nodes")
-        for column in (
-            "region",
-            "node",
-            "health",
-            "RTT",
-            "used / capacity",
-            "versions (shards, pin)",
-            "hit ratio",
-            "served",
-        ):
-            table.add_column(column)
+        rows = []
         for r in reports:
             if r.status is None:
-                table.add_row(
-                    r.region, r.address, "[red]down[/red]", "", "", f"[red]{r.error}[/red]", "", ""
-                )
+                rows.append([r.region, r.address, "[red]down[/red]", "", "", "", "", ""])
                 continue
             s = r.status
-            versions_text = (
-                ", ".join(
-                    f"{v.dataset}@{v.version} ({v.shard_count}"
-                    f"{'/' + str(v.total_shards) if v.total_shards else ''}"
-                    f"{', pinned' if v.HasField('pinned_until') else ''})"
-                    for v in s.versions
-                )
-                or "—"
-            )
             lookups = s.hits + s.misses
-            table.add_row(
-                r.region,
-                r.address,
-                "[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]",
-                f"{r.rtt_ms:.1f} ms",
-                f"{format_bytes(s.used_bytes)} / {format_bytes(s.capacity_bytes)}",
-                versions_text,
-                f"{s.hits / lookups:.0%}" if lookups else "—",
-                format_bytes(s.bytes_served),
+            rows.append(
+                [
+                    r.region,
+                    r.address,
+                    "[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]",
+                    f"{r.rtt_ms:.2f} ms",
+                    f"{format_bytes(s.used_bytes)} / {format_bytes(s.capacity_bytes)}",
+                    "\n".join(_resident(v) for v in s.versions) or "—",
+                    f"{s.hits / lookups:.0%}" if lookups else "—",
+                    format_bytes(s.bytes_served),
+                ]
             )
-        console.print(table)
+        table(
+            "edge nodes",
+            [
+                Column("region", ident=True),
+                Column("node", ident=True),
+                Column("health"),
+                Column("RTT", right=True),
+                Column("used / capacity", right=True),
+                Column("versions (shards, pin)", ident=True),
+                Column("hit ratio", right=True),
+                Column("served", right=True),
+            ],
+            rows,
+        )
+        for r in reports:
+            if r.status is None:
+                line(f"[red]{r.region} {r.address} is down:[/red] {r.error}", to_stderr=True)
     if any(r.status is None for r in reports):
         raise exit_with(ExitCode.FAILED)
+
+
+def _resident(v: edge_pb2.ResidentVersion) -> str:
+    """``name@N (held/total shards, pinned until …)``."""
+    held = f"{v.shard_count}/{v.total_shards}" if v.total_shards else str(v.shard_count)
+    pin = ""
+    if v.HasField("pinned_until"):
+        pin = f", pinned until {v.pinned_until.ToDatetime():%Y-%m-%d %H:%M}"
+    return f"{v.dataset}@{v.version} ({held}{pin})"
 
 
 @app.command()
 def evict(
     spec: Annotated[str, typer.Argument(help="NAME@N")],
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Evict even a version pinned for a scheduled job.")
+    ] = False,
     config: ConfigOption = None,
     token_file: TokenOption = None,
 ) -> None:
-    """Drop a version from the nodes of a region (or all regions)."""
+    """Drop a version from the nodes of a region (or all regions).
+
+    Refuses a version pinned for a scheduled job (it names the job) unless
+    --force. Exit codes: 0 evicted (or nothing held); 2 bad input (an unknown
+    version or region, a pinned version); 1 a node failed.
+    """
     from edgecache.clients import ops
 
     options = Options(config, token_file)
     with reporting():
-        results = ops.evict(options.topology, spec, region=region, token=options.token)
+        results = ops.evict(options.topology, spec, region=region, token=options.token, force=force)
+    if results and not any(r.bytes_freed or r.error for r in results):
+        where = ", ".join(sorted({r.region for r in results}))
+        line(f"nothing to evict: no node of {where} holds {spec}")
+        return
     for result in results:
         if result.error:
             err_console.print(f"[red]{result.region} {result.node}: {result.error}[/red]")
@@ -220,20 +238,30 @@ def doctor(
             )
         )
         raise exit_with(ExitCode.FAILED if bad else ExitCode.OK)
-    table = Table(title="network paths from this host")
-    for column in ("region", "node", "RTT", "jitter", "loss", "read", "verdict"):
-        table.add_column(column)
-    for p in paths:
-        table.add_row(
-            p.region,
-            p.node,
-            "—" if p.rtt_ms is None else f"{p.rtt_ms:.2f} ms",
-            "—" if p.jitter_ms is None else f"{p.jitter_ms:.2f} ms",
-            f"{p.loss:.1%}",
-            "—" if p.throughput_mb_s is None else f"{p.throughput_mb_s:,.0f} MB/s",
-            "[red]" + "; ".join(p.problems) + "[/red]" if p.problems else "[green]ok[/green]",
-        )
-    console.print(table)
+    table(
+        "network paths from this host",
+        [
+            Column("region", ident=True),
+            Column("node", ident=True),
+            Column("RTT", right=True),
+            Column("jitter", right=True),
+            Column("loss", right=True),
+            Column("read", right=True),
+            Column("verdict"),
+        ],
+        [
+            [
+                p.region,
+                p.node,
+                "—" if p.rtt_ms is None else f"{p.rtt_ms:.2f} ms",
+                "—" if p.jitter_ms is None else f"{p.jitter_ms:.2f} ms",
+                f"{p.loss:.1%}",
+                "—" if p.throughput_mb_s is None else f"{p.throughput_mb_s:,.0f} MB/s",
+                "[red]" + "; ".join(p.problems) + "[/red]" if p.problems else "[green]ok[/green]",
+            ]
+            for p in paths
+        ],
+    )
     console.print(
         f"host: congestion control {host.congestion_control}, rmem_max {host.rmem_max}, "
         f"wmem_max {host.wmem_max}, bandwidth-delay product of the slowest path "

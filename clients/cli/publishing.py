@@ -6,11 +6,11 @@ import json
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
+from edgecache.cache.errors import ConfigFileError
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import ConfigOption, JsonOption, Options, reporting
-from edgecache.clients.cli.render import console, format_bytes
+from edgecache.clients.cli.render import Column, format_bytes, line, table, warning
 
 RegistryOption = Annotated[
     str | None, typer.Option(help="Registry URL (s3://…, file://…) [from --config].")
@@ -18,7 +18,19 @@ RegistryOption = Annotated[
 
 
 def _registry_url(registry: str | None, options: Options) -> str:
-    return registry or options.topology.registry
+    """``--registry``, else the topology file's ``registry:``."""
+    if registry:
+        return registry
+    try:
+        return options.topology.registry
+    except ConfigFileError as exc:
+        if "no topology file" not in str(exc):
+            raise
+        raise ConfigFileError(
+            "no registry: pass --registry URL (e.g. s3://bucket/_edgecache or "
+            "file:///srv/registry), or a topology file whose registry: is used "
+            "(--config FILE, $EDGECACHE_CONFIG or ./edgecache.yaml)"
+        ) from None
 
 
 @app.command()
@@ -34,11 +46,23 @@ def publish(
     ] = None,
     compression: Annotated[str, typer.Option(help="zstd or none.")] = "zstd",
     level: Annotated[int, typer.Option(help="zstd level.")] = 1,
+    if_changed: Annotated[
+        bool,
+        typer.Option(
+            "--if-changed",
+            help="If the newest version has this very content (same digest), print it "
+            "instead of publishing a copy.",
+        ),
+    ] = False,
     registry: RegistryOption = None,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Snapshot a prefix as the next immutable version of a dataset."""
+    """Snapshot a prefix as the next immutable version of a dataset.
+
+    Exit codes: 0 published (or, with --if-changed, the same content found);
+    2 bad input (no objects, mixed formats, an unreadable object); 1 failed.
+    """
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.registry import Registry
@@ -55,24 +79,42 @@ def publish(
             compression_level=level,
         )
         source_format = format_from_name(fmt) if fmt else None
-        manifest = Registry.run(
-            _registry_url(registry, Options(config)),
-            lambda reg: reg.publish(source_url, dataset, fmt=source_format, spec=spec),
-        )
+
+        async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool]:
+            before = await reg.versions(dataset)
+            done = await reg.publish(
+                source_url, dataset, fmt=source_format, spec=spec, if_changed=if_changed
+            )
+            if done.version in before:  # --if-changed found it unchanged
+                return done, None, True
+            if not before:
+                return done, None, False
+            previous = await reg.manifest(dataset, before[-1])
+            return done, previous if previous.digest == done.digest else None, False
+
+        manifest, same, reused = Registry.run(_registry_url(registry, Options(config)), go)
+    name = f"{manifest.dataset}@{manifest.version}"
     if as_json:
         print(
             json.dumps(
                 {
-                    "version": f"{manifest.dataset}@{manifest.version}",
+                    "version": name,
                     "digest": manifest.digest,
                     "shards": len(manifest.shards),
+                    "reused": reused,
+                    "same_content_as": None if same is None else f"{same.dataset}@{same.version}",
                 }
             )
         )
-    else:
-        console.print(
-            f"{manifest.dataset}@{manifest.version}  {manifest.digest}  "
-            f"({len(manifest.shards)} shards)"
+        return
+    if reused:
+        line(f"{name}  {manifest.digest}  ({len(manifest.shards)} shards): unchanged")
+        return
+    line(f"{name}  {manifest.digest}  ({len(manifest.shards)} shards)")
+    if same is not None:
+        warning(
+            f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
+            "nothing changed at the source; pass --if-changed to reuse the existing version"
         )
 
 
@@ -112,18 +154,28 @@ def versions(
             )
         )
         return
-    table = Table(title=f"{dataset} in {url}")
-    for column in ("version", "digest", "shards", "rows", "source", "created"):
-        table.add_column(
-            column, justify="right" if column in ("version", "shards", "rows", "source") else "left"
-        )
-    for v in rows:
-        table.add_row(
-            str(v.version),
-            v.digest[:19] + "…",
-            str(v.shard_count),
-            f"{v.row_count:,}",
-            format_bytes(v.source_bytes),
-            v.created_at.ToJsonString(),
-        )
-    console.print(table if rows else f"{dataset} has no versions in {url}")
+    if not rows:
+        line(f"{dataset} has no versions in {url}")
+        return
+    table(
+        f"{dataset} in {url}",
+        [
+            Column("version", ident=True, right=True),
+            Column("digest", ident=True),
+            Column("shards", right=True),
+            Column("rows", right=True),
+            Column("source", right=True),
+            Column("created", ident=True),
+        ],
+        [
+            [
+                str(v.version),
+                v.digest,
+                str(v.shard_count),
+                f"{v.row_count:,}",
+                format_bytes(v.source_bytes),
+                v.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+            ]
+            for v in rows
+        ],
+    )

@@ -1,16 +1,50 @@
-"""How commands print: one console for results, one for errors, sizes in one format."""
+"""How commands print: one console for results, one for errors, tables that read at any width.
+
+Tables never cut an identifier (a version, a node address, a date): a table
+whose identifiers do not fit the terminal is printed as a list instead, one
+block per row, so an 80-column terminal or a pipe reads as well as a wide
+screen. Sizes go through one formatter (binary units, precision that fits).
+Scripts use ``--json``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
 
 from edgecache.cache.units import format_bytes
 
-__all__ = ["console", "err_console", "error", "format_bytes", "warning"]
+__all__ = [
+    "Column",
+    "console",
+    "err_console",
+    "error",
+    "format_bytes",
+    "line",
+    "progress",
+    "table",
+    "warning",
+]
 
-console = Console()
-err_console = Console(stderr=True)
+# Soft wrap: a line is never broken by the console (a terminal still wraps it on screen,
+# a pipe or a log keeps it whole, so scripts can grep it). Tables lay themselves out.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def error(message: str) -> None:
@@ -23,3 +57,73 @@ def warning(message: str) -> None:
     err_console.print(
         f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True, highlight=False
     )
+
+
+def line(text: str, *, to_stderr: bool = False) -> None:
+    """One line of output, never broken by the terminal's width (it may wrap on screen)."""
+    (err_console if to_stderr else console).print(text, soft_wrap=True, highlight=False)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column; ``ident`` columns (names, addresses, dates) are never broken."""
+
+    name: str
+    ident: bool = False
+    right: bool = False
+
+
+def table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
+    """A table if it fits the terminal with its identifiers whole, else a list.
+
+    Cells may hold rich markup (colours); a cell with several lines (one per
+    version, say) stays a list of lines in either layout.
+    """
+    grid = Table(title=title)
+    for column in columns:
+        grid.add_column(
+            column.name,
+            no_wrap=column.ident,
+            justify="right" if column.right else "left",
+            overflow="fold",
+        )
+    for row in rows:
+        grid.add_row(*row)
+    # Measured unconstrained: against the terminal's width rich reports that width.
+    unconstrained = console.options.update(max_width=1 << 16)
+    if Measurement.get(console, unconstrained, grid).minimum <= console.width:
+        console.print(grid)
+        return
+    console.print(f"[bold]{title}[/bold]" if title else "")
+    for row in rows:
+        head, *rest = row
+        console.print(head, soft_wrap=True)
+        for column, cell in zip(columns[1:], rest, strict=False):
+            if not cell:
+                continue
+            cell_lines = cell.splitlines()
+            if len(cell_lines) == 1:
+                console.print(f"  {column.name}: {cell}", soft_wrap=True)
+            else:
+                console.print(f"  {column.name}:", soft_wrap=True)
+                for each in cell_lines:
+                    console.print(f"    {each}", soft_wrap=True)
+
+
+def progress(*, disable: bool = False, label_width: int = 32, speed: bool = True) -> Progress:
+    """Transfer progress bars that fit the terminal: labels whole, fewer columns when narrow.
+
+    Only on a terminal: in a pipe or a log the bars would print after the lines
+    written meanwhile, out of order, so they are left out there.
+    """
+    width = console.width
+    columns: list[ProgressColumn] = [
+        TextColumn(f"{{task.description:<{min(label_width, max(width - 52, 12))}}}"),
+        BarColumn(bar_width=max(min(width - 90, 40), 10)),
+        DownloadColumn(binary_units=True),
+    ]
+    if speed:
+        columns.append(TransferSpeedColumn())
+    if width >= 100:
+        columns.append(TimeElapsedColumn() if not speed else TimeRemainingColumn())
+    return Progress(*columns, console=console, disable=disable or not console.is_terminal)

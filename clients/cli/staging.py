@@ -8,16 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
+from rich.progress import TaskID
 
 from edgecache.cache.planner import Plan
 from edgecache.clients.cli.app import app
@@ -30,7 +21,16 @@ from edgecache.clients.cli.context import (
     exit_with,
     reporting,
 )
-from edgecache.clients.cli.render import console, err_console, format_bytes, warning
+from edgecache.clients.cli.render import (
+    Column,
+    console,
+    err_console,
+    format_bytes,
+    line,
+    progress,
+    table,
+    warning,
+)
 from edgecache.clients.plan_status import JobView
 
 
@@ -119,21 +119,31 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
             )
         )
         return
-    table = Table(title="jobs: plan against reality")
-    for column in ("job", "region", "start", "planned ready", "ready", "state", "missing / why"):
-        table.add_column(column, overflow="fold")
     colour = {"ready": "green", "staging": "cyan", "late": "yellow", "missed": "red"}
-    for v in views:
-        table.add_row(
-            v.job,
-            v.region,
-            f"{v.start:%Y-%m-%d %H:%M}",
-            f"{v.planned_ready:%m-%d %H:%M:%S}" if v.planned_ready else "—",
-            f"{v.ready_at:%m-%d %H:%M:%S}" if v.ready_at else "—",
-            f"[{colour.get(v.state, 'red')}]{v.state}[/]",
-            "; ".join([*v.missing, *([v.why] if v.why else [])]) or "",
-        )
-    console.print(table)
+    table(
+        "jobs: plan against reality",
+        [
+            Column("job", ident=True),
+            Column("region", ident=True),
+            Column("start", ident=True),
+            Column("planned ready", ident=True),
+            Column("ready", ident=True),
+            Column("state"),
+            Column("missing / why"),
+        ],
+        [
+            [
+                v.job,
+                v.region,
+                f"{v.start:%Y-%m-%d %H:%M}",
+                f"{v.planned_ready:%Y-%m-%d %H:%M:%S}" if v.planned_ready else "—",
+                f"{v.ready_at:%Y-%m-%d %H:%M:%S}" if v.ready_at else "—",
+                f"[{colour.get(v.state, 'red')}]{v.state}[/]",
+                "\n".join([*v.missing, *([v.why] if v.why else [])]),
+            ]
+            for v in views
+        ],
+    )
 
 
 def _plan_json(result: Plan) -> dict[str, object]:
@@ -182,11 +192,11 @@ def _plan_json(result: Plan) -> dict[str, object]:
 
 def _print_plan(result: Plan, explain: bool) -> None:
     for name, rp in result.regions.items():
-        table = Table(title=f"region {name}")
-        for column in ("stage", "size", "from", "start", "ready by", "deadline", "for jobs"):
-            table.add_column(column)
-        for t in rp.tasks:
-            table.add_row(
+        if not (rp.tasks or rp.evictions):
+            line(f"region {name}: nothing to do")
+            continue
+        rows = [
+            [
                 t.spec,
                 format_bytes(t.bytes),
                 t.source,
@@ -194,9 +204,11 @@ def _print_plan(result: Plan, explain: bool) -> None:
                 f"{t.finish:%Y-%m-%d %H:%M:%S}",
                 f"{t.deadline:%Y-%m-%d %H:%M}",
                 ", ".join(t.jobs),
-            )
-        for e in rp.evictions:
-            table.add_row(
+            ]
+            for t in rp.tasks
+        ]
+        rows += [
+            [
                 f"[yellow]evict {e.version[0]}@{e.version[1]}[/yellow]",
                 format_bytes(e.bytes),
                 "",
@@ -204,11 +216,22 @@ def _print_plan(result: Plan, explain: bool) -> None:
                 "",
                 "",
                 e.reason if explain else "",
-            )
-        if rp.tasks or rp.evictions:
-            console.print(table)
-        else:
-            console.print(f"region {name}: nothing to do")
+            ]
+            for e in rp.evictions
+        ]
+        table(
+            f"region {name}",
+            [
+                Column("stage", ident=True),
+                Column("size", right=True),
+                Column("from", ident=True),
+                Column("start", ident=True),
+                Column("ready by", ident=True),
+                Column("deadline", ident=True),
+                Column("for jobs"),
+            ],
+            rows,
+        )
     if explain:
         for name, rp in result.regions.items():
             for t in rp.tasks:
@@ -217,17 +240,23 @@ def _print_plan(result: Plan, explain: bool) -> None:
                     if t.source != "origin"
                     else "origin (no faster peer holds it in time)"
                 )
-                console.print(f"{name}: {t.spec} from {t.source}: {why}")
+                line(f"{name}: {t.spec} from {t.source}: {why}")
+            for version, until in sorted(rp.pins.items()):
+                line(f"{name}: pin {version[0]}@{version[1]} until {until:%Y-%m-%d %H:%M}")
     for (job, link), size in sorted(result.transfers.items()):
         cost = f", egress ${result.cost[job]:.2f}" if job in result.cost else ""
-        console.print(f"{job}: {format_bytes(size)} over {link}{cost}")
+        line(f"{job}: {format_bytes(size)} over {link}{cost}")
     if result.infeasible:
-        table = Table(title="[red]cannot be met[/red]")
-        for column in ("job", "region", "version", "why"):
-            table.add_column(column)
-        for i in result.infeasible:
-            table.add_row(i.job, i.region, i.version, f"[red]{i.reason}[/red]")
-        console.print(table)
+        table(
+            "[red]cannot be met[/red]",
+            [
+                Column("job", ident=True),
+                Column("region", ident=True),
+                Column("version", ident=True),
+                Column("why"),
+            ],
+            [[i.job, i.region, i.version, f"[red]{i.reason}[/red]"] for i in result.infeasible],
+        )
 
 
 @app.command()
@@ -306,34 +335,27 @@ def warm(
             raise exit_with(ExitCode.CANNOT_BE_MET)
         return
     stop = threading.Event()
-    progress = Progress(
-        TextColumn("{task.description:<40}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        disable=as_json,
-    )
+    bar_set = progress(disable=as_json)
     bars: dict[int, TaskID] = {}
 
     def show(run: TaskRun) -> None:
         bar = bars.get(id(run.item))
         if bar is None:
             source = "" if run.task.source == "origin" else f" ← {run.task.source}"
-            bar = bars[id(run.item)] = progress.add_task(
+            bar = bars[id(run.item)] = bar_set.add_task(
                 f"{run.task.region} {run.task.spec}{source}", total=run.item.bytes_total
             )
-        progress.update(bar, completed=run.item.bytes_done)
+        bar_set.update(bar, completed=run.item.bytes_done)
 
     try:
-        with progress:
+        with bar_set:
             if single is not None:
-                bar = progress.add_task(f"{single.region} {single.spec}", total=single.bytes_total)
+                bar = bar_set.add_task(f"{single.region} {single.spec}", total=single.bytes_total)
                 ops.stage_item(
                     single,
                     token=token,
                     stop=stop,
-                    on_progress=lambda i: progress.update(bar, completed=i.bytes_done),
+                    on_progress=lambda i: bar_set.update(bar, completed=i.bytes_done),
                 )
                 failed = [single] if single.failures else []
                 items = [single]
