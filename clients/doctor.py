@@ -76,7 +76,11 @@ def check_paths(
 def _throughput(
     channel: grpc.Channel, seconds: float, metadata: tuple[tuple[str, str], ...] | None
 ) -> float | None:
-    """MB/s reading a resident shard for at most ``seconds`` (None if nothing is cached)."""
+    """MB/s reading the node's own cached shards for at most ``seconds`` (None if none).
+
+    Only shards the node holds are asked for (``cached_only``): a read test
+    must neither fetch from origin nor ask for shards that do not exist.
+    """
     stub = edge_pb2_grpc.EdgeCacheStub(channel)
     try:
         status = stub.Status(edge_pb2.StatusRequest(), timeout=3, metadata=metadata)
@@ -85,23 +89,32 @@ def _throughput(
     resident = [v for v in status.versions if v.shard_count]
     if not resident:
         return None
-    version = resident[0]
-    received, started = 0, time.perf_counter()
-    shard = 0
+    version = max(resident, key=lambda v: v.stored_bytes)
     try:
-        while time.perf_counter() - started < seconds and shard < 64:
-            request = edge_pb2.ReadShardRequest(
-                dataset=version.dataset, version=version.version, shard=shard
-            )
-            call = stub.ReadShard(request, timeout=seconds * 2, metadata=metadata)
+        manifest = stub.GetManifest(
+            edge_pb2.GetManifestRequest(dataset=version.dataset, version=version.version),
+            timeout=3,
+            metadata=metadata,
+        )
+    except grpc.RpcError:
+        return None
+    received, started = 0, time.perf_counter()
+    for shard in range(len(manifest.shards)):
+        if time.perf_counter() - started >= seconds:
+            break
+        request = edge_pb2.ReadShardRequest(
+            dataset=version.dataset, version=version.version, shard=shard, cached_only=True
+        )
+        call = stub.ReadShard(request, timeout=seconds * 2, metadata=metadata)
+        try:
             for chunk in call:
                 received += len(chunk.frame)
                 if time.perf_counter() - started > seconds:
                     call.cancel()
                     break
-            shard += 1
-    except grpc.RpcError:
-        pass  # a shard that is not resident ends the test; what was read counts
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
+                break  # a replica holds only its own shards: the others are skipped
     elapsed = time.perf_counter() - started
     return received / elapsed / 1e6 if received else None
 
@@ -151,13 +164,16 @@ def check_host(paths: list[PathCheck], topology: Topology) -> HostCheck:
             "sysctl -w net.core.default_qdisc=fq",
             "sysctl -w net.ipv4.tcp_congestion_control=bbr",
         ]
-    wanted = max(2 * bdp, 16 << 20)
+    # A socket buffer below twice the bandwidth-delay product caps a stream below the
+    # link; the fix leaves room for faster links too (at least 16 MiB).
+    needed = 2 * bdp
+    wanted = max(needed, 16 << 20)
     for name, value in (
         ("net.core.rmem_max", check.rmem_max),
         ("net.core.wmem_max", check.wmem_max),
     ):
-        if value < wanted:
-            check.problems.append(f"{name} = {value} < 2 × BDP ({wanted})")
+        if value < needed:
+            check.problems.append(f"{name} = {value:,} B < 2 × BDP ({needed:,} B)")
             check.fixes.append(f"sysctl -w {name}={wanted}")
     if any(f.startswith("sysctl -w net.core.rmem_max") for f in check.fixes):
         check.fixes.append(f"sysctl -w net.ipv4.tcp_rmem='4096 131072 {wanted}'")

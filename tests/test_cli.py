@@ -137,6 +137,10 @@ def test_doctor_measures_paths_and_host(site) -> None:
     assert all(p["rtt_ms"] is not None and p["rtt_ms"] > 0 for p in report["paths"])
     assert report["host"]["congestion_control"] and report["host"]["bdp_bytes"] > 0
     assert result.exit_code == (0 if report["ok"] else 1)
+    # Loopback paths are a clean bill of health: no socket-buffer floor is mistaken for a
+    # bandwidth-delay product, only a missing BBR can be a problem here.
+    assert all("BDP" not in p for p in report["host"]["problems"]), report["host"]
+    assert all(not p["problems"] for p in report["paths"]), report["paths"]
     if report["host"]["problems"]:
         assert any(f.startswith("sysctl -w ") for f in report["host"]["fixes"])
 
