@@ -393,6 +393,10 @@ class NodePool:
                         yield first, batch
                         next_row = end
                         progressed = True
+                        if next_row >= row_end:
+                            # Every row is here: do not wait for the end of the stream
+                            # (a node that stops now would fail a read that is done).
+                            return
                     if next_row >= row_end:
                         return
                 except Exception as exc:

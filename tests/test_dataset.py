@@ -212,7 +212,9 @@ def test_node_killed_mid_epoch_fails_over_exact_once(tmp_path: Path) -> None:
             "tokens@1",
             endpoints=[n.address for n in nodes],
             retry_timeout=3,
-            prefetch_bytes=1,  # read as it goes, so the kill lands mid-epoch
+            prefetch_bytes=1,  # read as it goes, one window at a time, so the kill lands
+            shuffle_windows=1,  # mid-epoch
+            lanes=1,
             threads=1,
             **SMALL,
         )
@@ -248,6 +250,8 @@ def test_blackholed_node_is_left_within_seconds(cluster) -> None:
             window_bytes=24 << 10,
             batch_size=50,
             prefetch_bytes=1,  # one window at a time, so the stream is live when it goes dark
+            shuffle_windows=1,
+            lanes=1,
             threads=1,
         )
         preferred = {proxy.address: proxy, other.address: other}[ds.pool().ranked()[0].text]
