@@ -1,0 +1,284 @@
+"""The scenario benchmark: a day of jobs in three regions, with the controller and without.
+
+    python -m bench.schedule [--speed 360] [--json PATH] [--render PNG] [--link auto|netns|proxy]
+    python -m bench.schedule --smoke       # toy sizes, a short day: checks that it all works
+
+Three regions on loopback, one ``edgecache serve`` node each. Origin is
+moto's S3 server behind the slow link of :mod:`bench.wan` (network
+namespaces, tbf, loss and NFQUEUE delay where this machine permits them, as
+root; otherwise the delaying TCP proxy, and the results say which). The three
+regions share that one origin link (they run in one edge namespace); between
+regions the nodes talk over loopback directly, unshaped: the faster
+inter-region link. The registry (manifests, the controller's lease and
+record) is a directory on local disk; only data crosses the link.
+
+The same simulated day (:mod:`bench.schedule_parts.scenario`: ~20 jobs over
+24 h, six versions of four datasets, every version read in at least two
+regions, capacities that force evictions) runs twice on fresh caches:
+
+* **controller**: an in-process ``Controller`` on a ``SimulatedClock``
+  running ``--speed`` times real time; it plans from live node status every
+  tick, pins, evicts and stages from origin or a peer region at the planned
+  times. Link speeds in the topology are simulated bytes/s (real ÷ speed),
+  the real figures measured by a calibration step over the same link first;
+* **naive**: a cron-like loop stages each job's versions from origin with
+  ``clients.ops.stage_item`` ``--naive-lead-hours`` before the job; the
+  nodes' LRU makes room; no pins, no planned evictions.
+
+Transfers are real, over the real link; only the schedule's clock is
+simulated. Reported side by side: jobs complete at their start, origin bytes,
+cross-region staging time, evictions of versions an upcoming job needed,
+and per task the predicted against the actual ready time. ``--json`` writes
+everything, per-job planned and actual timelines included; ``--render`` draws
+the timeline chart (also :func:`draw` for the docs renderer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bench.report import cpu_model, versions
+from bench.schedule_parts import chart, report
+from bench.schedule_parts.edge import Settings
+from bench.schedule_parts.scenario import FULL, SMOKE, Scenario
+from bench.wan.__main__ import Run
+from bench.wan.link import Link, LinkSpec, open_link
+from bench.wan.origin import s3_env
+
+__all__ = ["draw", "main"]
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "schedule-origin"
+
+
+def draw(results: dict[str, Any], path: Path) -> Path:
+    """The timeline chart (planned vs actual ready per job, starts marked) as a PNG."""
+    return chart.draw(results, path)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _prepare(
+    run: Run, workdir: Path, registry: str, args: argparse.Namespace, specs: list[str]
+) -> dict[str, Any]:
+    """Write, upload and publish every version on the origin side (nothing crosses the link)."""
+    out = subprocess.run(
+        run.link.origin_command(
+            [sys.executable, "-m", "bench.schedule_parts.origin", "--endpoint", run.origin_local]
+            + ["--bucket", BUCKET, "--registry", registry, "--source", str(workdir / "source")]
+            + ["--versions", ",".join(specs), "--version-mib", str(args.version_mib)]
+            + ["--shard-mib", str(args.shard_mib)]
+        ),
+        cwd=REPO,
+        env=run.env,
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode:
+        raise RuntimeError(f"preparing the origin failed: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _edge(run: Run, workdir: Path, settings: Settings) -> dict[str, Any]:
+    """Calibration and both days, on the edge side of the link."""
+    path = workdir / "settings.json"
+    path.write_text(json.dumps(asdict(settings)))
+    results = workdir / "results.json"
+    proc = run.spawn(
+        run.link.edge_command(
+            [sys.executable, "-m", "bench.schedule_parts.edge", str(path), str(results)]
+        )
+    )
+    if proc.wait():
+        raise RuntimeError(f"the edge side failed (exit {proc.returncode}); see the log above")
+    return json.loads(results.read_text())
+
+
+def _replay(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """Analyse, print and draw saved results again, measuring nothing."""
+    results = json.loads(args.from_json.read_text())
+    scenario = Scenario.from_dict(results["scenario"])
+    results["figures"] = report.analyse(results, scenario, results["settings"]["speed"])
+    report.print_results(console, results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.render:
+        draw(results, args.render)
+        console.log(f"drew {args.render}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the results that ``--json`` writes."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--speed", type=float, default=360.0, help="simulated seconds per real second"
+    )
+    parser.add_argument("--interval", type=float, default=0.2, help="real s between ticks")
+    parser.add_argument("--version-mib", type=int, default=48, help="raw token MiB per version")
+    parser.add_argument("--shard-mib", type=int, default=8, help="raw MiB per Parquet shard")
+    parser.add_argument(
+        "--capacity-versions", type=float, default=2.5, help="region capacity, in stored versions"
+    )
+    parser.add_argument("--naive-lead-hours", type=float, default=2.0)
+    parser.add_argument("--staging-concurrency", type=int, default=8)
+    parser.add_argument("--touch-seconds", type=float, default=2.0)
+    parser.add_argument("--link", choices=("auto", "netns", "proxy"), default="auto")
+    parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--loss", type=float, default=0.001)
+    parser.add_argument("--modes", default="controller,naive")
+    parser.add_argument("--json", type=Path, help="write every figure and timeline here")
+    parser.add_argument("--render", type=Path, help="draw the timeline chart to this PNG")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="measure nothing: analyse, print and draw the results a previous --json wrote",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="toy sizes and a short day (no figure means much)"
+    )
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    if args.from_json:
+        return _replay(args, console)
+    scenario = FULL
+    if args.smoke:
+        scenario = SMOKE
+        args.version_mib, args.shard_mib, args.rtt_ms = 4, 1, 20.0
+        args.speed, args.interval, args.touch_seconds, args.loss = 4000.0, 0.1, 0.5, 0.0
+
+    spec = LinkSpec(rtt_ms=args.rtt_ms, rate_mbit=args.rate_mbit, loss=args.loss)
+    started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - started - sum(phases.values()), 1)
+
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    workdir = Path(tempfile.mkdtemp(prefix="edgecache-bench-schedule-"))
+    link: Link | None = None
+    run: Run | None = None
+    try:
+        link, why = open_link(spec, args.link)
+        console.log(f"link: {why}; {spec}")
+        run = Run(link, workdir, console)
+        origin = run.start_origin()
+        registry = f"file://{workdir}/registry"
+        console.log(f"origin: moto's S3 server, reached from the edge at {origin}")
+        phase("link and origin set up")
+        console.log(f"writing {len(scenario.versions)} versions × {args.version_mib} MiB raw")
+        published = _prepare(run, workdir, registry, args, list(scenario.versions))
+        phase("data written, uploaded, published")
+        settings = Settings(
+            workdir=str(workdir),
+            registry=registry,
+            node_env={
+                **s3_env(origin),
+                "EDGECACHE_STAGING_CONCURRENCY": str(args.staging_concurrency),
+            },
+            scenario=scenario.as_dict(),
+            speed=args.speed,
+            interval=args.interval,
+            naive_lead_hours=args.naive_lead_hours,
+            capacity_versions=args.capacity_versions,
+            touch_seconds=args.touch_seconds,
+            modes=args.modes.split(","),
+        )
+        measured = _edge(run, workdir, settings)
+        phase("calibration and both days")
+        link_counters = link.counters()
+        link_info = link.describe() | {"chosen_because": why, "counters": link_counters}
+    finally:
+        if run is not None:
+            run.close()
+        if link is not None:
+            link.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    phase("teardown")
+
+    parquet = sum(p["parquet_bytes"] for p in published.values())
+    stored = measured["calibration"]["max_stored_bytes"]
+    first_day = next(iter(measured["days"].values()))
+    results: dict[str, Any] = {
+        "command": "python -m bench.schedule" + (" --smoke" if args.smoke else ""),
+        "link": link_info,
+        "inter_region": "loopback between the nodes, unshaped (one edge namespace)",
+        "origin_shared": "the three regions share the one origin link",
+        "registry": "local disk (file://): only data crosses the link",
+        "scenario": scenario.as_dict(),
+        "scenario_summary": (
+            f"{len(scenario.jobs)} jobs in 3 regions over {scenario.day_hours:g} simulated h, "
+            f"{len(scenario.versions)} versions"
+        ),
+        "published": published,
+        "data_summary": (
+            f"{len(published)} versions, {parquet / 1e6:,.1f} MB of zstd Parquet at origin in all "
+            f"({parquet / len(published) / 1e6:.1f} MB each, "
+            f"{next(iter(published.values()))['shards']} shards), about "
+            f"{stored / 1e6:.1f} MB once stored"
+        ),
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "speed",
+                "interval",
+                "version_mib",
+                "shard_mib",
+                "capacity_versions",
+                "naive_lead_hours",
+                "staging_concurrency",
+                "touch_seconds",
+            )
+        },
+        "capacity_bytes": first_day["capacity_bytes"],
+        "topology": first_day["topology"],
+        "calibration": measured["calibration"],
+        "days": measured["days"],
+        "manifests": measured["manifests"],
+        "versions": versions(
+            "edgecache", "pyarrow", "grpcio", "zstandard", "lmdb", "aiobotocore", "moto"
+        ),
+        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu": cpu_model()},
+    }
+    results["figures"] = report.analyse(measured, scenario, args.speed)
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    results["phases_s"] = phases
+    report.print_results(console, results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+        console.log(f"wrote {args.json}")
+    if args.render:
+        draw(results, args.render)
+        console.log(f"drew {args.render}")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted; the link and every process it started are gone", file=sys.stderr)
+        sys.exit(130)
