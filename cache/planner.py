@@ -216,10 +216,18 @@ def plan(
         for version in state.resident:
             ready_at[(name, version)] = now
     result = Plan(regions={}, infeasible=infeasible, transfers={}, cost={})
-    for name in sorted(regions):
+    # Regions whose jobs start first are planned first: they fetch a version from origin,
+    # and regions that need it later can copy it from them, whatever their names.
+    never = datetime.max.replace(tzinfo=now.tzinfo)
+
+    def first_need(name: str) -> tuple[datetime, str]:
+        return min((job.start for job in by_region.get(name, [])), default=never), name
+
+    for name in sorted(regions, key=first_need):
         result.regions[name] = _plan_region(
             regions[name], by_region.get(name, []), sized, now, ready_at, result
         )
+    result.regions = dict(sorted(result.regions.items()))
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     return result
 
@@ -291,20 +299,37 @@ def _plan_region(
                 )
                 continue
             size = sized.stored
-            # Choose a source: a peer that will hold it in time and moves it sooner than
-            # origin (a peer sends stored bytes, origin sends source bytes).
-            source, bandwidth, moved = "origin", state.origin_rate, sized.source
-            begin = max(cursor, link_free)
-            best = sized.source / bandwidth if bandwidth > 0 else float("inf")
+            # Only what is not held yet moves (a stage cut short kept its whole shards).
+            held_now = min(partial.get(version, 0), size)
+            # Choose a source: the cheapest that makes the deadline. A peer region that
+            # will hold the version costs no origin egress, so it wins whenever it makes
+            # the deadline, slower link or not; when nothing makes it, the fastest does.
+            # A peer sends stored bytes, origin sends source bytes.
+            origin_begin = max(cursor, link_free)
+            options = []  # (misses the deadline, from origin, finish, source, bw, bytes, begin)
+            if state.origin_rate > 0:
+                moved = sized.source - sized.source * held_now // max(size, 1)
+                finish = origin_begin + timedelta(seconds=moved / state.origin_rate)
+                options.append(
+                    (finish > job.start, True, finish, "origin", state.origin_rate, moved,
+                     origin_begin)
+                )  # fmt: skip
             for peer, peer_bw in sorted(state.peer_bandwidth.items()):
                 held = ready_at.get((peer, version))
                 if held is None or held > job.start or peer_bw <= 0:
                     continue
                 peer_begin = max(cursor, held)
-                peer_end = (peer_begin - begin).total_seconds() + sized.stored / peer_bw
-                if peer_end < best:
-                    source, bandwidth, moved, best = peer, peer_bw, sized.stored, peer_end
-                    begin = peer_begin
+                moved = size - held_now
+                finish = peer_begin + timedelta(seconds=moved / peer_bw)
+                options.append(
+                    (finish > job.start, False, finish, peer, peer_bw, moved, peer_begin)
+                )
+            if options:
+                # In time: peers first, then the earliest finish. Late anyway: the earliest.
+                chosen = min(options, key=lambda o: (True, o[2]) if o[0] else (False, o[1], o[2]))
+                _, _, _, source, bandwidth, moved, begin = chosen
+            else:
+                source, bandwidth, moved, begin = "origin", 0.0, 0, origin_begin
             if bandwidth <= 0:
                 result.infeasible.append(
                     Infeasible(job.name, state.name, spec, "the region has no origin bandwidth")

@@ -215,6 +215,7 @@ class Controller:
         )
         self.state = self._load_state()
         self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
+        self._ended: dict[tuple[str, VersionKey], float] = {}  # when each run last ended
         self._lock = threading.Lock()
         self.last_plan: Plan | None = None
         self.last_error = ""
@@ -280,6 +281,7 @@ class Controller:
             return None
         now = self.clock()
         schedule = load_schedule(self.schedule_path, self.topology)
+        looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(self.topology, token=self.token)
         for report in reports:
             if report.status is None:
@@ -295,7 +297,7 @@ class Controller:
         for failure in failures:
             log.warning("%s", failure)
         self._evict_due(plan, schedule, manifests, now)
-        self._start_due(plan, schedule, manifests, now)
+        self._start_due(plan, schedule, manifests, now, looked)
         self._update_metrics(now)
         self._save_state()
         self.metrics.ticks.inc()
@@ -328,7 +330,12 @@ class Controller:
                     self.metrics.evictions.inc()
 
     def _start_due(
-        self, plan: Plan, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        manifests: dict[str, pb.Manifest],
+        now: datetime,
+        looked: float,
     ) -> None:
         ends = {job.name: job.end for job in schedule.jobs}
         for region, region_plan in plan.regions.items():
@@ -337,10 +344,20 @@ class Controller:
                 record_key = f"{region} {task.spec}"
                 with self._lock:
                     running = key in self._runs
-                if running:
-                    continue
-                record = self.state.tasks.get(record_key)
-                if record is None or record.state in ("done", "failed"):
+                    ended = self._ended.get(key, 0.0)
+                if running or ended >= looked:
+                    continue  # running, or ended after this round's status: next round
+                runs = sorted(
+                    (int(k.partition(" #")[2] or 1), k)
+                    for k in self.state.tasks
+                    if k.partition(" #")[0] == record_key
+                )
+                record = self.state.tasks[runs[-1][1]] if runs else None
+                if record is not None and record.state in ("done", "failed"):
+                    # Staged again (evicted since, or failed): a new record; the old stays.
+                    record_key = f"{record_key} #{len(runs) + 1}"
+                    record = None
+                if record is None:
                     record = self.state.tasks[record_key] = TaskRecord(
                         region=region,
                         version=task.spec,
@@ -402,6 +419,7 @@ class Controller:
         finally:
             with self._lock:
                 self._runs.pop(run.key, None)
+                self._ended[run.key] = time.monotonic()
 
     # ------------------------------------------------------ plan vs reality
 
@@ -423,10 +441,14 @@ class Controller:
         for item in plan.infeasible:
             reasons.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
         for job in schedule.jobs:
+            record = self.state.jobs.get(job.name)
+            if job.end <= now:  # over: settle what is known, look no further
+                if record is not None and record.complete_at_start is None and record.ready_at:
+                    record.complete_at_start = datetime.fromisoformat(record.ready_at) <= job.start
+                continue
             reads = [
                 (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
             ]
-            record = self.state.jobs.get(job.name)
             if record is None or record.start != _iso(job.start):
                 record = self.state.jobs[job.name] = JobRecord(
                     name=job.name,
@@ -449,9 +471,11 @@ class Controller:
             elif not missing and record.planned_ready is None:
                 record.planned_ready = record.ready_at
             if record.complete_at_start is None and job.start <= now:
-                record.complete_at_start = not missing
-                record.missing_at_start = missing
-                if missing:
+                # Seen complete before the start (recorded when seen), or not complete now.
+                ready = record.ready_at and datetime.fromisoformat(record.ready_at) <= job.start
+                record.complete_at_start = bool(ready) or not missing
+                record.missing_at_start = [] if record.complete_at_start else missing
+                if not record.complete_at_start:
                     self.metrics.jobs_unready_at_start.inc()
                     log.warning("job %s started without %s", job.name, ", ".join(missing))
 

@@ -134,7 +134,9 @@ def make_plan(
     """Resolve the schedule against the registry and the nodes, then plan."""
     now = now or datetime.now(UTC)
     reports = gather_status(topology, token=token) if reports is None else reports
-    specs = {spec for job in schedule.jobs for spec in job.datasets}
+    # Jobs that have ended need nothing more: neither staging nor a verdict.
+    current = [job for job in schedule.jobs if job.end > now]
+    specs = {spec for job in current for spec in job.datasets}
 
     manifests, missing = Registry.run(topology.registry, lambda reg: resolve_specs(reg, specs))
     held = holdings(reports, manifests)
@@ -150,7 +152,7 @@ def make_plan(
             ),
             priority=job.priority,
         )
-        for job in schedule.jobs
+        for job in current
     ]
     regions = {}
     for name, config in topology.regions.items():
@@ -171,10 +173,7 @@ def make_plan(
             egress_price_per_gb=config.egress_price_per_gb,
         )
     missing_items = [
-        (job.name, job.region, spec)
-        for job in schedule.jobs
-        for spec in job.datasets
-        if spec in missing
+        (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
 

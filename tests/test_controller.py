@@ -246,3 +246,34 @@ def test_bad_schedules_are_refused_with_the_file_and_line(site) -> None:
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 2, out
     assert "schedule.yaml:4: jobs.0.start" in out
+
+
+def test_runs_are_recorded_once_each_and_never_restarted_from_a_stale_view(site) -> None:
+    root, registry = site
+    node = start_local_node("eu", root / "cache-eu", registry)
+    try:
+        (root / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        (root / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        clock = Clock(T0)
+        controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+        try:
+            controller.tick()
+            for _ in range(3):  # rounds while and after the run: no second run of it
+                controller.tick()
+            controller.wait_idle()
+            controller.tick()
+            assert set(controller.state.tasks) == {"eu b@1"}
+            assert controller.state.tasks["eu b@1"].state == "done"
+            assert status(node).versions[0].shard_count == 3
+            # Evicted behind the plan's back: staged again, as a second run beside the first.
+            stub(node.address).Evict(edge_pb2.EvictRequest(dataset="b", version=1))
+            controller.tick()
+            controller.wait_idle()
+            assert set(controller.state.tasks) == {"eu b@1", "eu b@1 #2"}
+            assert all(t.state == "done" for t in controller.state.tasks.values())
+        finally:
+            controller.close()
+    finally:
+        node.stop()

@@ -225,3 +225,37 @@ def test_waits_for_a_finished_job_rather_than_evict_what_a_later_job_needs() -> 
     assert eviction.version == b and eviction.at >= NOW + 1.5 * hour
     (task,) = result.regions["eu"].tasks
     assert task.version == c and task.start >= NOW + 1.5 * hour and task.finish <= NOW + 2 * hour
+
+
+def test_a_peer_that_makes_the_deadline_is_chosen_over_a_faster_origin() -> None:
+    # eu's job comes first (+1 h) and fetches from origin; us (named later, needing it at
+    # +6 h) copies it from eu over a slower link rather than paying origin egress again;
+    # and ap, named before eu, copies from eu too, since regions are planned by need.
+    v = ("a", 1)
+    regions = {
+        "ap": RegionState("ap", 100 * GB, 1e9, peer_bandwidth={"eu": 1e8}),
+        "eu": RegionState("eu", 100 * GB, 1e9),
+        "us": RegionState("us", 100 * GB, 1e9, peer_bandwidth={"eu": 1e8}),
+    }
+    hour = timedelta(hours=1)
+    jobs = [
+        Job("eu-job", "eu", NOW + hour, NOW + 2 * hour, (v,)),
+        Job("us-job", "us", NOW + 6 * hour, NOW + 7 * hour, (v,)),
+        Job("ap-job", "ap", NOW + 6 * hour, NOW + 7 * hour, (v,)),
+    ]
+    result = plan(jobs, regions, {v: 10 * GB}, now=NOW)
+    assert not result.infeasible
+    assert [t.source for t in result.regions["eu"].tasks] == ["origin"]
+    assert [t.source for t in result.regions["us"].tasks] == ["eu"]
+    assert [t.source for t in result.regions["ap"].tasks] == ["eu"]
+    assert list(result.regions) == ["ap", "eu", "us"]
+
+
+def test_a_partly_held_version_moves_only_the_rest() -> None:
+    v = ("a", 1)
+    region = RegionState("eu", 100 * GB, origin_bandwidth=1e9, partial={v: 9 * GB})
+    jobs = [Job("j", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (v,))]
+    result = plan(jobs, {"eu": region}, {v: 10 * GB}, now=NOW)
+    (task,) = result.regions["eu"].tasks
+    assert (task.finish - task.start).total_seconds() == 1.0  # 1 GB left at 1 GB/s
+    assert result.transfers[("j", "origin→eu")] == 1 * GB
