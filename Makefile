@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-deploy base-image lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan wan-tools chaos lock proto clean
+.PHONY: demo test test-deploy base-image lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan bench-schedule wan-tools chaos lock proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -72,6 +72,9 @@ bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 reg
 
 bench-peers: $(STAMP)  ## EdgeDataset against MosaicML Streaming, LitData and WebDataset
 	$(PY) -m bench.peers
+
+bench-schedule: $(STAMP) wan-tools  ## a simulated day of ~20 jobs in three regions: the controller against naive warming
+	$(PY) -m bench.schedule
 
 bench-wan: $(STAMP) wan-tools  ## staging and epochs across a simulated 80 ms / 100 Mbit/s / 0.1 % loss link
 	$(PY) -m bench.wan
