@@ -87,10 +87,44 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         ).labels(**labels)
+        # Latency as readers and operators feel it, by result (ok, or the status code).
+        self._first_chunk = Histogram(
+            "edgecache_read_first_chunk_seconds",
+            "ReadShard: time from the request to its first chunk (a miss includes the fetch)",
+            [*labels, "result"],
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self._per_chunk = Histogram(
+            "edgecache_read_chunk_seconds",
+            "ReadShard: time between consecutive chunks of a stream (includes the reader's pace)",
+            list(labels),
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+        ).labels(**labels)
+        self._stage = Histogram(
+            "edgecache_stage_seconds",
+            "Stage: time for a whole request, by result (ok, or the status code)",
+            [*labels, "result"],
+            registry=self.registry,
+            buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 14400),
+        )
         self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
         self.active_streams = gauge("edgecache_active_streams", "ReadShard streams in flight")
         self.staging_active = gauge("edgecache_staging_active", "Stage requests in flight")
+
+    def first_chunk(self, seconds: float, result: str) -> None:
+        """A ReadShard's first chunk took ``seconds`` (``result``: ok or a status code name)."""
+        self._first_chunk.labels(**self._labels, result=result).observe(seconds)
+
+    def next_chunk(self, seconds: float) -> None:
+        """The gap before a stream's next chunk."""
+        self._per_chunk.observe(seconds)
+
+    def stage_done(self, seconds: float, result: str) -> None:
+        """A Stage request ended after ``seconds`` with ``result``."""
+        self._stage.labels(**self._labels, result=result).observe(seconds)
 
     def value(self, name: str, **labels: str) -> float:
         """The current value of one of this node's samples (0 before it has one).

@@ -185,11 +185,23 @@ class EdgeCacheService:
                 raise _NotHere(f"{key} is not cached on {node.node_id} and cached_only was asked")
         node.metrics.active_streams.inc()
         await node.gate.read_started()
+        last, first = time.monotonic(), True
         try:
             async for encoded in node.read_chunks(
                 manifest, request.shard, request.start_chunk, request.start_row, request.end_row
             ):
+                now = time.monotonic()
+                if first:
+                    node.metrics.first_chunk(now - last, "ok")
+                    first = False
+                else:
+                    node.metrics.next_chunk(now - last)
                 yield encoded
+                last = time.monotonic()
+        except Exception as exc:
+            if first:
+                node.metrics.first_chunk(time.monotonic() - last, status_for(exc)[0].name)
+            raise
         finally:
             await node.gate.read_finished()
             node.metrics.active_streams.dec()
@@ -199,6 +211,16 @@ class EdgeCacheService:
         self, request: edge_pb2.StageRequest, context: aio.ServicerContext
     ) -> AsyncIterator[edge_pb2.StageProgress]:
         """Fetch a version's missing shards in the background, streaming progress."""
+        began = time.monotonic()
+        try:
+            async for progress in self._stage(request):
+                yield progress
+        except Exception as exc:
+            self.node.metrics.stage_done(time.monotonic() - began, status_for(exc)[0].name)
+            raise
+        self.node.metrics.stage_done(time.monotonic() - began, "ok")
+
+    async def _stage(self, request: edge_pb2.StageRequest) -> AsyncIterator[edge_pb2.StageProgress]:
         manifest = await self.node.manifest(request.dataset, request.version)
         pin = request.pin_until.ToDatetime(tzinfo=UTC) if request.HasField("pin_until") else None
         wanted = self.node.staging_targets(manifest, list(request.shards))

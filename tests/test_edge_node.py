@@ -519,3 +519,22 @@ def test_damaged_frame_headers_are_dropped_and_refetched(tmp_path: Path) -> None
     assert fetches == len(kinds)  # every damaged shard fetched from origin once more
     # Every read that found its shard dropped is a miss; reads of one shard share its fetch.
     assert status.misses >= len(kinds)
+
+
+def test_read_and_stage_latency_histograms_by_result(tmp_path: Path) -> None:
+
+    write_parquet_shards(tmp_path / "origin", 2, rows=500)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(config(tmp_path, registry)) as node:
+        client = stub(node.address)
+        list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+        read_shard_table(client, "tokens", 1, 0)
+        with pytest.raises(grpc.RpcError):
+            list(client.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=9)))
+        assert node.node is not None
+        m = node.node.metrics
+        assert m.value("edgecache_stage_seconds_count", result="ok") == 1
+        assert m.value("edgecache_read_first_chunk_seconds_count", result="ok") == 1
+        assert m.value("edgecache_read_first_chunk_seconds_count", result="INVALID_ARGUMENT") == 1
+        assert m.value("edgecache_read_chunk_seconds_count") >= 1
