@@ -1,25 +1,33 @@
-"""``edgecache doctor``: the network path from this host to every node, and its TCP settings.
+"""``edgecache doctor``: the network paths to every node, from here and from the nodes.
 
 Measured against the baselines operators use: RTT (in-region < 5 ms,
-cross-region < 50 ms), jitter < 2 ms, loss < 0.1 %, a short bounded
-throughput test per node, and this host's congestion control and socket
-buffer limits against the bandwidth-delay product of the slowest link.
+cross-region < 50 ms), jitter < 2 ms, loss < 0.1 %, throughput, and this
+host's congestion control and socket buffer limits against the
+bandwidth-delay product of the slowest link. Loss is TCP's: the share of
+segments retransmitted during a multi-stream upload into each node's
+``Sink`` (this host is the sender, so its kernel knows;
+:mod:`edgecache.cache.tcp_stats`); twenty pings could never resolve 0.1 %.
+With ``node_paths`` the nodes measure their own paths to origin and to their
+peer regions' nodes (``Diagnose``), so a slow origin link is found where it is.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 
-from edgecache.clients.channels import bearer, health_pings, open_channel
+from edgecache.cache import tcp_stats
+from edgecache.clients.channels import bearer, describe, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
-__all__ = ["HostCheck", "PathCheck", "check_host", "check_paths"]
+__all__ = ["HostCheck", "NodePath", "PathCheck", "check_host", "check_node_paths", "check_paths"]
 
 RTT_IN_REGION_MS, RTT_CROSS_REGION_MS, JITTER_MS, LOSS = 5.0, 50.0, 2.0, 0.001
 
@@ -32,8 +40,13 @@ class PathCheck:
     node: str
     rtt_ms: float | None
     jitter_ms: float | None
-    loss: float
-    throughput_mb_s: float | None
+    ping_loss: float  # health checks that failed
+    throughput_mb_s: float | None  # reading cached shards, one stream
+    upload_mb_s: float | None = None  # several streams into the node's Sink
+    streams: int = 0
+    segments_sent: int = 0
+    segments_retransmitted: int = 0
+    loss: float | None = None  # retransmitted / sent during the upload (None: unknown)
     problems: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
@@ -47,9 +60,10 @@ def check_paths(
     home_region: str | None,
     pings: int = 20,
     throughput_seconds: float = 2.0,
+    streams: int = 4,
     token: str | None = None,
 ) -> list[PathCheck]:
-    """Ping every node (gRPC health checks) and read from it for a bounded time."""
+    """Ping every node, read from it, and upload into it on ``streams`` streams."""
     out = []
     for region, config in topology.regions.items():
         for node in config.nodes:
@@ -58,7 +72,8 @@ def check_paths(
             rtt, jitter = result.rtt_ms, result.jitter_ms
             check = PathCheck(region, node, rtt, jitter, result.lost / pings, None)
             if result.samples_ms:
-                check.throughput_mb_s = _throughput(channel, throughput_seconds, bearer(token))
+                check.throughput_mb_s = _throughput(channel, throughput_seconds / 2, bearer(token))
+                _upload(check, channel, throughput_seconds / 2, streams, bearer(token))
             channel.close()
             limit = RTT_IN_REGION_MS if region == home_region else RTT_CROSS_REGION_MS
             if rtt is None:
@@ -67,9 +82,140 @@ def check_paths(
                 check.problems.append(f"RTT {rtt:.1f} ms > {limit:.0f} ms")
             if jitter is not None and jitter > JITTER_MS:
                 check.problems.append(f"jitter {jitter:.1f} ms > {JITTER_MS:.0f} ms")
-            if check.loss > LOSS:
-                check.problems.append(f"loss {check.loss:.1%} > {LOSS:.1%}")
+            if check.loss is not None and _surely_above(check, LOSS):
+                check.problems.append(f"loss {check.loss:.2%} > {LOSS:.1%} (TCP retransmissions)")
+            elif check.ping_loss > LOSS:
+                check.problems.append(f"{check.ping_loss:.0%} of health checks failed")
             out.append(check)
+    return out
+
+
+def _surely_above(check: PathCheck | NodePath, limit: float) -> bool:
+    """Whether the retransmission rate is above ``limit`` beyond its counting noise.
+
+    Retransmissions are rare events (a tail-loss probe counts as one, even on
+    loopback): ``k`` of ``n`` segments is taken as above the limit only when
+    ``k`` minus two standard deviations (Poisson, √k) still is.
+    """
+    sent = check.segments_sent
+    retransmitted = (
+        check.segments_retransmitted if isinstance(check, PathCheck) else check.retransmitted
+    )
+    return sent > 0 and (retransmitted - 2 * retransmitted**0.5) / sent > limit
+
+
+_SINK_PART = 512 << 10  # under the node's request limit (max_request_bytes, 1 MiB)
+
+
+def _upload(
+    check: PathCheck,
+    channel: grpc.Channel,
+    seconds: float,
+    streams: int,
+    metadata: tuple[tuple[str, str], ...] | None,
+) -> None:
+    """Upload into the node's Sink on ``streams`` streams; TCP's loss on the way."""
+    sink = edge_pb2_grpc.EdgeCacheStub(channel).Sink
+    chunk = edge_pb2.SinkChunk(data=os.urandom(_SINK_PART))
+    deadline = time.monotonic() + seconds
+    moved: list[int] = []
+    errors: list[str] = []
+
+    def one() -> None:
+        def chunks():  # noqa: ANN202 - a generator for grpc
+            while time.monotonic() < deadline:
+                yield chunk
+
+        try:
+            moved.append(sink(chunks(), timeout=seconds + 30, metadata=metadata).bytes)
+        except grpc.RpcError as exc:
+            errors.append(describe(exc))
+
+    target = parse_endpoint(check.node).target
+    before = tcp_stats.counters_to(target)
+    started = time.monotonic()
+    threads = [threading.Thread(target=one) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    if errors and not moved:
+        check.problems.append(f"upload test refused: {errors[0]}")
+        return
+    change = tcp_stats.delta(before, tcp_stats.counters_to(target))
+    check.streams = streams
+    check.upload_mb_s = sum(moved) / elapsed / 1e6 if elapsed else None
+    check.segments_sent, check.segments_retransmitted = change.segments_out, change.retransmitted
+    # Below a few thousand segments one retransmission is more than 0.1 %: no verdict.
+    check.loss = change.loss if change.segments_out >= 2000 else None
+
+
+@dataclass
+class NodePath:
+    """What a node measured of its own path to origin or to a peer node."""
+
+    region: str
+    node: str
+    target: str
+    rtt_ms: float | None
+    mb_s: float | None
+    loss: float | None
+    segments_sent: int
+    retransmitted: int = 0
+    note: str = ""
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        """For ``--json``."""
+        return asdict(self)
+
+
+def check_node_paths(
+    topology: Topology, *, seconds: float = 4.0, streams: int = 4, token: str | None = None
+) -> list[NodePath]:
+    """Each region's first node measures its path to origin and to each peer region.
+
+    ``Diagnose`` is an admin call: the node uploads scratch objects to the
+    registry's store and into peers, so it needs the admin token.
+    """
+    out = []
+    for region, config in topology.regions.items():
+        node = config.nodes[0]
+        targets = ["origin"] + [
+            topology.regions[peer].nodes[0] for peer in config.peers if peer in topology.regions
+        ]
+        channel = open_channel(node)
+        stub = edge_pb2_grpc.EdgeCacheStub(channel)
+        for target in targets:
+            request = edge_pb2.DiagnoseRequest(target=target, seconds=seconds, streams=streams)
+            try:
+                reply = stub.Diagnose(request, timeout=seconds * 3 + 30, metadata=bearer(token))
+            except grpc.RpcError as exc:
+                path = NodePath(region, node, target, None, None, None, 0, note=describe(exc))
+                path.problems.append("could not measure (the admin token is needed)")
+                out.append(path)
+                continue
+            loss = (
+                reply.segments_retransmitted / reply.segments_sent
+                if reply.segments_sent >= 2000
+                else None
+            )
+            path = NodePath(
+                region,
+                node,
+                target,
+                reply.rtt_ms or None,
+                reply.bytes_per_second / 1e6 if reply.bytes_per_second else None,
+                loss,
+                reply.segments_sent,
+                reply.segments_retransmitted,
+                reply.note,
+            )
+            if loss is not None and _surely_above(path, LOSS):
+                path.problems.append(f"loss {loss:.2%} > {LOSS:.1%} (TCP retransmissions)")
+            out.append(path)
+        channel.close()
     return out
 
 

@@ -38,6 +38,7 @@ from edgecache.cache.errors import (
     UnknownTransform,
     VersionNotFound,
 )
+from edgecache.edge.diagnose import diagnose_origin, diagnose_peer
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.peers import PeerCopyFailed
 from edgecache.v1 import edge_pb2, manifest_pb2
@@ -51,7 +52,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name
-ADMIN_METHODS = frozenset({"Stage", "Evict", "Pin"})
+ADMIN_METHODS = frozenset({"Stage", "Evict", "Pin", "Diagnose"})
+SINK_SECONDS = 60.0  # a Sink stream longer than this, or larger than SINK_BYTES, is cut
+SINK_BYTES = 8 << 30
+DIAGNOSE_SECONDS, DIAGNOSE_STREAMS = 30.0, 16
 Req = TypeVar("Req")
 
 
@@ -282,6 +286,39 @@ class EdgeCacheService:
         await self.node.pin(request.dataset, request.version, until)
         return edge_pb2.PinResponse()
 
+    async def Sink(  # noqa: N802
+        self, requests: AsyncIterator[edge_pb2.SinkChunk], context: aio.ServicerContext
+    ) -> edge_pb2.SinkReport:
+        """Receive and drop a client's upload test (the sender measures its own loss)."""
+        received, started = 0, time.monotonic()
+        async for chunk in requests:
+            received += len(chunk.data)
+            if received > SINK_BYTES or time.monotonic() - started > SINK_SECONDS:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a Sink test is limited to {SINK_SECONDS:.0f} s and "
+                    f"{SINK_BYTES >> 30} GiB; run shorter tests",
+                )
+        return edge_pb2.SinkReport(bytes=received, seconds=time.monotonic() - started)
+
+    @_unary
+    async def Diagnose(  # noqa: N802
+        self, request: edge_pb2.DiagnoseRequest, context: aio.ServicerContext
+    ) -> edge_pb2.PathReport:
+        """Measure this node's path to origin or to a peer node (see edge/diagnose.py)."""
+        seconds = min(max(request.seconds or 4.0, 0.5), DIAGNOSE_SECONDS)
+        streams = min(max(request.streams or 4, 1), DIAGNOSE_STREAMS)
+        node = self.node
+        if request.target in ("", "origin"):
+            return await diagnose_origin(
+                node.stores.for_url(node.registry.url),
+                node.registry.url,
+                _sample_object(node),
+                seconds,
+                streams,
+            )
+        return await diagnose_peer(node.peers, request.target, seconds, streams)
+
     @_unary
     async def Status(  # noqa: N802
         self, request: edge_pb2.StatusRequest, context: aio.ServicerContext
@@ -297,17 +334,31 @@ class EdgeCacheService:
             request_type = _message_class(method.input_type.full_name)
             response_type = _message_class(method.output_type.full_name)
             serializer = None if name == "ReadShard" else response_type.SerializeToString
-            make = (
-                grpc.unary_stream_rpc_method_handler
-                if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler
-            )
+            make = {
+                (False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+            }[(method.client_streaming, method.server_streaming)]
             handlers[name] = make(
                 getattr(self, name),
                 request_deserializer=request_type.FromString,
                 response_serializer=serializer,
             )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _sample_object(node: EdgeNode) -> str | None:
+    """The largest source object of a version this node holds, for an origin read test."""
+    best: tuple[int, str] | None = None
+    for version in node.store.versions():
+        raw = node.store.get_manifest(version.dataset, version.version)
+        if raw is None:
+            continue
+        manifest = manifest_pb2.Manifest.FromString(raw)
+        for shard in manifest.shards:
+            if best is None or shard.source_size > best[0]:
+                best = (shard.source_size, manifest.source_url + shard.source_key)
+    return best[1] if best else None
 
 
 class _NotHere(EdgeCacheError):
@@ -386,6 +437,10 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         if handler is not None and handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
                 deny_stream, request_deserializer=handler.request_deserializer
+            )
+        if handler is not None and handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                deny_unary, request_deserializer=handler.request_deserializer
             )
         return grpc.unary_unary_rpc_method_handler(
             deny_unary,

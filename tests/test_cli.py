@@ -140,7 +140,9 @@ def test_doctor_measures_paths_and_host(site) -> None:
     # Loopback paths are a clean bill of health: no socket-buffer floor is mistaken for a
     # bandwidth-delay product, only a missing BBR can be a problem here.
     assert all("BDP" not in p for p in report["host"]["problems"]), report["host"]
-    assert all(not p["problems"] for p in report["paths"]), report["paths"]
+    for path in report["paths"]:  # loss is TCP's, from the multi-stream upload
+        assert path["streams"] == 4 and path["upload_mb_s"] > 0, path
+        assert not [p for p in path["problems"] if "loss" in p or "refused" in p], path
     if report["host"]["problems"]:
         assert any(f.startswith("sysctl -w ") for f in report["host"]["fixes"])
 

@@ -114,7 +114,7 @@ def demo(
 def _summary(result: DemoResult) -> None:
     table(
         f"edgecache demo: {result.dataset}, two regions on this machine",
-        [Column("figure"), Column("value", right=True)],
+        [Column("figure", wrap=True), Column("value", right=True)],
         [
             ["shards / samples", f"{result.shards} / {result.samples:,}"],
             [

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
-from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -26,6 +26,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from edgecache.cache.units import format_bytes
 
@@ -66,11 +67,33 @@ def line(text: str, *, to_stderr: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Column:
-    """A table column; ``ident`` columns (names, addresses, dates) are never broken."""
+    """A table column; its cells are never broken, unless it is free text (``wrap``).
+
+    Names, addresses, dates and figures stay whole; a reason or a verdict may wrap.
+    """
 
     name: str
-    ident: bool = False
+    ident: bool = False  # an identifier: says what the row is (kept for readers)
     right: bool = False
+    wrap: bool = False
+
+
+def _min_width(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> int:
+    """The narrowest the table can be with every unbreakable cell whole.
+
+    (rich's own measurement lets a no-wrap cell shrink to its longest word.)
+    """
+    total = len(columns) + 1  # the vertical borders
+    for index, column in enumerate(columns):
+        cells = [Text.from_markup(row[index]) for row in rows if index < len(row)]
+        if column.wrap:
+            words = [w for cell in cells for w in cell.plain.split()] + column.name.split()
+            widest = max((cell_len(w) for w in words), default=1)
+        else:
+            lines = [line for cell in cells for line in cell.plain.splitlines()] + [column.name]
+            widest = max(cell_len(line) for line in lines)
+        total += widest + 2  # one space of padding on each side
+    return total
 
 
 def table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
@@ -83,15 +106,13 @@ def table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) 
     for column in columns:
         grid.add_column(
             column.name,
-            no_wrap=column.ident,
+            no_wrap=not column.wrap,
             justify="right" if column.right else "left",
             overflow="fold",
         )
     for row in rows:
         grid.add_row(*row)
-    # Measured unconstrained: against the terminal's width rich reports that width.
-    unconstrained = console.options.update(max_width=1 << 16)
-    if Measurement.get(console, unconstrained, grid).minimum <= console.width:
+    if _min_width(columns, rows) <= console.width:
         console.print(grid)
         return
     console.print(f"[bold]{title}[/bold]" if title else "")

@@ -129,7 +129,7 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
             Column("planned ready", ident=True),
             Column("ready", ident=True),
             Column("state"),
-            Column("missing / why"),
+            Column("missing / why", wrap=True),
         ],
         [
             [
@@ -228,7 +228,7 @@ def _print_plan(result: Plan, explain: bool) -> None:
                 Column("start", ident=True),
                 Column("ready by", ident=True),
                 Column("deadline", ident=True),
-                Column("for jobs"),
+                Column("for jobs", wrap=True),
             ],
             rows,
         )
@@ -253,7 +253,7 @@ def _print_plan(result: Plan, explain: bool) -> None:
                 Column("job", ident=True),
                 Column("region", ident=True),
                 Column("version", ident=True),
-                Column("why"),
+                Column("why", wrap=True),
             ],
             [[i.job, i.region, i.version, f"[red]{i.reason}[/red]"] for i in result.infeasible],
         )

@@ -14,7 +14,7 @@ set -euo pipefail
 TAG=${EDGECACHE_BASE_IMAGE:-edgecache-base:bookworm}
 SUITE=${EDGECACHE_BASE_SUITE:-bookworm}     # bookworm's python3 is 3.11, as python:3.11-slim
 MIRROR=${EDGECACHE_BASE_MIRROR:-http://deb.debian.org/debian}
-PACKAGES=python3,python3-venv,ca-certificates
+PACKAGES=python3,python3-venv,ca-certificates,iproute2
 HOST_CA=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
 
 # The recipe (this script, the suite and the CA bundle) labels the image: a changed recipe

@@ -1,0 +1,152 @@
+"""edgecache doctor against real nodes: paths from the nodes, and loss from TCP's retransmissions.
+
+The second test builds bench/wan's shaped link (network namespaces, tbf, 0.1 %
+random loss each way, NFQUEUE delay), puts a node on the edge side and runs
+the doctor on the origin side: its upload crosses the lossy link, and the loss
+it reports (retransmitted / sent segments) must be within a factor of two of
+the configured 0.1 %. Skipped, with the reason, where namespaces are not
+permitted (not root, no iptables).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from edgeutil import write_parquet_shards
+from s3server import make_bucket, s3_env, upload_dir
+
+from edgecache.clients.node_client import start_local_node
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def doctor(config: Path, *args: str, command: list[str] | None = None, env=None) -> dict:  # noqa: ANN001
+    argv = [sys.executable, "-m", "edgecache.clients.cli", "doctor", "--config", str(config)]
+    out = subprocess.run(
+        [*(command or []), *argv, *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env or os.environ,
+        cwd=ROOT,
+    )
+    assert out.returncode in (0, 1), out.stderr
+    return json.loads(out.stdout)
+
+
+def test_nodes_measure_their_paths_to_origin_and_to_peers(s3_endpoint: str, tmp_path: Path) -> None:
+    bucket = f"doc-{uuid.uuid4().hex[:10]}"
+    make_bucket(s3_endpoint, bucket)
+    write_parquet_shards(tmp_path / "raw", 2, rows=2000)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    env = {**os.environ, **s3_env(s3_endpoint)}
+    registry = f"s3://{bucket}/_edgecache"
+    publish = [sys.executable, "-m", "edgecache.clients.cli", "publish", f"s3://{bucket}/raw"]
+    subprocess.run([*publish, "--dataset", "d", "--registry", registry], env=env, check=True)
+    (tmp_path / "admin").write_text("admin-token")
+    nodes = {
+        region: start_local_node(
+            region,
+            tmp_path / f"cache-{region}",
+            registry,
+            env=env,
+            extra_args=["--token-file", str(tmp_path / "admin")],
+        )
+        for region in ("eu", "us")
+    }
+    try:
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  eu:\n    nodes: ['{nodes['eu'].address}']\n    peers: {{us: 1GB/s}}\n"
+            f"  us:\n    nodes: ['{nodes['us'].address}']\n"
+        )
+        stage = [sys.executable, "-m", "edgecache.clients.cli", "warm", "d@1", "--region", "eu"]
+        stage += ["--config", str(config), "--token-file", str(tmp_path / "admin")]
+        subprocess.run(stage, env=env, check=True, capture_output=True)
+        report = doctor(
+            config,
+            "--node-paths",
+            "--seconds",
+            "2",
+            "--pings",
+            "5",
+            "--token-file",
+            str(tmp_path / "admin"),
+            env=env,
+        )
+        paths = {(p["region"], p["target"]): p for p in report["node_paths"]}
+        origin = paths[("eu", "origin")]
+        assert origin["rtt_ms"] and origin["mb_s"] and origin["segments_sent"] > 0, origin
+        assert paths[("us", "origin")]["note"] == "no object known to read: stage a version first"
+        peer = paths[("eu", nodes["us"].address)]
+        assert peer["rtt_ms"] and peer["mb_s"] and peer["segments_sent"] > 0, peer
+        # Diagnose is an admin call: without the token the doctor says what is needed.
+        refused = doctor(config, "--node-paths", "--seconds", "1", "--pings", "3", env=env)
+        assert all("admin token" in " ".join(p["problems"]) for p in refused["node_paths"])
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.wan.link import EDGE_ADDRESS, LinkSpec, NamespaceLink, namespaces_available
+
+    why = namespaces_available()
+    if why is not None:
+        pytest.skip(f"network namespaces are not available here: {why}")
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    with NamespaceLink(LinkSpec(rtt_ms=20.0, rate_mbit=100.0, loss=0.001)) as link:
+        node = subprocess.Popen(
+            link.edge_command(
+                [sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "edge"]
+                + ["--cache-dir", str(tmp_path / "cache"), "--registry", f"file://{tmp_path}/r"]
+                + ["--listen", f"{EDGE_ADDRESS}:0", "--capacity", "1GiB"]
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            assert node.stdout is not None
+            address = node.stdout.readline().split()[-1]
+            config = tmp_path / "edgecache.yaml"
+            config.write_text(
+                f"registry: file://{tmp_path}/r\nregions:\n  edge:\n    nodes: ['{address}']\n"
+            )
+            # The doctor on the origin side: its upload crosses the link, 0.1 % lost.
+            before = link.counters()
+            report = doctor(
+                config,
+                "--seconds", "20", "--streams", "4", "--pings", "5",
+                command=link.origin_command([]),
+            )  # fmt: skip
+            after = link.counters()
+        finally:
+            node.terminate()
+            node.wait(timeout=30)
+    (path,) = report["paths"]
+    dropped = after["to_edge_dropped"] - before["to_edge_dropped"]
+    print(
+        f"FIGURE doctor loss on the shaped link: {path['loss']:.4%} of {path['segments_sent']:,}"
+        f" segments (configured 0.1000 %); the link dropped {dropped} packets toward the node"
+    )
+    assert path["segments_sent"] > 10_000, path
+    # What the doctor reports is what the link did: every drop is one retransmission
+    # (a few spurious ones aside; a few drops hit pure ACKs, which are not resent) ...
+    assert abs(path["segments_retransmitted"] - dropped) <= max(4, dropped // 5), (path, dropped)
+    # ... and the link drops 0.1 %: ~20-40 drops in a test, Poisson noise of ±2 sd is
+    # within a factor of two of 0.1 % (the loss must be neither 0 nor 1 % on such a link).
+    assert (
+        path["loss"] is not None
+        and 0.0005 <= path["loss"] <= 0.002
+        or not (0.0005 <= dropped / path["segments_sent"] <= 0.002)
+    ), path
