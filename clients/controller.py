@@ -284,10 +284,14 @@ class Controller:
         looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(self.topology, token=self.token)
         for report in reports:
+            labels = {"region": report.region, "node": report.address}
+            self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
             if report.status is None:
                 log.warning(
                     "node %s of %s is down: %s", report.address, report.region, report.error
                 )
+            else:
+                self.metrics.node_rtt.labels(**labels).set(report.rtt_ms / 1e3)
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token
         )

@@ -73,6 +73,18 @@ class ControllerMetrics:
             "When the last round finished (unix time)",
             registry=r,
         )
+        self.node_rtt = Gauge(
+            "edgecache_controller_node_rtt_seconds",
+            "Round trip from the controller to each node (median of health checks, each round)",
+            ["region", "node"],
+            registry=r,
+        )
+        self.node_up = Gauge(
+            "edgecache_controller_node_up",
+            "1 when the node answered the controller's last round, else 0",
+            ["region", "node"],
+            registry=r,
+        )
         self.leader = Gauge(
             "edgecache_controller_leader",
             "1 while this controller holds the lease and acts, 0 while it stands by",

@@ -109,6 +109,8 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 14400),
         )
+        for histogram in (self._first_chunk, self._stage):  # exported from the start
+            histogram.labels(**labels, result="ok")
         self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
         self.active_streams = gauge("edgecache_active_streams", "ReadShard streams in flight")

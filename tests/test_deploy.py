@@ -228,12 +228,22 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         controller = Controller(tmp_path / "edgecache.yaml", tmp_path / "schedule.yaml")
         try:
             controller.tick()
+            controller.metrics.node_rtt.labels(region="eu-west", node=node.address)
             port = controller.metrics.serve("127.0.0.1", 0, lambda: None)
             text += urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         finally:
             controller.close()
             controller.metrics.shutdown()
     exported = set(re.findall(r"^(edgecache_[a-z_]+)", text, re.M))
+    # The alerts watch live metrics too, and Kubernetes gets exactly the compose rules.
+    alerts = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    rule = yaml.safe_load((DEPLOY / "k8s" / "controller" / "prometheusrule.yaml").read_text())
+    assert rule["kind"] == "PrometheusRule" and rule["spec"] == alerts
+    watched = set(re.findall(r"edgecache_[a-z_]+", json.dumps(alerts)))
+    assert watched and watched <= exported, watched - exported
+    names = {r["alert"] for g in alerts["groups"] for r in g["rules"]}
+    for alert in ("DataStall", "JobStartedWithoutData", "StagingLate", "OriginErrors", "CacheFull"):
+        assert f"Edgecache{alert}" in names, alert
     dashboard = json.loads((DEPLOY / "grafana" / "edgecache.json").read_text())
     used = set(re.findall(r"edgecache_[a-z_]+", json.dumps(dashboard)))
     assert used and used <= exported, used - exported
@@ -250,6 +260,10 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         "started without their data",
         "actual minus predicted",
         "by source",
+        "data stall",
+        "origin errors",
+        "nodes up",
+        "damaged chunks",
     ):
         assert topic in titles, topic
 
@@ -302,7 +316,7 @@ def test_every_overlay_builds_with_kustomize_and_validates() -> None:
 
 def test_the_controller_kustomization_builds_and_validates() -> None:
     objects = render(DEPLOY / "k8s" / "controller")
-    assert validate(objects) == {"ServiceMonitor"}
+    assert validate(objects) == {"ServiceMonitor", "PrometheusRule"}  # CRDs: no schema
     for obj in objects:
         if obj["kind"] != "Namespace":
             assert obj["metadata"]["namespace"] == "edgecache-control", obj["metadata"]
