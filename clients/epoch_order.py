@@ -35,9 +35,9 @@ def window_rows_for(row_bytes: float, window_bytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Part of a batch: positions ``positions`` of one unit's window order."""
+    """Part of a batch: positions ``positions`` of one window's order (this epoch's pass)."""
 
-    unit: int
+    window: int  # index into the global order's windows
     positions: np.ndarray
 
 
@@ -115,12 +115,13 @@ class EpochOrder:
             [lanes[s.lane].positions(s.lo, s.hi) for s in spans] or [np.zeros(0, np.int64)]
         )
         units, offsets = self.order.samples_at(positions)
-        ordering = np.argsort(units, kind="stable")
-        units, offsets = units[ordering], offsets[ordering]
-        cuts = np.flatnonzero(np.diff(units)) + 1
+        windows = self.order.unit_window[units]
+        ordering = np.argsort(windows, kind="stable")
+        windows, offsets = windows[ordering], offsets[ordering]
+        cuts = np.flatnonzero(np.diff(windows)) + 1
         pieces = tuple(
             Piece(int(u[0]), o)
-            for u, o in zip(np.split(units, cuts), np.split(offsets, cuts), strict=True)
+            for u, o in zip(np.split(windows, cuts), np.split(offsets, cuts), strict=True)
             if len(u)
         )
         return Batch(number, pieces, tuple(spans))
@@ -136,10 +137,10 @@ class EpochOrder:
     def sample_ids(self, batch: Batch) -> list[tuple[int, int, int]]:
         """(component, shard, row) of every sample of ``batch``, in batch order."""
         out = []
-        units = self.order.units
+        windows = self.order.windows
         for piece in batch.pieces:
-            order = self.order.window_order(piece.unit)
-            rows = units.row_start[piece.unit] + order[piece.positions]
-            comp, shard = int(units.component[piece.unit]), int(units.shard[piece.unit])
+            order = self.order.window_order(piece.window)
+            rows = windows.row_start[piece.window] + order[piece.positions]
+            comp, shard = int(windows.component[piece.window]), int(windows.shard[piece.window])
             out.extend((comp, shard, int(r)) for r in rows)
         return out

@@ -36,7 +36,7 @@ from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.epoch_order import Batch, EpochOrder
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.read_target import ReadTarget
-from edgecache.clients.tensors import ColumnKind, Gather, assemble
+from edgecache.clients.tensors import ColumnKind, Gather, assemble, fixed_views
 
 __all__ = ["Pipeline"]
 
@@ -50,11 +50,12 @@ class _Stopped(Exception):
 
 @dataclass
 class _Loaded:
-    """A window's decoded chunks and its order."""
+    """A window's decoded chunks, and where each position of its order is among them."""
 
-    firsts: np.ndarray
     batches: list[pa.RecordBatch]
-    order: np.ndarray  # absolute row numbers, in this pass's window order
+    views: list[dict[str, np.ndarray]]  # numpy views of each chunk's fixed columns
+    chunk: np.ndarray  # per position of the window's order: its chunk (index into batches)
+    offset: np.ndarray  # and its row within that chunk
 
 
 class _Failure:
@@ -165,14 +166,15 @@ class Pipeline:
     def _fetcher_started(self) -> None:
         self._fetchers.add(threading.get_ident())
 
-    def _load(self, unit: int) -> _Loaded:
-        order, units = self.order.order, self.order.order.units
-        window = order.window_order(unit)
-        taken = window[units.take_from[unit] : units.take_to[unit]]
-        start = int(units.row_start[unit])
-        target = self.targets[int(units.component[unit])]
+    def _load(self, window: int) -> _Loaded:
+        """Read and decode window ``window`` (the part of it this epoch takes)."""
+        order, windows = self.order.order, self.order.order.windows
+        perm = order.window_order(window)
+        taken = perm[windows.take_from[window] : windows.take_to[window]]
+        start = int(windows.row_start[window])
+        target = self.targets[int(windows.component[window])]
         rows = target.rows(
-            int(units.shard[unit]), start + int(taken.min()), start + int(taken.max()) + 1
+            int(windows.shard[window]), start + int(taken.min()), start + int(taken.max()) + 1
         )
         firsts, batches = [], []
         with contextlib.closing(self.pool.read_rows(rows, self._edges, stop=self._stop)) as read:
@@ -183,7 +185,19 @@ class Pipeline:
                 batches.append(batch)
         if self._stop.is_set():
             raise _Stopped  # partial: never assembled
-        return _Loaded(np.asarray(firsts, dtype=np.int64), batches, start + window)
+        # Where every row of the window's order lies, worked out once per window (on
+        # a fetch thread) rather than for each batch that gathers from it.
+        first = np.asarray(firsts, dtype=np.int64)
+        rows_of = start + perm
+        chunk = np.searchsorted(first, rows_of, side="right") - 1
+        sizes = np.array([b.num_rows for b in batches], dtype=np.int64)
+        offset = rows_of - first[np.maximum(chunk, 0)]
+        needed = np.zeros(len(perm), dtype=bool)
+        needed[int(windows.take_from[window]) : int(windows.take_to[window])] = True
+        if np.any(needed & ((chunk < 0) | (offset >= sizes[np.maximum(chunk, 0)]))):
+            raise IndexError(f"{rows}: the chunks read do not cover the window's rows")
+        views = [fixed_views(b, self.kinds) for b in batches]
+        return _Loaded(batches, views, chunk, offset)
 
     def _run(self) -> None:
         try:
@@ -200,24 +214,24 @@ class Pipeline:
             except queue.Full:
                 continue
 
-    def _shard(self, unit: int) -> tuple[str, int, int]:
-        units = self.order.order.units
-        target = self.targets[int(units.component[unit])]
-        return (target.dataset, target.version, int(units.shard[unit]))
+    def _shard(self, window: int) -> tuple[str, int, int]:
+        windows = self.order.order.windows
+        target = self.targets[int(windows.component[window])]
+        return (target.dataset, target.version, int(windows.shard[window]))
 
-    def _edge(self, unit: int, other: int) -> int:
-        """The row where windows ``unit`` and ``other`` (neighbours) meet."""
-        units = self.order.order.units
-        start = int(units.row_start[unit])
-        return start if int(units.row_start[other]) < start else start + int(units.rows[unit])
+    def _edge(self, window: int, other: int) -> int:
+        """The row where windows ``window`` and ``other`` (neighbours) meet."""
+        windows = self.order.order.windows
+        start = int(windows.row_start[window])
+        return start if int(windows.row_start[other]) < start else start + int(windows.rows[window])
 
-    def _unit_bytes(self, unit: int) -> float:
-        units = self.order.order.units
-        return float(units.rows[unit]) * self.row_bytes[int(units.component[unit])]
+    def _window_bytes(self, window: int) -> float:
+        windows = self.order.order.windows
+        return float(windows.rows[window]) * self.row_bytes[int(windows.component[window])]
 
     def _assemble_all(self) -> None:
         order = self.order
-        units = order.order.units
+        windows = order.order.windows
         self._edges = EdgeChunks(limit=4 * len(order.order.lanes) * order.order.per_lane + 8)
         futures: dict[int, Future[_Loaded]] = {}
         refs: collections.Counter[int] = collections.Counter()
@@ -238,32 +252,41 @@ class Pipeline:
             for span in batch.spans:
                 frontier[span.lane] = max(frontier.get(span.lane, span.lo), span.lo)
             for piece in batch.pieces:
-                unit = piece.unit
-                refs[unit] += 1
-                idle.discard(unit)
-                if unit not in futures:
+                window = piece.window
+                refs[window] += 1
+                idle.discard(window)
+                if window not in futures:
                     # A chunk across the edge with a neighbouring window is decoded
                     # once if both are read while it is kept (it is dropped with the
                     # window that decoded it, so this costs no memory).
-                    for other in order.order.neighbours(unit):
-                        edge = self._edge(unit, other)
-                        self._edges.share(self._shard(unit), edge)  # type: ignore[union-attr]
-                    futures[unit] = self._executor.submit(self._load, unit)
-                    held += self._unit_bytes(unit)
+                    for other in order.order.neighbours(window):
+                        edge = self._edge(window, other)
+                        self._edges.share(self._shard(window), edge)  # type: ignore[union-attr]
+                    futures[window] = self._executor.submit(self._load, window)
+                    held += self._window_bytes(window)
             planned.append(batch)
 
         def release() -> None:
             """Drop windows that no planned or later batch can use."""
             nonlocal held
-            for unit in list(idle):
-                lane, _, end = order.order.unit_span(unit)
-                if not more or frontier.get(lane, -1) >= end:
-                    idle.discard(unit)
-                    del futures[unit]
-                    held -= self._unit_bytes(unit)
-                    start = int(units.row_start[unit])
-                    edges = (start, start + int(units.rows[unit]))
-                    self._edges.forget(self._shard(unit), edges)  # type: ignore[union-attr]
+            for window in list(idle):
+                spans = order.order.window_spans(window)
+                if not more or all(frontier.get(lane, -1) >= end for lane, end in spans):
+                    idle.discard(window)
+                    del futures[window]
+                    held -= self._window_bytes(window)
+                    # Its edge chunks go too, unless the neighbour that takes one is
+                    # being read (or was): it may not have taken it yet.
+                    start = int(windows.row_start[window])
+                    live = {
+                        self._edge(window, o)
+                        for o in order.order.neighbours(window)
+                        if o in futures
+                    }
+                    edges = tuple(
+                        e for e in (start, start + int(windows.rows[window])) if e not in live
+                    )
+                    self._edges.forget(self._shard(window), edges)  # type: ignore[union-attr]
 
         while True:
             if self._stop.is_set():
@@ -275,33 +298,43 @@ class Pipeline:
             if not planned:
                 return
             batch = planned.popleft()
-            gathers: list[Gather] = []
-            owners: list[tuple[int, int]] = []  # (component, rows) per gather
+            gathers, owners = self._gathers(batch, futures)
             for piece in batch.pieces:
-                loaded = futures[piece.unit].result()
-                rows = np.sort(loaded.order[piece.positions])
-                component = int(units.component[piece.unit])
-                if len(loaded.firsts) == 1:
-                    gathers.append(Gather(loaded.batches[0], rows - loaded.firsts[0]))
-                    owners.append((component, len(rows)))
-                else:
-                    chunk_of = np.searchsorted(loaded.firsts, rows, side="right") - 1
-                    cuts = np.flatnonzero(np.diff(chunk_of)) + 1
-                    for part in np.split(np.arange(len(rows)), cuts):
-                        chunk = int(chunk_of[part[0]])
-                        gathers.append(
-                            Gather(loaded.batches[chunk], rows[part] - loaded.firsts[chunk])
-                        )
-                        owners.append((component, len(part)))
-                refs[piece.unit] -= 1
-                if refs[piece.unit] == 0:
-                    del refs[piece.unit]
-                    idle.add(piece.unit)
+                refs[piece.window] -= 1
+                if refs[piece.window] == 0:
+                    del refs[piece.window]
+                    idle.add(piece.window)
             release()
             out = assemble(gathers, self.kinds, pin_memory=self.pin_memory)
             if self.component_column is not None:
                 out[self.component_column] = self._components(owners, batch.size)
             self._put((batch.size, out))
+
+    def _gathers(
+        self, batch: Batch, futures: dict[int, Future[_Loaded]]
+    ) -> tuple[list[Gather], list[tuple[int, int]]]:
+        """The batch's rows grouped by chunk (in row order within each), and their components."""
+        windows = self.order.order.windows
+        loaded = [futures[piece.window].result() for piece in batch.pieces]
+        chunk_ids = np.concatenate(
+            [np.full(len(p.positions), i, dtype=np.int64) for i, p in enumerate(batch.pieces)]
+        )
+        chunks = np.concatenate(
+            [w.chunk[p.positions] for w, p in zip(loaded, batch.pieces, strict=True)]
+        )
+        offsets = np.concatenate(
+            [w.offset[p.positions] for w, p in zip(loaded, batch.pieces, strict=True)]
+        )
+        order = np.lexsort((offsets, chunks, chunk_ids))
+        keys = chunk_ids[order] * (1 << 32) + chunks[order]
+        cuts = np.flatnonzero(np.diff(keys)) + 1
+        gathers, owners = [], []
+        for group in np.split(order, cuts):
+            i, c = int(chunk_ids[group[0]]), int(chunks[group[0]])
+            window = loaded[i]
+            gathers.append(Gather(window.batches[c], offsets[group], window.views[c], True))
+            owners.append((int(windows.component[batch.pieces[i].window]), len(group)))
+        return gathers, owners
 
     def _components(self, owners: Sequence[tuple[int, int]], size: int) -> object:
         import torch

@@ -17,14 +17,15 @@ is :mod:`edgecache.clients.partition`.
    all its rows, or its share of a mixture, :mod:`edgecache.clients.mixture`).
    Mixture components are interleaved window by window in proportion, so
    every stretch of the sequence holds each component at its weight.
-3. **Streams and lanes.** The sequence is cut into ``lanes * shuffle_windows``
-   *streams* of about equal length (cut at window edges, so no window is read
-   twice; fewer streams when there are fewer than ``MIN_STREAM_WINDOWS``
-   windows for each: small versions get less mixing, not reads that cannot
-   spread over the epoch or that ranks share); stream
-   ``s`` belongs to lane ``s % lanes``, so each lane's streams are spread
-   evenly over the whole sequence. A stream is read front to back, one window
-   at a time, from a random starting window (wrapping around).
+3. **Streams and lanes.** From a window chosen at random each epoch (and
+   around), the sequence is cut into ``lanes * shuffle_windows`` *streams* of
+   about equal length (cut at window edges, so no window is read twice; fewer
+   streams when there are fewer than ``MIN_STREAM_WINDOWS`` windows for each:
+   small versions get less mixing, not reads that cannot spread over the epoch
+   or that ranks share). Stream ``s`` belongs to lane ``s % lanes``, so each
+   lane's streams are spread evenly over the whole sequence. A stream is read
+   one window at a time, even streams front to back and odd ones back to
+   front, so the two windows where streams meet are read at the same time.
 4. **Blocks.** A lane's sequence is a series of *blocks*: block ``b`` takes
    the next few rows (``rows_per_stream``) of every stream of the lane and
    permutes them. Consecutive samples, hence every batch, are drawn from all
@@ -236,8 +237,8 @@ def _interleave(parts: Sequence[Units], samples: Sequence[int]) -> Units:
     return merged.select(order)
 
 
-def _split_at(units: Units, bounds: np.ndarray) -> tuple[Units, np.ndarray]:
-    """Units cut at the epoch positions ``bounds``; and each piece's stream (bound index)."""
+def _split_at(units: Units, bounds: np.ndarray) -> tuple[Units, np.ndarray, np.ndarray]:
+    """Units cut at the epoch positions ``bounds``; each piece's stream (bound index) and unit."""
     size = units.take_to - units.take_from
     total = int(size.sum())
     cuts = np.union1d(np.concatenate((units.start, [total])), bounds)
@@ -248,7 +249,7 @@ def _split_at(units: Units, bounds: np.ndarray) -> tuple[Units, np.ndarray]:
     out.take_from = out.take_from + (heads - units.start[source])
     out.take_to = out.take_from + np.diff(cuts)
     stream = np.searchsorted(bounds, heads, side="right") - 1
-    return Units({name: getattr(out, name) for name in _UNIT_COLUMNS}), stream
+    return Units({name: getattr(out, name) for name in _UNIT_COLUMNS}), stream, source
 
 
 class Lane:
@@ -264,7 +265,7 @@ class Lane:
         index: int,
         starts: np.ndarray,
         lengths: np.ndarray,
-        offsets: np.ndarray,
+        backward: np.ndarray,
         *,
         rows_per_stream: int,
         seed: int,
@@ -273,7 +274,7 @@ class Lane:
     ) -> None:
         self.index = index
         self.starts, self.lengths = starts.astype(np.int64), lengths.astype(np.int64)
-        self.offsets = offsets.astype(np.int64)
+        self.backward = backward.astype(bool)
         self.length = int(self.lengths.sum())
         longest = int(self.lengths.max(initial=0))
         self.blocks = -(-longest // rows_per_stream) if longest else 0
@@ -307,8 +308,8 @@ class Lane:
         counts = hi - lo
         streams = np.repeat(np.arange(len(counts)), counts)
         index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - lo, counts)
-        rotated = (index + self.offsets[streams]) % np.maximum(self.lengths[streams], 1)
-        positions = self.starts[streams] + rotated
+        back = self.backward[streams]
+        positions = self.starts[streams] + np.where(back, self.lengths[streams] - 1 - index, index)
         if self.shuffle:
             positions = rng(self.seed, self.epoch, "block", self.index, b).permutation(positions)
         self._cache[b] = positions
@@ -330,23 +331,18 @@ class Lane:
             b += 1
         return np.concatenate(parts)
 
-    def first_block_start(self, stream: int, row: int) -> int:
-        """Lane position where the block holding row ``row`` of the ``stream``-th stream starts."""
-        length = int(self.lengths[stream])
-        index = (row - int(self.offsets[stream])) % length
-        b = ((index + 1) * self.blocks - 1) // length
-        return int(self._block_starts[b])
+    def span(self, stream: int, lo: int, hi: int) -> tuple[int, int]:
+        """Lane positions from the first to the end of the last block holding rows ``[lo, hi)``.
 
-    def last_block_end(self, stream: int, row: int) -> int:
-        """Lane position after the block holding row ``row`` of the lane's ``stream``-th stream.
-
-        ``row`` counts from the stream's first epoch position; the stream is read
-        from its rotation offset on.
+        ``lo`` and ``hi`` count from the first epoch position of the lane's
+        ``stream``-th stream (read from its end when it runs backward).
         """
         length = int(self.lengths[stream])
-        index = (row - int(self.offsets[stream])) % length
-        b = ((index + 1) * self.blocks - 1) // length
-        return int(self._block_starts[b + 1])
+        if self.backward[stream]:
+            lo, hi = length - hi, length - lo
+        first = ((lo + 1) * self.blocks - 1) // length
+        last = (hi * self.blocks - 1) // length
+        return int(self._block_starts[first]), int(self._block_starts[last + 1])
 
 
 class GlobalOrder:
@@ -370,30 +366,36 @@ class GlobalOrder:
         parts = [component_epoch(c, i, seed, epoch, shuffle) for i, c in enumerate(self.components)]
         merged = _interleave(parts, [c.samples for c in self.components])
         self.total = int((merged.take_to - merged.take_from).sum())
+        if shuffle and len(merged):  # where the streams are cut changes every epoch
+            phase = int(rng(seed, epoch, "phase").integers(len(merged)))
+            merged = merged.select(np.roll(np.arange(len(merged)), -phase))
         # At least MIN_STREAM_WINDOWS windows a stream: reads stay spread over the
         # epoch, and ranks (which take a stretch of every stream) rarely share one.
         most = len(merged) // (MIN_STREAM_WINDOWS * lanes)
         self.per_lane = max(1, min(shuffle_windows, most)) if shuffle else 1
         streams = lanes * self.per_lane
-        # Streams of equal length, their ends moved to the nearest window edge: a
-        # window split between two streams would be read (and decoded) twice.
-        edges = np.append(merged.start, self.total)
-        even = np.arange(streams + 1, dtype=np.int64) * self.total // streams
-        after = np.minimum(np.searchsorted(edges, even), len(edges) - 1)
-        before = np.maximum(after - 1, 0)
-        nearer = np.where(even - edges[before] <= edges[after] - even, before, after)
-        bounds = edges[nearer]
-        bounds[0], bounds[-1] = 0, self.total
-        self.units, self.unit_stream = _split_at(merged, bounds)
+        # Streams of equal length. A window cut in two by a stream end is read once
+        # for both streams: they read it at the same time (see ``backward`` below).
+        # Cut inside windows, streams move to their next window at different times,
+        # so reads do not come in bursts.
+        bounds = np.arange(streams + 1, dtype=np.int64) * self.total // streams
+        self.windows = merged  # what is read and decoded at once: unit_window says which
+        self.units, self.unit_stream, self.unit_window = _split_at(merged, bounds)
+        firsts = np.searchsorted(self.unit_window, np.arange(len(merged)), side="left")
+        self._window_units = np.append(firsts, len(self.units))
         smallest = min((c.window_rows for c in self.components), default=1)
         rows_per_stream = max(1, min(BLOCK_ROWS // self.per_lane, smallest))
-        offsets = self._rotations(bounds) if shuffle else np.zeros(streams, dtype=np.int64)
+        # Even streams are read front to back, odd ones back to front: where two
+        # streams meet, both read their windows there at the same time (both at the
+        # start of the epoch, or both at its end), so the chunk across that edge is
+        # decoded once.
+        backward = (np.arange(streams) % 2 == 1) & shuffle
         self.lanes = [
             Lane(
                 lane,
                 bounds[lane:streams:lanes],
                 np.diff(bounds)[lane:streams:lanes],
-                offsets[lane::lanes],
+                backward[lane::lanes],
                 rows_per_stream=rows_per_stream,
                 seed=seed,
                 epoch=epoch,
@@ -405,23 +407,6 @@ class GlobalOrder:
         self._starts: dict[tuple[int, int, int], list[int]] | None = None
         self._ends: dict[tuple[int, int, int], list[int]] | None = None
 
-    def _rotations(self, bounds: np.ndarray) -> np.ndarray:
-        """Where each stream starts reading: a random unit boundary of the stream.
-
-        A stream reads its stretch of the sequence front to back from there and
-        wraps around, so windows next to each other are read one after the other
-        (a chunk across their edge is decoded once), while which windows are
-        open together changes from epoch to epoch.
-        """
-        streams = len(bounds) - 1
-        first = np.searchsorted(self.unit_stream, np.arange(streams), side="left")
-        last = np.searchsorted(self.unit_stream, np.arange(streams), side="right")
-        draws = rng(self.seed, self.epoch, "rotations").random(streams)
-        pick = first + (draws * np.maximum(last - first, 1)).astype(np.int64)
-        pick = np.minimum(pick, np.maximum(last - 1, first))
-        starts = np.append(self.units.start, self.total)[pick]
-        return np.where(last > first, starts - bounds[:-1], 0)
-
     def unit_span(self, unit: int) -> tuple[int, int, int]:
         """(lane, first, end) of the blocks that hold samples of ``unit``.
 
@@ -430,48 +415,59 @@ class GlobalOrder:
         """
         stream = int(self.unit_stream[unit])
         lane = self.lanes[stream % self.lane_count]
-        first = int(self.units.start[unit]) - int(self._bounds[stream])
-        last = first + int(self.units.take_to[unit] - self.units.take_from[unit]) - 1
-        k = stream // self.lane_count
-        return lane.index, lane.first_block_start(k, first), lane.last_block_end(k, last)
+        lo = int(self.units.start[unit]) - int(self._bounds[stream])
+        hi = lo + int(self.units.take_to[unit] - self.units.take_from[unit])
+        return (lane.index, *lane.span(stream // self.lane_count, lo, hi))
 
-    def neighbours(self, unit: int) -> list[int]:
-        """Whole windows right before and right after ``unit``'s window in its shard.
+    def window_spans(self, window: int) -> list[tuple[int, int]]:
+        """(lane, end) for each stream that reads ``window``.
+
+        No position of that lane from ``end`` on holds a sample of the window.
+        """
+        units = range(int(self._window_units[window]), int(self._window_units[window + 1]))
+        return [self.unit_span(u)[::2] for u in units]
+
+    def neighbours(self, window: int) -> list[int]:
+        """Windows right before and right after ``window`` in its shard, read whole this epoch.
 
         A read of one meets a read of the other at their shared edge (only whole
-        windows are read edge to edge; an empty list for a part of a window).
+        windows are read edge to edge; an empty list for part of a window).
         """
-        u = self.units
+        w = self.windows
         if self._starts is None:
-            whole = np.flatnonzero((u.take_from == 0) & (u.take_to == u.rows))
+            whole = np.flatnonzero((w.take_from == 0) & (w.take_to == w.rows))
             starts: dict[tuple[int, int, int], list[int]] = {}
             ends: dict[tuple[int, int, int], list[int]] = {}
             for i in whole.tolist():
-                comp, shard, first = int(u.component[i]), int(u.shard[i]), int(u.row_start[i])
+                comp, shard, first = int(w.component[i]), int(w.shard[i]), int(w.row_start[i])
                 starts.setdefault((comp, shard, first), []).append(i)
-                ends.setdefault((comp, shard, first + int(u.rows[i])), []).append(i)
+                ends.setdefault((comp, shard, first + int(w.rows[i])), []).append(i)
             self._starts, self._ends = starts, ends
-        if u.take_from[unit] != 0 or u.take_to[unit] != u.rows[unit]:
+        if w.take_from[window] != 0 or w.take_to[window] != w.rows[window]:
             return []
-        comp, shard, first = int(u.component[unit]), int(u.shard[unit]), int(u.row_start[unit])
-        after = self._starts.get((comp, shard, first + int(u.rows[unit])), [])
+        comp, shard, first = (
+            int(w.component[window]),
+            int(w.shard[window]),
+            int(w.row_start[window]),
+        )
+        after = self._starts.get((comp, shard, first + int(w.rows[window])), [])
         before = self._ends.get((comp, shard, first), []) if self._ends else []
         return before + after
 
-    def window_order(self, unit: int) -> np.ndarray:
-        """Row offsets within unit ``unit``'s window, in this pass's order (the whole window)."""
-        u = self.units
-        rows = int(u.rows[unit])
+    def window_order(self, window: int) -> np.ndarray:
+        """Row offsets within window ``window``, in this pass's order (the whole window)."""
+        w = self.windows
+        rows = int(w.rows[window])
         if not self.shuffle:
             return np.arange(rows)
-        component = self.components[int(u.component[unit])]
+        component = self.components[int(w.component[window])]
         return rng(
             self.seed,
             component.key,
             "window",
-            int(u.pass_[unit]),
-            int(u.shard[unit]),
-            int(u.row_start[unit]),
+            int(w.pass_[window]),
+            int(w.shard[window]),
+            int(w.row_start[window]),
         ).permutation(rows)
 
     def samples_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,13 +20,13 @@ Column kinds:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["ColumnKind", "Gather", "assemble", "column_kinds"]
+__all__ = ["ColumnKind", "Gather", "assemble", "column_kinds", "fixed_views"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +77,22 @@ def column_kinds(schema: pa.Schema, columns: Sequence[str] | None) -> list[Colum
 
 @dataclass(frozen=True, slots=True)
 class Gather:
-    """Rows ``rows`` (offsets within ``batch``) of one decoded chunk."""
+    """Rows ``rows`` (offsets within ``batch``) of one decoded chunk.
+
+    ``views`` may hold the chunk's fixed columns as numpy views already (see
+    :func:`fixed_views`; a chunk is gathered from by many batches), and
+    ``checked`` says the rows were checked to be within the chunk.
+    """
 
     batch: pa.RecordBatch
     rows: np.ndarray
+    views: Mapping[str, np.ndarray] | None = None
+    checked: bool = False
+
+
+def fixed_views(batch: pa.RecordBatch, kinds: Sequence[ColumnKind]) -> dict[str, np.ndarray]:
+    """Numpy views of ``batch``'s fixed columns, ``[rows, *shape]`` each, for :class:`Gather`."""
+    return {k.name: _values(batch.column(k.name), k) for k in kinds if k.kind == "fixed"}
 
 
 def _values(column: pa.Array, kind: ColumnKind) -> np.ndarray:
@@ -130,7 +142,8 @@ def assemble(
     import torch
 
     for g in gathers:
-        _check_rows(g)
+        if not g.checked:
+            _check_rows(g)
     size = sum(len(g.rows) for g in gathers)
     out: dict[str, object] = {}
     for kind in kinds:
@@ -143,7 +156,10 @@ def assemble(
             target = tensor.numpy()
             offset = 0
             for g in gathers:
-                source = _values(g.batch.column(kind.name), kind)
+                if g.views is not None and kind.name in g.views:
+                    source = g.views[kind.name]
+                else:
+                    source = _values(g.batch.column(kind.name), kind)
                 # mode="clip" writes straight into ``out``; the default ("raise") gathers
                 # into a temporary and copies it over (2-3x slower). Clipping never
                 # happens: every row was checked to be in range above.
