@@ -284,7 +284,7 @@ def test_unknown_transform_lists_names(registry: None) -> None:
     with pytest.raises(UnknownTransform) as info:
         run(to_csv(TABLE), pb.SOURCE_FORMAT_CSV, spec=pb.PreprocessSpec(transform="nope"))
     message = str(info.value)
-    assert "'nope'" in message and "columns, identity, mine" in message
+    assert "'nope'" in message and "columns, identity, images, mine, tokens" in message
     assert '[project.entry-points."edgecache.transforms"]' in message
 
 
@@ -331,7 +331,7 @@ def test_entry_point_transform(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_transform("plain", {})(batch) is batch
     with pytest.raises(UnknownTransform, match="'broken'.*fails to load"):
         load_transform("broken", {})
-    with pytest.raises(UnknownTransform, match="broken, columns, identity, plain"):
+    with pytest.raises(UnknownTransform, match="broken, columns, identity, images, plain, tokens"):
         load_transform("other", {})
 
 
@@ -365,7 +365,11 @@ def test_format_names_and_keys() -> None:
     assert format_from_key("p/x.csv") == pb.SOURCE_FORMAT_CSV
     assert format_from_key("p/x.ipc") == pb.SOURCE_FORMAT_ARROW_IPC
     assert format_from_key("p.d/README") is None
-    assert format_from_key("p/x.jsonl.gz") is None
+    assert format_from_key("p/x.jsonl.gz") == pb.SOURCE_FORMAT_JSONL  # compression looked through
+    assert format_from_key("p/x.csv.zst") == pb.SOURCE_FORMAT_CSV
+    assert format_from_key("p/shard-000.tar") == pb.SOURCE_FORMAT_WEBDATASET
+    assert format_from_key("p/shard.00000.mds.zstd") == pb.SOURCE_FORMAT_MDS
+    assert format_from_key("p/x.gz") is None
 
 
 ints = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))

@@ -6,7 +6,7 @@ import re
 
 import pyarrow as pa
 
-__all__ = ["parse_type"]
+__all__ = ["parse_type", "split_params"]
 
 _PRIMITIVES = (
     "int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 float double bool "
@@ -44,3 +44,46 @@ def parse_type(text: str) -> pa.DataType:
     if kind == "fixed_size_list":
         return pa.list_(item, int(size))
     return pa.list_(item) if kind == "list" else pa.large_list(item)
+
+
+def split_params(value: str) -> list[str]:
+    """Split on commas outside <...> and [...], so list types with a size stay whole."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(value):
+        depth += (char in "<[") - (char in ">]")
+        if char == "," and depth == 0:
+            parts.append(value[start:i])
+            start = i + 1
+    parts.append(value[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def binary_column(values: list[memoryview | bytes | None], *, string: bool = False) -> pa.Array:
+    """A binary (or UTF-8 string) array from byte slices, copying each once into one buffer.
+
+    Container formats (tar members, MDS fields) hand out slices of the object
+    they were read from; ``pa.array`` would want a ``bytes`` object per value.
+
+    Raises:
+        ValueError: ``string`` and a value is not valid UTF-8 (pyarrow's message says where).
+    """
+    import numpy as np
+
+    sizes = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    offsets = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if offsets[-1] >= 1 << 31:
+        raise ValueError("a batch of binary values must hold under 2 GiB; read smaller batches")
+    data = b"".join(v for v in values if v is not None)
+    valid = np.fromiter((v is not None for v in values), np.bool_, len(values))
+    nulls = len(values) - int(valid.sum())
+    mask = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    array = pa.Array.from_buffers(
+        pa.string() if string else pa.binary(),
+        len(values),
+        [mask, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)],
+        null_count=nulls,
+    )
+    if string:
+        array.validate(full=True)
+    return array

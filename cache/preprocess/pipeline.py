@@ -1,39 +1,78 @@
 """The preprocessing pipeline: parse, transform, conform to the version's schema.
 
-Edge nodes run :func:`preprocess` once per shard, in a worker thread, before
-encoding the batches into cached chunks; publish runs :func:`describe` to
-record a shard's schema and row count without keeping the data.
+Edge nodes run :func:`preprocess` once per shard, on a preprocessing thread,
+before encoding the batches into cached chunks; publish runs :func:`describe`
+to record a shard's schema and row count without keeping the data. Both take
+the version's spec as the manifest records it: transform, params, and the
+source reader's options.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
 
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
-from edgecache.cache.preprocess.formats import FIX, guarded, open_source, read_source
+from edgecache.cache.preprocess.context import ShardContext, using
+from edgecache.cache.preprocess.formats import FIX, guarded, open_source
 from edgecache.cache.preprocess.transforms import (
+    Transform,
     cast_column,
     column_index,
-    is_builtin,
+    keeps_rows,
     load_transform,
 )
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["describe", "preprocess"]
+__all__ = ["ShardContext", "describe", "preprocess"]
+
+
+def _sliced(batches: Iterator[pa.RecordBatch], rows: int | None) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        if rows is None or batch.num_rows <= rows:
+            yield batch
+            continue
+        for start in range(0, batch.num_rows, rows):
+            yield batch.slice(start, rows)
 
 
 def _transformed(
-    batches: Iterator[pa.RecordBatch], spec: pb.PreprocessSpec, source: str
+    batches: Iterator[pa.RecordBatch],
+    spec: pb.PreprocessSpec,
+    context: ShardContext,
+    transform: Transform | None = None,
+    resources: Mapping[str, bytes] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     name = spec.transform or "identity"
-    transform = load_transform(name, spec.params)
-    for batch in batches:
+    if transform is None:
+        transform = load_transform(name, spec.params, resources)
+    source = context.source
+
+    def counted(inputs: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        rows = 0
+        for batch in _sliced(inputs, getattr(transform, "batch_rows", None)):
+            context.first_row = rows
+            rows += batch.num_rows
+            yield batch
+
+    stream = getattr(transform, "stream", None)
+    outputs: Iterator[pa.RecordBatch]
+    if stream is not None:
+        outputs = stream(counted(batches))
+    else:
+        outputs = (transform(batch) for batch in counted(batches))
+    while True:
         try:
-            out = transform(batch)
+            with using(context):
+                out = next(outputs)
+        except StopIteration:
+            return
         except MalformedShard as exc:
-            raise MalformedShard(f"{source}: transform {name!r}: {exc}; {FIX}") from exc
+            message = str(exc)
+            where = "" if message.startswith(source) else f"{source}: "
+            raise MalformedShard(f"{where}transform {name!r}: {message}; {FIX}") from exc
         except pa.ArrowException as exc:
             raise MalformedShard(f"{source}: transform {name!r} failed: {exc}; {FIX}") from exc
         if not isinstance(out, pa.RecordBatch):
@@ -67,25 +106,36 @@ def preprocess(
     spec: pb.PreprocessSpec,
     schema: pa.Schema | None = None,
     batch_rows: int = 65536,
+    transform: Transform | None = None,
+    resources: Mapping[str, bytes] | None = None,
+    context: ShardContext | None = None,
+    pool: Executor | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Parse, transform and conform one raw object; yields non-empty batches.
 
     Args:
-        data: the whole raw object.
+        data: the whole raw object (compressed or not).
         fmt: its source format.
         source: its URL or key, named in every error.
-        spec: the version's preprocessing spec (an empty transform name means identity).
+        spec: the version's preprocessing spec (an empty transform name means identity;
+            ``source_options`` are the reader's options).
         schema: when given, every batch is made to have exactly this schema: columns
             selected and ordered by name (extras dropped) and safely cast.
-        batch_rows: the most rows per batch.
+        batch_rows: the most rows per batch read from the source.
+        transform: the spec's transform, already built (a node builds it once per version).
+        resources: the files the transform needs (see ``resource_refs``), when not built.
+        context: receives the skipped-sample tally; a new one when None.
+        pool: threads for the parts of a batch (images, text slices); never the pool
+            this call itself runs on.
 
     Raises:
         MalformedShard: the object cannot be parsed, transformed or conformed.
         UnknownTransform: the spec names no known transform.
     """
-    for batch in _transformed(
-        read_source(data, fmt=fmt, source=source, batch_rows=batch_rows), spec, source
-    ):
+    context = context or ShardContext()
+    context.source, context.pool = source, pool
+    _, batches, _ = open_source(data, fmt, source, batch_rows, spec.source_options)
+    for batch in _transformed(guarded(batches, source), spec, context, transform, resources):
         if batch.num_rows:
             yield batch if schema is None else _conform(batch, schema, source)
 
@@ -96,23 +146,35 @@ def describe(
     fmt: pb.SourceFormat.ValueType,
     source: str,
     spec: pb.PreprocessSpec,
+    transform: Transform | None = None,
+    resources: Mapping[str, bytes] | None = None,
+    context: ShardContext | None = None,
 ) -> tuple[pa.Schema, int]:
     """Return what publish records for one object: the transformed schema and the row count.
 
-    Parquet with a built-in transform (which keeps every row) reads only the
-    footer; anything else is parsed and transformed in full.
+    When the format knows its row count without decoding (Parquet's footer, a
+    tar's member headers, an MDS shard's header) and the transform keeps every
+    row, nothing is decoded; anything else is parsed and transformed in full.
 
     Raises:
         MalformedShard: as :func:`preprocess`.
     """
-    schema, batches, known_rows = open_source(data, fmt, source, 65536)
+    context = context or ShardContext()
+    context.source = source
+    schema, batches, known_rows = open_source(data, fmt, source, 65536, spec.source_options)
+    if transform is None:
+        transform = load_transform(spec.transform or "identity", spec.params, resources)
     empty = pa.RecordBatch.from_pylist([], schema=schema)
-    if known_rows is not None and is_builtin(spec.transform):
-        return next(_transformed(iter([empty]), spec, source)).schema, known_rows
+
+    def schema_of_nothing() -> pa.Schema:
+        for out in _transformed(iter([empty]), spec, context, transform):
+            return out.schema
+        return transform.schema  # type: ignore[attr-defined] # a stream transform says it
+
+    if known_rows is not None and keeps_rows(spec.transform, spec.params):
+        return schema_of_nothing(), known_rows
     result: pa.Schema | None = None
     rows = 0
-    for out in _transformed(guarded(batches, source), spec, source):
+    for out in _transformed(guarded(batches, source), spec, context, transform):
         result, rows = result or out.schema, rows + out.num_rows
-    if result is None:
-        result = next(_transformed(iter([empty]), spec, source)).schema
-    return result, rows
+    return result or schema_of_nothing(), rows

@@ -1,9 +1,18 @@
 """Transforms: built-in ones, and the registry that finds the rest.
 
 A version's preprocessing spec names a transform: built-in (``identity``,
-``columns``), registered in this process, or installed as a Python entry
-point in group ``edgecache.transforms``. The same raw data with a different
-transform is a different version.
+``columns``, ``images`` in :mod:`.images`, ``tokens`` in :mod:`.text`),
+registered in this process, or installed as a Python entry point in group
+``edgecache.transforms``. The same raw data with a different transform is a
+different version.
+
+A transform maps one record batch to another. One that must see a whole
+shard in order (packing tokens into rows carries tokens from batch to batch)
+also has ``stream(batches) -> batches``, which the pipeline then uses. One
+whose output is large per input row may set ``batch_rows`` and gets input
+batches of at most that many rows. Some need files from origin besides the
+shard (a tokenizer): :func:`resource_refs` names them, the caller fetches
+them, and :func:`load_transform` hands their bytes over.
 """
 
 from __future__ import annotations
@@ -16,18 +25,21 @@ from typing import Protocol
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard, UnknownTransform
-from edgecache.cache.preprocess.arrow_types import parse_type
+from edgecache.cache.preprocess.arrow_types import parse_type, split_params
 from edgecache.cache.preprocess.formats import ARROW_ERRORS
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Transform",
     "TransformFactory",
+    "canonical_params",
     "cast_column",
     "column_index",
     "is_builtin",
+    "keeps_rows",
     "load_transform",
     "register_transform",
+    "resource_refs",
     "unregister_transform",
 ]
 
@@ -46,16 +58,7 @@ TransformFactory = Callable[[dict[str, str]], Transform]
 _registered: dict[str, TransformFactory] = {}
 
 
-def _split(value: str) -> list[str]:
-    """Split on commas outside <...> and [...], so list types with a size stay whole."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(value):
-        depth += (char in "<[") - (char in ">]")
-        if char == "," and depth == 0:
-            parts.append(value[start:i])
-            start = i + 1
-    parts.append(value[start:])
-    return [p.strip() for p in parts if p.strip()]
+_split = split_params
 
 
 def _pairs(key: str, value: str) -> dict[str, str]:
@@ -126,9 +129,70 @@ def _identity(params: dict[str, str]) -> Transform:
     return lambda batch: batch
 
 
+def _images(params: dict[str, str]) -> Transform:
+    try:
+        import PIL  # noqa: F401 - an optional extra: say how to install it
+    except ImportError as exc:
+        raise ValueError(
+            "the images transform needs Pillow: pip install 'edgecache[images]'"
+        ) from exc
+    from edgecache.cache.preprocess.images import images_transform
+
+    return images_transform(params)
+
+
+def _tokens(params: dict[str, str]) -> Transform:
+    raise ValueError("the tokens transform needs its tokenizer file: pass resources")
+
+
 _BUILTINS: Mapping[str, TransformFactory] = MappingProxyType(
-    {"identity": _identity, "columns": _columns}
+    {"identity": _identity, "columns": _columns, "images": _images, "tokens": _tokens}
 )
+# Params naming files in origin that a built-in needs besides the shard.
+_RESOURCE_PARAMS: Mapping[str, tuple[str, ...]] = MappingProxyType({"tokens": ("tokenizer",)})
+
+
+def resource_refs(name: str, params: Mapping[str, str]) -> list[str]:
+    """The origin files (keys under the source prefix, or URLs) transform ``name`` needs."""
+    return [params[p] for p in _RESOURCE_PARAMS.get(name, ()) if params.get(p)]
+
+
+def keeps_rows(name: str, params: Mapping[str, str]) -> bool:
+    """Whether transform ``name`` keeps every row: then a row count can come from metadata.
+
+    ``identity`` and ``columns`` do; ``images`` unless it skips corrupt images;
+    ``tokens`` and every plugin may not (publish then runs them in full).
+    """
+    name = name or "identity"
+    if name == "images":
+        return params.get("on_error", "fail").strip().lower() != "skip"
+    return name in ("identity", "columns")
+
+
+def canonical_params(
+    name: str, params: Mapping[str, str], resources: Mapping[str, bytes]
+) -> dict[str, str]:
+    """``params`` as publish records them: pinned to what makes the output the same everywhere.
+
+    ``images`` records the decoder (``decoder=pillow-X.Y.Z``), ``tokens`` the
+    tokenizer file's SHA-256; a node then refuses to produce other bytes.
+    """
+    out = {str(k): str(v) for k, v in params.items()}
+    if name == "images" and "decoder" not in out:
+        load_transform(name, out)  # fails first if Pillow is missing or the params are bad
+        from edgecache.cache.preprocess.images import decoder_version
+
+        out["decoder"] = decoder_version()
+    if name == "tokens" and out.get("tokenizer") in resources:
+        from edgecache.cache.preprocess.text import sha256_hex
+
+        digest = sha256_hex(resources[out["tokenizer"]])
+        if out.setdefault("tokenizer_sha256", digest) != digest:
+            raise ValueError(
+                f"tokenizer_sha256={out['tokenizer_sha256']} but {out['tokenizer']} has SHA-256 "
+                f"{digest}; leave tokenizer_sha256 out and publish records it"
+            )
+    return out
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
@@ -170,18 +234,25 @@ def unregister_transform(name: str) -> None:
         raise KeyError(f"transform {name!r} was not registered in this process")
 
 
-def load_transform(name: str, params: Mapping[str, str]) -> Transform:
+def load_transform(
+    name: str, params: Mapping[str, str], resources: Mapping[str, bytes] | None = None
+) -> Transform:
     """Build the transform ``name`` with ``params``: built-in, registered, then entry point.
 
-    Built-ins: ``identity`` (no params) and ``columns`` (``select="a,b"``,
+    Built-ins: ``identity`` (no params); ``columns`` (``select="a,b"``,
     ``rename="a=x,b=y"`` applied after select, ``cast="x=int32,y=list<float>"``
-    on the renamed columns).
+    on the renamed columns); ``images`` and ``tokens`` (see their modules).
+    ``resources`` maps each of :func:`resource_refs` to the file's bytes.
 
     Raises:
         UnknownTransform: no transform has that name, or its entry point fails to load.
-        ValueError: the params are not what the transform accepts.
+        ValueError: the params are not what the transform accepts, or a resource is missing.
     """
     plain = {str(k): str(v) for k, v in params.items()}
+    if name == "tokens":
+        from edgecache.cache.preprocess.text import tokens_transform
+
+        return tokens_transform(plain, resources or {})
     factory = _BUILTINS.get(name) or _registered.get(name)
     if factory is None:
         installed = _entry_points()

@@ -1,0 +1,239 @@
+"""The ``images`` transform: encoded JPEG/PNG/WebP → fixed-shape uint8 pixels, once, at the edge.
+
+Image datasets otherwise reach GPU hosts as encoded blobs that every rank
+decodes every epoch. This transform decodes each image once, on the node,
+into a ``[height, width, channels]`` uint8 array stored as nested fixed-size
+lists, which EdgeDataset turns into ``[B, H, W, C]`` uint8 tensors straight
+into pinned memory (channels last, in ``R, G, B`` order; one channel for
+``channels=gray``).
+
+Params (``--param K=V``):
+
+* ``column``: the encoded image column (default: the only binary column);
+* ``size=N`` or ``height=H,width=W`` (both required one way or the other);
+* ``fit``: ``crop`` (default: scale so the image covers H×W, keep the centre)
+  or ``pad`` (scale so it fits inside, centre it on ``fill``, default 0);
+* ``channels``: ``rgb`` (default) or ``gray``;
+* ``filter``: ``bilinear`` (default), ``bicubic``, ``lanczos``, ``box``, ``nearest``;
+* ``on_error``: ``fail`` (default: the shard fails, naming the object and the
+  sample) or ``skip`` (the sample is dropped and counted; publish then decodes
+  every image once to count the rows that remain);
+* ``output``: the output column's name (default: ``column``, replaced);
+* ``decoder``: recorded by publish (``pillow-13.0.0``): a node with another
+  Pillow refuses, because another decoder may produce other pixels, and the
+  same version must give the same bytes on every node.
+
+Decoder: Pillow, measured against simplejpeg and others in ``bench.images``:
+with JPEG DCT-domain downscaling (``Image.draft``) it decodes as fast as
+simplejpeg, and it also reads PNG and WebP. Pillow releases the GIL while it
+decodes and resizes, so the images of a batch are decoded on the node's
+preprocessing threads in parallel (see :class:`~.transforms.ShardContext`).
+EXIF orientation is not applied (torchvision's ``decode_jpeg`` does not either).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.context import shard_context
+
+__all__ = ["ImageSpec", "decoder_version", "image_type", "images_transform"]
+
+_FITS = ("crop", "pad")
+_FILTERS = ("bilinear", "bicubic", "lanczos", "box", "nearest")
+_PARAMS = ("column", "size", "height", "width", "fit", "channels", "filter", "on_error", "output",
+           "decoder", "fill")  # fmt: skip
+_MAX_SIDE = 8192
+ROWS_PER_BATCH = 512  # decoded rows per batch: ~77 MB at 224x224x3, bounded whatever the input
+_PER_TASK = 16  # images per task handed to a preprocessing thread
+
+
+def decoder_version() -> str:
+    """``pillow-<version>``, what publish records and nodes must match."""
+    import PIL
+
+    return f"pillow-{PIL.__version__}"
+
+
+def image_type(height: int, width: int, channels: int) -> pa.DataType:
+    """``[height][width][channels]`` uint8 as nested fixed-size lists."""
+    return pa.list_(pa.list_(pa.list_(pa.uint8(), channels), width), height)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpec:
+    """The validated params of one ``images`` transform."""
+
+    column: str | None
+    height: int
+    width: int
+    fit: str
+    channels: int
+    filter: str
+    skip: bool
+    output: str | None
+    fill: int
+
+    @classmethod
+    def parse(cls, params: Mapping[str, str]) -> ImageSpec:
+        """Read params; ValueError naming the bad one and what is allowed."""
+        if unknown := sorted(set(params) - set(_PARAMS)):
+            raise ValueError(
+                f"images transform: unknown params {unknown}; allowed: {', '.join(_PARAMS)}"
+            )
+
+        def side(name: str, text: str) -> int:
+            if not text.strip().isdigit() or not 1 <= int(text) <= _MAX_SIDE:
+                raise ValueError(f"images param {name}={text!r}: expected 1..{_MAX_SIDE} pixels")
+            return int(text)
+
+        if "size" in params:
+            if "height" in params or "width" in params:
+                raise ValueError("images: give size=N or height=H,width=W, not both")
+            height = width = side("size", params["size"])
+        elif "height" in params and "width" in params:
+            height, width = side("height", params["height"]), side("width", params["width"])
+        else:
+            raise ValueError("images transform needs size=N (square) or height=H and width=W")
+        choice = {k: params.get(k, d).strip().lower() for k, d in
+                  (("fit", "crop"), ("channels", "rgb"), ("filter", "bilinear"),
+                   ("on_error", "fail"))}  # fmt: skip
+        for key, allowed in (("fit", _FITS), ("channels", ("rgb", "gray")), ("filter", _FILTERS),
+                             ("on_error", ("fail", "skip"))):  # fmt: skip
+            if choice[key] not in allowed:
+                raise ValueError(
+                    f"images param {key}={params[key]!r}: use one of {', '.join(allowed)}"
+                )
+        fill = params.get("fill", "0").strip()
+        if not fill.isdigit() or int(fill) > 255:
+            raise ValueError(f"images param fill={params['fill']!r}: expected 0..255")
+        wanted = params.get("decoder")
+        if wanted and wanted != decoder_version():
+            raise ValueError(
+                f"this version's images were decoded with {wanted}, but this node has "
+                f"{decoder_version()}: install {wanted.replace('-', '==', 1)} so every node "
+                "produces the same pixels"
+            )
+        return cls(
+            column=params.get("column") or None,
+            height=height,
+            width=width,
+            fit=choice["fit"],
+            channels=3 if choice["channels"] == "rgb" else 1,
+            filter=choice["filter"],
+            skip=choice["on_error"] == "skip",
+            output=params.get("output") or None,
+            fill=int(fill),
+        )
+
+
+def _decode(data: memoryview | bytes, spec: ImageSpec) -> np.ndarray:
+    """One image → ``[H, W, C]`` uint8; raises whatever Pillow raises for bad data."""
+    from PIL import Image
+
+    mode = "RGB" if spec.channels == 3 else "L"
+    with Image.open(io.BytesIO(data)) as image:
+        if image.format == "JPEG":
+            image.draft(mode, (spec.width, spec.height))  # DCT-domain downscale, still >= H×W
+        image = image.convert(mode)
+        width, height = image.size
+        resample = getattr(Image.Resampling, spec.filter.upper())
+        if spec.fit == "crop":
+            scale = max(spec.height / height, spec.width / width)
+            box_w, box_h = spec.width / scale, spec.height / scale
+            left, top = (width - box_w) / 2, (height - box_h) / 2
+            out = image.resize(
+                (spec.width, spec.height), resample, box=(left, top, left + box_w, top + box_h)
+            )
+            return np.asarray(out).reshape(spec.height, spec.width, spec.channels)
+        scale = min(spec.height / height, spec.width / width)
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        inner = np.asarray(image.resize(size, resample)).reshape(size[1], size[0], spec.channels)
+    canvas = np.full((spec.height, spec.width, spec.channels), spec.fill, np.uint8)
+    top, left = (spec.height - size[1]) // 2, (spec.width - size[0]) // 2
+    canvas[top : top + size[1], left : left + size[0]] = inner
+    return canvas
+
+
+def _decode_many(
+    values: list[memoryview | None], spec: ImageSpec, out: np.ndarray, start: int
+) -> list[tuple[int, str]]:
+    """Decode ``values`` into ``out[start:]``; the (row, reason) of each that failed."""
+    failures = []
+    for i, value in enumerate(values):
+        if value is None:
+            failures.append((start + i, "it is null"))
+            continue
+        try:
+            out[start + i] = _decode(value, spec)
+        except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for bad data
+            failures.append((start + i, f"{type(exc).__name__}: {exc}"))
+    return failures
+
+
+class _Images:
+    """The transform object: thread-safe, no per-shard state (see Transform)."""
+
+    def __init__(self, spec: ImageSpec) -> None:
+        self.spec = spec
+        self.batch_rows = ROWS_PER_BATCH  # the pipeline slices input batches to this
+
+    def _column(self, batch: pa.RecordBatch) -> str:
+        if self.spec.column is not None:
+            if self.spec.column not in batch.schema.names:
+                raise MalformedShard(
+                    f"images: column {self.spec.column!r} is missing; the data has "
+                    f"{', '.join(batch.schema.names)}"
+                )
+            return self.spec.column
+        binary = [f.name for f in batch.schema if pa.types.is_binary(f.type)
+                  or pa.types.is_large_binary(f.type)]  # fmt: skip
+        if len(binary) != 1:
+            raise MalformedShard(
+                f"images: say which column holds the encoded images (column=NAME); binary "
+                f"columns: {', '.join(binary) or 'none'}"
+            )
+        return binary[0]
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        spec, context = self.spec, shard_context()
+        name = self._column(batch)
+        column = batch.column(name)
+        if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+            raise MalformedShard(f"images: column {name!r} is {column.type}, not binary")
+        values = [None if v is None else memoryview(v) for v in column.to_pylist()]  # type: ignore[arg-type]
+        out = np.empty((len(values), spec.height, spec.width, spec.channels), np.uint8)
+        tasks = [
+            (values[i : i + _PER_TASK], spec, out, i) for i in range(0, len(values), _PER_TASK)
+        ]
+        failures = sorted(f for part in context.map(_decode_many, tasks) for f in part)
+        keys = batch.column("__key__") if "__key__" in batch.schema.names else None
+        for row, why in failures:
+            where = context.where(row, None if keys is None else keys[row].as_py())
+            if not spec.skip:
+                raise MalformedShard(
+                    f"{where}: column {name!r} cannot be decoded as an image ({why}); pass "
+                    "--param on_error=skip to drop such samples"
+                )
+            context.skip(f"{where}: {why}")
+        keep = np.ones(len(values), bool)
+        keep[[row for row, _ in failures]] = False
+        pixels = pa.array((out[keep] if failures else out).reshape(-1))
+        for size in (spec.channels, spec.width, spec.height):
+            pixels = pa.FixedSizeListArray.from_arrays(pixels, size)
+        if failures:
+            batch = batch.filter(pa.array(keep))
+        index = batch.schema.get_field_index(name)
+        batch = batch.remove_column(index)
+        return batch.add_column(index, spec.output or name, pixels)
+
+
+def images_transform(params: Mapping[str, str]) -> _Images:
+    """The ``images`` transform for ``params`` (see the module docstring)."""
+    return _Images(ImageSpec.parse(params))

@@ -1,0 +1,243 @@
+"""MosaicML Streaming (MDS) shards as a source.
+
+An MDS dataset is a directory: ``index.json`` lists its shards with their
+sample counts, column names and column encodings, and each shard file
+(``shard.00000.mds``, or ``.mds.zstd`` / ``.mds.gz`` / ``.mds.bz2`` when
+compressed) holds ``[count: u32][offsets: (count + 1) × u32][samples]``; a
+sample is ``[sizes of its variable-size columns: u32 each][column bytes…]``
+(``streaming.base.format.mds``). Publishing reads ``index.json`` alone — row
+counts and the schema are there — so it never downloads the shards.
+
+Encodings become Arrow types one to one:
+
+* ``int``, ``int8``…``uint64``, ``float16``…``float64`` → that number type;
+* ``str_int`` → int64, ``str_float`` → float64 (parsed from their text);
+* ``str``, ``str_decimal``, ``json`` → string (JSON stays its text);
+* ``ndarray:<dtype>:<d1,d2,…>`` → nested fixed-size lists of ``dtype``, so
+  EdgeDataset yields ``[batch, d1, d2, …]`` tensors;
+* ``bytes``, ``jpeg``, ``png`` and anything else (``pil``, ``pkl``, dynamic
+  ``ndarray``, lists) → binary, the encoded bytes unchanged: ``pkl`` is never
+  unpickled on a node (unpickling runs code), and ``jpeg``/``png`` columns
+  can be decoded at the edge by the ``images`` transform.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.arrow_types import binary_column
+
+__all__ = ["MdsColumns", "MdsShard", "mds_index", "mds_source"]
+
+_SCALARS = {
+    "int": "int64",
+    **{t: t for t in "int8 int16 int32 int64 uint8 uint16 uint32 uint64".split()},
+    **{t: t for t in "float16 float32 float64".split()},
+}
+_STRINGS = frozenset({"str", "str_decimal", "json"})
+_COMPRESSIONS = {None: "", "zstd": ".zstd", "gz": ".gz", "bz2": ".bz2"}
+_FIX = "fix or remove the object and publish a new version"
+
+
+@dataclass(frozen=True, slots=True)
+class MdsShard:
+    """One shard as ``index.json`` lists it: its file (relative to the index) and samples."""
+
+    key: str
+    samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class MdsColumns:
+    """The columns of an MDS dataset: names, encodings and fixed sizes (None: variable)."""
+
+    names: tuple[str, ...]
+    encodings: tuple[str, ...]
+    sizes: tuple[int | None, ...]
+
+    def to_option(self) -> str:
+        """The form recorded in the version's ``source_options["columns"]``."""
+        return json.dumps([list(self.names), list(self.encodings), list(self.sizes)])
+
+    @classmethod
+    def from_option(cls, text: str, source: str) -> MdsColumns:
+        """Read back :meth:`to_option`; MalformedShard naming ``source`` if it is not that."""
+        try:
+            names, encodings, sizes = json.loads(text)
+            return cls(tuple(map(str, names)), tuple(map(str, encodings)), tuple(sizes))
+        except (ValueError, TypeError) as exc:
+            raise MalformedShard(
+                f"{source}: the version's MDS column list is damaged ({exc}); publish it again"
+            ) from exc
+
+    def schema(self) -> pa.Schema:
+        """The Arrow schema of the rows."""
+        return pa.schema(
+            [pa.field(n, _arrow_type(e)) for n, e in zip(self.names, self.encodings, strict=True)]
+        )
+
+
+def _ndarray(encoding: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    parts = encoding.split(":")
+    if len(parts) != 3 or parts[0] != "ndarray":
+        return None
+    try:
+        shape = tuple(int(d) for d in parts[2].split(","))
+        return np.dtype(parts[1]), shape
+    except (TypeError, ValueError):
+        return None
+
+
+def _arrow_type(encoding: str) -> pa.DataType:
+    if encoding in _SCALARS:
+        return pa.from_numpy_dtype(np.dtype(_SCALARS[encoding]))
+    if encoding == "str_int":
+        return pa.int64()
+    if encoding == "str_float":
+        return pa.float64()
+    if encoding in _STRINGS:
+        return pa.string()
+    if (fixed := _ndarray(encoding)) is not None:
+        arrow: pa.DataType = pa.from_numpy_dtype(fixed[0])
+        for dim in reversed(fixed[1]):
+            arrow = pa.list_(arrow, dim)
+        return arrow
+    return pa.binary()
+
+
+def mds_index(text: bytes, source: str) -> tuple[MdsColumns, list[MdsShard]]:
+    """Columns and shards from an MDS ``index.json``; all its shards must share columns.
+
+    Raises:
+        MalformedShard: not an MDS index (version 2), shards that disagree on columns, or
+            a compression edgecache cannot read (brotli, snappy); the message says which.
+    """
+    try:
+        index = json.loads(text)
+        entries = index["shards"]
+        if index.get("version") != 2 or not isinstance(entries, list):
+            raise ValueError(f"version {index.get('version')!r}, expected 2")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MalformedShard(f"{source} is not an MDS index.json ({exc}); {_FIX}") from exc
+    columns: MdsColumns | None = None
+    shards = []
+    for number, entry in enumerate(entries):
+        where = f"{source}: shard {number}"
+        if entry.get("format") != "mds":
+            raise MalformedShard(
+                f"{where} has format {entry.get('format')!r}; only MDS shards are read (publish "
+                "JSON/CSV MDS-style shards with --format jsonl or csv)"
+            )
+        compression = (entry.get("compression") or None) and str(entry["compression"]).split(":")[0]
+        if compression not in _COMPRESSIONS:
+            raise MalformedShard(
+                f"{where} is {compression}-compressed, which edgecache cannot read; rewrite the "
+                "dataset with compression zstd, gz or bz2 (or none)"
+            )
+        these = MdsColumns(
+            tuple(entry["column_names"]),
+            tuple(entry["column_encodings"]),
+            tuple(entry["column_sizes"]),
+        )
+        if columns is None:
+            columns = these
+        elif these != columns:
+            raise MalformedShard(
+                f"{where} has columns {list(these.names)} ({list(these.encodings)}) but shard 0 "
+                f"has {list(columns.names)} ({list(columns.encodings)}); publish them apart"
+            )
+        data = entry.get("zip_data") if compression else entry.get("raw_data")
+        if not data or not data.get("basename"):
+            raise MalformedShard(f"{where} names no data file; {_FIX}")
+        shards.append(MdsShard(key=str(data["basename"]), samples=int(entry["samples"])))
+    if columns is None:
+        raise MalformedShard(f"{source} lists no shards; {_FIX}")
+    return columns, shards
+
+
+def _column(
+    values: list[memoryview], encoding: str, field: pa.Field, source: str, first: int
+) -> pa.Array:
+    try:
+        if encoding in _SCALARS or _ndarray(encoding) is not None:
+            dtype = np.dtype(_SCALARS.get(encoding) or encoding.split(":")[1]).newbyteorder("<")
+            flat = np.frombuffer(b"".join(values), dtype)
+            array: pa.Array = pa.array(flat.astype(dtype.newbyteorder("=")))
+            if _ndarray(encoding) is not None:
+                for dim in reversed(_ndarray(encoding)[1]):  # type: ignore[index]
+                    array = pa.FixedSizeListArray.from_arrays(array, dim)
+            return array.cast(field.type)
+        if encoding in ("str_int", "str_float"):
+            kind = int if encoding == "str_int" else float
+            return pa.array([kind(bytes(v).decode()) for v in values], field.type)
+        return binary_column(values, string=field.type == pa.string())
+    except (ValueError, UnicodeDecodeError, pa.ArrowInvalid) as exc:
+        raise MalformedShard(
+            f"{source}: column {field.name!r} ({encoding}) of samples "
+            f"{first}..{first + len(values) - 1} cannot be read ({exc}); {_FIX}"
+        ) from exc
+
+
+def mds_source(
+    data: bytes | memoryview, options: Mapping[str, str], source: str, batch_rows: int
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int]:
+    """The schema, row batches and sample count of one (decompressed) MDS shard file.
+
+    ``options["columns"]`` is what publish recorded from ``index.json``.
+
+    Raises:
+        MalformedShard: offsets or sizes that do not fit the file, or a value that does
+            not decode as its encoding; the message names the object and the samples.
+    """
+    if "columns" not in options:
+        raise MalformedShard(
+            f"{source}: the version records no MDS columns; publish the directory holding "
+            "index.json with --format mds"
+        )
+    columns = MdsColumns.from_option(options["columns"], source)
+    schema = columns.schema()
+    view = memoryview(data)
+    if len(view) < 8:
+        raise MalformedShard(f"{source} is too short to be an MDS shard; {_FIX}")
+    count = int(np.frombuffer(view[:4], "<u4")[0])
+    if 4 * (count + 2) > len(view):
+        raise MalformedShard(f"{source}: header says {count} samples, more than the file holds")
+    offsets = np.frombuffer(view[4 : 4 * (count + 2)], "<u4").astype(np.int64)
+    if offsets[0] < 4 * (count + 2) or np.any(np.diff(offsets) < 0) or offsets[-1] > len(view):
+        raise MalformedShard(f"{source}: sample offsets do not fit the file (damaged); {_FIX}")
+    variable = [i for i, size in enumerate(columns.sizes) if not size]
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for first in range(0, count, batch_rows):
+            cells: list[list[memoryview]] = [[] for _ in columns.names]
+            for i in range(first, min(first + batch_rows, count)):
+                start, end = int(offsets[i]), int(offsets[i + 1])
+                sizes = list(columns.sizes)
+                head = start + 4 * len(variable)
+                if variable:
+                    for j, size in zip(
+                        variable, np.frombuffer(view[start:head], "<u4"), strict=True
+                    ):
+                        sizes[j] = int(size)
+                pos = head
+                for j, size in enumerate(sizes):
+                    cells[j].append(view[pos : pos + int(size or 0)])
+                    pos += int(size or 0)
+                if pos != end:
+                    raise MalformedShard(
+                        f"{source}: sample {i} is {end - start} bytes but its columns take "
+                        f"{pos - start} (damaged, or not these columns); {_FIX}"
+                    )
+            arrays = [
+                _column(values, encoding, field, source, first)
+                for values, encoding, field in zip(cells, columns.encodings, schema, strict=True)
+            ]
+            yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    return schema, batches(), count
