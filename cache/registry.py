@@ -32,11 +32,22 @@ from edgecache.cache.errors import (
 )
 from edgecache.cache.manifest import build_manifest, manifest_from_json, manifest_to_json
 from edgecache.cache.names import VersionSpec, parse_spec, validate_name
-from edgecache.cache.preprocess import describe, format_from_key, is_builtin, load_transform
+from edgecache.cache.preprocess import (
+    Transform,
+    canonical_options,
+    canonical_params,
+    describe,
+    format_from_key,
+    keeps_rows,
+    load_transform,
+    resource_refs,
+)
+from edgecache.cache.preprocess.compressed import strip_suffix
+from edgecache.cache.preprocess.mds import MdsColumns, mds_index
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["Registry", "SourceObject"]
+__all__ = ["Registry", "SourceObject", "fetch_resources", "resource_url"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +62,35 @@ class SourceObject:
 
     info: ObjectInfo
     key: str  # relative to the source prefix
+    rows: int | None = None  # when an index says (MDS), so the shard need not be read
+
+
+def resource_url(source_url: str, ref: str) -> str:
+    """Where a transform's file lives: a URL as given, or a key under the source prefix."""
+    if "://" in ref:
+        return ref
+    return (source_url if source_url.endswith("/") else source_url + "/") + ref.lstrip("/")
+
+
+async def fetch_resources(
+    stores: Stores, source_url: str, spec: pb.PreprocessSpec
+) -> dict[str, bytes]:
+    """The files the spec's transform needs (a tokenizer), fetched from origin by reference.
+
+    Raises:
+        ObjectNotFound: a file is not there; the message names the param and URL.
+    """
+    out = {}
+    for ref in resource_refs(spec.transform, spec.params):
+        url = resource_url(source_url, ref)
+        try:
+            out[ref] = await stores.for_url(url).get(url)
+        except ObjectNotFound as exc:
+            raise ObjectNotFound(
+                f"transform {spec.transform!r} needs {ref!r}, but there is no object at {url}; "
+                "put the file there or name it by its full URL"
+            ) from exc
+    return out
 
 
 class Registry:
@@ -174,29 +214,79 @@ class Registry:
         )
 
     async def list_sources(
-        self, source_url: str, fmt: pb.SourceFormat.ValueType | None = None
+        self,
+        source_url: str,
+        fmt: pb.SourceFormat.ValueType | None = None,
+        *,
+        exclude: frozenset[str] = frozenset(),
     ) -> tuple[list[SourceObject], pb.SourceFormat.ValueType]:
-        """The raw shards under a prefix, and their format (given, or guessed from names)."""
+        """The raw shards under a prefix, and their format (given, or guessed from names).
+
+        ``exclude``: keys that are not shards (a transform's files, e.g. a tokenizer).
+        An MDS dataset's shards are the ones its ``index.json`` files list.
+        """
         prefix = source_url if source_url.endswith("/") else source_url + "/"
         found = []
         for info in await self._store(prefix).list(prefix):
             key = info.url[len(prefix) :] if info.url.startswith(prefix) else info.url
-            if any(part.startswith(("_", ".")) for part in key.split("/")):
+            if any(part.startswith(("_", ".")) for part in key.split("/")) or key in exclude:
                 continue  # _SUCCESS, .crc and similar markers are not data
             found.append(SourceObject(info=info, key=key))
         if not found:
             raise ObjectNotFound(f"no objects under {prefix}; check the source URL")
         if fmt is None or fmt == pb.SOURCE_FORMAT_UNSPECIFIED:
-            guesses = {format_from_key(obj.key) for obj in found}
-            if len(guesses) != 1 or None in guesses:
-                raise MalformedShard(
-                    f"cannot tell the format of the objects under {prefix} from their names "
-                    f"({', '.join(sorted({o.key.rsplit('.', 1)[-1] for o in found})[:5])}); "
-                    "pass the format explicitly"
-                )
-            fmt = guesses.pop()
-            assert fmt is not None
+            if any(strip_suffix(o.key).lower().endswith(".mds") for o in found):
+                fmt = pb.SOURCE_FORMAT_MDS
+            else:
+                guesses = {format_from_key(obj.key) for obj in found}
+                if len(guesses) != 1 or None in guesses:
+                    names = sorted({o.key.rsplit("/", 1)[-1].split(".", 1)[-1] for o in found})
+                    raise MalformedShard(
+                        f"cannot tell the format of the objects under {prefix} from their names "
+                        f"({', '.join(names[:5])}); pass the format explicitly (--format "
+                        "parquet, jsonl, csv, arrow, webdataset or mds)"
+                    )
+                fmt = guesses.pop()
+                assert fmt is not None
         return found, fmt
+
+    async def _mds_sources(
+        self, prefix: str, found: list[SourceObject]
+    ) -> tuple[list[SourceObject], MdsColumns]:
+        """The shards the ``index.json`` files under ``prefix`` list, with their row counts.
+
+        Reads only the indexes: publishing an MDS dataset never downloads its shards.
+        """
+        by_key = {obj.key: obj for obj in found}
+        indexes = [o for o in found if o.key.rsplit("/", 1)[-1] == "index.json"]
+        if not indexes:
+            raise ObjectNotFound(
+                f"no index.json under {prefix}: an MDS dataset is the directory its "
+                "index.json lists (publish that directory)"
+            )
+        columns: MdsColumns | None = None
+        shards: list[SourceObject] = []
+        for index in indexes:
+            text = await self._store(index.info.url).get(index.info.url, expect=index.info)
+            these, listed = mds_index(text, index.info.url)
+            if columns is not None and these != columns:
+                raise MalformedShard(
+                    f"{index.info.url} lists columns {list(these.names)} but "
+                    f"{indexes[0].info.url} lists {list(columns.names)}; publish them apart"
+                )
+            columns = these
+            folder = index.key.rpartition("/")[0]
+            for shard in listed:
+                key = f"{folder}/{shard.key}" if folder else shard.key
+                obj = by_key.get(key)
+                if obj is None:
+                    raise ObjectNotFound(
+                        f"{index.info.url} lists {shard.key}, but there is no {prefix}{key}; "
+                        "upload the whole MDS directory"
+                    )
+                shards.append(SourceObject(info=obj.info, key=key, rows=shard.samples))
+        assert columns is not None
+        return shards, columns
 
     async def publish(
         self,
@@ -209,21 +299,44 @@ class Registry:
     ) -> pb.Manifest:
         """Snapshot a prefix of raw shards as the next version of ``dataset``.
 
-        Records each object's ETag, size and row count (Parquet from its footer
-        alone; other formats are read once) and the schema after preprocessing;
-        every object must give the same schema. With ``if_changed``, when the
+        Records each object's ETag, size and row count and the schema after
+        preprocessing; every object must give the same schema. Parquet is read
+        from its footer alone and MDS from its ``index.json`` alone when the
+        transform keeps every row; other formats (and row-changing transforms)
+        are read once. ``spec.source_options`` are validated and recorded in
+        one spelling; the transform's params are pinned (``canonical_params``:
+        the image decoder, the tokenizer's SHA-256), its files fetched from
+        origin and left out of the shards. With ``if_changed``, when the
         newest version already has this content (the same digest: the same
         objects, schema and preprocessing), that version is returned and no new
         one is written.
         """
         validate_name(dataset)
-        load_transform(spec.transform or "identity", dict(spec.params))  # fail fast on names
-        objects, fmt = await self.list_sources(source_url, fmt)
+        resources = await fetch_resources(self._stores, source_url, spec)
+        name = spec.transform or "identity"
+        spec = _copy(spec)
+        params = canonical_params(name, dict(spec.params), resources)
+        spec.params.clear()
+        spec.params.update(params)
+        transform = load_transform(name, params, resources)  # fail fast on names and params
+        refs = frozenset(r for r in resource_refs(name, params) if "://" not in r)
+        objects, fmt = await self.list_sources(source_url, fmt, exclude=refs)
+        options = (
+            canonical_options(fmt, dict(spec.source_options)) if fmt != pb.SOURCE_FORMAT_MDS else {}
+        )
+        if fmt == pb.SOURCE_FORMAT_MDS:
+            if spec.source_options:
+                raise ValueError("MDS sources take no reader options: index.json says it all")
+            prefix = source_url if source_url.endswith("/") else source_url + "/"
+            objects, columns = await self._mds_sources(prefix, objects)
+            options = {"columns": columns.to_option()}
+        spec.source_options.clear()
+        spec.source_options.update(options)
         limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
 
         async def one(obj: SourceObject) -> tuple[pa.Schema, int]:
             async with limit:
-                return await self._describe(obj.info, fmt, spec)
+                return await self._describe(obj, fmt, spec, transform)
 
         described = await asyncio.gather(*(one(obj) for obj in objects))
         schema = described[0][0]
@@ -261,14 +374,32 @@ class Registry:
         return await self.commit(manifest)
 
     async def _describe(
-        self, info: ObjectInfo, fmt: pb.SourceFormat.ValueType, spec: pb.PreprocessSpec
+        self,
+        obj: SourceObject,
+        fmt: pb.SourceFormat.ValueType,
+        spec: pb.PreprocessSpec,
+        transform: Transform,
     ) -> tuple[pa.Schema, int]:
+        info = obj.info
         store = self._store(info.url)
-        if fmt == pb.SOURCE_FORMAT_PARQUET and is_builtin(spec.transform) and info.size > 12:
-            data = await _parquet_footer(store, info)  # built-ins keep rows: the footer says all
+        keeps = keeps_rows(spec.transform, spec.params)
+        if obj.rows is not None and keeps:  # an index says it (MDS): read nothing
+            columns = MdsColumns.from_option(spec.source_options["columns"], info.url)
+            empty = pa.RecordBatch.from_pylist([], schema=columns.schema())
+            return transform(empty).schema, obj.rows
+        if fmt == pb.SOURCE_FORMAT_PARQUET and keeps and info.size > 12:
+            data = await _parquet_footer(store, info)  # rows kept: the footer says all
         else:
             data = await store.get(info.url, expect=info)
-        return await asyncio.to_thread(describe, data, fmt=fmt, source=info.url, spec=spec)
+        return await asyncio.to_thread(
+            describe, data, fmt=fmt, source=info.url, spec=spec, transform=transform
+        )
+
+
+def _copy(spec: pb.PreprocessSpec) -> pb.PreprocessSpec:
+    out = pb.PreprocessSpec()
+    out.CopyFrom(spec)
+    return out
 
 
 async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> bytes:

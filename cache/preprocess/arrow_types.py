@@ -6,7 +6,7 @@ import re
 
 import pyarrow as pa
 
-__all__ = ["parse_type", "split_params"]
+__all__ = ["binary_column", "parse_type", "split_params", "type_label"]
 
 _PRIMITIVES = (
     "int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 float double bool "
@@ -87,3 +87,24 @@ def binary_column(values: list[memoryview | bytes | None], *, string: bool = Fal
     if string:
         array.validate(full=True)
     return array
+
+
+_PLAIN_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
+
+
+def type_label(arrow: pa.DataType) -> str:
+    """A type as a person reads it, e.g. ``uint8[224,224,3]`` for nested fixed-size lists.
+
+    Lists read ``list<int32>``; every other type keeps Arrow's own name.
+    """
+    shape: list[int] = []
+    inner = arrow
+    while pa.types.is_fixed_size_list(inner):
+        shape.append(inner.list_size)
+        inner = inner.value_type
+    if shape:
+        return f"{type_label(inner)}[{','.join(map(str, shape))}]"
+    if pa.types.is_list(arrow) or pa.types.is_large_list(arrow):
+        kind = "list" if pa.types.is_list(arrow) else "large_list"
+        return f"{kind}<{type_label(arrow.value_type)}>"
+    return _PLAIN_NAMES.get(str(arrow), str(arrow))

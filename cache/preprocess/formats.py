@@ -138,6 +138,8 @@ def _read_text(
             if "straddl" not in str(exc):
                 raise
             return parse(min(buf.size + 1, 2**31 - 1))  # one record longer than a block
+    except MalformedShard:
+        raise
     except ARROW_ERRORS as exc:
         if fmt == _J:
             where = _jsonl_culprit(buf) or f"not valid JSON Lines ({exc})"

@@ -6,6 +6,7 @@ import json
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from edgecache.cache.errors import ConfigFileError
 from edgecache.clients.cli.app import app
@@ -33,16 +34,83 @@ def _registry_url(registry: str | None, options: Options) -> str:
         ) from None
 
 
+def schema_lines(schema_bytes: bytes) -> list[str]:
+    """``name: type`` per column of a manifest's schema, types as a person reads them."""
+    import pyarrow as pa
+
+    from edgecache.cache.preprocess.arrow_types import type_label
+
+    schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
+    return [f"{field.name}: {type_label(field.type)}" for field in schema]
+
+
+def schema_json(schema_bytes: bytes) -> list[dict[str, object]]:
+    """The schema for ``--json``: name, Arrow type, nullable."""
+    import pyarrow as pa
+
+    schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
+    return [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema]
+
+
+CSV_HELP = "CSV reader options"
+
+
 @app.command()
 def publish(
     source_url: Annotated[str, typer.Argument(help="Prefix of raw shards (s3://…, file://…).")],
     dataset: Annotated[str, typer.Option(help="Dataset name.")],
     fmt: Annotated[
-        str | None, typer.Option("--format", help="parquet, jsonl, csv or arrow [from names].")
+        str | None,
+        typer.Option(
+            "--format", help="parquet, jsonl, csv, arrow, webdataset or mds [from names]."
+        ),
     ] = None,
-    transform: Annotated[str, typer.Option(help="Transform name.")] = "identity",
+    transform: Annotated[
+        str, typer.Option(help="Transform: identity, columns, images, tokens or a plugin.")
+    ] = "identity",
     param: Annotated[
-        list[str] | None, typer.Option(help="Transform parameter KEY=VALUE (repeatable).")
+        list[str] | None,
+        typer.Option(
+            help="Transform parameter KEY=VALUE (repeatable), e.g. select=a,b or size=224 "
+            "(see docs/preprocessing.md)."
+        ),
+    ] = None,
+    header: Annotated[
+        bool | None,
+        typer.Option(
+            "--header/--no-header",
+            help="CSV: the first row (after --skip-rows) is / is not a header [auto: a header "
+            "unless it holds numbers, which is refused].",
+            rich_help_panel=CSV_HELP,
+        ),
+    ] = None,
+    column_names: Annotated[
+        str | None,
+        typer.Option(
+            help="CSV: column names a,b,c (the first row is then data, unless --header).",
+            rich_help_panel=CSV_HELP,
+        ),
+    ] = None,
+    delimiter: Annotated[
+        str | None,
+        typer.Option(
+            help="CSV: one character, or comma, tab, space, semicolon, pipe, whitespace "
+            "(runs of blanks) [,].",
+            rich_help_panel=CSV_HELP,
+        ),
+    ] = None,
+    skip_rows: Annotated[
+        int | None,
+        typer.Option(
+            min=0, help="CSV: rows to drop before the header or data.", rich_help_panel=CSV_HELP
+        ),
+    ] = None,
+    column_types: Annotated[
+        str | None,
+        typer.Option(
+            help="CSV: Arrow types per column, a=int32,b=string [inferred].",
+            rich_help_panel=CSV_HELP,
+        ),
     ] = None,
     compression: Annotated[str, typer.Option(help="zstd or none.")] = "zstd",
     level: Annotated[int, typer.Option(help="zstd level.")] = 1,
@@ -58,8 +126,9 @@ def publish(
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Snapshot a prefix as the next immutable version of a dataset.
+    """Snapshot a prefix as the next immutable version of a dataset; print its schema.
 
+    Objects may be gzip/zstd/bz2/xz-compressed (part-0.csv.gz, docs.jsonl.zst).
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object); 1 failed.
     """
@@ -78,6 +147,14 @@ def publish(
             compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD,
             compression_level=level,
         )
+        reader = {
+            "header": None if header is None else str(header).lower(),
+            "column_names": column_names,
+            "delimiter": delimiter,
+            "skip_rows": None if skip_rows is None else str(skip_rows),
+            "column_types": column_types,
+        }
+        spec.source_options.update({k: v for k, v in reader.items() if v is not None})
         source_format = format_from_name(fmt) if fmt else None
 
         async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool]:
@@ -94,6 +171,7 @@ def publish(
 
         manifest, same, reused = Registry.run(_registry_url(registry, Options(config)), go)
     name = f"{manifest.dataset}@{manifest.version}"
+    rows = sum(s.row_count for s in manifest.shards)
     if as_json:
         print(
             json.dumps(
@@ -101,16 +179,20 @@ def publish(
                     "version": name,
                     "digest": manifest.digest,
                     "shards": len(manifest.shards),
+                    "rows": rows,
+                    "schema": schema_json(manifest.arrow_schema),
                     "reused": reused,
                     "same_content_as": None if same is None else f"{same.dataset}@{same.version}",
                 }
             )
         )
         return
+    summary = f"{name}  {manifest.digest}  ({len(manifest.shards)} shards, {rows:,} rows)"
+    line(escape(summary + (": unchanged" if reused else "")))
+    for each in schema_lines(manifest.arrow_schema):
+        line("  " + escape(each))
     if reused:
-        line(f"{name}  {manifest.digest}  ({len(manifest.shards)} shards): unchanged")
         return
-    line(f"{name}  {manifest.digest}  ({len(manifest.shards)} shards)")
     if same is not None:
         warning(
             f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
@@ -133,10 +215,13 @@ def versions(
     with reporting():
         url = _registry_url(registry, Options(config))
 
-        async def listing(reg: Registry) -> list[pb.DatasetVersion]:
-            return [summarize(await reg.manifest(dataset, n)) for n in await reg.versions(dataset)]
+        async def listing(reg: Registry) -> list[tuple[pb.DatasetVersion, pb.Manifest]]:
+            manifests = [await reg.manifest(dataset, n) for n in await reg.versions(dataset)]
+            return [(summarize(m), m) for m in manifests]
 
-        rows = Registry.run(url, listing)
+        found = Registry.run(url, listing)
+        rows = [v for v, _ in found]
+        schemas = [m.arrow_schema for _, m in found]
     if as_json:
         print(
             json.dumps(
@@ -148,8 +233,9 @@ def versions(
                         "rows": v.row_count,
                         "source_bytes": v.source_bytes,
                         "created_at": v.created_at.ToJsonString(),
+                        "schema": schema_json(schema),
                     }
-                    for v in rows
+                    for v, schema in zip(rows, schemas, strict=True)
                 ]
             )
         )
@@ -166,6 +252,7 @@ def versions(
             Column("rows", right=True),
             Column("source", right=True),
             Column("created", ident=True),
+            Column("schema"),
         ],
         [
             [
@@ -175,7 +262,8 @@ def versions(
                 f"{v.row_count:,}",
                 format_bytes(v.source_bytes),
                 v.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                "\n".join(escape(each) for each in schema_lines(schema)),
             ]
-            for v in rows
+            for v, schema in zip(rows, schemas, strict=True)
         ],
     )
