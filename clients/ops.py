@@ -160,6 +160,10 @@ def make_plan(
         # Replicas split shards (rendezvous hashing): their capacities add up.
         capacity = sum(status.capacity_bytes for status in alive)
         measured = [s.origin_bytes_per_second for s in alive if s.origin_bytes_per_second]
+        # Replicas split shards, so their staging rates add up; one that has not staged yet
+        # counts as the average of those that have.
+        rates = [s.staging_bytes_per_second for s in alive if s.staging_bytes_per_second]
+        staging_rate = sum(rates) / len(rates) * len(alive) if rates else None
         resident = {v: h.stored_bytes for v, h in held.get(name, {}).items() if h.complete}
         partial = {v: h.stored_bytes for v, h in held.get(name, {}).items() if not h.complete}
         regions[name] = RegionState(
@@ -171,6 +175,7 @@ def make_plan(
             partial=partial,
             peer_bandwidth=dict(config.peers),
             egress_price_per_gb=config.egress_price_per_gb,
+            staging_rate=staging_rate,
         )
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing

@@ -20,9 +20,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import parse_rate, parse_size
 
-__all__ = ["NodeConfig", "load_node_config", "split_hostport"]
+__all__ = ["NodeConfig", "load_node_config", "split_hostport", "usable_cores"]
 
 ENV_PREFIX = "EDGECACHE_"
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity mask (taskset), capped by a cgroup quota.
+
+    ``os.cpu_count()`` counts the host's cores, which a container or a pinned
+    process cannot all use.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:  # cgroup v2: "max 100000" or "200000 100000" (quota, period)
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -71,7 +90,13 @@ class NodeConfig(BaseModel):
     max_streams: int = Field(
         256, ge=1, le=65536, description="Concurrent RPCs; beyond them RESOURCE_EXHAUSTED"
     )
-    preprocess_threads: int = Field(2, ge=1, le=64)
+    preprocess_threads: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Threads that parse, transform and compress shards [the cores this "
+        "process may run on]",
+    )
     grace_seconds: float = Field(10.0, ge=0, description="SIGTERM drain time for streams")
     node_id: str | None = Field(
         None, description="Name in logs and metrics [hostname:port, unique per node on a host]"
@@ -101,6 +126,10 @@ class NodeConfig(BaseModel):
         if (value is None) != (info.data.get("tls_cert") is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return value
+
+    def cpu_threads(self) -> int:
+        """``preprocess_threads``, else the cores this process may run on (taskset, cgroups)."""
+        return self.preprocess_threads or usable_cores()
 
     def default_node_id(self) -> str:
         """``hostname:port``, or ``hostname:<cache dir>`` when the port is picked at bind.

@@ -87,6 +87,23 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         ).labels(**labels)
+        self.preprocess_cpu_seconds = counter(
+            "edgecache_preprocess_cpu_seconds_total",
+            "Thread CPU seconds spent parsing, transforming and compressing shards from origin",
+        ).labels(**labels)
+        self.preprocessed_bytes = counter(
+            "edgecache_preprocessed_source_bytes_total",
+            "Source bytes of the shards preprocessed (read-through misses and staging)",
+        ).labels(**labels)
+        self.skipped_samples = counter(
+            "edgecache_preprocess_skipped_samples_total",
+            "Samples a transform dropped under its skip policy (e.g. corrupt images)",
+        ).labels(**labels)
+        self.staging_capacity = gauge(
+            "edgecache_staging_capacity_bytes_per_second",
+            "Source bytes/s this node can preprocess on all its preprocessing threads, "
+            "from the CPU time of its recent shards",
+        )
         # Latency as readers and operators feel it, by result (ok, or the status code).
         self._first_chunk = Histogram(
             "edgecache_read_first_chunk_seconds",

@@ -12,6 +12,16 @@ Concurrent requests for the same missing shard share one origin fetch
 :class:`~edgecache.edge.staging_gate.StagingGate` that limits its byte rate
 and drops it to one shard at a time while training reads are streaming.
 
+Preprocessing uses every core the node may run on: shards are parsed on one
+pool (one shard per thread), and the parts of each shard — its chunks'
+compression, a batch's images, slices of text — run on a second pool, so a
+single shard (a read-through miss) spreads over the cores too. Staging's two
+pools run at nice +10, so training reads and read-through misses come first.
+Threads, not processes: zstd, Arrow, Pillow and tokenizers release the GIL,
+and a process pool would pickle every raw shard and frame across. The CPU time
+each shard takes is measured, giving the node's staging rate (source bytes/s
+on all its threads) that the planner uses.
+
 Results are domain values and exceptions from :mod:`edgecache.cache.errors`;
 turning them into gRPC messages and status codes is the service's job.
 """
@@ -27,8 +37,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
@@ -46,18 +57,27 @@ from edgecache.cache.errors import (
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import LATEST, validate_name
-from edgecache.cache.preprocess import preprocess
-from edgecache.cache.registry import Registry
+from edgecache.cache.preprocess import ShardContext, Transform, load_transform, preprocess
+from edgecache.cache.preprocess.context import MeteredPool
+from edgecache.cache.registry import Registry, fetch_resources
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.wire import encode_chunk
-from edgecache.edge.config import NodeConfig
+from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.staging_gate import StagingGate
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["STAGING_NICE", "EdgeNode", "Fetched", "StagedShard", "StagingGate"]
+__all__ = [
+    "STAGING_NICE",
+    "EdgeNode",
+    "Encoded",
+    "Fetched",
+    "StagedShard",
+    "StagingGate",
+    "StagingRate",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,12 +106,32 @@ class StagedShard:
     notes: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A preprocessed shard: its frames, the CPU it took, the samples its transform skipped."""
+
+    frames: list[bytes]
+    cpu_seconds: float
+    skipped: int
+    notes: tuple[str, ...]
+
+
 def _encode_raw_shard(
-    data: bytes, manifest: manifest_pb2.Manifest, shard: manifest_pb2.Shard, url: str
-) -> list[bytes]:
-    """Parse, transform and encode one raw shard (runs on the CPU pool)."""
+    data: bytes,
+    manifest: manifest_pb2.Manifest,
+    shard: manifest_pb2.Shard,
+    url: str,
+    transform: Transform,
+    parts: Executor,
+) -> Encoded:
+    """Parse, transform and encode one raw shard (runs on a shard pool; its parts on ``parts``)."""
+    started = time.thread_time()
+    metered = MeteredPool(parts)
     schema = manifest_schema(manifest)
-    encoder = ShardEncoder(schema, CodecOptions.from_spec(manifest.preprocess))
+    options = CodecOptions.from_spec(manifest.preprocess)
+    # Enough chunks in flight to keep every parts thread busy, few enough to bound memory.
+    encoder = ShardEncoder(schema, options, pool=metered, in_flight=2 * metered.threads)
+    context = ShardContext()
     frames: list[bytes] = []
     for batch in preprocess(
         data,
@@ -99,6 +139,9 @@ def _encode_raw_shard(
         source=url,
         spec=manifest.preprocess,
         schema=schema,
+        transform=transform,
+        context=context,
+        pool=metered,
     ):
         frames.extend(encoder.add(batch))
     frames.extend(encoder.finish())
@@ -107,7 +150,36 @@ def _encode_raw_shard(
             f"{url} gave {encoder.rows} rows but the version recorded {shard.row_count}; "
             "origin changed under an immutable version — publish a new version"
         )
-    return frames
+    cpu = time.thread_time() - started + metered.cpu_seconds
+    return Encoded(frames, cpu, context.skipped, tuple(context.notes))
+
+
+class StagingRate:
+    """Source bytes/s the node can preprocess, from the CPU time of its recent shards.
+
+    Rate per core (bytes over thread CPU seconds, over the last ``window``
+    shards, so a dataset of another kind soon shows) times the threads that
+    can run at once (the preprocessing threads, at most the usable cores).
+    """
+
+    def __init__(self, threads: int, window: int = 64) -> None:
+        self.threads = threads
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, source_bytes: int, cpu_seconds: float) -> None:
+        """One preprocessed shard."""
+        if cpu_seconds > 0:
+            self._recent.append((source_bytes, cpu_seconds))
+
+    def cpu_seconds_per_gb(self) -> float:
+        """Thread CPU seconds per 1e9 source bytes (0: nothing preprocessed yet)."""
+        total = sum(b for b, _ in self._recent)
+        return sum(c for _, c in self._recent) / total * 1e9 if total else 0.0
+
+    def bytes_per_second(self) -> float:
+        """Source bytes/s on all threads (0: nothing preprocessed yet)."""
+        per_gb = self.cpu_seconds_per_gb()
+        return self.threads * 1e9 / per_gb if per_gb else 0.0
 
 
 STAGING_NICE = 10  # added to the process's nice value for staging's preprocessing threads
@@ -142,14 +214,22 @@ class EdgeNode:
         self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         self._staging_order = itertools.count()
-        self._cpu = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="preprocess")
+        threads = config.cpu_threads()
+        self.staging_rate = StagingRate(min(threads, usable_cores()))
+        # Shards on one pool, their parts (chunk compression, images, text slices) on
+        # another: a shard waiting on its parts never holds a thread its parts need.
+        self._cpu = ThreadPoolExecutor(threads, thread_name_prefix="preprocess")
+        self._parts = ThreadPoolExecutor(threads, thread_name_prefix="preprocess-part")
         # Staging's preprocessing runs at a lower CPU priority than everything else here
         # (serving reads, the event loop's network I/O, read-through misses).
         self._cpu_staging = ThreadPoolExecutor(
-            config.preprocess_threads,
-            thread_name_prefix="preprocess-staging",
-            initializer=_lower_priority,
+            threads, thread_name_prefix="preprocess-staging", initializer=_lower_priority
         )
+        self._parts_staging = ThreadPoolExecutor(
+            threads, thread_name_prefix="preprocess-staging-part", initializer=_lower_priority
+        )
+        self._transforms: dict[str, Transform] = {}  # by manifest digest
+        self._transform_lock = asyncio.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._pid = os.getpid()
 
@@ -157,8 +237,8 @@ class EdgeNode:
         """Stop background work and close the cache; committed shards stay."""
         for task in list(self._inflight.values()):
             task.cancel()
-        self._cpu.shutdown(wait=True, cancel_futures=True)
-        self._cpu_staging.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._cpu, self._cpu_staging, self._parts, self._parts_staging):
+            pool.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True, cancel_futures=True)
         await self.peers.close()
         await self.stores.close()
@@ -330,22 +410,62 @@ class EdgeNode:
         finally:
             if staging:
                 await self.gate.release()
+        transform = await self._transform(manifest)
         loop = asyncio.get_running_loop()
         with self.metrics.preprocess_seconds.time():
-            frames = await loop.run_in_executor(
+            encoded = await loop.run_in_executor(
                 self._cpu_staging if staging else self._cpu,
                 _encode_raw_shard,
                 data,
                 manifest,
                 shard,
                 url,
+                transform,
+                self._parts_staging if staging else self._parts,
             )
         size = len(data)
         del data
-        info = await self._write(self.store.put_shard, key, frames)
+        self._preprocessed(size, encoded)
+        info = await self._write(self.store.put_shard, key, encoded.frames)
         self.metrics.used_bytes.set(self.store.stats.used_bytes)
         log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return info, size
+
+    async def _transform(self, manifest: manifest_pb2.Manifest) -> Transform:
+        """The version's transform, built once (with its files from origin, e.g. a tokenizer)."""
+        found = self._transforms.get(manifest.digest)
+        if found is not None:
+            return found
+        async with self._transform_lock:
+            found = self._transforms.get(manifest.digest)
+            if found is None:
+                spec = manifest.preprocess
+                resources: Mapping[str, bytes] = await fetch_resources(
+                    self.stores, manifest.source_url, spec
+                )
+                try:
+                    found = load_transform(spec.transform or "identity", spec.params, resources)
+                except ValueError as exc:  # e.g. another Pillow than the version was made with
+                    raise MalformedShard(
+                        f"{manifest.dataset}@{manifest.version}: transform "
+                        f"{spec.transform!r} cannot run on this node: {exc}"
+                    ) from exc
+                self._transforms[manifest.digest] = found
+            return found
+
+    def _preprocessed(self, source_bytes: int, encoded: Encoded) -> None:
+        """Count one preprocessed shard: CPU, bytes, skips; update the staging rate."""
+        self.metrics.preprocess_cpu_seconds.inc(encoded.cpu_seconds)
+        self.metrics.preprocessed_bytes.inc(source_bytes)
+        self.staging_rate.add(source_bytes, encoded.cpu_seconds)
+        self.metrics.staging_capacity.set(self.staging_rate.bytes_per_second())
+        if encoded.skipped:
+            self.metrics.skipped_samples.inc(encoded.skipped)
+            log.warning(
+                "skipped %d samples under the transform's skip policy: %s",
+                encoded.skipped,
+                "; ".join(encoded.notes[:3]),
+            )
 
     def encoded_chunk(self, key: ShardKey, index: int, first_row: int) -> bytes:
         """One chunk as wire bytes, in its own short read transaction (verified)."""
@@ -541,6 +661,8 @@ class EdgeNode:
             active_streams=int(value("edgecache_active_streams")),
             staged_origin_bytes=int(value("edgecache_staged_bytes_total", source="origin")),
             staged_peer_bytes=int(value("edgecache_staged_bytes_total", source="peer")),
+            staging_bytes_per_second=self.staging_rate.bytes_per_second(),
+            staging_cpu_seconds_per_gb=self.staging_rate.cpu_seconds_per_gb(),
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
         )

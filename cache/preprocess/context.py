@@ -12,13 +12,15 @@ pool for the shard's parts, and the tally of skipped samples.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-__all__ = ["ShardContext", "shard_context", "using"]
+__all__ = ["MeteredPool", "ShardContext", "shard_context", "using"]
 
 T = TypeVar("T")
 _NOTES_KEPT = 20
@@ -73,3 +75,30 @@ def using(context: ShardContext) -> Iterator[ShardContext]:
         yield context
     finally:
         _current.reset(token)
+
+
+class MeteredPool(Executor):
+    """An executor's view that sums the thread CPU time of the tasks sent through it.
+
+    A node wraps its shared parts pool in one per shard, so a shard's CPU cost
+    counts the chunks and images its parts compressed and decoded elsewhere.
+    """
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self.cpu_seconds = 0.0
+        self.threads = int(getattr(pool, "_max_workers", 1))
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` on the pool, counting its thread CPU time."""
+        return self._pool.submit(self._run, fn, args, kwargs)
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        started = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent = time.thread_time() - started
+            with self._lock:
+                self.cpu_seconds += spent
