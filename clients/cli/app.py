@@ -8,7 +8,10 @@ __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="edgecache",
-    help="Stage training data into regional caches next to the GPUs.",
+    help="Stage training data into regional caches next to the GPUs.\n\n"
+    "Exit codes: 0 ok; 1 failed (a node, a transfer, the origin: retrying may help); "
+    "2 bad input (options, files, names: it will not); 3 a scheduled job cannot be met. "
+    "Every command's --help says which it uses; docs/operations.md has a section per command.",
     no_args_is_help=True,
     add_completion=False,
 )

@@ -184,6 +184,7 @@ def evict(
     ] = False,
     config: ConfigOption = None,
     token_file: TokenOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Drop a version from the nodes of a region (or all regions).
 

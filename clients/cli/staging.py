@@ -433,8 +433,13 @@ def ready(
     wait: Annotated[bool, typer.Option("--wait", help="Wait until ready.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600.0,
     token_file: TokenOption = None,
+    as_json: JsonOption = False,
 ) -> None:
-    """Exit 0 only when every shard of the version is staged in the region."""
+    """Exit 0 only when every shard of the version is staged in the region.
+
+    Gate a job's launch on it. Exit codes: 0 ready; 1 not ready (or --wait timed
+    out, which it says); 2 bad input.
+    """
     from edgecache.cache.registry import Registry
     from edgecache.clients.ops import wait_ready
 
@@ -445,5 +450,19 @@ def ready(
         readiness = wait_ready(
             topology, manifest, region, token=options.token, timeout=timeout if wait else None
         )
-    (console if readiness.ok else err_console).print(readiness.message)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "version": f"{manifest.dataset}@{manifest.version}",
+                    "region": region,
+                    "ready": readiness.ok,
+                    "timed_out": readiness.timed_out,
+                    "waited_seconds": round(readiness.waited_seconds, 3),
+                    "message": readiness.message,
+                }
+            )
+        )
+    else:
+        (console if readiness.ok else err_console).print(readiness.message)
     raise exit_with(ExitCode.OK if readiness.ok else ExitCode.FAILED)
