@@ -73,6 +73,11 @@ SUITES = [
         json_to_file=True,
     ),
     Suite("wan", "bench.wan", lambda s: ["--raw-mib", _mib(1024, s)], json_to_file=True),
+    Suite(
+        "training",
+        "bench.training",
+        lambda s: ["--mib", _mib(256, s, 32), "--code-mib", _mib(64, s), "--repeat", "3"],
+    ),
 ]
 
 

@@ -405,11 +405,18 @@ into reused Arrow pool buffers, `np.take(mode="clip")`, chunks shared between wi
   overlap I/O and decode, so `num_workers=0` is its best setting on small hosts."""
 
 
+def _section_training(data: dict) -> str:
+    from bench.training import section  # its own module: it imports torch and the client
+
+    return section(data)
+
+
 _SECTIONS: dict[str, Callable[[dict], str]] = {
     "store": _section_store,
     "edge": _section_edge,
     "dataset": _section_dataset,
     "planner": _section_planner,
+    "training": _section_training,
 }
 
 

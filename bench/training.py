@@ -7,7 +7,7 @@ and staged (Stage RPC) into one edge node subprocess, cached as zstd-1 chunks:
 
 * ``sorted``: token samples (2048 int32 ids) whose int64 ``label`` (10
   classes) is *sorted*: the version is stored in class order, the case where
-  a window-level shuffle yields batches of one class; 1 MiB chunks, so the
+  a window-level shuffle yields batches of one class; 512 KiB chunks, so the
   default windows (a chunk each) are enough for 4 lanes of 16 streams;
 * ``code``: the same shape, labels 10..19, for the mixture.
 
@@ -28,7 +28,9 @@ window shuffle measured in the same run over the same transport:
 * a split ``rows=(0.0, 0.9)`` (samples/s; it reads 90 % of the rows);
 * an elastic resume: rank 0 of 2 saves its state half-way through the
   epoch, one rank resumes it with another batch size (``load_state_dict``
-  plus reading what is left, samples/s);
+  plus reading what is left, samples/s), against resuming the same state
+  as it was saved (both ranks, one after the other); a fresh read of as many
+  samples (``rows=(0.5, 1.0)``) is printed beside them with the bytes each read;
 * the ``shuffle_windows`` sweep (quality, throughput and decoded memory).
 """
 
@@ -64,7 +66,7 @@ __all__ = ["section"]
 TOKENS = 2048
 SAMPLE_BYTES = TOKENS * 4 + 8
 SHARDS = 16
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 512 << 10
 CLASSES = 10
 BATCH = 256
 QUALITY_BATCH = 32
@@ -93,18 +95,27 @@ def write_version(root: Path, mib: int, label_base: int) -> int:
     return rows
 
 
-def epoch(make: Callable[[], EdgeDataset], prepare: Callable[[EdgeDataset], None] | None = None):  # noqa: ANN201
-    """(samples, seconds, first-batch seconds) of one epoch of a fresh dataset."""
-    with make() as ds:
-        started = time.perf_counter()
-        if prepare is not None:
-            prepare(ds)
-        samples, first = 0, 0.0
-        for batch in DataLoader(ds, batch_size=None, num_workers=0):
-            if not samples:
-                first = time.perf_counter() - started
-            samples += len(batch["label"])
-        return samples, time.perf_counter() - started, first
+Part = tuple[Callable[[], EdgeDataset], Callable[[EdgeDataset], None] | None]
+
+
+def epoch(parts: list[Part]) -> tuple[int, float, float, int]:
+    """(samples, seconds, first-batch seconds, stored bytes read) of fresh datasets, in turn.
+
+    Each part is a dataset to make and, optionally, to prepare (load a state)
+    before it is read to the end; a resume of two ranks is two parts.
+    """
+    samples, first, read = 0, 0.0, 0
+    started = time.perf_counter()
+    for make, prepare in parts:
+        with make() as ds:
+            if prepare is not None:
+                prepare(ds)
+            for batch in DataLoader(ds, batch_size=None, num_workers=0):
+                if not samples:
+                    first = time.perf_counter() - started
+                samples += len(batch["label"])
+            read += ds.stats()["bytes"]
+    return samples, time.perf_counter() - started, first, read
 
 
 def distinct_classes(make: Callable[[], EdgeDataset]) -> float:
@@ -135,39 +146,41 @@ def measure(
         options = {"batch_size": BATCH, "seed": 1, **kwargs}
         return lambda: EdgeDataset(spec, endpoints=[endpoint], **options)  # type: ignore[arg-type]
 
-    def resumed(endpoint: str) -> tuple[Callable[[], EdgeDataset], Callable[[EdgeDataset], None]]:
-        half = EdgeDataset(
-            "sorted@1", endpoints=[endpoint], batch_size=BATCH, rank=0, world_size=2, seed=1
-        )
-        state = half.state_dict(batches=len(half) // 2)
-        half.close()
-        return ds(endpoint, batch_size=192), lambda d: d.load_state_dict(state)
+    half = EdgeDataset(
+        "sorted@1", endpoints=[local], batch_size=BATCH, rank=0, world_size=2, seed=1
+    )
+    state = half.state_dict(batches=len(half) // 2)  # DDP: rank 0's state stands for both
+    half.close()
 
-    runs: dict[str, tuple[Callable[[], EdgeDataset], Callable[[EdgeDataset], None] | None]] = {
-        "window lmdb": (ds(local, shuffle_windows=1), None),
-        "batch lmdb": (ds(local), None),
-        "window grpc": (ds(grpc, shuffle_windows=1), None),
-        "batch grpc": (ds(grpc), None),
-        "mixture lmdb": (
-            ds(local, spec={"sorted@1": 0.8, "code@1": 0.2}, samples_per_epoch=rows),
-            None,
-        ),
-        "split lmdb": (ds(local, rows=(0.0, 0.9)), None),
-        "elastic lmdb": resumed(local),
+    def load(d: EdgeDataset) -> None:
+        d.load_state_dict(state)
+
+    runs: dict[str, list[Part]] = {
+        "window lmdb": [(ds(local, shuffle_windows=1), None)],
+        "batch lmdb": [(ds(local), None)],
+        "window grpc": [(ds(grpc, shuffle_windows=1), None)],
+        "batch grpc": [(ds(grpc), None)],
+        "mixture lmdb": [
+            (ds(local, spec={"sorted@1": 0.8, "code@1": 0.2}, samples_per_epoch=rows), None)
+        ],
+        "split lmdb": [(ds(local, rows=(0.0, 0.9)), None)],
+        "elastic lmdb": [(ds(local, batch_size=192), load)],
+        "resume lmdb": [(ds(local, rank=r, world_size=2), load) for r in range(2)],
+        "half lmdb": [(ds(local, batch_size=192, rows=(0.5, 1.0)), None)],
     }
     for k in SWEEP:
         if k not in (1, 16):
-            runs[f"sweep {k}"] = (ds(local, shuffle_windows=k), None)
-    best: dict[str, tuple[int, float, float]] = {}
+            runs[f"sweep {k}"] = [(ds(local, shuffle_windows=k), None)]
+    best: dict[str, tuple[int, float, float, int]] = {}
     for r in range(args.repeat):
-        for name, (make, prepare) in runs.items():
+        for name, parts in runs.items():
             gc.collect()
-            samples, seconds, first = epoch(make, prepare)
+            samples, seconds, first, read = epoch(parts)
             console.log(
                 f"{name} run {r + 1}: {samples / seconds:,.0f} samples/s, first batch {first:.3f} s"
             )
             if name not in best or seconds < best[name][1]:
-                best[name] = (samples, seconds, first)
+                best[name] = (samples, seconds, first, read)
     quality = {
         k: distinct_classes(
             ds(local, batch_size=QUALITY_BATCH, columns=["label"], shuffle_windows=k)
@@ -182,8 +195,9 @@ def measure(
                 "first_batch_s": round(first, 4),
                 "samples_s": round(s / sec),
                 "mb_s": round(s * SAMPLE_BYTES / sec / 1e6),
+                "read_mb": round(read / 1e6, 1),
             }
-            for name, (s, sec, first) in best.items()
+            for name, (s, sec, first, read) in best.items()
         },
         "quality": {str(k): round(v, 3) for k, v in quality.items()},
         "permutation": round(permutation_classes(rows), 3),
@@ -191,17 +205,28 @@ def measure(
     }
 
 
-LABELS = {
+LABELS = {  # measure: (label, its baseline's measure, the baseline's label)
     "batch lmdb": (
         "batch-level shuffle (16 windows per batch), lmdb://",
+        "window lmdb",
         "window shuffle, lmdb://",
     ),
-    "batch grpc": ("batch-level shuffle (16 windows per batch), gRPC", "window shuffle, gRPC"),
-    "mixture lmdb": ("mixture 0.8 sorted@1 + 0.2 code@1, lmdb://", "window shuffle, lmdb://"),
-    "split lmdb": ("split rows=(0.0, 0.9), lmdb://", "window shuffle, lmdb://"),
-    "elastic lmdb": (
-        "elastic resume, 2 ranks → 1, batch 256 → 192 (what is left), lmdb://",
+    "batch grpc": (
+        "batch-level shuffle (16 windows per batch), gRPC",
+        "window grpc",
+        "window shuffle, gRPC",
+    ),
+    "mixture lmdb": (
+        "mixture 0.8 sorted@1 + 0.2 code@1, lmdb://",
+        "window lmdb",
         "window shuffle, lmdb://",
+    ),
+    "split lmdb": ("split rows=(0.0, 0.9), lmdb://", "window lmdb", "window shuffle, lmdb://"),
+    "elastic lmdb": (
+        "elastic resume: rank 0's state of 2 ranks at mid-epoch, read by 1 rank, "
+        "batch 256 → 192, lmdb://",
+        "resume lmdb",
+        "the same state resumed as saved: 2 ranks (one after the other), batch 256, lmdb://",
     ),
 }
 
@@ -209,8 +234,8 @@ LABELS = {
 def results(figures: dict, mbytes: float) -> list[dict]:
     epochs = figures["epochs"]
     rows = []
-    for name, (label, base_label) in LABELS.items():
-        base = epochs[name.replace(name.split()[0], "window")]
+    for name, (label, base_name, base_label) in LABELS.items():
+        base = epochs[base_name]
         ours = epochs[name]
         ratio = ours["samples_s"] / base["samples_s"]
         rows.append(
@@ -328,16 +353,34 @@ def section(data: dict) -> str:
                 ],
                 sweep_rows,
             ),
+            _resume_line(data["epochs"]),
             "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items()),
         ]
+    )
+
+
+def _resume_line(epochs: dict) -> str:
+    """What resuming costs at all: the windows open on every rank are read again."""
+    parts = [
+        f"{label} {epochs[name]['samples_s']:,} samples/s, {epochs[name]['read_mb']} MB read"
+        for name, label in (
+            ("elastic lmdb", "elastic resume"),
+            ("resume lmdb", "resume as saved"),
+            ("half lmdb", "a fresh read of as many samples"),
+        )
+    ]
+    return (
+        "Resuming (either way) reads again the windows that were open on every rank at "
+        "the checkpoint (lanes × shuffle_windows each), a fixed cost per resume that is large "
+        "against half an epoch of this small version: " + "; ".join(parts) + "."
     )
 
 
 def run(workdir: Path, args: argparse.Namespace, console: Console) -> dict:
     registry = f"file://{workdir}/registry"
     cache = workdir / "cache"
-    # 1 MiB chunks, so windows (a chunk each, by default) are many enough for 16
-    # streams of 4 windows in each of 4 lanes at 256 MiB.
+    # 512 KiB chunks, so windows (a chunk each, by default) are many enough for 16
+    # streams of 8 windows in each of 4 lanes at 256 MiB.
     spec = preprocess_spec(compression=pb.COMPRESSION_ZSTD, chunk_bytes=CHUNK_BYTES)
     sizes = {}
     for name, mib, base in (("sorted", args.mib, 0), ("code", args.code_mib, CLASSES)):

@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 BLOCK_ROWS = 1024  # rows a block aims at: a block draws about BLOCK_ROWS // K from each stream
-MIN_STREAM_WINDOWS = 4  # fewer streams than shuffle_windows when the data has too few windows
+MIN_STREAM_WINDOWS = 8  # fewer streams than shuffle_windows when the data has too few windows
 
 
 def rng(*key: int | str) -> np.random.Generator:

@@ -94,16 +94,16 @@ def test_batches_mix_labels_of_data_stored_in_label_order(cluster, kind: str) ->
             np.mean([len({int(x) * 10 // TOTAL for x in b["label"]}) for b in batches[:-1]])
         )
 
-    # Windows of ~15 rows: 280 of them, enough for 4 lanes of 16 streams of 4 windows.
+    # Windows of ~7 rows: 600 of them, enough for 4 lanes of 16 streams of 8 windows.
     random_permutation = 10 * (1 - 0.9**32)
     mixed = EdgeDataset(
-        "tokens@1", endpoints=endpoints(cluster, kind), batch_size=32, window_bytes=2 << 10
+        "tokens@1", endpoints=endpoints(cluster, kind), batch_size=32, window_bytes=1 << 10
     )
     windows = EdgeDataset(
         "tokens@1",
         endpoints=endpoints(cluster, kind),
         batch_size=32,
-        window_bytes=2 << 10,
+        window_bytes=1 << 10,
         shuffle_windows=1,
     )
     assert mixed.epoch_order().order.per_lane == 16
