@@ -46,12 +46,13 @@ def compression_of(head: bytes | memoryview) -> str | None:
     """The compression whose magic ``head`` starts with; None for an uncompressed object.
 
     bz2's three magic letters could begin a text file, so its block magic is
-    checked too (``BZh`` + a level digit + the pi block marker).
+    checked too (``BZh`` + a level digit + the pi block or sqrt(pi) end marker).
     """
     start = bytes(head[:10])
     for name, (magic, _) in COMPRESSIONS.items():
         if start.startswith(magic):
-            if name == "bz2" and not (start[3:4].isdigit() and start[4:10] == b"1AY&SY"):
+            blocks = (b"1AY&SY", b"\x17rE8P\x90")  # a first block, or the end (empty data)
+            if name == "bz2" and not (start[3:4].isdigit() and start[4:10] in blocks):
                 continue
             return name
     return None

@@ -1,0 +1,349 @@
+"""Real-world sources: compressed objects, CSV reader options on scikit-learn's own CSVs,
+WebDataset tars and MosaicML MDS shards, published through a real registry on file://."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.manifest import preprocess_spec
+from edgecache.cache.preprocess import canonical_options, describe, preprocess, read_source
+from edgecache.cache.preprocess.compressed import compression_of, decompress
+from edgecache.cache.registry import Registry
+from edgecache.v1 import manifest_pb2 as pb
+
+sklearn = pytest.importorskip("sklearn")
+SKLEARN_DATA = Path(sklearn.__file__).parent / "datasets" / "data"
+CSV, JSONL = pb.SOURCE_FORMAT_CSV, pb.SOURCE_FORMAT_JSONL
+COMPRESSORS = {
+    "gzip": gzip.compress,
+    "zstd": lambda b: zstandard.ZstdCompressor().compress(b),
+    "bz2": bz2.compress,
+    "xz": lambda b: lzma.compress(b, format=lzma.FORMAT_XZ),
+}
+
+
+def read(data: bytes, fmt: pb.SourceFormat.ValueType, **options: str) -> pa.Table:
+    return pa.Table.from_batches(
+        list(read_source(data, fmt=fmt, source="s3://b/x", options=canonical_options(fmt, options)))
+    )
+
+
+def publish(tmp_path: Path, source: Path, name: str, **spec: object) -> pb.Manifest:
+    registry = f"file://{tmp_path}/registry"
+    options = spec.pop("source_options", {})
+    fmt = spec.pop("fmt", None)
+    preprocess = preprocess_spec(**spec)  # type: ignore[arg-type]
+    preprocess.source_options.update(options)  # type: ignore[arg-type]
+    return Registry.run(
+        registry, lambda reg: reg.publish(f"file://{source}", name, fmt=fmt, spec=preprocess)
+    )
+
+
+# ---------------------------------------------------------------- compression
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_compressed_jsonl_reads_like_the_plain_one(kind: str) -> None:
+    plain = b"".join(json.dumps({"id": i, "text": f"doc {i}"}).encode() + b"\n" for i in range(50))
+    packed = COMPRESSORS[kind](plain)
+    assert compression_of(packed) == kind
+    assert read(packed, JSONL).equals(read(plain, JSONL))
+
+
+def test_concatenated_gzip_members_and_zstd_frames_are_read_whole() -> None:
+    parts = [b"a,b\n1,2\n", b"3,4\n"]
+    assert read(gzip.compress(parts[0]) + gzip.compress(parts[1]), CSV).num_rows == 2
+    cctx = zstandard.ZstdCompressor()
+    assert read(cctx.compress(parts[0]) + cctx.compress(parts[1]), CSV).num_rows == 2
+
+
+def test_truncated_compressed_object_names_itself() -> None:
+    packed = gzip.compress(b"a,b\n" + b"1,2\n" * 1000)
+    with pytest.raises(MalformedShard, match=r"s3://b/x looks gzip-compressed.*truncated"):
+        read(packed[: len(packed) // 2], CSV)
+
+
+def test_text_that_starts_like_bz2_is_not_taken_for_it() -> None:
+    assert compression_of(b"BZh,col\n1,2\n") is None
+    assert read(b"BZh,col\n1,2\n", CSV).column_names == ["BZh", "col"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(payload=st.binary(max_size=4096), kind=st.sampled_from(sorted(COMPRESSORS)))
+def test_decompress_round_trips_any_bytes(payload: bytes, kind: str) -> None:
+    out, found = decompress(COMPRESSORS[kind](payload), "x")
+    assert (bytes(out), found) == (payload, kind)
+
+
+def test_sklearn_digits_csv_gz_publishes_headerless(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    shutil.copy(SKLEARN_DATA / "digits.csv.gz", tmp_path / "src")
+    with pytest.raises(MalformedShard, match="does not look like a header.*--no-header"):
+        publish(tmp_path, tmp_path / "src", "digits")
+    manifest = publish(tmp_path, tmp_path / "src", "digits", source_options={"header": "false"})
+    schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
+    assert manifest.source_format == CSV and len(schema) == 65 and schema.names[0] == "f0"
+    assert manifest.shards[0].row_count == 1797  # scikit-learn's digits: 1,797 images
+
+
+# ---------------------------------------------------------------- CSV options, sklearn's files
+
+
+def test_iris_first_row_is_refused_as_a_header_and_read_with_options() -> None:
+    data = (SKLEARN_DATA / "iris.csv").read_bytes()
+    with pytest.raises(MalformedShard, match=r"'150', '4' are numbers.*--skip-rows 1"):
+        read(data, CSV)
+    names = "sepal_length,sepal_width,petal_length,petal_width,target"
+    table = read(data, CSV, skip_rows="1", header="false", column_names=names)
+    assert table.num_rows == 150 and table.column_names == names.split(",")
+    assert table.column("target").type == pa.int64()
+    assert table.column("sepal_length").to_pylist()[0] == 5.1
+    typed = read(data, CSV, skip_rows="1", column_names=names, column_types="target=int8")
+    assert typed.column("target").type == pa.int8() and typed.equals(
+        table.set_column(4, "target", table.column("target").cast(pa.int8()))
+    )
+
+
+def test_wine_and_breast_cancer_headers_are_refused_too() -> None:
+    for name in ("wine_data.csv", "breast_cancer.csv"):
+        with pytest.raises(MalformedShard, match="does not look like a header"):
+            read((SKLEARN_DATA / name).read_bytes(), CSV)
+
+
+def test_space_separated_linnerud_is_not_one_string_column() -> None:
+    data = (SKLEARN_DATA / "linnerud_exercise.csv").read_bytes()
+    with pytest.raises(MalformedShard, match="looks space-separated.*--delimiter space"):
+        read(data, CSV)
+    table = read(data, CSV, delimiter="space")
+    assert table.column_names == ["Chins", "Situps", "Jumps"] and table.num_rows == 20
+    assert read(data, CSV, delimiter=",").num_columns == 1  # asked for: allowed
+
+
+def test_diabetes_gz_space_separated_headerless() -> None:
+    data = (SKLEARN_DATA / "diabetes_data_raw.csv.gz").read_bytes()
+    table = read(data, CSV, delimiter="space", header="false")
+    assert table.shape == (442, 10)
+
+
+def test_whitespace_delimiter_takes_runs_of_blanks() -> None:
+    text = b"  a    b\tc\n  1  2   3\n10 20\t\t30  \n"
+    table = read(text, CSV, delimiter="whitespace")
+    assert table.to_pydict() == {"a": [1, 10], "b": [2, 20], "c": [3, 30]}
+
+
+def test_bad_options_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown CSV options"):
+        canonical_options(CSV, {"headers": "true"})
+    with pytest.raises(ValueError, match="header must be true, false or auto"):
+        canonical_options(CSV, {"header": "yes"})
+    with pytest.raises(ValueError, match="delimiter must be one character"):
+        canonical_options(CSV, {"delimiter": "::"})
+    with pytest.raises(ValueError, match="take no reader options"):
+        canonical_options(pb.SOURCE_FORMAT_PARQUET, {"delimiter": ","})
+    assert canonical_options(CSV, {"delimiter": "tab", "header": "auto", "skip_rows": "0"}) == {
+        "delimiter": "\t"
+    }
+    with pytest.raises(MalformedShard, match=r"column_types names \['nope'\]"):
+        read(b"a,b\n1,2\n", CSV, column_types="nope=int8")
+
+
+def test_publish_records_options_and_nodes_parse_alike(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    shutil.copy(SKLEARN_DATA / "iris.csv", tmp_path / "src")
+    options = {"skip_rows": "1", "header": "false", "column_names": "a,b,c,d,target"}
+    manifest = publish(tmp_path, tmp_path / "src", "iris", source_options=options)
+    assert dict(manifest.preprocess.source_options) == options
+    assert manifest.shards[0].row_count == 150
+    data = (tmp_path / "src" / "iris.csv").read_bytes()
+    batches = list(
+        preprocess(data, fmt=CSV, source="iris.csv", spec=manifest.preprocess, schema=None)
+    )
+    assert sum(b.num_rows for b in batches) == 150 and batches[0].schema.names[-1] == "target"
+
+
+# ---------------------------------------------------------------- WebDataset
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    sink = io.BytesIO()
+    with tarfile.open(fileobj=sink, mode="w") as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return sink.getvalue()
+
+
+def _image_bytes() -> dict[str, bytes]:
+    mpl = pytest.importorskip("matplotlib")
+    sample = Path(mpl.get_data_path()) / "sample_data"
+    return {
+        "jpg": (sample / "grace_hopper.jpg").read_bytes(),
+        "png": (sample / "Minduka_Present_Blue_Pack.png").read_bytes(),
+    }
+
+
+def test_webdataset_tar_groups_members_by_key(tmp_path: Path) -> None:
+    images = _image_bytes()
+    members = []
+    for i in range(5):
+        members += [(f"train/s{i:03d}.jpg", images["jpg"]), (f"train/s{i:03d}.cls", b"%d" % i)]
+        if i % 2:
+            members.append((f"train/s{i:03d}.json", json.dumps({"i": i}).encode()))
+    data = _tar(members)
+    table = read(data, pb.SOURCE_FORMAT_WEBDATASET)
+    assert table.column_names == ["__key__", "cls", "jpg", "json"]
+    assert table.column("__key__").to_pylist()[:2] == ["train/s000", "train/s001"]
+    assert table.column("cls").to_pylist() == [0, 1, 2, 3, 4]
+    assert table.column("jpg").to_pylist()[3] == images["jpg"]
+    assert table.column("json").to_pylist()[:2] == [None, '{"i": 1}']
+    schema, rows = describe(
+        data, fmt=pb.SOURCE_FORMAT_WEBDATASET, source="x.tar", spec=pb.PreprocessSpec()
+    )
+    assert (schema, rows) == (table.schema, 5)
+
+
+def test_webdataset_errors_name_object_and_sample() -> None:
+    bad_cls = _tar([("a.cls", b"seven")])
+    with pytest.raises(MalformedShard, match=r"x: sample 'a': cls holds b'seven'"):
+        read(bad_cls, pb.SOURCE_FORMAT_WEBDATASET)
+    twice = _tar([("a.jpg", b"1"), ("a.jpg", b"2")])
+    with pytest.raises(MalformedShard, match="sample 'a' has two members with extension 'jpg'"):
+        read(twice, pb.SOURCE_FORMAT_WEBDATASET)
+    whole = _tar([("a.jpg", b"x" * 5000)])
+    with pytest.raises(MalformedShard, match="s3://b/x"):
+        read(whole[:1500], pb.SOURCE_FORMAT_WEBDATASET)
+
+
+def test_publish_webdataset_prefix(tmp_path: Path) -> None:
+    images = _image_bytes()
+    (tmp_path / "wds").mkdir()
+    for shard in range(2):
+        members = [(f"k{shard}_{i}.png", images["png"]) for i in range(3)]
+        members += [(f"k{shard}_{i}.cls", b"1") for i in range(3)]
+        members.sort()  # key order: png and cls of one key side by side
+        (tmp_path / "wds" / f"shard-{shard:04d}.tar").write_bytes(_tar(members))
+    manifest = publish(tmp_path, tmp_path / "wds", "wds")
+    assert manifest.source_format == pb.SOURCE_FORMAT_WEBDATASET
+    assert [s.row_count for s in manifest.shards] == [3, 3]
+
+
+# ---------------------------------------------------------------- MDS
+
+
+def needs_streaming() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("streaming") is None:
+        pytest.skip(
+            "mosaicml-streaming is not installed (make test installs bench/requirements.txt)"
+        )
+
+
+def _write_mds(out: Path, compression: str | None) -> list[dict]:
+    import importlib.util
+
+    # bench/peers' stand-in for torchvision (not installable beside CPU torch), loaded by path.
+    stub = Path(__file__).resolve().parent.parent / "bench" / "peers" / "torchvision_stub.py"
+    spec = importlib.util.spec_from_file_location("edgecache_tv_stub", stub)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.import_streaming()
+    from streaming import MDSWriter
+
+    images = _image_bytes()
+    columns = {
+        "id": "int",
+        "label": "uint8",
+        "caption": "str",
+        "jpeg": "jpeg",
+        "tokens": "ndarray:int32:2,4",
+        "raw": "bytes",
+    }
+    samples = []
+    from PIL import Image
+
+    picture = Image.open(io.BytesIO(images["jpg"]))
+    picture.load()
+    with MDSWriter(
+        out=str(out), columns=columns, compression=compression, size_limit=1 << 16
+    ) as writer:
+        for i in range(12):
+            sample = {
+                "id": i,
+                "label": np.uint8(i % 3),
+                "caption": f"caption {i} ✓",
+                "jpeg": picture,
+                "tokens": np.arange(8, dtype=np.int32).reshape(2, 4) + i,
+                "raw": bytes([i]) * i,
+            }
+            writer.write(sample)
+            samples.append(sample)
+    return samples
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_mds_publishes_from_index_alone_and_reads_back(
+    tmp_path: Path, compression: str | None
+) -> None:
+    needs_streaming()
+    samples = _write_mds(tmp_path / "mds", compression)
+    manifest = publish(tmp_path, tmp_path / "mds", "mds")
+    assert manifest.source_format == pb.SOURCE_FORMAT_MDS
+    assert sum(s.row_count for s in manifest.shards) == 12 and len(manifest.shards) > 1
+    assert all(".mds" in s.source_key for s in manifest.shards)
+    schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
+    assert schema.field("tokens").type == pa.list_(pa.list_(pa.int32(), 4), 2)
+    rows = []
+    for shard in manifest.shards:
+        data = (tmp_path / "mds" / shard.source_key).read_bytes()
+        for batch in preprocess(
+            data,
+            fmt=pb.SOURCE_FORMAT_MDS,
+            source=shard.source_key,
+            spec=manifest.preprocess,
+            schema=schema,
+        ):
+            rows += batch.to_pylist()
+    assert [r["id"] for r in rows] == list(range(12))
+    assert rows[5]["caption"] == "caption 5 ✓" and rows[5]["label"] == 2
+    assert rows[5]["tokens"] == samples[5]["tokens"].tolist()
+    assert rows[5]["raw"] == b"\x05" * 5 and rows[5]["jpeg"][:2] == b"\xff\xd8"
+
+
+def test_mds_publish_reads_only_the_index(tmp_path: Path) -> None:
+    needs_streaming()
+    _write_mds(tmp_path / "mds", None)
+    for shard in (tmp_path / "mds").glob("*.mds"):
+        shard.write_bytes(b"\0" * shard.stat().st_size)  # unreadable, same size: never read
+    manifest = publish(tmp_path, tmp_path / "mds", "mds")
+    assert sum(s.row_count for s in manifest.shards) == 12
+
+
+def test_mds_damaged_shard_is_named(tmp_path: Path) -> None:
+    needs_streaming()
+    _write_mds(tmp_path / "mds", None)
+    manifest = publish(tmp_path, tmp_path / "mds", "mds")
+    key = manifest.shards[0].source_key
+    data = bytearray((tmp_path / "mds" / key).read_bytes())
+    data[8:12] = (10**6).to_bytes(4, "little")  # an offset past the end
+    with pytest.raises(MalformedShard, match=rf"{key}: sample offsets do not fit"):
+        list(
+            preprocess(bytes(data), fmt=pb.SOURCE_FORMAT_MDS, source=key, spec=manifest.preprocess)
+        )
