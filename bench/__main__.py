@@ -76,7 +76,7 @@ SUITES = [
     Suite(
         "training",
         "bench.training",
-        lambda s: ["--mib", _mib(256, s, 32), "--code-mib", _mib(64, s), "--repeat", "3"],
+        lambda s: ["--mib", _mib(256, s, 32), "--code-mib", _mib(64, s), "--repeat", "5"],
     ),
 ]
 

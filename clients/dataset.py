@@ -392,6 +392,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             threads=self.threads,
             budget_bytes=self._budget(order, workers),
             component_column=self.component_column,
+            lanes=[lane for lane in range(self.lanes) if lane % workers == index]
+            if self.lanes % workers == 0
+            else None,
         )
         readers.add(pipeline)
         try:

@@ -68,7 +68,8 @@ class Pipeline:
 
     ``targets[i]`` and ``row_bytes[i]`` are component ``i``'s version and decoded
     bytes per row; with ``component_column`` each batch also holds that column:
-    the component index of every sample.
+    the component index of every sample. ``lanes``: the lanes whose windows it
+    reads (default: all).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class Pipeline:
         threads: int,
         budget_bytes: float,
         component_column: str | None = None,
+        lanes: Sequence[int] | None = None,
         ready_batches: int = 4,
     ) -> None:
         self.order, self.numbers, self.pool = order, numbers, pool
@@ -91,6 +93,9 @@ class Pipeline:
         self.kinds, self.pin_memory = list(kinds), pin_memory
         self.row_bytes, self.budget_bytes = list(row_bytes), budget_bytes
         self.component_column = component_column
+        # the lanes whose windows this pipeline reads (a DataLoader worker's, when
+        # the worker count divides the lanes)
+        self.lanes = set(range(len(order.order.lanes)) if lanes is None else lanes)
         self.wait_seconds = 0.0
         self._ready: queue.Queue[object] = queue.Queue(maxsize=ready_batches)
         self._stop = threading.Event()
@@ -266,6 +271,14 @@ class Pipeline:
                     held += self._window_bytes(window)
             planned.append(batch)
 
+        def ahead(window: int) -> bool:
+            """Whether a later batch of this pipeline reads ``window``, as far as lanes tell."""
+            for lane, first, end in order.order.window_units_spans(window):
+                if lane in self.lanes and end > frontier.get(lane, -1):
+                    if any(a < end and first < b for a, b in order.ranks.parts[lane]):
+                        return True
+            return False
+
         def release() -> None:
             """Drop windows that no planned or later batch can use."""
             nonlocal held
@@ -276,12 +289,14 @@ class Pipeline:
                     del futures[window]
                     held -= self._window_bytes(window)
                     # Its edge chunks go too, unless the neighbour that takes one is
-                    # being read (or was): it may not have taken it yet.
+                    # being read (it may not have taken it yet) or is still ahead in
+                    # this pipeline's part of its lane (a mixture's stream reads a
+                    # window of another version between two neighbours).
                     start = int(windows.row_start[window])
                     live = {
                         self._edge(window, o)
                         for o in order.order.neighbours(window)
-                        if o in futures
+                        if o in futures or ahead(o)
                     }
                     edges = tuple(
                         e for e in (start, start + int(windows.rows[window])) if e not in live

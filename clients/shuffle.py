@@ -419,6 +419,11 @@ class GlobalOrder:
         hi = lo + int(self.units.take_to[unit] - self.units.take_from[unit])
         return (lane.index, *lane.span(stream // self.lane_count, lo, hi))
 
+    def window_units_spans(self, window: int) -> list[tuple[int, int, int]]:
+        """(lane, first, end) of each stream's part of ``window`` (see :meth:`unit_span`)."""
+        units = range(int(self._window_units[window]), int(self._window_units[window + 1]))
+        return [self.unit_span(u) for u in units]
+
     def window_spans(self, window: int) -> list[tuple[int, int]]:
         """(lane, end) for each stream that reads ``window``.
 
