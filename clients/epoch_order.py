@@ -136,7 +136,7 @@ class EpochOrder:
 
     def sample_ids(self, batch: Batch) -> list[tuple[int, int, int]]:
         """(component, shard, row) of every sample of ``batch``, in batch order."""
-        out = []
+        out: list[tuple[int, int, int]] = []
         windows = self.order.windows
         for piece in batch.pieces:
             order = self.order.window_order(piece.window)

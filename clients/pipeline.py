@@ -192,11 +192,11 @@ class Pipeline:
             raise _Stopped  # partial: never assembled
         # Where every row of the window's order lies, worked out once per window (on
         # a fetch thread) rather than for each batch that gathers from it.
-        first = np.asarray(firsts, dtype=np.int64)
+        starts = np.asarray(firsts, dtype=np.int64)
         rows_of = start + perm
-        chunk = np.searchsorted(first, rows_of, side="right") - 1
+        chunk = np.searchsorted(starts, rows_of, side="right") - 1
         sizes = np.array([b.num_rows for b in batches], dtype=np.int64)
-        offset = rows_of - first[np.maximum(chunk, 0)]
+        offset = rows_of - starts[np.maximum(chunk, 0)]
         needed = np.zeros(len(perm), dtype=bool)
         needed[int(windows.take_from[window]) : int(windows.take_to[window])] = True
         if np.any(needed & ((chunk < 0) | (offset >= sizes[np.maximum(chunk, 0)]))):
