@@ -339,12 +339,12 @@ class CacheStore(ClosingContext):
             if pin.pinned_until_ns > now:
                 pinned[bytes(vkey)] = pin
         access_db = self._dbs[b"access"]
-        # Never the version being written: evicting its earlier shards to fit a later one
-        # would leave it incomplete while its stage reports success.
-        own = version_key(for_key.dataset, for_key.version)
+        # The version being written may lose its own older shards too: reading a version
+        # larger than the cache through it is an LRU over its shards. (A stage that needs
+        # every shard resident checks that they still are when it ends.)
         candidates: list[tuple[int, bytes, store_pb2.StoredShard]] = []
         for raw_key, record in self._iter_shard_records(txn, b""):
-            if raw_key[:-4] in pinned or raw_key[:-4] == own:
+            if raw_key[:-4] in pinned:
                 continue
             last = int.from_bytes(txn.get(raw_key, b"\0" * 8, db=access_db), "big")
             candidates.append((last, raw_key, record))

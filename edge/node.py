@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 from edgecache.cache.codec import CodecOptions, ShardEncoder
 from edgecache.cache.errors import (
+    CacheFull,
     ChunkCorrupt,
     EdgeCacheError,
     MalformedShard,
@@ -104,6 +105,7 @@ class StagedShard:
     source: str = ""  # where a fetched shard came from: "origin" or "peer"
     peer_bytes: int = 0  # stored bytes copied from peers
     notes: tuple[str, ...] = ()
+    revoked: bool = False  # reported staged earlier in this stage, evicted since
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,11 +607,32 @@ class EdgeNode:
             for _ in range(min(self.config.staging_concurrency, len(wanted)))
         ]
         try:
+            done: list[int] = []
             for _ in wanted:
                 outcome = await results.get()
                 result = "failed" if outcome.error else "staged" if outcome.fetched else "skipped"
                 self.metrics.staged[result].inc()
+                if outcome.error is None:
+                    done.append(outcome.shard)
                 yield outcome
+            # A version that does not fit (and is not pinned) may have had its own earlier
+            # shards evicted for its later ones: those are not staged after all.
+            for shard in sorted(done):
+                key = self.shard_ref(manifest, shard)
+                if not self.store.contains(key):
+                    self.metrics.staged["failed"].inc()
+                    yield StagedShard(
+                        shard,
+                        manifest.shards[shard].source_size,
+                        error=CacheFull(
+                            f"{key} was evicted by this stage's later shards: "
+                            f"{manifest.dataset}@{manifest.version} does not fit in this "
+                            "node's capacity; raise --capacity, split the version over more "
+                            "replicas, or pin it (edgecache warm and the controller do) so a "
+                            "shard that does not fit is refused instead"
+                        ),
+                        revoked=True,
+                    )
         finally:
             self.metrics.staging_active.dec()
             for task in workers:

@@ -242,6 +242,8 @@ class EdgeCacheService:
             if outcome.error is not None:
                 code, _ = status_for(outcome.error)
                 progress.shards_failed += 1
+                if outcome.revoked:  # counted as done before it was evicted
+                    progress.shards_done -= 1
                 progress.failures.add(
                     shard=outcome.shard, message=str(outcome.error), code=code.name
                 )

@@ -225,6 +225,7 @@ def test_stage_yields_each_shard_with_its_exception(tmp_path: Path) -> None:
             return None, (Fetched(None, "origin", 30) if shard == 2 else None)  # type: ignore[arg-type]
 
         node.ensure_shard = ensure_shard  # type: ignore[method-assign]
+        node.store.contains = lambda key: True  # type: ignore[method-assign] # nothing stored
         manifest = manifest_pb2.Manifest(dataset="d", version=1)
         for size in (10, 20, 30):
             manifest.shards.add(source_size=size)

@@ -153,3 +153,21 @@ def test_a_pin_keeps_a_resident_version_from_the_lru(tmp_path: Path) -> None:
         assert "kept" not in held  # the LRU takes it once nothing protects it
     finally:
         node.stop()
+
+
+def test_a_stage_that_does_not_fit_says_so_instead_of_reporting_success(tmp_path: Path) -> None:
+    # Room for two of three shards and no pin: the LRU takes the stage's own first shard
+    # for its third. The stage must not end "6/6 done"; it names the shard and the fix.
+    import grpc
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "big", 3, rows=500)
+    publish(registry, f"file://{tmp_path}/big", "big")
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity="100KB")
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="big", version=1)))
+        assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "does not fit in this node's capacity" in failed.value.details()
+    finally:
+        node.stop()

@@ -391,23 +391,3 @@ def test_churn_never_leaks_map_full(tmp_path: Path) -> None:
         for i in range(60):  # 15x the capacity through the cache
             s.put_shard(ShardKey("churn", 1 + i % 7, i), frames)
             assert s.stats.used_bytes <= s.capacity_bytes
-
-
-def test_a_version_never_evicts_its_own_shards_to_fit(tmp_path: Path) -> None:
-    # Room for two of a version's three shards: the third is refused (the stage fails and
-    # says so) instead of evicting the first, which would leave the version incomplete
-    # while every put "succeeded".
-    frames = shard_frames(seed=1)
-    size = sum(len(f) for f in frames)
-    store = CacheStore(tmp_path / "c", capacity_bytes=int(size * 2.5))
-    try:
-        store.put_shard(ShardKey("big", 1, 0), frames)
-        store.put_shard(ShardKey("big", 1, 1), shard_frames(seed=2))
-        with pytest.raises(CacheFull):
-            store.put_shard(ShardKey("big", 1, 2), shard_frames(seed=3))
-        assert [s.key.shard for s in store.shards("big", 1)] == [0, 1]
-        # Another version's unpinned shards are still fair game for the LRU.
-        store.put_shard(ShardKey("other", 1, 0), shard_frames(seed=4))
-        assert len(store.shards("big", 1)) == 1
-    finally:
-        store.close()
