@@ -78,6 +78,18 @@ SUITES = [
         "bench.training",
         lambda s: ["--mib", _mib(256, s, 32), "--code-mib", _mib(64, s), "--repeat", "5"],
     ),
+    Suite(
+        "schedule",
+        "bench.schedule",
+        lambda s: ["--version-mib", _mib(48, s, 8), "--shard-mib", _mib(8, s, 2)],
+        json_to_file=True,
+    ),
+    Suite(
+        "images",
+        "bench.images",
+        lambda s: ["--images", str(max(int(2000 * s), 200)), "--repeat", "2"],
+    ),
+    Suite("text", "bench.text", lambda s: ["--mib", _mib(16, s, 4), "--repeat", "3"]),
 ]
 
 

@@ -118,4 +118,8 @@ def draw(results: dict[str, dict], out: Path) -> dict[str, Path]:
         drawn["peers"] = _peers(results["peers"], out)
     if "wan" in results:
         drawn["wan"] = _wan(results["wan"], out)
+    if "schedule" in results:
+        from bench.schedule import draw as draw_schedule
+
+        drawn["schedule"] = draw_schedule(results["schedule"], out / "schedule-timeline.png")
     return drawn

@@ -7,6 +7,7 @@ from a results file rather than from hand-edited prose.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from collections.abc import Callable, Iterable
@@ -95,11 +96,59 @@ def _wan_rows(data: dict) -> list[dict]:
     return out
 
 
+def _schedule_rows(data: dict) -> list[dict]:
+    out = []
+    for r in data["figures"]["targets"]:
+        if r["met"] is None:
+            continue
+        shown = (
+            f"{r['reduction']:.1%} fewer"
+            if "reduction" in r
+            else f"{r['controller']} (naive {r['naive']})"
+        )
+        out.append(
+            {
+                "suite": "schedule",
+                "measure": r["measure"],
+                "baseline": "naive warming, same run",
+                "value": r.get("reduction", 0.0),
+                "shown": shown,
+                "target": 0.0,
+                "target_shown": r["target"],
+                "met": bool(r["met"]),
+                "kind": "≥",
+            }
+        )
+    return out
+
+
+def _images_rows(data: dict) -> list[dict]:
+    epoch = data["epoch"]
+    return [
+        {
+            "suite": "images",
+            "measure": f"epoch of {data['images']['count']} images decoded to "
+            f"{data['images']['size']}×{data['images']['size']}: EdgeDataset (at the edge)",
+            "baseline": "LitData decoding in its workers",
+            "value": epoch["ratio"],
+            "target": 1.0,
+            "met": epoch["ratio"] >= 1.0,
+            "kind": "≥",
+        }
+    ]
+
+
 def summary_rows(results: dict[str, dict]) -> list[dict]:
     """Every measured figure that has a target, from every suite present."""
     rows: list[dict] = []
     for suite, data in results.items():
-        if suite == "planner":
+        if suite == "schedule":
+            rows += _schedule_rows(data)
+        elif suite == "images":
+            rows += _images_rows(data)
+        elif suite == "text":
+            continue  # throughput figures without a target: in its section
+        elif suite == "planner":
             rows += _planner_rows(data)
         elif suite == "peers":
             rows += _peers_rows(data)
@@ -411,12 +460,120 @@ def _section_training(data: dict) -> str:
     return section(data)
 
 
+def _section_schedule(data: dict, picture: Path | None) -> str:
+    fig = data["figures"]
+    rows = [
+        [
+            r["measure"],
+            f"{r['controller']:,}" if isinstance(r["controller"], int) else r["controller"],
+            f"{r['naive']:,}" if isinstance(r["naive"], int) else r["naive"],
+            f"{r['reduction']:.1%} fewer" if "reduction" in r else "",
+            r["target"] or "",
+            "" if r["met"] is None else ("met" if r["met"] else "**missed**: " + r["reason"]),
+        ]
+        for r in fig["targets"]
+    ]
+    jobs = [
+        [
+            j["job"],
+            f"{j['start_h']:.2f} h",
+            ", ".join(j["versions"]),
+            "yes" if j["controller"]["complete_at_start"] else "**no**",
+            "yes" if j["naive"]["complete_at_start"] else "no",
+        ]
+        for j in fig["jobs"]
+    ]
+    prediction = fig["prediction"]
+    calibration = data["calibration"]
+    measured = (
+        f"origin {calibration['origin_bytes_per_s_per_region'] * 8 / 1e6:.1f} Mbit/s per "
+        f"region with three staging at once, a peer copy "
+        f"{calibration['peer']['bytes_per_s'] / 1e6:.0f} MB/s, stored/source "
+        f"{calibration['stored_per_source']}"
+    )
+    return "\n\n".join(
+        [
+            "## A simulated day: the controller against naive warming (`python -m bench.schedule`)",
+            f"{data['scenario_summary']}. {data['data_summary']}. Link: {data['link']['kind']} "
+            f"({data['link']['rtt_ms']:g} ms, {data['link']['rate_mbit']:g} Mbit/s, loss "
+            f"{data['link']['loss']:g}); {data['inter_region']}. Calibration, measured over the "
+            f"same links first: {measured}. Versions: "
+            + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+            + f". Wall time {data['wall_s']:.0f} s.",
+            "The same schedule runs twice on fresh caches: once with `edgecache controller` "
+            "(the plan carried out: pins, evictions, sources, start times), once with naive "
+            "warming (each job's versions staged from origin a fixed lead before its start, "
+            "the nodes' LRU deciding what goes).",
+            _md_table(["measure", "controller", "naive", "ratio", "target", ""], rows),
+            f"![planned and actual ready time per job]({picture.parent.name}/{picture.name})"
+            if picture
+            else "",
+            "Per job (complete at its start?):",
+            _md_table(["job", "start", "versions", "controller", "naive"], jobs),
+            "Predicted against actual ready time of the controller's tasks (simulated minutes; "
+            "negative: ready early): "
+            + "; ".join(
+                f"from {source}: {p['tasks']} tasks, median {p['median_error_min']:+.1f}, "
+                f"latest {p['max_error_min']:+.1f}, {p['late_vs_deadline']} after their deadline"
+                for source, p in prediction.items()
+            )
+            + ".",
+        ]
+    )
+
+
+def _section_images(data: dict) -> str:
+    t, e = data["transform"], data["epoch"]
+    decoders = ", ".join(f"{k} {v:,.0f}" for k, v in data["decoders_images_s_per_core"].items())
+    return "\n\n".join(
+        [
+            "## Images decoded at the edge (`python -m bench.images`)",
+            f"{data['images']['count']} JPEGs ({data['images']['mbytes']} MB) from matplotlib's "
+            f"sample photographs, decoded to {data['images']['size']}×{data['images']['size']} "
+            f"uint8; {data['cores']} cores. Versions: "
+            + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+            + ".",
+            f"Decoders, images/s on one core: {decoders}. The `images` transform: "
+            f"{t['one_thread_images_s']:,} images/s on one thread, {t['per_core_images_s']:,} "
+            f"per core on every core ({t['scaling']}× from one thread).",
+            f"An epoch: EdgeDataset reading images decoded once at the edge against LitData "
+            f"decoding the same JPEGs in its workers: **{e['ratio']}×** ("
+            + json.dumps({k: v for k, v in e.items() if k != "ratio"})
+            + ").",
+        ]
+    )
+
+
+def _section_text(data: dict) -> str:
+    rows = [
+        [label, f"{v['text_mb_s']}", f"{v['tokens_s']:,}"]
+        for label, v in data.items()
+        if isinstance(v, dict) and "text_mb_s" in v
+    ]
+    return "\n\n".join(
+        [
+            "## Text tokenised and packed at the edge (`python -m bench.text`)",
+            f"{data['text_mb']} MB of the Python standard library's sources as "
+            f"{data['documents']:,} documents, {data['tokens']:,} tokens, a byte-level BPE "
+            f"trained on them; {data['cores']} cores. Versions: "
+            + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+            + ".",
+            _md_table(["", "text MB/s", "tokens/s"], rows),
+            f"The transform (tokenise, pack into 2048-token rows, record document starts) runs at "
+            f"{data['transform_pool_vs_bare']}× bare `encode_batch_fast` with its parts pool "
+            f"({data['transform_no_pool_vs_bare']}× without).",
+        ]
+    )
+
+
 _SECTIONS: dict[str, Callable[[dict], str]] = {
     "store": _section_store,
     "edge": _section_edge,
     "dataset": _section_dataset,
     "planner": _section_planner,
     "training": _section_training,
+    "images": _section_images,
+    "text": _section_text,
 }
 
 
@@ -463,6 +620,8 @@ def write_docs(results: dict[str, dict], path: Path) -> None:
         parts.append(_section_peers(results["peers"], pictures.get("peers")))
     if "wan" in results:
         parts.append(_section_wan(results["wan"], pictures.get("wan")))
+    if "schedule" in results:
+        parts.append(_section_schedule(results["schedule"], pictures.get("schedule")))
     for name, section in _SECTIONS.items():
         if name in results:
             parts.append(section(results[name]))
