@@ -4,20 +4,25 @@ A shard is re-sliced into chunks of about ``chunk_bytes`` of uncompressed
 Arrow data (a few MiB: large enough that LMDB stores them in contiguous
 overflow pages and gRPC sends them at full speed, small enough to bound
 memory and to resume a broken stream cheaply). Each chunk is one Arrow IPC
-stream, optionally compressed whole with zstd, wrapped in a frame
-(:mod:`edgecache.cache.frame`).
+stream, stored as it is, compressed whole with zstd, or — the default for
+new versions — with its fixed-width buffers byte-split first
+(:mod:`edgecache.cache.byte_split`: on token ids about 3× less compression
+CPU than plain zstd, a better ratio, and faster decode), wrapped in a frame
+(:mod:`edgecache.cache.frame`). Every codec a frame may carry stays
+decodable: old versions keep their plain zstd chunks.
 
 Decoding an uncompressed chunk is zero-copy: the returned batch points into
 the caller's buffer, so the caller must keep that buffer alive (the store's
-``read_shard`` does). zstd decompression and xxh3 release the GIL, so callers
-may decode chunks on several threads.
+``read_shard`` does). A compressed one is decompressed into a buffer from
+Arrow's memory pool that the batch then points into. zstd, xxh3 and numpy's
+loops release the GIL, so callers may decode chunks on several threads.
 
-Encoding is most of an edge node's staging CPU (zstd-1 on token ids runs at
-about 0.25 GB/s per core), so :class:`ShardEncoder` can compress a shard's
-chunks on a pool of threads (zstd and Arrow's IPC writer release the GIL)
-while the caller parses the next batches; the frames come out in order and
-byte for byte the same as serially: chunk boundaries depend on the rows
-alone, and every chunk is compressed with the same parameters.
+Encoding is most of an edge node's staging CPU, so :class:`ShardEncoder`
+can compress a shard's chunks on a pool of threads (zstd and Arrow's IPC
+writer release the GIL) while the caller parses the next batches; the frames
+come out in order and byte for byte the same as serially: chunk boundaries
+depend on the rows alone, and every chunk is compressed with the same
+parameters.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from typing import Literal
 import pyarrow as pa
 import zstandard
 
+from edgecache.cache import byte_split
 from edgecache.cache.errors import ChunkCorrupt, EmptyShard, SchemaMismatch
 from edgecache.cache.frame import Buffer, Codec, pack_frame, payload_view, read_header, verify_frame
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["CodecOptions", "ShardEncoder", "decode_chunk", "encode_shard"]
+__all__ = ["COMPRESSIONS", "CodecOptions", "ShardEncoder", "decode_chunk", "encode_shard"]
 
 _local = threading.local()  # per-thread zstd contexts
 
@@ -45,26 +51,46 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 4 << 10
 MAX_CHUNK_BYTES = 256 << 20
 
+Compression = Literal["byte-split-zstd", "zstd", "none"]
+# The names a version's spec may give, and the manifest's enum for each.
+COMPRESSIONS: dict[str, pb.Compression.ValueType] = {
+    "byte-split-zstd": pb.COMPRESSION_BYTE_SPLIT_ZSTD,
+    "zstd": pb.COMPRESSION_ZSTD,
+    "none": pb.COMPRESSION_NONE,
+}
+_FROM_SPEC: dict[int, Compression] = {
+    pb.COMPRESSION_UNSPECIFIED: "zstd",  # versions from before the choice existed
+    pb.COMPRESSION_ZSTD: "zstd",
+    pb.COMPRESSION_NONE: "none",
+    pb.COMPRESSION_BYTE_SPLIT_ZSTD: "byte-split-zstd",
+}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CodecOptions:
     """How a version's chunks are encoded; part of the version's preprocessing spec.
 
     Fields:
-        compression: "zstd" saves wire and cache bytes (about 2× on token ids) at
-            about 1.4 GB/s per core of client decode; "none" decodes zero-copy.
+        compression: "byte-split-zstd" (the default) splits fixed-width values'
+            bytes into streams before zstd: on token ids ratio 3.3 against plain
+            zstd's 2.5, about 3× less CPU to compress and faster to decode;
+            "zstd" compresses the Arrow stream as it is (what versions published
+            before byte-split use); "none" decodes zero-copy at memory speed.
         level: zstd level (negative levels are faster, 1-3 is the usual trade).
         chunk_bytes: target uncompressed bytes per chunk.
     """
 
-    compression: Literal["zstd", "none"] = "zstd"
+    compression: Compression = "byte-split-zstd"
     level: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
-        if self.compression not in ("zstd", "none"):
-            raise ValueError(f"compression must be 'zstd' or 'none', got {self.compression!r}")
-        if self.compression == "zstd" and not -7 <= self.level <= 22:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, "
+                f"got {self.compression!r}"
+            )
+        if self.compression != "none" and not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be in -7..22, got {self.level}")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(
@@ -74,10 +100,18 @@ class CodecOptions:
 
     @classmethod
     def from_spec(cls, spec: pb.PreprocessSpec) -> CodecOptions:
-        """Read the codec settings out of a manifest's preprocessing spec."""
-        compression: Literal["zstd", "none"] = (
-            "none" if spec.compression == pb.COMPRESSION_NONE else "zstd"
-        )
+        """Read the codec settings out of a manifest's preprocessing spec.
+
+        An unset compression is plain zstd, as every version published before
+        the choice existed was encoded; a value this node does not know is
+        refused rather than guessed.
+        """
+        compression = _FROM_SPEC.get(spec.compression)
+        if compression is None:
+            raise ValueError(
+                f"the version's chunks use compression {spec.compression}, which this "
+                "edgecache does not know; upgrade it"
+            )
         return cls(
             compression=compression,
             level=spec.compression_level or 1,
@@ -199,11 +233,16 @@ def _encode_chunk(
     with pa.ipc.new_stream(sink, schema) as writer:
         writer.write_batch(batch)
     raw = sink.getvalue()
-    if options.compression != "zstd":
-        frame = pack_frame(raw, codec=Codec.NONE, rows=batch.num_rows, raw_len=raw.size)
-    else:
+    rows = batch.num_rows
+    if options.compression == "none":
+        frame = pack_frame(raw, codec=Codec.NONE, rows=rows, raw_len=raw.size)
+    elif options.compression == "zstd":
         payload = _compressor(options.level).compress(raw)
-        frame = pack_frame(payload, codec=Codec.ZSTD, rows=batch.num_rows, raw_len=raw.size)
+        frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
+    else:
+        split, regions = byte_split.split(raw, byte_split.spans_of(raw))
+        payload = byte_split.pack_regions(regions) + _compressor(options.level).compress(split)
+        frame = pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=rows, raw_len=raw.size)
     return frame, time.thread_time() - started
 
 
@@ -249,6 +288,39 @@ def _decompress(payload: Buffer, raw_len: int) -> Buffer:
     return out if filled == raw_len else memoryview(out)[:filled]
 
 
+def _unzstd(payload: memoryview, raw_len: int) -> Buffer:
+    """A chunk's zstd frame decompressed, checked against the header's ``raw_len`` first."""
+    # zstd allocates what its own frame header declares, not max_output_size:
+    # check that against ours first, so a lying frame cannot make us allocate.
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as exc:
+        raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
+    if declared != raw_len:
+        raise ChunkCorrupt(
+            f"zstd payload declares {'no size' if declared < 0 else f'{declared} bytes'}, "
+            f"the frame expects {raw_len}; the entry is damaged — drop it and fetch the "
+            "shard again"
+        )
+    if raw_len > (len(payload) // 3 + 1) * _ZSTD_BLOCK_MAX:
+        # Each zstd block takes at least a 3-byte header and yields at most 128 KiB:
+        # a header claiming more than that is a lie; refuse it before allocating.
+        raise ChunkCorrupt(
+            f"header says the chunk decodes to {raw_len} bytes, more than "
+            f"{len(payload)} bytes of zstd can hold; the entry is damaged — drop it and "
+            "fetch the shard again"
+        )
+    try:
+        return _decompress(payload, raw_len)
+    except zstandard.ZstdError as exc:
+        raise ChunkCorrupt(f"zstd payload cannot be decompressed: {exc}") from exc
+    except (MemoryError, OverflowError) as exc:
+        raise ChunkCorrupt(
+            f"header says the chunk decodes to {raw_len} bytes, more than can be "
+            "allocated; the entry is damaged — drop it and fetch the shard again"
+        ) from exc
+
+
 def decode_chunk(
     frame: Buffer, schema: pa.Schema | None = None, *, verify: bool = True
 ) -> pa.RecordBatch:
@@ -263,35 +335,15 @@ def decode_chunk(
     payload = payload_view(frame, header)
     raw: Buffer
     if header.codec is Codec.ZSTD:
-        # zstd allocates what its own frame header declares, not max_output_size:
-        # check that against ours first, so a lying frame cannot make us allocate.
-        try:
-            declared = zstandard.frame_content_size(payload)
-        except zstandard.ZstdError as exc:
-            raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
-        if declared != header.raw_len:
-            raise ChunkCorrupt(
-                f"zstd payload declares {'no size' if declared < 0 else f'{declared} bytes'}, "
-                f"header says {header.raw_len}; the entry is damaged — drop it and fetch the "
-                "shard again"
-            )
-        if header.raw_len > (len(payload) // 3 + 1) * _ZSTD_BLOCK_MAX:
-            # Each zstd block takes at least a 3-byte header and yields at most 128 KiB:
-            # a header claiming more than that is a lie; refuse it before allocating.
-            raise ChunkCorrupt(
-                f"header says the chunk decodes to {header.raw_len} bytes, more than "
-                f"{len(payload)} bytes of zstd can hold; the entry is damaged — drop it and "
-                "fetch the shard again"
-            )
-        try:
-            raw = _decompress(payload, header.raw_len)
-        except zstandard.ZstdError as exc:
-            raise ChunkCorrupt(f"zstd payload cannot be decompressed: {exc}") from exc
-        except (MemoryError, OverflowError) as exc:
-            raise ChunkCorrupt(
-                f"header says the chunk decodes to {header.raw_len} bytes, more than can be "
-                "allocated; the entry is damaged — drop it and fetch the shard again"
-            ) from exc
+        raw = _unzstd(payload, header.raw_len)
+    elif header.codec is Codec.BYTE_SPLIT_ZSTD:
+        regions, table = byte_split.unpack_regions(payload, header.raw_len)
+        split = _unzstd(payload[table:], byte_split.stored_length(regions, header.raw_len))
+        raw = (
+            byte_split.join(split, regions, header.raw_len)
+            if regions and isinstance(split, pa.Buffer)  # else short: the check below fails
+            else split
+        )
     else:
         raw = payload
     if len(raw) != header.raw_len:

@@ -5,18 +5,23 @@ A frame is a 32-byte little-endian header followed by the payload::
     offset  size  field
     0       2     magic b"EC"
     2       1     frame format version (1)
-    3       1     codec (0 = none, 1 = zstd)
+    3       1     codec (0 = none, 1 = zstd, 2 = byte-split + zstd)
     4       4     rows in the chunk
     8       8     payload length in bytes
     16      8     raw (uncompressed) payload length
     24      8     xxh3-64 of header bytes 0..23 followed by the payload
 
 The payload is one Arrow IPC stream (schema + one record batch), compressed
-whole when the codec says so. The checksum covers the header too, so a flipped
-bit anywhere is caught; it is xxh3 because it runs at memory speed (about
-29 GB/s here against 14.5 for crc32c) and ``xxhash`` releases the GIL.
-Frames are self-describing so the serve path can pass stored bytes through
-untouched and the client can still verify them end to end.
+whole when the codec says so. With ``BYTE_SPLIT_ZSTD`` the stream's
+fixed-width buffers had their element bytes split into streams before zstd,
+and the payload starts with the table of those byte ranges (see
+:mod:`edgecache.cache.byte_split`); the raw length is still the stream's.
+
+The checksum covers the header too, so a flipped bit anywhere is caught; it
+is xxh3 because it runs at memory speed (about 29 GB/s here against 14.5 for
+crc32c) and ``xxhash`` releases the GIL. Frames are self-describing so the
+serve path can pass stored bytes through untouched and the client can still
+verify them end to end.
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Codec(IntEnum):
-    """How a frame's payload is compressed."""
+    """How a frame's payload is compressed. Values are stored: never change what one means."""
 
     NONE = 0
     ZSTD = 1
+    BYTE_SPLIT_ZSTD = 2  # regions table, then zstd of the stream with those regions byte-split
 
 
 @dataclass(frozen=True, slots=True)

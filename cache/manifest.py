@@ -148,11 +148,17 @@ def preprocess_spec(
     *,
     transform: str = "identity",
     params: Mapping[str, str] | None = None,
-    compression: pb.Compression.ValueType = pb.COMPRESSION_ZSTD,
+    compression: pb.Compression.ValueType = pb.COMPRESSION_BYTE_SPLIT_ZSTD,
     compression_level: int = 1,
     chunk_bytes: int = 4 << 20,
 ) -> pb.PreprocessSpec:
-    """A preprocessing spec with edgecache's defaults (zstd-1, 4 MiB chunks)."""
+    """A preprocessing spec with edgecache's defaults for new versions.
+
+    Byte-split + zstd-1 chunks (on token ids a 3.3x ratio against plain
+    zstd-1's 2.5, about half the encode CPU and faster decode; see
+    :mod:`edgecache.cache.byte_split`) of 4 MiB. Versions already published
+    keep the codec their spec names.
+    """
     return pb.PreprocessSpec(
         transform=transform,
         params=dict(params or {}),

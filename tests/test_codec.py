@@ -17,15 +17,27 @@ def roundtrip(frames: list[bytes], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_batches([decode_chunk(f, schema) for f in frames], schema=schema)
 
 
-@pytest.mark.parametrize("compression", ["zstd", "none"])
+CODECS = {"byte-split-zstd": Codec.BYTE_SPLIT_ZSTD, "zstd": Codec.ZSTD, "none": Codec.NONE}
+
+
+@pytest.mark.parametrize("compression", sorted(CODECS))
 def test_round_trip_tokens(compression: str) -> None:
     batches = [token_batch(3000, seed=i, start=3000 * i) for i in range(4)]
     opts = CodecOptions(compression=compression, chunk_bytes=256 << 10)  # type: ignore[arg-type]
     frames = encode_shard(batches, TOKEN_SCHEMA, opts)
     assert len(frames) > 4
     assert roundtrip(frames, TOKEN_SCHEMA).equals(pa.Table.from_batches(batches))
-    codec = Codec.ZSTD if compression == "zstd" else Codec.NONE
-    assert {read_header(f).codec for f in frames} == {codec}
+    assert {read_header(f).codec for f in frames} == {CODECS[compression]}
+
+
+def test_byte_split_stores_token_ids_smaller_than_plain_zstd() -> None:
+    batches = [token_batch(20_000, seed=2)]
+    sizes = {
+        c: sum(map(len, encode_shard(batches, TOKEN_SCHEMA, CodecOptions(compression=c))))  # type: ignore[arg-type]
+        for c in ("byte-split-zstd", "zstd")
+    }
+    assert sizes["byte-split-zstd"] < 0.85 * sizes["zstd"]
+    assert CodecOptions().compression == "byte-split-zstd"  # the default for new versions
 
 
 def test_chunks_are_bounded() -> None:
@@ -84,7 +96,7 @@ def test_wrong_schema_is_refused_on_encode_and_decode() -> None:
         decode_chunk(frame, missing)
 
 
-@pytest.mark.parametrize("compression", ["zstd", "none"])
+@pytest.mark.parametrize("compression", sorted(CODECS))
 def test_every_flipped_byte_is_detected(compression: str) -> None:
     frame = encode_shard([token_batch(50)], TOKEN_SCHEMA, CodecOptions(compression=compression))[0]  # type: ignore[arg-type]
     rng = np.random.default_rng(1)
@@ -96,7 +108,7 @@ def test_every_flipped_byte_is_detected(compression: str) -> None:
             decode_chunk(bytes(damaged), TOKEN_SCHEMA)
 
 
-@pytest.mark.parametrize("compression", ["zstd", "none"])
+@pytest.mark.parametrize("compression", sorted(CODECS))
 def test_every_header_bit_is_checked_even_without_the_checksum(compression: str) -> None:
     # decode_chunk(verify=False) trusts the checksum but not the header: every flipped bit
     # of magic, format, codec, rows and both lengths is still ChunkCorrupt (never a
@@ -139,7 +151,12 @@ def test_options_are_validated_and_read_from_spec() -> None:
         CodecOptions(chunk_bytes=10)
     spec = pb.PreprocessSpec(compression=pb.COMPRESSION_NONE, chunk_bytes=1 << 20)
     assert CodecOptions.from_spec(spec) == CodecOptions(compression="none", chunk_bytes=1 << 20)
-    assert CodecOptions.from_spec(pb.PreprocessSpec()) == CodecOptions()  # unset = defaults
+    # Unset is what versions published before the choice existed carry: plain zstd-1.
+    assert CodecOptions.from_spec(pb.PreprocessSpec()) == CodecOptions(compression="zstd")
+    split = pb.PreprocessSpec(compression=pb.COMPRESSION_BYTE_SPLIT_ZSTD, compression_level=3)
+    assert CodecOptions.from_spec(split) == CodecOptions(compression="byte-split-zstd", level=3)
+    with pytest.raises(ValueError, match="does not know"):
+        CodecOptions.from_spec(pb.PreprocessSpec(compression=99))  # type: ignore[arg-type]
 
 
 # ---- property test: arbitrary schemas and chunk sizes round-trip exactly --------------------
@@ -155,6 +172,26 @@ _TYPES = {
     "binary": (pa.binary(), st.binary(max_size=3000)),
     "list_int32": (pa.list_(pa.int32()), st.lists(st.integers(-(2**31), 2**31 - 1), max_size=30)),
     "list_str": (pa.list_(pa.string()), st.lists(st.text(max_size=5), max_size=5)),
+    # Widths and layouts the byte-split codec handles each its own way:
+    "int16": (pa.int16(), st.integers(-(2**15), 2**15 - 1)),
+    "float16": (pa.float16(), st.sampled_from([np.float16(x) for x in (0.0, -1.5, 65504.0)])),
+    "timestamp": (pa.timestamp("us", "UTC"), st.integers(0, 2**60)),
+    "large_string": (pa.large_string(), st.text(max_size=20)),
+    "fsl_uint16": (
+        pa.list_(pa.uint16(), 3),
+        st.lists(st.integers(0, 65535), min_size=3, max_size=3),
+    ),
+    "struct": (
+        pa.struct([("a", pa.int32()), ("b", pa.string())]),
+        st.fixed_dictionaries({"a": st.integers(-5, 5), "b": st.text(max_size=3)}),
+    ),
+    "map": (
+        pa.map_(pa.int32(), pa.float64()),
+        st.dictionaries(st.integers(0, 9), st.floats(allow_nan=False), max_size=3).map(
+            lambda d: list(d.items())
+        ),
+    ),
+    "decimal": (pa.decimal128(12, 2), st.decimals(-(10**9), 10**9, places=2)),
 }
 
 
@@ -177,7 +214,7 @@ def tables(draw: st.DrawFn) -> pa.Table:
 @given(
     data=tables(),
     chunk_bytes=st.integers(4 << 10, 64 << 10),
-    compression=st.sampled_from(["zstd", "none"]),
+    compression=st.sampled_from(sorted(CODECS)),
     level=st.integers(-3, 6),
 )
 def test_codec_round_trip_property(data, chunk_bytes: int, compression: str, level: int) -> None:
