@@ -15,6 +15,7 @@ from s3server import make_bucket, put_object
 from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginChanged
 from edgecache.cache.storage import FsspecStore, ObjectInfo, S3Store
 from edgecache.cache.storage.base import verify as _verify
+from edgecache.cache.storage.s3 import MIN_PART_BYTES, PART_SECONDS, StreamRate
 
 
 def run(coro):  # noqa: ANN001, ANN201
@@ -103,3 +104,67 @@ def test_create_only_writes_honour_the_umask(tmp_path: Path, umask: int) -> None
     plain = (tmp_path / "latest").stat().st_mode & 0o777
     assert created == plain == 0o666 & ~umask
     assert not [p for p in (tmp_path / "versions").iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---- part sizing from the measured stream rate ----------------------------------------------
+
+
+def test_stream_rate_follows_recent_gets_and_ignores_small_ones() -> None:
+    rate = StreamRate(weight=0.5)
+    rate.add(100 << 10, 0.001)  # too small to say anything about rate
+    assert rate.bytes_per_second == 0 and rate.samples == 0
+    rate.add(8 << 20, 1.0)
+    assert rate.bytes_per_second == 8 << 20
+    rate.add(8 << 20, 0.5)
+    assert rate.bytes_per_second == 12 << 20  # halfway to the newest
+    rate.add(8 << 20, 0.0)  # a clock that did not move is no sample
+    assert rate.samples == 2
+
+
+def test_parts_are_sized_from_what_one_stream_gets() -> None:
+    store = S3Store()
+    size = 24 << 20
+    assert store.part_size(size, "b") == 2 << 20  # unmeasured: as for a long path, 12 parts
+    store.rates["b"] = slow = StreamRate()
+    slow.add(4 << 20, 4.0)  # ~1 MB/s a stream: a lossy WAN path
+    assert store.part_size(size, "b") == 2 << 20
+    fast = StreamRate()
+    fast.add(64 << 20, 0.1)  # 640 MiB/s: one stream fetches the object within PART_SECONDS
+    store.rates["b"] = fast
+    assert store.part_size(size, "b") >= size
+    assert store.part_size(size, "other") == 2 << 20  # each bucket is measured on its own
+    assert S3Store(adaptive_parts=False, part_bytes=1 << 20).part_size(1 << 30) == 1 << 20
+    held = S3Store(adaptive_parts=False)
+    held.rates["b"] = fast
+    assert held.part_size(size, "b") == 2 << 20
+
+
+def test_a_fast_origin_gets_whole_objects_a_slow_one_parts(s3_endpoint: str) -> None:
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    body = os.urandom(9 << 20)  # above MULTIPART_THRESHOLD
+    put_object(s3_endpoint, bucket, "big.bin", body)
+    url = f"s3://{bucket}/big.bin"
+
+    async def scenario() -> None:
+        store = S3Store()
+        try:
+            info = await store.head(url)
+            before = store.stats.requests
+            assert await store.get(url, expect=info) == body
+            parts = store.stats.requests - before
+            assert parts == -(-len(body) // MIN_PART_BYTES)  # unmeasured: 1 MiB parts
+            measured = store.rates[bucket]
+            assert measured.samples == parts and measured.bytes_per_second > 0
+            measured.bytes_per_second = 4 * len(body) / PART_SECONDS  # as a fast link measures
+            before = store.stats.requests
+            assert await store.get(url, expect=info) == body
+            assert store.stats.requests - before == 1  # whole, If-Match and checksum as ever
+            measured.bytes_per_second, measured.samples = 1e6, 100  # a slow path again
+            before = store.stats.requests
+            assert await store.get(url, expect=info) == body
+            assert store.stats.requests - before == parts
+        finally:
+            await store.close()
+
+    run(scenario())

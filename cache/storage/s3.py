@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -37,7 +38,15 @@ from edgecache.cache.storage.base import (
     verify,
 )
 
-__all__ = ["MIN_PART_BYTES", "MULTIPART_THRESHOLD", "PART_BYTES", "PARTS_PER_OBJECT", "S3Store"]
+__all__ = [
+    "MIN_PART_BYTES",
+    "MULTIPART_THRESHOLD",
+    "PART_BYTES",
+    "PART_SECONDS",
+    "PARTS_PER_OBJECT",
+    "S3Store",
+    "StreamRate",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,10 +61,51 @@ T = TypeVar("T")
 # a caller that throttles per request (staging, see ``slot``) slows down soon.
 # Smaller objects are fetched whole: their parallelism comes from fetching
 # several at once, and a request each is cheaper for origin.
+#
+# Those sizes suit a long path; on a fast one (an origin in the same region, a
+# local S3-compatible store) a 1 MiB part is over in a few milliseconds, so the
+# request itself becomes the cost (moto's server on loopback served 1 MiB parts
+# about 3x slower than whole objects, on the CPUs staging needs). So parts are
+# sized from what the link delivers: each part should take about PART_SECONDS
+# on one stream at the rate the store's recent requests got (StreamRate), and
+# an object that one stream fetches in that time is fetched whole. A slow or
+# lossy path keeps its many small parts; a fast one gets whole objects; until
+# a bucket has been measured, parts are sized as for a long path. A request
+# therefore lasts about PART_SECONDS whatever the link, which is what the
+# staging gate's one-request-at-a-time yield to training reads relies on.
 MULTIPART_THRESHOLD = 8 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
 PARTS_PER_OBJECT = 12
+PART_SECONDS = 0.25
+_MEASURED_BYTES = 256 << 10  # requests smaller than this say more about latency than rate
+
+
+class StreamRate:
+    """Bytes/s one request stream to a bucket gets, smoothed over its recent GETs.
+
+    Each GET of at least 256 KiB adds its size over its whole duration (first
+    byte latency included, and under whatever concurrency staging ran at), so
+    the figure is what one more request would get now. Exponentially
+    weighted (``weight`` for the newest), so a link that slows shows within a
+    few requests.
+    """
+
+    def __init__(self, weight: float = 0.25) -> None:
+        self.weight = weight
+        self.bytes_per_second = 0.0  # 0: nothing measured yet
+        self.samples = 0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        """One finished GET of ``nbytes`` that took ``seconds`` from request to last byte."""
+        if nbytes < _MEASURED_BYTES or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.samples += 1
+        if self.samples == 1:
+            self.bytes_per_second = rate
+        else:
+            self.bytes_per_second += self.weight * (rate - self.bytes_per_second)
 
 
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
@@ -77,10 +127,13 @@ class S3Store(ObjectStore):
         part_bytes: int = PART_BYTES,
         multipart_threshold: int = MULTIPART_THRESHOLD,
         attempts: int | None = None,
+        adaptive_parts: bool = True,
     ) -> None:
         self.stats = RetryStats()
         self.part_bytes = part_bytes
         self.multipart_threshold = multipart_threshold
+        self.adaptive_parts = adaptive_parts
+        self.rates: dict[str, StreamRate] = {}  # by bucket: buckets may sit in other regions
         # AWS_MAX_ATTEMPTS is the standard knob; 6 tries ride out SlowDown bursts.
         self.attempts = attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 6)
         self._max_connections = max_connections
@@ -217,11 +270,13 @@ class S3Store(ObjectStore):
         s3 = await self._s3()
 
         async def once() -> tuple[bytes, ObjectInfo]:
+            started = time.monotonic()
             response = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
             # botocore's own retries (throttling, 5xx) happen inside the call: count them.
             self.stats.retries += response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
             async with response["Body"] as body:
                 data = await body.read()
+            self.rates.setdefault(bucket, StreamRate()).add(len(data), time.monotonic() - started)
             self.stats.bytes_read += len(data)
             total = str(response.get("ContentRange", "")).rpartition("/")[2]
             info = ObjectInfo(
@@ -266,19 +321,29 @@ class S3Store(ObjectStore):
             f"{url}: {problem}; origin keeps returning damaged bytes — check the storage backend"
         )
 
-    def part_size(self, size: int) -> int:
-        """Bytes per ranged part for an object of ``size`` bytes."""
+    def part_size(self, size: int, bucket: str | None = None) -> int:
+        """Bytes per ranged part for an object of ``size`` bytes in ``bucket``.
+
+        For a long path: ``PARTS_PER_OBJECT`` parts, each at least
+        ``MIN_PART_BYTES`` and at most ``part_bytes``. Once the bucket's stream
+        rate is measured, parts are at least what one stream fetches in
+        ``PART_SECONDS`` (a size of ``size`` or more means: fetch it whole).
+        """
         wanted = -(-size // PARTS_PER_OBJECT)
-        return min(self.part_bytes, max(MIN_PART_BYTES, wanted))
+        step = min(self.part_bytes, max(MIN_PART_BYTES, wanted))
+        measured = self.rates.get(bucket or "")
+        if self.adaptive_parts and measured is not None and measured.bytes_per_second:
+            step = max(step, int(measured.bytes_per_second * PART_SECONDS))
+        return step
 
     async def _get_parts(self, url: str, info: ObjectInfo, slot: Slot) -> tuple[bytes, ObjectInfo]:
         condition = {"IfMatch": f'"{info.etag}"', "ChecksumMode": "ENABLED"}
-        if info.size <= self.multipart_threshold:
+        step = self.part_size(info.size, self._split(url)[0])
+        if info.size <= self.multipart_threshold or step >= info.size:
             async with slot():
                 return await self._read(url, **condition)
         buffer = bytearray(info.size)
         seen: list[ObjectInfo] = []
-        step = self.part_size(info.size)
 
         async def part(start: int) -> None:
             end = min(start + step, info.size)
