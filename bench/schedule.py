@@ -39,13 +39,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +49,11 @@ from bench.report import cpu_model, versions
 from bench.schedule_parts import chart, report
 from bench.schedule_parts.edge import Settings
 from bench.schedule_parts.scenario import FULL, SMOKE, Scenario
-from bench.wan.__main__ import Run
-from bench.wan.link import Link, LinkSpec, open_link
-from bench.wan.origin import s3_env
+from bench.wan.link import LinkSpec
+from bench.wan.session import Run, s3_node_env, session
 
 __all__ = ["draw", "main"]
 
-REPO = Path(__file__).resolve().parents[1]
 BUCKET = "schedule-origin"
 
 
@@ -70,44 +62,14 @@ def draw(results: dict[str, Any], path: Path) -> Path:
     return chart.draw(results, path)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _prepare(
-    run: Run, workdir: Path, registry: str, args: argparse.Namespace, specs: list[str]
-) -> dict[str, Any]:
+def _prepare(run: Run, registry: str, args: argparse.Namespace, specs: list[str]) -> Any:
     """Write, upload and publish every version on the origin side (nothing crosses the link)."""
-    out = subprocess.run(
-        run.link.origin_command(
-            [sys.executable, "-m", "bench.schedule_parts.origin", "--endpoint", run.origin_local]
-            + ["--bucket", BUCKET, "--registry", registry, "--source", str(workdir / "source")]
-            + ["--versions", ",".join(specs), "--version-mib", str(args.version_mib)]
-            + ["--shard-mib", str(args.shard_mib)]
-        ),
-        cwd=REPO,
-        env=run.env,
-        capture_output=True,
-        text=True,
+    return run.origin_step(
+        "bench.schedule_parts.origin",
+        ["--endpoint", run.origin_local, "--bucket", BUCKET, "--registry", registry]
+        + ["--source", str(run.workdir / "source"), "--versions", ",".join(specs)]
+        + ["--version-mib", str(args.version_mib), "--shard-mib", str(args.shard_mib)],
     )
-    if out.returncode:
-        raise RuntimeError(f"preparing the origin failed: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _edge(run: Run, workdir: Path, settings: Settings) -> dict[str, Any]:
-    """Calibration and both days, on the edge side of the link."""
-    path = workdir / "settings.json"
-    path.write_text(json.dumps(asdict(settings)))
-    results = workdir / "results.json"
-    proc = run.spawn(
-        run.link.edge_command(
-            [sys.executable, "-m", "bench.schedule_parts.edge", str(path), str(results)]
-        )
-    )
-    if proc.wait():
-        raise RuntimeError(f"the edge side failed (exit {proc.returncode}); see the log above")
-    return json.loads(results.read_text())
 
 
 def _replay(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -168,34 +130,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.speed, args.interval, args.touch_seconds, args.loss = 4000.0, 0.1, 0.5, 0.0
 
     spec = LinkSpec(rtt_ms=args.rtt_ms, rate_mbit=args.rate_mbit, loss=args.loss)
-    started = time.monotonic()
-    phases: dict[str, float] = {}
-
-    def phase(name: str) -> None:
-        phases[name] = round(time.monotonic() - started - sum(phases.values()), 1)
-
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    workdir = Path(tempfile.mkdtemp(prefix="edgecache-bench-schedule-"))
-    link: Link | None = None
-    run: Run | None = None
-    try:
-        link, why = open_link(spec, args.link)
-        console.log(f"link: {why}; {spec}")
-        run = Run(link, workdir, console)
-        origin = run.start_origin()
-        registry = f"file://{workdir}/registry"
+    with session("edgecache-bench-schedule-", spec, args.link, console, keep=args.keep) as s:
+        origin = s.run.start_origin()
+        registry = f"file://{s.workdir}/registry"
         console.log(f"origin: moto's S3 server, reached from the edge at {origin}")
-        phase("link and origin set up")
+        s.phase("link and origin set up")
         console.log(f"writing {len(scenario.versions)} versions × {args.version_mib} MiB raw")
-        published = _prepare(run, workdir, registry, args, list(scenario.versions))
-        phase("data written, uploaded, published")
+        published = _prepare(s.run, registry, args, list(scenario.versions))
+        s.phase("data written, uploaded, published")
         settings = Settings(
-            workdir=str(workdir),
+            workdir=str(s.workdir),
             registry=registry,
-            node_env={
-                **s3_env(origin),
-                "EDGECACHE_STAGING_CONCURRENCY": str(args.staging_concurrency),
-            },
+            node_env=s3_node_env(origin, args.staging_concurrency),
             scenario=scenario.as_dict(),
             speed=args.speed,
             interval=args.interval,
@@ -204,20 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             touch_seconds=args.touch_seconds,
             modes=args.modes.split(","),
         )
-        measured = _edge(run, workdir, settings)
-        phase("calibration and both days")
-        link_counters = link.counters()
-        link_info = link.describe() | {"chosen_because": why, "counters": link_counters}
-    finally:
-        if run is not None:
-            run.close()
-        if link is not None:
-            link.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    phase("teardown")
+        measured = s.run.edge_step("bench.schedule_parts.edge", settings)
+        s.phase("calibration and both days")
+        link_info = s.link.describe() | {"chosen_because": s.why, "counters": s.link.counters()}
 
     parquet = sum(p["parquet_bytes"] for p in published.values())
     stored = measured["calibration"]["max_stored_bytes"]
@@ -264,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu": cpu_model()},
     }
     results["figures"] = report.analyse(measured, scenario, args.speed)
-    results["wall_s"] = round(time.monotonic() - started, 1)
-    results["phases_s"] = phases
+    results["wall_s"] = s.elapsed()
+    results["phases_s"] = s.phases
     report.print_results(console, results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -12,64 +12,31 @@ is checked on its own on hand-made observations.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchproc import marked, namespaces, run_marked
 
 ROOT = Path(__file__).resolve().parents[1]
-PREFIX = "ecwan"  # bench.wan.link.PREFIX: the link's namespaces are named after it
-
-
-def _namespaces() -> set[str]:
-    try:
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    except OSError:
-        return set()
-    return {line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)}
-
-
-def _marked(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker`` (every descendant inherits it)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes()
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker.encode() in environ and state != "Z":
-                found.append(int(entry))
-    return found
 
 
 def test_schedule_smoke(tmp_path: Path) -> None:
     out, png = tmp_path / "schedule.json", tmp_path / "timeline.png"
     marker = f"schedule-smoke-{uuid.uuid4().hex}"
-    before = _namespaces()
-    proc = subprocess.Popen(
+    before = namespaces()
+    code, log = run_marked(
         [sys.executable, "-m", "bench.schedule", "--smoke", "--json", str(out)]
         + ["--render", str(png)],
-        cwd=ROOT,
-        env={**os.environ, "BENCH_SCHEDULE_TEST": marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        "BENCH_SCHEDULE_TEST",
+        marker,
+        100,
     )
-    try:
-        log, _ = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:  # the benchmark tears everything down on SIGTERM
-            proc.terminate()
-            log, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, log[-4000:]
-    assert _namespaces() <= before, f"namespaces left behind: {_namespaces() - before}"
-    assert not _marked(marker), "processes of the benchmark outlived it"
+    assert code == 0, log[-4000:]
+    assert namespaces() <= before, f"namespaces left behind: {namespaces() - before}"
+    assert not marked(marker), "processes of the benchmark outlived it"
 
     doc = json.loads(out.read_text())
     assert doc["link"]["kind"] in ("netns", "proxy") and doc["link"]["chosen_because"]

@@ -12,66 +12,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PREFIX = "ecwan"  # bench.wan.link.PREFIX: the benchmark's namespaces are named after it
-
-
-def _namespaces() -> set[str]:
-    try:
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    except OSError:
-        return set()
-    return {line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)}
-
-
-def _marked(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker`` (every descendant inherits it)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes()
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker.encode() in environ and state != "Z":
-                found.append(int(entry))
-    return found
-
-
-def _run(argv: list[str], marker: str, timeout: float) -> tuple[int, str]:
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env={**os.environ, "BENCH_WAN_TEST": marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:  # the benchmark tears everything down on SIGTERM
-            proc.terminate()
-            log, _ = proc.communicate(timeout=30)
-    return proc.returncode, log
+from benchproc import marked, namespaces, run_marked
 
 
 def test_wan_smoke(tmp_path: Path) -> None:
     out = tmp_path / "wan.json"
     marker = f"wan-smoke-{uuid.uuid4().hex}"
-    before = _namespaces()
-    code, log = _run(
-        [sys.executable, "-m", "bench.wan", "--smoke", "--json", str(out)], marker, 120
+    before = namespaces()
+    code, log = run_marked(
+        [sys.executable, "-m", "bench.wan", "--smoke", "--json", str(out)],
+        "BENCH_WAN_TEST",
+        marker,
+        120,
     )
     assert code == 0, log[-4000:]
-    assert _namespaces() <= before, f"namespaces left behind: {_namespaces() - before}"
-    assert not _marked(marker), "processes of the benchmark outlived it"
+    assert namespaces() <= before, f"namespaces left behind: {namespaces() - before}"
+    assert not marked(marker), "processes of the benchmark outlived it"
 
     doc = json.loads(out.read_text())
     link = doc["link"]
@@ -139,12 +99,12 @@ finally:
 def test_proxy_link_carries_bytes_both_ways() -> None:
     """The fallback link (delaying, rate-limiting proxy) with the probe through it."""
     marker = f"wan-proxy-{uuid.uuid4().hex}"
-    code, log = _run([sys.executable, "-c", PROXY_CHECK], marker, 60)
+    code, log = run_marked([sys.executable, "-c", PROXY_CHECK], "BENCH_WAN_TEST", marker, 60)
     assert code == 0, log[-3000:]
     figures = json.loads(log.strip().splitlines()[-1])
     assert figures["rtt_median_ms"] > 0 and figures["connect_ms"] > 0
     assert figures["bulk"][0]["streams"] == 2 and figures["bulk"][0]["bytes_per_s"] > 0
-    assert not _marked(marker)
+    assert not marked(marker)
 
 
 # ------------------------------------------------ the staging path this benchmark drove

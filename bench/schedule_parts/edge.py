@@ -34,12 +34,7 @@ traffic is not generated, for either run.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
 import re
-import signal
 import threading
 import time
 import urllib.request
@@ -59,6 +54,7 @@ from bench.schedule_parts.scenario import (
     write_schedule,
     write_topology,
 )
+from bench.wan.session import edge_side
 from bench.wan.workload import Sampler
 from edgecache.cache.names import parse_spec
 from edgecache.cache.registry import Registry
@@ -666,31 +662,9 @@ def run(settings: Settings, console: Console) -> dict[str, Any]:
     }
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("settings", type=Path)
-    parser.add_argument("results", type=Path)
-    args = parser.parse_args()
-    settings = Settings(**json.loads(args.settings.read_text()))
-    os.environ.update(settings.node_env)
-    signal.signal(signal.SIGTERM, _interrupt)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.setLevel(logging.WARNING)  # stderr: warnings only
     # The controller's own account (what it staged, from where, evicted) goes to a file.
-    detail = logging.FileHandler(Path(settings.workdir) / "controller.log")
-    detail.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    detail.setLevel(logging.INFO)
-    controller_log = logging.getLogger("edgecache.clients")
-    controller_log.setLevel(logging.INFO)
-    controller_log.addHandler(detail)
-    console = Console(stderr=True, width=150)
-    results = run(settings, console)
-    args.results.write_text(json.dumps(results))
+    edge_side(Settings, run, log_file=lambda settings: Path(settings.workdir) / "controller.log")
 
 
 if __name__ == "__main__":

@@ -18,30 +18,10 @@ import json
 import os
 from pathlib import Path
 
-import boto3
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from bench.wan.origin import CREDENTIALS, _zipf_table, publish, s3_env, token_batches
+from bench.wan.origin import publish, s3_client, s3_env, write_tokens
 from edgecache.cache.names import parse_spec
 
 __all__ = ["prepare"]
-
-
-def write_version(root: Path, raw_mib: int, shard_mib: int, seed: int) -> dict[str, int]:
-    """Token Parquet shards (zstd) of about ``shard_mib`` raw each, drawn from ``seed``."""
-    root.mkdir(parents=True, exist_ok=True)
-    count = max(raw_mib // shard_mib, 1)
-    shard_bytes = (raw_mib << 20) // count
-    table = _zipf_table()
-    rows = raw = 0
-    for i in range(count):
-        shard = pa.Table.from_batches(token_batches(shard_bytes, seed * 1000 + i, table))
-        rows += shard.num_rows
-        raw += sum(column.nbytes for column in shard.columns)
-        pq.write_table(shard, root / f"part-{i:05d}.parquet", compression="zstd")
-    parquet = sum(p.stat().st_size for p in root.iterdir())
-    return {"shards": count, "rows": rows, "raw_bytes": raw, "parquet_bytes": parquet}
 
 
 def prepare(
@@ -55,19 +35,13 @@ def prepare(
 ) -> dict[str, dict[str, object]]:
     """Write, upload and publish every version, in order (``name@1`` before ``name@2``)."""
     os.environ.update(s3_env(endpoint))
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
-    )
+    client = s3_client(endpoint)
     client.create_bucket(Bucket=bucket)
     out: dict[str, dict[str, object]] = {}
     for seed, spec in enumerate(versions, start=1):
         parsed = parse_spec(spec)
         prefix = f"{parsed.dataset}/v{parsed.version}"
-        sizes = write_version(source / prefix, raw_mib, shard_mib, seed)
+        sizes = write_tokens(source / prefix, raw_mib, shard_mib, seed)
         for path in sorted((source / prefix).iterdir()):
             client.put_object(Bucket=bucket, Key=f"{prefix}/{path.name}", Body=path.read_bytes())
         manifest = publish(registry, f"s3://{bucket}/{prefix}/", parsed.dataset)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,7 +25,7 @@ from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["CREDENTIALS", "publish", "s3_env", "upload", "write_tokens"]
+__all__ = ["CREDENTIALS", "publish", "s3_client", "s3_env", "upload", "write_tokens"]
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -74,15 +75,19 @@ def token_batches(total_bytes: int, seed: int, table: np.ndarray) -> list[pa.Rec
     return out
 
 
-def write_tokens(root: Path, raw_mib: int, shard_mib: int) -> dict[str, int]:
-    """Token Parquet shards (zstd) of about ``shard_mib`` raw each; their sizes."""
+def write_tokens(root: Path, raw_mib: int, shard_mib: int, seed: int = 0) -> dict[str, int]:
+    """Token Parquet shards (zstd) of about ``shard_mib`` raw each; their sizes.
+
+    Shard ``i`` is drawn from ``seed * 1000 + i``: distinct seeds make distinct
+    versions of the same shape (the scenario benchmark's six).
+    """
     root.mkdir(parents=True, exist_ok=True)
     count = max(raw_mib // shard_mib, 1)
     shard_bytes = (raw_mib << 20) // count
     table = _zipf_table()
     rows = raw = 0
     for i in range(count):
-        shard = pa.Table.from_batches(token_batches(shard_bytes, i, table))
+        shard = pa.Table.from_batches(token_batches(shard_bytes, seed * 1000 + i, table))
         rows += shard.num_rows
         raw += sum(column.nbytes for column in shard.columns)
         pq.write_table(shard, root / f"part-{i:05d}.parquet", compression="zstd")
@@ -90,17 +95,22 @@ def write_tokens(root: Path, raw_mib: int, shard_mib: int) -> dict[str, int]:
     return {"shards": count, "rows": rows, "raw_bytes": raw, "parquet_bytes": parquet}
 
 
-def upload(endpoint: str, bucket: str, source: Path) -> None:
-    """Create ``bucket`` and put every file of ``source`` under ``tokens/`` (single PUTs)."""
+def s3_client(endpoint: str) -> Any:
+    """A boto3 S3 client for moto at ``endpoint`` with the benchmark's credentials."""
     import boto3
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=endpoint,
         aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
     )
+
+
+def upload(endpoint: str, bucket: str, source: Path) -> None:
+    """Create ``bucket`` and put every file of ``source`` under ``tokens/`` (single PUTs)."""
+    client = s3_client(endpoint)
     client.create_bucket(Bucket=bucket)
     for path in sorted(source.iterdir()):
         client.put_object(Bucket=bucket, Key=f"{PREFIX}/{path.name}", Body=path.read_bytes())

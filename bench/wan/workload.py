@@ -27,13 +27,11 @@ Every timeline (bytes over the link, batches over time) is kept for charts.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -50,6 +48,7 @@ from rich.console import Console
 
 from bench.wan.link import DEVICE
 from bench.wan.origin import publish
+from bench.wan.session import edge_side
 from edgecache.clients.node_client import LocalNode, connect, start_local_node
 from edgecache.v1 import edge_pb2
 
@@ -467,22 +466,8 @@ def run(settings: Settings, console: Console) -> dict[str, Any]:
     return results
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("settings", type=Path)
-    parser.add_argument("results", type=Path)
-    args = parser.parse_args()
-    settings = Settings(**json.loads(args.settings.read_text()))
-    os.environ.update(settings.node_env)  # the CLI and EdgeDataset reach origin through it
-    # SIGTERM (the orchestrator ending us) unwinds like Ctrl-C, so every node is stopped.
-    signal.signal(signal.SIGTERM, _interrupt)
-    console = Console(stderr=True, width=150)
-    results = run(settings, console)
-    args.results.write_text(json.dumps(results))
+    edge_side(Settings, run)
 
 
 if __name__ == "__main__":
