@@ -7,6 +7,7 @@ import base64
 import hashlib
 import os
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,8 @@ def test_s3_ranged_parallel_get_head_list_put(s3_endpoint: str) -> None:
         try:
             info = await store.head(url)
             assert info.size == len(body) and info.etag == hashlib.md5(body).hexdigest()
+            # SDKs upload with a CRC32 by default; it is what GETs are checked against.
+            assert info.crc32 == base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
             assert await store.get(url, expect=info) == body
             assert await store.get_range(url, 10, 20) == body[10:20]
             assert [o.url for o in await store.list(f"s3://{bucket}/data/")] == [url]
@@ -64,6 +67,11 @@ def test_bytes_are_checked_against_origin_checksums() -> None:
         _verify(flipped, ObjectInfo("s3://b/k", len(data), "abc-2", "xyz-3")) is None
     )  # composite
     assert "bytes" in (_verify(data[:-1], ObjectInfo("s3://b/k", len(data), md5)) or "")
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    assert _verify(data, ObjectInfo("s3://b/k", len(data), "abc-2", crc32=crc)) is None
+    assert "CRC32" in (_verify(flipped, ObjectInfo("s3://b/k", len(data), md5, crc32=crc)) or "")
+    # The CRC32 (cheapest) is the one checked when origin gives several.
+    assert "CRC32" in (_verify(flipped, ObjectInfo("s3://b/k", len(data), md5, sha, crc)) or "")
 
 
 @pytest.mark.parametrize("scheme", ["file", "memory"])

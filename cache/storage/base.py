@@ -6,6 +6,7 @@ import base64
 import contextlib
 import hashlib
 import re
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -27,6 +28,7 @@ class ObjectInfo:
     size: int
     etag: str
     sha256: str | None = None  # base64 full-object SHA-256, when the store reports one
+    crc32: str | None = None  # base64 full-object CRC32 (what SDKs upload with by default)
 
     def same_content(self, other: ObjectInfo) -> bool:
         """Whether ``other`` describes the same bytes (ETag and size agree)."""
@@ -97,10 +99,20 @@ def changed(url: str, expect: ObjectInfo, found: ObjectInfo) -> OriginChanged:
 
 
 def verify(data: bytes, info: ObjectInfo) -> str | None:
-    """Check bytes against the checksum origin reports; a problem description or None."""
+    """Check bytes against the checksum origin reports; a problem description or None.
+
+    The cheapest full-object checksum origin gave is used: CRC32 (zlib, several
+    GB/s) where the object has one, as S3 SDKs upload with by default; else
+    SHA-256; else the MD5 that a single-part upload's ETag is (about 0.6 GB/s
+    here: a tenth of a staging node's CPU per token shard went to it).
+    """
     if len(data) != info.size:
         return f"got {len(data)} bytes, expected {info.size}"
-    if info.sha256 and "-" not in info.sha256:  # "-N" marks a composite multipart checksum
+    if info.crc32 and "-" not in info.crc32:  # "-N" marks a composite multipart checksum
+        actual = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+        if actual != info.crc32:
+            return f"CRC32 {actual} does not match origin's {info.crc32}"
+    elif info.sha256 and "-" not in info.sha256:
         actual = base64.b64encode(hashlib.sha256(data).digest()).decode()
         if actual != info.sha256:
             return f"SHA-256 {actual} does not match origin's {info.sha256}"

@@ -4,8 +4,8 @@ A direct aiobotocore client because staging speed depends on it: a bounded
 connection pool, concurrent ranged GETs for large objects, ``If-Match`` on
 every part so an object replaced mid-download is noticed, create-only PUTs
 (``If-None-Match: *``) for the registry, and verification of the bytes
-against the checksum S3 reports (a full-object SHA-256, or the MD5 ETag of a
-single-part object): S3-compatible stores have served flipped bytes silently.
+against the checksum S3 reports (a full-object CRC32 or SHA-256, or the MD5
+ETag of a single-part object): S3-compatible stores have served flipped bytes silently.
 Endpoint, region and credentials come from the standard AWS environment and
 config files (``AWS_ENDPOINT_URL`` etc.), so any S3-compatible store works.
 
@@ -239,6 +239,7 @@ class S3Store(ObjectStore):
             size=int(response["ContentLength"]),
             etag=response["ETag"].strip('"'),
             sha256=response.get("ChecksumSHA256"),
+            crc32=response.get("ChecksumCRC32"),
         )
 
     async def list(self, prefix_url: str) -> list[ObjectInfo]:
@@ -284,6 +285,7 @@ class S3Store(ObjectStore):
                 size=int(total) if total.isdigit() else len(data),
                 etag=str(response.get("ETag", "")).strip('"'),
                 sha256=None if "Range" in kwargs else response.get("ChecksumSHA256"),
+                crc32=None if "Range" in kwargs else response.get("ChecksumCRC32"),
             )
             return data, info
 
