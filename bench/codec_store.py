@@ -8,6 +8,9 @@ Figures (MB/s of uncompressed Arrow data for the codec, of stored bytes for the 
   of the same IPC bytes;
 * decode: decode_chunk (verify, zstd, IPC read) vs raw zstd decompress + Arrow IPC read;
   and decode on 2 threads vs 1 (the GIL is released);
+* the byte-split codec (the default for new versions) against plain zstd-1, both through
+  ShardEncoder and decode_chunk: encode time, and decode time, which must not be slower
+  (readers decode every chunk; target >= 1.0x);
 * put: CacheStore.put_shard vs raw LMDB puts of the same frames, one transaction a shard;
 * get: CacheStore.read_shard verified zero-copy views vs raw LMDB ``buffers=True`` + one copy
   out; and CacheStore.iter_chunks (verified copies) vs raw LMDB ``get``.
@@ -129,6 +132,32 @@ def bench_dataset(
         times = best_of(threaded_decode, ours_decode, repeat)
     row(results, name, "codec decode, 2 threads", "same, 1 thread", raw_bytes, times)
 
+    # -- the byte-split codec against plain zstd-1, both ours
+    split_opts = CodecOptions(compression="byte-split-zstd", level=1, chunk_bytes=CHUNK_BYTES)
+    split_frames: list[bytes] = []
+
+    def split_encode() -> None:
+        split_frames[:] = encode_shard(batches, schema, split_opts)
+
+    times = best_of(split_encode, ours_encode, repeat)
+    row(results, name, "codec encode, byte-split zstd-1", "same, plain zstd-1", raw_bytes, times)
+
+    def split_decode() -> None:
+        for frame in split_frames:
+            decode_chunk(frame, schema)
+
+    times = best_of(split_decode, ours_decode, repeat)
+    row(
+        results,
+        name,
+        "codec decode, byte-split zstd-1",
+        "same, plain zstd-1",
+        raw_bytes,
+        times,
+        1.0,
+    )
+    split_stored = sum(map(len, split_frames))
+
     # -- store: put and get, same frames, same LMDB settings
     shards = [frames[i : i + CHUNKS_PER_SHARD] for i in range(0, len(frames), CHUNKS_PER_SHARD)]
     cache_dir, raw_dir = workdir / f"{name}-store", workdir / f"{name}-raw"
@@ -200,6 +229,7 @@ def bench_dataset(
     env.close()
     for r in results:
         r["compression_ratio"] = round(raw_bytes / stored, 2)
+        r["byte_split_compression_ratio"] = round(raw_bytes / split_stored, 2)
     return results
 
 
@@ -238,9 +268,13 @@ def main() -> None:
     )
     table = ratio_table(title, results, ("data", "measure", "baseline"))
     console.print(table)
+    first = {r["data"]: r for r in reversed(results)}
     console.print(
-        "zstd-1 compression ratio: "
-        + ", ".join(f"{r['data']} {r['compression_ratio']}×" for r in results[::6])
+        "compression ratio, plain zstd-1 / byte-split zstd-1: "
+        + ", ".join(
+            f"{d} {r['compression_ratio']}× / {r['byte_split_compression_ratio']}×"
+            for d, r in first.items()
+        )
     )
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
 

@@ -3,22 +3,33 @@
     python -m bench.staging [--mib 256] [--repeat 3] [--json]
 
 Token Parquet shards (bench.edge_node.write_shards: 32 MiB of int32 ids each
-as Arrow, ~11 MiB as zstd Parquet), all measured in one run:
+as Arrow, ~11 MiB as zstd Parquet), published three times from the same
+objects: with the default chunk codec (byte-split + zstd-1), with plain
+zstd-1 (every version before byte-split) and uncompressed. All measured in
+one run:
 
-(a) CPU seconds per GB of source preprocessed, in process, by today's
-    pipeline before issue 17 (``ParquetFile.iter_batches`` + serial zstd-1
-    chunks, one thread per shard) and by the node's pipeline now
-    (``edge.node._encode_raw_shard``: ``read_table``, chunks compressed on a
-    parts pool); thread CPU time, best of ``--repeat``. Target: halved.
+(a) CPU seconds per GB of source preprocessed, in process, by the pipeline
+    before issue 17 (``ParquetFile.iter_batches`` + serial plain zstd-1
+    chunks) and by the node's pipeline now (``edge.node._encode_raw_shard``:
+    ``read_table``, chunks encoded on a parts pool, the default codec); beside
+    them the node's pipeline with plain zstd-1, and decoding the Parquet
+    alone (the floor no chunk codec can go under). Process CPU time (every
+    thread, Arrow's own included: ``iter_batches`` decodes on Arrow's
+    threads, which a thread clock misses), best of ``--repeat``,
+    interleaved. Target: halved.
 (b) An ``edgecache serve`` subprocess pinned with ``taskset`` to 1 core and to
-    2 cores, staging the same version from file:// (so origin costs no CPU),
-    interleaved, best of ``--repeat``: source MB/s. Target: 2 cores >= 1.7x.
-    The node's own Status figures (staging rate, CPU-s per GB) are printed.
-(c) Staging from moto's S3 server over loopback against a bare pipeline that
-    GETs the same objects (aiobotocore, same concurrency) and decodes them
-    into Arrow with pyarrow on as many threads, doing nothing else. Target:
-    >= 0.8x. Beside it the old comparison with raw GETs (old target 0.6x,
-    out of reach on 2 cores with the S3 server on one of them).
+    2 cores, staging the default version from file:// (so origin costs no
+    CPU), interleaved, best of ``--repeat``: source MB/s. Target: 2 cores >=
+    1.7x. The node's own Status figures (staging rate, CPU-s per GB) are
+    printed.
+(c) Staging from moto's S3 server over loopback (each codec) against a bare
+    pipeline that GETs the same objects (aiobotocore, same concurrency) and
+    decodes them into Arrow with pyarrow on as many threads, doing nothing
+    else. Target: >= 0.8x. Beside it the old comparison with raw GETs (old
+    target 0.6x, out of reach on 2 cores with the S3 server on one of them).
+(d) What readers pay: ``decode_chunk`` on one thread over every chunk the
+    node's pipeline made in (a), default codec against plain zstd-1 (GB/s of
+    Arrow data, best of ``--repeat``), and the bytes each stores.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,9 +52,10 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from bench import report
-from bench.edge_node import TESTS, publish, spawn, write_shards
-from edgecache.cache.codec import CodecOptions, ShardEncoder
-from edgecache.cache.manifest import manifest_schema
+from bench.edge_node import TESTS, spawn, write_shards
+from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, decode_chunk
+from edgecache.cache.manifest import manifest_schema, preprocess_spec
+from edgecache.cache.preprocess import load_transform
 from edgecache.cache.registry import Registry
 from edgecache.edge.config import usable_cores
 from edgecache.edge.node import _encode_raw_shard
@@ -51,46 +64,120 @@ from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = ["main"]
 
+DEFAULT = CodecOptions().compression
+# The dataset name each codec's version is published under, the default first.
+DATASETS = {DEFAULT: "tokens", "zstd": "tokens-zstd", "none": "tokens-none"}
 
-def _before(data: bytes, schema: pa.Schema) -> float:
-    """Today's pipeline before issue 17, on this thread: thread CPU seconds."""
-    started = time.thread_time()
-    encoder = ShardEncoder(schema, CodecOptions())
+
+def publish(registry: str, source: str, compression: str) -> None:
+    """Publish ``source`` as the version :data:`DATASETS` names for ``compression``."""
+    spec = preprocess_spec(compression=COMPRESSIONS[compression])
+    Registry.run(registry, lambda reg: reg.publish(source, DATASETS[compression], spec=spec))
+
+
+def _cpu(work: Callable[[], object]) -> float:
+    """Process CPU seconds ``work`` took: every thread's, Arrow's own pools included."""
+    started = time.process_time()
+    work()
+    return time.process_time() - started
+
+
+def _before(data: bytes, schema: pa.Schema) -> None:
+    """The pipeline before issue 17: ``iter_batches`` and serial plain zstd-1 chunks."""
+    encoder = ShardEncoder(schema, CodecOptions(compression="zstd"))
     for batch in pq.ParquetFile(pa.BufferReader(data)).iter_batches(batch_size=65536):
         encoder.add(batch)
     encoder.finish()
-    return time.thread_time() - started
 
 
-def cpu_per_gb(origin: Path, registry: str, repeat: int, console: Console) -> dict:
-    console.log("(a) CPU per GB: today's pipeline and the node's, in process")
-    manifest = Registry.run(registry, lambda reg: reg.manifest("tokens", 1))
-    schema = manifest_schema(manifest)
-    shards = [(s, (origin / s.source_key).read_bytes()) for s in manifest.shards]
+def cpu_per_gb(origin: Path, registry: str, repeat: int, console: Console) -> tuple[dict, dict]:
+    """(a), and the frames the node's pipeline made with each codec, for (d)."""
+    console.log("(a) CPU per GB: the pipeline before issue 17 and the node's, in process")
+    manifests = {
+        c: Registry.run(registry, lambda reg, n=name: reg.manifest(n, 1))  # type: ignore[misc]
+        for c, name in DATASETS.items()
+        if c != "none"
+    }
+    schema = manifest_schema(manifests[DEFAULT])
+    shards = [(s, (origin / s.source_key).read_bytes()) for s in manifests[DEFAULT].shards]
     source = sum(len(d) for _, d in shards)
-    before, after = [], []
-    from edgecache.cache.preprocess import load_transform
-
     transform = load_transform("identity", {})
+    frames: dict[str, list[bytes]] = {}
+    runs: dict[str, list[float]] = {"before": [], "after": [], "after_zstd": [], "parquet": []}
     with ThreadPoolExecutor(usable_cores()) as parts:
-        for _ in range(repeat):  # interleaved, so drift hits both
-            before.append(sum(_before(data, schema) for _, data in shards))
-            after.append(
-                sum(
-                    _encode_raw_shard(data, manifest, s, s.source_key, transform, parts).cpu_seconds
-                    for s, data in shards
-                )
-            )
-    old, new = min(before) / source * 1e9, min(after) / source * 1e9
+
+        def node(compression: str) -> Callable[[], None]:
+            manifest = manifests[compression]
+
+            def work() -> None:
+                frames[compression] = [
+                    f
+                    for shard, data in shards
+                    for f in _encode_raw_shard(
+                        data, manifest, shard, shard.source_key, transform, parts
+                    ).frames
+                ]
+
+            return work
+
+        work = {
+            "before": lambda: [_before(data, schema) for _, data in shards],
+            "after": node(DEFAULT),
+            "after_zstd": node("zstd"),
+            "parquet": lambda: [
+                pq.read_table(pa.BufferReader(d), use_threads=False) for _, d in shards
+            ],
+        }
+        for name in work:  # warm-up: imports, Arrow's pools, first allocations
+            work[name]()
+        for _ in range(repeat):  # interleaved, so drift hits all alike
+            for name, fn in work.items():
+                runs[name].append(_cpu(fn))
+    per_gb = {name: min(r) / source * 1e9 for name, r in runs.items()}
     return {
-        "measure": "preprocess CPU-s per GB of source (token Parquet → zstd-1 chunks)",
+        "measure": f"preprocess CPU-s per GB of source (token Parquet → {DEFAULT}-1 chunks)",
+        "clock": "process CPU time (all threads)",
         "source_mb": round(source / 1e6, 1),
-        "before_cpu_s_per_gb": round(old, 2),
-        "after_cpu_s_per_gb": round(new, 2),
-        "before_cpu_s_per_shard": round(min(before) / len(shards), 3),
-        "after_cpu_s_per_shard": round(min(after) / len(shards), 3),
-        "reduction": round(old / new, 2),
+        "shards": len(shards),
+        "before_cpu_s_per_gb": round(per_gb["before"], 2),
+        "after_cpu_s_per_gb": round(per_gb["after"], 2),
+        "after_zstd_cpu_s_per_gb": round(per_gb["after_zstd"], 2),
+        "parquet_decode_cpu_s_per_gb": round(per_gb["parquet"], 2),
+        "before_cpu_s_per_shard": round(min(runs["before"]) / len(shards), 3),
+        "after_cpu_s_per_shard": round(min(runs["after"]) / len(shards), 3),
+        "reduction": round(per_gb["before"] / per_gb["after"], 2),
+        "codec_reduction": round(
+            (per_gb["after_zstd"] - per_gb["parquet"]) / (per_gb["after"] - per_gb["parquet"]), 2
+        ),
+        "ceiling": round(per_gb["before"] / per_gb["parquet"], 2),
         "target": 2.0,
+    }, frames
+
+
+def decode_speed(frames: dict[str, list[bytes]], repeat: int, console: Console) -> dict:
+    """(d): one thread decoding every chunk, default codec against plain zstd-1."""
+    console.log("(d) reader decode: decode_chunk on one thread, each codec's chunks")
+    schema = decode_chunk(frames[DEFAULT][0]).schema
+    arrow = sum(decode_chunk(f, schema).nbytes for f in frames[DEFAULT])
+    best = {c: float("inf") for c in frames}
+    for _ in range(repeat):
+        for codec, chunks in frames.items():
+            started = time.perf_counter()
+            for frame in chunks:
+                decode_chunk(frame, schema)
+            best[codec] = min(best[codec], time.perf_counter() - started)
+    stored = {c: sum(map(len, f)) for c, f in frames.items()}
+    return {
+        "measure": "decode_chunk, 1 thread, GB/s of Arrow data",
+        "arrow_mb": round(arrow / 1e6, 1),
+        "zstd_gb_s": round(arrow / best["zstd"] / 1e9, 2),
+        f"{DEFAULT}_gb_s": round(arrow / best[DEFAULT] / 1e9, 2),
+        "ratio": round(best["zstd"] / best[DEFAULT], 2),
+        "zstd_stored_mb": round(stored["zstd"] / 1e6, 1),
+        f"{DEFAULT}_stored_mb": round(stored[DEFAULT] / 1e6, 1),
+        "zstd_compression": round(arrow / stored["zstd"], 2),
+        f"{DEFAULT}_compression": round(arrow / stored[DEFAULT], 2),
+        "target": 1.0,
     }
 
 
@@ -197,51 +284,51 @@ def moto(workdir: Path, origin: Path, repeat: int, console: Console) -> list[dic
         make_bucket(endpoint, "bench-origin")
         upload_dir(endpoint, "bench-origin", "tokens", origin)
         registry = "s3://bench-origin/_edgecache"
-        publish(registry, "s3://bench-origin/tokens", "tokens")
-        publish(registry, "s3://bench-origin/tokens", "tokens-none", "none")
+        for compression in DATASETS:
+            publish(registry, "s3://bench-origin/tokens", compression)
         proc, client = _node(workdir, "cache-s3", registry, None, env)
-        runs: dict[str, list[tuple[int, float]]] = {"node": [], "none": [], "bare": [], "raw": []}
+        runs: dict[str, list[tuple[int, float]]] = {"bare": [], "raw": []}
+        runs.update({c: [] for c in DATASETS})
         try:
-            _stage(client)  # warm-up
+            for name in DATASETS.values():
+                _stage(client, name)  # warm-up; the node measures the link on it too
             for _ in range(repeat):
                 runs["raw"].append(asyncio.run(_bare("bench-origin", "tokens/", 4, False)))
                 runs["bare"].append(asyncio.run(_bare("bench-origin", "tokens/", 4, True)))
-                runs["node"].append(_stage(client))
-                runs["none"].append(_stage(client, "tokens-none"))
+                for compression, name in DATASETS.items():
+                    runs[compression].append(_stage(client, name))
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     rate = {k: (lambda b: b[0] / b[1])(min(v, key=lambda x: x[1])) for k, v in runs.items()}
-    mb = round(min(runs["node"], key=lambda x: x[1])[0] / 1e6, 1)
-    return [
+    mb = round(min(runs[DEFAULT], key=lambda x: x[1])[0] / 1e6, 1)
+    label = {DEFAULT: f"{DEFAULT}-1 (default)", "zstd": "zstd-1", "none": "uncompressed chunks"}
+    rows = [
         {
-            "measure": "Stage from S3 (moto), zstd-1",
+            "measure": f"Stage from S3 (moto), {label[compression]}",
+            "compression": compression,
             "baseline": "GET + pyarrow decode to Arrow, same concurrency",
             "mbytes": mb,
-            "ours_mb_s": round(rate["node"] / 1e6),
+            "ours_mb_s": round(rate[compression] / 1e6),
             "baseline_mb_s": round(rate["bare"] / 1e6),
-            "ratio": round(rate["node"] / rate["bare"], 3),
-            "target": 0.8,
-        },
+            "ratio": round(rate[compression] / rate["bare"], 3),
+            "target": 0.8 if compression == DEFAULT else None,
+        }
+        for compression in DATASETS
+    ]
+    rows.append(
         {
-            "measure": "Stage from S3 (moto), uncompressed chunks",
-            "baseline": "GET + pyarrow decode to Arrow, same concurrency",
-            "mbytes": mb,
-            "ours_mb_s": round(rate["none"] / 1e6),
-            "baseline_mb_s": round(rate["bare"] / 1e6),
-            "ratio": round(rate["none"] / rate["bare"], 3),
-            "target": 0.8,
-        },
-        {
-            "measure": "Stage from S3 (moto), zstd-1",
+            "measure": f"Stage from S3 (moto), {label[DEFAULT]}",
+            "compression": DEFAULT,
             "baseline": "raw aiobotocore GETs (old comparison)",
             "mbytes": mb,
-            "ours_mb_s": round(rate["node"] / 1e6),
+            "ours_mb_s": round(rate[DEFAULT] / 1e6),
             "baseline_mb_s": round(rate["raw"] / 1e6),
-            "ratio": round(rate["node"] / rate["raw"], 3),
+            "ratio": round(rate[DEFAULT] / rate["raw"], 3),
             "target": 0.6,
-        },
-    ]
+        }
+    )
+    return rows
 
 
 def run(mib: int, repeat: int, console: Console) -> dict:
@@ -251,9 +338,12 @@ def run(mib: int, repeat: int, console: Console) -> dict:
         console.log(f"writing {mib} MiB (as Arrow) of Parquet token shards")
         write_shards(origin, mib)
         registry = f"file://{workdir}/registry"
-        publish(registry, f"file://{origin}", "tokens")
+        for compression in DATASETS:
+            publish(registry, f"file://{origin}", compression)
+        cpu, frames = cpu_per_gb(origin, registry, repeat, console)
         results = {
-            "cpu": cpu_per_gb(origin, registry, repeat, console),
+            "cpu": cpu,
+            "decode": decode_speed(frames, repeat, console),
             "scaling": scaling(workdir, registry, repeat, console),
             "moto": moto(workdir, origin, repeat, console),
         }
@@ -262,19 +352,33 @@ def run(mib: int, repeat: int, console: Console) -> dict:
     results["cores"] = len(os.sched_getaffinity(0))
     results["cpu_model"] = report.cpu_model()
     results["versions"] = report.versions(
-        "pyarrow", "zstandard", "grpcio", "aiobotocore", "moto", "edgecache"
+        "pyarrow", "zstandard", "numpy", "grpcio", "aiobotocore", "moto", "edgecache"
     )
     return results
+
+
+def _met(value: float, target: float) -> str:
+    return f"(target ≥{target}x {'✓' if value >= target else '✗'})"
 
 
 def show(results: dict, console: Console) -> None:
     cpu = results["cpu"]
     console.print(
-        f"(a) {cpu['measure']}, {cpu['source_mb']} MB: before {cpu['before_cpu_s_per_gb']} "
-        f"CPU-s/GB ({cpu['before_cpu_s_per_shard']} per shard), after "
-        f"{cpu['after_cpu_s_per_gb']} ({cpu['after_cpu_s_per_shard']}): "
-        f"{cpu['reduction']}x less (target ≥{cpu['target']}x "
-        f"{'✓' if cpu['reduction'] >= cpu['target'] else '✗'})"
+        f"(a) {cpu['measure']}, {cpu['source_mb']} MB in {cpu['shards']} shards, "
+        f"{cpu['clock']}: before {cpu['before_cpu_s_per_gb']} CPU-s/GB "
+        f"({cpu['before_cpu_s_per_shard']} per shard), after {cpu['after_cpu_s_per_gb']} "
+        f"({cpu['after_cpu_s_per_shard']}): {cpu['reduction']}x less "
+        f"{_met(cpu['reduction'], cpu['target'])}. Same pipeline with plain zstd-1: "
+        f"{cpu['after_zstd_cpu_s_per_gb']}; Parquet decode alone: "
+        f"{cpu['parquet_decode_cpu_s_per_gb']} (no codec can beat {cpu['ceiling']}x); "
+        f"the chunk codec's own CPU {cpu['codec_reduction']}x less than plain zstd-1's"
+    )
+    d = results["decode"]
+    console.print(
+        f"(d) {d['measure']}, {d['arrow_mb']} MB: plain zstd-1 {d['zstd_gb_s']}, "
+        f"{DEFAULT}-1 {d[f'{DEFAULT}_gb_s']}: {d['ratio']}x {_met(d['ratio'], d['target'])}; "
+        f"stored {d['zstd_stored_mb']} MB ({d['zstd_compression']}x) vs "
+        f"{d[f'{DEFAULT}_stored_mb']} MB ({d[f'{DEFAULT}_compression']}x)"
     )
     s = results["scaling"]
     if "skipped" in s:
@@ -282,8 +386,8 @@ def show(results: dict, console: Console) -> None:
     else:
         console.print(
             f"(b) {s['measure']}, {s['source_mb']} MB: 1 core {s['one_core_mb_s']} MB/s, "
-            f"2 cores {s['two_cores_mb_s']} MB/s: {s['ratio']}x (target ≥{s['target']} "
-            f"{'✓' if s['ratio'] >= s['target'] else '✗'}); node status {s['node_status']}"
+            f"2 cores {s['two_cores_mb_s']} MB/s: {s['ratio']}x {_met(s['ratio'], s['target'])}"
+            f"; node status {s['node_status']}"
         )
     console.print(
         report.ratio_table("(c) staging from moto", results["moto"], ("measure", "baseline"))

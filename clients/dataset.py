@@ -28,9 +28,12 @@ Guarantees (see :mod:`edgecache.clients.epoch_order` for how):
 * a mapping spec ``{"web@3": 0.7, "code@2": 0.3}`` reads a weighted mixture
   (:mod:`edgecache.clients.mixture`); ``rows=`` reads a stable split.
 
-Reading runs on background threads of the iterating process; with
-``num_workers=0`` (recommended on small hosts) batches land directly in
-pinned memory when CUDA is available.
+Reading runs on background threads of the iterating process. With
+``num_workers=0`` batches land directly in pinned memory when CUDA is
+available; with workers, each runs its share of the threads and read-ahead
+and hands batches over through a shared ring (no pickling of sample data;
+binary and string columns come as :class:`~edgecache.clients.packed.Packed`
+tensors by default for that reason). docs/dataset.md says how to choose.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -48,13 +52,29 @@ from torch.utils.data import IterableDataset, get_worker_info
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
+from edgecache.clients.batch_memory import (
+    BatchMemory,
+    PinnedMemory,
+    ReusedMemory,
+    attach,
+    shared_memory,
+)
+from edgecache.clients.dataset_metrics import (
+    ClientCounters,
+    PoolTally,
+    port_from_environment,
+    register,
+    serve,
+)
 from edgecache.clients.dataset_state import make_state, resume_from
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
 from edgecache.clients.epoch_order import Component, EpochOrder, Remaining, window_rows_for
 from edgecache.clients.mixture import allocate, parse_mixture, parse_rows, split_extents
 from edgecache.clients.node_pool import NodePool
+from edgecache.clients.packed import Packed
 from edgecache.clients.pipeline import Pipeline
 from edgecache.clients.read_target import ReadTarget
+from edgecache.clients.tensors import BinaryForm, RaggedForm, with_forms
 from edgecache.clients.topology import load_topology
 from edgecache.clients.versions import fetch_manifest, local_manifest, row_bytes, select_columns
 from edgecache.v1 import manifest_pb2 as pb
@@ -63,6 +83,21 @@ __all__ = ["EdgeDataset"]
 
 log = logging.getLogger(__name__)
 _said_unpinned = False
+T = TypeVar("T")
+
+
+def _merge(pending: dict[str, Any] | None, delta: dict[str, Any]) -> dict[str, Any]:
+    """Two metric deltas as one (a worker's batch that could not carry its own)."""
+    if pending is None:
+        return delta
+    out = dict(pending)
+    for key in ("samples", "batches", "failovers"):
+        out[key] = out.get(key, 0) + delta.get(key, 0)
+    out["bytes"] = {**out.get("bytes", {})}
+    for endpoint, count in delta.get("bytes", {}).items():
+        out["bytes"][endpoint] = out["bytes"].get(endpoint, 0) + count
+    out["endpoint"] = delta.get("endpoint") or out.get("endpoint")
+    return out
 
 
 def _distributed() -> tuple[int, int] | None:
@@ -110,8 +145,17 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
         drop_last: drop partial batches; every rank then yields the same number.
         pin_memory: ``"auto"`` pins when CUDA is available (in the main process).
-        prefetch_bytes: decoded bytes read ahead beyond the windows in use.
-        threads: fetch/decode threads.
+        binary: ``"packed"`` (default): binary and string columns as a
+            :class:`~edgecache.clients.packed.Packed` (one uint8 tensor of the values
+            plus offsets; crosses DataLoader workers through shared memory, pins, reads
+            like a list); ``"list"``: a Python list of ``bytes`` / ``str``.
+        ragged: variable-length lists of numbers as ``"padded"`` (default: ``[B,
+            longest]`` plus ``<name>_lengths``) or ``"packed"`` (a ``Packed``).
+        prefetch_bytes: the most decoded bytes read ahead beyond the windows in use;
+            the read-ahead starts at two windows and grows while the consumer waits.
+            Per rank: DataLoader workers share it.
+        threads: fetch/decode threads per rank (DataLoader workers share them, at
+            least one each).
         window_bytes: bytes of consecutive rows read and shuffled as one window
             (default: the version's chunk size, so windows are whole chunks).
         shuffle_windows: windows each batch is drawn from (per lane). 1 is the plain
@@ -128,6 +172,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         token: bearer token for nodes that require one for reads.
         stall_timeout: seconds without a chunk before a stream is abandoned.
         retry_timeout: seconds without progress on any node before giving up.
+        metrics_port: serve this process's reading metrics (``edgecache_client_*``)
+            for Prometheus on this port (0: any free port, see :attr:`metrics_port`);
+            default from ``$EDGECACHE_CLIENT_METRICS_PORT``, else none.
     """
 
     def __init__(
@@ -145,6 +192,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         world_size: int | None = None,
         drop_last: bool = False,
         pin_memory: bool | str = "auto",
+        binary: BinaryForm = "packed",
+        ragged: RaggedForm = "padded",
         prefetch_bytes: int = 128 << 20,
         threads: int = 2,
         window_bytes: int | None = None,
@@ -156,6 +205,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         token: str | None = None,
         stall_timeout: float = 5.0,
         retry_timeout: float = 30.0,
+        metrics_port: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
@@ -212,13 +262,18 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._remaining: Remaining | None = None  # None: the whole epoch is left
         self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
+        self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
+        self._last_pipeline: dict[str, float] = {}
         self.manifests = self._resolve(mixture.specs)
         self.manifest = self.manifests[0]
         self.schemas = [manifest_schema(m) for m in self.manifests]
         self.schema = self.schemas[0]
         self.components = [f"{m.dataset}@{m.version}" for m in self.manifests]
         self.weights = None if mixture.single else list(mixture.weights)
-        self.kinds = select_columns(self.schemas, self.components, columns)
+        self.binary, self.ragged = binary, ragged
+        self.kinds = with_forms(
+            select_columns(self.schemas, self.components, columns), binary=binary, ragged=ragged
+        )
         self.columns = [k.name for k in self.kinds]
         if component_column is not None and component_column in {
             c for k in self.kinds for c in (k.name, f"{k.name}_lengths")
@@ -251,6 +306,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 self.components, extents, self.window_rows, shares, strict=True
             )
         ]
+        self._counters = ClientCounters(self.rank, self.version, [e.text for e in self.endpoints])
+        self._metrics_key = register(self._counters)
+        port = metrics_port if metrics_port is not None else port_from_environment()
+        self.metrics_port: int | None = None if port is None else serve(port)
+        """Where this process serves its client metrics (``/metrics``), if it does."""
 
     # ------------------------------------------------------------- versions
 
@@ -366,11 +426,21 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             _said_unpinned = True
         return available
 
-    def _budget(self, order: EpochOrder, workers: int) -> float:
-        """Decoded bytes a pipeline may hold: its open windows plus the read-ahead."""
+    def _window_budget(self, order: EpochOrder, lanes: int) -> float:
+        """Decoded bytes of the windows a pipeline reading ``lanes`` lanes has open at once."""
         window = max(r * b for r, b in zip(self.window_rows, self._row_bytes, strict=True))
-        lanes = self.lanes // workers if self.lanes % workers == 0 else self.lanes
-        return order.order.per_lane * max(lanes, 1) * window + self.prefetch_bytes
+        return order.order.per_lane * max(lanes, 1) * window
+
+    def _memory(self, in_worker: bool, pin: bool) -> BatchMemory:
+        """Where this process's batches go (:mod:`~edgecache.clients.batch_memory`)."""
+        readers = self._readers()
+        if in_worker and self.batch_size is not None:
+            ring = shared_memory()
+            if ring is not None:
+                return ring
+        if pin:
+            return PinnedMemory()
+        return readers.memory
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
@@ -378,6 +448,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
+        own_lanes = self.lanes % workers == 0
+        pin = self._pin(worker is not None)
         pipeline = Pipeline(
             order,
             numbers,
@@ -388,23 +460,41 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             ],
             self.kinds,
             row_bytes=self._row_bytes,
-            pin_memory=self._pin(worker is not None),
-            threads=self.threads,
-            budget_bytes=self._budget(order, workers),
+            pin_memory=pin,
+            # A worker runs its share of the threads and read-ahead: k workers of a
+            # pipeline sized for the whole process each would oversubscribe the cores.
+            threads=max(1, self.threads // workers),
+            window_budget=self._window_budget(
+                order, self.lanes // workers if own_lanes else self.lanes
+            ),
+            read_ahead=self.prefetch_bytes / workers,
             component_column=self.component_column,
             lanes=[lane for lane in range(self.lanes) if lane % workers == index]
-            if self.lanes % workers == 0
+            if own_lanes
             else None,
+            memory=self._memory(worker is not None, pin),
         )
         readers.add(pipeline)
+        tally, counted_wait = readers.tally, 0.0
         try:
             for size, batch in pipeline:
                 self._cursor += workers if worker else 1
                 self._delivered["samples"] += size
                 self._delivered["batches"] += 1
+                delta = tally.delta(readers.pool)
+                delta.update(samples=size, batches=1)
+                if worker is None:
+                    if not self._watched:
+                        delta["wait"] = pipeline.wait_seconds - counted_wait
+                        counted_wait = pipeline.wait_seconds
+                    self._counters.add(delta)
+                else:
+                    readers.pending = _merge(readers.pending, delta)
+                    if attach(batch, (self._metrics_key, readers.pending)):
+                        readers.pending = None
                 if self.batch_size is None:
                     yield {
-                        k: v[0] if isinstance(v, (torch.Tensor, list)) else v
+                        k: v[0] if isinstance(v, (torch.Tensor, list, Packed)) else v
                         for k, v in batch.items()
                     }
                 else:
@@ -423,7 +513,35 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             # (GeneratorExit): the reads stop and their threads are joined now.
             pipeline.close()
             readers.discard(pipeline)
-            self._delivered["wait_seconds"] += pipeline.wait_seconds
+            if worker is None and not self._watched:
+                self._delivered["wait_seconds"] += pipeline.wait_seconds
+                self._counters.add({"wait": pipeline.wait_seconds - counted_wait})
+            self._last_pipeline = {
+                "read_ahead_bytes": pipeline.read_ahead,
+                "held_peak_bytes": pipeline.held_peak,
+                "fetch_wait_seconds": pipeline.fetch_wait_seconds,
+            }
+
+    def watch(self, batches: Iterable[T]) -> Iterator[T]:
+        """Yield ``batches`` (a DataLoader over this dataset), timing how long each is waited for.
+
+        The time the training loop waits for data is ``edgecache_client_data_wait_seconds_total``
+        (and ``stats()["wait_seconds"]``). With ``num_workers=0`` the dataset measures it by
+        itself; with workers, only the main process sees the loop wait, so wrap the loader:
+        ``for batch in ds.watch(loader)``.
+        """
+        self._watched = True
+        iterator = iter(batches)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            waited = time.perf_counter() - started
+            self._counters.add({"wait": waited})
+            self._delivered["wait_seconds"] += waited
+            yield batch
 
     # ---------------------------------------------------------------- state
 
@@ -525,6 +643,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = None  # channels and LMDB environments never cross processes
+        state["_counters"] = ClientCounters(self.rank, self.version, [])  # counted where it runs
         state["_orders"] = {}  # rebuilt where needed
         state.pop("_finalizer", None)
         return state
@@ -541,26 +660,41 @@ class _Readers:
 
     def __init__(self, pool: NodePool) -> None:
         self.pool = pool
+        self.memory = ReusedMemory()  # unpinned batches of this process, reused
+        self.tally = PoolTally()  # what the pool read, for the client metrics
+        self.pending: dict[str, Any] | None = None  # a worker's metrics not yet sent
         self._pipelines: set[Pipeline] = set()
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        _ALL_READERS.add(self)
 
     def add(self, pipeline: Pipeline) -> None:
         with self._lock:
             self._pipelines.add(pipeline)
 
     def discard(self, pipeline: Pipeline) -> None:
-        """A pipeline ended; with none left, the pool's LMDB environments are closed.
+        """A pipeline ended. Its LMDB environments stay open for the next epoch.
+
+        Reopening them every epoch would map the cache afresh and fault every
+        page in again; :func:`_before_fork` closes them instead when this process
+        forks (a DataLoader starting workers) and none of its reads runs.
+        """
+        with self._lock:
+            self._pipelines.discard(pipeline)
+
+    def close_idle_stores(self) -> None:
+        """Close the pool's LMDB environments if no pipeline of this process reads them.
 
         py-lmdb refuses to open an environment a second time in one process, and a
         forked DataLoader worker inherits its parent's: a parent that iterated
         (``num_workers=0``, an evaluation pass) must not hold them open when a
         loader with workers starts. The next iteration reopens them.
         """
+        if os.getpid() != self._pid:
+            return
         with self._lock:
-            self._pipelines.discard(pipeline)
-            idle = not self._pipelines
-        if idle and os.getpid() == self._pid:
+            if self._pipelines:
+                return
             self.pool.close_stores()
 
     def close(self) -> None:
@@ -574,3 +708,15 @@ class _Readers:
         for pipeline in pipelines:
             pipeline.close()
         self.pool.close()
+
+
+_ALL_READERS: weakref.WeakSet[_Readers] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """Close idle LMDB environments before this process forks (see ``close_idle_stores``)."""
+    for readers in list(_ALL_READERS):
+        readers.close_idle_stores()
+
+
+os.register_at_fork(before=_before_fork)

@@ -50,7 +50,18 @@ class EdgeChunks:
         self.limit = limit
         self._lock = threading.Lock()
         self._entries: OrderedDict[ChunkKey, _Decoded] = OrderedDict()
-        self._ready: dict[EdgeKey, ChunkKey] = {}  # edge → the decoded chunk across it
+
+    def _across(self, dataset: str, version: int, shard: int, edge: int) -> list[ChunkKey]:
+        """Kept chunks of the shard whose rows cross row ``edge`` (under the lock).
+
+        Found by the chunk's rows, not by the edges known when it was decoded: a
+        read beside it may be planned (its edge shared) only after the decode.
+        """
+        return [
+            key
+            for key in self._entries
+            if key[:3] == (dataset, version, shard) and key[3] < edge < key[3] + key[4]
+        ]
 
     def take(
         self, dataset: str, version: int, shard: int, edge: int, row_start: int, row_end: int
@@ -61,7 +72,8 @@ class EdgeChunks:
         need not fetch that chunk.
         """
         with self._lock:
-            key = self._ready.get((dataset, version, shard, edge))
+            keys = self._across(dataset, version, shard, edge)
+            key = keys[0] if keys else None
             entry = None if key is None else self._entries.get(key)
             if key is None or entry is None or entry.batch is None:
                 return None
@@ -86,10 +98,10 @@ class EdgeChunks:
         dataset, version, number = shard
         with self._lock:
             for row in rows:
-                key = self._ready.get((dataset, version, number, row))
-                entry = None if key is None else self._entries.get(key)
-                if key is not None and entry is not None:
-                    self._forget_locked(key, entry)
+                for key in self._across(dataset, version, number, row):
+                    entry = self._entries.get(key)
+                    if entry is not None and entry.done.is_set():  # not one being decoded
+                        self._forget_locked(key, entry)
 
     def across(self, shard: ShardId, first: int, end: int, row_start: int, row_end: int) -> bool:
         """Whether chunk rows ``[first, end)`` cross an edge this read shares with another."""
@@ -118,12 +130,6 @@ class EdgeChunks:
                 entry.done.set()
                 if entry.batch is None:  # failed: nothing to share
                     self._forget(key, entry)
-            dataset, version, shard, first = key[:4]
-            with self._lock:
-                if self._entries.get(key) is entry:
-                    for edge in self.shared.get((dataset, version, shard), ()):
-                        if first < edge < first + rows:
-                            self._ready[(dataset, version, shard, edge)] = key
         else:
             entry.done.wait()
         batch = entry.batch
@@ -142,5 +148,3 @@ class EdgeChunks:
     def _forget_locked(self, key: ChunkKey, entry: _Decoded) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
-            for edge in [e for e, k in self._ready.items() if k == key]:
-                del self._ready[edge]

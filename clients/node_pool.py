@@ -91,6 +91,7 @@ class NodePool:
         self.replicas = set(replicas)  # the own region's nodes: they split shards
         self.stats = {e.text: EndpointStats() for e in self.endpoints}
         self.failovers = 0
+        self.current: str | None = None  # the endpoint that served the last chunk
         self.stall_timeout = stall_timeout
         self.first_chunk_timeout = first_chunk_timeout
         self.retry_timeout = retry_timeout
@@ -390,6 +391,7 @@ class NodePool:
                         end = first + batch.num_rows
                         if end <= next_row:
                             continue  # already have these rows (resumed mid-chunk)
+                        self.current = endpoint.text
                         yield first, batch
                         next_row = end
                         progressed = True

@@ -1,13 +1,16 @@
 """The read-ahead pipeline behind EdgeDataset: windows fetched on threads, batches in order.
 
-Threads, not processes: fetching, checksum verification, zstd and Arrow
-decoding all release the GIL, and DataLoader worker processes cost more than
-they give on small hosts (every batch is pickled through shared memory).
+Threads: fetching, checksum verification, zstd and Arrow decoding all
+release the GIL, so one process reads on several cores. DataLoader workers
+each run a pipeline of their own, sized to their share (EdgeDataset divides
+the threads and the read-ahead among them), and hand batches to the main
+process through a shared ring (:mod:`edgecache.clients.batch_memory`).
 
 The assembler plans batches in canonical order (which window positions each
 holds, :meth:`EpochOrder.batch`) and submits the windows they need to the
 fetch threads in order of first need, planning further ahead while the
-decoded bytes held stay under ``budget_bytes``. A window is dropped once its
+decoded bytes held stay under the windows open at once plus a read-ahead
+that adapts to the consumer (see :class:`Pipeline`). A window is dropped once its
 lane has moved past the last block that holds any of its rows (no later
 batch can need it) and every planned batch using it was built: at any time a
 pipeline holds about one window per stream it reads, plus the read-ahead.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from edgecache.clients.batch_memory import BatchMemory
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.epoch_order import Batch, EpochOrder
 from edgecache.clients.node_pool import NodePool
@@ -69,7 +73,15 @@ class Pipeline:
     ``targets[i]`` and ``row_bytes[i]`` are component ``i``'s version and decoded
     bytes per row; with ``component_column`` each batch also holds that column:
     the component index of every sample. ``lanes``: the lanes whose windows it
-    reads (default: all).
+    reads (default: all). Batches are assembled into ``memory`` (default: a
+    fresh, or pinned, tensor per batch).
+
+    Memory held: ``window_budget`` (about one window per stream it reads, which
+    the planned batches need open at once), plus a read-ahead that
+    starts at two windows and doubles, up to ``read_ahead`` bytes, each time
+    the assembler had to wait for a window while no batch was ready (the
+    consumer was waiting for data): a fast consumer on a slow link gets a deep
+    read-ahead, one that is the bottleneck itself keeps the minimum.
     """
 
     def __init__(
@@ -83,16 +95,31 @@ class Pipeline:
         row_bytes: Sequence[float],
         pin_memory: bool,
         threads: int,
-        budget_bytes: float,
+        window_budget: float,
+        read_ahead: float,
         component_column: str | None = None,
         lanes: Sequence[int] | None = None,
         ready_batches: int = 4,
+        memory: BatchMemory | None = None,
     ) -> None:
         self.order, self.numbers, self.pool = order, numbers, pool
         self.targets = list(targets)
         self.kinds, self.pin_memory = list(kinds), pin_memory
-        self.row_bytes, self.budget_bytes = list(row_bytes), budget_bytes
+        self.row_bytes = list(row_bytes)
+        self.memory = memory
         self.component_column = component_column
+        largest = max((self._window_bytes(w) for w in range(len(order.order.windows))), default=0.0)
+        self.window_budget = window_budget  # about the windows open at once (one per stream)
+        self.read_ahead_limit = max(float(read_ahead), 0.0)
+        self.read_ahead = min(2 * largest, self.read_ahead_limit)
+        self.fetch_wait_seconds = 0.0  # the assembler waiting for windows
+        self.threads = threads
+        self._delivered = 0  # batches put in the ready queue
+        self._running: dict[int, float] = {}  # fetch thread → when its load started
+        self._busy = 0.0  # seconds of loads finished, summed over fetch threads
+        self._checked_at, self._checked_busy, self._grown_at = time.perf_counter(), 0.0, 0
+        self._flight_lock = threading.Lock()
+        self.held_peak = 0.0  # decoded bytes of windows held at most
         # the lanes whose windows this pipeline reads (a DataLoader worker's, when
         # the worker count divides the lanes)
         self.lanes = set(range(len(order.order.lanes)) if lanes is None else lanes)
@@ -173,6 +200,13 @@ class Pipeline:
 
     def _load(self, window: int) -> _Loaded:
         """Read and decode window ``window`` (the part of it this epoch takes)."""
+        self._track(None)
+        try:
+            return self._read_window(window)
+        finally:
+            self._track(0.0)
+
+    def _read_window(self, window: int) -> _Loaded:
         order, windows = self.order.order, self.order.order.windows
         perm = order.window_order(window)
         taken = perm[windows.take_from[window] : windows.take_to[window]]
@@ -267,9 +301,10 @@ class Pipeline:
                     for other in order.order.neighbours(window):
                         edge = self._edge(window, other)
                         self._edges.share(self._shard(window), edge)  # type: ignore[union-attr]
-                    futures[window] = self._executor.submit(self._load, window)
+                    futures[window] = self._submit(window, futures)
                     held += self._window_bytes(window)
             planned.append(batch)
+            self.held_peak = max(self.held_peak, held)
 
         def ahead(window: int) -> bool:
             """Whether a later batch of this pipeline reads ``window``, as far as lanes tell."""
@@ -308,7 +343,7 @@ class Pipeline:
                 return
             if not planned and more:
                 plan()
-            while more and held < self.budget_bytes:
+            while more and held < self.window_budget + self.read_ahead:
                 plan()
             if not planned:
                 return
@@ -320,17 +355,18 @@ class Pipeline:
                     del refs[piece.window]
                     idle.add(piece.window)
             release()
-            out = assemble(gathers, self.kinds, pin_memory=self.pin_memory)
+            out = assemble(gathers, self.kinds, pin_memory=self.pin_memory, memory=self.memory)
             if self.component_column is not None:
                 out[self.component_column] = self._components(owners, batch.size)
             self._put((batch.size, out))
+            self._delivered += 1
 
     def _gathers(
         self, batch: Batch, futures: dict[int, Future[_Loaded]]
     ) -> tuple[list[Gather], list[tuple[int, int]]]:
         """The batch's rows grouped by chunk (in row order within each), and their components."""
         windows = self.order.order.windows
-        loaded = [futures[piece.window].result() for piece in batch.pieces]
+        loaded = [self._result(futures[piece.window]) for piece in batch.pieces]
         chunk_ids = np.concatenate(
             [np.full(len(p.positions), i, dtype=np.int64) for i, p in enumerate(batch.pieces)]
         )
@@ -350,6 +386,89 @@ class Pipeline:
             gathers.append(Gather(window.batches[c], offsets[group], window.views[c], True))
             owners.append((int(windows.component[batch.pieces[i].window]), len(group)))
         return gathers, owners
+
+    def _submit(self, window: int, futures: dict[int, Future[_Loaded]]) -> Future[_Loaded]:
+        """Load ``window`` on a fetch thread; after a neighbour still being read, if one is.
+
+        Two neighbouring windows share the chunk across their edge, and the read
+        that gets it first hands it to the other (:class:`EdgeChunks`). Read at
+        the same time, both would fetch it: on gRPC that is a whole chunk sent
+        twice (uncompressed images read 1.4x their bytes that way). So a window
+        whose neighbour is still in flight is read when that one is done. It
+        waits in a callback, not on a thread: no fetch thread is ever blocked.
+        """
+        pending = [
+            futures[o]
+            for o in self.order.order.neighbours(window)
+            if o in futures and not futures[o].done()
+        ]
+        if not pending:
+            return self._executor.submit(self._load, window)
+        outer: Future[_Loaded] = Future()
+        waiting = [len(pending)]
+        lock = threading.Lock()
+
+        def copy(inner: Future[_Loaded]) -> None:
+            if inner.cancelled():
+                outer.set_exception(_Stopped())
+            elif inner.exception() is not None:
+                outer.set_exception(inner.exception())  # type: ignore[arg-type]
+            else:
+                outer.set_result(inner.result())
+
+        def start(_: Future[_Loaded]) -> None:
+            with lock:
+                waiting[0] -= 1
+                if waiting[0]:
+                    return
+            try:
+                inner = self._executor.submit(self._load, window)
+            except RuntimeError:  # the pipeline was closed meanwhile
+                outer.set_exception(_Stopped())
+                return
+            inner.add_done_callback(copy)
+
+        for future in pending:
+            future.add_done_callback(start)
+        return outer
+
+    def _result(self, future: Future[_Loaded]) -> _Loaded:
+        """A window's load; a wait for it is counted, and may widen the read-ahead.
+
+        The read-ahead doubles (at most once every four batches) when the
+        assembler waits for a window while no batch is ready, so the consumer
+        waits too, and the fetch threads were less than 80 % busy since the last
+        such wait: the windows were asked for too late, not read too slowly.
+        Reads that keep every thread busy (decoding zstd, a slow link) are the
+        limit themselves, and reading further ahead would only hold memory.
+        Before the first batch everything waits; that widens nothing.
+        """
+        if future.done():
+            return future.result()
+        starved = self._ready.empty() and self._delivered > 0
+        started = time.perf_counter()
+        loaded = future.result()
+        now = time.perf_counter()
+        self.fetch_wait_seconds += now - started
+        if starved and now - started > 0.001:
+            with self._flight_lock:
+                busy = self._busy + sum(now - t for t in self._running.values())
+            span = max(now - self._checked_at, 1e-9)
+            used = (busy - self._checked_busy) / (self.threads * span)
+            self._checked_at, self._checked_busy = now, busy
+            if used < 0.8 and self._delivered >= self._grown_at + 4:
+                self.read_ahead = min(max(2 * self.read_ahead, 1.0), self.read_ahead_limit)
+                self._grown_at = self._delivered
+        return loaded
+
+    def _track(self, started: float | None) -> None:
+        """A load started (``started`` None: record it) or ended (the time it started)."""
+        me = threading.get_ident()
+        with self._flight_lock:
+            if started is None:
+                self._running[me] = time.perf_counter()
+            else:
+                self._busy += time.perf_counter() - self._running.pop(me, started)
 
     def _components(self, owners: Sequence[tuple[int, int]], size: int) -> object:
         import torch

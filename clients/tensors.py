@@ -1,42 +1,71 @@
-"""Arrow rows → batch tensors, with one copy, straight into (pinned) memory.
+"""Arrow rows → batch tensors, with one copy, straight into the batch's memory.
 
-A batch is assembled from pieces of decoded chunks. Its tensors are allocated
-once (from torch's pinned host allocator when pinning), and each piece's rows
-are gathered from the chunk's Arrow buffers directly into their slice of the
-batch tensor (``numpy.take(..., out=..., mode="clip")``, the rows checked to be in
-range first): one copy, none more. Within a
-batch, rows are ordered by where they come from, so each chunk's rows land in
-one contiguous slice; the order inside a batch does not matter to training,
-and it is still deterministic.
+A batch is assembled from pieces of decoded chunks. Its columns are views of
+one block of memory (:mod:`edgecache.clients.batch_memory`: reused buffers,
+pinned memory, or a DataLoader worker's ring shared with the trainer), laid
+out once per batch, and each piece's rows are gathered from the chunk's
+Arrow buffers directly into their slice of it (``numpy.take(..., out=...,
+mode="clip")``, the rows checked to be in range first): one copy, none more.
+Within a batch, rows are ordered by where they come from, so each chunk's
+rows land in one contiguous slice; the order inside a batch does not matter
+to training, and it is still deterministic.
 
-Column kinds:
+Column kinds (:func:`column_kinds`, then :func:`with_forms` for the
+dataset's ``binary=`` and ``ragged=``):
 
 * numbers and booleans → ``[batch]`` tensors;
 * fixed-size lists of numbers (nested too) → ``[batch, d1, d2, …]``;
 * variable-length lists of numbers → a ``[batch, longest]`` tensor padded with
-  zeros, plus ``<name>_lengths`` (``[batch]``, int64);
-* anything else (strings, binary, structs) → a Python list.
+  zeros, plus ``<name>_lengths`` (``[batch]``, int64) — or, ``ragged="packed"``,
+  a :class:`~edgecache.clients.packed.Packed` of the values;
+* binary and strings → a :class:`~edgecache.clients.packed.Packed` (one uint8
+  tensor of the values plus offsets; the default) or, ``binary="list"``, a
+  Python list of ``bytes`` / ``str``;
+* anything else (structs, nested lists of strings) → a Python list.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["ColumnKind", "Gather", "assemble", "column_kinds", "fixed_views"]
+from edgecache.clients.batch_memory import BatchMemory, FreshMemory, layout
+from edgecache.clients.packed import Packed
+
+__all__ = [
+    "BinaryForm",
+    "ColumnKind",
+    "Gather",
+    "RaggedForm",
+    "assemble",
+    "column_kinds",
+    "fixed_views",
+    "with_forms",
+]
+
+BinaryForm = Literal["packed", "list"]
+RaggedForm = Literal["padded", "packed"]
 
 
 @dataclass(frozen=True, slots=True)
 class ColumnKind:
-    """How one column becomes part of a batch."""
+    """How one column becomes part of a batch.
+
+    ``kind``: ``"fixed"``, ``"ragged"`` (padded), ``"packed"`` or ``"list"``;
+    ``item`` says what a variable-length value is: ``"binary"``, ``"string"``
+    or ``"list"`` (of numbers), whichever form it takes.
+    """
 
     name: str
-    kind: str  # "fixed", "ragged" or "list"
-    shape: tuple[int, ...] = ()  # per-sample shape of fixed columns
+    kind: str
+    shape: tuple[int, ...] = ()
     dtype: np.dtype | None = None
+    item: str = ""
 
 
 def _fixed_shape(field_type: pa.DataType) -> tuple[tuple[int, ...], pa.DataType]:
@@ -51,8 +80,17 @@ def _numeric(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
+def _bytes_like(t: pa.DataType) -> str:
+    """``"binary"`` / ``"string"`` for (large) binary and string types, else ``""``."""
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    return ""
+
+
 def column_kinds(schema: pa.Schema, columns: Sequence[str] | None) -> list[ColumnKind]:
-    """Decide each requested column's kind; unknown column names are an error."""
+    """Decide each requested column's kind (default forms); unknown column names are an error."""
     names = list(columns) if columns is not None else schema.names
     missing = [n for n in names if n not in schema.names]
     if missing:
@@ -66,13 +104,33 @@ def column_kinds(schema: pa.Schema, columns: Sequence[str] | None) -> list[Colum
             (pa.types.is_list(inner) or pa.types.is_large_list(inner))
             and not shape
             and _numeric(inner.value_type)
+            and not pa.types.is_boolean(inner.value_type)
         ):
-            kinds.append(
-                ColumnKind(name, "ragged", (), np.dtype(inner.value_type.to_pandas_dtype()))
-            )
+            dtype = np.dtype(inner.value_type.to_pandas_dtype())
+            kinds.append(ColumnKind(name, "ragged", (), dtype, "list"))
+        elif not shape and _bytes_like(inner):
+            kinds.append(ColumnKind(name, "packed", (), np.dtype(np.uint8), _bytes_like(inner)))
         else:
             kinds.append(ColumnKind(name, "list"))
     return kinds
+
+
+def with_forms(
+    kinds: Sequence[ColumnKind], *, binary: BinaryForm = "packed", ragged: RaggedForm = "padded"
+) -> list[ColumnKind]:
+    """``kinds`` with binary/string columns and numeric lists in the forms asked for."""
+    if binary not in ("packed", "list"):
+        raise ValueError(f"binary must be 'packed' or 'list', got {binary!r}")
+    if ragged not in ("padded", "packed"):
+        raise ValueError(f"ragged must be 'padded' or 'packed', got {ragged!r}")
+    out = []
+    for k in kinds:
+        if k.item in ("binary", "string"):
+            k = replace(k, kind="packed" if binary == "packed" else "list")
+        elif k.item == "list":
+            k = replace(k, kind="ragged" if ragged == "padded" else "packed")
+        out.append(k)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +174,7 @@ def _pylist(column: pa.Array, rows: np.ndarray) -> list[object]:
         offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[
             column.offset : column.offset + len(column) + 1
         ]
-        data = memoryview(column.buffers()[2])
+        data = memoryview(column.buffers()[2] or b"")
         blobs = [bytes(data[offsets[i] : offsets[i + 1]]) for i in rows]
         return [b.decode() for b in blobs] if pa.types.is_string(t) else list(blobs)
     return column.take(pa.array(rows)).to_pylist()
@@ -132,29 +190,115 @@ def _check_rows(gather: Gather) -> None:
         )
 
 
+@dataclass(slots=True)
+class _Ranges:
+    """Where the variable-length values of a gather's rows lie in one flat source array."""
+
+    source: np.ndarray  # the chunk column's values, flat
+    starts: np.ndarray  # int64, per row
+    lengths: np.ndarray  # int64, per row
+
+
+def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
+    """The values of ``rows`` of a binary, string or list-of-numbers column, without copying."""
+    if kind.item == "list":
+        offsets = np.asarray(column.offsets)  # sliced with the array; values are not
+        source = column.values.to_numpy(zero_copy_only=False)
+        if column.values.null_count:
+            raise ValueError(
+                f"column {kind.name!r} has null list entries; tensors cannot hold them"
+            )
+    else:
+        if column.null_count:
+            raise ValueError(
+                f"column {kind.name!r} has nulls, which a packed column cannot hold; read it "
+                "with binary='list' (None for each null) or fill them in preprocessing"
+            )
+        width = (
+            np.int64
+            if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type)
+            else np.int32
+        )
+        offsets = np.frombuffer(column.buffers()[1], dtype=width)[
+            column.offset : column.offset + len(column) + 1
+        ]
+        data = column.buffers()[2]
+        source = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
+    starts = offsets[rows].astype(np.int64)
+    lengths = offsets[rows + 1].astype(np.int64) - starts
+    if kind.item == "list" and column.null_count:  # a null list is an empty one
+        lengths[~np.asarray(column.is_valid())[rows]] = 0
+    return _Ranges(source, starts, lengths)
+
+
+def _copy_ranges(ranges: _Ranges, out: np.ndarray) -> None:
+    """Each row's values, one after the other, into ``out`` (as long as their total)."""
+    lengths = ranges.lengths
+    total = int(lengths.sum())
+    if not total:
+        return
+    if total >= 512 * len(lengths):  # large values: one memcpy each beats an index array
+        position = 0
+        for start, length in zip(ranges.starts.tolist(), lengths.tolist(), strict=True):
+            out[position : position + length] = ranges.source[start : start + length]
+            position += length
+        return
+    before = np.cumsum(lengths) - lengths
+    index = np.arange(total, dtype=np.int64) + np.repeat(ranges.starts - before, lengths)
+    np.take(ranges.source, index, out=out[:total], mode="clip")
+
+
 def assemble(
     gathers: Sequence[Gather],
     kinds: Sequence[ColumnKind],
     *,
-    pin_memory: bool,
+    pin_memory: bool = False,
+    memory: BatchMemory | None = None,
 ) -> dict[str, object]:
-    """One batch: every requested column, rows in ``gathers`` order."""
+    """One batch: every requested column, rows in ``gathers`` order, in one block of ``memory``.
+
+    Without ``memory``, a fresh (pinned, with ``pin_memory``) block.
+    """
     import torch
 
     for g in gathers:
         if not g.checked:
             _check_rows(g)
     size = sum(len(g.rows) for g in gathers)
-    out: dict[str, object] = {}
+    # First what every column needs (so the batch is one block), then the copies.
+    ranges: dict[str, list[_Ranges]] = {}
+    sizes: list[int] = []
+    plans: list[tuple[ColumnKind, int]] = []  # (kind, longest or total values)
     for kind in kinds:
+        itemsize = kind.dtype.itemsize if kind.dtype is not None else 0
         if kind.kind == "fixed":
-            tensor = torch.empty(
-                (size, *kind.shape),
-                dtype=torch.from_numpy(np.empty(0, dtype=kind.dtype)).dtype,
-                pin_memory=pin_memory,
-            )
-            target = tensor.numpy()
-            offset = 0
+            sizes.append(size * math.prod(kind.shape) * itemsize)
+            plans.append((kind, 0))
+        elif kind.kind in ("ragged", "packed"):
+            parts = [_ranges(g.batch.column(kind.name), g.rows, kind) for g in gathers]
+            ranges[kind.name] = parts
+            lengths = [p.lengths for p in parts]
+            if kind.kind == "ragged":
+                longest = max((int(x.max()) for x in lengths if len(x)), default=0)
+                sizes += [size * longest * itemsize, size * 8]
+                plans.append((kind, longest))
+            else:
+                total = sum(int(x.sum()) for x in lengths)
+                sizes += [total * itemsize, (size + 1) * 8]
+                plans.append((kind, total))
+        else:
+            plans.append((kind, 0))
+    offsets, nbytes = layout(sizes)
+    block = (memory or FreshMemory(pin_memory)).allocate(nbytes)
+    area = block.array()
+    places = iter(zip(offsets, sizes, strict=True))
+    out: dict[str, object] = {}
+    for kind, extent in plans:
+        dtype = torch.from_numpy(np.empty(0, dtype=kind.dtype)).dtype if kind.dtype else None
+        if kind.kind == "fixed":
+            at, length = next(places)
+            target = area[at : at + length].view(kind.dtype).reshape((size, *kind.shape))
+            row = 0
             for g in gathers:
                 if g.views is not None and kind.name in g.views:
                     source = g.views[kind.name]
@@ -163,37 +307,50 @@ def assemble(
                 # mode="clip" writes straight into ``out``; the default ("raise") gathers
                 # into a temporary and copies it over (2-3x slower). Clipping never
                 # happens: every row was checked to be in range above.
-                np.take(
-                    source, g.rows, axis=0, out=target[offset : offset + len(g.rows)], mode="clip"
-                )
-                offset += len(g.rows)
-            out[kind.name] = tensor
+                np.take(source, g.rows, axis=0, out=target[row : row + len(g.rows)], mode="clip")
+                row += len(g.rows)
+            out[kind.name] = block.tensor(at, length, dtype, (size, *kind.shape))  # type: ignore[arg-type]
         elif kind.kind == "ragged":
-            lists = [g.batch.column(kind.name).take(pa.array(g.rows)) for g in gathers]
-            lengths = np.concatenate(
-                [np.asarray(c.value_lengths().fill_null(0)) for c in lists]
-            ).astype(np.int64)
-            longest = int(lengths.max(initial=0))
-            tensor = torch.zeros(
-                (size, longest),
-                dtype=torch.from_numpy(np.empty(0, dtype=kind.dtype)).dtype,
-                pin_memory=pin_memory,
-            )
-            target = tensor.numpy()
+            (at, length), (lat, llen) = next(places), next(places)
+            target = area[at : at + length].view(kind.dtype).reshape(size, extent)
+            target[...] = 0  # reused memory: the padding must be written
+            all_lengths = area[lat : lat + llen].view(np.int64)
             row = 0
-            for c in lists:
-                flat = c.flatten().to_numpy(zero_copy_only=False)
-                starts = np.asarray(c.offsets)[:-1] - c.offsets[0].as_py()
-                for start, length in zip(
-                    starts, np.asarray(c.value_lengths().fill_null(0)), strict=True
-                ):
-                    target[row, :length] = flat[start : start + length]
-                    row += 1
-            out[kind.name] = tensor
-            out[f"{kind.name}_lengths"] = torch.from_numpy(lengths)
+            for part in ranges[kind.name]:
+                n = len(part.lengths)
+                all_lengths[row : row + n] = part.lengths
+                total = int(part.lengths.sum())
+                if total:
+                    flat = np.empty(total, dtype=kind.dtype)
+                    _copy_ranges(part, flat)
+                    before = np.cumsum(part.lengths) - part.lengths
+                    within = np.arange(total) - np.repeat(before, part.lengths)
+                    rows_of = np.repeat(np.arange(row, row + n), part.lengths)
+                    target[rows_of, within] = flat
+                row += n
+            out[kind.name] = block.tensor(at, length, dtype, (size, extent))  # type: ignore[arg-type]
+            out[f"{kind.name}_lengths"] = block.tensor(lat, llen, torch.int64, (size,))
+        elif kind.kind == "packed":
+            (at, length), (oat, olen) = next(places), next(places)
+            values = area[at : at + length].view(kind.dtype)
+            bounds = area[oat : oat + olen].view(np.int64)
+            bounds[0] = 0
+            row, position = 0, 0
+            for part in ranges[kind.name]:
+                n = len(part.lengths)
+                np.cumsum(part.lengths, out=bounds[row + 1 : row + n + 1])
+                bounds[row + 1 : row + n + 1] += position
+                _copy_ranges(part, values[position:])
+                position += int(part.lengths.sum())
+                row += n
+            out[kind.name] = Packed(
+                block.tensor(at, length, dtype, (extent,)),  # type: ignore[arg-type]
+                block.tensor(oat, olen, torch.int64, (size + 1,)),
+                kind.item,  # type: ignore[arg-type]
+            )
         else:
-            values: list[object] = []
+            values_list: list[object] = []
             for g in gathers:
-                values.extend(_pylist(g.batch.column(kind.name), g.rows))
-            out[kind.name] = values
+                values_list.extend(_pylist(g.batch.column(kind.name), g.rows))
+            out[kind.name] = values_list
     return out

@@ -54,6 +54,14 @@ def job(name: str, region: str, start: datetime, hours: float, *datasets: str) -
     )
 
 
+def one_region(root: Path, registry: str, node: LocalNode, *jobs: str) -> None:
+    """``edgecache.yaml`` with region eu of ``node`` alone, and ``schedule.yaml`` of ``jobs``."""
+    (root / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+    )
+    (root / "schedule.yaml").write_text("jobs:\n" + "".join(jobs))
+
+
 @pytest.fixture
 def site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     registry = f"file://{tmp_path}/registry"
@@ -147,10 +155,7 @@ def test_a_second_controller_stands_by(site) -> None:
     root, registry = site
     node = start_local_node("eu", root / "cache-eu", registry)
     try:
-        (root / "edgecache.yaml").write_text(
-            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
-        (root / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        one_region(root, registry, node, job("j", "eu", T0 + HOUR, 1, "b@1"))
         clock = Clock(T0)
         first = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
         second = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
@@ -201,11 +206,8 @@ def test_a_controller_killed_mid_task_is_finished_by_the_next_without_refetching
         "eu", tmp_path / "cache", registry, extra_args=["--staging-rate", "400KB/s"]
     )
     try:
-        (tmp_path / "edgecache.yaml").write_text(
-            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
         start = datetime.now(UTC) + timedelta(days=1)
-        (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", start, 1, "big@1"))
+        one_region(tmp_path, registry, node, job("j", "eu", start, 1, "big@1"))
         first = controller_process(tmp_path)
         deadline = time.monotonic() + 60
         while not 2 <= versions_on(node).get("big@1", 0) < 12:
@@ -252,10 +254,7 @@ def test_runs_are_recorded_once_each_and_never_restarted_from_a_stale_view(site)
     root, registry = site
     node = start_local_node("eu", root / "cache-eu", registry)
     try:
-        (root / "edgecache.yaml").write_text(
-            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
-        (root / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        one_region(root, registry, node, job("j", "eu", T0 + HOUR, 1, "b@1"))
         clock = Clock(T0)
         controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
         try:

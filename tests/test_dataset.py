@@ -451,13 +451,21 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
     for r in readers:
         r.join(5)
     assert len(calls) == 1 and len(got) == 2 and all(g is batch for g in got)
-    assert not edges._entries and not edges._ready  # both took their 10 rows: gone
+    assert not edges._entries  # both took their 10 rows: gone
 
     # A read that starts after the chunk was decoded takes it without fetching it.
     assert edges.take("d", 1, 0, 100, 100, 200) is None
     assert edges.decode(key, 20, 10, lambda: batch) is batch  # the window [0, 100)
     assert edges.take("d", 1, 0, 100, 100, 200) == (90, batch)  # the window [100, 200)
-    assert not edges._entries and not edges._ready
+    assert not edges._entries
+
+    # A window planned only after the chunk was decoded (its edge shared later) still
+    # finds it: chunks are found by their rows, not by the edges known at decode time.
+    assert edges.decode(key, 20, 5, lambda: batch) is batch  # rows 90..95 for the first read
+    edges.share(("d", 1, 0), 95)
+    assert edges.take("d", 1, 0, 95, 95, 100) == (90, batch)
+    assert edges.take("d", 1, 0, 100, 100, 200) == (90, batch)  # the rest: all 20 taken
+    assert not edges._entries
 
     def broken() -> pa.RecordBatch:
         raise ValueError("damaged")

@@ -7,7 +7,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from edgecache.clients.tensors import Gather, assemble, column_kinds
+from edgecache.clients.batch_memory import ReusedMemory
+from edgecache.clients.packed import Packed
+from edgecache.clients.tensors import Gather, assemble, column_kinds, with_forms
 
 SCHEMA = pa.schema(
     [
@@ -40,7 +42,8 @@ def test_kinds_and_assembly_across_chunks() -> None:
     kinds = {k.name: k for k in column_kinds(SCHEMA, None)}
     assert kinds["ids"].kind == "fixed" and kinds["ids"].shape == (3,)
     assert kinds["grid"].shape == (2, 2) and kinds["ragged"].kind == "ragged"
-    assert kinds["text"].kind == kinds["blob"].kind == "list"
+    assert kinds["text"].kind == kinds["blob"].kind == "packed"  # the default form
+    assert (kinds["text"].item, kinds["blob"].item) == ("string", "binary")
     a, b = chunk(0, 10), chunk(10, 10).slice(2)  # a sliced chunk too
     batch = assemble(
         [Gather(a, np.array([1, 7])), Gather(b, np.array([0, 3]))],
@@ -57,6 +60,64 @@ def test_kinds_and_assembly_across_chunks() -> None:
     assert batch["flag"].tolist() == [i % 2 == 0 for i in rows]
     assert batch["text"] == [f"s{i}" for i in rows]
     assert batch["blob"] == [bytes([i % 256]) * (i % 3) for i in rows]
+    blob = batch["blob"]
+    assert isinstance(blob, Packed) and blob.values.dtype == torch.uint8
+    assert blob.offsets.tolist() == [0, 1, 2, 2, 2] and blob[1] == bytes([7])
+    assert blob.view(0).tolist() == [1] and blob.lengths().tolist() == [1, 1, 0, 0]
+    assert batch["text"][3] == "s15" and list(batch["text"]) == [f"s{i}" for i in rows]
+
+
+@pytest.mark.parametrize("binary", ["packed", "list"])
+@pytest.mark.parametrize("ragged", ["padded", "packed"])
+def test_every_form_gives_the_same_values_in_reused_memory(binary: str, ragged: str) -> None:
+    kinds = with_forms(column_kinds(SCHEMA, None), binary=binary, ragged=ragged)  # type: ignore[arg-type]
+    memory = ReusedMemory()
+    rows = [3, 0, 9, 4]
+    for round_ in range(3):  # the same buffer again: padding and offsets rewritten each time
+        start = 10 * round_
+        batch = assemble([Gather(chunk(start, 10), np.array(rows))], kinds, memory=memory)
+        ids = [start + r for r in rows]
+        assert batch["ids"].tolist() == [[i, i + 1, i + 2] for i in ids]
+        assert batch["blob"] == [bytes([i % 256]) * (i % 3) for i in ids]
+        assert isinstance(batch["blob"], Packed if binary == "packed" else list)
+        assert batch["text"] == [f"s{i}" for i in ids]
+        if ragged == "padded":
+            assert batch["ragged_lengths"].tolist() == [i % 4 for i in ids]
+            padded = batch["ragged"].tolist()
+        else:
+            assert batch["ragged"].tolist() == [list(range(i % 4)) for i in ids]
+            padded = batch["ragged"].padded()[0].tolist()
+        assert padded == [list(range(i % 4)) + [0] * (3 - i % 4) for i in ids]
+        del batch
+    assert memory.idle == 1  # one buffer, handed out again each time
+
+
+def test_a_batch_keeps_its_buffer_while_any_view_of_it_lives() -> None:
+    memory = ReusedMemory()
+    kinds = column_kinds(SCHEMA, ["ids", "blob"])
+    first = assemble([Gather(chunk(0, 10), np.arange(10))], kinds, memory=memory)
+    kept = first["ids"][2:4]  # a view outlives the batch
+    blob = first["blob"]
+    del first
+    second = assemble([Gather(chunk(50, 10), np.arange(10))], kinds, memory=memory)
+    assert kept.tolist() == [[2, 3, 4], [3, 4, 5]] and blob[5] == bytes([5]) * 2
+    assert second["ids"][0].tolist() == [50, 51, 52]
+
+
+def test_packed_moves_pins_and_pickles_like_tensors() -> None:
+    import pickle
+
+    values = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
+    packed = Packed(values, torch.tensor([0, 2, 2, 5]), "binary")
+    assert len(packed) == 3 and packed.tolist() == [b"\x01\x02", b"", b"\x03\x04\x05"]
+    assert pickle.loads(pickle.dumps(packed)) == packed
+    moved = packed.to("cpu", non_blocking=True)
+    assert moved == packed and moved.offsets.dtype == torch.int64
+    numbers = Packed(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 3]), "list")
+    padded, lengths = numbers.padded(-1)
+    assert padded.tolist() == [[1.0, -1.0], [2.0, 3.0]] and lengths.tolist() == [1, 2]
+    with pytest.raises(IndexError):
+        packed.view(3)
 
 
 def test_unknown_columns_and_nulls_are_refused() -> None:
