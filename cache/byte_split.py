@@ -57,6 +57,9 @@ __all__ = [
 Span = tuple[int, int, int]  # (offset, length, width): bytes [offset, offset + length)
 WIDTHS = (2, 4, 8)
 MIN_REGION_BYTES = 256  # smaller buffers gain nothing worth a table entry
+# Splitting costs a copy of the whole stream both ways (the bytes between regions too):
+# below this share of the stream in regions (images with their offsets) it is not done.
+MIN_SHARE = 1 / 8
 _COUNT = struct.Struct("<I")
 _ENTRY = struct.Struct("<QQBBQ")  # offset, length, width, constant-stream mask, their bytes
 _WORDS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
@@ -134,7 +137,8 @@ def spans_of(stream: pa.Buffer) -> list[Span]:
     """The byte ranges of ``stream`` (one Arrow IPC stream, one batch) worth splitting.
 
     The stream is read back zero-copy, so each buffer's place in it is its
-    address minus the stream's. Ranges are sorted and never overlap.
+    address minus the stream's. Ranges are sorted and never overlap; none when
+    they would be less than :data:`MIN_SHARE` of the stream.
     """
     batch = pa.ipc.open_stream(stream).read_next_batch()
     base, end = stream.address, stream.size
@@ -156,6 +160,8 @@ def spans_of(stream: pa.Buffer) -> list[Span]:
     for span in found:  # IPC writes each buffer once; never trust that blindly
         if not kept or span[0] >= kept[-1][0] + kept[-1][1]:
             kept.append(span)
+    if sum(length for _, length, _ in kept) < MIN_SHARE * end:
+        return []
     return kept
 
 

@@ -240,9 +240,14 @@ def _encode_chunk(
         payload = _compressor(options.level).compress(raw)
         frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
     else:
-        split, regions = byte_split.split(raw, byte_split.spans_of(raw))
-        payload = byte_split.pack_regions(regions) + _compressor(options.level).compress(split)
-        frame = pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=rows, raw_len=raw.size)
+        spans = byte_split.spans_of(raw)
+        if spans:
+            split, regions = byte_split.split(raw, spans)
+            payload = byte_split.pack_regions(regions) + _compressor(options.level).compress(split)
+            frame = pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=rows, raw_len=raw.size)
+        else:  # nothing worth splitting (e.g. encoded images): a plain zstd frame, as cheap
+            payload = _compressor(options.level).compress(raw)
+            frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
     return frame, time.thread_time() - started
 
 
