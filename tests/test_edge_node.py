@@ -291,7 +291,7 @@ def test_cache_full_of_pins_is_resource_exhausted(tmp_path: Path, file_setup) ->
     registry, _ = file_setup
     write_parquet_shards(tmp_path / "origin2", 1)
     publish(registry, f"file://{tmp_path}/origin2", "other")
-    with running_node(config(tmp_path, registry, capacity="900KiB")) as node:
+    with running_node(config(tmp_path, registry, capacity="700KiB")) as node:
         c = stub(node.address)
         request = edge_pb2.StageRequest(dataset="tokens", version=1, shards=[0, 1, 2])
         request.pin_until.FromDatetime(datetime.now(UTC) + timedelta(hours=1))

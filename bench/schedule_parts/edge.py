@@ -314,7 +314,7 @@ class Bench:
         self.log(f"calibration: {len(nodes)} regions stage {', '.join(specs)} from origin at once")
         with ThreadPoolExecutor(len(nodes)) as pool:
             seconds = list(pool.map(self._stage, nodes, specs))
-        origin = [
+        origin: list[dict[str, Any]] = [
             {
                 "region": r,
                 "version": spec,
@@ -331,7 +331,7 @@ class Bench:
                 stored[f"{v.dataset}@{v.version}"] = v.stored_bytes
         peer_node = self.node("calibrate-peer", "peer", "4GiB")
         peer_seconds = self._stage(peer_node, specs[0], [nodes[0].address])
-        peer = {
+        peer: dict[str, Any] = {
             "version": specs[0],
             "stored_bytes": stored[specs[0]],
             "seconds": round(peer_seconds, 3),

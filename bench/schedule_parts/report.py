@@ -30,7 +30,7 @@ from bench.schedule_parts.scenario import Scenario
 
 __all__ = ["TARGETS", "analyse", "print_results"]
 
-TARGETS = {
+TARGETS: dict[str, Any] = {
     "complete_at_start": "every job the plan calls feasible",
     "origin_reduction": 0.5,  # at least this much less origin bytes than naive
     "needed_evicted": 0,
