@@ -86,18 +86,28 @@ def test_token_ids_and_labels_are_split_and_nothing_else() -> None:
 def test_layouts_it_does_not_know_are_left_whole() -> None:
     batch = pa.record_batch(
         {
-            "view": pa.array(["a" * 20] * 100, pa.string_view()),
+            "view": pa.array(["a" * 5] * 400, pa.string_view()),
             "union": pa.UnionArray.from_sparse(
-                pa.array([0, 1] * 50, pa.int8()),
-                [pa.array(range(100), pa.int64()), pa.array([1.0] * 100)],
+                pa.array([0, 1] * 200, pa.int8()),
+                [pa.array(range(400), pa.int64()), pa.array([1.0] * 400)],
             ),
-            "ids": pa.array(range(1000, 1100), pa.int32()),
+            "ids": pa.array(range(1000, 1400), pa.int64()),
         }
     )
     stream = _stream(batch)
     spans = byte_split.spans_of(stream)
-    assert [width for *_, width in spans] == [4]  # only the int32 column
+    assert [width for *_, width in spans] == [8]  # only the int64 column
     frame = encode_shard([batch], batch.schema)[0]
+    assert decode_chunk(frame, batch.schema).equals(batch)
+
+
+def test_a_chunk_with_little_to_split_is_a_plain_zstd_frame() -> None:
+    """Encoded images: only their offsets could be split, not worth a copy of the chunk."""
+    blobs = pa.array([bytes(range(256)) * 40] * 64, pa.binary())
+    batch = pa.record_batch({"image": blobs, "label": pa.array(range(64), pa.int64())})
+    assert byte_split.spans_of(_stream(batch)) == []
+    frame = encode_shard([batch], batch.schema)[0]
+    assert read_header(frame).codec is Codec.ZSTD
     assert decode_chunk(frame, batch.schema).equals(batch)
 
 
