@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import pyarrow as pa
 
@@ -58,7 +59,7 @@ def split_params(value: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def binary_column(values: list[memoryview | bytes | None], *, string: bool = False) -> pa.Array:
+def binary_column(values: Sequence[memoryview | bytes | None], *, string: bool = False) -> pa.Array:
     """A binary (or UTF-8 string) array from byte slices, copying each once into one buffer.
 
     Container formats (tar members, MDS fields) hand out slices of the object

@@ -138,10 +138,10 @@ def _decode(data: memoryview | bytes, spec: ImageSpec) -> np.ndarray:
     from PIL import Image
 
     mode = "RGB" if spec.channels == 3 else "L"
-    with Image.open(io.BytesIO(data)) as image:
-        if image.format == "JPEG":
-            image.draft(mode, (spec.width, spec.height))  # DCT-domain downscale, still >= H×W
-        image = image.convert(mode)
+    with Image.open(io.BytesIO(data)) as opened:
+        if opened.format == "JPEG":
+            opened.draft(mode, (spec.width, spec.height))  # DCT-domain downscale, still >= H×W
+        image = opened.convert(mode)
         width, height = image.size
         resample = getattr(Image.Resampling, spec.filter.upper())
         if spec.fit == "crop":

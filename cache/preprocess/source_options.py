@@ -30,6 +30,7 @@ import io
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -219,7 +220,9 @@ def read_csv(
     if header == "auto" and not names:
         _check_header(head, delimiter if delimiter != "whitespace" else " ", skip, source)
     has_header = header == "true" or (header == "auto" and not names)
-    read = {"use_threads": threads, **({"block_size": block_size} if block_size else {})}
+    read: dict[str, Any] = {"use_threads": threads}
+    if block_size:
+        read["block_size"] = block_size
     if names:
         read.update(column_names=names, skip_rows=skip + (1 if has_header else 0))
     elif not has_header:

@@ -127,7 +127,7 @@ class _Tokens:
 
     def __init__(self, spec: TokensSpec, tokenizer: Any, bos: int | None, eos: int | None) -> None:
         self.spec, self.tokenizer, self.bos, self.eos = spec, tokenizer, bos, eos
-        self.dtype = np.dtype(_DTYPES[spec.dtype])
+        self.dtype: np.dtype[Any] = np.dtype(_DTYPES[spec.dtype])
         self.schema = pa.schema(
             [
                 pa.field("input_ids", pa.list_(pa.from_numpy_dtype(self.dtype), spec.seq_len)),
@@ -168,8 +168,8 @@ class _Tokens:
         starts = np.zeros(len(docs), np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
         flat = np.empty(int(lengths.sum()), np.int64)
-        for start, ids in zip(starts, docs, strict=True):
-            at = int(start)
+        for first, ids in zip(starts.tolist(), docs, strict=True):
+            at = first
             if self.bos is not None:
                 flat[at] = self.bos
                 at += 1

@@ -110,8 +110,11 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
         if field.type == pa.int64():
             numbers: list[int | None] = []
             for (key, _), value in zip(samples, values, strict=True):
+                if value is None:
+                    numbers.append(None)
+                    continue
                 try:
-                    numbers.append(None if value is None else int(bytes(value).strip() or b"x"))
+                    numbers.append(int(bytes(value).strip() or b"x"))
                 except ValueError:
                     raise MalformedShard(
                         f"{source}: sample {key!r}: {field.name} holds {bytes(value)[:40]!r}, not "
