@@ -40,7 +40,7 @@ from edgecache.cache.frame import Buffer, read_header, verify_frame
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
-from edgecache.clients import rendezvous
+from edgecache.clients import local_stores, rendezvous
 from edgecache.clients.channels import bearer, describe, node_error, open_channel
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.endpoints import Endpoint
@@ -163,16 +163,17 @@ class NodePool:
             return reader
 
     def store(self, endpoint: Endpoint) -> CacheStore:
-        """The read-only store of a local endpoint, opened once per process.
+        """The read-only store of a local endpoint, shared by the process's readers.
 
-        Under the lock: LMDB must not open one environment twice in a process.
+        Under the lock: LMDB must not open one environment twice in a process
+        (:mod:`~edgecache.clients.local_stores` hands every reader the same one).
         """
         with self._channel_lock:
             if self._closed:
                 raise self._closed_error(endpoint)
             store = self._stores.get(endpoint.text)
             if store is None:
-                store = self._stores[endpoint.text] = CacheStore(endpoint.target, readonly=True)
+                store = self._stores[endpoint.text] = local_stores.acquire(endpoint.target)
             return store
 
     def close_stores(self) -> None:
@@ -184,7 +185,7 @@ class NodePool:
         with self._channel_lock:
             stores, self._stores = list(self._stores.values()), {}
         for store in stores:
-            store.close()
+            local_stores.release(store)
 
     def close(self) -> None:
         """Stop and join the background threads, then close channels and stores.
@@ -215,7 +216,7 @@ class NodePool:
             if thread is not me and thread.ident is not None:
                 thread.join()
         for store in stores:
-            store.close()
+            local_stores.release(store)
 
     # ----------------------------------------------------------------- ranking
 

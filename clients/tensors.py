@@ -295,9 +295,10 @@ def assemble(
     out: dict[str, object] = {}
     for kind, extent in plans:
         dtype = torch.from_numpy(np.empty(0, dtype=kind.dtype)).dtype if kind.dtype else None
+        npdtype = kind.dtype if kind.dtype is not None else np.dtype(np.uint8)
         if kind.kind == "fixed":
             at, length = next(places)
-            target = area[at : at + length].view(kind.dtype).reshape((size, *kind.shape))
+            target = area[at : at + length].view(npdtype).reshape((size, *kind.shape))
             row = 0
             for g in gathers:
                 if g.views is not None and kind.name in g.views:
@@ -312,7 +313,7 @@ def assemble(
             out[kind.name] = block.tensor(at, length, dtype, (size, *kind.shape))  # type: ignore[arg-type]
         elif kind.kind == "ragged":
             (at, length), (lat, llen) = next(places), next(places)
-            target = area[at : at + length].view(kind.dtype).reshape(size, extent)
+            target = area[at : at + length].view(npdtype).reshape(size, extent)
             target[...] = 0  # reused memory: the padding must be written
             all_lengths = area[lat : lat + llen].view(np.int64)
             row = 0
@@ -332,7 +333,7 @@ def assemble(
             out[f"{kind.name}_lengths"] = block.tensor(lat, llen, torch.int64, (size,))
         elif kind.kind == "packed":
             (at, length), (oat, olen) = next(places), next(places)
-            values = area[at : at + length].view(kind.dtype)
+            values = area[at : at + length].view(npdtype)
             bounds = area[oat : oat + olen].view(np.int64)
             bounds[0] = 0
             row, position = 0, 0

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from edgecache.cache.errors import VersionNotFound
 from edgecache.cache.manifest import manifest_from_bytes
-from edgecache.cache.store import CacheStore
+from edgecache.clients import local_stores
 from edgecache.clients.endpoints import Endpoint
 from edgecache.clients.mixture import common_columns
 from edgecache.clients.node_pool import NodePool
@@ -53,17 +53,18 @@ def fetch_manifest(pool: NodePool, dataset: str, version: int | None) -> pb.Mani
 def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | None) -> pb.Manifest:
     """The manifest from the first local cache (``lmdb://``) that holds the version.
 
-    Each store is closed before returning: an LMDB environment must not be open
-    in a process that forks DataLoader workers which open it again.
+    Each store is given back before returning (and closed if no reader of this
+    process holds it): an LMDB environment must not be open in a process that
+    forks DataLoader workers which open it again.
     """
     for endpoint in endpoints:
-        store = CacheStore(endpoint.target, readonly=True)
+        store = local_stores.acquire(endpoint.target)
         try:
             numbers = sorted({v.version for v in store.versions() if v.dataset == dataset})
             wanted = version or (numbers[-1] if numbers else None)
             raw = store.get_manifest(dataset, wanted) if wanted else None
         finally:
-            store.close()
+            local_stores.release(store)
         if raw is not None:
             if version is None:
                 log.warning(

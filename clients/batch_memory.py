@@ -1,0 +1,443 @@
+"""Where a batch's tensors live: reused buffers, pinned memory, or memory shared with the trainer.
+
+Every column of a batch is a view into one block of memory (:class:`Block`),
+carved at 64-byte boundaries by :func:`edgecache.clients.tensors.assemble`,
+so a batch costs one allocation whatever its number of columns. Where that
+block comes from is the point of this module (measured in
+docs/benchmarks.md and /work/shared/MEASURED.md):
+
+* :class:`PinnedMemory` — ``num_workers=0`` on a CUDA host: torch's pinned
+  host allocator, which caches blocks and keeps one from being reused while
+  a ``non_blocking`` copy out of it may still be running.
+* :class:`ReusedMemory` — ``num_workers=0`` without CUDA: buffers handed out
+  again once every tensor of the batch that used one is garbage. A fresh
+  multi-MiB tensor per batch page-faults on every page (the same epoch ran at
+  36 k and 254 k samples/s in two identical processes); a reused one does not.
+* :class:`SharedMemory` — inside a DataLoader worker: a ring of ``memfd``
+  regions that the main process maps once and reads in place. torch sends a
+  tensor from a worker by moving its storage into a fresh shared-memory
+  segment and passing a file descriptor over a new socket connection, per
+  tensor and per batch: 0.9 GB/s on this machine against 5.2–5.7 GB/s for
+  this ring (2 workers, 3.2 MB batches; 6.3 GB/s for the same copies in one
+  process). A slot is handed out again once the main process has dropped
+  every tensor of the batch in it (a flag in a shared page, cleared by a
+  finalizer there); the ring grows instead of waiting, so a trainer that
+  keeps batches never deadlocks a worker.
+
+Tensors made in a worker are :class:`_SharedTensor` views whose pickled form
+names the worker, the region and the place in it; unpickling in the main
+process (DataLoader does it) maps the region (``/proc/<worker>/fd/<fd>``,
+once per region) and returns plain tensors. Set ``EDGECACHE_SHARED_BATCHES=0``
+to use torch's own transport instead (where ``/proc`` of another process
+cannot be opened).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ALIGN",
+    "attach",
+    "on_arrival",
+    "BatchMemory",
+    "Block",
+    "FreshMemory",
+    "PinnedMemory",
+    "ReusedMemory",
+    "SharedMemory",
+    "layout",
+    "shared_memory",
+]
+
+ALIGN = 64  # every column starts on a cache line (and any dtype's alignment)
+_MIB = 1 << 20
+_MAX_SLOTS = 4096  # one flag byte each in one page
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of arrays of ``sizes`` placed one after the other, aligned; the total."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    return offsets, total
+
+
+class Block:
+    """One batch's memory: ``data`` (uint8), carved into column tensors by :meth:`tensor`."""
+
+    __slots__ = ("_wrap", "data")
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        wrap: Callable[[torch.Tensor, int, int, torch.dtype, tuple[int, ...]], torch.Tensor]
+        | None = None,
+    ) -> None:
+        self.data, self._wrap = data, wrap
+
+    def array(self) -> np.ndarray:
+        """The block as a writable numpy array (no copy), to fill."""
+        return self.data.numpy()
+
+    def tensor(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The column at ``offset``: ``nbytes`` viewed as ``dtype`` of ``shape`` (no copy)."""
+        view = self.data[offset : offset + nbytes].view(dtype).view(shape)
+        return self._wrap(view, offset, nbytes, dtype, shape) if self._wrap else view
+
+
+class BatchMemory(Protocol):
+    """Hands out a block of at least ``nbytes`` for one batch."""
+
+    def allocate(self, nbytes: int) -> Block:
+        """A block for one batch."""
+        ...
+
+
+class FreshMemory:
+    """A new tensor per batch (plain, or pinned): what any caller without a ring gets."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+
+    def allocate(self, nbytes: int) -> Block:
+        """A fresh block."""
+        return Block(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
+
+
+class PinnedMemory(FreshMemory):
+    """torch's caching pinned host allocator: reuses blocks, safe with ``non_blocking`` copies."""
+
+    def __init__(self) -> None:
+        super().__init__(pin_memory=True)
+
+
+def _capacity(nbytes: int) -> int:
+    """A buffer for ``nbytes`` with room to grow (batches of binary columns vary in size)."""
+    return max(_MIB, -(-(nbytes + nbytes // 4) // _MIB) * _MIB)
+
+
+class ReusedMemory:
+    """Buffers reused once every tensor of the batch that used one is garbage (this process).
+
+    Each use is a fresh numpy view of a kept buffer; the batch's tensors share
+    one storage that holds that view, and a finalizer on the view returns the
+    buffer. At most ``keep`` idle buffers are kept.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> Block:
+        """A block in a reused buffer (a new one only when none idle is large enough)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
+            buffer = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
+        if buffer is None:
+            buffer = np.empty(_capacity(nbytes), dtype=np.uint8)
+        view = buffer[:nbytes]  # a new array object whose base is the buffer
+        weakref.finalize(view, self._release, buffer)
+        return Block(torch.from_numpy(view))
+
+    def _release(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=len))
+
+    @property
+    def idle(self) -> int:
+        """Buffers waiting to be reused."""
+        return len(self._free)
+
+
+# ---------------------------------------------------------------- shared with the trainer
+
+
+class _Region:
+    """One slot's memory: an anonymous memfd mapped here."""
+
+    __slots__ = ("fd", "map", "serial", "size")
+
+    def __init__(self, size: int, serial: int) -> None:
+        self.fd = os.memfd_create(f"edgecache-batch-{serial}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
+        self.size, self.serial = size, serial
+
+    def close(self) -> None:
+        # Views of the old mapping may live on in this process (a batch the worker
+        # still holds); they keep the mapping, the fd is what goes.
+        os.close(self.fd)
+
+
+class _SlotRef:
+    """Which slot of which worker's ring a batch lives in; pickled once per batch.
+
+    All columns of a batch hold the same object, so pickle writes it once and
+    the main process maps the slot once per batch (:func:`_open_slot`).
+    ``extra`` rides along to the main process's :func:`on_arrival` callbacks
+    (what the worker read for this batch, for the client metrics).
+    """
+
+    __slots__ = ("extra", "fields")
+
+    def __init__(self, *fields: int) -> None:
+        self.fields = fields
+        self.extra: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_open_slot, (*self.fields, self.extra))
+
+
+def attach(batch: dict[str, Any], extra: Any) -> bool:
+    """Give ``extra`` to the main process along with ``batch``; False if it has no shared tensor."""
+    for value in batch.values():
+        for tensor in (value.values, value.offsets) if hasattr(value, "offsets") else (value,):
+            meta = getattr(tensor, "__dict__", {}).get("_edgecache_slot")
+            if meta is not None:
+                meta[0].extra = extra
+                return True
+    return False
+
+
+class _SharedTensor(torch.Tensor):
+    """A column tensor in a worker's ring: pickles as a place in it, not as its bytes."""
+
+    # No torch-function overrides: whatever a worker computes from it is a plain tensor.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        meta = self.__dict__.get("_edgecache_slot")
+        if meta is None:
+            return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
+        return (_rebuild_column, meta)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SharedMemory:
+    """A DataLoader worker's ring of batch slots, mapped by the main process (see the module)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._serials = itertools.count(1)
+        self._flags_region = _Region(mmap.PAGESIZE, next(self._serials))
+        self._flags = np.frombuffer(self._flags_region.map, dtype=np.uint8)
+        self._slots: list[_Region] = []
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> Block:
+        """A block in a free slot of the ring (a new or larger slot when none fits)."""
+        with self._lock:
+            slot = self._take(nbytes)
+            if slot is None:  # thousands of batches held by the trainer: torch's way
+                return FreshMemory().allocate(nbytes)
+            region = self._slots[slot]
+            flags = self._flags_region
+            ref = _SlotRef(
+                self.pid,
+                flags.fd,
+                flags.serial,
+                slot,
+                region.fd,
+                region.serial,
+                region.size,
+                nbytes,
+            )
+        data = torch.from_numpy(np.frombuffer(region.map, dtype=np.uint8, count=nbytes))
+
+        def wrap(
+            view: torch.Tensor, offset: int, size: int, dtype: torch.dtype, shape: tuple[int, ...]
+        ) -> torch.Tensor:
+            tensor = torch.Tensor._make_subclass(_SharedTensor, view)
+            tensor._edgecache_slot = (ref, offset, size, _dtype_name(dtype), shape)  # type: ignore[attr-defined]
+            return tensor
+
+        return Block(data, wrap)
+
+    def _take(self, nbytes: int) -> int | None:
+        used = len(self._slots)
+        free = np.flatnonzero(self._flags[:used] == 0).tolist()
+        fits = [i for i in free if self._slots[i].size >= nbytes]
+        if fits:
+            slot = fits[0]
+        elif free:  # a free slot too small for this batch: give it a larger region
+            slot = free[0]
+            self._slots[slot].close()
+            self._slots[slot] = _Region(_capacity(nbytes), next(self._serials))
+        elif used < _MAX_SLOTS:
+            slot = used
+            self._slots.append(_Region(_capacity(nbytes), next(self._serials)))
+        else:
+            return None
+        self._flags[slot] = 1
+        return slot
+
+    @property
+    def slots(self) -> int:
+        """Slots in the ring."""
+        return len(self._slots)
+
+    def in_use(self) -> int:
+        """Slots holding a batch the main process has not released."""
+        return int(self._flags[: len(self._slots)].sum())
+
+
+_SHARED: dict[int, SharedMemory] = {}
+
+
+def shared_memory() -> SharedMemory | None:
+    """The ring of this process (one per DataLoader worker), or None where it cannot be used.
+
+    Off with ``EDGECACHE_SHARED_BATCHES=0``, and where there is no ``memfd``.
+    """
+    if os.environ.get("EDGECACHE_SHARED_BATCHES", "1") == "0" or not hasattr(os, "memfd_create"):
+        return None
+    pid = os.getpid()
+    ring = _SHARED.get(pid)
+    if ring is None:
+        _SHARED.clear()  # a forked child does not use its parent's ring
+        ring = _SHARED[pid] = SharedMemory()
+    return ring
+
+
+# ------------------------------------------------------------ the main process's side
+
+_ARRIVALS: list[Callable[[Any], None]] = []
+
+
+def on_arrival(callback: Callable[[Any], None]) -> None:
+    """Call ``callback(extra)`` in this process for each batch that arrives with an ``extra``."""
+    if callback not in _ARRIVALS:
+        _ARRIVALS.append(callback)
+
+
+_MAPS: dict[int, OrderedDict[int, np.ndarray]] = {}  # worker pid → its regions, mapped here
+_SLOT_SERIALS: dict[tuple[int, int], int] = {}  # (worker pid, slot) → its region now
+_MAPS_LOCK = threading.Lock()
+_MAPS_KEPT = 64  # per worker: more than its ring has slots
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _mmap(fd: int, size: int) -> np.ndarray:
+    """``fd`` mapped shared, as a uint8 array that unmaps itself when the last view of it dies.
+
+    Not ``mmap.mmap``: that keeps a duplicate of the descriptor open for as long
+    as the mapping lives, one per region of every worker.
+    """
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    memory = (ctypes.c_uint8 * size).from_address(address)
+    weakref.finalize(memory, _libc.munmap, address, size)
+    return np.frombuffer(memory, dtype=np.uint8)  # type: ignore[call-overload]
+
+
+def _forget_exited_workers() -> None:
+    """Drop the mappings of workers that have exited (under the lock).
+
+    A worker's regions go away once nothing here maps them; DataLoader workers
+    start afresh every epoch unless persistent, so keeping theirs would grow
+    without end. Views still alive keep their own mapping.
+    """
+    for pid in list(_MAPS):
+        if not os.path.exists(f"/proc/{pid}"):
+            del _MAPS[pid]
+            for key in [k for k in _SLOT_SERIALS if k[0] == pid]:
+                del _SLOT_SERIALS[key]
+
+
+def _map(pid: int, fd: int, serial: int, size: int) -> np.ndarray:
+    """The worker's region ``serial``, mapped once here (later batches reuse the mapping)."""
+    with _MAPS_LOCK:
+        regions = _MAPS.get(pid)
+        found = None if regions is None else regions.get(serial)
+        if found is not None:
+            regions.move_to_end(serial)  # type: ignore[union-attr]
+            return found
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        handle = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot open a DataLoader worker's batch memory at {path} ({exc.strerror}); "
+            "set EDGECACHE_SHARED_BATCHES=0 to send batches through torch's shared memory instead"
+        ) from exc
+    try:
+        region = _mmap(handle, size)
+    finally:
+        os.close(handle)
+    with _MAPS_LOCK:
+        if pid not in _MAPS:
+            _forget_exited_workers()
+        regions = _MAPS.setdefault(pid, OrderedDict())
+        regions[serial] = region
+        while len(regions) > _MAPS_KEPT:
+            regions.popitem(last=False)
+    return region
+
+
+def _release(flags: np.ndarray, slot: int) -> None:
+    flags[slot] = 0
+
+
+def _open_slot(
+    pid: int,
+    flags_fd: int,
+    flags_serial: int,
+    slot: int,
+    fd: int,
+    serial: int,
+    size: int,
+    nbytes: int,
+    extra: Any = None,
+) -> torch.Tensor:
+    """A batch's block, in the main process: released to the worker when its tensors die."""
+    if extra is not None:
+        for callback in _ARRIVALS:
+            callback(extra)
+    flags = _map(pid, flags_fd, flags_serial, mmap.PAGESIZE)
+    with _MAPS_LOCK:  # the slot got a larger region: the old one is not used again
+        old = _SLOT_SERIALS.get((pid, slot))
+        _SLOT_SERIALS[(pid, slot)] = serial
+        if old is not None and old != serial and pid in _MAPS:
+            _MAPS[pid].pop(old, None)
+    data = _map(pid, fd, serial, size)[:nbytes]  # a new array: its finalizer is this batch's
+    weakref.finalize(data, _release, flags, slot)
+    return torch.from_numpy(data)
+
+
+def _rebuild_column(
+    base: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """One column of a batch, a view of its block (see :func:`_open_slot`)."""
+    return base[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)

@@ -1,0 +1,202 @@
+"""What a training process read, as Prometheus metrics, answering: did the GPU wait for data.
+
+EdgeDataset counts, per rank (label ``rank``) and pinned version (``dataset``):
+
+* ``edgecache_client_data_wait_seconds_total`` — time the training loop
+  waited for a batch. Its rate is the fraction of wall time spent waiting
+  (the data-stall alert watches it). With ``num_workers=0`` the dataset
+  measures it itself; with workers the main process cannot see the loop
+  wait unless the loader is wrapped: ``for batch in ds.watch(loader)``.
+* ``edgecache_client_samples_total``, ``edgecache_client_batches_total`` —
+  delivered to the training loop.
+* ``edgecache_client_read_bytes_total{endpoint}`` — chunk bytes read from
+  each node or local cache.
+* ``edgecache_client_failovers_total`` — reads continued on another node.
+* ``edgecache_client_endpoint_in_use{endpoint}`` — 1 for the endpoint that
+  served the last chunk, 0 for the others.
+
+DataLoader workers read in processes of their own; what they read rides to
+the main process with each batch (in the shared ring's handle,
+:mod:`edgecache.clients.batch_memory`) and is counted there, so one scrape of
+the training process covers all its workers. Metrics are served when asked:
+``EdgeDataset(metrics_port=...)`` or ``$EDGECACHE_CLIENT_METRICS_PORT`` (a base
+port: each process adds its ``$LOCAL_RANK``, as torchrun sets it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from edgecache.clients import batch_memory
+
+__all__ = ["ClientCounters", "PoolTally", "REGISTRY", "serve"]
+
+PORT_VARIABLE = "EDGECACHE_CLIENT_METRICS_PORT"
+
+
+class ClientCounters:
+    """One EdgeDataset's totals in this process (its workers' included, as batches arrive)."""
+
+    def __init__(self, rank: int, dataset: str, endpoints: list[str]) -> None:
+        self.rank, self.dataset = rank, dataset
+        self.wait_seconds = 0.0
+        self.samples = self.batches = self.failovers = 0
+        self.bytes: dict[str, int] = dict.fromkeys(endpoints, 0)
+        self.endpoint: str | None = None
+        self._lock = threading.Lock()
+
+    def add(self, delta: dict[str, Any]) -> None:
+        """Fold in what was delivered or read since the last delta (see :class:`PoolTally`)."""
+        with self._lock:
+            self.wait_seconds += delta.get("wait", 0.0)
+            self.samples += delta.get("samples", 0)
+            self.batches += delta.get("batches", 0)
+            self.failovers += delta.get("failovers", 0)
+            for endpoint, count in delta.get("bytes", {}).items():
+                self.bytes[endpoint] = self.bytes.get(endpoint, 0) + count
+            if delta.get("endpoint"):
+                self.endpoint = delta["endpoint"]
+
+
+class PoolTally:
+    """What a node pool read since the last call of :meth:`delta` (its stats are running totals)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+        self._failovers = 0
+        self._pool: object = None
+
+    def delta(self, pool: Any) -> dict[str, Any]:
+        """Bytes per endpoint, failovers and the endpoint in use, new since the last call."""
+        if pool is not self._pool:  # a new pool (after close, or in a new process)
+            self._pool, self._seen, self._failovers = pool, {}, 0
+        out: dict[str, Any] = {"bytes": {}}
+        for endpoint, stats in pool.stats.items():
+            new = stats.bytes - self._seen.get(endpoint, 0)
+            if new:
+                out["bytes"][endpoint] = new
+                self._seen[endpoint] = stats.bytes
+        out["failovers"] = pool.failovers - self._failovers
+        self._failovers = pool.failovers
+        out["endpoint"] = pool.current
+        return out
+
+
+_KEYS = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[int, ClientCounters] = weakref.WeakValueDictionary()
+
+
+def register(counters: ClientCounters) -> int:
+    """A key under which workers' deltas reach ``counters`` (same in forked workers)."""
+    key = next(_KEYS) + (os.getpid() << 20)
+    _LIVE[key] = counters
+    return key
+
+
+def arrived(extra: tuple[Any, ...]) -> None:
+    """A batch from a DataLoader worker arrived in this process: count what it carries."""
+    key, delta = extra
+    counters = _LIVE.get(key)
+    if counters is not None:
+        counters.add(delta)
+
+
+batch_memory.on_arrival(arrived)
+
+
+class _Collector(Collector):
+    """Reads every live ClientCounters at scrape time (same labels are added together)."""
+
+    def collect(self) -> Iterator[Any]:
+        wait = CounterMetricFamily(
+            "edgecache_client_data_wait_seconds",
+            "Seconds the training loop waited for a batch (rate: the fraction of time waiting)",
+            labels=["rank", "dataset"],
+        )
+        samples = CounterMetricFamily(
+            "edgecache_client_samples",
+            "Samples delivered to the training loop",
+            labels=["rank", "dataset"],
+        )
+        batches = CounterMetricFamily(
+            "edgecache_client_batches",
+            "Batches delivered to the training loop",
+            labels=["rank", "dataset"],
+        )
+        failovers = CounterMetricFamily(
+            "edgecache_client_failovers",
+            "Reads continued on another node after one failed",
+            labels=["rank", "dataset"],
+        )
+        read = CounterMetricFamily(
+            "edgecache_client_read_bytes",
+            "Chunk bytes read from each endpoint (node or local cache)",
+            labels=["rank", "dataset", "endpoint"],
+        )
+        in_use = GaugeMetricFamily(
+            "edgecache_client_endpoint_in_use",
+            "1 for the endpoint that served the last chunk, 0 for the others",
+            labels=["rank", "dataset", "endpoint"],
+        )
+        totals: dict[tuple[str, str], list[float]] = {}
+        by_endpoint: dict[tuple[str, str, str], list[float]] = {}
+        for counters in list(_LIVE.values()):
+            labels = (str(counters.rank), counters.dataset)
+            row = totals.setdefault(labels, [0.0, 0.0, 0.0, 0.0])
+            row[0] += counters.wait_seconds
+            row[1] += counters.samples
+            row[2] += counters.batches
+            row[3] += counters.failovers
+            for endpoint, count in list(counters.bytes.items()):
+                cell = by_endpoint.setdefault((*labels, endpoint), [0.0, 0.0])
+                cell[0] += count
+                cell[1] = max(cell[1], 1.0 if endpoint == counters.endpoint else 0.0)
+        for labels, (w, s, b, f) in totals.items():
+            wait.add_metric(list(labels), w)
+            samples.add_metric(list(labels), s)
+            batches.add_metric(list(labels), b)
+            failovers.add_metric(list(labels), f)
+        for labels3, (total, current) in by_endpoint.items():
+            read.add_metric(list(labels3), total)
+            in_use.add_metric(list(labels3), current)
+        yield from (wait, samples, batches, failovers, read, in_use)
+
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(_Collector())
+_SERVERS: dict[int, int] = {}  # asked port → bound port, one server per process and port
+_SERVE_LOCK = threading.Lock()
+
+
+def port_from_environment() -> int | None:
+    """``$EDGECACHE_CLIENT_METRICS_PORT`` plus ``$LOCAL_RANK``, or None when unset."""
+    base = os.environ.get(PORT_VARIABLE)
+    if not base:
+        return None
+    try:
+        port = int(base)
+    except ValueError:
+        raise ValueError(f"${PORT_VARIABLE} must be a port number, got {base!r}") from None
+    return port + int(os.environ.get("LOCAL_RANK", "0")) if port else 0
+
+
+def serve(port: int, host: str = "0.0.0.0") -> int:  # noqa: S104 - Prometheus scrapes from afar
+    """Serve this process's client metrics on ``port`` (0: any free one); the bound port.
+
+    Once per process and port: every EdgeDataset of the process is on it.
+    """
+    with _SERVE_LOCK:
+        bound = _SERVERS.get(port)
+        if bound is None:
+            server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+            bound = _SERVERS[port] = int(server.server_port)
+        return bound
