@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-deploy base-image lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan bench-schedule wan-tools chaos lock proto clean
+.PHONY: demo test test-deploy base-image lint typecheck bench bench-store bench-edge bench-dataset bench-planner bench-peers bench-wan bench-schedule bench-staging bench-images bench-text bench-training wan-tools chaos lock proto clean
 
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
@@ -72,6 +72,18 @@ bench-planner: $(STAMP)  ## planner at 1k and 10k jobs x 1,000 versions x 20 reg
 
 bench-peers: $(STAMP)  ## EdgeDataset against MosaicML Streaming, LitData and WebDataset
 	$(PY) -m bench.peers
+
+bench-staging: $(STAMP)  ## staging CPU per GB, scaling over cores, and staging from moto against bare GETs + decode
+	$(PY) -m bench.staging
+
+bench-images: $(STAMP)  ## image decoders per core, the images transform, and an epoch of edge-decoded images against LitData
+	$(PY) -m bench.images
+
+bench-text: $(STAMP)  ## the tokens transform (tokenise + pack) against bare tokenizers
+	$(PY) -m bench.text
+
+bench-training: $(STAMP)  ## shuffle quality, and the read cost of batch shuffle, mixtures, splits and elastic resume
+	$(PY) -m bench.training
 
 bench-schedule: $(STAMP) wan-tools  ## a simulated day of ~20 jobs in three regions: the controller against naive warming
 	$(PY) -m bench.schedule
