@@ -520,6 +520,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 "read_ahead_bytes": pipeline.read_ahead,
                 "held_peak_bytes": pipeline.held_peak,
                 "fetch_wait_seconds": pipeline.fetch_wait_seconds,
+                "fetch_busy_seconds": pipeline.fetch_busy_seconds,
             }
 
     def watch(self, batches: Iterable[T]) -> Iterator[T]:

@@ -461,6 +461,12 @@ class Pipeline:
                 self._grown_at = self._delivered
         return loaded
 
+    @property
+    def fetch_busy_seconds(self) -> float:
+        """Seconds the fetch threads spent loading windows, summed over threads."""
+        with self._flight_lock:
+            return self._busy
+
     def _track(self, started: float | None) -> None:
         """A load started (``started`` None: record it) or ended (the time it started)."""
         me = threading.get_ident()

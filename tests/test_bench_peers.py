@@ -71,4 +71,24 @@ def test_peers_smoke(tmp_path: Path) -> None:
     for r in ratios:
         assert r["ratio"] > 0 and r["best_peer"] in PEERS, r
         assert (r["target"] is None) == (r["system"] == "edgecache-lmdb-none"), r
+        if r["system"] == "edgecache-grpc":  # against the bare grpcio stream of the same bytes
+            assert r["bare_ratio"] > 0 and r["criterion"] in ("best peer", "bare stream"), r
     assert doc["versions"]["mosaicml-streaming"] and doc["versions"]["litdata"]
+
+    # The same bytes over a bare grpcio stream, CPU per GB everywhere, workers and memory.
+    for name in SYSTEMS:
+        bare = doc["bare_stream"][name]
+        assert bare["samples_s"] > 0 and bare["wire_mb"] > 0 and bare["cpu_s_per_gb"] >= 0
+    for e in epochs:
+        assert e["cpu_s_per_gb"] >= 0 and ("node_cpu_s_per_gb" in e) == (
+            e["system"] == "edgecache-grpc"
+        ), e
+    scaling = {(w["dataset"], w["system"]) for w in doc["worker_scaling"] if w["workers"] == 2}
+    assert scaling == {(d, s) for d, systems in SYSTEMS.items() for s in systems - PEERS}
+    assert all(w["ratio"] > 0 and w["target"] == 0.8 for w in doc["worker_scaling"])
+    memory = {(m["dataset"], m["system"], m["workers"]): m for m in doc["memory"]}
+    assert memory[("tokens", "edgecache-lmdb", 0)]["target"] == 1.5
+    assert memory[("images", "edgecache-lmdb", 0)]["target"] is None
+    assert all(m["ratio"] > 0 and m["speed_ratio"] > 0 for m in memory.values())
+    kinds = {c["kind"] for c in doc["checks"]}
+    assert kinds == {">=", "<="} and all(c["value"] > 0 for c in doc["checks"])

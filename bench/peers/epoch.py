@@ -57,7 +57,14 @@ def _check(batch: Any, spec: Spec) -> int:
             raise TypeError(f"{spec.system}: input_ids {type(ids)} {getattr(ids, 'shape', '')}")
     else:
         images = batch["image"]
-        if not (isinstance(images, list) and len(images) == n and isinstance(images[0], bytes)):
+        packed = (  # edgecache's default: one uint8 tensor of the images plus offsets
+            type(images).__name__ == "Packed"
+            and len(images) == n
+            and images.values.dtype == torch.uint8
+            and int(images.offsets[-1] - images.offsets[0]) == images.values.numel()
+        )
+        listed = isinstance(images, list) and len(images) == n and isinstance(images[0], bytes)
+        if not (packed or listed):
             raise TypeError(f"{spec.system}: images are {type(images)}")
     return n
 

@@ -15,7 +15,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -34,27 +33,12 @@ from bench.peers.epoch import RESULT, run_epoch
 from bench.peers.formats import CONVERTERS, Converted
 from bench.peers.loaders import EDGECACHE, PEERS, SYSTEMS, Spec
 from bench.peers.memory import TreeMemory
+from bench.peers.printing import machine, print_report
+from bench.peers.targets import LABELS, TARGETS, checks, memory, ratios, worker_scaling
 
 __all__ = ["TARGETS", "main", "ratios"]
 
 ROOT = Path(__file__).resolve().parents[2]
-# edgecache / best peer; None: reported for what it shows, no target.
-TARGETS: dict[str, float | None] = {
-    "edgecache-grpc": 1.0,
-    "edgecache-lmdb": 1.5,
-    "edgecache-lmdb-none": None,
-}
-LABELS = {
-    "mds": "MosaicML Streaming MDS, local disk",
-    "mds-zstd": "MosaicML Streaming MDS with zstd, local disk",
-    "litdata": "LitData (optimize), local disk",
-    "webdataset": "WebDataset tar shards, local disk",
-    "edgecache-grpc": "edgecache, warm node over gRPC (loopback)",
-    "edgecache-lmdb": "edgecache, local lmdb:// fast path",
-    "edgecache-lmdb-none": (
-        "edgecache, local fast path, tokens staged uncompressed (not the default)"
-    ),
-}
 PACKAGES = (
     "torch",
     "numpy",
@@ -265,6 +249,68 @@ def run_one(
     return result
 
 
+def bare_stream(
+    workdir: Path, node: Any, data: Data, source: Source, *, repeat: int, timeout: float
+) -> dict[str, Any]:
+    """A bare grpcio stream of the version's wire bytes (bench.peers.bare), best of 1 and 2 streams.
+
+    ``samples_s`` is the source's rows over the seconds it took to receive them all:
+    the rate at which edgecache's gRPC reader would deliver samples if reading
+    cost nothing beyond grpcio's own receiving.
+    """
+    from bench.peers import bare
+
+    messages = workdir / f"{data.name}-messages.pkl"
+    wire = bare.dump_messages(node.address, data.name, data.version, data.shards, messages)
+    server, address = bare.start_server(messages)
+    try:
+        results = []
+        for streams in (1, 2):
+            cpu = _process_cpu(server.pid)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.peers.bare",
+                    address,
+                    data.name,
+                    str(data.version),
+                    str(data.shards),
+                    str(streams),
+                    str(max(repeat, 1)),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
+            if line is None:
+                raise RuntimeError(f"bench.peers.bare failed:\n{proc.stderr[-3000:]}")
+            result = json.loads(line[len(RESULT) :])
+            result["server_cpu_s"] = round((_process_cpu(server.pid) - cpu) / result["passes"], 2)
+            results.append(result)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        messages.unlink(missing_ok=True)
+    best = min(results, key=lambda r: r["seconds"])
+    gb = source.raw_bytes / 1e9
+    return {
+        "dataset": source.name,
+        "streams": best["streams"],
+        "wire_mb": round(wire / 1e6, 1),
+        "seconds": round(best["seconds"], 4),
+        "samples_s": round(source.rows / best["seconds"], 1),
+        "mb_s": round(source.raw_bytes / best["seconds"] / 1e6, 1),
+        "wire_mb_s": round(wire / best["seconds"] / 1e6, 1),
+        "cpu_s": round(best["cpu_s"], 2),
+        "cpu_s_per_gb": round(best["cpu_s"] / gb, 2),
+        "server_cpu_s": best["server_cpu_s"],
+        "all": results,
+    }
+
+
 def _process_cpu(pid: int) -> float:
     """User + system CPU seconds of ``pid`` so far."""
     import psutil
@@ -285,144 +331,7 @@ def best_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "rounds": counts[k]} for k, r in best.items()]
 
 
-def ratios(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """edgecache / best peer, per dataset: each at its best worker count, and per worker count.
-
-    The ratio is of samples/s (equivalently MB/s: same samples, same bytes).
-    """
-    out: list[dict[str, Any]] = []
-    for dataset in dict.fromkeys(e["dataset"] for e in epochs):
-        rows = [e for e in epochs if e["dataset"] == dataset]
-        groups: list[tuple[str, list[dict[str, Any]]]] = [("best", rows)]
-        groups += [
-            (f"workers={w}", [e for e in rows if e["workers"] == w])
-            for w in sorted({e["workers"] for e in rows})
-        ]
-        for scope, group in groups:
-            peers = [e for e in group if e["system"] in PEERS]
-            if not peers:
-                continue
-            peer = max(peers, key=lambda e: e["samples_s"])
-            for system, target in TARGETS.items():
-                mine = [e for e in group if e["system"] == system]
-                if not mine:
-                    continue
-                ours = max(mine, key=lambda e: e["samples_s"])
-                ratio = ours["samples_s"] / peer["samples_s"]
-                out.append(
-                    {
-                        "dataset": dataset,
-                        "scope": scope,
-                        "system": system,
-                        "workers": ours["workers"],
-                        "best_peer": peer["system"],
-                        "best_peer_workers": peer["workers"],
-                        "ours_samples_s": ours["samples_s"],
-                        "peer_samples_s": peer["samples_s"],
-                        "ours_mb_s": ours["mb_s"],
-                        "peer_mb_s": peer["mb_s"],
-                        "ratio": round(ratio, 3),
-                        "target": target,
-                        "met": None if target is None else ratio >= target,
-                    }
-                )
-    return out
-
-
 # ------------------------------------------------------------------ report
-
-
-def machine() -> dict[str, Any]:
-    import psutil
-
-    model = report.cpu_model()
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
-    }
-
-
-def print_report(out: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    settings = out["settings"]
-    table = Table(
-        title="Epochs through a torch DataLoader, every system in the same run "
-        f"(fastest of up to {settings['repeat']} epochs per configuration while under "
-        f"{settings['budget_s']:g} s, x {settings['rounds']} round(s))"
-    )
-    for column in (
-        "data",
-        "system",
-        "workers",
-        "samples/s",
-        "MB/s",
-        "first batch s",
-        "epoch s",
-        "CPU s",
-        "node CPU s",
-        "peak RSS MB",
-        "anon MB",
-        "on disk MB",
-    ):
-        table.add_column(column, justify="left" if column in ("data", "system") else "right")
-    for e in out["epochs"]:
-        fmt = out["formats"][e["dataset"]][e["system"]]
-        table.add_row(
-            e["dataset"],
-            e["system"],
-            str(e["workers"]),
-            f"{e['samples_s']:,.0f}",
-            f"{e['mb_s']:,.0f}",
-            f"{e['first_batch_s']:.3f}",
-            f"{e['seconds']:.2f}",
-            f"{e['cpu_s']:.1f}",
-            f"{e['node_cpu_s']:.1f}" if "node_cpu_s" in e else "",
-            f"{e['peak_rss_mb']:,.0f}",
-            f"{e['peak_anon_mb']:,.0f}",
-            f"{fmt['disk_mb']:,.0f}",
-        )
-    console.print(table)
-    results = [
-        {
-            "measure": f"{r['dataset']}: {r['system']} (workers={r['workers']})",
-            "baseline": f"{r['best_peer']} (workers={r['best_peer_workers']})",
-            "mbytes": out["data"][r["dataset"]]["raw_mb"],
-            "ours_mb_s": r["ours_mb_s"],
-            "baseline_mb_s": r["peer_mb_s"],
-            "ratio": r["ratio"],
-            "target": r["target"],
-        }
-        for r in out["ratios"]
-        if r["scope"] == "best"
-    ]
-    title = "edgecache / best peer (each at its best worker count)"
-    console.print(report.ratio_table(title, results, ("measure", "baseline")))
-    for r in out["ratios"]:
-        if r["scope"] != "best":
-            console.print(
-                f"{r['dataset']} {r['scope']}: {r['system']} / {r['best_peer']} = {r['ratio']:.2f}×"
-            )
-    for name, d in out["data"].items():
-        console.print(
-            f"{name}: {d['samples']:,} samples, raw {d['raw_mb']:,} MB, batch {d['batch_size']}; "
-            + ", ".join(f"{s} {f['disk_mb']:,.0f} MB" for s, f in out["formats"][name].items())
-        )
-    console.print(
-        "CPU s: user+system of the loader process and its DataLoader workers over the epoch; "
-        "node CPU s: the edge node's, per epoch. Memory: peaks of the sums over the first "
-        "epoch's process tree (the loader and its workers; not the node, whose peak is in the "
-        "JSON), sampled from /proc every 50 ms; anon = RSS less file-backed and shared pages"
-    )
-    console.print("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items()))
-    m = out["machine"]
-    console.print(
-        f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_gb']} GB, {m['platform']}"
-    )
-    console.print(f"wall time: {out['wall_s']:.0f} s")
 
 
 # ------------------------------------------------------------------ main
@@ -519,6 +428,7 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
     published: dict[str, Data] = {}
     stage_seconds: dict[str, float] = {}
     runs: list[dict[str, Any]] = []
+    bare: dict[str, dict[str, Any]] = {}
     try:
         if any(s in EDGECACHE for s in args.systems):
             node, published, stage_seconds = stage_edgecache(
@@ -529,6 +439,22 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
             )
         for r in range(args.rounds):
             for source in sources:
+                if "edgecache-grpc" in args.systems and node is not None:
+                    stream = bare_stream(
+                        workdir,
+                        node,
+                        published[source.name],
+                        source,
+                        repeat=args.repeat,
+                        timeout=args.timeout,
+                    )
+                    if source.name not in bare or stream["seconds"] < bare[source.name]["seconds"]:
+                        bare[source.name] = stream
+                    console.log(
+                        f"{source.name} bare grpcio stream of the same bytes: "
+                        f"{stream['samples_s']:,.0f} samples/s, {stream['wire_mb_s']:,.0f} MB/s on "
+                        f"the wire ({stream['streams']} stream(s)), CPU {stream['cpu_s']:.1f} s"
+                    )
                 for workers in args.workers:
                     for system in systems_for(source.name, args.systems):
                         spec = _spec(system, source, workers, workdir, formats, published, node)
@@ -553,6 +479,11 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
         if node is not None:
             node.stop()
     epochs = best_runs(runs)
+    for e in epochs:  # CPU per GB of raw sample bytes delivered, in the loader and the node
+        gb = next(s.raw_bytes for s in sources if s.name == e["dataset"]) / 1e9
+        e["cpu_s_per_gb"] = round(e["cpu_s"] / gb, 2)
+        if "node_cpu_s" in e:
+            e["node_cpu_s_per_gb"] = round(e["node_cpu_s"] / gb, 2)
     disk: dict[str, dict[str, dict[str, float]]] = {}
     for s in sources:
         disk[s.name] = {
@@ -596,7 +527,10 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
         },
         "epochs": epochs,
         "runs": runs,
-        "ratios": ratios(epochs),
+        "bare_stream": bare,
+        "ratios": ratios(epochs, bare),
+        "worker_scaling": worker_scaling(epochs),
+        "memory": memory(epochs),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
@@ -612,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         out = run(args, workdir, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    out["checks"] = checks(out)
     print_report(out, console)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
