@@ -16,7 +16,7 @@ from s3server import make_bucket, put_object
 from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginChanged
 from edgecache.cache.storage import FsspecStore, ObjectInfo, S3Store
 from edgecache.cache.storage.base import verify as _verify
-from edgecache.cache.storage.s3 import MIN_PART_BYTES, PART_SECONDS, StreamRate
+from edgecache.cache.storage.s3 import MIN_PART_BYTES, PART_SECONDS, STREAMS, LinkRate
 
 
 def run(coro):  # noqa: ANN001, ANN201
@@ -117,33 +117,65 @@ def test_create_only_writes_honour_the_umask(tmp_path: Path, umask: int) -> None
 # ---- part sizing from the measured stream rate ----------------------------------------------
 
 
-def test_stream_rate_follows_recent_gets_and_ignores_small_ones() -> None:
-    rate = StreamRate(weight=0.5)
-    rate.add(100 << 10, 0.001)  # too small to say anything about rate
-    assert rate.bytes_per_second == 0 and rate.samples == 0
-    rate.add(8 << 20, 1.0)
-    assert rate.bytes_per_second == 8 << 20
-    rate.add(8 << 20, 0.5)
-    assert rate.bytes_per_second == 12 << 20  # halfway to the newest
-    rate.add(8 << 20, 0.0)  # a clock that did not move is no sample
-    assert rate.samples == 2
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_parts_are_sized_from_what_one_stream_gets() -> None:
+def _link(bytes_per_second: float) -> LinkRate:
+    """A LinkRate that has seen one second of GETs at ``bytes_per_second``."""
+    clock = _Clock()
+    link = LinkRate(clock=clock)
+    link.started()
+    clock.now += 1.0
+    link.finished(int(bytes_per_second))
+    return link
+
+
+def test_link_rate_counts_the_seconds_a_get_was_running_only() -> None:
+    clock = _Clock()
+    link = LinkRate(window=2.0, clock=clock)
+    assert link.bytes_per_second == 0  # nothing measured yet
+    link.started()
+    link.started()  # two GETs share the link for a second
+    clock.now += 1.0
+    link.finished(4 << 20)
+    link.finished(4 << 20)
+    assert link.bytes_per_second == 8 << 20
+    clock.now += 30.0  # staging preprocessed for a while: no GET ran, the link was idle
+    assert link.bytes_per_second == 8 << 20
+    link.started()
+    clock.now += 0.5
+    link.finished(0)  # a failed GET: its time counts, no bytes
+    assert link.bytes_per_second == (8 << 20) / 1.5
+    link.started()
+    clock.now += 2.0
+    link.finished(1 << 20)  # the window is 2 s of use: the first second has left it
+    assert link.bytes_per_second == (1 << 20) / 2.0
+    tiny = LinkRate(clock=clock)
+    tiny.started()
+    clock.now += 1.0
+    tiny.finished(100 << 10)
+    assert tiny.bytes_per_second == 0  # too little to say anything about rate
+
+
+def test_parts_are_sized_from_what_the_link_delivers() -> None:
     store = S3Store()
     size = 24 << 20
     assert store.part_size(size, "b") == 2 << 20  # unmeasured: as for a long path, 12 parts
-    store.rates["b"] = slow = StreamRate()
-    slow.add(4 << 20, 4.0)  # ~1 MB/s a stream: a lossy WAN path
+    store.rates["b"] = _link(12e6)  # a 100 Mbit/s path
     assert store.part_size(size, "b") == 2 << 20
-    fast = StreamRate()
-    fast.add(64 << 20, 0.1)  # 640 MiB/s: one stream fetches the object within PART_SECONDS
-    store.rates["b"] = fast
+    store.rates["b"] = _link(100e6)
+    assert store.part_size(size, "b") == int(100e6 / STREAMS * PART_SECONDS)  # ~6 MB parts
+    store.rates["b"] = _link(2e9)  # a local store: whole objects
     assert store.part_size(size, "b") >= size
     assert store.part_size(size, "other") == 2 << 20  # each bucket is measured on its own
     assert S3Store(adaptive_parts=False, part_bytes=1 << 20).part_size(1 << 30) == 1 << 20
     held = S3Store(adaptive_parts=False)
-    held.rates["b"] = fast
+    held.rates["b"] = _link(2e9)
     assert held.part_size(size, "b") == 2 << 20
 
 
@@ -164,11 +196,11 @@ def test_a_fast_origin_gets_whole_objects_a_slow_one_parts(s3_endpoint: str) -> 
             assert parts == -(-len(body) // MIN_PART_BYTES)  # unmeasured: 1 MiB parts
             measured = store.rates[bucket]
             assert measured.samples == parts and measured.bytes_per_second > 0
-            measured.bytes_per_second = 4 * len(body) / PART_SECONDS  # as a fast link measures
+            store.rates[bucket] = _link(4 * STREAMS * len(body) / PART_SECONDS)  # a fast link
             before = store.stats.requests
             assert await store.get(url, expect=info) == body
             assert store.stats.requests - before == 1  # whole, If-Match and checksum as ever
-            measured.bytes_per_second, measured.samples = 1e6, 100  # a slow path again
+            store.rates[bucket] = _link(1e6)  # a slow path again
             before = store.stats.requests
             assert await store.get(url, expect=info) == body
             assert store.stats.requests - before == parts

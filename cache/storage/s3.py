@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -44,8 +45,9 @@ __all__ = [
     "PART_BYTES",
     "PART_SECONDS",
     "PARTS_PER_OBJECT",
+    "STREAMS",
+    "LinkRate",
     "S3Store",
-    "StreamRate",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,50 +64,75 @@ T = TypeVar("T")
 # Smaller objects are fetched whole: their parallelism comes from fetching
 # several at once, and a request each is cheaper for origin.
 #
-# Those sizes suit a long path; on a fast one (an origin in the same region, a
-# local S3-compatible store) a 1 MiB part is over in a few milliseconds, so the
-# request itself becomes the cost (moto's server on loopback served 1 MiB parts
-# about 3x slower than whole objects, on the CPUs staging needs). So parts are
-# sized from what the link delivers: each part should take about PART_SECONDS
-# on one stream at the rate the store's recent requests got (StreamRate), and
-# an object that one stream fetches in that time is fetched whole. A slow or
-# lossy path keeps its many small parts; a fast one gets whole objects; until
-# a bucket has been measured, parts are sized as for a long path. A request
-# therefore lasts about PART_SECONDS whatever the link, which is what the
-# staging gate's one-request-at-a-time yield to training reads relies on.
+# Those sizes suit a long path, where each TCP stream is held back by loss and
+# round trips. On a fast one (an origin in the same region, a local
+# S3-compatible store) one stream can carry what the link does and a request
+# is over in milliseconds, so the request itself becomes the cost: signing,
+# parsing and the store's own handling, on the CPUs staging needs (moto's
+# server on loopback served 1 MiB parts about 3x slower than whole objects).
+# So parts are sized from what the link delivers to this store: the rate of
+# all its GETs together while any runs (LinkRate), shared by STREAMS requests
+# (staging fetches 4 objects at once), each lasting about PART_SECONDS. An
+# object that fits in one such part is fetched whole. A 100 Mbit/s path
+# (~12 MB/s) keeps its 1 MiB parts, and with them the many streams a lossy
+# path needs; a store delivering 200 MB/s or more gets parts of 12 MB and up,
+# so token shards of ~12 MB come whole. Until a bucket has been measured,
+# parts are sized as for a long path.
 MULTIPART_THRESHOLD = 8 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
 PARTS_PER_OBJECT = 12
 PART_SECONDS = 0.25
-_MEASURED_BYTES = 256 << 10  # requests smaller than this say more about latency than rate
+STREAMS = 4
+_MEASURED_BYTES = 256 << 10  # less than this says more about latency than rate
 
 
-class StreamRate:
-    """Bytes/s one request stream to a bucket gets, smoothed over its recent GETs.
+class LinkRate:
+    """The bytes/s one store's GETs to a bucket deliver together, lately.
 
-    Each GET of at least 256 KiB adds its size over its whole duration (first
-    byte latency included, and under whatever concurrency staging ran at), so
-    the figure is what one more request would get now. Exponentially
-    weighted (``weight`` for the newest), so a link that slows shows within a
-    few requests.
+    Bytes of the GETs finished over the last ``window`` seconds during which
+    any GET was running, over those seconds: what the link gave while it was
+    used, however many requests shared it, and without the gaps in which
+    staging was busy preprocessing instead.
     """
 
-    def __init__(self, weight: float = 0.25) -> None:
-        self.weight = weight
-        self.bytes_per_second = 0.0  # 0: nothing measured yet
+    def __init__(self, window: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self._clock = clock
+        self._running = 0
+        self._busy = 0.0  # seconds with a GET running, up to the last time none was
+        self._since = 0.0  # when the GETs running now began
+        self._done: deque[tuple[float, int]] = deque()  # (busy clock at the end, bytes)
         self.samples = 0
 
-    def add(self, nbytes: int, seconds: float) -> None:
-        """One finished GET of ``nbytes`` that took ``seconds`` from request to last byte."""
-        if nbytes < _MEASURED_BYTES or seconds <= 0:
-            return
-        rate = nbytes / seconds
-        self.samples += 1
-        if self.samples == 1:
-            self.bytes_per_second = rate
-        else:
-            self.bytes_per_second += self.weight * (rate - self.bytes_per_second)
+    def _busy_now(self) -> float:
+        return self._busy + (self._clock() - self._since if self._running else 0.0)
+
+    def started(self) -> None:
+        """A GET began."""
+        if not self._running:
+            self._since = self._clock()
+        self._running += 1
+
+    def finished(self, nbytes: int) -> None:
+        """A GET ended with ``nbytes`` (0 for one that failed)."""
+        now = self._busy_now()
+        self._running -= 1
+        if not self._running:
+            self._busy = now
+        if nbytes:
+            self._done.append((now, nbytes))
+            self.samples += 1
+        while self._done and self._done[0][0] < now - self.window:
+            self._done.popleft()
+
+    @property
+    def bytes_per_second(self) -> float:
+        """0 until at least ``_MEASURED_BYTES`` over 10 ms of use have been seen."""
+        now = self._busy_now()
+        recent = sum(n for at, n in self._done if at >= now - self.window)
+        span = min(self.window, now)
+        return recent / span if recent >= _MEASURED_BYTES and span >= 0.01 else 0.0
 
 
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
@@ -133,7 +160,7 @@ class S3Store(ObjectStore):
         self.part_bytes = part_bytes
         self.multipart_threshold = multipart_threshold
         self.adaptive_parts = adaptive_parts
-        self.rates: dict[str, StreamRate] = {}  # by bucket: buckets may sit in other regions
+        self.rates: dict[str, LinkRate] = {}  # by bucket: buckets may sit in other regions
         # AWS_MAX_ATTEMPTS is the standard knob; 6 tries ride out SlowDown bursts.
         self.attempts = attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 6)
         self._max_connections = max_connections
@@ -271,13 +298,17 @@ class S3Store(ObjectStore):
         s3 = await self._s3()
 
         async def once() -> tuple[bytes, ObjectInfo]:
-            started = time.monotonic()
-            response = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
-            # botocore's own retries (throttling, 5xx) happen inside the call: count them.
-            self.stats.retries += response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
-            async with response["Body"] as body:
-                data = await body.read()
-            self.rates.setdefault(bucket, StreamRate()).add(len(data), time.monotonic() - started)
+            link = self.rates.setdefault(bucket, LinkRate())
+            link.started()
+            data = b""
+            try:
+                response = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
+                # botocore's own retries (throttling, 5xx) happen inside the call: count them.
+                self.stats.retries += response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+                async with response["Body"] as body:
+                    data = await body.read()
+            finally:
+                link.finished(len(data))
             self.stats.bytes_read += len(data)
             total = str(response.get("ContentRange", "")).rpartition("/")[2]
             info = ObjectInfo(
@@ -327,15 +358,16 @@ class S3Store(ObjectStore):
         """Bytes per ranged part for an object of ``size`` bytes in ``bucket``.
 
         For a long path: ``PARTS_PER_OBJECT`` parts, each at least
-        ``MIN_PART_BYTES`` and at most ``part_bytes``. Once the bucket's stream
-        rate is measured, parts are at least what one stream fetches in
-        ``PART_SECONDS`` (a size of ``size`` or more means: fetch it whole).
+        ``MIN_PART_BYTES`` and at most ``part_bytes``. Once the bucket's link
+        rate is measured, parts are at least what one of ``STREAMS`` sharing
+        it fetches in ``PART_SECONDS`` (a size of ``size`` or more means:
+        fetch it whole).
         """
         wanted = -(-size // PARTS_PER_OBJECT)
         step = min(self.part_bytes, max(MIN_PART_BYTES, wanted))
         measured = self.rates.get(bucket or "")
         if self.adaptive_parts and measured is not None and measured.bytes_per_second:
-            step = max(step, int(measured.bytes_per_second * PART_SECONDS))
+            step = max(step, int(measured.bytes_per_second / STREAMS * PART_SECONDS))
         return step
 
     async def _get_parts(self, url: str, info: ObjectInfo, slot: Slot) -> tuple[bytes, ObjectInfo]:
