@@ -203,6 +203,23 @@ def test_compose_stack_and_dashboards() -> None:
                 assert source in named, source
 
 
+def _client_metrics(tmp_path: Path, address: str) -> str:
+    """A training process's metrics (EdgeDataset, metrics_port=0) after reading from the node."""
+    from urllib.request import urlopen
+
+    import torch
+    from edgeutil import publish, write_parquet_shards
+
+    from edgecache.clients import EdgeDataset
+
+    write_parquet_shards(tmp_path / "origin", 1, rows=64)
+    publish(f"file://{tmp_path}/r", f"file://{tmp_path}/origin", "tokens")
+    with EdgeDataset("tokens@1", endpoints=[address], batch_size=16, metrics_port=0) as ds:
+        for _ in ds.watch(torch.utils.data.DataLoader(ds, batch_size=None)):
+            pass
+        return urlopen(f"http://127.0.0.1:{ds.metrics_port}/metrics").read().decode()
+
+
 def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
     from urllib.request import urlopen
 
@@ -221,6 +238,7 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
 
     with running_node(settings) as node:
         text = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+        text += _client_metrics(tmp_path, node.address)
         (tmp_path / "edgecache.yaml").write_text(
             f"registry: file://{tmp_path}/r\nregions:\n  eu-west:\n    nodes: ['{node.address}']\n"
         )
@@ -242,7 +260,14 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
     watched = set(re.findall(r"edgecache_[a-z_]+", json.dumps(alerts)))
     assert watched and watched <= exported, watched - exported
     names = {r["alert"] for g in alerts["groups"] for r in g["rules"]}
-    for alert in ("DataStall", "JobStartedWithoutData", "StagingLate", "OriginErrors", "CacheFull"):
+    for alert in (
+        "DataStall",
+        "TrainingWaitsForData",
+        "JobStartedWithoutData",
+        "StagingLate",
+        "OriginErrors",
+        "CacheFull",
+    ):
         assert f"Edgecache{alert}" in names, alert
     dashboard = json.loads((DEPLOY / "grafana" / "edgecache.json").read_text())
     used = set(re.findall(r"edgecache_[a-z_]+", json.dumps(dashboard)))
@@ -264,6 +289,7 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         "origin errors",
         "nodes up",
         "damaged chunks",
+        "data wait",
     ):
         assert topic in titles, topic
 

@@ -1,0 +1,120 @@
+"""EdgeDataset's Prometheus metrics, scraped over HTTP from a real training loop.
+
+A real edge node (subprocess), real DataLoader worker processes: what the
+workers read reaches the main process with their batches and is served from
+there, per rank. The data-wait counter is what the stall alert watches.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.request import urlopen
+
+import pytest
+import torch
+from edgeutil import publish, write_parquet_shards
+from prometheus_client.parser import text_string_to_metric_families
+
+from edgecache.clients import EdgeDataset
+from edgecache.clients.node_client import LocalNode, start_local_node
+
+SHARDS, ROWS = 4, 300
+TOTAL = SHARDS * ROWS
+SMALL = {"window_bytes": 24 << 10, "batch_size": 50}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    root = tmp_path_factory.mktemp("metrics")
+    write_parquet_shards(root / "origin", SHARDS, rows=ROWS)
+    publish(f"file://{root}/registry", f"file://{root}/origin", "tokens")
+    node = start_local_node("eu", root / "cache", f"file://{root}/registry")
+    yield node
+    node.stop()
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(metrics: dict, name: str, **labels: str) -> float:
+    return metrics[(name, frozenset(labels.items()))]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_scrape_counts_what_the_training_loop_got(node: LocalNode, workers: int) -> None:
+    ds = EdgeDataset("tokens@1", endpoints=[node.address], metrics_port=0, seed=workers, **SMALL)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    got = batches = 0
+    # With workers only the main process sees the loop wait: watch() times it.
+    for batch in ds.watch(loader) if workers else loader:
+        got += len(batch["label"])
+        batches += 1
+    metrics = scrape(ds.metrics_port)  # type: ignore[arg-type]
+    rank = {"rank": "0", "dataset": "tokens@1"}
+    assert got == TOTAL
+    assert value(metrics, "edgecache_client_samples_total", **rank) == TOTAL
+    assert value(metrics, "edgecache_client_batches_total", **rank) == batches
+    assert value(metrics, "edgecache_client_failovers_total", **rank) == 0
+    assert value(metrics, "edgecache_client_data_wait_seconds_total", **rank) > 0
+    read = value(metrics, "edgecache_client_read_bytes_total", endpoint=node.address, **rank)
+    assert read >= TOTAL * 32 * 4 * 0.3  # int32 ids, compressed on the wire
+    assert value(metrics, "edgecache_client_endpoint_in_use", endpoint=node.address, **rank) == 1
+    ds.close()
+
+
+def test_ranks_are_labelled_and_an_unused_endpoint_is_not_in_use(node: LocalNode) -> None:
+    with socket.socket() as s:  # a port nothing listens on: ranked last, never read from
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    datasets = [
+        EdgeDataset(
+            "tokens@1",
+            endpoints=[node.address, dead],
+            rank=rank,
+            world_size=2,
+            metrics_port=0,
+            **SMALL,
+        )
+        for rank in (0, 1)
+    ]
+    for ds in datasets:
+        for _ in ds:
+            pass
+    metrics = scrape(datasets[0].metrics_port)  # type: ignore[arg-type]
+    assert datasets[0].metrics_port == datasets[1].metrics_port  # one server per process
+    samples = [
+        value(metrics, "edgecache_client_samples_total", rank=str(r), dataset="tokens@1")
+        for r in (0, 1)
+    ]
+    assert sum(samples) == TOTAL and min(samples) > 0
+    labels = {"rank": "0", "dataset": "tokens@1"}
+    assert value(metrics, "edgecache_client_endpoint_in_use", endpoint=dead, **labels) == 0
+    assert value(metrics, "edgecache_client_read_bytes_total", endpoint=dead, **labels) == 0
+    for ds in datasets:
+        ds.close()
+
+
+def test_the_port_comes_from_the_environment_per_local_rank(
+    node: LocalNode, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    monkeypatch.setenv("EDGECACHE_CLIENT_METRICS_PORT", str(free - 1))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second process on this host
+    ds = EdgeDataset("tokens@1", endpoints=[node.address], **SMALL)
+    assert ds.metrics_port == free
+    next(iter(ds))
+    assert value(scrape(free), "edgecache_client_batches_total", rank="0", dataset="tokens@1") > 0
+    ds.close()
+    monkeypatch.setenv("EDGECACHE_CLIENT_METRICS_PORT", "not-a-port")
+    with pytest.raises(ValueError, match="EDGECACHE_CLIENT_METRICS_PORT"):
+        EdgeDataset("tokens@1", endpoints=[node.address], **SMALL)
