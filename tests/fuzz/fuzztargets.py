@@ -26,6 +26,7 @@ import json
 import struct
 from datetime import UTC, datetime
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +36,7 @@ import zstandard
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from edgecache.cache import byte_split
 from edgecache.cache.codec import CodecOptions, decode_chunk, encode_shard
 from edgecache.cache.errors import CodecError, ConfigFileError, ManifestError
 from edgecache.cache.frame import HEADER_SIZE, Codec, payload_view, read_header
@@ -100,7 +102,11 @@ def sample_batch(schema: pa.Schema, rows: int, seed: int = 0) -> pa.RecordBatch:
 
 
 def chunk_seeds() -> list[tuple[bytes, pa.Schema]]:
-    """Valid frames: each schema, zstd and uncompressed, one and several rows."""
+    """Valid frames: each schema, each codec, one and several rows.
+
+    The encoder writes small chunks with little to split as plain zstd frames,
+    so the byte-split seeds split every fixed-width buffer whatever its size.
+    """
     frames = []
     for schema in SCHEMAS:
         for compression in ("zstd", "none"):
@@ -108,6 +114,15 @@ def chunk_seeds() -> list[tuple[bytes, pa.Schema]]:
                 options = CodecOptions(compression=compression)  # type: ignore[arg-type]
                 for frame in encode_shard([sample_batch(schema, rows, rows)], schema, options):
                     frames.append((frame, schema))
+        for rows in (1, 6, 200):
+            with (
+                mock.patch.object(byte_split, "MIN_REGION_BYTES", 2),
+                mock.patch.object(byte_split, "MIN_SHARE", 0),
+            ):
+                frames += [
+                    (frame, schema)
+                    for frame in encode_shard([sample_batch(schema, rows, rows)], schema)
+                ]
     return frames
 
 
@@ -225,9 +240,13 @@ def reseal(frame: bytes, *, fix_lengths: bool) -> bytes:
 
 
 def raw_payload(frame: bytes) -> bytes:
-    """The Arrow IPC stream inside a valid frame, decompressed."""
+    """The Arrow IPC stream inside a valid frame, decompressed (and joined)."""
     header = read_header(frame)
     payload = bytes(payload_view(frame, header))
+    if header.codec is Codec.BYTE_SPLIT_ZSTD:
+        regions, table = byte_split.unpack_regions(memoryview(payload), header.raw_len)
+        split = pa.py_buffer(zstandard.decompress(payload[table:]))
+        return byte_split.join(split, regions, header.raw_len).to_pybytes()
     return zstandard.decompress(payload) if header.codec is Codec.ZSTD else payload
 
 
