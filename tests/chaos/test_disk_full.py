@@ -31,7 +31,8 @@ def tiny_fs() -> Path:
 def test_disk_full_fails_staging_cleanly_and_keeps_serving(
     tmp_path: Path, tiny_fs: Path, figure
 ) -> None:  # noqa: ANN001
-    tables = write_parquet_shards(tmp_path / "origin", 12, rows=3000)
+    shards = 16  # ~3.2 MB of byte-split chunks (about 0.2 MB a shard): more than the disk
+    tables = write_parquet_shards(tmp_path / "origin", shards, rows=3000)
     registry = f"file://{tmp_path}/registry"
     publish(registry, f"file://{tmp_path}/origin", "tokens")
     settings = NodeConfig(
@@ -52,10 +53,10 @@ def test_disk_full_fails_staging_cleanly_and_keeps_serving(
         )
         status = client.Status(edge_pb2.StatusRequest())
         resident = status.versions[0].shard_count if status.versions else 0
-        assert 0 < resident < 12
+        assert 0 < resident < shards
         held = [s.key.shard for s in node.node.store.shards("tokens", 1)]  # type: ignore[union-attr]
         assert read_shard_table(client, "tokens", 1, held[0]).equals(tables[held[0]])
-        missing = next(s for s in range(12) if s not in held)
+        missing = next(s for s in range(shards) if s not in held)
         with pytest.raises(grpc.RpcError) as miss:
             list(
                 client.ReadShard(
