@@ -44,6 +44,7 @@ from edgecache.clients import local_stores, rendezvous
 from edgecache.clients.channels import bearer, describe, node_error, open_channel
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.endpoints import Endpoint
+from edgecache.clients.parked_streams import Parked, ParkedStreams
 from edgecache.clients.read_target import ShardRange
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
@@ -68,6 +69,11 @@ class _Stream:
     stop: threading.Event | None = None  # set when the reader that opened it stops
     last: float = field(default_factory=time.monotonic)
     started: bool = False
+    parked: bool = False  # left open for the next window's read: not stalled
+    until: int = 0  # the row the stream was asked to go to (0: the shard's end)
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
 
 
 class NodePool:
@@ -102,6 +108,7 @@ class NodePool:
         self._channels: dict[str, grpc.Channel] = {}
         self._stores: dict[str, CacheStore] = {}
         self._active: dict[int, _Stream] = {}
+        self.parked = ParkedStreams()
         self._lock = threading.Lock()  # the active streams
         self._channel_lock = threading.RLock()  # channels, stubs, stores and the closed flag
         self._closed = False
@@ -319,7 +326,7 @@ class NodePool:
                 streams = list(self._active.values())
             for stream in streams:
                 limit = self.stall_timeout if stream.started else self.first_chunk_timeout
-                if stream.call is not None and now - stream.last > limit:
+                if stream.call is not None and not stream.parked and now - stream.last > limit:
                     stream.call.cancel()
 
     def cancel(self, stop: threading.Event) -> None:
@@ -333,6 +340,7 @@ class NodePool:
         for call in calls:
             if call is not None:
                 call.cancel()
+        self.parked.drop(stop)
 
     def read_rows(
         self,
@@ -340,6 +348,7 @@ class NodePool:
         edges: EdgeChunks | None = None,
         *,
         stop: threading.Event | None = None,
+        extend_to: int | None = None,
     ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
         """(first row, batch) of the chunks covering ``rows``.
 
@@ -349,6 +358,9 @@ class NodePool:
         given the same ``edges`` decode a chunk across their shared edge once.
         Once ``stop`` is set (and :meth:`cancel` called with it) the read ends
         quietly, without failing over: its caller no longer wants the rows.
+        With ``extend_to``, a gRPC read asks for rows up to there and parks the
+        stream where ``rows`` end, for the read that starts there
+        (:mod:`~edgecache.clients.parked_streams`).
         """
         tail = None
         if edges is not None:  # chunks across our edges that a read beside us decoded
@@ -361,14 +373,18 @@ class NodePool:
                     return
             tail = edges.take(t.dataset, t.version, rows.shard, rows.row_end, *_span(rows))
             if tail is not None:
-                rows = rows.ending_at(tail[0])
+                rows, extend_to = rows.ending_at(tail[0]), None
         if not rows.empty:
-            yield from self._read_range(rows, edges, stop)
+            yield from self._read_range(rows, edges, stop, extend_to)
         if tail is not None:
             yield tail
 
     def _read_range(
-        self, rows: ShardRange, edges: EdgeChunks | None, stop: threading.Event | None
+        self,
+        rows: ShardRange,
+        edges: EdgeChunks | None,
+        stop: threading.Event | None,
+        extend_to: int | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
         stop = stop or threading.Event()  # without one, the read runs until done or failed
         next_row, row_end = rows.row_start, rows.row_end
@@ -383,11 +399,8 @@ class NodePool:
                     return  # done (the stream broke after the last row we needed), or stopped
                 try:
                     rest = rows.starting_at(next_row)
-                    source = (
-                        self._local_rows(endpoint, rest, edges)
-                        if endpoint.local
-                        else self._grpc_rows(endpoint, rest, edges, stop)
-                    )
+                    handle: list[_Stream] = []
+                    source = self._source(endpoint, rest, edges, stop, extend_to, handle)
                     for first, batch in source:
                         end = first + batch.num_rows
                         if end <= next_row:
@@ -399,6 +412,11 @@ class NodePool:
                         if next_row >= row_end:
                             # Every row is here: do not wait for the end of the stream
                             # (a node that stops now would fail a read that is done).
+                            if handle and _goes_past(handle[0], row_end):
+                                key = (*rows.shard_id, row_end)
+                                past = [(first, batch)] if end > row_end else []
+                                parked = Parked(source, past, handle[0], endpoint.text, stop)
+                                self.parked.park(key, parked)  # type: ignore[arg-type]
                             return
                     if next_row >= row_end:
                         return
@@ -433,6 +451,27 @@ class NodePool:
             attempt += 1
             self.probe(pings=1)
 
+    def _source(
+        self,
+        endpoint: Endpoint,
+        rows: ShardRange,
+        edges: EdgeChunks | None,
+        stop: threading.Event | None,
+        extend_to: int | None,
+        handle: list[_Stream],
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """Where ``rows`` come from: the local cache, a parked stream, or a new one."""
+        if endpoint.local:
+            return self._local_rows(endpoint, rows, edges)
+        parked = self.parked.take((*rows.shard_id, rows.row_start), endpoint.text)
+        if parked is not None:
+            handle.append(parked.stream)
+            return _chain(parked)
+        wanted = rows if extend_to is None else rows.ending_at(max(extend_to, rows.row_end))
+        # The chunk across ``rows.row_end`` is then inside the read: decoded here, and
+        # handed to the next read with the parked stream rather than through ``edges``.
+        return self._grpc_rows(endpoint, wanted, edges, stop, handle)
+
     def _failover_reason(self, endpoint: Endpoint, rows: ShardRange, exc: Exception) -> str:
         """Why a read on ``endpoint`` failed, if another node may have the rows; else raise.
 
@@ -461,11 +500,19 @@ class NodePool:
         rows: ShardRange,
         edges: EdgeChunks | None = None,
         stop: threading.Event | None = None,
-    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        handle: list[_Stream] | None = None,
+    ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
+        """The chunks of ``rows`` from ``endpoint``, verified and decoded.
+
+        Chunks across an edge of ``rows`` are shared with the read beside it
+        through ``edges``; the stream is put in ``handle`` (for parking).
+        """
         target, shard = rows.target, rows.shard
         row_start, row_end = rows.row_start, rows.row_end
         call = self.read_shard_call(endpoint)(rows.request(), metadata=self._metadata)
-        stream = _Stream(call, stop)
+        stream = _Stream(call, stop, until=rows.row_end)
+        if handle is not None:
+            handle.append(stream)
         key = id(stream)
         with self._lock:
             self._active[key] = stream
@@ -550,6 +597,19 @@ class NodePool:
                 first += count
                 if first >= row_end:
                     break
+
+
+def _goes_past(stream: _Stream, row: int) -> bool:
+    """Whether ``stream`` was asked for rows beyond ``row`` (so parking it is worth it)."""
+    return stream.until == 0 or stream.until > row
+
+
+def _chain(parked: Parked) -> Generator[tuple[int, pa.RecordBatch], None, None]:
+    """A parked stream as a generator that closes the stream when it is closed."""
+    try:
+        yield from parked.resume()
+    finally:
+        parked.close()
 
 
 def _span(rows: ShardRange) -> tuple[int, int]:

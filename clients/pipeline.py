@@ -45,6 +45,9 @@ from edgecache.clients.tensors import ColumnKind, Gather, assemble, fixed_views
 __all__ = ["Pipeline"]
 
 _DONE = object()
+# Windows after the one being read that one gRPC stream goes on to deliver (parked in
+# between): one request per CONTINUED_WINDOWS + 1 windows of a forward stream.
+CONTINUED_WINDOWS = 3
 _CLOSED = object()
 
 
@@ -198,15 +201,52 @@ class Pipeline:
     def _fetcher_started(self) -> None:
         self._fetchers.add(threading.get_ident())
 
-    def _load(self, window: int) -> _Loaded:
+    def _load(self, window: int, extend_to: int | None = None) -> _Loaded:
         """Read and decode window ``window`` (the part of it this epoch takes)."""
         self._track(None)
         try:
-            return self._read_window(window)
+            return self._read_window(window, extend_to)
         finally:
             self._track(0.0)
 
-    def _read_window(self, window: int) -> _Loaded:
+    def _continuation(self, window: int) -> int | None:
+        """Where the windows after ``window`` in its stream end, if this pipeline reads them next.
+
+        Those are the windows right after it in its shard, read by the same
+        stream (front to back) in a lane of this pipeline, up to
+        ``CONTINUED_WINDOWS`` of them: a gRPC read of ``window`` asks for their
+        rows too and parks the stream for the next one
+        (:mod:`~edgecache.clients.parked_streams`). Backward streams read the
+        window before instead, which a stream cannot deliver first.
+        """
+        order = self.order.order
+        windows = order.windows
+
+        def stream_of(w: int) -> int | None:
+            units = range(int(order._window_units[w]), int(order._window_units[w + 1]))
+            whole = windows.take_from[w] == 0 and windows.take_to[w] == windows.rows[w]
+            return int(order.unit_stream[units[0]]) if len(units) == 1 and whole else None
+
+        stream = stream_of(window)
+        if stream is None:
+            return None
+        lane = order.lanes[stream % order.lane_count]
+        if lane.index not in self.lanes or lane.backward[stream // order.lane_count]:
+            return None
+        end, found = int(windows.row_start[window] + windows.rows[window]), None
+        for _ in range(CONTINUED_WINDOWS):
+            after = [
+                o
+                for o in order.neighbours(window)
+                if int(windows.row_start[o]) == end and stream_of(o) == stream
+            ]
+            if not after:
+                break
+            window = after[0]
+            end = found = end + int(windows.rows[window])
+        return found
+
+    def _read_window(self, window: int, extend_to: int | None = None) -> _Loaded:
         order, windows = self.order.order, self.order.order.windows
         perm = order.window_order(window)
         taken = perm[windows.take_from[window] : windows.take_to[window]]
@@ -216,7 +256,11 @@ class Pipeline:
             int(windows.shard[window]), start + int(taken.min()), start + int(taken.max()) + 1
         )
         firsts, batches = [], []
-        with contextlib.closing(self.pool.read_rows(rows, self._edges, stop=self._stop)) as read:
+        whole = rows.row_start == start and rows.row_end == start + int(windows.rows[window])
+        read_rows = self.pool.read_rows(
+            rows, self._edges, stop=self._stop, extend_to=extend_to if whole else None
+        )
+        with contextlib.closing(read_rows) as read:
             for first, batch in read:
                 if self._stop.is_set():
                     break
@@ -402,8 +446,9 @@ class Pipeline:
             for o in self.order.order.neighbours(window)
             if o in futures and not futures[o].done()
         ]
+        extend_to = self._continuation(window)
         if not pending:
-            return self._executor.submit(self._load, window)
+            return self._executor.submit(self._load, window, extend_to)
         outer: Future[_Loaded] = Future()
         waiting = [len(pending)]
         lock = threading.Lock()
@@ -422,7 +467,7 @@ class Pipeline:
                 if waiting[0]:
                     return
             try:
-                inner = self._executor.submit(self._load, window)
+                inner = self._executor.submit(self._load, window, extend_to)
             except RuntimeError:  # the pipeline was closed meanwhile
                 outer.set_exception(_Stopped())
                 return
