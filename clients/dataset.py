@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -55,17 +54,16 @@ from edgecache.cache.names import VersionSpec
 from edgecache.clients.batch_memory import (
     BatchMemory,
     PinnedMemory,
-    ReusedMemory,
     attach,
     shared_memory,
 )
 from edgecache.clients.dataset_metrics import (
     ClientCounters,
-    PoolTally,
     port_from_environment,
     register,
     serve,
 )
+from edgecache.clients.dataset_readers import Readers, merge
 from edgecache.clients.dataset_state import make_state, resume_from
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
 from edgecache.clients.epoch_order import Component, EpochOrder, Remaining, window_rows_for
@@ -84,20 +82,6 @@ __all__ = ["EdgeDataset"]
 log = logging.getLogger(__name__)
 _said_unpinned = False
 T = TypeVar("T")
-
-
-def _merge(pending: dict[str, Any] | None, delta: dict[str, Any]) -> dict[str, Any]:
-    """Two metric deltas as one (a worker's batch that could not carry its own)."""
-    if pending is None:
-        return delta
-    out = dict(pending)
-    for key in ("samples", "batches", "failovers"):
-        out[key] = out.get(key, 0) + delta.get(key, 0)
-    out["bytes"] = {**out.get("bytes", {})}
-    for endpoint, count in delta.get("bytes", {}).items():
-        out["bytes"][endpoint] = out["bytes"].get(endpoint, 0) + count
-    out["endpoint"] = delta.get("endpoint") or out.get("endpoint")
-    return out
 
 
 def _distributed() -> tuple[int, int] | None:
@@ -255,7 +239,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             "retry_timeout": retry_timeout,
             "replicas": replicas,
         }
-        self._open: _Readers | None = None
+        self._open: Readers | None = None
         self._pid = os.getpid()
         self.epoch = 0
         self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
@@ -326,9 +310,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """
         return self._readers().pool
 
-    def _readers(self) -> _Readers:
+    def _readers(self) -> Readers:
         if self._open is None or self._pid != os.getpid():
-            self._open = _Readers(NodePool(self.endpoints, **self._pool_args))  # type: ignore[arg-type]
+            self._open = Readers(NodePool(self.endpoints, **self._pool_args))  # type: ignore[arg-type]
             self._pid = os.getpid()
             # Not a method of self: the dataset must stay collectable.
             self._finalizer = weakref.finalize(self, self._open.close)
@@ -489,7 +473,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                         counted_wait = pipeline.wait_seconds
                     self._counters.add(delta)
                 else:
-                    readers.pending = _merge(readers.pending, delta)
+                    readers.pending = merge(readers.pending, delta)
                     if attach(batch, (self._metrics_key, readers.pending)):
                         readers.pending = None
                 if self.batch_size is None:
@@ -648,76 +632,3 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         state["_orders"] = {}  # rebuilt where needed
         state.pop("_finalizer", None)
         return state
-
-
-class _Readers:
-    """One process's node pool and the pipelines reading through it.
-
-    Closing it stops and joins the pipelines before the pool closes, whoever
-    closes it: :meth:`EdgeDataset.close`, or the dataset's finalizer when it is
-    garbage-collected (in a reference cycle the finalizer runs before the
-    iterators are closed, so it must not assume they were).
-    """
-
-    def __init__(self, pool: NodePool) -> None:
-        self.pool = pool
-        self.memory = ReusedMemory()  # unpinned batches of this process, reused
-        self.tally = PoolTally()  # what the pool read, for the client metrics
-        self.pending: dict[str, Any] | None = None  # a worker's metrics not yet sent
-        self._pipelines: set[Pipeline] = set()
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-        _ALL_READERS.add(self)
-
-    def add(self, pipeline: Pipeline) -> None:
-        with self._lock:
-            self._pipelines.add(pipeline)
-
-    def discard(self, pipeline: Pipeline) -> None:
-        """A pipeline ended. Its LMDB environments stay open for the next epoch.
-
-        Reopening them every epoch would map the cache afresh and fault every
-        page in again; :func:`_before_fork` closes them instead when this process
-        forks (a DataLoader starting workers) and none of its reads runs.
-        """
-        with self._lock:
-            self._pipelines.discard(pipeline)
-
-    def close_idle_stores(self) -> None:
-        """Close the pool's LMDB environments if no pipeline of this process reads them.
-
-        py-lmdb refuses to open an environment a second time in one process, and a
-        forked DataLoader worker inherits its parent's: a parent that iterated
-        (``num_workers=0``, an evaluation pass) must not hold them open when a
-        loader with workers starts. The next iteration reopens them.
-        """
-        if os.getpid() != self._pid:
-            return
-        with self._lock:
-            if self._pipelines:
-                return
-            self.pool.close_stores()
-
-    def close(self) -> None:
-        if os.getpid() != self._pid:
-            # A forked DataLoader worker inherits this (and the finalizer that calls it):
-            # the parent's threads do not exist here, and a lock one of them held at the
-            # fork would never be released. The worker's own readers are another object.
-            return
-        with self._lock:
-            pipelines, self._pipelines = list(self._pipelines), set()
-        for pipeline in pipelines:
-            pipeline.close()
-        self.pool.close()
-
-
-_ALL_READERS: weakref.WeakSet[_Readers] = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    """Close idle LMDB environments before this process forks (see ``close_idle_stores``)."""
-    for readers in list(_ALL_READERS):
-        readers.close_idle_stores()
-
-
-os.register_at_fork(before=_before_fork)

@@ -21,13 +21,12 @@ import statistics
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pyarrow as pa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import (
     AllNodesFailed,
     CacheDirError,
@@ -36,12 +35,11 @@ from edgecache.cache.errors import (
     NodeUnavailable,
     ShardNotCached,
 )
-from edgecache.cache.frame import Buffer, read_header, verify_frame
-from edgecache.cache.keys import ShardKey
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.clients import local_stores, rendezvous
 from edgecache.clients.channels import bearer, describe, node_error, open_channel
+from edgecache.clients.chunk_sources import Stream, chained, goes_past, grpc_rows, local_rows
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.endpoints import Endpoint
 from edgecache.clients.parked_streams import Parked, ParkedStreams
@@ -61,19 +59,6 @@ class EndpointStats:
     bytes: int = 0
     failures: int = 0
     last_error: str = ""
-
-
-@dataclass
-class _Stream:
-    call: grpc.Call | None
-    stop: threading.Event | None = None  # set when the reader that opened it stops
-    last: float = field(default_factory=time.monotonic)
-    started: bool = False
-    parked: bool = False  # left open for the next window's read: not stalled
-    until: int = 0  # the row the stream was asked to go to (0: the shard's end)
-
-    def touch(self) -> None:
-        self.last = time.monotonic()
 
 
 class NodePool:
@@ -107,7 +92,7 @@ class NodePool:
         self._readers: dict[str, grpc.UnaryStreamMultiCallable] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stores: dict[str, CacheStore] = {}
-        self._active: dict[int, _Stream] = {}
+        self._active: dict[int, Stream] = {}
         self.parked = ParkedStreams()
         self._lock = threading.Lock()  # the active streams
         self._channel_lock = threading.RLock()  # channels, stubs, stores and the closed flag
@@ -329,6 +314,21 @@ class NodePool:
                 if stream.call is not None and not stream.parked and now - stream.last > limit:
                     stream.call.cancel()
 
+    def track(self, stream: Stream) -> None:
+        """Watch ``stream`` (the stall watchdog; :meth:`cancel` and :meth:`close` end it)."""
+        with self._lock:
+            self._active[id(stream)] = stream
+
+    def untrack(self, stream: Stream) -> None:
+        """Stop watching ``stream`` (it ended)."""
+        with self._lock:
+            self._active.pop(id(stream), None)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """Call metadata for reads (the bearer token)."""
+        return self._metadata
+
     def cancel(self, stop: threading.Event) -> None:
         """Cancel the gRPC streams of reads given ``stop`` (set it first).
 
@@ -399,7 +399,7 @@ class NodePool:
                     return  # done (the stream broke after the last row we needed), or stopped
                 try:
                     rest = rows.starting_at(next_row)
-                    handle: list[_Stream] = []
+                    handle: list[Stream] = []
                     source = self._source(endpoint, rest, edges, stop, extend_to, handle)
                     for first, batch in source:
                         end = first + batch.num_rows
@@ -412,7 +412,7 @@ class NodePool:
                         if next_row >= row_end:
                             # Every row is here: do not wait for the end of the stream
                             # (a node that stops now would fail a read that is done).
-                            if handle and _goes_past(handle[0], row_end):
+                            if handle and goes_past(handle[0], row_end):
                                 key = (*rows.shard_id, row_end)
                                 past = [(first, batch)] if end > row_end else []
                                 parked = Parked(source, past, handle[0], endpoint.text, stop)
@@ -458,19 +458,19 @@ class NodePool:
         edges: EdgeChunks | None,
         stop: threading.Event | None,
         extend_to: int | None,
-        handle: list[_Stream],
-    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        handle: list[Stream],
+    ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
         """Where ``rows`` come from: the local cache, a parked stream, or a new one."""
         if endpoint.local:
-            return self._local_rows(endpoint, rows, edges)
+            return local_rows(self, endpoint, rows, edges)
         parked = self.parked.take((*rows.shard_id, rows.row_start), endpoint.text)
         if parked is not None:
             handle.append(parked.stream)
-            return _chain(parked)
+            return chained(parked)
         wanted = rows if extend_to is None else rows.ending_at(max(extend_to, rows.row_end))
         # The chunk across ``rows.row_end`` is then inside the read: decoded here, and
         # handed to the next read with the parked stream rather than through ``edges``.
-        return self._grpc_rows(endpoint, wanted, edges, stop, handle)
+        return grpc_rows(self, endpoint, wanted, edges, stop, handle)
 
     def _failover_reason(self, endpoint: Endpoint, rows: ShardRange, exc: Exception) -> str:
         """Why a read on ``endpoint`` failed, if another node may have the rows; else raise.
@@ -493,123 +493,6 @@ class NodePool:
         if isinstance(exc, grpc.RpcError):
             raise node_error(exc, endpoint=endpoint.text, what=f"ReadShard {rows}") from exc
         raise exc
-
-    def _grpc_rows(
-        self,
-        endpoint: Endpoint,
-        rows: ShardRange,
-        edges: EdgeChunks | None = None,
-        stop: threading.Event | None = None,
-        handle: list[_Stream] | None = None,
-    ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
-        """The chunks of ``rows`` from ``endpoint``, verified and decoded.
-
-        Chunks across an edge of ``rows`` are shared with the read beside it
-        through ``edges``; the stream is put in ``handle`` (for parking).
-        """
-        target, shard = rows.target, rows.shard
-        row_start, row_end = rows.row_start, rows.row_end
-        call = self.read_shard_call(endpoint)(rows.request(), metadata=self._metadata)
-        stream = _Stream(call, stop, until=rows.row_end)
-        if handle is not None:
-            handle.append(stream)
-        key = id(stream)
-        with self._lock:
-            self._active[key] = stream
-        if stop is not None and stop.is_set():
-            call.cancel()  # stopped while it was being opened: cancel() did not see it
-        stats = self.stats[endpoint.text]
-        expected: int | None = None  # where the next chunk must start
-        try:
-            for chunk in call:
-                stream.last, stream.started = time.monotonic(), True
-                stats.bytes += len(chunk.frame)
-                header = read_header(chunk.frame)
-                # The checksum covers the frame; the row numbers beside it are checked
-                # for consistency, so a damaged first_row cannot misplace rows either.
-                placed = (
-                    chunk.first_row <= row_start < chunk.first_row + header.rows
-                    if expected is None
-                    else chunk.first_row == expected
-                )
-                if header.checksum != chunk.checksum or header.rows != chunk.rows or not placed:
-                    raise ChunkCorrupt(
-                        f"{target} shard {shard} chunk {chunk.index} from "
-                        f"{endpoint.text}: checksum or row numbers differ from the frame's"
-                    )
-                first, frame = chunk.first_row, chunk.frame
-                expected = end = first + header.rows
-                if edges is None or not edges.across(rows.shard_id, first, end, row_start, row_end):
-                    yield first, decode_chunk(frame, target.schema)
-                else:  # across an edge of this read: the read beside it needs it too
-                    # Our own copy is verified once, here, whichever read decodes it.
-                    verify_frame(frame)
-
-                    def decode(frame: Buffer = frame) -> pa.RecordBatch:
-                        return decode_chunk(frame, target.schema, verify=False)
-
-                    batch = edges.decode(
-                        (
-                            target.dataset,
-                            target.version,
-                            shard,
-                            first,
-                            header.rows,
-                            header.checksum,
-                        ),
-                        header.rows,
-                        min(end, row_end) - max(first, row_start),
-                        decode,
-                    )
-                    yield first, batch
-        finally:
-            with self._lock:
-                self._active.pop(key, None)
-            call.cancel()
-
-    def _local_rows(
-        self, endpoint: Endpoint, rows: ShardRange, edges: EdgeChunks | None = None
-    ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        target, shard = rows.target, rows.shard
-        row_start, row_end = rows.row_start, rows.row_end
-        store = self.store(endpoint)
-        with store.read_shard(ShardKey(target.dataset, target.version, shard)) as reader:
-            first = 0
-            for index, count in enumerate(reader.info.chunk_rows):
-                if first + count > row_start and first < row_end:
-                    view = reader.chunk(index)
-                    self.stats[endpoint.text].bytes += len(view)
-                    # Copy-free decode points into LMDB; the store keeps the snapshot alive
-                    # while any of these batches are referenced.
-                    if edges is None or not edges.across(
-                        rows.shard_id, first, first + count, row_start, row_end
-                    ):
-                        yield first, decode_chunk(view, target.schema, verify=False)
-                    else:  # across an edge of this read: the read beside it needs it too
-
-                        def decode(view: Buffer = view) -> pa.RecordBatch:
-                            return decode_chunk(view, target.schema, verify=False)
-
-                        checksum = reader.info.checksums[index]
-                        key = (target.dataset, target.version, shard, first, count, checksum)
-                        taken = min(first + count, row_end) - max(first, row_start)
-                        yield first, edges.decode(key, count, taken, decode)
-                first += count
-                if first >= row_end:
-                    break
-
-
-def _goes_past(stream: _Stream, row: int) -> bool:
-    """Whether ``stream`` was asked for rows beyond ``row`` (so parking it is worth it)."""
-    return stream.until == 0 or stream.until > row
-
-
-def _chain(parked: Parked) -> Generator[tuple[int, pa.RecordBatch], None, None]:
-    """A parked stream as a generator that closes the stream when it is closed."""
-    try:
-        yield from parked.resume()
-    finally:
-        parked.close()
 
 
 def _span(rows: ShardRange) -> tuple[int, int]:
