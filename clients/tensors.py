@@ -254,10 +254,12 @@ def assemble(
     *,
     pin_memory: bool = False,
     memory: BatchMemory | None = None,
+    extra: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, object]:
     """One batch: every requested column, rows in ``gathers`` order, in one block of ``memory``.
 
-    Without ``memory``, a fresh (pinned, with ``pin_memory``) block.
+    Without ``memory``, a fresh (pinned, with ``pin_memory``) block. ``extra``
+    columns (computed by the caller, one value per row) go into the block too.
     """
     import torch
 
@@ -288,6 +290,8 @@ def assemble(
                 plans.append((kind, total))
         else:
             plans.append((kind, 0))
+    extras = dict(extra or {})
+    sizes += [a.nbytes for a in extras.values()]
     offsets, nbytes = layout(sizes)
     block = (memory or FreshMemory(pin_memory)).allocate(nbytes)
     area = block.array()
@@ -354,4 +358,8 @@ def assemble(
             for g in gathers:
                 values_list.extend(_pylist(g.batch.column(kind.name), g.rows))
             out[kind.name] = values_list
+    for name, values in extras.items():
+        at, length = next(places)
+        area[at : at + length] = values.view(np.uint8)
+        out[name] = block.tensor(at, length, torch.from_numpy(values[:0]).dtype, values.shape)
     return out
