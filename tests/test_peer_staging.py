@@ -122,17 +122,31 @@ def test_peers_only_fails_what_no_peer_has_and_a_peer_never_fetches_for_others(
     assert not [v for v in status(nodes["eu-1"].address).versions if v.dataset == "fresh"]
 
 
+def stored_bytes(registry: str, dataset: str, cache_dir: Path) -> int:
+    """Bytes version 1 of ``dataset`` takes in a cache, staged on a scratch node."""
+    node = start_local_node("eu", cache_dir, registry)
+    try:
+        client = stub(node.address)
+        list(client.Stage(edge_pb2.StageRequest(dataset=dataset, version=1)))
+        (version,) = client.Status(edge_pb2.StatusRequest()).versions
+        return version.stored_bytes
+    finally:
+        node.stop()
+
+
 def test_a_pin_keeps_a_resident_version_from_the_lru(tmp_path: Path) -> None:
-    # Room for two versions; "kept" was staged first (least recently used), "other"
-    # second. Staging a third evicts by LRU: without a pin that is "kept", exactly what a
-    # later job needs; with the controller's pin the unpinned one goes instead.
+    # Room for two and a half versions; "kept" was staged first (least recently used),
+    # "other" second. Staging a third evicts by LRU: without a pin that is "kept", exactly
+    # what a later job needs; with the controller's pin "other" loses shards instead.
     from google.protobuf.timestamp_pb2 import Timestamp
 
     registry = f"file://{tmp_path}/registry"
     for name in ("kept", "other", "third"):
         write_parquet_shards(tmp_path / name, 2, rows=500)
         publish(registry, f"file://{tmp_path}/{name}", name)
-    node = start_local_node("eu", tmp_path / "cache", registry, capacity="180KB")
+    # Sized from what one version takes once stored (the chunk codec decides that).
+    one = stored_bytes(registry, "kept", tmp_path / "scratch")
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity=str(one * 5 // 2))
     try:
         client = stub(node.address)
         for name in ("kept", "other"):
@@ -142,13 +156,17 @@ def test_a_pin_keeps_a_resident_version_from_the_lru(tmp_path: Path) -> None:
         client.Pin(edge_pb2.PinRequest(dataset="kept", version=1, until=until))
         list(client.Stage(edge_pb2.StageRequest(dataset="third", version=1)))
         held = {
-            v.dataset for v in client.Status(edge_pb2.StatusRequest()).versions if v.shard_count
+            v.dataset
+            for v in client.Status(edge_pb2.StatusRequest()).versions
+            if v.shard_count == v.total_shards
         }
         assert held == {"kept", "third"}
         client.Pin(edge_pb2.PinRequest(dataset="kept", version=1))  # unset: unpinned
         list(client.Stage(edge_pb2.StageRequest(dataset="other", version=1)))
         held = {
-            v.dataset for v in client.Status(edge_pb2.StatusRequest()).versions if v.shard_count
+            v.dataset
+            for v in client.Status(edge_pb2.StatusRequest()).versions
+            if v.shard_count == v.total_shards
         }
         assert "kept" not in held  # the LRU takes it once nothing protects it
     finally:
@@ -163,7 +181,8 @@ def test_a_stage_that_does_not_fit_says_so_instead_of_reporting_success(tmp_path
     registry = f"file://{tmp_path}/registry"
     write_parquet_shards(tmp_path / "big", 3, rows=500)
     publish(registry, f"file://{tmp_path}/big", "big")
-    node = start_local_node("eu", tmp_path / "cache", registry, capacity="100KB")
+    shard = stored_bytes(registry, "big", tmp_path / "scratch") // 3
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity=str(shard * 5 // 2))
     try:
         with pytest.raises(grpc.RpcError) as failed:
             list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="big", version=1)))
