@@ -510,6 +510,12 @@ class Pipeline:
                 waiting[0] -= 1
                 if waiting[0]:
                     return
+            if self._stop.is_set():
+                # Closing: this callback may be running inside the executor's own
+                # shutdown (cancelling a neighbour's future calls it, under the
+                # executor's non-reentrant shutdown lock), where submit would deadlock.
+                outer.set_exception(_Stopped())
+                return
             try:
                 inner = self._executor.submit(self._load, window, extend_to)
             except RuntimeError:  # the pipeline was closed meanwhile

@@ -74,3 +74,38 @@ def test_early_stops_over_grpc_log_no_phantom_failovers(staged) -> None:
     cache_dir, nodes = staged
     report, log = run_child([n.address for n in nodes], cache_dir)
     assert_clean(report, log)
+
+
+def test_closing_while_a_window_waits_for_its_neighbour_does_not_deadlock() -> None:
+    # A window whose neighbour is still queued waits for it in a done-callback. Closing
+    # cancels the queued neighbour inside ThreadPoolExecutor.shutdown, which runs that
+    # callback under the executor's non-reentrant shutdown lock: submitting from there
+    # hung the close for good (seen as a DataLoader test that never ended).
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from edgecache.clients.pipeline import Pipeline, _Stopped
+
+    gate, stop = threading.Event(), threading.Event()
+    executor = ThreadPoolExecutor(1)
+    pipeline = SimpleNamespace(
+        order=SimpleNamespace(order=SimpleNamespace(neighbours=lambda w: [w - 1])),
+        _continuation=lambda window: None,
+        _executor=executor,
+        _load=lambda window, extend_to: window,
+        _stop=stop,
+    )
+    executor.submit(gate.wait)  # the one fetch thread is busy
+    futures = {0: executor.submit(lambda: 0)}  # window 0 queued behind it
+    futures[1] = Pipeline._submit(pipeline, 1, futures)  # type: ignore[arg-type]
+    stop.set()  # what Pipeline.close does first
+    closer = threading.Thread(
+        target=executor.shutdown, kwargs={"wait": False, "cancel_futures": True}, daemon=True
+    )
+    closer.start()
+    closer.join(10)
+    gate.set()
+    assert not closer.is_alive(), "shutdown deadlocked in the neighbour's callback"
+    with pytest.raises(_Stopped):
+        futures[1].result(timeout=5)
