@@ -84,12 +84,20 @@ SUITES = [
         lambda s: ["--version-mib", _mib(48, s, 8), "--shard-mib", _mib(8, s, 2)],
         json_to_file=True,
     ),
+    Suite("staging", "bench.staging", lambda s: ["--mib", _mib(256, s, 64), "--repeat", "2"]),
     Suite(
         "images",
         "bench.images",
         lambda s: ["--images", str(max(int(2000 * s), 200)), "--repeat", "2"],
     ),
     Suite("text", "bench.text", lambda s: ["--mib", _mib(16, s, 4), "--repeat", "3"]),
+    # Skips (and says so on the page) without CUDA; on a GPU host it adds the H2D table.
+    Suite(
+        "gpu",
+        "bench.gpu",
+        lambda s: ["--tokens-mib", _mib(512, s), "--images-mib", _mib(512, s)],
+        json_to_file=True,
+    ),
 ]
 
 

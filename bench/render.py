@@ -138,6 +138,45 @@ def _images_rows(data: dict) -> list[dict]:
     ]
 
 
+def _staging_rows(data: dict) -> list[dict]:
+    def row(measure: str, baseline: str, value: float, target: float) -> dict:
+        return {
+            "suite": "staging",
+            "measure": measure,
+            "baseline": baseline,
+            "value": value,
+            "target": target,
+            "met": value >= target,
+            "kind": "≥",
+        }
+
+    cpu, scaling, decode = data["cpu"], data["scaling"], data["decode"]
+    out = [
+        row(
+            "CPU-s per GB staged, how many times less",
+            f"the pipeline before ({cpu['before_cpu_s_per_gb']} → {cpu['after_cpu_s_per_gb']})",
+            cpu["reduction"],
+            cpu["target"],
+        )
+    ]
+    if "skipped" not in scaling:
+        out.append(
+            row(
+                "a node staging on 2 cores (taskset)",
+                f"on 1 core; others used {scaling['others_cpu_share']} of the CPUs",
+                scaling["ratio"],
+                scaling["target"],
+            )
+        )
+    out.append(row(decode["measure"], "plain zstd-1", decode["ratio"], decode["target"]))
+    out += [
+        row(r["measure"], r["baseline"], r["ratio"], r["target"])
+        for r in data["moto"]
+        if r.get("target") is not None
+    ]
+    return out
+
+
 def summary_rows(results: dict[str, dict]) -> list[dict]:
     """Every measured figure that has a target, from every suite present."""
     rows: list[dict] = []
@@ -146,8 +185,10 @@ def summary_rows(results: dict[str, dict]) -> list[dict]:
             rows += _schedule_rows(data)
         elif suite == "images":
             rows += _images_rows(data)
-        elif suite == "text":
-            continue  # throughput figures without a target: in its section
+        elif suite == "staging":
+            rows += _staging_rows(data)
+        elif suite in ("text", "gpu"):
+            continue  # figures without a same-run target: in their sections
         elif suite == "planner":
             rows += _planner_rows(data)
         elif suite == "peers":
@@ -544,6 +585,52 @@ def _section_images(data: dict) -> str:
     )
 
 
+def _section_staging(data: dict) -> str:
+    cpu, scaling, decode = data["cpu"], data["scaling"], data["decode"]
+    default = next(k[: -len("_gb_s")] for k in decode if k.endswith("_gb_s") and k != "zstd_gb_s")
+    if "skipped" in scaling:
+        scaled = f"Scaling over cores was not measured: {scaling['skipped']}."
+    else:
+        scaled = (
+            f"An `edgecache serve` pinned with `taskset` staged {scaling['source_mb']} MB at "
+            f"{scaling['one_core_mb_s']} MB/s on 1 core and {scaling['two_cores_mb_s']} MB/s on "
+            f"2: **{scaling['ratio']}×** (target ≥ {scaling['target']}); other processes used "
+            f"{scaling['others_cpu_share']} of the CPUs during those runs."
+        )
+    return "\n\n".join(
+        [
+            "## Staging (`python -m bench.staging`)",
+            f"{_command('staging', data)}; {data['cores']} cores. {_versions_line(data)}.",
+            f"CPU per GB of token Parquet preprocessed ({cpu['source_mb']} MB, {cpu['shards']} "
+            f"shards, {cpu['clock']}): {cpu['before_cpu_s_per_gb']} CPU-s/GB by the pipeline "
+            f"before issue 17, {cpu['after_cpu_s_per_gb']} now: **{cpu['reduction']}× less** "
+            f"(target ≥ {cpu['target']}). Parquet decode alone takes "
+            f"{cpu['parquet_decode_cpu_s_per_gb']} CPU-s/GB, so no chunk codec can do better "
+            f"than {cpu['ceiling']}×.",
+            scaled,
+            f"Readers: {decode['measure']}: plain zstd-1 {decode['zstd_gb_s']}, the default "
+            f"codec ({default}) **{decode['ratio']}×** that; it stores "
+            f"{decode[default + '_stored_mb']} MB ({decode[default + '_compression']}× "
+            f"compression) where plain zstd-1 stores {decode['zstd_stored_mb']} MB "
+            f"({decode['zstd_compression']}×).",
+            _ratio_md({"results": data["moto"]}),
+        ]
+    )
+
+
+def _section_gpu(data: dict) -> str:
+    if "skipped" in data:
+        return f"## GPU (`python -m bench.gpu`)\n\nNot run here: {data['skipped']}."
+    return "\n\n".join(
+        [
+            "## GPU (`python -m bench.gpu`)",
+            "```json\n"
+            + json.dumps({k: v for k, v in data.items() if not k.startswith("_")}, indent=1)[:4000]
+            + "\n```",
+        ]
+    )
+
+
 def _section_text(data: dict) -> str:
     rows = [
         [label, f"{v['text_mb_s']}", f"{v['tokens_s']:,}"]
@@ -572,8 +659,10 @@ _SECTIONS: dict[str, Callable[[dict], str]] = {
     "dataset": _section_dataset,
     "planner": _section_planner,
     "training": _section_training,
+    "staging": _section_staging,
     "images": _section_images,
     "text": _section_text,
+    "gpu": _section_gpu,
 }
 
 

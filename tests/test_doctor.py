@@ -150,3 +150,33 @@ def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
         and 0.0005 <= path["loss"] <= 0.002
         or not (0.0005 <= dropped / path["segments_sent"] <= 0.002)
     ), path
+
+
+SS = (
+    "0 0 127.0.0.1:35176 127.0.0.1:43933\n"
+    "\t bbr wscale:10,10 rto:204 mss:47616 bytes_sent:9000000 segs_out:{segs} segs_in:3"
+    " retrans:0/{retrans} dsack_dups:{dsack} delivered:4 snd_wnd:95232\n"
+    "0 0 127.0.0.1:43933 127.0.0.1:35176\n"
+    "\t bbr wscale:10,10 rto:200 segs_out:2 segs_in:5 retrans:0/7 snd_wnd:65536\n"
+)
+
+
+def test_retransmissions_the_receiver_dsacked_are_not_loss() -> None:
+    # A busy receiver's late ACKs make the sender probe and retransmit segments that
+    # had arrived; the receiver D-SACKs each. A loaded 2-core host showed 0.5 % "loss"
+    # on loopback that way. Only the un-D-SACKed retransmissions count; only the
+    # connections to the peer asked about count.
+    from edgecache.cache import tcp_stats
+
+    wanted = {("127.0.0.1", 43933)}
+    before = tcp_stats.parse_ss(SS.format(segs=1000, retrans=2, dsack=2), wanted)
+    after = tcp_stats.parse_ss(SS.format(segs=11000, retrans=17, dsack=12), wanted)
+    assert list(after.values()) == [tcp_stats.SocketCounters(11000, 17, 12)]
+    change = tcp_stats.delta(before, after)
+    assert (change.segments_out, change.retransmitted) == (10000, 5)
+    assert change.loss == 0.0005
+    # A kernel or ss that shows no dsack_dups: every retransmission counts, as before.
+    plain = tcp_stats.parse_ss(
+        SS.format(segs=500, retrans=3, dsack=0).replace(" dsack_dups:0", ""), wanted
+    )
+    assert tcp_stats.delta({}, plain).retransmitted == 3
