@@ -138,6 +138,11 @@ def _images_rows(data: dict) -> list[dict]:
     ]
 
 
+def _shares(scaling: dict) -> str:
+    """Other processes' share of the CPUs in each pinned run: '0% (1 core), 4% (2 cores)'."""
+    return ", ".join(f"{v:.0%} ({k})" for k, v in scaling["others_cpu_share"].items())
+
+
 def _staging_rows(data: dict) -> list[dict]:
     def row(measure: str, baseline: str, value: float, target: float) -> dict:
         return {
@@ -163,7 +168,7 @@ def _staging_rows(data: dict) -> list[dict]:
         out.append(
             row(
                 "a node staging on 2 cores (taskset)",
-                f"on 1 core; others used {scaling['others_cpu_share']} of the CPUs",
+                f"on 1 core; other processes used {_shares(scaling)} of the CPUs",
                 scaling["ratio"],
                 scaling["target"],
             )
@@ -595,7 +600,7 @@ def _section_staging(data: dict) -> str:
             f"An `edgecache serve` pinned with `taskset` staged {scaling['source_mb']} MB at "
             f"{scaling['one_core_mb_s']} MB/s on 1 core and {scaling['two_cores_mb_s']} MB/s on "
             f"2: **{scaling['ratio']}×** (target ≥ {scaling['target']}); other processes used "
-            f"{scaling['others_cpu_share']} of the CPUs during those runs."
+            f"{_shares(scaling)} of the CPUs during those runs (staging runs at nice +10)."
         )
     return "\n\n".join(
         [
