@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -143,7 +144,7 @@ async def diagnose_peer(
     deadline = time.monotonic() + seconds
 
     async def stream() -> int:
-        async def chunks() -> object:
+        async def chunks() -> AsyncIterator[edge_pb2.SinkChunk]:
             while time.monotonic() < deadline:
                 yield chunk
 
