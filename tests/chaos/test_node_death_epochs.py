@@ -19,14 +19,19 @@ SHARDS, ROWS = 6, 3000
 
 
 def kill_the_read_one(nodes: dict[str, LocalNode], killed: list[str]) -> None:
-    """SIGKILL the first node seen with a stream open (the one being read).
+    """SIGKILL the node being read: one with a stream open, or serving chunks right now.
 
-    Streams are short (one window each), so poll until one is caught open.
+    Streams are short (one window each) and may be parked between windows, so a
+    node whose chunks-served count grew since the last look counts as read too.
     """
+    served: dict[str, int] = {}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         for region, node in nodes.items():
-            if connect(node.address).Status(edge_pb2.StatusRequest(), timeout=5).active_streams:
+            status = connect(node.address).Status(edge_pb2.StatusRequest(), timeout=5)
+            growing = region in served and status.chunks_served > served[region]
+            served[region] = status.chunks_served
+            if status.active_streams or growing:
                 node.process.kill()
                 killed.append(region)
                 return
@@ -53,14 +58,20 @@ def test_every_epoch_completes_exact_once(tmp_path: Path, figure) -> None:  # no
             )
             ds.set_epoch(epoch)
             killed: list[str] = []
-            timer = threading.Timer(rng.uniform(0.05, 0.4), kill_the_read_one, (nodes, killed))
-            timer.start()
-            labels = [
-                int(x)
-                for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-                for x in b["label"]
-            ]
-            timer.join()
+            # The killer starts at a random batch of the epoch, from the loop itself: a timer
+            # could fire after a fast epoch had ended (then no node was killed mid-stream).
+            # A short step per batch keeps the reads paced by the loop while it looks.
+            kill_at = rng.randrange(2, 100)
+            killer = threading.Thread(target=kill_the_read_one, args=(nodes, killed))
+            labels: list[int] = []
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+            for i, batch in enumerate(loader):
+                if i == kill_at:
+                    killer.start()
+                labels += [int(x) for x in batch["label"]]
+                time.sleep(0.005)
+            if killer.ident is not None:
+                killer.join()
             exact += sorted(labels) == list(range(SHARDS * ROWS))
             victims += bool(killed)
             for region in killed:
