@@ -10,7 +10,7 @@ one run:
 
 (a) CPU seconds per GB of source preprocessed, in process, by the pipeline
     before issue 17 (``ParquetFile.iter_batches`` + serial plain zstd-1
-    chunks) and by the node's pipeline now (``edge.node._encode_raw_shard``:
+    chunks) and by the node's pipeline now (``edge.preprocessing.encode_raw_shard``:
     ``read_table``, chunks encoded on a parts pool, the default codec); beside
     them the node's pipeline with plain zstd-1, and decoding the Parquet
     alone (the floor no chunk codec can go under). Process CPU time (every
@@ -58,7 +58,7 @@ from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.preprocess import load_transform
 from edgecache.cache.registry import Registry
 from edgecache.edge.config import usable_cores
-from edgecache.edge.node import _encode_raw_shard
+from edgecache.edge.preprocessing import encode_raw_shard
 from edgecache.edge.server import CHANNEL_OPTIONS
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
@@ -113,7 +113,7 @@ def cpu_per_gb(origin: Path, registry: str, repeat: int, console: Console) -> tu
                 frames[compression] = [
                     f
                     for shard, data in shards
-                    for f in _encode_raw_shard(
+                    for f in encode_raw_shard(
                         data, manifest, shard, shard.source_key, transform, parts
                     ).frames
                 ]

@@ -12,10 +12,11 @@ Concurrent requests for the same missing shard share one origin fetch
 :class:`~edgecache.edge.staging_gate.StagingGate` that limits its byte rate
 and drops it to one shard at a time while training reads are streaming.
 
-Preprocessing uses every core the node may run on: shards are parsed on one
-pool (one shard per thread), and the parts of each shard — its chunks'
-compression, a batch's images, slices of text — run on a second pool, so a
-single shard (a read-through miss) spreads over the cores too. Staging's two
+Preprocessing (:mod:`edgecache.edge.preprocessing`) uses every core the node
+may run on: shards are parsed on one pool (one shard per thread), and the
+parts of each shard — its chunks' compression, a batch's images, slices of
+text — run on a second pool, so a single shard (a read-through miss) spreads
+over the cores too. Staging's two
 pools run at nice +10, so training reads and read-through misses come first.
 Threads, not processes: zstd, Arrow, Pillow and tokenizers release the GIL,
 and a process pool would pickle every raw shard and frame across. The CPU time
@@ -30,22 +31,18 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import functools
 import itertools
 import logging
 import os
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
-from edgecache.cache.codec import CodecOptions, ShardEncoder
 from edgecache.cache.errors import (
     CacheFull,
     ChunkCorrupt,
@@ -56,10 +53,9 @@ from edgecache.cache.errors import (
     VersionNotFound,
 )
 from edgecache.cache.keys import ShardKey
-from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
+from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.names import LATEST, validate_name
-from edgecache.cache.preprocess import ShardContext, Transform, load_transform, preprocess
-from edgecache.cache.preprocess.context import MeteredPool
+from edgecache.cache.preprocess import Transform, load_transform
 from edgecache.cache.registry import Registry, fetch_resources
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
@@ -67,18 +63,11 @@ from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
+from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard, lower_priority
 from edgecache.edge.staging_gate import StagingGate
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = [
-    "STAGING_NICE",
-    "EdgeNode",
-    "Encoded",
-    "Fetched",
-    "StagedShard",
-    "StagingGate",
-    "StagingRate",
-]
+__all__ = ["EdgeNode", "Fetched", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,94 +95,6 @@ class StagedShard:
     peer_bytes: int = 0  # stored bytes copied from peers
     notes: tuple[str, ...] = ()
     revoked: bool = False  # reported staged earlier in this stage, evicted since
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """A preprocessed shard: its frames, the CPU it took, the samples its transform skipped."""
-
-    frames: list[bytes]
-    cpu_seconds: float
-    skipped: int
-    notes: tuple[str, ...]
-
-
-def _encode_raw_shard(
-    data: bytes,
-    manifest: manifest_pb2.Manifest,
-    shard: manifest_pb2.Shard,
-    url: str,
-    transform: Transform,
-    parts: Executor,
-) -> Encoded:
-    """Parse, transform and encode one raw shard (runs on a shard pool; its parts on ``parts``)."""
-    started = time.thread_time()
-    metered = MeteredPool(parts)
-    schema = manifest_schema(manifest)
-    options = CodecOptions.from_spec(manifest.preprocess)
-    # Enough chunks in flight to keep every parts thread busy, few enough to bound memory.
-    encoder = ShardEncoder(schema, options, pool=metered, in_flight=2 * metered.threads)
-    context = ShardContext()
-    frames: list[bytes] = []
-    for batch in preprocess(
-        data,
-        fmt=manifest.source_format,
-        source=url,
-        spec=manifest.preprocess,
-        schema=schema,
-        transform=transform,
-        context=context,
-        pool=metered,
-    ):
-        frames.extend(encoder.add(batch))
-    frames.extend(encoder.finish())
-    if encoder.rows != shard.row_count:
-        raise MalformedShard(
-            f"{url} gave {encoder.rows} rows but the version recorded {shard.row_count}; "
-            "origin changed under an immutable version — publish a new version"
-        )
-    cpu = time.thread_time() - started + metered.cpu_seconds
-    return Encoded(frames, cpu, context.skipped, tuple(context.notes))
-
-
-class StagingRate:
-    """Source bytes/s the node can preprocess, from the CPU time of its recent shards.
-
-    Rate per core (bytes over thread CPU seconds, over the last ``window``
-    shards, so a dataset of another kind soon shows) times the threads that
-    can run at once (the preprocessing threads, at most the usable cores).
-    """
-
-    def __init__(self, threads: int, window: int = 64) -> None:
-        self.threads = threads
-        self._recent: deque[tuple[int, float]] = deque(maxlen=window)
-
-    def add(self, source_bytes: int, cpu_seconds: float) -> None:
-        """One preprocessed shard."""
-        if cpu_seconds > 0:
-            self._recent.append((source_bytes, cpu_seconds))
-
-    def cpu_seconds_per_gb(self) -> float:
-        """Thread CPU seconds per 1e9 source bytes (0: nothing preprocessed yet)."""
-        total = sum(b for b, _ in self._recent)
-        return sum(c for _, c in self._recent) / total * 1e9 if total else 0.0
-
-    def bytes_per_second(self) -> float:
-        """Source bytes/s on all threads (0: nothing preprocessed yet)."""
-        per_gb = self.cpu_seconds_per_gb()
-        return self.threads * 1e9 / per_gb if per_gb else 0.0
-
-
-STAGING_NICE = 10  # added to the process's nice value for staging's preprocessing threads
-
-
-def _lower_priority() -> None:
-    """Lower the calling thread's CPU priority by STAGING_NICE (Linux: nice is per thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        me = threading.get_native_id()
-        os.setpriority(
-            os.PRIO_PROCESS, me, min(os.getpriority(os.PRIO_PROCESS, me) + STAGING_NICE, 19)
-        )
 
 
 class EdgeNode:
@@ -225,10 +126,10 @@ class EdgeNode:
         # Staging's preprocessing runs at a lower CPU priority than everything else here
         # (serving reads, the event loop's network I/O, read-through misses).
         self._cpu_staging = ThreadPoolExecutor(
-            threads, thread_name_prefix="preprocess-staging", initializer=_lower_priority
+            threads, thread_name_prefix="preprocess-staging", initializer=lower_priority
         )
         self._parts_staging = ThreadPoolExecutor(
-            threads, thread_name_prefix="preprocess-staging-part", initializer=_lower_priority
+            threads, thread_name_prefix="preprocess-staging-part", initializer=lower_priority
         )
         self._transforms: dict[str, Transform] = {}  # by manifest digest
         self._transform_lock = asyncio.Lock()
@@ -417,7 +318,7 @@ class EdgeNode:
         with self.metrics.preprocess_seconds.time():
             encoded = await loop.run_in_executor(
                 self._cpu_staging if staging else self._cpu,
-                _encode_raw_shard,
+                encode_raw_shard,
                 data,
                 manifest,
                 shard,

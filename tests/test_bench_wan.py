@@ -226,13 +226,13 @@ def test_gate_lets_waiting_requests_in_oldest_fetch_first() -> None:
 def test_staging_preprocesses_at_a_lower_cpu_priority() -> None:
     import threading
 
-    from edgecache.edge.node import STAGING_NICE, _lower_priority
+    from edgecache.edge.preprocessing import STAGING_NICE, lower_priority
 
     seen: list[int] = []
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def work() -> None:
-        _lower_priority()
+        lower_priority()
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     thread = threading.Thread(target=work)
