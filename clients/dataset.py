@@ -43,6 +43,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import torch
@@ -73,7 +74,7 @@ from edgecache.clients.packed import Packed
 from edgecache.clients.pipeline import Pipeline
 from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import BinaryForm, RaggedForm, with_forms
-from edgecache.clients.topology import load_topology
+from edgecache.clients.topology import nodes_nearest_first
 from edgecache.clients.versions import fetch_manifest, local_manifest, row_bytes, select_columns
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -88,28 +89,6 @@ def _distributed() -> tuple[int, int] | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return None
-
-
-def _endpoints_from_config(
-    config: str | os.PathLike[str], region: str | None
-) -> tuple[list[str], list[str]]:
-    """(every node, the region's own nodes) of a topology file.
-
-    The region's nodes come first, then the other regions' in file order; with
-    no region, every node in file order. Read with :func:`load_topology`, the
-    loader the CLI uses, so a malformed file fails here with the same message
-    (file, line, field).
-    """
-    topology = load_topology(config)
-    regions = topology.regions
-    if region is None:
-        return [node for r in regions.values() for node in r.nodes], []
-    if region not in regions:
-        raise InvalidEndpoint(
-            f"region {region!r} is unknown: {config} has regions {', '.join(sorted(regions))}"
-        )
-    own = list(regions[region].nodes)
-    return own + [node for name, r in regions.items() if name != region for node in r.nodes], own
 
 
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
@@ -214,7 +193,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             # One endpoint given as a string is one endpoint, not a list of characters.
             texts = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         else:
-            texts, replicas = _endpoints_from_config(config, region)  # type: ignore[arg-type]
+            texts, replicas = nodes_nearest_first(config, region)  # type: ignore[arg-type]
         if not texts:
             raise InvalidEndpoint("the endpoint list is empty; give at least one host:port")
         self.endpoints: list[Endpoint] = [parse_endpoint(t) for t in texts]
@@ -604,19 +583,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def stats(self) -> dict[str, Any]:
         """What this process delivered and saw (workers keep their own)."""
         pool = self._open.pool if self._open is not None else None
-        endpoints = (
-            {
-                text: {
-                    "rtt_ms": s.rtt_ms,
-                    "bytes": s.bytes,
-                    "failures": s.failures,
-                    "last_error": s.last_error,
-                }
-                for text, s in pool.stats.items()
-            }
-            if pool
-            else {}
-        )
+        endpoints = {text: asdict(s) for text, s in pool.stats.items()} if pool else {}
         return {
             "version": self.version,
             **self._delivered,

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from edgecache.cache.errors import ConfigFileError
+from edgecache.cache.errors import ConfigFileError, InvalidEndpoint
 from edgecache.cache.names import parse_spec
 from edgecache.cache.units import parse_rate
 
@@ -35,6 +35,7 @@ __all__ = [
     "find_topology",
     "load_schedule",
     "load_topology",
+    "nodes_nearest_first",
 ]
 
 
@@ -269,3 +270,25 @@ def load_schedule(path: str | os.PathLike[str], topology: Topology | None = None
                     f"({', '.join(sorted(topology.regions))})"
                 )
     return schedule  # type: ignore[no-any-return]
+
+
+def nodes_nearest_first(
+    config: str | os.PathLike[str], region: str | None
+) -> tuple[list[str], list[str]]:
+    """(every node, the region's own nodes) of a topology file, for a reader in ``region``.
+
+    The region's nodes come first, then the other regions' in file order; with
+    no region, every node in file order. Read with :func:`load_topology`, the
+    loader the CLI uses, so a malformed file fails with the same message (file,
+    line, field).
+    """
+    topology = load_topology(config)
+    regions = topology.regions
+    if region is None:
+        return [node for r in regions.values() for node in r.nodes], []
+    if region not in regions:
+        raise InvalidEndpoint(
+            f"region {region!r} is unknown: {config} has regions {', '.join(sorted(regions))}"
+        )
+    own = list(regions[region].nodes)
+    return own + [node for name, r in regions.items() if name != region for node in r.nodes], own
