@@ -234,7 +234,7 @@ def bench_stage(workdir: Path, stage_mib: int, repeat: int, console: Console) ->
                 grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             )
             for _ in range(repeat):  # interleaved, so drift hits all alike
-                runs["raw"].append(asyncio.run(_raw_gets("bench-origin", "tokens/", concurrency=4)))
+                runs["raw"].append(asyncio.run(s3_gets("bench-origin", "tokens/", concurrency=4)))
                 for codec in codecs:
                     dataset = f"tokens-{codec}"
                     client.Evict(edge_pb2.EvictRequest(dataset=dataset, version=1))
@@ -279,28 +279,46 @@ def bench_stage(workdir: Path, stage_mib: int, repeat: int, console: Console) ->
     return results
 
 
-async def _raw_gets(bucket: str, prefix: str, concurrency: int) -> tuple[int, float]:
+async def s3_gets(
+    bucket: str, prefix: str, concurrency: int, *, decode: bool = False
+) -> tuple[int, float]:
+    """GET every Parquet object under ``prefix`` at ``concurrency``: (bytes, seconds).
+
+    The baselines staging is measured against: raw GETs, and (``decode``) GETs
+    whose objects pyarrow then decodes to Arrow on every usable core, doing
+    nothing else (``bench.staging``'s bare pipeline).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
 
-    config = AioConfig(max_pool_connections=32)
-    async with get_session().create_client("s3", config=config) as s3:
-        listed = await s3.list_objects_v2(Bucket=bucket, Prefix=prefix)
-        keys = [o["Key"] for o in listed["Contents"]]
-        limit = asyncio.Semaphore(concurrency)
-        total = 0
+    from edgecache.edge.config import usable_cores
 
-        async def get(key: str) -> None:
-            nonlocal total
-            async with limit:
-                response = await s3.get_object(Bucket=bucket, Key=key)
-                async with response["Body"] as body:
-                    data = await body.read()
+    loop = asyncio.get_running_loop()
+    config = AioConfig(max_pool_connections=32)
+    with ThreadPoolExecutor(usable_cores()) as pool:
+        async with get_session().create_client("s3", config=config) as s3:
+            listed = await s3.list_objects_v2(Bucket=bucket, Prefix=prefix)
+            keys = [o["Key"] for o in listed["Contents"] if o["Key"].endswith(".parquet")]
+            limit = asyncio.Semaphore(concurrency)
+            total = 0
+
+            async def get(key: str) -> None:
+                nonlocal total
+                async with limit:
+                    response = await s3.get_object(Bucket=bucket, Key=key)
+                    async with response["Body"] as body:
+                        data = await body.read()
+                if decode:
+                    await loop.run_in_executor(
+                        pool, lambda: pq.read_table(pa.BufferReader(data), use_threads=False)
+                    )
                 total += len(data)  # after the await: `total += len(await …)` loses updates
 
-        started = time.perf_counter()
-        await asyncio.gather(*(get(k) for k in keys))
-        return total, time.perf_counter() - started
+            started = time.perf_counter()
+            await asyncio.gather(*(get(k) for k in keys))
+            return total, time.perf_counter() - started
 
 
 def main() -> None:

@@ -624,14 +624,44 @@ def _section_staging(data: dict) -> str:
 
 
 def _section_gpu(data: dict) -> str:
+    title = "## GPU (`python -m bench.gpu`)"
     if "skipped" in data:
-        return f"## GPU (`python -m bench.gpu`)\n\nNot run here: {data['skipped']}."
+        return f"{title}\n\nNot run here: {data['skipped']}."
+    copy = data["copy"]
+    rows = [
+        [
+            e["dataset"],
+            e["transport"],
+            e["workers"],
+            f"{e['samples_s']:,.0f}",
+            f"{e['gb_s']:.2f}",
+            f"{e['pinned_batches']}/{e['batches']}",
+            f"{e.get('batch_copy_vs_pinned', 0):.2f}×",
+            f"{e['cpu_s_per_gb']:.2f}",
+            f"{e['node_cpu_s_per_gb']:.2f}",
+        ]
+        for e in data["epochs"]
+    ]
     return "\n\n".join(
         [
-            "## GPU (`python -m bench.gpu`)",
-            "```json\n"
-            + json.dumps({k: v for k, v in data.items() if not k.startswith("_")}, indent=1)[:4000]
-            + "\n```",
+            title,
+            f"{_command('gpu', data)} on {data['device']}. {_versions_line(data)}.",
+            f"Host to device: {copy['pinned_gb_s']:.1f} GB/s from a pinned buffer, "
+            f"{copy['pageable_gb_s']:.1f} GB/s pageable.",
+            _md_table(
+                [
+                    "data",
+                    "transport",
+                    "workers",
+                    "samples/s",
+                    "GB/s",
+                    "batches pinned",
+                    "batch copy vs pinned buffer",
+                    "client CPU-s/GB",
+                    "node CPU-s/GB",
+                ],
+                rows,
+            ),
         ]
     )
 

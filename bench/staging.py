@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from bench import report
-from bench.edge_node import TESTS, spawn, write_shards
+from bench.edge_node import TESTS, s3_gets, spawn, write_shards
 from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, decode_chunk
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.preprocess import load_transform
@@ -282,38 +282,6 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
     }
 
 
-async def _bare(bucket: str, prefix: str, concurrency: int, decode: bool) -> tuple[int, float]:
-    """GET every object at ``concurrency``; with ``decode``, pyarrow decodes each to Arrow."""
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import get_session
-
-    pool = ThreadPoolExecutor(usable_cores())
-    loop = asyncio.get_running_loop()
-    async with get_session().create_client("s3", config=AioConfig(max_pool_connections=32)) as s3:
-        listed = await s3.list_objects_v2(Bucket=bucket, Prefix=prefix)
-        keys = [o["Key"] for o in listed["Contents"] if o["Key"].endswith(".parquet")]
-        limit = asyncio.Semaphore(concurrency)
-        total = 0
-
-        async def one(key: str) -> None:
-            nonlocal total
-            async with limit:
-                response = await s3.get_object(Bucket=bucket, Key=key)
-                async with response["Body"] as body:
-                    data = await body.read()
-            if decode:
-                await loop.run_in_executor(
-                    pool, lambda: pq.read_table(pa.BufferReader(data), use_threads=False)
-                )
-            total += len(data)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one(k) for k in keys))
-        elapsed = time.perf_counter() - started
-    pool.shutdown()
-    return total, elapsed
-
-
 def moto(workdir: Path, origin: Path, repeat: int, console: Console) -> list[dict]:
     sys.path.insert(0, str(TESTS))
     from s3server import make_bucket, moto_server, s3_env, upload_dir
@@ -334,8 +302,8 @@ def moto(workdir: Path, origin: Path, repeat: int, console: Console) -> list[dic
             for name in DATASETS.values():
                 _stage(client, name)  # warm-up; the node measures the link on it too
             for _ in range(repeat):
-                runs["raw"].append(asyncio.run(_bare("bench-origin", "tokens/", 4, False)))
-                runs["bare"].append(asyncio.run(_bare("bench-origin", "tokens/", 4, True)))
+                runs["raw"].append(asyncio.run(s3_gets("bench-origin", "tokens/", 4)))
+                runs["bare"].append(asyncio.run(s3_gets("bench-origin", "tokens/", 4, decode=True)))
                 for compression, name in DATASETS.items():
                     runs[compression].append(_stage(client, name))
         finally:

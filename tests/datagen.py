@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
+
 import numpy as np
 import pyarrow as pa
 
@@ -19,3 +22,14 @@ def token_batch(rows: int, *, seed: int = 0, start: int = 0) -> pa.RecordBatch:
         ],
         schema=TOKEN_SCHEMA,
     )
+
+
+def tar_archive(members: list[tuple[str, bytes]]) -> bytes:
+    """A tar file (WebDataset's shard format) of ``(name, bytes)`` members, in order."""
+    sink = io.BytesIO()
+    with tarfile.open(fileobj=sink, mode="w") as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return sink.getvalue()

@@ -4,13 +4,13 @@ node decoding them at the edge so EdgeDataset yields [B, H, W, C] uint8 tensors.
 from __future__ import annotations
 
 import io
-import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from datagen import tar_archive
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
@@ -137,16 +137,6 @@ def test_bad_params_and_decoder_pin() -> None:
         run(pa.RecordBatch.from_pydict({"a": pa.array([b"x"]), "b": pa.array([b"y"])}), size="8")
 
 
-def _tar(members: list[tuple[str, bytes]]) -> bytes:
-    sink = io.BytesIO()
-    with tarfile.open(fileobj=sink, mode="w") as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return sink.getvalue()
-
-
 def test_node_decodes_webdataset_images_for_edgedataset(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from edgecache.clients.dataset import EdgeDataset
@@ -165,7 +155,7 @@ def test_node_decodes_webdataset_images_for_edgedataset(tmp_path: Path) -> None:
                 (f"s{shard}_{i:02d}.cls", b"%d" % i),
                 (f"s{shard}_{i:02d}.img", images[kind]),
             ]
-        (origin / f"shard-{shard}.tar").write_bytes(_tar(members))
+        (origin / f"shard-{shard}.tar").write_bytes(tar_archive(members))
     registry = f"file://{tmp_path}/registry"
     publish_spec = preprocess_spec(transform="images", params={"column": "img", "size": "32"})
     manifest = Registry.run(

@@ -9,13 +9,13 @@ import io
 import json
 import lzma
 import shutil
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import zstandard
+from datagen import tar_archive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,16 +179,6 @@ def test_publish_records_options_and_nodes_parse_alike(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- WebDataset
 
 
-def _tar(members: list[tuple[str, bytes]]) -> bytes:
-    sink = io.BytesIO()
-    with tarfile.open(fileobj=sink, mode="w") as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return sink.getvalue()
-
-
 def _image_bytes() -> dict[str, bytes]:
     mpl = pytest.importorskip("matplotlib")
     sample = Path(mpl.get_data_path()) / "sample_data"
@@ -205,7 +195,7 @@ def test_webdataset_tar_groups_members_by_key(tmp_path: Path) -> None:
         members += [(f"train/s{i:03d}.jpg", images["jpg"]), (f"train/s{i:03d}.cls", b"%d" % i)]
         if i % 2:
             members.append((f"train/s{i:03d}.json", json.dumps({"i": i}).encode()))
-    data = _tar(members)
+    data = tar_archive(members)
     table = read(data, pb.SOURCE_FORMAT_WEBDATASET)
     assert table.column_names == ["__key__", "cls", "jpg", "json"]
     assert table.column("__key__").to_pylist()[:2] == ["train/s000", "train/s001"]
@@ -219,13 +209,13 @@ def test_webdataset_tar_groups_members_by_key(tmp_path: Path) -> None:
 
 
 def test_webdataset_errors_name_object_and_sample() -> None:
-    bad_cls = _tar([("a.cls", b"seven")])
+    bad_cls = tar_archive([("a.cls", b"seven")])
     with pytest.raises(MalformedShard, match=r"x: sample 'a': cls holds b'seven'"):
         read(bad_cls, pb.SOURCE_FORMAT_WEBDATASET)
-    twice = _tar([("a.jpg", b"1"), ("a.jpg", b"2")])
+    twice = tar_archive([("a.jpg", b"1"), ("a.jpg", b"2")])
     with pytest.raises(MalformedShard, match="sample 'a' has two members with extension 'jpg'"):
         read(twice, pb.SOURCE_FORMAT_WEBDATASET)
-    whole = _tar([("a.jpg", b"x" * 5000)])
+    whole = tar_archive([("a.jpg", b"x" * 5000)])
     with pytest.raises(MalformedShard, match="s3://b/x"):
         read(whole[:1500], pb.SOURCE_FORMAT_WEBDATASET)
 
@@ -237,7 +227,7 @@ def test_publish_webdataset_prefix(tmp_path: Path) -> None:
         members = [(f"k{shard}_{i}.png", images["png"]) for i in range(3)]
         members += [(f"k{shard}_{i}.cls", b"1") for i in range(3)]
         members.sort()  # key order: png and cls of one key side by side
-        (tmp_path / "wds" / f"shard-{shard:04d}.tar").write_bytes(_tar(members))
+        (tmp_path / "wds" / f"shard-{shard:04d}.tar").write_bytes(tar_archive(members))
     manifest = publish(tmp_path, tmp_path / "wds", "wds")
     assert manifest.source_format == pb.SOURCE_FORMAT_WEBDATASET
     assert [s.row_count for s in manifest.shards] == [3, 3]
