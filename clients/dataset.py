@@ -52,6 +52,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
+from edgecache.cache.row_grid import DEFAULT_WINDOW_BYTES, row_bytes, rows_per_window
 from edgecache.clients.batch_memory import (
     BatchMemory,
     PinnedMemory,
@@ -67,7 +68,7 @@ from edgecache.clients.dataset_metrics import (
 from edgecache.clients.dataset_readers import Readers, merge
 from edgecache.clients.dataset_state import make_state, resume_from
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
-from edgecache.clients.epoch_order import Component, EpochOrder, Remaining, window_rows_for
+from edgecache.clients.epoch_order import Component, EpochOrder, Remaining
 from edgecache.clients.mixture import allocate, parse_mixture, parse_rows, split_extents
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.packed import Packed
@@ -75,7 +76,7 @@ from edgecache.clients.pipeline import Pipeline
 from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import BinaryForm, RaggedForm, with_forms
 from edgecache.clients.topology import nodes_nearest_first
-from edgecache.clients.versions import fetch_manifest, local_manifest, row_bytes, select_columns
+from edgecache.clients.versions import fetch_manifest, local_manifest, select_columns
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["EdgeDataset"]
@@ -247,7 +248,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             row_bytes(m, s) for m, s in zip(self.manifests, self.schemas, strict=True)
         ]
         self.window_rows = [
-            window_rows_for(b, window_bytes or m.preprocess.chunk_bytes or 4 << 20)
+            rows_per_window(b, window_bytes or m.preprocess.chunk_bytes or DEFAULT_WINDOW_BYTES)
             for b, m in zip(self._row_bytes, self.manifests, strict=True)
         ]
         extents = [
@@ -484,6 +485,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 "held_peak_bytes": pipeline.held_peak,
                 "fetch_wait_seconds": pipeline.fetch_wait_seconds,
                 "fetch_busy_seconds": pipeline.fetch_busy_seconds,
+                "windows_read": pipeline.windows_read,
+                "window_chunks": pipeline.window_chunks,
             }
 
     def watch(self, batches: Iterable[T]) -> Iterator[T]:
@@ -581,7 +584,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, Any]:
-        """What this process delivered and saw (workers keep their own)."""
+        """What this process delivered and saw (workers keep their own).
+
+        ``last_pipeline`` describes the last pass over the data this process
+        finished or stopped: how far it read ahead, the decoded bytes it held
+        at most, how long it waited for and spent on reads, and how many
+        chunks its windows were decoded from (``window_chunks`` above
+        ``windows_read`` means windows straddle chunks: see
+        :mod:`edgecache.cache.row_grid`).
+        """
         pool = self._open.pool if self._open is not None else None
         endpoints = {text: asdict(s) for text, s in pool.stats.items()} if pool else {}
         return {
@@ -590,6 +601,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             "bytes": sum(e["bytes"] for e in endpoints.values()),
             "failovers": pool.failovers if pool else 0,
             "endpoints": endpoints,
+            "last_pipeline": dict(self._last_pipeline),
         }
 
     def __getstate__(self) -> dict[str, Any]:

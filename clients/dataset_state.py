@@ -3,7 +3,7 @@
 A state is a small dict of plain values (portable: JSON, torch.save, another
 region, another release of the same format)::
 
-    {"format": 2, "components": [{dataset, version, digest, weight}, …],
+    {"format": 3, "components": [{dataset, version, digest, weight}, …],
      "order": {seed-independent knobs that fix the global order},
      "seed", "epoch",
      "remaining": what was left of the epoch when this stretch of it began
@@ -29,7 +29,7 @@ from edgecache.clients.partition import Remaining
 
 __all__ = ["FORMAT", "Resume", "make_state", "resume_from"]
 
-FORMAT = 2
+FORMAT = 3  # 2: windows of equal size per shard; 1: before batch-level shuffling
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ def resume_from(
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise StateMismatch(
             f"not an EdgeDataset state dict of format {FORMAT} (got format {found!r}): states "
-            "saved before batch-level shuffling (format 1) describe another order and cannot "
-            "be resumed exactly; start the epoch again with set_epoch(epoch)"
+            "of format 1 (before batch-level shuffling) and 2 (before windows were aligned "
+            "with chunks) describe another order and cannot be resumed exactly; start the "
+            "epoch again with set_epoch(epoch)"
         )
     theirs = state.get("components", [])
     if [(c["dataset"], c["version"], c["digest"]) for c in theirs] != [

@@ -25,12 +25,7 @@ import numpy as np
 from edgecache.clients.partition import RankBatches, Remaining, Span
 from edgecache.clients.shuffle import Component, Extent, GlobalOrder
 
-__all__ = ["Batch", "Component", "EpochOrder", "Extent", "Piece", "Remaining", "window_rows_for"]
-
-
-def window_rows_for(row_bytes: float, window_bytes: int) -> int:
-    """Rows per shuffle window for rows of about ``row_bytes``."""
-    return int(min(max(window_bytes // max(row_bytes, 1.0), 1), 1 << 20))
+__all__ = ["Batch", "Component", "EpochOrder", "Extent", "Piece", "Remaining"]
 
 
 @dataclass(frozen=True, slots=True)

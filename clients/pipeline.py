@@ -123,6 +123,8 @@ class Pipeline:
         self._checked_at, self._checked_busy, self._grown_at = time.perf_counter(), 0.0, 0
         self._flight_lock = threading.Lock()
         self.held_peak = 0.0  # decoded bytes of windows held at most
+        self.windows_read = 0  # windows loaded, and the chunks they were decoded from:
+        self.window_chunks = 0  # one each where windows lie on the chunks (cache/row_grid.py)
         # the lanes whose windows this pipeline reads (a DataLoader worker's, when
         # the worker count divides the lanes)
         self.lanes = set(range(len(order.order.lanes)) if lanes is None else lanes)
@@ -284,6 +286,9 @@ class Pipeline:
                 batches.append(batch)
         if self._stop.is_set():
             raise _Stopped  # partial: never assembled
+        with self._flight_lock:
+            self.windows_read += 1
+            self.window_chunks += len(batches)
         # Where every row of the window's order lies, worked out once per window (on
         # a fetch thread) rather than for each batch that gathers from it.
         starts = np.asarray(firsts, dtype=np.int64)

@@ -10,8 +10,11 @@ is :mod:`edgecache.clients.partition`.
    ``rows=`` split keeps) is read in *passes*. A pass permutes the shards,
    cuts each shard into *windows* of ``window_rows`` consecutive rows and
    permutes the rows of each window. A window is what is read from a node
-   and decoded at once; its rows depend on row counts only, never on how a
+   and decoded at once; its rows depend on the manifest only, never on how a
    node chunked the shard, so any node can serve any part of the order.
+   Windows lie on a grid from each shard's first row that, for rows of a
+   fixed width, is the grid the encoder cut the chunks by: a window is then
+   exactly one chunk (:mod:`edgecache.cache.row_grid`).
 2. **The epoch sequence.** Epoch ``e`` takes samples ``[e*n, (e+1)*n)`` of
    the component's endless sequence of passes (``n`` its samples per epoch:
    all its rows, or its share of a mixture, :mod:`edgecache.clients.mixture`).
@@ -133,28 +136,28 @@ _UNIT_COLUMNS = ("component", "pass_", "shard", "row_start", "rows", "take_from"
 def _windows(component: Component) -> Units:
     """The component's windows in canonical order (shards in order, rows in order).
 
-    Each extent is cut into as few windows of at most ``window_rows`` as it takes,
-    of equal size (±1 row): no window of a few rows at the end of a shard.
+    Windows lie on each shard's grid of ``window_rows`` rows from its first
+    row, cut where an extent starts or ends: the grid the encoder cuts
+    fixed-width rows into chunks by (:mod:`edgecache.cache.row_grid`), so such
+    a window is one chunk, decoded once and held alone.
     """
-    extents = component.extents
     size = component.window_rows
-    counts = np.array([-(-e.rows // size) for e in extents], dtype=np.int64)
+    shard = np.array([e.shard for e in component.extents], dtype=np.int64)
+    start = np.array([e.row_start for e in component.extents], dtype=np.int64)
+    end = start + np.array([e.rows for e in component.extents], dtype=np.int64)
+    first_cell = start // size
+    counts = np.where(end > start, (end - 1) // size - first_cell + 1, 0)
     total = int(counts.sum())
-    which = np.repeat(np.arange(len(extents)), counts)
-    index = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    column = {
-        name: np.array([getattr(e, name) for e in extents], dtype=np.int64)[which]
-        for name in ("shard", "row_start", "rows")
-    }
-    parts = counts[which]
-    row_start = column["row_start"] + index * column["rows"] // parts
-    rows = column["row_start"] + (index + 1) * column["rows"] // parts - row_start
+    which = np.repeat(np.arange(len(counts)), counts)
+    cell = first_cell[which] + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    row_start = np.maximum(cell * size, start[which])
+    rows = np.minimum((cell + 1) * size, end[which]) - row_start
     zeros = np.zeros(total, dtype=np.int64)
     return Units(
         {
             "component": zeros,
             "pass_": zeros.copy(),
-            "shard": column["shard"],
+            "shard": shard[which],
             "row_start": row_start,
             "rows": rows,
             "take_from": zeros.copy(),

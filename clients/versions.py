@@ -1,4 +1,4 @@
-"""The versions an EdgeDataset reads: manifests resolved once, columns, row sizes.
+"""The versions an EdgeDataset reads: manifests resolved once, and their columns.
 
 ``name`` or ``name@latest`` is resolved once, when the dataset is created
 (under torch.distributed, by rank 0 for every rank); from then on the
@@ -25,7 +25,7 @@ from edgecache.clients.tensors import ColumnKind, column_kinds
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["fetch_manifest", "local_manifest", "row_bytes", "select_columns"]
+__all__ = ["fetch_manifest", "local_manifest", "select_columns"]
 
 log = logging.getLogger(__name__)
 
@@ -75,24 +75,6 @@ def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | N
         f"{dataset}@{version or 'latest'} is in none of the local caches "
         f"{[e.target for e in endpoints]}; stage it first (edgecache warm)"
     )
-
-
-def row_bytes(manifest: pb.Manifest, schema: pa.Schema) -> float:
-    """Decoded bytes per row: exact for fixed-width schemas, estimated otherwise."""
-    exact = 0
-    for field in schema:
-        t, width = field.type, 1
-        while pa.types.is_fixed_size_list(t):
-            width *= t.list_size
-            t = t.value_type
-        try:
-            exact += width * t.bit_width // 8
-        except ValueError:
-            # Variable width: estimate from the source (columnar sources are often
-            # compressed ~2x; raw binary not at all). Only the window size depends on it.
-            rows = sum(s.row_count for s in manifest.shards) or 1
-            return 1.5 * sum(s.source_size for s in manifest.shards) / rows
-    return float(max(exact, 1))
 
 
 def select_columns(

@@ -25,6 +25,7 @@ from edgecache.cache.errors import MalformedShard
 from edgecache.cache.manifest import manifest_schema
 from edgecache.cache.preprocess import ShardContext, Transform, preprocess
 from edgecache.cache.preprocess.context import MeteredPool
+from edgecache.cache.row_grid import chunk_rows
 from edgecache.v1 import manifest_pb2
 
 __all__ = ["STAGING_NICE", "Encoded", "StagingRate", "encode_raw_shard", "lower_priority"]
@@ -53,8 +54,15 @@ def encode_raw_shard(
     metered = MeteredPool(parts)
     schema = manifest_schema(manifest)
     options = CodecOptions.from_spec(manifest.preprocess)
-    # Enough chunks in flight to keep every parts thread busy, few enough to bound memory.
-    encoder = ShardEncoder(schema, options, pool=metered, in_flight=2 * metered.threads)
+    # Enough chunks in flight to keep every parts thread busy, few enough to bound memory;
+    # rows per chunk on the grid readers cut their shuffle windows by.
+    encoder = ShardEncoder(
+        schema,
+        options,
+        pool=metered,
+        in_flight=2 * metered.threads,
+        chunk_rows=chunk_rows(manifest, schema),
+    )
     context = ShardContext()
     frames: list[bytes] = []
     for batch in preprocess(

@@ -2,14 +2,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from datagen import TOKEN_SCHEMA, token_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgecache.cache.codec import CodecOptions, ShardEncoder, decode_chunk, encode_shard
+from edgecache.cache.codec import (
+    MAX_CHUNK_FACTOR,
+    CodecOptions,
+    ShardEncoder,
+    decode_chunk,
+    encode_shard,
+)
 from edgecache.cache.errors import ChunkCorrupt, ChunkTruncated, EmptyShard, SchemaMismatch
 from edgecache.cache.frame import HEADER_SIZE, Codec, read_header, verify_frame
+from edgecache.cache.row_grid import fixed_row_bytes, rows_per_window
 from edgecache.v1 import manifest_pb2 as pb
 
 
@@ -317,3 +325,68 @@ def test_the_most_compressible_chunk_still_decodes() -> None:
     batch = pa.record_batch({"z": pa.array(np.zeros(1 << 20, dtype=np.int64))})
     frames = encode_shard([batch], batch.schema, CodecOptions(compression="zstd", level=19))
     assert sum(decode_chunk(f).num_rows for f in frames) == 1 << 20
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 700), min_size=1, max_size=6),
+    chunk_bytes=st.sampled_from([8 << 10, 20_000, 64 << 10]),
+)
+def test_fixed_width_rows_are_chunked_on_the_readers_window_grid(
+    sizes: list[int], chunk_bytes: int
+) -> None:
+    """Whatever batches the source gives, chunks hold rows_per_window rows (the last the rest).
+
+    Readers cut their shuffle windows on that grid from the manifest alone
+    (clients.shuffle._windows), so each window is one chunk.
+    """
+    if not sum(sizes):
+        return
+    per_row = fixed_row_bytes(TOKEN_SCHEMA)
+    assert per_row == 64 * 4 + 8
+    grid = rows_per_window(per_row, chunk_bytes)
+    # Through Parquet, as sources arrive: the batches then carry validity bitmaps that
+    # Arrow's nbytes counts, which a size estimate would cut the chunks by.
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_batches([token_batch(sum(sizes))]), sink)
+    table = pq.read_table(sink.getvalue())
+    batches, start = [], 0
+    for n in sizes:
+        batches.extend(table.slice(start, n).to_batches() or [])
+        start += n
+    frames = encode_shard(batches, TOKEN_SCHEMA, CodecOptions(chunk_bytes=chunk_bytes))
+    rows = [read_header(f).rows for f in frames]
+    whole, rest = divmod(sum(sizes), grid)
+    assert rows == [grid] * whole + ([rest] if rest else [])
+    assert roundtrip(frames, TOKEN_SCHEMA).column("label").to_pylist() == list(range(sum(sizes)))
+
+
+def test_variable_width_rows_have_no_grid() -> None:
+    assert fixed_row_bytes(pa.schema([("text", pa.string()), ("label", pa.int64())])) is None
+    assert fixed_row_bytes(pa.schema([("ids", pa.list_(pa.int32()))])) is None
+    assert fixed_row_bytes(pa.schema([("flag", pa.bool_()), ("x", pa.float32())])) == 4.125
+
+
+def test_rows_of_variable_width_follow_the_grid_they_are_given_up_to_a_cap() -> None:
+    """The node passes the manifest's grid (row_grid.chunk_rows) for strings and binary.
+
+    A chunk holds that many rows whatever their size, but rows far larger
+    than the estimate close it at MAX_CHUNK_FACTOR * chunk_bytes instead.
+    """
+    schema = pa.schema([("blob", pa.binary())])
+    small = pa.record_batch([pa.array([b"x" * 100] * 95)], schema=schema)
+    frames = encode_shard_with(small, schema, chunk_rows=20, chunk_bytes=16 << 10)
+    assert [read_header(f).rows for f in frames] == [20, 20, 20, 20, 15]
+    big = pa.record_batch([pa.array([b"y" * (10 << 10)] * 30)], schema=schema)
+    frames = encode_shard_with(big, schema, chunk_rows=20, chunk_bytes=16 << 10)
+    rows = [read_header(f).rows for f in frames]
+    assert sum(rows) == 30 and max(rows) < 20  # closed by the cap, off the grid
+    assert max(read_header(f).raw_len for f in frames) <= MAX_CHUNK_FACTOR * (16 << 10) + 4096
+    assert roundtrip(frames, schema).column("blob").to_pylist() == big.column(0).to_pylist()
+
+
+def encode_shard_with(
+    batch: pa.RecordBatch, schema: pa.Schema, *, chunk_rows: int, chunk_bytes: int
+) -> list[bytes]:
+    encoder = ShardEncoder(schema, CodecOptions(chunk_bytes=chunk_bytes), chunk_rows=chunk_rows)
+    return encoder.add(batch) + encoder.finish()

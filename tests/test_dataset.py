@@ -8,6 +8,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from edgeutil import publish, write_parquet_shards
@@ -138,6 +141,43 @@ def test_local_fast_path_reads_lmdb_directly(cluster) -> None:
     local = EdgeDataset("tokens@1", endpoints=[f"lmdb://{root}/cache-eu"], seed=4, **SMALL)
     assert read_epoch(local, 0) == full
     assert local.stats()["endpoints"][f"lmdb://{root}/cache-eu"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_each_window_of_fixed_width_rows_is_one_chunk(cluster, local: bool) -> None:
+    """The node chunked the Parquet rows on the grid the reader cuts windows by.
+
+    Windows that straddle chunks decode and hold two chunks each (the old
+    encoder cut by Arrow's nbytes, which counts validity bitmaps, so every
+    window straddled); ``stats()["last_pipeline"]`` counts them.
+    """
+    root, nodes = cluster
+    endpoint = f"lmdb://{root}/cache-eu" if local else nodes[0].address
+    read_epoch(EdgeDataset("tokens@1", endpoints=[nodes[0].address], batch_size=64), 0)  # staged
+    ds = EdgeDataset("tokens@1", endpoints=[endpoint], batch_size=64, seed=3)
+    assert sorted(read_epoch(ds, 0)) == list(range(TOTAL))
+    pipeline = ds.stats()["last_pipeline"]
+    assert pipeline["windows_read"] > SHARDS  # several windows per shard
+    assert pipeline["window_chunks"] == pipeline["windows_read"]
+
+
+def test_windows_of_variable_width_rows_are_chunks_too(cluster) -> None:
+    """Binary rows: node and reader take the same row estimate from the manifest."""
+    root, nodes = cluster
+    rng = np.random.default_rng(5)
+    origin = root / "origin-blobs"
+    origin.mkdir()
+    for shard in range(3):
+        blobs = [rng.bytes(int(n)) for n in rng.integers(200, 1500, size=400)]
+        labels_ = np.arange(shard * 400, (shard + 1) * 400, dtype=np.int64)
+        table = pa.table({"blob": pa.array(blobs, pa.binary()), "label": labels_})
+        pq.write_table(table, origin / f"part-{shard:05d}.parquet", row_group_size=100)
+    publish(f"file://{root}/registry", f"file://{origin}", "blobs", chunk_bytes=32 << 10)
+    ds = EdgeDataset("blobs@1", endpoints=[nodes[1].address], batch_size=32, seed=1)
+    assert sorted(read_epoch(ds, 0)) == list(range(1200))
+    pipeline = ds.stats()["last_pipeline"]
+    assert pipeline["windows_read"] > 3 * 2
+    assert pipeline["window_chunks"] == pipeline["windows_read"]
 
 
 def test_stats_and_tensor_shapes(cluster) -> None:

@@ -242,3 +242,33 @@ def test_splits_never_overlap_and_cover_every_row(shard_rows: list[int], cut: fl
 def test_remaining_round_trips_through_json() -> None:
     remaining = Remaining((((0, 5), (9, 12)), ()))
     assert Remaining.from_json(remaining.to_json(), [12, 0]) == remaining
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shard_rows=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    window_rows=st.integers(1, 64),
+    cut=st.floats(0, 1),
+    seed=st.integers(0, 2**32),
+)
+def test_windows_lie_on_each_shards_chunk_grid(
+    shard_rows: list[int], window_rows: int, cut: float, seed: int
+) -> None:
+    """A window never crosses a multiple of window_rows counted from its shard's first row.
+
+    That grid is where the encoder cuts fixed-width rows into chunks
+    (cache/row_grid.py), so each window is one chunk, even for a split that
+    starts inside a shard; the windows still cover the split's rows once.
+    """
+    extents = split_extents(shard_rows, (cut, 1.0))
+    if not extents:
+        return
+    total = sum(e.rows for e in extents)
+    order = EpochOrder([Component("d@1", extents, window_rows, total)], seed=seed, epoch=0)
+    w = order.order.windows
+    starts, rows = w.row_start, w.rows
+    assert (rows > 0).all()
+    assert (starts // window_rows == (starts + rows - 1) // window_rows).all()
+    windows = zip(w.shard.tolist(), starts.tolist(), rows.tolist(), strict=True)
+    covered = sorted((s, r0 + i) for s, r0, n in windows for i in range(n))
+    assert covered == sorted((e.shard, e.row_start + i) for e in extents for i in range(e.rows))
