@@ -158,12 +158,15 @@ def _parquet(buf: pa.Buffer, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.Re
     rows = meta.num_rows
     size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
     if size > _WHOLE_TABLE_BYTES:  # stream row groups: bounded memory for huge shards
-        return parquet.schema_arrow, parquet.iter_batches(batch_size=batch_rows), rows
+        batches = parquet.iter_batches(batch_size=batch_rows, use_threads=False)
+        return parquet.schema_arrow, batches, rows
 
     def whole() -> Iterator[pa.RecordBatch]:
-        # read_table decodes in one pass, about 1.7x less CPU than iter_batches on token
-        # shards (measured in bench.staging); the batches are decoded when first asked for.
-        table = pq.read_table(pa.BufferReader(buf), use_threads=False)
+        # Decoded in the calling thread, when first asked for. pq.read_table costs the
+        # same CPU but spends it on Arrow's executor even with use_threads=False, where
+        # the node's thread clock missed it: StagingRate then counted encoding alone and
+        # promised the planner about twice the preprocessing rate it had.
+        table = parquet.read(use_threads=False)
         yield from table.to_batches(max_chunksize=batch_rows)
 
     return parquet.schema_arrow, whole(), rows
@@ -207,14 +210,16 @@ def open_source(
         if fmt == _M:
             return mds_source(data, options, source, batch_rows)
         head = memoryview(buf)[:6].tobytes()
+        # Compressed IPC buffers are decompressed in this thread (see _parquet).
+        serial = pa.ipc.IpcReadOptions(use_threads=False)
         if head == b"ARROW1":  # IPC file format, which Feather v2 is
-            reader = pa.ipc.open_file(buf)
+            reader = pa.ipc.open_file(buf, options=serial)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             return reader.schema, _rebatch(batches, batch_rows), None
         if head[:4] == b"FEA1":
-            table = pa_feather.read_table(pa.BufferReader(buf))
+            table = pa_feather.read_table(pa.BufferReader(buf), use_threads=False)
             return table.schema, iter(table.to_batches(max_chunksize=batch_rows)), None
-        stream = pa.ipc.open_stream(buf)
+        stream = pa.ipc.open_stream(buf, options=serial)
         return stream.schema, _rebatch(iter(stream), batch_rows), None
     except MalformedShard:
         raise
