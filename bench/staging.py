@@ -11,7 +11,7 @@ one run:
 (a) CPU seconds per GB of source preprocessed, in process, by the pipeline
     before issue 17 (``ParquetFile.iter_batches`` + serial plain zstd-1
     chunks) and by the node's pipeline now (``edge.preprocessing.encode_raw_shard``:
-    ``read_table``, chunks encoded on a parts pool, the default codec); beside
+    ``ParquetFile.read``, chunks encoded on a parts pool, the default codec); beside
     them the node's pipeline with plain zstd-1, and decoding the Parquet
     alone (the floor no chunk codec can go under). Process CPU time (every
     thread, Arrow's own included: ``iter_batches`` decodes on Arrow's
