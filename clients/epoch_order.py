@@ -113,12 +113,15 @@ class EpochOrder:
         windows = self.order.unit_window[units]
         ordering = np.argsort(windows, kind="stable")
         windows, offsets = windows[ordering], offsets[ordering]
-        cuts = np.flatnonzero(np.diff(windows)) + 1
-        pieces = tuple(
-            Piece(int(u[0]), o)
-            for u, o in zip(np.split(windows, cuts), np.split(offsets, cuts), strict=True)
-            if len(u)
-        )
+        # One piece per run of equal windows (slices, not np.split: this runs per batch).
+        pieces: tuple[Piece, ...] = ()
+        if len(windows):
+            ends = [*(np.flatnonzero(np.diff(windows)) + 1).tolist(), len(windows)]
+            starts = [0, *ends[:-1]]
+            ids = windows[starts].tolist()
+            pieces = tuple(
+                Piece(w, offsets[a:b]) for w, a, b in zip(ids, starts, ends, strict=True)
+            )
         return Batch(number, pieces, tuple(spans))
 
     def batches_for(self, worker: int, workers: int, start: int = 0) -> range:

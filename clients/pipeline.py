@@ -460,9 +460,8 @@ class Pipeline:
         """The batch's rows grouped by chunk (in row order within each), and their components."""
         windows = self.order.order.windows
         loaded = [self._result(futures[piece.window]) for piece in batch.pieces]
-        chunk_ids = np.concatenate(
-            [np.full(len(p.positions), i, dtype=np.int64) for i, p in enumerate(batch.pieces)]
-        )
+        sizes = [len(p.positions) for p in batch.pieces]
+        chunk_ids = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
         chunks = np.concatenate(
             [w.chunk[p.positions] for w, p in zip(loaded, batch.pieces, strict=True)]
         )
@@ -471,9 +470,12 @@ class Pipeline:
         )
         order = np.lexsort((offsets, chunks, chunk_ids))
         keys = chunk_ids[order] * (1 << 32) + chunks[order]
-        cuts = np.flatnonzero(np.diff(keys)) + 1
+        ends = [*(np.flatnonzero(np.diff(keys)) + 1).tolist(), len(order)]
         gathers, owners = [], []
-        for group in np.split(order, cuts):
+        for start, end in zip([0, *ends[:-1]], ends, strict=True):
+            if start == end:
+                continue
+            group = order[start:end]
             i, c = int(chunk_ids[group[0]]), int(chunks[group[0]])
             window = loaded[i]
             gathers.append(Gather(window.batches[c], offsets[group], window.views[c], True))

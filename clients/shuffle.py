@@ -408,6 +408,7 @@ class GlobalOrder:
         ]
         self._bounds = bounds
         self._starts: dict[tuple[int, int, int], list[int]] | None = None
+        self._window_spans: dict[int, list[tuple[int, int]]] = {}
         self._ends: dict[tuple[int, int, int], list[int]] | None = None
 
     def unit_span(self, unit: int) -> tuple[int, int, int]:
@@ -431,9 +432,13 @@ class GlobalOrder:
         """(lane, end) for each stream that reads ``window``.
 
         No position of that lane from ``end`` on holds a sample of the window.
+        Kept once worked out: a reader asks for every window it holds, per batch.
         """
-        units = range(int(self._window_units[window]), int(self._window_units[window + 1]))
-        return [self.unit_span(u)[::2] for u in units]
+        found = self._window_spans.get(window)
+        if found is None:
+            units = range(int(self._window_units[window]), int(self._window_units[window + 1]))
+            found = self._window_spans[window] = [self.unit_span(u)[::2] for u in units]
+        return found
 
     def neighbours(self, window: int) -> list[int]:
         """Windows right before and right after ``window`` in its shard, read whole this epoch.
