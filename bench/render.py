@@ -476,28 +476,27 @@ def _section_peers(data: dict, picture: Path | None) -> str:
     )
 
 
-_PEERS_NOTES = """Where the time goes (py-spy profiles taken while building this benchmark, before
-the client changes that followed them: hand-parsed `ReadShard` messages, decompression
-into reused Arrow pool buffers, `np.take(mode="clip")`, chunks shared between windows):
+_PEERS_NOTES = """Where the time goes (py-spy profiles and per-process CPU clocks of this
+version, taken on the same 2-core machine beside this benchmark):
 
-- **gRPC** is bound by the Python client: 2.2–2.9 CPU-s per GiB in the reading process
-  against 0.4–0.9 in the node. The synchronous grpcio client handles each message on its
-  own thread, copies every 4 MiB frame while parsing the protobuf and wakes the reader per
-  message. Zstd-compressed tokens send 2.5× fewer bytes than the peers read from disk;
-  uncompressed images send all of them. What would close it: the local fast path when the
-  node is on the same host (below), an asyncio client with a raw-bytes deserializer, fewer
-  and larger messages.
-- **Local fast path, tokens**: LitData reads uncompressed tokens from the page cache;
-  edgecache's default caches them zstd-1 (2.5× less disk), and decompression alone is
-  ~1 CPU-s per GiB here. Staged uncompressed (`edgecache-lmdb-none`, same data) the fast
-  path is far ahead of LitData (see the ratios above): compression is a per-dataset
-  choice between cache space and local read speed.
-- **Local fast path, images**: both edgecache and LitData copy each ~100 KiB blob once out
-  of the page cache (~3.2 GB/s on this machine, its memory bandwidth for one copy). A
-  1.5× lead would need zero-copy views into LMDB instead of owned `bytes`.
-- With `num_workers=2` on 2 cores, every reader that runs its own threads per worker
-  (edgecache, LitData) oversubscribes the CPU; EdgeDataset's read-ahead threads already
-  overlap I/O and decode, so `num_workers=0` is its best setting on small hosts."""
+- **gRPC, images** (uncompressed, ~100 KiB rows): the reading process spends ~2.6 CPU-s
+  per GB and the node ~1.6 (each chunk read from LMDB, its checksum verified, and copied
+  once into the `bytes` grpcio sends, which grpcio copies again); the bare grpcio stream of
+  the same bytes takes ~0.9 and ~0.6. Client and node share the two cores, so the sum bounds
+  the rate: ~0.45 GB/s against the bare stream's ~1.2 GB/s, about the measured ratio. A
+  shorter GIL switch interval changed nothing: the time is CPU, not waiting.
+- **Local fast path, images**: ~1.1 CPU-s per GB. Copying rows into the batch block is
+  ~0.25 s of a ~1.2 s epoch (1 GiB); the rest is per-batch Python spread over planning
+  (the batch's positions, which windows it opens and releases), assembling (a gather per
+  window and column, carving the block into tensors) and the DataLoader's own per-batch
+  profiler hook (`record_function`, ~10 % of the GIL's time at 32 images a batch). Two
+  workers split that work over two processes (about 2× `num_workers=0` here).
+- **Local fast path, tokens**: the default chunk codec (byte-split + zstd-1) costs the
+  decompression of every window; staged uncompressed (`edgecache-lmdb-none`, same data)
+  the fast path reads LMDB views at memory speed, far ahead of LitData.
+- **Memory**: the shuffle holds `lanes × shuffle_windows` decoded windows (one chunk each
+  since windows lie on the chunk grid) plus the read-ahead; a loader that reads one chunk
+  at a time holds one. Uncompressed versions are LMDB views, not anonymous memory."""
 
 
 def _section_training(data: dict) -> str:

@@ -12,10 +12,10 @@ shards; every system reads those same samples:
 
 Each is converted into MosaicML Streaming MDS (uncompressed and zstd),
 LitData (``litdata.optimize``), WebDataset tar shards and edgecache (published
-from a file:// origin and staged into one edge node subprocess, tokens as
-zstd-1 chunks, images uncompressed, as in bench.dataset; the tokens once more
-uncompressed, ``edgecache-lmdb-none``, to show what zstd costs the fast path:
-not the default, no target). Then full, shuffled epochs of each are read
+from a file:// origin and staged into one edge node subprocess, tokens with
+the default chunk codec, byte-split + zstd-1, images uncompressed; the tokens
+once more uncompressed, ``edgecache-lmdb-none``, to show what compression
+costs the fast path: not the default, no target). Then full, shuffled epochs of each are read
 through a torch DataLoader, with ``num_workers`` 0 and 2, each configuration
 in a fresh process: the peers from local disk (warm page cache: their best
 case), edgecache from the warm node over gRPC on loopback and through its

@@ -133,10 +133,11 @@ def stage_edgecache(
 ) -> tuple[Any, dict[str, Data], dict[str, float]]:
     """Publish every source from its file:// Parquet origin and Stage it into a new node.
 
-    Tokens are cached as zstd-1 chunks and images uncompressed (as in
-    bench.dataset); with ``uncompressed_tokens`` the tokens are also published
-    a second time, uncompressed, as ``tokens-none``.
+    Tokens are cached with the default chunk codec (byte-split + zstd-1) and
+    images uncompressed; with ``uncompressed_tokens`` the tokens are also
+    published a second time, uncompressed, as ``tokens-none``.
     """
+    from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.store import CacheStore
     from edgecache.clients.node_client import connect, start_local_node
@@ -144,8 +145,7 @@ def stage_edgecache(
     from edgecache.v1 import manifest_pb2 as pb
 
     registry = f"file://{workdir}/registry"
-    codecs = {"zstd": pb.COMPRESSION_ZSTD, "none": pb.COMPRESSION_NONE}
-    entries = [(s.name, s, codecs[KINDS[s.name][2]]) for s in sources]
+    entries = [(s.name, s, COMPRESSIONS[KINDS[s.name][2]]) for s in sources]
     if uncompressed_tokens:
         entries += [(UNCOMPRESSED, s, pb.COMPRESSION_NONE) for s in sources if s.name == "tokens"]
     published: dict[str, Data] = {}
