@@ -441,6 +441,7 @@ def _section_peers(data: dict, picture: Path | None) -> str:
     sizes = "; ".join(
         f"{name}: {d['samples']:,} samples, {d['raw_mb']:,} MB raw, batch {d['batch_size']}, "
         f"edgecache version {d['edgecache_version']} in {d['edgecache_shards']} shards"
+        + (f" ({d['edgecache_codec']} chunks)" if d.get("edgecache_codec") else "")
         for name, d in data["data"].items()
     )
     return "\n\n".join(

@@ -514,6 +514,7 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
                     f"{s.name}@{published[s.name].version}" if s.name in published else None
                 ),
                 "edgecache_shards": published[s.name].shards if s.name in published else None,
+                "edgecache_codec": KINDS[s.name][2],
             }
             for s in sources
         },
