@@ -57,19 +57,20 @@ def _planner_rows(data: dict) -> list[dict]:
 
 
 def _peers_rows(data: dict) -> list[dict]:
-    labels = data["labels"]
+    """Every target of the suite: throughput, worker scaling and memory (bench.peers.targets)."""
+    from bench.peers.targets import checks
+
     return [
         {
             "suite": "peers",
-            "measure": f"{r['dataset']}: {labels[r['system']]}",
-            "baseline": f"best peer: {r['best_peer']}, workers={r['best_peer_workers']}",
-            "value": r["ratio"],
-            "target": r["target"],
-            "met": r["met"],
-            "kind": "≥",
+            "measure": c["measure"],
+            "baseline": c["baseline"],
+            "value": c["value"],
+            "target": c["target"],
+            "met": c["met"],
+            "kind": "≥" if c["kind"] == ">=" else "≤",
         }
-        for r in data["ratios"]
-        if r["scope"] == "best" and r["target"] is not None
+        for c in checks(data)
     ]
 
 
@@ -422,6 +423,9 @@ def _section_peers(data: dict, picture: Path | None) -> str:
                 f"{e['first_batch_s']:.3f}",
                 f"{e['seconds']:.2f}",
                 f"{e['peak_rss_mb']:,.0f}",
+                f"{e['peak_anon_mb']:,.0f}",
+                f"{e['cpu_s_per_gb']:.2f}"
+                + (f" + {e['node_cpu_s_per_gb']:.2f}" if "node_cpu_s_per_gb" in e else ""),
                 f"{fmt.get('disk_mb', ''):,}"
                 if e["workers"] == data["settings"]["workers"][0]
                 else "",
@@ -465,12 +469,59 @@ def _section_peers(data: dict, picture: Path | None) -> str:
                     "first batch s",
                     "epoch s",
                     "peak RSS MB",
+                    "peak anon MB",
+                    "CPU-s/GB (+ node)",
                     "on disk MB",
                 ],
                 rows,
             ),
             "Ratios (samples/s, edgecache ÷ the best peer):",
             _md_table(["data", "edgecache", "workers", "best peer", "ratio", "target"], ratio_rows),
+            "Worker scaling (samples/s with DataLoader workers ÷ the same with `num_workers=0`) "
+            "and peak anonymous memory (RSS less file-backed pages, the loader and its workers) "
+            "÷ LitData's at the same workers, beside the speed ratio:",
+            _md_table(
+                ["data", "edgecache", "workers", "samples/s", "workers=0", "ratio", "target"],
+                [
+                    [
+                        w["dataset"],
+                        w["system"],
+                        w["workers"],
+                        f"{w['samples_s']:,.0f}",
+                        f"{w['workers0_samples_s']:,.0f}",
+                        f"**{w['ratio']:.2f}×**",
+                        f"≥ {w['target']:g} " + ("✓" if w["met"] else "✗"),
+                    ]
+                    for w in data.get("worker_scaling", [])
+                ],
+            ),
+            _md_table(
+                [
+                    "data",
+                    "edgecache",
+                    "workers",
+                    "anon MB",
+                    "LitData MB",
+                    "ratio",
+                    "speed",
+                    "target",
+                ],
+                [
+                    [
+                        m["dataset"],
+                        m["system"],
+                        m["workers"],
+                        f"{m['anon_mb']:,.0f}",
+                        f"{m['litdata_anon_mb']:,.0f}",
+                        f"**{m['ratio']:.2f}×**",
+                        f"{m['speed_ratio']:.2f}×",
+                        ""
+                        if m["target"] is None
+                        else f"≤ {m['target']:g} at ≥ 1× speed " + ("✓" if m["met"] else "✗"),
+                    ]
+                    for m in data.get("memory", [])
+                ],
+            ),
             _versions_line(data),
             _PEERS_NOTES,
         ]

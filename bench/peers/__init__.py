@@ -15,7 +15,10 @@ LitData (``litdata.optimize``), WebDataset tar shards and edgecache (published
 from a file:// origin and staged into one edge node subprocess, tokens with
 the default chunk codec, byte-split + zstd-1, images uncompressed; the tokens
 once more uncompressed, ``edgecache-lmdb-none``, to show what compression
-costs the fast path: not the default, no target). Then full, shuffled epochs of each are read
+costs the fast path: not the default, no target; and with low-memory settings,
+``edgecache-lmdb-lowmem``: one lane, batches drawn from 4 windows, 8 MiB of
+read-ahead, read in one process, to show the memory/shuffle trade beside the
+default's memory figure: no target). Then full, shuffled epochs of each are read
 through a torch DataLoader, with ``num_workers`` 0 and 2, each configuration
 in a fresh process: the peers from local disk (warm page cache: their best
 case), edgecache from the warm node over gRPC on loopback and through its

@@ -56,9 +56,20 @@ SMOKE_MIB = 4
 UNCOMPRESSED = "tokens-none"  # the tokens, published again with compression none
 
 
-def systems_for(dataset: str, systems: Sequence[str]) -> list[str]:
-    """The systems that read ``dataset``: images are always cached uncompressed."""
-    return [s for s in systems if not (dataset == "images" and s == "edgecache-lmdb-none")]
+def systems_for(dataset: str, systems: Sequence[str], workers: int | None = None) -> list[str]:
+    """The systems that read ``dataset`` (with ``workers``, when given).
+
+    Images are always cached uncompressed. The low-memory settings are read for
+    tokens (the memory target's data) in one process: with one lane, DataLoader
+    workers would each read every window (lanes are what workers divide).
+    """
+    tokens_only = ("edgecache-lmdb-none", "edgecache-lmdb-lowmem")
+    return [
+        s
+        for s in systems
+        if not (dataset == "images" and s in tokens_only)
+        and not (s == "edgecache-lmdb-lowmem" and workers not in (None, 0))
+    ]
 
 
 # ------------------------------------------------------------------ data
@@ -456,7 +467,7 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
                         f"the wire ({stream['streams']} stream(s)), CPU {stream['cpu_s']:.1f} s"
                     )
                 for workers in args.workers:
-                    for system in systems_for(source.name, args.systems):
+                    for system in systems_for(source.name, args.systems, workers):
                         spec = _spec(system, source, workers, workdir, formats, published, node)
                         result = run_one(
                             spec,
