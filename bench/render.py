@@ -413,6 +413,8 @@ def _section_planner(data: dict) -> str:
 
 
 def _section_peers(data: dict, picture: Path | None) -> str:
+    from bench.peers.printing import MEMORY_COLUMNS, SCALING_COLUMNS, memory_rows, scaling_rows
+
     labels = data["labels"]
     rows = []
     for e in data["epochs"]:
@@ -484,48 +486,8 @@ def _section_peers(data: dict, picture: Path | None) -> str:
             "Worker scaling (samples/s with DataLoader workers ÷ the same with `num_workers=0`) "
             "and peak anonymous memory (RSS less file-backed pages, the loader and its workers) "
             "÷ LitData's at the same workers, beside the speed ratio:",
-            _md_table(
-                ["data", "edgecache", "workers", "samples/s", "workers=0", "ratio", "target"],
-                [
-                    [
-                        w["dataset"],
-                        w["system"],
-                        w["workers"],
-                        f"{w['samples_s']:,.0f}",
-                        f"{w['workers0_samples_s']:,.0f}",
-                        f"**{w['ratio']:.2f}×**",
-                        f"≥ {w['target']:g} " + ("✓" if w["met"] else "✗"),
-                    ]
-                    for w in data.get("worker_scaling", [])
-                ],
-            ),
-            _md_table(
-                [
-                    "data",
-                    "edgecache",
-                    "workers",
-                    "anon MB",
-                    "LitData MB",
-                    "ratio",
-                    "speed",
-                    "target",
-                ],
-                [
-                    [
-                        m["dataset"],
-                        m["system"],
-                        m["workers"],
-                        f"{m['anon_mb']:,.0f}",
-                        f"{m['litdata_anon_mb']:,.0f}",
-                        f"**{m['ratio']:.2f}×**",
-                        f"{m['speed_ratio']:.2f}×",
-                        ""
-                        if m["target"] is None
-                        else f"≤ {m['target']:g} at ≥ 1× speed " + ("✓" if m["met"] else "✗"),
-                    ]
-                    for m in data.get("memory", [])
-                ],
-            ),
+            _md_table(list(SCALING_COLUMNS), scaling_rows(data, markdown=True)),
+            _md_table(list(MEMORY_COLUMNS), memory_rows(data, markdown=True)),
             _versions_line(data),
             _PEERS_NOTES,
         ]

@@ -8,7 +8,59 @@ from typing import Any
 
 from bench import report
 
-__all__ = ["machine", "print_report"]
+__all__ = [
+    "MEMORY_COLUMNS",
+    "SCALING_COLUMNS",
+    "machine",
+    "memory_rows",
+    "print_report",
+    "scaling_rows",
+]
+
+SCALING_COLUMNS = ("data", "system", "workers", "samples/s", "workers=0", "ratio", "target")
+MEMORY_COLUMNS = ("data", "system", "workers", "anon MB", "LitData MB", "ratio", "speed", "target")
+
+
+def _marks(markdown: bool) -> tuple[str, str, str, str]:
+    """Times, at least, at most, and bold: as the terminal or the docs write them."""
+    return ("×", "≥", "≤", "**") if markdown else ("x", ">=", "<=", "")
+
+
+def scaling_rows(out: dict[str, Any], *, markdown: bool = False) -> list[list[str]]:
+    """The worker-scaling table's rows (terminal, or docs/benchmarks.md with ``markdown``)."""
+    times, ge, _, bold = _marks(markdown)
+    return [
+        [
+            w["dataset"],
+            w["system"],
+            str(w["workers"]),
+            f"{w['samples_s']:,.0f}",
+            f"{w['workers0_samples_s']:,.0f}",
+            f"{bold}{w['ratio']:.2f}{times}{bold}",
+            f"{ge} {w['target']:g} " + ("✓" if w["met"] else "✗"),
+        ]
+        for w in out.get("worker_scaling", [])
+    ]
+
+
+def memory_rows(out: dict[str, Any], *, markdown: bool = False) -> list[list[str]]:
+    """The memory table's rows: edgecache's peak anonymous memory / LitData's, beside speed."""
+    times, ge, le, bold = _marks(markdown)
+    return [
+        [
+            m["dataset"],
+            m["system"],
+            str(m["workers"]),
+            f"{m['anon_mb']:,.0f}",
+            f"{m['litdata_anon_mb']:,.0f}",
+            f"{bold}{m['ratio']:.2f}{times}{bold}",
+            f"{m['speed_ratio']:.2f}{times}",
+            ""
+            if m["target"] is None
+            else f"{le} {m['target']:g} at {ge} 1{times} speed " + ("✓" if m["met"] else "✗"),
+        ]
+        for m in out.get("memory", [])
+    ]
 
 
 def machine() -> dict[str, Any]:
@@ -96,44 +148,16 @@ def print_report(out: dict[str, Any], console: Any) -> None:
                 f"({'met' if r['met'] else 'missed'})"
             )
     scaling = Table(title="DataLoader workers: edgecache with workers / with num_workers=0")
-    for column in ("data", "system", "workers", "samples/s", "workers=0", "ratio", "target"):
+    for column in SCALING_COLUMNS:
         scaling.add_column(column)
-    for w in out.get("worker_scaling", []):
-        scaling.add_row(
-            w["dataset"],
-            w["system"],
-            str(w["workers"]),
-            f"{w['samples_s']:,.0f}",
-            f"{w['workers0_samples_s']:,.0f}",
-            f"{w['ratio']:.2f}x",
-            f">= {w['target']:g} " + ("✓" if w["met"] else "✗"),
-        )
+    for row in scaling_rows(out):
+        scaling.add_row(*row)
     console.print(scaling)
     mem = Table(title="Peak anonymous memory beside speed: edgecache / LitData, same workers")
-    for column in (
-        "data",
-        "system",
-        "workers",
-        "anon MB",
-        "LitData MB",
-        "ratio",
-        "speed",
-        "target",
-    ):
+    for column in MEMORY_COLUMNS:
         mem.add_column(column)
-    for m in out.get("memory", []):
-        mem.add_row(
-            m["dataset"],
-            m["system"],
-            str(m["workers"]),
-            f"{m['anon_mb']:,.0f}",
-            f"{m['litdata_anon_mb']:,.0f}",
-            f"{m['ratio']:.2f}x",
-            f"{m['speed_ratio']:.2f}x",
-            ""
-            if m["target"] is None
-            else f"<= {m['target']:g} at >= 1x speed " + ("✓" if m["met"] else "✗"),
-        )
+    for row in memory_rows(out):
+        mem.add_row(*row)
     console.print(mem)
     for r in out["ratios"]:
         if r["scope"] != "best":
