@@ -494,27 +494,35 @@ def _section_peers(data: dict, picture: Path | None) -> str:
     )
 
 
-_PEERS_NOTES = """Where the time goes (py-spy profiles and per-process CPU clocks of this
-version, taken on the same 2-core machine beside this benchmark):
+_PEERS_NOTES = """Where the time goes (py-spy profiles, per-thread CPU clocks and timed
+variants of this version, on the same 2-core machine, 512 MiB of each dataset):
 
-- **gRPC, images** (uncompressed, ~100 KiB rows): the reading process spends ~2.6 CPU-s
-  per GB and the node ~1.6 (each chunk read from LMDB, its checksum verified, and copied
-  once into the `bytes` grpcio sends, which grpcio copies again); the bare grpcio stream of
-  the same bytes takes ~0.9 and ~0.6. Client and node share the two cores, so the sum bounds
-  the rate: ~0.45 GB/s against the bare stream's ~1.2 GB/s, about the measured ratio. A
-  shorter GIL switch interval changed nothing: the time is CPU, not waiting.
-- **Local fast path, images**: ~1.1 CPU-s per GB. Copying rows into the batch block is
-  ~0.25 s of a ~1.2 s epoch (1 GiB); the rest is per-batch Python spread over planning
-  (the batch's positions, which windows it opens and releases), assembling (a gather per
-  window and column, carving the block into tensors) and the DataLoader's own per-batch
-  profiler hook (`record_function`, ~10 % of the GIL's time at 32 images a batch). Two
-  workers split that work over two processes (about 2× `num_workers=0` here).
+- **gRPC, images** (uncompressed, ~100 KiB rows): per GB, the reading process spends
+  ~1.9-2.1 CPU-s (grpcio's receiving threads ~0.75 of it, as much as the bare stream's
+  whole client; the rest verifying, decoding and assembling batches, below) and the node
+  ~0.7-1.3 (the bare server ~0.45). On the node, its own per-chunk work (LMDB read,
+  checksum, the one copy into the message) is 0.16 CPU-s/GB measured alone; the rest is
+  grpc.aio, about 1.3 ms of CPU per ReadShard call on top of per-byte costs: a bare
+  client reading the same bytes in 136 calls instead of 8 raised the node from 0.7 to
+  1.0 CPU-s/GB. Client and node share the two cores, so the sum bounds the rate. Tried
+  and measured without effect: reading every stream forward (so every window's read
+  could carry on to the next: fewer calls), larger HTTP/2 frames and a fixed 16 MiB
+  window, a shorter GIL switch interval.
+- **Local fast path, images**: the loop waits ~85 % of the epoch for the pipeline,
+  whose threads use ~1.2 cores in all: fetching windows (LMDB, checksum, decode)
+  ~0.27 CPU-s/GB, building batches ~0.33 (the row copies ~0.15 of it), planning and
+  gathering ~0.2, mostly Python holding the GIL. Copying rows with the GIL released
+  (one `torch.cat` per gather) ran no faster. Two workers split that work over two
+  processes (1.7x `num_workers=0` here).
 - **Local fast path, tokens**: the default chunk codec (byte-split + zstd-1) costs the
   decompression of every window; staged uncompressed (`edgecache-lmdb-none`, same data)
   the fast path reads LMDB views at memory speed, far ahead of LitData.
-- **Memory**: the shuffle holds `lanes × shuffle_windows` decoded windows (one chunk each
-  since windows lie on the chunk grid) plus the read-ahead; a loader that reads one chunk
-  at a time holds one. Uncompressed versions are LMDB views, not anonymous memory."""
+- **Memory**: both loaders start at the same anonymous memory once imported (~170 MB
+  here, torch included); LitData then holds ~15 MB (a chunk at a time), the default
+  EdgeDataset `lanes × shuffle_windows` decoded windows (one chunk each, since windows
+  lie on the chunk grid) plus the read-ahead. `edgecache-lmdb-lowmem` is the trade
+  taken the other way (docs/dataset.md). Uncompressed versions are LMDB views, not
+  anonymous memory."""
 
 
 def _section_training(data: dict) -> str:
