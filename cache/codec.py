@@ -41,14 +41,13 @@ import zstandard
 from edgecache.cache import byte_split
 from edgecache.cache.errors import ChunkCorrupt, EmptyShard, SchemaMismatch
 from edgecache.cache.frame import Buffer, Codec, pack_frame, payload_view, read_header, verify_frame
-from edgecache.cache.row_grid import fixed_row_bytes, rows_per_window
+from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES, fixed_row_bytes, rows_per_window
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["COMPRESSIONS", "CodecOptions", "ShardEncoder", "decode_chunk", "encode_shard"]
 
 _local = threading.local()  # per-thread zstd contexts
 
-DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 4 << 10
 MAX_CHUNK_BYTES = 256 << 20
 MAX_CHUNK_FACTOR = 4  # a chunk on the row grid is closed early at this many chunk_bytes

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from edgecache.cache.codec import utf8_field_names
 from edgecache.cache.errors import ManifestError
 from edgecache.cache.names import validate_name
+from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
@@ -150,7 +151,7 @@ def preprocess_spec(
     params: Mapping[str, str] | None = None,
     compression: pb.Compression.ValueType = pb.COMPRESSION_BYTE_SPLIT_ZSTD,
     compression_level: int = 1,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> pb.PreprocessSpec:
     """A preprocessing spec with edgecache's defaults for new versions.
 

@@ -26,9 +26,16 @@ import pyarrow as pa
 
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["DEFAULT_WINDOW_BYTES", "chunk_rows", "fixed_row_bytes", "row_bytes", "rows_per_window"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "chunk_rows",
+    "fixed_row_bytes",
+    "row_bytes",
+    "rows_per_window",
+    "version_chunk_bytes",
+]
 
-DEFAULT_WINDOW_BYTES = 4 << 20  # a version's chunk_bytes when its spec leaves it unset
+DEFAULT_CHUNK_BYTES = 4 << 20  # a version's chunk_bytes when its spec leaves it unset
 
 MAX_WINDOW_ROWS = 1 << 20
 
@@ -88,7 +95,11 @@ def row_bytes(manifest: pb.Manifest, schema: pa.Schema) -> float:
     return 1.5 * sum(s.source_size for s in manifest.shards) / rows
 
 
+def version_chunk_bytes(manifest: pb.Manifest) -> int:
+    """The decoded bytes a chunk of the version aims at (its spec's, else the default)."""
+    return manifest.preprocess.chunk_bytes or DEFAULT_CHUNK_BYTES
+
+
 def chunk_rows(manifest: pb.Manifest, schema: pa.Schema) -> int:
     """Rows per chunk of the version: the grid its readers' default windows lie on."""
-    window = manifest.preprocess.chunk_bytes or DEFAULT_WINDOW_BYTES
-    return rows_per_window(row_bytes(manifest, schema), window)
+    return rows_per_window(row_bytes(manifest, schema), version_chunk_bytes(manifest))

@@ -52,7 +52,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
-from edgecache.cache.row_grid import DEFAULT_WINDOW_BYTES, row_bytes, rows_per_window
+from edgecache.cache.row_grid import row_bytes, rows_per_window, version_chunk_bytes
 from edgecache.clients.batch_memory import (
     BatchMemory,
     PinnedMemory,
@@ -248,7 +248,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             row_bytes(m, s) for m, s in zip(self.manifests, self.schemas, strict=True)
         ]
         self.window_rows = [
-            rows_per_window(b, window_bytes or m.preprocess.chunk_bytes or DEFAULT_WINDOW_BYTES)
+            rows_per_window(b, window_bytes or version_chunk_bytes(m))
             for b, m in zip(self._row_bytes, self.manifests, strict=True)
         ]
         extents = [

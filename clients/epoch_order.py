@@ -25,7 +25,18 @@ import numpy as np
 from edgecache.clients.partition import RankBatches, Remaining, Span
 from edgecache.clients.shuffle import Component, Extent, GlobalOrder
 
-__all__ = ["Batch", "Component", "EpochOrder", "Extent", "Piece", "Remaining"]
+__all__ = ["Batch", "Component", "EpochOrder", "Extent", "Piece", "Remaining", "runs"]
+
+
+def runs(keys: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of equal consecutive values in ``keys`` (none if empty).
+
+    Slices over run boundaries rather than ``np.split``: this runs for every batch.
+    """
+    if not len(keys):
+        return []
+    ends = [*(np.flatnonzero(np.diff(keys)) + 1).tolist(), len(keys)]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,15 +124,8 @@ class EpochOrder:
         windows = self.order.unit_window[units]
         ordering = np.argsort(windows, kind="stable")
         windows, offsets = windows[ordering], offsets[ordering]
-        # One piece per run of equal windows (slices, not np.split: this runs per batch).
-        pieces: tuple[Piece, ...] = ()
-        if len(windows):
-            ends = [*(np.flatnonzero(np.diff(windows)) + 1).tolist(), len(windows)]
-            starts = [0, *ends[:-1]]
-            ids = windows[starts].tolist()
-            pieces = tuple(
-                Piece(w, offsets[a:b]) for w, a, b in zip(ids, starts, ends, strict=True)
-            )
+        # One piece per run of equal windows.
+        pieces = tuple(Piece(int(windows[a]), offsets[a:b]) for a, b in runs(windows))
         return Batch(number, pieces, tuple(spans))
 
     def batches_for(self, worker: int, workers: int, start: int = 0) -> range:

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from edgecache.clients.batch_memory import BatchMemory
 from edgecache.clients.edge_chunks import EdgeChunks
-from edgecache.clients.epoch_order import Batch, EpochOrder
+from edgecache.clients.epoch_order import Batch, EpochOrder, runs
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.read_target import ReadTarget
 from edgecache.clients.tensors import ColumnKind, Gather, assemble, fixed_views
@@ -470,11 +470,8 @@ class Pipeline:
         )
         order = np.lexsort((offsets, chunks, chunk_ids))
         keys = chunk_ids[order] * (1 << 32) + chunks[order]
-        ends = [*(np.flatnonzero(np.diff(keys)) + 1).tolist(), len(order)]
         gathers, owners = [], []
-        for start, end in zip([0, *ends[:-1]], ends, strict=True):
-            if start == end:
-                continue
+        for start, end in runs(keys):
             group = order[start:end]
             i, c = int(chunk_ids[group[0]]), int(chunks[group[0]])
             window = loaded[i]
