@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bench.peers.loaders import EDGECACHE, PEERS
+from bench.peers.loaders import EDGECACHE, LOW_MEMORY, PEERS
 
 __all__ = [
     "BARE_TARGET",
@@ -47,9 +47,9 @@ LABELS = {
         "edgecache, local fast path, tokens staged uncompressed (not the default)"
     ),
     "edgecache-lmdb-lowmem": (
-        "edgecache, local fast path, low-memory settings (lanes=1, shuffle_windows=4, "
-        "8 MiB read-ahead; not the default)"
-    ),
+        "edgecache, local fast path, low-memory settings (lanes={lanes}, "
+        "shuffle_windows={shuffle_windows}, {read_ahead} MiB read-ahead; not the default)"
+    ).format(**LOW_MEMORY, read_ahead=LOW_MEMORY["prefetch_bytes"] >> 20),
 }
 
 
@@ -161,7 +161,7 @@ def memory(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         speed = e["samples_s"] / lit[0]["samples_s"]
         target = (
             MEMORY_TARGET
-            if e["dataset"] == "tokens" and e["system"] in ("edgecache-grpc", "edgecache-lmdb")
+            if e["dataset"] == "tokens" and TARGETS[e["system"]] is not None  # the defaults
             else None
         )
         out.append(
