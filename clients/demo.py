@@ -32,6 +32,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from edgecache.cache.codec import COMPRESSIONS
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.cache.units import format_bytes
@@ -153,9 +154,7 @@ def train(spec: str, topology: Path, *, threads: int, progress: Progress, total:
 
 
 def _publish(registry_url: str, origin: str, compression: str) -> pb.Manifest:
-    spec = preprocess_spec(
-        compression=pb.COMPRESSION_NONE if compression == "none" else pb.COMPRESSION_ZSTD
-    )
+    spec = preprocess_spec(compression=COMPRESSIONS[compression])
     return Registry.run(registry_url, lambda reg: reg.publish(origin, DATASET, spec=spec))
 
 
@@ -189,7 +188,7 @@ def run_demo(
     *,
     total_mib: int = 256,
     shards: int = 8,
-    compression: str = "zstd",
+    compression: str = "byte-split-zstd",
     threads: int = 2,
     progress: Progress | None = None,
     say: Callable[[str], None] = lambda line: None,

@@ -26,6 +26,7 @@ from pydantic import (
 from edgecache.cache.errors import ConfigFileError, InvalidEndpoint
 from edgecache.cache.names import parse_spec
 from edgecache.cache.units import parse_rate
+from edgecache.clients.endpoints import parse_endpoint
 
 __all__ = [
     "RegionConfig",
@@ -48,6 +49,15 @@ class RegionConfig(BaseModel):
     origin_bandwidth: float | None = None  # bytes/s; written like 10Gbit/s
     peers: dict[str, float] = Field(default_factory=dict)  # region → bytes/s
     egress_price_per_gb: float = Field(0.0, ge=0)
+
+    @field_validator("nodes")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        # Checked here, not when a command first dials them, so a typo is reported
+        # with the file and line like every other mistake in the file.
+        for address in value:
+            parse_endpoint(address)
+        return value
 
     @field_validator("origin_bandwidth", mode="before")
     @classmethod
@@ -228,7 +238,10 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
             loc = tuple(p for p in error["loc"] if not str(p).startswith("function-after"))
             line = _line(tree, loc)
             field = ".".join(str(p) for p in loc) or "(top level)"
-            problems.append(f"{path}:{line}: {field}: {error['msg']}")
+            # A validator's own message is the whole story: pydantic's "Value error, "
+            # before it is noise.
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(f"{path}:{line}: {field}: {message}")
         raise ConfigFileError("\n".join(problems)) from exc
 
 

@@ -75,12 +75,20 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     assert code == 0, out
     eu = next(n for n in json.loads(out) if n["region"] == "eu-west")
     assert eu["versions"][0]["version"] == "tokens@1" and eu["versions"][0]["pinned_until"]
+    # held / total, as the table shows it, so a partly staged version can be spotted
+    assert eu["versions"][0]["shards"] == eu["versions"][0]["total_shards"] == 3
     code, out = cli(root, "warm", "tokens@1", "--region", "us-east", "--dry-run")
     assert code == 0 and "would stage tokens@1 into us-east" in out
     code, out = cli(root, "evict", "tokens@1", "--region", "eu-west")
     assert code == 2 and "pinned" in out and "--force" in out  # train-eu still needs it
-    code, out = cli(root, "evict", "tokens@1", "--region", "eu-west", "--force")
-    assert code == 0 and "freed" in out
+    code, out = cli(root, "evict", "tokens@1", "--region", "us-east", "--json")
+    assert code == 0 and json.loads(out) == [
+        {"region": "us-east", "node": nodes["us-east"].address, "bytes_freed": 0, "error": None}
+    ]
+    code, out = cli(root, "evict", "tokens@1", "--region", "eu-west", "--force", "--json")
+    assert code == 0, out
+    (freed,) = json.loads(out)
+    assert freed["region"] == "eu-west" and freed["bytes_freed"] > 0 and freed["error"] is None
     code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
     assert code == 1
 
@@ -106,6 +114,15 @@ def test_bad_files_give_clear_errors(site, tmp_path: Path) -> None:
     bad.write_text("jobs:\n" + dup + dup)
     code, out = cli(root, "plan", str(bad))
     assert code == 2 and "appears twice" in out
+    code, out = cli(root, "doctor", "--region", "mars")
+    assert code == 2 and "--region 'mars' is not in the topology" in out and "eu-west" in out
+    code, out = cli(root, "doctor", "--seconds", "-1")
+    assert code == 2 and "--seconds" in out
+    topology = tmp_path / "typo.yaml"
+    topology.write_text("registry: file:///x\nregions:\n  eu-west:\n    nodes: [nothostport]\n")
+    result = runner.invoke(app, ["status", "--config", str(topology)])
+    assert result.exit_code == 2
+    assert "typo.yaml:4: regions.eu-west.nodes: 'nothostport' is not host:port" in result.output
     code, out = cli(root, "publish", f"file://{tmp_path}/empty", "--dataset", "e")
     assert code == 2 and "no objects under" in out
     (tmp_path / "mixed").mkdir()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from edgecache.clients.cli.app import app
+from edgecache.clients.cli.publishing import Compression
 
 if TYPE_CHECKING:
     from edgecache.clients.demo import DemoResult
@@ -25,7 +26,9 @@ def demo(
         int, typer.Option("--size-mib", min=1, help="Dataset size to generate.")
     ] = 256,
     shards: Annotated[int, typer.Option(min=1, help="Number of shards.")] = 8,
-    compression: Annotated[str, typer.Option(help="zstd or none.")] = "zstd",
+    compression: Annotated[
+        Compression, typer.Option(help="Chunk codec, as `publish --compression`.")
+    ] = Compression.BYTE_SPLIT_ZSTD,
     threads: Annotated[int, typer.Option(min=1, help="EdgeDataset read-ahead threads.")] = 2,
     workdir: Annotated[
         Path | None, typer.Option(help="Directory to keep (default: a temporary one).")
@@ -49,8 +52,6 @@ def demo(
     """
     from edgecache.clients.demo import run_demo
 
-    if compression not in ("zstd", "none"):
-        raise typer.BadParameter("use 'zstd' or 'none'", param_hint="--compression")
     root = workdir or Path(tempfile.mkdtemp(prefix="edgecache-demo-"))
     kept = workdir is not None or keep_nodes
 
@@ -85,7 +86,7 @@ def demo(
                 root,
                 total_mib=size_mib,
                 shards=shards,
-                compression=compression,
+                compression=compression.value,
                 threads=threads,
                 progress=progress(disable=as_json, label_width=36, speed=False),
                 say=say,

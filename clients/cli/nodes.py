@@ -53,7 +53,12 @@ def serve(
     ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
 ) -> None:
-    """Run an edge node: serve, fetch, preprocess and cache shards for one region."""
+    """Run an edge node: serve, fetch, preprocess and cache shards for one region.
+
+    Runs until SIGTERM or SIGINT (then drains). Exit codes: 0 stopped cleanly;
+    1 the node failed; 2 bad settings (an option, the --config file, an address
+    in use).
+    """
     import asyncio
     import logging
 
@@ -88,7 +93,11 @@ def serve(
 def status(
     config: ConfigOption = None, token_file: TokenOption = None, as_json: JsonOption = False
 ) -> None:
-    """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio."""
+    """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio.
+
+    Exit codes: 0 every node answered; 1 a node is down (listed); 2 bad input
+    (the topology file).
+    """
     from edgecache.clients.ops import gather_status
 
     options = Options(config, token_file)
@@ -114,6 +123,7 @@ def status(
                             {
                                 "version": f"{v.dataset}@{v.version}",
                                 "shards": v.shard_count,
+                                "total_shards": v.total_shards or None,
                                 "pinned_until": v.pinned_until.ToJsonString()
                                 if v.HasField("pinned_until")
                                 else None,
@@ -197,17 +207,31 @@ def evict(
     options = Options(config, token_file)
     with reporting():
         results = ops.evict(options.topology, spec, region=region, token=options.token, force=force)
-    if results and not any(r.bytes_freed or r.error for r in results):
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "region": r.region,
+                        "node": r.node,
+                        "bytes_freed": r.bytes_freed,
+                        "error": r.error or None,
+                    }
+                    for r in results
+                ]
+            )
+        )
+    elif results and not any(r.bytes_freed or r.error for r in results):
         where = ", ".join(sorted({r.region for r in results}))
         line(f"nothing to evict: no node of {where} holds {spec}")
-        return
-    for result in results:
-        if result.error:
-            err_console.print(f"[red]{result.region} {result.node}: {result.error}[/red]")
-        else:
-            console.print(
-                f"{result.region} {result.node}: freed {format_bytes(result.bytes_freed)}"
-            )
+    else:
+        for result in results:
+            if result.error:
+                err_console.print(f"[red]{result.region} {result.node}: {result.error}[/red]")
+            else:
+                console.print(
+                    f"{result.region} {result.node}: freed {format_bytes(result.bytes_freed)}"
+                )
     if any(result.error for result in results):
         raise exit_with(ExitCode.FAILED)
 
@@ -217,7 +241,9 @@ def doctor(
     config: ConfigOption = None,
     region: Annotated[str | None, typer.Option(help="The region this host is in.")] = None,
     pings: Annotated[int, typer.Option(min=2, max=200, help="Health pings per node.")] = 20,
-    seconds: Annotated[float, typer.Option(help="Throughput tests per node, seconds.")] = 2.0,
+    seconds: Annotated[
+        float, typer.Option(min=0.1, max=600, help="Throughput tests per node, seconds.")
+    ] = 2.0,
     streams: Annotated[
         int, typer.Option(min=1, max=32, help="Parallel streams of the upload test.")
     ] = 4,
@@ -243,6 +269,9 @@ def doctor(
     options = Options(config, token_file)
     with reporting():
         topology, token = options.topology, options.token
+        if region is not None and region not in topology.regions:
+            known = ", ".join(sorted(topology.regions)) or "none"
+            raise ValueError(f"--region {region!r} is not in the topology (its regions: {known})")
         paths = check_paths(
             topology,
             home_region=region,
@@ -392,7 +421,8 @@ def healthcheck(
     """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker).
 
     With no address it asks this host's node on its own configured probe port,
-    so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN.
+    so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN. Exit codes: 0
+    SERVING; 1 not serving or not answering; 2 bad input (the address).
     """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
