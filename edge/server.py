@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from edgecache.cache.errors import ConfigError
 from edgecache.edge.config import NodeConfig, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
@@ -40,7 +43,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
 ]
+# gRPC sets SO_REUSEPORT by default, which lets a second node bind a port another one
+# already serves (the kernel then splits connections between them): refuse instead.
+# A stopped node's port is still reusable at once: SO_REUSEADDR is a separate option.
+_NO_PORT_SHARING = ("grpc.so_reuseport", 0)
 _SERVER_OPTIONS = [
+    _NO_PORT_SHARING,
     ("grpc.max_send_message_length", -1),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -73,6 +81,56 @@ def exposure(config: NodeConfig) -> list[str]:
             "alterable; set --tls-cert/--tls-key (and --tls-client-ca for mutual TLS)"
         )
     return problems
+
+
+def _bind(
+    server: aio.Server,
+    address: str,
+    flag: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind ``address``; the port bound, or a :class:`ConfigError` that says why not.
+
+    gRPC raises only "Failed to bind" (the reason goes to its own log), so
+    the reason is found again with a plain socket: an operator needs to know
+    whether to pick another port or another address.
+    """
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"{flag}: {_bind_failure(address, flag)}") from exc
+
+
+def _bind_failure(address: str, flag: str, error: OSError | None = None) -> str:
+    """Why ``address`` cannot be bound (``error``, or found by binding it again), and what to do."""
+    host, port = split_hostport(address)
+    if error is None:
+        try:
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            return (
+                f"cannot bind {address}: {host!r} does not resolve ({exc.strerror}); "
+                "give an IP address or a known host name"
+            )
+        for family, kind, proto, _, sockaddr in found:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+                try:
+                    sock.bind(sockaddr)
+                except OSError as exc:
+                    error = exc
+                    break
+    if error is None:
+        return f"cannot bind {address}; run with GRPC_VERBOSITY=debug to see why"
+    if error.errno == errno.EADDRINUSE:
+        return f"{address} is in use: another process listens there; choose another {flag}"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"cannot bind {address}: no interface of this host has that address"
+    if error.errno == errno.EACCES:
+        return f"cannot bind {address}: the port needs privileges; choose one above 1023"
+    return f"cannot bind {address} ({error.strerror or error}); choose another {flag}"
 
 
 def _credentials(config: NodeConfig) -> grpc.ServerCredentials | None:
@@ -135,24 +193,28 @@ class NodeServer:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-            credentials = _credentials(config)
-            self.port = (
-                server.add_secure_port(config.listen, credentials)
-                if credentials
-                else server.add_insecure_port(config.listen)
-            )
+            self.port = _bind(server, config.listen, "--listen", _credentials(config))
             if config.probe_listen:
                 # Kubernetes gRPC probes speak neither TLS nor tokens: health only, plaintext.
-                self._probe = aio.server()
+                self._probe = aio.server(options=[_NO_PORT_SHARING])
                 health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe)
-                self.probe_port = self._probe.add_insecure_port(config.probe_listen)
+                self.probe_port = _bind(self._probe, config.probe_listen, "--probe-listen")
                 await self._probe.start()
             if config.metrics_listen:
                 host, port = split_hostport(config.metrics_listen)
-                self.metrics_port = node.metrics.serve(host, port)
+                try:
+                    self.metrics_port = node.metrics.serve(host, port)
+                except OSError as exc:
+                    raise ConfigError(
+                        "--metrics-listen: "
+                        + _bind_failure(config.metrics_listen, "--metrics-listen", exc)
+                    ) from exc
             await server.start()
             self._server = server
         except BaseException:
+            if self._probe is not None:
+                await self._probe.stop(0)
+            node.metrics.shutdown()
             await node.close()
             raise
         for name in ("", SERVICE_NAME):

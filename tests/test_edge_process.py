@@ -133,6 +133,57 @@ def test_bad_settings_exit_with_a_clear_message(tmp_path: Path) -> None:
     assert "--capacity (--capacity)" in out.stderr and "invalid size 'lots'" in out.stderr
 
 
+def test_a_port_another_node_serves_is_refused_and_a_freed_one_reused(tmp_path: Path) -> None:
+    # gRPC shares ports by default (SO_REUSEPORT): a second node would "serve" beside the
+    # first, each getting some of the connections. It must refuse, naming what to change.
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    proc, address = start_node(tmp_path, registry)
+    port = address.rsplit(":", 1)[1]
+    try:
+        second = subprocess.run(
+            [
+                *(sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "eu"),
+                *("--registry", registry, "--capacity", "64MiB"),
+                *("--cache-dir", str(tmp_path / "other"), "--listen", address),
+                *("--probe-listen", "127.0.0.1:0"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,  # before the fix it served: a timeout
+        )
+        assert second.returncode == 2, second.stderr
+        assert f"{address} is in use: another process listens there" in second.stderr
+        assert "choose another --listen" in second.stderr
+        assert "serving on" not in second.stdout
+        assert stub(address).Status(edge_pb2.StatusRequest()).region == "eu-west"
+        settings = NodeConfig(
+            region="eu",
+            cache_dir=tmp_path / "probe",
+            registry=registry,
+            listen="127.0.0.1:0",
+            probe_listen=address,  # the same for the health-only probe port
+        )
+        with (
+            pytest.raises(ValueError, match="choose another --probe-listen"),
+            running_node(settings),
+        ):
+            pass
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    # The first node is gone: its port is free again at once, for the same node to restart.
+    settings = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen=f"127.0.0.1:{port}",
+    )
+    with running_node(settings) as node:
+        assert stub(node.address).Status(edge_pb2.StatusRequest()).region == "eu"
+
+
 def test_mutual_tls(tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
     tables = write_parquet_shards(tmp_path / "origin", 1, rows=100)
