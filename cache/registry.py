@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import fsspec
 import pyarrow as pa
 
+from edgecache.cache.codec import CodecOptions
 from edgecache.cache.errors import (
     MalformedShard,
     ManifestError,
@@ -47,7 +50,7 @@ from edgecache.cache.preprocess.mds import MdsColumns, mds_index
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["Registry", "SourceObject", "fetch_resources", "resource_url"]
+__all__ = ["Registry", "SourceObject", "fetch_resources", "location_url", "resource_url"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +66,42 @@ class SourceObject:
     info: ObjectInfo
     key: str  # relative to the source prefix
     rows: int | None = None  # when an index says (MDS), so the shard need not be read
+
+
+def location_url(location: str, what: str) -> str:
+    """The URL of a registry or source as the object stores name what they list.
+
+    A plain path (``raw/pq``, ``/data/raw``) and a relative ``file://`` URL
+    become absolute ``file://`` URLs, fsspec's convention for local files:
+    listings name local objects by absolute ``file://`` URLs, and keys are cut
+    from them by prefix, so the prefix must be spelled the same way. A scheme
+    no store serves is refused here (``ValueError``, bad input), before any
+    request, instead of failing every later request; ``what`` names the
+    location in that message.
+    """
+    scheme, sep, rest = location.partition("://")
+    if not sep:
+        return "file://" + os.path.abspath(location) + ("/" if location.endswith("/") else "")
+    if scheme == "file":
+        return "file://" + os.path.abspath(rest) + ("/" if rest.endswith("/") else "")
+    if scheme == "s3":
+        return location
+    for protocol in scheme.split("::"):  # chained fsspec URLs: simplecache::gs://…
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            raise ValueError(
+                f"{what} {location}: no object store serves {protocol}://; use s3://, "
+                "file:// (or a local path) or another fsspec protocol"
+            ) from None
+        except ImportError as exc:
+            raise ValueError(f"{what} {location}: {exc}") from None
+    return location
+
+
+def _local_path(url: str) -> str | None:
+    """The directory a ``file://`` URL names, or None for other stores."""
+    return url[len("file://") :] if url.startswith("file://") else None
 
 
 def resource_url(source_url: str, ref: str) -> str:
@@ -99,7 +138,7 @@ class Registry:
     def __init__(self, url: str, stores: Stores | None = None) -> None:
         if not url:
             raise ValueError("a registry URL is required, e.g. s3://bucket/_edgecache")
-        self.url = url.rstrip("/")
+        self.url = location_url(url, "registry").rstrip("/")
         self._stores = stores or Stores()
         self._own_stores = stores is None
 
@@ -151,15 +190,41 @@ class Registry:
                 numbers.append(int(name[:-5]))
         return sorted(numbers)
 
-    async def latest(self, dataset: str) -> int:
-        """The newest version number; :class:`VersionNotFound` if there is none."""
+    async def published(self, dataset: str) -> list[int]:
+        """Published version numbers of a dataset; :class:`VersionNotFound` if there are none.
+
+        For readers, to whom a dataset without versions is a mistake (a typo in
+        the name or the registry URL); publishers list with :meth:`versions`.
+        """
         numbers = await self.versions(dataset)
         if not numbers:
-            raise VersionNotFound(
-                f"dataset {dataset!r} has no versions in {self.url}; publish one first "
-                "(edgecache publish)"
+            raise await self._no_versions(dataset)
+        return numbers
+
+    async def latest(self, dataset: str) -> int:
+        """The newest version number; :class:`VersionNotFound` if there is none."""
+        return (await self.published(dataset))[-1]
+
+    async def _no_versions(self, dataset: str) -> VersionNotFound:
+        """The error for a dataset without versions, saying what the registry does hold.
+
+        An object store has no empty folders: a registry nothing was published
+        to and one that was never created look the same, except on a local disk.
+        """
+        names = await self.datasets()
+        if names:
+            shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if names[20:] else "")
+            return VersionNotFound(
+                f"dataset {dataset!r} has no versions in {self.url}, which holds {shown}; "
+                "check the name, or publish it (edgecache publish)"
             )
-        return numbers[-1]
+        local = _local_path(self.url)
+        state = "does not exist" if local and not os.path.isdir(local) else "holds no datasets"
+        return VersionNotFound(
+            f"the registry {self.url} {state}, so dataset {dataset!r} has no versions there; "
+            "check the registry URL (--registry, or registry: in the topology file), or "
+            "publish a version there (edgecache publish creates the registry)"
+        )
 
     async def manifest(self, dataset: str, version: int) -> pb.Manifest:
         """Read and verify one version's manifest."""
@@ -225,14 +290,25 @@ class Registry:
         ``exclude``: keys that are not shards (a transform's files, e.g. a tokenizer).
         An MDS dataset's shards are the ones its ``index.json`` files list.
         """
-        prefix = source_url if source_url.endswith("/") else source_url + "/"
+        prefix = _as_prefix(location_url(source_url, "source"))
         found = []
         for info in await self._store(prefix).list(prefix):
-            key = info.url[len(prefix) :] if info.url.startswith(prefix) else info.url
+            if not info.url.startswith(prefix):  # a key must rebuild the URL: prefix + key
+                raise ValueError(
+                    f"the store lists {info.url} under {prefix}; give the source as the store "
+                    "spells its URLs"
+                )
+            key = info.url[len(prefix) :]
             if any(part.startswith(("_", ".")) for part in key.split("/")) or key in exclude:
                 continue  # _SUCCESS, .crc and similar markers are not data
             found.append(SourceObject(info=info, key=key))
         if not found:
+            local = _local_path(prefix)
+            if local and not os.path.isdir(local):
+                raise ObjectNotFound(
+                    f"no objects under {prefix}: there is no directory {local.rstrip('/')}; "
+                    "give the source as an existing directory or a URL (s3://…, file:///…)"
+                )
             raise ObjectNotFound(f"no objects under {prefix}; check the source URL")
         if fmt is None or fmt == pb.SOURCE_FORMAT_UNSPECIFIED:
             if any(strip_suffix(o.key).lower().endswith(".mds") for o in found):
@@ -312,6 +388,8 @@ class Registry:
         one is written.
         """
         validate_name(dataset)
+        CodecOptions.from_spec(spec)  # a level or chunk size no node could encode: refuse now
+        source_url = _as_prefix(location_url(source_url, "source"))
         resources = await fetch_resources(self._stores, source_url, spec)
         name = spec.transform or "identity"
         spec = _copy(spec)
@@ -327,8 +405,7 @@ class Registry:
         if fmt == pb.SOURCE_FORMAT_MDS:
             if spec.source_options:
                 raise ValueError("MDS sources take no reader options: index.json says it all")
-            prefix = source_url if source_url.endswith("/") else source_url + "/"
-            objects, columns = await self._mds_sources(prefix, objects)
+            objects, columns = await self._mds_sources(source_url, objects)
             options = {"columns": columns.to_option()}
         spec.source_options.clear()
         spec.source_options.update(options)
@@ -359,7 +436,7 @@ class Registry:
         manifest = build_manifest(
             dataset=dataset,
             version=1,
-            source_url=source_url if source_url.endswith("/") else source_url + "/",
+            source_url=source_url,
             source_format=fmt,
             schema=schema,
             preprocess=spec,
@@ -394,6 +471,11 @@ class Registry:
         return await asyncio.to_thread(
             describe, data, fmt=fmt, source=info.url, spec=spec, transform=transform
         )
+
+
+def _as_prefix(url: str) -> str:
+    """``url`` ending in ``/``: what a version records, and what its shard keys follow."""
+    return url if url.endswith("/") else url + "/"
 
 
 def _copy(spec: pb.PreprocessSpec) -> pb.PreprocessSpec:

@@ -103,11 +103,12 @@ class EdgeNode:
     def __init__(self, config: NodeConfig, *, store: CacheStore | None = None) -> None:
         self.config = config
         self.node_id = config.node_id or config.default_node_id()
+        self.stores = Stores()
+        # Before the store: a registry URL no store serves fails with nothing to close.
+        self.registry = Registry(config.registry, self.stores)
         self.store = store or CacheStore(
             config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
         )
-        self.stores = Stores()
-        self.registry = Registry(config.registry, self.stores)
         self.metrics = NodeMetrics(config.region, self.node_id)
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)

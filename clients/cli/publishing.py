@@ -67,7 +67,10 @@ CSV_HELP = "CSV reader options"
 
 @app.command()
 def publish(
-    source_url: Annotated[str, typer.Argument(help="Prefix of raw shards (s3://…, file://…).")],
+    source_url: Annotated[
+        str,
+        typer.Argument(help="Prefix of raw shards: s3://…, file://…, or a local directory."),
+    ],
     dataset: Annotated[str, typer.Option(help="Dataset name.")],
     fmt: Annotated[
         str | None,
@@ -147,7 +150,8 @@ def publish(
 
     Objects may be gzip/zstd/bz2/xz-compressed (part-0.csv.gz, docs.jsonl.zst).
     Exit codes: 0 published (or, with --if-changed, the same content found);
-    2 bad input (no objects, mixed formats, an unreadable object); 1 failed.
+    2 bad input (no objects, mixed formats, an unreadable object, a --level out of
+    range); 1 failed.
     """
     from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
@@ -225,7 +229,12 @@ def versions(
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List a dataset's published versions."""
+    """List a dataset's published versions.
+
+    Exit codes: 0 listed; 2 bad input (no such dataset, a registry that does not
+    exist or holds nothing, an unsupported URL scheme); 1 failed (the registry
+    could not be read).
+    """
     from edgecache.cache.manifest import summarize
     from edgecache.cache.registry import Registry
     from edgecache.v1 import manifest_pb2 as pb
@@ -234,7 +243,7 @@ def versions(
         url = _registry_url(registry, Options(config))
 
         async def listing(reg: Registry) -> list[tuple[pb.DatasetVersion, pb.Manifest]]:
-            manifests = [await reg.manifest(dataset, n) for n in await reg.versions(dataset)]
+            manifests = [await reg.manifest(dataset, n) for n in await reg.published(dataset)]
             return [(summarize(m), m) for m in manifests]
 
         found = Registry.run(url, listing)
@@ -257,9 +266,6 @@ def versions(
                 ]
             )
         )
-        return
-    if not rows:
-        line(f"{dataset} has no versions in {url}")
         return
     table(
         f"{dataset} in {url}",

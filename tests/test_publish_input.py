@@ -1,0 +1,117 @@
+"""What `publish` and `versions` make of what a person types: paths, levels, registries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from edgeutil import read_shard_table, stub, write_parquet_shards
+from typer.testing import CliRunner
+
+from edgecache.cache.manifest import preprocess_spec
+from edgecache.cache.registry import Registry
+from edgecache.clients.cli import app
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
+
+runner = CliRunner()
+
+
+def test_a_plain_path_is_published_as_a_file_url_a_node_can_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tables = write_parquet_shards(tmp_path / "raw" / "pq", 2, rows=500)
+    monkeypatch.chdir(tmp_path)
+    # Relative paths for the source and the registry, as typed in a shell.
+    result = runner.invoke(app, ["publish", "raw/pq", "--dataset", "pqz", "--registry", "reg"])
+    assert result.exit_code == 0, result.output
+    registry = f"file://{tmp_path}/reg"
+    manifest = Registry.run(registry, lambda reg: reg.manifest("pqz", 1))
+    # The stored prefix and the shard keys agree: prefix + key is each object's URL.
+    assert manifest.source_url == f"file://{tmp_path}/raw/pq/"
+    assert [s.source_key for s in manifest.shards] == ["part-00000.parquet", "part-00001.parquet"]
+    # An absolute path is the same source, spelled the same way: the same content.
+    result = runner.invoke(
+        app,
+        ["publish", str(tmp_path / "raw" / "pq"), "--dataset", "pqz", "--registry", registry],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    assert "same content as pqz@1" in result.output
+    settings = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        sync=False,
+    )
+    with running_node(settings) as node:
+        client = stub(node.address)
+        last = list(client.Stage(edge_pb2.StageRequest(dataset="pqz", version=1)))[-1]
+        assert last.finished and last.shards_done == 2 and not last.shards_failed
+        for shard, table in enumerate(tables):
+            assert read_shard_table(client, "pqz", 1, shard).equals(table)
+
+
+def test_a_path_that_is_not_there_is_bad_input(tmp_path: Path) -> None:
+    registry = f"file://{tmp_path}/reg"
+    result = runner.invoke(
+        app, ["publish", str(tmp_path / "nope"), "--dataset", "x", "--registry", registry]
+    )
+    assert result.exit_code == 2
+    assert f"there is no directory {tmp_path}/nope" in result.output
+    assert not (tmp_path / "reg").exists()
+
+
+def test_a_level_no_node_could_encode_is_refused_at_publish(tmp_path: Path) -> None:
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    registry = f"file://{tmp_path}/reg"
+    result = runner.invoke(
+        app,
+        [
+            *("publish", f"file://{tmp_path}/raw", "--dataset", "x", "--registry", registry),
+            *("--compression", "zstd", "--level", "30"),
+        ],
+    )
+    assert result.exit_code == 2
+    assert "zstd level must be in -7..22, got 30" in result.output
+    assert not (tmp_path / "reg").exists()  # nothing published
+    # The same check for every caller of the registry, and for every field it covers.
+    with pytest.raises(ValueError, match="chunk_bytes must be in"):
+        Registry.run(
+            registry,
+            lambda reg: reg.publish(
+                f"file://{tmp_path}/raw", "x", spec=preprocess_spec(chunk_bytes=1)
+            ),
+        )
+
+
+def test_versions_of_what_is_not_there_is_bad_input_naming_what_is(tmp_path: Path) -> None:
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    registry = f"file://{tmp_path}/reg"
+    published = runner.invoke(
+        app, ["publish", f"file://{tmp_path}/raw", "--dataset", "pq", "--registry", registry]
+    )
+    assert published.exit_code == 0, published.output
+
+    def versions(*args: str) -> tuple[int, str]:
+        result = runner.invoke(app, ["versions", *args], env={"COLUMNS": "300"})
+        return result.exit_code, result.output
+
+    code, out = versions("pq", "--registry", registry, "--json")
+    assert code == 0 and [v["version"] for v in json.loads(out)] == [1]
+    code, out = versions("pq", "--registry", f"file://{tmp_path}/nonexistent")
+    assert code == 2
+    assert f"the registry file://{tmp_path}/nonexistent does not exist" in out
+    assert "edgecache publish creates the registry" in out
+    (tmp_path / "empty").mkdir()
+    code, out = versions("pq", "--registry", str(tmp_path / "empty"))
+    assert code == 2 and "holds no datasets" in out
+    code, out = versions("nosuch", "--registry", registry)
+    assert code == 2 and f"'nosuch' has no versions in {registry}, which holds pq" in out
+    code, out = versions("pq", "--registry", "s3x://foo")
+    assert code == 2 and "no object store serves s3x://" in out
+    code, out = versions("--help")
+    assert code == 0 and "Exit codes: 0 listed; 2 bad input" in out
