@@ -156,8 +156,13 @@ def describe(exc: grpc.RpcError) -> str:
 
 
 _HINTS = {
-    grpc.StatusCode.UNAVAILABLE: "check that the node runs (edgecache status) and is "
-    "reachable from this host (edgecache doctor)",
+    grpc.StatusCode.UNAVAILABLE: "retry; if it persists, check that the node runs "
+    "(edgecache status) and is reachable from this host (edgecache doctor), and the origin "
+    "or peer the message names",
+    # The node works but will not do this as things are (origin refuses or lost an
+    # object, a version it cannot encode, a digest that disagrees): the message says what.
+    grpc.StatusCode.FAILED_PRECONDITION: "retrying will not help until what the message "
+    "names is fixed",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the node did not answer in time; check its load "
     "and the path to it (edgecache doctor)",
     grpc.StatusCode.CANCELLED: "the call was cancelled; run it again",

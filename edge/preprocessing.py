@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from edgecache.cache.codec import CodecOptions, ShardEncoder
-from edgecache.cache.errors import MalformedShard
+from edgecache.cache.errors import MalformedShard, ManifestError
 from edgecache.cache.manifest import manifest_schema
 from edgecache.cache.preprocess import ShardContext, Transform, preprocess
 from edgecache.cache.preprocess.context import MeteredPool
@@ -53,7 +53,13 @@ def encode_raw_shard(
     started = time.thread_time()
     metered = MeteredPool(parts)
     schema = manifest_schema(manifest)
-    options = CodecOptions.from_spec(manifest.preprocess)
+    try:
+        options = CodecOptions.from_spec(manifest.preprocess)
+    except ValueError as exc:  # published unchecked (before publish checked it) or by a newer one
+        raise ManifestError(
+            f"{manifest.dataset}@{manifest.version} cannot be encoded: {exc}; publish it again "
+            "with settings in range (or upgrade this node if a newer edgecache published it)"
+        ) from exc
     # Enough chunks in flight to keep every parts thread busy, few enough to bound memory;
     # rows per chunk on the grid readers cut their shuffle windows by.
     encoder = ShardEncoder(

@@ -83,7 +83,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
                 f"{message}; origin lost an object of a published version — restore it or "
                 "publish a new version",
             )
-        case OriginError():
+        case OriginError() if _origin_refused(exc):
+            # The node works; origin said no in a way retrying cannot change. UNAVAILABLE
+            # would send the caller to check the node and retry it, in vain.
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{message}; origin refuses this whatever the retries: fix access to it "
+                "(permissions, the node's credentials) or publish the version again from a "
+                "source URL the node can read",
+            )
+        case OriginError():  # timeouts, connection refused, 5xx: worth retrying
             return grpc.StatusCode.UNAVAILABLE, message
         case ChunkCorrupt() | ShardNotCached():
             # Stored damage (any way a frame can be wrong, its length fields included):
@@ -100,6 +109,33 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         case ValueError():
             return grpc.StatusCode.INVALID_ARGUMENT, message
     return grpc.StatusCode.INTERNAL, "internal error; see the node's log"
+
+
+# What an origin store's error may stand on that no retry changes: no permission, a
+# folder or file where the other was expected, a URL no filesystem serves (fsspec's
+# ValueError "Protocol not known"), a filesystem whose package is not installed.
+_REFUSALS = (PermissionError, IsADirectoryError, NotADirectoryError, ValueError, ImportError)
+
+
+def _origin_refused(exc: OriginError) -> bool:
+    """Whether an origin failure is permanent: its causes hold a refusal, or an HTTP 4xx.
+
+    The stores raise :class:`OriginError` ``from`` what they saw. S3's answer is a
+    botocore ``ClientError`` with the HTTP status in its ``response``: 4xx but a
+    timeout (408) or throttling (429) is a refusal; 5xx, timeouts and refused
+    connections are transient and stay UNAVAILABLE.
+    """
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, _REFUSALS):
+            return True
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+                return True
+        cause = cause.__cause__
+    return False
 
 
 def _log_failure(method: str, exc: BaseException, code: grpc.StatusCode) -> None:
@@ -233,21 +269,19 @@ class EdgeCacheService:
             bytes_total=sum(manifest.shards[s].source_size for s in wanted),
         )
         started = time.monotonic()
-        first_failure: tuple[int, Exception, grpc.StatusCode] | None = None
+        first_failure: tuple[int, str, grpc.StatusCode] | None = None
         async for outcome in self.node.stage(
             manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
         ):
             progress.notes.extend(outcome.notes)
             progress.peer_bytes_done += outcome.peer_bytes
             if outcome.error is not None:
-                code, _ = status_for(outcome.error)
+                code, why = status_for(outcome.error)  # why: the error and what to do
                 progress.shards_failed += 1
                 if outcome.revoked:  # counted as done before it was evicted
                     progress.shards_done -= 1
-                progress.failures.add(
-                    shard=outcome.shard, message=str(outcome.error), code=code.name
-                )
-                first_failure = first_failure or (outcome.shard, outcome.error, code)
+                progress.failures.add(shard=outcome.shard, message=why, code=code.name)
+                first_failure = first_failure or (outcome.shard, why, code)
             else:
                 progress.shards_done += 1
                 if outcome.fetched and outcome.source == "origin":

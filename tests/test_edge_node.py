@@ -228,6 +228,101 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
         assert c.Status(edge_pb2.StatusRequest()).region == "eu-west"  # still serving
 
 
+def _republished(registry: str, **changes: object) -> int:
+    """tokens@1 with ``changes`` made, committed as a new version no publish would write now.
+
+    ``source_url``, ``keys`` (shard source keys) or ``level`` (zstd level): what versions
+    published before publish checked them may hold.
+    """
+    from edgecache.cache.manifest import build_manifest, manifest_schema
+    from edgecache.v1 import manifest_pb2 as pb
+
+    async def go(reg: Registry) -> int:
+        old = await reg.manifest("tokens", 1)
+        spec = pb.PreprocessSpec()
+        spec.CopyFrom(old.preprocess)
+        spec.compression_level = int(changes.get("level", spec.compression_level))  # type: ignore[call-overload]
+        shards = list(old.shards)
+        for shard, key in zip(shards, changes.get("keys", []), strict=False):  # type: ignore[call-overload]
+            shard.source_key = key
+        manifest = build_manifest(
+            dataset="tokens",
+            version=1,
+            source_url=str(changes.get("source_url", old.source_url)),
+            source_format=old.source_format,
+            schema=manifest_schema(old),
+            preprocess=spec,
+            shards=shards,
+        )
+        return (await reg.commit(manifest)).version
+
+    return Registry.run(registry, go)
+
+
+def test_origin_refusals_fail_precondition_naming_the_object(tmp_path: Path, file_setup) -> None:
+    # Not UNAVAILABLE: that tells the caller to check the node and retry, and the node is fine.
+    from edgecache.clients.channels import node_error
+
+    registry, _ = file_setup
+    origin = f"file://{tmp_path}/origin/"
+    # What `publish raw/pq` wrote before it made plain paths into file:// URLs.
+    plain = _republished(
+        registry, source_url="origin/", keys=[f"{origin}part-{i:05d}.parquet" for i in range(4)]
+    )
+    level = _republished(registry, level=30)  # before publish checked the level
+    (tmp_path / "origin" / "part-00002.parquet").unlink()
+    with running_node(config(tmp_path, registry)) as node:
+        c = stub(node.address)
+        cases = [
+            (plain, [0], f"origin/{origin}part-00000.parquet", "origin refuses this"),
+            (1, [2], f"no object at {origin}part-00002.parquet", "restore it or publish"),
+            (level, [0], "zstd level must be in -7..22, got 30", "publish it again"),
+        ]
+        for version, shards, what, advice in cases:
+            events = []
+            request = edge_pb2.StageRequest(dataset="tokens", version=version, shards=shards)
+            with pytest.raises(grpc.RpcError) as info:
+                for event in c.Stage(request):
+                    events.append(event)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+            assert what in info.value.details() and advice in info.value.details()
+            failure = events[-1].failures[0]
+            assert failure.code == "FAILED_PRECONDITION" and advice in failure.message
+            hint = str(node_error(info.value, endpoint=node.address, what="staging"))
+            assert "retrying will not help" in hint and "check that the node runs" not in hint
+        read = code_of(
+            lambda: c.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=plain, shard=1))
+        )
+        assert read.code() == grpc.StatusCode.FAILED_PRECONDITION  # read-through: the same
+
+
+def test_origin_failures_are_transient_unless_origin_refused() -> None:
+    from botocore.exceptions import ClientError
+
+    from edgecache.cache.errors import OriginError
+    from edgecache.edge.service import status_for
+
+    def origin_error(cause: BaseException) -> OriginError:
+        try:
+            raise OriginError(f"origin request for s3://b/k failed: {cause}") from cause
+        except OriginError as exc:
+            return exc
+
+    def s3(status: int, code: str) -> ClientError:
+        return ClientError(
+            {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+        )
+
+    refused = [PermissionError(13, "Permission denied"), s3(403, "AccessDenied")]
+    refused += [IsADirectoryError(21, "Is a directory"), ValueError("Protocol not known: x")]
+    transient = [ConnectionRefusedError(111, "refused"), TimeoutError(), s3(503, "SlowDown")]
+    transient += [s3(500, "InternalError"), s3(429, "TooManyRequests")]
+    for cause in refused:
+        assert status_for(origin_error(cause))[0] == grpc.StatusCode.FAILED_PRECONDITION, cause
+    for cause in transient:
+        assert status_for(origin_error(cause))[0] == grpc.StatusCode.UNAVAILABLE, cause
+
+
 def test_origin_object_changed_after_publish_is_refused(tmp_path: Path, file_setup) -> None:
     registry, _ = file_setup
     write_parquet_shards(tmp_path / "other", 1, rows=10)
