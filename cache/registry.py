@@ -232,9 +232,10 @@ class Registry:
         try:
             text = await self._store(url).get(url)
         except ObjectNotFound as exc:
-            known = await self.versions(dataset)
-            hint = f"known versions: {known}" if known else "the dataset has no versions"
-            raise VersionNotFound(f"{dataset}@{version} is not in {self.url} ({hint})") from exc
+            known = await self.published(dataset)  # none: says what the registry holds
+            raise VersionNotFound(
+                f"{dataset}@{version} is not in {self.url} (known versions: {known})"
+            ) from exc
         manifest = manifest_from_json(text, source=url)
         if (manifest.dataset, manifest.version) != (dataset, version):
             raise ManifestError(

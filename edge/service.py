@@ -88,7 +88,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             # would send the caller to check the node and retry it, in vain.
             return (
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"{message}; origin refuses this whatever the retries: fix access to it "
+                f"{message}; the node cannot read this from origin as things are: fix access "
                 "(permissions, the node's credentials) or publish the version again from a "
                 "source URL the node can read",
             )

@@ -228,27 +228,31 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
         assert c.Status(edge_pb2.StatusRequest()).region == "eu-west"  # still serving
 
 
-def _republished(registry: str, **changes: object) -> int:
-    """tokens@1 with ``changes`` made, committed as a new version no publish would write now.
+def _republished(
+    registry: str,
+    *,
+    source_url: str | None = None,
+    keys: list[str] | None = None,
+    level: int | None = None,
+) -> int:
+    """tokens@1 with a source URL, shard keys or zstd level no publish writes now, committed.
 
-    ``source_url``, ``keys`` (shard source keys) or ``level`` (zstd level): what versions
-    published before publish checked them may hold.
+    What versions published before publish checked them may hold.
     """
     from edgecache.cache.manifest import build_manifest, manifest_schema
-    from edgecache.v1 import manifest_pb2 as pb
 
     async def go(reg: Registry) -> int:
         old = await reg.manifest("tokens", 1)
-        spec = pb.PreprocessSpec()
+        spec = type(old.preprocess)()
         spec.CopyFrom(old.preprocess)
-        spec.compression_level = int(changes.get("level", spec.compression_level))  # type: ignore[call-overload]
+        spec.compression_level = spec.compression_level if level is None else level
         shards = list(old.shards)
-        for shard, key in zip(shards, changes.get("keys", []), strict=False):  # type: ignore[call-overload]
+        for shard, key in zip(shards, keys or [], strict=False):
             shard.source_key = key
         manifest = build_manifest(
             dataset="tokens",
             version=1,
-            source_url=str(changes.get("source_url", old.source_url)),
+            source_url=old.source_url if source_url is None else source_url,
             source_format=old.source_format,
             schema=manifest_schema(old),
             preprocess=spec,
@@ -274,7 +278,7 @@ def test_origin_refusals_fail_precondition_naming_the_object(tmp_path: Path, fil
     with running_node(config(tmp_path, registry)) as node:
         c = stub(node.address)
         cases = [
-            (plain, [0], f"origin/{origin}part-00000.parquet", "origin refuses this"),
+            (plain, [0], f"origin/{origin}part-00000.parquet", "cannot read this from origin"),
             (1, [2], f"no object at {origin}part-00002.parquet", "restore it or publish"),
             (level, [0], "zstd level must be in -7..22, got 30", "publish it again"),
         ]

@@ -111,6 +111,8 @@ def test_versions_of_what_is_not_there_is_bad_input_naming_what_is(tmp_path: Pat
     assert code == 2 and "holds no datasets" in out
     code, out = versions("nosuch", "--registry", registry)
     assert code == 2 and f"'nosuch' has no versions in {registry}, which holds pq" in out
+    with pytest.raises(KeyError, match="which holds pq"):  # nosuch@1 too: what is there
+        Registry.run(registry, lambda reg: reg.manifest("nosuch", 1))
     code, out = versions("pq", "--registry", "s3x://foo")
     assert code == 2 and "no object store serves s3x://" in out
     code, out = versions("--help")
