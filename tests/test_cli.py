@@ -236,7 +236,8 @@ def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> No
     listed = json.loads(result.output)
     assert [v["version"] for v in listed] == [1, 2] and listed[0]["digest"] == listed[1]["digest"]
     result = runner.invoke(app, ["versions", "nope", "--registry", registry])
-    assert result.exit_code == 0 and "no versions" in result.output
+    assert result.exit_code == 2, result.output  # a typo is not an empty answer
+    assert "'nope' has no versions" in result.output and "which holds tokens" in result.output
 
 
 def test_replicas_split_shards_by_rendezvous_hashing(tmp_path: Path) -> None:
