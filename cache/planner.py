@@ -94,6 +94,9 @@ class RegionState:
     # Source bytes/s the region's nodes turn into cached chunks (fetch + preprocess),
     # measured; staging from origin goes no faster than this or the link.
     staging_rate: float | None = None
+    # Why nothing can be planned here now (no node answered, so neither capacity nor
+    # holdings are known); "" when the region is up. Its jobs are reported with this.
+    unreachable: str = ""
 
     @property
     def origin_rate(self) -> float:
@@ -204,6 +207,12 @@ def plan(
         if job.region not in regions:
             infeasible.extend(
                 Infeasible(job.name, job.region, f"{d}@{v}", f"region {job.region!r} is unknown")
+                for d, v in job.versions
+            )
+            continue
+        if regions[job.region].unreachable:
+            infeasible.extend(
+                Infeasible(job.name, job.region, f"{d}@{v}", regions[job.region].unreachable)
                 for d, v in job.versions
             )
             continue
@@ -350,14 +359,8 @@ def _plan_region(
                 continue
             too_slow: Infeasible | None = None
             if finish > job.start:
-                available = max((job.start - begin).total_seconds(), 0.0)
-                too_slow = Infeasible(
-                    job.name,
-                    state.name,
-                    spec,
-                    f"needs {duration.total_seconds():,.0f} s at {bandwidth * 8 / 1e9:.2f} "
-                    f"Gbit/s from {source}, only {available:,.0f} s before the start",
-                )
+                why = _late_reason(job, spec, now, begin, finish, duration, bandwidth, source)
+                too_slow = Infeasible(job.name, state.name, spec, why)
                 if finish >= job.end:  # it would arrive after the job: no use staging it
                     result.infeasible.append(too_slow)
                     continue
@@ -444,6 +447,37 @@ def _plan_region(
                     result.cost.get(job.name, 0.0) + moved / 1e9 * state.egress_price_per_gb
                 )
     return out
+
+
+def _late_reason(
+    job: Job,
+    spec: str,
+    now: datetime,
+    begin: datetime,
+    finish: datetime,
+    duration: timedelta,
+    bandwidth: float,
+    source: str,
+) -> str:
+    """Why ``spec`` cannot be there when ``job`` starts: it already has, or the link is too slow.
+
+    A job that has started is past any deadline, so the transfer time is
+    beside the point: what matters is that it runs without the data until
+    the version arrives (or to its end, when it would arrive too late).
+    """
+    if job.start <= now:
+        started = f"{job.name} already started at {job.start:%Y-%m-%d %H:%M} without {spec}"
+        if finish >= job.end:
+            return f"{started}, and it could not arrive before the job ends at {job.end:%H:%M}"
+        return (
+            f"{started}: the plan stages it now, ready about {finish:%H:%M:%S}; until then "
+            "the job reads it through to origin, slowly"
+        )
+    available = max((job.start - begin).total_seconds(), 0.0)
+    return (
+        f"needs {duration.total_seconds():,.0f} s at {bandwidth * 8 / 1e9:.2f} Gbit/s from "
+        f"{source}, only {available:,.0f} s before the start"
+    )
 
 
 def _margin(duration: timedelta) -> timedelta:

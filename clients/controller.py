@@ -45,8 +45,14 @@ from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import ControllerMetrics
-from edgecache.clients.executor import PlanExecutor, TaskRun
-from edgecache.clients.ops import NodeReport, complete_versions, gather_status, make_plan
+from edgecache.clients.executor import PlanExecutor, TaskRun, eviction_blocker
+from edgecache.clients.ops import (
+    NodeReport,
+    complete_versions,
+    gather_status,
+    make_plan,
+    unreachable_regions,
+)
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -219,6 +225,10 @@ class Controller:
         self._lock = threading.Lock()
         self.last_plan: Plan | None = None
         self.last_error = ""
+        # What went wrong in the latest round: unreachable regions, pins and evictions
+        # that failed, staging tasks it started that failed. `controller --once` exits
+        # non-zero on any; a running controller logs them and tries again next round.
+        self.failures: list[str] = []
         self._complete: dict[str, set[VersionKey]] = {}
 
     # -------------------------------------------------------------- plumbing
@@ -280,6 +290,8 @@ class Controller:
             )
             return None
         now = self.clock()
+        with self._lock:
+            self.failures = []
         schedule = load_schedule(self.schedule_path, self.topology)
         looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(self.topology, token=self.token)
@@ -297,9 +309,11 @@ class Controller:
         )
         self.last_plan = plan
         self._observe(plan, schedule, manifests, reports, now)
+        self._failed(*unreachable_regions(reports, schedule, now).values())
         failures = self.executor.pin(plan, reports)
         for failure in failures:
             log.warning("%s", failure)
+        self._failed(*failures)
         self._evict_due(plan, schedule, manifests, now)
         self._start_due(plan, schedule, manifests, now, looked)
         self._update_metrics(now)
@@ -319,10 +333,13 @@ class Controller:
                 with self._lock:
                     if key in self._runs:
                         continue  # being staged right now: the plan is behind; next tick
+                blocker = eviction_blocker(eviction, schedule, manifests, now)
                 freed, problem = self.executor.evict(eviction, schedule, manifests)
                 if problem:
                     log.warning("%s: %s", region, problem)
                     self.metrics.evictions_refused.inc()
+                    if blocker is None:  # not the guard's refusal: a node failed
+                        self._failed(f"{region}: {problem}")
                 else:
                     log.info(
                         "%s: evicted %s (%d bytes): %s",
@@ -421,9 +438,15 @@ class Controller:
             log.exception("staging %s in %s failed", record.version, record.region)
             record.state, record.error = "failed", f"{type(exc).__name__}: {exc}"
         finally:
+            if record.state == "failed":
+                self._failed(f"staging {record.version} in {record.region}: {record.error}")
             with self._lock:
                 self._runs.pop(run.key, None)
                 self._ended[run.key] = time.monotonic()
+
+    def _failed(self, *problems: str) -> None:
+        with self._lock:
+            self.failures.extend(problems)
 
     # ------------------------------------------------------ plan vs reality
 

@@ -10,6 +10,8 @@ otherwise; never as ``grpc.RpcError``.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import threading
 import time
@@ -17,14 +19,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import grpc
 
 from edgecache.cache import rendezvous
-from edgecache.cache.errors import InvalidEndpoint, InvalidName, VersionNotFound, VersionPinned
+from edgecache.cache.errors import (
+    InvalidEndpoint,
+    InvalidName,
+    ObjectNotFound,
+    VersionNotFound,
+    VersionPinned,
+)
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
 from edgecache.cache.registry import Registry
+from edgecache.cache.storage import Stores
 from edgecache.clients.channels import (
     bearer,
     describe,
@@ -43,6 +53,9 @@ __all__ = [
     "complete_versions",
     "holdings",
     "NodeReport",
+    "PinnedJob",
+    "pinned_jobs",
+    "record_warmed_jobs",
     "Readiness",
     "WarmItem",
     "evict",
@@ -52,7 +65,10 @@ __all__ = [
     "resolve_specs",
     "stage_item",
     "version_sizes",
+    "held_manifests",
     "region_nodes",
+    "unreachable_message",
+    "unreachable_regions",
     "wait_ready",
     "warm",
     "warm_items_for_plan",
@@ -60,6 +76,7 @@ __all__ = [
 ]
 
 DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
+WARMED_JOBS = "_warm/jobs.json"  # in the registry: the jobs warm pinned versions for
 
 
 def region_nodes(topology: Topology, region: str | None) -> dict[str, list[str]]:
@@ -86,9 +103,16 @@ class NodeReport:
 
 
 def gather_status(
-    topology: Topology, timeout: float = 3.0, *, token: str | None = None
+    topology: Topology,
+    timeout: float = 3.0,
+    *,
+    token: str | None = None,
+    regions: set[str] | None = None,
 ) -> list[NodeReport]:
-    """Health, RTT and Status of every node, in parallel; unreachable ones are reported."""
+    """Health, RTT and Status of every node (of ``regions``, if given), in parallel.
+
+    Unreachable nodes are reported, not raised.
+    """
 
     def one(region: str, address: str) -> NodeReport:
         channel = open_channel(address)
@@ -104,7 +128,12 @@ def gather_status(
         finally:
             channel.close()
 
-    pairs = [(r, n) for r, cfg in topology.regions.items() for n in cfg.nodes]
+    pairs = [
+        (r, n)
+        for r, cfg in topology.regions.items()
+        if regions is None or r in regions
+        for n in cfg.nodes
+    ]
     with ThreadPoolExecutor(max(len(pairs), 1)) as pool:
         return list(pool.map(lambda p: one(*p), pairs))
 
@@ -138,9 +167,23 @@ def make_plan(
     current = [job for job in schedule.jobs if job.end > now]
     specs = {spec for job in current for spec in job.datasets}
 
-    manifests, missing = Registry.run(topology.registry, lambda reg: resolve_specs(reg, specs))
-    held = holdings(reports, manifests)
-    sizes = version_sizes(manifests, held)
+    held_keys = {
+        (v.dataset, v.version)
+        for r in reports
+        if r.status is not None
+        for v in r.status.versions
+        if v.shard_count
+    }
+
+    async def resolve(
+        reg: Registry,
+    ) -> tuple[dict[str, pb.Manifest], set[str], dict[str, pb.Manifest]]:
+        found, absent = await resolve_specs(reg, specs)
+        return found, absent, await held_manifests(reg, held_keys, found)
+
+    manifests, missing, others = Registry.run(topology.registry, resolve)
+    held = holdings(reports, {**others, **manifests})
+    sizes = version_sizes(manifests, held, others=others)
     jobs = [
         Job(
             name=job.name,
@@ -166,6 +209,7 @@ def make_plan(
         staging_rate = sum(rates) / len(rates) * len(alive) if rates else None
         resident = {v: h.stored_bytes for v, h in held.get(name, {}).items() if h.complete}
         partial = {v: h.stored_bytes for v, h in held.get(name, {}).items() if not h.complete}
+        down = [r for r in reports if r.region == name and r.status is None]
         regions[name] = RegionState(
             name=name,
             capacity_bytes=capacity,
@@ -176,11 +220,37 @@ def make_plan(
             peer_bandwidth=dict(config.peers),
             egress_price_per_gb=config.egress_price_per_gb,
             staging_rate=staging_rate,
+            unreachable="" if alive or not down else unreachable_message(name, down),
         )
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
+
+
+def unreachable_message(region: str, down: list[NodeReport]) -> str:
+    """Which of ``region``'s nodes did not answer, and what to check: one line for an operator."""
+    nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in down)
+    return (
+        f"region {region} is unreachable: {nodes}; check that the node runs and is reachable "
+        "from here (edgecache status, edgecache doctor), then try again"
+    )
+
+
+def unreachable_regions(
+    reports: list[NodeReport], schedule: Schedule, now: datetime
+) -> dict[str, str]:
+    """Region → why, for the regions of jobs not yet over whose nodes did not all answer.
+
+    A plan for such a region is built on part of it, or on nothing: its
+    capacity and holdings are unknown, so the plan is not to be trusted.
+    """
+    used = {job.region for job in schedule.jobs if job.end > now}
+    down: dict[str, list[NodeReport]] = {}
+    for report in reports:
+        if report.status is None and report.region in used:
+            down.setdefault(report.region, []).append(report)
+    return {region: unreachable_message(region, nodes) for region, nodes in sorted(down.items())}
 
 
 @dataclass
@@ -234,20 +304,48 @@ def complete_versions(
     }
 
 
+async def held_manifests(
+    registry: Registry, held: set[VersionKey], known: dict[str, pb.Manifest]
+) -> dict[str, pb.Manifest]:
+    """Manifests of the versions nodes hold that ``known`` lacks (gone from the registry: left out).
+
+    A held version's stored bytes against its manifest's source bytes is the
+    stored/source ratio that sizes the versions no node holds yet, so every
+    held version counts, not only those a schedule reads.
+    """
+    have = {(m.dataset, m.version) for m in known.values()}
+
+    async def one(dataset: str, version: int) -> pb.Manifest | None:
+        try:
+            return await registry.manifest(dataset, version)
+        except VersionNotFound:
+            return None
+
+    found = await asyncio.gather(*(one(d, v) for d, v in sorted(held - have)))
+    return {f"{m.dataset}@{m.version}": m for m in found if m is not None}
+
+
 def version_sizes(
-    manifests: dict[str, pb.Manifest], held: dict[str, dict[VersionKey, Holding]]
+    manifests: dict[str, pb.Manifest],
+    held: dict[str, dict[VersionKey, Holding]],
+    *,
+    others: dict[str, pb.Manifest] | None = None,
 ) -> dict[VersionKey, VersionSize]:
-    """Stored and source bytes of every version: stored as a region holds it, else estimated.
+    """Stored and source bytes of every version in ``manifests``: stored as held, else estimated.
 
     The estimate scales the source bytes by the stored/source ratio of the
     dataset's other versions that some region holds whole (same data, same
     preprocessing, as a rule), else by that ratio over everything held, else
     1. Preprocessing changes size a lot (Parquet → Arrow grows, JSON text →
-    zstd shrinks), so source bytes alone would misjudge capacity.
+    zstd shrinks), so source bytes alone would misjudge capacity. ``others``
+    are the manifests of held versions that ``manifests`` lacks (versions no
+    job reads): their ratios count too, though they get no size of their own.
     """
     source = {
-        (m.dataset, m.version): sum(s.source_size for s in m.shards) for m in manifests.values()
+        (m.dataset, m.version): sum(s.source_size for s in m.shards)
+        for m in [*(others or {}).values(), *manifests.values()]
     }
+    wanted = {(m.dataset, m.version) for m in manifests.values()}
     stored: dict[VersionKey, int] = {}
     for region in held.values():
         for key, holding in region.items():
@@ -260,7 +358,8 @@ def version_sizes(
     everything = [r for values in ratios.values() for r in values]
     overall = sum(everything) / len(everything) if everything else 1.0
     sizes = {}
-    for key, source_bytes in source.items():
+    for key in sorted(wanted):
+        source_bytes = source[key]
         if key in stored:
             sizes[key] = VersionSize(stored=stored[key], source=source_bytes)
             continue
@@ -521,7 +620,7 @@ def evict(
         if v.HasField("pinned_until") and v.pinned_until.ToDatetime(tzinfo=UTC) > now
     ]
     if pins and not force:
-        raise VersionPinned(_pinned_message(topology, spec, pins, now))
+        raise VersionPinned(_pinned_message(topology, spec, pins, set(regions), now))
     if not held:
         try:
             Registry.run(topology.registry, lambda reg: reg.manifest(*key))
@@ -546,21 +645,137 @@ def evict(
     return results
 
 
-def _pinned_message(
-    topology: Topology, spec: str, pins: list[tuple[str, datetime]], now: datetime
-) -> str:
-    """Which scheduled jobs a pinned version is kept for, as the controller recorded them."""
+@dataclass(frozen=True)
+class PinnedJob:
+    """A scheduled job whose versions were pinned for it, as whoever pinned them recorded it."""
+
+    name: str
+    region: str
+    start: datetime
+    end: datetime
+    versions: tuple[str, ...]  # name@N
+
+
+def record_warmed_jobs(
+    topology: Topology, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
+) -> None:
+    """Record in the registry which jobs ``warm`` pins versions for, so ``evict`` can name them.
+
+    The controller keeps its own record (``_controller/state.json``); this is
+    warm's (``_warm/jobs.json``): the jobs of the schedule not yet over, merged
+    with those of earlier runs still to end (a job of the same name replaced).
+    """
+    url = f"{topology.registry.rstrip('/')}/{WARMED_JOBS}"
+    kept = {job.name: job for job in _warmed_jobs(topology.registry) if job.end > now}
+    for job in schedule.jobs:
+        if job.end > now:
+            versions = tuple(
+                f"{manifests[s].dataset}@{manifests[s].version}"
+                for s in job.datasets
+                if s in manifests
+            )
+            kept[job.name] = PinnedJob(job.name, job.region, job.start, job.end, versions)
+    body = json.dumps(
+        [
+            {
+                "name": job.name,
+                "region": job.region,
+                "start": job.start.isoformat(),
+                "end": job.end.isoformat(),
+                "versions": list(job.versions),
+            }
+            for job in sorted(kept.values(), key=lambda j: (j.start, j.name))
+        ],
+        indent=1,
+    ).encode()
+
+    async def write() -> None:
+        stores = Stores()
+        try:
+            await stores.for_url(url).put(url, body)
+        finally:
+            await stores.close()
+
+    asyncio.run(write())
+
+
+def _warmed_jobs(registry: str) -> list[PinnedJob]:
+    """What :func:`record_warmed_jobs` recorded (nothing if warm never ran, or unreadable)."""
+    url = f"{registry.rstrip('/')}/{WARMED_JOBS}"
+
+    async def read() -> bytes | None:
+        stores = Stores()
+        try:
+            return await stores.for_url(url).get(url)
+        except ObjectNotFound:
+            return None
+        finally:
+            await stores.close()
+
+    raw = asyncio.run(read())
+    try:
+        return [
+            PinnedJob(
+                j["name"],
+                j["region"],
+                datetime.fromisoformat(j["start"]),
+                datetime.fromisoformat(j["end"]),
+                tuple(j["versions"]),
+            )
+            for j in json.loads(raw or b"[]")
+        ]
+    except (ValueError, TypeError, KeyError):
+        return []  # a record that cannot be read only costs the job's name in a message
+
+
+def pinned_jobs(topology: Topology) -> list[PinnedJob]:
+    """The jobs pins were set for: the controller's record, then warm's for jobs it lacks."""
     from edgecache.clients.controller import read_state  # the controller builds on ops
 
+    state = read_state(topology.registry)
+    jobs = {
+        job.name: PinnedJob(
+            job.name,
+            job.region,
+            datetime.fromisoformat(job.start),
+            datetime.fromisoformat(job.end),
+            tuple(job.versions),
+        )
+        for job in (state.jobs.values() if state else [])
+    }
+    for job in _warmed_jobs(topology.registry):
+        jobs.setdefault(job.name, job)
+    return sorted(jobs.values(), key=lambda j: (j.start, j.name))
+
+
+def _job_times(job: PinnedJob, now: datetime) -> str:
+    """``name (region, starts …, until … UTC)``: a job as an eviction refusal names it."""
+    start = f"{job.start.astimezone(UTC):%Y-%m-%d %H:%M}"
+    when = f"running since {start}" if job.start <= now else f"starts {start}"
+    return f"{job.name} ({job.region}, {when}, until {job.end.astimezone(UTC):%Y-%m-%d %H:%M} UTC)"
+
+
+def _pinned_message(
+    topology: Topology,
+    spec: str,
+    pins: list[tuple[str, datetime]],
+    regions: set[str],
+    now: datetime,
+) -> str:
+    """Which scheduled jobs a pinned version is kept for, and when they start."""
     until = max(when for _, when in pins)
     nodes = ", ".join(sorted({node for node, _ in pins}))
-    state = read_state(topology.registry)
-    jobs = sorted(
-        f"{job.name} ({job.region}, until {job.end[:16].replace('T', ' ')})"
-        for job in (state.jobs.values() if state else [])
-        if spec in job.versions and datetime.fromisoformat(job.end) > now
+    jobs = [
+        _job_times(job, now)
+        for job in pinned_jobs(topology)
+        if spec in job.versions and job.region in regions and job.end > now
+    ]
+    reads = (
+        f"read by {', '.join(jobs)}"
+        if jobs
+        else "kept for a scheduled job (neither warm nor the controller recorded which: "
+        "`edgecache plan SCHEDULE` lists the jobs that read it)"
     )
-    reads = f"read by {', '.join(jobs)}" if jobs else "kept for a scheduled job"
     return (
         f"{spec} is pinned on {nodes} until {until:%Y-%m-%d %H:%M} UTC, {reads}; evicting it "
         "would leave that job without its data. Change the schedule, or pass --force"
@@ -588,22 +803,67 @@ def wait_ready(
 ) -> Readiness:
     """Check readiness once (``timeout=None``) or until ready or ``timeout`` seconds pass.
 
-    The wait never overruns the timeout by more than one status round, and a
-    wait that ends unready says it timed out.
+    The wait never overruns the timeout: a status round still out when the
+    time is up is not waited for (the last answer stands), and a wait that
+    ends unready says it timed out. Only the region's own nodes are asked, so
+    a node down elsewhere costs nothing.
     """
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"--timeout must be 0 or more seconds, got {timeout:g}")
     region_nodes(topology, region)  # an unknown region is an error, not "not ready"
     started = time.monotonic()
+
+    def check() -> tuple[bool, str]:
+        return ready(gather_status(topology, token=token, regions={region}), region, manifest)
+
+    if timeout is None:
+        ok, message = check()
+        return Readiness(ok, message, waited_seconds=time.monotonic() - started)
+    deadline = started + timeout
+    message = f"no node of {region} answered about {manifest.dataset}@{manifest.version} in time"
     while True:
-        ok, message = ready(gather_status(topology, token=token), region, manifest)
-        waited = time.monotonic() - started
-        if ok or timeout is None:
-            return Readiness(ok, message, waited_seconds=waited)
-        left = timeout - waited
+        asked = time.monotonic()
+        answer = _within(check, deadline - asked)
+        if answer is not None:
+            ok, message = answer
+            if ok:
+                return Readiness(True, message, waited_seconds=time.monotonic() - started)
+        took = time.monotonic() - asked
+        left = deadline - time.monotonic()
         if left <= 0:
+            waited = time.monotonic() - started
             return Readiness(
                 False,
                 f"timed out after {waited:.1f} s: {message}",
                 timed_out=True,
                 waited_seconds=waited,
             )
-        time.sleep(min(poll_seconds, left))
+        # Leave the last round time to answer before the deadline.
+        time.sleep(min(poll_seconds, max(left - took, 0.0)))
+
+
+_T = TypeVar("_T")
+
+
+def _within(call: Callable[[], _T], seconds: float) -> _T | None:
+    """``call()``'s result if it comes within ``seconds``, else None (it finishes unobserved).
+
+    A daemon thread, so a round still out does not hold up the process's exit.
+    """
+    if seconds <= 0:
+        return None
+    outcome: list[_T] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if failure:
+        raise failure[0]
+    return outcome[0] if outcome else None

@@ -4,7 +4,8 @@ Built from three sources: the current plan (planned ready times and what
 cannot be met), the nodes' live status (what is there now, shard by shard),
 and the controller's record (when it saw each job's data complete, and
 whether it was complete when the job started). Without a controller the
-record is empty and the view says what is there now.
+record is empty and the view says what is there now, that nothing is
+staging the rest, and which command would.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from edgecache.cache.planner import Plan
+from edgecache.cache.planner import Plan, StageTask
 from edgecache.clients.controller import ControllerState
 from edgecache.clients.ops import NodeReport, holdings
 from edgecache.clients.topology import Schedule
@@ -33,17 +34,26 @@ class JobView:
     missing: list[str]  # "name@N: 3/8 shards" now
     complete_at_start: bool | None  # None until the job starts (or without a controller)
     why: str  # why it is late or cannot be met; "" when on time
+    # What is being done about what is missing: "staging" (a controller's task runs),
+    # "planned" (a running controller starts it at its planned start), "not started"
+    # (nothing runs the schedule) or "over" (the job has ended); "" when nothing is missing.
+    progress: str = ""
+    hint: str = ""  # what happens next, or what to run; "" when nothing is missing
 
     @property
     def state(self) -> str:
-        """ready, staging, late, missed (started without its data) or infeasible."""
+        """ready, missed (started without its data), infeasible, late, or else its progress.
+
+        Only a task a controller is running counts as staging: a plan nobody
+        carries out is "not started", however soon it was planned to be ready.
+        """
         if self.complete_at_start is False:
             return "missed"
         if not self.missing:
             return "ready"
         if self.why.startswith("cannot be met"):
             return "infeasible"
-        return "late" if self.why else "staging"
+        return "late" if self.why else self.progress or "not started"
 
 
 def job_views(
@@ -53,8 +63,17 @@ def job_views(
     reports: list[NodeReport],
     state: ControllerState | None,
     now: datetime,
+    *,
+    controller_running: bool = False,
+    schedule_path: str = "SCHEDULE",
 ) -> list[JobView]:
-    """A view of every scheduled job, in start order."""
+    """A view of every scheduled job, in start order.
+
+    ``controller_running`` says whether a controller holds the lease now: only
+    then will the plan's tasks start on their own, and only then is a task its
+    record calls running really running (a killed controller leaves "running"
+    behind). ``schedule_path`` goes into the commands a hint suggests.
+    """
     held = holdings(reports, manifests)
     infeasible: dict[str, list[str]] = {}
     for item in plan.infeasible:
@@ -94,6 +113,12 @@ def job_views(
             ]
             if failed:
                 why = "staging failed: " + "; ".join(failed)
+        if job.end <= now:
+            progress, hint = "over", ""
+        else:
+            progress, hint = _progress(
+                job.region, tasks, state if controller_running else None, schedule_path
+            )
         views.append(
             JobView(
                 job=job.name,
@@ -104,9 +129,38 @@ def job_views(
                 missing=missing,
                 complete_at_start=record.complete_at_start if record else None,
                 why=why,
+                progress=progress if missing else "",
+                hint=hint if missing and job.name not in infeasible else "",
             )
         )
     return views
+
+
+def _progress(
+    region: str, tasks: list[StageTask], state: ControllerState | None, schedule_path: str
+) -> tuple[str, str]:
+    """What is being done about a job's missing data, and what comes next.
+
+    ``state`` is the record of a controller running now (None when none runs).
+    """
+    if state is None:
+        return "not started", (
+            f"nothing is staging it: `edgecache controller --schedule {schedule_path}` "
+            f"stages it on time; `edgecache warm {schedule_path}` does now what can be "
+            "done now"
+        )
+    specs = {t.spec for t in tasks}
+    running = sorted(
+        t.version
+        for t in state.tasks.values()
+        if t.region == region and t.version in specs and t.state == "running"
+    )
+    if running:
+        return "staging", f"the controller is staging {', '.join(running)}"
+    if tasks:
+        first = min(t.start for t in tasks)
+        return "planned", f"the controller starts staging at {first:%Y-%m-%d %H:%M}"
+    return "planned", ""
 
 
 def _time(text: str | None) -> datetime | None:

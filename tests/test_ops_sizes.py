@@ -40,3 +40,12 @@ def test_stored_where_held_estimated_from_the_dataset_elsewhere() -> None:
 def test_nothing_held_means_source_bytes() -> None:
     sizes = version_sizes({"a@1": manifest("a", 1, [10, 20])}, {})
     assert sizes[("a", 1)] == VersionSize(stored=30, source=30)
+
+
+def test_held_versions_no_job_reads_still_give_the_ratio() -> None:
+    """The schedule reads tokens@2 only; tokens@1, held, says how much it grows once stored."""
+    manifests = {"tokens@2": manifest("tokens", 2, [150, 150])}
+    others = {"tokens@1": manifest("tokens", 1, [100, 100])}
+    held = {"eu": {("tokens", 1): Holding(shards=2, stored_bytes=80, complete=True)}}
+    sizes = version_sizes(manifests, held, others=others)
+    assert sizes == {("tokens", 2): VersionSize(stored=120, source=300)}  # 0.4 x source

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
@@ -259,3 +260,36 @@ def test_a_partly_held_version_moves_only_the_rest() -> None:
     (task,) = result.regions["eu"].tasks
     assert (task.finish - task.start).total_seconds() == 1.0  # 1 GB left at 1 GB/s
     assert result.transfers[("j", "origin→eu")] == 1 * GB
+
+
+def test_a_job_that_has_started_is_said_to_have_started() -> None:
+    """Not "needs 0 s … only 0 s before the start": the start is past, and that is the news."""
+    job = Job("job-eu", "eu", NOW, NOW + timedelta(hours=6), (("ds", 1),))
+    region = RegionState("eu", capacity_bytes=10 * GB, origin_bandwidth=1e7)  # 100 s a GB
+    result = plan([job], {"eu": region}, {("ds", 1): GB}, now=NOW + timedelta(hours=1))
+    (why,) = [i.reason for i in result.infeasible]
+    assert why.startswith("job-eu already started at 2026-12-01 00:00 without ds@1"), why
+    assert "the plan stages it now" in why and "needs" not in why
+    assert [t.spec for t in result.regions["eu"].tasks] == ["ds@1"]  # still worth staging
+    late = plan([job], {"eu": region}, {("ds", 1): GB}, now=NOW + timedelta(hours=5, minutes=59))
+    (why,) = [i.reason for i in late.infeasible]
+    assert "could not arrive before the job ends at 06:00" in why, why
+    assert not late.regions["eu"].tasks
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenario=scenarios(), down=st.integers(0, 2))
+def test_an_unreachable_region_gets_nothing_planned_and_says_why(scenario, down) -> None:  # noqa: ANN001
+    """Its capacity and holdings are unknown: every job there says so, nothing else."""
+    jobs, regions, sizes = scenario
+    name = sorted(regions)[down % len(regions)]
+    why = f"region {name} is unreachable: 127.0.0.1:1 (not connected within 3 s)"
+    regions = {**regions, name: replace(regions[name], unreachable=why)}
+    result = plan(jobs, regions, sizes, now=NOW)
+    region_plan = result.regions[name]
+    assert not (region_plan.tasks or region_plan.evictions or region_plan.pins)
+    expected = sorted(
+        (job.name, f"{d}@{v}") for job in jobs if job.region == name for d, v in job.versions
+    )
+    assert sorted((i.job, i.version) for i in result.infeasible if i.region == name) == expected
+    assert all(i.reason == why for i in result.infeasible if i.region == name)

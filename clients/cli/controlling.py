@@ -19,7 +19,7 @@ from edgecache.clients.cli.context import (
     exit_with,
     reporting,
 )
-from edgecache.clients.cli.render import console
+from edgecache.clients.cli.render import console, error
 
 
 @app.command()
@@ -60,9 +60,14 @@ def controller(
     vanished version is planned around. Only one controller acts at a time
     (a lease in the registry); others stand by and take over when it lapses.
     Plan against reality: `edgecache plan SCHEDULE --status` and the
-    edgecache_controller_* metrics. Exit codes: 0 stopped by SIGTERM or
-    Ctrl-C (or --once done); 1 failed; 2 bad input.
+    edgecache_controller_* metrics. A running controller logs what fails (a
+    node down, a pin, eviction or stage that failed) and tries again next
+    round. Exit codes: 0 stopped by SIGTERM or Ctrl-C, or --once done with
+    every action carried out; 1 failed: with --once, another controller holds
+    the lease, or something the round did failed (each failure listed on
+    stderr); 2 bad input.
     """
+    from edgecache.clients.cli.staging import parse_at
     from edgecache.clients.controller import Controller, SimulatedClock
     from edgecache.edge.config import split_hostport
 
@@ -71,9 +76,7 @@ def controller(
     )
     options = Options(config, token_file)
     with reporting():
-        start = datetime.fromisoformat(at) if at else None
-        if start is not None and start.tzinfo is None:
-            raise ValueError(f"--at {at!r} needs a time zone, e.g. {at}Z")
+        start = parse_at(at)
         if start is None and speed != 1.0:
             raise ValueError("--speed needs --at (the time the simulated clock starts)")
         clock = SimulatedClock(start, speed) if start else (lambda: datetime.now(UTC))
@@ -91,12 +94,17 @@ def controller(
             console.print(f"metrics on {host}:{bound}")
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: running.stop.set())
-        console.print(f"controller {running.holder} running {schedule} every {interval:g} s")
+        every = "once" if once else f"every {interval:g} s"
+        console.print(f"controller {running.holder} running {schedule} {every}")
         if once:
             with reporting():
                 if running.tick() is None:
                     raise exit_with(ExitCode.FAILED)  # another controller holds the lease
             running.wait_idle()
+            for failure in running.failures:
+                error(failure)
+            if running.failures:
+                raise exit_with(ExitCode.FAILED)
         else:
             running.run(interval)
     finally:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import TaskID
 
-from edgecache.cache.planner import Plan
+from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.planner import Eviction, Plan
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
     ConfigOption,
@@ -25,13 +27,18 @@ from edgecache.clients.cli.render import (
     Column,
     console,
     err_console,
+    error,
     format_bytes,
     line,
     progress,
     table,
     warning,
 )
+from edgecache.clients.executor import PlanExecutor, TaskRun, eviction_blocker
+from edgecache.clients.ops import WarmItem
 from edgecache.clients.plan_status import JobView
+from edgecache.clients.topology import Schedule, Topology
+from edgecache.v1 import manifest_pb2 as pb
 
 
 @app.command()
@@ -55,19 +62,21 @@ def plan(
     """Show what to stage where, by when, what to evict, and what cannot be met.
 
     Exit codes: 0 every job can be met; 3 some cannot (listed, with the reason);
-    2 bad input; 1 failed (registry or nodes unreachable).
+    2 bad input; 1 failed: the registry, or a node of a region the schedule
+    uses, is unreachable (named; this wins over 3, since that region's plan
+    is built without knowing what it holds).
     """
-    from edgecache.clients.ops import gather_status, make_plan
+    from edgecache.clients.ops import gather_status, make_plan, unreachable_regions
     from edgecache.clients.topology import load_schedule
 
     options = Options(config, token_file)
     with reporting():
         jobs = load_schedule(schedule, options.topology)
-        now = _parse_at(at)
+        now = parse_at(at) or datetime.now(UTC)
         reports = gather_status(options.topology, token=options.token)
         result, manifests = make_plan(options.topology, jobs, now=now, reports=reports)
         if show_status:
-            from edgecache.clients.controller import read_state
+            from edgecache.clients.controller import lease_holder, read_state
             from edgecache.clients.plan_status import job_views
 
             views = job_views(
@@ -76,7 +85,9 @@ def plan(
                 manifests,
                 reports,
                 read_state(options.topology.registry),
-                now or datetime.now(UTC),
+                now,
+                controller_running=lease_holder(options.topology.registry) is not None,
+                schedule_path=str(schedule),
             )
     if show_status:
         _print_status(views, as_json)
@@ -84,17 +95,29 @@ def plan(
         print(json.dumps(_plan_json(result), indent=2))
     else:
         _print_plan(result, explain)
+    down = unreachable_regions(reports, jobs, now)
+    for message in down.values():
+        error(message)
+    if down:
+        raise exit_with(ExitCode.FAILED)
     if result.infeasible:
         raise exit_with(ExitCode.CANNOT_BE_MET)
 
 
-def _parse_at(at: str | None) -> datetime | None:
+def parse_at(at: str | None, option: str = "--at") -> datetime | None:
+    """``--at``'s time; a malformed or zone-less one is bad input that names the option."""
     if at is None:
         return None
-    now = datetime.fromisoformat(at)
-    if now.tzinfo is None:
-        raise ValueError(f"--at {at!r} needs a time zone, e.g. {at}Z")
-    return now
+    example = "2026-12-01T08:00:00Z"
+    try:
+        when = datetime.fromisoformat(at)
+    except ValueError:
+        raise ValueError(
+            f"{option} {at!r} is not a time: give ISO 8601 with a time zone, e.g. {example}"
+        ) from None
+    if when.tzinfo is None:
+        raise ValueError(f"{option} {at!r} needs a time zone, e.g. {at}Z")
+    return when
 
 
 def _print_status(views: list[JobView], as_json: bool) -> None:
@@ -112,6 +135,7 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
                         "complete_at_start": v.complete_at_start,
                         "missing": v.missing,
                         "why": v.why,
+                        "hint": v.hint,
                     }
                     for v in views
                 ],
@@ -119,7 +143,14 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
             )
         )
         return
-    colour = {"ready": "green", "staging": "cyan", "late": "yellow", "missed": "red"}
+    colour = {
+        "ready": "green",
+        "staging": "cyan",
+        "planned": "cyan",
+        "not started": "yellow",
+        "late": "yellow",
+        "missed": "red",
+    }
     table(
         "jobs: plan against reality",
         [
@@ -139,7 +170,7 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
                 f"{v.planned_ready:%Y-%m-%d %H:%M:%S}" if v.planned_ready else "—",
                 f"{v.ready_at:%Y-%m-%d %H:%M:%S}" if v.ready_at else "—",
                 f"[{colour.get(v.state, 'red')}]{v.state}[/]",
-                "\n".join([*v.missing, *([v.why] if v.why else [])]),
+                "\n".join([*v.missing, *(text for text in (v.why, v.hint) if text)]),
             ]
             for v in views
         ],
@@ -264,7 +295,13 @@ def warm(
     target: Annotated[str, typer.Argument(help="A schedule file, or NAME@N with --region.")],
     region: Annotated[str | None, typer.Option(help="Region to warm NAME@N in.")] = None,
     config: ConfigOption = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be done.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print what warm would do now, deferrals included, and do nothing.",
+        ),
+    ] = False,
     token_file: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -274,15 +311,18 @@ def warm(
     start, from the source the plan chose, after the evictions that make its
     room; an eviction that would take data a job reads before the plan's
     eviction time is refused, and the tasks that need its room are deferred
-    (run warm again later, or let the controller run the schedule). Exit codes:
-    0 done; 3 a job cannot be met (the rest is done); 1 a transfer or node
-    failed; 2 bad input; 130 interrupted (run it again to resume).
+    (run warm again later, or let the controller run the schedule). --dry-run
+    goes through the same steps without touching a node, so it shows the same
+    evictions, stages and deferrals. Exit codes: 0 done; 3 a job cannot be met
+    (the rest is done); 1 a transfer or node failed, or a node of a region the
+    schedule uses is unreachable; 2 bad input; 130 interrupted (run it again to
+    resume). --dry-run exits as the real run would before it moves data: 3, 1
+    for an unreachable node, else 0.
     """
     import threading
 
     from edgecache.cache.registry import Registry
     from edgecache.clients import ops
-    from edgecache.clients.executor import PlanExecutor, TaskRun
     from edgecache.clients.topology import load_schedule
 
     options = Options(config, token_file)
@@ -292,10 +332,13 @@ def warm(
             from edgecache.clients.controller import lease_holder
 
             schedule = load_schedule(target, topology)
-            result, manifests = ops.make_plan(topology, schedule, token=token)
+            now = datetime.now(UTC)
+            reports = ops.gather_status(topology, token=token)
+            result, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
+            down = ops.unreachable_regions(reports, schedule, now)
             single = None
             holder = lease_holder(topology.registry)
-            if holder is not None:
+            if holder is not None and not dry_run:
                 warning(
                     f"controller {holder.holder} runs a schedule on this registry; warm acts "
                     "now as well (pins, evictions and staging are idempotent, so nothing is "
@@ -307,35 +350,26 @@ def warm(
             ops.region_nodes(topology, region)  # an unknown region fails before the registry
             manifest = Registry.run(topology.registry, lambda reg: reg.resolve(target))
             single = ops.warm_item_for_version(topology, region, manifest)
+            down = {}
     if single is None:
         for i in result.infeasible:
+            if i.region in down:
+                continue  # said once, below, as the node failure it is
             err_console.print(
                 f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}",
                 soft_wrap=True,
             )
-    if dry_run:
-        if single is not None:
+    if dry_run and single is not None:
+        if as_json:
+            print(json.dumps({"dry_run": True, "items": [_single_row(single, dry_run)]}))
+        else:
             console.print(
                 f"would stage {single.spec} into {single.region} "
                 f"({format_bytes(single.bytes_total)}) on {', '.join(single.nodes)}"
             )
-            return
-        for name, rp in result.regions.items():
-            for e in rp.evictions:
-                console.print(f"would evict {e.version[0]}@{e.version[1]} from {name}: {e.reason}")
-            for t in rp.tasks:
-                console.print(
-                    f"would stage {t.spec} into {name} ({format_bytes(t.bytes)}) from {t.source}"
-                )
-            for version, until in sorted(rp.pins.items()):
-                console.print(
-                    f"would pin {version[0]}@{version[1]} in {name} until {until:%Y-%m-%d %H:%M}"
-                )
-        if result.infeasible:
-            raise exit_with(ExitCode.CANNOT_BE_MET)
         return
     stop = threading.Event()
-    bar_set = progress(disable=as_json)
+    bar_set = progress(disable=as_json or dry_run)
     bars: dict[int, TaskID] = {}
 
     def show(run: TaskRun) -> None:
@@ -358,31 +392,23 @@ def warm(
                     on_progress=lambda i: bar_set.update(bar, completed=i.bytes_done),
                 )
                 failed = [single] if single.failures else []
-                items = [single]
+                rows = [_single_row(single, dry_run)]
             else:
-                executor = PlanExecutor(topology, token=token, stop=stop, on_progress=show)
+                kind = Rehearsal if dry_run else PlanExecutor
+                executor = kind(topology, token=token, stop=stop, on_progress=show)
+                if not dry_run:
+                    _record_warmed_jobs(topology, schedule, manifests, now)
                 with reporting():
                     outcome = executor.warm(result, schedule, manifests)
-                items = [run.item for run in outcome.runs]
+                rows = [_run_row(run) for run in outcome.runs]
                 failed = [run.item for run in outcome.failed]
     except KeyboardInterrupt:
         stop.set()
         err_console.print("stopped; run the same command again to resume")
         raise typer.Exit(130) from None
     if as_json:
-        out: dict[str, object] = {
-            "items": [
-                {
-                    "region": i.region,
-                    "version": i.spec,
-                    "source": "peer" if i.peers else "origin",
-                    "done": i.done,
-                    "failures": i.failures,
-                    "notes": i.notes,
-                }
-                for i in items
-            ]
-        }
+        out: dict[str, object] = {"dry_run": True} if dry_run else {}
+        out["items"] = rows
         if single is None:
             out["evicted"] = [
                 {"region": e.region, "version": f"{e.version[0]}@{e.version[1]}", "bytes": b}
@@ -391,38 +417,140 @@ def warm(
             out["deferred"] = [
                 {"region": d.region, "what": d.what, "reason": d.reason} for d in outcome.deferred
             ]
+            out["pins"] = [
+                {"region": name, "version": f"{v[0]}@{v[1]}", "until": until.isoformat()}
+                for name, rp in result.regions.items()
+                for v, until in sorted(rp.pins.items())
+            ]
+            out["pin_failures"] = outcome.pin_failures
             out["infeasible"] = [
                 {"job": i.job, "region": i.region, "version": i.version, "reason": i.reason}
                 for i in result.infeasible
             ]
+            out["unreachable"] = [{"region": r, "reason": why} for r, why in down.items()]
         print(json.dumps(out))
     else:
         if single is None:
+            evicted = "would evict" if dry_run else "evicted"
             for e, freed in outcome.evicted:
                 console.print(
-                    f"{e.region}: evicted {e.version[0]}@{e.version[1]} "
+                    f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
                     f"({format_bytes(freed)}): {e.reason}"
                 )
+            if dry_run:
+                for row in rows:
+                    if row["state"] != "deferred":
+                        console.print(
+                            f"{row['region']}: would stage {row['version']} "
+                            f"({format_bytes(int(row['bytes']))}) from {row['from']}"
+                        )
+                for name, rp in result.regions.items():
+                    for v, until in sorted(rp.pins.items()):
+                        console.print(
+                            f"{name}: would pin {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}"
+                        )
+            deferred = "would defer" if dry_run else "deferred"
             for d in outcome.deferred:
                 err_console.print(
-                    f"[yellow]deferred:[/yellow] {d.region} {d.what}: {d.reason}", soft_wrap=True
+                    f"[yellow]{deferred}:[/yellow] {d.region} {d.what}: {d.reason}", soft_wrap=True
                 )
             for failure in outcome.pin_failures:
                 err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
-        for item in items:
-            for note in item.notes:
-                err_console.print(f"note: {item.region} {item.spec}: {note}", soft_wrap=True)
-        done = sum(1 for i in items if i.done)
-        console.print(f"warm: {done} of {len(items)} item(s) staged")
+        for row in rows:
+            for note in row["notes"]:
+                err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
+        if dry_run:
+            staged = sum(1 for row in rows if row["state"] != "deferred")
+            console.print(f"warm --dry-run: {staged} of {len(rows)} item(s) would be staged")
+        else:
+            staged = sum(1 for row in rows if row["done"])
+            console.print(f"warm: {staged} of {len(rows)} item(s) staged")
     for item in failed:
         err_console.print(
             f"[red]failed:[/red] {item.spec} in {item.region}: " + "; ".join(item.failures),
             soft_wrap=True,
         )
-    if failed or (single is None and outcome.pin_failures):
+    for message in down.values():
+        error(message)
+    if failed or down or (single is None and outcome.pin_failures):
         raise exit_with(ExitCode.FAILED)
     if single is None and result.infeasible:
         raise exit_with(ExitCode.CANNOT_BE_MET)
+
+
+def _record_warmed_jobs(
+    topology: Topology, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
+) -> None:
+    """Record the jobs warm pins for (so evict can name them); failing that only warns."""
+    from edgecache.clients import ops
+
+    try:
+        ops.record_warmed_jobs(topology, schedule, manifests, now)
+    except (EdgeCacheError, OSError) as exc:
+        warning(
+            f"could not record the jobs warm pins versions for ({exc}); evict will not be "
+            "able to name them"
+        )
+
+
+class Rehearsal(PlanExecutor):
+    """The executor ``warm --dry-run`` uses: the real one's decisions, no node touched.
+
+    :meth:`PlanExecutor.warm` orders the steps and decides what is deferred;
+    only the three actions are replaced. An eviction asks the same guard the
+    real one does (and "frees" the planned bytes), a task is marked as one
+    that would be staged, and pins are listed from the plan instead of set.
+    """
+
+    def pin(self, plan: Plan, reports: Sequence[object] | None = None) -> list[str]:
+        """Set nothing; a pin cannot fail in a rehearsal."""
+        return []
+
+    def evict(
+        self, eviction: Eviction, schedule: Schedule, manifests: Mapping[str, pb.Manifest]
+    ) -> tuple[int, str | None]:
+        """What :meth:`PlanExecutor.evict` would answer, less the node's errors."""
+        blocker = eviction_blocker(eviction, schedule, manifests, self.clock())
+        if blocker is not None:
+            spec = f"{eviction.version[0]}@{eviction.version[1]}"
+            return 0, f"not evicting {spec}: {blocker}"
+        return eviction.bytes, None
+
+    def run(self, run: TaskRun, *, peer_wait: float = 0.0) -> TaskRun:
+        """Stage nothing; the run is one that would be staged."""
+        run.state = "would stage"
+        return run
+
+
+def _run_row(run: TaskRun) -> dict[str, Any]:
+    """One staging task as warm reports it (and --json prints it)."""
+    return {
+        "region": run.item.region,
+        "version": run.item.spec,
+        "source": "peer" if run.item.peers else "origin",
+        "from": run.task.source,
+        "bytes": run.item.bytes_total,
+        "state": run.state,
+        "done": run.item.done,
+        "failures": run.item.failures,
+        "notes": run.item.notes,
+    }
+
+
+def _single_row(item: WarmItem, dry_run: bool) -> dict[str, Any]:
+    """``warm NAME@N --region R``'s one item, as :func:`_run_row` reports a task."""
+    state = "would stage" if dry_run else "done" if item.done else "failed"
+    return {
+        "region": item.region,
+        "version": item.spec,
+        "source": "origin",
+        "from": "origin",
+        "bytes": item.bytes_total,
+        "state": state,
+        "done": item.done,
+        "failures": item.failures,
+        "notes": item.notes,
+    }
 
 
 @app.command()
@@ -431,14 +559,18 @@ def ready(
     region: Annotated[str, typer.Option(help="Region the job runs in.")],
     config: ConfigOption = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until ready.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600.0,
+    timeout: Annotated[
+        float, typer.Option(min=0.0, help="Seconds to wait at most (with --wait).")
+    ] = 3600.0,
     token_file: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Exit 0 only when every shard of the version is staged in the region.
 
-    Gate a job's launch on it. Exit codes: 0 ready; 1 not ready (or --wait timed
-    out, which it says); 2 bad input.
+    Gate a job's launch on it. --wait never overruns --timeout: a status round
+    still out when the time is up is not waited for. Exit codes: 0 ready; 1 not
+    ready (or --wait timed out, which it says); 2 bad input (a negative
+    --timeout among them).
     """
     from edgecache.cache.registry import Registry
     from edgecache.clients.ops import wait_ready

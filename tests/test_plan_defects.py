@@ -1,0 +1,245 @@
+"""What plan, warm, evict, ready and the controller show is what is true, against real nodes.
+
+Two versions of one Parquet dataset (same content) and small regions on
+loopback: ``tiny`` holds pq@1 with room for one more, ``small`` holds pq@2
+and has room for one version only. Commands run as real processes, in a
+pipe at 80 columns, as an operator or a script meets them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, stub, write_parquet_shards
+
+from edgecache.cache.registry import Registry
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.ops import make_plan
+from edgecache.clients.topology import load_schedule, load_topology
+from edgecache.v1 import edge_pb2
+
+NARROW = {**os.environ, "COLUMNS": "80"}
+
+
+def edgecache(*args: str) -> tuple[int, str, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", *args],
+        capture_output=True,
+        text=True,
+        env=NARROW,
+        timeout=300,
+    )
+    return out.returncode, out.stdout, out.stderr
+
+
+def status(node: LocalNode) -> edge_pb2.NodeStatus:
+    return stub(node.address).Status(edge_pb2.StatusRequest())
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, LocalNode]]]:
+    root = tmp_path_factory.mktemp("defects")
+    registry = f"file://{root}/registry"
+    write_parquet_shards(root / "origin", 1, rows=500)
+    publish(registry, f"file://{root}/origin", "pq")
+    publish(registry, f"file://{root}/origin", "pq")  # pq@2: the same content again
+    nodes = {
+        "tiny": start_local_node("tiny", root / "cache-tiny", registry, capacity="70KiB"),
+        "small": start_local_node("small", root / "cache-small", registry, capacity="50KiB"),
+    }
+    list(stub(nodes["tiny"].address).Stage(edge_pb2.StageRequest(dataset="pq", version=1)))
+    list(stub(nodes["small"].address).Stage(edge_pb2.StageRequest(dataset="pq", version=2)))
+    for name, node in nodes.items():
+        (root / f"{name}.yaml").write_text(
+            f"registry: {registry}\nregions:\n  {name}:\n    nodes: ['{node.address}']\n"
+        )
+    # A region whose one node is down (nothing listens on port 1), beside a live one.
+    (root / "down.yaml").write_text(
+        f"registry: {registry}\nregions:\n  down:\n    nodes: ['127.0.0.1:1']\n"
+        f"  tiny:\n    nodes: ['{nodes['tiny'].address}']\n"
+    )
+    yield root, nodes
+    for node in nodes.values():
+        node.stop()
+
+
+def schedule(root: Path, name: str, *jobs: tuple[str, str, datetime, str]) -> Path:
+    """A schedule of (job, region, start, NAME@N) jobs, an hour each."""
+    path = root / f"{name}.schedule.yaml"
+    path.write_text(
+        "jobs:\n"
+        + "".join(
+            f"  - name: {job}\n    region: {region}\n    start: '{start.isoformat()}'\n"
+            f"    duration: 1h\n    datasets: [{spec}]\n"
+            for job, region, start, spec in jobs
+        )
+    )
+    return path
+
+
+def test_a_version_no_job_reads_sizes_the_one_it_does(site) -> None:
+    """pq@2 is sized by the stored/source ratio of pq@1, held though the schedule skips it."""
+    root, nodes = site
+    tiny = status(nodes["tiny"])
+    (held,) = [v for v in tiny.versions if v.shard_count]
+    manifest = Registry.run(f"file://{root}/registry", lambda reg: reg.manifest("pq", 2))
+    source = sum(s.source_size for s in manifest.shards)
+    # The premise: pq@2 fits beside pq@1 once stored, but its source bytes would not fit at all.
+    assert 2 * held.stored_bytes <= tiny.capacity_bytes < source
+    later = datetime.now(UTC) + timedelta(days=1)
+    path = schedule(root, "sizes", ("job-tiny", "tiny", later, "pq@2"))
+    topology = load_topology(root / "tiny.yaml")
+    result, _ = make_plan(topology, load_schedule(path, topology))
+    assert not result.infeasible, result.infeasible
+    (task,) = result.regions["tiny"].tasks
+    assert task.bytes == held.stored_bytes  # same content, same ratio: the same stored size
+    code, out, err = edgecache("plan", str(path), "--config", str(root / "tiny.yaml"))
+    assert code == 0 and "pq@2" in out, (out, err)
+
+
+def test_a_down_region_is_named_as_down_and_fails_plan_and_controller_once(site) -> None:
+    root, _ = site
+    later = datetime.now(UTC) + timedelta(days=1)
+    path = schedule(root, "down", ("job-down", "down", later, "pq@1"))
+    config = ["--config", str(root / "down.yaml")]
+    code, out, err = edgecache("plan", str(path), *config)
+    assert code == 1, (code, out, err)  # nodes unreachable, as plan --help says
+    assert "capacity" not in out + err
+    assert "region down is unreachable: 127.0.0.1:1" in err and "edgecache status" in err, err
+    code, out, err = edgecache("plan", str(path), "--json", *config)
+    assert code == 1 and "unreachable" in json.loads(out)["infeasible"][0]["reason"]
+    code, out, err = edgecache("controller", "--schedule", str(path), "--once", *config)
+    assert code == 1, (code, out, err)  # its actions failed: not a clean run
+    assert "running" in out and "once" in out and "every" not in out, out
+    assert "error: region down is unreachable: 127.0.0.1:1" in err, err
+    code, out, err = edgecache("controller", "--help")
+    assert "with --once, another controller holds" in " ".join(out.replace("│", " ").split())
+
+
+def test_warm_dry_run_shows_what_warm_does_deferrals_included_and_as_json(site) -> None:
+    root, nodes = site
+    small = status(nodes["small"])
+    (held,) = [v for v in small.versions if v.shard_count]
+    assert held.stored_bytes < small.capacity_bytes < 2 * held.stored_bytes  # room for one
+    now = datetime.now(UTC)
+    path = schedule(
+        root,
+        "jit",
+        ("job-first", "small", now + timedelta(hours=1), "pq@2"),
+        ("job-second", "small", now + timedelta(hours=3), "pq@1"),
+    )
+    config = ["--config", str(root / "small.yaml")]
+    code, out, err = edgecache("warm", str(path), "--dry-run", *config)
+    assert code == 0, (out, err)
+    # The plan evicts pq@2 just in time for pq@1; warm, running now, must wait for job-first.
+    assert "would evict" not in out and "would stage" not in out, out
+    assert "would defer: small evict pq@2: not evicting pq@2: job job-first starts" in err, err
+    assert "would defer: small stage pq@1: needs room" in err, err
+    assert "small: would pin pq@1 until" in out and "0 of 1 item(s) would be staged" in out
+    code, dry, err = edgecache("warm", str(path), "--dry-run", "--json", *config)
+    assert code == 0, err
+    rehearsed = json.loads(dry)
+    assert rehearsed["dry_run"] is True
+    assert [(i["version"], i["state"]) for i in rehearsed["items"]] == [("pq@1", "deferred")]
+    assert [d["what"] for d in rehearsed["deferred"]] == ["evict pq@2", "stage pq@1"]
+    assert {p["version"] for p in rehearsed["pins"]} == {"pq@1", "pq@2"}
+    assert status(nodes["small"]).versions[0].HasField("pinned_until") is False  # untouched
+    code, real, err = edgecache("warm", str(path), "--json", *config)
+    assert code == 0, err
+    done = json.loads(real)
+    for key in ("items", "evicted", "deferred", "pins", "infeasible"):
+        assert done[key] == rehearsed[key], key  # the dry run said exactly this
+
+
+def test_evict_names_the_job_a_pin_keeps_a_version_for_and_when_it_starts(site) -> None:
+    root, _ = site
+    now = datetime.now(UTC)
+    path = schedule(
+        root,
+        "evict",
+        ("job-first", "small", now + timedelta(hours=1), "pq@2"),
+        ("job-second", "small", now + timedelta(hours=3), "pq@1"),
+    )
+    config = ["--config", str(root / "small.yaml")]
+    code, out, err = edgecache("warm", str(path), *config)  # pins pq@2 for job-first
+    assert code == 0, (out, err)
+    code, out, err = edgecache("evict", "pq@2", "--region", "small", *config)
+    assert code == 2, (out, err)
+    start = f"{now + timedelta(hours=1):%Y-%m-%d %H:%M}"
+    assert f"read by job-first (small, starts {start}" in err, err
+    assert "job-second" not in err  # it reads pq@1, not this version
+
+
+def test_warm_dry_run_of_one_version_is_json_too(site) -> None:
+    root, nodes = site
+    code, out, err = edgecache(
+        "warm", "pq@2", "--region", "tiny", "--dry-run", "--json",
+        "--config", str(root / "tiny.yaml"),
+    )  # fmt: skip
+    assert code == 0, err
+    (item,) = json.loads(out)["items"]
+    assert item["version"] == "pq@2" and item["region"] == "tiny" and item["state"] == "would stage"
+
+
+def test_plan_status_without_a_controller_says_nothing_is_staging(site) -> None:
+    root, _ = site
+    later = datetime.now(UTC) + timedelta(days=1)
+    path = schedule(root, "status", ("job-tiny", "tiny", later, "pq@2"))
+    config = ["--config", str(root / "tiny.yaml")]
+    code, out, err = edgecache("plan", str(path), "--status", "--json", *config)
+    assert code == 0, err
+    (view,) = json.loads(out)
+    assert view["state"] == "not started", view
+    assert "edgecache controller --schedule" in view["hint"] and "edgecache warm" in view["hint"]
+    code, out, err = edgecache("plan", str(path), "--status", *config)
+    assert "state: not started" in out and "staging" not in out.split("missing")[0], out
+
+
+def test_plan_after_a_job_started_says_it_started(site) -> None:
+    root, _ = site
+    started = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+    path = schedule(root, "started", ("job-eu", "tiny", started, "pq@2"))
+    code, out, err = edgecache(
+        "plan", str(path), "--at", "2026-12-01T08:30:00Z", "--json",
+        "--config", str(root / "tiny.yaml"),
+    )  # fmt: skip
+    assert code == 3, err
+    (why,) = [i["reason"] for i in json.loads(out)["infeasible"]]
+    assert why.startswith("job-eu already started at 2026-12-01 08:00 without pq@2"), why
+    assert "needs" not in why
+
+
+def test_bad_times_and_timeouts_name_the_option(site) -> None:
+    root, _ = site
+    config = ["--config", str(root / "tiny.yaml")]
+    path = schedule(root, "bad", ("job", "tiny", datetime.now(UTC), "pq@1"))
+    for command in (["plan", str(path)], ["controller", "--schedule", str(path), "--once"]):
+        code, out, err = edgecache(*command, "--at", "garbage", *config)
+        assert code == 2 and "--at 'garbage' is not a time" in err, err
+        assert "2026-12-01T08:00:00Z" in err  # the expected form
+    code, out, err = edgecache(
+        "ready", "pq@2", "--region", "tiny", "--wait", "--timeout", "-5", *config
+    )
+    assert code == 2 and "--timeout" in err, err
+
+
+def test_ready_wait_never_overruns_its_timeout(site) -> None:
+    root, _ = site
+    started = time.monotonic()
+    code, out, err = edgecache(
+        "ready", "pq@2", "--region", "tiny", "--wait", "--timeout", "2", "--json",
+        "--config", str(root / "tiny.yaml"),
+    )  # fmt: skip
+    assert code == 1, err
+    answer = json.loads(out)
+    assert answer["timed_out"] and answer["waited_seconds"] < 2.1, answer  # not a round more
+    assert answer["message"].startswith("timed out after 2.0 s"), answer
+    assert time.monotonic() - started < 15
