@@ -394,6 +394,12 @@ class NodePool:
         attempt = 0
         while next_row < row_end:
             progressed = False
+            # Nodes that answered for good this round: refused as things are
+            # (FAILED_PRECONDITION: its origin credentials, a full disk) or not holding
+            # the rows (a local cache). Another node may serve the rows; when none can,
+            # the refusal is the answer, now rather than at the retry deadline.
+            refusals: list[tuple[Endpoint, grpc.RpcError]] = []
+            settled = 0
             for endpoint in self.ranked(rows.shard_id):
                 if next_row >= row_end or stop.is_set():
                     return  # done (the stream broke after the last row we needed), or stopped
@@ -426,6 +432,10 @@ class NodePool:
                     if self._closed:
                         raise self._closed_error(endpoint) from exc
                     errors[endpoint.text] = self._failover_reason(endpoint, rest, exc)
+                    refused = isinstance(exc, grpc.RpcError) and exc.code() == _REFUSED
+                    if refused:
+                        refusals.append((endpoint, exc))  # type: ignore[arg-type]
+                    settled += refused or isinstance(exc, ShardNotCached)
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
                             raise
@@ -440,6 +450,9 @@ class NodePool:
                         errors.get(endpoint.text),
                         next_row,
                     )
+            if refusals and not progressed and settled == len(self.endpoints):
+                node, answer = refusals[0]
+                raise node_error(answer, endpoint=node.text, what=f"ReadShard {rows}")
             if progressed:
                 deadline = time.monotonic() + self.retry_timeout
             if time.monotonic() > deadline:
@@ -477,7 +490,9 @@ class NodePool:
 
         Statuses that another node would answer the same way (refused
         credentials, an unknown version, bad arguments) end the read as an
-        edgecache error naming the node and the rows.
+        edgecache error naming the node and the rows. FAILED_PRECONDITION is
+        this node's own state (its origin access, its disk): the others are
+        asked, and the refusal ends the read only when none can serve it.
         """
         stats = self.stats[endpoint.text]
         if isinstance(exc, (ShardNotCached, CacheDirError)):  # not here: try the others
@@ -485,6 +500,11 @@ class NodePool:
         if isinstance(exc, ChunkCorrupt):
             stats.failures += 1
             return str(exc)
+        if isinstance(exc, grpc.RpcError) and exc.code() == _REFUSED:
+            # The node is up and answered: it cannot serve these rows as things are
+            # (its origin refuses it, its disk is full), which another node may.
+            stats.last_error = describe(exc)
+            return stats.last_error
         if isinstance(exc, grpc.RpcError) and exc.code() in _FAILOVER_CODES:
             stats.failures += 1
             stats.last_error = describe(exc)
@@ -493,6 +513,9 @@ class NodePool:
         if isinstance(exc, grpc.RpcError):
             raise node_error(exc, endpoint=endpoint.text, what=f"ReadShard {rows}") from exc
         raise exc
+
+
+_REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def _span(rows: ShardRange) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from edgeutil import publish, write_parquet_shards
 
 from edgecache.cache.errors import AccessDenied, NodeUnavailable, VersionNotFound
 from edgecache.clients.endpoints import parse_endpoint
-from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.node_client import LocalNode, connect, start_local_node
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.read_target import ReadTarget
 from edgecache.v1 import edge_pb2
@@ -116,3 +116,44 @@ def test_errors_during_iteration_keep_their_class_and_attributes(guarded) -> Non
     error = denied.value
     assert error.endpoint == guarded.address and error.code == "UNAUTHENTICATED"
     assert any("tokens@1" in note for note in getattr(error, "__notes__", []))
+
+
+def test_a_node_that_cannot_fetch_from_origin_hands_the_read_to_one_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    # The origin loses the objects after one region staged them: the cold node refuses
+    # (FAILED_PRECONDITION, the node is fine), the warm one serves from its cache. A
+    # reader with the cold node first still gets every row; with only the cold node it
+    # gets the refusal at once, not at the retry deadline.
+    import shutil
+
+    from edgecache.cache.errors import EdgeCacheError
+    from edgecache.clients import EdgeDataset
+
+    write_parquet_shards(tmp_path / "origin", 2, rows=300)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    warm = start_local_node("warm", tmp_path / "cache-warm", registry)
+    cold = start_local_node("cold", tmp_path / "cache-cold", registry)
+    try:
+        stage = edge_pb2.StageRequest(dataset="tokens", version=1)
+        last = list(connect(warm.address).Stage(stage))[-1]
+        assert last.finished and not last.failures
+        shutil.rmtree(tmp_path / "origin")
+
+        ds = EdgeDataset("tokens@1", endpoints=[cold.address, warm.address], batch_size=100)
+        # Both on loopback: a tie in RTT, so the order given (cold first) is the order tried.
+        labels = [int(x) for batch in ds for x in batch["label"]]
+        ds.close()
+        assert sorted(labels) == list(range(600))
+
+        alone = EdgeDataset("tokens@1", endpoints=[cold.address], batch_size=100)
+        started = time.monotonic()
+        with pytest.raises(EdgeCacheError) as refused:
+            list(alone)
+        alone.close()
+        assert time.monotonic() - started < 10
+        assert refused.value.code == "FAILED_PRECONDITION" and cold.address in str(refused.value)
+    finally:
+        warm.stop()
+        cold.stop()
