@@ -395,7 +395,7 @@ class NodePool:
         while next_row < row_end:
             progressed = False
             # Nodes that answered for good this round: refused as things are
-            # (FAILED_PRECONDITION: its origin credentials, a full disk) or not holding
+            # (FAILED_PRECONDITION: its origin refuses it, say its credentials) or not holding
             # the rows (a local cache). Another node may serve the rows; when none can,
             # the refusal is the answer, now rather than at the retry deadline.
             refusals: list[tuple[Endpoint, grpc.RpcError]] = []
@@ -491,7 +491,7 @@ class NodePool:
         Statuses that another node would answer the same way (refused
         credentials, an unknown version, bad arguments) end the read as an
         edgecache error naming the node and the rows. FAILED_PRECONDITION is
-        this node's own state (its origin access, its disk): the others are
+        this node's own state (what its origin lets it read): the others are
         asked, and the refusal ends the read only when none can serve it.
         """
         stats = self.stats[endpoint.text]
@@ -502,7 +502,7 @@ class NodePool:
             return str(exc)
         if isinstance(exc, grpc.RpcError) and exc.code() == _REFUSED:
             # The node is up and answered: it cannot serve these rows as things are
-            # (its origin refuses it, its disk is full), which another node may.
+            # (its origin refuses it), which another node may.
             stats.last_error = describe(exc)
             return stats.last_error
         if isinstance(exc, grpc.RpcError) and exc.code() in _FAILOVER_CODES:
