@@ -130,6 +130,7 @@ class PlanExecutor:
         self.on_progress = on_progress
         self.clock = clock
         self._resident: dict[tuple[str, VersionKey], threading.Event] = {}
+        self._wont_hold: dict[tuple[str, VersionKey], str] = {}  # → why, this run
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ pins
@@ -220,21 +221,52 @@ class PlanExecutor:
         """Tell tasks waiting on ``region`` as their peer source that it holds ``version``."""
         self._resident_event(region, version).set()
 
+    def mark_wont_hold(self, region: str, version: VersionKey, reason: str) -> None:
+        """Tell tasks waiting on ``region`` as their source that it will not hold ``version``.
+
+        Its staging was deferred or failed in this run: they stage from origin
+        rather than wait out ``PEER_WAIT_SECONDS`` for nothing.
+        """
+        with self._lock:
+            self._wont_hold[(region, version)] = reason
+        self._resident_event(region, version).set()
+
+    def await_source(self, run: TaskRun, *, peer_wait: float) -> bool:
+        """Wait until the run's peer source holds its version; False if stopped or failed.
+
+        A source that will not hold it turns the run into one from origin, with
+        a note saying why: the job needs the data, the plan's cheaper source is
+        only a means to it.
+        """
+        task = run.task
+        if task.source == "origin":
+            return True
+        run.state = "waiting"
+        self.on_progress(run)
+        source_ready = self._resident_event(task.source, task.version)
+        deadline = time.monotonic() + peer_wait
+        while not source_ready.wait(0.2):
+            if self.stop.is_set():
+                return False
+            if time.monotonic() > deadline:
+                run.state, run.note = "failed", f"{task.source} never held {task.spec}"
+                run.item.failures.append(run.note)
+                return False
+        with self._lock:
+            reason = self._wont_hold.get((task.source, task.version))
+        if reason is not None:
+            run.item.peers = []
+            run.note = f"from origin: {task.source} will not hold {task.spec} ({reason})"
+            run.item.notes.append(run.note)
+        return True
+
     def run(self, run: TaskRun, *, peer_wait: float = PEER_WAIT_SECONDS) -> TaskRun:
         """Stage one task to the end (blocking); from a peer, once the peer holds it."""
         task = run.task
-        if task.source != "origin":
-            run.state = "waiting"
-            self.on_progress(run)
-            source_ready = self._resident_event(task.source, task.version)
-            deadline = time.monotonic() + peer_wait
-            while not source_ready.wait(0.2):
-                if self.stop.is_set():
-                    return run
-                if time.monotonic() > deadline:
-                    run.state, run.note = "failed", f"{task.source} never held {task.spec}"
-                    run.item.failures.append(run.note)
-                    return run
+        if not self.await_source(run, peer_wait=peer_wait):
+            if run.state == "failed":
+                self.mark_wont_hold(task.region, task.version, run.note)
+            return run
         run.state, run.started_at = "running", self.clock()
         self.on_progress(run)
         stage_item(
@@ -250,6 +282,8 @@ class PlanExecutor:
         run.state = "done" if run.item.done else "failed"
         if run.item.done:
             self.mark_resident(task.region, task.version)
+        else:
+            self.mark_wont_hold(task.region, task.version, "its staging failed")
         self.on_progress(run)
         return run
 
@@ -303,6 +337,7 @@ class PlanExecutor:
                     outcome.runs.append(run)
                 if blocked is not None:
                     run.state, run.note = "deferred", f"needs room: {blocked}"
+                    self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     with lock:
                         outcome.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
                     continue

@@ -243,3 +243,75 @@ def test_ready_wait_never_overruns_its_timeout(site) -> None:
     assert answer["timed_out"] and answer["waited_seconds"] < 2.1, answer  # not a round more
     assert answer["message"].startswith("timed out after 2.0 s"), answer
     assert time.monotonic() - started < 15
+
+
+def test_a_task_whose_peer_source_is_deferred_stages_from_origin_now(site, tmp_path: Path) -> None:
+    """``warm``: region fresh is to copy pq@1 from small, whose own pq@1 waits for room.
+
+    The real run stages it from origin at once, saying why (it used to wait an hour
+    for a peer that would not hold it, then fail); the dry run says the same.
+    """
+    from edgecache.cache.planner import Eviction, Plan, RegionPlan, StageTask
+    from edgecache.clients.cli.staging import Rehearsal
+    from edgecache.clients.executor import PlanExecutor
+
+    root, nodes = site
+    registry = f"file://{root}/registry"
+    fresh = start_local_node("fresh", tmp_path / "cache-fresh", registry)
+    try:
+        (tmp_path / "two.yaml").write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  small:\n    nodes: ['{nodes['small'].address}']\n"
+            f"  fresh:\n    nodes: ['{fresh.address}']\n"
+        )
+        topology = load_topology(tmp_path / "two.yaml")
+        now = datetime.now(UTC)
+        path = schedule(
+            root,
+            "peer",
+            ("job-first", "small", now + timedelta(hours=1), "pq@2"),
+            ("job-small", "small", now + timedelta(hours=3), "pq@1"),
+            ("job-fresh", "fresh", now + timedelta(hours=4), "pq@1"),
+        )
+        jobs = load_schedule(path, topology)
+        manifests = {
+            f"pq@{n}": Registry.run(registry, lambda reg, n=n: reg.manifest("pq", n))
+            for n in (1, 2)
+        }
+
+        def task(region: str, source: str, hours: float, job: str) -> StageTask:
+            start = now + timedelta(hours=hours)
+            return StageTask(region, ("pq", 1), 40_000, source, start, start, start, (job,))
+
+        plan = Plan(
+            regions={
+                "small": RegionPlan(
+                    tasks=[task("small", "origin", 1.5, "job-small")],
+                    # job-first reads pq@2 from +1 h: this eviction is refused, so
+                    # small's pq@1 is deferred (it needs the room).
+                    evictions=[
+                        Eviction("small", ("pq", 2), 40_000, now + timedelta(hours=1.5), None, "")
+                    ],
+                ),
+                "fresh": RegionPlan(tasks=[task("fresh", "small", 2, "job-fresh")]),
+            },
+            infeasible=[],
+            transfers={},
+            cost={},
+        )
+        rehearsed = Rehearsal(topology).warm(plan, jobs, manifests)
+        started = time.monotonic()
+        done = PlanExecutor(topology).warm(plan, jobs, manifests)
+        assert time.monotonic() - started < 60  # no hour-long wait for the peer
+        for outcome, state in ((rehearsed, "would stage"), (done, "done")):
+            runs = {run.task.region: run for run in outcome.runs}
+            assert runs["small"].state == "deferred"
+            assert runs["fresh"].state == state and not runs["fresh"].item.peers
+            assert runs["fresh"].note.startswith("from origin: small will not hold pq@1"), runs
+            assert "deferred, needs room: not evicting pq@2" in runs["fresh"].note
+        (held,) = [v for v in status(fresh).versions if v.shard_count]
+        assert (held.dataset, held.version) == ("pq", 1)
+        small = status(nodes["small"]).versions
+        assert not [v for v in small if v.version == 1 and v.shard_count]  # still deferred
+    finally:
+        fresh.stop()

@@ -373,13 +373,14 @@ def warm(
     bars: dict[int, TaskID] = {}
 
     def show(run: TaskRun) -> None:
+        # The source as it stands: a peer that will not hold the version turns the
+        # run into one from origin after its bar was made.
+        source = f" ← {run.task.source}" if run.item.peers else ""
+        label = f"{run.task.region} {run.task.spec}{source}"
         bar = bars.get(id(run.item))
         if bar is None:
-            source = "" if run.task.source == "origin" else f" ← {run.task.source}"
-            bar = bars[id(run.item)] = bar_set.add_task(
-                f"{run.task.region} {run.task.spec}{source}", total=run.item.bytes_total
-            )
-        bar_set.update(bar, completed=run.item.bytes_done)
+            bar = bars[id(run.item)] = bar_set.add_task(label, total=run.item.bytes_total)
+        bar_set.update(bar, completed=run.item.bytes_done, description=label)
 
     try:
         with bar_set:
@@ -493,6 +494,11 @@ def _record_warmed_jobs(
         )
 
 
+# A rehearsal's source regions answer at once (they would stage, or are deferred):
+# only a source with no task at all waits this long, to be reported as failing.
+REHEARSED_PEER_WAIT = 10.0
+
+
 class Rehearsal(PlanExecutor):
     """The executor ``warm --dry-run`` uses: the real one's decisions, no node touched.
 
@@ -516,9 +522,15 @@ class Rehearsal(PlanExecutor):
             return 0, f"not evicting {spec}: {blocker}"
         return eviction.bytes, None
 
-    def run(self, run: TaskRun, *, peer_wait: float = 0.0) -> TaskRun:
-        """Stage nothing; the run is one that would be staged."""
-        run.state = "would stage"
+    def run(self, run: TaskRun, *, peer_wait: float = REHEARSED_PEER_WAIT) -> TaskRun:
+        """Stage nothing; the run is one that would be staged.
+
+        From origin, if its peer source will not hold the version: the real
+        run's decision, made by the same code.
+        """
+        if self.await_source(run, peer_wait=peer_wait):
+            run.state = "would stage"
+            self.mark_resident(run.task.region, run.task.version)
         return run
 
 
@@ -528,7 +540,7 @@ def _run_row(run: TaskRun) -> dict[str, Any]:
         "region": run.item.region,
         "version": run.item.spec,
         "source": "peer" if run.item.peers else "origin",
-        "from": run.task.source,
+        "from": run.task.source if run.item.peers else "origin",
         "bytes": run.item.bytes_total,
         "state": run.state,
         "done": run.item.done,
