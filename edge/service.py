@@ -83,16 +83,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
                 f"{message}; origin lost an object of a published version — restore it or "
                 "publish a new version",
             )
-        case OriginError() if _origin_refused(exc):
+        case OriginError() if (advice := _origin_refusal(exc)) is not None:
             # The node works; origin said no in a way retrying cannot change. UNAVAILABLE
             # would send the caller to check the node and retry it, in vain.
-            return (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{message}; the node cannot read this from origin as things are: fix access "
-                "(permissions, the node's credentials) or publish the version again from a "
-                "source URL the node can read",
-            )
-        case OriginError():  # timeouts, connection refused, 5xx: worth retrying
+            return grpc.StatusCode.FAILED_PRECONDITION, f"{message}; {advice}"
+        case OriginError():  # timeouts, connection refused, throttling, 5xx: worth retrying
             return grpc.StatusCode.UNAVAILABLE, message
         case ChunkCorrupt() | ShardNotCached():
             # Stored damage (any way a frame can be wrong, its length fields included):
@@ -115,27 +110,85 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 # folder or file where the other was expected, a URL no filesystem serves (fsspec's
 # ValueError "Protocol not known"), a filesystem whose package is not installed.
 _REFUSALS = (PermissionError, IsADirectoryError, NotADirectoryError, ValueError, ImportError)
+_ACCESS_ADVICE = (
+    "the node cannot read this from origin as things are: fix access (permissions, the "
+    "node's credentials) or publish the version again from a source URL the node can read"
+)
+# S3 error codes (botocore ``ClientError.response["Error"]["Code"]``) decide before the
+# HTTP status does: S3 sends some transient errors with a 4xx status (RequestTimeout is
+# a 400, OperationAborted a 409), which the status band alone would call refusals.
+# Refused: the account, credentials, bucket or object say no until someone changes them.
+_S3_REFUSED = {
+    code: _ACCESS_ADVICE
+    for code in (
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidBucketName",
+        "InvalidObjectState",  # archived (Glacier): needs a restore first
+        "InvalidToken",
+        # The S3 store raises ObjectNotFound for this (and NoSuchKey) already, which is
+        # FAILED_PRECONDITION too; listed so a wrapped one can never read as transient.
+        "NoSuchBucket",
+        "SignatureDoesNotMatch",
+    )
+} | {
+    # This node's clock is off: every request it signs is refused until its clock is
+    # fixed, while other nodes (with good clocks) read the same object fine.
+    "RequestTimeTooSkewed": "this node's clock is too far from origin's for S3 to accept its "
+    "signed requests: synchronise the node's clock (NTP); other nodes can serve meanwhile",
+}
+# Transient whatever their HTTP status: a timeout, a conflicting operation in flight,
+# throttling, origin's own failures.
+_S3_TRANSIENT = frozenset(
+    {
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "OperationAborted",
+        "PriorRequestNotComplete",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "BandwidthLimitExceeded",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
 
 
-def _origin_refused(exc: OriginError) -> bool:
-    """Whether an origin failure is permanent: its causes hold a refusal, or an HTTP 4xx.
+def _origin_refusal(exc: OriginError) -> str | None:
+    """What to do about an origin failure no retry can fix; ``None`` if it is transient.
 
-    The stores raise :class:`OriginError` ``from`` what they saw. S3's answer is a
-    botocore ``ClientError`` with the HTTP status in its ``response``: 4xx but a
-    timeout (408) or throttling (429) is a refusal; 5xx, timeouts and refused
-    connections are transient and stay UNAVAILABLE.
+    The stores raise :class:`OriginError` ``from`` what they saw. A refusal
+    (FAILED_PRECONDITION) sends readers to the next node without retrying this
+    one, so only what retrying cannot change may be one: a permission or path
+    error, or an S3 ``ClientError`` whose error code says so (see
+    ``_S3_REFUSED``/``_S3_TRANSIENT``). An S3 code named in neither falls back
+    to the HTTP status: 4xx but a timeout (408) or throttling (429) is a
+    refusal, 5xx is transient. Timeouts and refused connections stay
+    UNAVAILABLE.
     """
     cause = exc.__cause__
     while cause is not None:
         if isinstance(cause, _REFUSALS):
-            return True
+            return _ACCESS_ADVICE
         response = getattr(cause, "response", None)
         if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            if code in _S3_REFUSED:
+                return _S3_REFUSED[code]
+            if code in _S3_TRANSIENT:
+                return None
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
-                return True
+                return _ACCESS_ADVICE
         cause = cause.__cause__
-    return False
+    return None
 
 
 def _log_failure(method: str, exc: BaseException, code: grpc.StatusCode) -> None:

@@ -319,12 +319,25 @@ def test_origin_failures_are_transient_unless_origin_refused() -> None:
 
     refused = [PermissionError(13, "Permission denied"), s3(403, "AccessDenied")]
     refused += [IsADirectoryError(21, "Is a directory"), ValueError("Protocol not known: x")]
+    refused += [s3(403, "InvalidAccessKeyId"), s3(403, "SignatureDoesNotMatch")]
+    refused += [s3(403, "AllAccessDisabled"), s3(403, "AccountProblem")]
+    refused += [s3(400, "InvalidBucketName"), s3(404, "NoSuchBucket")]
+    refused += [s3(403, "403"), s3(400, "SomeNewRefusal")]  # unknown codes: the 4xx band
     transient = [ConnectionRefusedError(111, "refused"), TimeoutError(), s3(503, "SlowDown")]
     transient += [s3(500, "InternalError"), s3(429, "TooManyRequests")]
+    # S3 sends these transient errors with a 4xx status: the code decides, not the band.
+    transient += [s3(400, "RequestTimeout"), s3(409, "OperationAborted")]
+    transient += [s3(503, "ServiceUnavailable"), s3(408, "SomeNewTimeout"), s3(502, "BadGateway")]
     for cause in refused:
-        assert status_for(origin_error(cause))[0] == grpc.StatusCode.FAILED_PRECONDITION, cause
+        code, message = status_for(origin_error(cause))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, cause
+        assert "fix access" in message, message
     for cause in transient:
         assert status_for(origin_error(cause))[0] == grpc.StatusCode.UNAVAILABLE, cause
+    # A node whose clock is off: not a retry's business, nor an access problem to chase.
+    code, message = status_for(origin_error(s3(403, "RequestTimeTooSkewed")))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "clock" in message and "fix access" not in message, message
 
 
 def test_origin_object_changed_after_publish_is_refused(tmp_path: Path, file_setup) -> None:
