@@ -172,7 +172,27 @@ class NodeServer:
             config.read_token("read_token_file"),
         )
         self.node = node = EdgeNode(config)
+        server: aio.Server | None = None
         try:
+            # The side ports first, --listen last: gRPC aio cannot release a server bound
+            # but never started (stop() keeps its port until the process exits), so a
+            # failure must come before the main server binds. In-process nodes (tests,
+            # the demo) outlive a failed start and may try again on the same ports.
+            if config.probe_listen:
+                # Kubernetes gRPC probes speak neither TLS nor tokens: health only, plaintext.
+                self._probe = aio.server(options=[_NO_PORT_SHARING])
+                health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe)
+                self.probe_port = _bind(self._probe, config.probe_listen, "--probe-listen")
+                await self._probe.start()
+            if config.metrics_listen:
+                host, port = split_hostport(config.metrics_listen)
+                try:
+                    self.metrics_port = node.metrics.serve(host, port)
+                except OSError as exc:
+                    raise ConfigError(
+                        "--metrics-listen: "
+                        + _bind_failure(config.metrics_listen, "--metrics-listen", exc)
+                    ) from exc
             interceptors = (
                 [TokenAuthInterceptor(admin_token, read_token)] if admin_token or read_token else []
             )
@@ -194,26 +214,15 @@ class NodeServer:
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
             self.port = _bind(server, config.listen, "--listen", _credentials(config))
-            if config.probe_listen:
-                # Kubernetes gRPC probes speak neither TLS nor tokens: health only, plaintext.
-                self._probe = aio.server(options=[_NO_PORT_SHARING])
-                health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe)
-                self.probe_port = _bind(self._probe, config.probe_listen, "--probe-listen")
-                await self._probe.start()
-            if config.metrics_listen:
-                host, port = split_hostport(config.metrics_listen)
-                try:
-                    self.metrics_port = node.metrics.serve(host, port)
-                except OSError as exc:
-                    raise ConfigError(
-                        "--metrics-listen: "
-                        + _bind_failure(config.metrics_listen, "--metrics-listen", exc)
-                    ) from exc
             await server.start()
             self._server = server
         except BaseException:
+            if server is not None:
+                await server.stop(0)  # frees the port if start() got far enough
             if self._probe is not None:
                 await self._probe.stop(0)
+                self._probe = None
+            self.port = self.probe_port = self.metrics_port = 0
             node.metrics.shutdown()
             await node.close()
             raise

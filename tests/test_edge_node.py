@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -485,6 +486,47 @@ def test_health_and_reflection(tmp_path: Path, file_setup) -> None:
         )
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert {"edgecache.v1.EdgeCache", "grpc.health.v1.Health"} <= names
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("taken", ["probe_listen", "metrics_listen", "listen"])
+def test_a_port_in_use_leaves_the_nodes_other_ports_free(
+    tmp_path: Path, file_setup, taken: str
+) -> None:
+    """A node that cannot bind one of its ports releases those it bound: --listen above all.
+
+    In-process nodes (tests, the demo) live on after a failed start, so a port
+    kept bound would stay taken, and a second start on it would fail.
+    """
+    from edgecache.cache.errors import ConfigError
+    from edgecache.edge.server import NodeServer
+
+    registry, _ = file_setup
+    ports = {flag: free_port() for flag in ("listen", "probe_listen", "metrics_listen")}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports[taken] = busy.getsockname()[1]
+        addresses = {flag: f"127.0.0.1:{port}" for flag, port in ports.items()}
+        node = NodeServer(config(tmp_path, registry, **addresses))
+
+        async def start() -> None:
+            flag = "--" + taken.replace("_", "-")
+            with pytest.raises(ConfigError, match=f"{flag}: .* is in use") as failed:
+                await node.start()
+            assert node._probe is None and node._server is None
+            for flag, port in ports.items():
+                if flag != taken:  # the failure is still held: nothing was collected
+                    with socket.socket() as again:
+                        again.bind(("127.0.0.1", port))
+            assert failed.value is not None
+
+        asyncio.run(start())
 
 
 def test_publishers_racing_for_a_version_never_both_win(tmp_path: Path) -> None:
