@@ -45,7 +45,7 @@ from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import ControllerMetrics
-from edgecache.clients.executor import PlanExecutor, TaskRun, eviction_blocker
+from edgecache.clients.executor import PlanExecutor, TaskRun
 from edgecache.clients.ops import (
     NodeReport,
     complete_versions,
@@ -333,12 +333,12 @@ class Controller:
                 with self._lock:
                     if key in self._runs:
                         continue  # being staged right now: the plan is behind; next tick
-                blocker = eviction_blocker(eviction, schedule, manifests, now)
-                freed, problem = self.executor.evict(eviction, schedule, manifests)
+                evicted = self.executor.evict(eviction, schedule, manifests)
+                freed, problem = evicted.freed, evicted.problem
                 if problem:
                     log.warning("%s: %s", region, problem)
                     self.metrics.evictions_refused.inc()
-                    if blocker is None:  # not the guard's refusal: a node failed
+                    if evicted.errors:  # not the guard's refusal: a node failed
                         self._failed(f"{region}: {problem}")
                 else:
                     log.info(

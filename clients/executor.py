@@ -45,7 +45,7 @@ from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["Deferred", "PlanExecutor", "TaskRun", "WarmOutcome", "eviction_blocker"]
+__all__ = ["Deferred", "Evicted", "PlanExecutor", "TaskRun", "WarmOutcome", "eviction_blocker"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,20 @@ class Deferred:
     region: str
     what: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """What one eviction came to: bytes freed, or the guard's refusal, or nodes' errors."""
+
+    freed: int = 0
+    refused: str | None = None  # "not evicting NAME@N: job … reads it"; no node was asked
+    errors: tuple[str, ...] = ()
+
+    @property
+    def problem(self) -> str | None:
+        """The refusal or the errors, as one line; None when it was done."""
+        return self.refused or "; ".join(self.errors) or None
 
 
 @dataclass
@@ -130,7 +144,9 @@ class PlanExecutor:
         self.on_progress = on_progress
         self.clock = clock
         self._resident: dict[tuple[str, VersionKey], threading.Event] = {}
-        self._wont_hold: dict[tuple[str, VersionKey], str] = {}  # → why, this run
+        # → why a region will not hold a version (its staging deferred or failed),
+        # until it does or drops it: peer tasks stage from origin meanwhile.
+        self._wont_hold: dict[tuple[str, VersionKey], str] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ pins
@@ -174,12 +190,21 @@ class PlanExecutor:
         eviction: Eviction,
         schedule: Schedule,
         manifests: Mapping[str, pb.Manifest],
-    ) -> tuple[int, str | None]:
-        """Carry out one eviction on every node of its region: (bytes freed, refusal or error)."""
+    ) -> Evicted:
+        """Carry out one eviction on every node of its region, unless the guard refuses it."""
         spec = f"{eviction.version[0]}@{eviction.version[1]}"
         blocker = eviction_blocker(eviction, schedule, manifests, self.clock())
         if blocker is not None:
-            return 0, f"not evicting {spec}: {blocker}"
+            return Evicted(refused=f"not evicting {spec}: {blocker}")
+        done = self._evict_nodes(eviction)
+        with self._lock:
+            self._resident.pop((eviction.region, eviction.version), None)
+            self._wont_hold.pop((eviction.region, eviction.version), None)
+        return done
+
+    def _evict_nodes(self, eviction: Eviction) -> Evicted:
+        """Ask every node of the eviction's region to drop the version."""
+        spec = f"{eviction.version[0]}@{eviction.version[1]}"
         freed, errors = 0, []
         request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
         for node in region_nodes(self.topology, eviction.region)[eviction.region]:
@@ -190,9 +215,7 @@ class PlanExecutor:
                     ).bytes_freed
             except grpc.RpcError as exc:
                 errors.append(str(node_error(exc, endpoint=node, what=f"evicting {spec}")))
-        with self._lock:
-            self._resident.pop((eviction.region, eviction.version), None)
-        return freed, "; ".join(errors) or None
+        return Evicted(freed, errors=tuple(errors))
 
     # --------------------------------------------------------------- staging
 
@@ -219,6 +242,8 @@ class PlanExecutor:
 
     def mark_resident(self, region: str, version: VersionKey) -> None:
         """Tell tasks waiting on ``region`` as their peer source that it holds ``version``."""
+        with self._lock:
+            self._wont_hold.pop((region, version), None)  # it does now, whatever failed before
         self._resident_event(region, version).set()
 
     def mark_wont_hold(self, region: str, version: VersionKey, reason: str) -> None:
@@ -267,6 +292,11 @@ class PlanExecutor:
             if run.state == "failed":
                 self.mark_wont_hold(task.region, task.version, run.note)
             return run
+        return self._stage(run)
+
+    def _stage(self, run: TaskRun) -> TaskRun:
+        """Stage the run from the source it has now, and tell the tasks waiting on it."""
+        task = run.task
         run.state, run.started_at = "running", self.clock()
         self.on_progress(run)
         stage_item(
@@ -323,13 +353,13 @@ class PlanExecutor:
                     return
                 if isinstance(step, Eviction):
                     spec = f"{step.version[0]}@{step.version[1]}"
-                    freed, problem = self.evict(step, schedule, manifests)
+                    evicted = self.evict(step, schedule, manifests)
                     with lock:
-                        if problem is None:
-                            outcome.evicted.append((step, freed))
+                        if evicted.problem is None:
+                            outcome.evicted.append((step, evicted.freed))
                         else:
-                            blocked = problem
-                            outcome.deferred.append(Deferred(region, f"evict {spec}", problem))
+                            blocked = evicted.problem
+                            outcome.deferred.append(Deferred(region, f"evict {spec}", blocked))
                     continue
                 pin_until = max(ends[j] for j in step.jobs if j in ends)
                 run = self.make_run(step, manifests, pin_until)

@@ -81,6 +81,9 @@ class NodePool:
         self.endpoints = list(endpoints)
         self.replicas = set(replicas)  # the own region's nodes: they split shards
         self.stats = {e.text: EndpointStats() for e in self.endpoints}
+        # Per shard, the nodes that refused it (FAILED_PRECONDITION): healthy, so not
+        # marked down, but asked after the others for that shard from then on.
+        self._refused: dict[tuple[str, int, int], set[str]] = {}
         self.failovers = 0
         self.current: str | None = None  # the endpoint that served the last chunk
         self.stall_timeout = stall_timeout
@@ -274,7 +277,11 @@ class NodePool:
             rtt = self.stats[endpoint.text].rtt_ms
             return (rtt > near, rtt if rtt > near else 0.0, order[endpoint.text])
 
-        return sorted(self.endpoints, key=key)
+        ranked = sorted(self.endpoints, key=key)
+        refused = self._refused.get(shard) if shard is not None else None
+        if refused:
+            ranked.sort(key=lambda e: e.text in refused)  # stable: the rest keep their order
+        return ranked
 
     # ---------------------------------------------------------------- unary
 
@@ -435,7 +442,9 @@ class NodePool:
                     refused = isinstance(exc, grpc.RpcError) and exc.code() == _REFUSED
                     if refused:
                         refusals.append((endpoint, exc))  # type: ignore[arg-type]
-                    settled += refused or isinstance(exc, ShardNotCached)
+                        with self._lock:
+                            self._refused.setdefault(rows.shard_id, set()).add(endpoint.text)
+                    settled += refused or isinstance(exc, (ShardNotCached, CacheDirError))
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
                             raise

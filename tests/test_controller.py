@@ -276,3 +276,44 @@ def test_runs_are_recorded_once_each_and_never_restarted_from_a_stale_view(site)
             controller.close()
     finally:
         node.stop()
+
+
+def test_a_region_that_failed_to_stage_is_a_peer_source_again_once_it_holds_it() -> None:
+    # The controller keeps one executor for its life: a region whose staging failed
+    # (so peer tasks from it went to origin) is trusted again once it holds the
+    # version, and after an eviction the old failure is forgotten too.
+    from edgecache.cache.planner import Eviction, StageTask
+    from edgecache.clients.executor import Evicted, PlanExecutor, TaskRun
+    from edgecache.clients.ops import WarmItem
+    from edgecache.clients.topology import Schedule, Topology
+
+    class Offline(PlanExecutor):
+        """Evictions ask no node (there is none here); everything else is the real code."""
+
+        def _evict_nodes(self, eviction: Eviction) -> Evicted:
+            return Evicted(eviction.bytes)
+
+    topology = Topology.model_validate(
+        {"registry": "file:///nowhere", "regions": {"a": {"nodes": ["127.0.0.1:1"]}}}
+    )
+    executor = Offline(topology)
+    now = datetime.now(UTC)
+
+    def peer_task() -> TaskRun:
+        task = StageTask("b", ("pq", 1), 1, "a", now, now, now, ("job",))
+        return TaskRun(task, WarmItem("b", "pq@1", ["127.0.0.1:2"], 1, peers=["127.0.0.1:1"]))
+
+    executor.mark_wont_hold("a", ("pq", 1), "its staging failed")
+    gave_up = peer_task()
+    assert executor.await_source(gave_up, peer_wait=1.0)
+    assert not gave_up.item.peers and "a will not hold pq@1" in gave_up.note
+    executor.mark_resident("a", ("pq", 1))  # restaged (the controller saw it held)
+    trusted = peer_task()
+    assert executor.await_source(trusted, peer_wait=1.0)
+    assert trusted.item.peers == ["127.0.0.1:1"] and not trusted.note
+    executor.mark_wont_hold("a", ("pq", 1), "its staging failed")
+    evicted = executor.evict(Eviction("a", ("pq", 1), 1, now, None, ""), Schedule(jobs=[]), {})
+    assert evicted.problem is None
+    waiting = peer_task()
+    assert not executor.await_source(waiting, peer_wait=0.3)  # waits for a again: no stale reason
+    assert waiting.state == "failed" and "a never held pq@1" in waiting.note

@@ -147,6 +147,16 @@ def test_a_node_that_cannot_fetch_from_origin_hands_the_read_to_one_that_holds_i
         ds.close()
         assert sorted(labels) == list(range(600))
 
+        # The refusal is remembered per shard: the next read of it asks the warm node first.
+        pool = NodePool([parse_endpoint(cold.address), parse_endpoint(warm.address)])
+        try:
+            target = ReadTarget("tokens", 1, ds.manifest.digest, ds.schema)
+            for _ in range(3):
+                assert sum(b.num_rows for _, b in pool.read_rows(target.rows(0, 0, 300))) == 300
+            assert pool.failovers == 1  # the first read only
+        finally:
+            pool.close()
+
         alone = EdgeDataset("tokens@1", endpoints=[cold.address], batch_size=100)
         started = time.monotonic()
         with pytest.raises(EdgeCacheError) as refused:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -34,7 +34,7 @@ from edgecache.clients.cli.render import (
     table,
     warning,
 )
-from edgecache.clients.executor import PlanExecutor, TaskRun, eviction_blocker
+from edgecache.clients.executor import Evicted, PlanExecutor, TaskRun
 from edgecache.clients.ops import WarmItem
 from edgecache.clients.plan_status import JobView
 from edgecache.clients.topology import Schedule, Topology
@@ -502,35 +502,29 @@ REHEARSED_PEER_WAIT = 10.0
 class Rehearsal(PlanExecutor):
     """The executor ``warm --dry-run`` uses: the real one's decisions, no node touched.
 
-    :meth:`PlanExecutor.warm` orders the steps and decides what is deferred;
-    only the three actions are replaced. An eviction asks the same guard the
-    real one does (and "frees" the planned bytes), a task is marked as one
-    that would be staged, and pins are listed from the plan instead of set.
+    :meth:`PlanExecutor.warm`, ``evict`` and ``run`` decide (the steps' order,
+    the eviction guard, waiting on a peer source or falling back to origin,
+    what is deferred); only the actions on nodes are replaced: an eviction
+    "frees" the planned bytes, a task is marked as one that would be staged,
+    and pins are listed from the plan instead of set.
     """
 
     def pin(self, plan: Plan, reports: Sequence[object] | None = None) -> list[str]:
         """Set nothing; a pin cannot fail in a rehearsal."""
         return []
 
-    def evict(
-        self, eviction: Eviction, schedule: Schedule, manifests: Mapping[str, pb.Manifest]
-    ) -> tuple[int, str | None]:
-        """What :meth:`PlanExecutor.evict` would answer, less the node's errors."""
-        blocker = eviction_blocker(eviction, schedule, manifests, self.clock())
-        if blocker is not None:
-            spec = f"{eviction.version[0]}@{eviction.version[1]}"
-            return 0, f"not evicting {spec}: {blocker}"
-        return eviction.bytes, None
+    def _evict_nodes(self, eviction: Eviction) -> Evicted:
+        """Ask no node; the plan's bytes are what the eviction would free."""
+        return Evicted(eviction.bytes)
 
     def run(self, run: TaskRun, *, peer_wait: float = REHEARSED_PEER_WAIT) -> TaskRun:
-        """Stage nothing; the run is one that would be staged.
+        """The real run's decisions, with a wait on sources that suits a rehearsal."""
+        return super().run(run, peer_wait=peer_wait)
 
-        From origin, if its peer source will not hold the version: the real
-        run's decision, made by the same code.
-        """
-        if self.await_source(run, peer_wait=peer_wait):
-            run.state = "would stage"
-            self.mark_resident(run.task.region, run.task.version)
+    def _stage(self, run: TaskRun) -> TaskRun:
+        """Stage nothing: the run is one that would be staged, and its region holds it."""
+        run.state = "would stage"
+        self.mark_resident(run.task.region, run.task.version)
         return run
 
 
