@@ -353,7 +353,7 @@ def warm(
             down = {}
     if single is None:
         for i in result.infeasible:
-            if i.region in down:
+            if i.reason == down.get(i.region):
                 continue  # said once, below, as the node failure it is
             err_console.print(
                 f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}",
