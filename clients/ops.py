@@ -19,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TypeVar
 
 import grpc
 
@@ -108,21 +107,24 @@ def gather_status(
     *,
     token: str | None = None,
     regions: set[str] | None = None,
+    pings: int = 3,
 ) -> list[NodeReport]:
     """Health, RTT and Status of every node (of ``regions``, if given), in parallel.
 
-    Unreachable nodes are reported, not raised.
+    Unreachable nodes are reported, not raised. ``timeout`` bounds each call
+    (connecting, each of ``pings`` health checks, Status), so a node costs at
+    most ``(pings + 2) * timeout``; fewer pings make a quicker round, a rougher RTT.
     """
 
     def one(region: str, address: str) -> NodeReport:
         channel = open_channel(address)
         stub = edge_pb2_grpc.EdgeCacheStub(channel)
         try:
-            pings = health_pings(channel, pings=3, timeout=timeout)
-            if pings.rtt_ms is None:
-                return NodeReport(region, address, False, error=pings.error)
+            checks = health_pings(channel, pings=pings, timeout=timeout)
+            if checks.rtt_ms is None:
+                return NodeReport(region, address, False, error=checks.error)
             status = stub.Status(edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token))
-            return NodeReport(region, address, pings.serving, pings.rtt_ms, status)
+            return NodeReport(region, address, checks.serving, checks.rtt_ms, status)
         except grpc.RpcError as exc:
             return NodeReport(region, address, False, error=describe(exc))
         finally:
@@ -792,6 +794,14 @@ class Readiness:
     waited_seconds: float = 0.0
 
 
+# A readiness round asks each node of the region with one health check: connecting,
+# the check and Status are its calls; the connection or the check can each take a
+# call's whole timeout before the node counts as unreachable, Status follows an answer.
+_READY_CALL_SECONDS = 3.0  # a call's timeout when the deadline is far (gather_status's)
+_READY_FIRST_ROUND_SECONDS = 2.0  # the first round's budget however short the timeout
+_READY_ROUND_MARGIN = 4.0  # a round starts only with this many times the last one's length
+
+
 def wait_ready(
     topology: Topology,
     manifest: pb.Manifest,
@@ -803,34 +813,41 @@ def wait_ready(
 ) -> Readiness:
     """Check readiness once (``timeout=None``) or until ready or ``timeout`` seconds pass.
 
-    The wait never overruns the timeout: a status round still out when the
-    time is up is not waited for (the last answer stands), and a wait that
-    ends unready says it timed out. Only the region's own nodes are asked, so
-    a node down elsewhere costs nothing.
+    The nodes are always asked at least once, so ``timeout=0`` checks once
+    (that round may take up to 2 s when a node does not answer). After it the
+    wait does not overrun the timeout: each round's calls carry timeouts that
+    end it by the deadline (half the time left each, for a connect and one
+    check that may both run to it), and a round starts only with room for
+    several rounds like the last, so the last answer is a real one and not a
+    call cut short. A wait that ends unready says it timed out. No thread
+    outlives the call. Only the region's own nodes are asked, so a node down
+    elsewhere costs nothing.
     """
     if timeout is not None and timeout < 0:
         raise ValueError(f"--timeout must be 0 or more seconds, got {timeout:g}")
     region_nodes(topology, region)  # an unknown region is an error, not "not ready"
     started = time.monotonic()
 
-    def check() -> tuple[bool, str]:
-        return ready(gather_status(topology, token=token, regions={region}), region, manifest)
+    def check(budget: float) -> tuple[bool, str]:
+        call = min(_READY_CALL_SECONDS, budget / 2)
+        reports = gather_status(topology, call, token=token, regions={region}, pings=1)
+        return ready(reports, region, manifest)
 
     if timeout is None:
-        ok, message = check()
+        ok, message = check(2 * _READY_CALL_SECONDS)
         return Readiness(ok, message, waited_seconds=time.monotonic() - started)
     deadline = started + timeout
-    message = f"no node of {region} answered about {manifest.dataset}@{manifest.version} in time"
+    budget = max(timeout, _READY_FIRST_ROUND_SECONDS)
     while True:
         asked = time.monotonic()
-        answer = _within(check, deadline - asked)
-        if answer is not None:
-            ok, message = answer
-            if ok:
-                return Readiness(True, message, waited_seconds=time.monotonic() - started)
+        ok, message = check(budget)
+        if ok:
+            return Readiness(True, message, waited_seconds=time.monotonic() - started)
         took = time.monotonic() - asked
         left = deadline - time.monotonic()
-        if left <= 0:
+        room = _READY_ROUND_MARGIN * took
+        if left < room:  # no time for another round: wait out the timeout, then say so
+            time.sleep(max(left, 0.0))
             waited = time.monotonic() - started
             return Readiness(
                 False,
@@ -838,32 +855,5 @@ def wait_ready(
                 timed_out=True,
                 waited_seconds=waited,
             )
-        # Leave the last round time to answer before the deadline.
-        time.sleep(min(poll_seconds, max(left - took, 0.0)))
-
-
-_T = TypeVar("_T")
-
-
-def _within(call: Callable[[], _T], seconds: float) -> _T | None:
-    """``call()``'s result if it comes within ``seconds``, else None (it finishes unobserved).
-
-    A daemon thread, so a round still out does not hold up the process's exit.
-    """
-    if seconds <= 0:
-        return None
-    outcome: list[_T] = []
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if failure:
-        raise failure[0]
-    return outcome[0] if outcome else None
+        time.sleep(min(poll_seconds, left - room))
+        budget = deadline - time.monotonic()

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,7 +23,7 @@ from edgeutil import publish, stub, write_parquet_shards
 
 from edgecache.cache.registry import Registry
 from edgecache.clients.node_client import LocalNode, start_local_node
-from edgecache.clients.ops import make_plan
+from edgecache.clients.ops import make_plan, wait_ready
 from edgecache.clients.topology import load_schedule, load_topology
 from edgecache.v1 import edge_pb2
 
@@ -243,6 +244,39 @@ def test_ready_wait_never_overruns_its_timeout(site) -> None:
     assert answer["timed_out"] and answer["waited_seconds"] < 2.1, answer  # not a round more
     assert answer["message"].startswith("timed out after 2.0 s"), answer
     assert time.monotonic() - started < 15
+
+
+def test_ready_wait_with_no_time_left_still_asks_once(site) -> None:
+    root, _ = site
+    config = ["--config", str(root / "tiny.yaml")]
+    code, out, err = edgecache(
+        "ready", "pq@1", "--region", "tiny", "--wait", "--timeout", "0", "--json", *config
+    )
+    assert code == 0, (out, err)
+    answer = json.loads(out)
+    assert answer["ready"] and not answer["timed_out"], answer
+    assert answer["message"] == "pq@1 is staged in tiny", answer
+    code, out, err = edgecache(
+        "ready", "pq@2", "--region", "tiny", "--wait", "--timeout", "0", "--json", *config
+    )
+    assert code == 1, (out, err)
+    answer = json.loads(out)
+    assert answer["timed_out"] and "has 0/1 shards" in answer["message"], answer  # it asked
+
+
+def test_ready_wait_leaves_no_status_round_behind(site) -> None:
+    """A node that never answers: the wait ends at its timeout, and so do the calls it made.
+
+    A round still out would hold the CLI's exit until its calls time out.
+    """
+    root, _ = site
+    topology = load_topology(root / "down.yaml")
+    manifest = Registry.run(f"file://{root}/registry", lambda reg: reg.manifest("pq", 1))
+    before = set(threading.enumerate())
+    readiness = wait_ready(topology, manifest, "down", timeout=1.0)
+    assert readiness.timed_out and 1.0 <= readiness.waited_seconds < 1.5, readiness
+    assert "127.0.0.1:1 unreachable" in readiness.message, readiness
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
 
 
 def test_a_task_whose_peer_source_is_deferred_stages_from_origin_now(site, tmp_path: Path) -> None:
