@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
 import time
@@ -26,6 +27,7 @@ from edgecache.cache import rendezvous
 from edgecache.cache.errors import (
     InvalidEndpoint,
     InvalidName,
+    ManifestError,
     ObjectNotFound,
     VersionNotFound,
     VersionPinned,
@@ -74,6 +76,7 @@ __all__ = [
     "warm_item_for_version",
 ]
 
+log = logging.getLogger(__name__)
 DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
 WARMED_JOBS = "_warm/jobs.json"  # in the registry: the jobs warm pinned versions for
 
@@ -309,11 +312,15 @@ def complete_versions(
 async def held_manifests(
     registry: Registry, held: set[VersionKey], known: dict[str, pb.Manifest]
 ) -> dict[str, pb.Manifest]:
-    """Manifests of the versions nodes hold that ``known`` lacks (gone from the registry: left out).
+    """Manifests of the versions nodes hold that ``known`` lacks (gone or unreadable: left out).
 
     A held version's stored bytes against its manifest's source bytes is the
     stored/source ratio that sizes the versions no node holds yet, so every
-    held version counts, not only those a schedule reads.
+    held version counts, not only those a schedule reads. These serve only
+    that estimate, so one that cannot be had is skipped: a version deleted
+    from the registry silently, one whose manifest cannot be parsed with a
+    warning naming it (left to fail, it would stop every plan, warm and
+    controller round over a version no job reads).
     """
     have = {(m.dataset, m.version) for m in known.values()}
 
@@ -321,6 +328,15 @@ async def held_manifests(
         try:
             return await registry.manifest(dataset, version)
         except VersionNotFound:
+            return None
+        except ManifestError as exc:
+            log.warning(
+                "%s@%d, held by a node, is left out of the size estimates: its manifest "
+                "cannot be read (%s)",
+                dataset,
+                version,
+                exc,
+            )
             return None
 
     found = await asyncio.gather(*(one(d, v) for d, v in sorted(held - have)))

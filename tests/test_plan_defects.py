@@ -9,6 +9,7 @@ pipe at 80 columns, as an operator or a script meets them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -277,6 +278,39 @@ def test_ready_wait_leaves_no_status_round_behind(site) -> None:
     assert readiness.timed_out and 1.0 <= readiness.waited_seconds < 1.5, readiness
     assert "127.0.0.1:1 unreachable" in readiness.message, readiness
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+
+
+def test_a_held_version_whose_manifest_cannot_be_read_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node holds pq@1, whose manifest was damaged since; the schedule reads pq@2 only.
+
+    pq@1 only lends its stored/source ratio to the size estimate: plan goes on
+    without it and says so, instead of failing over a version no job reads.
+    """
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=500)
+    publish(registry, f"file://{tmp_path}/origin", "pq")
+    publish(registry, f"file://{tmp_path}/origin", "pq")
+    node = start_local_node("eu", tmp_path / "cache", registry)
+    try:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="pq", version=1)))
+        (tmp_path / "registry" / "pq" / "versions" / "1.json").write_text('{"dataset": ')
+        config = tmp_path / "eu.yaml"
+        config.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n")
+        later = datetime.now(UTC) + timedelta(days=1)
+        path = schedule(tmp_path, "damaged", ("job-eu", "eu", later, "pq@2"))
+        topology = load_topology(config)
+        with caplog.at_level(logging.WARNING, logger="edgecache.clients.ops"):
+            result, _ = make_plan(topology, load_schedule(path, topology))
+        assert not result.infeasible, result.infeasible
+        assert [task.spec for task in result.regions["eu"].tasks] == ["pq@2"]
+        assert "pq@1, held by a node, is left out of the size estimates" in caplog.text
+        code, out, err = edgecache("plan", str(path), "--config", str(config))
+        assert code == 0 and "pq@2" in out, (out, err)
+        assert "pq@1, held by a node, is left out" in err, err
+    finally:
+        node.stop()
 
 
 def test_a_task_whose_peer_source_is_deferred_stages_from_origin_now(site, tmp_path: Path) -> None:
