@@ -29,6 +29,7 @@ from edgecache.cache.errors import (
     InvalidName,
     ManifestError,
     ObjectNotFound,
+    OriginError,
     VersionNotFound,
     VersionPinned,
 )
@@ -718,7 +719,12 @@ def record_warmed_jobs(
 
 
 def _warmed_jobs(registry: str) -> list[PinnedJob]:
-    """What :func:`record_warmed_jobs` recorded (nothing if warm never ran, or unreadable)."""
+    """What :func:`record_warmed_jobs` recorded: nothing if warm never ran or it does not parse.
+
+    A record origin will not give is :class:`OriginError`, raised: ``warm`` then
+    warns instead of writing over the jobs of earlier runs after a passing
+    failure, and :func:`pinned_jobs`, which only names jobs, goes on without it.
+    """
     url = f"{registry.rstrip('/')}/{WARMED_JOBS}"
 
     async def read() -> bytes | None:
@@ -747,23 +753,40 @@ def _warmed_jobs(registry: str) -> list[PinnedJob]:
 
 
 def pinned_jobs(topology: Topology) -> list[PinnedJob]:
-    """The jobs pins were set for: the controller's record, then warm's for jobs it lacks."""
-    from edgecache.clients.controller import read_state  # the controller builds on ops
+    """The jobs pins were set for: the controller's record, then warm's for jobs it lacks.
 
-    state = read_state(topology.registry)
-    jobs = {
-        job.name: PinnedJob(
-            job.name,
-            job.region,
-            datetime.fromisoformat(job.start),
-            datetime.fromisoformat(job.end),
-            tuple(job.versions),
-        )
-        for job in (state.jobs.values() if state else [])
-    }
-    for job in _warmed_jobs(topology.registry):
+    The names only explain an eviction refusal, so a record that cannot be read
+    (origin failing, a damaged file) is left out with a warning: the refusal
+    stands (exit 2), it must not turn into a failure (exit 1).
+    """
+    from edgecache.clients.controller import STATE_NAME, read_state  # it builds on ops
+
+    registry = topology.registry.rstrip("/")
+    jobs: dict[str, PinnedJob] = {}
+    try:
+        state = read_state(topology.registry)
+        for job in state.jobs.values() if state else []:
+            jobs[job.name] = PinnedJob(
+                job.name,
+                job.region,
+                datetime.fromisoformat(job.start),
+                datetime.fromisoformat(job.end),
+                tuple(job.versions),
+            )
+    except (OriginError, ValueError, TypeError) as exc:
+        _unreadable_record(f"{registry}/{STATE_NAME}", exc)
+    try:
+        warmed = _warmed_jobs(topology.registry)
+    except OriginError as exc:
+        _unreadable_record(f"{registry}/{WARMED_JOBS}", exc)
+        warmed = []
+    for job in warmed:
         jobs.setdefault(job.name, job)
     return sorted(jobs.values(), key=lambda j: (j.start, j.name))
+
+
+def _unreadable_record(url: str, exc: BaseException) -> None:
+    log.warning("cannot read %s, so the jobs it records go unnamed: %s", url, exc)
 
 
 def _job_times(job: PinnedJob, now: datetime) -> str:
