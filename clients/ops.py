@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -68,8 +68,9 @@ __all__ = [
     "stage_item",
     "version_sizes",
     "held_manifests",
+    "Outage",
     "region_nodes",
-    "unreachable_message",
+    "region_outages",
     "unreachable_regions",
     "wait_ready",
     "warm",
@@ -173,13 +174,7 @@ def make_plan(
     current = [job for job in schedule.jobs if job.end > now]
     specs = {spec for job in current for spec in job.datasets}
 
-    held_keys = {
-        (v.dataset, v.version)
-        for r in reports
-        if r.status is not None
-        for v in r.status.versions
-        if v.shard_count
-    }
+    held_keys = {(v.dataset, v.version) for _, v in _resident(reports)}
 
     async def resolve(
         reg: Registry,
@@ -203,6 +198,7 @@ def make_plan(
         )
         for job in current
     ]
+    outages = region_outages(reports)
     regions = {}
     for name, config in topology.regions.items():
         alive = [r.status for r in reports if r.region == name and r.status is not None]
@@ -215,7 +211,7 @@ def make_plan(
         staging_rate = sum(rates) / len(rates) * len(alive) if rates else None
         resident = {v: h.stored_bytes for v, h in held.get(name, {}).items() if h.complete}
         partial = {v: h.stored_bytes for v, h in held.get(name, {}).items() if not h.complete}
-        down = [r for r in reports if r.region == name and r.status is None]
+        outage = outages.get(name)
         regions[name] = RegionState(
             name=name,
             capacity_bytes=capacity,
@@ -226,7 +222,9 @@ def make_plan(
             peer_bandwidth=dict(config.peers),
             egress_price_per_gb=config.egress_price_per_gb,
             staging_rate=staging_rate,
-            unreachable="" if alive or not down else unreachable_message(name, down),
+            # Nothing can be planned where no node answers; a degraded region is planned
+            # on the nodes that did (and the command fails all the same, naming the rest).
+            unreachable=outage.message() if outage is not None and outage.unreachable else "",
         )
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
@@ -234,29 +232,68 @@ def make_plan(
     return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
 
 
-def unreachable_message(region: str, down: list[NodeReport]) -> str:
-    """Which of ``region``'s nodes did not answer, and what to check: one line for an operator."""
-    nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in down)
-    return (
-        f"region {region} is unreachable: {nodes}; check that the node runs and is reachable "
-        "from here (edgecache status, edgecache doctor), then try again"
-    )
+@dataclass(frozen=True)
+class Outage:
+    """A region some of whose nodes did not answer: the one meaning of a region down.
+
+    *Unreachable* when none answered: nothing can be planned there, its jobs
+    cannot be met as far as anyone here can tell. *Degraded* when some did:
+    the plan counts only those (their capacity, their holdings), and the
+    shards that replicas split to the silent ones can be neither seen nor
+    staged. Either way a command that plans or stages for the region fails
+    (exit 1), naming the nodes: retrying once they answer may help.
+    """
+
+    region: str
+    down: tuple[NodeReport, ...]
+    nodes: int  # the region's nodes that were asked
+
+    @property
+    def unreachable(self) -> bool:
+        """No node of the region answered."""
+        return len(self.down) == self.nodes
+
+    def message(self) -> str:
+        """Which nodes did not answer, and what to check: one line for an operator."""
+        nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in self.down)
+        state = (
+            "unreachable"
+            if self.unreachable
+            else f"degraded, {len(self.down)} of its {self.nodes} nodes not answering"
+        )
+        return (
+            f"region {self.region} is {state}: {nodes}; check that the node runs and is "
+            "reachable from here (edgecache status, edgecache doctor), then try again"
+        )
+
+
+def region_outages(reports: list[NodeReport]) -> dict[str, Outage]:
+    """Region → its outage, for each region of ``reports`` with a node that did not answer."""
+    asked: dict[str, list[NodeReport]] = {}
+    for report in reports:
+        asked.setdefault(report.region, []).append(report)
+    return {
+        region: Outage(region, tuple(down), len(nodes))
+        for region, nodes in sorted(asked.items())
+        if (down := [r for r in nodes if r.status is None])
+    }
 
 
 def unreachable_regions(
     reports: list[NodeReport], schedule: Schedule, now: datetime
 ) -> dict[str, str]:
-    """Region → why, for the regions of jobs not yet over whose nodes did not all answer.
+    """Region → why, for the regions of jobs not yet over with an outage (:class:`Outage`).
 
-    A plan for such a region is built on part of it, or on nothing: its
-    capacity and holdings are unknown, so the plan is not to be trusted.
+    Unreachable and degraded regions both: a plan for such a region is built
+    on part of it, or on nothing, so it is not to be trusted, and staging
+    there cannot finish.
     """
     used = {job.region for job in schedule.jobs if job.end > now}
-    down: dict[str, list[NodeReport]] = {}
-    for report in reports:
-        if report.status is None and report.region in used:
-            down.setdefault(report.region, []).append(report)
-    return {region: unreachable_message(region, nodes) for region, nodes in sorted(down.items())}
+    return {
+        region: outage.message()
+        for region, outage in region_outages(reports).items()
+        if region in used
+    }
 
 
 @dataclass
@@ -268,6 +305,15 @@ class Holding:
     complete: bool = False
 
 
+def _resident(reports: list[NodeReport]) -> Iterator[tuple[NodeReport, edge_pb2.ResidentVersion]]:
+    """Each version an answering node holds data of (a pin without data holds nothing)."""
+    for report in reports:
+        if report.status is not None:
+            for version in report.status.versions:
+                if version.shard_count:
+                    yield report, version
+
+
 def holdings(
     reports: list[NodeReport], manifests: dict[str, pb.Manifest]
 ) -> dict[str, dict[VersionKey, Holding]]:
@@ -275,15 +321,12 @@ def holdings(
     shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
     out: dict[str, dict[VersionKey, Holding]] = {}
     for report in reports:
-        if report.status is None:
-            continue
-        region = out.setdefault(report.region, {})
-        for v in report.status.versions:
-            if not v.shard_count:
-                continue  # a pin without data
-            holding = region.setdefault((v.dataset, v.version), Holding())
-            holding.shards += v.shard_count
-            holding.stored_bytes += v.stored_bytes
+        if report.status is not None:
+            out.setdefault(report.region, {})  # a node that answers holding nothing: a region
+    for report, v in _resident(reports):
+        holding = out[report.region].setdefault((v.dataset, v.version), Holding())
+        holding.shards += v.shard_count
+        holding.stored_bytes += v.stored_bytes
     for region in out.values():
         for key, holding in region.items():
             total = shard_counts.get(key) or next(

@@ -155,6 +155,26 @@ def test_a_down_region_is_named_as_down_and_fails_plan_and_controller_once(site)
     assert "with --once, another controller holds" in " ".join(out.replace("│", " ").split())
 
 
+def test_a_region_with_one_node_of_two_down_is_degraded_planned_and_still_fails(site) -> None:
+    """Replicas: one answers, one does not. Not 'unreachable' (its jobs are planned on the
+    node that answers), but the plan cannot count the silent node, so plan still fails."""
+    root, nodes = site
+    half = root / "half.yaml"
+    half.write_text(
+        f"registry: file://{root}/registry\nregions:\n"
+        f"  tiny:\n    nodes: ['{nodes['tiny'].address}', '127.0.0.1:1']\n"
+    )
+    later = datetime.now(UTC) + timedelta(days=1)
+    path = schedule(root, "half", ("job-half", "tiny", later, "pq@2"))
+    code, out, err = edgecache("plan", str(path), "--json", "--config", str(half))
+    assert code == 1, (code, out, err)
+    planned = json.loads(out)
+    assert planned["infeasible"] == [], planned  # planned, on the node that answered
+    assert [t["version"] for t in planned["regions"]["tiny"]["tasks"]] == ["pq@2"], planned
+    assert "region tiny is degraded, 1 of its 2 nodes not answering: 127.0.0.1:1" in err, err
+    assert "unreachable" not in err, err
+
+
 def test_warm_dry_run_shows_what_warm_does_deferrals_included_and_as_json(small) -> None:
     root, node = small
     held = resident(node, "pq", 2)
