@@ -823,8 +823,8 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
     except OriginError as exc:
         _unreadable_record(f"{registry}/{WARMED_JOBS}", exc)
         warmed = []
-    for job in warmed:
-        jobs.setdefault(job.name, job)
+    for pinned in warmed:
+        jobs.setdefault(pinned.name, pinned)
     return sorted(jobs.values(), key=lambda j: (j.start, j.name))
 
 
