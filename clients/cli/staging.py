@@ -573,8 +573,9 @@ def ready(
 ) -> None:
     """Exit 0 only when every shard of the version is staged in the region.
 
-    Gate a job's launch on it. --wait never overruns --timeout: a status round
-    still out when the time is up is not waited for. Exit codes: 0 ready; 1 not
+    Gate a job's launch on it. The nodes are always asked at least once (so
+    --timeout 0 checks once); with --wait each round's calls end by the
+    deadline, so the wait does not overrun --timeout. Exit codes: 0 ready; 1 not
     ready (or --wait timed out, which it says); 2 bad input (a negative
     --timeout among them).
     """
