@@ -173,6 +173,17 @@ def test_a_region_with_one_node_of_two_down_is_degraded_planned_and_still_fails(
     assert [t["version"] for t in planned["regions"]["tiny"]["tasks"]] == ["pq@2"], planned
     assert "region tiny is degraded, 1 of its 2 nodes not answering: 127.0.0.1:1" in err, err
     assert "unreachable" not in err, err
+    # warm says the node failure once, and still gives the plan's own reasons there.
+    path = schedule(
+        root,
+        "half-missing",
+        ("job-half", "tiny", later, "pq@2"),
+        ("job-nope", "tiny", later, "nope@9"),
+    )
+    code, out, err = edgecache("warm", str(path), "--dry-run", "--config", str(half))
+    assert code == 1, (code, out, err)
+    assert "cannot be met: job-nope nope@9 in tiny" in err, err
+    assert err.count("degraded") == 1, err
 
 
 def test_warm_dry_run_shows_what_warm_does_deferrals_included_and_as_json(small) -> None:
