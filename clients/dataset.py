@@ -223,6 +223,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._pid = os.getpid()
         self.epoch = 0
         self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
+        # The epoch was read to its end here: state_dict() says so (a resume yields
+        # nothing more of it), and the next pass over the dataset starts it over.
+        self._finished = False
         self._remaining: Remaining | None = None  # None: the whole epoch is left
         self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
@@ -233,6 +236,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.schemas = [manifest_schema(m) for m in self.manifests]
         self.schema = self.schemas[0]
         self.components = [f"{m.dataset}@{m.version}" for m in self.manifests]
+        if len(set(self.components)) != len(self.components):
+            # Different spellings of one version ("web@1" and "web", its latest) are
+            # found only now: read as two components, every row would come twice.
+            same = sorted({c for c in self.components if self.components.count(c) > 1})
+            given = ", ".join(mixture.texts)
+            raise ValueError(
+                f"{given}: {', '.join(same)} is named twice (as a number and as latest?); "
+                "give each version once"
+            )
         self.weights = None if mixture.single else list(mixture.weights)
         self.binary, self.ragged = binary, ragged
         self.kinds = with_forms(
@@ -338,6 +350,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
         if epoch != self.epoch:
             self.epoch, self._cursor, self._remaining = epoch, 0, None
+            self._finished = False
 
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
         key = (seed, epoch)
@@ -371,11 +384,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     plan = epoch_order  # the method's earlier name, kept for existing callers
 
     def __len__(self) -> int:
-        """Batches (or samples, with batch_size=None) this rank yields in the current epoch.
+        """Batches (or samples, with batch_size=None) the next pass over this rank yields.
 
-        After an elastic resume: those of what was left of the epoch.
+        After a resume: those left of the epoch, at any world size (a progress
+        bar's total). Once the epoch was read to its end: the whole epoch again,
+        which is what a new pass yields.
         """
-        return self.epoch_order().batch_count
+        if self._finished:
+            return self._order(self.seed, self.epoch, None).batch_count
+        return max(self.epoch_order().batch_count - self._cursor, 0)
 
     def _pin(self, in_worker: bool) -> bool:
         global _said_unpinned
@@ -409,6 +426,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        if self._finished:  # a new pass over an epoch read to its end: from its start
+            self._cursor, self._remaining, self._finished = 0, None, False
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
@@ -463,8 +482,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     }
                 else:
                     yield batch
-            if worker is None:  # epoch done: the next pass starts over
-                self._cursor, self._remaining = 0, None
+            if worker is None:  # epoch done: saved as done; the next pass starts over
+                self._finished = True
         except EdgeCacheError as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
             # and code) and traceback stay; the version is added as context.
@@ -580,6 +599,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             )
         self.seed, self.epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
+        self._finished = False
 
     # ---------------------------------------------------------------- stats
 

@@ -294,3 +294,42 @@ def test_len_is_the_batches_this_rank_yields(cluster, world: int, batch: int, dr
         total += sum(sizes)
     if not drop:
         assert total == TOTAL
+
+
+def test_a_resumed_epoch_says_what_is_left_and_a_finished_one_is_not_read_again(cluster) -> None:
+    # len() after a resume at the same world size is what the resumed pass yields (a
+    # progress bar's total); a state saved after an epoch ran to its end resumes with
+    # none of it, and the next epoch is whole.
+    eps = endpoints(cluster, "lmdb")
+    ds = EdgeDataset("tokens@1", endpoints=eps, **SMALL)
+    whole = len(ds)
+    it = iter(ds)
+    first = [int(x) for _ in range(3) for x in next(it)["label"]]
+    state = ds.state_dict()
+    ds.close()
+    resumed = EdgeDataset("tokens@1", endpoints=eps, **SMALL)
+    resumed.load_state_dict(state)
+    assert len(resumed) == whole - 3
+    rest = [int(x) for b in resumed for x in b["label"]]
+    assert sorted(first + rest) == list(range(TOTAL))
+    assert len(resumed) == whole  # read to its end: a new pass is the whole epoch
+    done = resumed.state_dict()
+    assert done["batches"] == whole and done["epoch"] == 0  # every batch of epoch 0
+    resumed.close()
+
+    again = EdgeDataset("tokens@1", endpoints=eps, **SMALL)
+    again.load_state_dict(done)
+    assert len(again) == 0 and list(again) == []  # nothing of epoch 0 twice
+    again.set_epoch(1)
+    assert sorted(int(x) for b in again for x in b["label"]) == list(range(TOTAL))
+    again.close()
+
+
+def test_a_mixture_naming_one_version_twice_is_refused_however_spelled(cluster) -> None:
+    # "tokens" is tokens@1 (its latest): as two components every row would come twice.
+    eps = endpoints(cluster, "lmdb")
+    for spec in ({"tokens@1": 1, "tokens@01": 1}, {"tokens@1": 1, "tokens": 1}):
+        with pytest.raises(ValueError, match="give each version once"):
+            EdgeDataset(spec, endpoints=eps, **SMALL)
+    with pytest.raises(ValueError, match="tokens@1 is named twice"):
+        EdgeDataset({"tokens@latest": 2, "tokens@1": 1}, endpoints=eps, **SMALL)
