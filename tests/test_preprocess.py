@@ -1,6 +1,9 @@
+import datetime
 import importlib.metadata
 import io
 import json
+import math
+import re
 import struct
 from collections.abc import Callable, Iterator
 
@@ -26,6 +29,7 @@ from edgecache.cache.preprocess import (
     unregister_transform,
 )
 from edgecache.cache.preprocess import transforms as pp
+from edgecache.cache.preprocess.casts import lossless_cast
 from edgecache.v1 import manifest_pb2 as pb
 
 SRC = "s3://bucket/prefix/part-3"
@@ -248,6 +252,162 @@ def test_columns_transform_errors() -> None:
     spec = pb.PreprocessSpec(transform="columns", params={"cast": "name=int64"})
     with pytest.raises(MalformedShard, match="column 'name' cannot be cast"):
         run(to_parquet(TABLE), pb.SOURCE_FORMAT_PARQUET, spec=spec)
+
+
+NOON = datetime.datetime(2024, 1, 1, 12)
+LOSSY_CASTS = [
+    # (column values, its type, cast param, a change the error must show)
+    (list(range(10)), pa.int64(), "bool", "2 → True"),
+    ([0.0, 0.5], pa.float64(), "bool", "0.5 → True"),
+    ([2048, 2049], pa.int32(), "float16", "2049 → 2048.0"),
+    ([1.0, 1e300], pa.float64(), "float32", "1e+300 → inf"),
+    ([1.0, 1e-50], pa.float64(), "float32", "1e-50 → 0.0"),
+    (["1.5", "1e400"], pa.string(), "double", "'1e400' → inf"),
+    ([NOON], pa.timestamp("us"), "date32", "2024-01-01 12:00:00 → 2024-01-01"),
+    ([[0, 1], [2, 0]], pa.list_(pa.int64()), "fixed_size_list<bool, 2>", "2 → True"),
+]
+
+
+@pytest.mark.parametrize(
+    ("values", "kind", "cast", "change"),
+    LOSSY_CASTS,
+    ids=["int-bool", "float-bool", "int-float16", "overflow", "underflow", "text", "date", "list"],
+)
+def test_a_cast_that_would_change_values_fails_naming_them(
+    values: list[object], kind: pa.DataType, cast: str, change: str
+) -> None:
+    data = to_parquet(pa.table({"x": pa.array(values, kind)}))
+    spec = pb.PreprocessSpec(transform="columns", params={"cast": f"x={cast}"})
+    with pytest.raises(MalformedShard) as info:
+        run(data, pb.SOURCE_FORMAT_PARQUET, spec=spec)
+    message = str(info.value)
+    assert message.startswith(f"{SRC}: transform 'columns': column 'x' cannot be cast from ")
+    assert change in message
+    assert "cast 'x' to a type that holds its values, or leave it out of cast" in message
+    # The version's schema is held to the same rule when a shard is conformed to it.
+    with pytest.raises(MalformedShard, match=f"column 'x' .*{re.escape(change)}"):
+        run(data, pb.SOURCE_FORMAT_PARQUET, schema=pa.schema([("x", parse_type(cast))]))
+
+
+def test_the_lossy_cast_error_counts_the_values_that_would_change() -> None:
+    labels = pa.table({"label": pa.array([i % 10 for i in range(100)], pa.int64())})
+    spec = pb.PreprocessSpec(transform="columns", params={"cast": "label=bool"})
+    with pytest.raises(
+        MalformedShard,
+        match="80 of 100 values in one batch would change, e.g. 2 → True, 3 → True, 4 → True;",
+    ):
+        run(to_parquet(labels), pb.SOURCE_FORMAT_PARQUET, spec=spec)
+
+
+def test_casts_that_keep_every_value_pass() -> None:
+    table = pa.table(
+        {
+            "flag": pa.array([0, 1, None], pa.int64()),
+            "f": pa.array([0.1, float("nan"), -float("inf")], pa.float64()),
+            "n": pa.array(["01", "-7", None]),
+            "day": pa.array([datetime.datetime(2024, 1, 1), None, NOON.replace(hour=0)]),
+        }
+    )
+    cast = "flag=bool,f=float32,n=int16,day=date32"
+    spec = pb.PreprocessSpec(transform="columns", params={"cast": cast})
+    out = run(to_parquet(table), pb.SOURCE_FORMAT_PARQUET, spec=spec)
+    assert out.column("flag").to_pylist() == [False, True, None]
+    f = out.column("f").to_pylist()  # a narrower float holds the nearest value
+    assert f[0] == pytest.approx(0.1, rel=1e-7) and math.isnan(f[1]) and f[2] == -math.inf
+    assert out.column("n").to_pylist() == [1, -7, None]
+    assert out.column("day").to_pylist() == [datetime.date(2024, 1, 1), None, NOON.date()]
+
+
+def test_a_cast_pyarrow_cannot_undo_is_refused() -> None:
+    stamps = pa.array([NOON], pa.timestamp("us"))
+    with pytest.raises(ValueError, match="cannot cast time64.* back to timestamp"):
+        lossless_cast(stamps, pa.time64("us"))
+
+
+def _same(a: object, b: object) -> bool:
+    return a == b or (
+        isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    )
+
+
+def _reversible(before: pa.Array, target: pa.DataType) -> bool:
+    """The oracle: pyarrow's safe cast accepts it, and casting back gives every value."""
+    try:
+        back = before.cast(target, safe=True).cast(before.type, safe=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return False
+    return all(_same(a, b) for a, b in zip(before.to_pylist(), back.to_pylist(), strict=True))
+
+
+def _types(names: str, *more: pa.DataType) -> st.SearchStrategy[pa.DataType]:
+    return st.sampled_from([*map(parse_type, names.split()), *more])
+
+
+def _arrays(values: st.SearchStrategy[object], kind: pa.DataType) -> st.SearchStrategy[pa.Array]:
+    return st.lists(st.one_of(st.none(), values), max_size=8).map(lambda v: pa.array(v, kind))
+
+
+some_ints = st.one_of(
+    st.integers(-3, 3), st.integers(-3000, 3000), st.integers(-(2**63), 2**63 - 1)
+)
+some_floats = st.one_of(st.floats(width=64), st.sampled_from([0.5, -1.5]), some_ints.map(float))
+some_times = st.one_of(
+    st.datetimes(), st.dates().map(lambda d: datetime.datetime(*d.timetuple()[:3]))
+)
+CAST_CASES = st.one_of(
+    st.tuples(
+        _arrays(some_ints, pa.int64()),
+        _types("bool int8 uint16 float16 float32 string timestamp[s]", pa.decimal128(20, 0)),
+    ),
+    st.tuples(
+        _arrays(some_floats, pa.float64()),
+        _types("bool int8 int64 string", pa.decimal128(12, 3)),
+    ),
+    st.tuples(
+        _arrays(some_times, pa.timestamp("us")),
+        _types("date32 date64 timestamp[s] timestamp[ms] int64 string"),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=CAST_CASES)
+def test_a_cast_passes_exactly_when_it_can_be_undone(case: tuple[pa.Array, pa.DataType]) -> None:
+    before, target = case
+    try:
+        after = lossless_cast(before, target)
+    except ValueError:
+        assert not _reversible(before, target)
+    else:
+        assert _reversible(before, target)
+        assert after.type == target
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.one_of(st.none(), st.floats(width=64)), max_size=8),
+    target=st.sampled_from([pa.float32(), pa.float16()]),
+)
+def test_a_narrower_float_holds_the_nearest_value_or_fails(
+    values: list[float | None], target: pa.DataType
+) -> None:
+    before = pa.array(values, pa.float64())
+    nearest = before.cast(target, safe=False).cast(pa.float64()).to_pylist()
+    out_of_range = any(
+        x is not None
+        and y is not None
+        and ((math.isfinite(x) and math.isinf(y)) or (x != 0 and y == 0))
+        for x, y in zip(values, nearest, strict=True)
+    )
+    try:
+        after = lossless_cast(before, target)
+    except ValueError:
+        assert out_of_range
+    else:
+        assert not out_of_range
+        assert all(
+            _same(a, b) for a, b in zip(after.cast(pa.float64()).to_pylist(), nearest, strict=True)
+        )
 
 
 @pytest.mark.parametrize(

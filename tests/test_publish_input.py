@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from edgeutil import read_shard_table, stub, write_parquet_shards
 from typer.testing import CliRunner
@@ -117,3 +120,35 @@ def test_versions_of_what_is_not_there_is_bad_input_naming_what_is(tmp_path: Pat
     assert code == 2 and "no object store serves s3x://" in out
     code, out = versions("--help")
     assert code == 0 and "Exit codes: 0 listed; 2 bad input" in out
+
+
+def test_a_cast_that_would_lose_values_fails_staging_naming_column_object_and_values(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "raw").mkdir()
+    labels = pa.table({"label": pa.array([i % 10 for i in range(100)], pa.int64())})
+    pq.write_table(labels, tmp_path / "raw" / "part-0.parquet")
+    registry = f"file://{tmp_path}/reg"
+    result = runner.invoke(
+        app,
+        [
+            *("publish", str(tmp_path / "raw"), "--dataset", "t", "--registry", registry),
+            *("--transform", "columns", "--param", "cast=label=bool"),
+        ],
+    )
+    assert result.exit_code == 0, result.output  # the schema is known without reading values
+    settings = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        sync=False,
+    )
+    with running_node(settings) as node, pytest.raises(grpc.RpcError) as failed:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="t", version=1)))
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    message = failed.value.details()
+    assert f"shard 0: file://{tmp_path}/raw/part-0.parquet: transform 'columns': " in message
+    assert "column 'label' cannot be cast from int64 to bool" in message
+    assert "80 of 100 values in one batch would change, e.g. 2 → True, 3 → True" in message
+    assert "cast 'label' to a type that holds its values, or leave it out of cast" in message

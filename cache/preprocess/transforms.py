@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard, UnknownTransform
 from edgecache.cache.preprocess.arrow_types import parse_type, split_params
+from edgecache.cache.preprocess.casts import lossless_cast
 from edgecache.cache.preprocess.formats import ARROW_ERRORS
 
 __all__ = [
@@ -72,12 +73,17 @@ def _pairs(key: str, value: str) -> dict[str, str]:
 
 
 def cast_column(batch: pa.RecordBatch, index: int, target: pa.DataType) -> pa.Array:
-    """Column ``index`` safely cast to ``target``; MalformedShard naming it if it cannot be."""
+    """Column ``index`` cast to ``target`` keeping every value (see :mod:`.casts`).
+
+    Raises:
+        MalformedShard: the cast fails or would change a value; the message names the
+            column and shows values that would change.
+    """
     column, name = batch.column(index), batch.schema.field(index).name
     if column.type == target:
         return column
     try:
-        return column.cast(target, safe=True)
+        return lossless_cast(column, target)
     except ARROW_ERRORS as exc:
         raise MalformedShard(
             f"column {name!r} cannot be cast from {column.type} to {target}: {exc}"
@@ -116,7 +122,13 @@ def _columns(params: dict[str, str]) -> Transform:
             arrays = list(batch.columns)
             for name, target in cast.items():
                 i = column_index(batch, name, "in cast")
-                arrays[i] = cast_column(batch, i, target)
+                try:
+                    arrays[i] = cast_column(batch, i, target)
+                except MalformedShard as exc:
+                    raise MalformedShard(
+                        f"{exc}; cast {name!r} to a type that holds its values, or leave it "
+                        "out of cast"
+                    ) from exc
             batch = pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
         return batch
 
