@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import TaskID
+from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.planner import Eviction, Plan
+from edgecache.clients import ops
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
     ConfigOption,
@@ -34,7 +37,7 @@ from edgecache.clients.cli.render import (
     table,
     warning,
 )
-from edgecache.clients.executor import Evicted, PlanExecutor, TaskRun
+from edgecache.clients.executor import Evicted, PlanExecutor, TaskRun, WarmOutcome
 from edgecache.clients.ops import WarmItem
 from edgecache.clients.plan_status import JobView
 from edgecache.clients.topology import Schedule, Topology
@@ -319,164 +322,322 @@ def warm(
     resume). --dry-run exits as the real run would before it moves data: 3, 1
     for an unreachable node, else 0.
     """
-    import threading
-
-    from edgecache.cache.registry import Registry
-    from edgecache.clients import ops
-    from edgecache.clients.topology import load_schedule
-
     options = Options(config, token_file)
     with reporting():
         topology, token = options.topology, options.token
+        work: _ScheduleWork | WarmItem
         if Path(target).exists():
-            from edgecache.clients.controller import lease_holder
-
-            schedule = load_schedule(target, topology)
-            now = datetime.now(UTC)
-            reports = ops.gather_status(topology, token=token)
-            result, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
-            down = ops.unreachable_regions(reports, schedule, now)
-            single = None
-            holder = lease_holder(topology.registry)
-            if holder is not None and not dry_run:
-                warning(
-                    f"controller {holder.holder} runs a schedule on this registry; warm acts "
-                    "now as well (pins, evictions and staging are idempotent, so nothing is "
-                    "done twice, but its timing is not the controller's)"
-                )
+            work = _plan_schedule(topology, token, target, dry_run=dry_run)
         else:
-            if region is None:
-                raise ValueError(f"warm {target} needs --region, one of {sorted(topology.regions)}")
-            ops.region_nodes(topology, region)  # an unknown region fails before the registry
-            manifest = Registry.run(topology.registry, lambda reg: reg.resolve(target))
-            single = ops.warm_item_for_version(topology, region, manifest)
-            down = {}
-    if single is None:
-        for i in result.infeasible:
-            if i.reason == down.get(i.region):
-                continue  # said once, below, as the node failure it is
-            err_console.print(
-                f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}",
-                soft_wrap=True,
-            )
-    if dry_run and single is not None:
-        if as_json:
-            print(json.dumps({"dry_run": True, "items": [_single_row(single, dry_run)]}))
-        else:
-            console.print(
-                f"would stage {single.spec} into {single.region} "
-                f"({format_bytes(single.bytes_total)}) on {', '.join(single.nodes)}"
-            )
+            work = _single_item(topology, target, region)
+    if isinstance(work, _ScheduleWork):
+        _report_infeasible(work)
+    elif dry_run:
+        _report_single_rehearsal(work, as_json)
         return
+    warmed = _carry_out(work, topology, token, dry_run=dry_run, quiet=as_json)
+    if as_json:
+        _report_json(warmed, dry_run)
+    else:
+        _report_text(warmed, dry_run)
+    _report_failures(warmed)
+    code = _exit_code(warmed)
+    if code is not ExitCode.OK:
+        raise exit_with(code)
+
+
+@dataclass(frozen=True)
+class _ScheduleWork:
+    """A schedule's plan and what warm needs beside it to carry it out and report it.
+
+    ``down`` is kept with it because an unreachable region's plan is built
+    without knowing what the region holds: the outage is reported once, as the
+    node failure it is, and decides the exit code.
+    """
+
+    schedule: Schedule
+    plan: Plan
+    manifests: dict[str, pb.Manifest]
+    now: datetime
+    down: dict[str, str]
+
+
+@dataclass(frozen=True)
+class _Warmed:
+    """What warm did (or would do), in the one shape the reports and the exit code read.
+
+    ``work`` is None for a single version: it has no plan, so its ``outcome``
+    stays empty (nothing evicted, deferred or pinned) and the plan's parts of
+    the reports are left out.
+    """
+
+    rows: list[dict[str, Any]]
+    failed: list[WarmItem]
+    work: _ScheduleWork | None = None
+    outcome: WarmOutcome = field(default_factory=WarmOutcome)
+
+
+def _plan_schedule(
+    topology: Topology, token: str | None, path: str, *, dry_run: bool
+) -> _ScheduleWork:
+    """Plan the schedule against what the nodes hold now, since warm acts now.
+
+    A controller on the same registry is worth a warning before a real run
+    (not a rehearsal): warm does not break it, but acts on its own timing.
+    """
+    from edgecache.clients.controller import lease_holder
+    from edgecache.clients.topology import load_schedule
+
+    schedule = load_schedule(path, topology)
+    now = datetime.now(UTC)
+    reports = ops.gather_status(topology, token=token)
+    plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
+    down = ops.unreachable_regions(reports, schedule, now)
+    holder = lease_holder(topology.registry)
+    if holder is not None and not dry_run:
+        warning(
+            f"controller {holder.holder} runs a schedule on this registry; warm acts "
+            "now as well (pins, evictions and staging are idempotent, so nothing is "
+            "done twice, but its timing is not the controller's)"
+        )
+    return _ScheduleWork(schedule, plan, manifests, now, down)
+
+
+def _single_item(topology: Topology, spec: str, region: str | None) -> WarmItem:
+    """``NAME@N --region R`` as one item to stage, all of it from origin.
+
+    The region is checked before the registry is asked, so a typo in it is
+    reported as such rather than hidden behind a registry error.
+    """
+    from edgecache.cache.registry import Registry
+
+    if region is None:
+        raise ValueError(f"warm {spec} needs --region, one of {sorted(topology.regions)}")
+    ops.region_nodes(topology, region)  # an unknown region fails before the registry
+    manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
+    return ops.warm_item_for_version(topology, region, manifest)
+
+
+def _report_infeasible(work: _ScheduleWork) -> None:
+    """Say up front which jobs cannot be met, since warm carries out the rest anyway.
+
+    A job that fails only because its region is unreachable is left out here:
+    the outage is said once, at the end, as the node failure it is.
+    """
+    for i in work.plan.infeasible:
+        if i.reason == work.down.get(i.region):
+            continue
+        err_console.print(
+            f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}",
+            soft_wrap=True,
+        )
+
+
+def _report_single_rehearsal(item: WarmItem, as_json: bool) -> None:
+    """A single version's dry run: it has no plan to rehearse, so say what would be staged."""
+    if as_json:
+        print(json.dumps({"dry_run": True, "items": [_row(item, "would stage")]}))
+    else:
+        console.print(
+            f"would stage {item.spec} into {item.region} "
+            f"({format_bytes(item.bytes_total)}) on {', '.join(item.nodes)}"
+        )
+
+
+def _carry_out(
+    work: _ScheduleWork | WarmItem,
+    topology: Topology,
+    token: str | None,
+    *,
+    dry_run: bool,
+    quiet: bool,
+) -> _Warmed:
+    """Stage (or rehearse) under progress bars, turning Ctrl-C into exit 130.
+
+    Every step is idempotent, so an interrupted warm is resumed by running it
+    again; the stop event lets the transfers in flight end cleanly. Bars are
+    left out for --json (they would mix with it) and for a dry run (nothing moves).
+    """
     stop = threading.Event()
-    bar_set = progress(disable=as_json or dry_run)
-    bars: dict[int, TaskID] = {}
-
-    def show(run: TaskRun) -> None:
-        # The source as it stands: a peer that will not hold the version turns the
-        # run into one from origin after its bar was made.
-        source = f" ← {run.task.source}" if run.item.peers else ""
-        label = f"{run.task.region} {run.task.spec}{source}"
-        bar = bars.get(id(run.item))
-        if bar is None:
-            bar = bars[id(run.item)] = bar_set.add_task(label, total=run.item.bytes_total)
-        bar_set.update(bar, completed=run.item.bytes_done, description=label)
-
+    bars = progress(disable=quiet or dry_run)
     try:
-        with bar_set:
-            if single is not None:
-                bar = bar_set.add_task(f"{single.region} {single.spec}", total=single.bytes_total)
-                ops.stage_item(
-                    single,
-                    token=token,
-                    stop=stop,
-                    on_progress=lambda i: bar_set.update(bar, completed=i.bytes_done),
-                )
-                failed = [single] if single.failures else []
-                rows = [_single_row(single, dry_run)]
-            else:
-                kind = Rehearsal if dry_run else PlanExecutor
-                executor = kind(topology, token=token, stop=stop, on_progress=show)
-                if not dry_run:
-                    _record_warmed_jobs(topology, schedule, manifests, now)
-                with reporting():
-                    outcome = executor.warm(result, schedule, manifests)
-                rows = [_run_row(run) for run in outcome.runs]
-                failed = [run.item for run in outcome.failed]
+        with bars:
+            if isinstance(work, WarmItem):
+                return _stage_single(work, token, bars, stop)
+            return _run_plan(work, topology, token, bars, stop, dry_run=dry_run)
     except KeyboardInterrupt:
         stop.set()
         err_console.print("stopped; run the same command again to resume")
         raise typer.Exit(130) from None
-    if as_json:
-        out: dict[str, object] = {"dry_run": True} if dry_run else {}
-        out["items"] = rows
-        if single is None:
-            out["evicted"] = [
-                {"region": e.region, "version": f"{e.version[0]}@{e.version[1]}", "bytes": b}
-                for e, b in outcome.evicted
-            ]
-            out["deferred"] = [
-                {"region": d.region, "what": d.what, "reason": d.reason} for d in outcome.deferred
-            ]
-            out["pins"] = [
-                {"region": name, "version": f"{v[0]}@{v[1]}", "until": until.isoformat()}
-                for name, rp in result.regions.items()
-                for v, until in sorted(rp.pins.items())
-            ]
-            out["pin_failures"] = outcome.pin_failures
-            out["infeasible"] = [
-                {"job": i.job, "region": i.region, "version": i.version, "reason": i.reason}
-                for i in result.infeasible
-            ]
-            out["unreachable"] = [{"region": r, "reason": why} for r, why in down.items()]
-        print(json.dumps(out))
+
+
+def _stage_single(
+    item: WarmItem, token: str | None, bars: Progress, stop: threading.Event
+) -> _Warmed:
+    """Stage one version from origin; its failures are collected, never raised."""
+    bar = bars.add_task(f"{item.region} {item.spec}", total=item.bytes_total)
+    ops.stage_item(
+        item,
+        token=token,
+        stop=stop,
+        on_progress=lambda i: bars.update(bar, completed=i.bytes_done),
+    )
+    return _Warmed(
+        rows=[_row(item, "done" if item.done else "failed")],
+        failed=[item] if item.failures else [],
+    )
+
+
+def _run_plan(
+    work: _ScheduleWork,
+    topology: Topology,
+    token: str | None,
+    bars: Progress,
+    stop: threading.Event,
+    *,
+    dry_run: bool,
+) -> _Warmed:
+    """Carry out the plan with the real executor, or rehearse it with :class:`Rehearsal`.
+
+    Both make the same decisions, which is what lets --dry-run show the real
+    run's evictions, stages and deferrals. Only a real run records the jobs it
+    pins for, since only it pins.
+    """
+    executor_type = Rehearsal if dry_run else PlanExecutor
+    executor = executor_type(topology, token=token, stop=stop, on_progress=_plan_bars(bars))
+    if not dry_run:
+        _record_warmed_jobs(topology, work.schedule, work.manifests, work.now)
+    with reporting():
+        outcome = executor.warm(work.plan, work.schedule, work.manifests)
+    return _Warmed(
+        rows=[_row(run.item, run.state, run.task.source) for run in outcome.runs],
+        failed=[run.item for run in outcome.failed],
+        work=work,
+        outcome=outcome,
+    )
+
+
+def _plan_bars(bars: Progress) -> Callable[[TaskRun], None]:
+    """A progress callback that gives each run its own bar, made on its first report.
+
+    The label is rebuilt on every report: a peer that will not hold the
+    version turns the run into one from origin after its bar was made.
+    """
+    made: dict[int, TaskID] = {}
+
+    def show(run: TaskRun) -> None:
+        source = f" ← {run.task.source}" if run.item.peers else ""
+        label = f"{run.task.region} {run.task.spec}{source}"
+        bar = made.get(id(run.item))
+        if bar is None:
+            bar = made[id(run.item)] = bars.add_task(label, total=run.item.bytes_total)
+        bars.update(bar, completed=run.item.bytes_done, description=label)
+
+    return show
+
+
+def _report_json(warmed: _Warmed, dry_run: bool) -> None:
+    """One JSON object for scripts; the plan's keys only when there was a plan."""
+    out: dict[str, object] = {"dry_run": True} if dry_run else {}
+    out["items"] = warmed.rows
+    work, outcome = warmed.work, warmed.outcome
+    if work is not None:
+        out["evicted"] = [
+            {"region": e.region, "version": f"{e.version[0]}@{e.version[1]}", "bytes": b}
+            for e, b in outcome.evicted
+        ]
+        out["deferred"] = [
+            {"region": d.region, "what": d.what, "reason": d.reason} for d in outcome.deferred
+        ]
+        out["pins"] = [
+            {"region": name, "version": f"{v[0]}@{v[1]}", "until": until.isoformat()}
+            for name, rp in work.plan.regions.items()
+            for v, until in sorted(rp.pins.items())
+        ]
+        out["pin_failures"] = outcome.pin_failures
+        out["infeasible"] = [
+            {"job": i.job, "region": i.region, "version": i.version, "reason": i.reason}
+            for i in work.plan.infeasible
+        ]
+        out["unreachable"] = [{"region": r, "reason": why} for r, why in work.down.items()]
+    print(json.dumps(out))
+
+
+def _report_text(warmed: _Warmed, dry_run: bool) -> None:
+    """What was done (or would be), the items' notes, then a count a person can check."""
+    if warmed.work is not None:
+        _print_plan_steps(warmed.work.plan, warmed.outcome, warmed.rows, dry_run)
+    for row in warmed.rows:
+        for note in row["notes"]:
+            err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
+    if dry_run:
+        staged = sum(1 for row in warmed.rows if row["state"] != "deferred")
+        console.print(f"warm --dry-run: {staged} of {len(warmed.rows)} item(s) would be staged")
     else:
-        if single is None:
-            evicted = "would evict" if dry_run else "evicted"
-            for e, freed in outcome.evicted:
-                console.print(
-                    f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
-                    f"({format_bytes(freed)}): {e.reason}"
-                )
-            if dry_run:
-                for row in rows:
-                    if row["state"] != "deferred":
-                        console.print(
-                            f"{row['region']}: would stage {row['version']} "
-                            f"({format_bytes(int(row['bytes']))}) from {row['from']}"
-                        )
-                for name, rp in result.regions.items():
-                    for v, until in sorted(rp.pins.items()):
-                        console.print(
-                            f"{name}: would pin {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}"
-                        )
-            deferred = "would defer" if dry_run else "deferred"
-            for d in outcome.deferred:
-                err_console.print(
-                    f"[yellow]{deferred}:[/yellow] {d.region} {d.what}: {d.reason}", soft_wrap=True
-                )
-            for failure in outcome.pin_failures:
-                err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
+        staged = sum(1 for row in warmed.rows if row["done"])
+        console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged")
+
+
+def _print_plan_steps(
+    plan: Plan, outcome: WarmOutcome, rows: list[dict[str, Any]], dry_run: bool
+) -> None:
+    """A plan's evictions, deferrals and pin failures, in the words of a real run or a rehearsal.
+
+    A real run's stages show in its progress bars and pins need no news; a
+    rehearsal has neither, so it lists the stages and pins it would make.
+    """
+    evicted = "would evict" if dry_run else "evicted"
+    for e, freed in outcome.evicted:
+        console.print(
+            f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
+            f"({format_bytes(freed)}): {e.reason}"
+        )
+    if dry_run:
         for row in rows:
-            for note in row["notes"]:
-                err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
-        if dry_run:
-            staged = sum(1 for row in rows if row["state"] != "deferred")
-            console.print(f"warm --dry-run: {staged} of {len(rows)} item(s) would be staged")
-        else:
-            staged = sum(1 for row in rows if row["done"])
-            console.print(f"warm: {staged} of {len(rows)} item(s) staged")
-    for item in failed:
+            if row["state"] != "deferred":
+                console.print(
+                    f"{row['region']}: would stage {row['version']} "
+                    f"({format_bytes(int(row['bytes']))}) from {row['from']}"
+                )
+        for name, rp in plan.regions.items():
+            for v, until in sorted(rp.pins.items()):
+                console.print(f"{name}: would pin {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}")
+    deferred = "would defer" if dry_run else "deferred"
+    for d in outcome.deferred:
+        err_console.print(
+            f"[yellow]{deferred}:[/yellow] {d.region} {d.what}: {d.reason}", soft_wrap=True
+        )
+    for failure in outcome.pin_failures:
+        err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
+
+
+def _report_failures(warmed: _Warmed) -> None:
+    """Failed items and unreachable regions, on stderr whatever the format, next to the exit."""
+    for item in warmed.failed:
         err_console.print(
             f"[red]failed:[/red] {item.spec} in {item.region}: " + "; ".join(item.failures),
             soft_wrap=True,
         )
-    for message in down.values():
+    for message in _down(warmed).values():
         error(message)
-    if failed or down or (single is None and outcome.pin_failures):
-        raise exit_with(ExitCode.FAILED)
-    if single is None and result.infeasible:
-        raise exit_with(ExitCode.CANNOT_BE_MET)
+
+
+def _exit_code(warmed: _Warmed) -> ExitCode:
+    """A failure (1) outranks a job that cannot be met (3): retrying may fix the former.
+
+    An unreachable region counts as a failure even in a dry run, since its
+    plan was built without knowing what the region holds.
+    """
+    if warmed.failed or _down(warmed) or warmed.outcome.pin_failures:
+        return ExitCode.FAILED
+    if warmed.work is not None and warmed.work.plan.infeasible:
+        return ExitCode.CANNOT_BE_MET
+    return ExitCode.OK
+
+
+def _down(warmed: _Warmed) -> dict[str, str]:
+    """Unreachable regions of the schedule; a single version checks none."""
+    return warmed.work.down if warmed.work is not None else {}
 
 
 def _record_warmed_jobs(
@@ -528,29 +689,19 @@ class Rehearsal(PlanExecutor):
         return run
 
 
-def _run_row(run: TaskRun) -> dict[str, Any]:
-    """One staging task as warm reports it (and --json prints it)."""
-    return {
-        "region": run.item.region,
-        "version": run.item.spec,
-        "source": "peer" if run.item.peers else "origin",
-        "from": run.task.source if run.item.peers else "origin",
-        "bytes": run.item.bytes_total,
-        "state": run.state,
-        "done": run.item.done,
-        "failures": run.item.failures,
-        "notes": run.item.notes,
-    }
+def _row(item: WarmItem, state: str, source: str = "origin") -> dict[str, Any]:
+    """One item as warm reports it (and --json prints it): a plan's task or a single version.
 
-
-def _single_row(item: WarmItem, dry_run: bool) -> dict[str, Any]:
-    """``warm NAME@N --region R``'s one item, as :func:`_run_row` reports a task."""
-    state = "would stage" if dry_run else "done" if item.done else "failed"
+    ``source`` is the region the plan chose to copy from; the row names it only
+    while the item still copies from a peer, since a run whose peer will not
+    hold the version falls back to origin.
+    """
+    from_peer = bool(item.peers)
     return {
         "region": item.region,
         "version": item.spec,
-        "source": "origin",
-        "from": "origin",
+        "source": "peer" if from_peer else "origin",
+        "from": source if from_peer else "origin",
         "bytes": item.bytes_total,
         "state": state,
         "done": item.done,
