@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
 import json
+import re
+import shlex
+import symtable
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -274,3 +278,42 @@ def test_replicas_split_shards_by_rendezvous_hashing(tmp_path: Path) -> None:
     finally:
         for node in replicas:
             node.stop()
+
+
+# What a person copies from the docs.
+ROOT = Path(__file__).parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _code_blocks(path: Path, language: str = "") -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", path.read_text(), re.S)
+
+
+def _documented_command_lines() -> list[tuple[str, str]]:
+    found = []
+    for path in DOC_FILES:
+        for block in _code_blocks(path, r"\w*"):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.strip().removeprefix("$ ")
+                if command.startswith("edgecache "):
+                    found.append((path.name, command))
+    return found
+
+
+def test_documented_command_lines_reach_edgecache_whole() -> None:
+    """No `<`, `>`, `|`, `;` or `&` left unquoted: the shell would redirect or split there."""
+    lines = _documented_command_lines()
+    assert any("--param" in line for _, line in lines)
+    for name, line in lines:
+        shell = shlex.shlex(line, posix=True, punctuation_chars=True)
+        operators = [t for t in shell if t and set(t) <= set(shell.punctuation_chars)]
+        assert not operators, f"{name}: quote {operators} in: {line}"
+
+
+def test_readme_python_examples_import_or_define_every_name() -> None:
+    for block in _code_blocks(ROOT / "README.md", "python"):
+        table = symtable.symtable(block, "README.md", "exec")
+        bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+        used = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
+        free = used - bound - set(dir(builtins))
+        assert not free, f"README.md example uses {sorted(free)} without defining them:\n{block}"
