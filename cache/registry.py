@@ -138,6 +138,7 @@ class Registry:
     def __init__(self, url: str, stores: Stores | None = None) -> None:
         if not url:
             raise ValueError("a registry URL is required, e.g. s3://bucket/_edgecache")
+        # The URL every message names the registry by: a local path as its file:// URL.
         self.url = location_url(url, "registry").rstrip("/")
         self._stores = stores or Stores()
         self._own_stores = stores is None

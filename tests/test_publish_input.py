@@ -152,3 +152,21 @@ def test_a_cast_that_would_lose_values_fails_staging_naming_column_object_and_va
     assert "column 'label' cannot be cast from int64 to bool" in message
     assert "80 of 100 values in one batch would change, e.g. 2 → True, 3 → True" in message
     assert "cast 'label' to a type that holds its values, or leave it out of cast" in message
+
+
+def test_versions_names_a_plain_path_registry_by_its_file_url_as_its_errors_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "edgecache.yaml"
+    config.write_text(f"registry: {tmp_path}/reg\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n")
+    published = runner.invoke(app, ["publish", "raw", "--dataset", "pq", "--config", str(config)])
+    assert published.exit_code == 0, published.output
+    for registry in (["--config", str(config)], ["--registry", "reg/"]):
+        listed = runner.invoke(app, ["versions", "pq", *registry], env={"COLUMNS": "200"})
+        assert listed.exit_code == 0, listed.output
+        assert listed.output.splitlines()[0] == f"pq in file://{tmp_path}/reg"
+        missing = runner.invoke(app, ["versions", "nope", *registry], env={"COLUMNS": "200"})
+        assert missing.exit_code == 2
+        assert f"'nope' has no versions in file://{tmp_path}/reg, which holds pq" in missing.output

@@ -242,11 +242,11 @@ def versions(
     with reporting():
         url = _registry_url(registry, Options(config))
 
-        async def listing(reg: Registry) -> list[tuple[pb.DatasetVersion, pb.Manifest]]:
+        async def listing(reg: Registry) -> tuple[str, list[tuple[pb.DatasetVersion, pb.Manifest]]]:
             manifests = [await reg.manifest(dataset, n) for n in await reg.published(dataset)]
-            return [(summarize(m), m) for m in manifests]
+            return reg.url, [(summarize(m), m) for m in manifests]
 
-        found = Registry.run(url, listing)
+        where, found = Registry.run(url, listing)  # where: as its errors name it
         rows = [v for v, _ in found]
         schemas = [m.arrow_schema for _, m in found]
     if as_json:
@@ -268,7 +268,7 @@ def versions(
         )
         return
     table(
-        f"{dataset} in {url}",
+        f"{dataset} in {where}",
         [
             Column("version", ident=True, right=True),
             Column("digest", ident=True),
