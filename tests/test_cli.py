@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import inspect
 import json
 import re
 import shlex
@@ -317,3 +318,17 @@ def test_readme_python_examples_import_or_define_every_name() -> None:
         used = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
         free = used - bound - set(dir(builtins))
         assert not free, f"README.md example uses {sorted(free)} without defining them:\n{block}"
+
+
+def test_dataset_md_documents_every_edgedataset_parameter() -> None:
+    from edgecache.clients import EdgeDataset
+
+    text = (ROOT / "docs" / "dataset.md").read_text()
+    keywords = [
+        p.name
+        for p in inspect.signature(EdgeDataset.__init__).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    assert "token" in keywords
+    missing = [k for k in keywords if f"{k}=" not in text and f"`{k}`" not in text]
+    assert not missing, f"docs/dataset.md does not mention EdgeDataset's {missing}"
