@@ -261,6 +261,10 @@ def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
     """Read and validate the topology file."""
     found = find_topology(path)
     topology: Topology = _load(found, Topology, "topology")
+    if "://" not in topology.registry and not os.path.isabs(topology.registry):
+        # A relative registry path is relative to the file that names it, as in any
+        # config file, not to wherever a command happens to run.
+        topology.registry = str((found.parent / topology.registry).resolve())
     for name, region in topology.regions.items():
         for peer in region.peers:
             if peer not in topology.regions:

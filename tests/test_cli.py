@@ -332,3 +332,32 @@ def test_dataset_md_documents_every_edgedataset_parameter() -> None:
     assert "token" in keywords
     missing = [k for k in keywords if f"{k}=" not in text and f"`{k}`" not in text]
     assert not missing, f"docs/dataset.md does not mention EdgeDataset's {missing}"
+
+
+def test_a_relative_registry_path_is_relative_to_the_topology_file(tmp_path: Path) -> None:
+    # Commands run from anywhere: the registry named in ./conf/edgecache.yaml as
+    # "registry" is conf/registry, not ./registry of the current directory.
+    import os
+
+    write_parquet_shards(tmp_path / "origin", 1, rows=50)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "edgecache.yaml").write_text(
+        "registry: registry\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n"
+    )
+    config = str(tmp_path / "conf" / "edgecache.yaml")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    before = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        result = runner.invoke(
+            app, ["publish", str(tmp_path / "origin"), "--dataset", "t", "--config", config]
+        )
+        assert result.exit_code == 0, result.output
+        result = runner.invoke(app, ["versions", "t", "--config", config])
+    finally:
+        os.chdir(before)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "conf" / "registry" / "t").is_dir()
+    assert not (elsewhere / "registry").exists()
+    assert f"file://{tmp_path}/conf/registry" in result.output
