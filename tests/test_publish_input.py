@@ -22,6 +22,17 @@ from edgecache.v1 import edge_pb2
 runner = CliRunner()
 
 
+def node_settings(tmp_path: Path, registry: str) -> NodeConfig:
+    """A node of its own on loopback, reading ``registry``."""
+    return NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        sync=False,
+    )
+
+
 def test_a_plain_path_is_published_as_a_file_url_a_node_can_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -43,13 +54,7 @@ def test_a_plain_path_is_published_as_a_file_url_a_node_can_stage(
     )
     assert result.exit_code == 0, result.output
     assert "same content as pqz@1" in result.output
-    settings = NodeConfig(
-        region="eu",
-        cache_dir=tmp_path / "cache",
-        registry=registry,
-        listen="127.0.0.1:0",
-        sync=False,
-    )
+    settings = node_settings(tmp_path, registry)
     with running_node(settings) as node:
         client = stub(node.address)
         last = list(client.Stage(edge_pb2.StageRequest(dataset="pqz", version=1)))[-1]
@@ -137,13 +142,7 @@ def test_a_cast_that_would_lose_values_fails_staging_naming_column_object_and_va
         ],
     )
     assert result.exit_code == 0, result.output  # the schema is known without reading values
-    settings = NodeConfig(
-        region="eu",
-        cache_dir=tmp_path / "cache",
-        registry=registry,
-        listen="127.0.0.1:0",
-        sync=False,
-    )
+    settings = node_settings(tmp_path, registry)
     with running_node(settings) as node, pytest.raises(grpc.RpcError) as failed:
         list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="t", version=1)))
     assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
