@@ -59,6 +59,7 @@ from bench.wan.workload import Sampler
 from edgecache.cache.names import parse_spec
 from edgecache.cache.registry import Registry
 from edgecache.clients.controller import Controller, SimulatedClock
+from edgecache.clients.executor import Evicted
 from edgecache.clients.node_client import LocalNode, connect, start_local_node
 from edgecache.clients.ops import WarmItem, resolve_specs, stage_item
 from edgecache.v1 import edge_pb2
@@ -438,21 +439,21 @@ class Bench:
         evictions: list[dict[str, Any]] = []
         evict = controller.executor.evict
 
-        def observed_evict(eviction: Any, sched: Any, manifests: Any) -> tuple[int, str | None]:
+        def observed_evict(eviction: Any, sched: Any, manifests: Any) -> Evicted:
             at = day.hours()
-            freed, problem = evict(eviction, sched, manifests)
+            evicted = evict(eviction, sched, manifests)
             evictions.append(
                 {
                     "at_h": round(at, 5),
                     "planned_at_h": round(day.hours(eviction.at), 5),
                     "region": eviction.region,
                     "version": f"{eviction.version[0]}@{eviction.version[1]}",
-                    "freed": freed,
-                    "refused": problem or "",
+                    "freed": evicted.freed,
+                    "refused": evicted.problem or "",
                     "reason": eviction.reason,
                 }
             )
-            return freed, problem
+            return evicted
 
         controller.executor.evict = observed_evict  # type: ignore[method-assign]
         first_plan: dict[str, Any] | None = None
