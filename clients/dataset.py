@@ -223,9 +223,6 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._pid = os.getpid()
         self.epoch = 0
         self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
-        # The epoch was read to its end here: state_dict() says so (a resume yields
-        # nothing more of it), and the next pass over the dataset starts it over.
-        self._finished = False
         self._remaining: Remaining | None = None  # None: the whole epoch is left
         self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
@@ -350,7 +347,6 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
         if epoch != self.epoch:
             self.epoch, self._cursor, self._remaining = epoch, 0, None
-            self._finished = False
 
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
         key = (seed, epoch)
@@ -386,12 +382,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         """Batches (or samples, with batch_size=None) the next pass over this rank yields.
 
-        After a resume: those left of the epoch, at any world size (a progress
-        bar's total). Once the epoch was read to its end: the whole epoch again,
-        which is what a new pass yields.
+        The whole epoch, or after a resume (at any world size) what is left of
+        it: a progress bar's total.
         """
-        if self._finished:
-            return self._order(self.seed, self.epoch, None).batch_count
         return max(self.epoch_order().batch_count - self._cursor, 0)
 
     def _pin(self, in_worker: bool) -> bool:
@@ -426,8 +419,6 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        if self._finished:  # a new pass over an epoch read to its end: from its start
-            self._cursor, self._remaining, self._finished = 0, None, False
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
@@ -482,8 +473,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     }
                 else:
                     yield batch
-            if worker is None:  # epoch done: saved as done; the next pass starts over
-                self._finished = True
+            # Read to its end: what comes next is the next epoch, for the next pass, for
+            # state_dict() (a resume must not read this one again) and for a persistent
+            # DataLoader worker, which set_epoch() in the main process never reaches.
+            self.epoch, self._cursor, self._remaining = self.epoch + 1, 0, None
         except EdgeCacheError as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
             # and code) and traceback stay; the version is added as context.
@@ -599,7 +592,6 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             )
         self.seed, self.epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
-        self._finished = False
 
     # ---------------------------------------------------------------- stats
 

@@ -298,8 +298,8 @@ def test_len_is_the_batches_this_rank_yields(cluster, world: int, batch: int, dr
 
 def test_a_resumed_epoch_says_what_is_left_and_a_finished_one_is_not_read_again(cluster) -> None:
     # len() after a resume at the same world size is what the resumed pass yields (a
-    # progress bar's total); a state saved after an epoch ran to its end resumes with
-    # none of it, and the next epoch is whole.
+    # progress bar's total). An epoch read to its end moves the dataset on to the next:
+    # a state saved then resumes with the next epoch, never the finished one again.
     eps = endpoints(cluster, "lmdb")
     ds = EdgeDataset("tokens@1", endpoints=eps, **SMALL)
     whole = len(ds)
@@ -312,17 +312,51 @@ def test_a_resumed_epoch_says_what_is_left_and_a_finished_one_is_not_read_again(
     assert len(resumed) == whole - 3
     rest = [int(x) for b in resumed for x in b["label"]]
     assert sorted(first + rest) == list(range(TOTAL))
-    assert len(resumed) == whole  # read to its end: a new pass is the whole epoch
     done = resumed.state_dict()
-    assert done["batches"] == whole and done["epoch"] == 0  # every batch of epoch 0
+    assert (done["epoch"], done["batches"], len(resumed)) == (1, 0, whole)
     resumed.close()
 
     again = EdgeDataset("tokens@1", endpoints=eps, **SMALL)
     again.load_state_dict(done)
-    assert len(again) == 0 and list(again) == []  # nothing of epoch 0 twice
-    again.set_epoch(1)
-    assert sorted(int(x) for b in again for x in b["label"]) == list(range(TOTAL))
+    again.set_epoch(done["epoch"])  # a loop resuming "from the saved epoch": epoch 1
+    epoch1 = [int(x) for b in again for x in b["label"]]
+    assert sorted(epoch1) == list(range(TOTAL)) and epoch1 != first + rest  # a new order
     again.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_state_saved_at_an_epochs_end_resumes_with_the_next_epoch(
+    cluster, workers: int
+) -> None:
+    # torchdata's StatefulDataLoader, with no set_epoch: the resumed loader yields the
+    # next epoch whole (not an empty pass, not the finished epoch again).
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    eps = endpoints(cluster, "lmdb")
+    loader = StatefulDataLoader(
+        EdgeDataset("tokens@1", endpoints=eps, **SMALL), batch_size=None, num_workers=workers
+    )
+    assert sorted(x for _, x in ids(loader)) == list(range(TOTAL))
+    resumed = StatefulDataLoader(
+        EdgeDataset("tokens@1", endpoints=eps, **SMALL), batch_size=None, num_workers=workers
+    )
+    resumed.load_state_dict(loader.state_dict())
+    assert sorted(x for _, x in ids(resumed)) == list(range(TOTAL))
+
+
+def test_persistent_workers_read_every_epoch(cluster) -> None:
+    # A persistent worker keeps its copy of the dataset between epochs: it used to stay
+    # at the end of the first epoch and yield nothing after it.
+    eps = endpoints(cluster, "lmdb")
+    ds = EdgeDataset("tokens@1", endpoints=eps, **SMALL)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True
+    )
+    epochs = [ids(loader) for _ in range(2)]
+    for labels in epochs:
+        assert sorted(x for _, x in labels) == list(range(TOTAL))
+    assert epochs[0] != epochs[1]  # each its own epoch's order
+    ds.close()
 
 
 def test_a_mixture_naming_one_version_twice_is_refused_however_spelled(cluster) -> None:
