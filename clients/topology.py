@@ -261,10 +261,12 @@ def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
     """Read and validate the topology file."""
     found = find_topology(path)
     topology: Topology = _load(found, Topology, "topology")
-    if "://" not in topology.registry and not os.path.isabs(topology.registry):
-        # A relative registry path is relative to the file that names it, as in any
-        # config file, not to wherever a command happens to run.
-        topology.registry = str((found.parent / topology.registry).resolve())
+    # A relative registry path (plain or file://) is relative to the file that names
+    # it, as in any config file, not to wherever a command happens to run.
+    prefix = "file://" if topology.registry.startswith("file://") else ""
+    path = topology.registry.removeprefix(prefix)
+    if "://" not in path and not os.path.isabs(path):
+        topology.registry = prefix + str((found.parent / path).resolve())
     for name, region in topology.regions.items():
         for peer in region.peers:
             if peer not in topology.regions:

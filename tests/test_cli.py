@@ -334,7 +334,10 @@ def test_dataset_md_documents_every_edgedataset_parameter() -> None:
     assert not missing, f"docs/dataset.md does not mention EdgeDataset's {missing}"
 
 
-def test_a_relative_registry_path_is_relative_to_the_topology_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spelled", ["registry", "file://registry"])
+def test_a_relative_registry_path_is_relative_to_the_topology_file(
+    tmp_path: Path, spelled: str
+) -> None:
     # Commands run from anywhere: the registry named in ./conf/edgecache.yaml as
     # "registry" is conf/registry, not ./registry of the current directory.
     import os
@@ -342,7 +345,7 @@ def test_a_relative_registry_path_is_relative_to_the_topology_file(tmp_path: Pat
     write_parquet_shards(tmp_path / "origin", 1, rows=50)
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "edgecache.yaml").write_text(
-        "registry: registry\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n"
+        f"registry: {spelled}\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n"
     )
     config = str(tmp_path / "conf" / "edgecache.yaml")
     elsewhere = tmp_path / "elsewhere"
