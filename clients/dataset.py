@@ -69,7 +69,13 @@ from edgecache.clients.dataset_readers import Readers, merge
 from edgecache.clients.dataset_state import make_state, resume_from
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
 from edgecache.clients.epoch_order import Component, EpochOrder, Remaining
-from edgecache.clients.mixture import allocate, parse_mixture, parse_rows, split_extents
+from edgecache.clients.mixture import (
+    allocate,
+    check_distinct,
+    parse_mixture,
+    parse_rows,
+    split_extents,
+)
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.packed import Packed
 from edgecache.clients.pipeline import Pipeline
@@ -233,15 +239,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.schemas = [manifest_schema(m) for m in self.manifests]
         self.schema = self.schemas[0]
         self.components = [f"{m.dataset}@{m.version}" for m in self.manifests]
-        if len(set(self.components)) != len(self.components):
-            # Different spellings of one version ("web@1" and "web", its latest) are
-            # found only now: read as two components, every row would come twice.
-            same = sorted({c for c in self.components if self.components.count(c) > 1})
-            given = ", ".join(mixture.texts)
-            raise ValueError(
-                f"{given}: {', '.join(same)} is named twice (as a number and as latest?); "
-                "give each version once"
-            )
+        check_distinct(mixture, self.components)
         self.weights = None if mixture.single else list(mixture.weights)
         self.binary, self.ragged = binary, ragged
         self.kinds = with_forms(

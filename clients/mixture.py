@@ -72,10 +72,21 @@ def parse_mixture(spec: str | Mapping[str, float]) -> MixtureSpec:
         texts.append(text)
         specs.append(parsed)
         weights.append(float(weight))
-    names = [(s.dataset, s.version) for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"a component appears twice in {list(spec)}; give each version once")
     return MixtureSpec(tuple(texts), tuple(specs), tuple(weights))
+
+
+def check_distinct(mixture: MixtureSpec, resolved: Sequence[str]) -> None:
+    """Refuse a mixture whose components resolve to one version more than once.
+
+    Checked on the resolved ``name@N`` of each component, so every spelling of
+    a version is caught (``web@1``, ``web@01``, ``web`` when 1 is its latest):
+    read as two components, each of its rows would come twice an epoch.
+    """
+    same = sorted({name for name in resolved if resolved.count(name) > 1})
+    if same:
+        raise ValueError(
+            f"{', '.join(mixture.texts)}: {', '.join(same)} is named twice; give each version once"
+        )
 
 
 def allocate(weights: Sequence[float], samples: int) -> list[int]:
