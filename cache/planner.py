@@ -145,6 +145,10 @@ class Infeasible:
     region: str
     version: str
     reason: str
+    # The reason is the region's outage (RegionState.unreachable), not the plan: callers
+    # report the outage once as the node failure it is, and leave these rows out of the
+    # plan's own reasons, without having to recognise its text.
+    unreachable: bool = False
 
 
 @dataclass
@@ -212,7 +216,13 @@ def plan(
             continue
         if regions[job.region].unreachable:
             infeasible.extend(
-                Infeasible(job.name, job.region, f"{d}@{v}", regions[job.region].unreachable)
+                Infeasible(
+                    job.name,
+                    job.region,
+                    f"{d}@{v}",
+                    regions[job.region].unreachable,
+                    unreachable=True,
+                )
                 for d, v in job.versions
             )
             continue

@@ -877,11 +877,13 @@ class Readiness:
 
 
 # A readiness round asks each node of the region with one health check: connecting,
-# the check and Status are its calls; the connection or the check can each take a
-# call's whole timeout before the node counts as unreachable, Status follows an answer.
+# the check and Status are its calls, made one after another, and each may run to its
+# timeout, so a round lasts up to (pings + 2) call timeouts (gather_status's bound).
+_READY_PINGS = 1
+_READY_CALLS = _READY_PINGS + 2  # connect, the health check, Status
 _READY_CALL_SECONDS = 3.0  # a call's timeout when the deadline is far (gather_status's)
 _READY_FIRST_ROUND_SECONDS = 2.0  # the first round's budget however short the timeout
-_READY_ROUND_MARGIN = 4.0  # a round starts only with this many times the last one's length
+_READY_ROUND_MARGIN = 4.0  # a round starts early only with this many times the last one's
 
 
 def wait_ready(
@@ -897,13 +899,16 @@ def wait_ready(
 
     The nodes are always asked at least once, so ``timeout=0`` checks once
     (that round may take up to 2 s when a node does not answer). After it the
-    wait does not overrun the timeout: each round's calls carry timeouts that
-    end it by the deadline (half the time left each, for a connect and one
-    check that may both run to it), and a round starts only with room for
-    several rounds like the last, so the last answer is a real one and not a
-    call cut short. A wait that ends unready says it timed out. No thread
-    outlives the call. Only the region's own nodes are asked, so a node down
-    elsewhere costs nothing.
+    wait does not overrun the timeout: a round's budget is split evenly among
+    its calls (connect, one check, Status), since each may run to its timeout,
+    so the round ends by the deadline. Rounds are spaced by ``poll_seconds``
+    while there is room for several like the last before the deadline. When
+    there is not, the next round is asked at once with what is left rather
+    than the rest slept away, so data ready by then is seen; its calls may be
+    cut shorter than usual. The wait gives up after such a short round that
+    again leaves no room (or once no time is left), sits out the rest and
+    says it timed out. No thread outlives the call. Only the region's own
+    nodes are asked, so a node down elsewhere costs nothing.
     """
     if timeout is not None and timeout < 0:
         raise ValueError(f"--timeout must be 0 or more seconds, got {timeout:g}")
@@ -911,15 +916,16 @@ def wait_ready(
     started = time.monotonic()
 
     def check(budget: float) -> tuple[bool, str]:
-        call = min(_READY_CALL_SECONDS, budget / 2)
-        reports = gather_status(topology, call, token=token, regions={region}, pings=1)
+        call = min(_READY_CALL_SECONDS, budget / _READY_CALLS)
+        reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
         return ready(reports, region, manifest)
 
     if timeout is None:
-        ok, message = check(2 * _READY_CALL_SECONDS)
+        ok, message = check(_READY_CALLS * _READY_CALL_SECONDS)
         return Readiness(ok, message, waited_seconds=time.monotonic() - started)
     deadline = started + timeout
     budget = max(timeout, _READY_FIRST_ROUND_SECONDS)
+    short = False  # whether the round just asked started with too little room
     while True:
         asked = time.monotonic()
         ok, message = check(budget)
@@ -928,7 +934,7 @@ def wait_ready(
         took = time.monotonic() - asked
         left = deadline - time.monotonic()
         room = _READY_ROUND_MARGIN * took
-        if left < room:  # no time for another round: wait out the timeout, then say so
+        if left <= 0 or (short and left < room):  # asked to the end: wait it out, say so
             time.sleep(max(left, 0.0))
             waited = time.monotonic() - started
             return Readiness(
@@ -937,5 +943,9 @@ def wait_ready(
                 timed_out=True,
                 waited_seconds=waited,
             )
-        time.sleep(min(poll_seconds, left - room))
-        budget = deadline - time.monotonic()
+        # Without room for rounds like the last, ask again at once with all the time
+        # there is; a quick answer then makes room to poll as usual.
+        short = left < room
+        if not short:
+            time.sleep(min(poll_seconds, left - room))
+        budget = max(deadline - time.monotonic(), 0.0)

@@ -293,3 +293,5 @@ def test_an_unreachable_region_gets_nothing_planned_and_says_why(scenario, down)
     )
     assert sorted((i.job, i.version) for i in result.infeasible if i.region == name) == expected
     assert all(i.reason == why for i in result.infeasible if i.region == name)
+    # The outage is marked as the cause, so callers say it once without matching its text.
+    assert all(i.unreachable == (i.region == name) for i in result.infeasible)

@@ -14,7 +14,7 @@ import typer
 from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
-from edgecache.cache.planner import Eviction, Plan
+from edgecache.cache.planner import Eviction, Infeasible, Plan
 from edgecache.clients import ops
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
@@ -212,16 +212,34 @@ def _plan_json(result: Plan) -> dict[str, object]:
             }
             for name, rp in result.regions.items()
         },
-        "infeasible": [
-            {"job": i.job, "region": i.region, "version": i.version, "reason": i.reason}
-            for i in result.infeasible
-        ],
+        "infeasible": [_infeasible_json(i) for i in result.infeasible],
         "transfers": [
             {"job": j, "link": link, "bytes": b}
             for (j, link), b in sorted(result.transfers.items())
         ],
         "cost": result.cost,
     }
+
+
+def _infeasible_json(i: Infeasible) -> dict[str, object]:
+    """One job's version that cannot be met; ``unreachable`` when the reason is an outage."""
+    return {
+        "job": i.job,
+        "region": i.region,
+        "version": i.version,
+        "reason": i.reason,
+        "unreachable": i.unreachable,
+    }
+
+
+def _plan_reasons(result: Plan) -> list[Infeasible]:
+    """What cannot be met for a reason of the plan's own, for a person to read.
+
+    A job whose region is unreachable is left out: the command says that
+    outage once, as the node failure it is (an error, exit 1), beside the
+    other regions' outages. Scripts get every row, with ``unreachable`` set.
+    """
+    return [i for i in result.infeasible if not i.unreachable]
 
 
 def _print_plan(result: Plan, explain: bool) -> None:
@@ -280,7 +298,7 @@ def _print_plan(result: Plan, explain: bool) -> None:
     for (job, link), size in sorted(result.transfers.items()):
         cost = f", egress ${result.cost[job]:.2f}" if job in result.cost else ""
         line(f"{job}: {format_bytes(size)} over {link}{cost}")
-    if result.infeasible:
+    if reasons := _plan_reasons(result):
         table(
             "[red]cannot be met[/red]",
             [
@@ -289,7 +307,7 @@ def _print_plan(result: Plan, explain: bool) -> None:
                 Column("version", ident=True),
                 Column("why", wrap=True),
             ],
-            [[i.job, i.region, i.version, f"[red]{i.reason}[/red]"] for i in result.infeasible],
+            [[i.job, i.region, i.version, f"[red]{i.reason}[/red]"] for i in reasons],
         )
 
 
@@ -421,12 +439,10 @@ def _single_item(topology: Topology, spec: str, region: str | None) -> WarmItem:
 def _report_infeasible(work: _ScheduleWork) -> None:
     """Say up front which jobs cannot be met, since warm carries out the rest anyway.
 
-    A job that fails only because its region is unreachable is left out here:
-    the outage is said once, at the end, as the node failure it is.
+    An unreachable region's jobs are left out (:func:`_plan_reasons`): the
+    outage is said once, at the end, as the node failure it is.
     """
-    for i in work.plan.infeasible:
-        if i.reason == work.down.get(i.region):
-            continue
+    for i in _plan_reasons(work.plan):
         err_console.print(
             f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}",
             soft_wrap=True,
@@ -555,10 +571,7 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             for v, until in sorted(rp.pins.items())
         ]
         out["pin_failures"] = outcome.pin_failures
-        out["infeasible"] = [
-            {"job": i.job, "region": i.region, "version": i.version, "reason": i.reason}
-            for i in work.plan.infeasible
-        ]
+        out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
         out["unreachable"] = [{"region": r, "reason": why} for r, why in work.down.items()]
     print(json.dumps(out))
 
