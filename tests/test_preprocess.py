@@ -6,6 +6,7 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -318,6 +319,17 @@ def test_casts_that_keep_every_value_pass() -> None:
     assert out.column("day").to_pylist() == [datetime.date(2024, 1, 1), None, NOON.date()]
 
 
+def test_a_float_becomes_the_decimal_it_rounds_to_when_that_is_the_same_float() -> None:
+    floats = pa.array([1.9, 2.675, 0.1, None, -123456.789])
+    after = lossless_cast(floats, pa.decimal128(12, 3))
+    assert after.to_pylist() == [
+        Decimal("1.900"), Decimal("2.675"), Decimal("0.100"), None, Decimal("-123456.789")
+    ]  # fmt: skip
+    expected = "1 of 2 values in one batch would change, e.g. 0.0001 → 0.000"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        lossless_cast(pa.array([1.5, 0.0001]), pa.decimal128(12, 3))
+
+
 def test_a_cast_pyarrow_cannot_undo_is_refused() -> None:
     stamps = pa.array([NOON], pa.timestamp("us"))
     with pytest.raises(ValueError, match="cannot cast time64.* back to timestamp"):
@@ -330,56 +342,257 @@ def _same(a: object, b: object) -> bool:
     )
 
 
-def _reversible(before: pa.Array, target: pa.DataType) -> bool:
-    """The oracle: pyarrow's safe cast accepts it, and casting back gives every value."""
-    try:
-        back = before.cast(target, safe=True).cast(before.type, safe=False)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return False
-    return all(_same(a, b) for a, b in zip(before.to_pylist(), back.to_pylist(), strict=True))
+# Nested values are held to the rules of their own types: each field of a struct, each
+# item of a list, each key and value of a map.
+XN = pa.struct([("x", pa.float64()), ("n", pa.int64())])
 
 
-def _types(names: str, *more: pa.DataType) -> st.SearchStrategy[pa.DataType]:
-    return st.sampled_from([*map(parse_type, names.split()), *more])
+def test_a_nan_inside_a_struct_or_a_list_is_kept() -> None:
+    rows = pa.array([{"x": math.nan, "n": 1}, None, {"x": 2.5, "n": None}], XN)
+    after = lossless_cast(rows, pa.struct([("x", pa.float64()), ("n", pa.int32())])).to_pylist()
+    assert math.isnan(after[0]["x"]) and after[0]["n"] == 1
+    assert after[1:] == [None, {"x": 2.5, "n": None}]
+
+    lists = pa.array([[math.nan, 1.0], None, [2.5]], pa.list_(pa.float64()))
+    after = lossless_cast(lists, pa.list_(pa.float32())).to_pylist()
+    assert math.isnan(after[0][0]) and after[0][1:] == [1.0] and after[1:] == [None, [2.5]]
+
+    nested = pa.array([{"v": [math.nan]}, {"v": None}], pa.struct([("v", pa.list_(pa.float64()))]))
+    after = lossless_cast(nested, pa.struct([("v", pa.large_list(pa.float32()))])).to_pylist()
+    assert math.isnan(after[0]["v"][0]) and after[1] == {"v": None}
 
 
-def _arrays(values: st.SearchStrategy[object], kind: pa.DataType) -> st.SearchStrategy[pa.Array]:
-    return st.lists(st.one_of(st.none(), values), max_size=8).map(lambda v: pa.array(v, kind))
+def test_a_float_inside_a_struct_narrows_to_the_nearest_value() -> None:
+    rows = pa.array([{"x": 0.1, "n": 7}, {"x": -math.inf, "n": 0}], XN)
+    after = lossless_cast(rows, pa.struct([("x", pa.float32()), ("n", pa.int8())]))
+    # 0.10000000149011612 is float32's nearest value to 0.1
+    assert after.to_pylist() == [{"x": 0.10000000149011612, "n": 7}, {"x": -math.inf, "n": 0}]
 
 
-some_ints = st.one_of(
-    st.integers(-3, 3), st.integers(-3000, 3000), st.integers(-(2**63), 2**63 - 1)
+def test_a_schema_differing_only_in_a_struct_field_nullability_conforms() -> None:
+    strict = pa.struct([pa.field("x", pa.float64(), nullable=False)])
+    table = pa.table({"s": pa.array([{"x": math.nan}, {"x": 1.0}], strict)})
+    schema = pa.schema([("s", pa.struct([("x", pa.float64())]))])
+    out = run(to_ipc_file(table), pb.SOURCE_FORMAT_ARROW_IPC, schema=schema)
+    assert out.schema == schema
+    x = [row["x"] for row in out.column("s").to_pylist()]
+    assert math.isnan(x[0]) and x[1] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("before", "target", "change"),
+    [
+        (
+            pa.array([{"x": 1.0, "n": 1}, None, {"x": 1.0, "n": 2}], XN),
+            pa.struct([("x", pa.float64()), ("n", pa.bool_())]),
+            "{'x': 1.0, 'n': 2} → {'x': 1.0, 'n': True}",
+        ),
+        (
+            pa.array([{"x": 1.0, "n": 1}, None, {"x": 1e300, "n": 2}], XN),
+            pa.struct([("x", pa.float32()), ("n", pa.int64())]),
+            "{'x': 1e+300, 'n': 2} → {'x': inf, 'n': 2}",
+        ),
+        (  # the cast drops a field the target lacks
+            pa.array([{"x": 1.0, "n": None}, None, {"x": 1.0, "n": 5}], XN),
+            pa.struct([("x", pa.float64())]),
+            "{'x': 1.0, 'n': 5} → {'x': 1.0}",
+        ),
+        (
+            pa.array(
+                [{"v": [1.0]}, None, {"v": [2.0, 1e-50]}],
+                pa.struct([("v", pa.list_(pa.float64()))]),
+            ),
+            pa.struct([("v", pa.list_(pa.float32()))]),
+            "{'v': [2.0, 1e-50]} → {'v': [2.0, 0.0]}",
+        ),
+    ],
+    ids=["int-bool", "overflow", "dropped-field", "list-in-struct"],
 )
-some_floats = st.one_of(st.floats(width=64), st.sampled_from([0.5, -1.5]), some_ints.map(float))
-some_times = st.one_of(
-    st.datetimes(), st.dates().map(lambda d: datetime.datetime(*d.timetuple()[:3]))
+def test_a_value_lost_inside_a_struct_fails_showing_the_struct(
+    before: pa.Array, target: pa.DataType, change: str
+) -> None:
+    expected = f"1 of 3 values in one batch would change, e.g. {change}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        lossless_cast(before, target)
+
+
+STOCK = pa.map_(pa.string(), pa.int64())
+
+
+def test_a_map_cast_that_keeps_every_value_passes() -> None:
+    # The slice leaves out ("z", 9): were it checked, 9 → True would fail the cast.
+    maps = pa.array([[("z", 9)], [("a", 1), ("b", 0)], None, [], [("c", 1)]], STOCK).slice(1)
+    after = lossless_cast(maps, pa.map_(pa.large_string(), pa.bool_()))
+    assert after.type == pa.map_(pa.large_string(), pa.bool_())
+    assert after.to_pylist() == [[("a", True), ("b", False)], None, [], [("c", True)]]
+    assert lossless_cast(maps.slice(0, 0), pa.map_(pa.string(), pa.bool_())).to_pylist() == []
+
+
+@pytest.mark.parametrize(
+    ("before", "target", "change"),
+    [
+        (
+            pa.array([[("a", 1)], None, [("b", 2), ("c", 0)]], STOCK),
+            pa.map_(pa.string(), pa.bool_()),
+            "{'key': 'b', 'value': 2} → {'key': 'b', 'value': True}",
+        ),
+        (
+            pa.array([[(1, 1)], None, [(2049, 1), (2, 1)]], pa.map_(pa.int64(), pa.int64())),
+            pa.map_(pa.float16(), pa.int64()),
+            "{'key': 2049, 'value': 1} → {'key': 2048.0, 'value': 1}",
+        ),
+    ],
+    ids=["value", "key"],
 )
+def test_a_map_cast_that_loses_a_key_or_value_fails_naming_the_entry(
+    before: pa.Array, target: pa.DataType, change: str
+) -> None:
+    expected = f"1 of 3 values in one batch would change, e.g. {change}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        lossless_cast(before, target)
+
+
+def test_text_becoming_inf_or_zero_fails_unless_it_says_so() -> None:
+    said = ["1.5", "0", "-inf", None, ".0e7", "Infinity", "-0", "3.4e38"]
+    assert lossless_cast(pa.array(said), pa.float32()).to_pylist() == [
+        1.5,
+        0.0,
+        -math.inf,
+        None,
+        0.0,
+        math.inf,
+        -0.0,
+        3.3999999521443642e38,  # fmt: skip
+    ]
+    text = pa.array(["1.5", "0", "1e400", None, "-inf", "1e-400", "2"])
+    expected = "2 of 7 values in one batch would change, e.g. '1e400' → inf, '1e-400' → 0.0"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        lossless_cast(text, pa.float64())
+    # 1e39 and 1e-50 are float64s, but float32 holds neither: they overflow and underflow.
+    expected = "2 of 4 values in one batch would change, e.g. '1e39' → inf, '1e-50' → 0.0"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        lossless_cast(pa.array(["1", "1e39", "0.0", "1e-50"]), pa.float32())
+
+
+# The oracle for the property test below: whether ``target`` holds ``value`` exactly,
+# by arithmetic on Python values, independent of pyarrow.
+def _float16_holds(n: int) -> bool:
+    """Up to 65504, an integer whose odd part fits float16's 11 significand bits."""
+    odd = abs(n) // (abs(n) & -abs(n)) if n else 0  # trailing zero bits go to the exponent
+    return abs(n) <= 65504 and odd.bit_length() <= 11
+
+
+def _holds(value: object, target: str) -> bool:
+    """Whether a cast of ``value`` (an int64, float64 or timestamp) to ``target`` keeps it."""
+    if isinstance(value, datetime.datetime):
+        return {
+            "date32": value.time() == datetime.time(0),
+            "date64": value.time() == datetime.time(0),
+            "timestamp[s]": value.microsecond == 0,
+            "timestamp[ms]": value.microsecond % 1000 == 0,
+        }.get(target, True)  # int64, string
+    if isinstance(value, int):
+        return {
+            "bool": value in (0, 1),
+            "int8": -128 <= value <= 127,
+            "uint16": 0 <= value <= 65535,
+            "float16": _float16_holds(value),
+            # float32 holds every integer up to 2**24, and pyarrow's safe cast refuses
+            # any larger one, even one it holds (16777218)
+            "float32": abs(value) <= 2**24,
+        }.get(target, True)  # string, timestamp[s], decimal128(20, 0)
+    assert isinstance(value, float)
+    whole = math.isfinite(value) and value.is_integer()
+    if target == "bool":
+        return value in (0.0, 1.0)
+    if target == "int8":
+        return whole and -128 <= value <= 127
+    if target == "int64":
+        return whole and -(2**63) <= value < 2**63
+    if target == "decimal128(12, 3)":  # 3 decimals, 9 before the point
+        if not math.isfinite(value) or abs(value) >= 1e9:
+            return False
+        return float(Decimal(value).quantize(Decimal("0.001"))) == value
+    return True  # string: the shortest text that parses back to the same float
+
+
+def _integers() -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(-3, 3), st.integers(-3000, 3000), st.integers(-(2**63), 2**63 - 1))
+
+
 CAST_CASES = st.one_of(
     st.tuples(
-        _arrays(some_ints, pa.int64()),
-        _types("bool int8 uint16 float16 float32 string timestamp[s]", pa.decimal128(20, 0)),
+        st.just(pa.int64()),
+        st.lists(st.one_of(st.none(), _integers()), max_size=8),
+        st.sampled_from(
+            [*"bool int8 uint16 float16 float32 string timestamp[s]".split(), "decimal128(20, 0)"]
+        ),
     ),
     st.tuples(
-        _arrays(some_floats, pa.float64()),
-        _types("bool int8 int64 string", pa.decimal128(12, 3)),
+        st.just(pa.float64()),
+        st.lists(
+            st.one_of(
+                st.none(),
+                st.floats(width=64),
+                st.sampled_from([0.5, -1.5, 0.1, 1.9, 2.675, 123456.789]),
+                _integers().map(float),
+            ),
+            max_size=8,
+        ),
+        st.sampled_from(["bool", "int8", "int64", "string", "decimal128(12, 3)"]),
     ),
     st.tuples(
-        _arrays(some_times, pa.timestamp("us")),
-        _types("date32 date64 timestamp[s] timestamp[ms] int64 string"),
+        st.just(pa.timestamp("us")),
+        st.lists(
+            st.one_of(
+                st.none(),
+                st.datetimes(),
+                st.dates().map(lambda d: datetime.datetime(d.year, d.month, d.day)),
+            ),
+            max_size=8,
+        ),
+        st.sampled_from("date32 date64 timestamp[s] timestamp[ms] int64 string".split()),
     ),
 )
+
+
+def _type(name: str) -> pa.DataType:
+    return (
+        pa.decimal128(*map(int, name[11:-1].split(",")))
+        if name.startswith("dec")
+        else parse_type(name)
+    )
+
+
+def _nested(values: pa.Array, target: pa.DataType, how: str) -> tuple[pa.Array, pa.DataType]:
+    """``values`` as a struct field, list items or map values, and ``target`` nested alike."""
+    if how == "struct":
+        flag = pa.array([i % 2 for i in range(len(values))], pa.int64())  # bool holds 0 and 1
+        struct = pa.StructArray.from_arrays([flag, values], ["flag", "v"])
+        return struct, pa.struct([("flag", pa.bool_()), ("v", target)])
+    half = pa.array([0, len(values) // 2, len(values)], pa.int32())
+    if how == "list":
+        return pa.ListArray.from_arrays(half, values), pa.list_(target)
+    keys = pa.array([f"k{i}" for i in range(len(values))])
+    return pa.MapArray.from_arrays(half, keys, values), pa.map_(pa.string(), target)
 
 
 @settings(max_examples=300, deadline=None)
-@given(case=CAST_CASES)
-def test_a_cast_passes_exactly_when_it_can_be_undone(case: tuple[pa.Array, pa.DataType]) -> None:
-    before, target = case
+@given(case=CAST_CASES, how=st.sampled_from(["flat", "struct", "list", "map"]))
+def test_a_cast_passes_exactly_when_the_target_holds_every_value(
+    case: tuple[pa.DataType, list[object], str], how: str
+) -> None:
+    kind, values, name = case
+    before, target = pa.array(values, kind), _type(name)
+    if how != "flat":
+        before, target = _nested(before, target, how)
+    fits = all(v is None or _holds(v, name) for v in values)
     try:
         after = lossless_cast(before, target)
     except ValueError:
-        assert not _reversible(before, target)
+        assert not fits
     else:
-        assert _reversible(before, target)
+        assert fits
         assert after.type == target
 
 
