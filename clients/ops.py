@@ -727,7 +727,7 @@ def record_warmed_jobs(
     warm's (``_warm/jobs.json``): the jobs of the schedule not yet over, merged
     with those of earlier runs still to end (a job of the same name replaced).
     """
-    url = f"{topology.registry.rstrip('/')}/{WARMED_JOBS}"
+    url = _warmed_jobs_url(topology.registry)
     kept = {job.name: job for job in _warmed_jobs(topology.registry) if job.end > now}
     for job in schedule.jobs:
         if job.end > now:
@@ -761,6 +761,10 @@ def record_warmed_jobs(
     asyncio.run(write())
 
 
+def _warmed_jobs_url(registry: str) -> str:
+    return f"{registry.rstrip('/')}/{WARMED_JOBS}"
+
+
 def _warmed_jobs(registry: str) -> list[PinnedJob]:
     """What :func:`record_warmed_jobs` recorded: nothing if warm never ran or it does not parse.
 
@@ -768,7 +772,7 @@ def _warmed_jobs(registry: str) -> list[PinnedJob]:
     warns instead of writing over the jobs of earlier runs after a passing
     failure, and :func:`pinned_jobs`, which only names jobs, goes on without it.
     """
-    url = f"{registry.rstrip('/')}/{WARMED_JOBS}"
+    url = _warmed_jobs_url(registry)
 
     async def read() -> bytes | None:
         stores = Stores()
@@ -804,7 +808,6 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
     """
     from edgecache.clients.controller import STATE_NAME, read_state  # it builds on ops
 
-    registry = topology.registry.rstrip("/")
     jobs: dict[str, PinnedJob] = {}
     try:
         state = read_state(topology.registry)
@@ -817,11 +820,11 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
                 tuple(job.versions),
             )
     except (OriginError, ValueError, TypeError) as exc:
-        _unreadable_record(f"{registry}/{STATE_NAME}", exc)
+        _unreadable_record(f"{topology.registry.rstrip('/')}/{STATE_NAME}", exc)
     try:
         warmed = _warmed_jobs(topology.registry)
     except OriginError as exc:
-        _unreadable_record(f"{registry}/{WARMED_JOBS}", exc)
+        _unreadable_record(_warmed_jobs_url(topology.registry), exc)
         warmed = []
     for pinned in warmed:
         jobs.setdefault(pinned.name, pinned)
