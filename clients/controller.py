@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 STATE_NAME = "_controller/state.json"
 LEASE_PREFIX = "_controller/lease"
+RETRY_BACKOFF_MAX = 600.0  # seconds: the longest wait between runs of a failing task
 
 
 @dataclass
@@ -86,8 +87,9 @@ class TaskRecord:
     state: str = "pending"  # pending, running, done, failed
     started_at: str | None = None
     ready_at: str | None = None
-    error: str = ""
+    error: str = ""  # the last attempt's error; "" once done
     notes: list[str] = field(default_factory=list)
+    attempts: int = 0  # runs started: a failed task is retried in the same record
 
 
 @dataclass
@@ -204,7 +206,14 @@ class Controller:
         lease_ttl: float = 30.0,
         holder: str | None = None,
         metrics: ControllerMetrics | None = None,
+        retry_backoff: float = 10.0,
     ) -> None:
+        """Load the topology and the last saved record; nothing is asked of nodes yet.
+
+        ``retry_backoff``: seconds before a failed task runs again, doubled per
+        failure in a row up to ``RETRY_BACKOFF_MAX``, so a broken origin or node
+        is not hammered every round.
+        """
         self.topology_path, self.schedule_path = topology_path, Path(schedule_path)
         self.topology: Topology = load_topology(topology_path)
         self.token, self.clock = token, clock
@@ -222,6 +231,8 @@ class Controller:
         self.state = self._load_state()
         self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
         self._ended: dict[tuple[str, VersionKey], float] = {}  # when each run last ended
+        self.retry_backoff = retry_backoff
+        self._failed_in_row: dict[tuple[str, VersionKey], int] = {}
         self._lock = threading.Lock()
         self.last_plan: Plan | None = None
         self.last_error = ""
@@ -368,14 +379,16 @@ class Controller:
                     ended = self._ended.get(key, 0.0)
                 if running or ended >= looked:
                     continue  # running, or ended after this round's status: next round
+                if time.monotonic() < ended + self._backoff(key):
+                    continue  # failed lately: wait before trying again
                 runs = sorted(
                     (int(k.partition(" #")[2] or 1), k)
                     for k in self.state.tasks
                     if k.partition(" #")[0] == record_key
                 )
                 record = self.state.tasks[runs[-1][1]] if runs else None
-                if record is not None and record.state in ("done", "failed"):
-                    # Staged again (evicted since, or failed): a new record; the old stays.
+                if record is not None and record.state == "done":
+                    # Staged again (evicted since): a new record; the old stays.
                     record_key = f"{record_key} #{len(runs) + 1}"
                     record = None
                 if record is None:
@@ -388,7 +401,7 @@ class Controller:
                         planned_start=_iso(task.start) or "",
                         predicted_ready=_iso(task.finish) or "",
                     )
-                else:  # pending: the latest plan's view of it
+                else:  # pending, or failed and retried: the latest plan's view of it
                     record.source, record.jobs = task.source, list(task.jobs)
                     record.planned_start = _iso(task.start) or ""
                     record.predicted_ready = _iso(task.finish) or ""
@@ -399,6 +412,7 @@ class Controller:
                 pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)
                 run = self.executor.make_run(task, manifests, pin_until)
                 record.state, record.started_at = "running", _iso(now)
+                record.attempts += 1
                 record.predicted_ready = _iso(task.finish) or ""
                 thread = threading.Thread(
                     target=self._run_task, args=(run, record), name=f"stage-{region}", daemon=True
@@ -414,6 +428,13 @@ class Controller:
                 )
                 thread.start()
 
+    def _backoff(self, key: tuple[str, VersionKey]) -> float:
+        """Seconds to wait after a run of ``key`` ended before starting another."""
+        failures = self._failed_in_row.get(key, 0)
+        if not failures:
+            return 0.0
+        return min(self.retry_backoff * 2 ** (failures - 1), RETRY_BACKOFF_MAX)
+
     def _peer_holds(self, region: str, version: VersionKey) -> bool:
         return version in self._complete.get(region, set())
 
@@ -422,7 +443,10 @@ class Controller:
             self.executor.run(run, peer_wait=5.0)
             record.notes = list(run.item.notes)
             if run.state == "done":
-                record.state, record.ready_at = "done", _iso(self.clock())
+                record.state, record.ready_at, record.error = "done", _iso(self.clock()), ""
+                log.info(
+                    "%s: staged %s, ready at %s", record.region, record.version, record.ready_at
+                )
                 self.metrics.staged_bytes["peer" if run.item.peers else "origin"].inc(
                     run.item.peer_bytes if run.item.peers else run.item.bytes_total
                 )
@@ -438,8 +462,21 @@ class Controller:
             log.exception("staging %s in %s failed", record.version, record.region)
             record.state, record.error = "failed", f"{type(exc).__name__}: {exc}"
         finally:
+            with self._lock:
+                if record.state == "failed":
+                    self._failed_in_row[run.key] = self._failed_in_row.get(run.key, 0) + 1
+                elif record.state == "done":
+                    self._failed_in_row.pop(run.key, None)
             if record.state == "failed":
-                self._failed(f"staging {record.version} in {record.region}: {record.error}")
+                problem = f"staging {record.version} in {record.region}: {record.error}"
+                self._failed(problem)
+                self.metrics.task_failures.inc()
+                log.warning(
+                    "%s (attempt %d); retrying in %.0f s if the plan still needs it",
+                    problem,
+                    record.attempts,
+                    self._backoff(run.key),
+                )
             with self._lock:
                 self._runs.pop(run.key, None)
                 self._ended[run.key] = time.monotonic()

@@ -64,6 +64,11 @@ class ControllerMetrics:
             "Planned evictions refused because a job reads (or is about to read) the version",
             registry=r,
         )
+        self.task_failures = Counter(
+            "edgecache_controller_task_failures_total",
+            "Staging runs that failed (each is retried with backoff while the plan needs it)",
+            registry=r,
+        )
         self.ticks = Counter("edgecache_controller_ticks_total", "Planning rounds", registry=r)
         self.tick_errors = Counter(
             "edgecache_controller_tick_errors_total", "Rounds that failed", registry=r

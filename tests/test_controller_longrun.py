@@ -1,0 +1,111 @@
+"""A long-running controller, as an operator runs it: edits, outages, failures, stops.
+
+Real ``edgecache serve`` nodes on loopback, a file:// registry and origin; the
+controller runs in-process on a clock the test sets, rounds driven by hand
+(``tick``), so each scenario takes seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, stub, write_parquet_shards
+
+from edgecache.clients.controller import Controller, read_state
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.v1 import edge_pb2
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+HOUR = timedelta(hours=1)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def job(name: str, region: str, start: datetime, hours: float, *datasets: str) -> str:
+    return (
+        f"  - name: {name}\n    region: {region}\n    start: '{start.isoformat()}'\n"
+        f"    duration: {int(hours * 60)}m\n    datasets: [{', '.join(datasets)}]\n"
+    )
+
+
+def versions_on(node: LocalNode) -> dict[str, int]:
+    status = stub(node.address).Status(edge_pb2.StatusRequest())
+    return {f"{v.dataset}@{v.version}": v.shard_count for v in status.versions if v.shard_count}
+
+
+def pins_on(node: LocalNode) -> dict[str, datetime]:
+    status = stub(node.address).Status(edge_pb2.StatusRequest())
+    return {
+        f"{v.dataset}@{v.version}": v.pinned_until.ToDatetime(tzinfo=UTC)
+        for v in status.versions
+        if v.HasField("pinned_until")
+    }
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
+    """Versions a@1 and b@1 in a file:// registry; one node in region eu; no schedule yet."""
+    registry = f"file://{tmp_path}/registry"
+    for name in ("a", "b"):
+        write_parquet_shards(tmp_path / "origin" / name, 3, rows=500)
+        publish(registry, f"file://{tmp_path}/origin/{name}", name)
+    node = start_local_node("eu", tmp_path / "cache-eu", registry)
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+    )
+    try:
+        yield tmp_path, registry, node
+    finally:
+        node.stop()
+
+
+def schedule(root: Path, *jobs: str) -> None:
+    (root / "schedule.yaml").write_text("jobs:\n" + "".join(jobs))
+
+
+def test_a_failing_task_is_retried_with_backoff_in_one_record(site, caplog) -> None:
+    root, registry, node = site
+    shutil.move(root / "origin" / "b", root / "origin-b-away")  # staging b fails
+    schedule(root, job("j", "eu", T0 + HOUR, 1, "b@1"))
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), retry_backoff=60
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgecache.clients.controller"):
+            for _ in range(6):  # rounds well inside the first backoff: no second run
+                controller.tick()
+                controller.wait_idle()
+        assert set(controller.state.tasks) == {"eu b@1"}
+        record = controller.state.tasks["eu b@1"]
+        assert record.state == "failed" and record.attempts == 1
+        assert "b@1" in record.error
+        warned = [r.getMessage() for r in caplog.records if "staging b@1" in r.getMessage()]
+        assert warned and "retrying in 60 s" in warned[0], warned
+        assert controller.metrics.task_failures._value.get() == 1
+        shutil.move(root / "origin-b-away", root / "origin" / "b")  # origin is back
+        controller.retry_backoff = 0.2  # and the backoff over
+        deadline = datetime.now(UTC) + timedelta(seconds=20)
+        while controller.state.tasks["eu b@1"].state != "done":
+            assert datetime.now(UTC) < deadline, "the task was never retried"
+            controller.tick()
+            controller.wait_idle()
+        assert set(controller.state.tasks) == {"eu b@1"}  # the retry is the same task
+        record = controller.state.tasks["eu b@1"]
+        assert record.attempts == 2 and record.error == ""
+        assert versions_on(node) == {"b@1": 3}
+        assert read_state(registry).tasks["eu b@1"].state == "done"  # type: ignore[union-attr]
+    finally:
+        controller.close()
