@@ -236,6 +236,11 @@ class Controller:
         self._lock = threading.Lock()
         self.last_plan: Plan | None = None
         self.last_error = ""
+        # A schedule edit that does not validate leaves the last good schedule running;
+        # this says why (file, line, field) until the file reads again.
+        self.schedule_error = ""
+        self._schedule: Schedule | None = None
+        self._schedule_read_at: datetime | None = None
         # What went wrong in the latest round: unreachable regions, pins and evictions
         # that failed, staging tasks it started that failed. `controller --once` exits
         # non-zero on any; a running controller logs them and tries again next round.
@@ -303,7 +308,7 @@ class Controller:
         now = self.clock()
         with self._lock:
             self.failures = []
-        schedule = load_schedule(self.schedule_path, self.topology)
+        schedule = self._read_schedule()
         looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(self.topology, token=self.token)
         for report in reports:
@@ -332,6 +337,36 @@ class Controller:
         self.metrics.ticks.inc()
         self.metrics.last_tick.set(time.time())
         return plan
+
+    def _read_schedule(self) -> Schedule:
+        """The schedule file as it reads now, or the last good one while an edit is broken.
+
+        An operator's half-saved or mistyped edit must neither stop the
+        controller nor be acted on: the rounds go on with the last schedule
+        that validated, and the error is logged once (not every round).
+        Without a good schedule yet, the error is raised.
+        """
+        try:
+            schedule = load_schedule(self.schedule_path, self.topology)
+        except EdgeCacheError as exc:
+            if self._schedule is None:
+                raise
+            self.metrics.schedule_valid.set(0)
+            if str(exc) != self.schedule_error:
+                log.error(
+                    "%s; running on the last good schedule (read %s) until the file is "
+                    "fixed: it is read again every round",
+                    exc,
+                    _iso(self._schedule_read_at),
+                )
+            self.schedule_error = str(exc)
+            return self._schedule
+        if self.schedule_error:
+            log.info("%s is valid again; planning from it", self.schedule_path.name)
+        self.schedule_error = ""
+        self._schedule, self._schedule_read_at = schedule, self.clock()
+        self.metrics.schedule_valid.set(1)
+        return schedule
 
     def _evict_due(
         self, plan: Plan, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
@@ -574,7 +609,7 @@ class Controller:
     def refresh(self) -> None:
         """Look at the nodes and record which jobs' data is complete, without acting."""
         now = self.clock()
-        schedule = load_schedule(self.schedule_path, self.topology)
+        schedule = self._read_schedule()
         reports = gather_status(self.topology, token=self.token)
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token

@@ -69,6 +69,12 @@ class ControllerMetrics:
             "Staging runs that failed (each is retried with backoff while the plan needs it)",
             registry=r,
         )
+        self.schedule_valid = Gauge(
+            "edgecache_controller_schedule_valid",
+            "1 when the schedule file validated at the last round; 0 while a broken edit "
+            "leaves the controller running on the last good schedule",
+            registry=r,
+        )
         self.ticks = Counter("edgecache_controller_ticks_total", "Planning rounds", registry=r)
         self.tick_errors = Counter(
             "edgecache_controller_tick_errors_total", "Rounds that failed", registry=r

@@ -109,3 +109,44 @@ def test_a_failing_task_is_retried_with_backoff_in_one_record(site, caplog) -> N
         assert read_state(registry).tasks["eu b@1"].state == "done"  # type: ignore[union-attr]
     finally:
         controller.close()
+
+
+def test_a_malformed_edit_keeps_the_last_good_schedule_running(site, caplog) -> None:
+    root, _, node = site
+    schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"))
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0))
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3}
+        assert controller.metrics.schedule_valid._value.get() == 1
+        # A half-saved edit, then a version vanishing behind the controller's back.
+        (root / "schedule.yaml").write_text("jobs:\n  - name: j1\n    start: [oops\n")
+        stub(node.address).Evict(edge_pb2.EvictRequest(dataset="a", version=1))
+        with caplog.at_level(logging.INFO, logger="edgecache.clients.controller"):
+            for _ in range(3):
+                assert controller.tick() is not None  # rounds go on, on the last good plan
+                controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3}  # restaged for j1, as the last plan says
+        assert pins_on(node)["a@1"] == T0 + 2 * HOUR
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1, errors  # said once, not every round
+        assert "schedule.yaml:4: not valid YAML" in errors[0] and "last good schedule" in errors[0]
+        assert "schedule.yaml:4" in controller.schedule_error
+        assert controller.metrics.schedule_valid._value.get() == 0
+        # A job in a region the topology lacks is a bad edit too: nothing acts on it.
+        schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"), job("x", "mars", T0, 1, "b@1"))
+        controller.tick()
+        assert "mars" in controller.schedule_error
+        # Fixed: the new job is planned and staged.
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="edgecache.clients.controller"):
+            schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"), job("j2", "eu", T0, 1, "b@1"))
+            controller.tick()
+            controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3, "b@1": 3}
+        assert controller.schedule_error == ""
+        assert controller.metrics.schedule_valid._value.get() == 1
+        assert any("schedule.yaml is valid again" in r.getMessage() for r in caplog.records)
+    finally:
+        controller.close()
