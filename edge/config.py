@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import parse_rate, parse_size
@@ -120,12 +127,28 @@ class NodeConfig(BaseModel):
             split_hostport(value)
         return value
 
-    @field_validator("tls_key")
-    @classmethod
-    def _tls_pair(cls, value: Path | None, info: Any) -> Path | None:
-        if (value is None) != (info.data.get("tls_cert") is None):
-            raise ValueError("tls_cert and tls_key go together: set both or neither")
-        return value
+    @model_validator(mode="after")
+    def _tls_complete(self) -> NodeConfig:
+        """Refuse TLS settings that would otherwise be dropped, leaving the node plaintext.
+
+        A certificate without its key (or the reverse) cannot serve TLS, and a
+        client CA without a certificate cannot require client certificates:
+        starting anyway would open the port in clear to everyone.
+        """
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = ("--tls-cert", "--tls-key")
+            if self.tls_cert is None:
+                given, missing = missing, given
+            raise ValueError(
+                f"tls_cert and tls_key go together: {given} is set without {missing}; "
+                "set both (the certificate and its key) or neither"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "--tls-client-ca requires client certificates over TLS, but the node has no "
+                "certificate: set --tls-cert and --tls-key too"
+            )
+        return self
 
     def cpu_threads(self) -> int:
         """``preprocess_threads``, else the cores this process may run on (taskset, cgroups)."""
@@ -190,7 +213,10 @@ def load_node_config(
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            name = str(error["loc"][0]) if error["loc"] else "?"
+            if not error["loc"]:  # a rule across settings: its message names the flags
+                problems.append(str(error["msg"]).removeprefix("Value error, "))
+                continue
+            name = str(error["loc"][0])
             origin = source.get(name, "not set anywhere")
             flag = "--" + name.replace("_", "-")
             problems.append(f"{flag} ({origin}): {error['msg']}")

@@ -20,7 +20,9 @@ import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,13 +135,105 @@ def _bind_failure(address: str, flag: str, error: OSError | None = None) -> str:
     return f"cannot bind {address} ({error.strerror or error}); choose another {flag}"
 
 
+def _read_pem(path: Path, flag: str) -> bytes:
+    """The bytes of a PEM file given by ``flag``, or a ConfigError naming the flag."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: cannot read it ({exc.strerror}); point {flag} at a readable PEM file"
+        ) from exc
+
+
+def _no_passphrase() -> bytes:
+    raise ConfigError("--tls-key is encrypted")
+
+
+def _check_certificates(
+    cert_path: Path, key_path: Path, cert: bytes, client_ca: tuple[Path, bytes] | None
+) -> None:
+    """Refuse TLS files gRPC would reject, each named by its flag, before any port is bound.
+
+    gRPC logs the reason to stderr and raises only "Failed to bind", which
+    sends an operator after the port; a certificate that has expired is
+    accepted and then refused by every client. Python's ``ssl`` parses the
+    same PEM files with OpenSSL, so what passes here passes in gRPC.
+    """
+    cert_flag, key_flag = f"--tls-cert {cert_path}", f"--tls-key {key_path}"
+    pems = [(cert_flag, cert)]
+    if client_ca is not None:
+        pems.append((f"--tls-client-ca {client_ca[0]}", client_ca[1]))
+    for flag, pem in pems:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
+                cadata=pem.decode("ascii", "replace")
+            )
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(
+                f"{flag} holds no PEM certificate (-----BEGIN CERTIFICATE-----): give the "
+                "certificate file, not a key or a DER file"
+            ) from exc
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            cert_path, key_path, password=_no_passphrase
+        )
+    except ConfigError:
+        raise ConfigError(
+            f"{key_flag} is encrypted, and gRPC reads only unencrypted keys: decrypt it "
+            "(openssl pkey -in KEY -out KEY.plain) and keep it in a Secret"
+        ) from None
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(
+                f"{key_flag} does not match the certificate in {cert_flag}: give the key "
+                "that certificate was issued for"
+            ) from exc
+        raise ConfigError(
+            f"{key_flag} holds no PEM private key (-----BEGIN PRIVATE KEY-----): give the "
+            "certificate's key file"
+        ) from exc
+    _check_dates(cert_flag, cert_path)
+
+
+def _check_dates(flag: str, path: Path) -> None:
+    """An expired certificate stops the node; one not valid yet is warned about (clock skew)."""
+    decode = getattr(ssl._ssl, "_test_decode_cert", None)  # type: ignore[attr-defined]
+    if decode is None:  # private to CPython's ssl: without it, clients will say
+        return
+    try:
+        fields = decode(str(path))
+        not_before = ssl.cert_time_to_seconds(fields["notBefore"])
+        not_after = ssl.cert_time_to_seconds(fields["notAfter"])
+    except (ssl.SSLError, KeyError, ValueError):
+        return
+    now = time.time()
+    if now > not_after:
+        raise ConfigError(
+            f"{flag} expired on {fields['notAfter']}: every client refuses it; renew the "
+            "certificate and restart the node"
+        )
+    if now < not_before:
+        log.warning(
+            "%s is not valid until %s: clients refuse it until then; check this host's clock "
+            "and the issuer's",
+            flag,
+            fields["notBefore"],
+        )
+
+
 def _credentials(config: NodeConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from --tls-cert/--tls-key (and --tls-client-ca), checked first."""
     if config.tls_cert is None or config.tls_key is None:
         return None
-    client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    cert = _read_pem(config.tls_cert, "--tls-cert")
+    key = _read_pem(config.tls_key, "--tls-key")
+    client_ca = None
+    if config.tls_client_ca is not None:
+        client_ca = (config.tls_client_ca, _read_pem(config.tls_client_ca, "--tls-client-ca"))
+    _check_certificates(Path(config.tls_cert), Path(config.tls_key), cert, client_ca)
     return grpc.ssl_server_credentials(
-        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
-        root_certificates=client_ca,
+        [(key, cert)],
+        root_certificates=client_ca[1] if client_ca else None,
         require_client_auth=client_ca is not None,
     )
 
@@ -171,6 +265,7 @@ class NodeServer:
             config.read_token("token_file"),
             config.read_token("read_token_file"),
         )
+        credentials = _credentials(config)  # before the cache opens: a bad file fails fast
         self.node = node = EdgeNode(config)
         server: aio.Server | None = None
         try:
@@ -213,7 +308,7 @@ class NodeServer:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-            self.port = _bind(server, config.listen, "--listen", _credentials(config))
+            self.port = _bind(server, config.listen, "--listen", credentials)
             await server.start()
             self._server = server
         except BaseException:
