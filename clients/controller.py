@@ -62,6 +62,7 @@ __all__ = [
     "JobRecord",
     "SimulatedClock",
     "TaskRecord",
+    "as_started",
     "lease_holder",
     "read_state",
 ]
@@ -106,6 +107,9 @@ class JobRecord:
     complete_at_start: bool | None = None  # None until the job starts
     missing_at_start: list[str] = field(default_factory=list)
     infeasible: list[str] = field(default_factory=list)  # the planner's reasons
+    # Each of the job's specs as resolved ("tokens" → "tokens@3"): followed until the
+    # job starts, then kept, so the job reads one version however many are published.
+    resolved: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,6 +182,30 @@ def lease_holder(registry: str) -> LeaseRecord | None:
         return record if record is not None and record.live(time.time()) else None
 
     return asyncio.run(go())
+
+
+def as_started(schedule: Schedule, state: ControllerState | None, now: datetime) -> Schedule:
+    """The schedule with each started job reading the versions resolved before its start.
+
+    ``name`` and ``name@latest`` are resolved once: a job reads one version
+    from its start to its end. Re-resolved every round, a version published
+    while the job runs would be staged and pinned for it, and the one it
+    reads left to the LRU and to the plan's evictions. ``state`` is the
+    controller's record (:attr:`JobRecord.resolved`); without one, nothing changes.
+    """
+    jobs = []
+    for job in schedule.jobs:
+        record = state.jobs.get(job.name) if state is not None else None
+        if (
+            record is not None
+            and record.resolved
+            and job.start <= now
+            and record.start == _iso(job.start)
+        ):
+            datasets = [record.resolved.get(spec, spec) for spec in job.datasets]
+            job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
+        jobs.append(job)
+    return schedule.model_copy(update={"jobs": jobs})
 
 
 def _iso(when: datetime | None) -> str | None:
@@ -308,7 +336,7 @@ class Controller:
         now = self.clock()
         with self._lock:
             self.failures = []
-        schedule = self._read_schedule()
+        schedule = as_started(self._read_schedule(), self.state, now)
         looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(self.topology, token=self.token)
         for report in reports:
@@ -556,6 +584,13 @@ class Controller:
                     end=_iso(job.end) or "",
                     versions=[_spec(v) for v in reads],
                 )
+            if job.start > now or not record.resolved:  # kept from the start on
+                record.resolved = {
+                    s: _spec((manifests[s].dataset, manifests[s].version))
+                    for s in job.datasets
+                    if s in manifests
+                }
+                record.versions = [_spec(v) for v in reads]
             record.infeasible = reasons.get(job.name, [])
             held = complete.get(job.region, set())
             missing = [_spec(v) for v in reads if v not in held] + [
@@ -609,7 +644,7 @@ class Controller:
     def refresh(self) -> None:
         """Look at the nodes and record which jobs' data is complete, without acting."""
         now = self.clock()
-        schedule = self._read_schedule()
+        schedule = as_started(self._read_schedule(), self.state, now)
         reports = gather_status(self.topology, token=self.token)
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token

@@ -7,8 +7,11 @@ controller runs in-process on a clock the test sets, rounds driven by hand
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,6 +25,7 @@ from edgecache.v1 import edge_pb2
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 HOUR = timedelta(hours=1)
+EDGECACHE = [sys.executable, "-m", "edgecache.clients.cli"]
 
 
 class Clock:
@@ -148,5 +152,55 @@ def test_a_malformed_edit_keeps_the_last_good_schedule_running(site, caplog) -> 
         assert controller.schedule_error == ""
         assert controller.metrics.schedule_valid._value.get() == 1
         assert any("schedule.yaml is valid again" in r.getMessage() for r in caplog.records)
+    finally:
+        controller.close()
+
+
+def test_a_version_published_while_a_job_runs_does_not_change_what_it_reads(site) -> None:
+    root, registry, node = site
+    schedule(root, job("j", "eu", T0, 2, "a"))  # no @N: latest when planned
+    clock = Clock(T0 - timedelta(minutes=10))
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3}
+        clock.now = T0 + timedelta(minutes=10)  # j is reading a@1
+        controller.tick()
+        write_parquet_shards(root / "origin" / "a2", 2, rows=400)
+        publish(registry, f"file://{root}/origin/a2", "a")  # a@2, the new latest
+        for minutes in (20, 30):
+            clock.now = T0 + timedelta(minutes=minutes)
+            controller.tick()
+            controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3}  # nothing staged for j from a@2
+        assert pins_on(node) == {"a@1": T0 + 2 * HOUR}
+        record = controller.state.jobs["j"]
+        assert record.versions == ["a@1"] and record.complete_at_start is True
+        # plan --status agrees: j has what it reads.
+        shown = subprocess.run(
+            [
+                *EDGECACHE,
+                "plan",
+                str(root / "schedule.yaml"),
+                "--status",
+                "--json",
+                "--config",
+                str(root / "edgecache.yaml"),
+                "--at",
+                clock.now.isoformat(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        (view,) = json.loads(shown.stdout)
+        assert view["missing"] == [] and view["state"] == "ready", shown.stdout
+        # A job that has not started yet follows latest: it gets a@2.
+        schedule(root, job("j", "eu", T0, 2, "a"), job("later", "eu", T0 + HOUR, 1, "a"))
+        controller.tick()
+        controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3, "a@2": 2}
+        assert controller.state.jobs["later"].versions == ["a@2"]
     finally:
         controller.close()

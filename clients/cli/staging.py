@@ -77,17 +77,22 @@ def plan(
         jobs = load_schedule(schedule, options.topology)
         now = parse_at(at) or datetime.now(UTC)
         reports = gather_status(options.topology, token=options.token)
-        result, manifests = make_plan(options.topology, jobs, now=now, reports=reports)
         if show_status:
-            from edgecache.clients.controller import lease_holder, read_state
+            from edgecache.clients.controller import as_started, lease_holder, read_state
             from edgecache.clients.plan_status import job_views
 
+            # Started jobs read what was resolved before their start, as the controller
+            # carries it out, not a version published since.
+            state = read_state(options.topology.registry)
+            jobs = as_started(jobs, state, now)
+        result, manifests = make_plan(options.topology, jobs, now=now, reports=reports)
+        if show_status:
             views = job_views(
                 jobs,
                 result,
                 manifests,
                 reports,
-                read_state(options.topology.registry),
+                state,
                 now,
                 controller_running=lease_holder(options.topology.registry) is not None,
                 schedule_path=str(schedule),
