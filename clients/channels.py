@@ -40,6 +40,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "bearer",
     "client_credentials",
+    "connection_hint",
     "describe",
     "edge_stub",
     "node_error",
@@ -151,8 +152,53 @@ def edge_stub(endpoint: Endpoint | str) -> Iterator[edge_pb2_grpc.EdgeCacheStub]
 
 
 def describe(exc: grpc.RpcError) -> str:
-    """``CODE: details`` of a failed call, for messages and logs."""
-    return f"{exc.code().name}: {exc.details()}"
+    """``CODE: details`` of a failed call, for messages and logs.
+
+    When the cause is one the caller fixes on its side (a TLS setting, the
+    token), what to do follows: status and doctor show this text alone.
+    """
+    details = exc.details() or ""
+    hint = connection_hint(details)
+    if hint is None and exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        hint = _HINTS[grpc.StatusCode.UNAUTHENTICATED]
+    return f"{exc.code().name}: {details}" + (f"; {hint}" if hint else "")
+
+
+def connection_hint(details: str) -> str | None:
+    """What to do about a connection that failed in TLS, from gRPC's last error; else None.
+
+    gRPC reports a failed handshake only as UNAVAILABLE with the reason in
+    the details, where "retry" is the wrong advice: each of these fails the
+    same way until a setting on this side (or the node's certificate) changes.
+    """
+    if "WRONG_VERSION_NUMBER" in details:
+        return (
+            "the node does not speak TLS: use host:port instead of grpcs://, or start the node "
+            "with --tls-cert/--tls-key"
+        )
+    if "certificate has expired" in details or "not yet valid" in details:
+        return (
+            "the node's certificate is out of date (expired or not valid yet): renew it on the "
+            "node, and check both hosts' clocks"
+        )
+    if "CERTIFICATE_VERIFY_FAILED" in details or "Tls handshake failed" in details:
+        return (
+            "this client does not trust the node's certificate: set $EDGECACHE_TLS_CA to the "
+            "CA file that signed it"
+        )
+    if "Hostname Verification" in details:
+        return (
+            "the node's certificate does not name the host in this endpoint: connect by a name "
+            "or address among its subject alternative names, or reissue it for this one"
+        )
+    if "Socket closed" in details or "Connection reset" in details:
+        return (
+            "the node closed the connection: over grpcs://, a node with --tls-client-ca refuses "
+            "clients without a certificate from that CA (set $EDGECACHE_TLS_CERT and "
+            "$EDGECACHE_TLS_KEY); over host:port, a node that serves TLS needs "
+            "grpcs://host:port"
+        )
+    return None
 
 
 _HINTS = {
@@ -188,7 +234,7 @@ def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheErro
     """
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    hint = _HINTS.get(code)
+    hint = connection_hint(details) or _HINTS.get(code)
     message = f"{what} on {endpoint}: {code.name}: {details}" + (f"; {hint}" if hint else "")
     if code == grpc.StatusCode.NOT_FOUND:
         return VersionNotFound(message)
@@ -238,7 +284,7 @@ def health_pings(channel: grpc.Channel, pings: int = 5, timeout: float = 2.0) ->
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
-        result.lost, result.error = pings, f"not connected within {timeout:g} s"
+        result.lost, result.error = pings, _why_not_connected(channel, timeout)
         return result
     health = health_pb2_grpc.HealthStub(channel)
     for _ in range(pings):
@@ -254,3 +300,20 @@ def health_pings(channel: grpc.Channel, pings: int = 5, timeout: float = 2.0) ->
             result.serving = False
             result.error = "not serving (draining?)"
     return result
+
+
+def _why_not_connected(channel: grpc.Channel, timeout: float) -> str:
+    """Why a channel did not connect: gRPC's last error, asked with one call that does not wait.
+
+    A failed TLS handshake, a refused port and a closed connection all look
+    like a timeout to ``channel_ready_future``; the reason (and so what to do)
+    is only in the error of a call.
+    """
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=min(timeout, 1.0)
+        )
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return describe(exc)
+    return f"not connected within {timeout:g} s"

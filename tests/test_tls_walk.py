@@ -169,3 +169,98 @@ def test_a_certificate_not_valid_yet_is_warned_about(
     with running_node(config):
         pass
     assert any("not valid until" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# --- clients that cannot get through: why, and what to do ------------------------------------
+
+
+@pytest.fixture
+def tls_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No EDGECACHE_TLS_* from the environment the tests run in."""
+    for name in ("EDGECACHE_TLS_CA", "EDGECACHE_TLS_CERT", "EDGECACHE_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _topology(tmp_path: Path, endpoint: str) -> Path:
+    path = tmp_path / "edgecache.yaml"
+    path.write_text(
+        f"registry: file://{tmp_path}/registry\nregions:\n  eu:\n    nodes: ['{endpoint}']\n"
+    )
+    return path
+
+
+def _status_error(tmp_path: Path, endpoint: str, token: str | None = None) -> str:
+    from edgecache.clients.ops import gather_status
+    from edgecache.clients.topology import load_topology
+
+    (report,) = gather_status(load_topology(_topology(tmp_path, endpoint)), timeout=2, token=token)
+    assert report.status is None, "the node answered"
+    return report.error
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("no CA", "$EDGECACHE_TLS_CA"),
+        ("CA only, node requires a client certificate", "$EDGECACHE_TLS_CERT"),
+        ("plaintext endpoint, TLS node", "grpcs://"),
+        ("certificate for another host", "subject alternative names"),
+    ],
+)
+def test_status_says_why_tls_failed(
+    tmp_path: Path,
+    pki: dict[str, Path],
+    registry: str,
+    tls_env: pytest.MonkeyPatch,
+    case: str,
+    expected: str,
+) -> None:
+    """It said 'not connected within 3 s', the reason only in gRPC's own log."""
+    server = {"tls_cert": pki["server"], "tls_key": pki["server_key"], "tls_client_ca": pki["ca"]}
+    if case == "certificate for another host":
+        (tmp_path / "other").mkdir()
+        other = make_pki(tmp_path / "other", server_names=("other.example",))
+        server = {"tls_cert": other["server"], "tls_key": other["server_key"]}
+        tls_env.setenv("EDGECACHE_TLS_CA", str(other["ca"]))
+    elif case != "no CA":
+        tls_env.setenv("EDGECACHE_TLS_CA", str(pki["ca"]))
+    with running_node(NodeConfig(**_settings(tmp_path, **server))) as node:
+        scheme = "" if case.startswith("plaintext") else "grpcs://"
+        error = _status_error(tmp_path, scheme + node.address)
+    assert expected in error and "not connected within" not in error, error
+
+
+def test_status_says_when_the_node_does_not_speak_tls(
+    tmp_path: Path, registry: str, pki: dict[str, Path], tls_env: pytest.MonkeyPatch
+) -> None:
+    tls_env.setenv("EDGECACHE_TLS_CA", str(pki["ca"]))
+    with running_node(NodeConfig(**_settings(tmp_path))) as node:
+        error = _status_error(tmp_path, f"grpcs://{node.address}")
+    assert "does not speak TLS" in error and "host:port" in error, error
+
+
+def test_status_without_the_read_token_says_to_pass_it(
+    tmp_path: Path, registry: str, tls_env: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "read.token").write_text(READ_TOKEN)
+    config = NodeConfig(**_settings(tmp_path, read_token_file=tmp_path / "read.token"))
+    with running_node(config) as node:
+        error = _status_error(tmp_path, node.address)
+    assert "UNAUTHENTICATED" in error and "--token-file" in error, error
+
+
+def test_evict_through_the_wrong_ca_names_the_ca_setting(
+    tmp_path: Path, pki: dict[str, Path], registry: str, tls_env: pytest.MonkeyPatch
+) -> None:
+    """node_error's hint for UNAVAILABLE ('retry; check the node runs') misled here."""
+    from edgecache.clients import ops
+    from edgecache.clients.topology import load_topology
+
+    (tmp_path / "rogue").mkdir()
+    tls_env.setenv("EDGECACHE_TLS_CA", str(make_pki(tmp_path / "rogue")["ca"]))
+    config = NodeConfig(**_settings(tmp_path, tls_cert=pki["server"], tls_key=pki["server_key"]))
+    with running_node(config) as node:
+        topology = load_topology(_topology(tmp_path, f"grpcs://{node.address}"))
+        (result,) = ops.evict(topology, "tokens@1")
+    assert "$EDGECACHE_TLS_CA" in result.error and "retry" not in result.error, result.error
