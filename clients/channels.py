@@ -234,7 +234,7 @@ def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheErro
     """
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    hint = connection_hint(details) or _HINTS.get(code)
+    hint = connection_hint(details or "") or _HINTS.get(code)
     message = f"{what} on {endpoint}: {code.name}: {details}" + (f"; {hint}" if hint else "")
     if code == grpc.StatusCode.NOT_FOUND:
         return VersionNotFound(message)
