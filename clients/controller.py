@@ -262,6 +262,7 @@ class Controller:
         self.retry_backoff = retry_backoff
         self._failed_in_row: dict[tuple[str, VersionKey], int] = {}
         self._lock = threading.Lock()
+        self._leading = False  # held the lease at the last round: the record is ours to save
         self.last_plan: Plan | None = None
         self.last_error = ""
         # A schedule edit that does not validate leaves the last good schedule running;
@@ -303,8 +304,18 @@ class Controller:
         self.stop.set()
         with self._lock:
             threads = [thread for _, thread in self._runs.values()]
+        if threads:
+            log.info(
+                "stopping: %d staging task(s) interrupted; the next run resumes them", len(threads)
+            )
         for thread in threads:
             thread.join(timeout=30)
+        if self._leading:
+            # The record said "running" for the tasks just stopped: say what is true now.
+            try:
+                self._save_state()
+            except EdgeCacheError as exc:
+                log.warning("could not save the record on stopping: %s", exc)
         try:
             self._await(self.lease.release())
         except Exception:  # noqa: BLE001 - the lease expires by itself anyway
@@ -317,6 +328,7 @@ class Controller:
     def leader(self) -> LeaseRecord | None:
         """Take or renew the lease: None when this controller holds it, else the holder's record."""
         held = self._await(self.lease.acquire())
+        self._leading = held is None
         self.metrics.leader.set(0 if held else 1)
         return held
 
@@ -401,8 +413,8 @@ class Controller:
     ) -> None:
         for region, region_plan in plan.regions.items():
             for eviction in region_plan.evictions:
-                if eviction.at > now:
-                    continue
+                if eviction.at > now or self.stop.is_set():
+                    continue  # not due, or stopping: begin nothing new
                 key = (region, eviction.version)
                 with self._lock:
                     if key in self._runs:
@@ -468,8 +480,8 @@ class Controller:
                     record.source, record.jobs = task.source, list(task.jobs)
                     record.planned_start = _iso(task.start) or ""
                     record.predicted_ready = _iso(task.finish) or ""
-                if task.start > now:
-                    continue
+                if task.start > now or self.stop.is_set():
+                    continue  # not due, or stopping: begin nothing new
                 if task.source != "origin" and not self._peer_holds(task.source, task.version):
                     continue  # the plan counts on the peer's own task; it is not done yet
                 pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)

@@ -12,6 +12,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -204,3 +205,38 @@ def test_a_version_published_while_a_job_runs_does_not_change_what_it_reads(site
         assert controller.state.jobs["later"].versions == ["a@2"]
     finally:
         controller.close()
+
+
+def test_a_stop_mid_task_leaves_the_record_saying_what_is_true(tmp_path: Path) -> None:
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 12, rows=3000)
+    publish(registry, f"file://{tmp_path}/origin", "big")
+    # Staging crawls, so the stop lands mid-version.
+    node = start_local_node(
+        "eu", tmp_path / "cache", registry, extra_args=["--staging-rate", "400KB/s"]
+    )
+    try:
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        schedule(tmp_path, job("j", "eu", T0 + HOUR, 1, "big@1"))
+        controller = Controller(
+            tmp_path / "edgecache.yaml", tmp_path / "schedule.yaml", clock=Clock(T0)
+        )
+        try:
+            controller.tick()
+            deadline = time.monotonic() + 30
+            while not versions_on(node).get("big@1"):
+                assert time.monotonic() < deadline, "staging never started"
+                time.sleep(0.05)
+        finally:
+            controller.close()  # what SIGTERM and Ctrl-C do
+        held = versions_on(node)["big@1"]
+        assert held < 12
+        state = read_state(registry)
+        assert state is not None
+        # Not "running": nothing runs it now; the next controller resumes it.
+        assert state.tasks["eu big@1"].state == "pending"
+        assert pins_on(node) == {"big@1": T0 + 2 * HOUR}  # what it keeps, until j ends
+    finally:
+        node.stop()
