@@ -28,7 +28,7 @@ import grpc
 from grpc import aio
 
 from edgecache.cache import rendezvous
-from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
+from edgecache.cache.errors import ChunkCorrupt, ConfigError, EdgeCacheError
 from edgecache.cache.frame import verify_frame
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.edge.config import NodeConfig
@@ -79,13 +79,16 @@ class Peers:
             or config.read_token("token_file")
         )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # Read now, not at the first grpcs:// peer: a missing file stops the node at start
+        # with its setting named, instead of failing a Stage later with a bare OSError.
+        self._tls_files = (
+            _read(config.peer_tls_ca, "peer_tls_ca ($EDGECACHE_PEER_TLS_CA)"),
+            _read(config.tls_key, "--tls-key"),
+            _read(config.tls_cert, "--tls-cert"),
+        )
 
     def _credentials(self) -> grpc.ChannelCredentials:
-        config = self.config
-        root = Path(config.peer_tls_ca).read_bytes() if config.peer_tls_ca else None
-        key = Path(config.tls_key).read_bytes() if config.tls_key else None
-        cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
-        return grpc.ssl_channel_credentials(root, key, cert)
+        return grpc.ssl_channel_credentials(*self._tls_files)
 
     def _channel(self, peer: str) -> aio.Channel:
         channel = self._channels.get(peer)
@@ -123,9 +126,10 @@ class Peers:
                     continue
                 except grpc.RpcError as exc:
                     name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
+                    hint = _tls_hint(peer, exc.details() or "")
                     notes.append(
                         f"{peer} failed after {len(copy.frames) - before} chunks "
-                        f"({name}: {exc.details()})"
+                        f"({name}: {exc.details()})" + (f"; {hint}" if hint else "")
                     )
                 except ChunkCorrupt as exc:
                     notes.append(f"{peer} failed after {len(copy.frames) - before} chunks ({exc})")
@@ -170,6 +174,47 @@ class Peers:
                 )
         finally:
             call.cancel()
+
+
+def _read(path: Path | None, setting: str) -> bytes | None:
+    """A PEM file of this node's peer credentials, or a ConfigError naming its setting."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"{setting} {path}: cannot read it ({exc.strerror}); point it at a readable PEM file"
+        ) from exc
+
+
+def _tls_hint(peer: str, details: str) -> str | None:
+    """What to set on this node when a peer's TLS refused it, from gRPC's last error.
+
+    gRPC says only UNAVAILABLE; the cause is on this node's side (whom it
+    trusts, which certificate it presents), so retrying cannot help.
+    """
+    if not peer.startswith("grpcs://"):
+        if "Socket closed" in details:
+            return "if the peer serves TLS, name it grpcs://host:port"
+        return None
+    if "Socket closed" in details or "Connection reset" in details:
+        return (
+            "the peer closed the connection: a peer with --tls-client-ca refuses this node's "
+            "certificate (--tls-cert, presented as a client certificate) unless the CA of "
+            "that flag signed it and it allows client authentication (extended key usage "
+            "clientAuth as well as serverAuth)"
+        )
+    if "WRONG_VERSION_NUMBER" in details:
+        return "the peer does not speak TLS: name it host:port, not grpcs://"
+    if "Hostname Verification" in details:
+        return "the peer's certificate does not name the host this node dials it by"
+    if "Tls handshake failed" in details:
+        return (
+            "this node does not trust the peer's certificate: set peer_tls_ca "
+            "($EDGECACHE_PEER_TLS_CA) to the CA that signed it"
+        )
+    return None
 
 
 class _ChunkedDifferently(Exception):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 from edgeutil import publish, write_parquet_shards
 from tlsutil import DAY, make_pki
@@ -22,6 +23,7 @@ from tlsutil import DAY, make_pki
 from edgecache.cache.errors import ConfigError
 from edgecache.edge.config import NodeConfig, load_node_config
 from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 READ_TOKEN = "read-0f1e2d3c"
 ADMIN_TOKEN = "admin-9a8b7c6d"
@@ -264,3 +266,69 @@ def test_evict_through_the_wrong_ca_names_the_ca_setting(
         topology = load_topology(_topology(tmp_path, f"grpcs://{node.address}"))
         (result,) = ops.evict(topology, "tokens@1")
     assert "$EDGECACHE_TLS_CA" in result.error and "retry" not in result.error, result.error
+
+
+# --- node to node: copying from peers that require TLS -----------------------------------------
+
+
+def _stage(address: str, pki: dict[str, Path], peer: str | None = None) -> str:
+    """Stage tokens@1 on ``address`` (from ``peer`` only, if given); what the node answered."""
+    credentials = grpc.ssl_channel_credentials(
+        pki["ca"].read_bytes(), pki["client_key"].read_bytes(), pki["client"].read_bytes()
+    )
+    with grpc.secure_channel(address, credentials) as channel:
+        stub = edge_pb2_grpc.EdgeCacheStub(channel)
+        request = edge_pb2.StageRequest(dataset="tokens", version=1)
+        if peer is not None:
+            request = edge_pb2.StageRequest(
+                dataset="tokens", version=1, peers=[peer], peers_only=True
+            )
+        metadata = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+        try:
+            events = list(stub.Stage(request, metadata=metadata, timeout=30))
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return f"OK: {events[-1].shards_done} of {events[-1].shards_total} shards"
+
+
+def _mtls_node(tmp_path: Path, name: str, pki: dict[str, Path], **more: object) -> NodeConfig:
+    (tmp_path / "admin.token").write_text(ADMIN_TOKEN)
+    settings = {
+        "cache_dir": tmp_path / f"cache-{name}",
+        "tls_cert": pki["server"],
+        "tls_key": pki["server_key"],
+        "tls_client_ca": pki["ca"],
+        "token_file": tmp_path / "admin.token",
+        "peer_tls_ca": pki["ca"],
+        **more,
+    }
+    return NodeConfig(**_settings(tmp_path, **settings))
+
+
+@pytest.mark.parametrize("client_auth", [True, False])
+def test_a_node_copies_from_a_mutual_tls_peer_or_says_why_not(
+    tmp_path: Path, registry: str, client_auth: bool
+) -> None:
+    """A node presents its own certificate to peers: it must allow client authentication."""
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki", server_client_auth=client_auth)
+    with running_node(_mtls_node(tmp_path, "a", pki)) as a:
+        assert _stage(a.address, pki) == "OK: 2 of 2 shards"
+        with running_node(_mtls_node(tmp_path, "b", pki)) as b:
+            answer = _stage(b.address, pki, f"grpcs://{a.address}")
+    if client_auth:
+        assert answer == "OK: 2 of 2 shards", answer
+    else:
+        assert "clientAuth" in answer and "--tls-client-ca" in answer, answer
+
+
+def test_an_unreadable_peer_ca_stops_the_node(
+    tmp_path: Path, pki: dict[str, Path], registry: str
+) -> None:
+    """It was read at the first grpcs:// peer, failing a Stage with a bare OSError."""
+    config = _mtls_node(tmp_path, "a", pki, peer_tls_ca=tmp_path / "nowhere.pem")
+    with pytest.raises(ConfigError) as info, running_node(config):
+        pass
+    message = str(info.value)
+    assert "peer_tls_ca" in message and "nowhere.pem" in message, message
+    assert "EDGECACHE_PEER_TLS_CA" in message, message

@@ -31,6 +31,7 @@ def make_pki(
     *,
     server_valid: tuple[datetime.timedelta, datetime.timedelta] = (-DAY / 288, DAY),
     server_names: tuple[str, ...] = ("localhost", "127.0.0.1"),
+    server_client_auth: bool = False,
 ) -> dict[str, Path]:
     """Write ca.pem, server.pem/-key.pem (for 127.0.0.1, localhost), client.pem/-key.pem.
 
@@ -60,6 +61,9 @@ def make_pki(
     ):
         key = ec.generate_private_key(ec.SECP256R1())
         start, end = server_valid if role == "server" else (-DAY / 288, DAY)
+        usages = [usage]
+        if role == "server" and server_client_auth:
+            usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
         builder = (
             x509.CertificateBuilder()
             .subject_name(_name(f"edgecache test {role}"))
@@ -68,7 +72,7 @@ def make_pki(
             .serial_number(x509.random_serial_number())
             .not_valid_before(now + start)
             .not_valid_after(now + end)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )
         if role == "server":
             builder = builder.add_extension(
