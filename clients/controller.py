@@ -51,6 +51,7 @@ from edgecache.clients.ops import (
     complete_versions,
     gather_status,
     make_plan,
+    region_outages,
     unreachable_regions,
 )
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
@@ -120,6 +121,9 @@ class ControllerState:
     holder: str = ""
     tasks: dict[str, TaskRecord] = field(default_factory=dict)  # "region version" → record
     jobs: dict[str, JobRecord] = field(default_factory=dict)
+    # The pins this controller placed: "node name@N" → until. One the plan no longer
+    # keeps (its job removed or moved) is released, if the node still has it as placed.
+    pins: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         """The state as JSON."""
@@ -134,6 +138,7 @@ class ControllerState:
             holder=data.get("holder", ""),
             tasks={k: TaskRecord(**v) for k, v in data.get("tasks", {}).items()},
             jobs={k: JobRecord(**v) for k, v in data.get("jobs", {}).items()},
+            pins=dict(data.get("pins", {})),
         )
 
 
@@ -367,6 +372,7 @@ class Controller:
         self._observe(plan, schedule, manifests, reports, now)
         self._failed(*unreachable_regions(reports, schedule, now).values())
         failures = self.executor.pin(plan, reports)
+        failures += self._unpin_dropped(plan, reports)
         for failure in failures:
             log.warning("%s", failure)
         self._failed(*failures)
@@ -377,6 +383,49 @@ class Controller:
         self.metrics.ticks.inc()
         self.metrics.last_tick.set(time.time())
         return plan
+
+    def _unpin_dropped(self, plan: Plan, reports: list[NodeReport]) -> list[str]:
+        """Release the pins this controller placed that the plan no longer keeps; failures.
+
+        A cancelled job's versions would otherwise stay pinned until its old
+        end, holding room the LRU and the next plans need. Only a pin the node
+        still has as placed is released (someone may have pinned it since),
+        and nothing in a region with a node down (the plan there is partial).
+        """
+        down = set(region_outages(reports))
+        answered = {r.address: r.status for r in reports if r.status is not None}
+        region_of = {n: r for r, cfg in self.topology.regions.items() for n in cfg.nodes}
+        failures = []
+        for key, until in sorted(self.state.pins.items()):
+            node, _, spec = key.partition(" ")
+            region = region_of.get(node)
+            dataset, _, number = spec.rpartition("@")
+            version = (dataset, int(number))
+            region_plan = plan.regions.get(region) if region else None
+            if region is not None and (region in down or region_plan is None):
+                continue  # nothing known there this round: keep the pin and its record
+            if region_plan is not None and version in region_plan.pins:
+                continue  # still kept (re-placed below if its time changed)
+            status = answered.get(node)
+            have = [
+                v.pinned_until.ToDatetime(tzinfo=UTC)
+                for v in (status.versions if status is not None else [])
+                if (v.dataset, v.version) == version and v.HasField("pinned_until")
+            ]
+            if have and abs((have[0] - datetime.fromisoformat(until)).total_seconds()) < 1:
+                problem = self.executor.unpin(node, version)
+                if problem:
+                    failures.append(problem)
+                    continue  # try again next round
+                log.info("%s: unpinned %s on %s: no scheduled job reads it", region, spec, node)
+            del self.state.pins[key]
+        for region, region_plan in plan.regions.items():
+            if region in down:
+                continue
+            for node in self.topology.regions[region].nodes:
+                for version, pin_until in region_plan.pins.items():
+                    self.state.pins[f"{node} {_spec(version)}"] = _iso(pin_until) or ""
+        return failures
 
     def _read_schedule(self) -> Schedule:
         """The schedule file as it reads now, or the last good one while an edit is broken.

@@ -165,7 +165,7 @@ class PlanExecutor:
             for v in status.versions:
                 if v.HasField("pinned_until"):
                     until = v.pinned_until.ToDatetime(tzinfo=UTC)
-                    current[(report.address, (v.dataset, v.version))] = until  # type: ignore[attr-defined]
+                    current[(report.address, (v.dataset, v.version))] = until  # type: ignore[attr-defined,union-attr]
         failures = []
         for region, region_plan in plan.regions.items():
             for node in self.topology.regions[region].nodes:
@@ -182,6 +182,17 @@ class PlanExecutor:
                         spec = f"{version[0]}@{version[1]}"
                         failures.append(str(node_error(exc, endpoint=node, what=f"pinning {spec}")))
         return failures
+
+    def unpin(self, node: str, version: VersionKey) -> str | None:
+        """Remove ``version``'s pin on ``node`` (an unset time); the failure, or None."""
+        request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+        try:
+            with edge_stub(node) as stub:
+                stub.Pin(request, timeout=30, metadata=bearer(self.token))
+        except grpc.RpcError as exc:
+            spec = f"{version[0]}@{version[1]}"
+            return str(node_error(exc, endpoint=node, what=f"unpinning {spec}"))
+        return None
 
     # ------------------------------------------------------------- evictions
 

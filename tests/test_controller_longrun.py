@@ -78,7 +78,7 @@ def site(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
 
 
 def schedule(root: Path, *jobs: str) -> None:
-    (root / "schedule.yaml").write_text("jobs:\n" + "".join(jobs))
+    (root / "schedule.yaml").write_text("jobs:\n" + "".join(jobs) if jobs else "jobs: []\n")
 
 
 def test_a_failing_task_is_retried_with_backoff_in_one_record(site, caplog) -> None:
@@ -240,3 +240,31 @@ def test_a_stop_mid_task_leaves_the_record_saying_what_is_true(tmp_path: Path) -
         assert pins_on(node) == {"big@1": T0 + 2 * HOUR}  # what it keeps, until j ends
     finally:
         node.stop()
+
+
+def test_a_job_removed_from_the_schedule_releases_the_pins_placed_for_it(site) -> None:
+    root, _, node = site
+    schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"), job("j2", "eu", T0 + HOUR, 3, "b@1"))
+    clock = Clock(T0)
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        for minutes in (0, 1):  # one link: b@1 is staged after a@1
+            clock.now = T0 + timedelta(minutes=minutes)
+            controller.tick()
+            controller.wait_idle()
+        assert versions_on(node) == {"a@1": 3, "b@1": 3}
+        assert pins_on(node) == {"a@1": T0 + 2 * HOUR, "b@1": T0 + 4 * HOUR}
+        schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"))  # j2 is cancelled
+        controller.tick()
+        # b@1 is the LRU's again (still cached); j1's pin stays.
+        assert pins_on(node) == {"a@1": T0 + 2 * HOUR}
+        assert versions_on(node) == {"a@1": 3, "b@1": 3}
+        # A pin someone else set (another time) is not the controller's to remove.
+        request = edge_pb2.PinRequest(dataset="b", version=1)
+        request.until.FromDatetime((T0 + 9 * HOUR).replace(tzinfo=None))
+        stub(node.address).Pin(request)
+        schedule(root)  # every job cancelled
+        controller.tick()
+        assert pins_on(node) == {"b@1": T0 + 9 * HOUR}
+    finally:
+        controller.close()
