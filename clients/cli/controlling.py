@@ -62,8 +62,10 @@ def controller(
     Plan against reality: `edgecache plan SCHEDULE --status` and the
     edgecache_controller_* metrics. A running controller logs what fails (a
     node down, a pin, eviction or stage that failed) and tries again next
-    round. Exit codes: 0 stopped by SIGTERM or Ctrl-C, or --once done with
-    every action carried out; 1 failed: with --once, another controller holds
+    round (a failed stage after a backoff); a schedule edit that does not
+    validate is logged once and the last good schedule runs on. Exit codes:
+    0 stopped by SIGTERM or Ctrl-C, or --once done with every action carried
+    out; 1 failed: with --once, another controller holds
     the lease, or something the round did failed (each failure listed on
     stderr); 2 bad input.
     """
