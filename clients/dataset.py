@@ -66,7 +66,7 @@ from edgecache.clients.dataset_metrics import (
     serve,
 )
 from edgecache.clients.dataset_readers import Readers, merge
-from edgecache.clients.dataset_state import make_state, resume_from
+from edgecache.clients.dataset_state import SharedPosition, make_state, resume_from
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
 from edgecache.clients.epoch_order import Component, EpochOrder, Remaining
 from edgecache.clients.mixture import (
@@ -282,6 +282,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         port = metrics_port if metrics_port is not None else port_from_environment()
         self.metrics_port: int | None = None if port is None else serve(port)
         """Where this process serves its client metrics (``/metrics``), if it does."""
+        # Where set_epoch / load_state_dict put the dataset, for persistent DataLoader workers
+        # (their copy never sees those calls); see _take_position.
+        self._position = SharedPosition()
+        self._position_seen = 0  # the generation this copy wrote or took last
+        self._own_position = True  # False while a worker's pass runs: broken off, it is stale
+        self._publish_position()
 
     # ------------------------------------------------------------- versions
 
@@ -345,6 +351,50 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
         if epoch != self.epoch:
             self.epoch, self._cursor, self._remaining = epoch, 0, None
+        self._publish_position()
+
+    def _publish_position(self) -> None:
+        """Where this copy now stands is where the next pass starts, in workers too.
+
+        In the training process it is written to shared memory for persistent
+        DataLoader workers; in a worker (torchdata's StatefulDataLoader loads states
+        there) the worker's own call is newer than anything written before it.
+        """
+        if get_worker_info() is None:
+            self._position_seen = self._position.write(
+                {
+                    "seed": self.seed,
+                    "epoch": self.epoch,
+                    "cursor": self._cursor,
+                    "remaining": None if self._remaining is None else self._remaining.to_json(),
+                }
+            )
+        else:
+            self._position_seen = self._position.generation
+        self._own_position = True
+
+    def _take_position(self) -> None:
+        """In a DataLoader worker: start from the training process's position when it moved.
+
+        It moved if ``set_epoch`` or ``load_state_dict`` ran there since this copy
+        last looked; and this copy's own position is stale if its last pass was
+        broken off (a ``break``, a failure): it had read ahead of what the loop
+        consumed. A pass read to its end moved the copy to the next epoch by itself.
+        """
+        generation, position = self._position.read()
+        if generation == self._position_seen and self._own_position:
+            return
+        self._position_seen, self._own_position = generation, True
+        if position is None:  # too large for shared memory (logged where it was written)
+            return
+        seed, epoch = int(position["seed"]), int(position["epoch"])
+        remaining = position["remaining"]
+        self.seed, self.epoch, self._cursor = seed, epoch, int(position["cursor"])
+        self._remaining = (
+            None
+            if remaining is None
+            else Remaining.from_json(remaining, self._order(seed, epoch, None).lane_lengths)
+        )
 
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
         key = (seed, epoch)
@@ -417,6 +467,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        if worker is not None:
+            self._take_position()
+            self._own_position = False  # until this pass reads to the epoch's end
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
@@ -475,6 +528,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             # state_dict() (a resume must not read this one again) and for a persistent
             # DataLoader worker, which set_epoch() in the main process never reaches.
             self.epoch, self._cursor, self._remaining = self.epoch + 1, 0, None
+            self._publish_position()
         except EdgeCacheError as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
             # and code) and traceback stay; the version is added as context.
@@ -590,6 +644,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             )
         self.seed, self.epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
+        self._publish_position()
 
     # ---------------------------------------------------------------- stats
 
@@ -617,7 +672,13 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = None  # channels and LMDB environments never cross processes
-        state["_counters"] = ClientCounters(self.rank, self.version, [])  # counted where it runs
+        # Counted where it runs; made anew on unpickling: its lock cannot be pickled
+        # (spawned DataLoader workers get the dataset pickled).
+        state.pop("_counters", None)
         state["_orders"] = {}  # rebuilt where needed
         state.pop("_finalizer", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._counters = ClientCounters(self.rank, self.version, [])

@@ -20,14 +20,20 @@ DDP ranks step in lockstep) and what is left is split among the new ranks.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from edgecache.cache.errors import StateMismatch
 from edgecache.clients.partition import Remaining
 
-__all__ = ["FORMAT", "Resume", "make_state", "resume_from"]
+__all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
+
+log = logging.getLogger(__name__)
 
 FORMAT = 3  # 2: windows of equal size per shard; 1: before batch-level shuffling
 
@@ -129,3 +135,60 @@ def resume_from(
     start = remaining or Remaining.whole(lengths)
     left = start.after(state["world_size"], state["batch_size"], state["drop_last"], batches)
     return Resume(seed, epoch, left, 0, elastic=True)
+
+
+class SharedPosition:
+    """The training process's place in the epochs, readable by persistent DataLoader workers.
+
+    A worker that is not persistent gets a fresh copy of the dataset for every
+    pass, so it starts where the training process put it (``set_epoch``,
+    ``load_state_dict``). A persistent one keeps its own copy, which those calls
+    never reach: after a pass broken off (a ``break``, every node down) it went
+    on from wherever it had read ahead, losing the batches the loop never saw,
+    whatever epoch or checkpoint the loop asked for. The training process writes
+    its position here on every such call; a worker takes it when it changed, or
+    when its own last pass did not end at the epoch's end.
+
+    Shared memory (two torch tensors) crosses ``fork`` as it is and ``spawn``
+    through torch's pickling of shared tensors. A single writer (the training
+    process) and a generation number written last make a torn read detectable.
+    """
+
+    CAPACITY = 256 << 10  # bytes of JSON; a position is a few hundred
+
+    def __init__(self) -> None:
+        self._header = torch.zeros(2, dtype=torch.int64).share_memory_()  # generation, length
+        self._blob = torch.zeros(self.CAPACITY, dtype=torch.uint8).share_memory_()
+
+    @property
+    def generation(self) -> int:
+        """How many positions were written (0: none since the dataset was made)."""
+        return int(self._header[0])
+
+    def write(self, position: dict[str, Any]) -> int:
+        """Publish ``position`` (plain JSON values); returns its generation."""
+        data = json.dumps(position).encode()
+        generation = self.generation + 1
+        if len(data) > self.CAPACITY:
+            log.warning(
+                "EdgeDataset position of %d bytes does not fit shared memory (%d): persistent "
+                "DataLoader workers keep their own; recreate the DataLoader to apply it",
+                len(data),
+                self.CAPACITY,
+            )
+            self._header[1] = -1
+        else:
+            self._blob[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self._header[1] = len(data)
+        self._header[0] = generation  # last: a reader that saw it sees the blob too
+        return generation
+
+    def read(self) -> tuple[int, dict[str, Any] | None]:
+        """(generation, position); position None when none was written or it did not fit."""
+        while True:
+            generation, length = (int(x) for x in self._header.tolist())
+            if generation == 0 or length < 0:
+                return generation, None
+            data = bytes(self._blob[:length].numpy())
+            if int(self._header[0]) == generation:  # not rewritten while copying
+                return generation, json.loads(data)
