@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 import statistics
 import time
 from collections.abc import Iterator
@@ -113,11 +114,50 @@ def client_credentials(root: bytes | None = None) -> grpc.ChannelCredentials:
         raise InvalidEndpoint(
             "mutual TLS needs both $EDGECACHE_TLS_CERT and $EDGECACHE_TLS_KEY; only one is set"
         )
+    if root is None:
+        root = _read_pem("EDGECACHE_TLS_CA")
+        _check_ca(root)
+    if cert is not None:
+        _check_pair()
     return grpc.ssl_channel_credentials(
-        root_certificates=root if root is not None else _read_pem("EDGECACHE_TLS_CA"),
-        private_key=key,
-        certificate_chain=cert,
+        root_certificates=root, private_key=key, certificate_chain=cert
     )
+
+
+def _check_ca(root: bytes | None) -> None:
+    """Refuse a $EDGECACHE_TLS_CA that is not PEM, naming it.
+
+    gRPC says only "Failed to create security handshaker", at every node, as
+    if each were down.
+    """
+    if root is None:
+        return
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
+            cadata=root.decode("ascii", "replace")
+        )
+    except (ssl.SSLError, ValueError):
+        raise InvalidEndpoint(
+            f"$EDGECACHE_TLS_CA ({os.environ.get('EDGECACHE_TLS_CA')}) holds no PEM "
+            "certificate: point it at the CA file that signed the nodes' certificates"
+        ) from None
+
+
+def _check_pair() -> None:
+    """Refuse a client certificate and key that are not a PEM pair, naming the variables."""
+    cert, key = os.environ["EDGECACHE_TLS_CERT"], os.environ["EDGECACHE_TLS_KEY"]
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as exc:
+        why = (
+            "the key is not the certificate's"
+            if exc.reason == "KEY_VALUES_MISMATCH"
+            else "one does not parse, or the key is encrypted"
+        )
+        raise InvalidEndpoint(
+            f"$EDGECACHE_TLS_CERT ({cert}) and $EDGECACHE_TLS_KEY ({key}) must be this "
+            f"client's PEM certificate and unencrypted key ({why}): point them at those files"
+        ) from None
 
 
 def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:

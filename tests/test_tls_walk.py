@@ -332,3 +332,24 @@ def test_an_unreadable_peer_ca_stops_the_node(
     message = str(info.value)
     assert "peer_tls_ca" in message and "nowhere.pem" in message, message
     assert "EDGECACHE_PEER_TLS_CA" in message, message
+
+
+@pytest.mark.parametrize(
+    ("variable", "bad"), [("EDGECACHE_TLS_CA", "garbage"), ("EDGECACHE_TLS_KEY", "other key")]
+)
+def test_unusable_client_tls_files_are_named(
+    tmp_path: Path, pki: dict[str, Path], tls_env: pytest.MonkeyPatch, variable: str, bad: str
+) -> None:
+    """gRPC said 'Failed to create security handshaker' at every node, as if each were down."""
+    from edgecache.cache.errors import InvalidEndpoint
+    from edgecache.clients.channels import open_channel
+
+    tls_env.setenv("EDGECACHE_TLS_CA", str(pki["ca"]))
+    tls_env.setenv("EDGECACHE_TLS_CERT", str(pki["client"]))
+    tls_env.setenv("EDGECACHE_TLS_KEY", str(pki["client_key"]))
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    tls_env.setenv(
+        variable, str(tmp_path / "garbage.pem" if bad == "garbage" else pki["server_key"])
+    )
+    with pytest.raises(InvalidEndpoint, match=f"\\${variable}"):
+        open_channel("grpcs://127.0.0.1:7070")
