@@ -447,3 +447,21 @@ def test_spawned_persistent_workers_fail_over_and_follow_set_epoch(nodes) -> Non
     assert [labels_of(b) for b in dl] == expected
     assert ds._counters.failovers >= 1  # the workers' metrics reach the training process
     ds.close()
+
+
+def test_node_killed_mid_epoch_the_other_stages_on_demand(tmp_path: Path, registry: str) -> None:
+    """The second node has nothing cached: it fetches the shards from origin as asked."""
+    first = start_nodes(tmp_path, registry, ("a",))[0]
+    second = start_local_node("b", tmp_path / "cache-b", registry)  # cold
+    try:
+        expected = clean_batches(first.address)
+        ds = EdgeDataset(
+            "tokens@1", endpoints=[first.address, second.address], retry_timeout=20, **SMALL
+        )
+        got, slowest = read_with_fault(ds, 3, lambda: first.process.send_signal(signal.SIGKILL))
+        assert got == expected
+        assert ds._counters.failovers >= 1
+        assert slowest < 10.0, f"waited {slowest:.1f} s for a batch"
+        ds.close()
+    finally:
+        stop_all([first, second])
