@@ -254,8 +254,8 @@ _HINTS = {
     grpc.StatusCode.CANCELLED: "the call was cancelled; run it again",
     grpc.StatusCode.UNAUTHENTICATED: "pass the node's bearer token with --token-file "
     "(or $EDGECACHE_TOKEN_FILE; token= for EdgeDataset)",
-    grpc.StatusCode.PERMISSION_DENIED: "use a token or client certificate the node accepts "
-    "($EDGECACHE_TLS_CERT / $EDGECACHE_TLS_KEY)",
+    grpc.StatusCode.PERMISSION_DENIED: "the node knows this caller but does not allow the "
+    "call: use its admin token for admin calls (--token-file or $EDGECACHE_TOKEN_FILE)",
     grpc.StatusCode.NOT_FOUND: "list what is published with: edgecache versions NAME",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the node is full or at its stream limit: free room "
     "(edgecache evict), raise --capacity, or retry later",

@@ -492,12 +492,33 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
             return tuple(t for t in (self._read, self._admin) if t)
         return None
 
+    def _refusal(self, name: str, presented: bytes) -> tuple[grpc.StatusCode, str]:
+        """The status and message for a refused call, by gRPC's convention.
+
+        No token or an unknown one is UNAUTHENTICATED (who is calling is not
+        known); the read token on an admin call is PERMISSION_DENIED (the caller
+        is known and may read, but not do this), so the two need different fixes.
+        """
+        if presented and self._read and hmac.compare_digest(presented, self._read):
+            log.warning("[EdgeCache.%s] refused: the read token on an admin call", name)
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"{name} is an admin call and the read token cannot make it; present the "
+                "node's admin token (--token-file or $EDGECACHE_TOKEN_FILE)"
+            )
+        reason = "missing" if not presented else "wrong"
+        log.warning("[EdgeCache.%s] refused: %s bearer token", name, reason)
+        return grpc.StatusCode.UNAUTHENTICATED, (
+            f"{name} needs 'authorization: Bearer <token>' metadata; the token was {reason}: "
+            "pass the node's token (--token-file or $EDGECACHE_TOKEN_FILE; token= for "
+            "EdgeDataset)"
+        )
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        """Let the call through, or answer UNAUTHENTICATED."""
+        """Let the call through, or refuse it (see :meth:`_refusal`)."""
         method = handler_call_details.method
         accepted = self._required(method)
         if accepted is None:
@@ -511,16 +532,14 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         if any(hmac.compare_digest(presented, token) for token in accepted):
             return await continuation(handler_call_details)
         name = method.rsplit("/", 1)[-1]
-        reason = "missing" if not presented else "wrong"
-        log.warning("[EdgeCache.%s] refused: %s bearer token", name, reason)
-        message = f"{name} needs 'authorization: Bearer <token>' metadata; the token was {reason}"
+        code, message = self._refusal(name, presented)
         handler = await continuation(handler_call_details)
 
         async def deny_unary(request: Any, context: aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await context.abort(code, message)
 
         async def deny_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await context.abort(code, message)
             yield  # pragma: no cover - makes this an async generator
 
         if handler is not None and handler.response_streaming:
