@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,18 +158,21 @@ class SharedPosition:
     CAPACITY = 256 << 10  # bytes of JSON; a position is a few hundred
 
     def __init__(self) -> None:
-        self._header = torch.zeros(2, dtype=torch.int64).share_memory_()  # generation, length
+        # A sequence lock: [sequence, length]; the sequence is odd while a write is under
+        # way and 2 × generation once it is done, so a reader can tell a torn copy.
+        self._header = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._blob = torch.zeros(self.CAPACITY, dtype=torch.uint8).share_memory_()
 
     @property
     def generation(self) -> int:
         """How many positions were written (0: none since the dataset was made)."""
-        return int(self._header[0])
+        return (int(self._header[0]) + 1) // 2
 
     def write(self, position: dict[str, Any]) -> int:
         """Publish ``position`` (plain JSON values); returns its generation."""
         data = json.dumps(position).encode()
         generation = self.generation + 1
+        self._header[0] = 2 * generation - 1  # odd: a reader now waits or copies again
         if len(data) > self.CAPACITY:
             log.warning(
                 "EdgeDataset position of %d bytes does not fit shared memory (%d): persistent "
@@ -180,15 +184,18 @@ class SharedPosition:
         else:
             self._blob[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             self._header[1] = len(data)
-        self._header[0] = generation  # last: a reader that saw it sees the blob too
+        self._header[0] = 2 * generation  # even again: the blob and length are whole
         return generation
 
     def read(self) -> tuple[int, dict[str, Any] | None]:
         """(generation, position); position None when none was written or it did not fit."""
         while True:
-            generation, length = (int(x) for x in self._header.tolist())
-            if generation == 0 or length < 0:
-                return generation, None
+            sequence, length = (int(x) for x in self._header.tolist())
+            if sequence % 2:  # a write under way in the training process: a moment
+                time.sleep(0.0001)
+                continue
+            if sequence == 0 or length < 0:
+                return sequence // 2, None
             data = bytes(self._blob[:length].numpy())
-            if int(self._header[0]) == generation:  # not rewritten while copying
-                return generation, json.loads(data)
+            if int(self._header[0]) == sequence:  # not rewritten while copying
+                return sequence // 2, json.loads(data)
