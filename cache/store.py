@@ -15,6 +15,10 @@ One store per edge node. Guarantees:
   fit evicts least-recently-used whole shards of unpinned versions, or raises
   :class:`CacheFull` naming the pins. The LMDB map is sized from the capacity
   with headroom, so ``MapFullError`` never reaches a caller.
+* **A full disk is an answer, not a crash.** When the volume runs out before
+  the capacity does, every write (a shard, a manifest, a pin) raises
+  :class:`DiskFull` naming the path and what to free; the failed transaction
+  leaves nothing behind and what is stored stays readable.
 
 Zero-copy reads (``read_shard``) hand out views into LMDB's map that are valid
 only inside the ``with`` block; they are released when it ends, so a late use
@@ -26,6 +30,7 @@ write; read-only processes do not affect eviction order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -60,11 +65,19 @@ from edgecache.cache.store_records import ShardInfo, StoreStats, VersionInfo, ns
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import store_pb2
 
-__all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
+__all__ = ["CacheStore", "DiskFull", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
 
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 10.0  # how long close() waits for readers in other threads to finish
+
+
+class DiskFull(CacheFull):
+    """The volume under the cache ran out of space before the cache's capacity did.
+
+    A :class:`CacheFull` (RESOURCE_EXHAUSTED to callers), kept apart so a node
+    can tell an operator once that the disk, not the LRU, is the limit.
+    """
 
 
 class CacheStore(ClosingContext):
@@ -169,10 +182,16 @@ class CacheStore(ClosingContext):
                 self.path,
             )
         else:
-            if not self.readonly and self._touched:
-                with self._write_lock, env.begin(write=True) as txn:
-                    self._flush_access(txn)
-            env.close()
+            try:
+                if not self.readonly and self._touched:
+                    with self._write_lock, env.begin(write=True) as txn:
+                        self._flush_access(txn)
+            except lmdb.Error as exc:
+                # Access times only order the LRU: losing the last ones (say, to a full
+                # disk) must not keep the map open and the writer lock held.
+                log.warning("access times of %s not saved on close: %s", self.path, exc)
+            finally:
+                env.close()
         self._env = None
         if self._lock is not None:
             self._lock.release()
@@ -275,30 +294,48 @@ class CacheStore(ClosingContext):
                             "readers or raise --capacity"
                         ) from exc
                 except lmdb.Error as exc:
-                    # A full disk surfaces from mdb_txn_commit as ENOSPC or EIO. The
-                    # transaction is gone whole: nothing of the shard is visible.
-                    free = shutil.disk_usage(self.path).free
-                    if free < 2 * size + MAP_HEADROOM // 16:
-                        raise CacheFull(
-                            f"{key}: the disk under {self.path} is full ({format_bytes(free)} "
-                            f"free, the shard needs {format_bytes(size)}); --capacity "
-                            f"({format_bytes(self.capacity_bytes)}) is more than the volume "
-                            "holds — lower it or grow the volume"
-                        ) from exc
-                    raise StoreError(f"writing {key} to {self.path} failed: {exc}") from exc
+                    # The transaction is gone whole: nothing of the shard is visible.
+                    raise self._write_failed(str(key), size, exc) from exc
         return self._info(key, record, now)
+
+    def _write_failed(self, what: str, need: int, exc: lmdb.Error) -> StoreError:
+        """The error for a write transaction that failed: :class:`DiskFull` if the disk is.
+
+        A full disk surfaces from ``mdb_txn_commit`` as ENOSPC (``lmdb.DiskError``),
+        or as EIO from a short write; the free space left tells those apart.
+        """
+        free = shutil.disk_usage(self.path).free
+        if isinstance(exc, lmdb.DiskError) or free < 2 * need + MAP_HEADROOM // 16:
+            needs = f", this needs {format_bytes(need)}" if need else ""
+            return DiskFull(
+                f"{what}: the disk under {self.path} is full ({format_bytes(free)} free{needs}); "
+                "free space on that volume (remove other files, or evict versions this "
+                "node holds), grow it, or lower --capacity "
+                f"({format_bytes(self.capacity_bytes)}) to what the volume can hold"
+            )
+        return StoreError(f"writing {what} to {self.path} failed: {exc}")
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, need: int = 0) -> Iterator[lmdb.Transaction]:
+        """One write transaction under the writer lock; a failed commit becomes a StoreError."""
+        env = self._check(write=True)
+        with self._write_lock:
+            try:
+                with env.begin(write=True) as txn:
+                    yield txn
+            except lmdb.Error as exc:
+                raise self._write_failed(what, need, exc) from exc
 
     def pin_version(self, dataset: str, version: int, until: datetime | None) -> None:
         """Keep a version from being evicted for space until ``until`` (None unpins).
 
         A version may be pinned before any of its shards arrive.
         """
-        env = self._check(write=True)
         ShardKey(dataset, version, 0).validated()
         vkey = version_key(dataset, version)
         if until is not None and until.tzinfo is None:
             raise ValueError("pin_version needs a timezone-aware datetime (e.g. UTC)")
-        with self._write_lock, env.begin(write=True) as txn:
+        with self._writing(f"the pin of {dataset}@{version}") as txn:
             record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
             record.pinned_until_ns = 0 if until is None else int(until.timestamp() * 1e9)
             if record.shard_count == 0 and record.pinned_until_ns == 0:
@@ -308,11 +345,10 @@ class CacheStore(ClosingContext):
 
     def evict_version(self, dataset: str, version: int) -> int:
         """Remove every shard of a version and its pin; return the bytes freed."""
-        env = self._check(write=True)
         ShardKey(dataset, version, 0).validated()
         vkey = version_key(dataset, version)
         freed = 0
-        with self._write_lock, env.begin(write=True) as txn:
+        with self._writing(f"evicting {dataset}@{version}") as txn:
             for raw_key, record in list(self._iter_shard_records(txn, vkey)):
                 freed += self._delete_shard(txn, raw_key, record)
             txn.delete(vkey, db=self._dbs[b"versions"])
@@ -320,9 +356,8 @@ class CacheStore(ClosingContext):
 
     def drop_shard(self, key: ShardKey) -> int:
         """Remove one shard (e.g. when corrupt) so the next read is a miss; return bytes freed."""
-        env = self._check(write=True)
         raw_key = key.validated().encode()
-        with self._write_lock, env.begin(write=True) as txn:
+        with self._writing(f"dropping {key}") as txn:
             record = self._shard_record(txn, raw_key)
             return 0 if record is None else self._delete_shard(txn, raw_key, record)
 
@@ -529,9 +564,8 @@ class CacheStore(ClosingContext):
 
     def put_manifest(self, dataset: str, version: int, manifest: bytes) -> None:
         """Keep a version's binary manifest, so the node can serve it without the registry."""
-        env = self._check(write=True)
         ShardKey(dataset, version, 0).validated()
-        with self._write_lock, env.begin(write=True) as txn:
+        with self._writing(f"the manifest of {dataset}@{version}", len(manifest)) as txn:
             txn.put(version_key(dataset, version), manifest, db=self._dbs[b"manifests"])
 
     def get_manifest(self, dataset: str, version: int) -> bytes | None:

@@ -8,6 +8,7 @@ file read-only next to it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -17,8 +18,17 @@ from pathlib import Path
 import lmdb
 
 from edgecache.cache.errors import CacheDirError, WriterLocked
+from edgecache.cache.units import format_bytes
 
-__all__ = ["DBS", "MAP_HEADROOM", "STORE_FORMAT", "WriterLock", "open_reader", "open_writer"]
+__all__ = [
+    "DBS",
+    "MAP_HEADROOM",
+    "STORE_FORMAT",
+    "WriterLock",
+    "no_space_message",
+    "open_reader",
+    "open_writer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +36,8 @@ STORE_FORMAT = b"edgecache-store/1"
 DBS = (b"chunks", b"shards", b"versions", b"access", b"manifests", b"meta")
 MAP_HEADROOM = 256 << 20
 LOCK_FILE = "writer.lock"
+MIN_FREE_CAPACITY = 64 << 20  # a capacity taken from free space must be at least this
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def open_reader(path: Path, max_readers: int) -> lmdb.Environment:
@@ -55,12 +67,14 @@ def open_writer(
     """The store at ``path`` for writing (created if new) and its capacity.
 
     The caller holds the :class:`WriterLock`. Without a capacity the last
-    writer's is kept, else 80% of the filesystem's free space.
+    writer's is kept, else 80% of the filesystem's free space. An existing
+    store opens on a full disk (it writes nothing unless its capacity changes),
+    so a node restarted there serves what it holds.
     """
     try:
         existing = _existing_capacity(path)
         if capacity_bytes is None:
-            capacity_bytes = existing or int(shutil.disk_usage(path).free * 0.8)
+            capacity_bytes = existing or _capacity_from_free_space(path)
         data_file = path / "data.mdb"
         current = data_file.stat().st_size if data_file.exists() else 0
         map_size = max(2 * capacity_bytes + MAP_HEADROOM, current + MAP_HEADROOM)
@@ -74,24 +88,74 @@ def open_writer(
             meminit=False,
             readahead=True,
         )
-        with env.begin(write=True) as txn:
-            meta = env.open_db(b"meta", txn=txn)
-            found = txn.get(b"format", db=meta)
-            if found is not None and found != STORE_FORMAT:
-                raise CacheDirError(
-                    f"{path} holds an LMDB database that is not an edgecache store "
-                    f"(format {found!r}); point --cache-dir at an empty directory"
-                )
-            for name in DBS:
-                env.open_db(name, txn=txn)
-            txn.put(b"format", STORE_FORMAT, db=meta)
-            txn.put(b"capacity", capacity_bytes.to_bytes(8, "big"), db=meta)
+        try:
+            _write_meta(env, path, capacity_bytes)
+        except lmdb.DiskError as exc:
+            if existing is None:  # a new store: nothing to serve without room
+                env.close()
+                raise CacheDirError(no_space_message(path, "creating the cache")) from exc
+            log.warning(
+                "the disk under %s is full: the capacity %d is used but not recorded; "
+                "free space on that volume",
+                path,
+                capacity_bytes,
+            )
         stale = env.reader_check()  # slots of readers killed with SIGKILL
         if stale:
             log.info("reclaimed %d stale LMDB reader slots in %s", stale, path)
         return env, capacity_bytes
     except lmdb.Error as exc:
         raise CacheDirError(f"cannot open the cache at {path}: {exc}") from exc
+
+
+def _write_meta(env: lmdb.Environment, path: Path, capacity_bytes: int) -> None:
+    """Create the databases and record format and capacity, writing only what changed.
+
+    A commit with nothing changed writes no pages, so opening an unchanged
+    store needs no free disk.
+    """
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        found = txn.get(b"format", db=meta)
+        if found is not None and found != STORE_FORMAT:
+            raise CacheDirError(
+                f"{path} holds an LMDB database that is not an edgecache store "
+                f"(format {found!r}); point --cache-dir at an empty directory"
+            )
+        for name in DBS:
+            env.open_db(name, txn=txn)
+        if found is None:
+            txn.put(b"format", STORE_FORMAT, db=meta)
+        capacity = capacity_bytes.to_bytes(8, "big")
+        if txn.get(b"capacity", db=meta) != capacity:
+            txn.put(b"capacity", capacity, db=meta)
+
+
+def _capacity_from_free_space(path: Path) -> int:
+    """80% of the free space under ``path``; refused when that is too small to be of use.
+
+    The capacity is remembered, so a node first started on a nearly full disk
+    would otherwise keep a cache of a few KiB after the disk is cleared.
+    """
+    free = shutil.disk_usage(path).free
+    capacity = int(free * 0.8)
+    if capacity < MIN_FREE_CAPACITY:
+        raise CacheDirError(
+            f"the disk under {path} has only {format_bytes(free)} free: a cache sized from it "
+            f"(80%, {format_bytes(capacity)}) would hold next to nothing, and that size is "
+            "remembered. Free space on that volume, point --cache-dir at a larger one, or "
+            "pass --capacity to set the size yourself"
+        )
+    return capacity
+
+
+def no_space_message(path: Path, doing: str) -> str:
+    """What to say when ``doing`` something in the cache at ``path`` found its disk full."""
+    free = shutil.disk_usage(path).free if path.exists() else 0
+    return (
+        f"{doing} at {path} failed: the disk is full ({format_bytes(free)} free); free space "
+        "on that volume or point --cache-dir at another one"
+    )
 
 
 def _existing_capacity(path: Path) -> int | None:
@@ -131,6 +195,8 @@ class WriterLock:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise CacheDirError(no_space_message(path.parent, "creating the cache")) from exc
             raise CacheDirError(
                 f"cannot create cache directory {path}: {exc.strerror}; "
                 "create it with the right owner or choose another --cache-dir"
@@ -156,6 +222,8 @@ class WriterLock:
             os.write(fd, str(os.getpid()).encode())
         except OSError as exc:  # read-only filesystems can still grant the flock
             os.close(fd)
+            if exc.errno in _NO_SPACE:
+                raise CacheDirError(no_space_message(path, "taking the writer lock")) from exc
             raise CacheDirError(
                 f"cache directory {path} is not writable ({exc.strerror}): fix its "
                 "permissions, mount it read-write, or open the store with readonly=True"
