@@ -130,6 +130,15 @@ class NodeMetrics:
             histogram.labels(**labels, result="ok")
         self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
+        self.disk_full = gauge(
+            "edgecache_cache_disk_full",
+            "1 while the cache's disk is full (its last write found no room on the volume), "
+            "0 once a shard fits again",
+        )
+        self.disk_full_errors = counter(
+            "edgecache_cache_disk_full_errors_total",
+            "Cache writes (shards, manifests, pins) refused because the disk was full",
+        ).labels(**labels)
         self.active_streams = gauge("edgecache_active_streams", "ReadShard streams in flight")
         self.staging_active = gauge("edgecache_staging_active", "Stage requests in flight")
 

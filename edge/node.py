@@ -52,13 +52,14 @@ from edgecache.cache.errors import (
     ShardNotCached,
     VersionNotFound,
 )
+from edgecache.cache.frame import Buffer
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.names import LATEST, validate_name
 from edgecache.cache.preprocess import Transform, load_transform
 from edgecache.cache.registry import Registry, fetch_resources
 from edgecache.cache.storage import ObjectInfo, Stores
-from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
+from edgecache.cache.store import CacheStore, DiskFull, ShardInfo, VersionInfo
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.metrics import NodeMetrics
@@ -135,6 +136,7 @@ class EdgeNode:
         self._transforms: dict[str, Transform] = {}  # by manifest digest
         self._transform_lock = asyncio.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
+        self._disk_full = False  # the last write found the cache's disk full
         self._pid = os.getpid()
 
     async def close(self) -> None:
@@ -184,17 +186,48 @@ class EdgeNode:
                     f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
                     f"was never seen by this node: {exc}"
                 ) from exc
-            await self._write(
-                self.store.put_manifest, dataset, version, manifest.SerializeToString()
-            )
+            try:
+                await self._write(
+                    self.store.put_manifest, dataset, version, manifest.SerializeToString()
+                )
+            except DiskFull:
+                # The registry answered: serve its manifest, keeping no copy, so the next
+                # call stores one once there is room (shards will not fit meanwhile anyway).
+                return manifest
         self._manifests[key] = manifest
         return manifest
 
     # ------------------------------------------------------------------ shards
 
     async def _write(self, fn: Callable[..., T], *args: object) -> T:
-        """Run a store write on the single writer thread (LMDB writes are thread-bound)."""
-        return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+        """Run a store write on the single writer thread (LMDB writes are thread-bound).
+
+        A full disk is told to the operator once, when it starts (every shard and
+        reader after it fails the same way), and shown as ``edgecache_cache_disk_full``.
+        """
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+        except DiskFull as exc:
+            self.metrics.disk_full_errors.inc()
+            if not self._disk_full:
+                self._disk_full = True
+                self.metrics.disk_full.set(1)
+                log.warning(
+                    "cache disk full: %s. Staging and read-through misses fail with "
+                    "RESOURCE_EXHAUSTED until there is room; cached shards are still served",
+                    exc,
+                )
+            raise
+
+    async def _put_shard(self, key: ShardKey, frames: Sequence[Buffer]) -> ShardInfo:
+        """Commit a whole shard; one that fits after a full disk says there is room again."""
+        info = await self._write(self.store.put_shard, key, frames)
+        self.metrics.used_bytes.set(self.store.stats.used_bytes)
+        if self._disk_full:
+            self._disk_full = False
+            self.metrics.disk_full.set(0)
+            log.warning("cache disk under %s has room again: %s was stored", self.store.path, key)
+        return info
 
     def shard_ref(self, manifest: manifest_pb2.Manifest, shard: int) -> ShardKey:
         """Validate a shard index against its manifest."""
@@ -271,9 +304,8 @@ class EdgeNode:
                 notes = (f"shard {key.shard}: {exc}; took it from origin",)
                 log.warning("%s", notes[0])
             else:
-                info = await self._write(self.store.put_shard, key, copy.frames)
+                info = await self._put_shard(key, copy.frames)
                 self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
-                self.metrics.used_bytes.set(self.store.stats.used_bytes)
                 log.info(
                     "cached %s from peers %s (%d chunks)",
                     key,
@@ -330,8 +362,7 @@ class EdgeNode:
         size = len(data)
         del data
         self._preprocessed(size, encoded)
-        info = await self._write(self.store.put_shard, key, encoded.frames)
-        self.metrics.used_bytes.set(self.store.stats.used_bytes)
+        info = await self._put_shard(key, encoded.frames)
         log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return info, size
 
