@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -45,7 +46,7 @@ from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import ControllerMetrics
-from edgecache.clients.executor import PlanExecutor, TaskRun
+from edgecache.clients.executor import NodeCalls, PlanExecutor, TaskRun
 from edgecache.clients.ops import (
     NodeReport,
     complete_versions,
@@ -73,6 +74,16 @@ log = logging.getLogger(__name__)
 STATE_NAME = "_controller/state.json"
 LEASE_PREFIX = "_controller/lease"
 RETRY_BACKOFF_MAX = 600.0  # seconds: the longest wait between runs of a failing task
+STATUS_PINGS = 3  # health checks per node and round (the RTT is their median)
+STATUS_TIMEOUT = 3.0  # seconds a status call may take, at most (less for a short lease)
+
+
+class LeaseLost(EdgeCacheError):
+    """Another controller took the lease during this one's round: the round stops."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"controller {holder} took the lease mid-round")
+        self.holder = holder
 
 
 @dataclass
@@ -268,6 +279,8 @@ class Controller:
         self._failed_in_row: dict[tuple[str, VersionKey], int] = {}
         self._lock = threading.Lock()
         self._leading = False  # held the lease at the last round: the record is ours to save
+        self._renewed_at = -math.inf  # time.monotonic() when the lease was last taken or renewed
+        self._down_since: dict[str, str] = {}  # node → when it was first seen down, while it is
         self.last_plan: Plan | None = None
         self.last_error = ""
         # A schedule edit that does not validate leaves the last good schedule running;
@@ -332,15 +345,72 @@ class Controller:
 
     def leader(self) -> LeaseRecord | None:
         """Take or renew the lease: None when this controller holds it, else the holder's record."""
+        asked = time.monotonic()  # the lease runs from no later than this
         held = self._await(self.lease.acquire())
         self._leading = held is None
+        if held is None:
+            self._renewed_at = asked
         self.metrics.leader.set(0 if held else 1)
         return held
+
+    def _keep_lease(self) -> None:
+        """Renew the lease if a third of it has gone, and end the calls that follow inside it.
+
+        A round's Pin and Evict calls must end while this controller holds the
+        lease: past it another controller may take over, and two would act at
+        once. Renewed once a third of the time to live has passed, with every
+        call ending half of it after the renewal, the lease never lapses
+        mid-round, and the other half is left for the renewal itself and for
+        clocks that differ. Raises :class:`LeaseLost` when another holds it.
+        """
+        if time.monotonic() - self._renewed_at > self.lease.ttl / 3:
+            other = self.leader()
+            if other is not None:
+                raise LeaseLost(other.holder)
+        self.executor.calls.deadline = self._renewed_at + self.lease.ttl / 2
+
+    def _status_timeout(self) -> float:
+        """Each status call's timeout: a round's status ends within half the lease."""
+        return min(STATUS_TIMEOUT, self.lease.ttl / 2 / (STATUS_PINGS + 2))
+
+    def _note_nodes(self, reports: list[NodeReport]) -> None:
+        """Export each node's health; log a node going down once, and its return once.
+
+        Warned every round, an outage drowned the rest of the log, and nothing
+        said when the node was back.
+        """
+        for report in reports:
+            labels = {"region": report.region, "node": report.address}
+            self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
+            since = self._down_since.get(report.address)
+            if report.status is None:
+                if since is None:
+                    self._down_since[report.address] = _iso(self.clock()) or ""
+                    log.warning(
+                        "node %s of %s is down: %s; check that it runs and is reachable from "
+                        "here (edgecache status, edgecache doctor). Rounds plan around it and "
+                        "do not call it until it answers a round's status again",
+                        report.address,
+                        report.region,
+                        report.error,
+                    )
+                continue
+            self.metrics.node_rtt.labels(**labels).set(report.rtt_ms / 1e3)
+            if since is not None:
+                del self._down_since[report.address]
+                log.info(
+                    "node %s of %s is back up (down since %s); planning with it again",
+                    report.address,
+                    report.region,
+                    since,
+                )
 
     def tick(self) -> Plan | None:
         """One round: lease, status, plan, then pins, due evictions and due tasks.
 
-        Returns the plan acted on, or None when another controller holds the lease.
+        Returns the plan acted on, or None when another controller holds the lease
+        (or took it mid-round). A node down in the status is not called in the
+        round, and every call ends inside the lease (:meth:`_keep_lease`).
         """
         other = self.leader()
         if other is not None:
@@ -355,28 +425,31 @@ class Controller:
             self.failures = []
         schedule = as_started(self._read_schedule(), self.state, now)
         looked = time.monotonic()  # runs that end after this are not in the status below
-        reports = gather_status(self.topology, token=self.token)
-        for report in reports:
-            labels = {"region": report.region, "node": report.address}
-            self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
-            if report.status is None:
-                log.warning(
-                    "node %s of %s is down: %s", report.address, report.region, report.error
-                )
-            else:
-                self.metrics.node_rtt.labels(**labels).set(report.rtt_ms / 1e3)
+        reports = gather_status(
+            self.topology, self._status_timeout(), token=self.token, pings=STATUS_PINGS
+        )
+        self._note_nodes(reports)
+        self.executor.calls = NodeCalls(down={r.address for r in reports if r.status is None})
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token
         )
         self.last_plan = plan
         self._observe(plan, schedule, manifests, reports, now)
         self._failed(*unreachable_regions(reports, schedule, now).values())
-        failures = self.executor.pin(plan, reports)
-        failures += self._unpin_dropped(plan, reports)
-        for failure in failures:
-            log.warning("%s", failure)
-        self._failed(*failures)
-        self._evict_due(plan, schedule, manifests, now)
+        try:
+            if not self.stop.is_set():  # stopping: no new calls; the next run makes them
+                self._keep_lease()
+                failures = self.executor.pin(plan, reports)
+                self._keep_lease()
+                failures += self._unpin_dropped(plan, reports)
+                for failure in failures:
+                    log.warning("%s", failure)
+                self._failed(*failures)
+            self._evict_due(plan, schedule, manifests, now)
+            self._keep_lease()
+        except LeaseLost as lost:
+            log.warning("%s; stopping this round and standing by", lost)
+            return None
         self._start_due(plan, schedule, manifests, now, looked)
         self._update_metrics(now)
         self._save_state()
@@ -468,6 +541,7 @@ class Controller:
                 with self._lock:
                     if key in self._runs:
                         continue  # being staged right now: the plan is behind; next tick
+                self._keep_lease()
                 evicted = self.executor.evict(eviction, schedule, manifests)
                 freed, problem = evicted.freed, evicted.problem
                 if problem:
@@ -706,7 +780,9 @@ class Controller:
         """Look at the nodes and record which jobs' data is complete, without acting."""
         now = self.clock()
         schedule = as_started(self._read_schedule(), self.state, now)
-        reports = gather_status(self.topology, token=self.token)
+        reports = gather_status(
+            self.topology, self._status_timeout(), token=self.token, pings=STATUS_PINGS
+        )
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token
         )

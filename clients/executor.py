@@ -23,6 +23,7 @@ crash or a Ctrl-C left undone without fetching anything twice.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,11 +46,56 @@ from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["Deferred", "Evicted", "PlanExecutor", "TaskRun", "WarmOutcome", "eviction_blocker"]
+__all__ = [
+    "Deferred",
+    "Evicted",
+    "NodeCalls",
+    "PlanExecutor",
+    "TaskRun",
+    "WarmOutcome",
+    "eviction_blocker",
+]
 
 log = logging.getLogger(__name__)
 
 PEER_WAIT_SECONDS = 3600.0  # how long a peer-sourced task waits for its source region
+CALL_TIMEOUT = 30.0  # seconds: the longest a Pin or Evict call may take
+MIN_CALL_SECONDS = 0.5  # less time left than this: a call is not begun
+
+
+@dataclass
+class NodeCalls:
+    """Which nodes may still be called (Pin, Evict), and by when every call must end.
+
+    A node that accepts connections and never answers makes each call run to
+    its timeout, one after another over versions and nodes: a controller's
+    round would outlast its lease. So a node that did not answer the status
+    (``down``), or whose call timed out or found it unavailable since, is not
+    called again; and no call runs past ``deadline`` (``time.monotonic()``),
+    which the controller keeps inside its lease. Calls not made are failures
+    of this round: the next one makes them.
+    """
+
+    deadline: float = math.inf
+    down: set[str] = field(default_factory=set)
+
+    def timeout(self) -> float | None:
+        """Seconds the next call may take, or None when there is no time left for one."""
+        left = self.deadline - time.monotonic()
+        return min(CALL_TIMEOUT, left) if left >= MIN_CALL_SECONDS else None
+
+    def failed(self, node: str, exc: grpc.RpcError) -> None:
+        """Note a failed call: a node that timed out or is unavailable is not called again."""
+        if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            self.down.add(node)
+
+    @staticmethod
+    def out_of_time(node: str, what: str) -> str:
+        """The failure for a call not made because the round ran out of time."""
+        return (
+            f"{what} on {node}: not tried, this round ran out of time (the controller's "
+            "lease; see --lease-ttl); the next round tries again"
+        )
 
 
 @dataclass
@@ -148,19 +194,26 @@ class PlanExecutor:
         # until it does or drops it: peer tasks stage from origin meanwhile.
         self._wont_hold: dict[tuple[str, VersionKey], str] = {}
         self._lock = threading.Lock()
+        # Which nodes Pin and Evict may still call, and until when: a controller sets a
+        # fresh one each round (its lease bounds the round); warm keeps this one.
+        self.calls = NodeCalls()
 
     # ------------------------------------------------------------------ pins
 
     def pin(self, plan: Plan, reports: Sequence[object] | None = None) -> list[str]:
         """Pin every version the plan keeps, on every node of its region; failures listed.
 
-        A node already pinning a version until that time is not asked again.
+        A node already pinning a version until that time is not asked again;
+        nor is a node whose report says it is down, nor one :attr:`calls` has
+        given up on (its outage is the failure to report, not each pin).
         """
         reports = gather_status(self.topology, token=self.token) if reports is None else reports
+        calls = self.calls
         current: dict[tuple[str, VersionKey], datetime] = {}
         for report in reports:
             status = getattr(report, "status", None)
             if status is None:
+                calls.down.add(getattr(report, "address", ""))
                 continue
             for v in status.versions:
                 if v.HasField("pinned_until"):
@@ -171,27 +224,40 @@ class PlanExecutor:
             for node in self.topology.regions[region].nodes:
                 for version, until in sorted(region_plan.pins.items()):
                     have = current.get((node, version))
-                    if have is not None and abs((have - until).total_seconds()) < 1:
+                    if node in calls.down or (
+                        have is not None and abs((have - until).total_seconds()) < 1
+                    ):
                         continue
                     request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
                     request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
-                    try:
-                        with edge_stub(node) as stub:
-                            stub.Pin(request, timeout=30, metadata=bearer(self.token))
-                    except grpc.RpcError as exc:
-                        spec = f"{version[0]}@{version[1]}"
-                        failures.append(str(node_error(exc, endpoint=node, what=f"pinning {spec}")))
+                    problem = self._pin_call(node, version, request, "pinning")
+                    if problem:
+                        failures.append(problem)
         return failures
 
     def unpin(self, node: str, version: VersionKey) -> str | None:
         """Remove ``version``'s pin on ``node`` (an unset time); the failure, or None."""
         request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+        return self._pin_call(node, version, request, "unpinning")
+
+    def _pin_call(
+        self,
+        node: str,
+        version: VersionKey,
+        request: edge_pb2.PinRequest,
+        what: str,
+    ) -> str | None:
+        """One Pin call within :attr:`calls`' time; the failure, or None."""
+        calls, what = self.calls, f"{what} {version[0]}@{version[1]}"
+        timeout = calls.timeout()
+        if timeout is None:
+            return calls.out_of_time(node, what)
         try:
             with edge_stub(node) as stub:
-                stub.Pin(request, timeout=30, metadata=bearer(self.token))
+                stub.Pin(request, timeout=timeout, metadata=bearer(self.token))
         except grpc.RpcError as exc:
-            spec = f"{version[0]}@{version[1]}"
-            return str(node_error(exc, endpoint=node, what=f"unpinning {spec}"))
+            calls.failed(node, exc)
+            return str(node_error(exc, endpoint=node, what=what))
         return None
 
     # ------------------------------------------------------------- evictions
@@ -214,18 +280,31 @@ class PlanExecutor:
         return done
 
     def _evict_nodes(self, eviction: Eviction) -> Evicted:
-        """Ask every node of the eviction's region to drop the version."""
-        spec = f"{eviction.version[0]}@{eviction.version[1]}"
+        """Ask every node of the eviction's region to drop the version.
+
+        A node :attr:`calls` holds as down is not asked: it is named in the errors,
+        so the eviction counts as not done there (the next round's plan sees
+        whether the node still holds the version when it answers again).
+        """
+        calls, what = self.calls, f"evicting {eviction.version[0]}@{eviction.version[1]}"
         freed, errors = 0, []
         request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
         for node in region_nodes(self.topology, eviction.region)[eviction.region]:
+            timeout = calls.timeout()
+            if node in calls.down:
+                errors.append(f"{what} on {node}: not tried, the node is not answering")
+                continue
+            if timeout is None:
+                errors.append(calls.out_of_time(node, what))
+                continue
             try:
                 with edge_stub(node) as stub:
                     freed += stub.Evict(
-                        request, timeout=30, metadata=bearer(self.token)
+                        request, timeout=timeout, metadata=bearer(self.token)
                     ).bytes_freed
             except grpc.RpcError as exc:
-                errors.append(str(node_error(exc, endpoint=node, what=f"evicting {spec}")))
+                calls.failed(node, exc)
+                errors.append(str(node_error(exc, endpoint=node, what=what)))
         return Evicted(freed, errors=tuple(errors))
 
     # --------------------------------------------------------------- staging

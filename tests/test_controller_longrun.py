@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from edgeutil import publish, stub, write_parquet_shards
+from tcpproxy import FaultyProxy
 
 from edgecache.clients.controller import Controller, read_state
 from edgecache.clients.node_client import LocalNode, start_local_node
@@ -267,4 +269,123 @@ def test_a_job_removed_from_the_schedule_releases_the_pins_placed_for_it(site) -
         controller.tick()
         assert pins_on(node) == {"b@1": T0 + 9 * HOUR}
     finally:
+        controller.close()
+
+
+# ------------------------------------------------------- a node that never answers
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, LocalNode, FaultyProxy]]:
+    """Versions a@1, b@1, c@1; region eu of two nodes, the second behind a proxy.
+
+    A job reads all three: a round pins three versions on each node, and a call
+    to a blackholed node lasts seconds (gRPC's connect and keepalive timeouts).
+    """
+    registry = f"file://{tmp_path}/registry"
+    for name in ("a", "b", "c"):
+        write_parquet_shards(tmp_path / "origin" / name, 2, rows=300)
+        publish(registry, f"file://{tmp_path}/origin/{name}", name)
+    first = start_local_node("eu", tmp_path / "cache-1", registry)
+    second = start_local_node("eu", tmp_path / "cache-2", registry)
+    proxy = FaultyProxy(second.address)
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n"
+        f"    nodes: ['{first.address}', '{proxy.address}']\n"
+    )
+    schedule(tmp_path, job("j", "eu", T0 + HOUR, 1, "a@1", "b@1", "c@1"))
+    try:
+        yield tmp_path, first, proxy
+    finally:
+        proxy.close()
+        first.stop()
+        second.stop()
+
+
+def timed_tick(controller: Controller) -> float:
+    """Seconds one round takes (the caller compares them with the lease)."""
+    started = time.monotonic()
+    controller.tick()
+    return time.monotonic() - started
+
+
+def holds_lease(controller: Controller) -> bool:
+    record = controller._await(controller.lease.current())
+    return record is not None and record.holder == controller.holder and record.live(time.time())
+
+
+def test_a_blackholed_node_is_not_called_again_and_the_round_ends_inside_the_lease(
+    two_nodes,
+) -> None:
+    root, eu, proxy = two_nodes
+    proxy.blackhole()  # accepts TCP, never answers: its status report says down
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=8
+    )
+    try:
+        took = timed_tick(controller)
+        assert took < 6, f"the round took {took:.1f} s of an 8 s lease"
+        assert holds_lease(controller)
+        assert pins_on(eu) == dict.fromkeys(
+            ("a@1", "b@1", "c@1"), T0 + 2 * HOUR
+        )  # the node that answers
+        assert any(proxy.address in f for f in controller.failures)  # named as down
+    finally:
+        proxy.close()
+        controller.close()
+
+
+def test_a_node_that_stops_answering_mid_round_costs_one_bounded_call(
+    two_nodes, monkeypatch
+) -> None:
+    root, eu, proxy = two_nodes
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=8
+    )
+    pin = controller.executor.pin
+
+    def blackhole_then_pin(*args, **kwargs):  # the node answered the status, then went dark
+        proxy.blackhole()
+        return pin(*args, **kwargs)
+
+    monkeypatch.setattr(controller.executor, "pin", blackhole_then_pin)
+    try:
+        took = timed_tick(controller)
+        assert took < 7, f"the round took {took:.1f} s of an 8 s lease"
+        assert holds_lease(controller)
+        assert pins_on(eu) == dict.fromkeys(("a@1", "b@1", "c@1"), T0 + 2 * HOUR)
+        us_failures = [f for f in controller.failures if proxy.address in f]
+        assert len(us_failures) == 1, controller.failures  # one call timed out, no second
+    finally:
+        proxy.close()
+        controller.close()
+
+
+def test_a_node_going_down_and_coming_back_is_logged_once_each(site, caplog) -> None:
+    root, _, node = site
+    schedule(root, job("j", "eu", T0 + HOUR, 1, "a@1"))
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=5
+    )
+    up = controller.metrics.node_up.labels(region="eu", node=node.address)
+    try:
+        with caplog.at_level(logging.INFO, logger="edgecache.clients.controller"):
+            node.process.send_signal(signal.SIGSTOP)  # accepts TCP, answers nothing
+            try:
+                for _ in range(3):
+                    controller.tick()
+                    assert up._value.get() == 0
+            finally:
+                node.process.send_signal(signal.SIGCONT)
+            for _ in range(2):
+                controller.tick()
+                assert up._value.get() == 1
+        said = [r.getMessage() for r in caplog.records if node.address in r.getMessage()]
+        down = [m for m in said if "is down" in m]
+        back = [m for m in said if "is back up" in m]
+        assert len(down) == 1, said
+        assert "edgecache status" in down[0] and "edgecache doctor" in down[0]
+        assert len(back) == 1, said
+    finally:
+        node.process.send_signal(signal.SIGCONT)
         controller.close()
