@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -389,3 +390,97 @@ def test_a_node_going_down_and_coming_back_is_logged_once_each(site, caplog) -> 
     finally:
         node.process.send_signal(signal.SIGCONT)
         controller.close()
+
+
+# ------------------------------------------------------------------- signals
+
+
+def controller_process(root: Path, *extra: str) -> subprocess.Popen[str]:
+    """``edgecache controller`` on ``root``'s files, stdout and stderr apart."""
+    return subprocess.Popen(
+        [
+            *EDGECACHE,
+            "controller",
+            "--config",
+            str(root / "edgecache.yaml"),
+            "--schedule",
+            str(root / "schedule.yaml"),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def wait_running(process: subprocess.Popen[str]) -> None:
+    """Read stdout until the controller says it runs (its first round begins then)."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("controller "):
+            return
+    raise AssertionError(f"the controller never ran: {process.communicate()[1]}")
+
+
+@pytest.fixture
+def slow_site(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
+    """big@1 (12 shards) staged at a crawl into region eu's one node; a job reads it."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 12, rows=3000)
+    publish(registry, f"file://{tmp_path}/origin", "big")
+    node = start_local_node(
+        "eu", tmp_path / "cache", registry, extra_args=["--staging-rate", "400KB/s"]
+    )
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+    )
+    schedule(tmp_path, job("j", "eu", datetime.now(UTC) + HOUR, 1, "big@1"))
+    try:
+        yield tmp_path, node
+    finally:
+        node.stop()
+
+
+def test_ctrl_c_exits_130_with_once_and_running_and_sigterm_0(slow_site) -> None:
+    root, node = slow_site
+    for args, signum, code in (
+        (["--once"], signal.SIGINT, 130),
+        (["--interval", "0.5"], signal.SIGINT, 130),
+        (["--interval", "0.5"], signal.SIGTERM, 0),
+    ):
+        process = controller_process(root, "--lease-ttl", "2", *args)
+        try:
+            wait_running(process)
+            deadline = time.monotonic() + 30
+            while not versions_on(node).get("big@1"):  # mid-task
+                assert time.monotonic() < deadline, "staging never started"
+                time.sleep(0.05)
+            process.send_signal(signum)
+            _, err = process.communicate(timeout=30)
+        finally:
+            process.kill()
+        assert process.returncode == code, (args, signum, err)
+        if code == 130:
+            assert "run the same command again to resume" in err, err
+    assert versions_on(node)["big@1"] < 12  # each stop landed mid-version
+
+
+def test_a_second_ctrl_c_stops_at_once(two_nodes) -> None:
+    root, _, proxy = two_nodes
+    proxy.blackhole()  # a round asks it for seconds: a stop waits for the round
+    process = controller_process(root, "--lease-ttl", "60", "--interval", "0.5")
+    try:
+        wait_running(process)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)  # stop after this round
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)  # no: now
+        second = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        took = time.monotonic() - second
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert took < 1.5, f"exited {took:.1f} s after the second Ctrl-C"
+    assert "at once" in err, err

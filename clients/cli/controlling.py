@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -19,7 +21,9 @@ from edgecache.clients.cli.context import (
     exit_with,
     reporting,
 )
-from edgecache.clients.cli.render import console, error
+from edgecache.clients.cli.render import console, err_console, error
+
+INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's code for Ctrl-C (as warm exits)
 
 
 @app.command()
@@ -63,11 +67,18 @@ def controller(
     edgecache_controller_* metrics. A running controller logs what fails (a
     node down, a pin, eviction or stage that failed) and tries again next
     round (a failed stage after a backoff); a schedule edit that does not
-    validate is logged once and the last good schedule runs on. Exit codes:
-    0 stopped by SIGTERM or Ctrl-C, or --once done with every action carried
-    out; 1 failed: with --once, another controller holds
-    the lease, or something the round did failed (each failure listed on
-    stderr); 2 bad input.
+    validate is logged once and the last good schedule runs on. A node that
+    does not answer is logged when it goes down and when it is back, and is
+    not called until it answers; a round's calls end inside the lease.
+
+    Stopping: SIGTERM or Ctrl-C ends the round, stops the staging tasks
+    (whole shards are kept) and gives the lease up; a second one stops at
+    once (the next controller resumes the tasks when the lease lapses).
+    Exit codes: 0 stopped by SIGTERM, or --once done with every action
+    carried out; 1 failed: with --once, another controller holds the lease,
+    or something the round did failed (each failure listed on stderr); 2 bad
+    input; 130 interrupted by Ctrl-C, --once included (run it again to
+    resume); 143 a second SIGTERM.
     """
     from edgecache.clients.cli.staging import parse_at
     from edgecache.clients.controller import Controller, SimulatedClock
@@ -89,13 +100,38 @@ def controller(
             clock=clock,
             lease_ttl=lease_ttl,
         )
+    received: list[int] = []  # the stop signals so far
+
+    def on_signal(signum: int, _frame: object) -> None:
+        """The first SIGTERM or Ctrl-C stops cleanly; a second one stops at once.
+
+        A clean stop lets the round end (its calls are bounded by the lease)
+        and the tasks stop, saves the record and gives the lease up. Stopping
+        at once skips all that: staging commits whole shards, so the next
+        controller finishes the tasks, once this one's lease lapses.
+        """
+        if received:
+            err_console.print(
+                "stopped at once: a staging task in flight loses only the shard it was "
+                "on, and the lease is held until it lapses (--lease-ttl "
+                f"{lease_ttl:g} s); run the controller again to resume the tasks",
+                highlight=False,
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        received.append(signum)
+        if signum == signal.SIGINT:
+            err_console.print("stopping (Ctrl-C again to stop at once)", highlight=False)
+        running.stop.set()
+
     try:
         if metrics_listen:
             host, port = split_hostport(metrics_listen)
             bound = running.metrics.serve(host, port, lambda: running.health(interval))
             console.print(f"metrics on {host}:{bound}")
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: running.stop.set())
+            signal.signal(signum, on_signal)
         every = "once" if once else f"every {interval:g} s"
         console.print(f"controller {running.holder} running {schedule} {every}")
         if once:
@@ -105,10 +141,13 @@ def controller(
             running.wait_idle()
             for failure in running.failures:
                 error(failure)
-            if running.failures:
+            if running.failures and not received:
                 raise exit_with(ExitCode.FAILED)
         else:
             running.run(interval)
     finally:
         running.close()
         running.metrics.shutdown()
+    if received and received[0] == signal.SIGINT:
+        err_console.print("interrupted; run the same command again to resume", highlight=False)
+        raise typer.Exit(INTERRUPTED)
