@@ -16,6 +16,8 @@ manifest write lands leaves no trace, and the next publish takes that N.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -31,6 +33,7 @@ from edgecache.cache.errors import (
     ManifestError,
     ObjectExists,
     ObjectNotFound,
+    OriginError,
     VersionNotFound,
 )
 from edgecache.cache.manifest import build_manifest, manifest_from_json, manifest_to_json
@@ -272,8 +275,31 @@ class Registry:
                 log.info("%s taken by another publisher; trying %d", url, number + 1)
                 number += 1
                 continue
+            except OriginError as exc:
+                if _out_of_space(exc):  # the create-only write left nothing behind
+                    raise OriginError(
+                        f"cannot publish {manifest.dataset}@{number}: the registry {self.url} "
+                        "is out of space (no space left on device); nothing was published — "
+                        "free space on its volume and publish again"
+                    ) from exc
+                raise
             latest = f"{self.url}/{manifest.dataset}/latest"
-            await self._store(latest).put(latest, f"{number}\n".encode())
+            try:
+                await self._store(latest).put(latest, f"{number}\n".encode())
+            except OriginError as exc:
+                # The version is published (versions/ is the truth); failing now would
+                # have the user publish it again as a copy under the next number. A
+                # truncated pointer is removed rather than left for tools to misread.
+                with contextlib.suppress(OriginError):
+                    await self._store(latest).delete(latest)
+                log.warning(
+                    "%s@%d is published, but its latest pointer %s could not be written "
+                    "(%s) and was removed; readers list versions/, so nothing depends on it",
+                    manifest.dataset,
+                    number,
+                    latest,
+                    exc,
+                )
             return candidate
         raise ObjectExists(
             f"could not claim a version number for {manifest.dataset} after "
@@ -473,6 +499,16 @@ class Registry:
         return await asyncio.to_thread(
             describe, data, fmt=fmt, source=info.url, spec=spec, transform=transform
         )
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """Whether a store error stands on a full disk or quota (ENOSPC, EDQUOT)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def _as_prefix(url: str) -> str:

@@ -1,0 +1,272 @@
+"""A really full disk under the cache and the registry: a small tmpfs, filled with a file.
+
+What a user gets when the volume runs out: a clear status or error naming the
+path and what to do, nothing partial visible, serving goes on, and the same
+request works again once space is freed, without a restart. Mounting needs
+root; elsewhere (unprivileged CI) these tests skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from edgeutil import publish, read_shard_table, stub, write_parquet_shards
+from storeutil import shard_frames
+from typer.testing import CliRunner
+
+from edgecache.cache.errors import CacheDirError, CacheFull
+from edgecache.cache.keys import ShardKey
+from edgecache.cache.registry import Registry
+from edgecache.cache.store import CacheStore
+from edgecache.clients.cli import app
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
+
+DISK_SIZE = "64m"
+runner = CliRunner()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs: a real filesystem that runs out of space (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root; run as root to test a full disk")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); a full disk needs one")
+    try:
+        yield mount
+    finally:
+        # Lazy, so a store a failed test left open cannot keep the mount behind.
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(disk: Path, leave: int = 0) -> Path:
+    """Write a filler file until only ``leave`` bytes of ``disk`` are free."""
+    filler = disk / "filler"
+    with filler.open("ab") as f:
+        try:
+            f.write(b"\1" * max(free_bytes(disk) - leave, 0))
+        except OSError:  # the last page: full is what we wanted
+            pass
+    return filler
+
+
+def node_config(disk: Path, registry: str, **overrides: object) -> NodeConfig:
+    settings: dict = dict(
+        region="eu",
+        cache_dir=disk / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        capacity="1GiB",  # more than the volume: the disk fills before the capacity
+        sync=False,
+    )
+    settings.update(overrides)
+    return NodeConfig(**settings)
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:  # noqa: ANN001
+    """The status code and details a streaming call ends with."""
+    with pytest.raises(grpc.RpcError) as info:
+        list(call())
+    return info.value.code(), info.value.details() or ""
+
+
+def disk_full_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "disk" in r.getMessage() and "full" in r.getMessage()
+    ]
+
+
+def test_stage_and_read_through_on_a_full_disk(
+    tmp_path: Path, disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    tables = write_parquet_shards(tmp_path / "origin", 6, rows=20000)  # ~1.3 MiB a shard
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(node_config(disk, registry)) as server:
+        node, client = server.node, stub(server.address)
+        assert node is not None
+        assert read_shard_table(client, "tokens", 1, 0).equals(tables[0])
+        filler = fill(disk, leave=2 << 20)
+
+        code, details = status_of(
+            lambda: client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1))
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(disk / "cache") in details and "free space" in details, details
+        held = [s.key.shard for s in node.store.shards("tokens", 1)]
+        missing = next(s for s in range(6) if s not in held)
+        code, details = status_of(
+            lambda: client.ReadShard(
+                edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=missing)
+            )
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(disk / "cache") in details and "free space" in details, details
+        # What it holds is served as before; nothing partial is visible.
+        assert read_shard_table(client, "tokens", 1, 0).equals(tables[0])
+        for info in node.store.shards("tokens", 1):
+            assert len(list(node.store.iter_chunks(info.key))) == info.chunk_count
+        # Logged once as a warning, not once per shard or reader; and in the metrics.
+        assert len(disk_full_warnings(caplog)) == 1, disk_full_warnings(caplog)
+        assert node.metrics.value("edgecache_cache_disk_full") == 1
+        assert node.metrics.value("edgecache_cache_disk_full_errors_total") >= 2
+
+        filler.unlink()  # space freed: the same Stage works, no restart
+        last = list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
+        assert last.finished and last.shards_done == 6 and last.shards_failed == 0
+        assert read_shard_table(client, "tokens", 1, missing).equals(tables[missing])
+        assert node.metrics.value("edgecache_cache_disk_full") == 0
+        assert any("room again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_new_version_on_a_full_disk_is_resource_exhausted(tmp_path: Path, disk: Path) -> None:
+    # Many shards: a manifest of several LMDB pages, which a full disk has no room for.
+    tables = write_parquet_shards(tmp_path / "origin", 150, rows=10)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(node_config(disk, registry)) as server:
+        client = stub(server.address)
+        filler = fill(disk)
+        # The registry's manifest is served even though the node has no room to keep it.
+        got = client.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=1))
+        assert len(got.shards) == 150
+        request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=3)
+        code, details = status_of(lambda: client.ReadShard(request))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert str(disk / "cache") in details and "free space" in details, details
+        filler.unlink()
+        assert read_shard_table(client, "tokens", 1, 3).equals(tables[3])
+
+
+def test_store_writes_on_a_full_disk_raise_cache_full(disk: Path) -> None:
+    with CacheStore(disk / "cache", capacity_bytes=1 << 30, sync=False) as store:
+        store.put_shard(ShardKey("d", 1, 0), shard_frames(2000))
+        fill(disk)
+        with pytest.raises(CacheFull, match="free space"):
+            store.put_manifest("d", 2, os.urandom(400_000))
+        with pytest.raises(CacheFull, match="free space"):
+            store.put_shard(ShardKey("d", 1, 1), shard_frames(2000, seed=1))
+        assert store.contains(ShardKey("d", 1, 0)) and not store.contains(ShardKey("d", 1, 1))
+        assert store.get_manifest("d", 2) is None
+        store.get_chunk(ShardKey("d", 1, 0), 0)
+        filler = disk / "filler"
+        filler.unlink()  # room for close() to record the access times
+
+
+def test_a_store_closes_on_a_full_disk(disk: Path) -> None:
+    store = CacheStore(disk / "cache", capacity_bytes=1 << 30, sync=False)
+    store.put_shard(ShardKey("d", 1, 0), shard_frames(2000))
+    store.get_chunk(ShardKey("d", 1, 0), 0)  # an access time to persist on close
+    fill(disk)
+    store.close()  # the access times may be lost; the lock and the map may not leak
+    with CacheStore(disk / "cache", sync=False) as again:
+        assert again.get_chunk(ShardKey("d", 1, 0), 0)
+
+
+def test_a_node_restarts_on_a_full_disk_and_serves_what_it_holds(
+    tmp_path: Path, disk: Path
+) -> None:
+    tables = write_parquet_shards(tmp_path / "origin", 2, rows=20000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(node_config(disk, registry)) as server:
+        list(stub(server.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+    fill(disk)
+    # A larger --capacity grows the LMDB map; on Linux that reserves no disk.
+    with running_node(node_config(disk, registry, capacity="2GiB")) as server:
+        client = stub(server.address)
+        for shard in (0, 1):
+            assert read_shard_table(client, "tokens", 1, shard).equals(tables[shard])
+        assert client.Status(edge_pb2.StatusRequest()).capacity_bytes == 2 << 30
+
+
+def test_a_new_cache_dir_on_a_full_disk_says_the_disk_is_full(disk: Path) -> None:
+    fill(disk)
+    with pytest.raises(CacheDirError) as info:
+        CacheStore(disk / "cache", capacity_bytes=1 << 30)
+    message = str(info.value)
+    assert "full" in message and str(disk / "cache") in message, message
+    assert "permissions" not in message, message
+    # The real command: exit non-zero with that one line.
+    done = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "eu"]
+        + ["--cache-dir", str(disk / "cache2"), "--registry", str(disk / "registry")]
+        + ["--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "full" in done.stderr and "permissions" not in done.stderr, done.stderr
+
+
+def test_a_capacity_taken_from_a_nearly_full_disk_is_refused(disk: Path) -> None:
+    # 80% of what is free would be a cache of a few hundred KiB, remembered for good.
+    fill(disk, leave=1 << 20)
+    with pytest.raises(CacheDirError, match="--capacity") as info:
+        CacheStore(disk / "cache")
+    assert "free" in str(info.value)
+    CacheStore(disk / "cache", capacity_bytes=512 << 10).close()  # said outright: allowed
+
+
+def test_publish_to_a_full_registry(tmp_path: Path, disk: Path) -> None:
+    write_parquet_shards(tmp_path / "origin", 2)
+    registry = str(disk / "registry")
+    args = ["publish", str(tmp_path / "origin"), "--dataset", "tokens", "--registry", registry]
+    assert runner.invoke(app, args).exit_code == 0
+    filler = fill(disk)
+    done = runner.invoke(app, args)
+    assert done.exit_code == 1, done.output
+    out = " ".join(done.output.split())
+    assert "full" in out and "free space" in out and registry in out, out
+    assert "origin request" not in out, out
+    listed = runner.invoke(app, ["versions", "tokens", "--registry", registry, "--json"])
+    assert listed.exit_code == 0 and [v["version"] for v in _json(listed.output)] == [1]
+    filler.unlink()
+    assert runner.invoke(app, args).exit_code == 0
+    listed = runner.invoke(app, ["versions", "tokens", "--registry", registry, "--json"])
+    assert [v["version"] for v in _json(listed.output)] == [1, 2]
+
+
+def test_a_published_version_stays_published_when_the_latest_pointer_does_not_fit(
+    tmp_path: Path, disk: Path
+) -> None:
+    write_parquet_shards(tmp_path / "origin", 2)
+    registry = f"file://{disk}/registry"
+    (disk / "registry" / "tokens" / "versions").mkdir(parents=True)
+    fill(disk, leave=4096)  # one page: the manifest fits, a new 'latest' file does not
+    manifest = publish(registry, f"file://{tmp_path}/origin", "tokens")
+    assert manifest.version == 1
+    assert Registry.run(registry, lambda reg: reg.versions("tokens")) == [1]
+    latest = disk / "registry" / "tokens" / "latest"
+    assert not latest.exists() or latest.read_text() == "1\n"  # never a torn pointer
+
+
+def _json(text: str) -> list[dict]:
+    import json
+
+    return json.loads(text)
