@@ -310,8 +310,8 @@ class CacheStore(ClosingContext):
             return DiskFull(
                 f"{what}: the disk under {self.path} is full ({format_bytes(free)} free{needs}); "
                 "free space on that volume (remove other files, or evict versions this "
-                "node holds), grow it, or lower --capacity "
-                f"({format_bytes(self.capacity_bytes)}) to what the volume can hold"
+                f"node holds); if --capacity ({format_bytes(self.capacity_bytes)}) is more "
+                "than the volume holds, lower it or grow the volume"
             )
         return StoreError(f"writing {what} to {self.path} failed: {exc}")
 
