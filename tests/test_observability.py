@@ -297,7 +297,11 @@ def test_every_alert_queries_exported_metrics_and_labels(exported: Exported) -> 
 
 
 def test_every_alert_is_a_runbook() -> None:
+    readme = (DEPLOY / "README.md").read_text()
     for rule in alert_rules():
+        assert f"`{rule['alert']}`" in readme, (
+            f"deploy/README.md's alert table lacks {rule['alert']}"
+        )
         annotations = rule.get("annotations", {})
         assert annotations.get("summary"), rule["alert"]
         description = annotations.get("description", "")
