@@ -26,14 +26,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def moto_server() -> Iterator[str]:
-    """Start ``moto_server`` on 127.0.0.1 (never 0.0.0.0); yield its endpoint URL."""
+def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start ``moto_server`` on 127.0.0.1 (never 0.0.0.0); yield its endpoint URL.
+
+    ``env``: extra settings for the server, e.g. ``INITIAL_NO_AUTH_ACTION_COUNT=0``
+    for one that checks credentials (moto accepts any by default).
+    """
     port = free_port()
     exe = Path(sys.executable).with_name("moto_server")
     proc = subprocess.Popen(
         [str(exe), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:

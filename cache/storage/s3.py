@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginError
 from edgecache.cache.storage.base import (
@@ -135,6 +134,19 @@ class LinkRate:
         return recent / span if recent >= _MEASURED_BYTES and span >= 0.01 else 0.0
 
 
+def _max_attempts() -> int:
+    """``$AWS_MAX_ATTEMPTS`` (botocore's setting: tries in all), else 6."""
+    text = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if not text:
+        return 6
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(
+            f"AWS_MAX_ATTEMPTS={text!r} is not a whole number of tries (1 or more): set it "
+            "to one, e.g. 6, or unset it"
+        )
+    return int(text)
+
+
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff (the AWS architecture blog's recommendation)."""
     return random.uniform(0, min(cap, base * 2**attempt))
@@ -142,6 +154,49 @@ def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
 
 class _PreconditionFailed(OriginError):
     """An If-Match / If-None-Match condition did not hold."""
+
+
+def _denied(exc: BaseException) -> PermissionError:
+    """A ``PermissionError`` caused by ``exc``, to raise an :class:`OriginError` ``from``.
+
+    Bad credentials or client settings are a refusal no retry can fix: a node's
+    status mapping reads a ``PermissionError`` among an error's causes as one
+    (FAILED_PRECONDITION), where a bare botocore error would read as transient.
+    """
+    denied = PermissionError(str(exc))
+    denied.__cause__ = exc
+    return denied
+
+
+def _setup_error(exc: BaseException) -> OriginError:
+    """The error for an S3 client that cannot be made from the AWS settings, naming them."""
+    from botocore.exceptions import PartialCredentialsError, ProfileNotFound
+
+    if isinstance(exc, PartialCredentialsError):
+        return OriginError(
+            f"incomplete AWS credentials ({exc}): set both AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones), or neither "
+            "to use AWS_PROFILE or a role"
+        )
+    if isinstance(exc, ProfileNotFound):
+        profile = exc.kwargs.get("profile", "")
+        return OriginError(
+            f"AWS profile {profile!r} (AWS_PROFILE) is not in ~/.aws/config or "
+            "~/.aws/credentials (or the files AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE "
+            "name): add it there, or set AWS_PROFILE to one that is, or unset it"
+        )
+    if isinstance(exc, ValueError) and "endpoint" in str(exc).lower():
+        named = ", ".join(
+            f"{name}={os.environ[name]}"
+            for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+            if os.environ.get(name)
+        )
+        return OriginError(
+            f"the S3 endpoint is not a URL ({exc}{'; ' + named if named else ''}): set "
+            "AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3, or endpoint_url in the AWS profile) to "
+            "a URL with its scheme, e.g. http://localhost:9000, or unset it for AWS itself"
+        )
+    return OriginError(f"cannot make an S3 client from the AWS settings: {exc}; fix them")
 
 
 class S3Store(ObjectStore):
@@ -162,7 +217,7 @@ class S3Store(ObjectStore):
         self.adaptive_parts = adaptive_parts
         self.rates: dict[str, LinkRate] = {}  # by bucket: buckets may sit in other regions
         # AWS_MAX_ATTEMPTS is the standard knob; 6 tries ride out SlowDown bursts.
-        self.attempts = attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 6)
+        self.attempts = attempts or _max_attempts()
         self._max_connections = max_connections
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -181,10 +236,16 @@ class S3Store(ObjectStore):
                     connect_timeout=5,
                     read_timeout=30,
                 )
-                self._stack = contextlib.AsyncExitStack()
-                self._client = await self._stack.enter_async_context(
-                    get_session().create_client("s3", config=config)
-                )
+                from botocore.exceptions import BotoCoreError
+
+                stack = contextlib.AsyncExitStack()
+                try:
+                    self._client = await stack.enter_async_context(
+                        get_session().create_client("s3", config=config)
+                    )
+                except (BotoCoreError, ValueError) as exc:  # "Invalid endpoint: …" is a ValueError
+                    raise _setup_error(exc) from _denied(exc)
+                self._stack = stack
             return self._client
 
     async def close(self) -> None:
@@ -193,12 +254,29 @@ class S3Store(ObjectStore):
             await self._stack.aclose()
         self._client = self._stack = None
 
+    def _no_bucket(self, url: str) -> str:
+        """What to check when S3 says a bucket is not there: its name, or where we asked."""
+        bucket = self._split(url)[0]
+        endpoint = getattr(getattr(self._client, "meta", None), "endpoint_url", None) or "AWS"
+        return (
+            f"bucket {bucket!r} does not exist at {endpoint} (NoSuchBucket, asked for {url}): "
+            "check the bucket name, and that the endpoint (AWS_ENDPOINT_URL, "
+            "AWS_ENDPOINT_URL_S3 or the profile's endpoint_url) and account are the ones "
+            "that hold it"
+        )
+
     @staticmethod
     def _split(url: str) -> tuple[str, str]:
-        parts = urlsplit(url)
-        if parts.scheme != "s3" or not parts.netloc:
-            raise ValueError(f"not an s3:// URL: {url!r}")
-        return parts.netloc, parts.path.lstrip("/")
+        """Bucket and key of ``s3://bucket/key``, the key exactly as S3 spells it.
+
+        Not ``urlsplit``: a key may hold ``#`` and ``?``, which a URL parser takes
+        for a fragment and a query, cutting the key short (s3fs splits the same way).
+        """
+        scheme, sep, rest = url.partition("://")
+        bucket, _, key = rest.partition("/")
+        if scheme != "s3" or not sep or not bucket:
+            raise ValueError(f"not an s3:// URL: {url!r}; give it as s3://BUCKET/PREFIX")
+        return bucket, key
 
     async def _call(self, url: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run one S3 call, turning botocore's errors into edgecache's, retrying body resets."""
@@ -207,6 +285,7 @@ class S3Store(ObjectStore):
             ClientError,
             EndpointConnectionError,
             IncompleteReadError,
+            NoCredentialsError,
             ResponseStreamingError,
         )
 
@@ -218,7 +297,9 @@ class S3Store(ObjectStore):
                 error = exc.response.get("Error", {})
                 code = str(error.get("Code", ""))
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket"):
+                if code == "NoSuchBucket":
+                    raise ObjectNotFound(self._no_bucket(url)) from exc
+                if code in ("NoSuchKey", "404", "NotFound"):
                     raise ObjectNotFound(f"no object at {url} ({code})") from exc
                 if code in ("PreconditionFailed", "412") or status == 412:
                     raise _PreconditionFailed(url) from exc
@@ -243,6 +324,13 @@ class S3Store(ObjectStore):
                     raise OriginError(
                         f"reading {url} kept failing after {self.attempts} attempts: {exc}"
                     ) from exc
+            except NoCredentialsError as exc:  # none found at all; partial ones fail in _s3
+                raise OriginError(
+                    f"no AWS credentials to sign the request for {url} ({exc}): set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE naming a "
+                    "profile in ~/.aws/credentials or ~/.aws/config, or run with an instance "
+                    "or pod role"
+                ) from _denied(exc)
             except BotoCoreError as exc:
                 raise OriginError(f"origin request for {url} failed: {exc}") from exc
             except Exception as exc:  # aiohttp payload errors are not OSErrors
@@ -270,7 +358,12 @@ class S3Store(ObjectStore):
         )
 
     async def list(self, prefix_url: str) -> list[ObjectInfo]:
-        """ListObjectsV2 under the prefix, every page."""
+        """ListObjectsV2 under the prefix, every page; directory markers left out.
+
+        A key ending in ``/`` (what the S3 console's "Create folder" and some sync
+        tools write) marks a folder, as s3fs and the console read it: it is no
+        object, and a shard named by it would have no file name.
+        """
         bucket, prefix = self._split(prefix_url)
         s3 = await self._s3()
         out: list[ObjectInfo] = []
@@ -281,6 +374,8 @@ class S3Store(ObjectStore):
                 kwargs["ContinuationToken"] = token
             page = await self._call(prefix_url, functools.partial(s3.list_objects_v2, **kwargs))
             for item in page.get("Contents", []):
+                if item["Key"].endswith("/"):
+                    continue
                 out.append(
                     ObjectInfo(
                         url=f"s3://{bucket}/{item['Key']}",
