@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import ssl
 import statistics
 import time
@@ -191,13 +192,30 @@ def edge_stub(endpoint: Endpoint | str) -> Iterator[edge_pb2_grpc.EdgeCacheStub]
         channel.close()
 
 
+_CONNECT_FAILED = re.compile(
+    r"^failed to connect to all addresses; last error: \w+: \S+: "
+    r"(?:Failed to connect to remote host: )?(?P<reason>.+)$"
+)
+
+
+def _plain(details: str) -> str:
+    """A connection failure from gRPC said as its cause (``Connection refused``).
+
+    Its own text repeats the address the message around it names already
+    (``failed to connect to all addresses; last error: UNKNOWN:
+    ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused``).
+    """
+    match = _CONNECT_FAILED.match(details)
+    return match.group("reason") if match else details
+
+
 def describe(exc: grpc.RpcError) -> str:
     """``CODE: details`` of a failed call, for messages and logs.
 
     When the cause is one the caller fixes on its side (a TLS setting, the
     token), what to do follows: status and doctor show this text alone.
     """
-    details = exc.details() or ""
+    details = _plain(exc.details() or "")
     hint = connection_hint(details)
     if hint is None and exc.code() == grpc.StatusCode.UNAUTHENTICATED:
         hint = _HINTS[grpc.StatusCode.UNAUTHENTICATED]
@@ -273,8 +291,8 @@ def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheErro
     the original so the status stays in the traceback.
     """
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    hint = connection_hint(details or "") or _HINTS.get(code)
+    details = _plain((exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or "")
+    hint = connection_hint(details) or _HINTS.get(code)
     message = f"{what} on {endpoint}: {code.name}: {details}" + (f"; {hint}" if hint else "")
     if code == grpc.StatusCode.NOT_FOUND:
         return VersionNotFound(message)
