@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from edgeutil import publish, read_shard_table, stub
-from s3server import make_bucket, moto_server, put_object
+from s3server import CREDENTIALS, make_bucket, moto_server, put_object
 from typer.testing import CliRunner
 
 from edgecache.cache.storage import S3Store
@@ -254,6 +254,55 @@ def test_the_endpoint_from_aws_endpoint_url_s3_or_a_profile(
     assert code == 0, out
 
 
+@pytest.fixture
+def wrong_region_s3() -> Iterator[str]:
+    """An endpoint that answers every request as S3 does a bucket of another region.
+
+    moto serves every bucket from any region, so this is a stand-in: a 301
+    PermanentRedirect naming eu-west-1 (x-amz-bucket-region), as S3 answers a
+    client signing for the wrong region at a regional or S3-compatible endpoint,
+    where botocore does not follow the redirect itself.
+    """
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = (
+                b"<Error><Code>PermanentRedirect</Code><Message>The bucket you are "
+                b"attempting to access must be addressed using the specified endpoint."
+                b"</Message></Error>"
+            )
+            self.send_response(301)
+            self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_bucket_in_another_region_names_the_region_to_set(
+    wrong_region_s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", wrong_region_s3)
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    code, out = cli("publish", "s3://far/ds", "--dataset", "x", "--registry", "s3://far/_r")
+    assert code != 0
+    assert "bucket 'far' is in region eu-west-1" in out and "AWS_REGION=eu-west-1" in out
+
+
 @pytest.fixture(scope="module")
 def strict_s3() -> Iterator[str]:
     """A moto server that checks credentials (IAM auth from the first request)."""
@@ -265,6 +314,8 @@ def test_wrong_credentials_are_refused_naming_the_code(
     strict_s3: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", strict_s3)
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
     code, out = cli("publish", "s3://any/ds", "--dataset", "x", "--registry", "s3://any/_r")
     assert code == 1, out
     assert "InvalidAccessKeyId" in out and "check the AWS credentials" in out

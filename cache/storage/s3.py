@@ -134,6 +134,12 @@ class LinkRate:
         return recent / span if recent >= _MEASURED_BYTES and span >= 0.01 else 0.0
 
 
+# S3's answers to a request signed for, or sent to, the wrong region.
+_WRONG_REGION = frozenset(
+    {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
+)
+
+
 def _max_attempts() -> int:
     """``$AWS_MAX_ATTEMPTS`` (botocore's setting: tries in all), else 6."""
     text = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
@@ -265,6 +271,25 @@ class S3Store(ObjectStore):
             "that hold it"
         )
 
+    def _wrong_region(self, url: str, response: dict[str, Any]) -> str:
+        """What to set when S3 says the bucket lives in another region than we signed for.
+
+        botocore follows such a redirect itself only for AWS's own global endpoint;
+        at a regional or S3-compatible endpoint the region must be set.
+        """
+        bucket = self._split(url)[0]
+        error = response.get("Error", {})
+        headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        region = error.get("Region") or headers.get("x-amz-bucket-region")
+        asked = getattr(getattr(self._client, "meta", None), "region_name", None) or "none"
+        where = f"is in region {region}" if region else "is in another region"
+        fix = region or "the bucket's region"
+        return (
+            f"bucket {bucket!r} {where}, not {asked} ({error.get('Code') or 301}, asked for "
+            f"{url}): set AWS_REGION={fix} (or AWS_DEFAULT_REGION, or region in the AWS "
+            "profile), and the endpoint to that region's if one is set"
+        )
+
     @staticmethod
     def _split(url: str) -> tuple[str, str]:
         """Bucket and key of ``s3://bucket/key``, the key exactly as S3 spells it.
@@ -303,6 +328,8 @@ class S3Store(ObjectStore):
                     raise ObjectNotFound(f"no object at {url} ({code})") from exc
                 if code in ("PreconditionFailed", "412") or status == 412:
                     raise _PreconditionFailed(url) from exc
+                if code in _WRONG_REGION or status == 301:
+                    raise OriginError(self._wrong_region(url, exc.response)) from _denied(exc)
                 if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                     raise OriginError(
                         f"origin refused access to {url} ({code}): check the AWS credentials "
