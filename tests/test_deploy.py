@@ -471,6 +471,7 @@ def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path
         EDGECACHE_READ_TOKEN_FILE=str(tmp_path / "read"),
         EDGECACHE_TLS_CERT=str(pki["server"]),
         EDGECACHE_TLS_KEY=str(pki["server_key"]),
+        EDGECACHE_PEER_TLS_CA=str(pki["ca"]),  # read at start: the node refuses one it cannot
     )
     import os
 
