@@ -375,23 +375,7 @@ DOC_OF = {
 }
 
 
-@pytest.mark.parametrize(
-    "process",
-    [
-        "node",
-        "client",
-        pytest.param(
-            "controller",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="docs/operations.md names neither edgecache_controller_node_up, "
-                "_node_rtt_seconds, _last_tick_timestamp_seconds (the alerts and the dashboard "
-                "use them) nor _evictions_total, _evictions_refused_total, _ticks_total, "
-                "_tick_errors_total: it needs a table of every edgecache_controller_* metric",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("process", ["node", "client", "controller"])
 def test_every_exported_metric_is_documented_where_its_process_is(
     exported: Exported, process: str
 ) -> None:
