@@ -270,3 +270,25 @@ def _json(text: str) -> list[dict]:
     import json
 
     return json.loads(text)
+
+
+def test_a_file_rewritten_on_a_full_disk_keeps_its_old_content(disk: Path) -> None:
+    """Registry files written over (controller state, `latest`, warm's job record) are
+    replaced whole: on a full disk the old content stays, never a truncated file."""
+    import asyncio
+
+    from edgecache.cache.storage import FsspecStore
+
+    target = disk / "state.json"
+    old = b'{"jobs": ["a", "b"]}\n'
+    target.write_bytes(old)
+    fill(disk)
+    store = FsspecStore()
+
+    async def rewrite() -> None:
+        await store.put(f"file://{target}", b"x" * (1 << 20))
+
+    with pytest.raises(OSError):
+        asyncio.run(rewrite())
+    assert target.read_bytes() == old
+    assert not [p.name for p in disk.iterdir() if p.name.startswith(".tmp-")]

@@ -108,14 +108,18 @@ class FsspecStore(ObjectStore):
         return bytes(data)
 
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
-        """Write; ``if_absent`` is atomic on local disks, check-then-write elsewhere."""
+        """Write; on local disks whole or not at all, elsewhere as the filesystem writes.
+
+        ``if_absent`` is atomic on local disks, check-then-write elsewhere.
+        """
         fs, path = self._fs(url)
 
         def write() -> None:
             fs.makedirs(fs._parent(path), exist_ok=True)
+            local = fs.protocol in ("file", "local") or "file" in fs.protocol
             if not if_absent:
-                fs.pipe_file(path, data)
-            elif fs.protocol in ("file", "local") or "file" in fs.protocol:
+                (_replace_file if local else fs.pipe_file)(path, data)
+            elif local:
                 _link_new_file(path, data)
             else:
                 # No create-only primitive in generic fsspec: check, then write. Racy;
@@ -137,14 +141,13 @@ class FsspecStore(ObjectStore):
         await self._run(url, remove)
 
 
-def _link_new_file(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` atomically, failing if it exists (no torn files).
+def _written_temporary(directory: str, data: bytes) -> str:
+    """A new temporary file in ``directory`` holding ``data``, on disk (fsync'd).
 
-    The temporary file is created with mode 0666 minus the umask, like any
-    file this process writes (``mkstemp`` would make it 0600 whatever the
-    umask): registry files are read by nodes running as other users.
+    It is created with mode 0666 minus the umask, like any file this process
+    writes (``mkstemp`` would make it 0600 whatever the umask): registry files
+    are read by nodes running as other users.
     """
-    directory = os.path.dirname(path) or "."
     for _ in range(100):
         tmp = os.path.join(directory, f".tmp-{secrets.token_hex(8)}")
         try:
@@ -159,6 +162,29 @@ def _link_new_file(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _link_new_file(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data`` atomically, failing if it exists (no torn files)."""
+    tmp = _written_temporary(os.path.dirname(path) or ".", data)
+    try:
         os.link(tmp, path)  # atomic, and fails with FileExistsError if taken
     finally:
         os.unlink(tmp)
+
+
+def _replace_file(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it).
+
+    Written in place, a reader, a crash or a full disk could leave it truncated.
+    """
+    tmp = _written_temporary(os.path.dirname(path) or ".", data)
+    try:
+        os.replace(tmp, path)  # atomic on one filesystem
+    except BaseException:
+        os.unlink(tmp)
+        raise
