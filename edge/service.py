@@ -77,6 +77,14 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, message
         case OriginChanged() | MalformedShard() | UnknownTransform() | ManifestError():
             return grpc.StatusCode.FAILED_PRECONDITION, message
+        case ObjectNotFound() if _s3_code(exc) == "NoSuchBucket":
+            # The publisher listed this bucket: most often this node asks another endpoint.
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{message}; give the node the S3 endpoint and account the version was "
+                "published from (AWS_ENDPOINT_URL, credentials), or, if the bucket was "
+                "deleted, restore it or publish a new version",
+            )
         case ObjectNotFound():
             return (
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -159,6 +167,17 @@ _S3_TRANSIENT = frozenset(
         "ServiceUnavailable",
     }
 )
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code (``ClientError.response["Error"]["Code"]``) an error stands on."""
+    cause = exc.__cause__
+    while cause is not None:
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            return str(response.get("Error", {}).get("Code", ""))
+        cause = cause.__cause__
+    return None
 
 
 def _origin_refusal(exc: OriginError) -> str | None:

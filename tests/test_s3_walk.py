@@ -374,3 +374,28 @@ def put_object_keys(bucket: str, objects: dict[str, bytes]) -> None:
     client = boto3.client("s3")
     for key, body in objects.items():
         client.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def test_a_node_that_finds_no_bucket_says_where_it_asked_not_that_origin_lost_it(
+    tmp_path: Path, s3_endpoint: str, bucket: str
+) -> None:
+    """NoSuchBucket at stage time: the publisher listed that bucket, so the advice is the
+    node's endpoint and account first (the message had 'origin lost an object')."""
+    import boto3
+    from s3server import _boto_kwargs
+
+    source = f"gone-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, source, versioned=False)
+    put_object_keys(source, {"ds/a.jsonl": jsonl(1, 2)})
+    registry = f"s3://{bucket}/_reg"
+    publish(registry, f"s3://{source}/ds", "nobucket")
+    client = boto3.client("s3", endpoint_url=s3_endpoint, **_boto_kwargs())
+    client.delete_object(Bucket=source, Key="ds/a.jsonl")
+    client.delete_bucket(Bucket=source)
+    with running_node(node_settings(tmp_path, registry)) as node:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="nobucket", version=1)))
+    details = info.value.details() or ""
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert f"bucket {source!r} does not exist" in details, details
+    assert "AWS_ENDPOINT_URL" in details and "lost an object" not in details, details
