@@ -49,6 +49,7 @@ from edgecache.cache.preprocess import (
     resource_refs,
 )
 from edgecache.cache.preprocess.compressed import strip_suffix
+from edgecache.cache.preprocess.formats import KIND_NAMES
 from edgecache.cache.preprocess.mds import MdsColumns, mds_index
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
@@ -343,6 +344,8 @@ class Registry:
                 fmt = pb.SOURCE_FORMAT_MDS
             else:
                 guesses = {format_from_key(obj.key) for obj in found}
+                if len(guesses) > 1 and None not in guesses:
+                    raise MalformedShard(_mixed_formats(prefix, found))
                 if len(guesses) != 1 or None in guesses:
                     names = sorted({o.key.rsplit("/", 1)[-1].split(".", 1)[-1] for o in found})
                     raise MalformedShard(
@@ -534,3 +537,24 @@ async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> bytes:
     if length + 12 > info.size:
         raise MalformedShard(f"{info.url}: Parquet footer length {length} exceeds the file")
     return b"PAR1" + await store.get_range(info.url, info.size - 8 - length, info.size)
+
+
+def _mixed_formats(prefix: str, found: list[SourceObject]) -> str:
+    """Why objects of several formats under one prefix are no version, with which are which.
+
+    ``--format`` would not help: the objects of the other formats would then
+    fail to parse. A version is one format, so each format's objects need a
+    prefix of their own.
+    """
+    keys: dict[str, list[str]] = {}
+    for obj in found:
+        fmt = format_from_key(obj.key)
+        keys.setdefault(KIND_NAMES[fmt] if fmt is not None else "?", []).append(obj.key)
+    listed = "; ".join(
+        f"{name}: {', '.join(sorted(k)[:3])}{', …' if len(k) > 3 else ''} ({len(k)})"
+        for name, k in sorted(keys.items())
+    )
+    return (
+        f"the objects under {prefix} are of several formats ({listed}); a version is one "
+        "format: publish each format's objects from a prefix of their own"
+    )

@@ -134,7 +134,13 @@ def test_bad_files_give_clear_errors(site, tmp_path: Path) -> None:
     (tmp_path / "mixed" / "a.csv").write_text("x\n1\n")
     (tmp_path / "mixed" / "b.jsonl").write_text('{"x": 1}\n')
     code, out = cli(root, "publish", f"file://{tmp_path}/mixed", "--dataset", "m")
-    assert code == 2 and "cannot tell the format" in out
+    # Two formats, each known: which objects are which, and that --format cannot help.
+    assert code == 2 and "several formats (CSV: a.csv (1); JSON Lines: b.jsonl (1))" in out, out
+    assert "a prefix of their own" in out
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "a.xyz").write_text("x\n1\n")
+    code, out = cli(root, "publish", f"file://{tmp_path}/odd", "--dataset", "o")
+    assert code == 2 and "cannot tell the format" in out and "--format" in out, out
 
 
 def test_doctor_measures_paths_and_host(site) -> None:
