@@ -307,13 +307,17 @@ class CacheStore(ClosingContext):
         free = shutil.disk_usage(self.path).free
         if isinstance(exc, lmdb.DiskError) or free < 2 * need + MAP_HEADROOM // 16:
             needs = f", this needs {format_bytes(need)}" if need else ""
-            return DiskFull(
-                f"{what}: the disk under {self.path} is full ({format_bytes(free)} free{needs}); "
-                "free space on that volume (remove other files, or evict versions this "
-                f"node holds); if --capacity ({format_bytes(self.capacity_bytes)}) is more "
-                "than the volume holds, lower it or grow the volume"
-            )
+            return self.disk_full(f"{what}: the disk under {self.path} is full", free, needs)
         return StoreError(f"writing {what} to {self.path} failed: {exc}")
+
+    def disk_full(self, what: str, free: int, detail: str = "") -> DiskFull:
+        """A :class:`DiskFull` saying ``what`` and what an operator can do about it."""
+        return DiskFull(
+            f"{what} ({format_bytes(free)} free{detail}); free space on that volume (remove "
+            "other files, or evict versions this node holds); if --capacity "
+            f"({format_bytes(self.capacity_bytes)}) is more than the volume holds, lower it "
+            "or grow the volume"
+        )
 
     @contextlib.contextmanager
     def _writing(self, what: str, need: int = 0) -> Iterator[lmdb.Transaction]:

@@ -35,6 +35,7 @@ import functools
 import itertools
 import logging
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +138,7 @@ class EdgeNode:
         self._transform_lock = asyncio.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._disk_full = False  # the last write found the cache's disk full
+        self._free_when_full = 0  # the volume's free bytes then (see _still_full)
         self._pid = os.getpid()
 
     async def close(self) -> None:
@@ -209,6 +211,7 @@ class EdgeNode:
             return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
         except DiskFull as exc:
             self.metrics.disk_full_errors.inc()
+            self._free_when_full = self._free_bytes()
             if not self._disk_full:
                 self._disk_full = True
                 self.metrics.disk_full.set(1)
@@ -218,6 +221,31 @@ class EdgeNode:
                     exc,
                 )
             raise
+
+    def _free_bytes(self) -> int:
+        try:
+            return shutil.disk_usage(self.store.path).free
+        except OSError:
+            return 0
+
+    def _still_full(self, key: ShardKey) -> DiskFull | None:
+        """The error for a shard not worth fetching: the disk is as full as when a write failed.
+
+        Fetching and preprocessing a shard only to have its commit refused wastes
+        origin bandwidth and CPU on every shard of a Stage; once the volume has
+        more free space than then (or an eviction freed pages), fetches resume.
+        """
+        if not self._disk_full:
+            return None
+        free = self._free_bytes()
+        if free > self._free_when_full:
+            return None
+        self.metrics.disk_full_errors.inc()
+        return self.store.disk_full(
+            f"{key}: not fetched, the disk under {self.store.path} is still full",
+            free,
+            ", as when the last write failed",
+        )
 
     async def _put_shard(self, key: ShardKey, frames: Sequence[Buffer]) -> ShardInfo:
         """Commit a whole shard; one that fits after a full disk says there is room again."""
@@ -294,6 +322,8 @@ class EdgeNode:
         peers: Sequence[str] = (),
         peers_only: bool = False,
     ) -> Fetched:
+        if (full := self._still_full(key)) is not None:
+            raise full
         notes: tuple[str, ...] = ()
         if peers:
             try:
@@ -581,6 +611,8 @@ class EdgeNode:
         """Remove a version's shards and pin; returns the bytes freed."""
         freed = await self._write(self.store.evict_version, dataset, version)
         self.metrics.used_bytes.set(self.store.stats.used_bytes)
+        if freed:
+            self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
         return freed
 
     def _kept_manifest(self, v: VersionInfo) -> manifest_pb2.Manifest | None:

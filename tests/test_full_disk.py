@@ -143,6 +143,30 @@ def test_stage_and_read_through_on_a_full_disk(
         assert any("room again" in r.getMessage() for r in caplog.records)
 
 
+def test_a_full_disk_stops_fetching_until_there_is_room(tmp_path: Path, disk: Path) -> None:
+    """Once a commit found the disk full, later shards are not fetched from origin and
+    preprocessed only to be refused; freeing space (or evicting) resumes fetching."""
+    write_parquet_shards(tmp_path / "origin", 24, rows=4000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    config = node_config(disk, registry)
+    with running_node(config) as server:
+        node, client = server.node, stub(server.address)
+        assert node is not None
+        filler = fill(disk, leave=64 << 10)
+        code, details = status_of(
+            lambda: client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1))
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        fetched = node.metrics.value("edgecache_origin_fetches_total")
+        # The ones in flight when the disk filled, not all 24.
+        assert fetched <= 2 * config.staging_concurrency, fetched
+        assert "24 of 24 shards" in details and "free space" in details, details
+        filler.unlink()
+        last = list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
+        assert last.finished and last.shards_done == 24 and last.shards_failed == 0
+
+
 def test_a_new_version_on_a_full_disk_is_resource_exhausted(tmp_path: Path, disk: Path) -> None:
     # Many shards: a manifest of several LMDB pages, which a full disk has no room for.
     tables = write_parquet_shards(tmp_path / "origin", 150, rows=10)
