@@ -651,6 +651,8 @@ class EdgeNode:
             staged_peer_bytes=int(value("edgecache_staged_bytes_total", source="peer")),
             staging_bytes_per_second=self.staging_rate.bytes_per_second(),
             staging_cpu_seconds_per_gb=self.staging_rate.cpu_seconds_per_gb(),
+            disk_full=self._disk_full,
+            disk_free_bytes=self._free_bytes(),
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
         )

@@ -134,12 +134,23 @@ def test_stage_and_read_through_on_a_full_disk(
         assert len(disk_full_warnings(caplog)) == 1, disk_full_warnings(caplog)
         assert node.metrics.value("edgecache_cache_disk_full") == 1
         assert node.metrics.value("edgecache_cache_disk_full_errors_total") >= 2
+        # And in the node's Status, so `edgecache status` shows it beside the node.
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{server.address}']\n"
+        )
+        shown = runner.invoke(app, ["status", "--config", str(topology), "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert _json(shown.stdout)[0]["disk_full"] is True
+        shown = runner.invoke(app, ["status", "--config", str(topology)], env={"COLUMNS": "200"})
+        assert "disk full" in shown.output and "edgecache evict" in shown.output, shown.output
 
         filler.unlink()  # space freed: the same Stage works, no restart
         last = list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
         assert last.finished and last.shards_done == 6 and last.shards_failed == 0
         assert read_shard_table(client, "tokens", 1, missing).equals(tables[missing])
         assert node.metrics.value("edgecache_cache_disk_full") == 0
+        assert not node.status().disk_full and node.status().disk_free_bytes > 0
         assert any("room again" in r.getMessage() for r in caplog.records)
 
 

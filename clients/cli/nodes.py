@@ -116,6 +116,8 @@ def status(
                         "error": r.error,
                         "capacity_bytes": r.status.capacity_bytes if r.status else None,
                         "used_bytes": r.status.used_bytes if r.status else None,
+                        "disk_full": r.status.disk_full if r.status else None,
+                        "disk_free_bytes": r.status.disk_free_bytes if r.status else None,
                         "hits": r.status.hits if r.status else None,
                         "misses": r.status.misses if r.status else None,
                         "bytes_served": r.status.bytes_served if r.status else None,
@@ -149,7 +151,12 @@ def status(
                     r.address,
                     "[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]",
                     f"{r.rtt_ms:.2f} ms",
-                    f"{format_bytes(s.used_bytes)} / {format_bytes(s.capacity_bytes)}",
+                    f"{format_bytes(s.used_bytes)} / {format_bytes(s.capacity_bytes)}"
+                    + (
+                        f"\n[red]disk full ({format_bytes(s.disk_free_bytes)} free)[/red]"
+                        if s.disk_full
+                        else ""
+                    ),
                     "\n".join(_resident(v) for v in s.versions) or "—",
                     f"{s.hits / lookups:.0%}" if lookups else "—",
                     format_bytes(s.bytes_served),
@@ -172,6 +179,14 @@ def status(
         for r in reports:
             if r.status is None:
                 line(f"[red]{r.region} {r.address} is down:[/red] {r.error}", to_stderr=True)
+            elif r.status.disk_full:
+                line(
+                    f"[red]{r.region} {r.address}: its cache's disk is full[/red] "
+                    f"({format_bytes(r.status.disk_free_bytes)} free): staging fails until "
+                    "there is room; free space on its volume or evict a version (edgecache "
+                    "evict NAME@N)",
+                    to_stderr=True,
+                )
     if any(r.status is None for r in reports):
         raise exit_with(ExitCode.FAILED)
 
