@@ -48,6 +48,7 @@ __all__ = [
     "AllNodesFailed",
     "CacheDirError",
     "CacheFull",
+    "DiskFull",
     "ChunkCorrupt",
     "ChunkTruncated",
     "CodecError",
@@ -201,6 +202,14 @@ class CacheFull(StoreError):
 
 class ShardTooLarge(CacheFull):
     """A single shard is larger than the cache's whole capacity."""
+
+
+class DiskFull(CacheFull):
+    """The volume under the cache ran out of space before the cache's capacity did.
+
+    A :class:`CacheFull` (RESOURCE_EXHAUSTED to callers), kept apart so a node
+    can tell an operator once that the disk, not the LRU, is the limit.
+    """
 
 
 class NodeError(EdgeCacheError):

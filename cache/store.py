@@ -44,6 +44,7 @@ import lmdb
 
 from edgecache.cache.errors import (
     CacheFull,
+    DiskFull,
     EmptyShard,
     ReadOnlyStore,
     ShardNotCached,
@@ -65,19 +66,11 @@ from edgecache.cache.store_records import ShardInfo, StoreStats, VersionInfo, ns
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import store_pb2
 
-__all__ = ["CacheStore", "DiskFull", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
+__all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
 
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 10.0  # how long close() waits for readers in other threads to finish
-
-
-class DiskFull(CacheFull):
-    """The volume under the cache ran out of space before the cache's capacity did.
-
-    A :class:`CacheFull` (RESOURCE_EXHAUSTED to callers), kept apart so a node
-    can tell an operator once that the disk, not the LRU, is the limit.
-    """
 
 
 class CacheStore(ClosingContext):

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from edgecache.cache.errors import (
     CacheFull,
     ChunkCorrupt,
+    DiskFull,
     EdgeCacheError,
     MalformedShard,
     OriginError,
@@ -60,7 +61,7 @@ from edgecache.cache.names import LATEST, validate_name
 from edgecache.cache.preprocess import Transform, load_transform
 from edgecache.cache.registry import Registry, fetch_resources
 from edgecache.cache.storage import ObjectInfo, Stores
-from edgecache.cache.store import CacheStore, DiskFull, ShardInfo, VersionInfo
+from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.metrics import NodeMetrics
