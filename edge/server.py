@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
+from edgecache.cache.storage import s3
 from edgecache.edge.config import NodeConfig, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
@@ -266,6 +267,10 @@ class NodeServer:
             config.read_token("read_token_file"),
         )
         credentials = _credentials(config)  # before the cache opens: a bad file fails fast
+        try:
+            s3.check_environment()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         self.node = node = EdgeNode(config)
         server: aio.Server | None = None
         try:

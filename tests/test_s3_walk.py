@@ -210,6 +210,18 @@ def test_aws_max_attempts_that_is_not_a_number_is_named(
     assert "AWS_MAX_ATTEMPTS='three'" in out and "a whole number" in out
 
 
+def test_a_node_refuses_to_start_with_aws_max_attempts_not_a_number(
+    tmp_path: Path, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start, naming the variable: not INVALID_ARGUMENT on the first Stage from S3."""
+    from edgecache.cache.errors import ConfigError
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "three")
+    with pytest.raises(ConfigError, match="AWS_MAX_ATTEMPTS='three'"):
+        with running_node(node_settings(tmp_path, f"s3://{bucket}/_reg")):
+            pass
+
+
 def test_an_unknown_profile_is_named_not_a_traceback(
     bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -153,6 +153,16 @@ def _max_attempts() -> int:
     return int(text)
 
 
+def check_environment() -> None:
+    """Refuse AWS settings that would fail every S3 request, at a node's start.
+
+    Read only when the first S3 request is made, a bad one would otherwise
+    fail every Stage that reaches an ``s3://`` origin, long after the node
+    said it was serving. Raises ValueError naming the variable.
+    """
+    _max_attempts()
+
+
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff (the AWS architecture blog's recommendation)."""
     return random.uniform(0, min(cap, base * 2**attempt))
