@@ -27,9 +27,24 @@ from pydantic import (
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import parse_rate, parse_size
 
-__all__ = ["NodeConfig", "load_node_config", "split_hostport", "usable_cores"]
+__all__ = ["NodeConfig", "load_node_config", "read_pem", "split_hostport", "usable_cores"]
 
 ENV_PREFIX = "EDGECACHE_"
+
+
+def read_pem(path: Path | str, setting: str) -> bytes:
+    """The bytes of a PEM file a setting names, or a ConfigError naming the setting.
+
+    Read when the node starts, so a path that is wrong stops it there rather
+    than failing its first TLS handshake or peer copy.
+    """
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"{setting} {path}: cannot read it ({exc.strerror}); point {setting} at a readable "
+            "PEM file"
+        ) from exc
 
 
 def usable_cores() -> int:

@@ -28,10 +28,10 @@ import grpc
 from grpc import aio
 
 from edgecache.cache import rendezvous
-from edgecache.cache.errors import ChunkCorrupt, ConfigError, EdgeCacheError
+from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
 from edgecache.cache.frame import verify_frame
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
-from edgecache.edge.config import NodeConfig
+from edgecache.edge.config import NodeConfig, read_pem
 from edgecache.v1 import edge_pb2, manifest_pb2
 
 __all__ = ["PeerCopy", "PeerCopyFailed", "Peers"]
@@ -82,9 +82,9 @@ class Peers:
         # Read now, not at the first grpcs:// peer: a missing file stops the node at start
         # with its setting named, instead of failing a Stage later with a bare OSError.
         self._tls_files = (
-            _read(config.peer_tls_ca, "peer_tls_ca ($EDGECACHE_PEER_TLS_CA)"),
-            _read(config.tls_key, "--tls-key"),
-            _read(config.tls_cert, "--tls-cert"),
+            _optional_pem(config.peer_tls_ca, "peer_tls_ca ($EDGECACHE_PEER_TLS_CA)"),
+            _optional_pem(config.tls_key, "--tls-key"),
+            _optional_pem(config.tls_cert, "--tls-cert"),
         )
 
     def _credentials(self) -> grpc.ChannelCredentials:
@@ -176,16 +176,8 @@ class Peers:
             call.cancel()
 
 
-def _read(path: Path | None, setting: str) -> bytes | None:
-    """A PEM file of this node's peer credentials, or a ConfigError naming its setting."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(
-            f"{setting} {path}: cannot read it ({exc.strerror}); point it at a readable PEM file"
-        ) from exc
+def _optional_pem(path: Path | None, setting: str) -> bytes | None:
+    return None if path is None else read_pem(path, setting)
 
 
 def _tls_hint(peer: str, details: str) -> str | None:

@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.storage import s3
-from edgecache.edge.config import NodeConfig, split_hostport
+from edgecache.edge.config import NodeConfig, read_pem, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
 
@@ -136,16 +136,6 @@ def _bind_failure(address: str, flag: str, error: OSError | None = None) -> str:
     return f"cannot bind {address} ({error.strerror or error}); choose another {flag}"
 
 
-def _read_pem(path: Path, flag: str) -> bytes:
-    """The bytes of a PEM file given by ``flag``, or a ConfigError naming the flag."""
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(
-            f"{flag} {path}: cannot read it ({exc.strerror}); point {flag} at a readable PEM file"
-        ) from exc
-
-
 def _no_passphrase() -> bytes:
     raise ConfigError("--tls-key is encrypted")
 
@@ -226,11 +216,11 @@ def _credentials(config: NodeConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from --tls-cert/--tls-key (and --tls-client-ca), checked first."""
     if config.tls_cert is None or config.tls_key is None:
         return None
-    cert = _read_pem(config.tls_cert, "--tls-cert")
-    key = _read_pem(config.tls_key, "--tls-key")
+    cert = read_pem(config.tls_cert, "--tls-cert")
+    key = read_pem(config.tls_key, "--tls-key")
     client_ca = None
     if config.tls_client_ca is not None:
-        client_ca = (config.tls_client_ca, _read_pem(config.tls_client_ca, "--tls-client-ca"))
+        client_ca = (config.tls_client_ca, read_pem(config.tls_client_ca, "--tls-client-ca"))
     _check_certificates(Path(config.tls_cert), Path(config.tls_key), cert, client_ca)
     return grpc.ssl_server_credentials(
         [(key, cert)],
