@@ -363,19 +363,24 @@ def test_state_after_a_failover_resumes_exactly(nodes) -> None:
 # ------------------------------------------------ persistent workers after a broken pass
 
 
-def test_persistent_workers_follow_set_epoch_after_a_failover_and_a_break(nodes) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_follow_set_epoch_after_a_failover_and_a_break(
+    nodes, context: str
+) -> None:
     """A pass broken off (a max-steps loop) after a failover, then set_epoch(1): epoch 1 whole.
 
     Persistent workers keep their dataset copy between passes; they went on with the
     rest of epoch 0 from where each had read ahead (batches the loop never saw were
-    lost), whatever set_epoch said in the training process.
+    lost), whatever set_epoch said in the training process. Workers started by spawn
+    (macOS's default; CUDA in the parent) get the dataset pickled: that failed (a lock
+    in its metrics), and the position they read must cross spawn as shared memory.
     """
     first, second = nodes
     expected = clean_batches(second.address, 1)
     ds = EdgeDataset(
         "tokens@1", endpoints=[first.address, second.address], retry_timeout=10, **SMALL
     )
-    dl = loader(ds, persistent_workers=True)
+    dl = loader(ds, persistent_workers=True, multiprocessing_context=context)
     for i, _ in enumerate(dl):
         if i == 3:
             first.process.send_signal(signal.SIGKILL)
@@ -383,6 +388,7 @@ def test_persistent_workers_follow_set_epoch_after_a_failover_and_a_break(nodes)
             break
     ds.set_epoch(1)
     assert [labels_of(b) for b in dl] == expected
+    assert ds._counters.failovers >= 1  # the workers' metrics reach the training process
     ds.close()
 
 
@@ -424,29 +430,6 @@ def test_persistent_workers_resume_a_state_loaded_after_all_nodes_failed(
     finally:
         proxy.close()
         stop_all(nodes)
-
-
-def test_spawned_persistent_workers_fail_over_and_follow_set_epoch(nodes) -> None:
-    """Workers started by spawn (macOS's default; CUDA in the parent) get the dataset pickled.
-
-    Pickling it failed (a lock in its metrics); and the position persistent workers
-    read must cross spawn as shared memory, not as a copy.
-    """
-    first, second = nodes
-    expected = clean_batches(second.address, 1)
-    ds = EdgeDataset(
-        "tokens@1", endpoints=[first.address, second.address], retry_timeout=10, **SMALL
-    )
-    dl = loader(ds, persistent_workers=True, multiprocessing_context="spawn")
-    for i, _ in enumerate(dl):
-        if i == 3:
-            first.process.send_signal(signal.SIGKILL)
-        if i == 8:
-            break
-    ds.set_epoch(1)
-    assert [labels_of(b) for b in dl] == expected
-    assert ds._counters.failovers >= 1  # the workers' metrics reach the training process
-    ds.close()
 
 
 def test_node_killed_mid_epoch_the_other_stages_on_demand(tmp_path: Path, registry: str) -> None:
