@@ -6,11 +6,12 @@ because these files are written by hand and read by scripts.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
-from datetime import datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -22,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from edgecache.cache.errors import ConfigFileError, InvalidEndpoint
 from edgecache.cache.names import parse_spec
@@ -108,6 +110,45 @@ class ScheduledJob(BaseModel):
     epochs: int = Field(1, ge=1)
     duration: timedelta = timedelta(hours=24)
 
+    @field_validator("start", mode="before")
+    @classmethod
+    def _zoned(cls, value: Any) -> Any:
+        # Pydantic's own words ("Input should have timezone info") say what is wrong but
+        # not what to write; a start is misread by hours without its zone, so say how.
+        example = "e.g. 2026-12-01T09:00:00Z (UTC) or 2026-12-01T09:00:00+02:00"
+        when = value
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                date.fromisoformat(text)
+            except ValueError:
+                pass
+            else:
+                raise ValueError(
+                    f"{text} is a date alone: give the time and its timezone, {example}"
+                )
+            try:
+                when = datetime.fromisoformat(text)
+            except ValueError:
+                raise ValueError(f"{text!r} is not a time: write ISO 8601, {example}") from None
+        elif isinstance(value, date) and not isinstance(value, datetime):
+            raise ValueError(f"{value} is a date alone: give the time and its timezone, {example}")
+        elif isinstance(value, bool | int | float):
+            raise ValueError(f"{value!r} is not a time: write ISO 8601, {example}")
+        if isinstance(when, datetime) and when.tzinfo is None:
+            raise ValueError(
+                f"{when:%Y-%m-%dT%H:%M:%S} has no timezone: add Z for UTC or the offset, "
+                f"e.g. {when:%Y-%m-%dT%H:%M:%S}Z or {when:%Y-%m-%dT%H:%M:%S}+02:00"
+            )
+        return when
+
+    @field_validator("start")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        # Plans, pins and reasons print times without a zone: all of them are UTC, so a
+        # start written with an offset is the same instant in UTC, never shown as written.
+        return value.astimezone(UTC)
+
     @field_validator("datasets")
     @classmethod
     def _specs(cls, value: list[str]) -> list[str]:
@@ -160,11 +201,27 @@ class Schedule(BaseModel):
     @field_validator("jobs")
     @classmethod
     def _unique(cls, value: list[ScheduledJob]) -> list[ScheduledJob]:
-        seen: set[str] = set()
-        for job in value:
+        # Reported at the second job's own name (jobs.N.name), so the error's line is
+        # that job's, not the top of the list.
+        seen: dict[str, int] = {}
+        problems = []
+        for index, job in enumerate(value):
             if job.name in seen:
-                raise ValueError(f"job name {job.name!r} appears twice; names must be unique")
-            seen.add(job.name)
+                problems.append(
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "duplicate_name",
+                            "job name '{name}' appears twice; names must be unique "
+                            "(the first is jobs.{first}",
+                            {"name": job.name, "first": seen[job.name]},
+                        ),
+                        loc=(index, "name"),
+                        input=job.name,
+                    )
+                )
+            seen.setdefault(job.name, index)
+        if problems:
+            raise ValidationError.from_exception_data("Schedule", problems)
         return value
 
 
@@ -214,9 +271,7 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
         tree = loader.get_single_node()
         data = None if tree is None else loader.construct_document(tree)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ConfigFileError(f"{path}{where}: not valid YAML ({exc})") from exc
+        raise ConfigFileError(_yaml_problem(path, exc)) from exc
     except RecursionError as exc:
         raise ConfigFileError(f"{path}: not valid YAML (nested too deeply)") from exc
     except Exception as exc:
@@ -241,8 +296,49 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
             # A validator's own message is the whole story: pydantic's "Value error, "
             # before it is noise.
             message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "extra_forbidden":
+                message += _did_you_mean(model, loc)
+            if error["type"] == "duplicate_name":
+                first = _line(tree, ("jobs", error["ctx"]["first"], "name"))
+                message += f", line {first})"
             problems.append(f"{path}:{line}: {field}: {message}")
         raise ConfigFileError("\n".join(problems)) from exc
+
+
+def _yaml_problem(path: Path, exc: yaml.YAMLError) -> str:
+    """One line for a YAML mistake: file, line and column, what is wrong, what to check.
+
+    PyYAML's own text runs over several lines and names "<unicode string>"
+    rather than the file; most mistakes in hand-written files are tabs and
+    indentation, so the advice is about those.
+    """
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return f"{path}: not valid YAML ({' '.join(str(exc).split())})"
+    problem = getattr(exc, "problem", None) or "cannot be read"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and context_mark.line != mark.line:
+        problem += f" ({context} at line {context_mark.line + 1})"
+    if "tab" in problem:
+        advice = "indent with spaces, not tabs"
+    else:
+        advice = "check the indentation (spaces; keys of one item line up) and quoting here"
+    where = f"{path}:{mark.line + 1}: not valid YAML at column {mark.column + 1}"
+    return f"{where}: {problem}; {advice}"
+
+
+def _did_you_mean(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """ " (did you mean 'start'?)" for a misspelt key, from the fields allowed where it is."""
+    current: Any = model
+    for part in loc[:-1]:
+        fields = getattr(current, "model_fields", {})
+        if isinstance(part, str) and part in fields:
+            current = fields[part].annotation
+        while get_origin(current) in (list, dict):
+            current = get_args(current)[-1]
+    known = list(getattr(current, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1) if loc else []
+    return f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
 
 
 def find_topology(path: str | os.PathLike[str] | None = None) -> Path:
