@@ -38,7 +38,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from edgecache.cache.units import format_bytes
 
@@ -282,6 +282,11 @@ def _plan_region(
         i = bisect.bisect_right(times, after)
         return times[i] if i < len(times) else None
 
+    def last_end(version: VersionKey, until: datetime) -> datetime:
+        """The latest end of the jobs reading ``version`` that start by ``until``."""
+        i = bisect.bisect_right(starts.get(version, []), until) - 1
+        return reach[version][i] if i >= 0 else now
+
     def in_use(version: VersionKey, lo: datetime, hi: datetime) -> bool:
         """Whether a job reads ``version`` at any time in [lo, hi] (O(log n))."""
         i = bisect.bisect_right(starts.get(version, []), hi) - 1
@@ -396,19 +401,24 @@ def _plan_region(
                             begin, finish = when, when + duration
                         break
                 if freed < shortfall:
-                    locked = sorted(
-                        f"{d}@{v}" for (d, v) in resident if in_use((d, v), begin, job.end)
-                    )
+                    locked = sorted(v for v in resident if in_use(v, begin, job.end))
+                    free = state.capacity_bytes - used + freed
+                    # What to change: the region's capacity, or the job's start, to when the
+                    # jobs reading what is in use have stopped reading it.
+                    fix = f"add at least {format_bytes(shortfall - freed)} to {state.name}"
+                    frees = [last_end(v, job.end) for v in locked]
+                    if frees:
+                        fix += f", or start {job.name} after {_utc(max(frees))}"
                     result.infeasible.append(
                         Infeasible(
                             job.name,
                             state.name,
                             spec,
                             f"not enough capacity: needs {format_bytes(size)}, only "
-                            f"{format_bytes(state.capacity_bytes - used + freed)} free even after "
-                            "evicting "
-                            f"everything not needed sooner; in use then: "
-                            f"{', '.join(locked[:5]) or 'nothing'}",
+                            f"{format_bytes(free)} free even after evicting everything not "
+                            "needed sooner; in use then: "
+                            f"{', '.join(f'{d}@{v}' for d, v in locked[:5]) or 'nothing'}; "
+                            f"to meet it: {fix}",
                         )
                     )
                     continue
@@ -425,7 +435,8 @@ def _plan_region(
                         reason=(
                             "not needed again"
                             if victim_next is None
-                            else f"next needed at {victim_next:%Y-%m-%dT%H:%MZ}, furthest ahead"
+                            else f"next needed at {victim_next.astimezone(UTC):%Y-%m-%dT%H:%MZ}, "
+                            "furthest ahead"
                         ),
                     )
                 )
@@ -484,10 +495,34 @@ def _late_reason(
             "the job reads it through to origin, slowly"
         )
     available = max((job.start - begin).total_seconds(), 0.0)
-    return (
-        f"needs {duration.total_seconds():,.0f} s at {bandwidth * 8 / 1e9:.2f} Gbit/s from "
-        f"{source}, only {available:,.0f} s before the start"
+    why = (
+        f"needs {duration.total_seconds():,.0f} s at {_rate(bandwidth)} from {source}, only "
+        f"{available:,.0f} s before the start"
     )
+    # What to change: the start, to when the data would be there, or the link's speed.
+    fix = f"start {job.name} at {_utc(finish, ceil=True)} or later"
+    if available > 0:
+        link = "origin_bandwidth" if source == "origin" else f"peers.{source}"
+        needed = bandwidth * duration.total_seconds() / available
+        fix += f", or make the link at least {_rate(needed)} ({link} in the topology)"
+    return f"{why}; to meet it: {fix}"
+
+
+def _rate(bytes_per_second: float) -> str:
+    """A link speed as people write it: 8 Mbit/s, 2.5 Gbit/s (a fixed Gbit/s showed 0.00)."""
+    bits = bytes_per_second * 8
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits:.3g} bit/s"
+
+
+def _utc(when: datetime, *, ceil: bool = False) -> str:
+    """A time in reasons: UTC to the minute (rounded up with ``ceil``, for an earliest start)."""
+    when = when.astimezone(UTC)
+    if ceil and (when.second or when.microsecond):
+        when = when.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    return f"{when:%Y-%m-%d %H:%M}"
 
 
 def _margin(duration: timedelta) -> timedelta:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from edgecache.cache.errors import ConfigFileError
+from edgecache.cache.planner import Job, RegionState, plan
 from edgecache.clients.topology import load_schedule
 
 NARROW = {**os.environ, "COLUMNS": "80"}
@@ -103,3 +104,42 @@ def test_a_yaml_mistake_is_one_line_naming_file_line_and_column(
     assert "\n" not in message and "<unicode string>" not in message, message
     assert message.startswith(f"{tmp_path / 's.yaml'}:{line}:"), message
     assert words in message.lower(), message
+
+
+# ------------------------------------------------------------------ the planner's reasons
+
+
+def region(name: str = "eu", capacity: int = 10 * GB, bandwidth: float = 1e9, **kw) -> RegionState:  # noqa: ANN003
+    return RegionState(name=name, capacity_bytes=capacity, origin_bandwidth=bandwidth, **kw)
+
+
+def test_a_link_too_slow_says_when_the_job_could_start_or_how_fast_the_link_must_be() -> None:
+    """It said 'needs 10,000 s at 0.01 Gbit/s … only 3,600 s': why, but not what to change."""
+    job = Job("train", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=9), (("ds", 1),))
+    result = plan([job], {"eu": region(bandwidth=1e6)}, {("ds", 1): 10 * GB}, now=NOW)
+    (why,) = [i.reason for i in result.infeasible]
+    assert "8 Mbit/s" in why, why  # a readable rate, not "0.01 Gbit/s"
+    assert "start train at 2026-12-01 02:47 or later" in why, why  # 10,000 s after NOW
+    assert "22.2 Mbit/s" in why and "origin_bandwidth" in why, why  # 10 GB in 3,600 s
+
+
+def test_not_enough_capacity_says_how_much_more_and_when_room_frees_up() -> None:
+    first = Job("first", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=5), (("ds", 1),))
+    second = Job("second", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=5), (("ds", 2),))
+    sizes = {("ds", 1): 6 * GB, ("ds", 2): 6 * GB}
+    result = plan([first, second], {"eu": region()}, sizes, now=NOW)
+    (why,) = [i.reason for i in result.infeasible if i.job == "second"]
+    assert "not enough capacity" in why and "in use then: ds@1" in why, why
+    assert "add at least 2.0 GB" in why or "add at least 1.9 GiB" in why, why
+    assert "start second after 2026-12-01 05:00" in why, why  # when first stops reading ds@1
+
+
+def test_an_eviction_reason_gives_the_next_use_in_utc_whatever_the_job_zone() -> None:
+    """It printed a +02:00 time with a 'Z' after it: two hours off."""
+    start = datetime(2026, 12, 1, 12, tzinfo=PLUS2)  # 10:00 UTC
+    later = Job("later", "eu", start, start + timedelta(hours=1), (("ds", 1),))
+    sooner = Job("sooner", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (("ds", 2),))
+    state = region(capacity=GB, resident={("ds", 1): GB})
+    result = plan([later, sooner], {"eu": state}, {("ds", 1): GB, ("ds", 2): GB}, now=NOW)
+    reasons = [e.reason for e in result.regions["eu"].evictions if e.version == ("ds", 1)]
+    assert reasons == ["next needed at 2026-12-01T10:00Z, furthest ahead"], reasons
