@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -133,6 +134,33 @@ class ImageSpec:
         )
 
 
+def _centre_box(spec: ImageSpec, size: tuple[int, int]) -> tuple[float, float, float, float]:
+    """The centred region of an image of ``size`` that scales to cover H×W exactly.
+
+    Clamped to the image: in floating point the box of a side that fits exactly comes out a
+    hair outside it (640x427 at 64: top = -7e-15), which Pillow refuses.
+    """
+    width, height = size
+    scale = max(spec.height / height, spec.width / width)
+    box_w, box_h = min(width, spec.width / scale), min(height, spec.height / scale)
+    left, top = max(0.0, (width - box_w) / 2), max(0.0, (height - box_h) / 2)
+    return left, top, min(width, left + box_w), min(height, top + box_h)
+
+
+def _eight_bit(image: Any) -> Any:
+    """``image`` with 8-bit samples: 16-bit grayscale (PNG) scaled down, the rest as it is.
+
+    Pillow's ``convert`` clips 16-bit values to 255 rather than scaling them, so a 16-bit
+    PNG would come out white.
+    """
+    from PIL import Image
+
+    if image.mode not in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        return image
+    wide = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+    return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))
+
+
 def _decode(data: memoryview | bytes, spec: ImageSpec) -> np.ndarray:
     """One image → ``[H, W, C]`` uint8; raises whatever Pillow raises for bad data."""
     from PIL import Image
@@ -141,15 +169,12 @@ def _decode(data: memoryview | bytes, spec: ImageSpec) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as opened:
         if opened.format == "JPEG":
             opened.draft(mode, (spec.width, spec.height))  # DCT-domain downscale, still >= H×W
-        image = opened.convert(mode)
+        image = _eight_bit(opened).convert(mode)
         width, height = image.size
         resample = getattr(Image.Resampling, spec.filter.upper())
         if spec.fit == "crop":
-            scale = max(spec.height / height, spec.width / width)
-            box_w, box_h = spec.width / scale, spec.height / scale
-            left, top = (width - box_w) / 2, (height - box_h) / 2
             out = image.resize(
-                (spec.width, spec.height), resample, box=(left, top, left + box_w, top + box_h)
+                (spec.width, spec.height), resample, box=_centre_box(spec, image.size)
             )
             return np.asarray(out).reshape(spec.height, spec.width, spec.channels)
         scale = min(spec.height / height, spec.width / width)
@@ -207,6 +232,11 @@ class _Images:
         column = batch.column(name)
         if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
             raise MalformedShard(f"images: column {name!r} is {column.type}, not binary")
+        if spec.output not in (None, name) and spec.output in batch.schema.names:
+            raise MalformedShard(
+                f"images: output={spec.output!r} is already a column of the data; name the "
+                f"pixels otherwise, or leave output out to replace {name!r}"
+            )
         values = [None if v is None else memoryview(v) for v in column.to_pylist()]  # type: ignore[arg-type]
         out = np.empty((len(values), spec.height, spec.width, spec.channels), np.uint8)
         tasks = [

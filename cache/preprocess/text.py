@@ -53,7 +53,12 @@ __all__ = ["TokensSpec", "tokens_transform"]
 
 _PARAMS = ("tokenizer", "tokenizer_sha256", "column", "seq_len", "eos", "bos", "dtype",
            "remainder", "pad_id")  # fmt: skip
-_DTYPES = {"int32": np.int32, "uint16": np.uint16, "uint32": np.uint32, "int64": np.int64}
+_DTYPES: dict[str, type[np.integer[Any]]] = {
+    "int32": np.int32,
+    "uint16": np.uint16,
+    "uint32": np.uint32,
+    "int64": np.int64,
+}
 _TASK_CHARS = 64 << 10  # text per task handed to a preprocessing thread
 
 
@@ -91,6 +96,11 @@ class TokensSpec:
         pad = params.get("pad_id", "0").strip()
         if not pad.isdigit():
             raise ValueError(f"tokens param pad_id={pad!r}: expected a token id")
+        if int(pad) > np.iinfo(_DTYPES[dtype]).max:
+            raise ValueError(
+                f"tokens param pad_id={pad} does not fit dtype {dtype}; use a smaller pad_id "
+                "or a wider dtype"
+            )
         return cls(params.get("column") or "text", int(seq), dtype, remainder == "pad", int(pad))
 
 
@@ -176,7 +186,9 @@ class _Tokens:
             flat[at : at + len(ids)] = ids
             if self.eos is not None:
                 flat[at + len(ids)] = self.eos
-        return flat, starts
+        # A document with no tokens (empty or null text, no bos/eos) begins nowhere: listing
+        # it would repeat the next document's offset, or point into the padding.
+        return flat, starts[lengths > 0]
 
     def _rows(self, flat: np.ndarray, starts: np.ndarray, final: int) -> pa.RecordBatch:
         """Rows of ``seq_len`` from ``flat`` (its length a multiple, or the padded last row)."""
@@ -238,6 +250,13 @@ def tokens_transform(params: Mapping[str, str], resources: Mapping[str, bytes]) 
     """The ``tokens`` transform for ``params``; ``resources`` holds the tokenizer file's bytes."""
     spec = TokensSpec.parse(params)
     tokenizer = _load_tokenizer(params, resources)
+    vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    if vocab - 1 > np.iinfo(_DTYPES[spec.dtype]).max:  # refused at publish, not on every node
+        wider = "uint32" if spec.dtype == "uint16" else "int64"
+        raise ValueError(
+            f"tokens: the tokenizer's vocabulary has {vocab:,} tokens, more than dtype "
+            f"{spec.dtype} holds; use dtype={wider}"
+        )
     return _Tokens(
         spec,
         tokenizer,

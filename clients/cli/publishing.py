@@ -65,6 +65,28 @@ def schema_json(schema_bytes: bytes) -> list[dict[str, object]]:
 CSV_HELP = "CSV reader options"
 
 
+def _params(given: list[str]) -> dict[str, str]:
+    """``--param KEY=VALUE`` options as a dict; a bare or repeated key is refused, naming it.
+
+    A repeated key used to keep the last value silently (or fail with a message that did
+    not say which); one value per key is what the transform records.
+    """
+    params: dict[str, str] = {}
+    for each in given:
+        key, eq, value = each.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--param {each!r}: expected KEY=VALUE, e.g. --param size=224")
+        if key in params:
+            raise ValueError(
+                f"--param {key} is given more than once ({params[key]!r} and {value!r}); give "
+                "it once: a param of several values takes them in one (select=a,b or "
+                "cast=a=int8,b=float16)"
+            )
+        params[key] = value
+    return params
+
+
 @app.command()
 def publish(
     source_url: Annotated[
@@ -160,9 +182,7 @@ def publish(
     from edgecache.v1 import manifest_pb2 as pb
 
     with reporting():
-        params = dict(p.split("=", 1) for p in (param or []) if "=" in p)
-        if len(params) != len(param or []):
-            raise ValueError("--param takes KEY=VALUE")
+        params = _params(param or [])
         spec = preprocess_spec(
             transform=transform,
             params=params,

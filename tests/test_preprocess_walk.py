@@ -1,0 +1,183 @@
+"""docs/preprocessing.md followed as a new user would, on data no one here wrote: images from
+matplotlib's and scikit-learn's sample data (and kinds Pillow makes from them: 16-bit,
+CMYK, palette, tiny), text from the standard library's sources. Each test pins a defect
+the walk found."""
+
+from __future__ import annotations
+
+import io
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from datagen import tar_archive
+from typer.testing import CliRunner
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.manifest import preprocess_spec
+from edgecache.cache.preprocess import ShardContext, load_transform, preprocess
+from edgecache.cache.registry import Registry
+from edgecache.v1 import manifest_pb2 as pb
+
+Image = pytest.importorskip("PIL.Image")
+mpl = pytest.importorskip("matplotlib")
+SAMPLES = Path(mpl.get_data_path()) / "sample_data"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def grace() -> bytes:
+    return (SAMPLES / "grace_hopper.jpg").read_bytes()
+
+
+def china() -> bytes:
+    """scikit-learn's 640x427 photo: a real JPEG whose crop box rounding went negative."""
+    sklearn = pytest.importorskip("sklearn")
+    return (Path(sklearn.__file__).parent / "datasets/images/china.jpg").read_bytes()
+
+
+def encoded(image: object, fmt: str, **kw: object) -> bytes:
+    sink = io.BytesIO()
+    image.save(sink, fmt, **kw)  # type: ignore[attr-defined]
+    return sink.getvalue()
+
+
+def png16() -> tuple[bytes, np.ndarray]:
+    """A 16-bit grayscale PNG of grace_hopper.jpg, and the 8-bit gray it was made from."""
+    gray = np.asarray(Image.open(io.BytesIO(grace())).convert("L"))
+    return encoded(Image.fromarray(gray.astype(np.uint16) * 257), "PNG"), gray
+
+
+def arrow_ipc(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def decode(images: list[bytes], **params: str) -> np.ndarray:
+    """The images transform's pixels for ``images``, as ``[N, H, W, C]``."""
+    batch = pa.RecordBatch.from_pydict({"image": pa.array(images, pa.binary())})
+    out = preprocess(
+        arrow_ipc(batch),
+        fmt=pb.SOURCE_FORMAT_ARROW_IPC,
+        source="s3://b/imgs/part-0.arrow",
+        spec=pb.PreprocessSpec(transform="images", params=params),
+        context=ShardContext(),
+    )
+    table = pa.Table.from_batches(list(out))
+    kind = table.schema.field("image").type
+    shape = []
+    while pa.types.is_fixed_size_list(kind):
+        shape.append(kind.list_size)
+        kind = kind.value_type
+    flat = table.column("image").combine_chunks().flatten().flatten().flatten()
+    return np.asarray(flat).reshape(len(table), *shape)
+
+
+@pytest.mark.parametrize("size", ["32", "64", "100", "224", "427"])
+def test_a_real_jpeg_crops_at_any_size(size: str) -> None:
+    # china.jpg at size=64 failed: 'box offset can't be negative' (top = -7e-15).
+    out = decode([china()], size=size)
+    assert out.shape == (1, int(size), int(size), 3)
+
+
+def test_16_bit_png_keeps_its_levels() -> None:
+    # A 16-bit PNG came out all 255: Pillow clips 16-bit values when converting to 8 bits.
+    data, gray = png16()
+    for channels in ("gray", "rgb"):
+        out = decode([data], height=str(gray.shape[0]), width=str(gray.shape[1]),
+                     channels=channels, filter="nearest")  # fmt: skip
+        assert np.array_equal(out[0, :, :, 0], gray)
+
+
+def test_output_naming_another_column_is_refused_at_publish(tmp_path: Path) -> None:
+    # output=cls published two columns named cls; every node then failed the shard.
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / "s-0.tar").write_bytes(tar_archive([("a.cls", b"1"), ("a.jpg", grace())]))
+    spec = preprocess_spec(transform="images", params={"size": "8", "output": "cls"})
+    with pytest.raises(MalformedShard, match="output='cls' is already a column"):
+        Registry.run(
+            f"file://{tmp_path}/reg", lambda reg: reg.publish(f"file://{origin}", "p", spec=spec)
+        )
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> bytes:
+    tokenizers = pytest.importorskip("tokenizers")
+    docs = [(STDLIB / name).read_text() for name in ("textwrap.py", "shlex.py", "colorsys.py")]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<pad>", "<unk>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(docs, trainer)
+    return tok.to_str().encode()
+
+
+def pack(texts: list[str | None], tok: bytes, **params: str) -> pa.Table:
+    data = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts)
+    out = preprocess(
+        data,
+        fmt=pb.SOURCE_FORMAT_JSONL,
+        source="s3://b/docs/part-0.jsonl",
+        spec=pb.PreprocessSpec(transform="tokens", params={"tokenizer": "t", **params}),
+        resources={"t": tok},
+        batch_rows=2,
+        context=ShardContext(),
+    )
+    return pa.Table.from_batches(list(out))
+
+
+def test_empty_documents_are_not_listed_in_doc_starts(tokenizer_json: bytes) -> None:
+    # Empty documents were listed: [0, 0, 1, 1] for ['', 'ab', '', 'cd'], and a trailing
+    # empty one pointed into the padding. doc_starts must be where tokens of a document begin.
+    texts: list[str | None] = ["", "ab", None, "", "cd", "日本語 😀", ""]
+    table = pack(texts, tokenizer_json, seq_len="4")
+    for starts, length in zip(
+        table.column("doc_starts").to_pylist(), table.column("length").to_pylist(), strict=True
+    ):
+        assert starts == sorted(set(starts)) and all(s < length for s in starts)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json.decode())
+    sizes = [len(tok.encode(t, add_special_tokens=False).ids) for t in ("ab", "cd", "日本語 😀")]
+    flat_starts = [
+        row * 4 + s for row, starts in enumerate(table.column("doc_starts").to_pylist())
+        for s in starts
+    ]  # fmt: skip
+    assert flat_starts == [0, sizes[0], sizes[0] + sizes[1]]
+
+
+def test_pad_id_and_vocabulary_that_do_not_fit_dtype_are_refused_as_params(
+    tokenizer_json: bytes,
+) -> None:
+    # pad_id=70000 with dtype=uint16 failed on the object ('token id 70000 … fix or remove
+    # the object'): it is the param that is wrong, and it can be seen before any data.
+    with pytest.raises(ValueError, match="pad_id=70000 does not fit dtype uint16"):
+        load_transform("tokens", {"tokenizer": "t", "dtype": "uint16", "pad_id": "70000"},
+                       {"t": tokenizer_json})  # fmt: skip
+    big = json.loads(tokenizer_json)
+    big["model"]["vocab"].update({f"<extra_{i}>": 500 + i for i in range(70_000)})
+    with pytest.raises(ValueError, match="vocabulary .* dtype uint16 .*dtype=uint32"):
+        load_transform("tokens", {"tokenizer": "t", "dtype": "uint16"},
+                       {"t": json.dumps(big).encode()})  # fmt: skip
+
+
+def test_repeated_or_bare_param_is_refused_naming_it(tmp_path: Path) -> None:
+    # '--param cast=a=int8 --param cast=b=float16' said '--param takes KEY=VALUE'.
+    from edgecache.clients.cli import app
+
+    runner = CliRunner()
+    base = ["publish", str(tmp_path), "--dataset", "d", "--registry", f"file://{tmp_path}/r"]
+    twice = runner.invoke(app, [*base, "--transform", "columns", "--param", "cast=a=int8",
+                                "--param", "cast=b=float16"])  # fmt: skip
+    assert twice.exit_code == 2
+    assert "cast" in twice.output and "more than once" in twice.output
+    bare = runner.invoke(app, [*base, "--param", "size"])
+    assert bare.exit_code == 2 and "'size'" in bare.output
