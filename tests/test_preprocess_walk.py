@@ -181,3 +181,60 @@ def test_repeated_or_bare_param_is_refused_naming_it(tmp_path: Path) -> None:
     assert "cast" in twice.output and "more than once" in twice.output
     bare = runner.invoke(app, [*base, "--param", "size"])
     assert bare.exit_code == 2 and "'size'" in bare.output
+
+
+def test_real_images_publish_stage_on_two_nodes_and_read_back(tmp_path: Path) -> None:
+    """Every kind of image the walk used, through the CLI, two real nodes and EdgeDataset:
+    the schema `versions` prints is what EdgeDataset yields, and both nodes give the same
+    bytes."""
+    torch = pytest.importorskip("torch")
+    from edgecache.clients.cli import app
+    from edgecache.clients.dataset import EdgeDataset
+    from edgecache.edge.config import NodeConfig
+    from edgecache.edge.server import running_node
+
+    base = Image.open(io.BytesIO(grace()))
+    exif = base.getexif()
+    exif[0x0112] = 6  # "rotate 90° to display": not applied, as documented
+    kinds = {
+        "jpeg": grace(),
+        "china": china(),
+        "logo": (SAMPLES / "logo2.png").read_bytes(),  # RGBA
+        "palette": encoded(base.convert("P", palette=Image.Palette.ADAPTIVE), "PNG"),
+        "png16": png16()[0],
+        "cmyk": encoded(base.convert("CMYK"), "JPEG"),
+        "exif": encoded(base, "JPEG", exif=exif.tobytes()),
+        "tiny": encoded(base.resize((3, 2)), "PNG"),
+    }
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    for shard in range(2):
+        members = []
+        for i, (kind, data) in enumerate(kinds.items()):
+            members += [(f"s{shard}/{kind}.cls", b"%d" % i), (f"s{shard}/{kind}.jpg", data)]
+        (origin / f"shard-{shard}.tar").write_bytes(tar_archive(members))
+    registry = f"file://{tmp_path}/registry"
+    runner = CliRunner()
+    args = ["--dataset", "pics", "--registry", registry, "--transform", "images"]
+    published = runner.invoke(app, ["publish", str(origin), *args, "--param", "size=48"])
+    assert published.exit_code == 0, published.output
+    assert "jpg: uint8[48,48,3]" in published.output
+    listed = runner.invoke(app, ["versions", "pics", "--registry", registry, "--json"])
+    schema = {f["name"]: f["type"] for f in json.loads(listed.output)[0]["schema"]}
+    assert schema["jpg"].startswith("fixed_size_list") and schema["cls"] == "int64"
+    seen = []
+    for node_dir in ("n1", "n2"):
+        config = NodeConfig(region=node_dir, cache_dir=tmp_path / node_dir, registry=registry,
+                            listen="127.0.0.1:0", sync=False)  # fmt: skip
+        with running_node(config) as node:
+            ds = EdgeDataset("pics@1", endpoints=[node.address], batch_size=4, shuffle=False)
+            batches = list(ds)
+        assert set(batches[0]) == set(schema)
+        seen.append(torch.cat([b["jpg"] for b in batches]))
+    assert seen[0].shape == (16, 48, 48, 3) and seen[0].dtype == torch.uint8
+    assert torch.equal(seen[0], seen[1])  # the same bytes from two nodes
+    pixels = dict(zip(kinds, seen[0][:8].numpy(), strict=True))
+    assert pixels["png16"].mean() < 200  # not clipped to white
+    unrotated = np.abs(pixels["exif"].astype(int) - pixels["jpeg"]).mean()
+    rotated = np.abs(np.rot90(pixels["exif"], -1).astype(int) - pixels["jpeg"]).mean()
+    assert unrotated < 5 < rotated  # EXIF orientation is not applied, as documented
