@@ -238,3 +238,30 @@ def test_real_images_publish_stage_on_two_nodes_and_read_back(tmp_path: Path) ->
     unrotated = np.abs(pixels["exif"].astype(int) - pixels["jpeg"]).mean()
     rotated = np.abs(np.rot90(pixels["exif"], -1).astype(int) - pixels["jpeg"]).mean()
     assert unrotated < 5 < rotated  # EXIF orientation is not applied, as documented
+
+
+def documented_params(transform: str) -> set[str]:
+    """The params in the table of ``### `<transform>``` in docs/preprocessing.md."""
+    doc = (Path(__file__).parents[1] / "docs/preprocessing.md").read_text()
+    section = doc.split(f"### `{transform}`", 1)[1].split("\n### ", 1)[0]
+    names: set[str] = set()
+    for row in section.splitlines():
+        if row.startswith("| `"):
+            cell = row.split("|")[1]
+            names.update(part.split("=")[0] for part in cell.split("`")[1::2])
+    return names
+
+
+@pytest.mark.parametrize("transform", ["images", "tokens", "columns"])
+def test_every_param_a_transform_parses_is_documented(transform: str) -> None:
+    # tokens parsed pad_id, which the params table did not list.
+    from edgecache.cache.preprocess import images, text
+
+    parsed = {
+        "images": set(images._PARAMS),
+        "tokens": set(text._PARAMS),
+        "columns": {"select", "rename", "cast"},
+    }[transform]
+    assert parsed <= documented_params(transform)
+    with pytest.raises(ValueError, match="unknown params.*allowed"):
+        load_transform(transform, {"tokenizer": "t", "size": "8", "sise": "8"}, {"t": b""})

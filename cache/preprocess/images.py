@@ -29,6 +29,7 @@ simplejpeg, and it also reads PNG and WebP. Pillow releases the GIL while it
 decodes and resizes, so the images of a batch are decoded on the node's
 preprocessing threads in parallel (see :class:`~.transforms.ShardContext`).
 EXIF orientation is not applied (torchvision's ``decode_jpeg`` does not either).
+Alpha is dropped; 16-bit grayscale is scaled to 8 bits (Pillow alone would clip it).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ tokenizer, and packs the tokens of a shard's documents, in order, into rows of
 * ``input_ids``: ``fixed_size_list<int32 | uint16 | uint32 | int64, seq_len>``
   → ``[B, seq_len]`` tensors in EdgeDataset;
 * ``doc_starts``: ``list<int32>``, where a document begins inside the row (a
-  row that continues the previous row's document does not list 0), so
-  attention masks can be built per document;
+  row that continues the previous row's document does not list 0; a document
+  with no tokens is not listed), so attention masks can be built per document;
 * ``length``: the real tokens in the row (``seq_len`` except a padded last row).
 
 Params:
