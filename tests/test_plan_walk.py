@@ -8,16 +8,21 @@ against a real ``edgecache serve`` node on loopback, in an 80-column pipe.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from edgeutil import publish, write_parquet_shards
 
 from edgecache.cache.errors import ConfigFileError
 from edgecache.cache.planner import Job, RegionState, plan
+from edgecache.clients.node_client import start_local_node
 from edgecache.clients.topology import load_schedule
 
 NARROW = {**os.environ, "COLUMNS": "80"}
@@ -143,3 +148,93 @@ def test_an_eviction_reason_gives_the_next_use_in_utc_whatever_the_job_zone() ->
     result = plan([later, sooner], {"eu": state}, {("ds", 1): GB, ("ds", 2): GB}, now=NOW)
     reasons = [e.reason for e in result.regions["eu"].evictions if e.version == ("ds", 1)]
     assert reasons == ["next needed at 2026-12-01T10:00Z, furthest ahead"], reasons
+
+
+# ------------------------------------------------------------------ plan against a real node
+
+
+def config(root: Path) -> Path:
+    return root / "edgecache.yaml"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Region ``eu``: one real node with room for everything, and pq@1 in the registry."""
+    root = tmp_path_factory.mktemp("walk")
+    registry = f"file://{root}/registry"
+    write_parquet_shards(root / "origin", 1, rows=500)
+    publish(registry, f"file://{root}/origin", "pq")
+    node = start_local_node("eu", root / "cache-eu", registry, capacity="1GiB")
+    try:
+        write(
+            root / "edgecache.yaml",
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n",
+        )
+        yield root
+    finally:
+        node.stop()
+
+
+def test_plan_prints_every_time_in_utc_whatever_zone_the_schedule_used(site: Path) -> None:
+    """A +02:00 job's deadline printed as written (09:00) beside tasks' UTC times."""
+    start = (datetime.now(UTC) + timedelta(days=2)).replace(
+        hour=9, minute=0, second=0, microsecond=0
+    )
+    local = start.replace(tzinfo=PLUS2)
+    path = write(site / "zone.yaml", one_job(local.isoformat()))
+    code, out, err = edgecache("plan", str(path), "--config", str(site / "edgecache.yaml"))
+    assert code == 0, (out, err)
+    assert f"deadline: {start - timedelta(hours=2):%Y-%m-%d} 07:00" in out, out
+    code, out, err = edgecache(
+        "plan", str(path), "--json", "--config", str(site / "edgecache.yaml")
+    )
+    (task,) = json.loads(out)["regions"]["eu"]["tasks"]
+    assert task["deadline"].endswith("07:00:00+00:00"), task
+
+
+def test_a_thousand_jobs_plan_fast_and_each_task_names_a_few_of_its_jobs(site: Path) -> None:
+    """Every job reading one version was listed on one line: 1,000 names for one task."""
+    start = datetime.now(UTC) + timedelta(days=1)
+    jobs = "".join(
+        f"  - name: job-{i:04d}\n    region: eu\n"
+        f"    start: {(start + timedelta(minutes=i)).isoformat()}\n"
+        "    duration: 1h\n    datasets: [pq@1]\n"
+        for i in range(1000)
+    )
+    path = write(site / "big.yaml", "jobs:\n" + jobs)
+    began = time.monotonic()
+    code, out, err = edgecache("plan", str(path), "--config", str(site / "edgecache.yaml"))
+    assert code == 0, (out, err)
+    assert time.monotonic() - began < 30
+    assert max(len(text) for text in out.splitlines()) <= 100, out
+    assert "job-0000, job-0001, job-0002 and 997 more" in out, out
+    code, out, err = edgecache(
+        "plan", str(path), "--json", "--config", str(site / "edgecache.yaml")
+    )
+    (task,) = json.loads(out)["regions"]["eu"]["tasks"]
+    assert len(task["jobs"]) == 1000  # scripts get every name
+
+
+def test_a_job_that_has_ended_is_said_to_have_ended_not_dropped_in_silence(site: Path) -> None:
+    """A start a year off (2025 for 2026) gave 'nothing to do', exit 0, and no word of it."""
+    path = write(site / "ended.yaml", one_job("2025-12-01T09:00:00Z"))
+    code, out, err = edgecache("plan", str(path), "--config", str(site / "edgecache.yaml"))
+    assert code == 0, (out, err)
+    assert "a ended at 2025-12-02 09:00" in err and "nothing is planned" in err, err
+
+
+def test_plan_help_says_what_json_carries_and_evictions_carry_their_next_use() -> None:
+    """A script had to read the source to learn the keys; an eviction's next use was text only."""
+    code, out, _ = edgecache("plan", "--help")
+    words = " ".join(out.replace("│", " ").split())
+    assert code == 0
+    for key in ("tasks", "evictions", "pins", "infeasible", "transfers", "next_use", "until"):
+        assert key in words, (key, words)
+    from edgecache.clients.cli.staging import _plan_json
+
+    later = Job("later", "eu", NOW + timedelta(hours=5), NOW + timedelta(hours=6), (("ds", 1),))
+    sooner = Job("sooner", "eu", NOW + timedelta(hours=1), NOW + timedelta(hours=2), (("ds", 2),))
+    state = region(capacity=GB, resident={("ds", 1): GB})
+    result = plan([later, sooner], {"eu": state}, {("ds", 1): GB, ("ds", 2): GB}, now=NOW)
+    evictions = _plan_json(result)["regions"]["eu"]["evictions"]  # type: ignore[index]
+    assert evictions[0]["next_use"] == "2026-12-01T05:00:00+00:00", evictions

@@ -68,6 +68,12 @@ def plan(
     2 bad input; 1 failed: the registry, or a node of a region the schedule
     uses, is unreachable (named; this wins over 3, since that region's plan
     is built without knowing what it holds).
+
+    Times are UTC. --json gives regions.R.tasks (version, bytes, source,
+    start, finish, deadline, jobs), regions.R.evictions (version, bytes, at,
+    next_use, reason), regions.R.pins (version, until), infeasible (job,
+    region, version, reason, unreachable), transfers (job, link, bytes) and
+    cost (job → egress price); with --status, one object per job instead.
     """
     from edgecache.clients.ops import gather_status, make_plan, unreachable_regions
     from edgecache.clients.topology import load_schedule
@@ -97,6 +103,8 @@ def plan(
                 controller_running=lease_holder(options.topology.registry) is not None,
                 schedule_path=str(schedule),
             )
+    if not show_status:
+        _say_ended(jobs, now)
     if show_status:
         _print_status(views, as_json)
     elif as_json:
@@ -206,6 +214,7 @@ def _plan_json(result: Plan) -> dict[str, object]:
                         "version": f"{e.version[0]}@{e.version[1]}",
                         "bytes": e.bytes,
                         "at": e.at.isoformat(),
+                        "next_use": e.next_use.isoformat() if e.next_use else None,
                         "reason": e.reason,
                     }
                     for e in rp.evictions
@@ -247,6 +256,28 @@ def _plan_reasons(result: Plan) -> list[Infeasible]:
     return [i for i in result.infeasible if not i.unreachable]
 
 
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    """A few names and how many more: a version a thousand jobs read is one line, not 1,000.
+
+    ``--json`` lists every name.
+    """
+    if len(names) <= shown + 1:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more (--json lists all)"
+
+
+def _say_ended(schedule: Schedule, now: datetime) -> None:
+    """Name the jobs that have ended: the plan leaves them out, which looks like nothing to do.
+
+    A start a year off (2025 for 2026) is the usual cause, so the end is given.
+    """
+    ended = [job for job in schedule.jobs if job.end <= now]
+    if ended:
+        when = ", ".join(f"{job.name} ended at {job.end:%Y-%m-%d %H:%M}" for job in ended[:3])
+        more = f" and {len(ended) - 3} more" if len(ended) > 3 else ""
+        warning(f"{when}{more}: nothing is planned for a job that has ended; check its start")
+
+
 def _print_plan(result: Plan, explain: bool) -> None:
     for name, rp in result.regions.items():
         if not (rp.tasks or rp.evictions):
@@ -260,7 +291,7 @@ def _print_plan(result: Plan, explain: bool) -> None:
                 f"{t.start:%Y-%m-%d %H:%M}",
                 f"{t.finish:%Y-%m-%d %H:%M:%S}",
                 f"{t.deadline:%Y-%m-%d %H:%M}",
-                ", ".join(t.jobs),
+                _some(t.jobs),
             ]
             for t in rp.tasks
         ]
