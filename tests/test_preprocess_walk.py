@@ -265,3 +265,21 @@ def test_every_param_a_transform_parses_is_documented(transform: str) -> None:
     assert parsed <= documented_params(transform)
     with pytest.raises(ValueError, match="unknown params.*allowed"):
         load_transform(transform, {"tokenizer": "t", "size": "8", "sise": "8"}, {"t": b""})
+
+
+def test_a_column_a_parameter_names_wrongly_says_to_fix_the_parameter(tmp_path: Path) -> None:
+    """A typo in select=/column_types is found on the first object at publish; the advice
+    named only the object ('fix or remove the object and publish a new version')."""
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / "a.csv").write_text("x,y\n1,2\n")
+    registry = f"file://{tmp_path}/reg"
+    typo = preprocess_spec(transform="columns", params={"select": "x,yy"})
+    with pytest.raises(MalformedShard, match="'yy'.*is missing") as info:
+        Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "s", spec=typo))
+    assert "if the parameter that names it is wrong, fix it" in str(info.value)
+    types = preprocess_spec()
+    types.source_options["column_types"] = "nope=int32"
+    with pytest.raises(MalformedShard, match="nope") as info:
+        Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "t", spec=types))
+    assert "if the parameter that names it is wrong, fix it" in str(info.value)

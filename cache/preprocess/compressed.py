@@ -19,6 +19,7 @@ import zlib
 import zstandard
 
 from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.fixes import FIX
 
 __all__ = ["COMPRESSIONS", "SUFFIXES", "compression_of", "decompress", "strip_suffix"]
 
@@ -30,7 +31,6 @@ COMPRESSIONS: dict[str, tuple[bytes, tuple[str, ...]]] = {
     "xz": (b"\xfd7zXZ\x00", (".xz",)),
 }
 SUFFIXES = {suffix: name for name, (_, suffixes) in COMPRESSIONS.items() for suffix in suffixes}
-_FIX = "fix or remove the object and publish a new version"
 
 
 def strip_suffix(name: str) -> str:
@@ -82,5 +82,5 @@ def decompress(data: bytes | memoryview, source: str) -> tuple[bytes | memoryvie
     except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, zstandard.ZstdError) as exc:
         raise MalformedShard(
             f"{source} looks {kind}-compressed but cannot be decompressed ({exc}); "
-            f"it may be truncated; {_FIX}"
+            f"it may be truncated; {FIX}"
         ) from exc

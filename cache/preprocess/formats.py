@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.compressed import decompress, strip_suffix
+from edgecache.cache.preprocess.fixes import FIX
 from edgecache.cache.preprocess.mds import mds_source
 from edgecache.cache.preprocess.source_options import read_csv
 from edgecache.cache.preprocess.webdataset import tar_source
@@ -38,7 +39,6 @@ __all__ = [
     "read_source",
 ]
 
-FIX = "fix or remove the object and publish a new version"
 _P, _J, _C, _A, _W, _M = (
     pb.SOURCE_FORMAT_PARQUET,
     pb.SOURCE_FORMAT_JSONL,

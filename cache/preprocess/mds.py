@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import binary_column
+from edgecache.cache.preprocess.fixes import FIX
 
 __all__ = ["MdsColumns", "MdsShard", "mds_index", "mds_source"]
 
@@ -42,7 +43,6 @@ _SCALARS = {
 }
 _STRINGS = frozenset({"str", "str_decimal", "json"})
 _COMPRESSIONS = {None: "", "zstd": ".zstd", "gz": ".gz", "bz2": ".bz2"}
-_FIX = "fix or remove the object and publish a new version"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ def mds_index(text: bytes, source: str) -> tuple[MdsColumns, list[MdsShard]]:
         if index.get("version") != 2 or not isinstance(entries, list):
             raise ValueError(f"version {index.get('version')!r}, expected 2")
     except (ValueError, KeyError, TypeError) as exc:
-        raise MalformedShard(f"{source} is not an MDS index.json ({exc}); {_FIX}") from exc
+        raise MalformedShard(f"{source} is not an MDS index.json ({exc}); {FIX}") from exc
     columns: MdsColumns | None = None
     shards = []
     for number, entry in enumerate(entries):
@@ -154,10 +154,10 @@ def mds_index(text: bytes, source: str) -> tuple[MdsColumns, list[MdsShard]]:
             )
         data = entry.get("zip_data") if compression else entry.get("raw_data")
         if not data or not data.get("basename"):
-            raise MalformedShard(f"{where} names no data file; {_FIX}")
+            raise MalformedShard(f"{where} names no data file; {FIX}")
         shards.append(MdsShard(key=str(data["basename"]), samples=int(entry["samples"])))
     if columns is None:
-        raise MalformedShard(f"{source} lists no shards; {_FIX}")
+        raise MalformedShard(f"{source} lists no shards; {FIX}")
     return columns, shards
 
 
@@ -180,7 +180,7 @@ def _column(
     except (ValueError, UnicodeDecodeError, pa.ArrowInvalid) as exc:
         raise MalformedShard(
             f"{source}: column {field.name!r} ({encoding}) of samples "
-            f"{first}..{first + len(values) - 1} cannot be read ({exc}); {_FIX}"
+            f"{first}..{first + len(values) - 1} cannot be read ({exc}); {FIX}"
         ) from exc
 
 
@@ -204,13 +204,13 @@ def mds_source(
     schema = columns.schema()
     view = memoryview(data)
     if len(view) < 8:
-        raise MalformedShard(f"{source} is too short to be an MDS shard; {_FIX}")
+        raise MalformedShard(f"{source} is too short to be an MDS shard; {FIX}")
     count = int(np.frombuffer(view[:4], "<u4")[0])
     if 4 * (count + 2) > len(view):
         raise MalformedShard(f"{source}: header says {count} samples, more than the file holds")
     offsets = np.frombuffer(view[4 : 4 * (count + 2)], "<u4").astype(np.int64)
     if offsets[0] < 4 * (count + 2) or np.any(np.diff(offsets) < 0) or offsets[-1] > len(view):
-        raise MalformedShard(f"{source}: sample offsets do not fit the file (damaged); {_FIX}")
+        raise MalformedShard(f"{source}: sample offsets do not fit the file (damaged); {FIX}")
     variable = [i for i, size in enumerate(columns.sizes) if not size]
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -232,7 +232,7 @@ def mds_source(
                 if pos != end:
                     raise MalformedShard(
                         f"{source}: sample {i} is {end - start} bytes but its columns take "
-                        f"{pos - start} (damaged, or not these columns); {_FIX}"
+                        f"{pos - start} (damaged, or not these columns); {FIX}"
                     )
             arrays = [
                 _column(values, encoding, field, source, first)

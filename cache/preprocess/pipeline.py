@@ -16,8 +16,10 @@ import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.context import ShardContext, using
-from edgecache.cache.preprocess.formats import FIX, guarded, open_source
+from edgecache.cache.preprocess.fixes import COLUMN_FIX, FIX
+from edgecache.cache.preprocess.formats import guarded, open_source
 from edgecache.cache.preprocess.transforms import (
+    MissingColumn,
     Transform,
     cast_column,
     column_index,
@@ -72,7 +74,8 @@ def _transformed(
         except MalformedShard as exc:
             message = str(exc)
             where = "" if message.startswith(source) else f"{source}: "
-            raise MalformedShard(f"{where}transform {name!r}: {message}; {FIX}") from exc
+            fix = COLUMN_FIX if isinstance(exc, MissingColumn) else FIX
+            raise MalformedShard(f"{where}transform {name!r}: {message}; {fix}") from exc
         except pa.ArrowException as exc:
             raise MalformedShard(f"{source}: transform {name!r} failed: {exc}; {FIX}") from exc
         if not isinstance(out, pa.RecordBatch):

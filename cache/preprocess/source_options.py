@@ -37,6 +37,7 @@ import pyarrow.csv as pa_csv
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import parse_type, split_params
+from edgecache.cache.preprocess.fixes import COLUMN_FIX
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["CSV_OPTIONS", "DELIMITERS", "canonical_options", "read_csv"]
@@ -53,7 +54,6 @@ DELIMITERS: Mapping[str, str] = MappingProxyType(
     }
 )
 _SNIFF = {" ": "space", "\t": "tab", ";": "semicolon", "|": "pipe"}
-_FIX = "fix or remove the object and publish a new version"
 _NAMES = {
     pb.SOURCE_FORMAT_CSV: "CSV",
     pb.SOURCE_FORMAT_JSONL: "JSON Lines",
@@ -244,7 +244,7 @@ def read_csv(
     if types and (missing := sorted(set(types) - set(table.column_names))):
         raise MalformedShard(
             f"{source}: column_types names {missing}, but the columns are "
-            f"{', '.join(table.column_names)}; {_FIX}"
+            f"{', '.join(table.column_names)}; {COLUMN_FIX}"
         )
     if "delimiter" not in options:
         _check_one_column(table, head, skip, source)

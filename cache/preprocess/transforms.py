@@ -31,6 +31,7 @@ from edgecache.cache.preprocess.formats import ARROW_ERRORS
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "MissingColumn",
     "Transform",
     "TransformFactory",
     "canonical_params",
@@ -90,12 +91,20 @@ def cast_column(batch: pa.RecordBatch, index: int, target: pa.DataType) -> pa.Ar
         ) from exc
 
 
+class MissingColumn(MalformedShard):
+    """A column a parameter names is missing from the data, or there twice.
+
+    Said with :data:`COLUMN_FIX` rather than "fix the object": a typo in the
+    parameter is the likelier cause, and publish finds it on the first object.
+    """
+
+
 def column_index(batch: pa.RecordBatch, name: str, why: str) -> int:
-    """The position of column ``name``; MalformedShard (saying ``why``) if missing or twice."""
+    """The position of column ``name``; MissingColumn (saying ``why``) if missing or twice."""
     names = batch.schema.names
     if names.count(name) != 1:
         found = "appears more than once" if name in names else "is missing"
-        raise MalformedShard(f"column {name!r} ({why}) {found}; the data has: {', '.join(names)}")
+        raise MissingColumn(f"column {name!r} ({why}) {found}; the data has: {', '.join(names)}")
     return names.index(name)
 
 

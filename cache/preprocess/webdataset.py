@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import binary_column
+from edgecache.cache.preprocess.fixes import FIX
 
 __all__ = ["BATCH_BYTES", "INT_EXTENSIONS", "TEXT_EXTENSIONS", "tar_schema", "tar_source"]
 
@@ -38,7 +39,6 @@ TEXT_EXTENSIONS = frozenset({"txt", "text", "transcript", "json", "jsn"})
 BATCH_BYTES = 64 << 20
 KEY = "__key__"
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
-_FIX = "fix or remove the object and publish a new version"
 
 Sample = tuple[str, dict[str, memoryview]]
 
@@ -54,7 +54,7 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
     try:
         archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # noqa: SIM115
     except tarfile.TarError as exc:
-        raise MalformedShard(f"{source} is not a readable tar archive ({exc}); {_FIX}") from exc
+        raise MalformedShard(f"{source} is not a readable tar archive ({exc}); {FIX}") from exc
     key: str | None = None
     fields: dict[str, memoryview] = {}
     try:
@@ -72,17 +72,17 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
             if ext in fields:
                 raise MalformedShard(
                     f"{source}: sample {name!r} has two members with extension {ext!r} "
-                    f"(the second is {member.name!r}); {_FIX}"
+                    f"(the second is {member.name!r}); {FIX}"
                 )
             end = member.offset_data + member.size
             if end > len(data):
                 raise MalformedShard(
                     f"{source}: member {member.name!r} runs past the end of the archive "
-                    f"(truncated tar); {_FIX}"
+                    f"(truncated tar); {FIX}"
                 )
             fields[ext] = data[member.offset_data : end]
     except tarfile.TarError as exc:
-        raise MalformedShard(f"{source}: damaged tar archive ({exc}); {_FIX}") from exc
+        raise MalformedShard(f"{source}: damaged tar archive ({exc}); {FIX}") from exc
     if key is not None:
         yield key, fields
 
@@ -95,9 +95,7 @@ def tar_schema(data: bytes | memoryview, source: str) -> tuple[pa.Schema, int]:
         extensions.update(fields)
         count += 1
     if not count:
-        raise MalformedShard(
-            f"{source}: the tar archive holds no samples (key.ext members); {_FIX}"
-        )
+        raise MalformedShard(f"{source}: the tar archive holds no samples (key.ext members); {FIX}")
     return pa.schema([pa.field(KEY, pa.string()), *(_field(e) for e in sorted(extensions))]), count
 
 
@@ -118,7 +116,7 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
                 except ValueError:
                     raise MalformedShard(
                         f"{source}: sample {key!r}: {field.name} holds {bytes(value)[:40]!r}, not "
-                        f"an integer (WebDataset's .{field.name} is a class number); {_FIX}"
+                        f"an integer (WebDataset's .{field.name} is a class number); {FIX}"
                     ) from None
             columns.append(pa.array(numbers, pa.int64()))
             continue
@@ -126,7 +124,7 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
             columns.append(binary_column(values, string=field.type == pa.string()))
         except (ValueError, pa.ArrowInvalid) as exc:
             raise MalformedShard(
-                f"{source}: a .{field.name} member is not UTF-8 text ({exc}); {_FIX}"
+                f"{source}: a .{field.name} member is not UTF-8 text ({exc}); {FIX}"
             ) from exc
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
