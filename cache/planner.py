@@ -487,12 +487,13 @@ def _late_reason(
     the version arrives (or to its end, when it would arrive too late).
     """
     if job.start <= now:
-        started = f"{job.name} already started at {job.start:%Y-%m-%d %H:%M} without {spec}"
+        started = f"{job.name} already started at {_utc(job.start)} without {spec}"
         if finish >= job.end:
-            return f"{started}, and it could not arrive before the job ends at {job.end:%H:%M}"
+            ends = f"{job.end.astimezone(UTC):%H:%M}"
+            return f"{started}, and it could not arrive before the job ends at {ends}"
         return (
-            f"{started}: the plan stages it now, ready about {finish:%H:%M:%S}; until then "
-            "the job reads it through to origin, slowly"
+            f"{started}: the plan stages it now, ready about {finish.astimezone(UTC):%H:%M:%S}; "
+            "until then the job reads it through to origin, slowly"
         )
     available = max((job.start - begin).total_seconds(), 0.0)
     why = (

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from edgeutil import publish, write_parquet_shards
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgecache.cache.errors import ConfigFileError
 from edgecache.cache.planner import Job, RegionState, plan
@@ -238,3 +240,83 @@ def test_plan_help_says_what_json_carries_and_evictions_carry_their_next_use() -
     result = plan([later, sooner], {"eu": state}, {("ds", 1): GB, ("ds", 2): GB}, now=NOW)
     evictions = _plan_json(result)["regions"]["eu"]["evictions"]  # type: ignore[index]
     assert evictions[0]["next_use"] == "2026-12-01T05:00:00+00:00", evictions
+
+
+# ------------------------------------------------------------------ properties
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> tuple[list[Job], dict[str, RegionState], dict]:
+    versions = [("ds", v) for v in range(1, draw(st.integers(1, 5)) + 1)]
+    sizes = {v: draw(st.integers(1, 30)) * GB // 10 for v in versions}
+    names = [f"r{i}" for i in range(draw(st.integers(1, 3)))]
+    regions = {
+        name: region(
+            name,
+            capacity=draw(st.integers(5, 60)) * GB // 10,
+            bandwidth=draw(st.integers(1, 50)) * 1e7,
+            peer_bandwidth={p: draw(st.integers(1, 50)) * 1e7 for p in names if p != name},
+        )
+        for name in names
+    }
+    jobs = []
+    for i in range(draw(st.integers(1, 12))):
+        start = NOW + timedelta(minutes=draw(st.integers(-60, 600)))
+        jobs.append(
+            Job(
+                f"job{i}",
+                draw(st.sampled_from(names)),
+                start,
+                start + timedelta(minutes=draw(st.integers(1, 300))),
+                tuple(
+                    draw(st.lists(st.sampled_from(versions), min_size=1, max_size=2, unique=True))
+                ),
+            )
+        )
+    return jobs, regions, sizes
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenario=schedules())
+def test_every_task_runs_at_the_plans_own_speed_one_at_a_time_per_origin_link(scenario) -> None:  # noqa: ANN001
+    """Under the plan's speed model its times are consistent: a promise warm can keep."""
+    jobs, regions, sizes = scenario
+    result = plan(jobs, regions, sizes, now=NOW)
+    ready: dict[tuple[str, tuple[str, int]], datetime] = {}
+    for name, region_plan in result.regions.items():
+        for task in region_plan.tasks:
+            ready.setdefault((name, task.version), task.finish)
+    for name, region_plan in result.regions.items():
+        origin = sorted(
+            (t for t in region_plan.tasks if t.source == "origin"), key=lambda t: t.start
+        )
+        for before, after in zip(origin, origin[1:], strict=False):
+            assert after.start >= before.finish, (before, after)  # one link, one at a time
+        for task in region_plan.tasks:
+            assert task.start >= NOW
+            rate = (
+                regions[name].origin_rate
+                if task.source == "origin"
+                else regions[name].peer_bandwidth[task.source]
+            )
+            seconds = (task.finish - task.start).total_seconds()
+            assert seconds == pytest.approx(sizes[task.version] / rate, rel=1e-6, abs=1e-3), task
+            if task.source != "origin":  # a peer sends what it holds: by then it holds it
+                assert ready[(task.source, task.version)] <= task.start, task
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario=schedules())
+def test_the_same_instants_in_another_zone_make_the_same_plan(scenario) -> None:  # noqa: ANN001
+    jobs, regions, sizes = scenario
+    shifted = [
+        Job(j.name, j.region, j.start.astimezone(PLUS2), j.end.astimezone(PLUS2), j.versions)
+        for j in jobs
+    ]
+    utc, plus2 = plan(jobs, regions, sizes, now=NOW), plan(shifted, regions, sizes, now=NOW)
+    assert [i.reason for i in utc.infeasible] == [i.reason for i in plus2.infeasible]
+    for name in utc.regions:
+        assert [e.reason for e in utc.regions[name].evictions] == [
+            e.reason for e in plus2.regions[name].evictions
+        ]
+        assert utc.regions[name].tasks == plus2.regions[name].tasks
