@@ -263,8 +263,10 @@ def test_every_param_a_transform_parses_is_documented(transform: str) -> None:
         "columns": {"select", "rename", "cast"},
     }[transform]
     assert parsed <= documented_params(transform)
-    with pytest.raises(ValueError, match="unknown params.*allowed"):
+    with pytest.raises(ValueError, match="unknown params.*allowed") as info:
         load_transform(transform, {"tokenizer": "t", "size": "8", "sise": "8"}, {"t": b""})
+    if transform == "images":  # a typo of a name it takes: the likely one is offered
+        assert "'sise' (did you mean 'size'?)" in str(info.value)
 
 
 def test_a_column_a_parameter_names_wrongly_says_to_fix_the_parameter(tmp_path: Path) -> None:

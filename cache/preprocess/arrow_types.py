@@ -1,13 +1,14 @@
-"""Arrow type strings, as written in transform parameters (``cast=x=list<float>``)."""
+"""Transform parameters: Arrow type strings (``cast=x=list<float>``), lists, known names."""
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-__all__ = ["binary_column", "parse_type", "split_params", "type_label"]
+__all__ = ["binary_column", "check_param_names", "parse_type", "split_params", "type_label"]
 
 _PRIMITIVES = (
     "int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 float double bool "
@@ -57,6 +58,25 @@ def split_params(value: str) -> list[str]:
             start = i + 1
     parts.append(value[start:])
     return [p.strip() for p in parts if p.strip()]
+
+
+def check_param_names(transform: str, params: Iterable[str], allowed: Sequence[str]) -> None:
+    """Refuse parameters a transform does not take, naming them, the likely meant one, all.
+
+    At publish: a typo (``sise=``) would otherwise be carried into the version
+    and fail, or be silently ignored, on every node that stages it.
+    """
+    unknown = sorted(set(params) - set(allowed))
+    if not unknown:
+        return
+    meant = [
+        f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+        for name in unknown
+        for close in [difflib.get_close_matches(name, allowed, n=1)]
+    ]
+    raise ValueError(
+        f"{transform} transform: unknown params {', '.join(meant)}; allowed: {', '.join(allowed)}"
+    )
 
 
 def binary_column(values: Sequence[memoryview | bytes | None], *, string: bool = False) -> pa.Array:

@@ -43,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.arrow_types import check_param_names
 from edgecache.cache.preprocess.context import shard_context
 
 __all__ = ["ImageSpec", "decoder_version", "image_type", "images_transform"]
@@ -85,10 +86,7 @@ class ImageSpec:
     @classmethod
     def parse(cls, params: Mapping[str, str]) -> ImageSpec:
         """Read params; ValueError naming the bad one and what is allowed."""
-        if unknown := sorted(set(params) - set(_PARAMS)):
-            raise ValueError(
-                f"images transform: unknown params {unknown}; allowed: {', '.join(_PARAMS)}"
-            )
+        check_param_names("images", params, _PARAMS)
 
         def side(name: str, text: str) -> int:
             if not text.strip().isdigit() or not 1 <= int(text) <= _MAX_SIDE:

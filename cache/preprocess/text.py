@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.arrow_types import check_param_names
 from edgecache.cache.preprocess.context import shard_context
 
 __all__ = ["TokensSpec", "tokens_transform"]
@@ -75,10 +76,7 @@ class TokensSpec:
     @classmethod
     def parse(cls, params: Mapping[str, str]) -> TokensSpec:
         """Read params; ValueError naming the bad one and what is allowed."""
-        if unknown := sorted(set(params) - set(_PARAMS)):
-            raise ValueError(
-                f"tokens transform: unknown params {unknown}; allowed: {', '.join(_PARAMS)}"
-            )
+        check_param_names("tokens", params, _PARAMS)
         if not params.get("tokenizer"):
             raise ValueError(
                 "tokens transform needs tokenizer=KEY (a tokenizer.json under the source prefix) "

@@ -25,7 +25,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard, UnknownTransform
-from edgecache.cache.preprocess.arrow_types import parse_type, split_params
+from edgecache.cache.preprocess.arrow_types import check_param_names, parse_type, split_params
 from edgecache.cache.preprocess.casts import lossless_cast
 from edgecache.cache.preprocess.formats import ARROW_ERRORS
 
@@ -109,11 +109,7 @@ def column_index(batch: pa.RecordBatch, name: str, why: str) -> int:
 
 
 def _columns(params: dict[str, str]) -> Transform:
-    allowed = ("select", "rename", "cast")
-    if unknown := sorted(set(params) - set(allowed)):
-        raise ValueError(
-            f"columns transform: unknown params {unknown}; allowed: {', '.join(allowed)}"
-        )
+    check_param_names("columns", params, ("select", "rename", "cast"))
     select = _split(params.get("select", ""))
     if len(set(select)) != len(select):
         raise ValueError(f"columns param select={params['select']!r} names a column twice")
