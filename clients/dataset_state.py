@@ -3,7 +3,7 @@
 A state is a small dict of plain values (portable: JSON, torch.save, another
 region, another release of the same format)::
 
-    {"format": 3, "components": [{dataset, version, digest, weight}, …],
+    {"format": 4, "components": [{dataset, version, digest, weight}, …],
      "order": {seed-independent knobs that fix the global order},
      "seed", "epoch",
      "remaining": what was left of the epoch when this stretch of it began
@@ -36,7 +36,10 @@ __all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # 2: windows of equal size per shard; 1: before batch-level shuffling
+FORMAT = 4
+# 3: ranks split each lane on their own (still resumed, elastically: see resume_from);
+# 2: windows of equal size per shard; 1: before batch-level shuffling (both refused).
+PER_LANE_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,13 @@ def resume_from(
     ``lane_lengths(seed, epoch)`` gives the lanes of the state's epoch, to check
     its intervals.
     """
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, PER_LANE_FORMAT):
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise StateMismatch(
-            f"not an EdgeDataset state dict of format {FORMAT} (got format {found!r}): states "
-            "of format 1 (before batch-level shuffling) and 2 (before windows were aligned "
-            "with chunks) describe another order and cannot be resumed exactly; start the "
-            "epoch again with set_epoch(epoch)"
+            f"not an EdgeDataset state dict of format {FORMAT} or {PER_LANE_FORMAT} (got "
+            f"format {found!r}): states of format 1 (before batch-level shuffling) and 2 "
+            "(before windows were aligned with chunks) describe another order and cannot be "
+            "resumed exactly; start the epoch again with set_epoch(epoch)"
         )
     theirs = state.get("components", [])
     if [(c["dataset"], c["version"], c["digest"]) for c in theirs] != [
@@ -130,11 +133,17 @@ def resume_from(
     except (ValueError, TypeError) as exc:
         raise StateMismatch(f"{_names(components)}: the state's remaining samples: {exc}") from exc
     batches = int(state["batches"])
+    # Format 3 states were consumed by ranks that split each lane on its own: with more
+    # than one rank, what they consumed is removed that way and the rest resumed
+    # elastically (exact, at any layout); one rank consumed the same either way.
+    per_lane = state["format"] == PER_LANE_FORMAT and state["world_size"] > 1
     same = all(state[k] == layout[k] for k in ("world_size", "batch_size", "drop_last"))
-    if same:
+    if same and not per_lane:
         return Resume(seed, epoch, remaining, batches, elastic=False)
     start = remaining or Remaining.whole(lengths)
-    left = start.after(state["world_size"], state["batch_size"], state["drop_last"], batches)
+    left = start.after(
+        state["world_size"], state["batch_size"], state["drop_last"], batches, per_lane=per_lane
+    )
     return Resume(seed, epoch, left, 0, elastic=True)
 
 

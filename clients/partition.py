@@ -5,10 +5,13 @@ sequence of samples. What is *left* of an epoch is, per lane, a list of
 intervals of lane positions (:class:`Remaining`): the whole lane when an epoch
 starts, less what ranks consumed when a run is resumed.
 
-* **Ranks.** Rank ``r`` of ``W`` takes the ``r``-th of ``W`` equal contiguous
-  parts of what is left of each lane. Ranks therefore read disjoint stretches
-  of every stream: no window is read by more than the two ranks that meet in
-  it.
+* **Ranks.** Rank ``r`` of ``W`` takes the ``r``-th of ``W`` contiguous parts
+  of what is left of each lane, as equal as they can be, and the parts a lane
+  cannot split evenly are handed to the ranks in turn across lanes
+  (:func:`rank_cuts`), so the ranks' shares of the epoch differ by at most
+  one sample: their batch counts match (DDP steps in lockstep). Ranks read
+  disjoint stretches of every stream: no window is read by more than the two
+  ranks that meet in it.
 * **Canonical batches.** A rank cuts each lane part into full batches and
   takes one from each lane in turn; the leftovers of all lanes (fewer than
   ``batch_size`` each) are then put together and cut again, so a rank yields
@@ -30,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["RankBatches", "Remaining", "Span"]
+__all__ = ["RankBatches", "Remaining", "Span", "rank_cuts"]
 
 Interval = tuple[int, int]
 
@@ -58,6 +61,27 @@ def _merge(intervals: list[Interval]) -> list[Interval]:
         else:
             out.append((a, b))
     return out
+
+
+def rank_cuts(sizes: Sequence[int], world_size: int, rank: int) -> list[int]:
+    """Where rank ``rank``'s part of each lane starts (``rank = world_size``: each lane's end).
+
+    Lane ``l`` of ``s = q * W + m`` samples gives every rank ``q`` and one more to
+    ``m`` ranks. Those ``m`` go to the ranks in turn, continuing across lanes where
+    the last lane's stopped: each rank gets at most one extra per lane and the
+    ranks' totals differ by at most one. Splitting each lane on its own put every
+    lane's remainder on the last ranks: 1500 samples in 4 lanes over 2 ranks gave
+    748 and 752, 75 and 76 batches of 10, and a DDP job hung at the epoch's end.
+    """
+    cuts, turn = [], 0  # turn: the rank the next lane's first extra sample goes to
+    for size in sizes:
+        quotient, extra = divmod(size, world_size)
+        # Extras of this lane go to ranks turn, turn + 1, … (mod W): count those below rank.
+        wrapped = max(0, turn + extra - world_size)
+        before = max(0, min(turn + extra, world_size, rank) - turn) + min(wrapped, rank)
+        cuts.append(rank * quotient + before)
+        turn = (turn + extra) % world_size
+    return cuts
 
 
 @dataclass(frozen=True)
@@ -100,14 +124,23 @@ class Remaining:
             lanes.append(tuple(intervals))
         return Remaining(tuple(lanes))
 
-    def after(self, world_size: int, batch_size: int, drop_last: bool, steps: int) -> Remaining:
+    def after(
+        self,
+        world_size: int,
+        batch_size: int,
+        drop_last: bool,
+        steps: int,
+        *,
+        per_lane: bool = False,
+    ) -> Remaining:
         """What is left once every rank of ``world_size`` yielded ``steps`` batches (lockstep).
 
         A rank with fewer batches than ``steps`` yielded all of its own.
+        ``per_lane``: the ranks split each lane on their own (states of format 3).
         """
         left: list[list[Interval]] = [[] for _ in self.lanes]
         for rank in range(world_size):
-            batches = RankBatches(self, world_size, rank, batch_size, drop_last)
+            batches = RankBatches(self, world_size, rank, batch_size, drop_last, per_lane=per_lane)
             taken = batches.consumed(min(steps, batches.batch_count))
             for lane, (part, used) in enumerate(zip(batches.parts, taken, strict=True)):
                 size = sum(b - a for a, b in part)
@@ -128,17 +161,35 @@ class RankBatches:
     """One rank's canonical batches over what is left of an epoch."""
 
     def __init__(
-        self, remaining: Remaining, world_size: int, rank: int, batch_size: int, drop_last: bool
+        self,
+        remaining: Remaining,
+        world_size: int,
+        rank: int,
+        batch_size: int,
+        drop_last: bool,
+        *,
+        per_lane: bool = False,
     ) -> None:
+        """Rank ``rank``'s part of ``remaining``, cut into canonical batches.
+
+        ``per_lane``: split each lane on its own, remainders on the last ranks, as
+        states of format 3 were consumed (only to resume them); else :func:`rank_cuts`.
+        """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..world_size-1, got {rank=} {world_size=}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.remaining, self.world_size, self.rank = remaining, world_size, rank
-        self.batch_size, self.drop_last = batch_size, drop_last
+        self.batch_size, self.drop_last, self.per_lane = batch_size, drop_last, per_lane
+        sizes = remaining.sizes()
+        if per_lane:
+            starts = [rank * n // world_size for n in sizes]
+            ends = [(rank + 1) * n // world_size for n in sizes]
+        else:
+            starts = rank_cuts(sizes, world_size, rank)
+            ends = rank_cuts(sizes, world_size, rank + 1)
         self.parts = [
-            _slice(lane, rank * size // world_size, (rank + 1) * size // world_size)
-            for lane, size in zip(remaining.lanes, remaining.sizes(), strict=True)
+            _slice(lane, lo, hi) for lane, lo, hi in zip(remaining.lanes, starts, ends, strict=True)
         ]
         self.lengths = [sum(b - a for a, b in part) for part in self.parts]
         self.full = [n // batch_size for n in self.lengths]
@@ -157,7 +208,9 @@ class RankBatches:
         if not self.drop_last:
             return self._own_count(False)
         return min(
-            RankBatches(self.remaining, self.world_size, r, self.batch_size, False)._own_count(True)
+            RankBatches(
+                self.remaining, self.world_size, r, self.batch_size, False, per_lane=self.per_lane
+            )._own_count(True)
             for r in range(self.world_size)
         )
 
