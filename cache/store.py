@@ -340,6 +340,21 @@ class CacheStore(ClosingContext):
             else:
                 txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
 
+    def extend_pin(self, dataset: str, version: int, until: datetime) -> None:
+        """Pin a version until at least ``until``: a later pin it has already stays.
+
+        What staging for some jobs asks: a pin another plan or job placed for
+        longer must not be cut short by it (``pin_version`` sets the time as given).
+        """
+        ShardKey(dataset, version, 0).validated()
+        if until.tzinfo is None:
+            raise ValueError("extend_pin needs a timezone-aware datetime (e.g. UTC)")
+        vkey = version_key(dataset, version)
+        with self._writing(f"the pin of {dataset}@{version}") as txn:
+            record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
+            record.pinned_until_ns = max(record.pinned_until_ns, int(until.timestamp() * 1e9))
+            txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
+
     def evict_version(self, dataset: str, version: int) -> int:
         """Remove every shard of a version and its pin; return the bytes freed."""
         ShardKey(dataset, version, 0).validated()

@@ -531,8 +531,8 @@ class EdgeNode:
         and does not stop the others.
         """
         wanted = self.staging_targets(manifest, shards)
-        if pin_until is not None:
-            await self._write(self.store.pin_version, manifest.dataset, manifest.version, pin_until)
+        if pin_until is not None:  # at least until then: a longer pin already placed stays
+            await self._write(self.store.extend_pin, manifest.dataset, manifest.version, pin_until)
         todo: asyncio.Queue[int] = asyncio.Queue()
         for shard in wanted:  # key order: sequential LMDB writes, predictable progress
             todo.put_nowait(shard)

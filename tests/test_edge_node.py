@@ -131,6 +131,19 @@ def test_stage_skips_what_is_cached_and_pins(tmp_path: Path, file_setup) -> None
         version = client.Status(edge_pb2.StatusRequest()).versions[0]
         assert version.shard_count == 4
         assert abs(version.pinned_until.ToDatetime(tzinfo=UTC) - until) < timedelta(seconds=1)
+
+        def pinned() -> datetime:
+            status = client.Status(edge_pb2.StatusRequest())
+            return status.versions[0].pinned_until.ToDatetime(tzinfo=UTC)
+
+        # A Stage's pin_until is "at least until": a shorter one (staging for an earlier
+        # job) keeps the longer pin the plan placed; a longer one extends it.
+        request.pin_until.FromDatetime(until - timedelta(hours=1))
+        list(client.Stage(request))
+        assert abs(pinned() - until) < timedelta(seconds=1)
+        request.pin_until.FromDatetime(until + timedelta(hours=1))
+        list(client.Stage(request))
+        assert abs(pinned() - (until + timedelta(hours=1))) < timedelta(seconds=1)
         freed = client.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1)).bytes_freed
         assert freed == version.stored_bytes
         assert not client.Status(edge_pb2.StatusRequest()).versions

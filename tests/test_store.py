@@ -128,6 +128,16 @@ def test_pin_needs_timezone(store: CacheStore) -> None:
         store.pin_version("a", 1, datetime(2030, 1, 1))
 
 
+def test_extend_pin_only_lengthens(store: CacheStore) -> None:
+    later, sooner = datetime(2030, 1, 2, tzinfo=UTC), datetime(2030, 1, 1, tzinfo=UTC)
+    store.extend_pin("a", 1, later)  # pins a version with no shard yet, as pin_version does
+    store.extend_pin("a", 1, sooner)
+    (held,) = store.versions()
+    assert held.pinned_until == later
+    with pytest.raises(ValueError, match="timezone"):
+        store.extend_pin("a", 1, datetime(2030, 1, 3))
+
+
 def test_shard_larger_than_capacity(tmp_path: Path) -> None:
     with CacheStore(tmp_path / "c", capacity_bytes=10_000, sync=False) as s:
         with pytest.raises(ShardTooLarge, match="larger than the whole cache capacity"):
