@@ -149,6 +149,12 @@ class ScheduledJob(BaseModel):
         # start written with an offset is the same instant in UTC, never shown as written.
         return value.astimezone(UTC)
 
+    @field_validator("datasets", mode="before")
+    @classmethod
+    def _one(cls, value: Any) -> Any:
+        # 'datasets: tokens@1' reads as plainly as '[tokens@1]': take it as that list.
+        return [value] if isinstance(value, str) else value
+
     @field_validator("datasets")
     @classmethod
     def _specs(cls, value: list[str]) -> list[str]:
@@ -251,6 +257,13 @@ def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+# What each file is at its top, for the message when it is empty or not a mapping.
+_SHAPES = {
+    "schedule": "a mapping with a 'jobs' list ('jobs: []' for none)",
+    "topology": "a mapping with 'registry' and 'regions'",
+}
+
+
 def _load(path: Path, model: type[BaseModel], what: str) -> Any:
     """The validated model of a YAML file (see :func:`_load_with_tree`)."""
     return _load_with_tree(path, model, what)[0]
@@ -284,7 +297,10 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
     finally:
         loader.dispose()
     if not isinstance(data, dict):
-        raise ConfigFileError(f"{path}: the {what} must be a mapping (see docs/operations.md)")
+        shape = _SHAPES.get(what, "a mapping")
+        if data is None:  # an empty file, or only comments
+            raise ConfigFileError(f"{path} is empty: a {what} is {shape} (see docs/operations.md)")
+        raise ConfigFileError(f"{path}: the {what} must be {shape} (see docs/operations.md)")
     try:
         return model.model_validate(data), tree
     except ValidationError as exc:
@@ -328,7 +344,7 @@ def _yaml_problem(path: Path, exc: yaml.YAMLError) -> str:
 
 
 def _did_you_mean(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
-    """ " (did you mean 'start'?)" for a misspelt key, from the fields allowed where it is."""
+    """The suffix ``(did you mean 'start'?)`` for a misspelt key, from the fields allowed there."""
     current: Any = model
     for part in loc[:-1]:
         fields = getattr(current, "model_fields", {})

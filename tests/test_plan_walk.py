@@ -63,6 +63,20 @@ def refusal(path: Path) -> str:
 # ------------------------------------------------------------------ schedule files
 
 
+def test_one_dataset_may_be_written_without_a_list(tmp_path: Path) -> None:
+    # 'datasets: pq@1' said "Input should be a valid list".
+    text = "jobs:\n  - name: a\n    region: eu\n    start: 2026-12-01T09:00:00Z\n"
+    job = load_schedule(write(tmp_path / "s.yaml", text + "    datasets: pq@1\n")).jobs[0]
+    assert job.datasets == ["pq@1"]
+
+
+@pytest.mark.parametrize("text", ["", "# jobs to come\n"])
+def test_an_empty_schedule_says_what_to_write(tmp_path: Path, text: str) -> None:
+    # It said "the schedule must be a mapping".
+    message = refusal(write(tmp_path / "s.yaml", text))
+    assert "is empty" in message and "jobs: []" in message, message
+
+
 @pytest.mark.parametrize("start", ["2026-12-01T09:00", "2026-12-01T09:00:00", "2026-12-01"])
 def test_a_start_without_a_zone_says_how_to_add_one(tmp_path: Path, start: str) -> None:
     """The bare pydantic message ('Input should have timezone info') said nothing to do."""
