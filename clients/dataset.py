@@ -98,6 +98,56 @@ def _distributed() -> tuple[int, int] | None:
     return None
 
 
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The process's rank and world size: given, else torch.distributed's, else torchrun's.
+
+    Both or neither: one alone would be paired with a default from elsewhere
+    (``world_size=2`` alone read rank 0's share in every process). Without an
+    initialised process group, ``$RANK`` / ``$WORLD_SIZE`` (as torchrun sets them)
+    count, so a dataset made before ``init_process_group`` still reads its share,
+    not the whole epoch in every process.
+    """
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"got rank={rank!r} and world_size={world_size!r}: pass both, or neither to take "
+            "them from torch.distributed (or torchrun's RANK and WORLD_SIZE)"
+        )
+    if rank is not None and world_size is not None:
+        found = (rank, world_size)
+    elif (dist := _distributed()) is not None:
+        found = dist
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            found = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        except ValueError:
+            raise ValueError(
+                f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} "
+                "are not integers; fix them, or pass rank= and world_size="
+            ) from None
+    else:
+        found = (0, 1)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in found) or not (
+        0 <= found[0] < found[1]
+    ):
+        raise ValueError(
+            f"rank must be in 0..world_size-1, got rank={found[0]!r}, world_size={found[1]!r}"
+        )
+    return found
+
+
+def _column_names(columns: str | Sequence[str] | None) -> list[str] | None:
+    """``columns=`` as a list of names: one string is one column, none twice, not empty."""
+    if columns is None:
+        return None
+    names = [columns] if isinstance(columns, str) else list(columns)
+    if not names:
+        raise ValueError("columns=[] selects nothing; name at least one, or pass None for all")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"columns names {twice} more than once; name each column once")
+    return names
+
+
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     """Stream pinned dataset versions (one, or a weighted mixture) from the nearest healthy node.
 
@@ -109,10 +159,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         config / region: read the endpoints from a topology file (edgecache.yaml)
             instead; the region's nodes come first, other regions' after them.
         batch_size: samples per batch; ``None`` yields one sample at a time.
-        columns: columns to read (default: all; for a mixture, those every component
-            has with the same type).
+        columns: columns to read, each once (one may be given as a plain string;
+            default: all; for a mixture, those every component has with the same type).
         shuffle / seed: deterministic shuffling (see ``shuffle_windows``).
-        rank / world_size: default from torch.distributed when initialised, else 0 / 1.
+        rank / world_size: both or neither; default from torch.distributed when
+            initialised, else ``$RANK`` / ``$WORLD_SIZE`` (torchrun's), else 0 / 1.
         drop_last: drop partial batches; every rank then yields the same number.
         pin_memory: ``"auto"`` pins when CUDA is available (in the main process).
         binary: ``"packed"`` (default): binary and string columns as a
@@ -155,7 +206,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         config: str | os.PathLike[str] | None = None,
         region: str | None = None,
         batch_size: int | None = 256,
-        columns: Sequence[str] | None = None,
+        columns: str | Sequence[str] | None = None,
         shuffle: bool = True,
         seed: int = 0,
         rank: int | None = None,
@@ -178,7 +229,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         metrics_port: int | None = None,
     ) -> None:
         super().__init__()
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
+        if batch_size is not None and (
+            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0
+        ):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         for name, value in (("shuffle_windows", shuffle_windows), ("lanes", lanes)):
             if not isinstance(value, int) or value < 1:
@@ -204,14 +257,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if not texts:
             raise InvalidEndpoint("the endpoint list is empty; give at least one host:port")
         self.endpoints: list[Endpoint] = [parse_endpoint(t) for t in texts]
-        dist = _distributed()
-        self.rank = rank if rank is not None else (dist[0] if dist else 0)
-        self.world_size = world_size if world_size is not None else (dist[1] if dist else 1)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"rank must be in 0..world_size-1, got rank={self.rank}, "
-                f"world_size={self.world_size}"
-            )
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
         if pin_memory not in (True, False, "auto"):
             raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -243,7 +289,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.weights = None if mixture.single else list(mixture.weights)
         self.binary, self.ragged = binary, ragged
         self.kinds = with_forms(
-            select_columns(self.schemas, self.components, columns), binary=binary, ragged=ragged
+            select_columns(self.schemas, self.components, _column_names(columns)),
+            binary=binary,
+            ragged=ragged,
         )
         self.columns = [k.name for k in self.kinds]
         if component_column is not None and component_column in {

@@ -125,3 +125,38 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
         ds.load_state_dict(state)
         rest += [x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]]
     assert sorted(consumed + [int(x) for x in rest]) == list(range(TOTAL))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 1}, "pass both"),  # said only 'got rank=1, world_size=1'
+        ({"world_size": 2}, "pass both"),  # read rank 0's share in every process
+        ({"batch_size": True}, "batch_size"),  # a bool is not a batch size (read as 1)
+        ({"columns": []}, "columns"),  # yielded empty dicts
+        ({"columns": ["label", "label"]}, "label"),  # one column, named twice
+    ],
+)
+def test_bad_arguments_fail_in_the_constructor_naming_the_fix(
+    node: LocalNode, kwargs: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        EdgeDataset("tokens@1", endpoints=node.address, **kwargs)
+
+
+def test_one_column_given_as_a_string_is_that_column(node: LocalNode) -> None:
+    # columns="label" was read as five columns 'l', 'a', 'b', 'e', 'l' (a KeyError).
+    ds = EdgeDataset("tokens@1", endpoints=node.address, columns="label", batch_size=10)
+    assert ds.columns == ["label"] and set(next(iter(ds))) == {"label"}
+
+
+def test_rank_and_world_size_from_torchrun_environment(
+    node: LocalNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under torchrun, a dataset made before init_process_group read the whole epoch in
+    # every process (0 / 1): RANK and WORLD_SIZE are what torchrun sets for this.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = EdgeDataset("tokens@1", endpoints=node.address, batch_size=10)
+    assert (ds.rank, ds.world_size) == (1, 2)
+    assert len(ds) == 75
