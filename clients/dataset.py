@@ -577,9 +577,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             # DataLoader worker, which set_epoch() in the main process never reaches.
             self.epoch, self._cursor, self._remaining = self.epoch + 1, 0, None
             self._publish_position()
-        except EdgeCacheError as exc:
+        except (EdgeCacheError, ValueError) as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
-            # and code) and traceback stay; the version is added as context.
+            # and code) and traceback stay; the version is added as context (also to
+            # what the data cannot become: a column with nulls, say).
             note = f"while reading {self.version} with EdgeDataset"
             if note not in getattr(exc, "__notes__", ()):
                 exc.add_note(note)

@@ -157,8 +157,8 @@ def _values(column: pa.Array, kind: ColumnKind) -> np.ndarray:
     """A column's flat values as a ``[rows, *shape]`` numpy view (zero-copy where possible)."""
     if column.null_count:
         raise ValueError(
-            f"column {kind.name!r} has nulls; tensors cannot hold them — fill them in the "
-            "version's preprocessing or read the column as a list"
+            f"column {kind.name!r} has nulls, which a tensor of numbers cannot hold; leave it "
+            "out (columns=[...] without it) or publish a version with the nulls filled in"
         )
     array = column
     for _ in kind.shape:

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from edgeutil import publish, write_parquet_shards
@@ -29,11 +31,16 @@ DDP_CHILD = Path(__file__).with_name("ddp_child.py")
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
-    """One node serving tokens@1: 1500 rows, labels 0..1499."""
+    """One node serving tokens@1 (1500 rows, labels 0..1499) and nullable@1 (nulls in score)."""
     root = tmp_path_factory.mktemp("walk")
     registry = f"file://{root}/registry"
     write_parquet_shards(root / "tokens", SHARDS, rows=ROWS)
     publish(registry, f"file://{root}/tokens", "tokens")
+    (root / "nullable").mkdir()
+    score = pa.array([None if i % 7 == 0 else float(i) for i in range(100)], pa.float64())
+    table = pa.table({"idx": pa.array(range(100), pa.int64()), "score": score})
+    pq.write_table(table, root / "nullable" / "p.parquet")
+    publish(registry, f"file://{root}/nullable", "nullable")
     started = start_local_node("eu", root / "cache", registry)
     yield started
     started.stop()
@@ -160,3 +167,20 @@ def test_rank_and_world_size_from_torchrun_environment(
     ds = EdgeDataset("tokens@1", endpoints=node.address, batch_size=10)
     assert (ds.rank, ds.world_size) == (1, 2)
     assert len(ds) == 75
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_numeric_column_with_nulls_names_the_version_and_the_fix(
+    node: LocalNode, workers: int
+) -> None:
+    # It said "read the column as a list", which no option does for numbers, and did
+    # not name the version (a ValueError gets no note of it).
+    ds = EdgeDataset("nullable@1", endpoints=node.address, batch_size=10)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    with pytest.raises(ValueError, match="columns=") as raised:
+        list(loader)
+    assert "score" in str(raised.value) and "list" not in str(raised.value).split(";")[-1]
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert "nullable@1" in notes + str(raised.value)  # from a worker: in its message
+    good = EdgeDataset("nullable@1", endpoints=node.address, batch_size=10, columns=["idx"])
+    assert sorted(int(x) for b in good for x in b["idx"]) == list(range(100))
