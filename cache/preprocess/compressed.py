@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
 import lzma
 import zlib
+from typing import Protocol
 
 import zstandard
 
 from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess import limits
 from edgecache.cache.preprocess.fixes import FIX
+from edgecache.cache.units import format_bytes
 
 __all__ = ["COMPRESSIONS", "SUFFIXES", "compression_of", "decompress", "strip_suffix"]
 
@@ -58,29 +62,115 @@ def compression_of(head: bytes | memoryview) -> str | None:
     return None
 
 
+class _Reader(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+_PIECE = 4 << 20  # bytes decompressed per read: small against the limit, large against overhead
+
+
+def _too_big(source: str, kind: str, what: str, limit: int) -> MalformedShard:
+    return MalformedShard(
+        f"{source} is {kind}-compressed and {what}, more than the {format_bytes(limit)} a node "
+        f"expands one object to (a decompression bomb, or a shard too large to preprocess "
+        f"whole: split it into objects under {format_bytes(limit)} uncompressed); {FIX}"
+    )
+
+
+def _read_bounded(reader: _Reader, limit: int, source: str, kind: str) -> bytearray:
+    """All of ``reader``, refused as soon as it passes ``limit`` bytes (never allocating more)."""
+    out = bytearray()
+    while piece := reader.read(min(_PIECE, limit + 1 - len(out))):
+        out += piece
+        if len(out) > limit:
+            raise _too_big(source, kind, "inflates past that", limit)
+    return out
+
+
+_XZ_MEMLIMIT = 256 << 20  # xz -9e needs 65 MiB; a header may ask liblzma for 4 GiB
+
+
+class _XzReader:
+    """Concatenated xz streams, decoded with a memory limit (``LZMAFile`` takes none).
+
+    An xz block header names its dictionary size, up to 4 GiB, and liblzma
+    allocates it before decoding a byte: a 1 KB object asked for 4 GiB here.
+    """
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self._rest = bytes(data)
+        self._decoder = lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=_XZ_MEMLIMIT)
+
+    def __enter__(self) -> _XzReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._rest = b""
+
+    def read(self, size: int = -1, /) -> bytes:
+        while True:
+            if self._decoder.eof:  # the next stream (xz files may be concatenated)
+                self._rest = self._decoder.unused_data.lstrip(b"\0")  # stream padding
+                if not self._rest:
+                    return b""
+                self._decoder = lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=_XZ_MEMLIMIT)
+            elif not self._rest and self._decoder.needs_input:
+                raise EOFError("compressed data ended before the end-of-stream marker")
+            chunk = self._decoder.decompress(self._rest, max_length=size)
+            self._rest = b""
+            if chunk:
+                return chunk
+
+
+def _reader(data: bytes | memoryview, kind: str) -> _Reader:
+    if kind == "zstd":
+        return zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
+    if kind == "gzip":
+        return gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb")
+    if kind == "bz2":
+        return bz2.BZ2File(io.BytesIO(data), mode="rb")
+    return _XzReader(data)
+
+
 def decompress(data: bytes | memoryview, source: str) -> tuple[bytes | memoryview, str | None]:
     """``data`` decompressed when it is gzip/zstd/bz2/xz, else unchanged; and which it was.
 
     Concatenated members/frames (``cat a.gz b.gz``, pzstd output) are read whole.
+    Output is bounded by :data:`~.limits.MAX_DECOMPRESSED_BYTES`: a few KB can
+    inflate to many GB, and a node must not be the one that finds out by running
+    out of memory. A zstd frame that declares more is refused before decoding.
 
     Raises:
-        MalformedShard: the object is truncated or damaged, naming it and the compression.
+        MalformedShard: the object is truncated or damaged, or inflates past the limit,
+            naming it and the compression.
     """
     kind = compression_of(memoryview(data)[:10])
     if kind is None:
         return data, None
+    limit = limits.MAX_DECOMPRESSED_BYTES
     try:
-        if kind == "gzip":
-            return gzip.decompress(data), kind
         if kind == "zstd":
-            reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
-            with reader:
-                return reader.readall(), kind
-        if kind == "bz2":
-            return bz2.decompress(data), kind
-        return lzma.decompress(data, format=lzma.FORMAT_XZ), kind
-    except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, zstandard.ZstdError) as exc:
+            declared = zstandard.frame_content_size(bytes(memoryview(data)[:18]))
+            if declared > limit:
+                raise _too_big(source, kind, f"its frame declares {declared:,} bytes", limit)
+        with _reader(data, kind) as reader:  # type: ignore[attr-defined]
+            return memoryview(_read_bounded(reader, limit, source, kind)), kind
+    except lzma.LZMAError as exc:
+        if "memory usage limit" not in str(exc).lower():
+            raise _damaged(source, kind, exc) from exc
         raise MalformedShard(
-            f"{source} looks {kind}-compressed but cannot be decompressed ({exc}); "
-            f"it may be truncated; {FIX}"
+            f"{source} is xz-compressed with a dictionary larger than the "
+            f"{format_bytes(_XZ_MEMLIMIT)} a node decodes with ({exc}); recompress it "
+            f"(xz -9 needs 64 MiB) or {FIX}"
         ) from exc
+    except (OSError, EOFError, ValueError, zlib.error, zstandard.ZstdError) as exc:
+        if isinstance(exc, MalformedShard):
+            raise
+        raise _damaged(source, kind, exc) from exc
+
+
+def _damaged(source: str, kind: str, exc: BaseException) -> MalformedShard:
+    return MalformedShard(
+        f"{source} looks {kind}-compressed but cannot be decompressed ({exc}); "
+        f"it may be truncated; {FIX}"
+    )

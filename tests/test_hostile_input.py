@@ -1,0 +1,138 @@
+"""Hostile origin objects: bombs, path tricks and absurd counts, each refused plainly.
+
+The standard (docs/security.md, "A compromised origin"): bad input gets a clear
+error naming the object and loses nothing; what an origin serves never takes a
+node down (memory, disk, a hung thread) and never leaves a partial entry. Each
+test builds a small crafted object and, where the danger is size, lowers the
+limit (``cache/preprocess/limits.py``) and measures what would have been
+allocated instead of allocating gigabytes.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import lzma
+import tracemalloc
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import zstandard
+from edgeutil import publish, read_shard_table, stub
+
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess import limits
+from edgecache.cache.preprocess.compressed import decompress
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
+
+MiB = 1 << 20
+COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
+    "gzip": lambda d: gzip.compress(d, 9),
+    "zstd": lambda d: zstandard.ZstdCompressor(level=19).compress(d),
+    "bz2": lambda d: bz2.compress(d, 9),
+    "xz": lambda d: lzma.compress(d, format=lzma.FORMAT_XZ),
+}
+
+
+def peak_python_bytes(fn: Callable[[], object]) -> tuple[BaseException | None, int]:
+    """Run ``fn``; what it raised and the peak bytes Python allocated meanwhile."""
+    tracemalloc.start()
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - returned for the test to judge
+        return exc, tracemalloc.get_traced_memory()[1]
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return None, peak
+
+
+def node_config(tmp_path: Path, registry: str) -> NodeConfig:
+    return NodeConfig(
+        region="hostile",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        capacity="64MiB",
+        sync=False,
+    )
+
+
+# ------------------------------------------------------------ decompression bombs
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_a_compressed_bomb_is_refused_without_inflating_it(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits, "MAX_DECOMPRESSED_BYTES", 1 * MiB)
+    bomb = COMPRESSORS[kind](b"\n" * (48 * MiB))  # a few KB that inflate 48 MiB
+    assert len(bomb) < 64 << 10
+    error, peak = peak_python_bytes(lambda: decompress(bomb, f"s3://b/docs.jsonl.{kind}"))
+    assert isinstance(error, MalformedShard), error
+    assert f"docs.jsonl.{kind}" in str(error) and "1.0 MiB" in str(error)
+    assert peak < 16 * MiB, f"{kind}: {peak / MiB:.1f} MiB allocated to refuse a 1 MiB limit"
+
+
+def test_a_zstd_frame_declaring_a_huge_size_is_refused_before_decoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(limits, "MAX_DECOMPRESSED_BYTES", 1 * MiB)
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"a" * (2 * MiB))
+    with pytest.raises(MalformedShard, match=r"x\.csv\.zst .*declares 2,097,152 bytes"):
+        decompress(frame, "x.csv.zst")
+
+
+def test_an_xz_header_asking_for_a_4_gib_dictionary_is_refused_without_allocating_it() -> None:
+    small = lzma.compress(
+        b"x" * 1000, format=lzma.FORMAT_XZ, filters=[{"id": lzma.FILTER_LZMA2, "dict_size": 4096}]
+    )
+    data = bytearray(small)
+    size = (data[12] + 1) * 4  # the block header follows the 12-byte stream header
+    header = data[12 : 12 + size]
+    at = header.find(b"\x21\x01")  # LZMA2's filter id, then its one property byte
+    header[at + 2] = 40  # the dictionary size: 4 GiB - 1
+    header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")
+    data[12 : 12 + size] = header
+    error, peak = peak_python_bytes(lambda: decompress(bytes(data), "notes.txt.xz"))
+    assert isinstance(error, MalformedShard) and "notes.txt.xz" in str(error), error
+    assert "dictionary" in str(error)
+    assert peak < 64 * MiB, f"{peak / MiB:.0f} MiB allocated for a 1 KB object"
+
+
+def test_objects_under_the_limit_still_decompress_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "MAX_DECOMPRESSED_BYTES", 1 * MiB)
+    rows = b"".join(b'{"n": %d}\n' % i for i in range(1000))
+    for kind, compress in COMPRESSORS.items():
+        twice = compress(rows) + compress(rows)  # concatenated members / frames
+        data, found = decompress(twice, "x")
+        assert (bytes(data), found) == (rows + rows, kind)
+    exactly = b"x" * MiB
+    assert bytes(decompress(gzip.compress(exactly), "x")[0]) == exactly
+
+
+def test_a_node_fails_a_bomb_shard_naming_it_and_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    rows = b"".join(b'{"n": %d}\n' % i for i in range(100))
+    (origin / "a.jsonl.gz").write_bytes(gzip.compress(rows))
+    (origin / "b.jsonl.gz").write_bytes(gzip.compress(rows + b"\n" * (4 * MiB)))
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{origin}", "bomb")  # published while the limit allowed it
+    monkeypatch.setattr(limits, "MAX_DECOMPRESSED_BYTES", 1 * MiB)
+    with running_node(node_config(tmp_path, registry)) as node:
+        client = stub(node.address)
+        with pytest.raises(grpc.RpcError) as info:
+            read_shard_table(client, "bomb", 1, 1)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "b.jsonl.gz" in info.value.details() and "1.0 MiB" in info.value.details()
+        assert read_shard_table(client, "bomb", 1, 0).num_rows == 100  # still serving
+        status = client.Status(edge_pb2.StatusRequest())
+        assert status.versions[0].shard_count == 1  # nothing of the bomb was cached
