@@ -233,9 +233,22 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0
         ):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-        for name, value in (("shuffle_windows", shuffle_windows), ("lanes", lanes)):
-            if not isinstance(value, int) or value < 1:
+        for name, value in (
+            ("shuffle_windows", shuffle_windows),
+            ("lanes", lanes),
+            ("threads", threads),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (
+            not isinstance(prefetch_bytes, int)
+            or isinstance(prefetch_bytes, bool)
+            or (prefetch_bytes < 0)
+        ):
+            raise ValueError(f"prefetch_bytes must be an integer >= 0, got {prefetch_bytes!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            # A string seed would shuffle by its hash: a different order in every process.
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         if window_bytes is not None and window_bytes < 1:
             raise ValueError(f"window_bytes must be positive, got {window_bytes!r}")
         if samples_per_epoch is not None and (

@@ -142,6 +142,9 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
         ({"batch_size": True}, "batch_size"),  # a bool is not a batch size (read as 1)
         ({"columns": []}, "columns"),  # yielded empty dicts
         ({"columns": ["label", "label"]}, "label"),  # one column, named twice
+        ({"threads": 0}, "threads"),  # no fetch thread: nothing would ever be read
+        ({"prefetch_bytes": -1}, "prefetch_bytes"),
+        ({"seed": "17"}, "seed must be an integer"),  # shuffled by its hash per process
     ],
 )
 def test_bad_arguments_fail_in_the_constructor_naming_the_fix(
