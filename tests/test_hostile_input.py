@@ -24,11 +24,12 @@ import zstandard
 from edgeutil import publish, read_shard_table, stub
 
 from edgecache.cache.errors import MalformedShard
-from edgecache.cache.preprocess import limits
+from edgecache.cache.preprocess import limits, read_source
 from edgecache.cache.preprocess.compressed import decompress
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
+from edgecache.v1 import manifest_pb2 as pb
 
 MiB = 1 << 20
 COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
@@ -136,3 +137,31 @@ def test_a_node_fails_a_bomb_shard_naming_it_and_keeps_serving(
         assert read_shard_table(client, "bomb", 1, 0).num_rows == 100  # still serving
         status = client.Status(edge_pb2.StatusRequest())
         assert status.versions[0].shard_count == 1  # nothing of the bomb was cached
+
+
+# ------------------------------------------------------------- absurd counts
+
+
+def test_a_bad_jsonl_with_a_huge_line_is_named_without_copying_it_into_python_objects() -> None:
+    good = b'{"a": [1, 2]}\n'
+    huge = b'{"a": [' + b"1," * (16 * MiB) + b"1]}\n"  # 32 MiB on one line
+    data = good + huge + b"{not json\n" + good
+    error, peak = peak_python_bytes(
+        lambda: list(read_source(data, fmt=pb.SOURCE_FORMAT_JSONL, source="s3://b/x.jsonl"))
+    )
+    assert isinstance(error, MalformedShard), error
+    assert "s3://b/x.jsonl line 3: not valid JSON" in str(error)
+    assert peak < 24 * MiB, f"{peak / MiB:.0f} MiB of Python objects to name a bad line"
+
+
+def test_a_csv_whose_first_cell_is_larger_than_pythons_csv_field_limit_reads() -> None:
+    data = b"text\n" + b'"' + b"a" * (200 << 10) + b'"\n' + b"b\n"
+    rows = [r for b in read_source(data, fmt=pb.SOURCE_FORMAT_CSV, source="x.csv")
+            for r in b.to_pylist()]  # fmt: skip
+    assert [len(r["text"]) for r in rows] == [200 << 10, 1]
+    headerless = b'"' + b"a" * (200 << 10) + b'"\n' + b"b\n"
+    rows = [r for b in read_source(headerless, fmt=pb.SOURCE_FORMAT_CSV, source="x.csv",
+            options={"header": "false"}) for r in b.to_pylist()]  # fmt: skip
+    assert len(rows) == 2
+    with pytest.raises(MalformedShard, match="x.csv"):  # header auto: a 200 KB header cell
+        list(read_source(b"a" * (200 << 10) + b",1\n", fmt=pb.SOURCE_FORMAT_CSV, source="x.csv"))

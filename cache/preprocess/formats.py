@@ -11,6 +11,7 @@ that can be known).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
@@ -94,10 +95,30 @@ def _rebatch(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Record
             yield batch.slice(start, rows)
 
 
+_CULPRIT_LINE_BYTES = 1 << 20  # longer lines are left to pyarrow's own message
+
+
+def _lines(data: memoryview) -> Iterator[tuple[int, memoryview]]:
+    """(number, line) of ``data`` without copying it whole (a shard may be gigabytes)."""
+    start, number = 0, 0
+    for number, newline in enumerate(re.finditer(rb"\n", data), start=1):  # noqa: B007
+        yield number, data[start : newline.start()]
+        start = newline.end()
+    if start < len(data):
+        yield number + 1, data[start:]
+
+
 def _jsonl_culprit(data: pa.Buffer) -> str | None:
-    """Find the first line pyarrow would reject, as 'line N: what is wrong'."""
+    """Find the first line pyarrow would reject, as 'line N: what is wrong'.
+
+    Python parses each line here, so lines over ``_CULPRIT_LINE_BYTES`` are
+    skipped: a 1 GB line of ``[1,1,…]`` would become tens of GB of Python objects.
+    """
     kinds: dict[str, tuple[str, int]] = {}
-    for number, raw in enumerate(memoryview(data).tobytes().split(b"\n"), start=1):
+    for number, line in _lines(memoryview(data)):
+        if len(line) > _CULPRIT_LINE_BYTES:
+            continue
+        raw = line.tobytes()
         if not raw.strip():
             continue
         try:
@@ -106,6 +127,8 @@ def _jsonl_culprit(data: pa.Buffer) -> str | None:
             return f"line {number}: not valid UTF-8"
         except json.JSONDecodeError as exc:
             return f"line {number}: not valid JSON ({exc.msg})"
+        except RecursionError:
+            return f"line {number}: JSON nested too deeply"
         if not isinstance(value, dict):
             return f"line {number}: not a JSON object (each line must be one {{...}} record)"
         for key, item in value.items():

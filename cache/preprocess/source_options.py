@@ -137,7 +137,10 @@ def _first_rows(text: bytes, delimiter: str, skip: int, count: int) -> list[list
     lines = text[: 1 << 20].decode("utf-8", errors="replace").splitlines()[skip : skip + count]
     if delimiter == "whitespace":
         return [line.split() for line in lines]
-    return list(csv.reader(io.StringIO("\n".join(lines)), delimiter=delimiter))
+    try:
+        return list(csv.reader(io.StringIO("\n".join(lines)), delimiter=delimiter))
+    except csv.Error:  # a cell over Python's 128 KiB field limit: judge the row as split
+        return [line.split(delimiter) for line in lines]
 
 
 def _is_number(cell: str) -> bool:
