@@ -391,6 +391,12 @@ class Registry:
                         f"{index.info.url} lists {shard.key}, but there is no {prefix}{key}; "
                         "upload the whole MDS directory"
                     )
+                if key == strip_suffix(key) and 4 * (shard.samples + 2) > obj.info.size:
+                    raise MalformedShard(
+                        f"{index.info.url} says {shard.key} holds {shard.samples:,} samples, but "
+                        f"it is {obj.info.size:,} bytes, too small for their offsets alone; fix "
+                        "the index or the shard and publish again"
+                    )
                 shards.append(SourceObject(info=obj.info, key=key, rows=shard.samples))
         assert columns is not None
         return shards, columns

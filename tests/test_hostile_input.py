@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import json
 import lzma
 import tracemalloc
 import zlib
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pyarrow as pa
 import pytest
 import zstandard
 from edgeutil import publish, read_shard_table, stub
@@ -165,3 +167,74 @@ def test_a_csv_whose_first_cell_is_larger_than_pythons_csv_field_limit_reads() -
     assert len(rows) == 2
     with pytest.raises(MalformedShard, match="x.csv"):  # header auto: a 200 KB header cell
         list(read_source(b"a" * (200 << 10) + b",1\n", fmt=pb.SOURCE_FORMAT_CSV, source="x.csv"))
+
+
+# ------------------------------------------------------------ MDS indexes
+
+
+def mds_entry(**overrides: object) -> dict:
+    entry: dict = {
+        "format": "mds",
+        "compression": None,
+        "column_names": ["n"],
+        "column_encodings": ["int"],
+        "column_sizes": [8],
+        "raw_data": {"basename": "shard.00000.mds"},
+        "samples": 2,
+    }
+    entry.update(overrides)
+    return entry
+
+
+def write_mds(folder: Path, *entries: dict) -> None:
+    """An MDS directory: ``index.json`` and a real 2-sample shard of int64s."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "index.json").write_text(json.dumps({"version": 2, "shards": list(entries)}))
+    header = [2, 16, 24, 32]  # count, then offsets of 2 samples of 8 bytes
+    body = b"".join(n.to_bytes(4, "little") for n in header)
+    (folder / "shard.00000.mds").write_bytes(body + (7).to_bytes(8, "little") * 2)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (mds_entry(raw_data={"basename": "../other/shard.mds"}), "not a file name in the index"),
+        (mds_entry(raw_data={"basename": "/etc/shard.mds"}), "not a file name in the index"),
+        (mds_entry(raw_data={"basename": "s3://other/shard.mds"}), "not a file name in the index"),
+        (mds_entry(raw_data={"basename": "a\0.mds"}), "not a file name in the index"),
+        (mds_entry(samples=2**40), "holds 1099511627776 samples"),
+        (mds_entry(samples=-1), "holds -1 samples"),
+        (mds_entry(samples="2"), "holds '2' samples"),
+        (mds_entry(samples=1000), "too small for their offsets"),
+        (mds_entry(raw_data="shard.00000.mds"), "names no data file"),
+        (mds_entry(column_sizes=[]), "lists alike"),
+        (
+            mds_entry(column_names=["n", "n"], column_encodings=["int"] * 2, column_sizes=[8, 8]),
+            "column names repeat",
+        ),  # fmt: skip
+        ([1, 2], "is not an MDS shard entry"),
+        ({"format": "mds"}, "is not an MDS shard entry"),
+    ],
+)
+def test_a_hostile_mds_index_is_a_publish_error_naming_it(
+    tmp_path: Path, entry: object, message: str
+) -> None:
+    write_mds(tmp_path / "mds", entry)  # type: ignore[arg-type]
+    with pytest.raises(MalformedShard, match="index.json") as info:
+        publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/mds", "mds")
+    assert message in str(info.value)
+    assert not (tmp_path / "registry").exists()  # nothing published
+
+
+def test_a_deeply_nested_mds_index_is_a_publish_error(tmp_path: Path) -> None:
+    write_mds(tmp_path / "mds", mds_entry())
+    (tmp_path / "mds" / "index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(MalformedShard, match="index.json is not an MDS index"):
+        publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/mds", "mds")
+
+
+def test_an_mds_column_of_a_non_numeric_ndarray_is_kept_as_bytes(tmp_path: Path) -> None:
+    write_mds(tmp_path / "mds", mds_entry(column_encodings=["ndarray:O:8"]))
+    manifest = publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/mds", "mds")
+    schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
+    assert schema.field("n").type == pa.binary()

@@ -43,6 +43,8 @@ _SCALARS = {
 }
 _STRINGS = frozenset({"str", "str_decimal", "json"})
 _COMPRESSIONS = {None: "", "zstd": ".zstd", "gz": ".gz", "bz2": ".bz2"}
+_MAX_SIDE = 1 << 31  # an ndarray side pyarrow's fixed-size lists can hold
+MAX_SAMPLES = (1 << 32) - 1  # a shard's header counts its samples in a u32
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +86,22 @@ class MdsColumns:
 
 
 def _ndarray(encoding: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The dtype and shape of a fixed ``ndarray:<dtype>:<d1,…>``; None for anything else.
+
+    Only numbers with positive sides: any other spelling (``ndarray:O:2``,
+    ``ndarray:int8:-1``) is kept as binary, like every encoding not known here.
+    """
     parts = encoding.split(":")
     if len(parts) != 3 or parts[0] != "ndarray":
         return None
     try:
         shape = tuple(int(d) for d in parts[2].split(","))
-        return np.dtype(parts[1]), shape
+        dtype = np.dtype(parts[1])
     except (TypeError, ValueError):
         return None
+    if dtype.kind not in "biuf" or not shape or min(shape) < 1 or max(shape) > _MAX_SIDE:
+        return None
+    return dtype, shape
 
 
 def _arrow_type(encoding: str) -> pa.DataType:
@@ -123,28 +133,18 @@ def mds_index(text: bytes, source: str) -> tuple[MdsColumns, list[MdsShard]]:
         entries = index["shards"]
         if index.get("version") != 2 or not isinstance(entries, list):
             raise ValueError(f"version {index.get('version')!r}, expected 2")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise MalformedShard(f"{source} is not an MDS index.json ({exc}); {FIX}") from exc
     columns: MdsColumns | None = None
     shards = []
     for number, entry in enumerate(entries):
         where = f"{source}: shard {number}"
-        if entry.get("format") != "mds":
-            raise MalformedShard(
-                f"{where} has format {entry.get('format')!r}; only MDS shards are read (publish "
-                "JSON/CSV MDS-style shards with --format jsonl or csv)"
-            )
-        compression = (entry.get("compression") or None) and str(entry["compression"]).split(":")[0]
-        if compression not in _COMPRESSIONS:
-            raise MalformedShard(
-                f"{where} is {compression}-compressed, which edgecache cannot read; rewrite the "
-                "dataset with compression zstd, gz or bz2 (or none)"
-            )
-        these = MdsColumns(
-            tuple(entry["column_names"]),
-            tuple(entry["column_encodings"]),
-            tuple(entry["column_sizes"]),
-        )
+        try:
+            these, shard = _entry(entry, where)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, MalformedShard):
+                raise
+            raise MalformedShard(f"{where} is not an MDS shard entry ({exc!r}); {FIX}") from exc
         if columns is None:
             columns = these
         elif these != columns:
@@ -152,13 +152,61 @@ def mds_index(text: bytes, source: str) -> tuple[MdsColumns, list[MdsShard]]:
                 f"{where} has columns {list(these.names)} ({list(these.encodings)}) but shard 0 "
                 f"has {list(columns.names)} ({list(columns.encodings)}); publish them apart"
             )
-        data = entry.get("zip_data") if compression else entry.get("raw_data")
-        if not data or not data.get("basename"):
-            raise MalformedShard(f"{where} names no data file; {FIX}")
-        shards.append(MdsShard(key=str(data["basename"]), samples=int(entry["samples"])))
+        shards.append(shard)
     if columns is None:
         raise MalformedShard(f"{source} lists no shards; {FIX}")
     return columns, shards
+
+
+def _entry(entry: dict, where: str) -> tuple[MdsColumns, MdsShard]:
+    """One ``shards`` entry of an index, checked: it comes from origin, not from MDSWriter."""
+    if entry.get("format") != "mds":
+        raise MalformedShard(
+            f"{where} has format {entry.get('format')!r}; only MDS shards are read (publish "
+            "JSON/CSV MDS-style shards with --format jsonl or csv)"
+        )
+    compression = (entry.get("compression") or None) and str(entry["compression"]).split(":")[0]
+    if compression not in _COMPRESSIONS:
+        raise MalformedShard(
+            f"{where} is {compression}-compressed, which edgecache cannot read; rewrite the "
+            "dataset with compression zstd, gz or bz2 (or none)"
+        )
+    names, encodings, sizes = (entry[k] for k in ("column_names", "column_encodings",
+                                                  "column_sizes"))  # fmt: skip
+    if not all(isinstance(v, list) for v in (names, encodings, sizes)) or not (
+        len(names) == len(encodings) == len(sizes)
+    ):
+        raise MalformedShard(f"{where}: column_names, _encodings and _sizes must be lists alike")
+    if not all(isinstance(v, str) for v in (*names, *encodings)):
+        raise MalformedShard(f"{where}: column names and encodings must be strings")
+    if not all(z is None or (type(z) is int and z >= 0) for z in sizes):
+        raise MalformedShard(f"{where}: column sizes must be whole numbers or null")
+    if len(set(names)) != len(names):
+        raise MalformedShard(f"{where}: column names repeat ({names}); {FIX}")
+    columns = MdsColumns(tuple(names), tuple(encodings), tuple(sizes))
+    data = entry.get("zip_data") if compression else entry.get("raw_data")
+    if not isinstance(data, dict) or not data.get("basename"):
+        raise MalformedShard(f"{where} names no data file; {FIX}")
+    key = data["basename"]
+    if not isinstance(key, str) or not _inside(key):
+        raise MalformedShard(
+            f"{where} names its file {key!r}, which is not a file name in the index's "
+            f"directory (no '..', '/' at the start, URL, backslash or NUL); {FIX}"
+        )
+    samples = entry["samples"]
+    if type(samples) is not int or not 0 <= samples <= MAX_SAMPLES:
+        raise MalformedShard(
+            f"{where} says it holds {samples!r} samples; an MDS shard holds 0..{MAX_SAMPLES} "
+            f"(its header counts them in 32 bits); {FIX}"
+        )
+    return columns, MdsShard(key=key, samples=samples)
+
+
+def _inside(key: str) -> bool:
+    """Whether ``key`` is a path below the index's directory, not out of it or elsewhere."""
+    if not key or key.startswith("/") or "://" in key or "\\" in key or "\0" in key:
+        return False
+    return all(part not in ("", ".", "..") for part in key.split("/"))
 
 
 def _column(
