@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
 import json
 import lzma
 import tracemalloc
@@ -20,7 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 from edgeutil import publish, read_shard_table, stub
@@ -238,3 +241,40 @@ def test_an_mds_column_of_a_non_numeric_ndarray_is_kept_as_bytes(tmp_path: Path)
     manifest = publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/mds", "mds")
     schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
     assert schema.field("n").type == pa.binary()
+
+
+# ------------------------------------------------------------ Parquet
+
+
+def dictionary_parquet(value_bytes: int, rows: int) -> bytes:
+    """One random value repeated on every row: dictionary-encoded, the file stays tiny."""
+    value = np.random.default_rng(0).bytes(value_bytes).hex()[:value_bytes]
+    column = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array([value]))
+    out = io.BytesIO()
+    pq.write_table(pa.table({"s": column}), out, compression="zstd", store_schema=False)
+    return out.getvalue()
+
+
+def test_a_parquet_dictionary_bomb_is_refused_before_expanding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = dictionary_parquet(32 << 10, 4096)  # 128 MiB of strings when expanded
+    assert len(data) < 64 << 10
+    monkeypatch.setattr(limits, "MAX_DECODED_BYTES", 16 * MiB)
+    pool = pa.default_memory_pool()
+    before = pool.bytes_allocated()
+    with pytest.raises(MalformedShard, match=r"s3://b/p\.parquet decodes to more than 16\.0 MiB"):
+        list(read_source(data, fmt=pb.SOURCE_FORMAT_PARQUET, source="s3://b/p.parquet"))
+    assert pool.bytes_allocated() - before < 16 * MiB
+
+
+def test_parquet_dictionary_strings_expand_a_slice_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = dictionary_parquet(32 << 10, 256)  # 8 MiB expanded
+    monkeypatch.setattr(limits, "BATCH_DECODED_BYTES", 1 * MiB)
+    batches = list(read_source(data, fmt=pb.SOURCE_FORMAT_PARQUET, source="p.parquet"))
+    assert sum(b.num_rows for b in batches) == 256
+    assert all(b.schema.field("s").type == pa.string() for b in batches)
+    assert max(b.nbytes for b in batches) <= 1 * MiB + (32 << 10) + 4096
+    assert len({b.column(0)[0].as_py() for b in batches}) == 1

@@ -15,17 +15,21 @@ import re
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.feather as pa_feather
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess import limits
 from edgecache.cache.preprocess.compressed import decompress, strip_suffix
 from edgecache.cache.preprocess.fixes import FIX
 from edgecache.cache.preprocess.mds import mds_source
 from edgecache.cache.preprocess.source_options import read_csv
 from edgecache.cache.preprocess.webdataset import tar_source
+from edgecache.cache.units import format_bytes
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
@@ -175,14 +179,20 @@ def _read_text(
         raise MalformedShard(f"{source}: {exc}{note}; {FIX}") from exc
 
 
-def _parquet(buf: pa.Buffer, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int]:
-    parquet = pq.ParquetFile(pa.BufferReader(buf))
+def _parquet(
+    buf: pa.Buffer, batch_rows: int, source: str
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int]:
+    schema = pq.ParquetFile(pa.BufferReader(buf)).schema_arrow
+    # String and binary columns are read as dictionaries and expanded a slice at a time
+    # (see _expanded): one dictionary value repeated on every row made 4 GiB from 293 bytes.
+    wide = [f.name for f in schema if _is_binary(f.type)]
+    parquet = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=wide)
     meta = parquet.metadata
     rows = meta.num_rows
     size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
     if size > _WHOLE_TABLE_BYTES:  # stream row groups: bounded memory for huge shards
         batches = parquet.iter_batches(batch_size=batch_rows, use_threads=False)
-        return parquet.schema_arrow, batches, rows
+        return schema, _expanded(batches, schema, source), rows
 
     def whole() -> Iterator[pa.RecordBatch]:
         # Decoded in the calling thread, when first asked for. pq.read_table costs the
@@ -192,7 +202,51 @@ def _parquet(buf: pa.Buffer, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.Re
         table = parquet.read(use_threads=False)
         yield from table.to_batches(max_chunksize=batch_rows)
 
-    return parquet.schema_arrow, whole(), rows
+    return schema, _expanded(whole(), schema, source), rows
+
+
+def _is_binary(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_string(kind) or pa.types.is_binary(kind)
+        or pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)
+    )  # fmt: skip
+
+
+def _expanded(
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, source: str
+) -> Iterator[pa.RecordBatch]:
+    """``batches`` with dictionary columns made plain, in slices of about BATCH_DECODED_BYTES.
+
+    What a row expands to is known before expanding it (the lengths of the values its
+    indices pick), so no slice is allocated larger than the budget allows (a row at a
+    time at worst), and a shard decoding past MAX_DECODED_BYTES is refused.
+    """
+    total = 0
+    for batch in batches:
+        sizes = np.full(batch.num_rows, batch.nbytes // max(batch.num_rows, 1), np.int64)
+        for column in batch.columns:
+            if pa.types.is_dictionary(column.type):
+                lengths = pc.binary_length(column.dictionary).fill_null(0)
+                picked = lengths.take(column.indices.fill_null(0)).to_numpy(zero_copy_only=False)
+                sizes += picked.astype(np.int64)
+        ends = np.cumsum(sizes)
+        if total + int(ends[-1] if len(ends) else 0) > limits.MAX_DECODED_BYTES:
+            raise MalformedShard(
+                f"{source} decodes to more than {format_bytes(limits.MAX_DECODED_BYTES)} "
+                f"(Parquet dictionary values repeated over many rows: a decompression bomb, "
+                f"or a shard too large to preprocess whole: split it); {FIX}"
+            )
+        start = 0
+        while start < batch.num_rows:
+            before = int(ends[start - 1]) if start else 0
+            stop = int(np.searchsorted(ends, before + limits.BATCH_DECODED_BYTES, "right"))
+            stop = max(stop, start + 1)
+            part = batch.slice(start, stop - start)
+            arrays = [c.cast(f.type) if pa.types.is_dictionary(c.type) else c
+                      for c, f in zip(part.columns, schema, strict=True)]  # fmt: skip
+            yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+            start = stop
+        total += int(ends[-1]) if len(ends) else 0
 
 
 def open_source(
@@ -227,7 +281,7 @@ def open_source(
             table = _read_text(buf, fmt, source, options)
             return table.schema, iter(table.to_batches(max_chunksize=batch_rows)), None
         if fmt == _P:
-            return _parquet(buf, batch_rows)
+            return _parquet(buf, batch_rows, source)
         if fmt == _W:
             return tar_source(data, source, batch_rows)
         if fmt == _M:
