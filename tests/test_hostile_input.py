@@ -278,3 +278,10 @@ def test_parquet_dictionary_strings_expand_a_slice_at_a_time(
     assert all(b.schema.field("s").type == pa.string() for b in batches)
     assert max(b.nbytes for b in batches) <= 1 * MiB + (32 << 10) + 4096
     assert len({b.column(0)[0].as_py() for b in batches}) == 1
+
+
+def test_an_all_null_parquet_string_column_still_reads() -> None:
+    out = io.BytesIO()
+    pq.write_table(pa.table({"s": pa.array([None, None], pa.string())}), out)
+    batches = list(read_source(out.getvalue(), fmt=pb.SOURCE_FORMAT_PARQUET, source="p"))
+    assert [b.to_pylist() for b in batches] == [[{"s": None}, {"s": None}]]

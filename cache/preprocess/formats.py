@@ -226,9 +226,8 @@ def _expanded(
         sizes = np.full(batch.num_rows, batch.nbytes // max(batch.num_rows, 1), np.int64)
         for column in batch.columns:
             if pa.types.is_dictionary(column.type):
-                lengths = pc.binary_length(column.dictionary).fill_null(0)
-                picked = lengths.take(column.indices.fill_null(0)).to_numpy(zero_copy_only=False)
-                sizes += picked.astype(np.int64)
+                picked = pc.binary_length(column.dictionary).take(column.indices)  # null: null
+                sizes += picked.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         ends = np.cumsum(sizes)
         if total + int(ends[-1] if len(ends) else 0) > limits.MAX_DECODED_BYTES:
             raise MalformedShard(
