@@ -430,10 +430,12 @@ class PlanExecutor:
             for version in versions:
                 self.mark_resident(region, version)
         ends = {job.name: job.end for job in schedule.jobs}
-        lock = threading.Lock()
+        # Each region records into its own outcome, merged in the plan's order at the end:
+        # regions run in parallel, and a report in finishing order matched no plan row.
+        done = {region: WarmOutcome() for region in plan.regions}
 
         def one_region(region: str) -> None:
-            region_plan = plan.regions[region]
+            region_plan, mine = plan.regions[region], done[region]
             steps: list[tuple[datetime, int, Eviction | StageTask]] = [
                 (e.at, 0, e) for e in region_plan.evictions
             ] + [(t.start, 1, t) for t in region_plan.tasks]
@@ -444,22 +446,19 @@ class PlanExecutor:
                 if isinstance(step, Eviction):
                     spec = f"{step.version[0]}@{step.version[1]}"
                     evicted = self.evict(step, schedule, manifests)
-                    with lock:
-                        if evicted.problem is None:
-                            outcome.evicted.append((step, evicted.freed))
-                        else:
-                            blocked = evicted.problem
-                            outcome.deferred.append(Deferred(region, f"evict {spec}", blocked))
+                    if evicted.problem is None:
+                        mine.evicted.append((step, evicted.freed))
+                    else:
+                        blocked = evicted.problem
+                        mine.deferred.append(Deferred(region, f"evict {spec}", blocked))
                     continue
                 pin_until = max(ends[j] for j in step.jobs if j in ends)
                 run = self.make_run(step, manifests, pin_until)
-                with lock:
-                    outcome.runs.append(run)
+                mine.runs.append(run)
                 if blocked is not None:
                     run.state, run.note = "deferred", f"needs room: {blocked}"
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
-                    with lock:
-                        outcome.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
+                    mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
                     continue
                 self.run(run)
 
@@ -473,4 +472,8 @@ class PlanExecutor:
                 raise
             for future in futures:
                 future.result()
+        for region_outcome in done.values():
+            outcome.runs += region_outcome.runs
+            outcome.evicted += region_outcome.evicted
+            outcome.deferred += region_outcome.deferred
         return outcome
