@@ -45,6 +45,7 @@ from edgecache.cache.preprocess import (
     describe,
     format_from_key,
     keeps_rows,
+    limits,
     load_transform,
     resource_refs,
 )
@@ -126,8 +127,16 @@ async def fetch_resources(
     out = {}
     for ref in resource_refs(spec.transform, spec.params):
         url = resource_url(source_url, ref)
+        store = stores.for_url(url)
         try:
-            out[ref] = await stores.for_url(url).get(url)
+            info = await store.head(url)
+            if info.size > limits.MAX_RESOURCE_BYTES:  # read whole into every node's memory
+                raise MalformedShard(
+                    f"transform {spec.transform!r} needs {ref!r}, but {url} is {info.size:,} "
+                    f"bytes, more than the {limits.MAX_RESOURCE_BYTES:,} a node reads for a "
+                    "transform's file; point the param at the right file"
+                )
+            out[ref] = await store.get(url, expect=info)
         except ObjectNotFound as exc:
             raise ObjectNotFound(
                 f"transform {spec.transform!r} needs {ref!r}, but there is no object at {url}; "

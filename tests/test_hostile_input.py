@@ -285,3 +285,19 @@ def test_an_all_null_parquet_string_column_still_reads() -> None:
     pq.write_table(pa.table({"s": pa.array([None, None], pa.string())}), out)
     batches = list(read_source(out.getvalue(), fmt=pb.SOURCE_FORMAT_PARQUET, source="p"))
     assert [b.to_pylist() for b in batches] == [[{"s": None}, {"s": None}]]
+
+
+# ------------------------------------------------------------ transform files
+
+
+def test_a_tokenizer_file_over_the_limit_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / "a.jsonl").write_text('{"text": "hello"}\n')
+    (origin / "tokenizer.json").write_bytes(b" " * (2 * MiB))
+    monkeypatch.setattr(limits, "MAX_RESOURCE_BYTES", 1 * MiB)
+    with pytest.raises(MalformedShard, match=r"tokenizer.json is 2,097,152 bytes"):
+        publish(f"file://{tmp_path}/registry", f"file://{origin}", "text",
+                transform="tokens", params={"tokenizer": "tokenizer.json"})  # fmt: skip
