@@ -153,6 +153,19 @@ class WarmOutcome:
         return [r for r in self.runs if r.state == "failed"]
 
 
+def _deferred_note(task: StageTask, blocked: str) -> str:
+    """Why a task waits, and when to act: warm acts now, the plan starts the task later.
+
+    The task needs the room of an eviction refused now, so it can only run
+    once the job in the way is done: the plan's start says when that is.
+    """
+    start = f"{task.start.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
+    return (
+        f"needs room: {blocked}; the plan starts it at {start}: run warm again then, or let "
+        "`edgecache controller` stage it on time"
+    )
+
+
 def eviction_blocker(
     eviction: Eviction, schedule: Schedule, manifests: Mapping[str, pb.Manifest], now: datetime
 ) -> str | None:
@@ -456,7 +469,7 @@ class PlanExecutor:
                 run = self.make_run(step, manifests, pin_until)
                 mine.runs.append(run)
                 if blocked is not None:
-                    run.state, run.note = "deferred", f"needs room: {blocked}"
+                    run.state, run.note = "deferred", _deferred_note(step, blocked)
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
                     continue

@@ -14,7 +14,7 @@ import typer
 from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
-from edgecache.cache.planner import Eviction, Infeasible, Plan
+from edgecache.cache.planner import Eviction, Infeasible, Plan, StageTask
 from edgecache.clients import ops
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
@@ -562,7 +562,7 @@ def _run_plan(
     with reporting():
         outcome = executor.warm(work.plan, work.schedule, work.manifests)
     return _Warmed(
-        rows=[_row(run.item, run.state, run.task.source) for run in outcome.runs],
+        rows=[_row(run.item, run.state, run.task.source, run.task) for run in outcome.runs],
         failed=[run.item for run in outcome.failed],
         work=work,
         outcome=outcome,
@@ -738,12 +738,16 @@ class Rehearsal(PlanExecutor):
         return run
 
 
-def _row(item: WarmItem, state: str, source: str = "origin") -> dict[str, Any]:
+def _row(
+    item: WarmItem, state: str, source: str = "origin", task: StageTask | None = None
+) -> dict[str, Any]:
     """One item as warm reports it (and --json prints it): a plan's task or a single version.
 
     ``source`` is the region the plan chose to copy from; the row names it only
     while the item still copies from a peer, since a run whose peer will not
-    hold the version falls back to origin.
+    hold the version falls back to origin. A plan's task also gives its planned
+    ``start`` and ``jobs``, which tell apart two tasks of one version in a region
+    (staged, evicted for another, staged again) as plan --json lists them.
     """
     from_peer = bool(item.peers)
     return {
@@ -756,6 +760,8 @@ def _row(item: WarmItem, state: str, source: str = "origin") -> dict[str, Any]:
         "done": item.done,
         "failures": item.failures,
         "notes": item.notes,
+        "start": task.start.isoformat() if task else None,
+        "jobs": list(task.jobs) if task else [],
     }
 
 
