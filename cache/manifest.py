@@ -191,6 +191,20 @@ def _checked(manifest: pb.Manifest, source: str) -> pb.Manifest:
     return manifest
 
 
+def _escapes(source_url: str, key: str) -> bool:
+    """Whether ``key`` would name a file outside ``source_url`` on a filesystem origin.
+
+    On a filesystem ``..``, a leading ``/`` or a URL in a key would read any
+    file the node can (a registry written by someone else is the threat); S3
+    keys are literal names, where ``a/../b`` is just a key.
+    """
+    if "\x00" in key or "://" in key:
+        return True
+    if source_url.startswith("s3://"):
+        return False
+    return key.startswith("/") or ".." in key.split("/")
+
+
 def _check_shards(manifest: pb.Manifest, source: str = "manifest") -> None:
     for position, shard in enumerate(manifest.shards):
         if shard.index != position:
@@ -200,6 +214,12 @@ def _check_shards(manifest: pb.Manifest, source: str = "manifest") -> None:
             )
         if not shard.source_key:
             raise ManifestError(f"{source}: shard {position} has no source_key")
+        if _escapes(manifest.source_url, shard.source_key):
+            raise ManifestError(
+                f"{source}: shard {position}'s source_key {shard.source_key!r} reaches outside "
+                f"the source prefix {manifest.source_url}; a version only reads objects under "
+                "it: publish it again from the objects' own prefix"
+            )
     for total in ("row_count", "source_size"):  # summarize() adds them up into a uint64
         if sum(getattr(shard, total) for shard in manifest.shards) >= 1 << 64:
             raise ManifestError(f"{source}: the shards' {total} values add up to 2^64 or more")

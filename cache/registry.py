@@ -113,6 +113,11 @@ def resource_url(source_url: str, ref: str) -> str:
     """Where a transform's file lives: a URL as given, or a key under the source prefix."""
     if "://" in ref:
         return ref
+    if ".." in ref.split("/"):
+        raise ValueError(
+            f"{ref!r} climbs out of the source prefix with '..': give a key under "
+            f"{source_url} or the file's full URL"
+        )
     return (source_url if source_url.endswith("/") else source_url + "/") + ref.lstrip("/")
 
 

@@ -301,3 +301,51 @@ def test_a_tokenizer_file_over_the_limit_is_refused_before_it_is_read(
     with pytest.raises(MalformedShard, match=r"tokenizer.json is 2,097,152 bytes"):
         publish(f"file://{tmp_path}/registry", f"file://{origin}", "text",
                 transform="tokens", params={"tokenizer": "tokenizer.json"})  # fmt: skip
+
+
+# ------------------------------------------------------------ keys reaching outside
+
+
+@pytest.mark.parametrize(
+    ("source_url", "key", "refused"),
+    [
+        ("file:///data/ds/", "../../etc/passwd", True),  # a node would read and serve it
+        ("file:///data/ds/", "/etc/passwd", True),
+        ("file:///data/ds/", "a/../../b.parquet", True),
+        ("file:///data/ds/", "s3://other/x.parquet", True),
+        ("file:///data/ds/", "part-0.parquet", False),
+        ("s3://bucket/ds/", "a/../b.parquet", False),  # an S3 key is a literal name
+    ],
+)
+def test_a_manifest_key_outside_a_filesystem_prefix_is_refused(
+    source_url: str, key: str, refused: bool
+) -> None:
+    """A registry written by someone else must not point a node at any file it can read."""
+    from edgecache.cache.errors import ManifestError
+    from edgecache.cache.manifest import build_manifest, preprocess_spec
+
+    def build() -> pb.Manifest:
+        return build_manifest(
+            dataset="d",
+            version=1,
+            source_url=source_url,
+            source_format=pb.SOURCE_FORMAT_PARQUET,
+            schema=pa.schema([("x", pa.int64())]),
+            preprocess=preprocess_spec(),
+            shards=[pb.Shard(index=0, source_key=key, source_size=1, row_count=1)],
+        )
+
+    if refused:
+        with pytest.raises(ManifestError, match="outside the source prefix"):
+            build()
+    else:
+        assert build().shards[0].source_key == key
+
+
+def test_a_transform_file_key_may_not_climb_out_of_the_prefix() -> None:
+    from edgecache.cache.registry import resource_url
+
+    assert resource_url("s3://b/ds", "tok/tokenizer.json") == "s3://b/ds/tok/tokenizer.json"
+    assert resource_url("s3://b/ds", "s3://b/other/t.json") == "s3://b/other/t.json"  # as given
+    with pytest.raises(ValueError, match="climbs out of the source prefix"):
+        resource_url("file:///data/ds/", "../secrets/tokenizer.json")
