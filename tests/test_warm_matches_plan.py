@@ -403,3 +403,58 @@ def test_a_deferred_task_names_its_planned_start_and_what_to_do(ran: Site) -> No
             and start.strftime("%Y-%m-%d %H:%M") in d["reason"]
         ]
         assert "UTC" in said["reason"] and "controller" in said["reason"], said
+
+
+# ------------------------------------------------------------- as a person reads it
+
+
+@pytest.fixture(scope="module")
+def said(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    """The same scenario, driven as a person does: plan, warm --dry-run, warm, warm again."""
+    site = build(tmp_path_factory.mktemp("warm-text"))
+    try:
+        site.run("plan", "plan", site.schedule)
+        site.run("dry", "warm", site.schedule, "--dry-run")
+        site.run("warm", "warm", site.schedule)
+        site.run("again", "warm", site.schedule)
+        yield site
+    finally:
+        stop(site)
+
+
+PAST = {"would evict": "evicted", "would stage": "staged", "would pin": "pinned"}
+
+
+def test_warm_says_what_it_staged_from_where_and_pinned_as_its_dry_run_said(said: Site) -> None:
+    """The real run listed only evictions and a count: not the sources plan showed, nor pins."""
+    code, dry, dry_err = said.out["dry"]
+    assert code == 0, (dry, dry_err)
+    code, out, err = said.out["warm"]
+    assert code == 0, (out, err)
+    expected = [
+        re.sub("|".join(PAST), lambda m: PAST[m.group(0)], line)
+        for line in dry.splitlines()
+        if not line.startswith("warm --dry-run:")
+    ]
+    shown = [line for line in out.splitlines() if not line.startswith("warm:")]
+    assert shown == expected, (shown, expected)
+    assert "us: staged a@1 (52.7 KiB) from eu" in shown, out  # the plan's peer source
+    assert "warm: 4 of 6 item(s) staged" in out, out
+    deferred = [line for line in err.splitlines() if line.startswith("deferred:")]
+    assert deferred == [
+        line.replace("would defer:", "deferred:")
+        for line in dry_err.splitlines()
+        if line.startswith("would defer:")
+    ]
+    assert len(deferred) == 4, err
+
+
+def test_warm_again_stages_nothing_and_says_the_same_pins(said: Site) -> None:
+    code, out, err = said.out["again"]
+    assert code == 0, (out, err)
+    assert "warm: 0 of 2 item(s) staged" in out and "staged " not in out.replace(
+        "item(s) staged", ""
+    ), out
+    pins = [line for line in out.splitlines() if ": pinned " in line]
+    assert pins == [line for line in said.out["warm"][1].splitlines() if ": pinned " in line]
+    assert len(pins) == 5, out

@@ -630,27 +630,31 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
 def _print_plan_steps(
     plan: Plan, outcome: WarmOutcome, rows: list[dict[str, Any]], dry_run: bool
 ) -> None:
-    """A plan's evictions, deferrals and pin failures, in the words of a real run or a rehearsal.
+    """A plan's evictions, stages, pins and deferrals, in the words of a real run or a rehearsal.
 
-    A real run's stages show in its progress bars and pins need no news; a
-    rehearsal has neither, so it lists the stages and pins it would make.
+    The real run says the same lines as its rehearsal, in the past tense: plan
+    shows each task's source and the pins, so warm says what it staged from
+    where and what it pinned (progress bars are gone from a pipe or a log). A
+    failed stage is said on stderr instead; a pin that failed is not claimed.
     """
-    evicted = "would evict" if dry_run else "evicted"
+    evicted, staged, pinned = (
+        ("would evict", "would stage", "would pin") if dry_run else ("evicted", "staged", "pinned")
+    )
     for e, freed in outcome.evicted:
         console.print(
             f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
             f"({format_bytes(freed)}): {e.reason}"
         )
-    if dry_run:
-        for row in rows:
-            if row["state"] != "deferred":
-                console.print(
-                    f"{row['region']}: would stage {row['version']} "
-                    f"({format_bytes(int(row['bytes']))}) from {row['from']}"
-                )
-        for name, rp in plan.regions.items():
-            for v, until in sorted(rp.pins.items()):
-                console.print(f"{name}: would pin {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}")
+    for row in rows:
+        if row["state"] == ("would stage" if dry_run else "done"):
+            console.print(
+                f"{row['region']}: {staged} {row['version']} "
+                f"({format_bytes(int(row['bytes']))}) from {row['from']}"
+            )
+    for name, rp in plan.regions.items():
+        for v, until in sorted(rp.pins.items()):
+            if not any(f"pinning {v[0]}@{v[1]}" in f for f in outcome.pin_failures):
+                console.print(f"{name}: {pinned} {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}")
     deferred = "would defer" if dry_run else "deferred"
     for d in outcome.deferred:
         err_console.print(
