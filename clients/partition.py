@@ -148,6 +148,18 @@ class Remaining:
         return Remaining(tuple(tuple(_merge(lane)) for lane in left))
 
 
+def _cut(spans: list[Span], lo: int, hi: int) -> list[Span]:
+    """Samples ``[lo, hi)`` of a batch made of ``spans``, in order."""
+    out, offset = [], 0
+    for span in spans:
+        size = span.hi - span.lo
+        a, b = max(lo - offset, 0), min(hi - offset, size)
+        if a < b:
+            out.append(Span(span.lane, span.lo + a, span.lo + b))
+        offset += size
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """Lane positions ``[lo, hi)`` of lane ``lane``: part of one batch."""
@@ -195,6 +207,27 @@ class RankBatches:
         self.full = [n // batch_size for n in self.lengths]
         self.full_total = sum(self.full)
         self.leftover = sum(n % batch_size for n in self.lengths)
+        # Shares differ by at most one sample, so batch counts (ceil(share / batch)) differ
+        # only when one rank holds exactly k full batches and another k full and one
+        # sample: DDP would hang at the epoch's end on the rank with the extra step. Such
+        # a rank splits its last batch in two (batch_size - 1, then 1), so every rank
+        # steps as often and every sample is still read once.
+        self.split_last = (
+            not drop_last
+            and not per_lane
+            and batch_size > 1
+            and sum(self.lengths) >= batch_size
+            and self._own_count(False) < self._most_batches(sizes)
+        )
+
+    def _most_batches(self, sizes: Sequence[int]) -> int:
+        """The most batches any rank has without drop_last: ceil(largest share / batch).
+
+        :func:`rank_cuts` makes shares differ by at most one: the largest is
+        ceil(total / world_size).
+        """
+        largest = -(-sum(sizes) // self.world_size)
+        return -(-largest // self.batch_size)
 
     def _own_count(self, drop_last: bool) -> int:
         tail = (
@@ -206,7 +239,7 @@ class RankBatches:
     def batch_count(self) -> int:
         """Batches this rank yields (equal on every rank with drop_last)."""
         if not self.drop_last:
-            return self._own_count(False)
+            return self._own_count(False) + self.split_last
         return min(
             RankBatches(
                 self.remaining, self.world_size, r, self.batch_size, False, per_lane=self.per_lane
@@ -246,6 +279,14 @@ class RankBatches:
         """The lane positions of canonical batch ``number``."""
         if not 0 <= number < self.batch_count:
             raise IndexError(f"batch {number} of {self.batch_count}")
+        last = self.batch_count - 2  # with split_last: the batch split in two
+        if self.split_last and number >= last:
+            spans = self._batch(last)
+            keep = self.batch_size - 1
+            return _cut(spans, 0, keep) if number == last else _cut(spans, keep, keep + 1)
+        return self._batch(number)
+
+    def _batch(self, number: int) -> list[Span]:
         if number < self.full_total:
             depth, lane = self._depth(number)
             lo = depth * self.batch_size
@@ -266,6 +307,14 @@ class RankBatches:
 
     def consumed(self, steps: int) -> list[int]:
         """Samples of each lane part used by the first ``steps`` canonical batches."""
+        if self.split_last and steps >= self.batch_count - 1:
+            used = self._consumed(self.batch_count - 1)  # through the batch split in two
+            if steps == self.batch_count - 1:  # its last sample is the last batch, not read
+                used[self._batch(self.batch_count - 2)[-1].lane] -= 1
+            return used
+        return self._consumed(steps)
+
+    def _consumed(self, steps: int) -> list[int]:
         used = [0] * len(self.parts)
         full = min(steps, self.full_total)
         if full:
