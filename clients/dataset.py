@@ -16,7 +16,8 @@ Guarantees (see :mod:`edgecache.clients.epoch_order` for how):
   order; memory about ``lanes * shuffle_windows * window_bytes`` plus the
   read-ahead;
 * every sample exactly once per epoch across all ranks and workers
-  (``drop_last=False``), at most one partial batch per rank; with
+  (``drop_last=False``), as many batches on every rank, at most one partial
+  (or a last batch split in two to step as often as the others); with
   ``drop_last=True`` the same number of full batches on every rank and no
   sample twice;
 * the same (versions, seed, epoch) gives the same order on any machine, for

@@ -15,8 +15,11 @@ starts, less what ranks consumed when a run is resumed.
 * **Canonical batches.** A rank cuts each lane part into full batches and
   takes one from each lane in turn; the leftovers of all lanes (fewer than
   ``batch_size`` each) are then put together and cut again, so a rank yields
-  at most one partial batch per epoch. With ``drop_last`` every rank yields
-  the same number of full batches (the smallest any rank has) and none twice.
+  at most one partial batch per epoch; a rank one batch short of the others
+  (exactly ``k * batch_size`` samples where another has one more) splits its
+  last batch in two, so every rank steps as often. With ``drop_last`` every
+  rank yields the same number of full batches (the smallest any rank has)
+  and none twice.
 * **Workers.** DataLoader worker ``k`` of ``n`` yields canonical batches
   ``k, k+n, …``; the DataLoader's round-robin restores canonical order, so a
   rank yields the same batches for any ``n``. Full batches of lane ``l`` are
