@@ -91,7 +91,9 @@ class NodeConfig(BaseModel):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(None, description="Require client certificates (mTLS)")
-    token_file: Path | None = Field(None, description="Bearer token required for Stage/Evict")
+    token_file: Path | None = Field(
+        None, description="Admin bearer token: required for Stage, Evict, Pin, Diagnose"
+    )
     read_token_file: Path | None = Field(None, description="Bearer token required for reads")
     peer_token_file: Path | None = Field(
         None,

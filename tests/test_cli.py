@@ -370,3 +370,20 @@ def test_a_relative_registry_path_is_relative_to_the_topology_file(
     assert (tmp_path / "conf" / "registry" / "t").is_dir()
     assert not (elsewhere / "registry").exists()
     assert f"file://{tmp_path}/conf/registry" in result.output
+
+
+def test_no_help_text_is_eaten_as_rich_markup() -> None:
+    """Typer renders help with rich: '[hostname]' or '[from names]' is read as a markup tag
+    and vanishes ('Node name .'), so defaults are said in parentheses instead."""
+    import re
+
+    import typer.main
+
+    command = typer.main.get_command(app)
+    eaten = []
+    for name, sub in command.commands.items():  # type: ignore[attr-defined]
+        for param in sub.params:
+            text = getattr(param, "help", None) or ""
+            if re.search(r"\[[a-z/]", text):
+                eaten.append(f"{name} {param.name}: {text}")
+    assert not eaten, eaten

@@ -39,7 +39,8 @@ def serve(
         Path | None, typer.Option(help="CA for client certificates (mutual TLS).")
     ] = None,
     token_file: Annotated[
-        Path | None, typer.Option(help="Bearer token required for Stage/Evict.")
+        Path | None,
+        typer.Option(help="Admin bearer token: required for Stage, Evict, Pin, Diagnose."),
     ] = None,
     read_token_file: Annotated[
         Path | None, typer.Option(help="Bearer token required for reads.")
@@ -47,7 +48,9 @@ def serve(
     staging_rate: Annotated[
         str | None, typer.Option(help="Cap on staging's origin rate, e.g. 200MB/s.")
     ] = None,
-    node_id: Annotated[str | None, typer.Option(help="Node name [hostname].")] = None,
+    node_id: Annotated[
+        str | None, typer.Option(help="Node name in metrics and Status (default: hostname:port).")
+    ] = None,
     config: Annotated[
         Path | None, typer.Option(help="YAML file of settings (flags and EDGECACHE_* win).")
     ] = None,

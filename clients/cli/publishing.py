@@ -24,7 +24,7 @@ class Compression(StrEnum):
 
 
 RegistryOption = Annotated[
-    str | None, typer.Option(help="Registry URL (s3://…, file://…) [from --config].")
+    str | None, typer.Option(help="Registry URL (s3://…, file://…; default: from --config).")
 ]
 
 
@@ -97,7 +97,8 @@ def publish(
     fmt: Annotated[
         str | None,
         typer.Option(
-            "--format", help="parquet, jsonl, csv, arrow, webdataset or mds [from names]."
+            "--format",
+            help="parquet, jsonl, csv, arrow, webdataset or mds (default: from the names).",
         ),
     ] = None,
     transform: Annotated[
@@ -114,8 +115,8 @@ def publish(
         bool | None,
         typer.Option(
             "--header/--no-header",
-            help="CSV: the first row (after --skip-rows) is / is not a header [auto: a header "
-            "unless it holds numbers, which is refused].",
+            help="CSV: the first row (after --skip-rows) is / is not a header (default: a "
+            "header unless it holds numbers, which is refused).",
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
@@ -143,7 +144,7 @@ def publish(
     column_types: Annotated[
         str | None,
         typer.Option(
-            help="CSV: Arrow types per column, a=int32,b=string [inferred].",
+            help="CSV: Arrow types per column, a=int32,b=string (default: inferred).",
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
