@@ -38,6 +38,7 @@ class ExitCode(IntEnum):
     FAILED = 1  # a node, a transfer or the origin failed: retrying may help
     BAD_INPUT = 2  # options, files or names are wrong: retrying will not help
     CANNOT_BE_MET = 3  # a scheduled job's data cannot be ready in time
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's code): run the command again to resume
 
 
 ConfigOption = Annotated[

@@ -23,8 +23,6 @@ from edgecache.clients.cli.context import (
 )
 from edgecache.clients.cli.render import console, err_console, error
 
-INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's code for Ctrl-C (as warm exits)
-
 
 @app.command()
 def controller(
@@ -150,4 +148,4 @@ def controller(
         running.metrics.shutdown()
     if received and received[0] == signal.SIGINT:
         err_console.print("interrupted; run the same command again to resume", highlight=False)
-        raise typer.Exit(INTERRUPTED)
+        raise typer.Exit(ExitCode.INTERRUPTED)

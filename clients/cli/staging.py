@@ -520,7 +520,7 @@ def _carry_out(
     except KeyboardInterrupt:
         stop.set()
         err_console.print("stopped; run the same command again to resume")
-        raise typer.Exit(130) from None
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
 
 
 def _stage_single(
