@@ -331,9 +331,14 @@ class EdgeNode:
                 copy = await self.peers.copy_shard(manifest, key.shard, peers)
             except PeerCopyFailed as exc:
                 if peers_only:
-                    raise
-                notes = (f"shard {key.shard}: {exc}; took it from origin",)
-                log.warning("%s", notes[0])
+                    raise PeerCopyFailed(
+                        f"{exc}; origin was not tried (peers_only): stage the version on "
+                        "one of the peers first, or stage without peers_only",
+                        exc.reasons,
+                    ) from exc
+                why = "; ".join(exc.reasons) or "no peer was asked"
+                notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)
+                log.warning("%s %s", key, notes[0])
             else:
                 info = await self._put_shard(key, copy.frames)
                 self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
@@ -454,11 +459,17 @@ class EdgeNode:
         start_chunk: int = 0,
         start_row: int = 0,
         end_row: int = 0,
+        *,
+        cached_only: bool = False,
     ) -> AsyncIterator[bytes]:
         """Wire-encoded chunks of a shard, fetching it on a miss.
 
         From ``start_chunk``, or from the chunk holding ``start_row`` when that
-        is set; up to the chunk holding ``end_row - 1`` (0: to the end).
+        is set; up to the chunk holding ``end_row - 1`` (0: to the end). With
+        ``cached_only`` (a peer copying from this node) nothing is fetched: not
+        on a miss, and not when a chunk turns out damaged or evicted mid-stream
+        either (the caller takes the shard from another peer or its own origin,
+        never across this node's origin link).
         """
         key = self.shard_ref(manifest, shard)
         rows = manifest.shards[shard].row_count
@@ -466,7 +477,13 @@ class EdgeNode:
             raise IndexError(
                 f"{key} has rows 0..{rows}; the range {start_row}..{end_row or rows} is invalid"
             )
-        info, fetched = await self.ensure_shard(manifest, shard)
+        if cached_only:
+            held = self.store.shard_info(key)
+            if held is None:
+                raise ShardNotCached(f"{key} is not cached on {self.node_id} (cached_only)")
+            info, fetched = held, None
+        else:
+            info, fetched = await self.ensure_shard(manifest, shard)
         (self.metrics.hits if fetched is None else self.metrics.misses).inc()
         firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
         if start_row:
@@ -487,6 +504,11 @@ class EdgeNode:
                 if isinstance(exc, ChunkCorrupt):
                     self.metrics.corrupt_chunks.inc()
                     damaged += 1
+                if cached_only:
+                    raise type(exc)(
+                        f"{key} chunk {index} is no longer here ({exc}); not fetched again "
+                        "for a cached_only read: take the shard from another node"
+                    ) from exc
                     if damaged > 1:  # damaged again straight after a re-fetch: not here
                         raise ChunkCorrupt(
                             f"{key} chunk {index} was damaged again after fetching the shard "

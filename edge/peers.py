@@ -50,7 +50,15 @@ STALL_SECONDS = 30.0  # a peer that sends nothing for this long is abandoned
 
 
 class PeerCopyFailed(EdgeCacheError):
-    """No peer could give the shard; the message says what each one answered."""
+    """No peer could give the shard; the message says what each one answered.
+
+    ``reasons`` holds those answers alone, one a peer, so the node can word its own
+    note (origin took the shard) or failure (``peers_only``) without repeating them.
+    """
+
+    def __init__(self, message: str, reasons: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.reasons = list(reasons)
 
 
 @dataclass
@@ -59,7 +67,7 @@ class PeerCopy:
 
     frames: list[bytes | memoryview]
     peers: list[str]  # the peers that gave chunks, in order
-    notes: list[str] = field(default_factory=list)  # peers that failed, and how
+    notes: list[str] = field(default_factory=list)  # "shard N: peer failed ...", one a failure
 
     @property
     def stored_bytes(self) -> int:
@@ -114,32 +122,49 @@ class Peers:
     ) -> PeerCopy:
         """The shard's frames from ``peers`` (owner first); :class:`PeerCopyFailed` if none can."""
         copy = _Copy(manifest, shard)
-        notes: list[str] = []
+        reasons: list[str] = []  # what went wrong with each peer, in the order asked
         for peer in rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard):
             for _attempt in range(2):  # a second time from chunk 0 if it chunks differently
                 before = len(copy.frames)
                 try:
                     await self._stream(peer, copy)
                 except _ChunkedDifferently:
-                    notes.append(f"{peer} chunks the shard differently; copying it whole from it")
+                    reasons.append(f"{peer} chunks the shard differently; copying it whole from it")
                     copy.reset()
                     continue
                 except grpc.RpcError as exc:
+                    got = len(copy.frames) - before
                     name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
-                    hint = _tls_hint(peer, exc.details() or "")
-                    notes.append(
-                        f"{peer} failed after {len(copy.frames) - before} chunks "
+                    hint = self._hint(peer, name, exc.details() or "", got)
+                    reasons.append(
+                        f"{peer} failed after {got} chunks "
                         f"({name}: {exc.details()})" + (f"; {hint}" if hint else "")
                     )
                 except ChunkCorrupt as exc:
-                    notes.append(f"{peer} failed after {len(copy.frames) - before} chunks ({exc})")
+                    got = len(copy.frames) - before
+                    reasons.append(f"{peer} failed after {got} chunks ({exc})")
                 if len(copy.frames) > before:
                     copy.givers.append(peer)
                 if copy.complete():
+                    notes = [f"shard {shard}: {reason}" for reason in reasons]
                     return PeerCopy(copy.frames, copy.givers, notes)
                 break
         spec = f"{manifest.dataset}@{manifest.version}"
-        raise PeerCopyFailed(f"{spec} shard {shard}: no peer could give it: " + "; ".join(notes))
+        raise PeerCopyFailed(
+            f"{spec} shard {shard}: no peer could give it: " + "; ".join(reasons), reasons
+        )
+
+    def _hint(self, peer: str, code: str, details: str, received: int) -> str | None:
+        """What to change on this node when a peer refused it (retrying cannot help)."""
+        if code == "UNAUTHENTICATED":
+            presented = "no token" if self._metadata is None else "a token it does not accept"
+            return (
+                f"this node presented {presented}: set peer_token_file "
+                "($EDGECACHE_PEER_TOKEN_FILE) on this node to the peer's read token"
+            )
+        if received:  # it sent chunks: the connection itself (TLS or not) was right
+            return None
+        return _tls_hint(peer, details)
 
     async def _stream(self, peer: str, copy: _Copy) -> None:
         """Append the peer's verified chunks to ``copy``, from the first one it lacks."""

@@ -300,7 +300,12 @@ class EdgeCacheService:
         last, first = time.monotonic(), True
         try:
             async for encoded in node.read_chunks(
-                manifest, request.shard, request.start_chunk, request.start_row, request.end_row
+                manifest,
+                request.shard,
+                request.start_chunk,
+                request.start_row,
+                request.end_row,
+                cached_only=request.cached_only,
             ):
                 now = time.monotonic()
                 if first:

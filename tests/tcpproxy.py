@@ -17,6 +17,8 @@ class FaultyProxy:
         self._blackholed = threading.Event()
         self._corrupt_at: int | None = None
         self._cut_at: int | None = None
+        self._stall_at: int | None = None
+        self.stalled = threading.Event()  # set once stall_after's point is reached
         self._passed = 0
         self._writers: list[asyncio.StreamWriter] = []
         self._loop = asyncio.new_event_loop()
@@ -39,6 +41,11 @@ class FaultyProxy:
     def cut_after(self, nbytes: int) -> None:
         """Abort every connection once ``nbytes`` more reply bytes have passed (a dying peer)."""
         self._cut_at = self._passed + nbytes
+
+    def stall_after(self, nbytes: int) -> None:
+        """Blackhole everything once ``nbytes`` more reply bytes have passed (a peer that
+        hangs mid-stream); ``stalled`` is set then, so a test can act at that moment."""
+        self._stall_at = self._passed + nbytes
 
     def close(self) -> None:
         """Stop, closing every connection (a node then sees its clients go)."""
@@ -84,10 +91,18 @@ class FaultyProxy:
             if downstream:
                 at = self._corrupt_at
                 if at is not None and self._passed <= at < self._passed + len(data):
-                    data = bytearray(data)
-                    data[at - self._passed] ^= 0x40
-                    data = bytes(data)
+                    flipped = bytearray(data)
+                    flipped[at - self._passed] ^= 0x40
+                    data = bytes(flipped)
                     self._corrupt_at = None
+                stall = self._stall_at
+                if stall is not None and self._passed + len(data) >= stall:
+                    writer.write(data[: stall - self._passed])  # up to the point, then silence
+                    self._stall_at = None
+                    self._passed = stall
+                    self._blackholed.set()
+                    self.stalled.set()
+                    await asyncio.sleep(3600)
                 self._passed += len(data)
                 if self._cut_at is not None and self._passed >= self._cut_at:
                     self._cut_at = None

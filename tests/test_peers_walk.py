@@ -1,0 +1,374 @@
+"""Staging from peers under failure: hung, killed, partial, republished, refusing, lying peers.
+
+What tests/test_peer_staging.py does not cover: a peer that hangs or is SIGKILLed
+mid-shard, one holding only some shards, another version's data under the same
+name, one still staging the shard itself, peers refusing this node's token or TLS,
+and bytes flipped in transit or on the peer's disk. In every case a shard is
+taken whole from the next peer or from origin (or fails alone, with ``peers_only``),
+the Stage's notes say what happened to which shard, and what is stored is
+byte-identical to what the peers serve.
+
+Peers are in-process nodes (``running_node``), except the one that is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+import pytest
+from edgeutil import publish, stub, write_parquet_shards
+from tcpproxy import FaultyProxy
+from tlsutil import make_pki
+
+from edgecache.cache import rendezvous
+from edgecache.cache.store import CacheStore
+from edgecache.clients.node_client import start_local_node
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.server import NodeServer, running_node
+from edgecache.v1 import edge_pb2
+
+SHARDS = 4
+READ_TOKEN = "peer-read-5e6f"
+
+
+class Site:
+    """Origin, a registry with tokens@1, and two eu nodes holding all of it."""
+
+    def __init__(self, root: Path, stack: ExitStack) -> None:
+        self.root = root
+        self.registry = f"file://{root}/registry"
+        write_parquet_shards(root / "origin", SHARDS)
+        self.manifest = publish(self.registry, f"file://{root}/origin", "tokens")
+        self.eu = [stack.enter_context(running_node(self.config(f"eu-{i}"))) for i in (1, 2)]
+        for node in self.eu:
+            last = stage(node.address, [])
+            assert last.shards_done == SHARDS, last
+
+    def config(self, name: str, **more: object) -> NodeConfig:
+        settings: dict[str, object] = {
+            "region": name.split("-")[0],
+            "cache_dir": self.root / f"cache-{name}",
+            "registry": self.registry,
+            "listen": "127.0.0.1:0",
+            "sync": False,
+            **more,
+        }
+        return NodeConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    with ExitStack() as stack:
+        yield Site(tmp_path_factory.mktemp("peers-walk"), stack)
+
+
+def stage(address: str, peers: list[str], **fields: object) -> edge_pb2.StageProgress:
+    """The last progress event of a Stage of tokens@1 (raises grpc.RpcError on failure)."""
+    request = edge_pb2.StageRequest(dataset="tokens", version=1, peers=peers, **fields)
+    return list(stub(address).Stage(request, timeout=60))[-1]
+
+
+def stage_events(address: str, peers: list[str], **fields: object) -> list[edge_pb2.StageProgress]:
+    """Every progress event, also when the Stage ends in an error status."""
+    request = edge_pb2.StageRequest(dataset="tokens", version=1, peers=peers, **fields)
+    events: list[edge_pb2.StageProgress] = []
+    try:
+        for event in stub(address).Stage(request, timeout=60):
+            events.append(event)
+    except grpc.RpcError:
+        pass
+    return events
+
+
+def status(address: str) -> edge_pb2.NodeStatus:
+    return stub(address).Status(edge_pb2.StatusRequest())
+
+
+def frames(address: str, shard: int) -> list[bytes]:
+    """A shard's stored chunk frames as a node serves them (never fetching them)."""
+    request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=shard, cached_only=True)
+    return [chunk.frame for chunk in stub(address).ReadShard(request, timeout=30)]
+
+
+def held(address: str) -> int:
+    """How many shards of tokens@1 a node holds."""
+    return sum(v.shard_count for v in status(address).versions if v.dataset == "tokens")
+
+
+def assert_same_as(address: str, peer: str, shards: range = range(SHARDS)) -> None:
+    for shard in shards:
+        assert frames(address, shard) == frames(peer, shard), f"shard {shard} differs"
+
+
+def notes_for(progress: edge_pb2.StageProgress, shard: int) -> list[str]:
+    return [note for note in progress.notes if note.startswith(f"shard {shard}:")]
+
+
+def proxy_ranked_first(target: str, other: str, shard: int = 0) -> FaultyProxy:
+    """A proxy to ``target`` that rendezvous asks before ``other`` for ``shard``."""
+    for _ in range(64):
+        proxy = FaultyProxy(target)
+        if rendezvous.rank([proxy.address, other], "tokens", 1, shard)[0] == proxy.address:
+            return proxy
+        proxy.close()
+    raise AssertionError("no proxy port ranked first in 64 tries")
+
+
+def stored_size(node: NodeServer) -> int:
+    return sum(v.stored_bytes for v in status(node.address).versions if v.dataset == "tokens")
+
+
+# --- a peer that hangs or dies mid-shard --------------------------------------------------------
+
+
+def test_a_peer_that_hangs_mid_shard_is_left_for_the_next_within_seconds(
+    site: Site, tmp_path: Path
+) -> None:
+    one, two = site.eu
+    proxy = proxy_ranked_first(one.address, two.address)
+    try:
+        proxy.stall_after(stored_size(one) // SHARDS // 2)
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            began = time.monotonic()
+            last = stage(us.address, [proxy.address, two.address])
+            took = time.monotonic() - began
+            assert proxy.stalled.is_set()
+            assert last.shards_done == SHARDS and not last.failures, last
+            assert took < 15, f"a hung peer held the stage for {took:.1f} s"
+            # Shard 0 was asked of the hung peer first: its note says so, by shard.
+            assert any(proxy.address in note for note in notes_for(last, 0)), last.notes
+            s = status(us.address)
+            assert s.origin_bytes == 0 and s.staged_peer_bytes == last.peer_bytes_done
+            assert s.staged_peer_bytes == stored_size(two)
+            assert_same_as(us.address, two.address)
+    finally:
+        proxy.close()
+
+
+def test_a_hung_only_peer_with_peers_only_fails_each_shard_and_stores_nothing(
+    site: Site, tmp_path: Path
+) -> None:
+    one, _ = site.eu
+    proxy = FaultyProxy(one.address)
+    try:
+        proxy.stall_after(stored_size(one) // SHARDS // 2)
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            began = time.monotonic()
+            events = stage_events(us.address, [proxy.address], peers_only=True)
+            assert time.monotonic() - began < 15
+            last = events[-1]
+            assert last.finished and last.shards_failed == SHARDS, last
+            assert sorted(f.shard for f in last.failures) == list(range(SHARDS))
+            assert held(us.address) == 0
+            s = status(us.address)
+            assert s.origin_bytes == 0 and s.staged_peer_bytes == 0
+    finally:
+        proxy.close()
+
+
+def test_a_peer_killed_mid_shard_is_left_for_the_next(site: Site, tmp_path: Path) -> None:
+    _, two = site.eu
+    victim = start_local_node("eu", tmp_path / "victim", site.registry)
+    proxy: FaultyProxy | None = None
+    try:
+        assert stage(victim.address, []).shards_done == SHARDS
+        proxy = proxy_ranked_first(victim.address, two.address)
+        proxy.stall_after(stored_size(two) // SHARDS // 2)
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            result: list[edge_pb2.StageProgress] = []
+            runner = threading.Thread(
+                target=lambda: result.append(stage(us.address, [proxy.address, two.address]))
+            )
+            runner.start()
+            assert proxy.stalled.wait(20)
+            victim.process.send_signal(signal.SIGKILL)  # mid-shard, with chunks in flight
+            victim.process.wait(10)
+            proxy.close()  # its connections die with the peer
+            runner.join(30)
+            (last,) = result
+            assert last.shards_done == SHARDS and not last.failures, last
+            assert notes_for(last, 0), last.notes
+            s = status(us.address)
+            assert s.origin_bytes == 0 and s.staged_peer_bytes == stored_size(two)
+            assert_same_as(us.address, two.address)
+    finally:
+        if proxy is not None:
+            proxy.close()
+        victim.stop()
+
+
+# --- what the peer holds ---------------------------------------------------------------------
+
+
+def test_a_peer_with_some_shards_gives_those_and_origin_the_rest(
+    site: Site, tmp_path: Path
+) -> None:
+    sizes = [s.source_size for s in site.manifest.shards]
+    with running_node(site.config("eu-3", cache_dir=tmp_path / "part")) as part:
+        stage(part.address, [], shards=[0, 1])
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            last = stage(us.address, [part.address])
+            assert last.shards_done == SHARDS and not last.failures, last
+            assert not notes_for(last, 0) and not notes_for(last, 1), last.notes
+            for shard in (2, 3):
+                (note,) = notes_for(last, shard)
+                assert "not cached" in note and "took it from origin" in note, note
+            s = status(us.address)
+            assert s.staged_peer_bytes == last.peer_bytes_done == stored_size(part)
+            assert s.staged_origin_bytes == s.origin_bytes == sizes[2] + sizes[3]
+            assert last.bytes_done == sizes[2] + sizes[3]
+            assert_same_as(us.address, site.eu[0].address)
+        with running_node(site.config("us-2", cache_dir=tmp_path / "only")) as only:
+            events = stage_events(only.address, [part.address], peers_only=True)
+            last = events[-1]
+            assert last.shards_done == 2 and last.shards_failed == 2, last
+            assert {f.shard for f in last.failures} == {2, 3}
+            for failure in last.failures:
+                assert f"shard {failure.shard}" in failure.message
+                assert "not cached" in failure.message and "peers_only" in failure.message
+            assert held(only.address) == 2 and status(only.address).origin_bytes == 0
+
+
+def test_another_version_under_the_same_name_is_never_copied(site: Site, tmp_path: Path) -> None:
+    # The peer's region was published from other data: tokens@1 there has another digest.
+    other = tmp_path / "other"
+    write_parquet_shards(other / "origin", SHARDS, rows=500)
+    publish(f"file://{other}/registry", f"file://{other}/origin", "tokens")
+    theirs = site.config("eu-3", cache_dir=tmp_path / "theirs", registry=f"file://{other}/registry")
+    with running_node(theirs) as peer:
+        assert stage(peer.address, []).shards_done == SHARDS
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            last = stage(us.address, [peer.address])
+            assert last.shards_done == SHARDS and last.peer_bytes_done == 0, last
+            for shard in range(SHARDS):
+                (note,) = notes_for(last, shard)
+                assert "digest" in note and "took it from origin" in note, note
+            assert_same_as(us.address, site.eu[0].address)
+        with running_node(site.config("us-2", cache_dir=tmp_path / "only")) as only:
+            last = stage_events(only.address, [peer.address], peers_only=True)[-1]
+            assert last.shards_failed == SHARDS and held(only.address) == 0, last
+            assert all("digest" in f.message for f in last.failures), last.failures
+
+
+def test_a_peer_still_staging_a_shard_is_not_made_to_fetch_it_for_us(
+    site: Site, tmp_path: Path
+) -> None:
+    # The peer stages from origin slowly; meanwhile this node copies what it has.
+    total = sum(s.source_size for s in site.manifest.shards)
+    slow = site.config("eu-3", cache_dir=tmp_path / "slow", staging_rate=total // 3)
+    with running_node(slow) as peer:
+        staging = threading.Thread(target=lambda: stage(peer.address, []))
+        staging.start()
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            last = stage(us.address, [peer.address])
+            assert last.shards_done == SHARDS and not last.failures, last
+            for note in last.notes:
+                assert "not cached" in note and "took it from origin" in note, note
+            staging.join(30)
+            assert status(peer.address).origin_bytes == total  # its own stage, nothing more
+            assert_same_as(us.address, site.eu[0].address)
+
+
+# --- a peer that refuses this node -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_a_peer_refusing_our_token_says_to_set_peer_token_file(
+    site: Site, tmp_path: Path, token: str | None
+) -> None:
+    (tmp_path / "read.token").write_text(READ_TOKEN)
+    guarded = site.config(
+        "eu-3", cache_dir=tmp_path / "guarded", read_token_file=tmp_path / "read.token"
+    )
+    more: dict[str, object] = {"cache_dir": tmp_path / "us"}
+    if token is not None:
+        (tmp_path / "peer.token").write_text(token)
+        more["peer_token_file"] = tmp_path / "peer.token"
+    with running_node(guarded) as peer:
+        assert stage(peer.address, []).shards_done == SHARDS  # no admin token: Stage is open
+        with running_node(site.config("us-1", **more)) as us:
+            last = stage(us.address, [peer.address])
+            assert last.shards_done == SHARDS and last.peer_bytes_done == 0, last
+            for shard in range(SHARDS):
+                (note,) = notes_for(last, shard)
+                assert "UNAUTHENTICATED" in note and "peer_token_file" in note, note
+        (tmp_path / "peer.token").write_text(READ_TOKEN)
+        right = site.config(
+            "us-2", cache_dir=tmp_path / "right", peer_token_file=tmp_path / "peer.token"
+        )
+        with running_node(right) as us:
+            last = stage(us.address, [peer.address], peers_only=True)
+            assert last.shards_done == SHARDS and not last.notes, last
+
+
+def test_a_tls_peer_without_peer_tls_ca_says_to_set_it(site: Site, tmp_path: Path) -> None:
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    tls = site.config(
+        "eu-3", cache_dir=tmp_path / "tls", tls_cert=pki["server"], tls_key=pki["server_key"]
+    )
+    with running_node(tls) as peer:  # holds nothing: the handshake fails before any read
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            last = stage_events(us.address, [f"grpcs://{peer.address}"], peers_only=True)[-1]
+            assert last.shards_failed == SHARDS, last
+            assert all("peer_tls_ca" in f.message for f in last.failures), last.failures
+            last = stage_events(us.address, [peer.address], peers_only=True)[-1]
+            assert all("grpcs://" in f.message for f in last.failures), last.failures
+            assert held(us.address) == 0
+
+
+# --- damaged bytes ------------------------------------------------------------------------------
+
+
+def test_bytes_flipped_in_transit_are_never_stored(site: Site, tmp_path: Path) -> None:
+    one, two = site.eu
+    size = stored_size(one)
+    caught = 0
+    for i, at in enumerate(range(40, size, size // 12)):
+        proxy = FaultyProxy(one.address)
+        try:
+            proxy.corrupt_after(at)
+            with running_node(site.config("us-1", cache_dir=tmp_path / f"us{i}")) as us:
+                # The proxy alone: every offset lands in its stream, and a shard it
+                # damaged comes from origin (encoding is deterministic: the same bytes).
+                last = stage(us.address, [proxy.address])
+                assert last.shards_done == SHARDS and not last.failures, last
+                caught += bool(last.notes)
+                assert_same_as(us.address, two.address)
+        finally:
+            proxy.close()
+    assert caught >= 6, f"only {caught} flips were noticed"
+
+
+def test_a_peer_with_a_damaged_chunk_does_not_fetch_the_shard_for_us(
+    site: Site, tmp_path: Path
+) -> None:
+    """``cached_only``: a peer never pulls a shard across its own origin link for another."""
+    config = site.config("eu-3", cache_dir=tmp_path / "rot")
+    with running_node(config) as peer:
+        assert stage(peer.address, []).shards_done == SHARDS
+    with CacheStore(config.cache_dir, readonly=True) as store:
+        (info,) = [i for i in store.shards("tokens", 1) if i.key.shard == 1]
+        frame = bytes(store.get_chunk(info.key, info.chunk_count - 1))
+    with (config.cache_dir / "data.mdb").open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        at = m.find(frame)
+        assert at >= 0
+        m[at + len(frame) // 2] ^= 0x10
+        m.flush()
+    with running_node(config) as peer:
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            last = stage(us.address, [peer.address])
+            assert last.shards_done == SHARDS and not last.failures, last
+            (note,) = notes_for(last, 1)
+            assert "took it from origin" in note, note
+            shard_one = site.manifest.shards[1].source_size
+            assert status(us.address).origin_bytes == shard_one
+            assert_same_as(us.address, site.eu[0].address)
+        assert status(peer.address).origin_bytes == 0, "the peer fetched it from its origin"
