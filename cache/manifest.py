@@ -194,15 +194,14 @@ def _checked(manifest: pb.Manifest, source: str) -> pb.Manifest:
 def _escapes(source_url: str, key: str) -> bool:
     """Whether ``key`` would name a file outside ``source_url`` on a filesystem origin.
 
-    On a filesystem ``..``, a leading ``/`` or a URL in a key would read any
-    file the node can (a registry written by someone else is the threat); S3
-    keys are literal names, where ``a/../b`` is just a key.
+    A key is appended to the prefix, so on a filesystem only a ``..`` segment
+    climbs out of it and would read any file the node can (a registry written
+    by someone else is the threat); S3 keys are literal names, where
+    ``a/../b`` is just a key.
     """
-    if "\x00" in key or "://" in key:
+    if "\x00" in key:
         return True
-    if source_url.startswith("s3://"):
-        return False
-    return key.startswith("/") or ".." in key.split("/")
+    return not source_url.startswith("s3://") and ".." in key.split("/")
 
 
 def _check_shards(manifest: pb.Manifest, source: str = "manifest") -> None:

@@ -310,9 +310,9 @@ def test_a_tokenizer_file_over_the_limit_is_refused_before_it_is_read(
     ("source_url", "key", "refused"),
     [
         ("file:///data/ds/", "../../etc/passwd", True),  # a node would read and serve it
-        ("file:///data/ds/", "/etc/passwd", True),
         ("file:///data/ds/", "a/../../b.parquet", True),
-        ("file:///data/ds/", "s3://other/x.parquet", True),
+        ("file:///data/ds/", "sub\x00.parquet", True),
+        ("file:///data/ds/", "/etc/passwd", False),  # appended: file:///data/ds//etc/passwd
         ("file:///data/ds/", "part-0.parquet", False),
         ("s3://bucket/ds/", "a/../b.parquet", False),  # an S3 key is a literal name
     ],
