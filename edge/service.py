@@ -296,7 +296,12 @@ class EdgeCacheService:
             if not node.store.contains(key):
                 raise _NotHere(f"{key} is not cached on {node.node_id} and cached_only was asked")
         node.metrics.active_streams.inc()
-        await node.gate.read_started()
+        # Staging yields to training reads. A cached_only read is another node's staging
+        # (a peer copy) or a probe, not a training read: counting it slowed this node's
+        # own staging to one shard at a time whenever a peer region copied from it.
+        training = not request.cached_only
+        if training:
+            await node.gate.read_started()
         last, first = time.monotonic(), True
         try:
             async for encoded in node.read_chunks(
@@ -320,7 +325,8 @@ class EdgeCacheService:
                 node.metrics.first_chunk(time.monotonic() - last, status_for(exc)[0].name)
             raise
         finally:
-            await node.gate.read_finished()
+            if training:
+                await node.gate.read_finished()
             node.metrics.active_streams.dec()
 
     @_streaming

@@ -707,3 +707,26 @@ def test_read_and_stage_latency_histograms_by_result(tmp_path: Path) -> None:
         assert m.value("edgecache_read_first_chunk_seconds_count", result="ok") == 1
         assert m.value("edgecache_read_first_chunk_seconds_count", result="INVALID_ARGUMENT") == 1
         assert m.value("edgecache_read_chunk_seconds_count") >= 1
+
+
+def test_a_peer_copy_does_not_slow_this_nodes_staging(tmp_path: Path, file_setup) -> None:
+    """Staging yields to training reads; a cached_only read (a peer region copying, a probe)
+    is not one: it held this node's staging at one shard at a time while it lasted."""
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        assert node.node is not None
+        gate = node.node.gate
+        client = stub(node.address)
+        started = []
+        real = gate.read_started
+
+        async def counting() -> None:
+            started.append(1)
+            await real()
+
+        gate.read_started = counting  # type: ignore[method-assign]
+        assert read_shard_table(client, "tokens", 1, 0).equals(tables[0])  # a training read
+        assert len(started) == 1
+        request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0, cached_only=True)
+        assert list(client.ReadShard(request))  # what a peer's copy asks
+        assert len(started) == 1 and gate.reads_active == 0
