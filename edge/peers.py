@@ -267,7 +267,15 @@ class _Copy:
                 f"of {self.chunk_count}"
             )
         frame = chunk.frame  # type: ignore[attr-defined]
-        header = verify_frame(frame)  # ChunkCorrupt (or ChunkTruncated) when damaged
+        try:
+            header = verify_frame(frame)  # ChunkCorrupt (or ChunkTruncated) when damaged
+        except ChunkCorrupt as exc:
+            # verify_frame's advice ("drop the entry") is for whoever stored it; here the
+            # chunk is dropped, and the shard taken from the next peer or origin.
+            raise ChunkCorrupt(
+                f"chunk {index} arrived damaged (on the peer or in transit): "
+                f"{str(exc).split(';')[0]}"
+            ) from exc
         if header.checksum != chunk.checksum or header.rows != chunk.rows:  # type: ignore[attr-defined]
             raise ChunkCorrupt(f"chunk {index}: checksum or rows differ from the frame's")
         if chunk.first_row != self.rows:  # type: ignore[attr-defined]
