@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import threading
 import time
@@ -49,6 +50,19 @@ from edgecache.v1 import edge_pb2, edge_pb2_grpc
 __all__ = ["EndpointStats", "NodePool"]
 
 log = logging.getLogger(__name__)
+
+# Held by the pools' background calls (health probes, stall cancels); os.fork waits
+# for it. A DataLoader forks its workers while the training process's pool probes
+# its nodes: forked while a thread is inside a gRPC call, gRPC skips its fork
+# handlers ("Other threads are currently calling into gRPC, skipping fork()
+# handlers") and the worker's own channels can crash it (a segfault, seen once in
+# 200 forks against a busy probe).
+_FORK_GUARD = threading.Lock()
+os.register_at_fork(
+    before=_FORK_GUARD.acquire,
+    after_in_parent=_FORK_GUARD.release,
+    after_in_child=_FORK_GUARD.release,
+)
 
 
 @dataclass
@@ -231,7 +245,8 @@ class NodePool:
             for _ in range(pings):
                 started = time.perf_counter()
                 try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                    with _FORK_GUARD:  # a fork waits for this call to end (see above)
+                        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
                 except grpc.RpcError as exc:
                     if self._closed:
                         return
@@ -319,7 +334,8 @@ class NodePool:
             for stream in streams:
                 limit = self.stall_timeout if stream.started else self.first_chunk_timeout
                 if stream.call is not None and not stream.parked and now - stream.last > limit:
-                    stream.call.cancel()
+                    with _FORK_GUARD:
+                        stream.call.cancel()
 
     def track(self, stream: Stream) -> None:
         """Watch ``stream`` (the stall watchdog; :meth:`cancel` and :meth:`close` end it)."""

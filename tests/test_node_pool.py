@@ -167,3 +167,27 @@ def test_a_node_that_cannot_fetch_from_origin_hands_the_read_to_one_that_holds_i
     finally:
         warm.stop()
         cold.stop()
+
+
+def test_a_fork_waits_for_the_pools_background_calls(node) -> None:
+    """A DataLoader forks its workers while the training process's pool probes its nodes.
+
+    Forked with a thread inside a gRPC call, gRPC skipped its fork handlers (half of
+    200 forks against a busy probe) and a worker could crash in its own channel (a
+    segfault in the chaos suite). The pool's calls now hold a lock fork waits for.
+    """
+    import os
+    import subprocess
+    import sys
+
+    child = Path(__file__).with_name("fork_child.py")
+    done = subprocess.run(
+        [sys.executable, str(child), node.address, "60"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GRPC_VERBOSITY": "INFO"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed 0" in done.stdout, done.stdout
+    assert "skipping fork() handlers" not in done.stderr, done.stderr[-2000:]
