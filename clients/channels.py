@@ -249,7 +249,9 @@ def connection_hint(details: str) -> str | None:
             "the node's certificate does not name the host in this endpoint: connect by a name "
             "or address among its subject alternative names, or reissue it for this one"
         )
-    if "Socket closed" in details or "Connection reset" in details:
+    if ("Socket closed" in details or "Connection reset" in details) and (
+        "Stream removed" not in details  # a stream that was running: the node went away
+    ):
         return (
             "the node closed the connection: over grpcs://, a node with --tls-client-ca refuses "
             "clients without a certificate from that CA (set $EDGECACHE_TLS_CERT and "

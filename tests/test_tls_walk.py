@@ -353,3 +353,14 @@ def test_unusable_client_tls_files_are_named(
     )
     with pytest.raises(InvalidEndpoint, match=f"\\${variable}"):
         open_channel("grpcs://127.0.0.1:7070")
+
+
+def test_a_node_dying_mid_stream_gets_no_tls_advice() -> None:
+    """A reset handshake may be TLS (an mTLS node refusing a client without a certificate);
+    a stream that was running and is reset is the node going away: failover logs said
+    'over grpcs://, a node with --tls-client-ca refuses clients…' for a SIGKILLed node."""
+    from edgecache.clients.channels import connection_hint
+
+    died = "Stream removed (recvmsg:Connection reset by peer (104))"
+    assert connection_hint(died) is None
+    assert "--tls-client-ca" in (connection_hint("Socket closed") or "")
