@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -12,6 +15,7 @@ import pyarrow.parquet as pq
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
+from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import CHANNEL_OPTIONS
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
@@ -57,3 +61,28 @@ def read_shard_table(
     ):
         batches.append(decode_chunk(chunk.frame))
     return pa.Table.from_batches(batches)
+
+
+def node_settings(tmp_path: Path, registry: str, **overrides: object) -> NodeConfig:
+    """A node of its own on loopback (a free port) caching under ``tmp_path``."""
+    settings: dict = {
+        "region": "eu",
+        "cache_dir": tmp_path / "cache",
+        "registry": registry,
+        "listen": "127.0.0.1:0",
+        "capacity": "256MiB",
+        "sync": False,
+    }
+    return NodeConfig(**(settings | overrides))
+
+
+def edgecache(*args: str, timeout: float = 300) -> tuple[int, str, str]:
+    """Run the CLI in a subprocess at 80 columns: (exit code, stdout, stderr)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "80"},
+        timeout=timeout,
+    )
+    return out.returncode, out.stdout, out.stderr

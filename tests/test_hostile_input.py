@@ -26,12 +26,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from edgeutil import publish, read_shard_table, stub
+from edgeutil import node_settings, publish, read_shard_table, stub
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess import limits, read_source
 from edgecache.cache.preprocess.compressed import decompress
-from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
@@ -56,17 +55,6 @@ def peak_python_bytes(fn: Callable[[], object]) -> tuple[BaseException | None, i
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     return None, peak
-
-
-def node_config(tmp_path: Path, registry: str) -> NodeConfig:
-    return NodeConfig(
-        region="hostile",
-        cache_dir=tmp_path / "cache",
-        registry=registry,
-        listen="127.0.0.1:0",
-        capacity="64MiB",
-        sync=False,
-    )
 
 
 # ------------------------------------------------------------ decompression bombs
@@ -133,7 +121,9 @@ def test_a_node_fails_a_bomb_shard_naming_it_and_keeps_serving(
     registry = f"file://{tmp_path}/registry"
     publish(registry, f"file://{origin}", "bomb")  # published while the limit allowed it
     monkeypatch.setattr(limits, "MAX_DECOMPRESSED_BYTES", 1 * MiB)
-    with running_node(node_config(tmp_path, registry)) as node:
+    with running_node(
+        node_settings(tmp_path, registry, region="hostile", capacity="64MiB")
+    ) as node:
         client = stub(node.address)
         with pytest.raises(grpc.RpcError) as info:
             read_shard_table(client, "bomb", 1, 1)

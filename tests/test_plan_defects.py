@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from edgeutil import publish, stub, write_parquet_shards
+from edgeutil import edgecache, publish, stub, write_parquet_shards
 
 from edgecache.cache.registry import Registry
 from edgecache.clients.node_client import LocalNode, start_local_node
@@ -36,19 +33,6 @@ from edgecache.clients.ops import Readiness, make_plan, wait_ready
 from edgecache.clients.topology import Topology, load_schedule, load_topology
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
-
-NARROW = {**os.environ, "COLUMNS": "80"}
-
-
-def edgecache(*args: str) -> tuple[int, str, str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "edgecache.clients.cli", *args],
-        capture_output=True,
-        text=True,
-        env=NARROW,
-        timeout=300,
-    )
-    return out.returncode, out.stdout, out.stderr
 
 
 def status(node: LocalNode) -> edge_pb2.NodeStatus:

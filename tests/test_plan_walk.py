@@ -9,16 +9,13 @@ against a real ``edgecache serve`` node on loopback, in an 80-column pipe.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from edgeutil import publish, write_parquet_shards
+from edgeutil import edgecache, publish, write_parquet_shards
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,21 +24,9 @@ from edgecache.cache.planner import Job, RegionState, plan
 from edgecache.clients.node_client import start_local_node
 from edgecache.clients.topology import load_schedule
 
-NARROW = {**os.environ, "COLUMNS": "80"}
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 GB = 10**9
 PLUS2 = timezone(timedelta(hours=2))
-
-
-def edgecache(*args: str) -> tuple[int, str, str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "edgecache.clients.cli", *args],
-        capture_output=True,
-        text=True,
-        env=NARROW,
-        timeout=120,
-    )
-    return out.returncode, out.stdout, out.stderr
 
 
 def write(path: Path, text: str) -> Path:

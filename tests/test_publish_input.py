@@ -9,28 +9,16 @@ import grpc
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from edgeutil import read_shard_table, stub, write_parquet_shards
+from edgeutil import node_settings, read_shard_table, stub, write_parquet_shards
 from typer.testing import CliRunner
 
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.clients.cli import app
-from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
 runner = CliRunner()
-
-
-def node_settings(tmp_path: Path, registry: str) -> NodeConfig:
-    """A node of its own on loopback, reading ``registry``."""
-    return NodeConfig(
-        region="eu",
-        cache_dir=tmp_path / "cache",
-        registry=registry,
-        listen="127.0.0.1:0",
-        sync=False,
-    )
 
 
 def test_a_plain_path_is_published_as_a_file_url_a_node_can_stage(

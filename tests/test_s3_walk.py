@@ -21,13 +21,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from edgeutil import publish, read_shard_table, stub
+from edgeutil import node_settings, publish, read_shard_table, stub
 from s3server import CREDENTIALS, make_bucket, moto_server, put_object
 from typer.testing import CliRunner
 
 from edgecache.cache.storage import S3Store
 from edgecache.clients.cli import app
-from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
@@ -43,17 +42,6 @@ def bucket(s3_endpoint: str) -> str:
     name = f"walk-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, name)
     return name
-
-
-def node_settings(tmp_path: Path, registry: str) -> NodeConfig:
-    return NodeConfig(
-        region="eu",
-        cache_dir=tmp_path / "cache",
-        registry=registry,
-        listen="127.0.0.1:0",
-        capacity="256MiB",
-        sync=False,
-    )
 
 
 def cli(*args: str) -> tuple[int, str]:

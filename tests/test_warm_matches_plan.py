@@ -25,10 +25,7 @@ text output, as a person reads it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -37,12 +34,11 @@ from typing import Any
 from urllib.request import urlopen
 
 import pytest
-from edgeutil import publish, stub, write_parquet_shards
+from edgeutil import edgecache, publish, stub, write_parquet_shards
 
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
 
-NARROW = {**os.environ, "COLUMNS": "80"}
 DATASETS = ("a", "c", "x", "y", "old")
 NODES = {"eu-1": "eu", "eu-2": "eu", "us-1": "us", "ap-1": "ap"}
 # (job, region, start in hours from now, duration in hours, version)
@@ -55,17 +51,6 @@ JOBS = (
     ("ap-2nd", "ap", 3.0, 1, "y@1"),
     ("ap-3rd", "ap", 5.0, 1, "x@1"),
 )
-
-
-def edgecache(*args: str) -> tuple[int, str, str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "edgecache.clients.cli", *args],
-        capture_output=True,
-        text=True,
-        env=NARROW,
-        timeout=120,
-    )
-    return out.returncode, out.stdout, out.stderr
 
 
 @dataclass
