@@ -34,6 +34,7 @@ from rich.progress import (
 
 from edgecache.cache.codec import COMPRESSIONS
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
+from edgecache.cache.planner import Plan
 from edgecache.cache.registry import Registry
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
@@ -80,9 +81,11 @@ class DemoResult:
         return asdict(self)
 
 
-def _write_origin(root: Path, total_mib: int, shards: int) -> int:
+def _write_origin(root: Path, total_mib: int, shards: int, progress: Progress) -> int:
+    """Generate the token shards; the longest quiet step of ``make demo``, hence its bar."""
     root.mkdir(parents=True, exist_ok=True)
     rows = max((total_mib << 20) // (TOKENS * 4) // shards, 1)
+    bar = progress.add_task("write origin (Parquet)", total=rows * shards * (TOKENS * 4 + 8))
     for index in range(shards):
         rng = np.random.default_rng(index)
         ids = (rng.zipf(1.2, size=rows * TOKENS) % 50_000).astype(np.int32)
@@ -93,6 +96,7 @@ def _write_origin(root: Path, total_mib: int, shards: int) -> int:
             }
         )
         pq.write_table(table, root / f"part-{index:05d}.parquet", compression="zstd")
+        progress.advance(bar, rows * (TOKENS * 4 + 8))
     return rows * shards
 
 
@@ -177,6 +181,40 @@ def _sample_files(workdir: Path, nodes: dict[str, LocalNode]) -> tuple[Topology,
     return topology, load_schedule(workdir / "schedule.yaml", topology)
 
 
+def _utc(moment: datetime, fmt: str = "%H:%M:%S") -> str:
+    """A plan time said with its zone, so it reads right on a machine in any time zone."""
+    return f"{moment.astimezone(UTC):{fmt}} UTC"
+
+
+def _plan_lines(plan: Plan) -> list[str]:
+    """The plan as `edgecache plan` tells it: stagings, evictions, then pins, per region."""
+    lines = []
+    for region, rp in plan.regions.items():
+        lines += [
+            f"{region}: stage {t.spec} (~{format_bytes(t.bytes)}) from {t.source}, ready by "
+            f"{_utc(t.finish)} for {', '.join(t.jobs)} (starts {_utc(t.deadline, '%H:%M')})"
+            for t in rp.tasks
+        ]
+        lines += [
+            f"{region}: evict {e.version[0]}@{e.version[1]} ({format_bytes(e.bytes)}) at "
+            f"{_utc(e.at)}: {e.reason}"
+            for e in rp.evictions
+        ]
+        lines += [
+            f"{region}: pin {name}@{version} until {_utc(until, '%Y-%m-%d %H:%M')} "
+            "(its last job here ends then; no eviction takes it before)"
+            for (name, version), until in rp.pins.items()
+        ]
+    return lines
+
+
+def _version_bytes(status: edge_pb2.NodeStatus, version: int) -> int:
+    """The demo version's bytes in a node's cache (a reused --workdir holds older ones too)."""
+    return sum(
+        v.stored_bytes for v in status.versions if (v.dataset, v.version) == (DATASET, version)
+    )
+
+
 def _cuda() -> bool:
     import torch
 
@@ -212,144 +250,147 @@ def run_demo(
     progress = progress or Progress(
         TextColumn("{task.description:<28}"), BarColumn(), DownloadColumn(), TransferSpeedColumn()
     )
-    with progress:
-        samples = _write_origin(workdir / "origin", total_mib, shards)
-        source_bytes = sum(f.stat().st_size for f in (workdir / "origin").iterdir())
-        say(
-            f"origin: {shards} Parquet shards, {samples:,} samples of {TOKENS} tokens "
-            f"({format_bytes(source_bytes)}) in {workdir / 'origin'}"
-        )
-        manifest = _publish(f"file://{workdir}/registry", f"file://{workdir}/origin", compression)
-        say(
-            f"publish: {DATASET}@{manifest.version} {manifest.digest[:19]}… "
-            f"in file://{workdir}/registry"
-        )
-        schema = manifest_schema(manifest)
-        nodes: dict[str, LocalNode] = {}
-        stack = contextlib.ExitStack()
-        try:
-            for region in REGIONS:
-                nodes[region] = start_local_node(
-                    region,
-                    workdir / f"cache-{region}",
-                    f"file://{workdir}/registry",
-                    log_file=workdir / f"node-{region}.log",
-                )
-            say(
-                "nodes: "
-                + ", ".join(f"{r} on {n.address}" for r, n in nodes.items())
-                + f" (logs {workdir}/node-*.log)"
-            )
-            eu, us = (
-                edge_pb2_grpc.EdgeCacheStub(stack.enter_context(open_channel(nodes[r].address)))
-                for r in REGIONS
-            )
-
-            # The warm-up: plan a sample schedule and carry it out, as `edgecache plan`
-            # and `edgecache warm` do. Only eu-west has a job, so only eu-west is staged.
-            topology, schedule = _sample_files(workdir, nodes)
-            plan_result, manifests = make_plan(topology, schedule)
-            plan_lines = [
-                f"{t.region}: stage {t.spec} ({format_bytes(t.bytes)}) from {t.source}, "
-                f"ready by {t.finish:%H:%M:%S} for {', '.join(t.jobs)} (starts {t.deadline:%H:%M})"
-                for rp in plan_result.regions.values()
-                for t in rp.tasks
-            ]
-            for line in plan_lines:
-                say(f"plan: {line}")
-            bars: dict[int, TaskID] = {}
-
-            def show(run: TaskRun) -> None:
-                bar = bars.get(id(run.item))
-                if bar is None:
-                    bar = bars[id(run.item)] = progress.add_task(
-                        f"warm {run.task.region} {run.task.spec}", total=run.item.bytes_total
-                    )
-                progress.update(bar, completed=run.item.bytes_done)
-
-            started = time.perf_counter()
-            outcome = PlanExecutor(topology, on_progress=show).warm(
-                plan_result, schedule, manifests
-            )
-            stage_seconds = time.perf_counter() - started
-            if outcome.failed or outcome.deferred or plan_result.infeasible:
-                raise RuntimeError(
-                    "warming the sample schedule failed: "
-                    + "; ".join(
-                        [f for r in outcome.failed for f in r.item.failures]
-                        + [d.reason for d in outcome.deferred]
-                        + [i.reason for i in plan_result.infeasible]
-                    )
-                )
-            stage_rate = source_bytes / stage_seconds
-            say(
-                f"warm: eu-west staged {format_bytes(source_bytes)} of Parquet in "
-                f"{stage_seconds:.1f} s ({format_bytes(stage_rate)}/s: fetch, preprocess, "
-                "compress, commit)"
-            )
-
-            # Time to the first chunk, warm region against the cold one (read-through).
-            def first_chunk_seconds(stub: object, shard: int) -> float:
-                begin = time.perf_counter()
-                next(read_shard(stub, DATASET, manifest.version, shard, schema=schema))  # type: ignore[arg-type]
-                return time.perf_counter() - begin
-
-            warm_first = first_chunk_seconds(eu, 0)
-            cold_first = first_chunk_seconds(us, 0)  # us-east was never warmed
-            say(
-                f"first chunk: {warm_first * 1e3:,.1f} ms from warm eu-west, "
-                f"{cold_first * 1e3:,.1f} ms from cold us-east (read through to origin)"
-            )
-
-            # The job: train a small model for one epoch through EdgeDataset, in eu-west:
-            # its own region's node first, us-east only as a fallback.
-            training = train(
-                f"{DATASET}@{manifest.version}",
-                workdir / "edgecache.yaml",
-                threads=threads,
-                progress=progress,
-                total=samples,
-            )
-            got, read_seconds, verified = training.samples, training.seconds, training.exact_once
-            statuses = [stub.Status(edge_pb2.StatusRequest()) for stub in (eu, us)]
-            result = DemoResult(
-                dataset=f"{DATASET}@{manifest.version}",
-                shards=len(manifest.shards),
-                samples=got,
-                source_bytes=source_bytes,
-                stored_bytes=statuses[0].used_bytes,
-                stage_bytes_per_s=stage_rate,
-                read_samples_s=got / read_seconds,
-                read_bytes_per_s=got * (TOKENS * 4 + 8) / read_seconds,
-                loss_first=training.loss_first,
-                loss_last=training.loss_last,
-                first_batch_s=training.first_batch_seconds,
-                read_threads=threads,
-                cold_first_chunk_s=cold_first,
-                warm_first_chunk_s=warm_first,
-                device="cuda" if _cuda() else "cpu",
-                verified=verified,
-                workdir=str(workdir),
-                plan=plan_lines,
-                nodes=[
-                    {
-                        "region": s.region,
-                        "address": nodes[s.region].address,
-                        "shards_resident": sum(v.shard_count for v in s.versions),
-                        "used_bytes": s.used_bytes,
-                        "hits": s.hits,
-                        "misses": s.misses,
-                        "bytes_served": s.bytes_served,
-                    }
-                    for s in statuses
-                ],
-            )
-        except grpc.RpcError as exc:  # a demo node failed: say which, not a raw status
-            failed = next((r for r, n in nodes.items() if n.process.poll() is not None), "a node")
-            raise node_error(exc, endpoint=failed, what="the demo") from exc
-        finally:
-            stack.close()
+    # Every node started is stopped whatever happens next: a failed step, Ctrl-C, a closed
+    # pipe (`edgecache demo | head`) or the CLI's SIGTERM, as well as the end of the demo.
+    nodes: dict[str, LocalNode] = {}
     try:
+        with progress:
+            samples = _write_origin(workdir / "origin", total_mib, shards, progress)
+            source_bytes = sum(f.stat().st_size for f in (workdir / "origin").iterdir())
+            say(
+                f"origin: {shards} Parquet shards, {samples:,} samples of {TOKENS} tokens "
+                f"({format_bytes(source_bytes)}) in {workdir / 'origin'}"
+            )
+            registry_url, origin_url = f"file://{workdir}/registry", f"file://{workdir}/origin"
+            manifest = _publish(registry_url, origin_url, compression)
+            say(
+                f"publish: {DATASET}@{manifest.version} {manifest.digest[:19]}… "
+                f"in file://{workdir}/registry"
+            )
+            schema = manifest_schema(manifest)
+            stack = contextlib.ExitStack()
+            try:
+                for region in REGIONS:
+                    nodes[region] = start_local_node(
+                        region,
+                        workdir / f"cache-{region}",
+                        f"file://{workdir}/registry",
+                        log_file=workdir / f"node-{region}.log",
+                    )
+                say(
+                    "nodes: "
+                    + ", ".join(f"{r} on {n.address}" for r, n in nodes.items())
+                    + f" (logs {workdir}/node-*.log)"
+                )
+                eu, us = (
+                    edge_pb2_grpc.EdgeCacheStub(stack.enter_context(open_channel(nodes[r].address)))
+                    for r in REGIONS
+                )
+
+                # The warm-up: plan a sample schedule and carry it out, as `edgecache plan`
+                # and `edgecache warm` do. Only eu-west has a job, so only eu-west is staged.
+                topology, schedule = _sample_files(workdir, nodes)
+                plan_result, manifests = make_plan(topology, schedule)
+                plan_lines = _plan_lines(plan_result)
+                for line in plan_lines:
+                    say(f"plan: {line}")
+                bars: dict[int, TaskID] = {}
+
+                def show(run: TaskRun) -> None:
+                    bar = bars.get(id(run.item))
+                    if bar is None:
+                        bar = bars[id(run.item)] = progress.add_task(
+                            f"warm {run.task.region} {run.task.spec}", total=run.item.bytes_total
+                        )
+                    progress.update(bar, completed=run.item.bytes_done)
+
+                started = time.perf_counter()
+                outcome = PlanExecutor(topology, on_progress=show).warm(
+                    plan_result, schedule, manifests
+                )
+                stage_seconds = time.perf_counter() - started
+                failures = (
+                    [f for r in outcome.failed for f in r.item.failures]
+                    + [d.reason for d in outcome.deferred]
+                    + [i.reason for i in plan_result.infeasible]
+                    + outcome.pin_failures
+                )
+                if failures:
+                    raise RuntimeError(
+                        "warming the sample schedule failed: "
+                        + "; ".join(failures)
+                        + f" (the nodes' logs are {workdir}/node-*.log)"
+                    )
+                stage_rate = source_bytes / stage_seconds
+                say(
+                    f"warm: eu-west staged {format_bytes(source_bytes)} of Parquet in "
+                    f"{stage_seconds:.1f} s ({format_bytes(stage_rate)}/s: fetch, preprocess, "
+                    "compress, commit) and pinned it as planned"
+                )
+
+                # Time to the first chunk, warm region against the cold one (read-through).
+                def first_chunk_seconds(stub: object, shard: int) -> float:
+                    begin = time.perf_counter()
+                    next(read_shard(stub, DATASET, manifest.version, shard, schema=schema))  # type: ignore[arg-type]
+                    return time.perf_counter() - begin
+
+                warm_first = first_chunk_seconds(eu, 0)
+                cold_first = first_chunk_seconds(us, 0)  # us-east was never warmed
+                say(
+                    f"first chunk: {warm_first * 1e3:,.1f} ms from warm eu-west, "
+                    f"{cold_first * 1e3:,.1f} ms from cold us-east (read through to origin)"
+                )
+
+                # The job: train a small model for one epoch through EdgeDataset, in eu-west:
+                # its own region's node first, us-east only as a fallback.
+                training = train(
+                    f"{DATASET}@{manifest.version}",
+                    workdir / "edgecache.yaml",
+                    threads=threads,
+                    progress=progress,
+                    total=samples,
+                )
+                got, read_seconds = training.samples, training.seconds
+                verified = training.exact_once
+                statuses = [stub.Status(edge_pb2.StatusRequest()) for stub in (eu, us)]
+                result = DemoResult(
+                    dataset=f"{DATASET}@{manifest.version}",
+                    shards=len(manifest.shards),
+                    samples=got,
+                    source_bytes=source_bytes,
+                    stored_bytes=_version_bytes(statuses[0], manifest.version),
+                    stage_bytes_per_s=stage_rate,
+                    read_samples_s=got / read_seconds,
+                    read_bytes_per_s=got * (TOKENS * 4 + 8) / read_seconds,
+                    loss_first=training.loss_first,
+                    loss_last=training.loss_last,
+                    first_batch_s=training.first_batch_seconds,
+                    read_threads=threads,
+                    cold_first_chunk_s=cold_first,
+                    warm_first_chunk_s=warm_first,
+                    device="cuda" if _cuda() else "cpu",
+                    verified=verified,
+                    workdir=str(workdir),
+                    plan=plan_lines,
+                    nodes=[
+                        {
+                            "region": s.region,
+                            "address": nodes[s.region].address,
+                            "shards_resident": sum(v.shard_count for v in s.versions),
+                            "used_bytes": s.used_bytes,
+                            "hits": s.hits,
+                            "misses": s.misses,
+                            "bytes_served": s.bytes_served,
+                        }
+                        for s in statuses
+                    ],
+                )
+            except grpc.RpcError as exc:  # a demo node failed: say which, not a raw status
+                down = (r for r, n in nodes.items() if n.process.poll() is not None)
+                failed = next(down, "a node")
+                raise node_error(exc, endpoint=failed, what="the demo") from exc
+            finally:
+                stack.close()
         if while_running is not None:
             while_running(result, workdir)
     finally:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -48,12 +50,13 @@ def demo(
     Tells the story as it goes (what is written where, the plan, what staging
     achieved, the first chunk from a warm and a cold region, a training epoch),
     then the figures. Exit codes: 0 every sample read exactly once and every
-    chunk verified; 1 otherwise or a node failed.
+    chunk verified; 1 otherwise or a node failed; 130 Ctrl-C, 143 SIGTERM, 129
+    SIGHUP (its nodes stopped and its temporary files removed first).
     """
     from edgecache.clients.demo import run_demo
 
     root = workdir or Path(tempfile.mkdtemp(prefix="edgecache-demo-"))
-    kept = workdir is not None or keep_nodes
+    kept = workdir is not None  # a temporary directory goes with the nodes it served
 
     def say(text: str) -> None:
         if not as_json:
@@ -64,7 +67,8 @@ def demo(
             return
         _summary(result)
         config = where / "edgecache.yaml"
-        line(f"\nThe nodes keep running; the demo's files are in {where}. Try:")
+        removed = "" if kept else " (removed when the nodes stop; --workdir keeps them)"
+        line(f"\nThe nodes keep running; the demo's files are in {where}{removed}. Try:")
         for command in (
             f"edgecache status --config {config}",
             f"edgecache plan {where / 'schedule.yaml'} --config {config} --explain",
@@ -81,7 +85,7 @@ def demo(
             line("stopping the nodes")
 
     try:
-        with reporting():
+        with reporting(), _stopped_by_signals():
             result = run_demo(
                 root,
                 total_mib=size_mib,
@@ -99,7 +103,10 @@ def demo(
         if not kept:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:
-        print(json.dumps(result.as_dict(), indent=2))
+        figures = result.as_dict()
+        if not kept:  # removed above: a path to nothing would send a script looking for it
+            figures["workdir"] = None
+        print(json.dumps(figures, indent=2))
     elif not keep_nodes:
         _summary(result)
         if kept:
@@ -110,6 +117,33 @@ def demo(
         )
     if not result.verified:
         raise exit_with(ExitCode.FAILED)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM or SIGHUP (`kill`, `timeout`, a closed terminal) end the demo like Ctrl-C does.
+
+    Python's default for them kills the process at once, skipping every
+    ``finally``: the two ``edgecache serve`` nodes ran on, orphaned, and the
+    temporary directory stayed. Raising ``SystemExit(128 + signal)`` instead
+    stops the nodes and removes the files on the way out; further signals
+    are ignored meanwhile, so that cleanup (at most a node's drain) finishes.
+    """
+    stops = (signal.SIGTERM, signal.SIGHUP)
+
+    def stop(signum: int, _frame: object) -> None:
+        for each in stops:
+            signal.signal(each, signal.SIG_IGN)
+        name = signal.Signals(signum).name
+        error(f"stopped by {name}: stopping the demo's nodes and removing its temporary files")
+        raise SystemExit(128 + signum)
+
+    before = {each: signal.signal(each, stop) for each in stops}
+    try:
+        yield
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
 
 
 def _summary(result: DemoResult) -> None:

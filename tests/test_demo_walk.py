@@ -1,0 +1,136 @@
+"""The demo walked as a first-time user runs it: failures, signals, reruns, --json, the story.
+
+Each test uses the demo's small mode (a few MiB, two shards) so it stays
+within seconds; the demo's nodes are real ``edgecache serve`` processes, so
+every test checks none is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.progress import Progress
+from typer.testing import CliRunner
+
+import edgecache.clients.demo as demo_module
+from edgecache.clients.cli.app import app
+from edgecache.clients.demo import run_demo
+from edgecache.clients.node_client import LocalNode
+
+SMALL = {"total_mib": 2, "shards": 2}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line mentions ``text`` (the demo's nodes name their cache dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and "serve" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def started_nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[LocalNode]]:
+    """Every node the demo starts, killed afterwards whatever the test found."""
+    nodes: list[LocalNode] = []
+    real = demo_module.start_local_node
+
+    def recording(*args: object, **kwargs: object) -> LocalNode:
+        node = real(*args, **kwargs)  # type: ignore[arg-type]
+        nodes.append(node)
+        return node
+
+    monkeypatch.setattr(demo_module, "start_local_node", recording)
+    yield nodes
+    for node in nodes:
+        if node.process.poll() is None:
+            node.process.kill()
+            node.process.wait()
+
+
+def test_a_failure_after_the_nodes_started_stops_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started_nodes: list[LocalNode]
+) -> None:
+    """A failed step (or `edgecache demo | head`, a broken pipe) must not leave nodes up."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise BrokenPipeError("stdout went away")
+
+    monkeypatch.setattr(demo_module, "train", broken)
+    with pytest.raises(BrokenPipeError):
+        run_demo(tmp_path, **SMALL)  # type: ignore[arg-type]
+    assert len(started_nodes) == 2
+    assert [n.process.poll() is not None for n in started_nodes] == [True, True]
+
+
+def test_sigterm_stops_the_nodes_and_removes_the_temporary_directory(tmp_path: Path) -> None:
+    """`kill`, `timeout` or a closed terminal: exit 128 + signal, nothing left behind."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "edgecache.clients.cli", "demo", "--size-mib", "2"]
+        + ["--shards", "2", "--keep-nodes"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            if line.startswith("Ctrl-C stops the nodes"):
+                break
+        assert len(_processes_mentioning(str(tmp_path))) == 2
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        left = _processes_mentioning(str(tmp_path))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert list(tmp_path.glob("edgecache-demo-*")) == []
+
+
+def test_json_names_no_deleted_workdir() -> None:
+    """Without --workdir the files are removed at the end: --json must not point at them."""
+    result = CliRunner().invoke(app, ["demo", "--size-mib", "2", "--shards", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert figures["workdir"] is None or Path(figures["workdir"]).is_dir()
+    assert figures["verified"] is True
+
+
+def test_a_second_run_in_one_workdir_reports_this_versions_bytes(tmp_path: Path) -> None:
+    """'cached in eu-west' is this version's bytes, not every version the node kept."""
+    first = run_demo(tmp_path, **SMALL)  # type: ignore[arg-type]
+    second = run_demo(tmp_path, **SMALL)  # type: ignore[arg-type]
+    assert (first.dataset, second.dataset) == ("demo-tokens@1", "demo-tokens@2")
+    assert second.stored_bytes == first.stored_bytes
+
+
+def test_the_story_shows_the_pin_with_time_zones_and_a_bar_for_every_step(
+    tmp_path: Path,
+) -> None:
+    """Writing the origin (the longest step of `make demo`) has a bar; the plan's pin is said."""
+    lines: list[str] = []
+    progress = Progress(disable=True)
+    run_demo(tmp_path, progress=progress, say=lines.append, **SMALL)  # type: ignore[arg-type]
+    bars = [task.description for task in progress.tasks]
+    assert bars[0].startswith("write origin"), bars
+    plan = [line for line in lines if line.startswith("plan: ")]
+    assert any("pin demo-tokens@1 until" in line for line in plan), plan
+    assert all("UTC" in line for line in plan), plan
