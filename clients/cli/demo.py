@@ -157,8 +157,12 @@ def _summary(result: DemoResult) -> None:
                 f"{format_bytes(result.source_bytes)} / {format_bytes(result.stored_bytes)}",
             ],
             [
-                "stage eu-west (fetch, preprocess, compress, commit)",
+                "stage eu-west from origin (fetch, preprocess, compress, commit)",
                 f"{format_bytes(result.stage_bytes_per_s)}/s",
+            ],
+            [
+                "stage us-east from eu-west (copy verified chunks)",
+                f"{format_bytes(result.peer_copy_bytes_per_s)}/s",
             ],
             [
                 f"training epoch via EdgeDataset ({result.device}, {result.read_threads} threads)",
@@ -171,7 +175,7 @@ def _summary(result: DemoResult) -> None:
                 f"{result.loss_first:.3f} → {result.loss_last:.3f}",
             ],
             [
-                "first chunk: warm eu-west / cold us-east",
+                "first chunk: warm eu-west / us-east before staging (read-through)",
                 f"{result.warm_first_chunk_s * 1e3:,.1f} ms / "
                 f"{result.cold_first_chunk_s * 1e3:,.1f} ms",
             ],
