@@ -42,7 +42,7 @@ def test_a_reader_never_sees_a_torn_position() -> None:
     shared.write(_position(1))
     ctx = mp.get_context("fork")
     out: mp.Queue = ctx.Queue()
-    child = ctx.Process(target=_reader, args=(shared, 20_000, out))
+    child = ctx.Process(target=_reader, args=(shared, 5_000, out))
     child.start()
     n = 1
     while child.is_alive():
