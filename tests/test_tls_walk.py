@@ -364,3 +364,18 @@ def test_a_node_dying_mid_stream_gets_no_tls_advice() -> None:
     died = "Stream removed (recvmsg:Connection reset by peer (104))"
     assert connection_hint(died) is None
     assert "--tls-client-ca" in (connection_hint("Socket closed") or "")
+
+
+def test_status_of_a_refused_port_is_said_at_once(tmp_path: Path) -> None:
+    """Waiting for the channel to be ready took the whole timeout for a refused port
+    (3 s for every down node in status, plan and warm); the first call says it at once."""
+    import time
+
+    from edgecache.clients.channels import health_pings, open_channel
+    from edgecache.clients.endpoints import parse_endpoint
+
+    started = time.monotonic()
+    with open_channel(parse_endpoint("127.0.0.1:1")) as channel:
+        pings = health_pings(channel, pings=3, timeout=3.0)
+    assert time.monotonic() - started < 1.5
+    assert pings.lost == 3 and "Connection refused" in (pings.error or ""), pings
