@@ -509,11 +509,11 @@ class EdgeNode:
                         f"{key} chunk {index} is no longer here ({exc}); not fetched again "
                         "for a cached_only read: take the shard from another node"
                     ) from exc
-                    if damaged > 1:  # damaged again straight after a re-fetch: not here
-                        raise ChunkCorrupt(
-                            f"{key} chunk {index} was damaged again after fetching the shard "
-                            f"anew ({exc}); read it from another node"
-                        ) from exc
+                if damaged > 1:  # damaged again straight after a re-fetch: not here
+                    raise ChunkCorrupt(
+                        f"{key} chunk {index} was damaged again after fetching the shard "
+                        f"anew ({exc}); read it from another node"
+                    ) from exc
                 log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
                 again, _ = await self.ensure_shard(manifest, shard)
                 self.metrics.misses.inc()

@@ -730,3 +730,24 @@ def test_a_peer_copy_does_not_slow_this_nodes_staging(tmp_path: Path, file_setup
         request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0, cached_only=True)
         assert list(client.ReadShard(request))  # what a peer's copy asks
         assert len(started) == 1 and gate.reads_active == 0
+
+
+def test_a_chunk_damaged_again_after_a_refetch_ends_the_read(tmp_path: Path, file_setup) -> None:
+    """A chunk found damaged, fetched anew and damaged again is not here to be had: the read
+    ends (UNAVAILABLE, the reader fails over) instead of re-fetching the shard forever."""
+    from edgecache.cache.errors import ChunkCorrupt
+
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        assert node.node is not None
+        client = stub(node.address)
+        assert read_shard_table(client, "tokens", 1, 0).equals(tables[0])
+
+        def always_damaged(key: object, index: int, first_row: int) -> bytes:
+            raise ChunkCorrupt("chunk checksum mismatch (a test)")
+
+        node.node.encoded_chunk = always_damaged  # type: ignore[method-assign]
+        request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+        error = code_of(lambda: list(client.ReadShard(request, timeout=10)))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert "damaged again" in (error.details() or ""), error.details()
