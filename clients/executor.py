@@ -146,6 +146,7 @@ class WarmOutcome:
     evicted: list[tuple[Eviction, int]] = field(default_factory=list)  # (eviction, bytes freed)
     deferred: list[Deferred] = field(default_factory=list)
     pin_failures: list[str] = field(default_factory=list)
+    pins_failed: set[tuple[str, VersionKey]] = field(default_factory=set)  # (region, version)
 
     @property
     def failed(self) -> list[TaskRun]:
@@ -220,6 +221,12 @@ class PlanExecutor:
         nor is a node whose report says it is down, nor one :attr:`calls` has
         given up on (its outage is the failure to report, not each pin).
         """
+        return [problem for _, _, problem in self._pin(plan, reports)]
+
+    def _pin(
+        self, plan: Plan, reports: Sequence[object] | None
+    ) -> list[tuple[str, VersionKey, str]]:
+        """:meth:`pin`, each failure with its (region, version), for those who report pins."""
         reports = gather_status(self.topology, token=self.token) if reports is None else reports
         calls = self.calls
         current: dict[tuple[str, VersionKey], datetime] = {}
@@ -245,7 +252,7 @@ class PlanExecutor:
                     request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
                     problem = self._pin_call(node, version, request, "pinning")
                     if problem:
-                        failures.append(problem)
+                        failures.append((region, version, problem))
         return failures
 
     def unpin(self, node: str, version: VersionKey) -> str | None:
@@ -437,7 +444,9 @@ class PlanExecutor:
         """
         outcome = WarmOutcome()
         reports = gather_status(self.topology, token=self.token)
-        outcome.pin_failures = self.pin(plan, reports)
+        for region, version, problem in self._pin(plan, reports):
+            outcome.pin_failures.append(problem)
+            outcome.pins_failed.add((region, version))
         held = complete_versions(reports, dict(manifests))
         for region, versions in held.items():  # what regions hold can serve as a peer source
             for version in versions:

@@ -443,3 +443,26 @@ def test_warm_again_stages_nothing_and_says_the_same_pins(said: Site) -> None:
     pins = [line for line in out.splitlines() if ": pinned " in line]
     assert pins == [line for line in said.out["warm"][1].splitlines() if ": pinned " in line]
     assert len(pins) == 5, out
+
+
+def test_warm_claims_every_pin_that_held_and_no_other(capsys) -> None:  # noqa: ANN001
+    """Which pins failed is known as (region, version): told from the failure's text,
+    a failed web@10 hid web@1's pin too, in every region."""
+    from datetime import UTC, datetime
+
+    from edgecache.cache.planner import Plan, RegionPlan
+    from edgecache.clients.cli.staging import _print_plan_steps
+    from edgecache.clients.executor import WarmOutcome
+
+    until = datetime(2030, 1, 1, tzinfo=UTC)
+    pins = {("web", 1): until, ("web", 10): until}
+    plan = Plan({"eu": RegionPlan(pins=dict(pins)), "us": RegionPlan(pins=dict(pins))}, [], {}, {})
+    outcome = WarmOutcome(
+        pin_failures=["pinning web@10 on us-1: UNAVAILABLE: Connection refused"],
+        pins_failed={("us", ("web", 10))},
+    )
+    _print_plan_steps(plan, outcome, [], dry_run=False)
+    out = capsys.readouterr().out
+    for line in ("eu: pinned web@1", "eu: pinned web@10", "us: pinned web@1 "):
+        assert line in out, out
+    assert "us: pinned web@10" not in out, out

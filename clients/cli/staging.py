@@ -14,7 +14,7 @@ import typer
 from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
-from edgecache.cache.planner import Eviction, Infeasible, Plan, StageTask
+from edgecache.cache.planner import Eviction, Infeasible, Plan, StageTask, VersionKey
 from edgecache.clients import ops
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
@@ -653,7 +653,7 @@ def _print_plan_steps(
             )
     for name, rp in plan.regions.items():
         for v, until in sorted(rp.pins.items()):
-            if not any(f"pinning {v[0]}@{v[1]}" in f for f in outcome.pin_failures):
+            if (name, v) not in outcome.pins_failed:
                 console.print(f"{name}: {pinned} {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}")
     deferred = "would defer" if dry_run else "deferred"
     for d in outcome.deferred:
@@ -723,7 +723,9 @@ class Rehearsal(PlanExecutor):
     and pins are listed from the plan instead of set.
     """
 
-    def pin(self, plan: Plan, reports: Sequence[object] | None = None) -> list[str]:
+    def _pin(
+        self, plan: Plan, reports: Sequence[object] | None
+    ) -> list[tuple[str, VersionKey, str]]:
         """Set nothing; a pin cannot fail in a rehearsal."""
         return []
 
