@@ -328,17 +328,7 @@ class CacheStore(ClosingContext):
 
         A version may be pinned before any of its shards arrive.
         """
-        ShardKey(dataset, version, 0).validated()
-        vkey = version_key(dataset, version)
-        if until is not None and until.tzinfo is None:
-            raise ValueError("pin_version needs a timezone-aware datetime (e.g. UTC)")
-        with self._writing(f"the pin of {dataset}@{version}") as txn:
-            record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
-            record.pinned_until_ns = 0 if until is None else int(until.timestamp() * 1e9)
-            if record.shard_count == 0 and record.pinned_until_ns == 0:
-                txn.delete(vkey, db=self._dbs[b"versions"])
-            else:
-                txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
+        self._pin(dataset, version, until, extend=False)
 
     def extend_pin(self, dataset: str, version: int, until: datetime) -> None:
         """Pin a version until at least ``until``: a later pin it has already stays.
@@ -346,14 +336,22 @@ class CacheStore(ClosingContext):
         What staging for some jobs asks: a pin another plan or job placed for
         longer must not be cut short by it (``pin_version`` sets the time as given).
         """
+        self._pin(dataset, version, until, extend=True)
+
+    def _pin(self, dataset: str, version: int, until: datetime | None, *, extend: bool) -> None:
         ShardKey(dataset, version, 0).validated()
-        if until.tzinfo is None:
-            raise ValueError("extend_pin needs a timezone-aware datetime (e.g. UTC)")
         vkey = version_key(dataset, version)
+        if until is not None and until.tzinfo is None:
+            name = "extend_pin" if extend else "pin_version"
+            raise ValueError(f"{name} needs a timezone-aware datetime (e.g. UTC)")
         with self._writing(f"the pin of {dataset}@{version}") as txn:
             record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
-            record.pinned_until_ns = max(record.pinned_until_ns, int(until.timestamp() * 1e9))
-            txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
+            until_ns = 0 if until is None else int(until.timestamp() * 1e9)
+            record.pinned_until_ns = max(record.pinned_until_ns, until_ns) if extend else until_ns
+            if record.shard_count == 0 and record.pinned_until_ns == 0:
+                txn.delete(vkey, db=self._dbs[b"versions"])
+            else:
+                txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
 
     def evict_version(self, dataset: str, version: int) -> int:
         """Remove every shard of a version and its pin; return the bytes freed."""
