@@ -182,11 +182,13 @@ def _read_text(
 def _parquet(
     buf: pa.Buffer, batch_rows: int, source: str
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int]:
-    schema = pq.ParquetFile(pa.BufferReader(buf)).schema_arrow
+    footer = pq.ParquetFile(pa.BufferReader(buf))
+    schema = footer.schema_arrow
     # String and binary columns are read as dictionaries and expanded a slice at a time
     # (see _expanded): one dictionary value repeated on every row made 4 GiB from 293 bytes.
+    # The footer parsed once serves both opens.
     wide = [f.name for f in schema if _is_binary(f.type)]
-    parquet = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=wide)
+    parquet = pq.ParquetFile(pa.BufferReader(buf), metadata=footer.metadata, read_dictionary=wide)
     meta = parquet.metadata
     rows = meta.num_rows
     size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
