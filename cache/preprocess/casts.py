@@ -27,6 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from edgecache.cache.preprocess.byte_types import is_text_or_binary
+
 __all__ = ["lossless_cast"]
 
 _EXAMPLES = 3
@@ -109,7 +111,7 @@ def _changed(was: pa.Array, became: pa.Array) -> pa.BooleanArray | None:
         return _struct_changed(was, became)
     if isinstance(was, _LISTS):
         return _lists_changed(was, became)
-    if _is_text(source) and not _is_text(target):
+    if is_text_or_binary(source) and not is_text_or_binary(target):
         if not pa.types.is_floating(target):
             return None  # parsed exactly (numbers, bools, dates), or refused
         return _text_out_of_range(was, became)
@@ -158,20 +160,6 @@ def _lists_changed(was: pa.Array, became: pa.Array) -> pa.BooleanArray | None:
     lists = np.zeros(len(was), dtype=np.bool_)
     lists[parents.filter(changed).to_numpy()] = True
     return pa.array(lists)
-
-
-def _is_text(kind: pa.DataType) -> bool:
-    return any(
-        check(kind)
-        for check in (
-            pa.types.is_string,
-            pa.types.is_large_string,
-            pa.types.is_binary,
-            pa.types.is_large_binary,
-            pa.types.is_string_view,
-            pa.types.is_binary_view,
-        )
-    )
 
 
 def _out_of_range(wide: pa.Array, narrow: pa.Array) -> pa.BooleanArray:

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess import limits
+from edgecache.cache.preprocess.byte_types import is_text_or_binary
 from edgecache.cache.preprocess.compressed import decompress, strip_suffix
 from edgecache.cache.preprocess.fixes import FIX
 from edgecache.cache.preprocess.mds import mds_source
@@ -184,10 +185,11 @@ def _parquet(
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int]:
     footer = pq.ParquetFile(pa.BufferReader(buf))
     schema = footer.schema_arrow
-    # String and binary columns are read as dictionaries and expanded a slice at a time
-    # (see _expanded): one dictionary value repeated on every row made 4 GiB from 293 bytes.
+    # String and binary columns (views too) are read as dictionaries and expanded a slice at
+    # a time (see _expanded): one dictionary value repeated on every row made 4 GiB from 293
+    # bytes.
     # The footer parsed once serves both opens.
-    wide = [f.name for f in schema if _is_binary(f.type)]
+    wide = [f.name for f in schema if is_text_or_binary(f.type)]
     parquet = pq.ParquetFile(pa.BufferReader(buf), metadata=footer.metadata, read_dictionary=wide)
     meta = parquet.metadata
     rows = meta.num_rows
@@ -205,13 +207,6 @@ def _parquet(
         yield from table.to_batches(max_chunksize=batch_rows)
 
     return schema, _expanded(whole(), schema, source), rows
-
-
-def _is_binary(kind: pa.DataType) -> bool:
-    return bool(
-        pa.types.is_string(kind) or pa.types.is_binary(kind)
-        or pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)
-    )  # fmt: skip
 
 
 def _expanded(
@@ -243,11 +238,20 @@ def _expanded(
             stop = int(np.searchsorted(ends, before + limits.BATCH_DECODED_BYTES, "right"))
             stop = max(stop, start + 1)
             part = batch.slice(start, stop - start)
-            arrays = [c.cast(f.type) if pa.types.is_dictionary(c.type) else c
-                      for c, f in zip(part.columns, schema, strict=True)]  # fmt: skip
+            arrays = [_plain(c, f.type) for c, f in zip(part.columns, schema, strict=True)]
             yield pa.RecordBatch.from_arrays(arrays, schema=schema)
             start = stop
         total += int(ends[-1]) if len(ends) else 0
+
+
+def _plain(column: pa.Array, kind: pa.DataType) -> pa.Array:
+    """A column read as a dictionary, as the ``kind`` its schema gives; others as they are."""
+    if not pa.types.is_dictionary(column.type):
+        return column
+    if pa.types.is_string_view(kind) or pa.types.is_binary_view(kind):
+        # Arrow casts no dictionary to a view type: decode to the plain values first.
+        return column.dictionary_decode().cast(kind)
+    return column.cast(kind)
 
 
 def open_source(
