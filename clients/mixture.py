@@ -61,18 +61,36 @@ def parse_mixture(spec: str | Mapping[str, float]) -> MixtureSpec:
         )
     texts, specs, weights = [], [], []
     for text, weight in spec.items():
-        parsed = parse_spec(text)
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, (int, float))
-            or not math.isfinite(weight)
-            or weight <= 0
-        ):
-            raise ValueError(f"the weight of {text!r} must be a positive number, got {weight!r}")
+        specs.append(parse_spec(text))
         texts.append(text)
-        specs.append(parsed)
-        weights.append(float(weight))
+        weights.append(_weight(text, weight))
     return MixtureSpec(tuple(texts), tuple(specs), tuple(weights))
+
+
+def _weight(text: str, weight: object) -> float:
+    """A component's weight as a float: any real number > 0 (numpy and 0-d torch scalars too).
+
+    Weights are often computed (``np.array(tokens) / total``), so a ``np.float32``
+    or a 0-d tensor counts as the number it holds; a string or a bool does not.
+    """
+    value = math.nan
+    if not isinstance(weight, (bool, str, bytes)) and hasattr(weight, "__float__"):
+        try:
+            value = float(weight)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # a tensor of more than one element, say
+            pass
+    if math.isnan(value):
+        raise ValueError(
+            f"the weight of {text!r} must be a positive number, got {weight!r} "
+            f"({type(weight).__name__}): pass a number such as 0.3"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"the weight of {text!r} must be a positive number, got {weight!r}: weights are "
+            f"relative (normalised to add up to 1); to not read {text!r}, leave it out of "
+            "the mapping"
+        )
+    return value
 
 
 def check_distinct(mixture: MixtureSpec, resolved: Sequence[str]) -> None:

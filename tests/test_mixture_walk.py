@@ -1,0 +1,95 @@
+"""Weighted mixtures, ``rows=`` splits and their resume, used as an ML engineer would.
+
+Each test is a defect found by walking docs/dataset.md ("Weighted mixtures",
+"Splits", "Resuming") against a real edge node on loopback, with real
+DataLoader worker processes. The datasets are small (hundreds of rows) and
+windows a few rows each, so every path (several passes of a tiny component,
+several windows per lane) is taken quickly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from edgeutil import publish
+
+from edgecache.clients import EdgeDataset
+from edgecache.clients.node_client import LocalNode, start_local_node
+
+WEB, CODE, TINY = 0, 100_000, 200_000  # first label of each dataset
+SMALL = {"window_bytes": 240, "batch_size": 8}  # windows of 20 rows (12 bytes a row)
+
+
+def table(first: int, rows: int, label: str = "int64") -> pa.Table:
+    labels = np.arange(first, first + rows)
+    return pa.table(
+        {"label": pa.array(labels, pa.type_for_alias(label)), "x": pa.array(labels, pa.float32())}
+    )
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    """web@1 (2 × 300 rows), web@2 (latest), code@1 (200), tiny@1 (10), narrow@1 (int32 label)."""
+    root = tmp_path_factory.mktemp("mixture")
+    registry = f"file://{root}/registry"
+
+    def put(name: str, folder: str, tables: list[pa.Table]) -> None:
+        (root / folder).mkdir()
+        for i, t in enumerate(tables):
+            pq.write_table(t, root / folder / f"part-{i:05d}.parquet")
+        publish(registry, f"file://{root}/{folder}", name, chunk_bytes=4096)
+
+    put("web", "web1", [table(WEB, 300), table(WEB + 300, 300)])
+    put("web", "web2", [table(WEB, 700)])
+    put("code", "code", [table(CODE, 200)])
+    put("tiny", "tiny", [table(TINY, 10)])
+    put("narrow", "narrow", [table(300_000, 200, "int32")])
+    started = start_local_node("eu", root / "cache", registry)
+    yield started
+    started.stop()
+
+
+def ids(batches: object, column: str = "src") -> list[tuple[int, int]]:
+    """(component, label) of every sample, in order."""
+    return [
+        (int(c), int(x))
+        for b in batches  # type: ignore[attr-defined]
+        for c, x in zip(b[column], b["label"], strict=True)
+    ]
+
+
+def read(ds: EdgeDataset, workers: int = 0) -> list[tuple[int, int]]:
+    return ids(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers))
+
+
+# ------------------------------------------------------------------ weights
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [np.float32(0.3), np.int64(3), torch.tensor(0.3)],
+    ids=["np.float32", "np.int64", "torch-scalar"],
+)
+def test_weights_computed_with_numpy_or_torch_are_numbers(node: LocalNode, weight: object) -> None:
+    # Weights are often computed (token counts, np.array(sizes) / total): a np.float32,
+    # np.int64 or a 0-d tensor was refused as "must be a positive number, got 0.3".
+    ds = EdgeDataset({"web@1": 0.7, "code@1": weight}, endpoints=node.address, **SMALL)
+    assert ds.weights is not None and all(type(w) is float for w in ds.weights)
+    assert ds.state_dict()["components"][1]["weight"] == float(weight)  # plain JSON
+
+
+@pytest.mark.parametrize(
+    ("weight", "advice"),
+    [(0, "leave it out of the mapping"), (-0.5, "leave it out"), ("0.3", "a number")],
+)
+def test_a_bad_weight_says_what_to_do(node: LocalNode, weight: object, advice: str) -> None:
+    # A weight of 0 is how a config turns a source off: it said only "must be a
+    # positive number", not that the component is left out of the mapping instead.
+    with pytest.raises(ValueError, match="weight of 'code@1' must be a positive number") as err:
+        EdgeDataset({"web@1": 1, "code@1": weight}, endpoints=node.address, **SMALL)
+    assert advice in str(err.value)
