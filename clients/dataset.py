@@ -73,6 +73,7 @@ from edgecache.clients.epoch_order import Component, EpochOrder, Remaining
 from edgecache.clients.mixture import (
     allocate,
     check_distinct,
+    check_shares,
     parse_mixture,
     parse_rows,
     split_extents,
@@ -333,6 +334,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             if mixture.single and samples_per_epoch is None
             else allocate([1.0] if mixture.single else mixture.weights, self.samples_per_epoch)
         )
+        if not mixture.single:
+            check_shares(self.components, mixture.weights, shares)
         self._components = [
             Component(name, ext, window_rows, share)
             for name, ext, window_rows, share in zip(

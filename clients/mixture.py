@@ -29,6 +29,7 @@ from edgecache.clients.shuffle import Extent
 __all__ = [
     "MixtureSpec",
     "allocate",
+    "check_shares",
     "common_columns",
     "parse_mixture",
     "parse_rows",
@@ -121,6 +122,23 @@ def allocate(weights: Sequence[float], samples: int) -> list[int]:
     for i in by_remainder[: samples - sum(shares)]:
         shares[i] += 1
     return shares
+
+
+def check_shares(names: Sequence[str], weights: Sequence[float], shares: Sequence[int]) -> None:
+    """Refuse a mixture in which a component gets no sample of any epoch.
+
+    ``round(w * samples_per_epoch)`` is the same every epoch: a component whose
+    share rounds to 0 would never be read, though it was asked for.
+    """
+    total = sum(weights)
+    for name, weight, share in zip(names, weights, shares, strict=True):
+        if share == 0:
+            needed = math.ceil(total / weight)
+            raise ValueError(
+                f"{name} gets no sample of the {sum(shares)} an epoch at weight {weight:g} "
+                f"({weight / total:.3g} of the mixture): raise samples_per_epoch to at least "
+                f"{needed} or its weight, or leave it out of the mapping"
+            )
 
 
 def parse_rows(rows: object) -> tuple[float, float] | tuple[int, int] | None:

@@ -93,3 +93,18 @@ def test_a_bad_weight_says_what_to_do(node: LocalNode, weight: object, advice: s
     with pytest.raises(ValueError, match="weight of 'code@1' must be a positive number") as err:
         EdgeDataset({"web@1": 1, "code@1": weight}, endpoints=node.address, **SMALL)
     assert advice in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "samples"),
+    [({"web@1": 1, "code@1": 1e-6}, None), ({"web@1": 0.5, "code@1": 0.5}, 1)],
+    ids=["tiny-weight", "one-sample-epochs"],
+)
+def test_a_component_that_would_never_be_read_is_refused(
+    node: LocalNode, spec: dict, samples: int | None
+) -> None:
+    # round(w * samples_per_epoch) was 0: code@1 gave no sample in any epoch, silently,
+    # though it was asked for (1e-6 of 800 samples; one sample shared by two components).
+    with pytest.raises(ValueError, match="code@1 gets no sample") as err:
+        EdgeDataset(spec, endpoints=node.address, samples_per_epoch=samples, **SMALL)
+    assert "samples_per_epoch" in str(err.value)
