@@ -40,6 +40,7 @@ tensors by default for that reason). docs/dataset.md says how to choose.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 import weakref
@@ -253,12 +254,17 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if window_bytes is not None and window_bytes < 1:
             raise ValueError(f"window_bytes must be positive, got {window_bytes!r}")
-        if samples_per_epoch is not None and (
-            not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
-        ):
-            raise ValueError(
-                f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}"
-            )
+        if samples_per_epoch is not None:
+            # Any integer (an np.int64 from the versions' sizes), never a bool (True was 1).
+            if (
+                isinstance(samples_per_epoch, bool)
+                or not isinstance(samples_per_epoch, numbers.Integral)
+                or samples_per_epoch < 1
+            ):
+                raise ValueError(
+                    f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}"
+                )
+            samples_per_epoch = int(samples_per_epoch)
         mixture = parse_mixture(spec)
         self.rows = parse_rows(rows)
         if endpoints is None and config is None:

@@ -108,3 +108,30 @@ def test_a_component_that_would_never_be_read_is_refused(
     with pytest.raises(ValueError, match="code@1 gets no sample") as err:
         EdgeDataset(spec, endpoints=node.address, samples_per_epoch=samples, **SMALL)
     assert "samples_per_epoch" in str(err.value)
+
+
+def test_samples_per_epoch_is_an_integer_not_a_bool(node: LocalNode) -> None:
+    # samples_per_epoch=True was taken as 1 (an epoch of one sample); an np.int64 (from
+    # a computation over the versions' sizes) was refused as not an integer.
+    mix = {"web@1": 0.5, "code@1": 0.5}
+    with pytest.raises(ValueError, match="samples_per_epoch must be a positive integer"):
+        EdgeDataset(mix, endpoints=node.address, samples_per_epoch=True, **SMALL)
+    ds = EdgeDataset(mix, endpoints=node.address, samples_per_epoch=np.int64(100), **SMALL)
+    assert (
+        ds.samples_per_epoch == 100 and type(ds.state_dict()["order"]["samples_per_epoch"]) is int
+    )
+    assert (
+        len(
+            read(
+                EdgeDataset(
+                    mix,
+                    endpoints=node.address,
+                    samples_per_epoch=np.int64(100),
+                    component_column="src",
+                    **SMALL,
+                )
+            )
+        )
+        == 100
+    )
+
