@@ -13,7 +13,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC
 from typing import Any, TypeVar
 
@@ -169,14 +169,27 @@ _S3_TRANSIENT = frozenset(
 )
 
 
-def _s3_code(exc: BaseException) -> str | None:
-    """The S3 error code (``ClientError.response["Error"]["Code"]``) an error stands on."""
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """What ``exc`` was raised ``from``, nearest first: its ``__cause__``, then that one's."""
     cause = exc.__cause__
     while cause is not None:
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code", ""))
+        yield cause
         cause = cause.__cause__
+
+
+def _s3_error(exc: BaseException) -> tuple[str, dict[str, Any]] | None:
+    """The S3 error code and response of a botocore ``ClientError``; ``None`` for any other."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    return str(response.get("Error", {}).get("Code", "")), response
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code (``ClientError.response["Error"]["Code"]``) an error stands on."""
+    for cause in _causes(exc):
+        if (error := _s3_error(cause)) is not None:
+            return error[0]
     return None
 
 
@@ -192,21 +205,19 @@ def _origin_refusal(exc: OriginError) -> str | None:
     refusal, 5xx is transient. Timeouts and refused connections stay
     UNAVAILABLE.
     """
-    cause = exc.__cause__
-    while cause is not None:
+    for cause in _causes(exc):
         if isinstance(cause, _REFUSALS):
             return _ACCESS_ADVICE
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            if code in _S3_REFUSED:
-                return _S3_REFUSED[code]
-            if code in _S3_TRANSIENT:
-                return None
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
-                return _ACCESS_ADVICE
-        cause = cause.__cause__
+        if (error := _s3_error(cause)) is None:
+            continue
+        code, response = error
+        if code in _S3_REFUSED:
+            return _S3_REFUSED[code]
+        if code in _S3_TRANSIENT:
+            return None
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+            return _ACCESS_ADVICE
     return None
 
 
