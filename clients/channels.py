@@ -109,7 +109,69 @@ def client_credentials(root: bytes | None = None) -> grpc.ChannelCredentials:
     that require mutual TLS (``--tls-client-ca``). The environment, not
     arguments, because DataLoader workers, the CLI and the warm CronJob all
     inherit it without code.
+
+    The files are read and checked once per set of files as they are on disk
+    (see :func:`_tls_files`), not for every channel.
     """
+    root, cert, key = _tls_files(root)
+    return grpc.ssl_channel_credentials(
+        root_certificates=root, private_key=key, certificate_chain=cert
+    )
+
+
+_TlsPems = tuple[bytes | None, bytes | None, bytes | None]  # CA bundle, certificate, key
+# What was read and checked, by the files it came from as they were on disk. Small:
+# a client uses one set of files; a rotated one adds an entry, so it is cleared when full.
+# No lock: a dict's get and set are atomic, and a lock held across a DataLoader fork
+# would deadlock the worker.
+_CHECKED_PEMS: dict[tuple[object, ...], _TlsPems] = {}
+_CHECKED_SETS = 8
+
+
+def _tls_files(root: bytes | None) -> _TlsPems:
+    """The CA bundle, certificate and key for :func:`client_credentials`, checked.
+
+    All are read again only when a variable names another file or a file on disk
+    changed (replaced, rewritten: its inode, size or times differ), so a
+    rotated certificate is picked up by the next channel. A file that cannot
+    be read, or fails its check, raises every time: only what passed is kept.
+    """
+    state = _tls_state(root)
+    if state is not None and (pems := _CHECKED_PEMS.get(state)) is not None:
+        return pems
+    pems = _read_tls_files(root)
+    if state is not None:
+        if len(_CHECKED_PEMS) >= _CHECKED_SETS:
+            _CHECKED_PEMS.clear()
+        _CHECKED_PEMS[state] = pems
+    return pems
+
+
+def _tls_state(root: bytes | None) -> tuple[object, ...] | None:
+    """The TLS variables' files as they are on disk now; None if one cannot be looked at.
+
+    Taken before the files are read, so a file changed in between is read again next time.
+    """
+    variables = ["EDGECACHE_TLS_CERT", "EDGECACHE_TLS_KEY"]
+    if root is None:
+        variables.append("EDGECACHE_TLS_CA")
+    state: list[object] = [root]
+    for variable in variables:
+        path = os.environ.get(variable)
+        if not path:
+            state.append(None)
+            continue
+        try:
+            found = os.stat(path)
+        except OSError:
+            return None  # reading it says why, naming the variable
+        state.append(
+            (path, found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
+        )
+    return tuple(state)
+
+
+def _read_tls_files(root: bytes | None) -> _TlsPems:
     cert, key = _read_pem("EDGECACHE_TLS_CERT"), _read_pem("EDGECACHE_TLS_KEY")
     if (cert is None) != (key is None):
         raise InvalidEndpoint(
@@ -120,9 +182,7 @@ def client_credentials(root: bytes | None = None) -> grpc.ChannelCredentials:
         _check_ca(root)
     if cert is not None:
         _check_pair()
-    return grpc.ssl_channel_credentials(
-        root_certificates=root, private_key=key, certificate_chain=cert
-    )
+    return root, cert, key
 
 
 def _check_ca(root: bytes | None) -> None:
