@@ -18,6 +18,7 @@ overlap and together cover every row, on every run (:func:`split_extents`).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -148,11 +149,13 @@ def parse_rows(rows: object) -> tuple[float, float] | tuple[int, int] | None:
     if not isinstance(rows, (tuple, list)) or len(rows) != 2:
         raise ValueError(f"rows must be (start, end): fractions or row numbers, got {rows!r}")
     a, b = rows
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)):
+    # numpy's integers and floats are numbers too (np.int64 row counts, np.float32
+    # fractions); what is kept is plain int or float, for JSON states.
+    if all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (a, b)):
         if not 0 <= a <= b:
             raise ValueError(f"rows=({a}, {b}): row numbers must satisfy 0 <= start <= end")
-        return (a, b)
-    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+        return (int(a), int(b))
+    if all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (a, b)):
         if not 0.0 <= a <= b <= 1.0:
             raise ValueError(f"rows=({a}, {b}): fractions must satisfy 0 <= start <= end <= 1")
         return (float(a), float(b))

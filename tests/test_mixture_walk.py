@@ -135,3 +135,18 @@ def test_samples_per_epoch_is_an_integer_not_a_bool(node: LocalNode) -> None:
         == 100
     )
 
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [((np.int64(100), np.int64(250)), 150), ((np.float32(0.5), np.float64(1.0)), 300)],
+    ids=["numpy-row-numbers", "numpy-fractions"],
+)
+def test_rows_computed_with_numpy_are_row_numbers_or_fractions(
+    node: LocalNode, rows: tuple, expected: int
+) -> None:
+    # rows=(np.int64(100), np.int64(250)) was refused as "two fractions or two row
+    # numbers", which it is; np.float32 fractions likewise.
+    ds = EdgeDataset("web@1", endpoints=node.address, rows=rows, **{**SMALL, "batch_size": None})
+    assert len(ds) == expected
+    saved = ds.state_dict()["order"]["rows"]
+    assert all(type(x) in (int, float) for x in saved)  # plain JSON
