@@ -83,6 +83,13 @@ def _names(components: Sequence[dict[str, Any]]) -> str:
     return ", ".join(f"{c['dataset']}@{c['version']}" for c in components)
 
 
+def _spec(components: Sequence[dict[str, Any]]) -> str:
+    """The spec that reads ``components`` (a state's), as it would be written."""
+    if len(components) == 1 and components[0].get("weight") is None:
+        return repr(f"{components[0]['dataset']}@{components[0]['version']}")
+    return repr({f"{c['dataset']}@{c['version']}": c.get("weight") for c in components})
+
+
 def resume_from(
     state: object,
     *,
@@ -105,9 +112,15 @@ def resume_from(
             "resumed exactly; start the epoch again with set_epoch(epoch)"
         )
     theirs = state.get("components", [])
-    if [(c["dataset"], c["version"], c["digest"]) for c in theirs] != [
-        (c["dataset"], c["version"], c["digest"]) for c in components
-    ]:
+    keys = [(c["dataset"], c["version"], c["digest"]) for c in theirs]
+    ours = [(c["dataset"], c["version"], c["digest"]) for c in components]
+    if keys != ours and sorted(keys) == sorted(ours):
+        raise StateMismatch(
+            f"the state is for the same versions in another order ({_names(theirs)}; this "
+            f"dataset reads {_names(components)}), and the order of the components is part of "
+            f"the epoch's order: create EdgeDataset with {_spec(theirs)} to resume it"
+        )
+    if keys != ours:
         raise StateMismatch(
             f"the state is for {_names(theirs)} but this dataset reads {_names(components)}; "
             f"create EdgeDataset with the state's versions to resume it"

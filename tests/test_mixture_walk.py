@@ -9,6 +9,7 @@ several windows per lane) is taken quickly.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 import torch
 from edgeutil import publish
 
+from edgecache.cache.errors import StateMismatch
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
 
@@ -150,3 +152,32 @@ def test_rows_computed_with_numpy_are_row_numbers_or_fractions(
     assert len(ds) == expected
     saved = ds.state_dict()["order"]["rows"]
     assert all(type(x) in (int, float) for x in saved)  # plain JSON
+
+
+# ------------------------------------------------------------------ resume
+
+
+def consumed_then_rest(
+    make: object, state_from: object, *, steps: int, workers: int
+) -> tuple[Counter, Counter]:
+    """Samples of ``steps`` batches of ``make()``, then all ``state_from(state)`` yields after."""
+    first = make()  # type: ignore[operator]
+    loader = torch.utils.data.DataLoader(first, batch_size=None, num_workers=workers)
+    seen: Counter = Counter()
+    for step, batch in enumerate(loader):
+        if step == steps:
+            break
+        seen.update(ids([batch]))
+    resumed = state_from(first.state_dict(batches=steps))  # type: ignore[operator]
+    return seen, Counter(read(resumed, workers))
+
+
+def test_a_state_of_the_components_in_another_order_says_so(node: LocalNode) -> None:
+    # It said "the state is for web@1, code@1 but this dataset reads code@1, web@1;
+    # create EdgeDataset with the state's versions", which it had: only the order
+    # differed (a config whose keys were sorted, say).
+    state = EdgeDataset({"web@1": 0.7, "code@1": 0.3}, endpoints=node.address, **SMALL).state_dict()
+    other = EdgeDataset({"code@1": 0.3, "web@1": 0.7}, endpoints=node.address, **SMALL)
+    with pytest.raises(StateMismatch, match="another order") as err:
+        other.load_state_dict(state)
+    assert "{'web@1': 0.7, 'code@1': 0.3}" in str(err.value)
