@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from edgecache.cache.errors import StateMismatch
+from edgecache.clients.mixture import allocate
 from edgecache.clients.partition import Remaining
 
 __all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
@@ -90,6 +91,18 @@ def _spec(components: Sequence[dict[str, Any]]) -> str:
     return repr({f"{c['dataset']}@{c['version']}": c.get("weight") for c in components})
 
 
+def _shares(components: Sequence[dict[str, Any]], samples: object) -> list[int] | None:
+    """Each component's samples of an epoch of ``samples``: what its weights decide."""
+    weights = [c.get("weight") for c in components]
+    if not isinstance(samples, int) or any(
+        not isinstance(w, (int, float)) or w <= 0 for w in weights if w is not None
+    ):
+        return None
+    if any(w is None for w in weights):
+        return [samples] if len(weights) == 1 else None
+    return allocate([float(w) for w in weights], samples)  # type: ignore[arg-type]
+
+
 def resume_from(
     state: object,
     *,
@@ -125,7 +138,10 @@ def resume_from(
             f"the state is for {_names(theirs)} but this dataset reads {_names(components)}; "
             f"create EdgeDataset with the state's versions to resume it"
         )
-    if [c.get("weight") for c in theirs] != [c.get("weight") for c in components]:
+    # Weights are relative: what fixes the order is each component's share of the epoch,
+    # so {0.7, 0.3} resumes {7, 3}, and a plain string spec {name: 1.0}.
+    samples = order.get("samples_per_epoch")
+    if _shares(theirs, samples) != _shares(components, samples):
         raise StateMismatch(
             f"the state's mixture weights {[c.get('weight') for c in theirs]} differ from this "
             f"dataset's {[c.get('weight') for c in components]}; use the same weights to resume"

@@ -172,6 +172,40 @@ def consumed_then_rest(
     return seen, Counter(read(resumed, workers))
 
 
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ({"web@1": 0.7, "code@1": 0.3}, {"web@1": 7, "code@1": 3}),  # percentages
+        ("web@1", {"web@1": 1.0}),  # one component, as a mapping
+    ],
+    ids=["0.7/0.3-as-7/3", "string-as-mapping"],
+)
+def test_a_state_resumes_with_the_same_mixture_written_otherwise(
+    node: LocalNode, saved: object, resumed: object
+) -> None:
+    # Weights are normalised, so {0.7, 0.3} and {7, 3} are one mixture with one order;
+    # its state was refused ("the state's mixture weights [0.7, 0.3] differ from this
+    # dataset's [7.0, 3.0]"), and so was "web@1"'s by {"web@1": 1.0} ([None] vs [1.0]).
+    def make(spec: object) -> EdgeDataset:
+        return EdgeDataset(
+            spec,
+            endpoints=node.address,
+            component_column="src",
+            seed=4,
+            **SMALL,  # type: ignore[arg-type]
+        )
+
+    whole = Counter(read(make(saved)))
+
+    def resume(state: dict) -> EdgeDataset:
+        ds = make(resumed)
+        ds.load_state_dict(state)
+        return ds
+
+    seen, rest = consumed_then_rest(lambda: make(saved), resume, steps=5, workers=0)
+    assert seen + rest == whole and sum(seen.values()) == 40
+
+
 def test_a_state_of_the_components_in_another_order_says_so(node: LocalNode) -> None:
     # It said "the state is for web@1, code@1 but this dataset reads code@1, web@1;
     # create EdgeDataset with the state's versions", which it had: only the order
