@@ -121,7 +121,11 @@ def plan(
 
 
 def parse_at(at: str | None, option: str = "--at") -> datetime | None:
-    """``--at``'s time; a malformed or zone-less one is bad input that names the option."""
+    """``--at``'s time, in UTC; a malformed or zone-less one is bad input that names the option.
+
+    Given with an offset (``09:30+05:00``) it is converted: the plan's times, shown and
+    in ``--json``, are UTC whatever zone the option was written in, as the schedule's are.
+    """
     if at is None:
         return None
     example = "2026-12-01T08:00:00Z"
@@ -133,7 +137,7 @@ def parse_at(at: str | None, option: str = "--at") -> datetime | None:
         ) from None
     if when.tzinfo is None:
         raise ValueError(f"{option} {at!r} needs a time zone, e.g. {at}Z")
-    return when
+    return when.astimezone(UTC)
 
 
 def _print_status(views: list[JobView], as_json: bool) -> None:

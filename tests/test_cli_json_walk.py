@@ -1,0 +1,85 @@
+"""The CLI as a script meets it: JSON on stdout alone, errors on stderr, exit codes, UTC times.
+
+Every command runs as a real process (``python -m edgecache.clients.cli``) with
+stdout and stderr apart, against a real node on loopback and a file:// origin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, write_parquet_shards
+
+from edgecache.clients.node_client import LocalNode, start_local_node
+
+ENV = {**os.environ, "COLUMNS": "80"}
+
+
+def edgecache(*args: str, timeout: float = 120) -> tuple[int, str, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+    )
+    return out.returncode, out.stdout, out.stderr
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, LocalNode]]:
+    root = tmp_path_factory.mktemp("json-walk")
+    write_parquet_shards(root / "origin", 2, rows=200)
+    registry = f"file://{root}/registry"
+    publish(registry, f"file://{root}/origin", "tok")
+    node = start_local_node("eu-west", root / "cache", registry, capacity="256MiB")
+    (root / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu-west:\n    nodes: ['{node.address}']\n"
+    )
+    yield root, node
+    node.stop()
+
+
+def cfg(root: Path) -> list[str]:
+    return ["--config", str(root / "edgecache.yaml")]
+
+
+def schedule(root: Path, name: str, *jobs: tuple[str, datetime, str]) -> str:
+    path = root / f"{name}.yaml"
+    path.write_text(
+        "jobs:\n"
+        + "".join(
+            f"  - name: {job}\n    region: eu-west\n    start: {start.isoformat()}\n"
+            f"    datasets: [{spec}]\n"
+            for job, start, spec in jobs
+        )
+    )
+    return str(path)
+
+
+def test_at_with_an_offset_is_shown_and_written_in_utc(site) -> None:
+    """``--at 09:30+05:00`` is 04:30 UTC: every time plan shows or prints is UTC."""
+    root, _ = site
+    at = datetime(2027, 1, 5, 4, 30, tzinfo=UTC)
+    start = at + timedelta(hours=3)
+    path = schedule(root, "tz", ("tz-job", start, "tok@1"))
+    local = at.astimezone(timezone(timedelta(hours=5))).isoformat()  # 09:30+05:00
+    code, out, err = edgecache("plan", path, "--at", local, "--json", *cfg(root))
+    assert code == 0, err
+    (task,) = json.loads(out)["regions"]["eu-west"]["tasks"]
+    assert datetime.fromisoformat(task["start"]) == at
+    assert task["start"].startswith(f"{at:%Y-%m-%dT%H:%M}"), task  # written in UTC
+    assert task["finish"].startswith(f"{at:%Y-%m-%dT%H:}"), task
+    code, out, err = edgecache("plan", path, "--at", local, "--status", "--json", *cfg(root))
+    assert code == 0, err
+    (view,) = json.loads(out)
+    assert view["planned_ready"].startswith(f"{at:%Y-%m-%dT%H:}"), view
+    code, out, err = edgecache("plan", path, "--at", local, *cfg(root))
+    assert code == 0 and f"start: {at:%Y-%m-%d %H:%M}" in out, out  # the UTC time, not 09:30
