@@ -17,6 +17,7 @@ overlap and together cover every row, on every run (:func:`split_extents`).
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,8 @@ __all__ = [
     "parse_rows",
     "split_extents",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,21 @@ def common_columns(schemas: Sequence[pa.Schema], names: Sequence[str]) -> list[s
         for f in first
         if all(f.name in s.names and s.field(f.name).type == f.type for s in schemas[1:])
     ]
+    left_out = [
+        f"{column} ({', '.join(_column_type(s, column) for s in schemas)})"
+        for column in dict.fromkeys(c for s in schemas for c in s.names)
+        if column not in shared
+    ]
+    if shared and left_out:
+        # Said now: the training loop's batch["label"] would only raise a bare KeyError.
+        log.warning(
+            "the mixture %s reads the columns its components share with one type, %s; left "
+            "out: %s (in component order). Cast them to one type when publishing, or pass "
+            "columns= to choose and have any difference raised",
+            " + ".join(names),
+            shared,
+            "; ".join(left_out),
+        )
     if not shared:
         listing = "; ".join(f"{n}: {s.names}" for n, s in zip(names, schemas, strict=True))
         raise ValueError(
@@ -207,3 +225,7 @@ def common_columns(schemas: Sequence[pa.Schema], names: Sequence[str]) -> list[s
             "publish them with a common schema or pass columns= that each has"
         )
     return shared
+
+
+def _column_type(schema: pa.Schema, column: str) -> str:
+    return str(schema.field(column).type) if column in schema.names else "missing"

@@ -215,3 +215,18 @@ def test_a_state_of_the_components_in_another_order_says_so(node: LocalNode) -> 
     with pytest.raises(StateMismatch, match="another order") as err:
         other.load_state_dict(state)
     assert "{'web@1': 0.7, 'code@1': 0.3}" in str(err.value)
+
+
+# ------------------------------------------------------------------ schemas
+
+
+def test_columns_left_out_of_a_mixture_are_named(
+    node: LocalNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    # narrow@1's label is int32, web@1's int64: the mixture silently yielded x alone,
+    # and the training loop's batch["label"] raised a bare KeyError far from the cause.
+    with caplog.at_level("WARNING", logger="edgecache.clients.mixture"):
+        ds = EdgeDataset({"web@1": 1, "narrow@1": 1}, endpoints=node.address, **SMALL)
+    assert ds.columns == ["x"]
+    said = caplog.text
+    assert "label" in said and "int32" in said and "int64" in said and "columns=" in said
