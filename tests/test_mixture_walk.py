@@ -230,3 +230,54 @@ def test_columns_left_out_of_a_mixture_are_named(
     assert ds.columns == ["x"]
     said = caplog.text
     assert "label" in said and "int32" in said and "int64" in said and "columns=" in said
+
+
+# ------------------------------------------------------------------ the walk
+
+
+def test_a_split_mixture_with_a_tiny_component_resumes_exactly_across_layouts(
+    node: LocalNode,
+) -> None:
+    # The documented loop: {web@latest, code, tiny} on the train split, 2 ranks with
+    # 2 DataLoader workers each, a break at step 4 of epoch 1, resumed from rank 0's
+    # state by 3 ranks with batches of 5 and no workers. tiny@1 (9 rows in the split)
+    # is over-weighted: it runs through passes (docs: "Weighted mixtures"), every
+    # other row at most once. Together the two stretches are exactly epoch 1.
+    spec = {"web@latest": 0.6, "code@1": 0.3, "tiny@1": 0.1}
+
+    def make(rank: int, world: int, batch: int) -> EdgeDataset:
+        ds = EdgeDataset(
+            spec,
+            endpoints=node.address,
+            rows=(0.0, 0.9),
+            samples_per_epoch=300,
+            component_column="src",
+            seed=11,
+            rank=rank,
+            world_size=world,
+            **{**SMALL, "batch_size": batch},
+        )
+        ds.set_epoch(1)
+        return ds
+
+    assert make(0, 2, 8).components == ["web@2", "code@1", "tiny@1"]  # latest, pinned
+    whole = Counter(x for r in range(2) for x in read(make(r, 2, 8)))
+    assert sum(whole.values()) == 300
+    by_source = Counter(c for c, _ in whole.elements())
+    assert by_source == {0: 180, 1: 90, 2: 30}
+    assert {x for c, x in whole if c == 2} == set(range(TINY, TINY + 9))  # the split's rows
+    assert all(n == 1 for (c, _), n in whole.items() if c != 2)
+    seen: Counter = Counter()
+    for rank in range(2):
+        loader = torch.utils.data.DataLoader(make(rank, 2, 8), batch_size=None, num_workers=2)
+        for step, batch in enumerate(loader):
+            if step == 4:
+                break
+            seen.update(ids([batch]))
+    state = make(0, 2, 8).state_dict(batches=4)
+    rest: Counter = Counter()
+    for rank in range(3):
+        ds = make(rank, 3, 5)
+        ds.load_state_dict(state)
+        rest.update(read(ds))
+    assert sum(seen.values()) == 64 and seen + rest == whole
