@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -83,3 +84,20 @@ def test_at_with_an_offset_is_shown_and_written_in_utc(site) -> None:
     assert view["planned_ready"].startswith(f"{at:%Y-%m-%dT%H:}"), view
     code, out, err = edgecache("plan", path, "--at", local, *cfg(root))
     assert code == 0 and f"start: {at:%Y-%m-%d %H:%M}" in out, out  # the UTC time, not 09:30
+
+
+def test_controller_metrics_listen_that_cannot_be_served_is_bad_input_naming_it(site) -> None:
+    """Not a traceback and exit 1: one line naming --metrics-listen, exit 2, as serve does."""
+    root, _ = site
+    path = schedule(root, "metrics", ("m-job", datetime.now(UTC) + timedelta(days=1), "tok@1"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for listen, says in (("nowhere", "HOST:PORT"), (f"127.0.0.1:{port}", "in use")):
+            code, out, err = edgecache(
+                "controller", "--schedule", path, "--once", "--metrics-listen", listen, *cfg(root)
+            )
+            assert code == 2, (listen, code, err)
+            assert "Traceback" not in err and len(err.splitlines()) == 1, err
+            assert err.startswith("error: --metrics-listen") and says in err, err

@@ -8,7 +8,7 @@ import signal
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,6 +22,9 @@ from edgecache.clients.cli.context import (
     reporting,
 )
 from edgecache.clients.cli.render import console, err_console, error
+
+if TYPE_CHECKING:
+    from edgecache.clients.controller import Controller
 
 
 @app.command()
@@ -80,7 +83,6 @@ def controller(
     """
     from edgecache.clients.cli.staging import parse_at
     from edgecache.clients.controller import Controller, SimulatedClock
-    from edgecache.edge.config import split_hostport
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -125,9 +127,9 @@ def controller(
 
     try:
         if metrics_listen:
-            host, port = split_hostport(metrics_listen)
-            bound = running.metrics.serve(host, port, lambda: running.health(interval))
-            console.print(f"metrics on {host}:{bound}")
+            with reporting():
+                bound = _serve_metrics(running, metrics_listen, interval)
+            console.print(f"metrics on {bound}")
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal)
         every = "once" if once else f"every {interval:g} s"
@@ -149,3 +151,30 @@ def controller(
     if received and received[0] == signal.SIGINT:
         err_console.print("interrupted; run the same command again to resume", highlight=False)
         raise typer.Exit(ExitCode.INTERRUPTED)
+
+
+def _serve_metrics(running: Controller, listen: str, interval: float) -> str:
+    """Serve the controller's metrics on ``--metrics-listen``; its ``HOST:PORT`` as bound.
+
+    An address that is not ``HOST:PORT`` or cannot be bound is bad input naming the
+    option (exit 2), as ``serve`` says of its own addresses, not a traceback.
+    """
+    import errno
+
+    from edgecache.edge.config import split_hostport
+
+    try:
+        host, port = split_hostport(listen)
+    except ValueError:
+        raise ValueError(
+            f"--metrics-listen {listen!r} is not HOST:PORT (e.g. 0.0.0.0:9090)"
+        ) from None
+    try:
+        bound = running.metrics.serve(host, port, lambda: running.health(interval))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = "is in use: another process listens there; choose another address"
+        else:
+            why = f"cannot be bound ({exc.strerror or exc})"
+        raise ValueError(f"--metrics-listen {listen} {why}") from None
+    return f"{host}:{bound}"
