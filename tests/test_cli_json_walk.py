@@ -101,3 +101,19 @@ def test_controller_metrics_listen_that_cannot_be_served_is_bad_input_naming_it(
             assert code == 2, (listen, code, err)
             assert "Traceback" not in err and len(err.splitlines()) == 1, err
             assert err.startswith("error: --metrics-listen") and says in err, err
+
+
+@pytest.mark.parametrize("command", ["controller", "serve"])
+def test_an_unknown_log_level_is_bad_input_naming_it(site, command: str) -> None:
+    root, _ = site
+    args = (
+        ["--schedule", schedule(root, "log", ("l-job", datetime.now(UTC), "tok@1")), *cfg(root)]
+        if command == "controller"
+        else ["--region", "x", "--cache-dir", str(root / "c"), "--registry", str(root)]
+    )
+    code, out, err = edgecache(command, *args, "--log-level", "verbose")
+    assert code == 2, (code, err)
+    assert "Traceback" not in err and "--log-level" in err, err
+    assert "DEBUG" in err or "debug" in err, err  # the levels it takes
+    code, out, err = edgecache(command, "--help")
+    assert "--log-level" in out

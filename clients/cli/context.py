@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +24,8 @@ __all__ = [
     "ConfigOption",
     "ExitCode",
     "JsonOption",
+    "LogLevel",
+    "LogLevelOption",
     "Options",
     "TokenOption",
     "exit_with",
@@ -40,6 +42,20 @@ class ExitCode(IntEnum):
     CANNOT_BE_MET = 3  # a scheduled job's data cannot be ready in time
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's code): run the command again to resume
 
+
+class LogLevel(StrEnum):
+    """What ``--log-level`` takes, in any case; another is bad input (exit 2), not a traceback."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+LogLevelOption = Annotated[
+    LogLevel,
+    typer.Option(case_sensitive=False, help="DEBUG, INFO, WARNING or ERROR (any case)."),
+]
 
 ConfigOption = Annotated[
     Path | None,

@@ -16,6 +16,8 @@ from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
     ConfigOption,
     ExitCode,
+    LogLevel,
+    LogLevelOption,
     Options,
     TokenOption,
     exit_with,
@@ -57,7 +59,7 @@ def controller(
         bool, typer.Option("--once", help="One round; wait for the tasks it started; exit.")
     ] = False,
     token_file: TokenOption = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Run the schedule: pin, evict and stage each task when its planned start comes.
 
@@ -85,7 +87,7 @@ def controller(
     from edgecache.clients.controller import Controller, SimulatedClock
 
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     options = Options(config, token_file)
     with reporting():

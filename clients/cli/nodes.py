@@ -13,6 +13,8 @@ from edgecache.clients.cli.context import (
     ConfigOption,
     ExitCode,
     JsonOption,
+    LogLevel,
+    LogLevelOption,
     Options,
     TokenOption,
     exit_with,
@@ -54,7 +56,7 @@ def serve(
     config: Annotated[
         Path | None, typer.Option(help="YAML file of settings (flags and EDGECACHE_* win).")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
+    log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
     """Run an edge node: serve, fetch, preprocess and cache shards for one region.
 
@@ -69,7 +71,7 @@ def serve(
     from edgecache.edge.server import serve_forever
 
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     flags = {
         "region": region,
