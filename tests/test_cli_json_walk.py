@@ -117,3 +117,17 @@ def test_an_unknown_log_level_is_bad_input_naming_it(site, command: str) -> None
     assert "DEBUG" in err or "debug" in err, err  # the levels it takes
     code, out, err = edgecache(command, "--help")
     assert "--log-level" in out
+
+
+def test_nothing_to_say_is_null_in_every_commands_json(site) -> None:
+    """An absent error or reason is null, as evict's is: "" is true for jq's select(.error)."""
+    root, _ = site
+    code, out, err = edgecache("status", "--json", *cfg(root))
+    assert code == 0, err
+    (node,) = json.loads(out)
+    assert node["healthy"] is True and node["error"] is None, node
+    path = schedule(root, "quiet", ("q-job", datetime.now(UTC) + timedelta(days=2), "tok@1"))
+    code, out, err = edgecache("plan", path, "--status", "--json", *cfg(root))
+    assert code == 0, err
+    (view,) = json.loads(out)
+    assert view["why"] is None, view  # on time: nothing makes it late

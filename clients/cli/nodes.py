@@ -118,7 +118,7 @@ def status(
                         "node_id": r.status.node_id if r.status else None,
                         "healthy": r.healthy,
                         "rtt_ms": None if r.status is None else round(r.rtt_ms, 2),
-                        "error": r.error,
+                        "error": r.error or None,  # null when up, as evict's
                         "capacity_bytes": r.status.capacity_bytes if r.status else None,
                         "used_bytes": r.status.used_bytes if r.status else None,
                         "disk_full": r.status.disk_full if r.status else None,

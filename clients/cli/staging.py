@@ -154,8 +154,8 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
                         "ready_at": v.ready_at.isoformat() if v.ready_at else None,
                         "complete_at_start": v.complete_at_start,
                         "missing": v.missing,
-                        "why": v.why,
-                        "hint": v.hint,
+                        "why": v.why or None,  # null when nothing is wrong
+                        "hint": v.hint or None,
                     }
                     for v in views
                 ],
