@@ -131,3 +131,15 @@ def test_nothing_to_say_is_null_in_every_commands_json(site) -> None:
     assert code == 0, err
     (view,) = json.loads(out)
     assert view["why"] is None, view  # on time: nothing makes it late
+
+
+def test_controller_once_says_a_job_that_cannot_be_met_and_exits_3_as_plan_does(site) -> None:
+    """It exited 0 and said nothing: a cron job running a round saw a clean run."""
+    root, _ = site
+    path = schedule(root, "typo", ("typo-job", datetime.now(UTC) + timedelta(days=3), "nope@1"))
+    code, out, err = edgecache("plan", path, *cfg(root))
+    assert code == 3, (out, err)
+    code, out, err = edgecache("controller", "--schedule", path, "--once", *cfg(root))
+    assert code == 3, (code, out, err)
+    assert "cannot be met: typo-job nope@1 in eu-west" in err, err
+    assert "cannot be met" not in out, out

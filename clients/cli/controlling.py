@@ -80,7 +80,8 @@ def controller(
     Exit codes: 0 stopped by SIGTERM, or --once done with every action
     carried out; 1 failed: with --once, another controller holds the lease,
     or something the round did failed (each failure listed on stderr); 2 bad
-    input; 130 interrupted by Ctrl-C, --once included (run it again to
+    input; 3 with --once, a job cannot be met (listed on stderr, as plan
+    does); 130 interrupted by Ctrl-C, --once included (run it again to
     resume); 143 a second SIGTERM.
     """
     from edgecache.clients.cli.staging import parse_at
@@ -138,13 +139,26 @@ def controller(
         console.print(f"controller {running.holder} running {schedule} {every}")
         if once:
             with reporting():
-                if running.tick() is None:
+                acted_on = running.tick()
+                if acted_on is None:
                     raise exit_with(ExitCode.FAILED)  # another controller holds the lease
             running.wait_idle()
+            # What cannot be met, as plan and warm say it (an unreachable region is a
+            # failure of the round, said below); a failure (1) outranks it (3).
+            cannot = [i for i in acted_on.infeasible if not i.unreachable]
+            for i in cannot:
+                err_console.print(
+                    f"cannot be met: {i.job} {i.version} in {i.region}: {i.reason}",
+                    soft_wrap=True,
+                    highlight=False,
+                    markup=False,
+                )
             for failure in running.failures:
                 error(failure)
             if running.failures and not received:
                 raise exit_with(ExitCode.FAILED)
+            if cannot and not received:
+                raise exit_with(ExitCode.CANNOT_BE_MET)
         else:
             running.run(interval)
     finally:
