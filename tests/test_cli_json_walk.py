@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -143,3 +145,27 @@ def test_controller_once_says_a_job_that_cannot_be_met_and_exits_3_as_plan_does(
     assert code == 3, (code, out, err)
     assert "cannot be met: typo-job nope@1 in eu-west" in err, err
     assert "cannot be met" not in out, out
+
+
+def test_demo_json_keep_nodes_prints_one_json_document_while_the_nodes_run(tmp_path) -> None:
+    """Its tables and the commands to try were on stdout before the JSON, which came
+    only after Ctrl-C: a script could neither parse it nor learn the nodes' addresses."""
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "edgecache.clients.cli", "demo", "--size-mib", "1",
+             "--shards", "1", "--json", "--keep-nodes", "--workdir", str(tmp_path / "demo")],
+            stdout=out, stderr=err, env=ENV, text=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while "Ctrl-C stops the nodes" not in out_path.read_text() + err_path.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.1)
+        running = json.loads(out_path.read_text())  # the document, while the nodes run
+        assert [n["region"] for n in running["nodes"]] == ["eu-west", "us-east"], running
+        assert "edgecache status --config" in err_path.read_text()
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    assert json.loads(out_path.read_text()) == running  # and only it

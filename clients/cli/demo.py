@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import signal
@@ -62,13 +63,25 @@ def demo(
         if not as_json:
             line(text)
 
+    printed: list[bool] = []  # with --json --keep-nodes, the figures went out while it ran
+
     def hold(result: DemoResult, where: Path) -> None:
+        """Keep the nodes up until Ctrl-C, after saying where they are and what to try.
+
+        With --json the figures (the nodes' addresses among them) are the one
+        document on stdout, printed now, while the nodes run; the rest is on stderr.
+        """
         if not keep_nodes:
             return
-        _summary(result)
+        if as_json:
+            print(json.dumps(result.as_dict(), indent=2), flush=True)
+            printed.append(True)
+        else:
+            _summary(result)
         config = where / "edgecache.yaml"
         removed = "" if kept else " (removed when the nodes stop; --workdir keeps them)"
-        line(f"\nThe nodes keep running; the demo's files are in {where}{removed}. Try:")
+        tell = functools.partial(line, to_stderr=as_json)
+        tell(f"\nThe nodes keep running; the demo's files are in {where}{removed}. Try:")
         for command in (
             f"edgecache status --config {config}",
             f"edgecache plan {where / 'schedule.yaml'} --config {config} --explain",
@@ -77,12 +90,12 @@ def demo(
             f"edgecache doctor --config {config} --region eu-west",
             f"edgecache versions demo-tokens --config {config}",
         ):
-            line(f"  {command}")
-        line("Ctrl-C stops the nodes.")
+            tell(f"  {command}")
+        tell("Ctrl-C stops the nodes.")
         try:
             signal.pause()
         except KeyboardInterrupt:
-            line("stopping the nodes")
+            tell("stopping the nodes")
 
     try:
         with reporting(), _stopped_by_signals():
@@ -103,10 +116,11 @@ def demo(
         if not kept:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:
-        figures = result.as_dict()
-        if not kept:  # removed above: a path to nothing would send a script looking for it
-            figures["workdir"] = None
-        print(json.dumps(figures, indent=2))
+        if not printed:  # with --keep-nodes it went out while the nodes ran
+            figures = result.as_dict()
+            if not kept:  # removed above: a path to nothing would send a script looking for it
+                figures["workdir"] = None
+            print(json.dumps(figures, indent=2))
     elif not keep_nodes:
         _summary(result)
         if kept:
