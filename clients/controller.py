@@ -53,6 +53,7 @@ from edgecache.clients.ops import (
     gather_status,
     make_plan,
     region_outages,
+    status_call_timeout,
     unreachable_regions,
 )
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
@@ -371,7 +372,7 @@ class Controller:
 
     def _status_timeout(self) -> float:
         """Each status call's timeout: a round's status ends within half the lease."""
-        return min(STATUS_TIMEOUT, self.lease.ttl / 2 / (STATUS_PINGS + 2))
+        return status_call_timeout(self.lease.ttl / 2, pings=STATUS_PINGS, longest=STATUS_TIMEOUT)
 
     def _note_nodes(self, reports: list[NodeReport]) -> None:
         """Export each node's health; log a node going down once, and its return once.

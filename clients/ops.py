@@ -66,6 +66,7 @@ __all__ = [
     "ready",
     "resolve_specs",
     "stage_item",
+    "status_call_timeout",
     "version_sizes",
     "held_manifests",
     "Outage",
@@ -879,9 +880,22 @@ class Readiness:
     waited_seconds: float = 0.0
 
 
-# A readiness round asks each node of the region with one health check: connecting,
-# the check and Status are its calls, made one after another, and each may run to its
-# timeout, so a round lasts up to (pings + 2) call timeouts (gather_status's bound).
+def status_call_timeout(budget: float, *, pings: int, longest: float) -> float:
+    """Each call's timeout for a :func:`gather_status` round that must end within ``budget`` s.
+
+    A node's round is ``pings + 2`` calls made one after another (connecting,
+    each of the ``pings`` health checks, Status), and a node that accepts
+    connections but never answers makes each run to its timeout: the round
+    then lasts ``(pings + 2)`` timeouts. Splitting the budget evenly among
+    them gives each call the most time that still ends every node's round in
+    time, whichever call hangs. ``longest`` caps a call when the budget is
+    ample, so a dead node costs no more than that a call.
+    """
+    return min(longest, budget / (pings + 2))
+
+
+# A readiness round asks each node of the region with one health check (connecting,
+# the check, Status: :func:`status_call_timeout` shares a round's budget among them).
 _READY_PINGS = 1
 _READY_CALLS = _READY_PINGS + 2  # connect, the health check, Status
 _READY_CALL_SECONDS = 3.0  # a call's timeout when the deadline is far (gather_status's)
@@ -919,7 +933,7 @@ def wait_ready(
     started = time.monotonic()
 
     def check(budget: float) -> tuple[bool, str]:
-        call = min(_READY_CALL_SECONDS, budget / _READY_CALLS)
+        call = status_call_timeout(budget, pings=_READY_PINGS, longest=_READY_CALL_SECONDS)
         reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
         return ready(reports, region, manifest)
 
