@@ -46,7 +46,7 @@ from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import ControllerMetrics
-from edgecache.clients.executor import NodeCalls, PlanExecutor, TaskRun
+from edgecache.clients.executor import NodeCalls, NodesSeen, PlanExecutor, TaskRun
 from edgecache.clients.ops import (
     NodeReport,
     complete_versions,
@@ -430,7 +430,8 @@ class Controller:
             self.topology, self._status_timeout(), token=self.token, pings=STATUS_PINGS
         )
         self._note_nodes(reports)
-        self.executor.calls = NodeCalls(down={r.address for r in reports if r.status is None})
+        seen = NodesSeen.of(reports)  # down nodes and current pins, for the whole round
+        self.executor.calls = NodeCalls(down=set(seen.down))
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token
         )
@@ -440,9 +441,9 @@ class Controller:
         try:
             if not self.stop.is_set():  # stopping: no new calls; the next run makes them
                 self._keep_lease()
-                failures = self.executor.pin(plan, reports)
+                failures = self.executor.pin(plan, seen)
                 self._keep_lease()
-                failures += self._unpin_dropped(plan, reports)
+                failures += self._unpin_dropped(plan, reports, seen)
                 for failure in failures:
                     log.warning("%s", failure)
                 self._failed(*failures)
@@ -458,7 +459,7 @@ class Controller:
         self.metrics.last_tick.set(time.time())
         return plan
 
-    def _unpin_dropped(self, plan: Plan, reports: list[NodeReport]) -> list[str]:
+    def _unpin_dropped(self, plan: Plan, reports: list[NodeReport], seen: NodesSeen) -> list[str]:
         """Release the pins this controller placed that the plan no longer keeps; failures.
 
         A cancelled job's versions would otherwise stay pinned until its old
@@ -467,7 +468,6 @@ class Controller:
         and nothing in a region with a node down (the plan there is partial).
         """
         down = set(region_outages(reports))
-        answered = {r.address: r.status for r in reports if r.status is not None}
         region_of = {n: r for r, cfg in self.topology.regions.items() for n in cfg.nodes}
         failures = []
         for key, until in sorted(self.state.pins.items()):
@@ -480,13 +480,8 @@ class Controller:
                 continue  # nothing known there this round: keep the pin and its record
             if region_plan is not None and version in region_plan.pins:
                 continue  # still kept (re-placed below if its time changed)
-            status = answered.get(node)
-            have = [
-                v.pinned_until.ToDatetime(tzinfo=UTC)
-                for v in (status.versions if status is not None else [])
-                if (v.dataset, v.version) == version and v.HasField("pinned_until")
-            ]
-            if have and abs((have[0] - datetime.fromisoformat(until)).total_seconds()) < 1:
+            have = seen.pins.get((node, version))
+            if have is not None and abs((have - datetime.fromisoformat(until)).total_seconds()) < 1:
                 problem = self.executor.unpin(node, version)
                 if problem:
                     failures.append(problem)

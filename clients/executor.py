@@ -30,12 +30,14 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import grpc
 
 from edgecache.cache.planner import Eviction, Plan, StageTask, VersionKey
 from edgecache.clients.channels import bearer, edge_stub, node_error
 from edgecache.clients.ops import (
+    NodeReport,
     WarmItem,
     complete_versions,
     gather_status,
@@ -43,13 +45,14 @@ from edgecache.clients.ops import (
     stage_item,
 )
 from edgecache.clients.topology import Schedule, Topology
-from edgecache.v1 import edge_pb2
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
     "Deferred",
     "Evicted",
     "NodeCalls",
+    "NodesSeen",
     "PlanExecutor",
     "TaskRun",
     "WarmOutcome",
@@ -61,6 +64,41 @@ log = logging.getLogger(__name__)
 PEER_WAIT_SECONDS = 3600.0  # how long a peer-sourced task waits for its source region
 CALL_TIMEOUT = 30.0  # seconds: the longest a Pin or Evict call may take
 MIN_CALL_SECONDS = 0.5  # less time left than this: a call is not begun
+
+_Request = TypeVar("_Request")
+_Answer = TypeVar("_Answer")
+
+
+class _NotDone(Exception):
+    """A node call that failed or was not begun; its text is the failure, one line."""
+
+
+@dataclass(frozen=True)
+class NodesSeen:
+    """What a round's status says of the nodes, read once and shared by the round's steps.
+
+    ``down``: the nodes that did not answer (a round starts :class:`NodeCalls`
+    with them). ``pins``: (node, version) → the time each answering node pins
+    the version until; pinning skips what is already pinned as planned, and the
+    controller releases only a pin a node still has as it placed it.
+    """
+
+    down: frozenset[str] = frozenset()
+    pins: Mapping[tuple[str, VersionKey], datetime] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, reports: Sequence[NodeReport]) -> NodesSeen:
+        """Read ``reports`` (:func:`~edgecache.clients.ops.gather_status`)."""
+        down, pins = set(), {}
+        for report in reports:
+            if report.status is None:
+                down.add(report.address)
+                continue
+            for v in report.status.versions:
+                if v.HasField("pinned_until"):
+                    until = v.pinned_until.ToDatetime(tzinfo=UTC)
+                    pins[(report.address, (v.dataset, v.version))] = until
+        return cls(frozenset(down), pins)
 
 
 @dataclass
@@ -214,71 +252,83 @@ class PlanExecutor:
 
     # ------------------------------------------------------------------ pins
 
-    def pin(self, plan: Plan, reports: Sequence[object] | None = None) -> list[str]:
+    def pin(self, plan: Plan, seen: NodesSeen | None = None) -> list[str]:
         """Pin every version the plan keeps, on every node of its region; failures listed.
 
-        A node already pinning a version until that time is not asked again;
-        nor is a node whose report says it is down, nor one :attr:`calls` has
-        given up on (its outage is the failure to report, not each pin).
+        ``seen`` is the round's status, whose down nodes the caller has put in
+        :attr:`calls`; without it the nodes are asked now. A node already
+        pinning a version until that time is not asked again; nor is one
+        :attr:`calls` holds as down (its outage is the failure to report, not
+        each pin).
         """
-        return [problem for _, _, problem in self._pin(plan, reports)]
+        return [problem for _, _, problem in self._pin(plan, seen)]
 
-    def _pin(
-        self, plan: Plan, reports: Sequence[object] | None
-    ) -> list[tuple[str, VersionKey, str]]:
+    def _pin(self, plan: Plan, seen: NodesSeen | None) -> list[tuple[str, VersionKey, str]]:
         """:meth:`pin`, each failure with its (region, version), for those who report pins."""
-        reports = gather_status(self.topology, token=self.token) if reports is None else reports
+        seen = self._see(gather_status(self.topology, token=self.token)) if seen is None else seen
         calls = self.calls
-        current: dict[tuple[str, VersionKey], datetime] = {}
-        for report in reports:
-            status = getattr(report, "status", None)
-            if status is None:
-                calls.down.add(getattr(report, "address", ""))
-                continue
-            for v in status.versions:
-                if v.HasField("pinned_until"):
-                    until = v.pinned_until.ToDatetime(tzinfo=UTC)
-                    current[(report.address, (v.dataset, v.version))] = until  # type: ignore[attr-defined,union-attr]
         failures = []
         for region, region_plan in plan.regions.items():
             for node in self.topology.regions[region].nodes:
                 for version, until in sorted(region_plan.pins.items()):
-                    have = current.get((node, version))
+                    have = seen.pins.get((node, version))
                     if node in calls.down or (
                         have is not None and abs((have - until).total_seconds()) < 1
                     ):
                         continue
                     request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
                     request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
-                    problem = self._pin_call(node, version, request, "pinning")
-                    if problem:
-                        failures.append((region, version, problem))
+                    what = f"pinning {version[0]}@{version[1]}"
+                    try:
+                        self._node_call(node, what, lambda stub: stub.Pin, request)
+                    except _NotDone as failure:
+                        failures.append((region, version, str(failure)))
         return failures
 
     def unpin(self, node: str, version: VersionKey) -> str | None:
         """Remove ``version``'s pin on ``node`` (an unset time); the failure, or None."""
         request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
-        return self._pin_call(node, version, request, "unpinning")
+        what = f"unpinning {version[0]}@{version[1]}"
+        try:
+            self._node_call(node, what, lambda stub: stub.Pin, request)
+        except _NotDone as failure:
+            return str(failure)
+        return None
 
-    def _pin_call(
+    def _see(self, reports: Sequence[NodeReport]) -> NodesSeen:
+        """Read a status round once; the nodes that did not answer join :attr:`calls`' down."""
+        seen = NodesSeen.of(reports)
+        self.calls.down |= seen.down
+        return seen
+
+    def _node_call(
         self,
         node: str,
-        version: VersionKey,
-        request: edge_pb2.PinRequest,
         what: str,
-    ) -> str | None:
-        """One Pin call within :attr:`calls`' time; the failure, or None."""
-        calls, what = self.calls, f"{what} {version[0]}@{version[1]}"
+        rpc: Callable[
+            [edge_pb2_grpc.EdgeCacheStub], grpc.UnaryUnaryMultiCallable[_Request, _Answer]
+        ],
+        request: _Request,
+    ) -> _Answer:
+        """One call of ``rpc`` (Pin, Evict) to ``node`` within :attr:`calls`' time: its answer.
+
+        Raises :class:`_NotDone` with the failure as one line naming the node
+        and ``what`` was being done: the call was not begun for want of time,
+        or it failed, and then a node that timed out or is unavailable is held
+        as down (:meth:`NodeCalls.failed`). Whether to call a node held as down
+        is the caller's to decide: a pin skips it, an eviction counts it as not
+        done.
+        """
+        calls = self.calls
         timeout = calls.timeout()
         if timeout is None:
-            return calls.out_of_time(node, what)
+            raise _NotDone(calls.out_of_time(node, what))
         try:
             with edge_stub(node) as stub:
-                stub.Pin(request, timeout=timeout, metadata=bearer(self.token))
+                return rpc(stub)(request, timeout=timeout, metadata=bearer(self.token))
         except grpc.RpcError as exc:
             calls.failed(node, exc)
-            return str(node_error(exc, endpoint=node, what=what))
-        return None
+            raise _NotDone(str(node_error(exc, endpoint=node, what=what))) from exc
 
     # ------------------------------------------------------------- evictions
 
@@ -306,25 +356,17 @@ class PlanExecutor:
         so the eviction counts as not done there (the next round's plan sees
         whether the node still holds the version when it answers again).
         """
-        calls, what = self.calls, f"evicting {eviction.version[0]}@{eviction.version[1]}"
+        what = f"evicting {eviction.version[0]}@{eviction.version[1]}"
         freed, errors = 0, []
         request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
         for node in region_nodes(self.topology, eviction.region)[eviction.region]:
-            timeout = calls.timeout()
-            if node in calls.down:
+            if node in self.calls.down:
                 errors.append(f"{what} on {node}: not tried, the node is not answering")
                 continue
-            if timeout is None:
-                errors.append(calls.out_of_time(node, what))
-                continue
             try:
-                with edge_stub(node) as stub:
-                    freed += stub.Evict(
-                        request, timeout=timeout, metadata=bearer(self.token)
-                    ).bytes_freed
-            except grpc.RpcError as exc:
-                calls.failed(node, exc)
-                errors.append(str(node_error(exc, endpoint=node, what=what)))
+                freed += self._node_call(node, what, lambda stub: stub.Evict, request).bytes_freed
+            except _NotDone as failure:
+                errors.append(str(failure))
         return Evicted(freed, errors=tuple(errors))
 
     # --------------------------------------------------------------- staging
@@ -444,7 +486,7 @@ class PlanExecutor:
         """
         outcome = WarmOutcome()
         reports = gather_status(self.topology, token=self.token)
-        for region, version, problem in self._pin(plan, reports):
+        for region, version, problem in self._pin(plan, self._see(reports)):
             outcome.pin_failures.append(problem)
             outcome.pins_failed.add((region, version))
         held = complete_versions(reports, dict(manifests))

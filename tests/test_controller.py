@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -274,6 +275,55 @@ def test_runs_are_recorded_once_each_and_never_restarted_from_a_stale_view(site)
             assert all(t.state == "done" for t in controller.state.tasks.values())
         finally:
             controller.close()
+    finally:
+        node.stop()
+
+
+def test_a_round_reads_each_nodes_status_once_for_its_pins_and_unpins(site, monkeypatch) -> None:
+    # One status per node serves the whole round: pinning skips what it shows pinned
+    # as planned, and releasing a cancelled job's pins checks the same status.
+    from edgecache.v1 import edge_pb2_grpc
+
+    root, registry = site
+    node = start_local_node("eu", root / "cache-eu", registry)
+    calls: Counter[str] = Counter()
+
+    class Counting(edge_pb2_grpc.EdgeCacheStub):
+        """A stub that counts the Status and Pin calls made through it."""
+
+        def __init__(self, channel) -> None:
+            super().__init__(channel)
+            for name in ("Status", "Pin"):
+                rpc = getattr(self, name)
+
+                def counted(*args, _rpc=rpc, _name=name, **kwargs):
+                    calls[_name] += 1
+                    return _rpc(*args, **kwargs)
+
+                setattr(self, name, counted)
+
+    far = T0 + 10 * HOUR  # no staging is due this morning: only pins are at stake
+    try:
+        one_region(
+            root, registry, node, job("j", "eu", far, 1, "b@1"), job("k", "eu", far, 1, "c@1")
+        )
+        monkeypatch.setattr(edge_pb2_grpc, "EdgeCacheStub", Counting)
+        controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0))
+        try:
+            controller.tick()
+            assert calls == {"Status": 1, "Pin": 2}  # b and c pinned
+            calls.clear()
+            controller.tick()
+            assert calls == {"Status": 1}  # both shown pinned as planned: no Pin
+            one_region(root, registry, node, job("j", "eu", far, 1, "b@1"))  # k cancelled
+            calls.clear()
+            controller.tick()
+            assert calls == {"Status": 1, "Pin": 1}  # c's pin released
+        finally:
+            controller.close()
+        monkeypatch.undo()
+        pinned = {v.dataset for v in status(node).versions if v.HasField("pinned_until")}
+        assert pinned == {"b"}
     finally:
         node.stop()
 

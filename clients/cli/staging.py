@@ -37,7 +37,7 @@ from edgecache.clients.cli.render import (
     table,
     warning,
 )
-from edgecache.clients.executor import Evicted, PlanExecutor, TaskRun, WarmOutcome
+from edgecache.clients.executor import Evicted, NodesSeen, PlanExecutor, TaskRun, WarmOutcome
 from edgecache.clients.ops import WarmItem
 from edgecache.clients.plan_status import JobView
 from edgecache.clients.topology import Schedule, Topology
@@ -727,9 +727,7 @@ class Rehearsal(PlanExecutor):
     and pins are listed from the plan instead of set.
     """
 
-    def _pin(
-        self, plan: Plan, reports: Sequence[object] | None
-    ) -> list[tuple[str, VersionKey, str]]:
+    def _pin(self, plan: Plan, seen: NodesSeen | None) -> list[tuple[str, VersionKey, str]]:
         """Set nothing; a pin cannot fail in a rehearsal."""
         return []
 
