@@ -31,6 +31,7 @@ from edgeutil import node_settings, publish, read_shard_table, stub
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess import limits, read_source
 from edgecache.cache.preprocess.compressed import decompress
+from edgecache.cache.preprocess.fixes import FIX
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
@@ -253,9 +254,14 @@ def test_a_parquet_dictionary_bomb_is_refused_before_expanding(
     monkeypatch.setattr(limits, "MAX_DECODED_BYTES", 16 * MiB)
     pool = pa.default_memory_pool()
     before = pool.bytes_allocated()
-    with pytest.raises(MalformedShard, match=r"s3://b/p\.parquet decodes to more than 16\.0 MiB"):
+    refused = r"s3://b/p\.parquet decodes to more than 16\.0 MiB"
+    with pytest.raises(MalformedShard, match=refused) as e:
         list(read_source(data, fmt=pb.SOURCE_FORMAT_PARQUET, source="s3://b/p.parquet"))
     assert pool.bytes_allocated() - before < 16 * MiB
+    # Raised while decoding, it reaches the caller as it was, not wrapped as "corrupt data".
+    message = str(e.value)
+    assert message.startswith("s3://b/p.parquet decodes to more than"), message
+    assert message.count(FIX) == 1, message
 
 
 def test_parquet_dictionary_strings_expand_a_slice_at_a_time(

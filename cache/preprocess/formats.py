@@ -310,12 +310,18 @@ def open_source(
 
 
 def guarded(batches: Iterator[pa.RecordBatch], source: str) -> Iterator[pa.RecordBatch]:
-    """``batches``, with Arrow's errors while decoding turned into MalformedShard."""
+    """``batches``, with Arrow's errors while decoding turned into MalformedShard.
+
+    A MalformedShard raised while decoding (a limit refusing the shard) already names
+    the object and says what to do: it passes through as it is.
+    """
     while True:
         try:
             batch = next(batches)
         except StopIteration:
             return
+        except MalformedShard:
+            raise
         except ARROW_ERRORS as exc:
             raise MalformedShard(f"{source}: corrupt data ({exc}); {FIX}") from exc
         yield batch
