@@ -169,3 +169,41 @@ def test_demo_json_keep_nodes_prints_one_json_document_while_the_nodes_run(tmp_p
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
     assert json.loads(out_path.read_text()) == running  # and only it
+
+
+def test_every_commands_json_writes_a_time_in_one_form(site) -> None:
+    """status and versions wrote protobuf's ``…Z`` (0-9 digits), plan and warm ``+00:00``:
+    a script comparing status's pinned_until with plan's pins[].until as text found them
+    different for one instant."""
+    root, _ = site
+    start = (datetime.now(UTC) + timedelta(days=4)).replace(microsecond=123456)
+    path = schedule(root, "same-time", ("pin-job", start, "tok@1"))
+    code, out, err = edgecache("plan", path, "--json", *cfg(root))
+    assert code == 0, err
+    (pin,) = json.loads(out)["regions"]["eu-west"]["pins"]
+    code, out, err = edgecache("warm", path, "--json", *cfg(root))
+    assert code == 0, err
+    (warmed,) = json.loads(out)["pins"]
+    code, out, err = edgecache("status", "--json", *cfg(root))
+    assert code == 0, err
+    (node,) = json.loads(out)
+    (held,) = [v for v in node["versions"] if v["version"] == "tok@1"]
+    assert held["pinned_until"] == pin["until"] == warmed["until"], (held, pin, warmed)
+    assert pin["until"].endswith(".123456+00:00"), pin
+    code, out, err = edgecache("versions", "tok", "--json", *cfg(root))
+    assert code == 0, err
+    created = json.loads(out)[0]["created_at"]
+    assert created.endswith("+00:00") and created == datetime.fromisoformat(created).isoformat()
+    assert isinstance(json.loads(out)[0]["version"], int)  # scripts depend on it
+
+
+def test_json_time_is_utc_with_an_offset_and_microseconds_only_when_there_are_some() -> None:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from edgecache.clients.cli.render import json_time
+
+    stamp = Timestamp(seconds=1_800_000_000, nanos=500_000_999)  # protobuf's nanoseconds
+    assert json_time(stamp.ToDatetime(tzinfo=UTC)) == "2027-01-15T08:00:00.500000+00:00"
+    assert json_time(stamp.ToDatetime()) == "2027-01-15T08:00:00.500000+00:00"  # naive: UTC
+    plus2 = datetime(2027, 1, 15, 10, 0, tzinfo=timezone(timedelta(hours=2)))
+    assert json_time(plus2) == "2027-01-15T08:00:00+00:00"

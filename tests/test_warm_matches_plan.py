@@ -292,8 +292,8 @@ def test_every_pin_is_the_plans_end_on_every_node_of_its_region(ran: Site) -> No
             for v in status[node.address]["versions"]
             if v["pinned_until"]
         }
-        expected = {
-            spec: until.strftime("%Y-%m-%dT%H:%M:%SZ")
+        expected = {  # the plan's own text: every command writes a time one way
+            spec: until.astimezone(UTC).isoformat()
             for (region, spec), until in pins.items()
             if region == NODES[name]
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,15 @@ from edgecache.clients.cli.context import (
     exit_with,
     reporting,
 )
-from edgecache.clients.cli.render import Column, console, err_console, format_bytes, line, table
+from edgecache.clients.cli.render import (
+    Column,
+    console,
+    err_console,
+    format_bytes,
+    json_time,
+    line,
+    table,
+)
 from edgecache.v1 import edge_pb2
 
 
@@ -131,7 +140,7 @@ def status(
                                 "version": f"{v.dataset}@{v.version}",
                                 "shards": v.shard_count,
                                 "total_shards": v.total_shards or None,
-                                "pinned_until": v.pinned_until.ToJsonString()
+                                "pinned_until": json_time(v.pinned_until.ToDatetime(tzinfo=UTC))
                                 if v.HasField("pinned_until")
                                 else None,
                             }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC
 from enum import StrEnum
 from typing import Annotated
 
@@ -12,7 +13,7 @@ from rich.markup import escape
 from edgecache.cache.errors import ConfigFileError
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import ConfigOption, JsonOption, Options, reporting
-from edgecache.clients.cli.render import Column, format_bytes, line, table, warning
+from edgecache.clients.cli.render import Column, format_bytes, json_time, line, table, warning
 
 
 class Compression(StrEnum):
@@ -280,7 +281,7 @@ def versions(
                         "shards": v.shard_count,
                         "rows": v.row_count,
                         "source_bytes": v.source_bytes,
-                        "created_at": v.created_at.ToJsonString(),
+                        "created_at": json_time(v.created_at.ToDatetime(tzinfo=UTC)),
                         "schema": schema_json(schema),
                     }
                     for v, schema in zip(rows, schemas, strict=True)

@@ -3,7 +3,8 @@
 Tables never cut an identifier (a version, a node address, a date): a table
 whose identifiers do not fit the terminal is printed as a list instead, one
 block per row, so an 80-column terminal or a pipe reads as well as a wide
-screen. Sizes go through one formatter (binary units, precision that fits).
+screen. Sizes go through one formatter (binary units, precision that fits), and so do
+the times every command's ``--json`` writes (:func:`json_time`).
 Scripts use ``--json``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -36,6 +38,7 @@ __all__ = [
     "err_console",
     "error",
     "format_bytes",
+    "json_time",
     "line",
     "progress",
     "table",
@@ -46,6 +49,26 @@ __all__ = [
 # a pipe or a log keeps it whole, so scripts can grep it). Tables lay themselves out.
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
+
+
+def json_time(when: datetime) -> str:
+    """A time as every command's ``--json`` writes it: ISO 8601 in UTC, ``+00:00``.
+
+    ``YYYY-MM-DDTHH:MM:SS+00:00``, with ``.ffffff`` (always six digits) before
+    the offset when the second has a fraction: what ``datetime.isoformat`` writes
+    for a UTC time, so one instant is one string in every command (``status``'s
+    ``pinned_until`` equals ``plan``'s ``pins[].until`` as text). This form, not
+    RFC 3339's ``Z``, because most places already wrote it (``plan``, ``plan
+    --status`` and ``warm``: every time of a plan; only ``status`` and ``versions``
+    wrote protobuf's ``Z`` with 0, 3, 6 or 9 digits), the controller's record in the
+    registry stores it, every ``datetime.fromisoformat`` reads it, and strings of one
+    form sort in time order (``…:00+00:00`` < ``…:00.5…``; a ``Z`` sorts after
+    ``.``). A naive time is taken as UTC (protobuf's ``ToDatetime()`` gives one).
+    Nanoseconds are cut to microseconds (a ``datetime`` holds no finer).
+    """
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).isoformat()
 
 
 def error(message: str) -> None:

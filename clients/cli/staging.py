@@ -32,6 +32,7 @@ from edgecache.clients.cli.render import (
     err_console,
     error,
     format_bytes,
+    json_time,
     line,
     progress,
     table,
@@ -148,10 +149,10 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
                     {
                         "job": v.job,
                         "region": v.region,
-                        "start": v.start.isoformat(),
+                        "start": json_time(v.start),
                         "state": v.state,
-                        "planned_ready": v.planned_ready.isoformat() if v.planned_ready else None,
-                        "ready_at": v.ready_at.isoformat() if v.ready_at else None,
+                        "planned_ready": json_time(v.planned_ready) if v.planned_ready else None,
+                        "ready_at": json_time(v.ready_at) if v.ready_at else None,
                         "complete_at_start": v.complete_at_start,
                         "missing": v.missing,
                         "why": v.why or None,  # null when nothing is wrong
@@ -206,9 +207,9 @@ def _plan_json(result: Plan) -> dict[str, object]:
                         "version": t.spec,
                         "bytes": t.bytes,
                         "source": t.source,
-                        "start": t.start.isoformat(),
-                        "finish": t.finish.isoformat(),
-                        "deadline": t.deadline.isoformat(),
+                        "start": json_time(t.start),
+                        "finish": json_time(t.finish),
+                        "deadline": json_time(t.deadline),
                         "jobs": list(t.jobs),
                     }
                     for t in rp.tasks
@@ -217,14 +218,14 @@ def _plan_json(result: Plan) -> dict[str, object]:
                     {
                         "version": f"{e.version[0]}@{e.version[1]}",
                         "bytes": e.bytes,
-                        "at": e.at.isoformat(),
-                        "next_use": e.next_use.isoformat() if e.next_use else None,
+                        "at": json_time(e.at),
+                        "next_use": json_time(e.next_use) if e.next_use else None,
                         "reason": e.reason,
                     }
                     for e in rp.evictions
                 ],
                 "pins": [
-                    {"version": f"{v[0]}@{v[1]}", "until": until.isoformat()}
+                    {"version": f"{v[0]}@{v[1]}", "until": json_time(until)}
                     for v, until in sorted(rp.pins.items())
                 ],
             }
@@ -606,7 +607,7 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             {"region": d.region, "what": d.what, "reason": d.reason} for d in outcome.deferred
         ]
         out["pins"] = [
-            {"region": name, "version": f"{v[0]}@{v[1]}", "until": until.isoformat()}
+            {"region": name, "version": f"{v[0]}@{v[1]}", "until": json_time(until)}
             for name, rp in work.plan.regions.items()
             for v, until in sorted(rp.pins.items())
         ]
@@ -768,7 +769,7 @@ def _row(
         "done": item.done,
         "failures": item.failures,
         "notes": item.notes,
-        "start": task.start.isoformat() if task else None,
+        "start": json_time(task.start) if task else None,
         "jobs": list(task.jobs) if task else [],
     }
 
