@@ -74,6 +74,8 @@ class DemoResult:
     device: str
     verified: bool
     workdir: str = ""
+    # Each node as `status --json` has it: region, node (its address), used_bytes, hits,
+    # misses, bytes_served, versions [{version, shards, total_shards}].
     nodes: list[dict[str, object]] = field(default_factory=list)
     plan: list[str] = field(default_factory=list)
 
@@ -226,6 +228,26 @@ def _version_bytes(status: edge_pb2.NodeStatus, version: int) -> int:
     return sum(
         v.stored_bytes for v in status.versions if (v.dataset, v.version) == (DATASET, version)
     )
+
+
+def _node_figures(status: edge_pb2.NodeStatus, address: str) -> dict[str, object]:
+    """A node as ``status --json`` names it: ``node`` its address, ``versions`` what it holds."""
+    return {
+        "region": status.region,
+        "node": address,
+        "used_bytes": status.used_bytes,
+        "hits": status.hits,
+        "misses": status.misses,
+        "bytes_served": status.bytes_served,
+        "versions": [
+            {
+                "version": f"{v.dataset}@{v.version}",
+                "shards": v.shard_count,
+                "total_shards": v.total_shards or None,
+            }
+            for v in status.versions
+        ],
+    }
 
 
 def _cuda() -> bool:
@@ -405,18 +427,7 @@ def run_demo(
                     verified=verified,
                     workdir=str(workdir),
                     plan=plan_lines,
-                    nodes=[
-                        {
-                            "region": s.region,
-                            "address": nodes[s.region].address,
-                            "shards_resident": sum(v.shard_count for v in s.versions),
-                            "used_bytes": s.used_bytes,
-                            "hits": s.hits,
-                            "misses": s.misses,
-                            "bytes_served": s.bytes_served,
-                        }
-                        for s in statuses
-                    ],
+                    nodes=[_node_figures(s, nodes[s.region].address) for s in statuses],
                 )
             except grpc.RpcError as exc:  # a demo node failed: say which, not a raw status
                 down = (r for r, n in nodes.items() if n.process.poll() is not None)

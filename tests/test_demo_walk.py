@@ -134,3 +134,18 @@ def test_the_story_shows_the_pin_with_time_zones_and_a_bar_for_every_step(
     plan = [line for line in lines if line.startswith("plan: ")]
     assert any("pin demo-tokens@1 until" in line for line in plan), plan
     assert all("UTC" in line for line in plan), plan
+
+
+def test_json_names_its_nodes_as_status_does() -> None:
+    """Its nodes had ``address`` and ``shards_resident`` where status, evict and doctor
+    say ``node``: a script joining the demo's figures with status found no key in common."""
+    result = CliRunner().invoke(app, ["demo", "--size-mib", "1", "--shards", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    nodes = json.loads(result.stdout)["nodes"]
+    assert [n["region"] for n in nodes] == ["eu-west", "us-east"], nodes
+    status_keys = {"region", "node", "used_bytes", "hits", "misses", "bytes_served", "versions"}
+    for node in nodes:
+        assert set(node) == status_keys, node  # each one of status --json's keys
+        assert node["node"].startswith("127.0.0.1:"), node
+        (held,) = node["versions"]
+        assert held == {"version": "demo-tokens@1", "shards": 1, "total_shards": 1}, node

@@ -10,7 +10,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
@@ -213,8 +213,8 @@ def _summary(result: DemoResult) -> None:
         [
             [
                 str(n["region"]),
-                str(n["address"]),
-                str(n["shards_resident"]),
+                str(n["node"]),
+                str(_shards_held(n)),
                 format_bytes(int(n["used_bytes"])),  # type: ignore[call-overload]
                 str(n["hits"]),
                 str(n["misses"]),
@@ -223,3 +223,8 @@ def _summary(result: DemoResult) -> None:
             for n in result.nodes
         ],
     )
+
+
+def _shards_held(node: dict[str, object]) -> int:
+    """The shards a node of the figures holds, of every version (``status`` lists each)."""
+    return sum(v["shards"] for v in cast(list[dict[str, int]], node["versions"]))
