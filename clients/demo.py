@@ -38,7 +38,7 @@ from edgecache.cache.planner import Plan
 from edgecache.cache.registry import Registry
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
-from edgecache.clients.executor import PlanExecutor, TaskRun
+from edgecache.clients.executor import PlanExecutor, TaskRun, WarmOutcome
 from edgecache.clients.node_client import LocalNode, read_shard, start_local_node
 from edgecache.clients.ops import make_plan
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
@@ -62,7 +62,9 @@ class DemoResult:
     source_bytes: int
     stored_bytes: int
     stage_bytes_per_s: float  # source bytes staged per second (fetch + preprocess + commit)
-    peer_copy_bytes_per_s: float  # stored bytes us-east copied from eu-west per second
+    # Stored bytes us-east copied from eu-west per second; None when nothing was copied
+    # (us-east already held the version) or too fast to time, and peer_copy_why says which.
+    peer_copy_bytes_per_s: float | None
     read_samples_s: float
     read_bytes_per_s: float
     read_threads: int
@@ -73,6 +75,7 @@ class DemoResult:
     first_batch_s: float
     device: str
     verified: bool
+    peer_copy_why: str | None = None
     workdir: str = ""
     # Each node as `status --json` has it: region, node (its address), used_bytes, hits,
     # misses, bytes_served, versions [{version, shards, total_shards}].
@@ -223,6 +226,63 @@ def _plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
+# Under a millisecond the clock's granularity and the call's own overhead are most of
+# the interval: a rate from it would be noise (or a division by nearly nothing).
+MIN_TIMED_SECONDS = 1e-3
+
+
+def _rate(moved: int, seconds: float) -> float | None:
+    """Bytes per second over ``seconds``; None when the interval is too short to measure."""
+    return moved / seconds if seconds >= MIN_TIMED_SECONDS else None
+
+
+def _warm_rates(
+    outcome: WarmOutcome, source_bytes: int, stage_seconds: float, say: Callable[[str], None]
+) -> tuple[float, float | None, str | None]:
+    """eu-west's staging rate, us-east's copy rate from eu-west, and why that has none.
+
+    Each run is said as it went. us-east has no copy rate when nothing was
+    copied: the timed cold read caches what it reads, with one shard the whole
+    version, so the plan has nothing to stage there (a rate of 0 B/s said that
+    the copy was slow); nor when the copy was too quick to time.
+    """
+    rates: dict[str, float | None] = {}
+    unmeasured: dict[str, str] = {}  # why a region has no rate
+    for run in outcome.runs:
+        seconds = (
+            (run.finished_at - run.started_at).total_seconds()
+            if run.started_at and run.finished_at
+            else stage_seconds
+        )
+        from_peer = run.task.source != "origin" and bool(run.item.peers)
+        moved = run.item.peer_bytes if from_peer else source_bytes
+        rate = rates[run.task.region] = _rate(moved, seconds)
+        if rate is None:
+            unmeasured[run.task.region] = f"{seconds * 1e3:.2f} ms, too short to measure a rate"
+        what = (
+            f"copied {format_bytes(moved)} of stored chunks from {run.task.source} (verified, "
+            "no second preprocessing)"
+            if from_peer
+            else f"staged {format_bytes(source_bytes)} of Parquet from origin (fetch, "
+            "preprocess, compress, commit)"
+        )
+        shown = "too short to measure" if rate is None else f"{format_bytes(rate)}/s"
+        say(f"warm: {run.task.region} {what} in {seconds:.2f} s ({shown}) and pinned it as planned")
+    us_east = [r for r in outcome.runs if r.task.region == "us-east"]
+    if not us_east:
+        held = (
+            "held every shard when the plan was made (read through from origin when its "
+            "first chunk was timed)"
+        )
+        unmeasured["us-east"] = f"nothing to copy, us-east {held}"
+        say(f"warm: us-east copied nothing from eu-west: it {held}; pinned it as planned")
+    elif not any(r.task.source != "origin" and r.item.peers for r in us_east):
+        rates.pop("us-east", None)
+        unmeasured["us-east"] = "staged from origin, not copied from eu-west"
+    stage_rate = rates.get("eu-west") or source_bytes / stage_seconds
+    return stage_rate, rates.get("us-east"), unmeasured.get("us-east")
+
+
 def _version_bytes(status: edge_pb2.NodeStatus, version: int) -> int:
     """The demo version's bytes in a node's cache (a reused --workdir holds older ones too)."""
     return sum(
@@ -366,27 +426,9 @@ def run_demo(
                         + "; ".join(failures)
                         + f" (the nodes' logs are {workdir}/node-*.log)"
                     )
-                rates = {}
-                for run in outcome.runs:
-                    seconds = (
-                        (run.finished_at - run.started_at).total_seconds()
-                        if run.started_at and run.finished_at
-                        else stage_seconds
-                    )
-                    moved = run.item.peer_bytes if run.task.source != "origin" else source_bytes
-                    rates[run.task.region] = moved / max(seconds, 1e-6)
-                    what = (
-                        f"staged {format_bytes(source_bytes)} of Parquet from origin (fetch, "
-                        "preprocess, compress, commit)"
-                        if run.task.source == "origin"
-                        else f"copied {format_bytes(moved)} of stored chunks from "
-                        f"{run.task.source} (verified, no second preprocessing)"
-                    )
-                    say(
-                        f"warm: {run.task.region} {what} in {seconds:.2f} s "
-                        f"({format_bytes(rates[run.task.region])}/s) and pinned it as planned"
-                    )
-                stage_rate = rates.get("eu-west", source_bytes / stage_seconds)
+                stage_rate, peer_rate, peer_why = _warm_rates(
+                    outcome, source_bytes, stage_seconds, say
+                )
 
                 warm_first = first_chunk_seconds(eu, 0)
                 say(
@@ -414,7 +456,8 @@ def run_demo(
                     source_bytes=source_bytes,
                     stored_bytes=_version_bytes(statuses[0], manifest.version),
                     stage_bytes_per_s=stage_rate,
-                    peer_copy_bytes_per_s=rates.get("us-east", 0.0),
+                    peer_copy_bytes_per_s=peer_rate,
+                    peer_copy_why=peer_why,
                     read_samples_s=got / read_seconds,
                     read_bytes_per_s=got * (TOKENS * 4 + 8) / read_seconds,
                     loss_first=training.loss_first,

@@ -149,3 +149,21 @@ def test_json_names_its_nodes_as_status_does() -> None:
         assert node["node"].startswith("127.0.0.1:"), node
         (held,) = node["versions"]
         assert held == {"version": "demo-tokens@1", "shards": 1, "total_shards": 1}, node
+
+
+def test_a_copy_that_did_not_happen_or_was_too_quick_has_no_rate_not_0_b_s() -> None:
+    """``--size-mib 1 --shards 1`` said "stage us-east from eu-west: 0 B/s": the timed cold
+    read had cached the only shard, so nothing was copied, and 0 B/s read as a stalled link."""
+    tiny = ["demo", "--size-mib", "1", "--shards", "1"]
+    result = CliRunner().invoke(app, tiny, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    (row,) = [line for line in result.stdout.splitlines() if "stage us-east" in line]
+    assert "0 B/s" not in row and "nothing to copy" in row, row
+    assert "warm: us-east copied nothing from eu-west" in result.stdout, result.stdout
+    result = CliRunner().invoke(app, [*tiny, "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert figures["peer_copy_bytes_per_s"] is None, figures
+    assert figures["peer_copy_why"].startswith("nothing to copy"), figures
+    assert demo_module._rate(1 << 20, 0.0) is None  # no interval to speak of: no rate
+    assert demo_module._rate(1 << 20, 0.5) == 2 << 20

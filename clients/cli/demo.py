@@ -175,8 +175,11 @@ def _summary(result: DemoResult) -> None:
                 f"{format_bytes(result.stage_bytes_per_s)}/s",
             ],
             [
-                "stage us-east from eu-west (copy verified chunks)",
-                f"{format_bytes(result.peer_copy_bytes_per_s)}/s",
+                "stage us-east from eu-west (copy verified chunks)"
+                + (f": {result.peer_copy_why}" if result.peer_copy_why else ""),
+                "—"
+                if result.peer_copy_bytes_per_s is None
+                else f"{format_bytes(result.peer_copy_bytes_per_s)}/s",
             ],
             [
                 f"training epoch via EdgeDataset ({result.device}, {result.read_threads} threads)",
