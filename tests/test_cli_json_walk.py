@@ -207,3 +207,23 @@ def test_json_time_is_utc_with_an_offset_and_microseconds_only_when_there_are_so
     assert json_time(stamp.ToDatetime()) == "2027-01-15T08:00:00.500000+00:00"  # naive: UTC
     plus2 = datetime(2027, 1, 15, 10, 0, tzinfo=timezone(timedelta(hours=2)))
     assert json_time(plus2) == "2027-01-15T08:00:00+00:00"
+
+
+def test_doctor_writes_milliseconds_as_status_does(site) -> None:
+    """doctor's rtt_ms was 0.4412345 where status's is 0.44 for the same node."""
+    root, _ = site
+    code, out, err = edgecache("status", "--json", *cfg(root))
+    assert code == 0, err
+    (node,) = json.loads(out)
+    assert node["rtt_ms"] == round(node["rtt_ms"], 2), node
+    code, out, err = edgecache(
+        "doctor", "--json", "--pings", "5", "--seconds", "0.1", "--streams", "1", *cfg(root)
+    )
+    assert code in (0, 1), err  # a loopback node may still say a host setting is low
+    (path,) = json.loads(out)["paths"]
+    for key in ("rtt_ms", "jitter_ms"):
+        assert isinstance(path[key], float) and path[key] == round(path[key], 2), path
+    from edgecache.clients.cli.nodes import _ms_rounded
+
+    figures = {"rtt_ms": 12.3456, "mb_s": 1.23456, "segments_sent": 3, "jitter_ms": None}
+    assert _ms_rounded(figures) == {**figures, "rtt_ms": 12.35}  # node paths' too

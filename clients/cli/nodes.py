@@ -26,6 +26,7 @@ from edgecache.clients.cli.render import (
     console,
     err_console,
     format_bytes,
+    json_ms,
     json_time,
     line,
     table,
@@ -126,7 +127,7 @@ def status(
                         "node": r.address,
                         "node_id": r.status.node_id if r.status else None,
                         "healthy": r.healthy,
-                        "rtt_ms": None if r.status is None else round(r.rtt_ms, 2),
+                        "rtt_ms": None if r.status is None else json_ms(r.rtt_ms),
                         "error": r.error or None,  # null when up, as evict's
                         "capacity_bytes": r.status.capacity_bytes if r.status else None,
                         "used_bytes": r.status.used_bytes if r.status else None,
@@ -203,6 +204,14 @@ def status(
                 )
     if any(r.status is None for r in reports):
         raise exit_with(ExitCode.FAILED)
+
+
+def _ms_rounded(figures: dict[str, object]) -> dict[str, object]:
+    """A doctor check for ``--json``: its milliseconds (``rtt_ms``, ``jitter_ms``) as status's."""
+    return {
+        key: json_ms(value) if key.endswith("_ms") and isinstance(value, float) else value
+        for key, value in figures.items()
+    }
 
 
 def _resident(v: edge_pb2.ResidentVersion) -> str:
@@ -321,8 +330,8 @@ def doctor(
         print(
             json.dumps(
                 {
-                    "paths": [p.as_dict() for p in paths],
-                    "node_paths": [p.as_dict() for p in from_nodes],
+                    "paths": [_ms_rounded(p.as_dict()) for p in paths],
+                    "node_paths": [_ms_rounded(p.as_dict()) for p in from_nodes],
                     "host": host.as_dict(),
                     "ok": not bad,
                 }

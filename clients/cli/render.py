@@ -38,6 +38,7 @@ __all__ = [
     "err_console",
     "error",
     "format_bytes",
+    "json_ms",
     "json_time",
     "line",
     "progress",
@@ -69,6 +70,15 @@ def json_time(when: datetime) -> str:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.astimezone(UTC).isoformat()
+
+
+def json_ms(value: float | None) -> float | None:
+    """Milliseconds as every command's ``--json`` writes them: two decimals (10 µs).
+
+    As the tables show an RTT or a jitter (``0.44 ms``), and finer than a
+    loopback health check can tell apart; ``status`` and ``doctor`` agree.
+    """
+    return None if value is None else round(value, 2)
 
 
 def error(message: str) -> None:
