@@ -151,6 +151,24 @@ def _column_names(columns: str | Sequence[str] | None) -> list[str] | None:
     return names
 
 
+def _integer(name: str, value: Any, *, minimum: int | None = None, optional: bool = False) -> Any:
+    """``value`` as a plain int, or a ValueError naming ``name`` and what it must be.
+
+    Any integer counts (an ``np.int64`` computed from the versions' sizes) but
+    never a bool: ``True`` would quietly be 1. ``optional`` lets None through.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
+        if minimum is None or number >= minimum:
+            return number
+    what = {None: "an integer", 0: "an integer >= 0", 1: "a positive integer"}.get(
+        minimum, f"an integer >= {minimum}"
+    )
+    raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
+
+
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     """Stream pinned dataset versions (one, or a weighted mixture) from the nearest healthy node.
 
@@ -232,39 +250,17 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         metrics_port: int | None = None,
     ) -> None:
         super().__init__()
-        if batch_size is not None and (
-            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0
-        ):
-            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-        for name, value in (
-            ("shuffle_windows", shuffle_windows),
-            ("lanes", lanes),
-            ("threads", threads),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if (
-            not isinstance(prefetch_bytes, int)
-            or isinstance(prefetch_bytes, bool)
-            or (prefetch_bytes < 0)
-        ):
-            raise ValueError(f"prefetch_bytes must be an integer >= 0, got {prefetch_bytes!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            # A string seed would shuffle by its hash: a different order in every process.
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if window_bytes is not None and window_bytes < 1:
-            raise ValueError(f"window_bytes must be positive, got {window_bytes!r}")
-        if samples_per_epoch is not None:
-            # Any integer (an np.int64 from the versions' sizes), never a bool (True was 1).
-            if (
-                isinstance(samples_per_epoch, bool)
-                or not isinstance(samples_per_epoch, numbers.Integral)
-                or samples_per_epoch < 1
-            ):
-                raise ValueError(
-                    f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}"
-                )
-            samples_per_epoch = int(samples_per_epoch)
+        batch_size = _integer("batch_size", batch_size, minimum=1, optional=True)
+        shuffle_windows = _integer("shuffle_windows", shuffle_windows, minimum=1)
+        lanes = _integer("lanes", lanes, minimum=1)
+        threads = _integer("threads", threads, minimum=1)
+        prefetch_bytes = _integer("prefetch_bytes", prefetch_bytes, minimum=0)
+        # A string seed would shuffle by its hash: a different order in every process.
+        seed = _integer("seed", seed)
+        window_bytes = _integer("window_bytes", window_bytes, minimum=1, optional=True)
+        samples_per_epoch = _integer(
+            "samples_per_epoch", samples_per_epoch, minimum=1, optional=True
+        )
         mixture = parse_mixture(spec)
         self.rows = parse_rows(rows)
         if endpoints is None and config is None:

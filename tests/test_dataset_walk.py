@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -145,6 +146,9 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
         ({"threads": 0}, "threads"),  # no fetch thread: nothing would ever be read
         ({"prefetch_bytes": -1}, "prefetch_bytes"),
         ({"seed": "17"}, "seed must be an integer"),  # shuffled by its hash per process
+        ({"window_bytes": 0.5}, "window_bytes must be a positive integer"),  # was accepted
+        ({"window_bytes": True}, "window_bytes"),  # a bool was one byte per window
+        ({"lanes": 2.0}, "lanes must be a positive integer"),
     ],
 )
 def test_bad_arguments_fail_in_the_constructor_naming_the_fix(
@@ -152,6 +156,20 @@ def test_bad_arguments_fail_in_the_constructor_naming_the_fix(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         EdgeDataset("tokens@1", endpoints=node.address, **kwargs)
+
+
+def test_integers_computed_with_numpy_are_integers(node: LocalNode) -> None:
+    # np.int64 (say from a version's row count) was refused as 'must be a positive integer'.
+    ds = EdgeDataset(
+        "tokens@1",
+        endpoints=node.address,
+        batch_size=np.int64(10),
+        lanes=np.int32(2),
+        seed=np.int64(3),
+        prefetch_bytes=np.int64(1 << 20),
+    )
+    assert (ds.batch_size, ds.lanes, ds.seed) == (10, 2, 3)
+    assert type(ds.batch_size) is int and len(next(iter(ds))["label"]) == 10
 
 
 def test_one_column_given_as_a_string_is_that_column(node: LocalNode) -> None:
