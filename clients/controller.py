@@ -482,10 +482,11 @@ class Controller:
                 continue  # still kept (re-placed below if its time changed)
             have = seen.pins.get((node, version))
             if have is not None and abs((have - datetime.fromisoformat(until)).total_seconds()) < 1:
-                problem = self.executor.unpin(node, version)
-                if problem:
-                    failures.append(problem)
-                    continue  # try again next round
+                unpinned = self.executor.unpin(node, version)
+                if not unpinned.released:
+                    if unpinned.problem:
+                        failures.append(unpinned.problem)
+                    continue  # try again next round (a node down this round: not called)
                 log.info("%s: unpinned %s on %s: no scheduled job reads it", region, spec, node)
             del self.state.pins[key]
         for region, region_plan in plan.regions.items():

@@ -55,6 +55,7 @@ __all__ = [
     "NodesSeen",
     "PlanExecutor",
     "TaskRun",
+    "Unpinned",
     "WarmOutcome",
     "eviction_blocker",
 ]
@@ -134,6 +135,19 @@ class NodeCalls:
             f"{what} on {node}: not tried, this round ran out of time (the controller's "
             "lease; see --lease-ttl); the next round tries again"
         )
+
+
+@dataclass(frozen=True)
+class Unpinned:
+    """What :meth:`PlanExecutor.unpin` did: released the pin, failed, or not tried.
+
+    Failed: ``problem`` says why. Not tried (neither released nor a problem): the
+    node is down this round, so it was not called; nothing to report, the next
+    round tries again.
+    """
+
+    released: bool = False
+    problem: str | None = None
 
 
 @dataclass
@@ -285,15 +299,23 @@ class PlanExecutor:
                         failures.append((region, version, str(failure)))
         return failures
 
-    def unpin(self, node: str, version: VersionKey) -> str | None:
-        """Remove ``version``'s pin on ``node`` (an unset time); the failure, or None."""
+    def unpin(self, node: str, version: VersionKey) -> Unpinned:
+        """Remove ``version``'s pin on ``node`` (an unset time): whether it did, or why not.
+
+        A node :attr:`calls` holds as down is not called, as :meth:`pin` skips
+        it: its outage is already this round's failure, and another call would
+        only cost another timeout. Nothing is reported; the pin stays, for the
+        next round to release.
+        """
+        if node in self.calls.down:
+            return Unpinned()
         request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
         what = f"unpinning {version[0]}@{version[1]}"
         try:
             self._node_call(node, what, lambda stub: stub.Pin, request)
         except _NotDone as failure:
-            return str(failure)
-        return None
+            return Unpinned(problem=str(failure))
+        return Unpinned(released=True)
 
     def _see(self, reports: Sequence[NodeReport]) -> NodesSeen:
         """Read a status round once; the nodes that did not answer join :attr:`calls`' down."""

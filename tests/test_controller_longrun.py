@@ -362,6 +362,50 @@ def test_a_node_that_stops_answering_mid_round_costs_one_bounded_call(
         controller.close()
 
 
+def test_a_node_whose_pin_timed_out_is_not_called_again_to_unpin_in_that_round(
+    two_nodes, monkeypatch
+) -> None:
+    root, eu, proxy = two_nodes
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=8
+    )
+    called: list[tuple[str, str]] = []
+    node_call = controller.executor._node_call
+
+    def counted(node, what, *args, **kwargs):
+        called.append((node, what))
+        return node_call(node, what, *args, **kwargs)
+
+    monkeypatch.setattr(controller.executor, "_node_call", counted)
+    pin = controller.executor.pin
+
+    def blackhole_then_pin(*args, **kwargs):  # the node answered the status, then went dark
+        proxy.blackhole()
+        return pin(*args, **kwargs)
+
+    try:
+        controller.tick()  # a, b and c pinned on both nodes
+        controller.wait_idle()
+        assert pins_on(eu) == dict.fromkeys(("a@1", "b@1", "c@1"), T0 + 2 * HOUR)
+        # j now reads a and b for longer: both re-pinned, c's pins released.
+        schedule(root, job("j", "eu", T0 + HOUR, 2, "a@1", "b@1"))
+        monkeypatch.setattr(controller.executor, "pin", blackhole_then_pin)
+        called.clear()
+        took = timed_tick(controller)
+        assert [what for node, what in called if node == proxy.address] == ["pinning a@1"]
+        assert took < 7, f"the round took {took:.1f} s of an 8 s lease"
+        assert holds_lease(controller)
+        assert pins_on(eu) == dict.fromkeys(("a@1", "b@1"), T0 + 3 * HOUR)
+        us_failures = [f for f in controller.failures if proxy.address in f]
+        assert len(us_failures) == 1, controller.failures  # the Pin that timed out
+        # The pin it could not release is kept on record: the next round releases it.
+        assert f"{proxy.address} c@1" in controller.state.pins
+        assert f"{eu.address} c@1" not in controller.state.pins
+    finally:
+        proxy.close()
+        controller.close()
+
+
 def test_a_node_going_down_and_coming_back_is_logged_once_each(site, caplog) -> None:
     root, _, node = site
     schedule(root, job("j", "eu", T0 + HOUR, 1, "a@1"))
