@@ -15,7 +15,7 @@ from datetime import datetime
 
 from edgecache.cache.planner import Plan, StageTask
 from edgecache.clients.controller import ControllerState
-from edgecache.clients.ops import NodeReport, holdings
+from edgecache.clients.ops import NodeReport, holdings, region_outages
 from edgecache.clients.topology import Schedule
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -30,8 +30,11 @@ class JobView:
     region: str
     start: datetime
     planned_ready: datetime | None  # None: nothing to stage (or cannot be met)
-    ready_at: datetime | None  # when the controller saw it complete, if it did
-    missing: list[str]  # "name@N: 3/8 shards" now
+    # When the controller saw it complete, if it did and it still is: a job whose data
+    # is missing now (evicted since, or its region does not answer) is not ready at
+    # any time, whatever was seen before; ``missing`` and ``why`` say what is wrong.
+    ready_at: datetime | None
+    missing: list[str]  # "name@N: 3/8 shards" now, "name@N: not seen, …" when unreachable
     complete_at_start: bool | None  # None until the job starts (or without a controller)
     why: str  # why it is late or cannot be met; "" when on time
     # What is being done about what is missing: "staging" (a controller's task runs),
@@ -75,6 +78,7 @@ def job_views(
     behind). ``schedule_path`` goes into the commands a hint suggests.
     """
     held = holdings(reports, manifests)
+    unseen = {r for r, outage in region_outages(reports).items() if outage.unreachable}
     infeasible: dict[str, list[str]] = {}
     for item in plan.infeasible:
         infeasible.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
@@ -89,15 +93,23 @@ def job_views(
             total = len(manifest.shards)
             holding = held.get(job.region, {}).get((manifest.dataset, manifest.version))
             have = holding.shards if holding else 0
-            if have < total:
+            if job.region in unseen:  # nothing is known there: not "0/N shards"
+                missing.append(
+                    f"{manifest.dataset}@{manifest.version}: not seen, no node of "
+                    f"{job.region} answers"
+                )
+            elif have < total:
                 missing.append(f"{manifest.dataset}@{manifest.version}: {have}/{total} shards")
         region_plan = plan.regions.get(job.region)
         tasks = [t for t in region_plan.tasks if job.name in t.jobs] if region_plan else []
         planned = max((t.finish for t in tasks), default=None)
         record = state.jobs.get(job.name) if state else None
-        ready_at = _time(record.ready_at) if record else None
-        if record and record.planned_ready and planned is None:
-            planned = _time(record.planned_ready)
+        # Seen complete once is not ready now: the record's time stands only while nothing
+        # is missing (else a job of an unreachable region read "ready" at the very time
+        # it showed its shards missing).
+        ready_at = _time(record.ready_at) if record and not missing else None
+        if record and record.planned_ready and planned is None and job.name not in infeasible:
+            planned = _time(record.planned_ready)  # the record's, unless it cannot be met
         why = ""
         if job.name in infeasible:
             why = "cannot be met: " + "; ".join(infeasible[job.name])
