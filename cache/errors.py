@@ -43,6 +43,8 @@ Messages say what to do next, because they end up in front of operators.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
     "AccessDenied",
     "AllNodesFailed",
@@ -79,6 +81,7 @@ __all__ = [
     "VersionNotFound",
     "VersionPinned",
     "WriterLocked",
+    "causes",
 ]
 
 
@@ -240,3 +243,16 @@ class AccessDenied(NodeError, PermissionError):
 
 class AllNodesFailed(NodeError, ConnectionError):
     """Every endpoint failed; the message lists each with its last error."""
+
+
+def causes(exc: BaseException, *, itself: bool = False) -> Iterator[BaseException]:
+    """What ``exc`` was raised ``from``, nearest first: its ``__cause__``, then that one's.
+
+    With ``itself``, ``exc`` comes first: for a question the error may answer
+    as well as what it stands on (is this a full disk?), where a wrapper such as
+    :class:`OriginError` is itself an ``OSError``.
+    """
+    cause = exc if itself else exc.__cause__
+    while cause is not None:
+        yield cause
+        cause = cause.__cause__

@@ -35,6 +35,7 @@ from edgecache.cache.errors import (
     ObjectNotFound,
     OriginError,
     VersionNotFound,
+    causes,
 )
 from edgecache.cache.manifest import build_manifest, manifest_from_json, manifest_to_json
 from edgecache.cache.names import VersionSpec, parse_spec, validate_name
@@ -525,13 +526,11 @@ class Registry:
 
 
 def _out_of_space(exc: BaseException) -> bool:
-    """Whether a store error stands on a full disk or quota (ENOSPC, EDQUOT)."""
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        cause = cause.__cause__
-    return False
+    """Whether a store error is, or stands on, a full disk or quota (ENOSPC, EDQUOT)."""
+    return any(
+        isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        for cause in causes(exc, itself=True)
+    )
 
 
 def _as_prefix(url: str) -> str:

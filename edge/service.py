@@ -13,7 +13,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from edgecache.cache.errors import (
     StoreError,
     UnknownTransform,
     VersionNotFound,
+    causes,
 )
 from edgecache.edge.diagnose import diagnose_origin, diagnose_peer
 from edgecache.edge.node import EdgeNode
@@ -169,14 +170,6 @@ _S3_TRANSIENT = frozenset(
 )
 
 
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """What ``exc`` was raised ``from``, nearest first: its ``__cause__``, then that one's."""
-    cause = exc.__cause__
-    while cause is not None:
-        yield cause
-        cause = cause.__cause__
-
-
 def _s3_error(exc: BaseException) -> tuple[str, dict[str, Any]] | None:
     """The S3 error code and response of a botocore ``ClientError``; ``None`` for any other."""
     response = getattr(exc, "response", None)
@@ -187,7 +180,7 @@ def _s3_error(exc: BaseException) -> tuple[str, dict[str, Any]] | None:
 
 def _s3_code(exc: BaseException) -> str | None:
     """The S3 error code (``ClientError.response["Error"]["Code"]``) an error stands on."""
-    for cause in _causes(exc):
+    for cause in causes(exc):
         if (error := _s3_error(cause)) is not None:
             return error[0]
     return None
@@ -205,7 +198,7 @@ def _origin_refusal(exc: OriginError) -> str | None:
     refusal, 5xx is transient. Timeouts and refused connections stay
     UNAVAILABLE.
     """
-    for cause in _causes(exc):
+    for cause in causes(exc):
         if isinstance(cause, _REFUSALS):
             return _ACCESS_ADVICE
         if (error := _s3_error(cause)) is None:
