@@ -17,10 +17,28 @@ from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
 
+@pytest.fixture
+def short_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore's retry sleeps, a twentieth as long: the same retries, in less wall time.
+
+    Standard mode sleeps rand(0, 1) x 2^n s before retry n+1, so the always-500
+    object's retries (AWS_MAX_ATTEMPTS=5: six requests) slept 0-31 s (about 15 s on
+    average) and made this test's time 8-25 s. Every request, fault and retry
+    still happens, through botocore's own retry handler; only the waits shrink.
+    """
+    from botocore.retries.standard import ExponentialBackoff
+
+    delay = ExponentialBackoff.delay_amount
+    monkeypatch.setattr(
+        ExponentialBackoff, "delay_amount", lambda self, context: delay(self, context) / 20
+    )
+
+
 def test_staging_rides_out_origin_faults_and_names_a_dead_object(
     s3_endpoint: str,
     tmp_path: Path,
     figure,  # noqa: ANN001
+    short_backoff: None,
 ) -> None:
     bucket = f"bkt-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
