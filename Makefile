@@ -17,7 +17,8 @@ test: $(STAMP)  ## run the whole test suite (bin/pytest: python -m would put the
 
 # Containers for real: a Docker engine (installed and started here when missing, as root),
 # the local Debian base (debootstrap + docker import; no registry needed), the images, and
-# deploy/compose.host.yaml run and driven from the host by tests/deploy. Skipped, loudly,
+# deploy/compose.host.yaml run and driven from the host by tests/deploy, then restarted whole by
+# tests/test_deploy_walk.py (its own project, after the first stack is down). Skipped, loudly,
 # only where no Docker engine can be had. DEPLOY_BASE_IMAGE=python:3.11-slim where a registry is.
 DEPLOY_BASE_IMAGE ?= edgecache-base:bookworm
 test-deploy: $(STAMP)  ## build the images and run the compose stack on a real Docker engine
@@ -30,7 +31,9 @@ test-deploy: $(STAMP)  ## build the images and run the compose stack on a real D
 	fi; \
 	if [ "$(DEPLOY_BASE_IMAGE)" = edgecache-base:bookworm ]; then deploy/base-image/build.sh; fi; \
 	EDGECACHE_DEPLOY_TESTS=1 EDGECACHE_BASE_IMAGE=$(DEPLOY_BASE_IMAGE) \
-		$(VENV)/bin/pytest -o timeout=900 -p no:cacheprovider tests/deploy
+		$(VENV)/bin/pytest -o timeout=900 -p no:cacheprovider tests/deploy \
+	&& EDGECACHE_DEPLOY_TESTS=1 EDGECACHE_BASE_IMAGE=$(DEPLOY_BASE_IMAGE) \
+		$(VENV)/bin/pytest -o timeout=1200 -p no:cacheprovider tests/test_deploy_walk.py
 
 base-image:  ## the local Debian base image (debootstrap + docker import), unless it exists
 	deploy/base-image/docker-engine.sh

@@ -1,0 +1,282 @@
+"""deploy/ walked as an operator runs it: what deploy/README.md says to do, and what an
+operator would trip on. The S3 origin's persistence runs here in any ``pytest`` (moto from
+the dev extra, outside a container); the restart of the whole compose stack needs a Docker
+engine and runs under ``make test-deploy`` (skipped otherwise, as tests/deploy/ is)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+ORIGIN_SCRIPT = DEPLOY / "compose" / "s3-origin.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_origin(port: int, state: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, str(ORIGIN_SCRIPT), "-p", str(port), "--state-dir", str(state)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "s3-origin did not listen"
+        time.sleep(0.1)
+
+
+def s3(port: int):  # noqa: ANN201
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+def test_the_s3_origin_keeps_its_objects_across_a_restart(tmp_path: Path) -> None:
+    """The compose stack's origin holds the registry; the nodes' caches survive a restart
+    on their volumes, so the registry must too. moto alone forgot every object: a restarted
+    stack had caches holding tokens@1 and a registry without it, and the next publish made
+    a different tokens@1 (3 shards in the registry, 4 other shards served from the caches)."""
+    port, state = free_port(), tmp_path / "state"
+    proc = start_origin(port, state)
+    try:
+        client = s3(port)
+        client.create_bucket(Bucket="edgecache")
+        client.put_object(Bucket="edgecache", Key="_edgecache/tokens/versions/1.json", Body=b"{}")
+        upload = client.create_multipart_upload(Bucket="edgecache", Key="raw/big")
+        parts = [
+            client.upload_part(
+                Bucket="edgecache",
+                Key="raw/big",
+                UploadId=upload["UploadId"],
+                PartNumber=n,
+                Body=body,
+            )["ETag"]
+            for n, body in ((1, b"a" * (5 << 20)), (2, b"b" * 10))
+        ]
+        client.complete_multipart_upload(
+            Bucket="edgecache",
+            Key="raw/big",
+            UploadId=upload["UploadId"],
+            MultipartUpload={
+                "Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(parts)]
+            },
+        )
+        before = {
+            o["Key"]: o["ETag"] for o in client.list_objects_v2(Bucket="edgecache")["Contents"]
+        }
+        assert before["raw/big"].endswith('-2"'), before  # manifests record this ETag
+    finally:
+        proc.send_signal(signal.SIGTERM)  # docker stop
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+
+    proc = start_origin(port, state)
+    try:
+        client = s3(port)
+        after = {
+            o["Key"]: o["ETag"] for o in client.list_objects_v2(Bucket="edgecache")["Contents"]
+        }
+        assert after == before
+        body = client.get_object(Bucket="edgecache", Key="raw/big")["Body"].read()
+        assert body == b"a" * (5 << 20) + b"b" * 10
+        # A write is on disk within a second, without a clean stop (docker kill).
+        client.put_object(Bucket="edgecache", Key="_edgecache/tokens/versions/2.json", Body=b"{}")
+        time.sleep(1.5)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    proc = start_origin(port, state)
+    try:
+        keys = {o["Key"] for o in s3(port).list_objects_v2(Bucket="edgecache")["Contents"]}
+        assert "_edgecache/tokens/versions/2.json" in keys, keys
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
+def test_the_s3_origin_refuses_a_state_it_cannot_load(tmp_path: Path) -> None:
+    """Starting empty beside full caches is the inconsistency the state file prevents."""
+    (tmp_path / "s3.pickle").write_bytes(b"not a pickle")
+    out = subprocess.run(
+        [sys.executable, str(ORIGIN_SCRIPT), "-p", str(free_port()), "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "cannot load" in out.stderr, out
+
+
+def test_the_host_compose_keeps_the_registry_on_a_volume() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.host.yaml").read_text())
+    origin = compose["services"]["s3-origin"]
+    dockerfile = (DEPLOY / "compose" / "s3-origin.Dockerfile").read_text()
+    entry = json.loads(dockerfile.split("\nENTRYPOINT ", 1)[1].splitlines()[0])
+    assert entry[:2] == ["python3", "/opt/moto/s3-origin.py"], entry
+    assert "COPY s3-origin.py /opt/moto/s3-origin.py" in dockerfile
+    assert 'VOLUME ["/var/lib/s3-origin"]' in dockerfile
+    assert "chown 10001:10001 /var/lib/s3-origin" in dockerfile  # a fresh volume is writable
+    assert "s3-origin:/var/lib/s3-origin" in origin["volumes"]
+    assert "s3-origin" in compose["volumes"]
+
+
+# --------------------------------------------------------------------- on Docker
+
+deploy_only = pytest.mark.skipif(
+    os.environ.get("EDGECACHE_DEPLOY_TESTS") != "1",
+    reason="containers on a real Docker engine: run `make test-deploy`",
+)
+PROJECT = "edgecache-walk"
+TOPOLOGY = DEPLOY / "compose" / "edgecache.host.yaml"
+S3 = "http://127.0.0.1:17000"
+
+
+def compose(*args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    base = ["docker", "compose"]
+    if subprocess.run([*base, "version"], capture_output=True).returncode != 0:
+        base = ["docker-compose"]
+    env = {
+        **os.environ,
+        "EDGECACHE_BASE_IMAGE": os.environ.get("EDGECACHE_BASE_IMAGE", "edgecache-base:bookworm"),
+    }
+    out = subprocess.run(
+        [*base, "-f", str(DEPLOY / "compose.host.yaml"), "-p", PROJECT, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert not check or out.returncode == 0, (args, out.stdout, out.stderr)
+    return out
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": S3,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "COLUMNS": "200",
+    }
+    exe = Path(sys.executable).with_name("edgecache")
+    out = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, (args, out.stdout, out.stderr)
+    return out
+
+
+def wait_healthy(timeout: float = 180) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = compose("ps", "-q").stdout.split()
+        states = {}
+        for cid in ids:
+            info = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True,
+                                             text=True).stdout)[0]  # fmt: skip
+            name = info["Config"]["Labels"]["com.docker.compose.service"]
+            health = (info["State"].get("Health") or {}).get("Status")
+            if name != "s3-setup":
+                states[name] = "healthy" if info["State"]["Running"] and health in (
+                    None, "healthy") else str(health)  # fmt: skip
+        if len(states) == 5 and set(states.values()) == {"healthy"}:
+            return states
+        assert time.monotonic() < deadline, (states, compose("logs", "--tail", "30").stdout)
+        time.sleep(1)
+
+
+def read_all(spec: str, region: str) -> list[int]:
+    import torch
+
+    from edgecache.clients import EdgeDataset
+
+    ds = EdgeDataset(spec, config=str(TOPOLOGY), region=region, batch_size=500, shuffle=False)
+    return [int(x) for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]]
+
+
+@deploy_only
+@pytest.mark.timeout(1200)
+def test_the_whole_stack_restarts_with_its_caches_and_registry_consistent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/README.md's host-network walk: up, publish, warm, read; `down` and `up` the whole
+    stack; the caches and the registry come back together (the same tokens@1, digest and
+    rows), and every container stops by itself on SIGTERM (exit 0), before docker's kill."""
+    from edgeutil import write_parquet_shards
+    from s3server import upload_dir
+
+    for key, value in {"AWS_ENDPOINT_URL": S3, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    compose("down", "-v", "--remove-orphans", check=False)
+    try:
+        compose("build")
+        compose("up", "-d")
+        wait_healthy()
+        write_parquet_shards(tmp_path / "raw", 4, rows=2000)
+        upload_dir(S3, "edgecache", "raw/tokens", tmp_path / "raw")
+        config = str(TOPOLOGY)
+        first = json.loads(cli("publish", "s3://edgecache/raw/tokens", "--dataset", "tokens",
+                               "--config", config, "--json").stdout)  # fmt: skip
+        assert first["version"] == "tokens@1"
+        cli("warm", "tokens@1", "--region", "eu-west", "--config", config)
+        assert sorted(read_all("tokens@1", "eu-west")) == list(range(8000))
+
+        compose("down")  # volumes kept: caches and registry
+        compose("up", "-d")
+        wait_healthy()
+        versions = json.loads(cli("versions", "tokens", "--config", config, "--json").stdout)
+        assert [(v["version"], v["digest"], v["rows"]) for v in versions] == [
+            (1, first["digest"], 8000)
+        ], (versions, first)
+        # A second publish is tokens@2, never another tokens@1 beside the cached one.
+        write_parquet_shards(tmp_path / "raw2", 3, rows=1000)
+        upload_dir(S3, "edgecache", "raw/tokens2", tmp_path / "raw2")
+        second = json.loads(cli("publish", "s3://edgecache/raw/tokens2", "--dataset", "tokens",
+                                "--config", config, "--json").stdout)  # fmt: skip
+        assert second["version"] == "tokens@2", second
+        status = cli("status", "--config", config).stdout
+        assert "tokens@1 (2/4" in status, status  # eu-west's caches survived, split 2 + 2
+        assert sorted(read_all("tokens@1", "eu-west")) == list(range(8000))
+        assert sorted(read_all("tokens@2", "us-east")) == list(range(3000))
+
+        stopped = {}
+        for cid in compose("ps", "-q").stdout.split():
+            info = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True,
+                                             text=True).stdout)[0]  # fmt: skip
+            if not info["State"]["Running"]:
+                continue
+            started = time.monotonic()
+            subprocess.run(["docker", "stop", "-t", "30", cid], capture_output=True, timeout=90)
+            code = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True,
+                                             text=True).stdout)[0]["State"]["ExitCode"]  # fmt: skip
+            name = info["Config"]["Labels"]["com.docker.compose.service"]
+            stopped[name] = (code, round(time.monotonic() - started, 1))
+        assert all(code == 0 and took < 15 for code, took in stopped.values()), stopped
+    finally:
+        compose("down", "-v", "--remove-orphans", "-t", "30", check=False)
