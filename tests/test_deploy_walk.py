@@ -280,3 +280,48 @@ def test_the_whole_stack_restarts_with_its_caches_and_registry_consistent(
         assert all(code == 0 and took < 15 for code, took in stopped.values()), stopped
     finally:
         compose("down", "-v", "--remove-orphans", "-t", "30", check=False)
+
+
+# ------------------------------------------------------------- Kubernetes, offline
+
+
+def readable_mounts(pod: dict, container: dict) -> dict[str, bool]:
+    """Whether the container's user can read each mounted Secret or ConfigMap volume's files.
+
+    What the kubelet does: the files are owned by root with the volume's mode (defaultMode,
+    else 0644); with the pod's fsGroup they belong to that group, which also gets read
+    (mode | 0440). A user that is not root reads them through "other" bits or fsGroup only.
+    """
+    context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    uid, fs_group = context.get("runAsUser", 0), context.get("fsGroup")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    found = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})  # none: a volumeClaimTemplate
+        source = volume.get("secret") or volume.get("configMap")
+        if source is None:
+            continue
+        mode = source.get("defaultMode", 0o644)
+        found[mount["mountPath"]] = uid == 0 or bool(mode & 0o004) or fs_group is not None
+    return found
+
+
+def pods(objects: list[dict]) -> list[tuple[str, dict]]:
+    return [
+        (f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"])
+        for o in objects
+        if o["kind"] in ("StatefulSet", "Deployment", "DaemonSet", "Job")
+    ]
+
+
+def test_every_pod_can_read_the_secrets_it_mounts() -> None:
+    """The controller runs as uid 10001 and mounts its token and CA Secrets with mode 0400,
+    owned by root: without an fsGroup it could read neither, and stopped at start on
+    --token-file /etc/edgecache/tokens/admin (permission denied)."""
+    from test_deploy import render
+
+    for target in ("overlays/eu-west", "overlays/us-east", "controller"):
+        for name, pod in pods(render(DEPLOY / "k8s" / target)):
+            for container in pod["containers"]:
+                unreadable = [p for p, ok in readable_mounts(pod, container).items() if not ok]
+                assert not unreadable, (target, name, unreadable)
