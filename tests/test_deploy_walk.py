@@ -325,3 +325,35 @@ def test_every_pod_can_read_the_secrets_it_mounts() -> None:
             for container in pod["containers"]:
                 unreadable = [p for p, ok in readable_mounts(pod, container).items() if not ok]
                 assert not unreadable, (target, name, unreadable)
+
+
+def test_the_compose_topology_for_the_host_lists_the_published_ports() -> None:
+    """deploy/README.md ran `edgecache status --config deploy/compose/edgecache.yaml` from the
+    host, a topology of container names (eu-west-1:7070) that resolve only inside the
+    compose network: every node read as down. The host's file lists the published ports."""
+    import re
+
+    from edgecache.clients.topology import load_topology
+
+    readme = (DEPLOY / "README.md").read_text()
+    section = readme.split("## One machine, several regions (Docker Compose)", 1)[1]
+    section = section.split("### Host network only", 1)[0]
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    published = {}
+    for svc in compose["services"].values():
+        if "EDGECACHE_REGION" in svc.get("environment", {}):
+            (port,) = [p.split(":")[0] for p in svc["ports"] if p.endswith(":7070")]
+            published.setdefault(svc["environment"]["EDGECACHE_REGION"], set()).add(
+                f"localhost:{port}"
+            )
+    used = re.findall(r"edgecache \w+ .*--config (\S+)", section)
+    assert used, section
+    for path in used:
+        topology = load_topology(ROOT / path)
+        nodes = {r: {str(n) for n in region.nodes} for r, region in topology.regions.items()}
+        assert nodes == published, (path, nodes)
+    minio = compose["services"]["minio"]
+    assert "9000:9000" in minio["ports"] and "AWS_ENDPOINT_URL=http://localhost:9000" in section
+    env = minio["environment"]
+    assert f"AWS_ACCESS_KEY_ID={env['MINIO_ROOT_USER']}" in section
+    assert f"AWS_SECRET_ACCESS_KEY={env['MINIO_ROOT_PASSWORD']}" in section
