@@ -1,7 +1,7 @@
 """Smoke test of ``python -m bench.schedule``: the scenario benchmark at toy size, so it cannot rot.
 
-The whole benchmark runs once (``--smoke``: three 4 MiB versions, six jobs
-over eight simulated hours at 4000×, a 20 ms link) over network namespaces
+The whole benchmark runs once (``--smoke``: three 2 MiB versions, six jobs
+over eight simulated hours at 8000×, a 20 ms link) over network namespaces
 where this machine permits them, else over the loopback proxy, and must
 produce every figure, timeline and the chart. No figure is asserted against
 its target: at toy sizes on a shared 2-core machine they mean nothing. Every
