@@ -1,6 +1,6 @@
 """Smoke tests of ``python -m bench.wan``: the WAN benchmark at toy sizes, so it cannot rot.
 
-The whole benchmark runs once (``--smoke``: 8 MiB, a 20 ms link) over network
+The whole benchmark runs once (``--smoke``: 4 MiB, a 20 ms link) over network
 namespaces where this machine permits them, else over the loopback proxy,
 and must produce every figure and timeline the lead renders; the proxy link
 is exercised on its own too, so the fallback cannot rot where namespaces

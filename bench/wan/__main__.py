@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.raw_mib, args.shard_mib, args.repeat, args.rtt_ms = 8, 2, 1, 20.0
-        args.probe_seconds, args.probe_warmup, args.probe_streams = 0.5, 0.3, "1,4"
-        args.settle_seconds = 0.5
+        # Four 1 MiB shards; staging the next version still outlasts the contended epoch.
+        args.raw_mib, args.shard_mib, args.repeat, args.rtt_ms = 4, 1, 1, 20.0
+        args.probe_seconds, args.probe_warmup, args.probe_streams = 0.3, 0.1, "1,4"
+        args.settle_seconds = 0.2
 
     console = Console(width=150)
     spec = LinkSpec(rtt_ms=args.rtt_ms, rate_mbit=args.rate_mbit, loss=args.loss)
