@@ -248,7 +248,9 @@ class S3Store(ObjectStore):
 
                 config = AioConfig(
                     max_pool_connections=self._max_connections,
-                    retries={"mode": "standard", "max_attempts": self.attempts},
+                    # total_max_attempts counts every try, as AWS_MAX_ATTEMPTS does;
+                    # botocore's max_attempts counts retries (one more request).
+                    retries={"mode": "standard", "total_max_attempts": self.attempts},
                     connect_timeout=5,
                     read_timeout=30,
                 )
