@@ -84,7 +84,7 @@ def controller(
     does); 130 interrupted by Ctrl-C, --once included (run it again to
     resume); 143 a second SIGTERM.
     """
-    from edgecache.clients.cli.staging import parse_at
+    from edgecache.clients.cli.staging import parse_at, report_infeasible
     from edgecache.clients.controller import Controller, SimulatedClock
 
     logging.basicConfig(
@@ -143,16 +143,9 @@ def controller(
                 if acted_on is None:
                     raise exit_with(ExitCode.FAILED)  # another controller holds the lease
             running.wait_idle()
-            # What cannot be met, as plan and warm say it (an unreachable region is a
-            # failure of the round, said below); a failure (1) outranks it (3).
-            cannot = [i for i in acted_on.infeasible if not i.unreachable]
-            for i in cannot:
-                err_console.print(
-                    f"cannot be met: {i.job} {i.version} in {i.region}: {i.reason}",
-                    soft_wrap=True,
-                    highlight=False,
-                    markup=False,
-                )
+            # What cannot be met, as warm says it (an unreachable region is a failure of
+            # the round, said below); a failure (1) outranks it (3).
+            cannot = report_infeasible(acted_on)
             for failure in running.failures:
                 error(failure)
             if running.failures and not received:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
@@ -390,7 +391,7 @@ def warm(
         else:
             work = _single_item(topology, target, region)
     if isinstance(work, _ScheduleWork):
-        _report_infeasible(work)
+        report_infeasible(work.plan)
     elif dry_run:
         _report_single_rehearsal(work, as_json)
         return
@@ -477,17 +478,23 @@ def _single_item(topology: Topology, spec: str, region: str | None) -> WarmItem:
     return ops.warm_item_for_version(topology, region, manifest)
 
 
-def _report_infeasible(work: _ScheduleWork) -> None:
-    """Say up front which jobs cannot be met, since warm carries out the rest anyway.
+def report_infeasible(plan: Plan) -> list[Infeasible]:
+    """Say on stderr which jobs of ``plan`` cannot be met, and return them.
 
-    An unreachable region's jobs are left out (:func:`_plan_reasons`): the
-    outage is said once, at the end, as the node failure it is.
+    ``warm`` says it up front, since it carries out the rest anyway, and
+    ``controller --once`` after its round. An unreachable region's jobs are
+    left out (:func:`_plan_reasons`): the outage is said once, at the end, as
+    the node failure it is.
     """
-    for i in _plan_reasons(work.plan):
+    reasons = _plan_reasons(plan)
+    for i in reasons:
         err_console.print(
-            f"[yellow]cannot be met:[/yellow] {i.job} {i.version} in {i.region}: {i.reason}",
+            "[yellow]cannot be met:[/yellow] "
+            + escape(f"{i.job} {i.version} in {i.region}: {i.reason}"),
             soft_wrap=True,
+            highlight=False,
         )
+    return reasons
 
 
 def _report_single_rehearsal(item: WarmItem, as_json: bool) -> None:
