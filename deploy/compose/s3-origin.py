@@ -39,6 +39,7 @@ class Saved:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lock = threading.Lock()  # writes and saves never overlap
+        self.saving = threading.Lock()  # one save at a time: the saver's and the last one
         self.dirty = threading.Event()
 
     @property
@@ -64,16 +65,21 @@ class Saved:
         return len(buckets)
 
     def save(self) -> None:
-        """Write the buckets, atomically (a temporary file, fsync, rename)."""
-        with self.lock:
-            self.dirty.clear()
-            data = pickle.dumps(dict(self.backend.buckets), protocol=pickle.HIGHEST_PROTOCOL)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
+        """Write the buckets, atomically (a temporary file, fsync, rename).
+
+        The saver thread and the save at stop may run at once: both would write the one
+        temporary file, so saves take turns.
+        """
+        with self.saving:
+            with self.lock:
+                self.dirty.clear()
+                data = pickle.dumps(dict(self.backend.buckets), protocol=pickle.HIGHEST_PROTOCOL)
+            tmp = self.path.with_suffix(".tmp")
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.path)
 
     def saver(self) -> None:
         """Save soon after writes, in a thread."""
