@@ -26,9 +26,10 @@ joined for token ids, and is what makes decoding faster than plain zstd
 rather than merely as fast: joining is the costly step here.
 
 numpy does the transposes (its loops release the GIL, so readers still decode
-chunks on several threads): splitting gathers each stored stream with one
-strided copy; joining uses shifts and ORs on 2-, 4- or 8-byte integers,
-where numpy's own transposed copy into interleaved bytes is 2-3× slower.
+chunks on several threads): splitting shifts whole words right and casts them
+to bytes, joining shifts them left and ORs them together, both on 2-, 4- or
+8-byte integers, where numpy's strided copies of every width-th byte are 2-3×
+slower.
 Constant streams are found with an OR and an AND reduction (~25 GB/s).
 """
 
@@ -200,15 +201,37 @@ def split(stream: pa.Buffer, spans: Sequence[Span]) -> tuple[pa.Buffer, list[Reg
         gap = r.offset - done
         dst[at : at + gap] = src[done : r.offset]
         at += gap
-        rows = src[r.offset : r.offset + r.length].reshape(-1, r.width)
-        count = rows.shape[0]
-        for k in range(r.width):
-            if not r.constant >> k & 1:
-                np.copyto(dst[at : at + count], rows[:, k])
-                at += count
+        _split_one(src[r.offset : r.offset + r.length], dst[at : at + r.stored], r)
+        at += r.stored
         done = r.offset + r.length
     dst[at:] = src[done:]
     return out, regions
+
+
+def _split_one(elements: np.ndarray, dst: np.ndarray, region: Region) -> None:
+    # Stream k is each word shifted right by 8k and cast to uint8 (the cast keeps the low
+    # byte): whole-word passes numpy vectorises, 2-3x the speed of gathering every width-th
+    # byte with a strided copy. The shifted words go to one scratch array from Arrow's pool
+    # (which reuses it: a fresh numpy array per call costs page faults), only as wide as
+    # the highest stored byte needs (token ids under 65,536: 2 bytes, not 4).
+    kept = [k for k in range(region.width) if not region.constant >> k & 1]
+    words = elements.view(_WORDS[region.width])
+    count = len(words)
+    scratch: np.ndarray | None = None
+    by = 0
+    for i, k in enumerate(kept):
+        out = dst[i * count : (i + 1) * count]
+        if not k:
+            np.copyto(out, words, casting="unsafe")
+            continue
+        if scratch is None:
+            narrow = next(w for w in WIDTHS if w > kept[-1] - k)
+            scratch = np.frombuffer(pa.allocate_buffer(count * narrow), _WORDS[narrow])
+            np.right_shift(words, 8 * k, out=scratch, casting="unsafe")
+        else:
+            np.right_shift(scratch, 8 * (k - by), out=scratch)
+        by = k
+        np.copyto(out, scratch, casting="unsafe")
 
 
 def stored_length(regions: Sequence[Region], raw_len: int) -> int:
