@@ -12,7 +12,10 @@ Peers are asked in rendezvous order for the shard (the owner among a region's
 replicas first). A peer that fails mid-shard is left for the next one, which
 continues from the first chunk not yet received (encoding is deterministic,
 so chunk *k* is the same on every node); a peer whose chunking differs is
-asked from chunk 0. Peers authenticate this node like any client: the
+asked from chunk 0. A peer is left for the next one too when it sends
+nothing for ``STALL_SECONDS``, or gives the shard more slowly than
+``MIN_PEER_RATE`` on average once ``RATE_GRACE_SECONDS`` have passed (a slow
+drip; see :class:`_PeerTooSlow`). Peers authenticate this node like any client: the
 node's read or admin token, and its own certificate for mutual TLS.
 """
 
@@ -47,6 +50,11 @@ _OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 STALL_SECONDS = 30.0  # a peer that sends nothing for this long is abandoned
+# A peer whose copy of a shard averages less than MIN_PEER_RATE (frame bytes/s, from
+# the moment it was asked) once RATE_GRACE_SECONDS have passed is abandoned too: see
+# _PeerTooSlow for why a floor on the average, and why these values.
+MIN_PEER_RATE = 256 << 10  # 2 Mbit/s
+RATE_GRACE_SECONDS = 30.0
 
 
 class PeerCopyFailed(EdgeCacheError):
@@ -140,6 +148,8 @@ class Peers:
                         f"{peer} failed after {got} chunks "
                         f"({name}: {exc.details()})" + (f"; {hint}" if hint else "")
                     )
+                except _PeerTooSlow as exc:
+                    reasons.append(f"{peer} {exc}")
                 except ChunkCorrupt as exc:
                     got = len(copy.frames) - before
                     reasons.append(f"{peer} failed after {got} chunks ({exc})")
@@ -182,16 +192,33 @@ class Peers:
             request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
             response_deserializer=parse_chunk,
         )(request, metadata=self._metadata)
+        loop = asyncio.get_running_loop()
+        asked = loop.time()  # when this peer was asked
+        received = chunks = 0  # frame bytes and chunks it gave since
         try:
             stream = call.__aiter__()
             while True:
+                # The next chunk must come within STALL_SECONDS, and soon enough that the
+                # average since asking stays at MIN_PEER_RATE once the grace period is over.
+                rate_bound = max(RATE_GRACE_SECONDS, received / MIN_PEER_RATE) - (
+                    loop.time() - asked
+                )
+                too_slow = rate_bound < STALL_SECONDS
                 try:
-                    chunk = await asyncio.wait_for(stream.__anext__(), STALL_SECONDS)
+                    if rate_bound <= 0:
+                        raise TimeoutError
+                    chunk = await asyncio.wait_for(
+                        stream.__anext__(), min(STALL_SECONDS, rate_bound)
+                    )
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
+                    if too_slow:
+                        raise _PeerTooSlow(received, loop.time() - asked, chunks) from None
                     raise ChunkCorrupt(f"no chunk for {STALL_SECONDS:.0f} s") from None
                 copy.add(chunk)
+                received += len(chunk.frame)  # type: ignore[attr-defined]
+                chunks += 1
             if not copy.complete():
                 raise ChunkCorrupt(
                     f"the stream ended after {len(copy.frames)} of {copy.chunk_count} chunks "
@@ -236,6 +263,38 @@ def _tls_hint(peer: str, details: str) -> str | None:
 
 class _ChunkedDifferently(Exception):
     """A peer's chunks do not continue the ones already received."""
+
+
+class _PeerTooSlow(Exception):
+    """A peer gave a shard more slowly than MIN_PEER_RATE on average, past the grace period.
+
+    A stall bound alone (STALL_SECONDS without a chunk) lets a peer that sends
+    one small chunk every 29 s hold a shard copy for hours, while origin or the
+    next peer could have given it in seconds. Staging has a deadline, so what an
+    operator expects of a peer copy is a bounded time for the shard's size.
+
+    The bound is a floor on the average rate of the copy from one peer: bytes
+    received from it over the time since it was asked, checked continuously
+    (the wait for the next chunk ends when the average would drop below the
+    floor). A floor rather than a fixed deadline, because shards differ in size
+    (a deadline either cuts large shards on a healthy link or lets small ones
+    drip); the average over the whole copy rather than over each gap, because
+    gRPC delivers whole chunks (up to several MiB) at once, so a healthy but
+    modest link looks bursty chunk by chunk. The grace period covers connecting
+    and the first chunk. The floor, 2 Mbit/s, is far below what a peer link is
+    worth using for (origin is the alternative, and staging runs several shards
+    at once over the link), so a healthy but busy peer is not left; a peer
+    dripping a small chunk every 29 s is left about 30 s after it was asked. A peer that stays
+    just above the floor still finishes a shard within its size / 256 KiB/s.
+    """
+
+    def __init__(self, received: int, seconds: float, chunks: int) -> None:
+        rate = received / seconds / 1024 if seconds > 0 else 0.0
+        super().__init__(
+            f"was too slow: {rate:.1f} KiB/s on average ({chunks} chunks, {received} bytes "
+            f"in {seconds:.1f} s), below the floor of {MIN_PEER_RATE / 1024:.0f} KiB/s "
+            f"after {RATE_GRACE_SECONDS:.0f} s"
+        )
 
 
 class _Copy:

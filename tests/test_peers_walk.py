@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -29,7 +30,9 @@ from tlsutil import make_pki
 
 from edgecache.cache import rendezvous
 from edgecache.cache.store import CacheStore
+from edgecache.cache.wire import READ_SHARD_METHOD
 from edgecache.clients.node_client import start_local_node
+from edgecache.edge import peers as peer_copy
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import NodeServer, running_node
 from edgecache.v1 import edge_pb2
@@ -125,6 +128,53 @@ def stored_size(node: NodeServer) -> int:
     return sum(v.stored_bytes for v in status(node.address).versions if v.dataset == "tokens")
 
 
+class DripPeer:
+    """A gRPC peer that relays a real node's chunks, one every ``gap`` seconds: a slow drip.
+
+    Its own gRPC server, so HTTP/2 pings are answered at once and the connection
+    stays healthy: only the chunks come slowly, each well within STALL_SECONDS.
+    """
+
+    def __init__(self, target: str, gap: float) -> None:
+        self.gap = gap
+        self.sent = 0
+        self._channel = grpc.insecure_channel(
+            target, options=[("grpc.max_receive_message_length", 256 << 20)]
+        )
+        self._read = self._channel.unary_stream(
+            READ_SHARD_METHOD, request_serializer=edge_pb2.ReadShardRequest.SerializeToString
+        )  # no deserializer: the chunks as bytes, relayed as they are
+        handler = grpc.method_handlers_generic_handler(
+            edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name,
+            {
+                "ReadShard": grpc.unary_stream_rpc_method_handler(
+                    self._serve, request_deserializer=edge_pb2.ReadShardRequest.FromString
+                )
+            },
+        )
+        self._server = grpc.server(ThreadPoolExecutor(16))
+        self._server.add_generic_rpc_handlers((handler,))
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def _serve(
+        self, request: edge_pb2.ReadShardRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        for i, chunk in enumerate(self._read(request, timeout=60)):
+            if i:
+                until = time.monotonic() + self.gap
+                while time.monotonic() < until and context.is_active():
+                    time.sleep(0.02)
+            if not context.is_active():
+                return
+            self.sent += 1
+            yield chunk
+
+    def close(self) -> None:
+        self._server.stop(0).wait(10)
+        self._channel.close()
+
+
 # --- a peer that hangs or dies mid-shard --------------------------------------------------------
 
 
@@ -171,6 +221,66 @@ def test_a_hung_only_peer_with_peers_only_fails_each_shard_and_stores_nothing(
             assert s.origin_bytes == 0 and s.staged_peer_bytes == 0
     finally:
         proxy.close()
+
+
+def test_a_peer_dripping_chunks_is_left_for_the_next_once_below_the_rate_floor(
+    site: Site, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk every 1 s never trips a 2 s stall bound; the floor on the average does.
+
+    The production values (a chunk within 30 s; 256 KiB/s on average after 30 s)
+    scaled down: a chunk within 2 s; 512 KiB/s on average after 2 s. The drip
+    sends a chunk (at most 64 KiB) a second, far below the floor.
+    """
+    one, two = site.eu
+    monkeypatch.setattr(peer_copy, "STALL_SECONDS", 2.0)
+    monkeypatch.setattr(peer_copy, "RATE_GRACE_SECONDS", 2.0)
+    monkeypatch.setattr(peer_copy, "MIN_PEER_RATE", 512 << 10)
+    chunk_counts = [len(frames(one.address, shard)) for shard in range(SHARDS)]
+    assert min(chunk_counts) >= 6, chunk_counts  # a drip of 1 s a chunk: 5 s or more a shard
+    drip = DripPeer(one.address, gap=1.0)
+    try:
+        first = [
+            s
+            for s in range(SHARDS)
+            if rendezvous.rank([drip.address, two.address], "tokens", 1, s)[0] == drip.address
+        ]
+        with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
+            # The drip first where rendezvous ranks it so, then the healthy peer.
+            began = time.monotonic()
+            last = stage(us.address, [drip.address, two.address])
+            took = time.monotonic() - began
+            assert last.shards_done == SHARDS and not last.failures, last
+            assert took < 4.5, f"a dripping peer held the stage for {took:.1f} s"
+            for shard in range(SHARDS):
+                notes = notes_for(last, shard)
+                if shard not in first:
+                    assert not notes, notes
+                    continue
+                (note,) = notes
+                # The peer, the shard and the rate seen.
+                assert drip.address in note and "too slow" in note, note
+                assert "KiB/s on average" in note and "below the floor of 512 KiB/s" in note
+            s = status(us.address)
+            assert s.origin_bytes == 0 and s.staged_peer_bytes == stored_size(two)
+            assert_same_as(us.address, two.address)
+        # The drip alone: each shard is left for origin, on the same bound.
+        with running_node(site.config("us-2", cache_dir=tmp_path / "us2")) as us:
+            began = time.monotonic()
+            last = stage(us.address, [drip.address])
+            took = time.monotonic() - began
+            assert last.shards_done == SHARDS and not last.failures, last
+            assert took < 4.5, f"a dripping peer held the stage for {took:.1f} s"
+            for shard in range(SHARDS):
+                (note,) = notes_for(last, shard)
+                assert drip.address in note and "too slow" in note, note
+                assert "took it from origin" in note, note
+            assert status(us.address).origin_bytes == sum(
+                s.source_size for s in site.manifest.shards
+            )
+            assert_same_as(us.address, two.address)
+    finally:
+        drip.close()
 
 
 def test_a_peer_killed_mid_shard_is_left_for_the_next(site: Site, tmp_path: Path) -> None:
