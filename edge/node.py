@@ -332,10 +332,20 @@ class EdgeNode:
                 copy = await self.peers.copy_shard(manifest, key.shard, peers)
             except PeerCopyFailed as exc:
                 if peers_only:
+                    spec = f"{manifest.dataset}@{manifest.version}"
+                    if exc.none_held:  # each peer answered: asking again cannot help
+                        advice = (
+                            f"none of the peers asked ({', '.join(exc.asked)}) holds it; "
+                            f"origin was not tried (peers_only): stage {spec} on one of "
+                            "them first, or stage without peers_only"
+                        )
+                    else:
+                        advice = (
+                            "origin was not tried (peers_only): stage the version on one "
+                            "of the peers first, or stage without peers_only"
+                        )
                     raise PeerCopyFailed(
-                        f"{exc}; origin was not tried (peers_only): stage the version on "
-                        "one of the peers first, or stage without peers_only",
-                        exc.reasons,
+                        f"{exc}; {advice}", exc.reasons, asked=exc.asked, none_held=exc.none_held
                     ) from exc
                 why = "; ".join(exc.reasons) or "no peer was asked"
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)

@@ -64,9 +64,22 @@ class PeerCopyFailed(EdgeCacheError):
     note (origin took the shard) or failure (``peers_only``) without repeating them.
     """
 
-    def __init__(self, message: str, reasons: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        reasons: Sequence[str] = (),
+        *,
+        asked: Sequence[str] = (),
+        none_held: bool = False,
+    ) -> None:
         super().__init__(message)
         self.reasons = list(reasons)
+        self.asked = list(asked)  # the peers asked, in the order asked
+        # Every peer asked answered that it does not hold the shard (not cached there,
+        # other content for the version, a version it does not know): asking again
+        # cannot help until the version is staged on one of them. False when any peer
+        # could not be reached, broke off or sent bad chunks (asking again may help).
+        self.none_held = none_held
 
 
 @dataclass
@@ -131,7 +144,9 @@ class Peers:
         """The shard's frames from ``peers`` (owner first); :class:`PeerCopyFailed` if none can."""
         copy = _Copy(manifest, shard)
         reasons: list[str] = []  # what went wrong with each peer, in the order asked
-        for peer in rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard):
+        asked = rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard)
+        none_held = True  # so far every peer asked answered that it lacks the shard
+        for peer in asked:
             for _attempt in range(2):  # a second time from chunk 0 if it chunks differently
                 before = len(copy.frames)
                 try:
@@ -139,18 +154,25 @@ class Peers:
                 except _ChunkedDifferently:
                     reasons.append(f"{peer} chunks the shard differently; copying it whole from it")
                     copy.reset()
+                    none_held = False
                     continue
                 except grpc.RpcError as exc:
                     got = len(copy.frames) - before
                     name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
+                    # FAILED_PRECONDITION: not cached there (cached_only), or another digest;
+                    # NOT_FOUND: a version the peer's registry does not know. The peer
+                    # answered; it does not hold this shard.
+                    none_held &= got == 0 and name in ("FAILED_PRECONDITION", "NOT_FOUND")
                     hint = self._hint(peer, name, exc.details() or "", got)
                     reasons.append(
                         f"{peer} failed after {got} chunks "
                         f"({name}: {exc.details()})" + (f"; {hint}" if hint else "")
                     )
                 except _PeerTooSlow as exc:
+                    none_held = False
                     reasons.append(f"{peer} {exc}")
                 except ChunkCorrupt as exc:
+                    none_held = False
                     got = len(copy.frames) - before
                     reasons.append(f"{peer} failed after {got} chunks ({exc})")
                 if len(copy.frames) > before:
@@ -161,7 +183,10 @@ class Peers:
                 break
         spec = f"{manifest.dataset}@{manifest.version}"
         raise PeerCopyFailed(
-            f"{spec} shard {shard}: no peer could give it: " + "; ".join(reasons), reasons
+            f"{spec} shard {shard}: no peer could give it: " + "; ".join(reasons),
+            reasons,
+            asked=asked,
+            none_held=none_held and bool(asked),
         )
 
     def _hint(self, peer: str, code: str, details: str, received: int) -> str | None:

@@ -68,7 +68,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     match exc:
         case _NotHere():
             return grpc.StatusCode.FAILED_PRECONDITION, message
-        case PeerCopyFailed():
+        case PeerCopyFailed() if exc.none_held:
+            # Every peer asked answered that it does not hold the shard (peers_only): no
+            # retry helps until the version is staged on one of them.
+            return grpc.StatusCode.FAILED_PRECONDITION, message
+        case PeerCopyFailed():  # a peer could not be reached, broke off, or was too slow
             return grpc.StatusCode.UNAVAILABLE, message
         case InvalidName() | IndexError():
             return grpc.StatusCode.INVALID_ARGUMENT, message

@@ -133,8 +133,12 @@ def test_peers_only_fails_what_no_peer_has_and_a_peer_never_fetches_for_others(
 
     with pytest.raises(grpc.RpcError) as failed:
         list(stub(nodes["us-1"].address).Stage(request))
-    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    # eu-1 answered that it does not hold the shards: no retry helps until the version
+    # is staged there (FAILED_PRECONDITION), and the message says so.
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no peer could give it" in failed.value.details()
+    assert nodes["eu-1"].address in failed.value.details()
+    assert "stage fresh@1 on one of them first" in failed.value.details()
     # eu-1 was asked for shards it lacks and did not fetch them from its origin.
     assert not [v for v in status(nodes["eu-1"].address).versions if v.dataset == "fresh"]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -216,6 +217,8 @@ def test_a_hung_only_peer_with_peers_only_fails_each_shard_and_stores_nothing(
             last = events[-1]
             assert last.finished and last.shards_failed == SHARDS, last
             assert sorted(f.shard for f in last.failures) == list(range(SHARDS))
+            # The peer held the shards but broke off: asking again may work.
+            assert {f.code for f in last.failures} == {"UNAVAILABLE"}, last.failures
             assert held(us.address) == 0
             s = status(us.address)
             assert s.origin_bytes == 0 and s.staged_peer_bytes == 0
@@ -365,6 +368,44 @@ def test_another_version_under_the_same_name_is_never_copied(site: Site, tmp_pat
             last = stage_events(only.address, [peer.address], peers_only=True)[-1]
             assert last.shards_failed == SHARDS and held(only.address) == 0, last
             assert all("digest" in f.message for f in last.failures), last.failures
+            # Its tokens@1 is other content: it does not hold ours, so no retry helps.
+            assert {f.code for f in last.failures} == {"FAILED_PRECONDITION"}, last.failures
+
+
+def test_peers_only_when_no_peer_holds_the_shard_is_a_failed_precondition_not_unavailable(
+    site: Site, tmp_path: Path
+) -> None:
+    """Peers that answer "not here" make a request that cannot succeed until the version
+    is staged on one of them (FAILED_PRECONDITION); a peer that cannot be reached keeps
+    it UNAVAILABLE, since asking again may work."""
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    with (
+        running_node(site.config("eu-3", cache_dir=tmp_path / "part")) as part,
+        running_node(site.config("eu-4", cache_dir=tmp_path / "empty")) as empty,
+        running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us,
+    ):
+        stage(part.address, [], shards=[0, 1])
+        with pytest.raises(grpc.RpcError) as failed:
+            stage(us.address, [part.address, empty.address], peers_only=True)
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value
+        details = failed.value.details() or ""
+        assert "stage tokens@1 on one of them first" in details, details
+        last = stage_events(us.address, [part.address, empty.address], peers_only=True)[-1]
+        assert last.shards_done == 2 and {f.shard for f in last.failures} == {2, 3}, last
+        for failure in last.failures:
+            assert failure.code == "FAILED_PRECONDITION", failure
+            # Which peers were asked, and what to do.
+            assert part.address in failure.message and empty.address in failure.message
+            assert "none of the peers asked" in failure.message, failure.message
+        # One of the peers cannot be reached: it may hold the shards once it is back.
+        with pytest.raises(grpc.RpcError) as failed:
+            stage(us.address, [empty.address, gone], peers_only=True)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        last = stage_events(us.address, [empty.address, gone], peers_only=True)[-1]
+        assert last.shards_failed == 2 and {f.code for f in last.failures} == {"UNAVAILABLE"}
+        assert held(us.address) == 2 and status(us.address).origin_bytes == 0
 
 
 def test_a_peer_still_staging_a_shard_is_not_made_to_fetch_it_for_us(
