@@ -55,7 +55,12 @@ class NodeMetrics:
             "Damaged chunks found in the cache: the shard was dropped and fetched again",
         ).labels(**labels)
         self.origin_retries = counter(
-            "edgecache_origin_retries_total", "Origin requests retried"
+            "edgecache_origin_retries_total",
+            "Origin requests retried (shard data and a transform's files; not the registry)",
+        ).labels(**labels)
+        self.registry_retries = counter(
+            "edgecache_registry_retries_total",
+            "Registry requests retried (manifests and version lists)",
         ).labels(**labels)
         self._staged = counter(
             "edgecache_staged_shards_total", "Shards handled by staging, by result", ("result",)

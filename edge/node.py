@@ -106,10 +106,16 @@ class EdgeNode:
     def __init__(self, config: NodeConfig, *, store: CacheStore | None = None) -> None:
         self.config = config
         self.node_id = config.node_id or config.default_node_id()
+        # Origin (shard data, a transform's files) and the registry (manifests, version
+        # lists) through stores of their own, so each one's retries are counted apart:
+        # edgecache_origin_retries_total against edgecache_origin_fetches_total says how
+        # origin fetches fare, and registry reads (often another bucket) must not add to it.
         self.stores = Stores()
-        self._retries_counted = 0  # the stores' retries already in edgecache_origin_retries_total
+        self.registry_stores = Stores()
+        self._retries_counted = 0  # origin retries already in edgecache_origin_retries_total
+        self._registry_retries_counted = 0  # and registry ones in edgecache_registry_retries_total
         # Before the store: a registry URL no store serves fails with nothing to close.
-        self.registry = Registry(config.registry, self.stores)
+        self.registry = Registry(config.registry, self.registry_stores)
         self.store = store or CacheStore(
             config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
         )
@@ -152,6 +158,7 @@ class EdgeNode:
         self._writer.shutdown(wait=True, cancel_futures=True)
         await self.peers.close()
         await self.stores.close()
+        await self.registry_stores.close()
         self.store.close()
 
     # --------------------------------------------------------------- versions
@@ -161,7 +168,10 @@ class EdgeNode:
         validate_name(dataset)
         text = (version or LATEST).strip()
         if text == LATEST:
-            number = await self.registry.latest(dataset)
+            try:
+                number = await self.registry.latest(dataset)
+            finally:
+                self._count_retries()
         elif text.isdigit() and text.isascii() and int(text) >= 1:
             number = int(text)
         else:
@@ -190,6 +200,8 @@ class EdgeNode:
                     f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
                     f"was never seen by this node: {exc}"
                 ) from exc
+            finally:
+                self._count_retries()
             try:
                 await self._write(
                     self.store.put_manifest, dataset, version, manifest.SerializeToString()
@@ -382,11 +394,13 @@ class EdgeNode:
                 if staging
                 else None
             )
-            data = await store.get(url, expect=expect, slot=slot)
+            try:
+                data = await store.get(url, expect=expect, slot=slot)
+            finally:  # a fetch that failed after its retries made them too
+                self._count_retries()
             elapsed = time.monotonic() - started
             self.metrics.origin_seconds.observe(elapsed)
             self.metrics.origin_bytes.inc(len(data))
-            self._count_retries()
             if staging:
                 self.metrics.staged_bytes["origin"].inc(len(data))
         finally:
@@ -413,9 +427,12 @@ class EdgeNode:
         return info, size
 
     def _count_retries(self) -> None:
-        """Add the origin retries made since the last count to ``edgecache_origin_retries_total``.
+        """Add the retries made since the last count to the retry counters.
 
-        The stores' counter is shared by every fetch in flight, so a difference
+        Origin's (``self.stores``: shard data and a transform's files) go to
+        ``edgecache_origin_retries_total``, the registry's (``registry_stores``:
+        manifests and version lists) to ``edgecache_registry_retries_total``.
+        Each store's counter is shared by every request in flight, so a difference
         taken around one fetch also held the retries of those beside it (the
         same faults counted 17 to 27 times); counting from the last total
         counts each retry once, whichever fetch made it.
@@ -423,6 +440,9 @@ class EdgeNode:
         total = self.stores.stats().retries
         self.metrics.origin_retries.inc(max(total - self._retries_counted, 0))
         self._retries_counted = total
+        total = self.registry_stores.stats().retries
+        self.metrics.registry_retries.inc(max(total - self._registry_retries_counted, 0))
+        self._registry_retries_counted = total
 
     async def _transform(self, manifest: manifest_pb2.Manifest) -> Transform:
         """The version's transform, built once (with its files from origin, e.g. a tokenizer)."""
@@ -433,9 +453,12 @@ class EdgeNode:
             found = self._transforms.get(manifest.digest)
             if found is None:
                 spec = manifest.preprocess
-                resources: Mapping[str, bytes] = await fetch_resources(
-                    self.stores, manifest.source_url, spec
-                )
+                try:
+                    resources: Mapping[str, bytes] = await fetch_resources(
+                        self.stores, manifest.source_url, spec
+                    )
+                finally:
+                    self._count_retries()
                 try:
                     found = load_transform(spec.transform or "identity", spec.params, resources)
                 except ValueError as exc:  # e.g. another Pillow than the version was made with

@@ -106,3 +106,63 @@ def test_staging_rides_out_origin_faults_and_names_a_dead_object(
     # AWS_MAX_ATTEMPTS=5 is five requests in all for the object that always fails
     # (botocore's max_attempts counts retries: it made six).
     assert proxy.injected["500"] - 1 == 5  # one 500 went to part-00001
+
+
+def _metric(port: int, name: str) -> float | None:
+    """One of the node's samples, as ``/metrics`` shows it (None: not exported)."""
+    from urllib.request import urlopen
+
+    text = urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    found = [line for line in text.splitlines() if line.startswith(name + "{")]
+    return float(found[0].split()[-1]) if found else None
+
+
+def test_registry_retries_are_not_origin_retries(
+    s3_endpoint: str,
+    tmp_path: Path,
+    figure,  # noqa: ANN001
+    short_backoff: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Throttled manifest reads count in edgecache_registry_retries_total, not as origin's.
+
+    edgecache_origin_retries_total against edgecache_origin_fetches_total says how
+    origin fetches of shard data fare (an alert fires on their ratio); the registry,
+    read through the same S3 client before, added its retries to it.
+    """
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    tables = write_parquet_shards(tmp_path / "raw", 2, rows=1000)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    publish(f"s3://{bucket}/_reg", f"s3://{bucket}/raw", "tokens")
+    # Shard data untouched; the version's manifest answered with SlowDown twice.
+    proxy = OriginFaults(s3_endpoint, {r"/_reg/tokens/versions/1\.json$": ["503", "503"]})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "5")
+    settings = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=f"s3://{bucket}/_reg",
+        listen="127.0.0.1:0",
+        sync=False,
+        metrics_listen="127.0.0.1:0",
+    )
+    try:
+        with running_node(settings) as node:
+            client = stub(node.address)
+            last = list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
+            assert last.finished and last.shards_done == 2 and not last.failures, last
+            for shard in range(2):
+                assert read_shard_table(client, "tokens", 1, shard).equals(tables[shard])
+            port = node.metrics_port
+            origin = _metric(port, "edgecache_origin_retries_total")
+            registry = _metric(port, "edgecache_registry_retries_total")
+            fetches = _metric(port, "edgecache_origin_fetches_total")
+    finally:
+        proxy.close()
+    figure("registry faults injected", dict(proxy.injected))
+    figure("edgecache_registry_retries_total", registry)
+    figure("edgecache_origin_retries_total", origin)
+    assert proxy.injected == {"503": 2}  # both on the manifest, both retried by botocore
+    assert fetches == 2 and origin == 0, f"{origin} registry retries counted as origin's"
+    assert registry == 2
