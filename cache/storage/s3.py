@@ -163,6 +163,12 @@ def check_environment() -> None:
     _max_attempts()
 
 
+def _botocore_retries(response: dict[str, Any]) -> int:
+    """The retries botocore made inside one call, from its response or error response."""
+    attempts = response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+    return attempts if isinstance(attempts, int) else 0
+
+
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff (the AWS architecture blog's recommendation)."""
     return random.uniform(0, min(cap, base * 2**attempt))
@@ -329,8 +335,13 @@ class S3Store(ObjectStore):
         for attempt in range(self.attempts):
             try:
                 self.stats.requests += 1
-                return await op()
+                result = await op()
+                if isinstance(result, dict):  # a response (a GET's are counted in _read)
+                    self.stats.retries += _botocore_retries(result)
+                return result
             except ClientError as exc:
+                # botocore retried inside the call before giving up: those count too.
+                self.stats.retries += _botocore_retries(exc.response)
                 error = exc.response.get("Error", {})
                 code = str(error.get("Code", ""))
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -438,7 +449,7 @@ class S3Store(ObjectStore):
             try:
                 response = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
                 # botocore's own retries (throttling, 5xx) happen inside the call: count them.
-                self.stats.retries += response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+                self.stats.retries += _botocore_retries(response)
                 async with response["Body"] as body:
                     data = await body.read()
             finally:

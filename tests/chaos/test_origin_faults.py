@@ -101,8 +101,12 @@ def test_staging_rides_out_origin_faults_and_names_a_dead_object(
     figure("shards staged correctly", 5)
     figure("retries counted by the node (edgecache_origin_retries_total)", retries)
     # Each retry follows a fault (17-27 were counted for these when every fetch took
-    # the difference of a counter shared with the fetches beside it).
-    assert 1 <= retries <= sum(proxy.injected.values())
+    # the difference of a counter shared with the fetches beside it). Every fault but
+    # the stall (an answer 2 s late) and the dead object's last 500 is retried, and
+    # counted: botocore's retries of a request it gave up on too (7 were counted when
+    # only those of requests that succeeded in the end were).
+    faults = sum(proxy.injected.values())
+    assert faults - 2 <= retries <= faults
     # AWS_MAX_ATTEMPTS=5 is five requests in all for the object that always fails
     # (botocore's max_attempts counts retries: it made six).
     assert proxy.injected["500"] - 1 == 5  # one 500 went to part-00001
