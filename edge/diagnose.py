@@ -1,4 +1,4 @@
-"""A node measuring its own paths: to origin (the registry's object store) and to peer nodes.
+"""A node measuring its own paths: to origin, to the registry and to peer nodes.
 
 ``edgecache doctor`` runs on a training host and sees the paths from there;
 a slow link between a node and origin, or between two regions' nodes, is
@@ -6,8 +6,15 @@ found only from the node itself. For each path: the round trip, the
 throughput of several parallel streams (one TCP stream rarely fills a long
 path), and loss as TCP's retransmissions of what the node *sent* during the
 test (:mod:`edgecache.cache.tcp_stats`): an upload of scratch objects to
-origin (deleted after; skipped with a note where the node may not write) or
-into a peer's ``Sink``.
+origin or the registry (deleted after; skipped with a note where the node may
+not write) or into a peer's ``Sink``.
+
+Origin (where a version's shard data is, the manifests' ``source_url``) and
+the registry (where its manifests are) are separate paths, often on other
+schemes, endpoints or accounts (a ``file://`` registry beside an ``s3://``
+origin): each is measured through the node's own store for it, so the
+requests carry the credentials the node's fetches carry, and their retries
+count in that path's metric.
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
-from edgecache.cache.storage import ObjectStore
+from edgecache.cache.storage import ObjectStore, Stores
 from edgecache.edge.peers import Peers
 from edgecache.v1 import edge_pb2
 
-__all__ = ["diagnose_origin", "diagnose_peer"]
+__all__ = ["diagnose_origin", "diagnose_peer", "diagnose_registry"]
 
 log = logging.getLogger(__name__)
 _PART = 4 << 20  # bytes per request or message of the tests
@@ -49,8 +56,8 @@ async def _for(seconds: float, streams: int, one: object) -> tuple[int, float]:
     return moved, time.monotonic() - started
 
 
-def _endpoint(store: ObjectStore, url: str) -> str | None:
-    """``host:port`` an object store's requests go to, or None for a local filesystem."""
+def _endpoint(url: str) -> str | None:
+    """``host:port`` an S3 URL's requests go to, or None for any other store (no endpoint)."""
     if not url.startswith("s3://"):
         return None
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -62,35 +69,42 @@ def _endpoint(store: ObjectStore, url: str) -> str | None:
     return f"{parts.hostname}:{port}"
 
 
-async def diagnose_origin(
-    store: ObjectStore, registry: str, sample_url: str | None, seconds: float, streams: int
-) -> edge_pb2.PathReport:
-    """The path to the registry's object store: RTT, download rate, loss of an upload."""
-    report = edge_pb2.PathReport(target="origin", streams=streams)
-    endpoint = _endpoint(store, registry)
-    if endpoint is None:
-        report.note = f"{registry} is on a local filesystem: no network path to measure"
-        return report
-    if sample_url is None:
-        report.note = "no object known to read: stage a version first"
-    else:
-        head = []
-        for _ in range(3):
-            started = time.perf_counter()
-            info = await store.head(sample_url)
-            head.append((time.perf_counter() - started) * 1e3)
-        report.rtt_ms = min(head)  # a request's round trip, the server's work included
-        size = info.size
-        offsets = iter(range(0, 1 << 62, _PART))
+def _no_path(url: str) -> str:
+    """Why there is no network path to measure to a store at ``url``."""
+    if url.startswith("file://") or "://" not in url:
+        return f"{url} is on a local filesystem: no network path to measure"
+    return f"{url} is not on S3: this node measures the network path to S3 endpoints only"
 
-        async def read() -> int:
-            start = next(offsets) % max(size - 1, 1)
-            end = min(start + _PART, size)
-            return len(await store.get_range(sample_url, start, end))
 
-        moved, elapsed = await _for(seconds / 2, streams, read)
-        report.bytes_per_second = moved / elapsed if elapsed else 0.0
-    scratch = f"{registry.rstrip('/')}/_diagnostics/{uuid.uuid4().hex}"
+def _add_note(report: edge_pb2.PathReport, note: str) -> None:
+    report.note = (report.note + "; " if report.note else "") + note
+
+
+async def _rtt(store: ObjectStore, url: str) -> tuple[float, int]:
+    """The fastest of three HEADs of ``url`` in ms (the server's work included), and its size."""
+    head = []
+    for _ in range(3):
+        started = time.perf_counter()
+        info = await store.head(url)
+        head.append((time.perf_counter() - started) * 1e3)
+    return min(head), info.size
+
+
+async def _upload(
+    report: edge_pb2.PathReport,
+    store: ObjectStore,
+    base: str,
+    endpoint: str,
+    seconds: float,
+    streams: int,
+) -> None:
+    """Loss of an upload of scratch objects under ``base``/_diagnostics (deleted after).
+
+    A key part starting with ``_`` is never a shard to a publisher
+    (:meth:`~edgecache.cache.registry.Registry.list_sources`), so an object left
+    behind by a failed delete is not published with a dataset under ``base``.
+    """
+    scratch = f"{base.rstrip('/')}/_diagnostics/{uuid.uuid4().hex}"
     payload = os.urandom(_PART)
     written: list[str] = []
 
@@ -102,12 +116,11 @@ async def diagnose_origin(
 
     before = tcp_stats.counters_to(endpoint)
     try:
-        await _for(seconds / 2, streams, write)
+        await _for(seconds, streams, write)
     except EdgeCacheError as exc:
-        report.note = (report.note + "; " if report.note else "") + (
-            f"no loss figure: this node cannot write scratch objects to {registry} ({exc})"
-        )
-        return report
+        why = f"this node cannot write scratch objects to {base} ({exc})"
+        _add_note(report, f"no loss figure: {why}")
+        return
     finally:
         for url in written:
             try:
@@ -117,7 +130,68 @@ async def diagnose_origin(
     change = tcp_stats.delta(before, tcp_stats.counters_to(endpoint))
     report.segments_sent, report.segments_retransmitted = change.segments_out, change.retransmitted
     if not tcp_stats.available():
-        report.note = "no loss figure: `ss` (iproute2) is not installed on the node"
+        _add_note(report, "no loss figure: `ss` (iproute2) is not installed on the node")
+
+
+async def diagnose_origin(
+    stores: Stores, sample: tuple[str, str] | None, seconds: float, streams: int
+) -> edge_pb2.PathReport:
+    """The path to origin, where shard data comes from: RTT, download rate, loss of an upload.
+
+    ``stores`` are the ones this node fetches shard data through (``EdgeNode.stores``:
+    origin's clients and credentials, their retries counted as origin's); ``sample``
+    is (the source prefix of a version this node holds, the URL of an object
+    under it), or None when the node holds no version: origin is known only from
+    a version's manifest. Scratch objects go under the prefix's ``_diagnostics/``.
+    """
+    report = edge_pb2.PathReport(target="origin", streams=streams)
+    if sample is None:
+        report.note = "no object known to read: stage a version first"
+        return report
+    origin, sample_url = sample
+    endpoint = _endpoint(sample_url)
+    if endpoint is None:
+        report.note = _no_path(origin)
+        return report
+    store = stores.for_url(sample_url)
+    report.rtt_ms, size = await _rtt(store, sample_url)
+    offsets = iter(range(0, 1 << 62, _PART))
+
+    async def read() -> int:
+        start = next(offsets) % max(size - 1, 1)
+        end = min(start + _PART, size)
+        return len(await store.get_range(sample_url, start, end))
+
+    moved, elapsed = await _for(seconds / 2, streams, read)
+    report.bytes_per_second = moved / elapsed if elapsed else 0.0
+    await _upload(report, store, origin, endpoint, seconds / 2, streams)
+    return report
+
+
+async def diagnose_registry(
+    stores: Stores, registry: str, manifest_url: str | None, seconds: float, streams: int
+) -> edge_pb2.PathReport:
+    """The path to the registry (manifests, version lists): RTT and loss of an upload.
+
+    ``stores`` are the registry's own (``EdgeNode.registry_stores``, their retries
+    counted as the registry's); ``manifest_url`` a manifest of a version this
+    node holds, for the round trip. No read rate: the registry holds small
+    objects, whose reads measure request round trips, not the path's rate.
+    """
+    report = edge_pb2.PathReport(target="registry", streams=streams)
+    endpoint = _endpoint(registry)
+    if endpoint is None:
+        report.note = _no_path(registry)
+        return report
+    store = stores.for_url(registry)
+    if manifest_url is None:
+        report.note = "no manifest known to time a request with: stage a version first"
+    else:
+        try:
+            report.rtt_ms, _ = await _rtt(store, manifest_url)
+        except EdgeCacheError as exc:  # e.g. a registry moved since the version was staged
+            report.note = f"no round trip: cannot read {manifest_url} ({exc})"
+    await _upload(report, store, registry, endpoint, seconds, streams)
     return report
 
 

@@ -171,7 +171,7 @@ class EdgeNode:
             try:
                 number = await self.registry.latest(dataset)
             finally:
-                self._count_retries()
+                self.count_retries()
         elif text.isdigit() and text.isascii() and int(text) >= 1:
             number = int(text)
         else:
@@ -201,7 +201,7 @@ class EdgeNode:
                     f"was never seen by this node: {exc}"
                 ) from exc
             finally:
-                self._count_retries()
+                self.count_retries()
             try:
                 await self._write(
                     self.store.put_manifest, dataset, version, manifest.SerializeToString()
@@ -397,7 +397,7 @@ class EdgeNode:
             try:
                 data = await store.get(url, expect=expect, slot=slot)
             finally:  # a fetch that failed after its retries made them too
-                self._count_retries()
+                self.count_retries()
             elapsed = time.monotonic() - started
             self.metrics.origin_seconds.observe(elapsed)
             self.metrics.origin_bytes.inc(len(data))
@@ -426,7 +426,7 @@ class EdgeNode:
         log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return info, size
 
-    def _count_retries(self) -> None:
+    def count_retries(self) -> None:
         """Add the retries made since the last count to the retry counters.
 
         Origin's (``self.stores``: shard data and a transform's files) go to
@@ -458,7 +458,7 @@ class EdgeNode:
                         self.stores, manifest.source_url, spec
                     )
                 finally:
-                    self._count_retries()
+                    self.count_retries()
                 try:
                     found = load_transform(spec.transform or "identity", spec.params, resources)
                 except ValueError as exc:  # e.g. another Pillow than the version was made with

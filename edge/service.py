@@ -39,7 +39,7 @@ from edgecache.cache.errors import (
     VersionNotFound,
     causes,
 )
-from edgecache.edge.diagnose import diagnose_origin, diagnose_peer
+from edgecache.edge.diagnose import diagnose_origin, diagnose_peer, diagnose_registry
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.peers import PeerCopyFailed
 from edgecache.v1 import edge_pb2, manifest_pb2
@@ -432,18 +432,33 @@ class EdgeCacheService:
     async def Diagnose(  # noqa: N802
         self, request: edge_pb2.DiagnoseRequest, context: aio.ServicerContext
     ) -> edge_pb2.PathReport:
-        """Measure this node's path to origin or to a peer node (see edge/diagnose.py)."""
+        """Measure this node's path to origin, the registry or a peer (see edge/diagnose.py).
+
+        Origin through the stores shard data is fetched with, the registry through
+        its own: each with its own client and credentials, and retries counted in
+        its own metric (``edgecache_origin_retries_total``,
+        ``edgecache_registry_retries_total``).
+        """
         seconds = min(max(request.seconds or 4.0, 0.5), DIAGNOSE_SECONDS)
         streams = min(max(request.streams or 4, 1), DIAGNOSE_STREAMS)
         node = self.node
-        if request.target in ("", "origin"):
-            return await diagnose_origin(
-                node.stores.for_url(node.registry.url),
-                node.registry.url,
-                _sample_object(node),
-                seconds,
-                streams,
-            )
+        if request.target in ("", "origin", "registry"):
+            held = _held_manifests(node)
+            try:
+                if request.target == "registry":
+                    url = node.registry.url
+                    first = held[0] if held else None
+                    return await diagnose_registry(
+                        node.registry_stores,
+                        url,
+                        node.registry.version_url(first.dataset, first.version) if first else None,
+                        seconds,
+                        streams,
+                    )
+                sample = _sample_object(held)
+                return await diagnose_origin(node.stores, sample, seconds, streams)
+            finally:
+                node.count_retries()
         return await diagnose_peer(node.peers, request.target, seconds, streams)
 
     @_unary
@@ -474,18 +489,29 @@ class EdgeCacheService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-def _sample_object(node: EdgeNode) -> str | None:
-    """The largest source object of a version this node holds, for an origin read test."""
-    best: tuple[int, str] | None = None
+def _held_manifests(node: EdgeNode) -> list[manifest_pb2.Manifest]:
+    """The manifests of the versions this node holds (keeps a copy of)."""
+    held = []
     for version in node.store.versions():
         raw = node.store.get_manifest(version.dataset, version.version)
-        if raw is None:
-            continue
-        manifest = manifest_pb2.Manifest.FromString(raw)
+        if raw is not None:
+            held.append(manifest_pb2.Manifest.FromString(raw))
+    return held
+
+
+def _sample_object(held: list[manifest_pb2.Manifest]) -> tuple[str, str] | None:
+    """The largest source object of a version held, for an origin read test.
+
+    (its version's source prefix, its URL); None when no version is held: origin is
+    where a manifest's ``source_url`` says, so it is not known without one.
+    """
+    best: tuple[int, str, str] | None = None
+    for manifest in held:
         for shard in manifest.shards:
             if best is None or shard.source_size > best[0]:
-                best = (shard.source_size, manifest.source_url + shard.source_key)
-    return best[1] if best else None
+                url = manifest.source_url + shard.source_key
+                best = (shard.source_size, manifest.source_url, url)
+    return best[1:] if best else None
 
 
 class _NotHere(EdgeCacheError):
