@@ -351,13 +351,27 @@ class EdgeNode:
                             f"origin was not tried (peers_only): stage {spec} on one of "
                             "them first, or stage without peers_only"
                         )
+                    elif exc.final:  # refused this node's settings (or lack it): the same
+                        others = [p for p in exc.asked if p not in exc.refused]
+                        lacking = f" ({', '.join(others)} do not hold it)" if others else ""
+                        advice = (
+                            f"{', '.join(exc.refused)} refused this node for its "
+                            f"configuration{lacking}: retrying cannot help until the setting "
+                            "named above for each is fixed on this node; origin was not "
+                            "tried (peers_only)"
+                        )
                     else:
                         advice = (
                             "origin was not tried (peers_only): stage the version on one "
                             "of the peers first, or stage without peers_only"
                         )
                     raise PeerCopyFailed(
-                        f"{exc}; {advice}", exc.reasons, asked=exc.asked, none_held=exc.none_held
+                        f"{exc}; {advice}",
+                        exc.reasons,
+                        asked=exc.asked,
+                        none_held=exc.none_held,
+                        refused=exc.refused,
+                        final=exc.final,
                     ) from exc
                 why = "; ".join(exc.reasons) or "no peer was asked"
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)

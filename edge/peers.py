@@ -71,6 +71,8 @@ class PeerCopyFailed(EdgeCacheError):
         *,
         asked: Sequence[str] = (),
         none_held: bool = False,
+        refused: Sequence[str] = (),
+        final: bool = False,
     ) -> None:
         super().__init__(message)
         self.reasons = list(reasons)
@@ -80,6 +82,16 @@ class PeerCopyFailed(EdgeCacheError):
         # cannot help until the version is staged on one of them. False when any peer
         # could not be reached, broke off or sent bad chunks (asking again may help).
         self.none_held = none_held
+        # The peers that refused this node for its configuration (a token they do not
+        # accept, a TLS handshake that failed on certificates or protocol; see
+        # _refuses_configuration; ``reasons`` names the setting to fix for each):
+        # asking again fails the same way until that setting is fixed.
+        self.refused = list(refused)
+        # Every peer asked either does not hold the shard or refused this node for its
+        # configuration: no retry helps until the version is staged on one of them or a
+        # setting is fixed. False when any peer could not be reached, broke off, was too
+        # slow or sent bad chunks (asking again may work).
+        self.final = final or none_held
 
 
 @dataclass
@@ -102,11 +114,15 @@ class Peers:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self._channels: dict[str, aio.Channel] = {}
-        token = (
-            config.read_token("peer_token_file")
-            or config.read_token("read_token_file")
-            or config.read_token("token_file")
-        )
+        token, self._token_from = None, ""  # the token, and the setting it came from
+        for setting, named in (
+            ("peer_token_file", "peer_token_file ($EDGECACHE_PEER_TOKEN_FILE)"),
+            ("read_token_file", "this node's read token (--read-token-file)"),
+            ("token_file", "this node's admin token (--token-file)"),
+        ):
+            if (token := config.read_token(setting)) is not None:
+                self._token_from = named
+                break
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         # Read now, not at the first grpcs:// peer: a missing file stops the node at start
         # with its setting named, instead of failing a Stage later with a bare OSError.
@@ -144,8 +160,12 @@ class Peers:
         """The shard's frames from ``peers`` (owner first); :class:`PeerCopyFailed` if none can."""
         copy = _Copy(manifest, shard)
         reasons: list[str] = []  # what went wrong with each peer, in the order asked
+        refused: list[str] = []  # the peers that refused this node's configuration
         asked = rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard)
-        none_held = True  # so far every peer asked answered that it lacks the shard
+        # So far every peer asked answered that it lacks the shard; and every one either
+        # lacks it or refused this node for its configuration (none failed in a way a
+        # retry may get past: unreachable, broke off, too slow, bad chunks).
+        none_held = final = True
         for peer in asked:
             for _attempt in range(2):  # a second time from chunk 0 if it chunks differently
                 before = len(copy.frames)
@@ -154,25 +174,31 @@ class Peers:
                 except _ChunkedDifferently:
                     reasons.append(f"{peer} chunks the shard differently; copying it whole from it")
                     copy.reset()
-                    none_held = False
+                    none_held = final = False
                     continue
                 except grpc.RpcError as exc:
                     got = len(copy.frames) - before
                     name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
+                    details = exc.details() or ""
+                    hint = self._hint(peer, name, details, got)
+                    reason = f"{peer} failed after {got} chunks ({name}: {details})" + (
+                        f"; {hint}" if hint else ""
+                    )
+                    reasons.append(reason)
                     # FAILED_PRECONDITION: not cached there (cached_only), or another digest;
                     # NOT_FOUND: a version the peer's registry does not know. The peer
                     # answered; it does not hold this shard.
-                    none_held &= got == 0 and name in ("FAILED_PRECONDITION", "NOT_FOUND")
-                    hint = self._hint(peer, name, exc.details() or "", got)
-                    reasons.append(
-                        f"{peer} failed after {got} chunks "
-                        f"({name}: {exc.details()})" + (f"; {hint}" if hint else "")
-                    )
+                    lacks = got == 0 and name in ("FAILED_PRECONDITION", "NOT_FOUND")
+                    refuses = got == 0 and _refuses_configuration(peer, name, details)
+                    if refuses:
+                        refused.append(peer)
+                    none_held &= lacks
+                    final &= lacks or refuses
                 except _PeerTooSlow as exc:
-                    none_held = False
+                    none_held = final = False
                     reasons.append(f"{peer} {exc}")
                 except ChunkCorrupt as exc:
-                    none_held = False
+                    none_held = final = False
                     got = len(copy.frames) - before
                     reasons.append(f"{peer} failed after {got} chunks ({exc})")
                 if len(copy.frames) > before:
@@ -187,15 +213,27 @@ class Peers:
             reasons,
             asked=asked,
             none_held=none_held and bool(asked),
+            refused=refused,
+            final=final and bool(asked),
         )
 
     def _hint(self, peer: str, code: str, details: str, received: int) -> str | None:
         """What to change on this node when a peer refused it (retrying cannot help)."""
         if code == "UNAUTHENTICATED":
-            presented = "no token" if self._metadata is None else "a token it does not accept"
+            presented = (
+                "no token (none of peer_token_file, --read-token-file, --token-file is set)"
+                if self._metadata is None
+                else f"a token it does not accept, from {self._token_from}"
+            )
             return (
                 f"this node presented {presented}: set peer_token_file "
                 "($EDGECACHE_PEER_TOKEN_FILE) on this node to the peer's read token"
+            )
+        if code == "PERMISSION_DENIED":
+            return (
+                f"the peer knows this node's token (from {self._token_from}) but does not let "
+                "it read shards: set peer_token_file ($EDGECACHE_PEER_TOKEN_FILE) on this node "
+                "to the peer's read token"
             )
         if received:  # it sent chunks: the connection itself (TLS or not) was right
             return None
@@ -255,6 +293,27 @@ class Peers:
 
 def _optional_pem(path: Path | None, setting: str) -> bytes | None:
     return None if path is None else read_pem(path, setting)
+
+
+def _refuses_configuration(peer: str, code: str, details: str) -> bool:
+    """Whether a peer's failure (before any chunk) stands on this node's configuration.
+
+    A token the peer does not take (UNAUTHENTICATED, PERMISSION_DENIED), or a TLS
+    handshake that the TLS library failed on what was presented (``SSL_ERROR_SSL``:
+    a certificate this node does not trust or that does not name the peer, TLS
+    against a plaintext port) is refused the same way on every try until a
+    setting changes. A connection closed during the handshake ("Socket closed":
+    a peer with --tls-client-ca refusing this node's certificate, or TLS spoken
+    to by plaintext) is not counted: a peer going away mid-connect looks the
+    same, and retrying that one may work.
+    """
+    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return True
+    if code != "UNAVAILABLE" or not peer.startswith("grpcs://"):
+        return False
+    return "Hostname Verification" in details or (
+        "Tls handshake failed" in details and "SSL_ERROR_SSL" in details
+    )
 
 
 def _tls_hint(peer: str, details: str) -> str | None:

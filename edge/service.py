@@ -68,9 +68,17 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     match exc:
         case _NotHere():
             return grpc.StatusCode.FAILED_PRECONDITION, message
-        case PeerCopyFailed() if exc.none_held:
-            # Every peer asked answered that it does not hold the shard (peers_only): no
-            # retry helps until the version is staged on one of them.
+        case PeerCopyFailed() if exc.final:
+            # Every peer asked answered that it does not hold the shard, or refused this
+            # node for its configuration (its token, or a TLS handshake that failed on
+            # certificates: see peers._refuses_configuration), with peers_only: no retry
+            # helps until the version is staged on one of them or the setting the message
+            # names is fixed. Not UNAUTHENTICATED for a refused token: that code says the
+            # *caller's* credentials are wrong, and the caller's token was accepted;
+            # clients would tell the operator to fix their --token-file. The state this
+            # Stage needs (this node's settings toward its peers) is missing: that is
+            # FAILED_PRECONDITION, which clients do not retry and readers do not take
+            # for a node that is down.
             return grpc.StatusCode.FAILED_PRECONDITION, message
         case PeerCopyFailed():  # a peer could not be reached, broke off, or was too slow
             return grpc.StatusCode.UNAVAILABLE, message

@@ -482,6 +482,62 @@ def test_a_tls_peer_without_peer_tls_ca_says_to_set_it(site: Site, tmp_path: Pat
             assert held(us.address) == 0
 
 
+def test_peers_only_refused_for_this_nodes_settings_is_a_failed_precondition(
+    site: Site, tmp_path: Path
+) -> None:
+    """A peer that refuses this node's token, or whose TLS handshake fails on certificates,
+    refuses it the same way on every try: UNAVAILABLE told callers to retry in vain.
+    FAILED_PRECONDITION, naming the peer and the setting to fix; a peer that merely cannot
+    be reached beside it keeps the Stage UNAVAILABLE."""
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "read.token").write_text(READ_TOKEN)
+    (tmp_path / "peer.token").write_text("wrong-token")
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    guarded = site.config(
+        "eu-3", cache_dir=tmp_path / "guarded", read_token_file=tmp_path / "read.token"
+    )
+    tls = site.config(
+        "eu-4", cache_dir=tmp_path / "tls", tls_cert=pki["server"], tls_key=pki["server_key"]
+    )
+    us = site.config("us-1", cache_dir=tmp_path / "us", peer_token_file=tmp_path / "peer.token")
+    with (
+        running_node(guarded) as peer,
+        running_node(tls) as tls_peer,
+        running_node(site.config("eu-5", cache_dir=tmp_path / "empty")) as empty,
+        running_node(us) as node,
+    ):
+        assert stage(peer.address, []).shards_done == SHARDS
+        # Its token is refused: the same answer on every try.
+        with pytest.raises(grpc.RpcError) as failed:
+            stage(node.address, [peer.address], peers_only=True)
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value
+        last = stage_events(node.address, [peer.address], peers_only=True)[-1]
+        assert last.shards_failed == SHARDS, last
+        for failure in last.failures:
+            assert failure.code == "FAILED_PRECONDITION", failure
+            assert f"{peer.address} refused this node for its configuration" in failure.message
+            assert "UNAUTHENTICATED" in failure.message and "peer_token_file" in failure.message
+        # A TLS peer whose certificate this node does not trust (no peer_tls_ca).
+        grpcs = f"grpcs://{tls_peer.address}"
+        with pytest.raises(grpc.RpcError) as failed:
+            stage(node.address, [grpcs], peers_only=True)
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value
+        assert "peer_tls_ca" in (failed.value.details() or ""), failed.value.details()
+        assert f"{grpcs} refused this node" in (failed.value.details() or "")
+        # One refuses, the other does not hold the shards: no retry helps either.
+        last = stage_events(node.address, [peer.address, empty.address], peers_only=True)[-1]
+        assert {f.code for f in last.failures} == {"FAILED_PRECONDITION"}, last.failures
+        assert all(f"({empty.address} do not hold it)" in f.message for f in last.failures)
+        # One refuses, the other cannot be reached: it may give the shards once it is back.
+        with pytest.raises(grpc.RpcError) as failed:
+            stage(node.address, [peer.address, gone], peers_only=True)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert held(node.address) == 0 and status(node.address).origin_bytes == 0
+
+
 # --- damaged bytes ------------------------------------------------------------------------------
 
 
