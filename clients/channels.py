@@ -45,6 +45,7 @@ __all__ = [
     "connection_hint",
     "describe",
     "edge_stub",
+    "explain",
     "node_error",
     "open_channel",
 ]
@@ -275,11 +276,55 @@ def describe(exc: grpc.RpcError) -> str:
     When the cause is one the caller fixes on its side (a TLS setting, the
     token), what to do follows: status and doctor show this text alone.
     """
-    details = _plain(exc.details() or "")
-    hint = connection_hint(details)
+    raw = exc.details() or ""
+    details = _plain(raw)
+    hint = _own_connection_hint(exc.code(), raw)
     if hint is None and exc.code() == grpc.StatusCode.UNAUTHENTICATED:
         hint = _HINTS[grpc.StatusCode.UNAUTHENTICATED]
     return f"{exc.code().name}: {details}" + (f"; {hint}" if hint else "")
+
+
+def explain(exc: grpc.RpcError) -> str:
+    """``CODE: details; what to do`` of a failed call, with the advice for every code.
+
+    :func:`describe` adds advice only where the fix is on the caller's side;
+    this is :func:`node_error`'s text without the node and call, for reports
+    that name them already (doctor's rows).
+    """
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    raw = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
+    hint = _own_connection_hint(code, raw) or _HINTS.get(code)
+    return f"{code.name}: {_plain(raw)}" + (f"; {hint}" if hint else "")
+
+
+# How the node words a peer's failure (edge/peers.py, Peers.copy_shard): "<peer> failed
+# after <n> chunks (<CODE>: <gRPC's details of the node's own call to the peer>)".
+_PEER_FAILURE = re.compile(r"\bfailed after \d+ chunks \((?:[A-Z_]+|ERROR): ")
+# gRPC's own words for a connection this client could not make (refused, TLS handshake,
+# closed during the handshake), or one that broke before any status came back.
+_OWN_CONNECTION = re.compile(
+    r"^(?:failed to connect to all addresses\b|Socket closed|Connection reset)"
+)
+
+
+def _own_connection_hint(code: grpc.StatusCode, details: str) -> str | None:
+    """:func:`connection_hint` for a failure of this client's own connection; else None.
+
+    Only gRPC itself fails a call for the channel's connection, always with
+    UNAVAILABLE and in its own words, which start the details. A status the
+    node sent (FAILED_PRECONDITION, or UNAVAILABLE) starts with the node's
+    message, which may quote a failure of the node's own connection to a peer
+    ("… grpcs://peer failed after 0 chunks (UNAVAILABLE: failed to connect to
+    all addresses; … Tls handshake failed …); this node does not trust the
+    peer's certificate: set peer_tls_ca …"): that is the node's setting, and
+    the node's advice says so. Telling this client to set $EDGECACHE_TLS_CA
+    there sends the operator to the wrong host.
+    """
+    if code != grpc.StatusCode.UNAVAILABLE or _PEER_FAILURE.search(details):
+        return None
+    if not _OWN_CONNECTION.match(details):
+        return None
+    return connection_hint(_plain(details))
 
 
 def connection_hint(details: str) -> str | None:
@@ -353,9 +398,7 @@ def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheErro
     the original so the status stays in the traceback.
     """
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = _plain((exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or "")
-    hint = connection_hint(details) or _HINTS.get(code)
-    message = f"{what} on {endpoint}: {code.name}: {details}" + (f"; {hint}" if hint else "")
+    message = f"{what} on {endpoint}: {explain(exc)}"
     if code == grpc.StatusCode.NOT_FOUND:
         return VersionNotFound(message)
     kind: type[NodeError] = NodeError
