@@ -7,8 +7,9 @@ bandwidth-delay product of the slowest link. Loss is TCP's: the share of
 segments retransmitted during a multi-stream upload into each node's
 ``Sink`` (this host is the sender, so its kernel knows;
 :mod:`edgecache.cache.tcp_stats`); twenty pings could never resolve 0.1 %.
-With ``node_paths`` the nodes measure their own paths to origin and to their
-peer regions' nodes (``Diagnose``), so a slow origin link is found where it is.
+With ``node_paths`` the nodes measure their own paths to origin (where shard
+data is), to the registry (where manifests are) and to their peer regions'
+nodes (``Diagnose``), so a slow origin link is found where it is.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
-from edgecache.clients.channels import bearer, describe, health_pings, open_channel
+from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
@@ -153,11 +155,11 @@ def _upload(
 
 @dataclass
 class NodePath:
-    """What a node measured of its own path to origin or to a peer node."""
+    """What a node measured of its own path to origin, the registry or a peer node."""
 
     region: str
     node: str
-    target: str
+    target: str  # "origin", "registry", or the peer node's address
     rtt_ms: float | None
     mb_s: float | None
     loss: float | None
@@ -165,35 +167,63 @@ class NodePath:
     retransmitted: int = 0
     note: str = ""
     problems: list[str] = field(default_factory=list)
+    kind: str = "peer"  # "origin" (shard data), "registry" (manifests) or "peer"
+    code: str | None = None  # the status code when the node could not measure
+
+    @property
+    def label(self) -> str:
+        """What the path leads to, as the text table says it."""
+        return _LABELS.get(self.kind, f"peer {self.target}")
 
     def as_dict(self) -> dict[str, object]:
         """For ``--json``."""
         return asdict(self)
 
 
+# Origin and the registry are separate paths, often other schemes, endpoints or
+# accounts (edge/diagnose.py): the table says which is which.
+_LABELS = {"origin": "origin (shard data)", "registry": "registry (manifests)"}
+
+
 def check_node_paths(
     topology: Topology, *, seconds: float = 4.0, streams: int = 4, token: str | None = None
 ) -> list[NodePath]:
-    """Each region's first node measures its path to origin and to each peer region.
+    """Each region's first node measures its path to origin, the registry and each peer region.
 
-    ``Diagnose`` is an admin call: the node uploads scratch objects to the
-    registry's store and into peers, so it needs the admin token.
+    Origin (a held version's shard data) and the registry (manifests) are
+    measured apart, each through the node's own store for it. ``Diagnose`` is
+    an admin call: the node uploads scratch objects to origin, the registry
+    and into peers, so it needs the admin token.
     """
     out = []
     for region, config in topology.regions.items():
         node = config.nodes[0]
-        targets = ["origin"] + [
-            topology.regions[peer].nodes[0] for peer in config.peers if peer in topology.regions
+        targets = [("origin", "origin"), ("registry", "registry")] + [
+            (topology.regions[peer].nodes[0], "peer")
+            for peer in config.peers
+            if peer in topology.regions
         ]
         channel = open_channel(node)
         stub = edge_pb2_grpc.EdgeCacheStub(channel)
-        for target in targets:
+        unreachable = _unreachable(channel)
+        for target, kind in targets:
+            if unreachable is not None:  # no node to ask: each path says so, none waits
+                path = NodePath(region, node, target, None, None, None, 0, kind=kind)
+                path.code = unreachable.code().name
+                path.problems.append(
+                    f"could not measure: this host cannot reach the node ({describe(unreachable)})"
+                    ": see its row in the paths from this host, and check that it runs "
+                    "(edgecache status)"
+                )
+                out.append(path)
+                continue
             request = edge_pb2.DiagnoseRequest(target=target, seconds=seconds, streams=streams)
             try:
                 reply = stub.Diagnose(request, timeout=seconds * 3 + 30, metadata=bearer(token))
             except grpc.RpcError as exc:
-                path = NodePath(region, node, target, None, None, None, 0, note=describe(exc))
-                path.problems.append("could not measure (the admin token is needed)")
+                path = NodePath(region, node, target, None, None, None, 0, kind=kind)
+                path.code = exc.code().name
+                path.problems.append(_not_measured(exc, target, kind))
                 out.append(path)
                 continue
             loss = (
@@ -211,12 +241,62 @@ def check_node_paths(
                 reply.segments_sent,
                 reply.segments_retransmitted,
                 reply.note,
+                kind=kind,
             )
             if loss is not None and _surely_above(path, LOSS):
                 path.problems.append(f"loss {loss:.2%} > {LOSS:.1%} (TCP retransmissions)")
             out.append(path)
         channel.close()
     return out
+
+
+def _unreachable(channel: grpc.Channel) -> grpc.RpcError | None:
+    """The failure of a health check when this host cannot reach the node; else None.
+
+    Asked before the node's tests: a node that cannot be reached fails each of
+    them the same way, and one that does not answer would take each Diagnose's
+    whole deadline (3 × --seconds + 30 s per path).
+    """
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return exc
+    return None
+
+
+def _not_measured(exc: grpc.RpcError, target: str, kind: str) -> str:
+    """Why a node could not measure a path: the status, the node's message, what to do.
+
+    The admin token is the cause only when the node said so (UNAUTHENTICATED,
+    PERMISSION_DENIED); a test that hung or failed on the node is said as
+    itself, with the action for it.
+    """
+    code = exc.code()
+    said = f"{code.name}: {exc.details() or ''}"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            "could not measure: the node's admin token is needed (Diagnose is an admin call): "
+            f"pass it with --token-file or $EDGECACHE_TOKEN_FILE; the node said {said}"
+        )
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return (
+            "could not measure: the node takes this token for reads only; Diagnose needs its "
+            f"admin token (--token-file or $EDGECACHE_TOKEN_FILE); the node said {said}"
+        )
+    what = f"the peer node {target}" if kind == "peer" else _LABELS[kind]
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return (
+            f"could not measure: {said}; no answer in time: the node's test of its path to "
+            f"{what} may hang (its log says where), or the node is overloaded"
+        )
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and kind == "peer":
+        return (
+            f"could not measure: {said}; the node failed testing its path to {what}: its "
+            "log says why (the peer down or unreachable from the node, or refusing it: the "
+            "node's peer_tls_ca, peer_token_file)"
+        )
+    return f"could not measure: {explain(exc)}"
 
 
 def _throughput(

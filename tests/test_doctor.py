@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -85,14 +86,111 @@ def test_nodes_measure_their_paths_to_origin_and_to_peers(s3_endpoint: str, tmp_
         origin = paths[("eu", "origin")]
         assert origin["rtt_ms"] and origin["mb_s"] and origin["segments_sent"] > 0, origin
         assert paths[("us", "origin")]["note"] == "no object known to read: stage a version first"
+        # The registry is a path of its own (its store, its endpoint), asked of every node:
+        # a round trip to a manifest the node holds, and an upload's segments.
+        registry_path = paths[("eu", "registry")]
+        assert registry_path["kind"] == "registry" and origin["kind"] == "origin"
+        assert registry_path["rtt_ms"] and registry_path["segments_sent"] > 0, registry_path
+        assert not registry_path["problems"], registry_path
+        us_registry = paths[("us", "registry")]  # holds nothing: no manifest to time, an upload
+        assert us_registry["segments_sent"] > 0 and "stage a version" in us_registry["note"]
         peer = paths[("eu", nodes["us"].address)]
         assert peer["rtt_ms"] and peer["mb_s"] and peer["segments_sent"] > 0, peer
+        assert peer["kind"] == "peer"
         # Diagnose is an admin call: without the token the doctor says what is needed.
         refused = doctor(config, "--node-paths", "--seconds", "1", "--pings", "3", env=env)
-        assert all("admin token" in " ".join(p["problems"]) for p in refused["node_paths"])
+        assert {p["target"] for p in refused["node_paths"]} >= {"origin", "registry"}
+        for path in refused["node_paths"]:
+            assert path["code"] == "UNAUTHENTICATED", path
+            assert "admin token" in " ".join(path["problems"]), path
     finally:
         for node in nodes.values():
             node.stop()
+
+
+def test_a_diagnose_that_fails_for_another_reason_than_the_token_says_that_reason(
+    tmp_path: Path,
+) -> None:
+    """Every failed Diagnose said 'could not measure (the admin token is needed)': a node
+    that cannot be reached, or whose peer is down, sent the operator after a token they
+    had passed. Now the status and the node's message, and the token only when the node
+    refused it. A real node (eu, with an admin token) whose peer region's node (us) is
+    down; the doctor in the text table and in --json."""
+    from typer.testing import CliRunner
+
+    from edgecache.clients.cli import app
+    from edgecache.edge.config import NodeConfig
+    from edgecache.edge.server import running_node
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "admin").write_text("admin-token")
+    (tmp_path / "read").write_text("read-token")
+    registry = f"file://{tmp_path}/registry"
+    settings = NodeConfig(
+        region="eu",
+        cache_dir=tmp_path / "cache",
+        registry=registry,
+        listen="127.0.0.1:0",
+        sync=False,
+        token_file=tmp_path / "admin",
+        read_token_file=tmp_path / "read",
+    )
+    with running_node(settings) as node:
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  eu:\n    nodes: ['{node.address}']\n    peers: {{us: 1GB/s}}\n"
+            f"  us:\n    nodes: ['{gone}']\n"
+        )
+
+        def run(*args: str) -> tuple[int, str]:
+            argv = ["doctor", "--config", str(config), "--node-paths", "--pings", "3"]
+            result = CliRunner().invoke(app, [*argv, "--seconds", "0.5", *args])
+            return result.exit_code, result.output
+
+        code, out = run("--token-file", str(tmp_path / "admin"), "--json")
+        assert code == 1, out
+        paths = {(p["region"], p["target"]): p for p in json.loads(out)["node_paths"]}
+        assert set(paths) == {
+            ("eu", "origin"),
+            ("eu", "registry"),
+            ("eu", gone),
+            ("us", "origin"),
+            ("us", "registry"),
+        }, set(paths)
+        # The node measured what it could: nothing held yet, a registry on its own disk.
+        assert not paths[("eu", "origin")]["problems"], paths[("eu", "origin")]
+        assert "local filesystem" in paths[("eu", "registry")]["note"], paths[("eu", "registry")]
+        # Its peer is down: the node failed the test; its log says why, not the token.
+        (peer,) = paths[("eu", gone)]["problems"]
+        assert paths[("eu", gone)]["code"] == "INTERNAL", peer
+        assert "INTERNAL" in peer and "log" in peer and gone in peer, peer
+        assert "token is needed" not in peer and "admin token" not in peer, peer
+        # The us node itself cannot be reached from here: said as that, with what to check.
+        for target in ("origin", "registry"):
+            (problem,) = paths[("us", target)]["problems"]
+            assert paths[("us", target)]["code"] == "UNAVAILABLE", problem
+            assert "cannot reach" in problem and "Connection refused" in problem, problem
+            assert "edgecache status" in problem, problem
+            assert "admin token" not in problem, problem
+
+        # The read token: the node knows it, and refuses it for an admin call.
+        code, out = run("--token-file", str(tmp_path / "read"), "--json")
+        read = {(p["region"], p["target"]): p for p in json.loads(out)["node_paths"]}
+        for target in ("origin", "registry", gone):
+            (problem,) = read[("eu", target)]["problems"]
+            assert "PERMISSION_DENIED" in problem and "admin token" in problem, problem
+        assert read[("us", "origin")]["code"] == "UNAVAILABLE"
+
+        # The text table tells origin from the registry, and says each failure.
+        code, out = run("--token-file", str(tmp_path / "admin"))
+        assert code == 1, out
+        text = " ".join(out.split())
+        assert "origin (shard data)" in text and "registry (manifests)" in text, out
+        assert "INTERNAL" in text and "UNAVAILABLE" in text, out
+        assert "token is needed" not in text, out
 
 
 def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:

@@ -289,8 +289,8 @@ def doctor(
         bool,
         typer.Option(
             "--node-paths",
-            help="Also have each region's node measure its path to origin and to its peer "
-            "regions (needs the admin token).",
+            help="Also have each region's node measure its path to origin (shard data), to "
+            "the registry (manifests) and to its peer regions (needs the admin token).",
         ),
     ] = False,
     token_file: TokenOption = None,
@@ -390,7 +390,7 @@ def doctor(
                 [
                     p.region,
                     p.node,
-                    p.target,
+                    p.label,
                     "—" if p.rtt_ms is None else f"{p.rtt_ms:.2f} ms",
                     mb_s(p.mb_s),
                     loss(p.loss, p.segments_sent),
