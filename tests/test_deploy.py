@@ -52,6 +52,10 @@ def test_dockerfile_shape() -> None:
     # A regular user with explicit ids (--system warns: 10001 is above SYS_UID_MAX).
     assert "--system" not in code and re.search(r"useradd .*--uid 10001 --gid 10001", code)
     assert 'ENTRYPOINT ["edgecache", "serve"]' in text
+    # The cache lives on a volume the operator names (compose, a PVC): no VOLUME, which gave
+    # every container that mounts nothing there an anonymous volume left behind by `down`.
+    for dockerfile in (DEPLOY / "Dockerfile", DEPLOY / "compose" / "s3-origin.Dockerfile"):
+        assert not re.search(r"^VOLUME\b", dockerfile.read_text(), re.M), dockerfile
     healthcheck = re.search(r"^HEALTHCHECK .*\n\s+CMD (.*)$", text, re.M)
     # No address: the command asks the node's own configured probe (EDGECACHE_PROBE_LISTEN).
     assert healthcheck and json.loads(healthcheck.group(1))[:2] == ["edgecache", "healthcheck"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -129,7 +130,38 @@ def test_the_s3_origin_refuses_a_state_it_cannot_load(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert out.returncode != 0 and "cannot load" in out.stderr, out
+    assert out.returncode == 2 and "cannot load" in out.stderr, out  # exit 2, as documented
+
+
+def test_the_s3_origin_retries_a_save_that_failed(tmp_path: Path) -> None:
+    """A save that fails (a full or unwritable volume) is logged and retried. It ended the
+    saver thread: the origin went on acknowledging writes that were never saved, and a kill
+    lost them though the volume had room again."""
+    port, state = free_port(), tmp_path / "state"
+    (state / "s3.tmp").mkdir(parents=True)  # the temporary file cannot be written: saves fail
+    proc = start_origin(port, state)
+    try:
+        client = s3(port)
+        client.create_bucket(Bucket="edgecache")
+        client.put_object(Bucket="edgecache", Key="_edgecache/tokens/versions/1.json", Body=b"{}")
+        time.sleep(1.5)  # the saver has tried, and failed
+        assert not (state / "s3.pickle").exists()
+        (state / "s3.tmp").rmdir()  # room again
+        deadline = time.monotonic() + 10
+        while not (state / "s3.pickle").exists():
+            assert time.monotonic() < deadline, "the failed save was never tried again"
+            time.sleep(0.1)
+    finally:
+        proc.kill()  # docker kill: no save at stop
+        out = proc.communicate(timeout=30)[0]
+    assert "cannot save" in out, out
+    proc = start_origin(port, state)
+    try:
+        keys = {o["Key"] for o in s3(port).list_objects_v2(Bucket="edgecache")["Contents"]}
+        assert "_edgecache/tokens/versions/1.json" in keys, keys
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
 
 
 def test_the_host_compose_keeps_the_registry_on_a_volume() -> None:
@@ -139,7 +171,9 @@ def test_the_host_compose_keeps_the_registry_on_a_volume() -> None:
     entry = json.loads(dockerfile.split("\nENTRYPOINT ", 1)[1].splitlines()[0])
     assert entry[:2] == ["python3", "/opt/moto/s3-origin.py"], entry
     assert "COPY s3-origin.py /opt/moto/s3-origin.py" in dockerfile
-    assert 'VOLUME ["/var/lib/s3-origin"]' in dockerfile
+    # No VOLUME: it gave compose's s3-setup (same image, nothing mounted) an anonymous volume
+    # that every `down` left behind. The named volume below is where the objects live.
+    assert not re.search(r"^VOLUME\b", dockerfile, re.M), dockerfile
     assert "chown 10001:10001 /var/lib/s3-origin" in dockerfile  # a fresh volume is writable
     assert "s3-origin:/var/lib/s3-origin" in origin["volumes"]
     assert "s3-origin" in compose["volumes"]
@@ -209,6 +243,27 @@ def wait_healthy(timeout: float = 180) -> dict[str, str]:
         time.sleep(1)
 
 
+def volumes() -> set[str]:
+    """Every volume on the engine, by name (an anonymous one's name is a random id)."""
+    out = subprocess.run(["docker", "volume", "ls", "-q"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def mounted_volumes() -> set[str]:
+    """The volumes this project's containers (running or not) mount: another stack may share
+    the engine, so what `down` leaves is judged among these, not by the engine's count."""
+    ids = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    if not ids:
+        return set()
+    infos = json.loads(subprocess.run(["docker", "inspect", *ids], capture_output=True,
+                                      text=True).stdout)  # fmt: skip
+    return {m["Name"] for info in infos for m in info["Mounts"] if m["Type"] == "volume"}
+
+
 def read_all(spec: str, region: str) -> list[int]:
     import torch
 
@@ -234,6 +289,8 @@ def test_the_whole_stack_restarts_with_its_caches_and_registry_consistent(
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     compose("down", "-v", "--remove-orphans", check=False)
+    named = {f"{PROJECT}_{v}" for v in yaml.safe_load(
+        (DEPLOY / "compose.host.yaml").read_text())["volumes"]}  # fmt: skip
     try:
         compose("build")
         compose("up", "-d")
@@ -247,7 +304,12 @@ def test_the_whole_stack_restarts_with_its_caches_and_registry_consistent(
         cli("warm", "tokens@1", "--region", "eu-west", "--config", config)
         assert sorted(read_all("tokens@1", "eu-west")) == list(range(8000))
 
+        mounted = mounted_volumes()
         compose("down")  # volumes kept: caches and registry
+        # ... and nothing else: the images declared VOLUMEs, so the controller and s3-setup
+        # (which mount nothing there) got anonymous volumes that each down left behind.
+        kept = mounted & volumes()
+        assert kept == named, f"left by down: {sorted(kept - named)}, missing: {named - kept}"
         compose("up", "-d")
         wait_healthy()
         versions = json.loads(cli("versions", "tokens", "--config", config, "--json").stdout)
@@ -278,6 +340,13 @@ def test_the_whole_stack_restarts_with_its_caches_and_registry_consistent(
             name = info["Config"]["Labels"]["com.docker.compose.service"]
             stopped[name] = (code, round(time.monotonic() - started, 1))
         assert all(code == 0 and took < 15 for code, took in stopped.values()), stopped
+        # A second down leaves exactly what the first did (2 more anonymous volumes a cycle
+        # before), and down -v, the documented way to drop the data too, leaves nothing.
+        mounted |= mounted_volumes()
+        compose("down")
+        assert mounted & volumes() == kept, sorted(mounted & volumes())
+        compose("down", "-v")
+        assert mounted & volumes() == set(), sorted(mounted & volumes())
     finally:
         compose("down", "-v", "--remove-orphans", "-t", "30", check=False)
 

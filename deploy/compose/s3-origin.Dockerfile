@@ -20,7 +20,9 @@ RUN python3 -m venv /opt/moto \
 COPY s3-origin.py /opt/moto/s3-origin.py
 ENV PATH=/opt/moto/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 10001:10001
-VOLUME ["/var/lib/s3-origin"]
+# No VOLUME instruction: mount a named volume at /var/lib/s3-origin (it takes the owner, 10001,
+# from the image). A VOLUME gave every other container of this image (compose's one-shot
+# s3-setup) an anonymous volume that `compose down` leaves behind, one more each cycle.
 EXPOSE 5000
 ENTRYPOINT ["python3", "/opt/moto/s3-origin.py", "-H", "127.0.0.1"]
 CMD ["-p", "5000"]

@@ -54,11 +54,13 @@ class Saved:
         try:
             buckets = pickle.loads(self.path.read_bytes())
         except Exception as exc:  # noqa: BLE001 - any failure: refuse to start empty
-            sys.exit(
+            print(
                 f"s3-origin: cannot load {self.path} ({exc!r}); it was written by another "
                 "moto version or is damaged. Move it away to start empty (the registry goes "
-                "with it: clear the nodes' cache volumes too)"
+                "with it: clear the nodes' cache volumes too)",
+                file=sys.stderr,
             )
+            sys.exit(2)  # as the docstring says (sys.exit with a message exits 1)
         self.backend.buckets.update(buckets)
         for name in buckets:
             s3_backends.bucket_accounts[name] = (PARTITION, ACCOUNT)
@@ -82,11 +84,21 @@ class Saved:
             os.replace(tmp, self.path)
 
     def saver(self) -> None:
-        """Save soon after writes, in a thread."""
+        """Save soon after writes, in a thread, until a save succeeds.
+
+        A failed save (a full or unwritable volume) is logged and tried again each second:
+        it once ended this thread, and the server went on acknowledging writes that no
+        later save would keep, until a kill lost them.
+        """
         while True:
             self.dirty.wait()
             time.sleep(0.2)  # one save for a burst of writes
-            self.save()
+            try:
+                self.save()
+            except Exception:  # noqa: BLE001 - any failure: say so, keep the writes, retry
+                self.dirty.set()
+                log.exception("cannot save to %s; trying again in 1 s", self.path)
+                time.sleep(1)
 
     def middleware(self, app):  # noqa: ANN001, ANN201 - WSGI
         """``app`` with writes serialised against saves, each marking the state dirty."""

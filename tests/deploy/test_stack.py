@@ -84,6 +84,33 @@ def test_containers_run_as_10001_with_a_read_only_root(stack) -> None:  # noqa: 
         stack.run("docker", "exec", stack.containers[service], "touch", "/var/cache/edgecache/p")
 
 
+def test_no_container_gets_an_anonymous_volume(stack) -> None:  # noqa: ANN001
+    """Every mount is a named volume of the compose file, a bind or a tmpfs. The images
+    declared VOLUMEs, so the controller and s3-setup (which mount nothing there) got
+    anonymous volumes: `down` left them behind, two more on every down/up cycle."""
+    labels = stack.inspect(stack.containers[next(iter(stack.nodes))])["Config"]["Labels"]
+    project = labels["com.docker.compose.project"]
+    named = {f"{project}_{v}" for v in stack("config", "--volumes").stdout.split()}
+    ids = stack.run(
+        "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"
+    ).stdout.split()
+    mounts = {}
+    for cid in ids:
+        info = stack.inspect(cid)
+        service = info["Config"]["Labels"]["com.docker.compose.service"]
+        mounts[service] = [(m["Type"], m.get("Name"), m["Destination"]) for m in info["Mounts"]]
+    assert {"controller", "s3-setup", *stack.nodes} <= set(mounts), mounts
+    anonymous = {
+        s: [m for m in ms if m[0] == "volume" and m[1] not in named] for s, ms in mounts.items()
+    }
+    assert not any(anonymous.values()), {s: m for s, m in anonymous.items() if m}
+    for service in stack.nodes:  # the cache is on the service's named volume
+        assert ("volume", f"{project}_{service}", "/var/cache/edgecache") in mounts[service]
+    assert ("volume", f"{project}_s3-origin", "/var/lib/s3-origin") in mounts["s3-origin"]
+    for image in (stack.node_image, "edgecache-s3-origin:5.2.5"):
+        assert not stack.inspect(image)["Config"].get("Volumes"), image
+
+
 def test_healthcheck_follows_the_configured_probe_address(stack) -> None:  # noqa: ANN001
     for service, (_, probe_port, _) in stack.nodes.items():
         info = stack.inspect(stack.containers[service])
