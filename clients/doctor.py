@@ -290,7 +290,16 @@ def _not_measured(exc: grpc.RpcError, target: str, kind: str) -> str:
             f"could not measure: {said}; no answer in time: the node's test of its path to "
             f"{what} may hang (its log says where), or the node is overloaded"
         )
+    if code == grpc.StatusCode.UNAVAILABLE and kind == "peer":
+        # The node's own connection to the peer failed (this host reached the node: see
+        # _unreachable); the node's message names the peer and gRPC's reason.
+        return (
+            f"could not measure: {said}; the node could not reach {what} or lost it during "
+            f"the test: check that the peer runs (its row in the paths from this host) and "
+            "that the node can reach it, then run the doctor again"
+        )
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and kind == "peer":
+        # Nodes before the peer failure's own status answered every one this way.
         return (
             f"could not measure: {said}; the node failed testing its path to {what}: its "
             "log says why (the peer down or unreachable from the node, or refusing it: the "

@@ -27,15 +27,16 @@ import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.storage import ObjectStore, Stores
-from edgecache.edge.peers import Peers
+from edgecache.edge.peers import Peers, _refuses_configuration
 from edgecache.v1 import edge_pb2
 
-__all__ = ["diagnose_origin", "diagnose_peer", "diagnose_registry"]
+__all__ = ["PeerPathFailed", "diagnose_origin", "diagnose_peer", "diagnose_registry"]
 
 log = logging.getLogger(__name__)
 _PART = 4 << 20  # bytes per request or message of the tests
@@ -74,6 +75,49 @@ def _no_path(url: str) -> str:
     if url.startswith("file://") or "://" not in url:
         return f"{url} is on a local filesystem: no network path to measure"
     return f"{url} is not on S3: this node measures the network path to S3 endpoints only"
+
+
+class PeerPathFailed(EdgeCacheError):
+    """A test of this node's path to a peer failed; the message says where, why, what to do.
+
+    ``final`` as in :class:`~edgecache.edge.peers.PeerCopyFailed`: the peer refused
+    this node for its configuration (a token it does not accept, a TLS handshake
+    that failed on certificates; ``peers._refuses_configuration``), so the test
+    fails the same way until the setting the message names is fixed on this node.
+    False for a peer that could not be reached, timed out or broke off.
+    """
+
+    def __init__(self, message: str, *, peer: str, code: str, final: bool) -> None:
+        super().__init__(message)
+        self.peer, self.code, self.final = peer, code, final
+
+
+def _peer_failed(
+    peers: Peers, peer: str, what: str, exc: grpc.RpcError, connected: bool
+) -> PeerPathFailed:
+    """The failure of ``what`` (a health check, the upload) in a test of the path to ``peer``.
+
+    Worded as a Stage's note on the same peer is (``Peers.copy_shard``): gRPC's code
+    and details of this node's own call to the peer, then what to set on this node
+    (``Peers._hint``: peer_token_file, peer_tls_ca, a grpcs:// name). ``connected``:
+    calls went through before (the connection, TLS or not, was right).
+    """
+    name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
+    details = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
+    hint = peers._hint(peer, name, details, int(connected))  # noqa: SLF001 - the node's wording
+    final = _refuses_configuration(peer, name, details)
+    message = (
+        f"the path from this node to peer {peer} could not be tested: {what} failed "
+        f"({name}: {details})"
+    )
+    if hint:
+        message += f"; {hint}"
+    if final:
+        message += (
+            f"; {peer} refused this node for its configuration: retrying cannot help until "
+            "that setting is fixed on this node"
+        )
+    return PeerPathFailed(message, peer=peer, code=name, final=final)
 
 
 def _add_note(report: edge_pb2.PathReport, note: str) -> None:
@@ -198,14 +242,28 @@ async def diagnose_registry(
 async def diagnose_peer(
     peers: Peers, peer: str, seconds: float, streams: int
 ) -> edge_pb2.PathReport:
-    """The path to another node: RTT of health checks, and an upload into its ``Sink``."""
+    """The path to another node: RTT of health checks, and an upload into its ``Sink``.
+
+    :class:`PeerPathFailed` when the peer cannot be reached or refuses this node;
+    ``ValueError`` for a target that is no address (no ``:port``).
+    """
+    if ":" not in peer:
+        # A word, not an address: a target this node does not know (one a newer doctor
+        # asks for, or a typo). Dialling it as a host only said "internal error".
+        raise ValueError(
+            f"{peer!r} is not a Diagnose target this node knows: 'origin', 'registry' or a "
+            "peer node's address (host:port, grpcs://host:port)"
+        )
     report = edge_pb2.PathReport(target=peer, streams=streams)
     channel = peers._channel(peer)  # noqa: SLF001 - the node's own channels and credentials
     health = health_pb2_grpc.HealthStub(channel)
-    samples = []
+    samples: list[float] = []
     for _ in range(5):
         started = time.perf_counter()
-        await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        try:
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            raise _peer_failed(peers, peer, "a health check", exc, bool(samples)) from exc
         samples.append((time.perf_counter() - started) * 1e3)
     samples.sort()
     report.rtt_ms = samples[len(samples) // 2]
@@ -222,14 +280,20 @@ async def diagnose_peer(
             while time.monotonic() < deadline:
                 yield chunk
 
-        reply = await sink(chunks(), metadata=peers._metadata)  # noqa: SLF001
+        reply = await sink(chunks(), metadata=peers._metadata, timeout=seconds + 30)  # noqa: SLF001
         return int(reply.bytes)
 
     target = peer.split("://", 1)[-1]
     before = tcp_stats.counters_to(target)
     started = time.monotonic()
-    moved = sum(await asyncio.gather(*(stream() for _ in range(streams))))
+    results = await asyncio.gather(*(stream() for _ in range(streams)), return_exceptions=True)
     elapsed = time.monotonic() - started
+    for result in results:
+        if isinstance(result, grpc.RpcError):
+            raise _peer_failed(peers, peer, "the upload into its Sink", result, True) from result
+        if isinstance(result, BaseException):
+            raise result
+    moved = sum(r for r in results if isinstance(r, int))
     change = tcp_stats.delta(before, tcp_stats.counters_to(target))
     report.bytes_per_second = moved / elapsed if elapsed else 0.0
     report.segments_sent, report.segments_retransmitted = change.segments_out, change.retransmitted

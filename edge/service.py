@@ -39,7 +39,12 @@ from edgecache.cache.errors import (
     VersionNotFound,
     causes,
 )
-from edgecache.edge.diagnose import diagnose_origin, diagnose_peer, diagnose_registry
+from edgecache.edge.diagnose import (
+    PeerPathFailed,
+    diagnose_origin,
+    diagnose_peer,
+    diagnose_registry,
+)
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.peers import PeerCopyFailed
 from edgecache.v1 import edge_pb2, manifest_pb2
@@ -68,7 +73,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     match exc:
         case _NotHere():
             return grpc.StatusCode.FAILED_PRECONDITION, message
-        case PeerCopyFailed() if exc.final:
+        case PeerCopyFailed() | PeerPathFailed() if exc.final:
             # Every peer asked answered that it does not hold the shard, or refused this
             # node for its configuration (its token, or a TLS handshake that failed on
             # certificates: see peers._refuses_configuration), with peers_only: no retry
@@ -78,9 +83,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             # clients would tell the operator to fix their --token-file. The state this
             # Stage needs (this node's settings toward its peers) is missing: that is
             # FAILED_PRECONDITION, which clients do not retry and readers do not take
-            # for a node that is down.
+            # for a node that is down. A Diagnose of a peer that refuses this node is the
+            # same: its test fails until that setting is fixed.
             return grpc.StatusCode.FAILED_PRECONDITION, message
-        case PeerCopyFailed():  # a peer could not be reached, broke off, or was too slow
+        case PeerCopyFailed() | PeerPathFailed():
+            # A peer could not be reached, broke off, timed out or was too slow: this node
+            # works and the message names the peer; asking again may work.
             return grpc.StatusCode.UNAVAILABLE, message
         case InvalidName() | IndexError():
             return grpc.StatusCode.INVALID_ARGUMENT, message

@@ -13,15 +13,18 @@ loopback, real LMDB.
 from __future__ import annotations
 
 import re
+import socket
 import uuid
 from pathlib import Path
 from urllib.request import urlopen
 
 import boto3
+import grpc
 import pytest
 from edgeutil import node_settings, publish, stub, write_parquet_shards
 from faultproxy import OriginFaults
 from s3server import _boto_kwargs, make_bucket, upload_dir
+from tlsutil import make_pki
 
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
@@ -123,3 +126,75 @@ def test_an_s3_registry_and_a_file_origin_each_measured_through_its_own_store(
         port = node.metrics_port
         assert _metric(port, "edgecache_origin_retries_total") == 0
     assert not [k for k in _keys(s3_endpoint, bucket) if "_diagnostics" in k]
+
+
+def test_a_peer_path_that_fails_says_why_with_the_status_that_fits(tmp_path: Path) -> None:
+    """A Diagnose of a peer that failed was INTERNAL "internal error; see the node's log",
+    though the node knew why. Now as a Stage words the same peer: a peer that cannot be
+    reached is UNAVAILABLE naming it; one that refuses this node's token or TLS settings
+    FAILED_PRECONDITION naming the setting to fix on this node; a word that is no address,
+    INVALID_ARGUMENT naming the targets the node knows. Real nodes on loopback."""
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "read").write_text("read-token")
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    registry = f"file://{tmp_path}/registry"
+    guarded = node_settings(
+        tmp_path, registry, cache_dir=tmp_path / "g", read_token_file=tmp_path / "read"
+    )
+    tls = node_settings(
+        tmp_path,
+        registry,
+        cache_dir=tmp_path / "t",
+        tls_cert=pki["server"],
+        tls_key=pki["server_key"],
+    )
+    with (
+        running_node(guarded) as token_peer,
+        running_node(tls) as tls_peer,
+        running_node(node_settings(tmp_path, registry)) as node,
+    ):
+
+        def failed(target: str) -> grpc.RpcError:
+            with pytest.raises(grpc.RpcError) as caught:
+                _diagnose(node.address, target)
+            return caught.value
+
+        down = failed(gone)
+        assert down.code() == grpc.StatusCode.UNAVAILABLE, down
+        assert f"peer {gone}" in down.details() and "Connection refused" in down.details()
+        assert "internal error" not in down.details(), down.details()
+
+        refused = failed(token_peer.address)  # health checks pass, the upload is refused
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused
+        details = refused.details()
+        assert f"peer {token_peer.address}" in details and "UNAUTHENTICATED" in details, details
+        assert "set peer_token_file" in details and "refused this node" in details, details
+
+        untrusted = failed(f"grpcs://{tls_peer.address}")  # no peer_tls_ca: the handshake fails
+        assert untrusted.code() == grpc.StatusCode.FAILED_PRECONDITION, untrusted
+        assert "set peer_tls_ca" in untrusted.details(), untrusted.details()
+        assert f"grpcs://{tls_peer.address}" in untrusted.details(), untrusted.details()
+
+        unknown = failed("registy")
+        assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT, unknown
+        assert "'origin', 'registry'" in unknown.details(), unknown.details()
+
+    # With the settings named, the same peers accept a node and its paths are measured.
+    fixed = node_settings(
+        tmp_path,
+        registry,
+        cache_dir=tmp_path / "f",
+        peer_token_file=tmp_path / "read",
+        peer_tls_ca=pki["ca"],
+    )
+    with (
+        running_node(guarded) as token_peer,
+        running_node(tls) as tls_peer,
+        running_node(fixed) as node,
+    ):
+        for target in (token_peer.address, f"grpcs://{tls_peer.address}"):
+            report = _diagnose(node.address, target)
+            assert report.rtt_ms > 0 and report.bytes_per_second > 0, (target, report)

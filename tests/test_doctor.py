@@ -163,10 +163,11 @@ def test_a_diagnose_that_fails_for_another_reason_than_the_token_says_that_reaso
         # The node measured what it could: nothing held yet, a registry on its own disk.
         assert not paths[("eu", "origin")]["problems"], paths[("eu", "origin")]
         assert "local filesystem" in paths[("eu", "registry")]["note"], paths[("eu", "registry")]
-        # Its peer is down: the node failed the test; its log says why, not the token.
+        # Its peer is down: the node says so (UNAVAILABLE, naming the peer), not the token.
         (peer,) = paths[("eu", gone)]["problems"]
-        assert paths[("eu", gone)]["code"] == "INTERNAL", peer
-        assert "INTERNAL" in peer and "log" in peer and gone in peer, peer
+        assert paths[("eu", gone)]["code"] == "UNAVAILABLE", peer
+        assert f"peer {gone}" in peer and "Connection refused" in peer, peer
+        assert "internal error" not in peer, peer
         assert "token is needed" not in peer and "admin token" not in peer, peer
         # The us node itself cannot be reached from here: said as that, with what to check.
         for target in ("origin", "registry"):
@@ -189,7 +190,8 @@ def test_a_diagnose_that_fails_for_another_reason_than_the_token_says_that_reaso
         assert code == 1, out
         text = " ".join(out.split())
         assert "origin (shard data)" in text and "registry (manifests)" in text, out
-        assert "INTERNAL" in text and "UNAVAILABLE" in text, out
+        assert f"peer {gone}" in text and "UNAVAILABLE" in text, out
+        assert "INTERNAL" not in text, out
         assert "token is needed" not in text, out
 
 
