@@ -141,8 +141,11 @@ async def _upload(
     endpoint: str,
     seconds: float,
     streams: int,
-) -> None:
-    """Loss of an upload of scratch objects under ``base``/_diagnostics (deleted after).
+) -> float | None:
+    """Upload scratch objects under ``base``/_diagnostics (deleted after): loss and rate.
+
+    Sets the report's segments (TCP's loss of the upload) and returns the upload's
+    bytes per second, or None when the node may not write there (a note says so).
 
     A key part starting with ``_`` is never a shard to a publisher
     (:meth:`~edgecache.cache.registry.Registry.list_sources`), so an object left
@@ -160,11 +163,11 @@ async def _upload(
 
     before = tcp_stats.counters_to(endpoint)
     try:
-        await _for(seconds, streams, write)
+        moved, elapsed = await _for(seconds, streams, write)
     except EdgeCacheError as exc:
         why = f"this node cannot write scratch objects to {base} ({exc})"
         _add_note(report, f"no loss figure: {why}")
-        return
+        return None
     finally:
         for url in written:
             try:
@@ -175,6 +178,7 @@ async def _upload(
     report.segments_sent, report.segments_retransmitted = change.segments_out, change.retransmitted
     if not tcp_stats.available():
         _add_note(report, "no loss figure: `ss` (iproute2) is not installed on the node")
+    return moved / elapsed if elapsed else None
 
 
 async def diagnose_origin(
@@ -208,19 +212,22 @@ async def diagnose_origin(
 
     moved, elapsed = await _for(seconds / 2, streams, read)
     report.bytes_per_second = moved / elapsed if elapsed else 0.0
-    await _upload(report, store, origin, endpoint, seconds / 2, streams)
+    await _upload(report, store, origin, endpoint, seconds / 2, streams)  # its loss; the rate: read
     return report
 
 
 async def diagnose_registry(
     stores: Stores, registry: str, manifest_url: str | None, seconds: float, streams: int
 ) -> edge_pb2.PathReport:
-    """The path to the registry (manifests, version lists): RTT and loss of an upload.
+    """The path to the registry (manifests, version lists): RTT, an upload's rate and loss.
 
     ``stores`` are the registry's own (``EdgeNode.registry_stores``, their retries
     counted as the registry's); ``manifest_url`` a manifest of a version this
-    node holds, for the round trip. No read rate: the registry holds small
-    objects, whose reads measure request round trips, not the path's rate.
+    node holds, for the round trip. The rate (``bytes_per_second``) is the
+    upload's: scratch objects of ``_PART`` bytes on ``streams`` streams, large
+    enough to measure the path, as a peer's is its upload. No read rate: the
+    registry holds small objects, whose reads measure request round trips, not
+    the path's rate.
     """
     report = edge_pb2.PathReport(target="registry", streams=streams)
     endpoint = _endpoint(registry)
@@ -235,7 +242,8 @@ async def diagnose_registry(
             report.rtt_ms, _ = await _rtt(store, manifest_url)
         except EdgeCacheError as exc:  # e.g. a registry moved since the version was staged
             report.note = f"no round trip: cannot read {manifest_url} ({exc})"
-    await _upload(report, store, registry, endpoint, seconds, streams)
+    if (rate := await _upload(report, store, registry, endpoint, seconds, streams)) is not None:
+        report.bytes_per_second = rate
     return report
 
 

@@ -123,6 +123,8 @@ def test_an_s3_registry_and_a_file_origin_each_measured_through_its_own_store(
         registry = _diagnose(node.address, "registry")
         assert registry.target == "registry"
         assert registry.rtt_ms > 0 and registry.segments_sent > 0, registry
+        # Its rate is the upload's (it measured one; the doctor showed "—" for it).
+        assert registry.bytes_per_second > 0, registry
         port = node.metrics_port
         assert _metric(port, "edgecache_origin_retries_total") == 0
     assert not [k for k in _keys(s3_endpoint, bucket) if "_diagnostics" in k]
