@@ -298,6 +298,16 @@ def _not_measured(exc: grpc.RpcError, target: str, kind: str) -> str:
             f"the test: check that the peer runs (its row in the paths from this host) and "
             "that the node can reach it, then run the doctor again"
         )
+    if code == grpc.StatusCode.INTERNAL and kind == "registry":
+        # A node from before the "registry" target (bc17492) takes it for a peer's address,
+        # fails dialling it and answers INTERNAL; a node that knows it catches the
+        # registry's errors into its note, so INTERNAL there is a bug (its log has it).
+        return (
+            f"could not measure: {said}; the node probably does not know this target (a node "
+            "older than this doctor measures origin and peers only, and takes 'registry' for "
+            "a peer's address): upgrade it to measure its path to the registry; if it is up "
+            "to date, its log says why"
+        )
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and kind == "peer":
         # Nodes before the peer failure's own status answered every one this way.
         return (

@@ -200,3 +200,34 @@ def test_a_peer_path_that_fails_says_why_with_the_status_that_fits(tmp_path: Pat
         for target in (token_peer.address, f"grpcs://{tls_peer.address}"):
             report = _diagnose(node.address, target)
             assert report.rtt_ms > 0 and report.bytes_per_second > 0, (target, report)
+
+
+def test_the_doctor_says_a_node_answering_registry_with_internal_is_probably_older(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node from before the "registry" target (bc17492) dials 'registry' as a peer's
+    address and answers INTERNAL "internal error; see the node's log" (seen running
+    bc17492^'s node): the doctor said only that, or "see its log". Here a current node
+    whose registry test fails the way the old one's did (an error status_for does not
+    map), which puts the same status and message on the wire; the doctor says the node
+    probably does not know the target, and its origin row is measured as before."""
+    from edgecache.clients.doctor import check_node_paths
+    from edgecache.clients.topology import Topology
+    from edgecache.edge import service
+
+    async def as_a_peer(*args: object) -> edge_pb2.PathReport:
+        raise RuntimeError("errors resolving registry: Domain name not found")
+
+    monkeypatch.setattr(service, "diagnose_registry", as_a_peer)
+    registry = f"file://{tmp_path}/registry"
+    with running_node(node_settings(tmp_path, registry)) as node:
+        with pytest.raises(grpc.RpcError) as old:
+            _diagnose(node.address, "registry")
+        assert old.value.code() == grpc.StatusCode.INTERNAL
+        assert old.value.details() == "internal error; see the node's log"
+        topology = Topology(registry=registry, regions={"eu": {"nodes": [node.address]}})
+        paths = {p.target: p for p in check_node_paths(topology, seconds=0.5, streams=1)}
+    (problem,) = paths["registry"].problems
+    assert paths["registry"].code == "INTERNAL", problem
+    assert "probably does not know this target" in problem and "upgrade it" in problem, problem
+    assert not paths["origin"].problems, paths["origin"]
