@@ -29,7 +29,8 @@ test-deploy: $(STAMP)  ## build the images and run the compose stack on a real D
 			"$$(printf '!%.0s' {1..78})"; \
 		exit 0; \
 	fi; \
-	if [ "$(DEPLOY_BASE_IMAGE)" = edgecache-base:bookworm ]; then deploy/base-image/build.sh; fi; \
+	if [ "$(DEPLOY_BASE_IMAGE)" = edgecache-base:bookworm ]; then \
+		EDGECACHE_BASE_IMAGE=$(DEPLOY_BASE_IMAGE) deploy/base-image/build.sh; fi; \
 	EDGECACHE_DEPLOY_TESTS=1 EDGECACHE_BASE_IMAGE=$(DEPLOY_BASE_IMAGE) \
 		$(VENV)/bin/pytest -o timeout=900 -p no:cacheprovider tests/deploy \
 	&& EDGECACHE_DEPLOY_TESTS=1 EDGECACHE_BASE_IMAGE=$(DEPLOY_BASE_IMAGE) \
@@ -37,7 +38,7 @@ test-deploy: $(STAMP)  ## build the images and run the compose stack on a real D
 
 base-image:  ## the local Debian base image (debootstrap + docker import), unless it exists
 	deploy/base-image/docker-engine.sh
-	deploy/base-image/build.sh
+	EDGECACHE_BASE_IMAGE=edgecache-base:bookworm deploy/base-image/build.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
