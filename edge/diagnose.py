@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.storage import ObjectStore, Stores
-from edgecache.edge.peers import Peers, _refuses_configuration
+from edgecache.edge.peers import Peers, refuses_configuration
 from edgecache.v1 import edge_pb2
 
 __all__ = ["PeerPathFailed", "diagnose_origin", "diagnose_peer", "diagnose_registry"]
@@ -82,7 +82,7 @@ class PeerPathFailed(EdgeCacheError):
 
     ``final`` as in :class:`~edgecache.edge.peers.PeerCopyFailed`: the peer refused
     this node for its configuration (a token it does not accept, a TLS handshake
-    that failed on certificates; ``peers._refuses_configuration``), so the test
+    that failed on certificates; ``peers.refuses_configuration``), so the test
     fails the same way until the setting the message names is fixed on this node.
     False for a peer that could not be reached, timed out or broke off.
     """
@@ -99,13 +99,13 @@ def _peer_failed(
 
     Worded as a Stage's note on the same peer is (``Peers.copy_shard``): gRPC's code
     and details of this node's own call to the peer, then what to set on this node
-    (``Peers._hint``: peer_token_file, peer_tls_ca, a grpcs:// name). ``connected``:
+    (``Peers.hint``: peer_token_file, peer_tls_ca, a grpcs:// name). ``connected``:
     calls went through before (the connection, TLS or not, was right).
     """
     name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
     details = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
-    hint = peers._hint(peer, name, details, int(connected))  # noqa: SLF001 - the node's wording
-    final = _refuses_configuration(peer, name, details)
+    hint = peers.hint(peer, name, details, int(connected))
+    final = refuses_configuration(peer, name, details)
     message = (
         f"the path from this node to peer {peer} could not be tested: {what} failed "
         f"({name}: {details})"

@@ -37,7 +37,7 @@ from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.edge.config import NodeConfig, read_pem
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["PeerCopy", "PeerCopyFailed", "Peers"]
+__all__ = ["PeerCopy", "PeerCopyFailed", "Peers", "refuses_configuration"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class PeerCopyFailed(EdgeCacheError):
         self.none_held = none_held
         # The peers that refused this node for its configuration (a token they do not
         # accept, a TLS handshake that failed on certificates or protocol; see
-        # _refuses_configuration; ``reasons`` names the setting to fix for each):
+        # refuses_configuration; ``reasons`` names the setting to fix for each):
         # asking again fails the same way until that setting is fixed.
         self.refused = list(refused)
         # Every peer asked either does not hold the shard or refused this node for its
@@ -180,7 +180,7 @@ class Peers:
                     got = len(copy.frames) - before
                     name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
                     details = exc.details() or ""
-                    hint = self._hint(peer, name, details, got)
+                    hint = self.hint(peer, name, details, got)
                     reason = f"{peer} failed after {got} chunks ({name}: {details})" + (
                         f"; {hint}" if hint else ""
                     )
@@ -189,7 +189,7 @@ class Peers:
                     # NOT_FOUND: a version the peer's registry does not know. The peer
                     # answered; it does not hold this shard.
                     lacks = got == 0 and name in ("FAILED_PRECONDITION", "NOT_FOUND")
-                    refuses = got == 0 and _refuses_configuration(peer, name, details)
+                    refuses = got == 0 and refuses_configuration(peer, name, details)
                     if refuses:
                         refused.append(peer)
                     none_held &= lacks
@@ -217,7 +217,7 @@ class Peers:
             final=final and bool(asked),
         )
 
-    def _hint(self, peer: str, code: str, details: str, received: int) -> str | None:
+    def hint(self, peer: str, code: str, details: str, received: int) -> str | None:
         """What to change on this node when a peer refused it (retrying cannot help)."""
         if code == "UNAUTHENTICATED":
             presented = (
@@ -295,7 +295,7 @@ def _optional_pem(path: Path | None, setting: str) -> bytes | None:
     return None if path is None else read_pem(path, setting)
 
 
-def _refuses_configuration(peer: str, code: str, details: str) -> bool:
+def refuses_configuration(peer: str, code: str, details: str) -> bool:
     """Whether a peer's failure (before any chunk) stands on this node's configuration.
 
     A token the peer does not take (UNAUTHENTICATED, PERMISSION_DENIED), or a TLS

@@ -76,7 +76,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         case PeerCopyFailed() | PeerPathFailed() if exc.final:
             # Every peer asked answered that it does not hold the shard, or refused this
             # node for its configuration (its token, or a TLS handshake that failed on
-            # certificates: see peers._refuses_configuration), with peers_only: no retry
+            # certificates: see peers.refuses_configuration), with peers_only: no retry
             # helps until the version is staged on one of them or the setting the message
             # names is fixed. Not UNAUTHENTICATED for a refused token: that code says the
             # *caller's* credentials are wrong, and the caller's token was accepted;
