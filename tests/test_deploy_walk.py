@@ -58,6 +58,17 @@ def s3(port: int):  # noqa: ANN201
     )
 
 
+def assert_kept(port: int, state: Path, key: str) -> None:
+    """A restarted origin on ``state`` lists ``key``: the save before the kill held it."""
+    proc = start_origin(port, state)
+    try:
+        keys = {o["Key"] for o in s3(port).list_objects_v2(Bucket="edgecache")["Contents"]}
+        assert key in keys, keys
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
 def test_the_s3_origin_keeps_its_objects_across_a_restart(tmp_path: Path) -> None:
     """The compose stack's origin holds the registry; the nodes' caches survive a restart
     on their volumes, so the registry must too. moto alone forgot every object: a restarted
@@ -112,13 +123,7 @@ def test_the_s3_origin_keeps_its_objects_across_a_restart(tmp_path: Path) -> Non
     finally:
         proc.kill()
         proc.communicate(timeout=30)
-    proc = start_origin(port, state)
-    try:
-        keys = {o["Key"] for o in s3(port).list_objects_v2(Bucket="edgecache")["Contents"]}
-        assert "_edgecache/tokens/versions/2.json" in keys, keys
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+    assert_kept(port, state, "_edgecache/tokens/versions/2.json")
 
 
 def test_the_s3_origin_refuses_a_state_it_cannot_load(tmp_path: Path) -> None:
@@ -155,13 +160,7 @@ def test_the_s3_origin_retries_a_save_that_failed(tmp_path: Path) -> None:
         proc.kill()  # docker kill: no save at stop
         out = proc.communicate(timeout=30)[0]
     assert "cannot save" in out, out
-    proc = start_origin(port, state)
-    try:
-        keys = {o["Key"] for o in s3(port).list_objects_v2(Bucket="edgecache")["Contents"]}
-        assert "_edgecache/tokens/versions/1.json" in keys, keys
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+    assert_kept(port, state, "_edgecache/tokens/versions/1.json")
 
 
 def test_the_host_compose_keeps_the_registry_on_a_volume() -> None:
