@@ -13,7 +13,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC
 from typing import Any, TypeVar
 
@@ -376,7 +376,7 @@ class EdgeCacheService:
             bytes_total=sum(manifest.shards[s].source_size for s in wanted),
         )
         started = time.monotonic()
-        first_failure: tuple[int, str, grpc.StatusCode] | None = None
+        failures: list[tuple[int, str, grpc.StatusCode]] = []
         async for outcome in self.node.stage(
             manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
         ):
@@ -388,7 +388,7 @@ class EdgeCacheService:
                 if outcome.revoked:  # counted as done before it was evicted
                     progress.shards_done -= 1
                 progress.failures.add(shard=outcome.shard, message=why, code=code.name)
-                first_failure = first_failure or (outcome.shard, why, code)
+                failures.append((outcome.shard, why, code))
             else:
                 progress.shards_done += 1
                 if outcome.fetched and outcome.source == "origin":
@@ -401,9 +401,9 @@ class EdgeCacheService:
             yield progress
         progress.finished = True
         yield progress
-        if first_failure is not None:
+        if failures:
             # Progress went out; the status says the stage is incomplete and why.
-            shard, error, code = first_failure
+            shard, error, code = stage_failure(failures)
             raise _StageIncomplete(
                 f"{progress.shards_failed} of {progress.shards_total} shards of "
                 f"{manifest.dataset}@{manifest.version} failed; shard {shard}: {error}",
@@ -534,8 +534,28 @@ class _NotHere(EdgeCacheError):
     """A cached_only read of a shard this node does not hold (it will not fetch it)."""
 
 
+_RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+)
+
+
+def stage_failure(
+    failures: Sequence[tuple[int, str, grpc.StatusCode]],
+) -> tuple[int, str, grpc.StatusCode]:
+    """The shard failure a Stage's status reports: the first that retrying cannot mend.
+
+    Shards fail in the order they finish, so "the first failure" let timing pick the
+    code: a stage with one shard origin lost (FAILED_PRECONDITION) and one that timed
+    out (UNAVAILABLE) said either. A caller told UNAVAILABLE retries, and the shard
+    that needs someone to act fails again every time; so a failure no retry can mend
+    speaks for the stage, and UNAVAILABLE only when every failure may pass. Each
+    shard's own code stays in the progress's ``failures``.
+    """
+    return next((f for f in failures if f[2] not in _RETRYABLE), failures[0])
+
+
 class _StageIncomplete(EdgeCacheError):
-    """Some shards of a Stage failed; the status is the first failure's, reasons in the message."""
+    """Some shards of a Stage failed: the status is :func:`stage_failure`'s, reasons in text."""
 
     def __init__(self, message: str, *, code: grpc.StatusCode) -> None:
         super().__init__(message)

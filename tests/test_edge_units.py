@@ -241,3 +241,26 @@ def test_stage_yields_each_shard_with_its_exception(tmp_path: Path) -> None:
         (2, 30, True),
     ]
     assert isinstance(outcomes[1].error, MalformedShard) and outcomes[0].error is None
+
+
+_CODES = ["UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "NOT_FOUND", "INTERNAL"]
+
+
+@given(codes=st.lists(st.sampled_from(_CODES), min_size=1, max_size=8), data=st.data())
+def test_a_stage_reports_a_failure_no_retry_mends_whatever_order_shards_fail_in(
+    codes: list[str], data: st.DataObject
+) -> None:
+    """Shards fail in the order they finish: the Stage's code must not depend on it."""
+    import grpc
+
+    from edgecache.edge.service import stage_failure
+
+    failures = [(i, f"shard {i}", grpc.StatusCode[c]) for i, c in enumerate(codes)]
+    order = data.draw(st.permutations(failures))
+    shard, _, code = stage_failure(order)
+    retryable = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
+    if all(c in retryable for c in codes):
+        assert code.name in retryable and (shard, code) == (order[0][0], order[0][2])
+    else:
+        assert code.name not in retryable  # e.g. origin lost an object: a retry fails again
+        assert (shard, code) == next((f[0], f[2]) for f in order if f[2].name not in retryable)
