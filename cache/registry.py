@@ -11,13 +11,16 @@ claimed with a create-only write (S3 ``If-None-Match: *``, or an atomic
 ``link()`` on local disks), so two publishers racing for the same N cannot
 both succeed; the loser retries with N+1. A publisher killed before its
 manifest write lands leaves no trace, and the next publish takes that N.
+The ``latest`` pointer is raised with a compare-and-swap (S3 ``If-Match`` on
+the ETag read, a lock on local disks), never lowered: publishers that finish
+out of order cannot set it back to an older N.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -301,16 +304,14 @@ class Registry:
                 raise
             latest = f"{self.url}/{manifest.dataset}/latest"
             try:
-                await self._store(latest).put(latest, f"{number}\n".encode())
+                await self._store(latest).update(latest, functools.partial(_raised_to, number))
             except OriginError as exc:
                 # The version is published (versions/ is the truth); failing now would
-                # have the user publish it again as a copy under the next number. A
-                # truncated pointer is removed rather than left for tools to misread.
-                with contextlib.suppress(OriginError):
-                    await self._store(latest).delete(latest)
+                # have the user publish it again as a copy under the next number. The
+                # pointer is replaced whole or not at all, so it keeps its old value.
                 log.warning(
-                    "%s@%d is published, but its latest pointer %s could not be written "
-                    "(%s) and was removed; readers list versions/, so nothing depends on it",
+                    "%s@%d is published, but its latest pointer %s could not be updated "
+                    "(%s); readers list versions/, so nothing depends on it",
                     manifest.dataset,
                     number,
                     latest,
@@ -523,6 +524,18 @@ class Registry:
         return await asyncio.to_thread(
             describe, data, fmt=fmt, source=info.url, spec=spec, transform=transform
         )
+
+
+def _raised_to(number: int, current: bytes | None) -> bytes | None:
+    """A ``latest`` pointer's new content: ``number``, unless it already names a newer one.
+
+    Publishers finish in any order; the pointer only ever moves forward. One
+    that cannot be read as a number is replaced.
+    """
+    text = (current or b"").decode("ascii", "replace").strip()
+    if text.isdigit() and text.isascii() and int(text) >= number:
+        return None
+    return f"{number}\n".encode()
 
 
 def _out_of_space(exc: BaseException) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from edgecache.cache.errors import OriginChanged
+from edgecache.cache.errors import ObjectNotFound, OriginChanged
 
 __all__ = ["ObjectInfo", "ObjectStore", "RetryStats", "Slot", "changed", "no_slot", "verify"]
 
@@ -74,6 +74,23 @@ class ObjectStore(ABC):
     @abstractmethod
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         """Write an object; with ``if_absent``, raise :class:`ObjectExists` rather than replace."""
+
+    async def update(self, url: str, change: Callable[[bytes | None], bytes | None]) -> None:
+        """Read-modify-write one small object: ``change(current)`` gives the new bytes.
+
+        ``current`` is None when the object is absent; ``change`` returning None
+        leaves the object as it is. Stores that can (S3's conditional writes, a
+        lock on local disks) make this atomic against other ``update`` calls,
+        calling ``change`` again on what another writer left; this fallback
+        reads, then writes, and two writers at once can lose one's change.
+        """
+        try:
+            current: bytes | None = await self.get(url)
+        except ObjectNotFound:
+            current = None
+        new = change(current)
+        if new is not None:
+            await self.put(url, new)
 
     @abstractmethod
     async def delete(self, url: str) -> None:

@@ -6,6 +6,7 @@ Where a backend has no ETag, ``size-mtime`` stands in for one.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import secrets
 from collections.abc import Callable
@@ -116,7 +117,7 @@ class FsspecStore(ObjectStore):
 
         def write() -> None:
             fs.makedirs(fs._parent(path), exist_ok=True)
-            local = fs.protocol in ("file", "local") or "file" in fs.protocol
+            local = _is_local(fs)
             if not if_absent:
                 (_replace_file if local else fs.pipe_file)(path, data)
             elif local:
@@ -130,6 +131,42 @@ class FsspecStore(ObjectStore):
 
         await self._run(url, write)
 
+    async def update(self, url: str, change: Callable[[bytes | None], bytes | None]) -> None:
+        """Read-modify-write; on local disks under a lock, so writers take turns.
+
+        The lock is ``flock`` on ``.<name>.lock`` beside the file (the file itself
+        is replaced whole, a new inode each time, so it cannot carry the lock):
+        atomic against other ``update`` calls on this host and across hosts on
+        filesystems whose locks span them. Elsewhere: read, then write.
+        """
+        fs, path = self._fs(url)
+        if not _is_local(fs):
+            await super().update(url, change)
+            return
+
+        def locked() -> None:
+            directory, name = os.path.split(path)
+            os.makedirs(directory or ".", exist_ok=True)
+            lock_path = os.path.join(directory, f".{name}.lock")
+            try:
+                lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except PermissionError:  # another user's lock file: flock needs no write access
+                lock = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    with open(path, "rb") as f:
+                        current: bytes | None = f.read()
+                except FileNotFoundError:
+                    current = None
+                new = change(current)
+                if new is not None:
+                    _replace_file(path, new)
+            finally:
+                os.close(lock)  # releases the lock
+
+        await self._run(url, locked)
+
     async def delete(self, url: str) -> None:
         """Remove the file, if it is there."""
         fs, path = self._fs(url)
@@ -139,6 +176,11 @@ class FsspecStore(ObjectStore):
                 fs.rm_file(path)
 
         await self._run(url, remove)
+
+
+def _is_local(fs: Any) -> bool:
+    """Whether an fsspec filesystem is this machine's own (file://)."""
+    return fs.protocol in ("file", "local") or "file" in fs.protocol
 
 
 def _written_temporary(directory: str, data: bytes) -> str:

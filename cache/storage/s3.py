@@ -3,7 +3,8 @@
 A direct aiobotocore client because staging speed depends on it: a bounded
 connection pool, concurrent ranged GETs for large objects, ``If-Match`` on
 every part so an object replaced mid-download is noticed, create-only PUTs
-(``If-None-Match: *``) for the registry, and verification of the bytes
+(``If-None-Match: *``) and compare-and-swap updates (``If-Match`` on the
+ETag read) for the registry, and verification of the bytes
 against the checksum S3 reports (a full-object CRC32 or SHA-256, or the MD5
 ETag of a single-part object): S3-compatible stores have served flipped bytes silently.
 Endpoint, region and credentials come from the standard AWS environment and
@@ -172,6 +173,9 @@ def _botocore_retries(response: dict[str, Any]) -> int:
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff (the AWS architecture blog's recommendation)."""
     return random.uniform(0, min(cap, base * 2**attempt))
+
+
+_UPDATE_ATTEMPTS = 20  # compare-and-swap rounds before update() gives up
 
 
 class _PreconditionFailed(OriginError):
@@ -349,7 +353,11 @@ class S3Store(ObjectStore):
                     raise ObjectNotFound(self._no_bucket(url)) from exc
                 if code in ("NoSuchKey", "404", "NotFound"):
                     raise ObjectNotFound(f"no object at {url} ({code})") from exc
-                if code in ("PreconditionFailed", "412") or status == 412:
+                # 409 ConditionalRequestConflict: another conditional write to the key
+                # is in flight; like a 412, this one's condition may no longer hold.
+                if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or (
+                    status == 412
+                ):
                     raise _PreconditionFailed(url) from exc
                 if code in _WRONG_REGION or status == 301:
                     raise OriginError(self._wrong_region(url, exc.response)) from _denied(exc)
@@ -550,6 +558,35 @@ class S3Store(ObjectStore):
             await self._call(url, lambda: s3.put_object(**kwargs))
         except _PreconditionFailed as exc:
             raise ObjectExists(f"{url} already exists") from exc
+
+    async def update(self, url: str, change: Callable[[bytes | None], bytes | None]) -> None:
+        """Compare-and-swap: a PUT conditional on the ETag read, retried when it lost.
+
+        ``If-Match`` on the ETag of what ``change`` saw (``If-None-Match: *`` when
+        there was nothing): a write that lost to another reads again and retries.
+        """
+        bucket, key = self._split(url)
+        s3 = await self._s3()
+        for attempt in range(_UPDATE_ATTEMPTS):
+            try:
+                current, seen = await self._read(url)
+                condition = {"IfMatch": f'"{seen.etag}"'}
+            except ObjectNotFound:
+                current, condition = None, {"IfNoneMatch": "*"}
+            new = change(current)
+            if new is None:
+                return
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": new, **condition}
+            try:
+                await self._call(url, functools.partial(s3.put_object, **kwargs))
+                return
+            except _PreconditionFailed:
+                log.info("%s changed while it was updated; reading it again", url)
+                await asyncio.sleep(_backoff(attempt, base=0.05, cap=1.0))
+        raise OriginError(
+            f"could not update {url}: {_UPDATE_ATTEMPTS} conditional writes in a row lost to "
+            "other writers"
+        )
 
     async def delete(self, url: str) -> None:
         """DeleteObject (S3 answers success for a missing key too)."""

@@ -1,0 +1,200 @@
+"""Publishing and reading versions as operators meet it, against real registries.
+
+Publishers racing for one dataset (processes through the CLI, threads each with
+a Registry of its own) on ``file://`` and on moto's S3 server over HTTP: each
+gets a version of its own, no manifest is written over, and ``latest`` never
+moves back. Then a registry whose ``name@N`` was rewritten after a node cached
+it: the node notices, serves neither the old nor the new content as ``name@N``
+and says what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from edgeutil import write_parquet_shards
+from s3server import make_bucket, upload_dir
+
+from edgecache.cache.manifest import preprocess_spec
+from edgecache.cache.registry import Registry
+from edgecache.cache.storage import FsspecStore, ObjectStore, Stores
+
+
+@pytest.fixture(params=["file", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """(registry URL, a URL prefix sources go under), on a local disk or moto's S3."""
+    if request.param == "file":
+        return f"file://{tmp_path}/registry", f"file://{tmp_path}/sources"
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = f"reg-{uuid.uuid4().hex[:12]}"
+    make_bucket(endpoint, bucket)
+    request.node.stash_endpoint = (endpoint, bucket)
+    return f"s3://{bucket}/_edgecache", f"s3://{bucket}/sources"
+
+
+def sources(tmp_path: Path, where: tuple[str, str], count: int, request) -> list[str]:  # noqa: ANN001
+    """``count`` source prefixes of different content (rows differ), uploaded where asked."""
+    urls = []
+    for i in range(count):
+        local = tmp_path / "sources" / f"s{i}"
+        write_parquet_shards(local, 1, rows=10 + i)
+        if where[1].startswith("s3://"):
+            endpoint, bucket = request.node.stash_endpoint
+            upload_dir(endpoint, bucket, f"sources/s{i}", local)
+        urls.append(f"{where[1]}/s{i}")
+    return urls
+
+
+def read_latest(registry: str, dataset: str) -> bytes:
+    url = f"{registry}/{dataset}/latest"
+
+    async def go(reg: Registry) -> bytes:
+        return await reg._store(url).get(url)
+
+    return Registry.run(registry, go)
+
+
+def test_publishers_in_separate_processes_each_get_their_own_version(
+    tmp_path: Path, where: tuple[str, str], request: pytest.FixtureRequest
+) -> None:
+    """Four `edgecache publish` at once: four versions, each holding what its publisher
+    printed, none written over; `latest` names the newest."""
+    registry = where[0]
+    urls = sources(tmp_path, where, 4, request)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "edgecache.clients.cli", "publish", url]
+            + ["--dataset", "raced", "--registry", registry, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for url in urls
+    ]
+    printed = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        printed.append(json.loads(out))
+    assert sorted(p["version"] for p in printed) == ["raced@1", "raced@2", "raced@3", "raced@4"]
+    assert len({p["digest"] for p in printed}) == 4  # four contents
+
+    async def check(reg: Registry) -> None:
+        assert await reg.versions("raced") == [1, 2, 3, 4]
+        for each in printed:
+            number = int(each["version"].split("@")[1])
+            assert (await reg.manifest("raced", number)).digest == each["digest"]
+
+    Registry.run(registry, check)
+    assert read_latest(registry, "raced") == b"4\n"
+
+
+class _Paused(ObjectStore):
+    """A real store whose writes to a ``latest`` pointer wait for ``go`` (a test hook)."""
+
+    def __init__(self, inner: ObjectStore, at: threading.Event, go: threading.Event) -> None:
+        self.inner, self.at, self.go = inner, at, go
+        self.stats = inner.stats
+
+    async def _wait(self, url: str) -> None:
+        if url.endswith("/latest"):
+            self.at.set()
+            await asyncio.to_thread(self.go.wait, 60)
+
+    async def head(self, url: str):  # noqa: ANN201
+        return await self.inner.head(url)
+
+    async def list(self, prefix_url: str):  # noqa: ANN201
+        return await self.inner.list(prefix_url)
+
+    async def get(self, url: str, **kw):  # noqa: ANN003, ANN201
+        return await self.inner.get(url, **kw)
+
+    async def get_range(self, url: str, start: int, end: int) -> bytes:
+        return await self.inner.get_range(url, start, end)
+
+    async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
+        await self._wait(url)
+        await self.inner.put(url, data, if_absent=if_absent)
+
+    async def update(self, url: str, change: Callable[[bytes | None], bytes | None]) -> None:
+        await self._wait(url)
+        await self.inner.update(url, change)
+
+    async def delete(self, url: str) -> None:
+        await self.inner.delete(url)
+
+
+class _PausedStores(Stores):
+    def __init__(self, at: threading.Event, go: threading.Event) -> None:
+        super().__init__()
+        self.at, self.go = at, go
+
+    def for_url(self, url: str) -> ObjectStore:
+        return _Paused(super().for_url(url), self.at, self.go)
+
+
+def test_latest_never_moves_back_when_publishers_finish_out_of_order(
+    tmp_path: Path, where: tuple[str, str], request: pytest.FixtureRequest
+) -> None:
+    """A claims @1 and is slow to move `latest`; B publishes @2 meanwhile. When A's
+    pointer write lands, `latest` must still say 2."""
+    registry = where[0]
+    first, second = sources(tmp_path, where, 2, request)
+    at, go = threading.Event(), threading.Event()
+    result: dict[str, int] = {}
+
+    def slow() -> None:
+        async def run() -> None:
+            stores = _PausedStores(at, go)
+            try:
+                published = await Registry(registry, stores).publish(
+                    first, "ordered", spec=preprocess_spec()
+                )
+                result["slow"] = published.version
+            finally:
+                await stores.close()  # not the registry's own: it leaves them open
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    try:
+        assert at.wait(60), "the slow publisher never reached its latest pointer"
+        fast = Registry.run(
+            registry, lambda reg: reg.publish(second, "ordered", spec=preprocess_spec())
+        )
+    finally:
+        go.set()
+        thread.join(60)
+    assert (result["slow"], fast.version) == (1, 2)
+    assert read_latest(registry, "ordered") == b"2\n"
+    assert Registry.run(registry, lambda reg: reg.latest("ordered")) == 2
+
+
+def test_local_updates_take_turns(tmp_path: Path) -> None:
+    """Eight threads each add one to a counter 25 times through update(): none is lost."""
+    url = f"file://{tmp_path}/counter"
+
+    def add() -> None:
+        async def run() -> None:
+            store = FsspecStore()
+            for _ in range(25):
+                await store.update(url, lambda old: str(int(old or b"0") + 1).encode())
+
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=add) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (tmp_path / "counter").read_bytes() == b"200"
