@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import functools
 import itertools
 import logging
@@ -50,6 +51,7 @@ from edgecache.cache.errors import (
     DiskFull,
     EdgeCacheError,
     MalformedShard,
+    OriginChanged,
     OriginError,
     ShardNotCached,
     VersionNotFound,
@@ -74,6 +76,10 @@ __all__ = ["EdgeNode", "Fetched", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# How often a manifest this node serves from its own copy is read from the registry
+# again, in the background, to notice a published version that was changed there.
+MANIFEST_RECHECK_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +130,12 @@ class EdgeNode:
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
+        # When the registry was last asked for each manifest kept here (monotonic),
+        # the checks in flight, and the registry's manifest of each version
+        # that no longer agrees: a published version changed after this node cached it.
+        self._manifest_asked: dict[tuple[str, int], float] = {}
+        self._manifest_checks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._changed: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self.peers = Peers(config)
         self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
@@ -151,7 +163,7 @@ class EdgeNode:
 
     async def close(self) -> None:
         """Stop background work and close the cache; committed shards stay."""
-        for task in list(self._inflight.values()):
+        for task in list(self._inflight.values()) + list(self._manifest_checks.values()):
             task.cancel()
         for pool in (self._cpu, self._cpu_staging, self._parts, self._parts_staging):
             pool.shutdown(wait=True, cancel_futures=True)
@@ -176,42 +188,130 @@ class EdgeNode:
             number = int(text)
         else:
             raise ValueError(f"version must be 'latest' or a positive integer, got {version!r}")
-        return await self.manifest(dataset, number)
+        key = (dataset, number)
+        asked = self._manifest_asked.get(key)
+        manifest = await self.manifest(dataset, number)
+        if self._manifests.get(key) is not manifest or self._manifest_asked.get(key) != asked:
+            return manifest  # just read from the registry
+        # A job pins what this answers: it must be what the registry holds now, not an
+        # older copy kept here (a version rewritten in the registry is refused instead).
+        running = self._manifest_checks.get(key)
+        await (asyncio.shield(running) if running else self._check_manifest(key, manifest))
+        return self._current_manifest(key)
 
     async def manifest(self, dataset: str, version: int) -> manifest_pb2.Manifest:
-        """A version's manifest: from memory, the local cache, or the registry (then kept)."""
+        """A version's manifest: from memory, the local cache, or the registry (then kept).
+
+        A copy kept here is read from the registry again every
+        ``MANIFEST_RECHECK_SECONDS``, in the background; once the registry's
+        differs (a published version was changed), the version is refused
+        (:meth:`_current_manifest`) until it is evicted.
+        """
         validate_name(dataset)
         if version < 1:
             raise ValueError(f"version must be >= 1, got {version}")
         key = (dataset, version)
         found = self._manifests.get(key)
-        if found is not None:
-            return found
-        kept = self.store.get_manifest(dataset, version)
-        if kept is not None:
-            manifest = manifest_from_bytes(kept, source=f"cached manifest of {dataset}@{version}")
-        else:
-            try:
-                manifest = await self.registry.manifest(dataset, version)
-            except OriginError as exc:
-                if isinstance(exc, VersionNotFound):
-                    raise
-                raise OriginError(
-                    f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
-                    f"was never seen by this node: {exc}"
-                ) from exc
-            finally:
-                self.count_retries()
-            try:
-                await self._write(
-                    self.store.put_manifest, dataset, version, manifest.SerializeToString()
-                )
-            except DiskFull:
-                # The registry answered: serve its manifest, keeping no copy, so the next
-                # call stores one once there is room (shards will not fit meanwhile anyway).
-                return manifest
-        self._manifests[key] = manifest
-        return manifest
+        if found is None:
+            kept = self.store.get_manifest(dataset, version)
+            if kept is not None:
+                found = manifest_from_bytes(kept, source=f"cached manifest of {dataset}@{version}")
+            else:
+                try:
+                    found = await self.registry.manifest(dataset, version)
+                except OriginError as exc:
+                    if isinstance(exc, VersionNotFound):
+                        raise
+                    raise OriginError(
+                        f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
+                        f"was never seen by this node: {exc}"
+                    ) from exc
+                finally:
+                    self.count_retries()
+                self._manifest_asked[key] = time.monotonic()
+                try:
+                    await self._write(
+                        self.store.put_manifest, dataset, version, found.SerializeToString()
+                    )
+                except DiskFull:
+                    # The registry answered: serve its manifest, keeping no copy, so the
+                    # next call stores one once there is room (shards will not fit anyway).
+                    return found
+            self._manifests.setdefault(key, found)
+        self._recheck_later(key)
+        return self._current_manifest(key)
+
+    def _current_manifest(self, key: tuple[str, int]) -> manifest_pb2.Manifest:
+        """The manifest this node serves for a version; :class:`OriginChanged` if it changed.
+
+        Its shards were made from the manifest kept here; serving them under the
+        registry's new manifest would mix two contents under one ``name@N``, and
+        serving the old one would hand out content the registry no longer has.
+        """
+        changed = self._changed.get(key)
+        if changed is None:
+            return self._manifests[key]
+        kept = self._manifests[key]
+        spec = f"{key[0]}@{key[1]}"
+        raise OriginChanged(
+            f"{spec} was changed in the registry {self.registry.url} after this node cached "
+            f"it: digest {kept.digest} here, {changed.digest} in the registry now. A "
+            f"published version must never change (a registry reset or a hand edit?), so "
+            f"this node serves neither as {spec}: publish the new content as a new version "
+            f"(edgecache publish) and move readers to it, then evict {spec} from this node "
+            f"(edgecache evict {spec}), after which it serves the registry's {spec}"
+        )
+
+    def _recheck_later(self, key: tuple[str, int]) -> None:
+        """Read the registry's manifest again in the background, if it is time to."""
+        asked = self._manifest_asked.get(key)
+        if key in self._changed or key in self._manifest_checks:
+            return
+        if asked is not None and time.monotonic() - asked < MANIFEST_RECHECK_SECONDS:
+            return
+        task = asyncio.create_task(self._check_manifest(key, self._manifests[key]))
+        self._manifest_checks[key] = task
+        task.add_done_callback(functools.partial(self._manifest_check_done, key))
+
+    def _manifest_check_done(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
+        self._manifest_checks.pop(key, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("checking %s@%d against the registry failed: %r", *key, exc)
+
+    async def _check_manifest(self, key: tuple[str, int], kept: manifest_pb2.Manifest) -> None:
+        """Compare the manifest kept here with the registry's; remember it if they differ.
+
+        A registry that cannot be reached or read leaves the kept copy served (the
+        node answers from it while the registry is away), as does a version the
+        registry no longer lists: the next check tries again.
+        """
+        if key in self._changed:
+            return
+        dataset, version = key
+        # Asked now, answered or not: an unreachable registry is tried again after the
+        # interval, not on every read in between.
+        self._manifest_asked[key] = time.monotonic()
+        try:
+            current = await self.registry.manifest(dataset, version)
+        except EdgeCacheError as exc:
+            log.info("could not check %s@%d against the registry: %s", dataset, version, exc)
+            return
+        finally:
+            self.count_retries()
+        if self._manifests.get(key) is not kept:
+            return  # evicted and replaced meanwhile: that one is checked on its own
+        if current.digest != kept.digest and key not in self._changed:
+            self._changed[key] = current
+            log.warning(
+                "%s@%d was changed in the registry %s after this node cached it (digest %s "
+                "here, %s there): refusing it until it is evicted; publish the new content "
+                "as a new version",
+                dataset,
+                version,
+                self.registry.url,
+                kept.digest,
+                current.digest,
+            )
 
     # ------------------------------------------------------------------ shards
 
@@ -261,8 +361,23 @@ class EdgeNode:
             ", as when the last write failed",
         )
 
-    async def _put_shard(self, key: ShardKey, frames: Sequence[Buffer]) -> ShardInfo:
-        """Commit a whole shard; one that fits after a full disk says there is room again."""
+    async def _put_shard(
+        self, manifest: manifest_pb2.Manifest, key: ShardKey, frames: Sequence[Buffer]
+    ) -> ShardInfo:
+        """Commit a whole shard; one that fits after a full disk says there is room again.
+
+        A shard made from a manifest this node no longer serves (the registry's
+        version changed, or it was evicted and the registry's adopted, while the
+        shard was fetched) is not stored: it would be served under the other.
+        """
+        version = (manifest.dataset, manifest.version)
+        serving = self._manifests.get(version, manifest)
+        if version in self._changed or serving.digest != manifest.digest:
+            raise OriginChanged(
+                f"{key} was fetched for a manifest of {manifest.dataset}@{manifest.version} "
+                f"(digest {manifest.digest}) that this node no longer serves: the registry's "
+                "version changed meanwhile; nothing was stored"
+            )
         info = await self._write(self.store.put_shard, key, frames)
         self.metrics.used_bytes.set(self.store.stats.used_bytes)
         if self._disk_full:
@@ -377,7 +492,7 @@ class EdgeNode:
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)
                 log.warning("%s %s", key, notes[0])
             else:
-                info = await self._put_shard(key, copy.frames)
+                info = await self._put_shard(manifest, key, copy.frames)
                 self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
                 log.info(
                     "cached %s from peers %s (%d chunks)",
@@ -436,7 +551,7 @@ class EdgeNode:
         size = len(data)
         del data
         self._preprocessed(size, encoded)
-        info = await self._put_shard(key, encoded.frames)
+        info = await self._put_shard(manifest, key, encoded.frames)
         log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return info, size
 
@@ -695,6 +810,21 @@ class EdgeNode:
         self.metrics.used_bytes.set(self.store.stats.used_bytes)
         if freed:
             self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
+        changed = self._changed.get((dataset, version))
+        if changed is not None:  # no shard of the old content is left: serve the registry's
+            with contextlib.suppress(DiskFull):
+                await self._write(
+                    self.store.put_manifest, dataset, version, changed.SerializeToString()
+                )
+            self._manifests[(dataset, version)] = changed
+            self._manifest_asked[(dataset, version)] = time.monotonic()
+            del self._changed[(dataset, version)]
+            log.warning(
+                "%s@%d evicted: serving the registry's manifest (digest %s) from now on",
+                dataset,
+                version,
+                changed.digest,
+            )
         return freed
 
     def _kept_manifest(self, v: VersionInfo) -> manifest_pb2.Manifest | None:

@@ -15,17 +15,22 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
-from edgeutil import write_parquet_shards
+from edgeutil import node_settings, publish, read_shard_table, stub, write_parquet_shards
 from s3server import make_bucket, upload_dir
 
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.cache.storage import FsspecStore, ObjectStore, Stores
+from edgecache.edge import node as node_module
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -44,7 +49,7 @@ def sources(tmp_path: Path, where: tuple[str, str], count: int, request) -> list
     """``count`` source prefixes of different content (rows differ), uploaded where asked."""
     urls = []
     for i in range(count):
-        local = tmp_path / "sources" / f"s{i}"
+        local = tmp_path / "sources" / f"s{i}"  # each source's shard: 10 + i rows
         write_parquet_shards(local, 1, rows=10 + i)
         if where[1].startswith("s3://"):
             endpoint, bucket = request.node.stash_endpoint
@@ -198,3 +203,122 @@ def test_local_updates_take_turns(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert (tmp_path / "counter").read_bytes() == b"200"
+
+
+# ------------------------------------------------------- a version changed under a node
+
+
+def rewrite_version(registry: str, dataset: str, source: str) -> str:
+    """A registry reset: every object of ``dataset`` removed, ``source`` published as @1.
+
+    Returns the new @1's digest.
+    """
+
+    async def reset(reg: Registry) -> str:
+        prefix = f"{reg.url}/{dataset}/"
+        store = reg._store(prefix)
+        for obj in await store.list(prefix):
+            await store.delete(obj.url)
+        published = await reg.publish(source, dataset, spec=preprocess_spec(chunk_bytes=1 << 16))
+        assert published.version == 1
+        return published.digest
+
+    return Registry.run(registry, reset)
+
+
+def failure(call: Callable[[], object]) -> grpc.RpcError:
+    try:
+        result = call()
+        if not isinstance(result, (bytes, str)) and hasattr(result, "__iter__"):
+            list(result)  # type: ignore[call-overload]
+    except grpc.RpcError as exc:
+        return exc
+    raise AssertionError("the call succeeded")
+
+
+def test_a_node_refuses_a_version_the_registry_changed_until_it_is_evicted(
+    tmp_path: Path,
+    where: tuple[str, str],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tokens@1 is staged on node X; the registry is reset and tokens@1 published again
+    with other rows. A reader resolving through a fresh node Y gets the new digest.
+    X must not serve its old shards as tokens@1 to anyone once it noticed, must say
+    what happened and what to do, and serve the registry's tokens@1 once evicted."""
+    monkeypatch.setattr(node_module, "MANIFEST_RECHECK_SECONDS", 0.0, raising=False)
+    registry = where[0]
+    old_source, new_source = sources(tmp_path, where, 2, request)
+    old = publish(registry, old_source, "tokens")
+    with running_node(node_settings(tmp_path / "x", registry)) as x:
+        cx = stub(x.address)
+        assert list(cx.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1].finished
+        assert read_shard_table(cx, "tokens", 1, 0).num_rows == 10
+        new_digest = rewrite_version(registry, "tokens", new_source)
+        assert new_digest != old.digest
+        with running_node(node_settings(tmp_path / "y", registry)) as y:
+            resolved = stub(y.address).ResolveVersion(
+                edge_pb2.ResolveVersionRequest(dataset="tokens", version="latest")
+            )
+            assert (resolved.version, resolved.digest) == (1, new_digest)
+
+        # The reader holding the new digest asks X: never the old shards under it.
+        def read_new() -> object:
+            return cx.ReadShard(
+                edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0, digest=new_digest)
+            )
+
+        deadline = time.monotonic() + 20
+        while True:
+            err = failure(read_new)
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+            if "changed in the registry" in (err.details() or "") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        said = err.details() or ""
+        for part in (
+            "tokens@1 was changed in the registry",
+            old.digest,
+            new_digest,
+            "edgecache publish",
+            "edgecache evict tokens@1",
+        ):
+            assert part in said, said
+        # Nor the old content to anyone else, nor the old digest to a job starting now.
+        for call in (
+            lambda: cx.ReadShard(edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)),
+            lambda: cx.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="tokens")),
+            lambda: cx.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=1)),
+        ):
+            err = failure(call)
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "changed in the registry" in (err.details() or ""), err.details()
+
+        cx.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1))
+        resolved = cx.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="tokens"))
+        assert (resolved.version, resolved.digest) == (1, new_digest)
+        table = read_shard_table(cx, "tokens", 1, 0)
+        assert table.num_rows == 11  # the new source's rows, fetched again
+    # A restarted X keeps the registry's manifest, not the old one.
+    with running_node(node_settings(tmp_path / "x", registry)) as x:
+        resolved = stub(x.address).ResolveVersion(
+            edge_pb2.ResolveVersionRequest(dataset="tokens", version="1")
+        )
+        assert resolved.digest == new_digest
+
+
+def test_a_node_whose_copy_agrees_with_the_registry_asks_it_at_job_start_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing changed: ResolveVersion asks the registry (a job pins what it holds now),
+    and the node keeps serving from its own copy when the registry is gone."""
+    registry = f"file://{tmp_path}/registry"
+    (source,) = sources(tmp_path, (registry, f"file://{tmp_path}/sources"), 1, None)
+    published = publish(registry, source, "tokens")
+    with running_node(node_settings(tmp_path / "x", registry)) as x:
+        cx = stub(x.address)
+        assert list(cx.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1].finished
+        (tmp_path / "registry").rename(tmp_path / "away")
+        resolved = cx.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="tokens", version="1"))
+        assert resolved.digest == published.digest
+        assert read_shard_table(cx, "tokens", 1, 0).num_rows == 10
