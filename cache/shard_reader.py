@@ -6,6 +6,14 @@ closes, every view it handed out is released, so a late use raises instead of
 reading a page a writer has since recycled. A view that is still exported
 (wrapped by a pyarrow buffer, say) cannot be released: its transaction is then
 kept open by the store until the export is gone.
+
+That holds for slices too: a view handed out is a memoryview of a pyarrow
+buffer that holds LMDB's own view, so ``memoryview(view)[a:b]`` (what
+decoding an uncompressed chunk keeps) keeps LMDB's view exported. Handing
+out LMDB's view itself, a slice of it shared its buffer without exporting
+it: the transaction ended under batches still pointing into its pages, and
+once the node evicted the shard and wrote over them those batches read
+other data.
 """
 
 from __future__ import annotations
@@ -78,7 +86,8 @@ class ShardReader(ClosingContext):
         self._store = store
         self._txn: lmdb.Transaction | None = txn
         self._raw_key = key.encode()
-        self._views: list[memoryview] = []
+        self._views: list[memoryview] = []  # handed out: released first, so a late use raises
+        self._lmdb_views: list[memoryview] = []  # LMDB's own: exported while a slice lives
         self._verify = verify
         self._thread = threading.get_ident()  # the store counts open readers per thread
         self.info = info
@@ -94,7 +103,7 @@ class ShardReader(ClosingContext):
         found = self._txn.get(chunk_key(self._raw_key, index), db=self._store._dbs[b"chunks"])
         view = found if isinstance(found, memoryview) else None  # None: gone
         if view is not None:
-            self._views.append(view)
+            self._lmdb_views.append(view)
         if self._verify or view is None:
             # Every way the entry can be wrong is damage: drop the shard so the next
             # read is a miss and fetches it again, and never hand these bytes out.
@@ -104,7 +113,11 @@ class ShardReader(ClosingContext):
                 self._store._corrupt_chunk(self.info.key)
                 raise ChunkCorrupt(f"{self.info.key} chunk {index}: {exc}") from exc
         assert view is not None  # _check raised otherwise
-        return view
+        # Every slice of ``handed`` holds the pyarrow buffer, which holds an export of
+        # ``view``: LMDB's view cannot be released (nor the snapshot end) while any does.
+        handed = memoryview(pa.py_buffer(view))
+        self._views.append(handed)
+        return handed
 
     def _check(self, index: int, view: memoryview | None) -> None:
         """Raise :class:`ChunkCorrupt` unless chunk ``index`` is whole and as the record says."""
@@ -141,7 +154,8 @@ class ShardReader(ClosingContext):
         if self._txn is None:
             return
         txn, self._txn = self._txn, None
-        views, self._views = self._views, []
+        views = self._views + self._lmdb_views
+        self._views, self._lmdb_views = [], []
         if release_all(views):
             txn.abort()
         else:
