@@ -80,6 +80,7 @@ T = TypeVar("T")
 # How often a manifest this node serves from its own copy is read from the registry
 # again, in the background, to notice a published version that was changed there.
 MANIFEST_RECHECK_SECONDS = 10.0
+DIGEST_RECHECK_SECONDS = 1.0  # a reader's other digest asks the registry at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,8 @@ class EdgeNode:
         # the checks in flight, and the registry's manifest of each version
         # that no longer agrees: a published version changed after this node cached it.
         self._manifest_asked: dict[tuple[str, int], float] = {}
+        # (version, a reader's digest other than ours) -> when it last sent us to the registry
+        self._digests_asked: dict[tuple[tuple[str, int], str], float] = {}
         self._manifest_checks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._changed: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self.peers = Peers(config)
@@ -198,6 +201,39 @@ class EdgeNode:
         running = self._manifest_checks.get(key)
         await (asyncio.shield(running) if running else self._check_manifest(key, manifest))
         return self._current_manifest(key)
+
+    async def manifest_as_read(
+        self, dataset: str, version: int, digest: str
+    ) -> manifest_pb2.Manifest:
+        """The version's manifest for a reader holding ``digest`` (empty: any).
+
+        A reader's digest that differs from the copy kept here means one of the two
+        is out of date. The registry is asked at once (at most once a second per
+        version and digest) rather than at the next background check: when it is this node's
+        copy, the reader gets :meth:`_current_manifest`'s account (the version was
+        changed in the registry; evict it here), not a refusal that blames it.
+        """
+        manifest = await self.manifest(dataset, version)
+        if not digest or digest == manifest.digest:
+            return manifest
+        key = (dataset, version)
+        now = time.monotonic()
+        asked = self._digests_asked.get((key, digest))
+        if asked is None or now - asked >= DIGEST_RECHECK_SECONDS:
+            if len(self._digests_asked) > 4096:  # readers with ever new digests: start over
+                self._digests_asked.clear()
+            self._digests_asked[(key, digest)] = now
+            running = self._manifest_checks.get(key)
+            await (asyncio.shield(running) if running else self._check_manifest(key, manifest))
+        manifest = self._current_manifest(key)  # OriginChanged when the registry's differs
+        if digest != manifest.digest:
+            raise OriginChanged(
+                f"{dataset}@{version} has digest {manifest.digest} here and in the registry "
+                f"{self.registry.url}, not the reader's {digest}: the reader resolved it from "
+                "another registry, or before the version was changed there; resolve the "
+                "version again (a new EdgeDataset) against this node's registry"
+            )
+        return manifest
 
     async def manifest(self, dataset: str, version: int) -> manifest_pb2.Manifest:
         """A version's manifest: from memory, the local cache, or the registry (then kept).

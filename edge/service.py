@@ -308,12 +308,9 @@ class EdgeCacheService:
         self, request: edge_pb2.ReadShardRequest, context: aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """Stream a shard's stored chunks from start_chunk, fetching it on a miss."""
-        manifest = await self.node.manifest(request.dataset, request.version)
-        if request.digest and request.digest != manifest.digest:
-            raise OriginChanged(
-                f"{manifest.dataset}@{manifest.version} has digest {manifest.digest} here, "
-                f"not {request.digest}: the registry and the reader disagree about the version"
-            )
+        manifest = await self.node.manifest_as_read(
+            request.dataset, request.version, request.digest
+        )
         node = self.node
         if request.cached_only:
             key = node.shard_ref(manifest, request.shard)

@@ -222,7 +222,7 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
                     )
                 ),
                 "FAILED_PRECONDITION",
-                "disagree",
+                "resolve the version again",
             ),
             (
                 lambda: c.Stage(edge_pb2.StageRequest(dataset="tokens", version=1, shards=[7])),

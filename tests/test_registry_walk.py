@@ -307,6 +307,40 @@ def test_a_node_refuses_a_version_the_registry_changed_until_it_is_evicted(
         assert resolved.digest == new_digest
 
 
+def test_a_reader_with_the_registrys_new_digest_is_told_at_once_not_blamed(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The first read holding the registry's new digest asks the registry there and then:
+    no background check needed (it ran every 10 s, and until it had, the reader was told
+    "the registry and the reader disagree", blaming the reader). A digest that neither
+    the node nor the registry holds says to resolve the version again."""
+    registry = f"file://{tmp_path}/registry"
+    where = (registry, f"file://{tmp_path}/sources")
+    old_source, new_source = sources(tmp_path, where, 2, request)
+    publish(registry, old_source, "tokens")
+    with running_node(node_settings(tmp_path / "x", registry)) as x:
+        cx = stub(x.address)
+        assert list(cx.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1].finished
+        new_digest = rewrite_version(registry, "tokens", new_source)
+        err = failure(
+            lambda: cx.ReadShard(
+                edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0, digest=new_digest)
+            )
+        )
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "tokens@1 was changed in the registry" in (err.details() or ""), err.details()
+        cx.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1))
+        err = failure(
+            lambda: cx.ReadShard(
+                edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0, digest="f" * 64)
+            )
+        )
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        said = err.details() or ""
+        assert "resolve the version again" in said and new_digest in said, said
+        assert "changed in the registry" not in said, said
+
+
 def test_a_node_whose_copy_agrees_with_the_registry_asks_it_at_job_start_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
