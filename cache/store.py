@@ -43,6 +43,7 @@ from pathlib import Path
 import lmdb
 
 from edgecache.cache.errors import (
+    CacheDirError,
     CacheFull,
     DiskFull,
     EmptyShard,
@@ -107,6 +108,7 @@ class CacheStore(ClosingContext):
         # reader in another thread (its views point into the map: using them would crash).
         self._reads: dict[int, int] = {}
         self._reads_changed = threading.Condition()
+        self._snapshots = 0  # short read transactions open (``_snapshot``)
         self._closing = False
         self._hits = self._misses = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
@@ -131,7 +133,7 @@ class CacheStore(ClosingContext):
             self.capacity_bytes = self._read_meta_int(b"capacity")
 
     def _read_meta_int(self, name: bytes) -> int:
-        with self._read_txn() as txn:
+        with self._snapshot() as txn:
             raw = txn.get(name, db=self._dbs[b"meta"])
         return int.from_bytes(raw, "big") if raw else 0
 
@@ -221,15 +223,51 @@ class CacheStore(ClosingContext):
         return self._env
 
     def _read_txn(self) -> lmdb.Transaction:
+        """A read transaction; the caller holds ``_reads_changed`` and counts it as a read."""
         env = self._check()
         try:
             return env.begin(buffers=True)
         except lmdb.MapResizedError:
-            env.set_mapsize(0)  # the writer grew the map; adopt its size
+            self._adopt_map_size(env)
             return env.begin(buffers=True)
         except lmdb.ReadersFullError:
             env.reader_check()
             return env.begin(buffers=True)
+
+    def _adopt_map_size(self, env: lmdb.Environment) -> None:
+        """Remap to the writer's grown map, when no read of this process is open.
+
+        A remap unmaps the old map and ends every transaction of the
+        environment: views still read from (a chunk being decoded in another
+        thread, a window decoded zero-copy and still held) would read freed
+        address space, which crashed the process. Readers map the whole volume
+        up front (:func:`~edgecache.cache.store_files.reader_map_size`), so this
+        only happens when that failed or the volume grew; while reads are open
+        the read is refused as not possible here, for now.
+        """
+        self._reap_lingering()
+        if self._reads or self._snapshots or self._lingering:
+            mapped = format_bytes(env.info()["map_size"])
+            raise CacheDirError(
+                f"the cache at {self.path} grew beyond the {mapped} this process mapped of it, "
+                "and reads of it are still open here (views into the map cannot move): "
+                "read elsewhere until they end; if this repeats, let the reader map the "
+                "whole volume (raise ulimit -v)"
+            )
+        env.set_mapsize(0)  # the writer grew the map; adopt its size
+
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[lmdb.Transaction]:
+        """A short read transaction, counted so that no remap happens under it."""
+        with self._reads_changed:
+            txn = self._read_txn()
+            self._snapshots += 1
+        try:
+            with txn:
+                yield txn
+        finally:
+            with self._reads_changed:
+                self._snapshots -= 1
 
     # ---------------------------------------------------------------- writes
 
@@ -498,7 +536,7 @@ class CacheStore(ClosingContext):
     def shard_info(self, key: ShardKey) -> ShardInfo | None:
         """The record of a resident shard, or None; does not count as a hit or miss."""
         raw_key = key.validated().encode()
-        with self._read_txn() as txn:
+        with self._snapshot() as txn:
             record = self._shard_record(txn, raw_key)
             return (
                 None if record is None else self._info(key, record, self._last_access(txn, raw_key))
@@ -581,7 +619,7 @@ class CacheStore(ClosingContext):
     def get_manifest(self, dataset: str, version: int) -> bytes | None:
         """A kept binary manifest, or None."""
         ShardKey(dataset, version, 0).validated()
-        with self._read_txn() as txn:
+        with self._snapshot() as txn:
             raw = txn.get(version_key(dataset, version), db=self._dbs[b"manifests"])
             return None if raw is None else bytes(raw)
 
@@ -590,7 +628,7 @@ class CacheStore(ClosingContext):
     def versions(self) -> list[VersionInfo]:
         """Every version with resident shards or a pin, in (dataset, version) order."""
         out = []
-        with self._read_txn() as txn:
+        with self._snapshot() as txn:
             for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
                 vkey = bytes(vkey)
                 record = store_pb2.StoredVersion.FromString(bytes(raw))
@@ -613,7 +651,7 @@ class CacheStore(ClosingContext):
     def shards(self, dataset: str, version: int) -> list[ShardInfo]:
         """The resident shards of one version, in shard order."""
         ShardKey(dataset, version, 0).validated()
-        with self._read_txn() as txn:
+        with self._snapshot() as txn:
             return [
                 self._info(parse_shard_key(raw_key), record, self._last_access(txn, raw_key))
                 for raw_key, record in self._iter_shard_records(txn, version_key(dataset, version))
@@ -626,7 +664,7 @@ class CacheStore(ClosingContext):
     @property
     def stats(self) -> StoreStats:
         """Capacity, bytes used and this process's counters."""
-        with self._read_txn() as txn:
+        with self._snapshot() as txn:
             raw = txn.get(b"used", db=self._dbs[b"meta"])
             shard_count = txn.stat(self._dbs[b"shards"])["entries"]
         return StoreStats(

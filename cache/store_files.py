@@ -4,6 +4,13 @@ The map is sized at twice the capacity plus headroom, so MVCC copies and
 B-tree pages never hit ``MapFullError``; a writer holds ``writer.lock``
 (flock, released by the kernel if the process dies); readers open the same
 file read-only next to it.
+
+A reader maps as much of its address space as the volume under the store
+holds, not only what the file holds when it opens: a reader whose map is
+smaller than the writer's data must remap (``MDB_MAP_RESIZED``), and a remap
+moves the map under every view still read from it, which crashed readers
+that opened a cache while its node was still staging into it. The file
+cannot outgrow its volume, so the reader never remaps.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ __all__ = [
     "no_space_message",
     "open_reader",
     "open_writer",
+    "reader_map_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,8 @@ DBS = (b"chunks", b"shards", b"versions", b"access", b"manifests", b"meta")
 MAP_HEADROOM = 256 << 20
 LOCK_FILE = "writer.lock"
 MIN_FREE_CAPACITY = 64 << 20  # a capacity taken from free space must be at least this
+READER_MAP_LIMIT = 1 << 44  # 16 TiB: a reader maps at most this much address space up front
+_MIB = 1 << 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -47,18 +57,54 @@ def open_reader(path: Path, max_readers: int) -> lmdb.Environment:
             f"no edgecache store at {path}: check the path, or start a node "
             f"with --cache-dir {path} to create one"
         )
-    try:
-        env = lmdb.open(
-            str(path),
-            readonly=True,
-            max_dbs=len(DBS),
-            max_readers=max_readers,
-            map_size=1 << 20,  # LMDB takes the larger size recorded in the file
-        )
-    except lmdb.Error as exc:
-        raise CacheDirError(f"cannot open the cache at {path} read-only: {exc}") from exc
+    # Less where address space is limited (ulimit -v): the most that maps, down to
+    # what the file holds (LMDB raises 1 MiB to that).
+    sizes = [reader_map_size(path)]
+    while sizes[-1] > 4 * MAP_HEADROOM:
+        sizes.append(sizes[-1] // 4 // _MIB * _MIB)
+    sizes.append(1 << 20)
+    for attempt, map_size in enumerate(sizes):
+        try:
+            env = lmdb.open(
+                str(path),
+                readonly=True,
+                max_dbs=len(DBS),
+                max_readers=max_readers,
+                map_size=map_size,
+            )
+            break
+        except (lmdb.MemoryError, lmdb.InvalidParameterError) as exc:
+            if attempt + 1 < len(sizes):  # address space refused: try less
+                if attempt == 0:
+                    log.warning(
+                        "cannot map %s of %s (%s): mapping less; a reader whose map the "
+                        "cache outgrows waits for its reads to end to follow it",
+                        format_bytes(map_size),
+                        path,
+                        exc,
+                    )
+                continue
+            raise CacheDirError(f"cannot open the cache at {path} read-only: {exc}") from exc
+        except lmdb.Error as exc:
+            raise CacheDirError(f"cannot open the cache at {path} read-only: {exc}") from exc
     _check_format(env, path)
     return env
+
+
+def reader_map_size(path: Path) -> int:
+    """How much a reader maps: the volume under ``path`` (at most 16 TiB), or the file if larger.
+
+    Read-only shared file mappings cost address space only, no memory: the
+    pages are the page cache's, faulted in as they are read.
+    """
+    try:
+        fs = os.statvfs(path)
+        volume = fs.f_blocks * fs.f_frsize
+    except OSError:
+        volume = 0
+    data = (path / "data.mdb").stat().st_size
+    size = max(min(volume, READER_MAP_LIMIT), data) + MAP_HEADROOM
+    return -(-size // _MIB) * _MIB
 
 
 def open_writer(

@@ -10,7 +10,10 @@ a script), so a crash fails one test instead of ending the run.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import pytest
 import torch
 from edgeutil import publish, stub, write_parquet_shards
 
+from edgecache.cache.errors import CacheDirError
 from edgecache.cache.store import CacheStore
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
@@ -95,7 +99,117 @@ def clean_batches(address: str) -> list[list[int]]:
         ds.close()
 
 
+# ------------------------------------------------------------- the child's side
+
+
+def child_epoch(endpoints: list[str], workers: int, pause_at: int) -> None:
+    """Read epoch 0, pausing at batch ``pause_at`` for the parent; print the batches."""
+    ds = EdgeDataset("tokens@1", endpoints=endpoints, retry_timeout=20, **SMALL)  # type: ignore[arg-type]
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(labels(batch))
+        if i == pause_at:
+            print("pause", flush=True)
+            sys.stdin.readline()
+    ds.close()
+    print(json.dumps(got), flush=True)
+
+
+def child_map_growth(cache: str) -> None:
+    """A reader whose map is smaller than the cache grows: remapping must wait for its views."""
+    from edgecache.cache import store_files
+    from edgecache.cache.keys import ShardKey
+
+    store_files.reader_map_size = lambda path: 1 << 20  # type: ignore[assignment]  # as if the volume grew
+    store = CacheStore(cache, readonly=True)
+    first = ShardKey("tokens", 1, 0)
+    reader = store.read_shard(first)
+    view = reader.chunk(0)
+    before = bytes(view)
+    print("pause", flush=True)
+    sys.stdin.readline()  # the parent's node staged more: the data outgrew our map
+    try:
+        store.read_shard(ShardKey("big", 1, 5)).close()
+        refused = ""
+    except CacheDirError as exc:
+        refused = str(exc)
+    still = bytes(view) == before  # a remap under the view would crash or read garbage here
+    reader.close()
+    with store.read_shard(ShardKey("big", 1, 5)) as later:  # no view open: remapped now
+        read_later = len(bytes(later.chunk(0))) > 0
+    store.close()
+    print(json.dumps({"refused": refused, "still": still, "read_later": read_later}), flush=True)
+
+
+def run_child(args: list[str], at_pause: object) -> tuple[int, str, str]:
+    """Run this file as a child, calling ``at_pause()`` when it pauses.
+
+    Returns its exit code, its last line of output and its stderr.
+    """
+    child = subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        line = child.stdout.readline()
+        if line.strip() == "pause":
+            at_pause()  # type: ignore[operator]
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, line, err
+
+
 # ------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_node_killed_restarted_bigger_and_staging_while_lmdb_epoch_reads(
+    node: Node, workers: int
+) -> None:
+    """SIGKILL the node mid-epoch, restart it with a larger map, stage another version.
+
+    The cache grows past what the reader had mapped when it opened it, while
+    its windows are views into that map: the reader adopted the new size by
+    remapping under them, which crashed the training process (or the worker).
+    The epoch must go on, batch for batch as a clean read.
+    """
+    expected = clean_batches(node.node.address)
+
+    def act() -> None:
+        node.restart(kill=True, capacity="1GiB")
+        stage(node.node, "big")
+
+    code, last, err = run_child(["epoch", f"lmdb://{node.cache}", str(workers), "5"], act)
+    assert code == 0, f"the reading process died ({code}):\n{err[-3000:]}"
+    assert json.loads(last) == expected
+
+
+def test_reader_never_remaps_under_its_views(node: Node) -> None:
+    """When the cache outgrows a reader's map, views it handed out stay valid.
+
+    The remap waits until no read of the process is open; the read asking
+    for it meanwhile is refused (the pool reads elsewhere or retries) with
+    a message naming the cache.
+    """
+    code, last, err = run_child(["map", str(node.cache)], lambda: stage(node.node, "big"))
+    assert code == 0, f"the reading process died ({code}):\n{err[-3000:]}"
+    result = json.loads(last)
+    assert result["still"] and result["read_later"]
+    assert (
+        str(node.cache) in result["refused"] and "reads of it are still open" in result["refused"]
+    )
 
 
 def test_zero_copy_batch_outlives_its_reader_and_the_eviction(node: Node) -> None:
@@ -163,3 +277,10 @@ def test_evicted_and_restaged_mid_epoch_lmdb_only_goes_on(node: Node, workers: i
             stage(node.node, "tokens")
     ds.close()
     assert got == expected
+
+
+if __name__ == "__main__":  # the child of run_child
+    if sys.argv[1] == "epoch":
+        child_epoch([sys.argv[2]], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "map":
+        child_map_growth(sys.argv[2])
