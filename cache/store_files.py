@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -41,6 +42,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = b"edgecache-store/1"
+_FORMAT_PREFIX = b"edgecache-store/"
 DBS = (b"chunks", b"shards", b"versions", b"access", b"manifests", b"meta")
 MAP_HEADROOM = 256 << 20
 LOCK_FILE = "writer.lock"
@@ -73,6 +75,11 @@ def open_reader(path: Path, max_readers: int) -> lmdb.Environment:
                 map_size=map_size,
             )
             break
+        except lmdb.InvalidError as exc:
+            raise CacheDirError(
+                f"{path} is not an edgecache store: its data.mdb is not an LMDB file ({exc}); "
+                "check the path"
+            ) from exc
         except (lmdb.MemoryError, lmdb.InvalidParameterError) as exc:
             if attempt + 1 < len(sizes):  # address space refused: try less
                 if attempt == 0:
@@ -164,10 +171,7 @@ def _write_meta(env: lmdb.Environment, path: Path, capacity_bytes: int) -> None:
         meta = env.open_db(b"meta", txn=txn)
         found = txn.get(b"format", db=meta)
         if found is not None and found != STORE_FORMAT:
-            raise CacheDirError(
-                f"{path} holds an LMDB database that is not an edgecache store "
-                f"(format {found!r}); point --cache-dir at an empty directory"
-            )
+            raise CacheDirError(format_problem(path, found, reader=False))
         for name in DBS:
             env.open_db(name, txn=txn)
         if found is None:
@@ -229,9 +233,43 @@ def _check_format(env: lmdb.Environment, path: Path) -> None:
         raise CacheDirError(f"{path} is not an edgecache store: {exc}") from exc
     if found != STORE_FORMAT:
         env.close()
-        raise CacheDirError(
-            f"{path} is not an edgecache store (format {found!r}); check --cache-dir"
+        raise CacheDirError(format_problem(path, found, reader=True))
+
+
+def format_problem(path: Path, found: bytes | None, *, reader: bool) -> str:
+    """Why a store of another format cannot be opened here, and what to do about it.
+
+    A store written by a newer edgecache is an edgecache store all the same:
+    the fix is running a newer edgecache here, not pointing elsewhere.
+    """
+    number = found[len(_FORMAT_PREFIX) :] if found and found.startswith(_FORMAT_PREFIX) else b""
+    ours = int(STORE_FORMAT[len(_FORMAT_PREFIX) :])
+    if number.isdigit() and int(number) > ours:
+        said = (
+            f"the cache at {path} is in store format {int(number)}, written by a newer "
+            f"edgecache; {_version()} reads format {ours} only. "
         )
+        if reader:
+            return said + (
+                "Upgrade edgecache on this host (pip install -U edgecache) to the node's "
+                "version, or read through the node's gRPC endpoint instead of lmdb://"
+            )
+        return said + (
+            "Run the edgecache that wrote it (or newer), or point --cache-dir at another directory"
+        )
+    if reader:
+        return f"{path} is not an edgecache store (format {found!r}); check the path"
+    return (
+        f"{path} holds an LMDB database that is not an edgecache store (format {found!r}); "
+        "point --cache-dir at an empty directory"
+    )
+
+
+def _version() -> str:
+    try:
+        return "edgecache " + importlib.metadata.version("edgecache")
+    except importlib.metadata.PackageNotFoundError:
+        return "this edgecache"
 
 
 class WriterLock:

@@ -19,7 +19,7 @@ import grpc
 import pyarrow as pa
 
 from edgecache.cache.codec import decode_chunk
-from edgecache.cache.errors import ChunkCorrupt
+from edgecache.cache.errors import ChunkCorrupt, ShardNotCached
 from edgecache.cache.frame import Buffer, read_header, verify_frame
 from edgecache.cache.keys import ShardKey
 from edgecache.clients.edge_chunks import EdgeChunks
@@ -28,9 +28,10 @@ from edgecache.clients.parked_streams import Parked
 from edgecache.clients.read_target import ShardRange
 
 if TYPE_CHECKING:
+    from edgecache.cache.store import CacheStore
     from edgecache.clients.node_pool import NodePool
 
-__all__ = ["Stream", "chained", "goes_past", "grpc_rows", "local_rows"]
+__all__ = ["Stream", "chained", "goes_past", "grpc_rows", "local_rows", "not_in_cache"]
 
 
 @dataclass
@@ -132,7 +133,11 @@ def local_rows(
     target, shard = rows.target, rows.shard
     row_start, row_end = rows.row_start, rows.row_end
     store = pool.store(endpoint)
-    with store.read_shard(ShardKey(target.dataset, target.version, shard)) as reader:
+    try:
+        opened = store.read_shard(ShardKey(target.dataset, target.version, shard))
+    except ShardNotCached as exc:
+        raise ShardNotCached(not_in_cache(store, endpoint, rows)) from exc
+    with opened as reader:
         first = 0
         for index, count in enumerate(reader.info.chunk_rows):
             if first + count > row_start and first < row_end:
@@ -156,6 +161,35 @@ def local_rows(
             first += count
             if first >= row_end:
                 break
+
+
+def not_in_cache(store: CacheStore, endpoint: Endpoint, rows: ShardRange) -> str:
+    """Why ``rows`` cannot be read from a local cache, and what to do: its node let them go.
+
+    Nothing triggers a fetch into a cache read directly: only its node (a
+    stage, a read through it) puts the shard back.
+    """
+    target = rows.target
+    held = sum(
+        v.shard_count
+        for v in store.versions()
+        if (v.dataset, v.version) == (target.dataset, target.version)
+    )
+    if held:
+        state = (
+            f"holds {held} shards of {target} but not shard {rows.shard}: its node evicted "
+            "it (for space, or corrupt) or has not staged it yet"
+        )
+    else:
+        state = (
+            f"holds no shard of {target}: its node evicted the version "
+            "(edgecache evict, or for space) or has not staged it yet"
+        )
+    return (
+        f"the cache at {store.path} {state}. Stage it on that node again "
+        f"(edgecache warm {target} --region <its region>), or list the node's gRPC "
+        f"endpoint after {endpoint.text} so reads continue through it"
+    )
 
 
 def goes_past(stream: Stream, row: int) -> bool:

@@ -14,14 +14,16 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 from edgeutil import publish, stub, write_parquet_shards
 
-from edgecache.cache.errors import CacheDirError
+from edgecache.cache.errors import AllNodesFailed, CacheDirError
 from edgecache.cache.store import CacheStore
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
@@ -238,6 +240,31 @@ def test_zero_copy_batch_outlives_its_reader_and_the_eviction(node: Node) -> Non
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_evicted_mid_epoch_lmdb_only_says_so(node: Node, workers: int) -> None:
+    """Evicted mid-epoch, the lmdb:// reader stops with what happened and what to do."""
+    ds = EdgeDataset(
+        "tokens@1",
+        endpoints=[f"lmdb://{node.cache}"],
+        retry_timeout=2,
+        **SMALL,  # type: ignore[arg-type]
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    seen: list[int] = []
+    started = time.monotonic()
+    with pytest.raises(AllNodesFailed) as raised:
+        for i, batch in enumerate(loader):
+            seen += labels(batch)
+            if i == 3:
+                evict(node.node, "tokens")
+    ds.close()
+    message = str(raised.value)
+    assert "holds no shard of tokens@1" in message and str(node.cache) in message
+    assert "edgecache warm tokens@1" in message and "gRPC endpoint" in message
+    assert len(seen) == len(set(seen)) < TOTAL  # nothing twice, nothing made up
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_evicted_mid_epoch_fails_over_to_grpc_exactly(node: Node, workers: int) -> None:
     """With the node's gRPC endpoint listed after lmdb://, the epoch goes on there, exact."""
     expected = clean_batches(node.node.address)
@@ -277,6 +304,43 @@ def test_evicted_and_restaged_mid_epoch_lmdb_only_goes_on(node: Node, workers: i
             stage(node.node, "tokens")
     ds.close()
     assert got == expected
+
+
+def make_store_of_format(path: Path, found: bytes) -> None:
+    env = lmdb.open(str(path), max_dbs=8)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(b"format", found, db=meta)
+    env.close()
+
+
+def test_lmdb_paths_that_are_not_a_readable_cache(tmp_path: Path) -> None:
+    """A missing path, a file that is not LMDB, another LMDB, a newer store: each said plainly."""
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "data.mdb").write_bytes(b"x" * 8192)
+    make_store_of_format(tmp_path / "newer", b"edgecache-store/2")
+    env = lmdb.open(str(tmp_path / "plain"))
+    with env.begin(write=True) as txn:
+        txn.put(b"a", b"b")
+    env.close()
+    cases = {
+        "missing": "no edgecache store at",
+        "junk": "is not an edgecache store",
+        "plain": "is not an edgecache store",
+        "newer": "written by a newer edgecache",
+    }
+    for name, says in cases.items():
+        path = tmp_path / name
+        with pytest.raises(CacheDirError) as raised:
+            EdgeDataset("tokens@1", endpoints=[f"lmdb://{path}"])
+        assert says in str(raised.value) and str(path) in str(raised.value), name
+    newer = str(raised.value)
+    assert "store format 2" in newer and "reads format 1" in newer
+    assert "Upgrade edgecache" in newer and "gRPC endpoint" in newer
+    with pytest.raises(CacheDirError) as raised:
+        CacheStore(tmp_path / "newer")  # an older node started on a newer node's cache
+    assert "written by a newer edgecache" in str(raised.value)
+    assert "Run the edgecache that wrote it" in str(raised.value)
 
 
 if __name__ == "__main__":  # the child of run_child
