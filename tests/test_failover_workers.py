@@ -391,7 +391,11 @@ def test_persistent_workers_follow_set_epoch_after_a_failover_and_a_break(
             break
     ds.set_epoch(1)
     assert [labels_of(b) for b in dl] == expected
-    assert ds._counters.failovers >= 1  # the workers' metrics reach the training process
+    # The workers' metrics reach the training process: epoch 1 was read from the second
+    # node alone. (Not the failover count: the pools rank the two loopback nodes by RTT,
+    # and on a busy host they may have read the second node from the start, so killing
+    # the first failed nothing over; a fresh-clone CI run read 0 so.)
+    assert ds._counters.bytes[second.address] > 0, ds._counters.bytes
     ds.close()
 
 
