@@ -423,7 +423,9 @@ class NodePool:
             # the refusal is the answer, now rather than at the retry deadline.
             refusals: list[tuple[Endpoint, grpc.RpcError]] = []
             settled = 0
-            for endpoint in self.ranked(rows.shard_id):
+            missing = 0  # local caches that do not hold the rows: waiting will not bring them
+            ranking = self.ranked(rows.shard_id)
+            for place, endpoint in enumerate(ranking):
                 if next_row >= row_end or stop.is_set():
                     return  # done (the stream broke after the last row we needed), or stopped
                 try:
@@ -461,23 +463,31 @@ class NodePool:
                         with self._lock:
                             self._refused.setdefault(rows.shard_id, set()).add(endpoint.text)
                     settled += refused or isinstance(exc, (ShardNotCached, CacheDirError))
+                    missing += isinstance(exc, ShardNotCached)
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
                             raise
                         corrupt_retries -= 1
                 if next_row < row_end:
+                    last = place == len(ranking) - 1
+                    if last and not progressed and missing == len(self.endpoints):
+                        break  # no endpoint holds the rows: the read ends below, saying so
                     self.failovers += 1
                     (log.warning if attempt == 0 else log.debug)(
-                        "%s shard %d: %s failed (%s); continuing from row %d on the next node",
+                        "%s shard %d: %s failed (%s); %s",
                         rows.target,
                         rows.shard,
                         endpoint.text,
                         errors.get(endpoint.text),
-                        next_row,
+                        _next_step(ranking, place, next_row, self.retry_timeout),
                     )
             if refusals and not progressed and settled == len(self.endpoints):
                 node, answer = refusals[0]
                 raise node_error(answer, endpoint=node.text, what=f"ReadShard {rows}")
+            if not progressed and missing == len(self.endpoints):
+                # Only local caches, none holding the rows: nothing fetches into a cache
+                # read directly, so waiting would only delay the answer (by retry_timeout).
+                raise AllNodesFailed(_not_held(f"reading {rows.target} shard {rows.shard}", errors))
             if progressed:
                 deadline = time.monotonic() + self.retry_timeout
             if time.monotonic() > deadline:
@@ -558,6 +568,24 @@ _FAILOVER_CODES = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+
+
+def _next_step(ranking: Sequence[Endpoint], place: int, row: int, retry_timeout: float) -> str:
+    """What a read does after ``ranking[place]`` failed at ``row`` (for the log)."""
+    if place + 1 < len(ranking):
+        return f"continuing from row {row} on {ranking[place + 1].text}"
+    if len(ranking) == 1:
+        return f"no other endpoint: retrying it from row {row} for up to {retry_timeout:g} s"
+    return f"the last endpoint: retrying them all from row {row} for up to {retry_timeout:g} s"
+
+
+def _not_held(what: str, errors: dict[str, str]) -> str:
+    """The message of a read no endpoint can serve: every one is a cache without the rows."""
+    if len(errors) == 1:
+        ((name, error),) = errors.items()
+        return f"{what} from {name}: {error}"
+    lines = "\n  ".join(f"{name}: {error}" for name, error in errors.items())
+    return f"{what}: no endpoint holds it:\n  {lines}"
 
 
 def _all_failed(what: str, errors: dict[str, str]) -> str:

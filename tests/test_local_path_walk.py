@@ -343,6 +343,53 @@ def test_lmdb_paths_that_are_not_a_readable_cache(tmp_path: Path) -> None:
     assert "Run the edgecache that wrote it" in str(raised.value)
 
 
+# ------------------------------------------------ the walk's findings, checked
+
+
+def test_evicted_mid_epoch_lmdb_only_ends_at_once(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At the default retry_timeout, an lmdb://-only read of an evicted version ends at once.
+
+    Nothing fetches into a cache read directly: the read used to retry for
+    retry_timeout (30 s), then blame unreachable nodes, after warning that it
+    went on "on the next node" when there was none.
+    """
+    ds = EdgeDataset("tokens@1", endpoints=[f"lmdb://{node.cache}"], **SMALL)  # type: ignore[arg-type]
+    seen: list[int] = []
+    evicted = 0.0
+    with pytest.raises(AllNodesFailed) as raised:
+        for i, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
+            seen += labels(batch)
+            if i == 3:
+                evict(node.node, "tokens")
+                evicted = time.monotonic()
+    took = time.monotonic() - evicted
+    ds.close()
+    message = str(raised.value)
+    assert took < 10, f"the read went on for {took:.1f} s after the eviction"
+    assert "holds no shard of tokens@1" in message and "edgecache warm tokens@1" in message
+    assert "Check that the nodes run" not in message
+    assert len(seen) == len(set(seen)) < TOTAL
+    assert "on the next node" not in caplog.text
+
+
+def test_single_grpc_endpoint_down_warns_it_retries_that_one(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With one endpoint, the warning says the read retries it, not that it goes elsewhere."""
+    ds = EdgeDataset("tokens@1", endpoints=[node.node.address], retry_timeout=2, **SMALL)  # type: ignore[arg-type]
+    with pytest.raises(AllNodesFailed) as raised:
+        for i, _ in enumerate(torch.utils.data.DataLoader(ds, batch_size=None)):
+            if i == 3:
+                node.node.stop()
+    ds.close()
+    assert node.node.address in str(raised.value)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("no other endpoint: retrying it from row" in w for w in warned), warned
+    assert not any("on the next node" in w for w in warned), warned
+
+
 if __name__ == "__main__":  # the child of run_child
     if sys.argv[1] == "epoch":
         child_epoch([sys.argv[2]], int(sys.argv[3]), int(sys.argv[4]))
