@@ -55,6 +55,7 @@ from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
 from edgecache.cache.row_grid import row_bytes, rows_per_window, version_chunk_bytes
+from edgecache.clients import local_stores
 from edgecache.clients.batch_memory import (
     BatchMemory,
     PinnedMemory,
@@ -298,6 +299,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
         self._last_pipeline: dict[str, float] = {}
         self.manifests = self._resolve(mixture.specs)
+        local_stores.check(self.endpoints, self.manifests)  # lmdb:// paths: once, here
         self.manifest = self.manifests[0]
         self.schemas = [manifest_schema(m) for m in self.manifests]
         self.schema = self.schemas[0]

@@ -16,13 +16,20 @@ a fork is kept referenced, never closed, in the child.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
+from edgecache.cache.errors import CacheDirError, ShardNotCached
 from edgecache.cache.store import CacheStore
+from edgecache.clients.endpoints import Endpoint
+from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["acquire", "release"]
+__all__ = ["acquire", "check", "release"]
+
+log = logging.getLogger(__name__)
 
 _OPEN: dict[str, list[object]] = {}  # path → [store, users]
 _INHERITED: list[CacheStore] = []  # a parent's stores in a forked child: never closed
@@ -53,6 +60,67 @@ def release(store: CacheStore) -> None:
         else:
             return  # not ours (inherited from a parent, or released twice)
     store.close()
+
+
+def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> None:
+    """Check the ``lmdb://`` endpoints once, when a dataset is built.
+
+    A path that is not a cache this edgecache reads raises
+    :class:`~edgecache.cache.errors.CacheDirError` naming it, also next to gRPC
+    endpoints: a node creates its cache when it starts, so a missing one is a
+    typo or a node not run on this host, and would otherwise cost every read a
+    failed attempt and a warning. With ``lmdb://`` endpoints alone, a version
+    none of them holds a shard of (evicted, its manifest left behind, or never
+    staged) raises :class:`~edgecache.cache.errors.ShardNotCached`; one held
+    only in part is read, with a warning (its node may be staging it).
+    """
+    local = [e for e in endpoints if e.local]
+    held: dict[tuple[str, int], dict[str, int]] = {}  # version → {endpoint: shards there}
+    paths: dict[str, Path] = {}
+    for endpoint in local:
+        try:
+            store = acquire(endpoint.target)
+        except CacheDirError as exc:
+            if len(local) == len(endpoints):
+                raise
+            raise CacheDirError(
+                f"{endpoint.text}: {exc}. Fix the path, or leave the lmdb:// endpoint out "
+                "and read through the gRPC endpoints"
+            ) from exc
+        try:
+            paths[endpoint.text] = store.path
+            for info in store.versions():
+                held.setdefault((info.dataset, info.version), {})[endpoint.text] = info.shard_count
+        finally:
+            release(store)
+    alone = bool(local) and len(local) == len(endpoints)
+    for manifest in manifests:
+        name = f"{manifest.dataset}@{manifest.version}"
+        counts = held.get((manifest.dataset, manifest.version), {})
+        total = len(manifest.shards)
+        if alone and not any(counts.values()):
+            where = ", ".join(str(paths[e.text]) for e in local)
+            state = f"the cache at {where} holds" if len(local) == 1 else f"none of {where} holds"
+            raise ShardNotCached(
+                f"{state} no shard of {name}, only its manifest: its node evicted the version "
+                "(edgecache evict, or for space) or has not staged it yet. Stage it on that "
+                f"node again (edgecache warm {name} --region <its region>), or list the node's "
+                f"gRPC endpoint after {local[-1].text} so reads go through it"
+            )
+        for endpoint in local:
+            count = counts.get(endpoint.text, 0)
+            if count < total:
+                log.warning(
+                    "the cache at %s holds %d of the %d shards of %s: %s",
+                    paths[endpoint.text],
+                    count,
+                    total,
+                    name,
+                    "the others are read from the other endpoints"
+                    if not alone
+                    else "its node may still be staging it; a read of a shard no cache "
+                    "listed holds then ends the epoch",
+                )
 
 
 def _after_fork_in_child() -> None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from edgeutil import publish, stub, write_parquet_shards
 
-from edgecache.cache.errors import AllNodesFailed, CacheDirError
+from edgecache.cache.errors import AllNodesFailed, CacheDirError, ShardNotCached
 from edgecache.cache.store import CacheStore
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
@@ -286,7 +286,13 @@ def test_evicted_mid_epoch_fails_over_to_grpc_exactly(node: Node, workers: int) 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_evicted_and_restaged_mid_epoch_lmdb_only_goes_on(node: Node, workers: int) -> None:
-    """The node evicts the version and stages it again: the lmdb:// epoch waits and goes on."""
+    """The node evicts the version and stages it again: the lmdb:// epoch never misreads.
+
+    A window read between the eviction and the new stage ends the epoch at
+    once, saying what to do (a cache read directly gets nothing back by
+    waiting, so the read does not wait ``retry_timeout`` for it); windows read
+    after the stage are the clean read's rows, exactly.
+    """
     expected = clean_batches(node.node.address)
     ds = EdgeDataset(
         "tokens@1",
@@ -295,15 +301,24 @@ def test_evicted_and_restaged_mid_epoch_lmdb_only_goes_on(node: Node, workers: i
         **SMALL,  # type: ignore[arg-type]
     )
     got = []
-    for i, batch in enumerate(
-        torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-    ):
-        got.append(labels(batch))
-        if i == 3:
-            evict(node.node, "tokens")
-            stage(node.node, "tokens")
-    ds.close()
-    assert got == expected
+    staged = 0.0
+    try:
+        for i, batch in enumerate(
+            torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        ):
+            got.append(labels(batch))
+            if i == 3:
+                evict(node.node, "tokens")
+                stage(node.node, "tokens")
+                staged = time.monotonic()
+    except AllNodesFailed as exc:  # a read came in between: it ended at once
+        assert "holds no shard of tokens@1" in str(exc) and "edgecache warm" in str(exc)
+        assert time.monotonic() - staged < 10
+        assert got == expected[: len(got)]
+    else:
+        assert got == expected
+    finally:
+        ds.close()
 
 
 def make_store_of_format(path: Path, found: bytes) -> None:
@@ -388,6 +403,46 @@ def test_single_grpc_endpoint_down_warns_it_retries_that_one(
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("no other endpoint: retrying it from row" in w for w in warned), warned
     assert not any("on the next node" in w for w in warned), warned
+
+
+def test_bad_lmdb_path_beside_grpc_fails_the_constructor(node: Node, tmp_path: Path) -> None:
+    """A typo in an lmdb:// path next to a gRPC endpoint is said once, when the dataset is built.
+
+    It used to be tried by every window read: a warning and a failover each
+    (33 in this epoch), the epoch served by gRPC all the same.
+    """
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "data.mdb").write_bytes(b"x" * 8192)
+    cases = {"missing": "no edgecache store at", "junk": "is not an edgecache store"}
+    for bad, says in cases.items():
+        path = tmp_path / bad
+        with pytest.raises(CacheDirError) as raised:
+            EdgeDataset("tokens@1", endpoints=[f"lmdb://{path}", node.node.address], **SMALL)  # type: ignore[arg-type]
+        message = str(raised.value)
+        assert says in message and f"lmdb://{path}" in message, message
+        assert "leave the lmdb:// endpoint out" in message
+
+
+def test_cache_without_the_version_beside_grpc_reads_through_grpc(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache without the version is no error beside gRPC (its node may stage it): a warning."""
+    evict(node.node, "tokens")
+    ds = EdgeDataset("tokens@1", endpoints=[f"lmdb://{node.cache}", node.node.address], **SMALL)  # type: ignore[arg-type]
+    assert "holds 0 of the 4 shards of tokens@1" in caplog.text
+    got = [x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in labels(b)]
+    ds.close()
+    assert sorted(got) == list(range(TOTAL))
+
+
+def test_evicted_version_lmdb_only_fails_the_constructor(node: Node) -> None:
+    """After edgecache evict the manifest stays in the cache: the constructor says no shard is."""
+    evict(node.node, "tokens")
+    with pytest.raises(ShardNotCached) as raised:
+        EdgeDataset("tokens@1", endpoints=[f"lmdb://{node.cache}"], **SMALL)  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert str(node.cache) in message and "holds no shard of tokens@1" in message
+    assert "edgecache warm tokens@1 --region" in message and "gRPC endpoint" in message
 
 
 if __name__ == "__main__":  # the child of run_child
