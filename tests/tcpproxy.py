@@ -9,11 +9,16 @@ import threading
 class FaultyProxy:
     """Forwards 127.0.0.1:<port> to a target; ``blackhole()`` stops all forwarding
     (connections stay open, as with a dropped route), ``corrupt_after(n)`` flips one
-    byte of the server's reply stream once ``n`` more bytes have passed."""
+    byte of the server's reply stream once ``n`` more bytes have passed. ``latency``
+    holds each piece of the client's stream that long: the node behind it measures
+    farther than one reached directly, so a reader's pool ranks it second, whatever
+    the load on the host (loopback RTTs of two nodes tie, and which is read first
+    was a coin toss)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, latency: float = 0.0) -> None:
         host, _, port = target.rpartition(":")
         self._target = (host, int(port))
+        self._latency = latency
         self._blackholed = threading.Event()
         self._corrupt_at: int | None = None
         self._cut_at: int | None = None
@@ -88,6 +93,8 @@ class FaultyProxy:
                 return
             while self._blackholed.is_set():
                 await asyncio.sleep(3600)  # hold the bytes, keep the connection open
+            if not downstream and self._latency:
+                await asyncio.sleep(self._latency)
             if downstream:
                 at = self._corrupt_at
                 if at is not None and self._passed <= at < self._passed + len(data):

@@ -89,16 +89,19 @@ def test_node_killed_mid_epoch_two_ranks_persistent_workers_exact(nodes) -> None
     epoch too (the persistent workers carry on with one node), and none may wait
     for a batch anywhere near the retry timeout.
     """
+    from tcpproxy import FaultyProxy
+
     first, second = nodes
     expected = {
         (epoch, rank): clean_batches(second.address, epoch, rank=rank, world_size=2)
         for epoch in (0, 1)
         for rank in (0, 1)
     }
+    farther = FaultyProxy(second.address, latency=0.02)  # the first is the one read
     datasets = [
         EdgeDataset(
             "tokens@1",
-            endpoints=[first.address, second.address],
+            endpoints=[first.address, farther.address],
             rank=rank,
             world_size=2,
             retry_timeout=10,
@@ -140,6 +143,7 @@ def test_node_killed_mid_epoch_two_ranks_persistent_workers_exact(nodes) -> None
     finally:
         for ds in datasets:
             ds.close()
+        farther.close()
 
 
 # ------------------------------------------------------------------ helpers
@@ -441,12 +445,15 @@ def test_persistent_workers_resume_a_state_loaded_after_all_nodes_failed(
 
 def test_node_killed_mid_epoch_the_other_stages_on_demand(tmp_path: Path, registry: str) -> None:
     """The second node has nothing cached: it fetches the shards from origin as asked."""
+    from tcpproxy import FaultyProxy
+
     first = start_nodes(tmp_path, registry, ("a",))[0]
     second = start_local_node("b", tmp_path / "cache-b", registry)  # cold
+    farther = FaultyProxy(second.address, latency=0.02)  # the first is the one read
     try:
         expected = clean_batches(first.address)
         ds = EdgeDataset(
-            "tokens@1", endpoints=[first.address, second.address], retry_timeout=20, **SMALL
+            "tokens@1", endpoints=[first.address, farther.address], retry_timeout=20, **SMALL
         )
         got, slowest = read_with_fault(ds, 3, lambda: first.process.send_signal(signal.SIGKILL))
         assert got == expected
@@ -454,4 +461,5 @@ def test_node_killed_mid_epoch_the_other_stages_on_demand(tmp_path: Path, regist
         assert slowest < 10.0, f"waited {slowest:.1f} s for a batch"
         ds.close()
     finally:
+        farther.close()
         stop_all([first, second])
