@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.storage import ObjectStore, Stores
-from edgecache.edge.peers import Peers, refuses_configuration
+from edgecache.edge.peers import Peers, refuses_configuration, rpc_status
 from edgecache.v1 import edge_pb2
 
 __all__ = ["PeerPathFailed", "diagnose_origin", "diagnose_peer", "diagnose_registry"]
@@ -102,8 +102,7 @@ def _peer_failed(
     (``Peers.hint``: peer_token_file, peer_tls_ca, a grpcs:// name). ``connected``:
     calls went through before (the connection, TLS or not, was right).
     """
-    name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
-    details = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
+    name, details = rpc_status(exc)
     hint = peers.hint(peer, name, details, int(connected))
     final = refuses_configuration(peer, name, details)
     message = (

@@ -198,8 +198,7 @@ class EdgeNode:
             return manifest  # just read from the registry
         # A job pins what this answers: it must be what the registry holds now, not an
         # older copy kept here (a version rewritten in the registry is refused instead).
-        running = self._manifest_checks.get(key)
-        await (asyncio.shield(running) if running else self._check_manifest(key, manifest))
+        await self._check_now(key, manifest)
         return self._current_manifest(key)
 
     async def manifest_as_read(
@@ -223,8 +222,7 @@ class EdgeNode:
             if len(self._digests_asked) > 4096:  # readers with ever new digests: start over
                 self._digests_asked.clear()
             self._digests_asked[(key, digest)] = now
-            running = self._manifest_checks.get(key)
-            await (asyncio.shield(running) if running else self._check_manifest(key, manifest))
+            await self._check_now(key, manifest)
         manifest = self._current_manifest(key)  # OriginChanged when the registry's differs
         if digest != manifest.digest:
             raise OriginChanged(
@@ -308,6 +306,11 @@ class EdgeNode:
         task = asyncio.create_task(self._check_manifest(key, self._manifests[key]))
         self._manifest_checks[key] = task
         task.add_done_callback(functools.partial(self._manifest_check_done, key))
+
+    async def _check_now(self, key: tuple[str, int], kept: manifest_pb2.Manifest) -> None:
+        """:meth:`_check_manifest` now: joining the background check if one is running."""
+        running = self._manifest_checks.get(key)
+        await (asyncio.shield(running) if running else self._check_manifest(key, kept))
 
     def _manifest_check_done(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
         self._manifest_checks.pop(key, None)

@@ -37,7 +37,7 @@ from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.edge.config import NodeConfig, read_pem
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["PeerCopy", "PeerCopyFailed", "Peers", "refuses_configuration"]
+__all__ = ["PeerCopy", "PeerCopyFailed", "Peers", "refuses_configuration", "rpc_status"]
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,7 @@ class Peers:
                     continue
                 except grpc.RpcError as exc:
                     got = len(copy.frames) - before
-                    name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"
-                    details = exc.details() or ""
+                    name, details = rpc_status(exc)
                     hint = self.hint(peer, name, details, got)
                     reason = f"{peer} failed after {got} chunks ({name}: {details})" + (
                         f"; {hint}" if hint else ""
@@ -293,6 +292,13 @@ class Peers:
 
 def _optional_pem(path: Path | None, setting: str) -> bytes | None:
     return None if path is None else read_pem(path, setting)
+
+
+def rpc_status(exc: BaseException) -> tuple[str, str]:
+    """(status code name, details) of a failed call to a peer; ``ERROR`` and the text if none."""
+    name = exc.code().name if callable(getattr(exc, "code", None)) else "ERROR"  # type: ignore[attr-defined]
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)  # type: ignore[attr-defined]
+    return name, details or ""
 
 
 def refuses_configuration(peer: str, code: str, details: str) -> bool:
