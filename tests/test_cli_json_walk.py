@@ -149,13 +149,17 @@ def test_controller_once_says_a_job_that_cannot_be_met_and_exits_3_as_plan_does(
 
 def test_demo_json_keep_nodes_prints_one_json_document_while_the_nodes_run(tmp_path) -> None:
     """Its tables and the commands to try were on stdout before the JSON, which came
-    only after Ctrl-C: a script could neither parse it nor learn the nodes' addresses."""
+    only after Ctrl-C: a script could neither parse it nor learn the nodes' addresses.
+
+    Started as a shell starts a background job (SIGINT ignored), SIGINT still stops it:
+    Python left SIGINT ignored there and the demo waited forever."""
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with out_path.open("w") as out, err_path.open("w") as err:
         process = subprocess.Popen(
             [sys.executable, "-m", "edgecache.clients.cli", "demo", "--size-mib", "1",
              "--shards", "1", "--json", "--keep-nodes", "--workdir", str(tmp_path / "demo")],
             stdout=out, stderr=err, env=ENV, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 90
@@ -167,7 +171,13 @@ def test_demo_json_keep_nodes_prints_one_json_document_while_the_nodes_run(tmp_p
         assert "edgecache status --config" in err_path.read_text()
     finally:
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0
+        try:
+            code = process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.terminate()  # the demo's SIGTERM handler stops its nodes too
+                process.wait(timeout=60)
+    assert code == 0, err_path.read_text()
     assert json.loads(out_path.read_text()) == running  # and only it
 
 

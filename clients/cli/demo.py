@@ -8,6 +8,7 @@ import json
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, cast
@@ -93,7 +94,7 @@ def demo(
             tell(f"  {command}")
         tell("Ctrl-C stops the nodes.")
         try:
-            signal.pause()
+            _wait_for_ctrl_c()
         except KeyboardInterrupt:
             tell("stopping the nodes")
 
@@ -131,6 +132,23 @@ def demo(
         )
     if not result.verified:
         raise exit_with(ExitCode.FAILED)
+
+
+def _wait_for_ctrl_c() -> None:
+    """Block until SIGINT (Ctrl-C) raises KeyboardInterrupt, whatever the parent set.
+
+    The prompt says Ctrl-C stops the nodes, so SIGINT is made to: a process started
+    in the background by a shell or a supervisor inherits SIGINT ignored, and
+    Python then never raises KeyboardInterrupt (`kill -INT` did nothing). Short
+    sleeps, not ``signal.pause()``: a signal that lands between the last check and
+    the ``pause`` syscall was lost and the demo waited forever.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        while True:
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
