@@ -367,3 +367,14 @@ def test_a_mixture_naming_one_version_twice_is_refused_however_spelled(cluster) 
             EdgeDataset(spec, endpoints=eps, **SMALL)
     with pytest.raises(ValueError, match="tokens@1 is named twice"):
         EdgeDataset({"tokens@latest": 2, "tokens@1": 1}, endpoints=eps, **SMALL)
+
+
+def test_workers_started_by_forkserver_read_grpc_endpoints_exactly_once(cluster) -> None:
+    # docs/dataset.md ("gRPC and fork") advises forkserver workers with gRPC endpoints:
+    # each opens its channels in a process where gRPC never ran.
+    ds = EdgeDataset("tokens@1", endpoints=endpoints(cluster, "grpc"), seed=3, **SMALL)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver"
+    )
+    assert sorted(x for _, x in ids(loader)) == list(range(TOTAL))
+    ds.close()
