@@ -98,6 +98,10 @@ class NodePool:
         # Per shard, the nodes that refused it (FAILED_PRECONDITION): healthy, so not
         # marked down, but asked after the others for that shard from then on.
         self._refused: dict[tuple[str, int, int], set[str]] = {}
+        # (lmdb:// endpoint, name@N) whose missing shards were already said once: a cache
+        # beside gRPC endpoints that lacks the version (evicted, not staged yet) is a
+        # route, not a failure, and was a warning and a failover on every window read.
+        self._said_missing: set[tuple[str, str]] = set()
         self.failovers = 0
         self.current: str | None = None  # the endpoint that served the last chunk
         self.stall_timeout = stall_timeout
@@ -426,6 +430,7 @@ class NodePool:
             missing = 0  # local caches that do not hold the rows: waiting will not bring them
             ranking = self.ranked(rows.shard_id)
             for place, endpoint in enumerate(ranking):
+                passed_over = False  # a local cache without the rows, others after it
                 if next_row >= row_end or stop.is_set():
                     return  # done (the stream broke after the last row we needed), or stopped
                 try:
@@ -464,6 +469,11 @@ class NodePool:
                             self._refused.setdefault(rows.shard_id, set()).add(endpoint.text)
                     settled += refused or isinstance(exc, (ShardNotCached, CacheDirError))
                     missing += isinstance(exc, ShardNotCached)
+                    passed_over = (
+                        isinstance(exc, ShardNotCached)
+                        and place < len(ranking) - 1
+                        and not progressed
+                    )
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
                             raise
@@ -472,6 +482,18 @@ class NodePool:
                     last = place == len(ranking) - 1
                     if last and not progressed and missing == len(self.endpoints):
                         break  # no endpoint holds the rows: the read ends below, saying so
+                    if passed_over:
+                        said = (endpoint.text, rows.target)
+                        (log.debug if said in self._said_missing else log.warning)(
+                            "%s shard %d: %s (read from %s instead; the next shards this "
+                            "cache lacks are logged at debug level)",
+                            rows.target,
+                            rows.shard,
+                            errors.get(endpoint.text),
+                            ranking[place + 1].text,
+                        )
+                        self._said_missing.add(said)
+                        continue
                     self.failovers += 1
                     (log.warning if attempt == 0 else log.debug)(
                         "%s shard %d: %s failed (%s); %s",

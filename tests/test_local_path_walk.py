@@ -426,13 +426,22 @@ def test_bad_lmdb_path_beside_grpc_fails_the_constructor(node: Node, tmp_path: P
 def test_cache_without_the_version_beside_grpc_reads_through_grpc(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A cache without the version is no error beside gRPC (its node may stage it): a warning."""
+    """A cache without the version is no error beside gRPC (its node may stage it): a warning.
+
+    Each window read then tried the cache first: a warning and a failover every time
+    (one per window), where one warning says it and routing past the cache is no failure.
+    """
     evict(node.node, "tokens")
     ds = EdgeDataset("tokens@1", endpoints=[f"lmdb://{node.cache}", node.node.address], **SMALL)  # type: ignore[arg-type]
     assert "holds 0 of the 4 shards of tokens@1" in caplog.text
+    caplog.clear()
     got = [x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in labels(b)]
+    failovers = ds.pool().failovers
     ds.close()
     assert sorted(got) == list(range(TOTAL))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "read from" in warned[0] and node.node.address in warned[0], warned
+    assert failovers == 0
 
 
 def test_evicted_version_lmdb_only_fails_the_constructor(node: Node) -> None:
