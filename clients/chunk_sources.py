@@ -24,6 +24,7 @@ from edgecache.cache.frame import Buffer, read_header, verify_frame
 from edgecache.cache.keys import ShardKey
 from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.endpoints import Endpoint
+from edgecache.clients.local_stores import EVICTED_OR_NOT_STAGED, restage_advice
 from edgecache.clients.parked_streams import Parked
 from edgecache.clients.read_target import ShardRange
 
@@ -164,11 +165,7 @@ def local_rows(
 
 
 def not_in_cache(store: CacheStore, endpoint: Endpoint, rows: ShardRange) -> str:
-    """Why ``rows`` cannot be read from a local cache, and what to do: its node let them go.
-
-    Nothing triggers a fetch into a cache read directly: only its node (a
-    stage, a read through it) puts the shard back.
-    """
+    """Why ``rows`` cannot be read from a local cache, and what to do: its node let them go."""
     target = rows.target
     held = sum(
         v.shard_count
@@ -181,15 +178,8 @@ def not_in_cache(store: CacheStore, endpoint: Endpoint, rows: ShardRange) -> str
             "it (for space, or corrupt) or has not staged it yet"
         )
     else:
-        state = (
-            f"holds no shard of {target}: its node evicted the version "
-            "(edgecache evict, or for space) or has not staged it yet"
-        )
-    return (
-        f"the cache at {store.path} {state}. Stage it on that node again "
-        f"(edgecache warm {target} --region <its region>), or list the node's gRPC "
-        f"endpoint after {endpoint.text} so reads continue through it"
-    )
+        state = f"holds no shard of {target}: {EVICTED_OR_NOT_STAGED}"
+    return f"the cache at {store.path} {state}. " + restage_advice(str(target), endpoint.text)
 
 
 def goes_past(stream: Stream, row: int) -> bool:

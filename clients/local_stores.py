@@ -62,6 +62,23 @@ def release(store: CacheStore) -> None:
     store.close()
 
 
+EVICTED_OR_NOT_STAGED = (
+    "its node evicted the version (edgecache evict, or for space) or has not staged it yet"
+)
+
+
+def restage_advice(name: str, endpoint: str) -> str:
+    """What to do about a version (``name@N``) a cache read directly lacks.
+
+    Nothing fetches into a cache read directly: only its node (a stage, a read
+    through it) puts shards back, or the reads go through the node instead.
+    """
+    return (
+        f"Stage it on that node again (edgecache warm {name} --region <its region>), "
+        f"or list the node's gRPC endpoint after {endpoint} so reads continue through it"
+    )
+
+
 def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> None:
     """Check the ``lmdb://`` endpoints once, when a dataset is built.
 
@@ -102,10 +119,8 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
             where = ", ".join(str(paths[e.text]) for e in local)
             state = f"the cache at {where} holds" if len(local) == 1 else f"none of {where} holds"
             raise ShardNotCached(
-                f"{state} no shard of {name}, only its manifest: its node evicted the version "
-                "(edgecache evict, or for space) or has not staged it yet. Stage it on that "
-                f"node again (edgecache warm {name} --region <its region>), or list the node's "
-                f"gRPC endpoint after {local[-1].text} so reads go through it"
+                f"{state} no shard of {name}, only its manifest: {EVICTED_OR_NOT_STAGED}. "
+                + restage_advice(name, local[-1].text)
             )
         for endpoint in local:
             count = counts.get(endpoint.text, 0)
