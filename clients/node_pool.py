@@ -483,7 +483,7 @@ class NodePool:
                     if last and not progressed and missing == len(self.endpoints):
                         break  # no endpoint holds the rows: the read ends below, saying so
                     if passed_over:
-                        said = (endpoint.text, rows.target)
+                        said = (endpoint.text, str(rows.target))
                         (log.debug if said in self._said_missing else log.warning)(
                             "%s shard %d: %s (read from %s instead; the next shards this "
                             "cache lacks are logged at debug level)",
