@@ -4,6 +4,8 @@ Faults for GETs of keys matching a pattern, in order, one per request, then the
 request goes through: ``"503"`` (SlowDown), ``"500"``, ``"reset"`` (headers and half
 the body, then the connection closes), ``"truncate"`` (a full Content-Length, half the
 body), ``"stall"`` (2 s before answering). ``"always500"`` fails every request.
+``"lost"`` (for PUTs, with ``methods=("PUT",)``) forwards the request, so the write
+lands, then closes the connection without an answer: a response lost on the way back.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ _SLOWDOWN = (
 
 
 class OriginFaults:
-    def __init__(self, upstream: str, plan: dict[str, list[str]]) -> None:
+    def __init__(
+        self, upstream: str, plan: dict[str, list[str]], methods: tuple[str, ...] = ("GET",)
+    ) -> None:
         self.upstream = upstream.rstrip("/")
+        self.methods = methods
         self.plan = {re.compile(k): v for k, v in plan.items()}
         self.done: dict[str, int] = defaultdict(int)
         self.injected: dict[str, int] = defaultdict(int)
@@ -62,7 +67,7 @@ class OriginFaults:
         self._loop.run_forever()
 
     def _fault(self, request: web.Request) -> str | None:
-        if request.method != "GET":
+        if request.method not in self.methods:
             return None
         for pattern, faults in self.plan.items():
             if pattern.search(request.path):
@@ -94,6 +99,10 @@ class OriginFaults:
                 for k, v in upstream.headers.items()
                 if k.lower() not in ("transfer-encoding", "content-encoding", "connection")
             }
+            if fault == "lost":
+                if request.transport is not None:
+                    request.transport.close()  # the write landed; its answer never comes
+                return web.Response(status=upstream.status)
             if fault in ("reset", "truncate") and len(payload) > 1:
                 response = web.StreamResponse(status=upstream.status, headers=out_headers)
                 response.content_length = len(payload)

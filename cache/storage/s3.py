@@ -548,7 +548,14 @@ class S3Store(ObjectStore):
         return bytes(buffer), seen[0]
 
     async def put(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
-        """PUT; with ``if_absent``, ``If-None-Match: *`` makes it create-only."""
+        """PUT; with ``if_absent``, ``If-None-Match: *`` makes it create-only.
+
+        A create-only PUT whose answer was lost is sent again (by botocore, or by
+        :meth:`_call`) and meets its own write: 412. The object then holding exactly
+        ``data`` is that write, not another writer's, so the PUT succeeded (else a
+        publish took its own version for a rival's and published the data again
+        under the next number).
+        """
         bucket, key = self._split(url)
         s3 = await self._s3()
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": data}
@@ -557,6 +564,13 @@ class S3Store(ObjectStore):
         try:
             await self._call(url, lambda: s3.put_object(**kwargs))
         except _PreconditionFailed as exc:
+            try:
+                there, _ = await self._read(url)
+            except ObjectNotFound:
+                there = None  # deleted since: still not ours to claim
+            if there == data:
+                log.info("%s: a create-only write met itself (its answer was lost)", url)
+                return
             raise ObjectExists(f"{url} already exists") from exc
 
     async def update(self, url: str, change: Callable[[bytes | None], bytes | None]) -> None:

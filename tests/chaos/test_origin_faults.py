@@ -170,3 +170,29 @@ def test_registry_retries_are_not_origin_retries(
     assert proxy.injected == {"503": 2}  # both on the manifest, both retried by botocore
     assert fetches == 2 and origin == 0, f"{origin} registry retries counted as origin's"
     assert registry == 2
+
+
+def test_a_publish_whose_answer_is_lost_is_one_version(
+    s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short_backoff: None
+) -> None:
+    """The create-only PUT of versions/1.json lands, its answer does not: the retry met
+    its own write (412) and the publish took it for another publisher's, publishing the
+    same data again as tokens@2."""
+    from edgecache.cache.registry import Registry
+
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    proxy = OriginFaults(
+        s3_endpoint, {r"/_reg/tokens/versions/1\.json$": ["lost"]}, methods=("PUT",)
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
+    try:
+        manifest = publish(f"s3://{bucket}/_reg", f"s3://{bucket}/raw", "tokens")
+        versions = Registry.run(f"s3://{bucket}/_reg", lambda reg: reg.versions("tokens"))
+    finally:
+        proxy.close()
+    assert proxy.injected == {"lost": 1}
+    assert manifest.version == 1 and versions == [1], versions
