@@ -119,6 +119,7 @@ class NodePool:
         self._channel_lock = threading.RLock()  # channels, stubs, stores and the closed flag
         self._closed = False
         self._stop = threading.Event()
+        self._last_read = -math.inf  # when a read last started (monotonic)
         self.probe()
         self._threads = [
             threading.Thread(target=self._watchdog, name="edgecache-watchdog", daemon=True),
@@ -265,7 +266,18 @@ class NodePool:
             )
 
     def _reprobe(self, interval: float) -> None:
+        """Re-rank the nodes every ``interval`` while the pool reads; an idle one is quiet.
+
+        A DataLoader's parent holds a pool that fetched the manifest and reads
+        nothing (its workers read): probes there only put gRPC to work when a
+        worker may be forked, and a fork during gRPC's work is what gRPC handles
+        worst (see ``_FORK_GUARD``). Reads resume probing within ``interval``.
+        """
         while not self._stop.wait(interval):
+            with self._lock:
+                reading = bool(self._active)
+            if not reading and time.monotonic() - self._last_read > interval:
+                continue
             try:
                 self.probe()
             except Exception:  # noqa: BLE001 - probing must never kill the reader
@@ -389,6 +401,7 @@ class NodePool:
         stream where ``rows`` end, for the read that starts there
         (:mod:`~edgecache.clients.parked_streams`).
         """
+        self._last_read = time.monotonic()
         tail = None
         if edges is not None:  # chunks across our edges that a read beside us decoded
             t = rows.target

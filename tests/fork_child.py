@@ -18,6 +18,7 @@ from edgecache.v1 import edge_pb2
 
 def main(address: str, forks: int) -> None:
     pool = NodePool([parse_endpoint(address)], probe_interval=0.0005)
+    pool._last_read = float("inf")  # probing as a reading pool does (an idle one is quiet)
     failed = 0
     for _ in range(forks):
         pid = os.fork()

@@ -56,6 +56,7 @@ def test_close_joins_background_threads_and_never_reopens_a_channel(node) -> Non
     for _ in range(5):
         # Probing without pause, so a probe is in flight whenever close() comes.
         pool = NodePool([endpoint], probe_interval=0.001)
+        pool._last_read = float("inf")  # probing as a reading pool does (an idle one is quiet)
         time.sleep(0.05)
         pool.close()
         assert not [t.name for t in pool._threads if t.is_alive()]  # joined, not just told
@@ -171,6 +172,30 @@ def test_a_node_that_cannot_fetch_from_origin_hands_the_read_to_one_that_holds_i
     finally:
         warm.stop()
         cold.stop()
+
+
+def test_an_idle_pool_does_not_probe_and_a_reading_one_does(node) -> None:
+    """A DataLoader's parent holds a pool that fetched the manifest and reads nothing.
+
+    Its probes (every probe_interval, for good) only put gRPC to work when workers
+    may be forked; CI's leaked pools probed through 92 of the first 300 tests.
+    """
+    from edgecache.clients import EdgeDataset
+
+    pool = NodePool([parse_endpoint(node.address)], probe_interval=0.05)
+    probes: list[int] = []
+    probe = pool.probe
+    pool.probe = lambda pings=3: probes.append(pings) or probe(pings)  # type: ignore[method-assign]
+    try:
+        time.sleep(0.5)
+        assert probes == []  # idle: ten intervals, no probe
+        with EdgeDataset("tokens@1", endpoints=[node.address]) as ds:
+            target = ReadTarget("tokens", 1, ds.manifest.digest, ds.schema)
+        assert sum(b.num_rows for _, b in pool.read_rows(target.rows(0, 0, 10))) >= 10
+        time.sleep(0.5)
+        assert probes  # a read started within the interval: the pool probes again
+    finally:
+        pool.close()
 
 
 def test_a_fork_waits_for_the_pools_background_calls(node) -> None:
