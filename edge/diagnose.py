@@ -34,7 +34,7 @@ from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.storage import ObjectStore, Stores
 from edgecache.edge.peers import Peers, refuses_configuration, rpc_status
-from edgecache.v1 import edge_pb2
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 __all__ = ["PeerPathFailed", "diagnose_origin", "diagnose_peer", "diagnose_registry"]
 
@@ -274,6 +274,18 @@ async def diagnose_peer(
         samples.append((time.perf_counter() - started) * 1e3)
     samples.sort()
     report.rtt_ms = samples[len(samples) // 2]
+    # A peer refusing this node's token aborts the Sink while this side still streams,
+    # and the call then ended INTERNAL ("Internal error from Core") about as often as
+    # with the peer's UNAUTHENTICATED: a refusal read as an outage. One unary call with
+    # the same metadata first hears the refusal as the peer words it.
+    try:
+        await edge_pb2_grpc.EdgeCacheStub(channel).Status(
+            edge_pb2.StatusRequest(),
+            metadata=peers._metadata,  # noqa: SLF001 - the node's own token for peers
+            timeout=5,
+        )
+    except grpc.RpcError as exc:
+        raise _peer_failed(peers, peer, "a call with this node's token", exc, True) from exc
     sink = channel.stream_unary(
         "/edgecache.v1.EdgeCache/Sink",
         request_serializer=edge_pb2.SinkChunk.SerializeToString,
