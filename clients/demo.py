@@ -40,7 +40,7 @@ from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
 from edgecache.clients.executor import PlanExecutor, TaskRun, WarmOutcome
 from edgecache.clients.node_client import LocalNode, read_shard, start_local_node
-from edgecache.clients.ops import make_plan
+from edgecache.clients.ops import gather_status, make_plan
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
@@ -395,7 +395,10 @@ def run_demo(
                 # and `edgecache warm` do: eu-west from origin, then us-east from eu-west's
                 # copy (its link to origin is the slow one), each pinned for its job.
                 topology, schedule = _sample_files(workdir, nodes)
-                plan_result, manifests = make_plan(topology, schedule)
+                # Its own two nodes, on this host: a longer health-check budget than
+                # status's 3 s, which a busy 2-core CI host once exceeded for an idle node.
+                reports = gather_status(topology, timeout=15.0)
+                plan_result, manifests = make_plan(topology, schedule, reports=reports)
                 plan_lines = _plan_lines(plan_result)
                 for line in plan_lines:
                     say(f"plan: {line}")

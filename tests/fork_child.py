@@ -23,11 +23,15 @@ def main(address: str, forks: int) -> None:
     for _ in range(forks):
         pid = os.fork()
         if pid == 0:
-            try:
-                connect(address).Status(edge_pb2.StatusRequest(), timeout=5)
-            except Exception:  # noqa: BLE001 - the parent counts it
-                os._exit(3)
-            os._exit(0)
+            # Twice, on a new channel each: a call slow on a loaded host is not a child
+            # whose inherited gRPC is broken (that one fails both).
+            for _ in range(2):
+                try:
+                    connect(address).Status(edge_pb2.StatusRequest(), timeout=5)
+                except Exception:  # noqa: BLE001, S112 - the parent counts a child failing both
+                    continue
+                os._exit(0)
+            os._exit(3)
         _, status = os.waitpid(pid, 0)
         failed += status != 0
     pool.close()
