@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import ipaddress
 import logging
 import signal
@@ -337,6 +338,11 @@ class NodeServer:
             await self._server.stop(grace)
         if self._probe is not None:
             await self._probe.stop(0)
+        # Drop the stopped servers: gRPC aio keeps its poller thread (always inside gRPC
+        # core) until the last aio object is freed, and while it runs gRPC skips its fork
+        # handlers, so a process that stopped an in-process node (tests, the demo) and then
+        # forks DataLoader workers would hand them a broken gRPC.
+        self._server = self._probe = None
         if self.node is not None:
             await self.node.close()
         if self.node is not None and self.metrics_port:
@@ -394,3 +400,7 @@ def running_node(config: NodeConfig) -> Iterator[NodeServer]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         loop.close()
+        # The stopped server's calls sit in reference cycles; freed only by a collection,
+        # they keep gRPC aio's poller thread alive, and with it gRPC's fork handlers off
+        # (see NodeServer.stop). Collect now, so the caller can fork safely.
+        gc.collect()

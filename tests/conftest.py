@@ -1,10 +1,13 @@
-"""Shared fixtures (real LMDB directories in tmp, moto's S3 server), and a hang backstop."""
+"""Shared fixtures (real LMDB directories in tmp, moto's S3 server), a hang backstop, and
+a fork guard for the in-process gRPC aio nodes some tests run."""
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,13 +24,45 @@ BACKSTOP = 120.0
 _STDERR: list[int] = []
 
 
+_RUNNING: list[str] = []  # the test running now, for the fork guard's message
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Capture is suspended while plugins configure: this is the terminal's stderr.
     _STDERR.append(os.dup(sys.stderr.fileno()))
 
 
+def _aio_poller_alive() -> bool:
+    return any("_poll_wrapper" in t.name for t in threading.enumerate())
+
+
+def _before_fork() -> None:
+    """Free gRPC aio objects an earlier test left in reference cycles before a fork.
+
+    Tests run edge nodes in this process (grpc.aio servers). gRPC aio's poller thread
+    lives until the last aio object is freed, and it always sits inside gRPC core, so
+    gRPC skips its fork handlers ("Other threads are currently calling into gRPC") and a
+    DataLoader worker forked then inherits a broken gRPC: CI saw workers segfault. A
+    training process holds no such server; the test process must not either when it forks.
+    """
+    if not _aio_poller_alive():
+        return
+    gc.collect()
+    if _aio_poller_alive() and _STDERR:
+        where = _RUNNING[-1] if _RUNNING else "outside a test"
+        os.write(
+            _STDERR[0],
+            f"\nfork guard: gRPC aio is still in use at a fork ({where}); a forked "
+            "worker may inherit a broken gRPC. Stop in-process nodes before forking.\n".encode(),
+        )
+
+
+os.register_at_fork(before=_before_fork)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    _RUNNING[:] = [item.nodeid]
     marker = item.get_closest_marker("timeout")
     limit = marker.args[0] if marker and marker.args else item.config.getini("timeout")
     if not limit or not _STDERR:
