@@ -217,3 +217,22 @@ def test_mutual_tls(tmp_path: Path) -> None:
         plaintext = stub(node.address)
         with pytest.raises(grpc.RpcError):
             plaintext.Status(edge_pb2.StatusRequest(), timeout=5)
+
+
+def test_a_stopped_in_process_node_leaves_no_grpc_aio_thread(tmp_path: Path) -> None:
+    """After ``running_node`` ends, gRPC aio's poller thread is gone, so forks are safe.
+
+    While that thread lives it sits inside gRPC core, gRPC skips its fork handlers,
+    and DataLoader workers forked then inherit a broken gRPC (they segfaulted in CI).
+    The node served a call first: served calls leave the cycles that kept it alive.
+    """
+    import threading
+
+    registry = f"file://{tmp_path}/registry"
+    settings = NodeConfig(
+        region="eu", cache_dir=tmp_path / "cache", registry=registry, listen="127.0.0.1:0"
+    )
+    with running_node(settings) as node:
+        assert stub(node.address).Status(edge_pb2.StatusRequest()).region == "eu"
+        assert any("_poll_wrapper" in t.name for t in threading.enumerate())
+    assert not [t.name for t in threading.enumerate() if "_poll_wrapper" in t.name]
