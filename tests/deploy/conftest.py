@@ -166,6 +166,7 @@ def stack() -> Iterator[Stack]:
     run("docker", "image", "prune", "-f", "--filter", "until=24h", check=False)
     s("up", "-d")
     s.refresh()
+    failed = True
     try:
         s.wait_healthy(*NODES, "s3-origin", *([CONTROLLER_SERVICE] if CONTROLLER_SERVICE else []))
         REPORT.append(
@@ -173,8 +174,20 @@ def stack() -> Iterator[Stack]:
             f"up to healthy {time.monotonic() - built:.0f} s"
         )
         yield s
+        failed = False
     except BaseException:
         print(s.logs())
         raise
     finally:
-        s("down", "-v", "--remove-orphans", "-t", "30", check=False)
+        down = s("down", "-v", "--remove-orphans", "-t", "30", check=False)
+        # Checked when the tests passed (a failure's own error comes first otherwise): a
+        # stack that does not come down holds the loopback ports the next run needs.
+        if not failed:
+            left = s("ps", "-a", "-q", check=False).stdout.split()
+            label = f"label=com.docker.compose.project={PROJECT}"
+            volumes = run("docker", "volume", "ls", "-q", "--filter", label, check=False)
+            left += volumes.stdout.split()
+            assert down.returncode == 0 and not left, (
+                f"`down -v` failed (exit {down.returncode}) or left containers/volumes {left}: "
+                f"{down.stderr[-2000:]}"
+            )
