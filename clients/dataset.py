@@ -55,7 +55,7 @@ from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
 from edgecache.cache.row_grid import row_bytes, rows_per_window, version_chunk_bytes
-from edgecache.clients import local_stores
+from edgecache.clients import fork_safety, local_stores
 from edgecache.clients.batch_memory import (
     BatchMemory,
     PinnedMemory,
@@ -275,6 +275,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if not texts:
             raise InvalidEndpoint("the endpoint list is empty; give at least one host:port")
         self.endpoints: list[Endpoint] = [parse_endpoint(t) for t in texts]
+        if not all(e.local for e in self.endpoints):
+            fork_safety.watch(self)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         if pin_memory not in (True, False, "auto"):
             raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
