@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -151,11 +153,25 @@ def test_the_s3_origin_retries_a_save_that_failed(tmp_path: Path) -> None:
         client.put_object(Bucket="edgecache", Key="_edgecache/tokens/versions/1.json", Body=b"{}")
         time.sleep(1.5)  # the saver has tried, and failed
         assert not (state / "s3.pickle").exists()
+        # Unhealthy meanwhile (the compose healthcheck's URL): it acknowledges writes a
+        # kill would lose. It answered healthy before, though saves failed.
+        with pytest.raises(urllib.error.HTTPError) as unhealthy:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_health", timeout=5)
+        assert unhealthy.value.code == 503
+        assert "cannot save to" in unhealthy.value.read().decode()
         (state / "s3.tmp").rmdir()  # room again
         deadline = time.monotonic() + 10
         while not (state / "s3.pickle").exists():
             assert time.monotonic() < deadline, "the failed save was never tried again"
             time.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while True:  # healthy again once a save went through
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_health", timeout=5)
+                break
+            except urllib.error.HTTPError:
+                assert time.monotonic() < deadline, "still unhealthy after a save succeeded"
+                time.sleep(0.1)
     finally:
         proc.kill()  # docker kill: no save at stop
         out = proc.communicate(timeout=30)[0]

@@ -30,6 +30,7 @@ from werkzeug.serving import make_server
 
 ACCOUNT, PARTITION = "123456789012", "aws"  # moto's default account
 MUTATING = {"PUT", "POST", "DELETE"}
+HEALTH_PATH = "/_health"  # no bucket name starts with "_": never an S3 request
 log = logging.getLogger("s3-origin")
 
 
@@ -41,6 +42,7 @@ class Saved:
         self.lock = threading.Lock()  # writes and saves never overlap
         self.saving = threading.Lock()  # one save at a time: the saver's and the last one
         self.dirty = threading.Event()
+        self.failing: str | None = None  # why the last save failed, until one succeeds
 
     @property
     def backend(self):  # noqa: ANN201 - moto's S3Backend
@@ -95,15 +97,25 @@ class Saved:
             time.sleep(0.2)  # one save for a burst of writes
             try:
                 self.save()
-            except Exception:  # noqa: BLE001 - any failure: say so, keep the writes, retry
+            except Exception as exc:  # noqa: BLE001 - any failure: say so, keep the writes, retry
                 self.dirty.set()
+                self.failing = f"cannot save to {self.path}: {exc!r}; trying again each second"
                 log.exception("cannot save to %s; trying again in 1 s", self.path)
                 time.sleep(1)
+            else:
+                self.failing = None
 
     def middleware(self, app):  # noqa: ANN001, ANN201 - WSGI
         """``app`` with writes serialised against saves, each marking the state dirty."""
 
         def wrapped(environ, start_response):  # noqa: ANN001, ANN202
+            if environ.get("PATH_INFO") == HEALTH_PATH:
+                # The healthcheck's: unhealthy while writes are acknowledged but not saved
+                # (a kill would lose them), not merely while the server answers.
+                failing = self.failing
+                status = "503 Service Unavailable" if failing else "200 OK"
+                start_response(status, [("Content-Type", "text/plain")])
+                return [(failing or "ok").encode() + b"\n"]
             if environ.get("REQUEST_METHOD") not in MUTATING:
                 return app(environ, start_response)
             with self.lock:
