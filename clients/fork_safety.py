@@ -20,7 +20,7 @@ import os
 import threading
 import weakref
 
-__all__ = ["watch"]
+__all__ = ["grpc_aio_running", "watch"]
 
 log = logging.getLogger(__name__)
 

@@ -340,8 +340,8 @@ class NodeServer:
             await self._probe.stop(0)
         # Drop the stopped servers: gRPC aio keeps its poller thread (always inside gRPC
         # core) until the last aio object is freed, and while it runs gRPC skips its fork
-        # handlers, so a process that stopped an in-process node (tests, the demo) and then
-        # forks DataLoader workers would hand them a broken gRPC.
+        # handlers, so a process that stopped an in-process node (tests, a program embedding
+        # one) and then forks DataLoader workers would hand them a broken gRPC.
         self._server = self._probe = None
         if self.node is not None:
             await self.node.close()

@@ -7,7 +7,6 @@ import faulthandler
 import gc
 import os
 import sys
-import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from edgecache.cache.store import CacheStore
+from edgecache.clients.fork_safety import grpc_aio_running
 
 # pytest-timeout's alarm (timeout in pyproject.toml) raises in the main thread, so it
 # cannot end a test stuck in C: a fork waiting in gRPC's atfork handler for gRPC's
@@ -71,10 +71,6 @@ def _shut_down_loaders() -> None:
     _LOADER_ITERATORS.clear()
 
 
-def _aio_poller_alive() -> bool:
-    return any("_poll_wrapper" in t.name for t in threading.enumerate())
-
-
 def _before_fork() -> None:
     """Free gRPC aio objects an earlier test left in reference cycles before a fork.
 
@@ -84,10 +80,10 @@ def _before_fork() -> None:
     DataLoader worker forked then inherits a broken gRPC: CI saw workers segfault. A
     training process holds no such server; the test process must not either when it forks.
     """
-    if not _aio_poller_alive():
+    if not grpc_aio_running():
         return
     gc.collect()
-    if _aio_poller_alive() and _STDERR:
+    if grpc_aio_running() and _STDERR:
         where = _RUNNING[-1] if _RUNNING else "outside a test"
         os.write(
             _STDERR[0],
