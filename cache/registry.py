@@ -56,6 +56,7 @@ from edgecache.cache.preprocess import (
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.formats import KIND_NAMES
 from edgecache.cache.preprocess.mds import MdsColumns, mds_index
+from edgecache.cache.preprocess.source_options import delimiter_for_names
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -363,12 +364,7 @@ class Registry:
                 if len(guesses) > 1 and None not in guesses:
                     raise MalformedShard(_mixed_formats(prefix, found))
                 if len(guesses) != 1 or None in guesses:
-                    names = sorted({o.key.rsplit("/", 1)[-1].split(".", 1)[-1] for o in found})
-                    raise MalformedShard(
-                        f"cannot tell the format of the objects under {prefix} from their names "
-                        f"({', '.join(names[:5])}); pass the format explicitly (--format "
-                        "parquet, jsonl, csv, arrow, webdataset or mds)"
-                    )
+                    raise MalformedShard(_unknown_format(prefix, found))
                 fmt = guesses.pop()
                 assert fmt is not None
         return found, fmt
@@ -450,11 +446,21 @@ class Registry:
         spec.params.clear()
         spec.params.update(params)
         transform = load_transform(name, params, resources)  # fail fast on names and params
-        refs = frozenset(r for r in resource_refs(name, params) if "://" not in r)
+        # A transform's files under the source prefix (named by key or by full URL) are
+        # not shards.
+        refs = frozenset(
+            url[len(source_url) :]
+            for url in (resource_url(source_url, r) for r in resource_refs(name, params))
+            if url.startswith(source_url)
+        )
         objects, fmt = await self.list_sources(source_url, fmt, exclude=refs)
         options = (
             canonical_options(fmt, dict(spec.source_options)) if fmt != pb.SOURCE_FORMAT_MDS else {}
         )
+        if fmt == pb.SOURCE_FORMAT_CSV and "delimiter" not in options:
+            implied = delimiter_for_names([o.key for o in objects])
+            if implied is not None:
+                options = canonical_options(fmt, {**options, "delimiter": implied})
         if fmt == pb.SOURCE_FORMAT_MDS:
             if spec.source_options:
                 raise ValueError("MDS sources take no reader options: index.json says it all")
@@ -469,13 +475,23 @@ class Registry:
                 return await self._describe(obj, fmt, spec, transform)
 
         described = await asyncio.gather(*(one(obj) for obj in objects))
+        empty = [o.info.url for o, (_, rows) in zip(objects, described, strict=True) if not rows]
+        if empty:
+            raise MalformedShard(_no_rows(empty, name, keeps_rows(name, params)))
         schema = described[0][0]
         for obj, (other, _) in zip(objects, described, strict=True):
             if not other.equals(schema):
                 raise MalformedShard(
-                    f"{obj.info.url} has schema {other} after preprocessing, but "
-                    f"{objects[0].info.url} has {schema}; all objects of a version must agree"
+                    f"{obj.info.url} has columns ({_columns(other)}) after preprocessing, but "
+                    f"{objects[0].info.url} has ({_columns(schema)}); all objects of a version "
+                    "must agree"
                 )
+        if repeated := sorted({n for n in schema.names if schema.names.count(n) > 1}):
+            raise MalformedShard(
+                f"the columns after preprocessing ({_columns(schema)}) name {', '.join(repeated)} "
+                "more than once, and readers find a column by its name; give each a name of "
+                "its own (--column-names for CSV, or --transform columns --param rename=OLD=NEW)"
+            )
         shards = [
             pb.Shard(
                 index=i,
@@ -569,6 +585,49 @@ async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> bytes:
     if length + 12 > info.size:
         raise MalformedShard(f"{info.url}: Parquet footer length {length} exceeds the file")
     return b"PAR1" + await store.get_range(info.url, info.size - 8 - length, info.size)
+
+
+def _columns(schema: pa.Schema) -> str:
+    """A schema on one line, ``a: int64, b: string``, for messages."""
+    return ", ".join(f"{f.name}: {f.type}" for f in schema)
+
+
+def _no_rows(urls: list[str], transform: str, keeps: bool) -> str:
+    """Why objects that give no rows are no shards, and what to do about them.
+
+    A shard of a version holds at least one row (a node refuses to stage an
+    empty one), so an empty object is refused at publish, where the fix is
+    still the publisher's, rather than failing every node's staging later.
+    """
+    listed = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+    cause = (
+        "it is empty, or holds a header alone"
+        if keeps
+        else f"the {transform!r} transform dropped every row of it (corrupt samples skipped, "
+        "or too little text for one row)"
+    )
+    return (
+        f"{listed} {'gives' if len(urls) == 1 else 'give'} no rows after preprocessing "
+        f"({cause}); every shard of a version needs at least one row: move such objects out "
+        "of the source prefix, or change the options that drop their rows, and publish again"
+    )
+
+
+def _unknown_format(prefix: str, found: list[SourceObject]) -> str:
+    """Which objects' names tell no format, and what to do: move them, or say the format."""
+    unknown = sorted(o.key for o in found if format_from_key(o.key) is None)
+    listed = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    if len(unknown) < len(found):  # others are known: these are most likely not shards
+        return (
+            f"the names of {listed} under {prefix} tell no format, beside shards that do; "
+            "move files that are not shards (a README, notes) out of the prefix, or, if they "
+            "are shards of the same format, pass it (--format parquet, jsonl, csv, arrow, "
+            "webdataset or mds)"
+        )
+    return (
+        f"cannot tell the format of the objects under {prefix} from their names ({listed}); "
+        "pass the format explicitly (--format parquet, jsonl, csv, arrow, webdataset or mds)"
+    )
 
 
 def _mixed_formats(prefix: str, found: list[SourceObject]) -> str:

@@ -146,6 +146,114 @@ def test_whitespace_delimiter_takes_runs_of_blanks() -> None:
     assert table.to_pydict() == {"a": [1, 10], "b": [2, 20], "c": [3, 30]}
 
 
+def test_whitespace_delimiter_keeps_the_blanks_inside_quoted_fields() -> None:
+    text = b'name      value\n"New  York"   5\n"tab\there"  6\n  "say ""hi""  now"  7  \n'
+    table = read(text, CSV, delimiter="whitespace")
+    assert table.to_pydict() == {
+        "name": ["New  York", "tab\there", 'say "hi"  now'],
+        "value": [5, 6, 7],
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.text('ab \t"', min_size=1, max_size=6), st.text(" \t", max_size=3)),
+            min_size=2,
+            max_size=2,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_whitespace_delimiter_reads_quoted_values_back_exactly(
+    rows: list[list[tuple[str, str]]],
+) -> None:
+    # Every value quoted (inner quotes doubled), fields separated by at least one blank.
+    lines = [
+        " ".join('"' + value.replace('"', '""') + '"' + pad for value, pad in row) for row in rows
+    ]
+    text = ("x y\n" + "\n".join(lines) + "\n").encode()
+    table = read(text, CSV, delimiter="whitespace", column_types="x=string,y=string")
+    assert table.to_pydict() == {
+        "x": [row[0][0] for row in rows],
+        "y": [row[1][0] for row in rows],
+    }
+
+
+def test_a_header_of_nan_or_infinity_is_a_header() -> None:
+    table = read(b"id,Infinity,NaN,inf\n1,2,3,4\n", CSV)
+    assert table.column_names == ["id", "Infinity", "NaN", "inf"]
+    with pytest.raises(MalformedShard, match="does not look like a header"):
+        read(b"1e5,b\n1,2\n", CSV)
+
+
+def test_tsv_objects_are_read_tab_separated(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "x.tsv").write_bytes(b"name\tnote, remark\nParis\thello, world\n")
+    (tmp_path / "src" / "y.tsv.gz").write_bytes(
+        gzip.compress(b"name\tnote, remark\nRome\tciao, bella\n")
+    )
+    manifest = publish(tmp_path, tmp_path / "src", "tsv")
+    assert dict(manifest.preprocess.source_options) == {"delimiter": "\t"}  # recorded: shown
+    data = (tmp_path / "src" / "x.tsv").read_bytes()
+    table = pa.Table.from_batches(
+        list(preprocess(data, fmt=CSV, source="x.tsv", spec=manifest.preprocess, schema=None))
+    )
+    assert table.to_pydict() == {"name": ["Paris"], "note, remark": ["hello, world"]}
+    # An explicit delimiter wins; a prefix mixing .tsv with .csv implies none and is refused.
+    manifest = publish(tmp_path, tmp_path / "src", "tsv2", source_options={"delimiter": ","})
+    assert dict(manifest.preprocess.source_options) == {"delimiter": ","}
+    (tmp_path / "src" / "z.csv").write_bytes(b"name,note\nOslo,hei\n")
+    with pytest.raises(ValueError, match="mixes tab-separated .tsv objects.*pass --delimiter"):
+        publish(tmp_path, tmp_path / "src", "tsv3")
+
+
+def test_objects_without_rows_are_refused_at_publish_naming_them(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.csv").write_bytes(b"a,b\n1,2\n")
+    (tmp_path / "src" / "b.csv").write_bytes(b"a,b\n")  # a header alone
+    with pytest.raises(MalformedShard, match=r"b\.csv gives no rows after preprocessing.*move"):
+        publish(tmp_path, tmp_path / "src", "hdr")
+    assert not (tmp_path / "registry" / "hdr").exists()
+
+
+def test_objects_that_disagree_are_named_on_one_line(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.csv").write_bytes(b"a,b\n1,2\n")
+    (tmp_path / "src" / "b.csv").write_bytes(b"a,b\n1,x\n")
+    with pytest.raises(MalformedShard) as refused:
+        publish(tmp_path, tmp_path / "src", "mix")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "has columns (a: int64, b: string) after preprocessing" in message
+
+
+def test_duplicate_column_names_are_refused_at_publish(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.csv").write_bytes(b"a,a,b\n1,2,3\n")
+    with pytest.raises(MalformedShard, match="name a more than once.*--column-names"):
+        publish(tmp_path, tmp_path / "src", "dup")
+    (tmp_path / "src" / "a.csv").write_bytes(b"x,y\n1,2\n")
+    with pytest.raises(MalformedShard, match="name y more than once"):
+        publish(
+            tmp_path,
+            tmp_path / "src",
+            "dup",
+            transform="columns",
+            params={"rename": "x=y"},
+        )
+
+
+def test_unknown_names_beside_shards_are_named_with_the_way_out(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.csv").write_bytes(b"a,b\n1,2\n")
+    (tmp_path / "src" / "README.txt").write_bytes(b"about this data\n")
+    with pytest.raises(MalformedShard, match=r"README\.txt under .* tell no format.*move files"):
+        publish(tmp_path, tmp_path / "src", "readme")
+
+
 def test_bad_options_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown CSV options"):
         canonical_options(CSV, {"headers": "true"})

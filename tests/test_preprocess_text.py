@@ -159,6 +159,13 @@ def test_publish_and_node_with_tokenizer_in_origin(tmp_path: Path, tokenizer_jso
     )
     assert [s.source_key for s in manifest.shards] == ["docs-0.jsonl.gz", "docs-1.jsonl.gz"]
     assert len(manifest.preprocess.params["tokenizer_sha256"]) == 64
+    # Named by its full URL, the tokenizer under the source prefix is no shard either.
+    by_url = preprocess_spec(
+        transform="tokens",
+        params={"tokenizer": f"file://{origin}/tokenizer.json", "seq_len": "256", "eos": "</s>"},
+    )
+    same = Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "docs2", spec=by_url))
+    assert [s.source_key for s in same.shards] == ["docs-0.jsonl.gz", "docs-1.jsonl.gz"]
     config = NodeConfig(
         region="r",
         cache_dir=tmp_path / "cache",

@@ -40,7 +40,7 @@ from edgecache.cache.preprocess.arrow_types import parse_type, split_params
 from edgecache.cache.preprocess.fixes import COLUMN_FIX
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["CSV_OPTIONS", "DELIMITERS", "canonical_options", "read_csv"]
+__all__ = ["CSV_OPTIONS", "DELIMITERS", "canonical_options", "delimiter_for_names", "read_csv"]
 
 CSV_OPTIONS = ("header", "column_names", "delimiter", "skip_rows", "column_types")
 DELIMITERS: Mapping[str, str] = MappingProxyType(
@@ -144,11 +144,48 @@ def _first_rows(text: bytes, delimiter: str, skip: int, count: int) -> list[list
 
 
 def _is_number(cell: str) -> bool:
+    # A digit is required: float() also reads "NaN", "inf" and "Infinity", which are
+    # fine column names (and a header of them is a header).
+    if not any(ch.isdigit() for ch in cell):
+        return False
     try:
         float(cell)
     except ValueError:
         return False
     return True
+
+
+_COMPRESSED = (".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")
+
+
+def delimiter_for_names(names: list[str]) -> str | None:
+    """The delimiter that object names imply: tab for ``.tsv`` (compressed too), else None.
+
+    A prefix of ``.tsv`` files read with a comma would publish tab-joined column
+    names, or split a field that holds a comma: silently wrong. A prefix that
+    mixes ``.tsv`` with other names implies nothing and is refused, since one
+    version has one delimiter.
+
+    Raises:
+        ValueError: some names end in ``.tsv`` and others do not.
+    """
+    tsv = []
+    for name in names:
+        stem = name.lower()
+        for suffix in _COMPRESSED:
+            stem = stem.removesuffix(suffix)
+        tsv.append(stem.endswith(".tsv"))
+    if not any(tsv):
+        return None
+    if not all(tsv):
+        other = next(n for n, t in zip(names, tsv, strict=True) if not t)
+        first = next(n for n, t in zip(names, tsv, strict=True) if t)
+        raise ValueError(
+            f"the source mixes tab-separated .tsv objects ({first}) with others ({other}); "
+            "one version has one delimiter: pass --delimiter (tab or comma), or publish them "
+            "as separate datasets"
+        )
+    return "\t"
 
 
 def _check_header(text: bytes, delimiter: str, skip: int, source: str) -> None:
@@ -196,6 +233,28 @@ def _check_one_column(table: pa.Table, text: bytes, skip: int, source: str) -> N
             )
 
 
+def _single_spaced(text: bytes) -> bytes:
+    """``text`` with each run of blanks outside quotes one space, and none at line edges.
+
+    pyarrow splits on one character, so runs of spaces and tabs (aligned text
+    tables) become single spaces first. Quoted fields keep their blanks: the
+    text is split at double quotes, and with CSV's quoting (a quote inside a
+    field is doubled) the even pieces are outside quotes, the odd ones inside.
+    A blank next to a quote separates fields; only those at line edges go.
+    """
+    pieces = text.split(b'"')
+    last = len(pieces) - 1
+    for i in range(0, len(pieces), 2):
+        piece = re.sub(rb"[ \t]+", b" ", pieces[i])
+        piece = re.sub(rb"(?<=\n) | (?=\r?\n)", b"", piece)
+        if i == 0:
+            piece = piece.removeprefix(b" ")
+        if i == last:
+            piece = re.sub(rb" (\r?)\Z", rb"\1", piece)
+        pieces[i] = piece
+    return b'"'.join(pieces)
+
+
 def read_csv(
     buf: pa.Buffer,
     options: Mapping[str, str],
@@ -216,9 +275,7 @@ def read_csv(
     names = _split_list(options.get("column_names", ""))
     header = options.get("header", "auto")
     if delimiter == "whitespace":
-        # Runs of blanks are one separator and edge blanks none: parse as single spaces.
-        text = re.sub(rb"[ \t]+", b" ", memoryview(buf).tobytes())
-        buf = pa.py_buffer(re.sub(rb"(?m)^ | (?=\r?$)", b"", text))
+        buf = pa.py_buffer(_single_spaced(memoryview(buf).tobytes()))
     head = memoryview(buf)[: 1 << 20].tobytes()  # enough lines to judge the first rows
     if header == "auto" and not names:
         _check_header(head, delimiter if delimiter != "whitespace" else " ", skip, source)
