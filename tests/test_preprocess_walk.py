@@ -285,3 +285,80 @@ def test_a_column_a_parameter_names_wrongly_says_to_fix_the_parameter(tmp_path: 
     with pytest.raises(MalformedShard, match="nope") as info:
         Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "t", spec=types))
     assert "if the parameter that names it is wrong, fix it" in str(info.value)
+
+
+def _publish_error(tmp_path: Path, name: str, files: dict[str, bytes], **spec: object) -> str:
+    origin = tmp_path / name
+    origin.mkdir()
+    for key, data in files.items():
+        (origin / key).write_bytes(data)
+    options = spec.pop("source_options", {})
+    preprocess_ = preprocess_spec(**spec)  # type: ignore[arg-type]
+    preprocess_.source_options.update(options)  # type: ignore[arg-type]
+    registry = f"file://{tmp_path}/reg"
+    with pytest.raises(MalformedShard) as info:
+        Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", name, spec=preprocess_))
+    return str(info.value)
+
+
+def test_reader_options_that_do_not_match_the_file_are_named_as_the_likely_fix(
+    tmp_path: Path,
+) -> None:
+    """A column count or rows to skip that do not fit the file said only 'fix or remove
+    the object', when the options were what to fix."""
+    names = _publish_error(
+        tmp_path,
+        "names",
+        {"a.csv": b"1,2,3\n4,5,6\n"},
+        source_options={"column_names": "x,y,z,w"},
+    )
+    assert "Expected 4 columns, got 3" in names
+    assert "if the reader options (column_names='x,y,z,w') do not match the file" in names
+    # Without options, the object is what to fix.
+    plain = _publish_error(tmp_path, "plain", {"a.csv": b"x,y\n1,2\n3\n"})
+    assert plain.endswith("fix or remove the object and publish a new version")
+    assert "reader options" not in plain
+
+
+def test_a_webdataset_error_is_the_readers_once_not_the_transforms() -> None:
+    """The tar reader parses lazily, inside the transform's loop: its error was labelled
+    the transform's and carried the advice twice."""
+    data = tar_archive([("k1.cls", b"cat"), ("k1.txt", b"hello")])
+    spec = pb.PreprocessSpec(transform="columns", params={"select": "cls"})
+    with pytest.raises(MalformedShard) as info:
+        list(preprocess(data, fmt=pb.SOURCE_FORMAT_WEBDATASET, source="s3://b/a.tar", spec=spec))
+    message = str(info.value)
+    assert "not an integer" in message
+    assert "transform 'columns'" not in message
+    assert message.count("fix or remove the object") == 1
+
+
+def test_a_param_that_does_not_fit_the_data_says_to_fix_the_param(tmp_path: Path) -> None:
+    rows = b'{"text": "hello", "n": 1}\n'
+    wrong_type = _publish_error(
+        tmp_path,
+        "img",
+        {"a.jsonl": rows},
+        transform="images",
+        params={"size": "8", "column": "text"},
+    )
+    assert "column 'text' is string, not binary" in wrong_type
+    assert wrong_type.endswith("fix the --param and publish again; if only this object "
+                               "differs from the others, fix or remove it and publish a new "
+                               "version")  # fmt: skip
+
+
+def test_empty_params_and_nested_csv_types_are_refused_at_publish(tmp_path: Path) -> None:
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / "a.csv").write_text("x,y\n1,2\n")
+    registry = f"file://{tmp_path}/reg"
+    for params in ({"select": ""}, {"rename": " ", "cast": "x=int8"}):
+        spec = preprocess_spec(transform="columns", params=params)
+        with pytest.raises(ValueError, match="no value; give one, or leave the param out"):
+            Registry.run(registry, lambda reg, s=spec: reg.publish(f"file://{origin}", "e", spec=s))
+    nested = preprocess_spec()
+    nested.source_options["column_types"] = "y=list<int32>"
+    with pytest.raises(ValueError, match="a CSV cell holds one value"):
+        Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "n", spec=nested))
+    assert not (tmp_path / "reg").exists() or not list((tmp_path / "reg").glob("*/versions/*"))

@@ -26,7 +26,7 @@ from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess import limits
 from edgecache.cache.preprocess.byte_types import is_text_or_binary
 from edgecache.cache.preprocess.compressed import decompress, strip_suffix
-from edgecache.cache.preprocess.fixes import FIX
+from edgecache.cache.preprocess.fixes import FIX, options_fix
 from edgecache.cache.preprocess.mds import mds_source
 from edgecache.cache.preprocess.source_options import read_csv
 from edgecache.cache.preprocess.webdataset import tar_source
@@ -177,7 +177,7 @@ def _read_text(
         except ARROW_ERRORS as serial:
             exc = serial
         note = " (rows count the header as row 1)" if "Row #" in str(exc) else ""
-        raise MalformedShard(f"{source}: {exc}{note}; {FIX}") from exc
+        raise MalformedShard(f"{source}: {exc}{note}; {options_fix(options)}") from exc
 
 
 def _parquet(

@@ -45,6 +45,7 @@ import pyarrow as pa
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import check_param_names
 from edgecache.cache.preprocess.context import shard_context
+from edgecache.cache.preprocess.fixes import MissingColumn, ParamMismatch
 
 __all__ = ["ImageSpec", "decoder_version", "image_type", "images_transform"]
 
@@ -211,7 +212,7 @@ class _Images:
     def _column(self, batch: pa.RecordBatch) -> str:
         if self.spec.column is not None:
             if self.spec.column not in batch.schema.names:
-                raise MalformedShard(
+                raise MissingColumn(
                     f"images: column {self.spec.column!r} is missing; the data has "
                     f"{', '.join(batch.schema.names)}"
                 )
@@ -219,7 +220,7 @@ class _Images:
         binary = [f.name for f in batch.schema if pa.types.is_binary(f.type)
                   or pa.types.is_large_binary(f.type)]  # fmt: skip
         if len(binary) != 1:
-            raise MalformedShard(
+            raise ParamMismatch(
                 f"images: say which column holds the encoded images (column=NAME); binary "
                 f"columns: {', '.join(binary) or 'none'}"
             )
@@ -230,9 +231,9 @@ class _Images:
         name = self._column(batch)
         column = batch.column(name)
         if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
-            raise MalformedShard(f"images: column {name!r} is {column.type}, not binary")
+            raise ParamMismatch(f"images: column {name!r} is {column.type}, not binary")
         if spec.output not in (None, name) and spec.output in batch.schema.names:
-            raise MalformedShard(
+            raise ParamMismatch(
                 f"images: output={spec.output!r} is already a column of the data; name the "
                 f"pixels otherwise, or leave output out to replace {name!r}"
             )

@@ -16,10 +16,15 @@ import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.context import ShardContext, using
-from edgecache.cache.preprocess.fixes import COLUMN_FIX, FIX
+from edgecache.cache.preprocess.fixes import (
+    COLUMN_FIX,
+    FIX,
+    PARAM_FIX,
+    MissingColumn,
+    ParamMismatch,
+)
 from edgecache.cache.preprocess.formats import guarded, open_source
 from edgecache.cache.preprocess.transforms import (
-    MissingColumn,
     Transform,
     cast_column,
     column_index,
@@ -40,6 +45,14 @@ def _sliced(batches: Iterator[pa.RecordBatch], rows: int | None) -> Iterator[pa.
             yield batch.slice(start, rows)
 
 
+class _ReaderFailed(Exception):
+    """A reader's MalformedShard, carried through the transform so it is not labelled its."""
+
+    def __init__(self, error: MalformedShard) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _transformed(
     batches: Iterator[pa.RecordBatch],
     spec: pb.PreprocessSpec,
@@ -54,7 +67,14 @@ def _transformed(
 
     def counted(inputs: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         rows = 0
-        for batch in _sliced(inputs, getattr(transform, "batch_rows", None)):
+        sliced = _sliced(inputs, getattr(transform, "batch_rows", None))
+        while True:
+            try:  # readers parse lazily: their errors surface here, inside the transform
+                batch = next(sliced)
+            except StopIteration:
+                return
+            except MalformedShard as exc:
+                raise _ReaderFailed(exc) from exc
             context.first_row = rows
             rows += batch.num_rows
             yield batch
@@ -71,10 +91,18 @@ def _transformed(
                 out = next(outputs)
         except StopIteration:
             return
+        except _ReaderFailed as failed:  # the reader's own error, its advice included
+            raise failed.error from failed.error.__cause__
         except MalformedShard as exc:
             message = str(exc)
             where = "" if message.startswith(source) else f"{source}: "
-            fix = COLUMN_FIX if isinstance(exc, MissingColumn) else FIX
+            fix = (
+                COLUMN_FIX
+                if isinstance(exc, MissingColumn)
+                else PARAM_FIX
+                if isinstance(exc, ParamMismatch)
+                else FIX
+            )
             raise MalformedShard(f"{where}transform {name!r}: {message}; {fix}") from exc
         except pa.ArrowException as exc:
             raise MalformedShard(f"{source}: transform {name!r} failed: {exc}; {FIX}") from exc

@@ -77,7 +77,14 @@ def _type_pairs(text: str) -> dict[str, pa.DataType]:
                 f"column_types={text!r}: expected unique NAME=TYPE pairs, "
                 "e.g. 'age=int32,name=string'"
             )
-        out[name] = parse_type(type_name)
+        kind = parse_type(type_name)
+        if pa.types.is_nested(kind) or pa.types.is_dictionary(kind):
+            raise ValueError(
+                f"column_types {name}={type_name}: a CSV cell holds one value, not a "
+                f"{kind}; read the column as string (or leave it out), or publish the data "
+                "as JSON Lines or Parquet, which hold lists and structs"
+            )
+        out[name] = kind
     return out
 
 

@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import check_param_names
 from edgecache.cache.preprocess.context import shard_context
+from edgecache.cache.preprocess.fixes import MissingColumn, ParamMismatch
 
 __all__ = ["TokensSpec", "tokens_transform"]
 
@@ -155,13 +155,13 @@ class _Tokens:
         context = shard_context()
         names = batch.schema.names
         if self.spec.column not in names:
-            raise MalformedShard(
-                f"tokens: column {self.spec.column!r} is missing; the data has {', '.join(names)} "
-                "(pass column=NAME)"
+            raise MissingColumn(
+                f"tokens: column {self.spec.column!r} is missing (the text column is named by "
+                f"column=NAME); the data has {', '.join(names)}"
             )
         column = batch.column(self.spec.column)
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise MalformedShard(f"tokens: column {self.spec.column!r} is {column.type}, not text")
+            raise ParamMismatch(f"tokens: column {self.spec.column!r} is {column.type}, not text")
         texts = [t or "" for t in column.to_pylist()]
         slices: list[tuple[list[str]]] = []
         start = size = 0
@@ -195,9 +195,9 @@ class _Tokens:
         padded = np.full(count * seq, self.spec.pad_id, np.int64)
         padded[: len(flat)] = flat
         if padded.size and (padded.max() > np.iinfo(self.dtype).max or padded.min() < 0):
-            raise MalformedShard(
-                f"tokens: token id {int(padded.max())} does not fit dtype {self.spec.dtype}; "
-                "use a wider dtype"
+            raise ParamMismatch(
+                f"tokens: token id {int(padded.max())} does not fit dtype {self.spec.dtype} "
+                "(or pad_id does not); use a wider dtype"
             )
         rows = np.minimum(starts // seq, count - 1) if count else starts
         offsets = np.searchsorted(rows, np.arange(count + 1), side="left").astype(np.int32)

@@ -27,6 +27,7 @@ import pyarrow as pa
 from edgecache.cache.errors import MalformedShard, UnknownTransform
 from edgecache.cache.preprocess.arrow_types import check_param_names, parse_type, split_params
 from edgecache.cache.preprocess.casts import lossless_cast
+from edgecache.cache.preprocess.fixes import MissingColumn
 from edgecache.cache.preprocess.formats import ARROW_ERRORS
 
 __all__ = [
@@ -89,14 +90,6 @@ def cast_column(batch: pa.RecordBatch, index: int, target: pa.DataType) -> pa.Ar
         raise MalformedShard(
             f"column {name!r} cannot be cast from {column.type} to {target}: {exc}"
         ) from exc
-
-
-class MissingColumn(MalformedShard):
-    """A column a parameter names is missing from the data, or there twice.
-
-    Said with :data:`COLUMN_FIX` rather than "fix the object": a typo in the
-    parameter is the likelier cause, and publish finds it on the first object.
-    """
 
 
 def column_index(batch: pa.RecordBatch, name: str, why: str) -> int:
@@ -195,6 +188,14 @@ def canonical_params(
     tokenizer file's SHA-256; a node then refuses to produce other bytes.
     """
     out = {str(k): str(v) for k, v in params.items()}
+    if empty := sorted(k for k, v in out.items() if not v.strip()):
+        # Left empty, a param would mean its default on every node (select= keeps every
+        # column): the command line said something it did not get.
+        raise ValueError(
+            f"{name} transform: {', '.join(f'{k}=' for k in empty)} "
+            f"{'has' if len(empty) == 1 else 'have'} no value; give one, or leave the param "
+            "out for its default"
+        )
     if name == "images" and "decoder" not in out:
         load_transform(name, out)  # fails first if Pillow is missing or the params are bad
         from edgecache.cache.preprocess.images import decoder_version
