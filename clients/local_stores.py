@@ -11,7 +11,9 @@ An environment must not cross ``fork()``: a DataLoader forking workers while
 one is open would hand its children an environment whose close (a garbage
 collection would do) clears the parent's reader slots. EdgeDataset closes
 idle stores before a fork (``os.register_at_fork``); a store still in use at
-a fork is kept referenced, never closed, in the child.
+a fork (a loop at ``num_workers=0`` reading it while another DataLoader starts
+its workers, e.g. an evaluation mid-epoch) is kept referenced, never closed or
+used, in the child, which opens the cache afresh (:func:`_open_beside_inherited`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["acquire", "check", "release"]
 log = logging.getLogger(__name__)
 
 _OPEN: dict[str, list[object]] = {}  # path → [store, users]
-_INHERITED: list[CacheStore] = []  # a parent's stores in a forked child: never closed
+_INHERITED: dict[str, list[CacheStore]] = {}  # a parent's stores in a forked child: never closed
 _LOCK = threading.Lock()
 
 
@@ -42,7 +44,8 @@ def acquire(path: str | os.PathLike[str]) -> CacheStore:
     with _LOCK:
         entry = _OPEN.get(key)
         if entry is None:
-            entry = _OPEN[key] = [CacheStore(key, readonly=True), 0]
+            store = _open_beside_inherited(key) if key in _INHERITED else None
+            entry = _OPEN[key] = [store or CacheStore(key, readonly=True), 0]
         entry[1] = int(entry[1]) + 1  # type: ignore[call-overload]
         return entry[0]  # type: ignore[return-value]
 
@@ -138,10 +141,44 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
                 )
 
 
+def _open_beside_inherited(key: str) -> CacheStore:
+    """A fresh read-only store of ``key`` in a forked child whose parent had it open.
+
+    py-lmdb refuses to open an environment that is open in the process
+    (``lmdb._envid.env_keys`` names its files), because two environments of one
+    file share the process's fcntl locks and closing one would drop the
+    other's. The parent's environment, copied into this child by ``fork``,
+    holds no locks here (fcntl locks are not inherited) and is never used or
+    closed (closing it would release the parent's reader slots), so the
+    fresh one is the only environment of that file this process uses: the
+    guard is lifted for this one open, by giving it no file identities. A
+    py-lmdb without that hook keeps refusing, and the read fails naming the
+    way out.
+    """
+    import lmdb._envid as envid  # noqa: PLC0415 - only a forked child needs it
+
+    original = getattr(envid, "env_keys", None)
+    if original is None:
+        return CacheStore(key, readonly=True)
+    envid.env_keys = lambda path, subdir: ()  # type: ignore[assignment]
+    try:
+        return CacheStore(key, readonly=True)
+    except CacheDirError as exc:
+        raise CacheDirError(
+            f"{exc}. This DataLoader worker was forked while its parent was reading the "
+            "same lmdb:// cache (a loop at num_workers=0 in progress): give this "
+            "DataLoader multiprocessing_context='forkserver' (or 'spawn'), or read "
+            "through the node's gRPC endpoint"
+        ) from exc
+    finally:
+        envid.env_keys = original
+
+
 def _after_fork_in_child() -> None:
     global _LOCK
     _LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
-    _INHERITED.extend(entry[0] for entry in _OPEN.values())  # type: ignore[misc]
+    for key, entry in _OPEN.items():
+        _INHERITED.setdefault(key, []).append(entry[0])  # type: ignore[arg-type]
     _OPEN.clear()
 
 

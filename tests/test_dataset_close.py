@@ -109,3 +109,40 @@ def test_closing_while_a_window_waits_for_its_neighbour_does_not_deadlock() -> N
     assert not closer.is_alive(), "shutdown deadlocked in the neighbour's callback"
     with pytest.raises(_Stopped):
         futures[1].result(timeout=5)
+
+
+def test_an_evaluation_with_workers_mid_epoch_reads_the_same_lmdb_cache(staged) -> None:
+    """Training at num_workers=0 over lmdb:// with an evaluation DataLoader with workers
+    every N steps: the workers were forked while the training loop's reads held the cache
+    open, py-lmdb refused to open it again in them, and every read waited out
+    retry_timeout before failing with the advice to check the nodes."""
+    from torch.utils.data import DataLoader
+
+    from edgecache.clients.dataset import EdgeDataset
+
+    cache, _ = staged
+    endpoints = [f"lmdb://{cache}"]
+    train = EdgeDataset(
+        "tokens@1", endpoints=endpoints, batch_size=64, rows=(0.0, 0.9), seed=1, drop_last=False
+    )
+    evaluation = EdgeDataset(
+        "tokens@1",
+        endpoints=endpoints,
+        batch_size=64,
+        rows=(0.9, 1.0),
+        shuffle=False,
+        drop_last=False,
+        retry_timeout=5,
+    )
+    trained: list[int] = []
+    evaluated: list[int] = []
+    for step, batch in enumerate(DataLoader(train, batch_size=None)):
+        trained += batch["label"].tolist()
+        if step == 5:
+            for other in DataLoader(evaluation, batch_size=None, num_workers=2):
+                evaluated += other["label"].tolist()
+    rows = 6 * 2000
+    assert sorted(evaluated) == list(range(int(rows * 0.9), rows))
+    assert sorted(trained) == list(range(int(rows * 0.9)))
+    train.close()
+    evaluation.close()
