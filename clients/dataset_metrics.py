@@ -43,28 +43,52 @@ __all__ = ["ClientCounters", "PoolTally", "REGISTRY", "serve"]
 PORT_VARIABLE = "EDGECACHE_CLIENT_METRICS_PORT"
 
 
+class _Totals:
+    """What every EdgeDataset of this process with one (rank, dataset) label set counted."""
+
+    def __init__(self) -> None:
+        self.wait_seconds = 0.0
+        self.samples = self.batches = self.failovers = 0
+        self.bytes: dict[str, int] = {}
+        self.endpoint: str | None = None
+        self.lock = threading.Lock()
+
+
+# Per label set, for the life of the process: Prometheus counters must never go down, and
+# summing live datasets only made every ``_total`` drop when one was garbage-collected
+# (read as a counter reset: rate() and the data-wait alert spike).
+_TOTALS: dict[tuple[str, str], _Totals] = {}
+_TOTALS_LOCK = threading.Lock()
+
+
 class ClientCounters:
-    """One EdgeDataset's totals in this process (its workers' included, as batches arrive)."""
+    """One EdgeDataset's counts in this process (its workers' included, as batches arrive).
+
+    They add to the totals of its label set (rank, pinned version), which
+    outlive it: a dataset dropped after an evaluation leaves what it read
+    counted.
+    """
 
     def __init__(self, rank: int, dataset: str, endpoints: list[str]) -> None:
         self.rank, self.dataset = rank, dataset
-        self.wait_seconds = 0.0
-        self.samples = self.batches = self.failovers = 0
-        self.bytes: dict[str, int] = dict.fromkeys(endpoints, 0)
-        self.endpoint: str | None = None
-        self._lock = threading.Lock()
+        with _TOTALS_LOCK:
+            self._totals = _TOTALS.setdefault((str(rank), dataset), _Totals())
+        with self._totals.lock:
+            for endpoint in endpoints:
+                self._totals.bytes.setdefault(endpoint, 0)
 
     def add(self, delta: dict[str, Any]) -> None:
         """Fold in what was delivered or read since the last delta (see :class:`PoolTally`)."""
-        with self._lock:
-            self.wait_seconds += delta.get("wait", 0.0)
-            self.samples += delta.get("samples", 0)
-            self.batches += delta.get("batches", 0)
-            self.failovers += delta.get("failovers", 0)
+        totals = self._totals
+        with totals.lock:
+            totals.wait_seconds += delta.get("wait", 0.0)
+            totals.samples += delta.get("samples", 0)
+            totals.batches += delta.get("batches", 0)
+            totals.failovers += delta.get("failovers", 0)
             for endpoint, count in delta.get("bytes", {}).items():
-                self.bytes[endpoint] = self.bytes.get(endpoint, 0) + count
+                totals.bytes[endpoint] = totals.bytes.get(endpoint, 0) + count
             if delta.get("endpoint"):
-                self.endpoint = delta["endpoint"]
+                totals.endpoint = delta["endpoint"]
 
 
 class PoolTally:
@@ -114,7 +138,7 @@ batch_memory.on_arrival(arrived)
 
 
 class _Collector(Collector):
-    """Reads every live ClientCounters at scrape time (same labels are added together)."""
+    """Reads every label set's totals at scrape time."""
 
     def collect(self) -> Iterator[Any]:
         wait = CounterMetricFamily(
@@ -147,27 +171,17 @@ class _Collector(Collector):
             "1 for the endpoint that served the last chunk, 0 for the others",
             labels=["rank", "dataset", "endpoint"],
         )
-        totals: dict[tuple[str, str], list[float]] = {}
-        by_endpoint: dict[tuple[str, str, str], list[float]] = {}
-        for counters in list(_LIVE.values()):
-            labels = (str(counters.rank), counters.dataset)
-            row = totals.setdefault(labels, [0.0, 0.0, 0.0, 0.0])
-            row[0] += counters.wait_seconds
-            row[1] += counters.samples
-            row[2] += counters.batches
-            row[3] += counters.failovers
-            for endpoint, count in list(counters.bytes.items()):
-                cell = by_endpoint.setdefault((*labels, endpoint), [0.0, 0.0])
-                cell[0] += count
-                cell[1] = max(cell[1], 1.0 if endpoint == counters.endpoint else 0.0)
-        for labels, (w, s, b, f) in totals.items():
-            wait.add_metric(list(labels), w)
-            samples.add_metric(list(labels), s)
-            batches.add_metric(list(labels), b)
-            failovers.add_metric(list(labels), f)
-        for labels3, (total, current) in by_endpoint.items():
-            read.add_metric(list(labels3), total)
-            in_use.add_metric(list(labels3), current)
+        with _TOTALS_LOCK:
+            every = list(_TOTALS.items())
+        for labels, totals in every:
+            with totals.lock:
+                wait.add_metric(list(labels), totals.wait_seconds)
+                samples.add_metric(list(labels), totals.samples)
+                batches.add_metric(list(labels), totals.batches)
+                failovers.add_metric(list(labels), totals.failovers)
+                for endpoint, count in totals.bytes.items():
+                    read.add_metric([*labels, endpoint], count)
+                    in_use.add_metric([*labels, endpoint], float(endpoint == totals.endpoint))
         yield from (wait, samples, batches, failovers, read, in_use)
 
 

@@ -114,6 +114,36 @@ def test_ranks_are_labelled_and_an_unused_endpoint_is_not_in_use(node: LocalNode
         ds.close()
 
 
+def test_counters_never_go_down_when_a_dataset_is_collected(node: LocalNode) -> None:
+    """An evaluation dataset dropped after its pass took what it counted with it: every
+    ``_total`` of its label set went down, which Prometheus reads as a counter reset."""
+    import gc
+
+    rank = {"rank": "0", "dataset": "tokens@1"}
+    names = [
+        "edgecache_client_samples_total",
+        "edgecache_client_batches_total",
+        "edgecache_client_data_wait_seconds_total",
+    ]
+    train = EdgeDataset("tokens@1", endpoints=[node.address], metrics_port=0, **SMALL)
+    for _ in train:
+        pass
+    evaluation = EdgeDataset("tokens@1", endpoints=[node.address], metrics_port=0, **SMALL)
+    for _ in evaluation:
+        pass
+    evaluation.close()
+    port = train.metrics_port
+    before = scrape(port)  # type: ignore[arg-type]
+    del evaluation
+    gc.collect()
+    after = scrape(port)  # type: ignore[arg-type]
+    for name in [*names, "edgecache_client_read_bytes_total"]:
+        extra = {"endpoint": node.address} if name.endswith("read_bytes_total") else {}
+        assert value(after, name, **rank, **extra) >= value(before, name, **rank, **extra), name
+    assert value(after, "edgecache_client_samples_total", **rank) >= 2 * TOTAL
+    train.close()
+
+
 def test_the_port_comes_from_the_environment_per_local_rank(
     node: LocalNode, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
