@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any, NoReturn
+
 import typer
 
-__all__ = ["app", "main"]
+__all__ = ["EXIT_CLOSED_STDOUT", "app", "main"]
 
 app = typer.Typer(
     name="edgecache",
     help="Stage training data into regional caches next to the GPUs.\n\n"
     "Exit codes: 0 ok; 1 failed (a node, a transfer, the origin: retrying may help); "
     "2 bad input (options, files, names: it will not); 3 a scheduled job cannot be met; "
-    "130 interrupted by Ctrl-C (run it again to resume). Every command's --help says which "
-    "it uses; docs/operations.md has a section per command.",
+    "130 interrupted by Ctrl-C (run it again to resume); 141 the output was closed "
+    "(| head), quietly. Every command's --help says which it uses; docs/operations.md "
+    "has a section per command.",
     no_args_is_help=True,
     add_completion=False,
 )
+
+# 128 + SIGPIPE: what a shell reports for `yes | head -1`'s `yes`, killed by SIGPIPE.
+EXIT_CLOSED_STDOUT = 141
 
 
 @app.callback()
@@ -23,10 +31,77 @@ def _root() -> None:
     """Stage training data into regional caches next to the GPUs.
 
     Exit codes: 0 ok; 1 failed (a node, a transfer, the origin); 2 bad input
-    (options, files, names); 3 a scheduled job cannot be met; 130 interrupted.
+    (options, files, names); 3 a scheduled job cannot be met; 130 interrupted;
+    141 the output was closed (a pipe into head), quietly.
     """
 
 
+def _closed_stdout(stream: Any) -> NoReturn:
+    """Exit quietly with 141, ``stream`` pointed at /dev/null so no later flush fails again."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture): nothing to point
+        fd = None
+    if fd is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+    raise SystemExit(EXIT_CLOSED_STDOUT)
+
+
+class _ClosedStdoutExits:
+    """``sys.stdout`` as it is, except that a write to a closed pipe exits quietly (141).
+
+    A proxy for the real stream: everything but ``write``, ``writelines`` and
+    ``flush`` (``fileno``, ``isatty``, ``encoding``, ``buffer``…) is the stream's own.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _closed_stdout(self._stream)
+
+    def writelines(self, lines: Any) -> None:
+        try:
+            self._stream.writelines(lines)
+        except BrokenPipeError:
+            _closed_stdout(self._stream)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _closed_stdout(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (``edgecache`` and ``python -m edgecache.clients.cli``).
+
+    A closed stdout (``edgecache versions big | head -1``) ends the command quietly
+    with exit 141, as if SIGPIPE had killed it, the way Unix tools behave. Catching
+    ``BrokenPipeError`` around ``app()`` would be too late: rich's console turns it
+    into exit 1 (``Console.on_broken_pipe``), typer does too for one raised by a
+    command, and ``reporting()`` would print it as an error. So it is caught where it
+    is raised, in the writes to ``sys.stdout`` (every command's output goes there:
+    ``print`` and the rich console, which looks ``sys.stdout`` up when it writes),
+    then stdout is pointed at /dev/null so the interpreter's last flush cannot fail
+    again. Restoring SIGPIPE's default action instead would be one line, but this
+    entry point also runs nodes (``serve``) and the controller: with SIGPIPE at its
+    default, a write to a peer's closed socket would kill such a process instead of
+    raising an error its code handles. Only stdout is guarded: a closed stderr keeps
+    rich's and typer's handling (exit 1).
+    """
+    sys.stdout = _ClosedStdoutExits(sys.stdout)
+    try:
+        app()
+    finally:
+        sys.stdout.flush()  # what is still buffered, while a closed pipe can end quietly

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from datetime import UTC
 from enum import StrEnum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -14,6 +14,9 @@ from edgecache.cache.errors import ConfigFileError
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import ConfigOption, JsonOption, Options, reporting
 from edgecache.clients.cli.render import Column, format_bytes, json_time, line, table, warning
+
+if TYPE_CHECKING:
+    from edgecache.v1 import manifest_pb2 as pb
 
 
 class Compression(StrEnum):
@@ -61,6 +64,97 @@ def schema_json(schema_bytes: bytes) -> list[dict[str, object]]:
 
     schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
     return [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema]
+
+
+def _visible(value: str) -> str:
+    """A recorded value as text, a control character (a tab) escaped, never printed raw."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in value)
+
+
+def _codec(spec: pb.PreprocessSpec) -> tuple[str | None, int, int]:
+    """The chunk codec's name, zstd level and chunk size, as the nodes read the spec.
+
+    A spec the nodes would refuse is shown as recorded, its codec's name None if this
+    edgecache does not know it.
+    """
+    from edgecache.cache.codec import COMPRESSIONS, CodecOptions
+    from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
+
+    try:
+        codec = CodecOptions.from_spec(spec)
+    except ValueError:
+        known = {kind: name for name, kind in COMPRESSIONS.items()}
+        size = spec.chunk_bytes or DEFAULT_CHUNK_BYTES
+        return known.get(spec.compression), spec.compression_level, size
+    return codec.compression, codec.level, codec.chunk_bytes
+
+
+def preparation_lines(manifest: pb.Manifest) -> list[str]:
+    """How a version was prepared, in two lines of plain text (not markup).
+
+    ``source URL (FORMAT; reader options)`` and ``transform T (params) · chunks
+    CODEC-LEVEL, SIZE``: what tells ``iris@2`` from ``iris@3`` when their sources
+    are read differently. Empty parts are left out (no reader options; the identity
+    transform without params), and so are MDS's recorded columns (the schema shows
+    them). A delimiter is named as ``--delimiter`` takes it (``tab``, ``semicolon``).
+    """
+    from edgecache.cache.preprocess import KIND_NAMES
+    from edgecache.cache.preprocess.source_options import CSV_OPTIONS, DELIMITERS
+    from edgecache.v1 import manifest_pb2 as pb
+
+    spec = manifest.preprocess
+    options = dict(spec.source_options)
+    if manifest.source_format == pb.SOURCE_FORMAT_MDS:
+        options.pop("columns", None)
+    if "delimiter" in options:
+        named = {char: name for name, char in DELIMITERS.items()}
+        options["delimiter"] = named.get(options["delimiter"], options["delimiter"])
+    order = [k for k in CSV_OPTIONS if k in options] + sorted(set(options) - set(CSV_OPTIONS))
+    read_as = ", ".join(f"{k}={_visible(options[k])}" for k in order)
+    kind = KIND_NAMES.get(manifest.source_format, "")
+    how = "; ".join(part for part in (kind, read_as) if part)
+    source = f"source {_visible(manifest.source_url)}" + (f" ({how})" if how else "")
+
+    parts = []
+    transform = spec.transform or "identity"
+    if transform != "identity" or spec.params:
+        params = ", ".join(f"{k}={_visible(v)}" for k, v in sorted(spec.params.items()))
+        parts.append(f"transform {transform}" + (f" ({params})" if params else ""))
+    compression, level, chunk_bytes = _codec(spec)
+    if compression is None:
+        codec = f"compression {spec.compression} (unknown to this edgecache)"
+    elif compression == "none":
+        codec = "none"
+    else:
+        codec = f"{compression}-{level}" if level >= 0 else f"{compression} level {level}"
+    parts.append(f"chunks {codec}, {format_bytes(chunk_bytes)}")
+    return [source, " · ".join(parts)]
+
+
+def preparation_json(manifest: pb.Manifest) -> dict[str, object]:
+    """How a version was prepared, for ``--json``: what republishing it the same way takes.
+
+    ``format`` is the name ``--format`` takes (``csv``), None where the manifest has
+    none; ``source_options`` and ``params`` are as recorded (a tab delimiter as JSON
+    escapes a tab); ``compression``, ``compression_level`` and ``chunk_bytes`` are
+    what the nodes encode with (``compression`` None: a codec this edgecache does
+    not know).
+    """
+    from edgecache.cache.preprocess import FORMATS
+
+    spec = manifest.preprocess
+    compression, level, chunk_bytes = _codec(spec)
+    return {
+        "source_url": manifest.source_url,
+        # The first name of each format in FORMATS is the one --format's help gives.
+        "format": next((n for n, kind in FORMATS.items() if kind == manifest.source_format), None),
+        "source_options": dict(sorted(spec.source_options.items())),
+        "transform": spec.transform or "identity",
+        "params": dict(sorted(spec.params.items())),
+        "compression": compression,
+        "compression_level": level,
+        "chunk_bytes": chunk_bytes,
+    }
 
 
 CSV_HELP = "CSV reader options"
@@ -181,7 +275,6 @@ def publish(
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.registry import Registry
-    from edgecache.v1 import manifest_pb2 as pb
 
     with reporting():
         params = _params(param or [])
@@ -227,13 +320,14 @@ def publish(
                     "schema": schema_json(manifest.arrow_schema),
                     "reused": reused,
                     "same_content_as": None if same is None else f"{same.dataset}@{same.version}",
+                    **preparation_json(manifest),
                 }
             )
         )
         return
     summary = f"{name}  {manifest.digest}  ({len(manifest.shards)} shards, {rows:,} rows)"
     line(escape(summary + (": unchanged" if reused else "")))
-    for each in schema_lines(manifest.arrow_schema):
+    for each in [*preparation_lines(manifest), *schema_lines(manifest.arrow_schema)]:
         line("  " + escape(each))
     if reused:
         return
@@ -259,7 +353,6 @@ def versions(
     """
     from edgecache.cache.manifest import summarize
     from edgecache.cache.registry import Registry
-    from edgecache.v1 import manifest_pb2 as pb
 
     with reporting():
         url = _registry_url(registry, Options(config))
@@ -269,8 +362,6 @@ def versions(
             return reg.url, [(summarize(m), m) for m in manifests]
 
         where, found = Registry.run(url, listing)  # where: as its errors name it
-        rows = [v for v, _ in found]
-        schemas = [m.arrow_schema for _, m in found]
     if as_json:
         print(
             json.dumps(
@@ -282,9 +373,10 @@ def versions(
                         "rows": v.row_count,
                         "source_bytes": v.source_bytes,
                         "created_at": json_time(v.created_at.ToDatetime(tzinfo=UTC)),
-                        "schema": schema_json(schema),
+                        "schema": schema_json(m.arrow_schema),
+                        **preparation_json(m),
                     }
-                    for v, schema in zip(rows, schemas, strict=True)
+                    for v, m in found
                 ]
             )
         )
@@ -298,6 +390,7 @@ def versions(
             Column("rows", right=True),
             Column("source", right=True),
             Column("created", ident=True),
+            Column("prepared", wrap=True),
             Column("schema"),
         ],
         [
@@ -308,8 +401,9 @@ def versions(
                 f"{v.row_count:,}",
                 format_bytes(v.source_bytes),
                 v.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
-                "\n".join(escape(each) for each in schema_lines(schema)),
+                "\n".join(escape(each) for each in preparation_lines(m)),
+                "\n".join(escape(each) for each in schema_lines(m.arrow_schema)),
             ]
-            for v, schema in zip(rows, schemas, strict=True)
+            for v, m in found
         ],
     )
