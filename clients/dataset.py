@@ -357,7 +357,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         # (their copy never sees those calls); see _take_position.
         self._position = SharedPosition()
         self._position_seen = 0  # the generation this copy wrote or took last
-        self._own_position = True  # False while a worker's pass runs: broken off, it is stale
+        self._own_position = True  # False while a pass runs: broken off, it is stale
         self._publish_position()
 
     # ------------------------------------------------------------- versions
@@ -420,6 +420,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
+        if not self._own_position and get_worker_info() is None:
+            self._restart_broken_pass()  # resuming means where it was put, as in workers
         if epoch != self.epoch:
             self.epoch, self._cursor, self._remaining = epoch, 0, None
         self._publish_position()
@@ -431,6 +433,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         DataLoader workers; in a worker (torchdata's StatefulDataLoader loads states
         there) the worker's own call is newer than anything written before it.
         """
+        self._origin = (self.seed, self.epoch, self._cursor, self._remaining)
         if get_worker_info() is None:
             self._position_seen = self._position.write(
                 {
@@ -504,7 +507,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         The whole epoch, or after a resume (at any world size) what is left of
         it: a progress bar's total.
         """
+        if not self._own_position and get_worker_info() is None:
+            seed, epoch, cursor, remaining = self._origin
+            return max(self._order(seed, epoch, remaining).batch_count - cursor, 0)
         return max(self.epoch_order().batch_count - self._cursor, 0)
+
+    def _restart_broken_pass(self) -> None:
+        """Back to where the dataset was put (construction, set_epoch, a load, an epoch's end)."""
+        self.seed, self.epoch, self._cursor, self._remaining = self._origin
+        self._own_position = True
 
     def _pin(self, in_worker: bool) -> bool:
         global _said_unpinned
@@ -540,7 +551,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         if worker is not None:
             self._take_position()
-            self._own_position = False  # until this pass reads to the epoch's end
+        elif not self._own_position:
+            # The last pass here was broken off (a break, a failure): start where the
+            # dataset was put, as DataLoader workers do, not where that pass stopped. Its
+            # progress stayed in state_dict() until now, for a checkpoint after the break.
+            self._restart_broken_pass()
+        self._own_position = False  # until this pass reads to the epoch's end
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()

@@ -126,6 +126,42 @@ def test_resume_at_a_random_point_with_other_workers_and_endpoints(cluster, seed
     assert first + rest == full
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_after_a_break_starts_where_the_dataset_was_put_for_any_workers(
+    cluster, workers: int
+) -> None:
+    """A break (a peek at one batch, max steps) then a new pass: at num_workers=0 the pass
+    went on from the break, skipping what it had read, while workers started over; the
+    same loop must read the same data whatever num_workers is."""
+    _, nodes = cluster
+    ds = EdgeDataset("tokens@1", endpoints=[nodes[0].address], seed=4, **SMALL)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    full = labels(loader)  # epoch 0; the dataset moves on to epoch 1
+    ds.set_epoch(0)
+    batches = len(ds)
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    assert ds.state_dict()["batches"] == (4 if workers == 0 else 0)  # progress, for a save
+    assert len(ds) == batches  # the next pass is the whole epoch again
+    ds.set_epoch(0)  # resuming epoch 0 means where it was put, not where the pass broke
+    assert labels(loader) == full
+    # Put mid-epoch by a state: a broken pass after it starts there again.
+    ds.set_epoch(0)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    state = ds.state_dict(batches=3) if workers else ds.state_dict()
+    ds.load_state_dict(state)
+    rest = labels(loader)
+    ds.load_state_dict(state)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    assert labels(loader) == rest
+    assert full[-len(rest) :] == rest
+
+
 def test_a_new_version_mid_epoch_does_not_change_a_pinned_reader(cluster) -> None:
     root, nodes = cluster
     ds = EdgeDataset("tokens@latest", endpoints=[nodes[0].address], **SMALL)
