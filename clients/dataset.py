@@ -40,6 +40,7 @@ tensors by default for that reason). docs/dataset.md says how to choose.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import os
 import time
@@ -48,6 +49,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -170,6 +172,30 @@ def _integer(name: str, value: Any, *, minimum: int | None = None, optional: boo
     raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
 
 
+def _boolean(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else a ValueError: ``"False"`` would read as true."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _seconds(name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` as a positive float of seconds, or a ValueError naming ``name``."""
+    if value is None and optional:
+        return None
+    if (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return float(value)
+    raise ValueError(
+        f"{name} must be a positive number of seconds{' or None' if optional else ''}, "
+        f"got {value!r}"
+    )
+
+
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     """Stream pinned dataset versions (one, or a weighted mixture) from the nearest healthy node.
 
@@ -262,6 +288,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         samples_per_epoch = _integer(
             "samples_per_epoch", samples_per_epoch, minimum=1, optional=True
         )
+        shuffle, drop_last = _boolean("shuffle", shuffle), _boolean("drop_last", drop_last)
+        stall_timeout = _seconds("stall_timeout", stall_timeout)
+        retry_timeout = _seconds("retry_timeout", retry_timeout)
+        metrics_port = _integer("metrics_port", metrics_port, minimum=0, optional=True)
         mixture = parse_mixture(spec)
         self.rows = parse_rows(rows)
         if endpoints is None and config is None:
@@ -420,6 +450,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
+        epoch = _integer("epoch", epoch, minimum=0)
         if not self._own_position and get_worker_info() is None:
             self._restart_broken_pass()  # resuming means where it was put, as in workers
         if epoch != self.epoch:
@@ -697,6 +728,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         since the resume). Under DDP every rank steps in lockstep, so rank 0's state
         resumes every rank, at any world size.
         """
+        if batches is not None:
+            batches = _integer("batches", batches, minimum=0)
+            total = self.epoch_order().batch_count
+            if batches > total:
+                raise ValueError(
+                    f"batches={batches}, but this stretch of epoch {self.epoch} has {total} "
+                    "batches on this rank; pass the steps taken since it began (or since the "
+                    "last load_state_dict)"
+                )
         components, order, layout = self._identity()
         return make_state(
             components=components,

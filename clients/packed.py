@@ -80,6 +80,8 @@ class Packed:
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
+            if self.kind == "list":  # tensors, as single items are
+                return [self.view(i) for i in range(*index.indices(len(self)))]
             return self.tolist()[index]
         item = self.view(index)
         if self.kind == "list":
@@ -88,6 +90,9 @@ class Packed:
         return data.decode() if self.kind == "string" else data
 
     def __iter__(self) -> Iterator[Any]:
+        """The items as indexing gives them: bytes, str, or 1-D tensor views of a list."""
+        if self.kind == "list":
+            return (self.view(i) for i in range(len(self)))
         return iter(self.tolist())
 
     def tolist(self) -> list[Any]:
@@ -149,6 +154,12 @@ class Packed:
         values = self.values.to(*args, **kwargs)
         offsets = self.offsets.to(values.device, non_blocking=bool(kwargs.get("non_blocking")))
         return Packed(values, offsets, self.kind)
+
+    def cpu(self) -> Packed:
+        """Both tensors on the CPU (itself when they are), like ``Tensor.cpu``."""
+        if self.values.device.type == "cpu" and self.offsets.device.type == "cpu":
+            return self
+        return Packed(self.values.cpu(), self.offsets.cpu(), self.kind)
 
     @property
     def device(self) -> torch.device:

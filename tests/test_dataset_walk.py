@@ -149,6 +149,13 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
         ({"window_bytes": 0.5}, "window_bytes must be a positive integer"),  # was accepted
         ({"window_bytes": True}, "window_bytes"),  # a bool was one byte per window
         ({"lanes": 2.0}, "lanes must be a positive integer"),
+        # Each accepted until the first iteration (a TypeError deep inside), or misread:
+        ({"shuffle": "False"}, "shuffle must be True or False"),
+        ({"drop_last": "no"}, "drop_last must be True or False"),  # read as True
+        ({"retry_timeout": "5"}, "retry_timeout must be a positive number of seconds"),
+        ({"stall_timeout": -1}, "stall_timeout must be a positive number of seconds"),
+        ({"stall_timeout": 0}, "stall_timeout"),
+        ({"metrics_port": "x"}, "metrics_port must be an integer >= 0"),  # socket.gaierror
     ],
 )
 def test_bad_arguments_fail_in_the_constructor_naming_the_fix(
@@ -156,6 +163,19 @@ def test_bad_arguments_fail_in_the_constructor_naming_the_fix(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         EdgeDataset("tokens@1", endpoints=node.address, **kwargs)
+
+
+def test_bad_epochs_and_state_positions_are_refused_naming_them(node: LocalNode) -> None:
+    ds = EdgeDataset("tokens@1", endpoints=node.address, batch_size=10)
+    for epoch in (None, "1", True, -1):
+        with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
+            ds.set_epoch(epoch)  # type: ignore[arg-type]
+    total = len(ds)
+    with pytest.raises(ValueError, match="batches must be an integer >= 0"):
+        ds.state_dict(batches=-3)  # then refused by load_state_dict as an IndexError
+    with pytest.raises(ValueError, match=f"has {total} batches on this rank"):
+        ds.state_dict(batches=total + 10)  # accepted: an empty epoch on resume
+    assert ds.state_dict(batches=total)["batches"] == total
 
 
 def test_integers_computed_with_numpy_are_integers(node: LocalNode) -> None:

@@ -116,6 +116,13 @@ def test_packed_moves_pins_and_pickles_like_tensors() -> None:
     numbers = Packed(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 3]), "list")
     padded, lengths = numbers.padded(-1)
     assert padded.tolist() == [[1.0, -1.0], [2.0, 3.0]] and lengths.tolist() == [1, 2]
+    # A list item is a 1-D tensor however it is reached: indexing, slicing or iterating
+    # (iterating gave Python lists); tolist() is the one that gives lists.
+    for items in (list(numbers), numbers[0:2], [numbers[0], numbers[1]]):
+        assert all(isinstance(x, torch.Tensor) for x in items)
+        assert [x.tolist() for x in items] == [[1.0], [2.0, 3.0]]
+    assert numbers.tolist() == [[1.0], [2.0, 3.0]]
+    assert packed.cpu() is packed and packed.cpu().device.type == "cpu"
     with pytest.raises(IndexError):
         packed.view(3)
 
