@@ -254,6 +254,27 @@ def test_unknown_names_beside_shards_are_named_with_the_way_out(tmp_path: Path) 
         publish(tmp_path, tmp_path / "src", "readme")
 
 
+def test_json_lines_integers_past_int64_are_refused_or_typed_never_rounded() -> None:
+    """12345678901234567890 was read as float64 (1.2345678901234567e+19) without a word,
+    and JSON Lines had no way to say the type."""
+    data = b'{"a": 12345678901234567890, "b": 1}\n{"a": 1, "b": 2.5}\n'
+    with pytest.raises(MalformedShard, match=r"line 1: field 'a' holds the integer .*=uint64"):
+        read(data, JSONL)
+    table = read(data, JSONL, column_types="a=uint64")
+    assert table.column_names == ["a", "b"]  # the data's order, typed or not
+    assert table.column("a").to_pylist() == [12345678901234567890, 1]
+    assert table.column("b").to_pylist() == [1.0, 2.5]  # a float column stays one
+    assert read(b'{"x": 1e300}\n{"x": -12345678901234567890.5}\n', JSONL).num_rows == 2
+    with pytest.raises(MalformedShard, match=r"column_types names \['nope'\]"):
+        read(b'{"a": 1}\n', JSONL, column_types="nope=int8")
+    assert (
+        read(b'{"a": 1, "b": null}\n', JSONL, column_types="b=int8").schema.field("b").type
+        == pa.int8()
+    )  # present, all null: typed, not refused
+    with pytest.raises(ValueError, match=r"column_types only"):
+        canonical_options(JSONL, {"delimiter": ","})
+
+
 def test_bad_options_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown CSV options"):
         canonical_options(CSV, {"headers": "true"})

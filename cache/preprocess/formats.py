@@ -26,9 +26,9 @@ from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess import limits
 from edgecache.cache.preprocess.byte_types import is_text_or_binary
 from edgecache.cache.preprocess.compressed import decompress, strip_suffix
-from edgecache.cache.preprocess.fixes import FIX, options_fix
+from edgecache.cache.preprocess.fixes import COLUMN_FIX, FIX, MissingColumn, options_fix
 from edgecache.cache.preprocess.mds import mds_source
-from edgecache.cache.preprocess.source_options import read_csv
+from edgecache.cache.preprocess.source_options import column_types, read_csv
 from edgecache.cache.preprocess.webdataset import tar_source
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import manifest_pb2 as pb
@@ -148,6 +148,42 @@ def _jsonl_culprit(data: pa.Buffer) -> str | None:
     return None
 
 
+# An integer literal of 19 digits or more, not part of a decimal or an exponent: past
+# int64's 9,223,372,036,854,775,807 pyarrow reads the whole column as float64.
+_LONG_INTEGER = re.compile(rb"(?<![\w.+-])-?[0-9]{19,}(?![\w.])")
+
+
+def _refuse_rounded_integers(
+    table: pa.Table, buf: pa.Buffer, source: str, types: Mapping[str, pa.DataType]
+) -> None:
+    """Refuse a JSON Lines column of integers read as float64, which loses their digits.
+
+    Only when a float64 column was inferred (no text is scanned otherwise).
+    """
+    inferred = [
+        f.name for f in table.schema if pa.types.is_floating(f.type) and f.name not in types
+    ]
+    if not inferred:
+        return
+    for number, line in _lines(memoryview(buf)):
+        raw = line.tobytes()
+        if not _LONG_INTEGER.search(raw):
+            continue
+        try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        for name in inferred:
+            value = record.get(name) if isinstance(record, dict) else None
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise MalformedShard(
+                    f"{source} line {number}: field {name!r} holds the integer {value}, past "
+                    f"int64, so the column would be read as float64 and lose digits "
+                    f"({float(value)!r}); publish with --column-types {name}=uint64 (or "
+                    f"{name}=float64 to accept the rounding)"
+                )
+
+
 def _read_text(
     buf: pa.Buffer, fmt: pb.SourceFormat.ValueType, source: str, options: Mapping[str, str]
 ) -> pa.Table:
@@ -156,7 +192,38 @@ def _read_text(
         # inside each would only add switching.
         if fmt == _J:
             opts = {"use_threads": threads, **({"block_size": block_size} if block_size else {})}
-            return pa_json.read_json(pa.BufferReader(buf), read_options=pa_json.ReadOptions(**opts))
+            types = column_types(options)
+            parse = pa_json.ParseOptions(
+                explicit_schema=pa.schema(list(types.items())) if types else None,
+                unexpected_field_behavior="infer",
+            )
+            table = pa_json.read_json(
+                pa.BufferReader(buf),
+                read_options=pa_json.ReadOptions(**opts),
+                parse_options=parse,
+            )
+            if types:  # typed fields come first from explicit_schema: back to the data's order
+                found = pa_json.read_json(
+                    pa.BufferReader(buf), read_options=pa_json.ReadOptions(**opts)
+                ).column_names
+                rest = [n for n in table.column_names if n not in found]
+                table = table.select([*found, *rest])
+            _refuse_rounded_integers(table, buf, source, types)
+            # explicit_schema adds a column of nulls for a name no record has: a typo.
+            missing = [
+                name
+                for name in types
+                if table.column(name).null_count == table.num_rows
+                and json.dumps(name).encode() not in buf.to_pybytes()
+            ]
+            if missing:
+                raise MissingColumn(
+                    f"{source}: column_types names {missing}, but no record has "
+                    f"{'it' if len(missing) == 1 else 'them'}; the fields are "
+                    f"{', '.join(n for n in table.column_names if n not in missing)}; "
+                    f"{COLUMN_FIX}"
+                )
+            return table
         return read_csv(buf, options, source, threads=threads, block_size=block_size)
 
     try:

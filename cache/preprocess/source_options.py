@@ -40,7 +40,14 @@ from edgecache.cache.preprocess.arrow_types import parse_type, split_params
 from edgecache.cache.preprocess.fixes import COLUMN_FIX
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["CSV_OPTIONS", "DELIMITERS", "canonical_options", "delimiter_for_names", "read_csv"]
+__all__ = [
+    "CSV_OPTIONS",
+    "DELIMITERS",
+    "canonical_options",
+    "column_types",
+    "delimiter_for_names",
+    "read_csv",
+]
 
 CSV_OPTIONS = ("header", "column_names", "delimiter", "skip_rows", "column_types")
 DELIMITERS: Mapping[str, str] = MappingProxyType(
@@ -88,6 +95,11 @@ def _type_pairs(text: str) -> dict[str, pa.DataType]:
     return out
 
 
+def column_types(options: Mapping[str, str]) -> dict[str, pa.DataType]:
+    """The ``column_types`` of canonical ``options``, parsed (empty without any)."""
+    return _type_pairs(options["column_types"]) if "column_types" in options else {}
+
+
 def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]) -> dict[str, str]:
     """Validate reader options for ``fmt`` and spell them one way (what the manifest records).
 
@@ -98,9 +110,15 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
     opts = {str(k).strip(): str(v) for k, v in options.items()}
     if not opts:
         return {}
+    if fmt == pb.SOURCE_FORMAT_JSONL and set(opts) <= {"column_types"}:
+        # JSON holds its own names and values; only a type can need saying (an integer
+        # past int64, which pyarrow would otherwise read as float64, losing digits).
+        pairs = _type_pairs(opts["column_types"])
+        return {"column_types": ",".join(f"{k}={v}" for k, v in pairs.items())} if pairs else {}
     if fmt != pb.SOURCE_FORMAT_CSV:
+        jsonl = " (JSON Lines: column_types only)" if fmt == pb.SOURCE_FORMAT_JSONL else ""
         raise ValueError(
-            f"{_NAMES.get(fmt, 'this format')} sources take no reader options (got "
+            f"{_NAMES.get(fmt, 'this format')} sources take no reader options{jsonl} (got "
             f"{', '.join(sorted(opts))}); reader options are for CSV: {', '.join(CSV_OPTIONS)}"
         )
     if unknown := sorted(set(opts) - set(CSV_OPTIONS)):
@@ -296,7 +314,7 @@ def read_csv(
         read.update(autogenerate_column_names=True, skip_rows=skip)
     else:
         read.update(skip_rows=skip)
-    types = _type_pairs(options["column_types"]) if "column_types" in options else {}
+    types = column_types(options)
     # An empty unquoted field is null and "" is an empty string, as pyarrow writes them.
     convert = pa_csv.ConvertOptions(
         strings_can_be_null=True, quoted_strings_can_be_null=False, column_types=types

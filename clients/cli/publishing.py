@@ -239,7 +239,8 @@ def publish(
     column_types: Annotated[
         str | None,
         typer.Option(
-            help="CSV: Arrow types per column, a=int32,b=string (default: inferred).",
+            help="CSV and JSON Lines: Arrow types per column, a=int32,b=string (default: "
+            "inferred; JSON integers past int64 need one, e.g. id=uint64).",
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
