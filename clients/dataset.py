@@ -183,13 +183,10 @@ def _seconds(name: str, value: Any, *, optional: bool = False) -> Any:
     """``value`` as a positive float of seconds, or a ValueError naming ``name``."""
     if value is None and optional:
         return None
-    if (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
-        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        seconds = float(value)
+        if math.isfinite(seconds) and seconds > 0:
+            return seconds
     raise ValueError(
         f"{name} must be a positive number of seconds{' or None' if optional else ''}, "
         f"got {value!r}"
