@@ -62,15 +62,20 @@ _TOTALS_LOCK = threading.Lock()
 
 
 class ClientCounters:
-    """One EdgeDataset's counts in this process (its workers' included, as batches arrive).
+    """One EdgeDataset's totals in this process (its workers' included, as batches arrive).
 
-    They add to the totals of its label set (rank, pinned version), which
-    outlive it: a dataset dropped after an evaluation leaves what it read
-    counted.
+    Each delta also goes to the totals of its label set (rank, pinned version),
+    which outlive the dataset: metrics are served from those, so a dataset
+    dropped after an evaluation leaves what it read counted.
     """
 
     def __init__(self, rank: int, dataset: str, endpoints: list[str]) -> None:
         self.rank, self.dataset = rank, dataset
+        self.wait_seconds = 0.0
+        self.samples = self.batches = self.failovers = 0
+        self.bytes: dict[str, int] = dict.fromkeys(endpoints, 0)
+        self.endpoint: str | None = None
+        self._lock = threading.Lock()
         with _TOTALS_LOCK:
             self._totals = _TOTALS.setdefault((str(rank), dataset), _Totals())
         with self._totals.lock:
@@ -79,16 +84,16 @@ class ClientCounters:
 
     def add(self, delta: dict[str, Any]) -> None:
         """Fold in what was delivered or read since the last delta (see :class:`PoolTally`)."""
-        totals = self._totals
-        with totals.lock:
-            totals.wait_seconds += delta.get("wait", 0.0)
-            totals.samples += delta.get("samples", 0)
-            totals.batches += delta.get("batches", 0)
-            totals.failovers += delta.get("failovers", 0)
-            for endpoint, count in delta.get("bytes", {}).items():
-                totals.bytes[endpoint] = totals.bytes.get(endpoint, 0) + count
-            if delta.get("endpoint"):
-                totals.endpoint = delta["endpoint"]
+        for counts, lock in ((self, self._lock), (self._totals, self._totals.lock)):
+            with lock:
+                counts.wait_seconds += delta.get("wait", 0.0)
+                counts.samples += delta.get("samples", 0)
+                counts.batches += delta.get("batches", 0)
+                counts.failovers += delta.get("failovers", 0)
+                for endpoint, count in delta.get("bytes", {}).items():
+                    counts.bytes[endpoint] = counts.bytes.get(endpoint, 0) + count
+                if delta.get("endpoint"):
+                    counts.endpoint = delta["endpoint"]
 
 
 class PoolTally:
