@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 # handlers") and the worker's own channels can crash it (a segfault, seen once in
 # 200 forks against a busy probe).
 _FORK_GUARD = threading.Lock()
+# How much slower than the nearest node an own-region replica may measure and still read
+# the shards it owns: replicas of one region differ by well under this, probes by jitter.
+REPLICA_SLACK_MS = 10.0
 os.register_at_fork(
     before=_FORK_GUARD.acquire,
     after_in_parent=_FORK_GUARD.release,
@@ -289,24 +292,32 @@ class NodePool:
         RTTs within 25% (+0.5 ms) of the best count as a tie: jitter must not
         bounce readers between nodes, and ties go to the order given (own region
         first). Among the own region's replicas, which split shards by rendezvous
-        hashing, a ``(dataset, version, shard)`` goes to the shard's owner first.
+        hashing, a ``(dataset, version, shard)`` goes to the shard's owner first;
+        a replica stays in that group unless it is more than REPLICA_SLACK_MS
+        slower than the best: one noisy probe (5 ms against 1.3 on a busy host)
+        must not send every shard to the replica that does not own it, which
+        then reads it through from origin and caches it twice.
         """
         order = {e.text: i for i, e in enumerate(self.endpoints)}
         best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
         near = best * 1.25 + 0.5
+        grouped: set[str] = set()  # replicas ranked by shard ownership, not by RTT
         if shard is not None and len(self.replicas) > 1:
+            same_region = max(near, best + REPLICA_SLACK_MS)
             group = [
                 e.text
                 for e in self.endpoints
-                if e.text in self.replicas and self.stats[e.text].rtt_ms <= near
+                if e.text in self.replicas and self.stats[e.text].rtt_ms <= same_region
             ]
             order = {text: i for i, text in enumerate(rendezvous.rank(group, *shard))} | {
                 e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
             }
+            grouped = set(group)
 
         def key(endpoint: Endpoint) -> tuple[bool, float, int]:
             rtt = self.stats[endpoint.text].rtt_ms
-            return (rtt > near, rtt if rtt > near else 0.0, order[endpoint.text])
+            far = rtt > near and endpoint.text not in grouped
+            return (far, rtt if far else 0.0, order[endpoint.text])
 
         ranked = sorted(self.endpoints, key=key)
         refused = self._refused.get(shard) if shard is not None else None

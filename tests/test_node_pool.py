@@ -220,3 +220,27 @@ def test_a_fork_waits_for_the_pools_background_calls(node) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "failed 0" in done.stdout, done.stdout
     assert "skipping fork() handlers" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_noisy_probe_does_not_take_a_replica_out_of_its_shards(node) -> None:
+    """Replicas of one region split shards by rendezvous hashing; a probe that measured
+    one at 5.1 ms against 1.34 (a busy 2-core host) left it out of the group, so every
+    shard went to the other replica, which read through from origin and cached them all."""
+    from edgecache.clients.rendezvous import rank
+
+    other = "127.0.0.1:1"  # nothing listens: only its ranking is looked at
+    endpoints = [parse_endpoint(node.address), parse_endpoint(other)]
+    pool = NodePool(endpoints, replicas=[node.address, other], probe_interval=3600)
+    try:
+        replicas = [node.address, other]
+        for noisy in (5.1, 1.34 + 9.9):
+            pool.stats[node.address].rtt_ms, pool.stats[other].rtt_ms = 1.34, noisy
+            for shard in range(8):
+                key = ("tokens", 1, shard)
+                owner = rank(replicas, *key)[0]
+                assert pool.ranked(key)[0].text == owner, (noisy, shard)
+        # Far slower than a replica of the same region can be: read from the near one.
+        pool.stats[other].rtt_ms = 1.34 + 30
+        assert all(pool.ranked(("tokens", 1, s))[0].text == node.address for s in range(8))
+    finally:
+        pool.close()
