@@ -443,6 +443,9 @@ class NodePool:
         errors: dict[str, str] = {}
         corrupt_retries = 1
         attempt = 0
+        # A failed node counts as a failover once the read goes on at another one: with
+        # every node down, retries are not failovers (stats and the metric said 16).
+        failed_on: str | None = None
         while next_row < row_end:
             progressed = False
             # Nodes that answered for good this round: refused as things are
@@ -466,6 +469,9 @@ class NodePool:
                         if end <= next_row:
                             continue  # already have these rows (resumed mid-chunk)
                         self.current = endpoint.text
+                        if failed_on is not None:
+                            self.failovers += failed_on != endpoint.text
+                            failed_on = None
                         yield first, batch
                         next_row = end
                         progressed = True
@@ -518,7 +524,7 @@ class NodePool:
                         )
                         self._said_missing.add(said)
                         continue
-                    self.failovers += 1
+                    failed_on = endpoint.text
                     (log.warning if attempt == 0 else log.debug)(
                         "%s shard %d: %s failed (%s); %s",
                         rows.target,

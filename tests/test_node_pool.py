@@ -244,3 +244,24 @@ def test_a_noisy_probe_does_not_take_a_replica_out_of_its_shards(node) -> None:
         assert all(pool.ranked(("tokens", 1, s))[0].text == node.address for s in range(8))
     finally:
         pool.close()
+
+
+def test_retries_with_every_node_down_are_not_failovers(node) -> None:
+    """failovers counts reads that went on at another node; with both nodes dead it
+    counted every retry (16 in an epoch that read nothing)."""
+    from edgecache.cache.errors import AllNodesFailed
+
+    dead = [parse_endpoint("127.0.0.1:1"), parse_endpoint("127.0.0.1:2")]
+    pool = NodePool(dead, retry_timeout=1.5, probe_interval=3600)
+    try:
+        manifest = connect(node.address).GetManifest(
+            edge_pb2.GetManifestRequest(dataset="tokens", version=1)
+        )
+        from edgecache.cache.manifest import manifest_schema
+
+        target = ReadTarget("tokens", 1, manifest.digest, manifest_schema(manifest))
+        with pytest.raises(AllNodesFailed):
+            list(pool.read_rows(target.rows(0, 0, 100)))
+        assert pool.failovers == 0
+    finally:
+        pool.close()
