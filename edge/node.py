@@ -697,14 +697,31 @@ class EdgeNode:
             info, fetched = held, None
         else:
             info, fetched = await self.ensure_shard(manifest, shard)
-        (self.metrics.hits if fetched is None else self.metrics.misses).inc()
-        firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
-        if start_row:
-            start_chunk = bisect.bisect_right(firsts, start_row) - 1
+        if damage := _record_damage(info, rows):
+            # The record itself is damaged: the stream is planned from it (how many chunks,
+            # where each starts), so a short count would end the stream early with OK.
+            self.metrics.corrupt_chunks.inc()
+            self.store.drop_shard(key)
+            log.warning("%s: the shard's record is damaged (%s); dropped it", key, damage)
+            if cached_only:
+                raise ChunkCorrupt(
+                    f"{key}'s record here is damaged ({damage}); not fetched again for a "
+                    "cached_only read: take the shard from another node"
+                )
+            info, fetched = await self.ensure_shard(manifest, shard)
+            if damage := _record_damage(info, rows):
+                raise ChunkCorrupt(
+                    f"{key}'s record was damaged again after fetching the shard anew "
+                    f"({damage}); read it from another node"
+                )
         if start_chunk > info.chunk_count:
             raise IndexError(
                 f"{key} has {info.chunk_count} chunks; start_chunk {start_chunk} is past the end"
             )
+        (self.metrics.hits if fetched is None else self.metrics.misses).inc()
+        firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
+        if start_row:
+            start_chunk = bisect.bisect_right(firsts, start_row) - 1
         stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
         index = start_chunk
         damaged = 0  # damaged chunks found since the last chunk served
@@ -730,7 +747,11 @@ class EdgeNode:
                 log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
                 again, _ = await self.ensure_shard(manifest, shard)
                 self.metrics.misses.inc()
-                if again.checksums != info.checksums:
+                if (again.checksums, again.chunk_rows, again.chunk_count) != (
+                    info.checksums,
+                    info.chunk_rows,
+                    info.chunk_count,
+                ):
                     raise ChunkCorrupt(
                         f"{key} was re-encoded differently mid-stream; read it again from chunk 0"
                     ) from exc
@@ -919,3 +940,23 @@ class EdgeNode:
             if v.pinned_until is not None:
                 entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))
         return status
+
+
+def _record_damage(info: ShardInfo, rows: int) -> str:
+    """What is wrong with a resident shard's record for a shard of ``rows`` rows ("": sound).
+
+    Chunk frames carry their own checksums, but the record that lists them is
+    the plan of every stream of the shard (how many chunks, each one's rows):
+    checked against itself and the manifest before anything is served from it.
+    """
+    if len(info.checksums) != info.chunk_count or len(info.chunk_rows) != info.chunk_count:
+        return (
+            f"{info.chunk_count} chunks, {len(info.checksums)} checksums and "
+            f"{len(info.chunk_rows)} row counts"
+        )
+    if sum(info.chunk_rows) != rows or info.row_count != rows:
+        return (
+            f"its chunks hold {sum(info.chunk_rows)} rows and it records {info.row_count}, "
+            f"the version {rows}"
+        )
+    return ""

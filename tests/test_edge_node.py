@@ -751,3 +751,42 @@ def test_a_chunk_damaged_again_after_a_refetch_ends_the_read(tmp_path: Path, fil
         error = code_of(lambda: list(client.ReadShard(request, timeout=10)))
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert "damaged again" in (error.details() or ""), error.details()
+
+
+@pytest.mark.parametrize("field", ["chunk_count", "chunk_rows"])
+def test_a_damaged_shard_record_never_ends_a_stream_early_with_ok(
+    tmp_path: Path, field: str
+) -> None:
+    """The record lists how many chunks a shard has and each one's rows; a stream is
+    planned from it. A count damaged from 4 to 3 ended a ReadShard after 3 chunks with
+    status OK (the node dropped and re-fetched the shard, then kept the damaged plan)."""
+    import lmdb
+
+    from edgecache.cache.keys import ShardKey
+    from edgecache.v1 import store_pb2
+
+    tables = write_parquet_shards(tmp_path / "origin", 1, rows=1000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(config(tmp_path, registry)) as node:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+    env = lmdb.open(str(tmp_path / "cache"), max_dbs=8)
+    shards = env.open_db(b"shards", create=False)
+    raw_key = ShardKey("tokens", 1, 0).encode()
+    with env.begin(write=True) as txn:
+        record = store_pb2.StoredShard.FromString(txn.get(raw_key, db=shards))
+        assert record.chunk_count > 2
+        if field == "chunk_count":
+            record.chunk_count -= 1
+        else:
+            record.chunk_rows[-1] -= 1
+        txn.put(raw_key, record.SerializeToString(), db=shards)
+    env.close()
+    with running_node(config(tmp_path, registry)) as node:
+        table = read_shard_table(stub(node.address), "tokens", 1, 0)
+        assert node.node is not None
+        corrupt = metric(node.node, "edgecache_corrupt_chunks_total")
+    # Every row, as published (re-fetched from origin).
+    assert table.column("label").to_pylist() == tables[0].column("label").to_pylist()
+    assert table.column("input_ids").to_pylist() == tables[0].column("input_ids").to_pylist()
+    assert corrupt == 1
