@@ -583,7 +583,12 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         if service != SERVICE_NAME:
             return None
         if name in ADMIN_METHODS:
-            return (self._admin,) if self._admin else None
+            if self._admin:
+                return (self._admin,)
+            # Reads need a token but no admin token is set: admin calls are refused
+            # (an empty tuple accepts nothing), never left open to callers that may
+            # not even read. Without any token the node is open, as its start warns.
+            return () if self._read else None
         if self._read:
             # The admin token may read too.
             return tuple(t for t in (self._read, self._admin) if t)
@@ -596,6 +601,13 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         known); the read token on an admin call is PERMISSION_DENIED (the caller
         is known and may read, but not do this), so the two need different fixes.
         """
+        if name in ADMIN_METHODS and not self._admin:
+            log.warning("[EdgeCache.%s] refused: this node has no admin token", name)
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"{name} is an admin call, and this node reads with a read token but has no "
+                "admin token to allow it: restart the node with --token-file (or "
+                "$EDGECACHE_TOKEN_FILE) and call with that token"
+            )
         if presented and self._read and hmac.compare_digest(presented, self._read):
             log.warning("[EdgeCache.%s] refused: the read token on an admin call", name)
             return grpc.StatusCode.PERMISSION_DENIED, (

@@ -481,6 +481,27 @@ def test_tokens_guard_admin_and_reads(tmp_path: Path, file_setup) -> None:
         )
 
 
+def test_a_read_token_without_an_admin_token_refuses_admin_calls(
+    tmp_path: Path, file_setup
+) -> None:
+    """With --read-token-file alone, Stage and Evict answered anyone, even callers with no
+    token that could not read: a node guarding its reads left its cache open to emptying."""
+    registry, _ = file_setup
+    (tmp_path / "reader").write_text("s3cret-read")
+    with running_node(config(tmp_path, registry, read_token_file=tmp_path / "reader")) as node:
+        c = stub(node.address)
+        evict = edge_pb2.EvictRequest(dataset="tokens", version=1)
+        for metadata in (None, (("authorization", "Bearer s3cret-read"),)):
+            error = code_of(lambda md=metadata: c.Evict(evict, metadata=md))
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
+            assert "no admin token" in error.details() and "--token-file" in error.details()
+        stage = edge_pb2.StageRequest(dataset="tokens", version=1, shards=[0])
+        assert code_of(lambda: list(c.Stage(stage))).code() == grpc.StatusCode.PERMISSION_DENIED
+        reader = (("authorization", "Bearer s3cret-read"),)
+        request = edge_pb2.ResolveVersionRequest(dataset="tokens")
+        assert c.ResolveVersion(request, metadata=reader).version == 1  # reads still work
+
+
 def test_health_and_reflection(tmp_path: Path, file_setup) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

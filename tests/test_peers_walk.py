@@ -40,6 +40,7 @@ from edgecache.v1 import edge_pb2
 
 SHARDS = 4
 READ_TOKEN = "peer-read-5e6f"
+ADMIN_TOKEN = "peer-admin-7a8b"
 
 
 class Site:
@@ -73,10 +74,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         yield Site(tmp_path_factory.mktemp("peers-walk"), stack)
 
 
-def stage(address: str, peers: list[str], **fields: object) -> edge_pb2.StageProgress:
+def stage(
+    address: str, peers: list[str], token: str | None = None, **fields: object
+) -> edge_pb2.StageProgress:
     """The last progress event of a Stage of tokens@1 (raises grpc.RpcError on failure)."""
     request = edge_pb2.StageRequest(dataset="tokens", version=1, peers=peers, **fields)
-    return list(stub(address).Stage(request, timeout=60))[-1]
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    return list(stub(address).Stage(request, timeout=60, metadata=metadata))[-1]
 
 
 def stage_events(address: str, peers: list[str], **fields: object) -> list[edge_pb2.StageProgress]:
@@ -442,15 +446,19 @@ def test_a_peer_refusing_our_token_says_to_set_peer_token_file(
     site: Site, tmp_path: Path, token: str | None
 ) -> None:
     (tmp_path / "read.token").write_text(READ_TOKEN)
+    (tmp_path / "admin.token").write_text(ADMIN_TOKEN)
     guarded = site.config(
-        "eu-3", cache_dir=tmp_path / "guarded", read_token_file=tmp_path / "read.token"
+        "eu-3",
+        cache_dir=tmp_path / "guarded",
+        read_token_file=tmp_path / "read.token",
+        token_file=tmp_path / "admin.token",
     )
     more: dict[str, object] = {"cache_dir": tmp_path / "us"}
     if token is not None:
         (tmp_path / "peer.token").write_text(token)
         more["peer_token_file"] = tmp_path / "peer.token"
     with running_node(guarded) as peer:
-        assert stage(peer.address, []).shards_done == SHARDS  # no admin token: Stage is open
+        assert stage(peer.address, [], token=ADMIN_TOKEN).shards_done == SHARDS
         with running_node(site.config("us-1", **more)) as us:
             last = stage(us.address, [peer.address])
             assert last.shards_done == SHARDS and last.peer_bytes_done == 0, last
@@ -493,11 +501,15 @@ def test_peers_only_refused_for_this_nodes_settings_is_a_failed_precondition(
         s.bind(("127.0.0.1", 0))
         gone = f"127.0.0.1:{s.getsockname()[1]}"
     (tmp_path / "read.token").write_text(READ_TOKEN)
+    (tmp_path / "admin.token").write_text(ADMIN_TOKEN)
     (tmp_path / "peer.token").write_text("wrong-token")
     (tmp_path / "pki").mkdir()
     pki = make_pki(tmp_path / "pki")
     guarded = site.config(
-        "eu-3", cache_dir=tmp_path / "guarded", read_token_file=tmp_path / "read.token"
+        "eu-3",
+        cache_dir=tmp_path / "guarded",
+        read_token_file=tmp_path / "read.token",
+        token_file=tmp_path / "admin.token",
     )
     tls = site.config(
         "eu-4", cache_dir=tmp_path / "tls", tls_cert=pki["server"], tls_key=pki["server_key"]
@@ -509,7 +521,7 @@ def test_peers_only_refused_for_this_nodes_settings_is_a_failed_precondition(
         running_node(site.config("eu-5", cache_dir=tmp_path / "empty")) as empty,
         running_node(us) as node,
     ):
-        assert stage(peer.address, []).shards_done == SHARDS
+        assert stage(peer.address, [], token=ADMIN_TOKEN).shards_done == SHARDS
         # Its token is refused: the same answer on every try.
         with pytest.raises(grpc.RpcError) as failed:
             stage(node.address, [peer.address], peers_only=True)
