@@ -26,35 +26,75 @@ _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes in ``text`` (``"64GiB"``, ``"500MB"``, ``"1.5TB"``, ``1024``)."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size must not be negative, got {text}")
-        return text
+def _plain_number(value: object, what: str, example: str) -> float | None:
+    """``value`` as a number when it is one (YAML's ``100`` or ``100.5``), ``None`` for text.
+
+    Anything else (a list, a mapping, ``true``) is a ValueError saying what is expected,
+    never an AttributeError or TypeError from treating it as text.
+    """
+    if isinstance(value, str):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ValueError(f"invalid {what} {shown}: use {example}")
+    if value != value or value in (float("inf"), float("-inf")):  # NaN, infinity
+        raise ValueError(f"invalid {what} {value!r}: use {example}")
+    if value < 0:
+        raise ValueError(f"{what} must not be negative, got {value}")
+    return float(value) if isinstance(value, float) else value
+
+
+def _whole(amount: float, text: object, what: str) -> int:
+    try:
+        return int(amount)
+    except OverflowError:
+        raise ValueError(f"{what} {text!r} is too large") from None
+
+
+_SIZE_EXAMPLE = "a number of bytes, or one with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+_RATE_EXAMPLE = "e.g. 200MB/s, 1GiB/s or 10Gbit/s, or a number of bytes per second"
+
+
+def parse_size(text: str | float) -> int:
+    """Bytes in ``text`` (``"64GiB"``, ``"500MB"``, ``"1.5TB"``, ``1024``).
+
+    A number is a count of bytes (a fraction is dropped); anything that is
+    neither a number nor text is a ValueError.
+    """
+    number = _plain_number(text, "size", _SIZE_EXAMPLE)
+    if number is not None:
+        return _whole(number, text, "size")
+    assert isinstance(text, str)
     match = _NUMBER.fullmatch(text)
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise ValueError(
             f"invalid size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return _whole(float(match.group(1)) * _UNITS[unit], text, "size")
 
 
-def parse_rate(text: str | int) -> int:
-    """Bytes per second in ``text`` (``"200MB/s"``, ``"10Gbit/s"``, ``"1GiB/s"``)."""
-    if isinstance(text, int):
-        return parse_size(text)
+def parse_rate(text: str | float) -> int:
+    """Bytes per second in ``text`` (``"200MB/s"``, ``"10Gbit/s"``, ``"1GiB/s"``, ``1000``).
+
+    A number is bytes per second. A fraction of a byte is dropped, so a rate
+    under 1 byte/s (``"7bit/s"``) comes out 0: a caller that means a limit
+    must refuse that rather than take it for none.
+    """
+    number = _plain_number(text, "rate", _RATE_EXAMPLE)
+    if number is not None:
+        return _whole(number, text, "rate")
+    assert isinstance(text, str)
     body = text.strip()
     if body.lower().endswith("/s"):
         body = body[:-2]
     match = _NUMBER.fullmatch(body)
     if match and match.group(2).lower() in _BITS:
-        return int(float(match.group(1)) * _BITS[match.group(2).lower()] / 8)
+        return _whole(float(match.group(1)) * _BITS[match.group(2).lower()] / 8, text, "rate")
     try:
         return parse_size(body)
     except ValueError:
-        raise ValueError(f"invalid rate {text!r}: use e.g. 200MB/s, 1GiB/s or 10Gbit/s") from None
+        raise ValueError(f"invalid rate {text!r}: use {_RATE_EXAMPLE}") from None
 
 
 def format_bytes(n: float) -> str:

@@ -8,6 +8,7 @@ front; an error names its source and field and says what is expected.
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 from collections.abc import Mapping
@@ -27,9 +28,48 @@ from pydantic import (
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import parse_rate, parse_size
 
-__all__ = ["NodeConfig", "load_node_config", "read_pem", "split_hostport", "usable_cores"]
+__all__ = [
+    "FLAG_SETTINGS",
+    "NodeConfig",
+    "load_node_config",
+    "read_pem",
+    "setting_name",
+    "split_hostport",
+    "usable_cores",
+]
 
 ENV_PREFIX = "EDGECACHE_"
+
+# The settings ``edgecache serve`` has a flag for (``--cache-dir`` for ``cache_dir``);
+# every other NodeConfig field is set only as EDGECACHE_<NAME> or in the YAML file.
+FLAG_SETTINGS = frozenset(
+    {
+        "region",
+        "cache_dir",
+        "listen",
+        "registry",
+        "capacity",
+        "metrics_listen",
+        "probe_listen",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "token_file",
+        "read_token_file",
+        "staging_rate",
+        "node_id",
+    }
+)
+
+
+def setting_name(name: str) -> str:
+    """How a user sets ``name``: ``--cache-dir``, or ``max_streams / $EDGECACHE_MAX_STREAMS``.
+
+    Only a setting with a flag is named as one; the others are a YAML key and a variable.
+    """
+    if name in FLAG_SETTINGS:
+        return "--" + name.replace("_", "-")
+    return f"{name} / ${ENV_PREFIX}{name.upper()}"
 
 
 def read_pem(path: Path | str, setting: str) -> bytes:
@@ -39,12 +79,23 @@ def read_pem(path: Path | str, setting: str) -> bytes:
     than failing its first TLS handshake or peer copy.
     """
     try:
-        return Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(
             f"{setting} {path}: cannot read it ({exc.strerror}); point {setting} at a readable "
             "PEM file"
         ) from exc
+    if b"-----BEGIN " not in data:
+        # A DER file (binary), or something else: gRPC and ssl read PEM only, and fail on
+        # anything else with a message that names neither the file nor the setting.
+        kind = "binary (DER?)" if any(b > 0x7F for b in data[:64]) else "text"
+        raise ConfigError(
+            f"{setting} {path} must be a PEM file (-----BEGIN ...----- lines), but it is "
+            f"{'empty' if not data else kind} without them; convert a DER certificate with "
+            "openssl x509 -inform DER -in FILE -out FILE.pem (a DER key: openssl pkey "
+            "-inform DER -in FILE -out FILE.pem)"
+        )
+    return data
 
 
 def usable_cores() -> int:
@@ -130,12 +181,30 @@ class NodeConfig(BaseModel):
     @field_validator("capacity", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
-        return None if value in (None, "") else parse_size(value)
+        if value is None or value == "":
+            return None
+        size = parse_size(value)  # a ValueError (not a TypeError) for a list, true, …
+        if size < 1:
+            raise ValueError(
+                f"the cache's capacity must be at least 1 byte, got {_shown(value)}; leave it "
+                "unset to size the cache from its disk (the size it had, else 80% of the "
+                "free space)"
+            )
+        return size
 
     @field_validator("staging_rate", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
-        return None if value in (None, "") else parse_rate(value)
+        if value is None or value == "":
+            return None
+        rate = parse_rate(value)  # a ValueError (not a TypeError) for a list, true, …
+        if rate < 1:  # 0, 7bit/s, 0.5B/s: no token bucket can run below 1 byte/s
+            raise ValueError(
+                f"{_shown(value)} is below 1 byte/s, too low to be a limit (give at least "
+                "1B/s); to stage without a limit, leave the staging rate unset: no "
+                f"--staging-rate, no {ENV_PREFIX}STAGING_RATE, no staging_rate in the YAML file"
+            )
+        return rate
 
     @field_validator("listen", "metrics_listen", "probe_listen")
     @classmethod
@@ -193,6 +262,13 @@ class NodeConfig(BaseModel):
         return token
 
 
+def _shown(value: Any) -> str:
+    """A setting's value as the user wrote it: ``7bit/s``, ``0``, ``true``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value if isinstance(value, str) else repr(value)
+
+
 def load_node_config(
     config_file: Path | None = None,
     flags: Mapping[str, Any] | None = None,
@@ -235,8 +311,17 @@ def load_node_config(
                 continue
             name = str(error["loc"][0])
             origin = source.get(name, "not set anywhere")
-            flag = "--" + name.replace("_", "-")
-            problems.append(f"{flag} ({origin}): {error['msg']}")
+            message = str(error["msg"]).removeprefix("Value error, ")
+            if name not in NodeConfig.model_fields:  # a YAML key no setting has
+                close = difflib.get_close_matches(name, NodeConfig.model_fields, n=1)
+                hint = (
+                    f"did you mean {close[0]}?"
+                    if close
+                    else "the settings are " + ", ".join(NodeConfig.model_fields)
+                )
+                problems.append(f"{name} ({origin}): there is no such setting; {hint}")
+                continue
+            problems.append(f"{setting_name(name)} ({origin}): {message}")
         raise ConfigError(
             "invalid node settings:\n  "
             + "\n  ".join(problems)

@@ -157,10 +157,12 @@ def _check_certificates(
         pems.append((f"--tls-client-ca {client_ca[0]}", client_ca[1]))
     for flag, pem in pems:
         try:
+            # Only ASCII can be PEM: other bytes (UTF-8 text beside the PEM blocks, a
+            # binary file) are dropped, since ssl refuses a str holding them (TypeError).
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
-                cadata=pem.decode("ascii", "replace")
+                cadata=pem.decode("ascii", "ignore")
             )
-        except (ssl.SSLError, ValueError) as exc:
+        except (ssl.SSLError, ValueError, TypeError) as exc:
             raise ConfigError(
                 f"{flag} holds no PEM certificate (-----BEGIN CERTIFICATE-----): give the "
                 "certificate file, not a key or a DER file"
@@ -333,6 +335,7 @@ class NodeServer:
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, no new calls, in-flight ones get ``grace`` seconds."""
         grace = self.config.grace_seconds if grace is None else grace
+        deadline = time.monotonic() + grace
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
@@ -344,6 +347,17 @@ class NodeServer:
         # one) and then forks DataLoader workers would hand them a broken gRPC.
         self._server = self._probe = None
         if self.node is not None:
+            # Shard fetches under way (stages, read-through misses) get what is left of the
+            # grace period to commit whole; those still running then are dropped.
+            dropped = await self.node.finish_fetches(deadline - time.monotonic())
+            if dropped:
+                log.warning(
+                    "%d shard fetches were still running after the %g s grace period and "
+                    "were dropped (nothing partial is kept); a longer grace_seconds lets "
+                    "them commit",
+                    dropped,
+                    grace,
+                )
             await self.node.close()
         if self.node is not None and self.metrics_port:
             self.node.metrics.shutdown()
@@ -363,7 +377,7 @@ async def serve_forever(config: NodeConfig) -> None:
         host, _ = split_hostport(config.metrics_listen or "")
         print(f"metrics on {host}:{server.metrics_port}", flush=True)
     await stop.wait()
-    log.info("signal received: draining for up to %.0f s", config.grace_seconds)
+    log.info("signal received: draining for up to %g s", config.grace_seconds)  # 0.5 is 0.5
     await server.stop()
 
 

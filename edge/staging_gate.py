@@ -27,7 +27,9 @@ class TokenBucket:
     ``clock`` is the time source, in seconds (monotonic).
     """
 
-    def __init__(self, rate: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0:  # 0 would divide by zero; NaN and negatives make no budget
+            raise ValueError(f"a token bucket's rate must be above 0 bytes/s, got {rate}")
         self.rate = rate
         self._clock = clock
         self._tokens = 0.0
@@ -48,6 +50,7 @@ class StagingGate:
     """Shapes staging so it never starves training reads.
 
     A :class:`TokenBucket` caps staging's origin bytes per second (``rate=None``: no
+    cap; a rate below 1 byte/s, 0 included, is a ValueError, never taken for no
     cap). While training reads stream, and for ``hold`` seconds after the last
     one ends (readers pause between windows and epochs), staging is background
     work: one staging fetch may start at a time, and all staging fetches
@@ -75,7 +78,13 @@ class StagingGate:
         self._quiet_from = 0.0  # monotonic time the hold after the last read ends
         self._running = 0  # staging fetches in flight
         self._requests = 0  # staging origin requests in flight
-        self._bucket = TokenBucket(rate) if rate else None
+        if rate is not None and rate < 1:
+            # 0 (what 7bit/s parses to) was once taken for no limit, the opposite of
+            # what it asks for: refused, so that only rate=None means unlimited.
+            raise ValueError(
+                f"staging rate {rate} is below 1 byte/s; give at least 1, or None for no limit"
+            )
+        self._bucket = TokenBucket(rate) if rate is not None else None
         self._fetch_free = asyncio.Condition()
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
         self._arrivals = itertools.count()

@@ -33,14 +33,46 @@ from edgecache.clients.cli.render import (
 )
 from edgecache.v1 import edge_pb2
 
+# The settings without a flag, for serve's --help; tests check it against NodeConfig
+# (edge/config.py), which holds their defaults and bounds. Lines fit 80 columns, and no
+# "[" may open Rich markup.
+_SERVE_EPILOG = """\
+Every setting can also be set as an EDGECACHE_<NAME> environment variable
+(EDGECACHE_STAGING_RATE=200MB/s) or as a key of the --config YAML file
+(staging_rate: 200MB/s). Flags win over the environment, and it over the
+file. These settings have no flag (default in parentheses):
 
-@app.command()
+  staging_concurrency  shards a Stage fetches at once, 1-64 (4)
+  fetch_concurrency    read-through origin fetches at once, 1-64; more
+                       misses wait (4)
+  max_request_bytes    larger requests are refused unparsed, 1KiB-64MiB
+                       (1MiB)
+  max_streams          concurrent RPCs, 1-65536; beyond them callers get
+                       RESOURCE_EXHAUSTED (256)
+  preprocess_threads   threads that parse, transform and compress shards,
+                       1-256 (the cores this process may run on)
+  grace_seconds        SIGTERM drain time for streams, in seconds (10)
+  sync                 fsync LMDB commits: true or false (true)
+  peer_token_file      bearer token for reading from peer nodes (the read
+                       token, else the admin token)
+  peer_tls_ca          CA of grpcs:// peers' certificates (the system's
+                       roots)
+"""
+
+
+@app.command(epilog=_SERVE_EPILOG)
 def serve(
     region: Annotated[str | None, typer.Option(help="Region this node serves.")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="LMDB cache directory.")] = None,
     listen: Annotated[str | None, typer.Option(help="gRPC HOST:PORT [127.0.0.1:7070].")] = None,
     registry: Annotated[str | None, typer.Option(help="Registry URL (s3://…, file://…).")] = None,
-    capacity: Annotated[str | None, typer.Option(help="Cache capacity, e.g. 500GiB.")] = None,
+    capacity: Annotated[
+        str | None,
+        typer.Option(
+            help="Cache capacity, e.g. 500GiB (default: the size the cache had, else 80% "
+            "of the disk's free space)."
+        ),
+    ] = None,
     metrics_listen: Annotated[str | None, typer.Option(help="Prometheus HOST:PORT.")] = None,
     probe_listen: Annotated[
         str | None, typer.Option(help="Plaintext health-only HOST:PORT for probes.")
@@ -58,13 +90,17 @@ def serve(
         Path | None, typer.Option(help="Bearer token required for reads.")
     ] = None,
     staging_rate: Annotated[
-        str | None, typer.Option(help="Cap on staging's origin rate, e.g. 200MB/s.")
+        str | None,
+        typer.Option(
+            help="Cap on staging's origin rate, e.g. 200MB/s; at least 1B/s (default: no cap)."
+        ),
     ] = None,
     node_id: Annotated[
         str | None, typer.Option(help="Node name in metrics and Status (default: hostname:port).")
     ] = None,
     config: Annotated[
-        Path | None, typer.Option(help="YAML file of settings (flags and EDGECACHE_* win).")
+        Path | None,
+        typer.Option(help="YAML file of settings, keys as the flags' names with _ (see below)."),
     ] = None,
     log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
