@@ -164,6 +164,22 @@ class EdgeNode:
         self._free_when_full = 0  # the volume's free bytes then (see _still_full)
         self._pid = os.getpid()
 
+    async def finish_fetches(self, timeout: float) -> int:
+        """Give the shard fetches under way up to ``timeout`` seconds to commit whole.
+
+        A drain (SIGTERM) lets them finish rather than throwing away a shard that
+        is nearly encoded: a rolling restart would otherwise lose every shard that
+        takes longer than the grace period, over and over. Returns how many were
+        still running when the time ran out (:meth:`close` cancels those; nothing
+        partial is ever visible).
+        """
+        running = [task for task in self._inflight.values() if not task.done()]
+        if not running or timeout <= 0:
+            return len(running)
+        log.info("letting %d shard fetches finish (up to %g s)", len(running), timeout)
+        _, pending = await asyncio.wait(running, timeout=timeout)
+        return len(pending)
+
     async def close(self) -> None:
         """Stop background work and close the cache; committed shards stay."""
         for task in list(self._inflight.values()) + list(self._manifest_checks.values()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -811,3 +812,41 @@ def test_a_damaged_shard_record_never_ends_a_stream_early_with_ok(
     assert table.column("label").to_pylist() == tables[0].column("label").to_pylist()
     assert table.column("input_ids").to_pylist() == tables[0].column("input_ids").to_pylist()
     assert corrupt == 1
+
+
+def test_a_drain_lets_a_running_shard_fetch_commit_whole(tmp_path: Path) -> None:
+    """SIGTERM promised running shard fetches would commit whole; close() cancelled them,
+    so a shard slower than the drain (its reader gone, a stage in the background) was
+    thrown away at every (rolling) restart."""
+    import pyarrow.parquet as pq
+
+    from edgecache.cache.store import CacheStore
+
+    rng = np.random.default_rng(7)
+    (tmp_path / "origin").mkdir()
+    ids = rng.integers(0, 1 << 30, size=(40_000, 64), dtype=np.int64)  # slow at zstd-19
+    table = pa.table(
+        {
+            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), 64),
+            "label": pa.array(np.arange(len(ids))),
+        }
+    )
+    pq.write_table(table, tmp_path / "origin" / "part-0.parquet")
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "slow", compression_level=19)
+    with running_node(config(tmp_path, registry, grace_seconds=60)) as node:
+        # A read-through miss whose reader goes away: the fetch goes on without it.
+        call = stub(node.address).ReadShard(
+            edge_pb2.ReadShardRequest(dataset="slow", version=1, shard=0)
+        )
+        deadline = time.monotonic() + 10
+        while not node.node._inflight and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert node.node._inflight, "the fetch never started"  # type: ignore[union-attr]
+        call.cancel()
+        time.sleep(0.1)
+        held = node.node.store.shards("slow", 1)  # type: ignore[union-attr]
+        assert not held, "committed before the drain: the test proves nothing"
+    with CacheStore(tmp_path / "cache", readonly=True) as store:
+        held = store.shards("slow", 1)
+    assert [s.key.shard for s in held] == [0]
