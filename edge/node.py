@@ -128,6 +128,9 @@ class EdgeNode:
         )
         self.metrics = NodeMetrics(config.region, self.node_id)
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
+        # Read at scrape time: a restart on a full cache, a corrupt shard dropped or an LRU
+        # eviction all change it, and a value set on writes read 0 until the first one.
+        self.metrics.used_bytes.set_function(self._used_bytes)
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
@@ -163,6 +166,13 @@ class EdgeNode:
         self._disk_full = False  # the last write found the cache's disk full
         self._free_when_full = 0  # the volume's free bytes then (see _still_full)
         self._pid = os.getpid()
+
+    def _used_bytes(self) -> float:
+        try:
+            self._last_used = float(self.store.stats.used_bytes)
+        except Exception:  # noqa: BLE001 - closed while scraped: the last value read
+            pass
+        return getattr(self, "_last_used", 0.0)
 
     async def finish_fetches(self, timeout: float) -> int:
         """Give the shard fetches under way up to ``timeout`` seconds to commit whole.
@@ -434,7 +444,6 @@ class EdgeNode:
                 "version changed meanwhile; nothing was stored"
             )
         info = await self._write(self.store.put_shard, key, frames)
-        self.metrics.used_bytes.set(self.store.stats.used_bytes)
         if self._disk_full:
             self._disk_full = False
             self.metrics.disk_full.set(0)
@@ -883,7 +892,6 @@ class EdgeNode:
     async def evict(self, dataset: str, version: int) -> int:
         """Remove a version's shards and pin; returns the bytes freed."""
         freed = await self._write(self.store.evict_version, dataset, version)
-        self.metrics.used_bytes.set(self.store.stats.used_bytes)
         if freed:
             self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
         changed = self._changed.get((dataset, version))
@@ -944,6 +952,7 @@ class EdgeNode:
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
         )
+        now = datetime.now(UTC)
         for v in self.store.versions():
             known = self._manifests.get((v.dataset, v.version)) or self._kept_manifest(v)
             entry = status.versions.add(
@@ -953,7 +962,7 @@ class EdgeNode:
                 total_shards=len(known.shards) if known else 0,
                 stored_bytes=v.stored_bytes,
             )
-            if v.pinned_until is not None:
+            if v.pinned_until is not None and v.pinned_until > now:  # an expired pin is none
                 entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))
         return status
 

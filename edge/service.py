@@ -14,10 +14,11 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from edgecache.cache.errors import (
@@ -241,6 +242,32 @@ def _log_failure(method: str, exc: BaseException, code: grpc.StatusCode) -> None
         log.info("[EdgeCache.%s] %s: %s", method, code.name, exc)
 
 
+class _Malformed:
+    """A request body that is not the method's message: answered INVALID_ARGUMENT.
+
+    gRPC's own handling of a deserializer's error is UNKNOWN, naming a Python
+    class; the handler says what was wrong instead.
+    """
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message = (
+            f"the request is not a valid {message_type} message ({error}); send one built "
+            "from proto/edgecache/v1 (grpcurl -proto, or reflection), or use the edgecache client"
+        )
+
+
+def _parser(message_type: Any) -> Callable[[bytes], Any]:
+    """``message_type.FromString``, returning :class:`_Malformed` where it raises."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(message_type.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
 def _unary(
     fn: Callable[[Any, Req, aio.ServicerContext], Awaitable[Any]],
 ) -> Callable[[Any, Req, aio.ServicerContext], Awaitable[Any]]:
@@ -249,6 +276,8 @@ def _unary(
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, _Malformed):
+                raise ValueError(request.message)
             return await fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             code, message = status_for(exc)
@@ -266,6 +295,8 @@ def _streaming(
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            if isinstance(request, _Malformed):
+                raise ValueError(request.message)
             async for item in fn(self, request, context):
                 yield item
             return
@@ -422,6 +453,12 @@ class EdgeCacheService:
     ) -> edge_pb2.PinResponse:
         """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
         until = request.until.ToDatetime(tzinfo=UTC) if request.HasField("until") else None
+        if until is not None and until <= datetime.now(UTC):
+            # Accepted, it protected nothing (an expired pin is no pin) yet read as pinned.
+            raise ValueError(
+                f"until={until.isoformat()} is in the past; pin until a later time, or "
+                "leave until unset to unpin"
+            )
         self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
         await self.node.pin(request.dataset, request.version, until)
         return edge_pb2.PinResponse()
@@ -432,6 +469,8 @@ class EdgeCacheService:
         """Receive and drop a client's upload test (the sender measures its own loss)."""
         received, started = 0, time.monotonic()
         async for chunk in requests:
+            if isinstance(chunk, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, chunk.message)
             received += len(chunk.data)
             if received > SINK_BYTES or time.monotonic() - started > SINK_SECONDS:
                 await context.abort(
@@ -496,7 +535,7 @@ class EdgeCacheService:
             }[(method.client_streaming, method.server_streaming)]
             handlers[name] = make(
                 getattr(self, name),
-                request_deserializer=request_type.FromString,
+                request_deserializer=_parser(request_type),
                 response_serializer=serializer,
             )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
@@ -636,8 +675,9 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 text = value.decode() if isinstance(value, bytes) else value
-                if text.startswith("Bearer "):
-                    presented = text[len("Bearer ") :].strip().encode()
+                scheme, _, credentials = text.partition(" ")
+                if scheme.lower() == "bearer":  # the scheme is case-insensitive (RFC 9110)
+                    presented = credentials.strip().encode()
         if any(hmac.compare_digest(presented, token) for token in accepted):
             return await continuation(handler_call_details)
         name = method.rsplit("/", 1)[-1]
