@@ -133,6 +133,14 @@ class NodeMetrics:
         )
         for histogram in (self._first_chunk, self._stage):  # exported from the start
             histogram.labels(**labels, result="ok")
+        self.evicted_shards = counter(
+            "edgecache_cache_evicted_shards_total",
+            "Shards the cache evicted for space (least recently used, unpinned)",
+        ).labels(**labels)
+        self.evicted_bytes = counter(
+            "edgecache_cache_evicted_bytes_total",
+            "Bytes of the shards the cache evicted for space",
+        ).labels(**labels)
         self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
         self.disk_full = gauge(

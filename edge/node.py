@@ -167,6 +167,14 @@ class EdgeNode:
         self._free_when_full = 0  # the volume's free bytes then (see _still_full)
         self._pid = os.getpid()
 
+    def _count_evictions(self) -> None:
+        """Add the store's evictions for space since the last call to the counters."""
+        stats = self.store.stats
+        shards, done_shards = stats.evicted_shards, getattr(self, "_evicted_counted", (0, 0))
+        self.metrics.evicted_shards.inc(max(shards - done_shards[0], 0))
+        self.metrics.evicted_bytes.inc(max(stats.evicted_bytes - done_shards[1], 0))
+        self._evicted_counted = (shards, stats.evicted_bytes)
+
     def _used_bytes(self) -> float:
         try:
             self._last_used = float(self.store.stats.used_bytes)
@@ -444,6 +452,7 @@ class EdgeNode:
                 "version changed meanwhile; nothing was stored"
             )
         info = await self._write(self.store.put_shard, key, frames)
+        self._count_evictions()
         if self._disk_full:
             self._disk_full = False
             self.metrics.disk_full.set(0)

@@ -907,3 +907,19 @@ def test_a_restarted_node_reports_what_its_cache_holds_and_no_expired_pin(
         assert metric(node.node, "edgecache_cache_used_bytes") == held
         status = stub(node.address).Status(edge_pb2.StatusRequest())
         assert [v.HasField("pinned_until") for v in status.versions] == [False]
+
+
+def test_evictions_for_space_are_counted_in_metrics(tmp_path: Path, file_setup) -> None:
+    """The store counted LRU evictions, but neither /metrics nor Status showed them: a
+    cache too small for its working set showed only as used_bytes going down."""
+    registry, _ = file_setup
+    with running_node(config(tmp_path, registry, capacity="450KiB")) as node:
+        c = stub(node.address)
+        for shard in range(3):  # each read-through miss makes room for itself
+            read_shard_table(c, "tokens", 1, shard)
+        assert node.node is not None
+        stats = node.node.store.stats
+        shards = metric(node.node, "edgecache_cache_evicted_shards_total")
+        evicted = metric(node.node, "edgecache_cache_evicted_bytes_total")
+    assert stats.evicted_shards > 0
+    assert (shards, evicted) == (stats.evicted_shards, stats.evicted_bytes)
