@@ -339,14 +339,19 @@ class EdgeCacheService:
         self, request: edge_pb2.ReadShardRequest, context: aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """Stream a shard's stored chunks from start_chunk, fetching it on a miss."""
-        manifest = await self.node.manifest_as_read(
-            request.dataset, request.version, request.digest
-        )
         node = self.node
-        if request.cached_only:
-            key = node.shard_ref(manifest, request.shard)
-            if not node.store.contains(key):
-                raise _NotHere(f"{key} is not cached on {node.node_id} and cached_only was asked")
+        began = time.monotonic()
+        try:
+            manifest = await node.manifest_as_read(request.dataset, request.version, request.digest)
+            if request.cached_only:
+                key = node.shard_ref(manifest, request.shard)
+                if not node.store.contains(key):
+                    raise _NotHere(
+                        f"{key} is not cached on {node.node_id} and cached_only was asked"
+                    )
+        except Exception as exc:  # refused before a stream began: still a read's result
+            node.metrics.first_chunk(time.monotonic() - began, status_for(exc)[0].name)
+            raise
         node.metrics.active_streams.inc()
         # Staging yields to training reads. A cached_only read is another node's staging
         # (a peer copy) or a probe, not a training read: counting it slowed this node's

@@ -719,6 +719,13 @@ def test_read_and_stage_latency_histograms_by_result(tmp_path: Path) -> None:
     publish(registry, f"file://{tmp_path}/origin", "tokens")
     with running_node(config(tmp_path, registry)) as node:
         client = stub(node.address)
+        # Refused before a stream begins (a cached_only miss, an unknown version): counted.
+        for request in (
+            edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=1, cached_only=True),
+            edge_pb2.ReadShardRequest(dataset="tokens", version=7, shard=0),
+        ):
+            with pytest.raises(grpc.RpcError):
+                list(client.ReadShard(request))
         list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
         read_shard_table(client, "tokens", 1, 0)
         with pytest.raises(grpc.RpcError):
@@ -729,6 +736,10 @@ def test_read_and_stage_latency_histograms_by_result(tmp_path: Path) -> None:
         assert m.value("edgecache_read_first_chunk_seconds_count", result="ok") == 1
         assert m.value("edgecache_read_first_chunk_seconds_count", result="INVALID_ARGUMENT") == 1
         assert m.value("edgecache_read_chunk_seconds_count") >= 1
+        assert m.value("edgecache_read_first_chunk_seconds_count", result="NOT_FOUND") == 1
+        assert (
+            m.value("edgecache_read_first_chunk_seconds_count", result="FAILED_PRECONDITION") == 1
+        )
 
 
 def test_a_peer_copy_does_not_slow_this_nodes_staging(tmp_path: Path, file_setup) -> None:
