@@ -961,7 +961,6 @@ class EdgeNode:
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
         )
-        now = datetime.now(UTC)
         for v in self.store.versions():
             known = self._manifests.get((v.dataset, v.version)) or self._kept_manifest(v)
             entry = status.versions.add(
@@ -971,7 +970,7 @@ class EdgeNode:
                 total_shards=len(known.shards) if known else 0,
                 stored_bytes=v.stored_bytes,
             )
-            if v.pinned_until is not None and v.pinned_until > now:  # an expired pin is none
+            if v.pinned_until is not None:  # as stored, also when it has run out (see status)
                 entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))
         return status
 

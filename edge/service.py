@@ -14,7 +14,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any, TypeVar
 
 import grpc
@@ -458,12 +458,6 @@ class EdgeCacheService:
     ) -> edge_pb2.PinResponse:
         """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
         until = request.until.ToDatetime(tzinfo=UTC) if request.HasField("until") else None
-        if until is not None and until <= datetime.now(UTC):
-            # Accepted, it protected nothing (an expired pin is no pin) yet read as pinned.
-            raise ValueError(
-                f"until={until.isoformat()} is in the past; pin until a later time, or "
-                "leave until unset to unpin"
-            )
         self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
         await self.node.pin(request.dataset, request.version, until)
         return edge_pb2.PinResponse()

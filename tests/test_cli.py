@@ -387,3 +387,20 @@ def test_no_help_text_is_eaten_as_rich_markup() -> None:
             if re.search(r"\[[a-z/]", text):
                 eaten.append(f"{name} {param.name}: {text}")
     assert not eaten, eaten
+
+
+def test_status_says_a_pin_that_has_run_out_is_expired() -> None:
+    """status printed 'pinned until 2020-01-01' for a pin that protected nothing any more
+    (the LRU evicts such a version)."""
+    from datetime import UTC, datetime, timedelta
+
+    from edgecache.clients.cli.nodes import _resident
+    from edgecache.v1 import edge_pb2
+
+    past = edge_pb2.ResidentVersion(dataset="b", version=1, shard_count=1, total_shards=6)
+    past.pinned_until.FromDatetime(datetime(2020, 1, 1))
+    assert _resident(past) == "b@1 (1/6, pin expired 2020-01-01 00:00)"
+    future = edge_pb2.ResidentVersion(dataset="b", version=1, shard_count=6, total_shards=6)
+    until = datetime.now(UTC) + timedelta(days=1)
+    future.pinned_until.FromDatetime(until.replace(tzinfo=None))
+    assert _resident(future) == f"b@1 (6/6, pinned until {until:%Y-%m-%d %H:%M})"

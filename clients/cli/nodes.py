@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -180,6 +180,9 @@ def status(
                                 "pinned_until": json_time(v.pinned_until.ToDatetime(tzinfo=UTC))
                                 if v.HasField("pinned_until")
                                 else None,
+                                # False for a pin that has run out: it protects nothing.
+                                "pinned": v.HasField("pinned_until")
+                                and v.pinned_until.ToDatetime(tzinfo=UTC) > datetime.now(UTC),
                             }
                             for v in (r.status.versions if r.status else [])
                         ],
@@ -255,7 +258,10 @@ def _resident(v: edge_pb2.ResidentVersion) -> str:
     held = f"{v.shard_count}/{v.total_shards}" if v.total_shards else str(v.shard_count)
     pin = ""
     if v.HasField("pinned_until"):
-        pin = f", pinned until {v.pinned_until.ToDatetime():%Y-%m-%d %H:%M}"
+        until = v.pinned_until.ToDatetime(tzinfo=UTC)
+        # A pin that has run out protects nothing (the LRU may evict the version): say so.
+        state = "pinned until" if until > datetime.now(UTC) else "pin expired"
+        pin = f", {state} {until:%Y-%m-%d %H:%M}"
     return f"{v.dataset}@{v.version} ({held}{pin})"
 
 
