@@ -299,6 +299,20 @@ class PlanExecutor:
                         failures.append((region, version, str(failure)))
         return failures
 
+    def _pin_region(self, region: str, version: VersionKey, until: datetime) -> str | None:
+        """Pin ``version`` until ``until`` on every node of ``region``; the first failure."""
+        request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+        request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
+        what = f"pinning {version[0]}@{version[1]}"
+        for node in self.topology.regions[region].nodes:
+            if node in self.calls.down:
+                continue
+            try:
+                self._node_call(node, what, lambda stub: stub.Pin, request)
+            except _NotDone as failure:
+                return str(failure)
+        return None
+
     def unpin(self, node: str, version: VersionKey) -> Unpinned:
         """Remove ``version``'s pin on ``node`` (an unset time): whether it did, or why not.
 
@@ -366,9 +380,11 @@ class PlanExecutor:
         if blocker is not None:
             return Evicted(refused=f"not evicting {spec}: {blocker}")
         done = self._evict_nodes(eviction)
-        with self._lock:
-            self._resident.pop((eviction.region, eviction.version), None)
-            self._wont_hold.pop((eviction.region, eviction.version), None)
+        # Tasks of other regions that would copy it from here stage from origin instead.
+        # Dropping the region's record left a task already waiting on it (the plan evicts
+        # here at the moment another region copies from here) to wait out
+        # PEER_WAIT_SECONDS, an hour, on an event nothing would set.
+        self.mark_wont_hold(eviction.region, eviction.version, f"{spec} was evicted there")
         return done
 
     def _evict_nodes(self, eviction: Eviction) -> Evicted:
@@ -534,6 +550,15 @@ class PlanExecutor:
                     evicted = self.evict(step, schedule, manifests)
                     if evicted.problem is None:
                         mine.evicted.append((step, evicted.freed))
+                        # An eviction drops the version's pin with it. A later job here
+                        # still reads it (the plan stages it again for that job): pin
+                        # it again, so the pin warm reports is the pin the node holds.
+                        until = region_plan.pins.get(step.version)
+                        if until is not None and evicted.refused is None:
+                            problem = self._pin_region(region, step.version, until)
+                            if problem is not None:
+                                mine.pin_failures.append(problem)
+                                mine.pins_failed.add((region, step.version))
                     else:
                         blocked = evicted.problem
                         mine.deferred.append(Deferred(region, f"evict {spec}", blocked))
@@ -562,4 +587,6 @@ class PlanExecutor:
             outcome.runs += region_outcome.runs
             outcome.evicted += region_outcome.evicted
             outcome.deferred += region_outcome.deferred
+            outcome.pin_failures += region_outcome.pin_failures
+            outcome.pins_failed |= region_outcome.pins_failed
         return outcome

@@ -331,7 +331,9 @@ def test_a_round_reads_each_nodes_status_once_for_its_pins_and_unpins(site, monk
 def test_a_region_that_failed_to_stage_is_a_peer_source_again_once_it_holds_it() -> None:
     # The controller keeps one executor for its life: a region whose staging failed
     # (so peer tasks from it went to origin) is trusted again once it holds the
-    # version, and after an eviction the old failure is forgotten too.
+    # version. After an eviction there, peer tasks go to origin at once, saying why
+    # (they waited up to an hour on a region that had just dropped the version), until
+    # the region holds it again.
     from edgecache.cache.planner import Eviction, StageTask
     from edgecache.clients.executor import Evicted, PlanExecutor, TaskRun
     from edgecache.clients.ops import WarmItem
@@ -364,6 +366,10 @@ def test_a_region_that_failed_to_stage_is_a_peer_source_again_once_it_holds_it()
     executor.mark_wont_hold("a", ("pq", 1), "its staging failed")
     evicted = executor.evict(Eviction("a", ("pq", 1), 1, now, None, ""), Schedule(jobs=[]), {})
     assert evicted.problem is None
-    waiting = peer_task()
-    assert not executor.await_source(waiting, peer_wait=0.3)  # waits for a again: no stale reason
-    assert waiting.state == "failed" and "a never held pq@1" in waiting.note
+    after = peer_task()
+    assert executor.await_source(after, peer_wait=0.3)
+    assert not after.item.peers and "a will not hold pq@1 (pq@1 was evicted there)" in after.note
+    executor.mark_resident("a", ("pq", 1))  # staged there again
+    again = peer_task()
+    assert executor.await_source(again, peer_wait=1.0)
+    assert again.item.peers == ["127.0.0.1:1"] and not again.note
