@@ -270,6 +270,20 @@ def _plain(details: str) -> str:
     return match.group("reason") if match else details
 
 
+def _with_hint(text: str, hint: str | None) -> str:
+    """``text; hint``, unless the text already gives that advice (names its setting).
+
+    Nodes word their own refusals with the fix ("pass the node's token
+    (--token-file …)"): the client's hint for the same code said it twice.
+    """
+    if not hint:
+        return text
+    settings = re.findall(r"(?:--|\$)[A-Za-z][\w-]*", hint)
+    if settings and any(setting in text for setting in settings):
+        return text
+    return f"{text}; {hint}"
+
+
 def describe(exc: grpc.RpcError) -> str:
     """``CODE: details`` of a failed call, for messages and logs.
 
@@ -281,7 +295,7 @@ def describe(exc: grpc.RpcError) -> str:
     hint = _own_connection_hint(exc.code(), raw)
     if hint is None and exc.code() == grpc.StatusCode.UNAUTHENTICATED:
         hint = _HINTS[grpc.StatusCode.UNAUTHENTICATED]
-    return f"{exc.code().name}: {details}" + (f"; {hint}" if hint else "")
+    return _with_hint(f"{exc.code().name}: {details}", hint)
 
 
 def explain(exc: grpc.RpcError) -> str:
@@ -294,7 +308,7 @@ def explain(exc: grpc.RpcError) -> str:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     raw = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
     hint = _own_connection_hint(code, raw) or _HINTS.get(code)
-    return f"{code.name}: {_plain(raw)}" + (f"; {hint}" if hint else "")
+    return _with_hint(f"{code.name}: {_plain(raw)}", hint)
 
 
 # How the node words a peer's failure (edge/peers.py, Peers.copy_shard): "<peer> failed

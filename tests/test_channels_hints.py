@@ -105,3 +105,23 @@ def test_this_clients_own_untrusted_connection_still_names_its_ca_variable(
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     for said in (str(node_error(error, endpoint=tls, what="status")), describe(error)):
         assert "$EDGECACHE_TLS_CA" in said and "peer_tls_ca" not in said, said
+
+
+def test_a_refused_token_is_advised_once(tmp_path: Path) -> None:
+    """The node words its refusal with the fix ('pass the node's token (--token-file …)');
+    the client added its own hint for the code, and the advice came twice."""
+    (tmp_path / "read").write_text("s3cret")
+    root = tmp_path
+    (root / "origin").mkdir()
+    write_parquet_shards(root / "origin", 1, rows=10)
+    publish(f"file://{root}/registry", f"file://{root}/origin", "tokens")
+    with running_node(_config(root, "guarded", read_token_file=root / "read")) as node:
+        request = edge_pb2.ResolveVersionRequest(dataset="tokens")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(node.address).ResolveVersion(request)
+    for text in (
+        describe(refused.value),
+        explain(refused.value),
+        str(node_error(refused.value, endpoint=node.address, what="ResolveVersion")),
+    ):
+        assert text.count("--token-file") == 1, text
