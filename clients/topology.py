@@ -165,6 +165,14 @@ class ScheduledJob(BaseModel):
     @field_validator("duration", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> Any:
+        # Pydantic would read a bare number as seconds: 'duration: 6' meant 6h more
+        # likely than 6 s, so a unit is required.
+        if isinstance(value, bool | int | float):
+            like = f"{value}h, {value}m" if type(value) is int and value > 0 else "90m, 6h"
+            raise ValueError(
+                f"{value!r} has no unit: write a duration like {like} or 2d "
+                "(s, m, h or d after the number)"
+            )
         if isinstance(value, str):
             match = _DURATION.fullmatch(value.strip())
             if not match:
@@ -234,7 +242,43 @@ class Schedule(BaseModel):
 # libyaml's parser where PyYAML has it (its wheels do): faster (1.5-4x), and it refuses
 # nesting deeper than 1,000 at once, where the pure-Python scanner is quadratic in the
 # depth (a line of 9,000 "[" took 9 s).
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BASE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key written twice in one mapping: YAML would keep only the last silently."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"key {key!r} appears twice (lines {first} and {second})")
+        self.key, self.first, self.second = key, first, second
+
+
+class _StrictLoader(_BASE_LOADER):  # type: ignore[valid-type, misc]
+    """The safe loader, refusing a key repeated in one mapping.
+
+    PyYAML keeps the last value of a repeated key without a word, so a second
+    ``jobs:`` would drop the first block's jobs. A merge (``<<``) may still
+    override keys it brings in: that is what it is for.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:
+                    continue  # an unhashable key: the base constructor says so
+        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+
+
+_SAFE_LOADER = _StrictLoader
 
 
 def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
@@ -283,6 +327,11 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
         # One parse: the node tree gives line numbers for errors, the data is built from it.
         tree = loader.get_single_node()
         data = None if tree is None else loader.construct_document(tree)
+    except _DuplicateKey as exc:
+        raise ConfigFileError(
+            f"{path}:{exc.second}: key {exc.key!r} appears twice in one mapping (first at "
+            f"line {exc.first}); YAML would keep only the last: merge them or remove one"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigFileError(_yaml_problem(path, exc)) from exc
     except RecursionError as exc:

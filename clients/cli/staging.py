@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -387,7 +388,14 @@ def warm(
         topology, token = options.topology, options.token
         work: _ScheduleWork | WarmItem
         if Path(target).exists():
+            if region is not None:
+                raise ValueError(
+                    f"--region is for warm NAME@N; a schedule names its own regions "
+                    f"(drop --region {region} to warm {target})"
+                )
             work = _plan_schedule(topology, token, target, dry_run=dry_run)
+        elif _looks_like_file(target):
+            raise FileNotFoundError(f"no such schedule file: {target}")
         else:
             work = _single_item(topology, target, region)
     if isinstance(work, _ScheduleWork):
@@ -404,6 +412,15 @@ def warm(
     code = _exit_code(warmed)
     if code is not ExitCode.OK:
         raise exit_with(code)
+
+
+def _looks_like_file(target: str) -> bool:
+    """Whether a missing ``target`` was meant as a schedule file rather than NAME@N.
+
+    A dataset name has no path separator and no such suffix, so a mistyped
+    path is said to be missing instead of asked for --region.
+    """
+    return target.lower().endswith((".yaml", ".yml", ".json")) or "/" in target or os.sep in target
 
 
 @dataclass(frozen=True)
@@ -617,6 +634,7 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             {"region": name, "version": f"{v[0]}@{v[1]}", "until": json_time(until)}
             for name, rp in work.plan.regions.items()
             for v, until in sorted(rp.pins.items())
+            if (name, v) not in outcome.pins_failed
         ]
         out["pin_failures"] = outcome.pin_failures
         out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
