@@ -93,7 +93,9 @@ def parse_rate(text: str | float) -> int:
         return _whole(float(match.group(1)) * _BITS[match.group(2).lower()] / 8, text, "rate")
     try:
         return parse_size(body)
-    except ValueError:
+    except ValueError as exc:
+        if "too large" in str(exc):  # a rate that is a rate, only past what a size holds
+            raise ValueError(f"rate {text!r} is too large") from None
         raise ValueError(f"invalid rate {text!r}: use {_RATE_EXAMPLE}") from None
 
 
