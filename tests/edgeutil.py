@@ -86,3 +86,30 @@ def edgecache(*args: str, timeout: float = 300) -> tuple[int, str, str]:
         timeout=timeout,
     )
     return out.returncode, out.stdout, out.stderr
+
+
+def serve_args(root: Path) -> list[str]:
+    """``edgecache serve`` with a region, a cache and registry under ``root`` and any port."""
+    return [
+        "serve",
+        "--region",
+        "eu",
+        "--cache-dir",
+        str(root / "cache"),
+        "--registry",
+        f"file://{root}/registry",
+        "--listen",
+        "127.0.0.1:0",
+    ]
+
+
+def node_fields(root: Path, **flags: object) -> dict[str, object]:
+    """NodeConfig's fields for a node with its cache and registry under ``root``, any port."""
+    return {
+        "region": "eu",
+        "cache_dir": root / "cache",
+        "registry": f"file://{root}/registry",
+        "listen": "127.0.0.1:0",
+        "sync": False,
+        **flags,
+    }

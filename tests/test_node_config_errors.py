@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from edgeutil import edgecache
+from edgeutil import edgecache, node_fields, serve_args
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tlsutil import make_pki
 from typer.main import get_command
@@ -50,32 +50,14 @@ def _no_node_settings_from_outside(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _settings(tmp_path: Path, **flags: object) -> dict[str, object]:
-    return {
-        "region": "eu",
-        "cache_dir": tmp_path / "cache",
-        "registry": f"file://{tmp_path}/registry",
-        "listen": "127.0.0.1:0",
-        "sync": False,
-        **flags,
-    }
+    return node_fields(tmp_path, **flags)
 
 
 def _serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """``edgecache serve`` in this process, expected to refuse its settings: (code, output)."""
     result = CliRunner().invoke(
         app,
-        [
-            "serve",
-            "--region",
-            "eu",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--registry",
-            f"file://{tmp_path}/registry",
-            "--listen",
-            "127.0.0.1:0",
-            *args,
-        ],
+        [*serve_args(tmp_path), *args],
         env={"EDGECACHE_SYNC": "false", **(env or {})},
     )
     assert "serving on" not in result.output, result.output

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from edgeutil import publish, write_parquet_shards
+from edgeutil import node_fields, publish, serve_args, write_parquet_shards
 from tlsutil import DAY, make_pki
 
 from edgecache.cache.errors import ConfigError
@@ -44,34 +44,13 @@ def registry(tmp_path: Path) -> str:
 
 
 def _settings(tmp_path: Path, **flags: object) -> dict[str, object]:
-    return {
-        "region": "eu",
-        "cache_dir": tmp_path / "cache",
-        "registry": f"file://{tmp_path}/registry",
-        "listen": "127.0.0.1:0",
-        "sync": False,
-        **flags,
-    }
+    return node_fields(tmp_path, **flags)
 
 
 def _serve(tmp_path: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """``edgecache serve`` with ``args``, expected to refuse to start."""
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "edgecache.clients.cli",
-            "serve",
-            "--region",
-            "eu",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--registry",
-            f"file://{tmp_path}/registry",
-            "--listen",
-            "127.0.0.1:0",
-            *args,
-        ],
+        [sys.executable, "-m", "edgecache.clients.cli", *serve_args(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
