@@ -124,11 +124,8 @@ class ShardReader(ClosingContext):
         info = self.info
         if view is None:  # gone, which a complete shard's chunk never is
             raise ChunkCorrupt("the chunk is missing from the store")
-        if len(info.checksums) != info.chunk_count or len(info.chunk_rows) != info.chunk_count:
-            raise ChunkCorrupt(
-                f"the shard record lists {len(info.checksums)} checksums and "
-                f"{len(info.chunk_rows)} row counts for {info.chunk_count} chunks"
-            )
+        if damage := info.damage():
+            raise ChunkCorrupt(damage)
         header = verify_frame(view)  # magic, format, codec, lengths, then the checksum
         if header.checksum != info.checksums[index]:
             raise ChunkCorrupt(

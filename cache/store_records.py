@@ -24,6 +24,20 @@ class ShardInfo:
     committed_at: datetime
     last_access: datetime
 
+    def damage(self) -> str:
+        """What makes this record's chunk lists disagree with its count ("" when none).
+
+        A record lists one checksum and one row count per chunk; readers plan
+        from it (which chunks, where each starts), so lists of another length
+        are damage.
+        """
+        if len(self.checksums) != self.chunk_count or len(self.chunk_rows) != self.chunk_count:
+            return (
+                f"the shard record lists {len(self.checksums)} checksums and "
+                f"{len(self.chunk_rows)} row counts for {self.chunk_count} chunks"
+            )
+        return ""
+
 
 @dataclass(frozen=True, slots=True)
 class VersionInfo:

@@ -179,18 +179,13 @@ def _boolean(name: str, value: Any) -> bool:
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def _seconds(name: str, value: Any, *, optional: bool = False) -> Any:
+def _seconds(name: str, value: Any) -> float:
     """``value`` as a positive float of seconds, or a ValueError naming ``name``."""
-    if value is None and optional:
-        return None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         seconds = float(value)
         if math.isfinite(seconds) and seconds > 0:
             return seconds
-    raise ValueError(
-        f"{name} must be a positive number of seconds{' or None' if optional else ''}, "
-        f"got {value!r}"
-    )
+    raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]

@@ -29,7 +29,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -43,25 +43,37 @@ __all__ = ["ClientCounters", "PoolTally", "REGISTRY", "serve"]
 PORT_VARIABLE = "EDGECACHE_CLIENT_METRICS_PORT"
 
 
-class _Totals:
-    """What every EdgeDataset of this process with one (rank, dataset) label set counted."""
+class _Counts:
+    """What was delivered to the training loop and read, as running totals."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoints: Iterable[str] = ()) -> None:
         self.wait_seconds = 0.0
         self.samples = self.batches = self.failovers = 0
-        self.bytes: dict[str, int] = {}
+        self.bytes: dict[str, int] = dict.fromkeys(endpoints, 0)
         self.endpoint: str | None = None
         self.lock = threading.Lock()
 
+    def add(self, delta: dict[str, Any]) -> None:
+        """Fold in what was delivered or read since the last delta (see :class:`PoolTally`)."""
+        with self.lock:
+            self.wait_seconds += delta.get("wait", 0.0)
+            self.samples += delta.get("samples", 0)
+            self.batches += delta.get("batches", 0)
+            self.failovers += delta.get("failovers", 0)
+            for endpoint, count in delta.get("bytes", {}).items():
+                self.bytes[endpoint] = self.bytes.get(endpoint, 0) + count
+            if delta.get("endpoint"):
+                self.endpoint = delta["endpoint"]
 
-# Per label set, for the life of the process: Prometheus counters must never go down, and
-# summing live datasets only made every ``_total`` drop when one was garbage-collected
-# (read as a counter reset: rate() and the data-wait alert spike).
-_TOTALS: dict[tuple[str, str], _Totals] = {}
+
+# Per (rank, dataset) label set, for the life of the process: Prometheus counters must
+# never go down, and summing live datasets only made every ``_total`` drop when one was
+# garbage-collected (read as a counter reset: rate() and the data-wait alert spike).
+_TOTALS: dict[tuple[str, str], _Counts] = {}
 _TOTALS_LOCK = threading.Lock()
 
 
-class ClientCounters:
+class ClientCounters(_Counts):
     """One EdgeDataset's totals in this process (its workers' included, as batches arrive).
 
     Each delta also goes to the totals of its label set (rank, pinned version),
@@ -70,30 +82,18 @@ class ClientCounters:
     """
 
     def __init__(self, rank: int, dataset: str, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
         self.rank, self.dataset = rank, dataset
-        self.wait_seconds = 0.0
-        self.samples = self.batches = self.failovers = 0
-        self.bytes: dict[str, int] = dict.fromkeys(endpoints, 0)
-        self.endpoint: str | None = None
-        self._lock = threading.Lock()
         with _TOTALS_LOCK:
-            self._totals = _TOTALS.setdefault((str(rank), dataset), _Totals())
+            self._totals = _TOTALS.setdefault((str(rank), dataset), _Counts())
         with self._totals.lock:
             for endpoint in endpoints:
                 self._totals.bytes.setdefault(endpoint, 0)
 
     def add(self, delta: dict[str, Any]) -> None:
-        """Fold in what was delivered or read since the last delta (see :class:`PoolTally`)."""
-        for counts, lock in ((self, self._lock), (self._totals, self._totals.lock)):
-            with lock:
-                counts.wait_seconds += delta.get("wait", 0.0)
-                counts.samples += delta.get("samples", 0)
-                counts.batches += delta.get("batches", 0)
-                counts.failovers += delta.get("failovers", 0)
-                for endpoint, count in delta.get("bytes", {}).items():
-                    counts.bytes[endpoint] = counts.bytes.get(endpoint, 0) + count
-                if delta.get("endpoint"):
-                    counts.endpoint = delta["endpoint"]
+        """Fold ``delta`` into this dataset's counts and its label set's totals."""
+        super().add(delta)
+        self._totals.add(delta)
 
 
 class PoolTally:

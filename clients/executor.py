@@ -290,27 +290,26 @@ class PlanExecutor:
                         have is not None and abs((have - until).total_seconds()) < 1
                     ):
                         continue
-                    request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
-                    request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
-                    what = f"pinning {version[0]}@{version[1]}"
-                    try:
-                        self._node_call(node, what, lambda stub: stub.Pin, request)
-                    except _NotDone as failure:
-                        failures.append((region, version, str(failure)))
+                    problem = self._pin_node(node, version, until)
+                    if problem is not None:
+                        failures.append((region, version, problem))
         return failures
+
+    def _pin_node(self, node: str, version: VersionKey, until: datetime) -> str | None:
+        """Pin ``version`` on ``node`` until ``until``; why not, or None when it did."""
+        request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+        request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
+        try:
+            self._node_call(node, f"pinning {version[0]}@{version[1]}", lambda s: s.Pin, request)
+        except _NotDone as failure:
+            return str(failure)
+        return None
 
     def _pin_region(self, region: str, version: VersionKey, until: datetime) -> str | None:
         """Pin ``version`` until ``until`` on every node of ``region``; the first failure."""
-        request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
-        request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
-        what = f"pinning {version[0]}@{version[1]}"
         for node in self.topology.regions[region].nodes:
-            if node in self.calls.down:
-                continue
-            try:
-                self._node_call(node, what, lambda stub: stub.Pin, request)
-            except _NotDone as failure:
-                return str(failure)
+            if node not in self.calls.down and (problem := self._pin_node(node, version, until)):
+                return problem
         return None
 
     def unpin(self, node: str, version: VersionKey) -> Unpinned:
@@ -554,7 +553,7 @@ class PlanExecutor:
                         # still reads it (the plan stages it again for that job): pin
                         # it again, so the pin warm reports is the pin the node holds.
                         until = region_plan.pins.get(step.version)
-                        if until is not None and evicted.refused is None:
+                        if until is not None:
                             problem = self._pin_region(region, step.version, until)
                             if problem is not None:
                                 mine.pin_failures.append(problem)

@@ -130,7 +130,9 @@ class EdgeNode:
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
         # Read at scrape time: a restart on a full cache, a corrupt shard dropped or an LRU
         # eviction all change it, and a value set on writes read 0 until the first one.
+        self._last_used = 0.0  # what the gauge last read (a scrape after close gets it)
         self.metrics.used_bytes.set_function(self._used_bytes)
+        self._evicted_counted = (0, 0)  # the store's (shards, bytes) evicted already counted
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
@@ -170,17 +172,17 @@ class EdgeNode:
     def _count_evictions(self) -> None:
         """Add the store's evictions for space since the last call to the counters."""
         stats = self.store.stats
-        shards, done_shards = stats.evicted_shards, getattr(self, "_evicted_counted", (0, 0))
-        self.metrics.evicted_shards.inc(max(shards - done_shards[0], 0))
-        self.metrics.evicted_bytes.inc(max(stats.evicted_bytes - done_shards[1], 0))
-        self._evicted_counted = (shards, stats.evicted_bytes)
+        shards, evicted = self._evicted_counted
+        self.metrics.evicted_shards.inc(max(stats.evicted_shards - shards, 0))
+        self.metrics.evicted_bytes.inc(max(stats.evicted_bytes - evicted, 0))
+        self._evicted_counted = (stats.evicted_shards, stats.evicted_bytes)
 
     def _used_bytes(self) -> float:
         try:
             self._last_used = float(self.store.stats.used_bytes)
         except Exception:  # noqa: BLE001 - closed while scraped: the last value read
             pass
-        return getattr(self, "_last_used", 0.0)
+        return self._last_used
 
     async def finish_fetches(self, timeout: float) -> int:
         """Give the shard fetches under way up to ``timeout`` seconds to commit whole.
@@ -982,11 +984,8 @@ def _record_damage(info: ShardInfo, rows: int) -> str:
     the plan of every stream of the shard (how many chunks, each one's rows):
     checked against itself and the manifest before anything is served from it.
     """
-    if len(info.checksums) != info.chunk_count or len(info.chunk_rows) != info.chunk_count:
-        return (
-            f"{info.chunk_count} chunks, {len(info.checksums)} checksums and "
-            f"{len(info.chunk_rows)} row counts"
-        )
+    if damage := info.damage():
+        return damage
     if sum(info.chunk_rows) != rows or info.row_count != rows:
         return (
             f"its chunks hold {sum(info.chunk_rows)} rows and it records {info.row_count}, "

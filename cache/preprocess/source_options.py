@@ -37,6 +37,7 @@ import pyarrow.csv as pa_csv
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import parse_type, split_params
+from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import COLUMN_FIX
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -95,6 +96,11 @@ def _type_pairs(text: str) -> dict[str, pa.DataType]:
     return out
 
 
+def _canonical_types(text: str) -> str:
+    """``column_types`` as the manifest records it: ``a=int32,b=string`` ("" for none)."""
+    return ",".join(f"{k}={v}" for k, v in _type_pairs(text).items())
+
+
 def column_types(options: Mapping[str, str]) -> dict[str, pa.DataType]:
     """The ``column_types`` of canonical ``options``, parsed (empty without any)."""
     return _type_pairs(options["column_types"]) if "column_types" in options else {}
@@ -113,8 +119,8 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
     if fmt == pb.SOURCE_FORMAT_JSONL and set(opts) <= {"column_types"}:
         # JSON holds its own names and values; only a type can need saying (an integer
         # past int64, which pyarrow would otherwise read as float64, losing digits).
-        pairs = _type_pairs(opts["column_types"])
-        return {"column_types": ",".join(f"{k}={v}" for k, v in pairs.items())} if pairs else {}
+        spelled = _canonical_types(opts["column_types"])
+        return {"column_types": spelled} if spelled else {}
     if fmt != pb.SOURCE_FORMAT_CSV:
         jsonl = " (JSON Lines: column_types only)" if fmt == pb.SOURCE_FORMAT_JSONL else ""
         raise ValueError(
@@ -152,9 +158,8 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
         if int(text):
             out["skip_rows"] = str(int(text))
     if "column_types" in opts:
-        pairs = _type_pairs(opts["column_types"])
-        if pairs:
-            out["column_types"] = ",".join(f"{k}={v}" for k, v in pairs.items())
+        if spelled := _canonical_types(opts["column_types"]):
+            out["column_types"] = spelled
     return out
 
 
@@ -180,9 +185,6 @@ def _is_number(cell: str) -> bool:
     return True
 
 
-_COMPRESSED = (".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")
-
-
 def delimiter_for_names(names: list[str]) -> str | None:
     """The delimiter that object names imply: tab for ``.tsv`` (compressed too), else None.
 
@@ -194,12 +196,7 @@ def delimiter_for_names(names: list[str]) -> str | None:
     Raises:
         ValueError: some names end in ``.tsv`` and others do not.
     """
-    tsv = []
-    for name in names:
-        stem = name.lower()
-        for suffix in _COMPRESSED:
-            stem = stem.removesuffix(suffix)
-        tsv.append(stem.endswith(".tsv"))
+    tsv = [strip_suffix(name).lower().endswith(".tsv") for name in names]
     if not any(tsv):
         return None
     if not all(tsv):
