@@ -733,6 +733,10 @@ class EdgeNode:
             info, fetched = held, None
         else:
             info, fetched = await self.ensure_shard(manifest, shard)
+        # A hit or a miss, counted once when the stream ends: a resident shard found
+        # damaged (its record here, or a chunk mid-stream) is dropped and fetched again,
+        # which makes the read a miss, not a hit and a miss.
+        refetched = fetched is not None
         if damage := _record_damage(info, rows):
             # The record itself is damaged: the stream is planned from it (how many chunks,
             # where each starts), so a short count would end the stream early with OK.
@@ -744,7 +748,8 @@ class EdgeNode:
                     f"{key}'s record here is damaged ({damage}); not fetched again for a "
                     "cached_only read: take the shard from another node"
                 )
-            info, fetched = await self.ensure_shard(manifest, shard)
+            info, _ = await self.ensure_shard(manifest, shard)
+            refetched = True
             if damage := _record_damage(info, rows):
                 raise ChunkCorrupt(
                     f"{key}'s record was damaged again after fetching the shard anew "
@@ -754,49 +759,54 @@ class EdgeNode:
             raise IndexError(
                 f"{key} has {info.chunk_count} chunks; start_chunk {start_chunk} is past the end"
             )
-        (self.metrics.hits if fetched is None else self.metrics.misses).inc()
         firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
         if start_row:
             start_chunk = bisect.bisect_right(firsts, start_row) - 1
         stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
-        index = start_chunk
-        damaged = 0  # damaged chunks found since the last chunk served
-        while index < stop:
-            try:
-                encoded = self.encoded_chunk(key, index, firsts[index])
-            except (ShardNotCached, ChunkCorrupt) as exc:
-                # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
-                # deterministic, so the stream can go on only if the chunks came out the same.
-                if isinstance(exc, ChunkCorrupt):
-                    self.metrics.corrupt_chunks.inc()
-                    damaged += 1
-                if cached_only:
-                    raise type(exc)(
-                        f"{key} chunk {index} is no longer here ({exc}); not fetched again "
-                        "for a cached_only read: take the shard from another node"
-                    ) from exc
-                if damaged > 1:  # damaged again straight after a re-fetch: not here
-                    raise ChunkCorrupt(
-                        f"{key} chunk {index} was damaged again after fetching the shard "
-                        f"anew ({exc}); read it from another node"
-                    ) from exc
-                log.warning("%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc)
-                again, _ = await self.ensure_shard(manifest, shard)
-                self.metrics.misses.inc()
-                if (again.checksums, again.chunk_rows, again.chunk_count) != (
-                    info.checksums,
-                    info.chunk_rows,
-                    info.chunk_count,
-                ):
-                    raise ChunkCorrupt(
-                        f"{key} was re-encoded differently mid-stream; read it again from chunk 0"
-                    ) from exc
-                continue
-            damaged = 0
-            self.metrics.bytes_served.inc(len(encoded))
-            self.metrics.chunks_served.inc()
-            yield encoded
-            index += 1
+        try:
+            index = start_chunk
+            damaged = 0  # damaged chunks found since the last chunk served
+            while index < stop:
+                try:
+                    encoded = self.encoded_chunk(key, index, firsts[index])
+                except (ShardNotCached, ChunkCorrupt) as exc:
+                    # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
+                    # deterministic, so the stream can go on only if the chunks came out the same.
+                    if isinstance(exc, ChunkCorrupt):
+                        self.metrics.corrupt_chunks.inc()
+                        damaged += 1
+                    if cached_only:
+                        raise type(exc)(
+                            f"{key} chunk {index} is no longer here ({exc}); not fetched again "
+                            "for a cached_only read: take the shard from another node"
+                        ) from exc
+                    if damaged > 1:  # damaged again straight after a re-fetch: not here
+                        raise ChunkCorrupt(
+                            f"{key} chunk {index} was damaged again after fetching the shard "
+                            f"anew ({exc}); read it from another node"
+                        ) from exc
+                    log.warning(
+                        "%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc
+                    )
+                    again, _ = await self.ensure_shard(manifest, shard)
+                    refetched = True
+                    if (again.checksums, again.chunk_rows, again.chunk_count) != (
+                        info.checksums,
+                        info.chunk_rows,
+                        info.chunk_count,
+                    ):
+                        raise ChunkCorrupt(
+                            f"{key} was re-encoded differently mid-stream; read it again "
+                            "from chunk 0"
+                        ) from exc
+                    continue
+                damaged = 0
+                self.metrics.bytes_served.inc(len(encoded))
+                self.metrics.chunks_served.inc()
+                yield encoded
+                index += 1
+        finally:
+            (self.metrics.misses if refetched else self.metrics.hits).inc()
 
     # ----------------------------------------------------------------- staging
 

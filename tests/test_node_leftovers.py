@@ -1,0 +1,83 @@
+"""Edge node defects a review found: metrics that counted twice or not at all, an Evict
+of nothing answered OK, a restart below the stored size, doctor's upload against a
+node's limits. Real nodes on loopback, real LMDB files, a file:// origin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from edgeutil import node_settings, publish, read_shard_table, stub, write_parquet_shards
+
+from edgecache.cache.store import CacheStore
+from edgecache.edge.server import running_node
+from edgecache.v1 import edge_pb2
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> str:
+    """A published version ``tokens@1`` of two 1000-row shards in a file:// origin."""
+    write_parquet_shards(tmp_path / "origin", 2, rows=1000)
+    url = f"file://{tmp_path}/registry"
+    publish(url, f"file://{tmp_path}/origin", "tokens")
+    return url
+
+
+def _stage(address: str, dataset: str = "tokens", version: int = 1) -> edge_pb2.StageProgress:
+    return list(stub(address).Stage(edge_pb2.StageRequest(dataset=dataset, version=version)))[-1]
+
+
+# ------------------------------------------------- 1: a damaged entry is one miss
+
+
+def test_a_damaged_chunk_found_mid_read_is_one_miss_not_a_hit_too(
+    tmp_path: Path, registry: str
+) -> None:
+    """The read began as a hit (the shard was resident), found a damaged chunk, dropped
+    the shard and fetched it from origin again: it was counted as a hit and a miss."""
+    from storeutil import flip_on_disk
+
+    with running_node(node_settings(tmp_path, registry)) as node:
+        assert _stage(node.address).shards_done == 2
+    with CacheStore(tmp_path / "cache", readonly=True) as store:
+        [info, _] = store.shards("tokens", 1)
+        frame = store.get_chunk(info.key, 1)
+    assert info.chunk_count > 2
+    flip_on_disk(tmp_path / "cache", frame, 24)  # a checksum bit of a middle chunk
+    with running_node(node_settings(tmp_path, registry)) as node:
+        client = stub(node.address)
+        assert read_shard_table(client, "tokens", 1, 0).num_rows == 1000
+        assert node.node is not None
+        m = node.node.metrics
+        assert m.value("edgecache_corrupt_chunks_total") == 1
+        assert m.value("edgecache_origin_fetches_total") == 1
+        damaged = (m.value("edgecache_cache_hits_total"), m.value("edgecache_cache_misses_total"))
+        read_shard_table(client, "tokens", 1, 0)  # re-fetched whole: a plain hit now
+        status = client.Status(edge_pb2.StatusRequest())
+    assert damaged == (0, 1)
+    assert (status.hits, status.misses) == (1, 1)
+
+
+def test_a_damaged_shard_record_is_one_miss(tmp_path: Path, registry: str) -> None:
+    """A record damaged before the read began (its chunk count) is a miss, once."""
+    import lmdb
+
+    from edgecache.cache.keys import ShardKey
+    from edgecache.v1 import store_pb2
+
+    with running_node(node_settings(tmp_path, registry)) as node:
+        _stage(node.address)
+    env = lmdb.open(str(tmp_path / "cache"), max_dbs=8)
+    raw_key = ShardKey("tokens", 1, 0).encode()
+    with env.begin(write=True) as txn:
+        shards = env.open_db(b"shards", txn=txn, create=False)
+        record = store_pb2.StoredShard.FromString(txn.get(raw_key, db=shards))
+        record.chunk_count -= 1
+        txn.put(raw_key, record.SerializeToString(), db=shards)
+    env.close()
+    with running_node(node_settings(tmp_path, registry)) as node:
+        assert read_shard_table(stub(node.address), "tokens", 1, 0).num_rows == 1000
+        assert node.node is not None
+        m = node.node.metrics
+        counts = (m.value("edgecache_cache_hits_total"), m.value("edgecache_cache_misses_total"))
+    assert counts == (0, 1)
