@@ -115,9 +115,24 @@ def _local_path(url: str) -> str | None:
 
 
 def resource_url(source_url: str, ref: str) -> str:
-    """Where a transform's file lives: a URL as given, or a key under the source prefix."""
+    """Where a transform's file lives: a URL as given, or a key under the source prefix.
+
+    An absolute path (``tokenizer=/data/tok.json``) is a local file, never a
+    key: with a ``file://`` source the nodes read that filesystem anyway, so
+    it is ``file://`` + the path; with an object-store source no node can
+    read the publisher's disk, so it is refused (its leading ``/`` used to be
+    dropped silently, turning it into a key under the prefix).
+    """
     if "://" in ref:
         return ref
+    if ref.startswith("/"):
+        if source_url.startswith("file://"):
+            return "file://" + ref
+        raise ValueError(
+            f"{ref!r} is a path on this machine, which the nodes reading {source_url} cannot "
+            f"see; upload the file under the source prefix and give its key (e.g. "
+            f"{ref.rsplit('/', 1)[-1]}), or name it by its full URL"
+        )
     if ".." in ref.split("/"):
         raise ValueError(
             f"{ref!r} climbs out of the source prefix with '..': give a key under "

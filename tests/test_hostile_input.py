@@ -345,3 +345,8 @@ def test_a_transform_file_key_may_not_climb_out_of_the_prefix() -> None:
     assert resource_url("s3://b/ds", "s3://b/other/t.json") == "s3://b/other/t.json"  # as given
     with pytest.raises(ValueError, match="climbs out of the source prefix"):
         resource_url("file:///data/ds/", "../secrets/tokenizer.json")
+    # An absolute path is a local file, not a key with its '/' dropped: nodes reading a
+    # file:// source read it there; nodes reading an object store cannot.
+    assert resource_url("file:///data/ds", "/opt/tok.json") == "file:///opt/tok.json"
+    with pytest.raises(ValueError, match="path on this machine.*give its key .e.g. tok.json"):
+        resource_url("s3://b/ds", "/opt/tok.json")

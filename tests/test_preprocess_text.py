@@ -166,6 +166,19 @@ def test_publish_and_node_with_tokenizer_in_origin(tmp_path: Path, tokenizer_jso
     )
     same = Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "docs2", spec=by_url))
     assert [s.source_key for s in same.shards] == ["docs-0.jsonl.gz", "docs-1.jsonl.gz"]
+    # Named by its absolute path (a file:// source), likewise: the same file, no shard.
+    by_path = preprocess_spec(
+        transform="tokens",
+        params={"tokenizer": f"{origin}/tokenizer.json", "seq_len": "256", "eos": "</s>"},
+    )
+    local = Registry.run(
+        registry, lambda reg: reg.publish(f"file://{origin}", "docs3", spec=by_path)
+    )
+    assert [s.source_key for s in local.shards] == ["docs-0.jsonl.gz", "docs-1.jsonl.gz"]
+    assert (
+        local.preprocess.params["tokenizer_sha256"]
+        == manifest.preprocess.params["tokenizer_sha256"]
+    )
     config = NodeConfig(
         region="r",
         cache_dir=tmp_path / "cache",
