@@ -4,8 +4,10 @@ node's limits. Real nodes on loopback, real LMDB files, a file:// origin."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 from edgeutil import node_settings, publish, read_shard_table, stub, write_parquet_shards
 
@@ -81,3 +83,44 @@ def test_a_damaged_shard_record_is_one_miss(tmp_path: Path, registry: str) -> No
         m = node.node.metrics
         counts = (m.value("edgecache_cache_hits_total"), m.value("edgecache_cache_misses_total"))
     assert counts == (0, 1)
+
+
+# ------------------------------------------- 2: a cancelled Stage is in the histogram
+
+
+def _wait_for(predicate: object, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_cancelled_stage_is_recorded_as_cancelled(
+    tmp_path: Path, registry: str, how: str
+) -> None:
+    """A Stage its caller cancelled, or whose deadline passed, ended in CancelledError (a
+    BaseException) and was missing from edgecache_stage_seconds: long stages cut short by
+    their callers were invisible on the dashboard."""
+    # 2 KB/s of origin: the stage is still on its first shard when it is cut short.
+    with running_node(node_settings(tmp_path, registry, staging_rate=2048)) as node:
+        assert node.node is not None
+        m = node.node.metrics
+        request = edge_pb2.StageRequest(dataset="tokens", version=1)
+        if how == "cancel":
+            call = stub(node.address).Stage(request)
+            assert _wait_for(lambda: m.value("edgecache_staging_active") == 1)
+            call.cancel()
+            with pytest.raises(grpc.RpcError) as error:
+                list(call)
+            assert error.value.code() == grpc.StatusCode.CANCELLED
+        else:
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub(node.address).Stage(request, timeout=0.5))
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The handler hears of it after the caller: wait for its count.
+        assert _wait_for(lambda: m.value("edgecache_stage_seconds_count", result="CANCELLED"))
+        assert m.value("edgecache_stage_seconds_count", result="CANCELLED") == 1
+        assert m.value("edgecache_stage_seconds_count", result="ok") == 0
