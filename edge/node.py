@@ -911,7 +911,14 @@ class EdgeNode:
         await self._write(self.store.pin_version, dataset, version, until)
 
     async def evict(self, dataset: str, version: int) -> int:
-        """Remove a version's shards and pin; returns the bytes freed."""
+        """Remove a version's shards and pin; returns the bytes freed.
+
+        A version this node knows nothing of and the registry does not publish
+        is :class:`VersionNotFound` (most often a typo), not "0 bytes freed";
+        a published version that is simply not held here frees 0 bytes.
+        """
+        if not self._knows(dataset, version):
+            await self._check_published(dataset, version)
         freed = await self._write(self.store.evict_version, dataset, version)
         if freed:
             self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
@@ -931,6 +938,33 @@ class EdgeNode:
                 changed.digest,
             )
         return freed
+
+    def _knows(self, dataset: str, version: int) -> bool:
+        """Whether this node holds anything of a version: shards, a pin or its manifest."""
+        key = (dataset, version)
+        if key in self._manifests or key in self._changed:
+            return True
+        if self.store.get_manifest(dataset, version) is not None:
+            return True
+        return any((v.dataset, v.version) == key for v in self.store.versions())
+
+    async def _check_published(self, dataset: str, version: int) -> None:
+        """:class:`VersionNotFound` unless the registry publishes ``dataset@version``.
+
+        A registry that cannot be read says nothing either way: nothing is held
+        here, so there is nothing to evict and no error to report.
+        """
+        try:
+            await self.registry.manifest(dataset, version)
+        except VersionNotFound as exc:
+            raise VersionNotFound(
+                f"{dataset}@{version} is not held by {self.node_id}, and {exc}; list the "
+                f"published versions with `edgecache versions {dataset}`"
+            ) from exc
+        except EdgeCacheError as exc:
+            log.info("evict %s@%d: the registry could not be asked (%s)", dataset, version, exc)
+        finally:
+            self.count_retries()
 
     def _kept_manifest(self, v: VersionInfo) -> manifest_pb2.Manifest | None:
         """The manifest this node kept for a version (a restarted node knows its size too)."""

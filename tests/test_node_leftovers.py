@@ -124,3 +124,28 @@ def test_a_cancelled_stage_is_recorded_as_cancelled(
         assert _wait_for(lambda: m.value("edgecache_stage_seconds_count", result="CANCELLED"))
         assert m.value("edgecache_stage_seconds_count", result="CANCELLED") == 1
         assert m.value("edgecache_stage_seconds_count", result="ok") == 0
+
+
+# ------------------------------------------------- 3: Evict of an unknown version
+
+
+def test_evicting_a_version_nobody_knows_is_not_found(tmp_path: Path, registry: str) -> None:
+    """Evict of a version the node never heard of (a typo) answered OK, 0 bytes freed; one
+    the registry publishes but this node does not hold is still OK with 0 bytes."""
+    with running_node(node_settings(tmp_path, registry)) as node:
+        client = stub(node.address)
+        for name, version in (("tokns", 1), ("tokens", 7)):
+            with pytest.raises(grpc.RpcError) as error:
+                client.Evict(edge_pb2.EvictRequest(dataset=name, version=version))
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND, error.value
+            details = error.value.details() or ""
+            assert f"{name}@{version}" in details and "edgecache versions" in details, details
+        # Published, not cached here: nothing to free, and nothing wrong.
+        assert client.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1)).bytes_freed == 0
+        _stage(node.address)
+    # The registry is gone (another URL): a version this node holds is still evicted.
+    gone = f"file://{tmp_path}/elsewhere"
+    with running_node(node_settings(tmp_path, gone)) as node:
+        freed = stub(node.address).Evict(edge_pb2.EvictRequest(dataset="tokens", version=1))
+        assert freed.bytes_freed > 0
+        assert node.node is not None and not node.node.store.versions()
