@@ -3,7 +3,8 @@
 Pure and deterministic: the same inputs give the same plan. It knows the
 future, so it evicts what is needed furthest ahead or never (Belady), not
 what was used least recently, and it never evicts a version that a job
-reads between that job's start and end.
+reads between that job's start and end, nor one the region's nodes pin for
+jobs outside the plan (``RegionState.pinned``) before that pin runs out.
 
 Per region, jobs are taken in order of start time (then priority, then
 name). Each version a job reads must be resident by the job's start. A
@@ -97,6 +98,9 @@ class RegionState:
     # Why nothing can be planned here now (no node answered, so neither capacity nor
     # holdings are known); "" when the region is up. Its jobs are reported with this.
     unreachable: str = ""
+    # version → until when the region's nodes pin it for jobs this plan does not know
+    # (another schedule's): no eviction before then, whatever this plan would gain by it.
+    pinned: Mapping[VersionKey, datetime] = field(default_factory=dict)
 
     @property
     def origin_rate(self) -> float:
@@ -394,33 +398,32 @@ def _plan_region(
                 freed = 0
                 for when, spare_needed in attempts:
                     victims, freed = _victims(
-                        resident, shortfall, when, job.end, in_use, next_use, now, spare_needed
+                        resident,
+                        shortfall,
+                        when,
+                        job.end,
+                        lambda v, lo, hi: in_use(v, lo, hi) or _pinned_at(state, v, lo),
+                        next_use,
+                        now,
+                        spare_needed,
                     )
                     if freed >= shortfall:
                         if when != begin:
                             begin, finish = when, when + duration
                         break
                 if freed < shortfall:
-                    locked = sorted(v for v in resident if in_use(v, begin, job.end))
-                    free = state.capacity_bytes - used + freed
-                    # What to change: the region's capacity, or the job's start, to when the
-                    # jobs reading what is in use have stopped reading it.
-                    fix = f"add at least {format_bytes(shortfall - freed)} to {state.name}"
-                    frees = [last_end(v, job.end) for v in locked]
-                    if frees:
-                        fix += f", or start {job.name} after {_utc(max(frees))}"
                     result.infeasible.append(
                         Infeasible(
                             job.name,
                             state.name,
                             spec,
-                            f"not enough capacity: needs {format_bytes(size)}, only "
-                            f"{format_bytes(free)} free even after evicting everything not "
-                            "needed sooner; in use then: "
-                            f"{', '.join(f'{d}@{v}' for d, v in locked[:5]) or 'nothing'}; "
-                            f"to meet it: {fix}",
+                            _no_room(
+                                state, job, spec, size - held_now, shortfall - freed,
+                                used - freed, [v for v in resident if in_use(v, begin, job.end)],
+                                last_end, begin,
+                            ),
                         )
-                    )
+                    )  # fmt: skip
                     continue
             for victim, victim_next in victims:
                 victim_size = resident.pop(victim)
@@ -468,6 +471,55 @@ def _plan_region(
                     result.cost.get(job.name, 0.0) + moved / 1e9 * state.egress_price_per_gb
                 )
     return out
+
+
+def _pinned_at(state: RegionState, version: VersionKey, when: datetime) -> bool:
+    """Whether the region's nodes pin ``version`` at ``when`` for a job outside the plan."""
+    until = state.pinned.get(version)
+    return until is not None and until > when
+
+
+def _no_room(
+    state: RegionState,
+    job: Job,
+    spec: str,
+    missing: int,
+    short: int,
+    kept: int,
+    in_use: list[VersionKey],
+    last_end: Callable[[VersionKey, datetime], datetime],
+    begin: datetime,
+) -> str:
+    """Why ``spec`` does not fit for ``job``, and what to change: capacity, or the start.
+
+    ``missing`` is what the region lacks of the version (a partly held one
+    needs only the rest), ``short`` what is still missing after every allowed
+    eviction, ``kept`` the bytes held then. What stays in the way is named:
+    other jobs' versions in use (the job's own are what it needs, not what to
+    evict) and versions pinned for jobs outside the plan; the start to move
+    to is when the last of them is free.
+    """
+    own = set(job.versions)
+    others = sorted(v for v in in_use if v not in own)
+    pinned = sorted(
+        (v, until) for v, until in state.pinned.items() if v not in own and until > begin
+    )
+    held = [f"in use then: {', '.join(f'{d}@{v}' for d, v in others[:5]) or 'nothing'}"]
+    if pinned:
+        held.append(
+            "pinned for jobs outside this schedule: "
+            + ", ".join(f"{d}@{v} until {_utc(until)}" for (d, v), until in pinned[:5])
+        )
+    fix = f"add at least {format_bytes(short)} to {state.name}"
+    frees = [last_end(v, job.end) for v in others] + [until for _, until in pinned]
+    if frees:
+        fix += f", or start {job.name} after {_utc(max(frees))}"
+    free = max(state.capacity_bytes - kept, 0)
+    return (
+        f"not enough capacity: needs {format_bytes(missing)}, only {format_bytes(free)} "
+        f"free even after evicting everything not needed sooner; {'; '.join(held)}; "
+        f"to meet it: {fix}"
+    )
 
 
 def _late_reason(

@@ -9,7 +9,10 @@ The planner decides; this module does what it decided, for ``edgecache warm``
 * **Evictions.** The plan's evictions run with ``Evict`` before the staging
   that needs their room, and never take a version a job is reading now, or
   will read before the plan's eviction time (``warm`` runs early; the guard
-  holds the plan's promise to the jobs in between).
+  holds the plan's promise to the jobs in between), nor one a node pins for
+  a job outside the schedule (another schedule's warm or controller), as
+  ``edgecache evict`` refuses to. A pin is never cut short either: a node
+  pinning a version longer than the plan keeps that pin.
 * **Staging.** Each task stages on the region's nodes (each node its own
   shards), from the source the plan chose: origin, or a peer region's nodes,
   which the receiving node copies chunk for chunk. A task from a peer waits
@@ -29,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 import grpc
@@ -65,6 +68,7 @@ log = logging.getLogger(__name__)
 PEER_WAIT_SECONDS = 3600.0  # how long a peer-sourced task waits for its source region
 CALL_TIMEOUT = 30.0  # seconds: the longest a Pin or Evict call may take
 MIN_CALL_SECONDS = 0.5  # less time left than this: a call is not begun
+_SAME_PIN = timedelta(seconds=1)  # pins this close are the same (a Timestamp round trip)
 
 _Request = TypeVar("_Request")
 _Answer = TypeVar("_Answer")
@@ -263,6 +267,9 @@ class PlanExecutor:
         # Which nodes Pin and Evict may still call, and until when: a controller sets a
         # fresh one each round (its lease bounds the round); warm keeps this one.
         self.calls = NodeCalls()
+        # (node, version) → pin, as the round's status found them before this plan
+        # pinned anything: what the eviction guard reads for other schedules' pins.
+        self._pins_seen: dict[tuple[str, VersionKey], datetime] | None = None
 
     # ------------------------------------------------------------------ pins
 
@@ -280,15 +287,16 @@ class PlanExecutor:
     def _pin(self, plan: Plan, seen: NodesSeen | None) -> list[tuple[str, VersionKey, str]]:
         """:meth:`pin`, each failure with its (region, version), for those who report pins."""
         seen = self._see(gather_status(self.topology, token=self.token)) if seen is None else seen
+        self._pins_seen = dict(seen.pins)
         calls = self.calls
         failures = []
         for region, region_plan in plan.regions.items():
             for node in self.topology.regions[region].nodes:
                 for version, until in sorted(region_plan.pins.items()):
                     have = seen.pins.get((node, version))
-                    if node in calls.down or (
-                        have is not None and abs((have - until).total_seconds()) < 1
-                    ):
+                    # Pinned as planned, or longer (for another schedule's job: Pin sets
+                    # the time, and a shorter one would let the node drop what it needs).
+                    if node in calls.down or (have is not None and have > until - _SAME_PIN):
                         continue
                     problem = self._pin_node(node, version, until)
                     if problem is not None:
@@ -334,6 +342,7 @@ class PlanExecutor:
         """Read a status round once; the nodes that did not answer join :attr:`calls`' down."""
         seen = NodesSeen.of(reports)
         self.calls.down |= seen.down
+        self._pins_seen = dict(seen.pins)
         return seen
 
     def _node_call(
@@ -375,7 +384,10 @@ class PlanExecutor:
     ) -> Evicted:
         """Carry out one eviction on every node of its region, unless the guard refuses it."""
         spec = f"{eviction.version[0]}@{eviction.version[1]}"
-        blocker = eviction_blocker(eviction, schedule, manifests, self.clock())
+        now = self.clock()
+        blocker = eviction_blocker(eviction, schedule, manifests, now) or self._pinned_elsewhere(
+            eviction, schedule, manifests, now
+        )
         if blocker is not None:
             return Evicted(refused=f"not evicting {spec}: {blocker}")
         done = self._evict_nodes(eviction)
@@ -385,6 +397,50 @@ class PlanExecutor:
         # PEER_WAIT_SECONDS, an hour, on an event nothing would set.
         self.mark_wont_hold(eviction.region, eviction.version, f"{spec} was evicted there")
         return done
+
+    def _pinned_elsewhere(
+        self,
+        eviction: Eviction,
+        schedule: Schedule,
+        manifests: Mapping[str, pb.Manifest],
+        now: datetime,
+    ) -> str | None:
+        """The pin of a job outside ``schedule`` that keeps the version on a node, or None.
+
+        The pins are those the round's status found (before this plan pinned
+        anything), else the region's nodes are asked now. A pin is the
+        schedule's own when it lasts no longer than the last of its jobs in the
+        region that read the version (what :meth:`pin` places); a longer one,
+        or one on a version no such job reads, was placed for someone else.
+        """
+        region, version = eviction.region, eviction.version
+        pins = self._pins_seen
+        if pins is None:
+            pins = dict(
+                NodesSeen.of(gather_status(self.topology, token=self.token, regions={region})).pins
+            )
+        ours = [
+            job.end
+            for job in schedule.jobs
+            if job.region == region and job.end > now
+            and any(
+                (m.dataset, m.version) == version
+                for spec in job.datasets
+                if (m := manifests.get(spec)) is not None
+            )
+        ]  # fmt: skip
+        own = max(ours, default=None)
+        for node in self.topology.regions[region].nodes:
+            until = pins.get((node, version))
+            if until is None or until <= now or (own is not None and until <= own + _SAME_PIN):
+                continue
+            spec = f"{version[0]}@{version[1]}"
+            return (
+                f"{node} pins it until {until.astimezone(UTC):%Y-%m-%d %H:%M} UTC for a job "
+                f"outside this schedule (`edgecache evict {spec} --region {region}` names "
+                "it); change that job's schedule, or wait until then"
+            )
+        return None
 
     def _evict_nodes(self, eviction: Eviction) -> Evicted:
         """Ask every node of the eviction's region to drop the version.

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import grpc
 
@@ -37,6 +37,7 @@ from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
 from edgecache.cache.registry import Registry
 from edgecache.cache.storage import Stores
+from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import (
     bearer,
     describe,
@@ -61,6 +62,7 @@ __all__ = [
     "Readiness",
     "WarmItem",
     "evict",
+    "foreign_pins",
     "gather_status",
     "make_plan",
     "ready",
@@ -77,6 +79,7 @@ __all__ = [
     "warm",
     "warm_items_for_plan",
     "warm_item_for_version",
+    "version_too_large",
 ]
 
 log = logging.getLogger(__name__)
@@ -200,6 +203,11 @@ def make_plan(
         for job in current
     ]
     outages = region_outages(reports)
+    own: dict[tuple[str, VersionKey], datetime] = {}
+    for job in jobs:
+        for version in job.versions:
+            own[(job.region, version)] = max(own.get((job.region, version), job.end), job.end)
+    pinned = foreign_pins(reports, own, now)
     regions = {}
     for name, config in topology.regions.items():
         alive = [r.status for r in reports if r.region == name and r.status is not None]
@@ -226,11 +234,40 @@ def make_plan(
             # Nothing can be planned where no node answers; a degraded region is planned
             # on the nodes that did (and the command fails all the same, naming the rest).
             unreachable=outage.message() if outage is not None and outage.unreachable else "",
+            pinned=pinned.get(name, {}),
         )
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
+
+
+def foreign_pins(
+    reports: list[NodeReport], own: dict[tuple[str, VersionKey], datetime], now: datetime
+) -> dict[str, dict[VersionKey, datetime]]:
+    """Region → version → until when its nodes pin it for jobs other than ``own``'s.
+
+    ``own`` is (region, version) → the end of the last job of the schedule at
+    hand that reads it there: the pin warm and the controller place for it. A
+    node's pin that has not run out and lasts longer than that (or pins a
+    version the schedule does not read there) is another schedule's, which
+    counts on the version staying: neither the plan nor the executor may evict
+    it before then, as ``edgecache evict`` refuses to.
+    """
+    out: dict[str, dict[VersionKey, datetime]] = {}
+    for report in reports:
+        if report.status is None:
+            continue
+        for v in report.status.versions:
+            if not v.HasField("pinned_until"):
+                continue
+            key, until = (v.dataset, v.version), v.pinned_until.ToDatetime(tzinfo=UTC)
+            ours = own.get((report.region, key))
+            if until <= now or (ours is not None and until <= ours + timedelta(seconds=1)):
+                continue
+            region = out.setdefault(report.region, {})
+            region[key] = max(region.get(key, until), until)
+    return out
 
 
 @dataclass(frozen=True)
@@ -637,6 +674,38 @@ def warm_item_for_version(topology: Topology, region: str, manifest: pb.Manifest
     )
 
 
+def version_too_large(
+    topology: Topology, region: str, manifest: pb.Manifest, *, token: str | None = None
+) -> str | None:
+    """Why ``manifest``'s version can never fit in ``region``, or None when it can.
+
+    Sized as ``plan`` sizes it (stored bytes, held or estimated from what the
+    region's nodes hold) against the capacity of the nodes that answer. Staging
+    such a version would only make each node evict its cache to make room,
+    then fail, so ``warm NAME@N`` asks this first and refuses, as ``plan``
+    does. With no node answering nothing is known: staging reports that.
+    """
+    reports = gather_status(topology, token=token, regions={region})
+    alive = [r.status for r in reports if r.status is not None]
+    if not alive:
+        return None
+    spec = f"{manifest.dataset}@{manifest.version}"
+    known = {spec: manifest}
+    held_keys = {(v.dataset, v.version) for _, v in _resident(reports)}
+    others = Registry.run(topology.registry, lambda reg: held_manifests(reg, held_keys, known))
+    held = holdings(reports, {**others, **known})
+    size = version_sizes(known, held, others=others)[(manifest.dataset, manifest.version)]
+    capacity = sum(status.capacity_bytes for status in alive)
+    if size.stored <= capacity:
+        return None
+    return (
+        f"{spec} ({format_bytes(size.stored)} once stored) is larger than region {region}'s "
+        f"whole capacity ({format_bytes(capacity)}), so nothing was staged or evicted; give "
+        f"{region} at least {format_bytes(size.stored - capacity)} more (a larger capacity "
+        "on its nodes, or more nodes: replicas split the shards)"
+    )
+
+
 @dataclass
 class EvictResult:
     """What one node said to an eviction."""
@@ -678,12 +747,12 @@ def evict(
         if (v.dataset, v.version) == key
     ]
     pins = [
-        (r.address, v.pinned_until.ToDatetime(tzinfo=UTC))
+        (r.region, r.address, v.pinned_until.ToDatetime(tzinfo=UTC))
         for r, v in held
         if v.HasField("pinned_until") and v.pinned_until.ToDatetime(tzinfo=UTC) > now
     ]
     if pins and not force:
-        raise VersionPinned(_pinned_message(topology, spec, pins, set(regions), now))
+        raise VersionPinned(_pinned_message(topology, f"{key[0]}@{key[1]}", pins, now))
     if not held:
         try:
             Registry.run(topology.registry, lambda reg: reg.manifest(*key))
@@ -846,17 +915,28 @@ def _job_times(job: PinnedJob, now: datetime) -> str:
 def _pinned_message(
     topology: Topology,
     spec: str,
-    pins: list[tuple[str, datetime]],
-    regions: set[str],
+    pins: list[tuple[str, str, datetime]],
     now: datetime,
 ) -> str:
-    """Which scheduled jobs a pinned version is kept for, and when they start."""
-    until = max(when for _, when in pins)
-    nodes = ", ".join(sorted({node for node, _ in pins}))
+    """Which scheduled jobs a pinned version is kept for, and when they start.
+
+    ``pins`` are (region, node, until) of the pins that have not run out. A
+    recorded job is named only when it reads the version in a region whose
+    nodes pin it, has not ended, and ends within that pin: a job of another
+    region is unrelated, and one that runs past the pin no longer holds it
+    (its pin was released or replaced since the record was written).
+    """
+    until = max(when for _, _, when in pins)
+    nodes = ", ".join(sorted({node for _, node, _ in pins}))
+    held_until: dict[str, datetime] = {}
+    for region, _, when in pins:
+        held_until[region] = max(held_until.get(region, when), when)
     jobs = [
         _job_times(job, now)
         for job in pinned_jobs(topology)
-        if spec in job.versions and job.region in regions and job.end > now
+        if spec in job.versions
+        and job.region in held_until
+        and now < job.end <= held_until[job.region] + timedelta(seconds=1)
     ]
     reads = (
         f"read by {', '.join(jobs)}"

@@ -397,7 +397,7 @@ def warm(
         elif _looks_like_file(target):
             raise FileNotFoundError(f"no such schedule file: {target}")
         else:
-            work = _single_item(topology, target, region)
+            work = _single_item(topology, target, region, token)
     if isinstance(work, _ScheduleWork):
         report_infeasible(work.plan)
     elif dry_run:
@@ -480,11 +480,12 @@ def _plan_schedule(
     return _ScheduleWork(schedule, plan, manifests, now, down)
 
 
-def _single_item(topology: Topology, spec: str, region: str | None) -> WarmItem:
+def _single_item(topology: Topology, spec: str, region: str | None, token: str | None) -> WarmItem:
     """``NAME@N --region R`` as one item to stage, all of it from origin.
 
     The region is checked before the registry is asked, so a typo in it is
-    reported as such rather than hidden behind a registry error.
+    reported as such rather than hidden behind a registry error; a version
+    larger than the region's whole capacity is refused (bad input, exit 2).
     """
     from edgecache.cache.registry import Registry
 
@@ -492,6 +493,11 @@ def _single_item(topology: Topology, spec: str, region: str | None) -> WarmItem:
         raise ValueError(f"warm {spec} needs --region, one of {sorted(topology.regions)}")
     ops.region_nodes(topology, region)  # an unknown region fails before the registry
     manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
+    # Refused up front, as plan refuses it: staging it would have each node evict its
+    # cache to make room, then fail.
+    too_large = ops.version_too_large(topology, region, manifest, token=token)
+    if too_large is not None:
+        raise ValueError(too_large)
     return ops.warm_item_for_version(topology, region, manifest)
 
 
