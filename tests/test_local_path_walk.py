@@ -240,28 +240,44 @@ def test_zero_copy_batch_outlives_its_reader_and_the_eviction(node: Node) -> Non
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_evicted_mid_epoch_lmdb_only_says_so(node: Node, workers: int) -> None:
-    """Evicted mid-epoch, the lmdb:// reader stops with what happened and what to do."""
+def test_evicted_mid_epoch_lmdb_only_says_so_and_reads_clean_once_restaged(
+    node: Node, workers: int
+) -> None:
+    """Evicted mid-epoch, the lmdb:// reader stops with what happened and what to do.
+
+    It stops at once (a cache read directly gets nothing back by waiting), after
+    exactly the clean read's batches; once the node stages the version again, a
+    new pass reads the clean epoch exactly. Read-ahead is one window of many, so
+    a read always comes after the eviction: one outcome, not a race of two.
+    """
+    expected = clean_batches(node.node.address)
     ds = EdgeDataset(
         "tokens@1",
         endpoints=[f"lmdb://{node.cache}"],
-        retry_timeout=2,
+        retry_timeout=20,
         **SMALL,  # type: ignore[arg-type]
     )
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-    seen: list[int] = []
-    started = time.monotonic()
-    with pytest.raises(AllNodesFailed) as raised:
-        for i, batch in enumerate(loader):
-            seen += labels(batch)
-            if i == 3:
-                evict(node.node, "tokens")
-    ds.close()
-    message = str(raised.value)
-    assert "holds no shard of tokens@1" in message and str(node.cache) in message
-    assert "edgecache warm tokens@1" in message and "gRPC endpoint" in message
-    assert len(seen) == len(set(seen)) < TOTAL  # nothing twice, nothing made up
-    assert time.monotonic() - started < 30
+    got: list[list[int]] = []
+    evicted = 0.0
+    try:
+        with pytest.raises(AllNodesFailed) as raised:
+            for i, batch in enumerate(
+                torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+            ):
+                got.append(labels(batch))
+                if i == 3:
+                    evict(node.node, "tokens")
+                    evicted = time.monotonic()
+        message = str(raised.value)
+        assert "holds no shard of tokens@1" in message and str(node.cache) in message
+        assert "edgecache warm tokens@1" in message and "gRPC endpoint" in message
+        assert time.monotonic() - evicted < 10  # not retry_timeout
+        assert 4 <= len(got) < len(expected) and got == expected[: len(got)]
+        stage(node.node, "tokens")
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        assert [labels(b) for b in loader] == expected
+    finally:
+        ds.close()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -282,43 +298,6 @@ def test_evicted_mid_epoch_fails_over_to_grpc_exactly(node: Node, workers: int) 
             evict(node.node, "tokens")
     ds.close()
     assert got == expected
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_evicted_and_restaged_mid_epoch_lmdb_only_goes_on(node: Node, workers: int) -> None:
-    """The node evicts the version and stages it again: the lmdb:// epoch never misreads.
-
-    A window read between the eviction and the new stage ends the epoch at
-    once, saying what to do (a cache read directly gets nothing back by
-    waiting, so the read does not wait ``retry_timeout`` for it); windows read
-    after the stage are the clean read's rows, exactly.
-    """
-    expected = clean_batches(node.node.address)
-    ds = EdgeDataset(
-        "tokens@1",
-        endpoints=[f"lmdb://{node.cache}"],
-        retry_timeout=20,
-        **SMALL,  # type: ignore[arg-type]
-    )
-    got = []
-    staged = 0.0
-    try:
-        for i, batch in enumerate(
-            torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-        ):
-            got.append(labels(batch))
-            if i == 3:
-                evict(node.node, "tokens")
-                stage(node.node, "tokens")
-                staged = time.monotonic()
-    except AllNodesFailed as exc:  # a read came in between: it ended at once
-        assert "holds no shard of tokens@1" in str(exc) and "edgecache warm" in str(exc)
-        assert time.monotonic() - staged < 10
-        assert got == expected[: len(got)]
-    else:
-        assert got == expected
-    finally:
-        ds.close()
 
 
 def make_store_of_format(path: Path, found: bytes) -> None:
