@@ -64,6 +64,7 @@ from edgecache.cache.preprocess import Transform, load_transform
 from edgecache.cache.registry import Registry, fetch_resources
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
+from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.metrics import NodeMetrics
@@ -128,6 +129,7 @@ class EdgeNode:
         )
         self.metrics = NodeMetrics(config.region, self.node_id)
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
+        self._fit_capacity()
         # Read at scrape time: a restart on a full cache, a corrupt shard dropped or an LRU
         # eviction all change it, and a value set on writes read 0 until the first one.
         self._last_used = 0.0  # what the gauge last read (a scrape after close gets it)
@@ -168,6 +170,59 @@ class EdgeNode:
         self._disk_full = False  # the last write found the cache's disk full
         self._free_when_full = 0  # the volume's free bytes then (see _still_full)
         self._pid = os.getpid()
+
+    def _fit_capacity(self) -> None:
+        """Bring a cache opened with less capacity than it holds within it, at startup.
+
+        A node restarted with a lower ``--capacity`` would otherwise serve over it
+        until its next write made room. The least recently used shards of
+        versions not pinned go first, as a write would evict them (counted in
+        ``edgecache_cache_evicted_*``); pinned shards stay, and the warning says
+        when they alone keep the cache over capacity.
+        """
+        capacity, used = self.store.capacity_bytes, self.store.stats.used_bytes
+        if used <= capacity:
+            return
+        now = datetime.now(UTC)
+        versions = self.store.versions()
+        pinned = [v for v in versions if v.pinned_until is not None and v.pinned_until > now]
+        kept = {(v.dataset, v.version) for v in pinned}
+        candidates = sorted(
+            (
+                shard
+                for v in versions
+                if (v.dataset, v.version) not in kept
+                for shard in self.store.shards(v.dataset, v.version)
+            ),
+            key=lambda shard: (shard.last_access, shard.key.encode()),
+        )
+        freed = shards = 0
+        for shard in candidates:
+            if used - freed <= capacity:
+                break
+            try:
+                freed += self.store.drop_shard(shard.key)
+            except EdgeCacheError as exc:  # e.g. a full disk: serve; writes make room later
+                log.warning("evicting %s to fit the capacity failed: %s", shard.key, exc)
+                break
+            shards += 1
+        self.metrics.evicted_shards.inc(shards)
+        self.metrics.evicted_bytes.inc(freed)
+        message = (
+            f"the cache under {self.store.path} holds {format_bytes(used)}, more than its "
+            f"capacity of {format_bytes(capacity)} (--capacity was lowered): evicted "
+            f"{shards} least recently used unpinned shards ({format_bytes(freed)})"
+        )
+        if used - freed > capacity:
+            held = ", ".join(
+                f"{v.dataset}@{v.version} ({format_bytes(v.stored_bytes)})" for v in pinned
+            )
+            message += (
+                f"; still {format_bytes(used - freed)}: the pinned versions alone ({held}) "
+                "exceed the capacity, so new shards are refused until they are unpinned or "
+                "evicted (edgecache evict), or --capacity is raised"
+            )
+        log.warning("%s", message)
 
     def _count_evictions(self) -> None:
         """Add the store's evictions for space since the last call to the counters."""

@@ -12,6 +12,7 @@ import pytest
 from edgeutil import node_settings, publish, read_shard_table, stub, write_parquet_shards
 
 from edgecache.cache.store import CacheStore
+from edgecache.cache.units import format_bytes
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
@@ -149,3 +150,74 @@ def test_evicting_a_version_nobody_knows_is_not_found(tmp_path: Path, registry: 
         freed = stub(node.address).Evict(edge_pb2.EvictRequest(dataset="tokens", version=1))
         assert freed.bytes_freed > 0
         assert node.node is not None and not node.node.store.versions()
+
+
+# ---------------------------------- 4: a restart below what is stored fits at once
+
+
+def test_a_node_restarted_with_less_capacity_than_it_holds_evicts_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Restarted with --capacity below what the cache held, the node served over capacity,
+    silently, until a write made room. It warns with both sizes and evicts the least
+    recently used unpinned shards at startup, never a pinned one."""
+    from datetime import UTC, datetime, timedelta
+
+    write_parquet_shards(tmp_path / "origin", 4, rows=1000)
+    url = f"file://{tmp_path}/registry"
+    publish(url, f"file://{tmp_path}/origin", "tokens")
+    publish(url, f"file://{tmp_path}/origin", "pinned")
+    with running_node(node_settings(tmp_path, url)) as node:
+        client = stub(node.address)
+        for dataset in ("tokens", "pinned"):
+            _stage(node.address, dataset)
+        pin = edge_pb2.PinRequest(dataset="pinned", version=1)
+        pin.until.FromDatetime(datetime.now(UTC) + timedelta(days=1))
+        client.Pin(pin)
+        read_shard_table(client, "tokens", 1, 3)  # the most recently used of tokens
+        versions = {v.dataset: v for v in client.Status(edge_pb2.StatusRequest()).versions}
+    pinned, tokens = versions["pinned"].stored_bytes, versions["tokens"].stored_bytes
+    capacity = pinned + tokens // 3  # room for the pinned version and one shard of tokens
+    with (
+        caplog.at_level("WARNING"),
+        running_node(node_settings(tmp_path, url, capacity=capacity)) as node,
+    ):
+        assert node.node is not None
+        stats = node.node.store.stats
+        held = {v.dataset: v for v in node.node.store.versions()}
+        evicted = node.node.metrics.value("edgecache_cache_evicted_bytes_total")
+    assert stats.used_bytes <= capacity
+    assert held["pinned"].stored_bytes == pinned  # never evicted
+    assert [s.key.shard for s in _shards(tmp_path, "tokens")] == [3]  # the last one read stays
+    assert evicted == pinned + tokens - stats.used_bytes
+    [warning] = [r.getMessage() for r in caplog.records if "capacity" in r.getMessage()]
+    assert format_bytes(pinned + tokens) in warning and format_bytes(capacity) in warning
+    assert "evicted 3 " in warning and "pinned versions" not in warning, warning
+
+
+def test_pinned_data_over_a_lowered_capacity_is_kept_and_said(
+    tmp_path: Path, registry: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pinned shards alone over the new capacity: none is evicted, and the warning says the
+    pins are why the cache stays over its capacity."""
+    from datetime import UTC, datetime, timedelta
+
+    with running_node(node_settings(tmp_path, registry)) as node:
+        request = edge_pb2.StageRequest(dataset="tokens", version=1)
+        request.pin_until.FromDatetime(datetime.now(UTC) + timedelta(days=1))
+        list(stub(node.address).Stage(request))
+        held = stub(node.address).Status(edge_pb2.StatusRequest()).used_bytes
+    with (
+        caplog.at_level("WARNING"),
+        running_node(node_settings(tmp_path, registry, capacity=held // 2)) as node,
+    ):
+        assert node.node is not None
+        assert node.node.store.stats.used_bytes == held
+    [warning] = [r.getMessage() for r in caplog.records if "capacity" in r.getMessage()]
+    assert format_bytes(held) in warning and format_bytes(held // 2) in warning, warning
+    assert "pinned versions alone (tokens@1" in warning, warning
+
+
+def _shards(tmp_path: Path, dataset: str) -> list:
+    with CacheStore(tmp_path / "cache", readonly=True) as store:
+        return store.shards(dataset, 1)
