@@ -106,6 +106,7 @@ class StagedShard:
     peer_bytes: int = 0  # stored bytes copied from peers
     notes: tuple[str, ...] = ()
     revoked: bool = False  # reported staged earlier in this stage, evicted since
+    joined: bool = False  # fetched by another request's fetch this stage waited on
 
 
 class EdgeNode:
@@ -899,6 +900,9 @@ class EdgeNode:
             while not todo.empty():
                 shard = todo.get_nowait()
                 size = manifest.shards[shard].source_size
+                # Another Stage (or a read) already fetching it: that one stores it, and
+                # counts it. Nothing awaits between this check and ensure_shard's own.
+                joined = self.shard_ref(manifest, shard) in self._inflight
                 try:
                     _, fetched = await self.ensure_shard(
                         manifest, shard, staging=True, peers=peers, peers_only=peers_only
@@ -917,6 +921,7 @@ class EdgeNode:
                             source=fetched.source if fetched else "",
                             peer_bytes=fetched.bytes if fetched and fetched.source == "peer" else 0,
                             notes=fetched.notes if fetched else (),
+                            joined=joined,
                         )
                     )
 
@@ -931,7 +936,10 @@ class EdgeNode:
             done: list[int] = []
             for _ in wanted:
                 outcome = await results.get()
-                result = "failed" if outcome.error else "staged" if outcome.fetched else "skipped"
+                # "staged" once per shard stored: a stage that joined another's fetch of
+                # it did not store it (it reports it fetched all the same).
+                stored = outcome.fetched and not outcome.joined
+                result = "failed" if outcome.error else "staged" if stored else "skipped"
                 self.metrics.staged[result].inc()
                 if outcome.error is None:
                     done.append(outcome.shard)

@@ -221,3 +221,29 @@ def test_pinned_data_over_a_lowered_capacity_is_kept_and_said(
 def _shards(tmp_path: Path, dataset: str) -> list:
     with CacheStore(tmp_path / "cache", readonly=True) as store:
         return store.shards(dataset, 1)
+
+
+# ------------------------------- 5: concurrent stages of one shard count it once
+
+
+def test_concurrent_stages_of_a_shard_count_it_staged_once(tmp_path: Path, registry: str) -> None:
+    """Two Stage calls racing for the same shards share one fetch of each; both counted it in
+    edgecache_staged_shards_total{result="staged"}, twice the shards stored."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # ~0.5 s a shard: the second stage arrives while the first one's fetches run.
+    with running_node(node_settings(tmp_path, registry, staging_rate=300_000)) as node:
+        assert node.node is not None
+        edge = node.node
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_stage, node.address)
+            assert _wait_for(lambda: len(edge._inflight) == 2)
+            second = pool.submit(_stage, node.address)
+            outcomes = [first.result(timeout=30), second.result(timeout=30)]
+        assert not edge._inflight
+        staged = edge.metrics.value("edgecache_staged_shards_total", result="staged")
+        skipped = edge.metrics.value("edgecache_staged_shards_total", result="skipped")
+        fetches = edge.metrics.value("edgecache_origin_fetches_total")
+    assert [o.shards_done for o in outcomes] == [2, 2]
+    assert fetches == 2  # the premise: one fetch of each shard, shared
+    assert (staged, skipped) == (2, 2)
