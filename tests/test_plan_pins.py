@@ -188,3 +188,31 @@ def test_evict_names_only_the_jobs_whose_pins_hold_the_version_there(small, tmp_
         assert "job-old" not in said and "job-far" not in said, said
     finally:
         far.stop()
+
+
+def test_the_planner_evicts_around_a_pin_or_after_it_runs_out() -> None:
+    """A pinned version is passed over for one that is not, and taken only once its pin ends."""
+    job = Job("train", "eu", NOW + timedelta(hours=3), NOW + timedelta(hours=4), (("ds", 3),))
+    sizes = {("ds", 1): 4 * GiB, ("ds", 2): 4 * GiB, ("ds", 3): 4 * GiB}
+    state = RegionState(
+        "eu",
+        capacity_bytes=8 * GiB,
+        origin_bandwidth=1e9,
+        resident={("ds", 1): 4 * GiB, ("ds", 2): 4 * GiB},
+        pinned={("ds", 1): NOW + timedelta(days=1)},
+    )
+    result = plan([job], {"eu": state}, sizes, now=NOW)
+    assert not result.infeasible, result.infeasible
+    assert [e.version for e in result.regions["eu"].evictions] == [("ds", 2)]
+    # Only ds@1 to make room with, pinned for an hour: evicted just in time, after the pin.
+    state = RegionState(
+        "eu",
+        capacity_bytes=4 * GiB,
+        origin_bandwidth=1e9,
+        resident={("ds", 1): 4 * GiB},
+        pinned={("ds", 1): NOW + timedelta(hours=1)},
+    )
+    result = plan([job], {"eu": state}, sizes, now=NOW)
+    assert not result.infeasible, result.infeasible
+    (eviction,) = result.regions["eu"].evictions
+    assert eviction.version == ("ds", 1) and eviction.at >= NOW + timedelta(hours=1), eviction
