@@ -11,7 +11,12 @@ It keeps a record of plan against reality in the registry
 (``<registry>/_controller/state.json``): per task the predicted and actual
 ready time, per job whether its data was complete when it started and what
 was missing. ``edgecache plan --status`` reads it; Prometheus metrics say the
-same (:mod:`edgecache.clients.controller_metrics`).
+same (:mod:`edgecache.clients.controller_metrics`). The metrics count only
+live tasks (the plan still has them, or their data waits for a job to start),
+so a late task stops counting once its jobs have started and its data is
+there or no longer needed; the records stay ``record_retention`` after their
+jobs end, for ``plan --status``, then go (at once when the jobs leave the
+schedule).
 
 Only one controller acts at a time: it holds a lease in the registry's object
 store (:mod:`edgecache.cache.lease`) and does nothing while another holds it.
@@ -77,6 +82,7 @@ LEASE_PREFIX = "_controller/lease"
 RETRY_BACKOFF_MAX = 600.0  # seconds: the longest wait between runs of a failing task
 STATUS_PINGS = 3  # health checks per node and round (the RTT is their median)
 STATUS_TIMEOUT = 3.0  # seconds a status call may take, at most (less for a short lease)
+RECORD_RETENTION = timedelta(days=1)  # records of a job and its tasks stay this long past its end
 
 
 class LeaseLost(EdgeCacheError):
@@ -120,6 +126,9 @@ class JobRecord:
     complete_at_start: bool | None = None  # None until the job starts
     missing_at_start: list[str] = field(default_factory=list)
     infeasible: list[str] = field(default_factory=list)  # the planner's reasons
+    # Why its data was not complete at its start, as known then (a failed stage and its
+    # error, capacity, a plan that had it ready later, no round before the start).
+    why_missed: str = ""
     # Each of the job's specs as resolved ("tokens" → "tokens@3"): followed until the
     # job starts, then kept, so the job reads one version however many are published.
     resolved: dict[str, str] = field(default_factory=dict)
@@ -233,6 +242,16 @@ def _spec(version: VersionKey) -> str:
     return f"{version[0]}@{version[1]}"
 
 
+def _run_number(key: str) -> int:
+    """Which run of its task a record key is: "eu b@1" is 1, "eu b@1 #2" is 2."""
+    return int(key.partition(" #")[2] or 1)
+
+
+def _minute(text: str | None) -> str:
+    """An ISO time of the record as ``plan`` shows times (UTC, to the minute)."""
+    return f"{datetime.fromisoformat(text):%Y-%m-%d %H:%M}" if text else "an unknown time"
+
+
 def default_holder() -> str:
     """Unique per process: hostname, pid and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -252,12 +271,15 @@ class Controller:
         holder: str | None = None,
         metrics: ControllerMetrics | None = None,
         retry_backoff: float = 10.0,
+        record_retention: timedelta = RECORD_RETENTION,
     ) -> None:
         """Load the topology and the last saved record; nothing is asked of nodes yet.
 
         ``retry_backoff``: seconds before a failed task runs again, doubled per
         failure in a row up to ``RETRY_BACKOFF_MAX``, so a broken origin or node
-        is not hammered every round.
+        is not hammered every round. ``record_retention``: how long the records of
+        a job and its tasks are kept after the job ends, for ``plan --status`` to
+        say how it went.
         """
         self.topology_path, self.schedule_path = topology_path, Path(schedule_path)
         self.topology: Topology = load_topology(topology_path)
@@ -277,6 +299,8 @@ class Controller:
         self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
         self._ended: dict[tuple[str, VersionKey], float] = {}  # when each run last ended
         self.retry_backoff = retry_backoff
+        self.record_retention = record_retention
+        self._live_tasks: set[str] = set()  # task records counted in the gauges (_prune)
         self._failed_in_row: dict[tuple[str, VersionKey], int] = {}
         self._lock = threading.Lock()
         self._leading = False  # held the lease at the last round: the record is ours to save
@@ -453,6 +477,7 @@ class Controller:
             log.warning("%s; stopping this round and standing by", lost)
             return None
         self._start_due(plan, schedule, manifests, now, looked)
+        self._prune(plan, schedule, reports, now)
         self._update_metrics(now)
         self._save_state()
         self.metrics.ticks.inc()
@@ -574,17 +599,11 @@ class Controller:
                     ended = self._ended.get(key, 0.0)
                 if running or ended >= looked:
                     continue  # running, or ended after this round's status: next round
-                if time.monotonic() < ended + self._backoff(key):
-                    continue  # failed lately: wait before trying again
-                runs = sorted(
-                    (int(k.partition(" #")[2] or 1), k)
-                    for k in self.state.tasks
-                    if k.partition(" #")[0] == record_key
-                )
-                record = self.state.tasks[runs[-1][1]] if runs else None
+                runs = self._runs_of(record_key)
+                record = self.state.tasks[runs[-1]] if runs else None
                 if record is not None and record.state == "done":
                     # Staged again (evicted since): a new record; the old stays.
-                    record_key = f"{record_key} #{len(runs) + 1}"
+                    record_key = f"{record_key} #{_run_number(runs[-1]) + 1}"
                     record = None
                 if record is None:
                     record = self.state.tasks[record_key] = TaskRecord(
@@ -596,10 +615,14 @@ class Controller:
                         planned_start=_iso(task.start) or "",
                         predicted_ready=_iso(task.finish) or "",
                     )
-                else:  # pending, or failed and retried: the latest plan's view of it
+                else:  # pending, or failed and retried: the latest plan's view of it,
+                    # deadline included (the same version may now be for a later job).
                     record.source, record.jobs = task.source, list(task.jobs)
+                    record.deadline = _iso(task.deadline) or ""
                     record.planned_start = _iso(task.start) or ""
                     record.predicted_ready = _iso(task.finish) or ""
+                if time.monotonic() < ended + self._backoff(key):
+                    continue  # failed lately: wait before trying again
                 if task.start > now or self.stop.is_set():
                     continue  # not due, or stopping: begin nothing new
                 if task.source != "origin" and not self._peer_holds(task.source, task.version):
@@ -622,6 +645,60 @@ class Controller:
                     record.predicted_ready,
                 )
                 thread.start()
+
+    def _runs_of(self, task_key: str) -> list[str]:
+        """The record keys of ``task_key``'s runs ("eu b@1", "eu b@1 #2", …), oldest first."""
+        return sorted(
+            (k for k in self.state.tasks if k.partition(" #")[0] == task_key), key=_run_number
+        )
+
+    def _prune(
+        self, plan: Plan, schedule: Schedule, reports: list[NodeReport], now: datetime
+    ) -> None:
+        """Mark which task records are live, and drop the records that have had their day.
+
+        A task is live while there is something to do or to wait for: it runs
+        here, or it is the run the plan has (not an older run of the same
+        task), or it is done and a job it is for has not started. Only live
+        tasks count in the ``edgecache_controller_tasks`` gauges: one that was
+        late stops counting once its data is there and its jobs have started
+        (the job's record keeps whether its data was there, and why not).
+        Records are history for ``plan --status`` after that: a task's goes
+        ``record_retention`` after the end of its last job, a job's
+        ``record_retention`` after its end, and either goes at once when its
+        jobs leave the schedule. In a region with a node down (the plan there
+        is partial) nothing changes.
+        """
+        down = set(region_outages(reports))
+        planned = {
+            f"{r} {t.spec}" for r, region_plan in plan.regions.items() for t in region_plan.tasks
+        }
+        starts = {job.name: job.start for job in schedule.jobs}
+        ends = {job.name: job.end for job in schedule.jobs}
+        with self._lock:
+            running = {f"{region} {_spec(version)}" for region, version in self._runs}
+        latest: dict[str, str] = {}
+        for key in self.state.tasks:
+            base = key.partition(" #")[0]
+            latest[base] = max(latest.get(base, key), key, key=_run_number)
+        live = set()
+        for key, record in list(self.state.tasks.items()):
+            base = key.partition(" #")[0]
+            if record.region in down:
+                live |= {key} & self._live_tasks  # as it was: nothing is known there now
+                continue
+            waiting = any(starts.get(j, now) > now for j in record.jobs)
+            if latest[base] == key and (base in running or base in planned):
+                live.add(key)
+            elif record.state == "done" and waiting:
+                live.add(key)  # ready for a job still to come
+            elif all(j not in ends or ends[j] + self.record_retention <= now for j in record.jobs):
+                del self.state.tasks[key]
+        self._live_tasks = live
+        for name, job_record in list(self.state.jobs.items()):
+            end = datetime.fromisoformat(job_record.end) if job_record.end else None
+            if name not in starts or (end is not None and end + self.record_retention <= now):
+                del self.state.jobs[name]
 
     def _backoff(self, key: tuple[str, VersionKey]) -> float:
         """Seconds to wait after a run of ``key`` ended before starting another."""
@@ -699,6 +776,7 @@ class Controller:
         reasons: dict[str, list[str]] = {}
         for item in plan.infeasible:
             reasons.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
+        down = {region for region, outage in region_outages(reports).items() if outage.unreachable}
         for job in schedule.jobs:
             record = self.state.jobs.get(job.name)
             if job.end <= now:  # over: settle what is known, look no further
@@ -708,7 +786,8 @@ class Controller:
             reads = [
                 (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
             ]
-            if record is None or record.start != _iso(job.start):
+            first_seen = record is None or record.start != _iso(job.start)
+            if record is None or first_seen:
                 record = self.state.jobs[job.name] = JobRecord(
                     name=job.name,
                     region=job.region,
@@ -723,6 +802,7 @@ class Controller:
                     if s in manifests
                 }
                 record.versions = [_spec(v) for v in reads]
+            planned_infeasible = record.infeasible  # the reasons of the last round before
             record.infeasible = reasons.get(job.name, [])
             held = complete.get(job.region, set())
             missing = [_spec(v) for v in reads if v not in held] + [
@@ -732,22 +812,85 @@ class Controller:
             tasks = [t for t in region_plan.tasks if job.name in t.jobs] if region_plan else []
             if not missing and record.ready_at is None:
                 record.ready_at = _iso(now)
-            if tasks:
-                record.planned_ready = _iso(max(t.finish for t in tasks))
-            elif not missing and record.planned_ready is None:
-                record.planned_ready = record.ready_at
+            if job.start > now:  # from the start on, the time planned stays as it was
+                if tasks:
+                    record.planned_ready = _iso(max(t.finish for t in tasks))
+                elif not missing and record.planned_ready is None:
+                    record.planned_ready = record.ready_at
             if record.complete_at_start is None and job.start <= now:
                 # Seen complete before the start (recorded when seen), or not complete now.
                 ready = record.ready_at and datetime.fromisoformat(record.ready_at) <= job.start
                 record.complete_at_start = bool(ready) or not missing
                 record.missing_at_start = [] if record.complete_at_start else missing
                 if not record.complete_at_start:
+                    record.why_missed = self._why_missed(
+                        record,
+                        missing,
+                        planned_infeasible,
+                        down=job.region in down,
+                        first_seen=first_seen,
+                    )
                     self.metrics.jobs_unready_at_start.inc()
-                    log.warning("job %s started without %s", job.name, ", ".join(missing))
+                    log.warning(
+                        "job %s started without %s: %s",
+                        job.name,
+                        ", ".join(missing),
+                        record.why_missed,
+                    )
+
+    def _why_missed(
+        self,
+        record: JobRecord,
+        missing: list[str],
+        infeasible: list[str],
+        *,
+        down: bool,
+        first_seen: bool,
+    ) -> str:
+        """Why a job started without ``missing``, from what is known at its start.
+
+        ``infeasible``: the planner's reasons of the last round before the start
+        (capacity, bandwidth); a plan made after the start only says the job
+        started without its data. Kept in the job's record: the task records it
+        is built from change with later runs and go after the retention
+        (:meth:`_prune`), and ``plan --status`` must still say why the job
+        missed once its data has come.
+        """
+        if down:
+            return f"no node of {record.region} answered at the start"
+        why = ["cannot be met: " + "; ".join(infeasible)] if infeasible else []
+        for spec in missing:
+            if any(reason.startswith(f"{spec}: ") for reason in infeasible):
+                continue  # said above
+            runs = self._runs_of(f"{record.region} {spec}")
+            task = self.state.tasks[runs[-1]] if runs else None
+            if task is None or task.state == "done":
+                if spec.partition("@")[2].isdigit():
+                    again = " (staged before, gone since)" if task is not None else ""
+                    why.append(f"nothing staged {spec} before the start{again}")
+                else:
+                    why.append(f"{spec} is not in the registry")
+            elif task.state == "failed":
+                why.append(f"staging {spec} failed: {task.error}")
+            elif task.state == "running":
+                why.append(
+                    f"staging {spec} was still running at the start (started "
+                    f"{_minute(task.started_at)}, planned ready {_minute(task.predicted_ready)})"
+                )
+            else:
+                why.append(
+                    f"staging {spec} had not begun before the start (planned start "
+                    f"{_minute(task.planned_start)}, ready {_minute(task.predicted_ready)})"
+                )
+        if first_seen:
+            why.append("no controller round saw the job before it started")
+        return "; ".join(why)
 
     def _update_metrics(self, now: datetime) -> None:
         counts = dict.fromkeys(("pending", "running", "done", "failed", "late"), 0)
-        for record in self.state.tasks.values():
+        for key, record in self.state.tasks.items():
+            if key not in self._live_tasks:
+                continue  # history: kept for plan --status, not counted as if still at stake
             counts[record.state] = counts.get(record.state, 0) + 1
             deadline = datetime.fromisoformat(record.deadline) if record.deadline else None
             ready = datetime.fromisoformat(record.ready_at) if record.ready_at else None
@@ -784,6 +927,7 @@ class Controller:
             self.topology, schedule, now=now, reports=reports, token=self.token
         )
         self._observe(plan, schedule, manifests, reports, now)
+        self._prune(plan, schedule, reports, now)
         self._update_metrics(now)
         self._save_state()
 

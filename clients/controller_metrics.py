@@ -33,7 +33,9 @@ class ControllerMetrics:
         r = self.registry
         self.tasks = Gauge(
             "edgecache_controller_tasks",
-            "Staging tasks by state (late: ready after, or not ready at, their deadline)",
+            "Live staging tasks by state (late: ready after, or not ready at, their "
+            "deadline); a task stops counting once the plan no longer has it and its jobs "
+            "have started",
             ["state"],
             registry=r,
         )

@@ -108,10 +108,18 @@ def job_views(
         # is missing (else a job of an unreachable region read "ready" at the very time
         # it showed its shards missing).
         ready_at = _time(record.ready_at) if record and not missing else None
-        if record and record.planned_ready and planned is None and job.name not in infeasible:
+        if record is not None and record.complete_at_start is not None:
+            # The time planned before the start, not one re-planned after it (a plan made
+            # now puts what is still missing at now, which says nothing of the plan).
+            planned = _time(record.planned_ready)
+        elif record and record.planned_ready and planned is None and job.name not in infeasible:
             planned = _time(record.planned_ready)  # the record's, unless it cannot be met
         why = ""
-        if job.name in infeasible:
+        if record is not None and record.complete_at_start is False:
+            # Why it missed, as the controller knew it at the start: still said once the
+            # data is there, and after the task records it came from are gone.
+            why = record.why_missed or "started before its data was complete"
+        elif job.name in infeasible:
             why = "cannot be met: " + "; ".join(infeasible[job.name])
         elif missing and planned is not None and planned > job.start:
             why = f"planned ready {planned:%Y-%m-%d %H:%M} is after the start"

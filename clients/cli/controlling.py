@@ -74,6 +74,12 @@ def controller(
     does not answer is logged when it goes down and when it is back, and is
     not called until it answers; a round's calls end inside the lease.
 
+    The task gauges count live tasks only: one the plan no longer has stops
+    counting once its jobs have started (a late task, then, too). The record
+    (<registry>/_controller/state.json, read by plan --status: missed, and
+    why) keeps tasks and jobs for 24 hours after their jobs end, then drops
+    them (at once when the jobs leave the schedule).
+
     Stopping: SIGTERM or Ctrl-C ends the round, stops the staging tasks
     (whole shards are kept) and gives the lease up; a second one stops at
     once (the next controller resumes the tasks when the lease lapses).

@@ -1,0 +1,162 @@
+"""The controller's record of plan against reality: what it keeps, how long, why a job missed.
+
+Real nodes on loopback (``edgecache serve`` subprocesses), a file:// origin
+and registry, the controller in-process on a clock the test moves by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, write_parquet_shards
+from test_controller import Clock, job, one_region
+
+from edgecache.clients.controller import Controller, read_state
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.ops import gather_status, make_plan
+from edgecache.clients.plan_status import JobView, job_views
+from edgecache.clients.topology import load_schedule, load_topology
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+HOUR = timedelta(hours=1)
+
+
+@pytest.fixture
+def eu(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
+    """Versions b@1 and c@1 published from a file:// origin, and region eu of one node."""
+    registry = f"file://{tmp_path}/registry"
+    for name in ("b", "c"):
+        write_parquet_shards(tmp_path / "origin" / name, 2, rows=300)
+        publish(registry, f"file://{tmp_path}/origin/{name}", name)
+    node = start_local_node("eu", tmp_path / "cache-eu", registry)
+    try:
+        yield tmp_path, registry, node
+    finally:
+        node.stop()
+
+
+def late(controller: Controller) -> float:
+    return controller.metrics.tasks.labels(state="late")._value.get()
+
+
+def views(root: Path, now: datetime) -> dict[str, JobView]:
+    """``plan --status`` as the CLI builds it, from the controller's saved record."""
+    topology = load_topology(root / "edgecache.yaml")
+    schedule = load_schedule(root / "schedule.yaml", topology)
+    reports = gather_status(topology)
+    plan, manifests = make_plan(topology, schedule, now=now, reports=reports)
+    state = read_state(topology.registry)
+    return {v.job: v for v in job_views(schedule, plan, manifests, reports, state, now)}
+
+
+def test_a_late_task_stops_counting_once_done_and_records_go_after_the_retention(
+    eu,
+) -> None:
+    root, _, node = eu
+    one_region(root, "file://" + str(root / "registry"), node, job("j", "eu", T0, 1, "b@1"))
+    clock = Clock(T0 + timedelta(minutes=10))  # j started without b@1: staging is late
+    controller = Controller(
+        root / "edgecache.yaml",
+        root / "schedule.yaml",
+        clock=clock,
+        record_retention=timedelta(hours=6),
+    )
+    try:
+        controller.tick()
+        assert late(controller) == 1  # running past its deadline: the alert's case
+        controller.wait_idle()
+        # Done, no longer planned, and its job has started: nothing is late any more.
+        assert late(controller) == 0
+        assert controller.state.tasks["eu b@1"].state == "done"  # kept, as history
+        for hours in (2, 5, 30):  # nothing comes back, round after round
+            clock.now = T0 + hours * HOUR
+            controller.tick()
+            assert late(controller) == 0
+            # Kept while the job runs and 6 h after its end, then dropped.
+            assert ("j" in controller.state.jobs) == (hours < 7)
+            assert ("eu b@1" in controller.state.tasks) == (hours < 7)
+        state = read_state(f"file://{root}/registry")
+        assert state is not None and state.jobs == {} and state.tasks == {}
+    finally:
+        controller.close()
+
+
+def test_a_missed_job_says_why_even_once_its_data_is_there(eu) -> None:
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0, 1, "b@1"))
+    clock = Clock(T0 + timedelta(minutes=10))
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        controller.tick()
+        controller.wait_idle()
+    finally:
+        controller.close()
+    view = views(root, clock.now)["j"]
+    assert view.state == "missed" and not view.missing  # staged since, after the start
+    assert "b@1" in view.why and "before the start" in view.why, view.why
+
+
+def test_a_reused_task_record_takes_its_current_jobs_deadline(eu) -> None:
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 + 2 * HOUR, 1, "b@1"))
+    for shard in (root / "origin" / "b").iterdir():
+        shard.unlink()  # every stage of b fails: the record stays, to be retried
+    clock = Clock(T0)
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=clock, retry_backoff=3600
+    )
+    try:
+        controller.tick()
+        controller.wait_idle()
+        record = controller.state.tasks["eu b@1"]
+        assert record.state == "failed" and record.deadline == (T0 + 2 * HOUR).isoformat()
+        # j moves to the afternoon: the same task, for a later start.
+        one_region(root, registry, node, job("j", "eu", T0 + 6 * HOUR, 1, "b@1"))
+        clock.now = T0 + 3 * HOUR  # past the old deadline, long before the new one
+        controller.tick()  # in its backoff: not run again, but planned for the new start
+        record = controller.state.tasks["eu b@1"]
+        assert record.attempts == 1
+        assert record.deadline == (T0 + 6 * HOUR).isoformat()
+        assert late(controller) == 0
+    finally:
+        controller.close()
+
+
+def test_a_missed_job_keeps_its_planned_ready_time_and_names_the_failed_stage(eu) -> None:
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 + HOUR, 3, "b@1"))
+    for shard in (root / "origin" / "b").iterdir():
+        shard.unlink()  # the origin lost b's files: every stage of it fails
+    clock = Clock(T0)
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=clock, retry_backoff=0.0
+    )
+    try:
+        plan = controller.tick()
+        assert plan is not None
+        (task,) = plan.regions["eu"].tasks
+        clock.now = task.start + timedelta(seconds=1)
+        plan = controller.tick()
+        assert plan is not None
+        (task,) = plan.regions["eu"].tasks
+        controller.wait_idle()
+        assert controller.state.tasks["eu b@1"].state == "failed"
+        # The last plan before the start had b@1 ready in time.
+        planned = controller.state.jobs["j"].planned_ready
+        assert planned == task.finish.isoformat() and task.finish <= T0 + HOUR
+        for minutes in (65, 90):  # j has started without b@1; the plan now says later
+            clock.now = T0 + timedelta(minutes=minutes)
+            controller.tick()
+            controller.wait_idle()
+            record = controller.state.jobs["j"]
+            assert record.complete_at_start is False
+            assert record.planned_ready == planned  # the time planned, not re-planned
+    finally:
+        controller.close()
+    view = views(root, clock.now)["j"]
+    assert view.state == "missed"
+    assert view.planned_ready == task.finish
+    assert "staging b@1 failed" in view.why and "part-0000" in view.why, view.why
