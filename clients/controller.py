@@ -46,7 +46,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from edgecache.cache.errors import EdgeCacheError, ObjectNotFound
+from edgecache.cache.errors import EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
@@ -295,7 +295,12 @@ class Controller:
         self.lease = Lease(
             self._stores.for_url(registry), f"{registry}/{LEASE_PREFIX}", self.holder, lease_ttl
         )
-        self.state = self._load_state()
+        try:
+            self.state = self._load_state()
+        except BaseException:
+            self._await(self._stores.close())  # no client session left open behind the error
+            self._loop.close()
+            raise
         self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
         self._ended: dict[tuple[str, VersionKey], float] = {}  # when each run last ended
         self.retry_backoff = retry_backoff
@@ -324,9 +329,33 @@ class Controller:
     def _await(self, coroutine: Any) -> Any:
         return self._loop.run_until_complete(coroutine)
 
+    def _registry_call(self, coroutine: Any, doing: str) -> Any:
+        """Await a call on the registry's store; one that cannot reach it names the registry.
+
+        The store's own error names an object URL deep inside the registry and
+        calls it origin: the operator has to know it is the ``registry:`` of the
+        topology file that points at nothing, and what to check.
+        """
+        try:
+            return self._await(coroutine)
+        except ObjectNotFound:
+            raise
+        except OriginError as exc:
+            registry = self.topology.registry.rstrip("/")
+            where = self.topology_path or "the topology file"
+            raise OriginError(
+                f"cannot {doing}: the version registry {registry} (registry: in {where}) "
+                f"does not answer: {exc}. Check that URL, and that "
+                "its store is reachable from here with these credentials: the controller "
+                "keeps its lease and its record there"
+            ) from exc
+
     def _load_state(self) -> ControllerState:
         try:
-            raw = self._await(self._stores.for_url(self._state_url).get(self._state_url))
+            raw = self._registry_call(
+                self._stores.for_url(self._state_url).get(self._state_url),
+                "read the controller's record",
+            )
         except ObjectNotFound:
             return ControllerState()
         try:
@@ -338,8 +367,9 @@ class Controller:
     def _save_state(self) -> None:
         self.state.updated_at = _iso(self.clock()) or ""
         self.state.holder = self.holder
-        self._await(
-            self._stores.for_url(self._state_url).put(self._state_url, self.state.to_json())
+        self._registry_call(
+            self._stores.for_url(self._state_url).put(self._state_url, self.state.to_json()),
+            "save the controller's record",
         )
 
     def close(self) -> None:
@@ -371,7 +401,7 @@ class Controller:
     def leader(self) -> LeaseRecord | None:
         """Take or renew the lease: None when this controller holds it, else the holder's record."""
         asked = time.monotonic()  # the lease runs from no later than this
-        held = self._await(self.lease.acquire())
+        held = self._registry_call(self.lease.acquire(), "take the controller's lease")
         self._leading = held is None
         if held is None:
             self._renewed_at = asked

@@ -6,13 +6,14 @@ and registry, the controller in-process on a clock the test moves by hand.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from edgeutil import publish, write_parquet_shards
-from test_controller import Clock, job, one_region
+from test_controller import Clock, controller_process, job, one_region
 
 from edgecache.clients.controller import Controller, read_state
 from edgecache.clients.node_client import LocalNode, start_local_node
@@ -160,3 +161,21 @@ def test_a_missed_job_keeps_its_planned_ready_time_and_names_the_failed_stage(eu
     assert view.state == "missed"
     assert view.planned_ready == task.finish
     assert "staging b@1 failed" in view.why and "part-0000" in view.why, view.why
+
+
+def test_a_registry_that_does_not_answer_is_named_with_what_to_check(tmp_path: Path) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # nothing listens there once it is closed
+    registry = f"http://127.0.0.1:{port}/registry"
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0, 1, "b@1"))
+    process = controller_process(tmp_path, "--once")
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 1, out
+    assert f"the version registry {registry} (registry: in " in out, out
+    assert "edgecache.yaml) does not answer" in out, out
+    assert "Check that URL" in out, out
+    assert "Unclosed client session" not in out, out  # nothing left open behind the error
