@@ -163,6 +163,23 @@ class ControllerState:
         )
 
 
+def _unreachable(
+    registry: str, doing: str, exc: OriginError, topology_path: object = None
+) -> OriginError:
+    """The error for a registry whose store does not answer: which registry, and what to check.
+
+    The store's own error names an object URL deep inside the registry and
+    calls it origin: the operator has to know it is the ``registry:`` of the
+    topology file that points at nothing.
+    """
+    where = topology_path or "the topology file"
+    return OriginError(
+        f"cannot {doing}: the version registry {registry.rstrip('/')} (registry: in {where}) "
+        f"does not answer: {exc}. Check that URL, and that its store is reachable from here "
+        "with these credentials: the controller keeps its lease and its record there"
+    )
+
+
 def read_state(registry: str) -> ControllerState | None:
     """The controller's last saved state in ``registry``, or None if none ran there."""
 
@@ -172,6 +189,8 @@ def read_state(registry: str) -> ControllerState | None:
             raw = await stores.for_url(registry).get(f"{registry.rstrip('/')}/{STATE_NAME}")
         except ObjectNotFound:
             return None
+        except OriginError as exc:
+            raise _unreachable(registry, "read the controller's record", exc) from exc
         finally:
             await stores.close()
         return ControllerState.from_json(raw)
@@ -203,6 +222,10 @@ def lease_holder(registry: str) -> LeaseRecord | None:
         try:
             url = f"{registry.rstrip('/')}/{LEASE_PREFIX}"
             record = await Lease(stores.for_url(registry), url, "reader").current()
+        except ObjectNotFound:
+            raise
+        except OriginError as exc:
+            raise _unreachable(registry, "read the controller's lease", exc) from exc
         finally:
             await stores.close()
         return record if record is not None and record.live(time.time()) else None
@@ -330,25 +353,13 @@ class Controller:
         return self._loop.run_until_complete(coroutine)
 
     def _registry_call(self, coroutine: Any, doing: str) -> Any:
-        """Await a call on the registry's store; one that cannot reach it names the registry.
-
-        The store's own error names an object URL deep inside the registry and
-        calls it origin: the operator has to know it is the ``registry:`` of the
-        topology file that points at nothing, and what to check.
-        """
+        """Await a call on the registry's store; one that cannot reach it names the registry."""
         try:
             return self._await(coroutine)
         except ObjectNotFound:
             raise
         except OriginError as exc:
-            registry = self.topology.registry.rstrip("/")
-            where = self.topology_path or "the topology file"
-            raise OriginError(
-                f"cannot {doing}: the version registry {registry} (registry: in {where}) "
-                f"does not answer: {exc}. Check that URL, and that "
-                "its store is reachable from here with these credentials: the controller "
-                "keeps its lease and its record there"
-            ) from exc
+            raise _unreachable(self.topology.registry, doing, exc, self.topology_path) from exc
 
     def _load_state(self) -> ControllerState:
         try:

@@ -7,6 +7,8 @@ and registry, the controller in-process on a clock the test moves by hand.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -179,3 +181,12 @@ def test_a_registry_that_does_not_answer_is_named_with_what_to_check(tmp_path: P
     assert "edgecache.yaml) does not answer" in out, out
     assert "Check that URL" in out, out
     assert "Unclosed client session" not in out, out  # nothing left open behind the error
+    status = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", "plan", str(tmp_path / "schedule.yaml")]
+        + ["--status", "--config", str(tmp_path / "edgecache.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 1, status
+    assert f"the version registry {registry} (registry: in " in status.stderr, status.stderr
