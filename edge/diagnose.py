@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -117,6 +118,78 @@ def _peer_failed(
             "that setting is fixed on this node"
         )
     return PeerPathFailed(message, peer=peer, code=name, final=final)
+
+
+# gRPC's words when a node refuses a message over its max_request_bytes (the limit last)
+# and a call over its max_streams.
+_TOO_LARGE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+_FRAMING = 6  # a SinkChunk's bytes beyond its data: the field's tag and length varint
+_LEAST_PART = 256  # fits the least max_request_bytes (1 KiB) with room for framing
+_SINK_PART = 512 << 10  # each message into a peer's Sink, unless it accepts less
+
+
+def _too_many(exc: grpc.RpcError) -> bool:
+    """Whether a call was refused for the peer's ``max_streams`` (concurrent calls)."""
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in details
+
+
+def _smaller_part(part: int, exc: grpc.RpcError) -> int | None:
+    """The next message size to try after ``part`` bytes were refused; None: give up.
+
+    A refusal for size names the node's limit: just under it. The same refusal can
+    reach the sender as INTERNAL ("Internal error from Core") when it lands while
+    the message is still being sent: half the size then. Anything else, or sizes
+    below the least max_request_bytes (1 KiB), is no size problem.
+    """
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        found = _TOO_LARGE.search(exc.details() or "")
+        smaller = min(int(found.group(2)) - _FRAMING, part - 1) if found else 0
+    elif exc.code() == grpc.StatusCode.INTERNAL:
+        smaller = part // 2
+    else:
+        smaller = 0
+    return smaller if smaller >= _LEAST_PART else None
+
+
+async def _sink_part(
+    sink: grpc.aio.StreamUnaryMultiCallable, metadata: tuple[tuple[str, str], ...] | None
+) -> int:
+    """The message size a peer's Sink accepts: ``_SINK_PART``, or less under its limit.
+
+    One message is sent first; a peer whose ``max_request_bytes`` is lower
+    refuses it naming its limit, and the upload is sized to fit. Raises the
+    refusal when no size fits (or the call failed for another reason).
+    """
+    part = _SINK_PART
+    while True:
+        try:
+            await sink(_one(edge_pb2.SinkChunk(data=bytes(part))), metadata=metadata, timeout=10)
+            return part
+        except grpc.RpcError as exc:
+            if (smaller := _smaller_part(part, exc)) is None:
+                raise
+            part = smaller
+
+
+async def _one(chunk: edge_pb2.SinkChunk) -> AsyncIterator[edge_pb2.SinkChunk]:
+    yield chunk
+
+
+def _with_limit(failed: PeerPathFailed, exc: grpc.RpcError) -> PeerPathFailed:
+    """``failed``, naming the peer's setting that refused the upload when one did."""
+    if _TOO_LARGE.search(exc.details() or ""):
+        limit = "the peer's max_request_bytes is too low for an upload test"
+    elif _too_many(exc):
+        limit = (
+            "the peer's max_streams (its limit on concurrent calls) was reached: test with "
+            "fewer streams or when it is less busy, or raise its max_streams"
+        )
+    else:
+        return failed
+    return PeerPathFailed(
+        f"{failed}; {limit}", peer=failed.peer, code=failed.code, final=failed.final
+    )
 
 
 def _add_note(report: edge_pb2.PathReport, note: str) -> None:
@@ -291,7 +364,13 @@ async def diagnose_peer(
         request_serializer=edge_pb2.SinkChunk.SerializeToString,
         response_deserializer=edge_pb2.SinkReport.FromString,
     )
-    chunk = edge_pb2.SinkChunk(data=os.urandom(512 << 10))  # under max_request_bytes
+    try:
+        part = await _sink_part(sink, peers._metadata)  # noqa: SLF001
+    except grpc.RpcError as exc:
+        raise _with_limit(
+            _peer_failed(peers, peer, "the upload into its Sink", exc, True), exc
+        ) from exc
+    chunk = edge_pb2.SinkChunk(data=os.urandom(part))
     deadline = time.monotonic() + seconds
 
     async def stream() -> int:
@@ -307,11 +386,28 @@ async def diagnose_peer(
     started = time.monotonic()
     results = await asyncio.gather(*(stream() for _ in range(streams)), return_exceptions=True)
     elapsed = time.monotonic() - started
+    accepted = sum(isinstance(r, int) for r in results)
+    refused: tuple[str, str] | None = None  # a refused stream's status: (code name, details)
     for result in results:
         if isinstance(result, grpc.RpcError):
-            raise _peer_failed(peers, peer, "the upload into its Sink", result, True) from result
+            # A call over the peer's max_streams is refused at once; racing this side's
+            # first message, the refusal can arrive as INTERNAL. Measured on the others.
+            if accepted and (_too_many(result) or result.code() == grpc.StatusCode.INTERNAL):
+                refused = refused or rpc_status(result)
+                continue
+            raise _with_limit(
+                _peer_failed(peers, peer, "the upload into its Sink", result, True), result
+            ) from result
         if isinstance(result, BaseException):
             raise result
+    if refused is not None:
+        report.streams = accepted
+        _add_note(
+            report,
+            f"{accepted} of {streams} upload streams were accepted by {peer}, and the upload "
+            f"measured on them; the others were refused ({': '.join(refused)}): a node "
+            "refuses the calls beyond its max_streams",
+        )
     moved = sum(r for r in results if isinstance(r, int))
     change = tcp_stats.delta(before, tcp_stats.counters_to(target))
     report.bytes_per_second = moved / elapsed if elapsed else 0.0

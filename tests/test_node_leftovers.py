@@ -247,3 +247,61 @@ def test_concurrent_stages_of_a_shard_count_it_staged_once(tmp_path: Path, regis
     assert [o.shards_done for o in outcomes] == [2, 2]
     assert fetches == 2  # the premise: one fetch of each shard, shared
     assert (staged, skipped) == (2, 2)
+
+
+# ------------------------- 6: doctor's upload fits the node's request and stream limits
+
+
+def _doctor_paths(tmp_path: Path, registry: str, **limits: object) -> list:
+    from edgecache.clients.doctor import check_paths
+    from edgecache.clients.topology import RegionConfig, Topology
+
+    with running_node(node_settings(tmp_path, registry, **limits)) as node:
+        topology = Topology(registry=registry, regions={"eu": RegionConfig(nodes=[node.address])})
+        return check_paths(topology, home_region="eu", pings=3, throughput_seconds=1.0)
+
+
+def test_doctor_uploads_in_messages_a_small_max_request_bytes_accepts(
+    tmp_path: Path, registry: str
+) -> None:
+    """Each upload message was 512 KiB; a node with max_request_bytes below that refused
+    every one, and the doctor reported the upload test refused (RESOURCE_EXHAUSTED)."""
+    [check] = _doctor_paths(tmp_path, registry, max_request_bytes=16 << 10)
+    assert check.upload_mb_s and check.upload_mb_s > 0, check
+    assert check.streams == 4
+    assert not [p for p in check.problems if "upload" in p], check.problems
+
+
+def test_doctor_uploads_on_the_streams_a_small_max_streams_allows(
+    tmp_path: Path, registry: str
+) -> None:
+    """With max_streams below the doctor's four upload streams, the streams beyond it were
+    refused and the rate measured on the others was reported as four streams' rate."""
+    [check] = _doctor_paths(tmp_path, registry, max_streams=2)
+    assert check.upload_mb_s and check.upload_mb_s > 0, check
+    assert 1 <= check.streams < 4, check
+    [note] = [p for p in check.problems if "max_streams" in p]
+    assert f"{check.streams} of 4 upload streams" in note, note
+
+
+@pytest.mark.parametrize("limits", [{"max_request_bytes": 16 << 10}, {"max_streams": 2}])
+def test_a_nodes_upload_into_a_peer_fits_the_peers_limits(
+    tmp_path: Path, registry: str, limits: dict
+) -> None:
+    """Diagnose of a peer (doctor --node-paths) uploads into the peer's Sink: 512 KiB
+    messages failed the whole test against a peer with a lower max_request_bytes, and the
+    streams a peer's max_streams refused failed it too."""
+    peer_dir, node_dir = tmp_path / "peer", tmp_path / "node"
+    with (
+        running_node(node_settings(peer_dir, registry, region="us", **limits)) as peer,
+        running_node(node_settings(node_dir, registry)) as node,
+    ):
+        request = edge_pb2.DiagnoseRequest(target=peer.address, seconds=1, streams=4)
+        report = stub(node.address).Diagnose(request, timeout=60)
+    assert report.bytes_per_second > 0, report
+    if "max_streams" in limits:
+        assert 1 <= report.streams < 4, report
+        assert f"{report.streams} of 4 upload streams" in report.note, report.note
+        assert "max_streams" in report.note, report.note
+    else:
+        assert report.streams == 4, report
