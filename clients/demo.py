@@ -88,8 +88,15 @@ class DemoResult:
 
 
 def _write_origin(root: Path, total_mib: int, shards: int, progress: Progress) -> int:
-    """Generate the token shards; the longest quiet step of ``make demo``, hence its bar."""
+    """Generate the token shards; the longest quiet step of ``make demo``, hence its bar.
+
+    An earlier run's shards in a reused ``--workdir`` go first: publish takes
+    the whole folder, so four old shards beside two new ones became a version
+    of six that the story, which counted two, then failed to verify.
+    """
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("part-*.parquet"):
+        stale.unlink()
     rows = max((total_mib << 20) // (TOKENS * 4) // shards, 1)
     bar = progress.add_task("write origin (Parquet)", total=rows * shards * (TOKENS * 4 + 8))
     for index in range(shards):

@@ -93,7 +93,10 @@ def start_local_node(
     """Start a node on a free loopback port and wait until it serves.
 
     ``extra_args`` are more ``edgecache serve`` flags; with ``--metrics-listen``
-    the node's metrics address is read too.
+    the node's metrics address is read too. The node runs in a session of its
+    own: a terminal's Ctrl-C goes to the caller alone, which stops its nodes
+    (``LocalNode.stop``) as it ends; in the caller's process group the nodes
+    died of it first, and the demo then failed with "region unreachable".
     """
     log = open(log_file, "a") if log_file else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
@@ -118,6 +121,7 @@ def start_local_node(
         stderr=log,
         text=True,
         env={**os.environ, "EDGECACHE_SYNC": "false", **(env or {})},
+        start_new_session=True,
     )
     if not isinstance(log, int):
         log.close()  # the child has its own copy of the descriptor

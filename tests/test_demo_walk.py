@@ -105,6 +105,55 @@ def test_sigterm_stops_the_nodes_and_removes_the_temporary_directory(tmp_path: P
     assert list(tmp_path.glob("edgecache-demo-*")) == []
 
 
+def test_ctrl_c_in_a_terminal_stops_the_demo_not_its_nodes_first(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group.
+
+    The nodes used to share the demo's group, so they died of it first and the
+    demo reported "region eu-west is unreachable"; now they run in their own
+    session, and the demo stops them, says so and exits 130.
+    """
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "edgecache.clients.cli", "demo", "--size-mib", "2"]
+        + ["--shards", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # a process group of its own, as a terminal's job has
+    )
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            if line.startswith("nodes: "):
+                break
+        assert len(_processes_mentioning(str(tmp_path))) == 2
+        os.killpg(demo.pid, signal.SIGINT)
+        _, stderr = demo.communicate(timeout=60)
+        assert demo.returncode == 130, stderr
+        assert "stopped by Ctrl-C" in stderr and "unreachable" not in stderr
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        left = _processes_mentioning(str(tmp_path))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert list(tmp_path.glob("edgecache-demo-*")) == []
+
+
+def test_an_error_is_said_once_with_its_own_exit_code(tmp_path: Path) -> None:
+    """A bad --workdir printed its error, then "error: 2", and exited 1 (typer.Exit is a
+    RuntimeError, which the demo's handler took for a failed step)."""
+    (tmp_path / "file").write_text("not a directory")
+    result = CliRunner().invoke(
+        app, ["demo", "--size-mib", "1", "--workdir", str(tmp_path / "file" / "w")]
+    )
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "file" in errors[0], result.output
+
+
 def test_json_names_no_deleted_workdir() -> None:
     """Without --workdir the files are removed at the end: --json must not point at them."""
     result = CliRunner().invoke(app, ["demo", "--size-mib", "2", "--shards", "2", "--json"])
@@ -120,6 +169,10 @@ def test_a_second_run_in_one_workdir_reports_this_versions_bytes(tmp_path: Path)
     second = run_demo(tmp_path, **SMALL)  # type: ignore[arg-type]
     assert (first.dataset, second.dataset) == ("demo-tokens@1", "demo-tokens@2")
     assert second.stored_bytes == first.stored_bytes
+    # Fewer shards the third time: the earlier run's shards are not published with them.
+    third = run_demo(tmp_path, total_mib=1, shards=1)
+    assert third.dataset == "demo-tokens@3" and third.shards == 1 and third.verified
+    assert sorted(p.name for p in (tmp_path / "origin").iterdir()) == ["part-00000.parquet"]
 
 
 def test_the_story_shows_the_pin_with_time_zones_and_a_bar_for_every_step(

@@ -101,7 +101,7 @@ class Options:
 
 def exit_code_for(exc: BaseException) -> ExitCode:
     """Bad input (2) for what the user can fix in the command; failure (1) otherwise."""
-    if isinstance(exc, ValueError | VersionNotFound | FileNotFoundError):
+    if isinstance(exc, ValueError | VersionNotFound | FileNotFoundError | NotADirectoryError):
         return ExitCode.BAD_INPUT
     return ExitCode.FAILED
 

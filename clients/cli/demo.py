@@ -110,9 +110,15 @@ def demo(
                 say=say,
                 while_running=hold,
             )
+    except typer.Exit:  # reporting() said it already, with its exit code (a RuntimeError too)
+        raise
     except RuntimeError as exc:  # torch missing, a node that did not start
         error(str(exc))
         raise exit_with(ExitCode.FAILED) from exc
+    except KeyboardInterrupt:  # the nodes are stopped by now; SIGTERM's line says as much
+        gone = "its files stay in " + str(root) if kept else "removing its temporary files"
+        error(f"stopped by Ctrl-C: the demo's nodes are stopped; {gone}")
+        raise
     finally:
         if not kept:
             shutil.rmtree(root, ignore_errors=True)
