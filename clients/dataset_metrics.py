@@ -7,6 +7,7 @@ EdgeDataset counts, per rank (label ``rank``) and pinned version (``dataset``):
   (the data-stall alert watches it). With ``num_workers=0`` the dataset
   measures it itself; with workers the main process cannot see the loop
   wait unless the loader is wrapped: ``for batch in ds.watch(loader)``.
+  Until something measured it, the series is left out (unknown, not 0 s).
 * ``edgecache_client_samples_total``, ``edgecache_client_batches_total`` —
   delivered to the training loop.
 * ``edgecache_client_read_bytes_total{endpoint}`` — chunk bytes read from
@@ -48,6 +49,9 @@ class _Counts:
 
     def __init__(self, endpoints: Iterable[str] = ()) -> None:
         self.wait_seconds = 0.0
+        # Whether anything measured the wait: with DataLoader workers and no watch() nothing
+        # can, and a series of 0 s would tell the stall alert the GPU never waits.
+        self.wait_measured = False
         self.samples = self.batches = self.failovers = 0
         self.bytes: dict[str, int] = dict.fromkeys(endpoints, 0)
         self.endpoint: str | None = None
@@ -56,7 +60,9 @@ class _Counts:
     def add(self, delta: dict[str, Any]) -> None:
         """Fold in what was delivered or read since the last delta (see :class:`PoolTally`)."""
         with self.lock:
-            self.wait_seconds += delta.get("wait", 0.0)
+            if "wait" in delta:
+                self.wait_seconds += delta["wait"]
+                self.wait_measured = True
             self.samples += delta.get("samples", 0)
             self.batches += delta.get("batches", 0)
             self.failovers += delta.get("failovers", 0)
@@ -180,7 +186,8 @@ class _Collector(Collector):
             every = list(_TOTALS.items())
         for labels, totals in every:
             with totals.lock:
-                wait.add_metric(list(labels), totals.wait_seconds)
+                if totals.wait_measured:  # unknown is absent, not 0
+                    wait.add_metric(list(labels), totals.wait_seconds)
                 samples.add_metric(list(labels), totals.samples)
                 batches.add_metric(list(labels), totals.batches)
                 failovers.add_metric(list(labels), totals.failovers)

@@ -143,6 +143,10 @@ class NodeMetrics:
         ).labels(**labels)
         self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
+        self.pinned_bytes = gauge(
+            "edgecache_cache_pinned_bytes",
+            "Bytes of chunks of versions pinned now: what eviction cannot free for new versions",
+        )
         self.disk_full = gauge(
             "edgecache_cache_disk_full",
             "1 while the cache's disk is full (its last write found no room on the volume), "

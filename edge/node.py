@@ -135,6 +135,10 @@ class EdgeNode:
         # eviction all change it, and a value set on writes read 0 until the first one.
         self._last_used = 0.0  # what the gauge last read (a scrape after close gets it)
         self.metrics.used_bytes.set_function(self._used_bytes)
+        # A busy LRU cache sits near its capacity by design; what leaves no room for the
+        # next version is pinned data, so that is what the cache-full alert watches.
+        self._last_pinned = 0.0
+        self.metrics.pinned_bytes.set_function(self._pinned_bytes)
         self._evicted_counted = (0, 0)  # the store's (shards, bytes) evicted already counted
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
@@ -239,6 +243,20 @@ class EdgeNode:
         except Exception:  # noqa: BLE001 - closed while scraped: the last value read
             pass
         return self._last_used
+
+    def _pinned_bytes(self) -> float:
+        now = datetime.now(UTC)
+        try:
+            self._last_pinned = float(
+                sum(
+                    v.stored_bytes
+                    for v in self.store.versions()
+                    if v.pinned_until is not None and v.pinned_until > now
+                )
+            )
+        except Exception:  # noqa: BLE001 - closed while scraped: the last value read
+            pass
+        return self._last_pinned
 
     async def finish_fetches(self, timeout: float) -> int:
         """Give the shard fetches under way up to ``timeout`` seconds to commit whole.

@@ -79,6 +79,26 @@ def test_a_scrape_counts_what_the_training_loop_got(node: LocalNode, workers: in
     ds.close()
 
 
+def test_an_unmeasured_wait_is_left_out_not_reported_as_zero(node: LocalNode) -> None:
+    """With workers and no watch(), nothing sees the loop wait: a series of 0 s would keep
+    the training-waits-for-data alert silent however long the GPU waited. Rank 3 is this
+    test's alone (the counters are per process)."""
+    ds = EdgeDataset(
+        "tokens@1", endpoints=[node.address], rank=3, world_size=4, metrics_port=0, **SMALL
+    )
+    rank = {"rank": "3", "dataset": "tokens@1"}
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    assert sum(len(b["label"]) for b in loader) > 0
+    metrics = scrape(ds.metrics_port)  # type: ignore[arg-type]
+    assert value(metrics, "edgecache_client_samples_total", **rank) > 0
+    wait = ("edgecache_client_data_wait_seconds_total", frozenset(rank.items()))
+    assert wait not in metrics
+    for _ in ds.watch(loader):  # measured from here on
+        pass
+    assert value(scrape(ds.metrics_port), *wait[:1], **rank) > 0  # type: ignore[arg-type]
+    ds.close()
+
+
 def test_ranks_are_labelled_and_an_unused_endpoint_is_not_in_use(node: LocalNode) -> None:
     with socket.socket() as s:  # a port nothing listens on: ranked last, never read from
         s.bind(("127.0.0.1", 0))

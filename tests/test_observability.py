@@ -464,6 +464,7 @@ EU = {"region": "eu-west"}
 N1 = {"region": "eu-west", "node": "n1"}
 C1 = {"job": "edgecache-controller", "instance": "controller:9091"}
 FIRST_CHUNK = "edgecache_read_first_chunk_seconds_bucket"
+FIRST_CHUNK_COUNT = "edgecache_read_first_chunk_seconds_count"
 # promtool unit tests: each alert fires on series shaped like the live ones (the test checks
 # their label names against /metrics), and stays quiet where it should. One step a minute.
 ALERT_TESTS: list[dict] = [
@@ -479,14 +480,18 @@ ALERT_TESTS: list[dict] = [
             ),
             series("edgecache_origin_retries_total", NODE, "0+10x30"),
             series("edgecache_origin_fetches_total", NODE, "0+10x30"),
-            series("edgecache_cache_used_bytes", NODE, "99x40"),
+            series("edgecache_cache_pinned_bytes", NODE, "95x40"),
             series("edgecache_cache_capacity_bytes", NODE, "100x40"),
+            # Half the reads fail on the node's side (origin lost an object).
+            series(FIRST_CHUNK_COUNT, f'{NODE}, result="ok"', "0+10x30"),
+            series(FIRST_CHUNK_COUNT, f'{NODE}, result="FAILED_PRECONDITION"', "0+10x30"),
             series("edgecache_controller_node_up", 'region="eu-west", node="n1:7070"', "0x30"),
         ],
         "alert_rule_test": [
             fires("20m", "EdgecacheDataStall", "warning", **EU),
             fires("20m", "EdgecacheTrainingWaitsForData", "warning", rank="0", dataset="tokens@1"),
             fires("20m", "EdgecacheOriginErrors", "warning", **EU),
+            fires("20m", "EdgecacheReadsFailing", "critical", **EU),
             quiet("20m", "EdgecacheCacheFull"),
             fires("35m", "EdgecacheCacheFull", "warning", **N1),
             fires("5m", "EdgecacheNodeDown", "critical", region="eu-west", node="n1:7070"),
@@ -517,6 +522,22 @@ ALERT_TESTS: list[dict] = [
             quiet("15m", "EdgecacheControllerStalled"),  # failing rounds still tick
             fires("16m", "EdgecacheControllerRoundsFailing", "critical", **C1),
             fires("6m", "EdgecacheScheduleInvalid", "warning", **C1),
+        ],
+    },
+    {
+        # A healthy node: reads its clients cancel or ask wrongly are no failing reads, and
+        # an LRU cache at its capacity with little pinned is no full cache.
+        "input_series": [
+            series(FIRST_CHUNK_COUNT, f'{NODE}, result="ok"', "0+10x30"),
+            series(FIRST_CHUNK_COUNT, f'{NODE}, result="CANCELLED"', "0+10x30"),
+            series(FIRST_CHUNK_COUNT, f'{NODE}, result="NOT_FOUND"', "0+10x30"),
+            series("edgecache_cache_used_bytes", NODE, "100x40"),
+            series("edgecache_cache_pinned_bytes", NODE, "40x40"),
+            series("edgecache_cache_capacity_bytes", NODE, "100x40"),
+        ],
+        "alert_rule_test": [
+            quiet("25m", "EdgecacheReadsFailing"),
+            quiet("35m", "EdgecacheCacheFull"),
         ],
     },
     {
