@@ -197,6 +197,16 @@ def test_compose_stack_and_dashboards() -> None:
     assert "--metrics-listen" in services["controller"]["command"]
     dependencies = {d for svc in services.values() for d in svc.get("depends_on", [])}
     assert dependencies <= set(services)
+    # What needs the nodes waits until their HEALTHCHECK passes, not until they start.
+    for name in ("seed", "controller"):
+        needs = services[name]["depends_on"]
+        assert {d: c["condition"] for d, c in needs.items()} == dict.fromkeys(
+            ("eu-west-1", "eu-west-2", "us-east-1"), "service_healthy"
+        ), name
+    # Nothing is published beyond this host: MinIO's demo credentials, Stage and Evict
+    # without a token, an anonymous Grafana (docs/security.md before widening it).
+    published = [port for svc in services.values() for port in svc.get("ports", [])]
+    assert published and all(str(port).startswith("127.0.0.1:") for port in published), published
     named = set(compose["volumes"])
     for svc in services.values():
         for volume in svc.get("volumes", []):
