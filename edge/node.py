@@ -806,7 +806,15 @@ class EdgeNode:
                 raise ShardNotCached(f"{key} is not cached on {self.node_id} (cached_only)")
             info, fetched = held, None
         else:
-            info, fetched = await self.ensure_shard(manifest, shard)
+            try:
+                info, fetched = await self.ensure_shard(manifest, shard)
+            except BaseException:
+                # Not resident, and the read ended before a chunk: its reader left (or its
+                # deadline passed) while the shard was fetched, or the fetch failed. Still
+                # a miss, and the slowest kind: uncounted, it went missing from the hit
+                # ratio and Status while the fetch went on for the next reader.
+                self.metrics.misses.inc()
+                raise
         # A hit or a miss, counted once when the stream ends: a resident shard found
         # damaged (its record here, or a chunk mid-stream) is dropped and fetched again,
         # which makes the read a miss, not a hit and a miss.

@@ -67,6 +67,13 @@ DIAGNOSE_SECONDS, DIAGNOSE_STREAMS = 30.0, 16
 Req = TypeVar("Req")
 
 
+def _abandoned(context: aio.ServicerContext) -> str:
+    """The result of a call its client gave up on: its deadline passed, or it cancelled."""
+    left = context.time_remaining()
+    expired = left is not None and left <= 0
+    return (grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED).name
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an exception raised while handling a request."""
     message = str(exc)
@@ -353,6 +360,9 @@ class EdgeCacheService:
         except Exception as exc:  # refused before a stream began: still a read's result
             node.metrics.first_chunk(time.monotonic() - began, status_for(exc)[0].name)
             raise
+        except (asyncio.CancelledError, GeneratorExit):
+            node.metrics.first_chunk(time.monotonic() - began, _abandoned(context))
+            raise
         node.metrics.active_streams.inc()
         # Staging yields to training reads. A cached_only read is another node's staging
         # (a peer copy) or a probe, not a training read: counting it slowed this node's
@@ -360,7 +370,7 @@ class EdgeCacheService:
         training = not request.cached_only
         if training:
             await node.gate.read_started()
-        last, first = time.monotonic(), True
+        last, first = began, True  # the first chunk is timed from the request
         try:
             async for encoded in node.read_chunks(
                 manifest,
@@ -380,7 +390,14 @@ class EdgeCacheService:
                 last = time.monotonic()
         except Exception as exc:
             if first:
-                node.metrics.first_chunk(time.monotonic() - last, status_for(exc)[0].name)
+                node.metrics.first_chunk(time.monotonic() - began, status_for(exc)[0].name)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # The reader left (or its deadline passed) before its first chunk, typically
+            # while a miss was fetched: the slowest reads, which were missing from the
+            # first-chunk histogram (BaseExceptions: ``except Exception`` let them by).
+            if first:
+                node.metrics.first_chunk(time.monotonic() - began, _abandoned(context))
             raise
         finally:
             if training:
@@ -402,7 +419,7 @@ class EdgeCacheService:
         except (asyncio.CancelledError, GeneratorExit):
             # The caller cancelled, or its deadline passed: gRPC cancels the handler
             # (BaseExceptions, which ``except Exception`` let by, unrecorded).
-            self.node.metrics.stage_done(time.monotonic() - began, grpc.StatusCode.CANCELLED.name)
+            self.node.metrics.stage_done(time.monotonic() - began, _abandoned(context))
             raise
         self.node.metrics.stage_done(time.monotonic() - began, "ok")
 

@@ -122,9 +122,56 @@ def test_a_cancelled_stage_is_recorded_as_cancelled(
                 list(stub(node.address).Stage(request, timeout=0.5))
             assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # The handler hears of it after the caller: wait for its count.
-        assert _wait_for(lambda: m.value("edgecache_stage_seconds_count", result="CANCELLED"))
-        assert m.value("edgecache_stage_seconds_count", result="CANCELLED") == 1
+        result = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
+        assert _wait_for(lambda: m.value("edgecache_stage_seconds_count", result=result))
+        assert m.value("edgecache_stage_seconds_count", result=result) == 1
         assert m.value("edgecache_stage_seconds_count", result="ok") == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_read_abandoned_before_its_first_chunk_is_a_miss_and_timed(
+    tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A reader that left while its miss was fetched from origin (the slowest reads, the
+    ones EdgeDataset gives up on) was counted nowhere: neither a miss nor a first-chunk
+    time, so the hit ratio, Status and the data-stall alert never saw it."""
+    from faultproxy import OriginFaults
+    from s3server import make_bucket, upload_dir
+
+    bucket = f"abandon-{how}"
+    make_bucket(s3_endpoint, bucket)
+    write_parquet_shards(tmp_path / "raw", 1, rows=1000)
+    upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"s3://{bucket}/raw/", "tokens")
+    proxy = OriginFaults(s3_endpoint, {r"\.parquet$": ["stall"]})  # 2 s before answering
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with running_node(node_settings(tmp_path, registry)) as node:
+            assert node.node is not None
+            m = node.node.metrics
+            request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+            if how == "cancel":
+                call = stub(node.address).ReadShard(request)
+                assert _wait_for(lambda: proxy.injected)  # the fetch is under way
+                call.cancel()
+            else:
+                call = stub(node.address).ReadShard(request, timeout=0.5)
+            with pytest.raises(grpc.RpcError):
+                list(call)
+            result = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
+            first = "edgecache_read_first_chunk_seconds_count"
+            assert _wait_for(lambda: m.value(first, result=result))
+            assert m.value("edgecache_cache_misses_total") == 1
+            assert m.value("edgecache_cache_hits_total") == 0
+            # The fetch went on for the next reader: it is a hit once stored.
+            assert read_shard_table(stub(node.address), "tokens", 1, 0).num_rows == 1000
+            assert (
+                m.value("edgecache_cache_misses_total") + m.value("edgecache_cache_hits_total") == 2
+            )
+            assert m.value(first, result="ok") == 1
+    finally:
+        proxy.close()
 
 
 # ------------------------------------------------- 3: Evict of an unknown version
