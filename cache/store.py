@@ -63,7 +63,13 @@ from edgecache.cache.keys import (
 )
 from edgecache.cache.shard_reader import ClosingContext, ShardReader, release_all
 from edgecache.cache.store_files import DBS, MAP_HEADROOM, WriterLock, open_reader, open_writer
-from edgecache.cache.store_records import ShardInfo, StoreStats, VersionInfo, ns_to_datetime
+from edgecache.cache.store_records import (
+    Fitted,
+    ShardInfo,
+    StoreStats,
+    VersionInfo,
+    ns_to_datetime,
+)
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import store_pb2
 
@@ -409,12 +415,37 @@ class CacheStore(ClosingContext):
             record = self._shard_record(txn, raw_key)
             return 0 if record is None else self._delete_shard(txn, raw_key, record)
 
-    def _make_room(self, txn: lmdb.Transaction, need: int, for_key: ShardKey) -> None:
-        meta = self._dbs[b"meta"]
-        used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=meta), "big")
-        shortfall = used + need - self.capacity_bytes
-        if shortfall <= 0:
-            return
+    def fit_capacity(self) -> Fitted:
+        """Evict until the cache is within its capacity, as a write short of room would.
+
+        For a cache opened with less capacity than it holds (a node restarted with
+        a lower ``--capacity``), which would otherwise stay over it until its next
+        write. Least recently used shards of unpinned versions go first; pinned
+        ones stay, and :attr:`Fitted.still_over` says by how much they keep the
+        cache over.
+        """
+        with self._writing("fitting the cache to its capacity") as txn:
+            used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=self._dbs[b"meta"]), "big")
+            candidates, pinned = self._eviction_candidates(txn)
+            shards, freed = self._evict_lru(txn, candidates, used - self.capacity_bytes)
+        held = tuple(
+            VersionInfo(d, v, r.shard_count, r.stored_bytes, ns_to_datetime(r.pinned_until_ns))
+            for (d, v), r in ((parse_version_key(k), r) for k, r in sorted(pinned.items()))
+        )
+        return Fitted(used, shards, freed, held)
+
+    def _eviction_candidates(
+        self, txn: lmdb.Transaction
+    ) -> tuple[
+        list[tuple[int, bytes, store_pb2.StoredShard]], dict[bytes, store_pb2.StoredVersion]
+    ]:
+        """(last access, key, record) of every evictable shard, least recent first; the pins.
+
+        Shards of versions pinned now are not evictable. The version being
+        written may lose its own older shards too: reading a version larger than
+        the cache through it is an LRU over its shards. (A stage that needs
+        every shard resident checks that they still are when it ends.)
+        """
         now = time.time_ns()
         pinned: dict[bytes, store_pb2.StoredVersion] = {}
         for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
@@ -422,9 +453,6 @@ class CacheStore(ClosingContext):
             if pin.pinned_until_ns > now:
                 pinned[bytes(vkey)] = pin
         access_db = self._dbs[b"access"]
-        # The version being written may lose its own older shards too: reading a version
-        # larger than the cache through it is an LRU over its shards. (A stage that needs
-        # every shard resident checks that they still are when it ends.)
         candidates: list[tuple[int, bytes, store_pb2.StoredShard]] = []
         for raw_key, record in self._iter_shard_records(txn, b""):
             if raw_key[:-4] in pinned:
@@ -432,6 +460,33 @@ class CacheStore(ClosingContext):
             last = int.from_bytes(txn.get(raw_key, b"\0" * 8, db=access_db), "big")
             candidates.append((last, raw_key, record))
         candidates.sort(key=lambda c: (c[0], c[1]))
+        return candidates, pinned
+
+    def _evict_lru(
+        self,
+        txn: lmdb.Transaction,
+        candidates: list[tuple[int, bytes, store_pb2.StoredShard]],
+        shortfall: int,
+    ) -> tuple[int, int]:
+        """Evict ``candidates`` in order until ``shortfall`` bytes are freed: (shards, bytes)."""
+        shards = freed = 0
+        for _, raw_key, record in candidates:
+            if freed >= shortfall:
+                break
+            freed += self._delete_shard(txn, raw_key, record)
+            shards += 1
+            self._evicted_shards += 1
+            self._evicted_bytes += record.stored_bytes
+            log.info("evicted %s (%s) for space", parse_shard_key(raw_key), record.stored_bytes)
+        return shards, freed
+
+    def _make_room(self, txn: lmdb.Transaction, need: int, for_key: ShardKey) -> None:
+        meta = self._dbs[b"meta"]
+        used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=meta), "big")
+        shortfall = used + need - self.capacity_bytes
+        if shortfall <= 0:
+            return
+        candidates, pinned = self._eviction_candidates(txn)
         available = sum(c[2].stored_bytes for c in candidates)
         if available < shortfall:
             pins = ", ".join(
@@ -449,14 +504,7 @@ class CacheStore(ClosingContext):
                 f"(short by {format_bytes(shortfall - available)}); pinned: {pins or 'nothing'}. "
                 "Unpin or evict a version, or raise --capacity"
             )
-        freed = 0
-        for _, raw_key, record in candidates:
-            if freed >= shortfall:
-                break
-            freed += self._delete_shard(txn, raw_key, record)
-            self._evicted_shards += 1
-            self._evicted_bytes += record.stored_bytes
-            log.info("evicted %s (%s) for space", parse_shard_key(raw_key), record.stored_bytes)
+        self._evict_lru(txn, candidates, shortfall)
 
     def _delete_shard(
         self, txn: lmdb.Transaction, raw_key: bytes, record: store_pb2.StoredShard

@@ -71,6 +71,21 @@ class StoreStats:
     corrupt_chunks: int
 
 
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    """What :meth:`CacheStore.fit_capacity` did: the cache held ``used_bytes`` before."""
+
+    used_bytes: int
+    evicted_shards: int
+    evicted_bytes: int
+    pinned: tuple[VersionInfo, ...]  # the versions eviction had to leave alone
+
+    @property
+    def held_after(self) -> int:
+        """Bytes the cache holds after the evictions (over the capacity if pins keep it so)."""
+        return self.used_bytes - self.evicted_bytes
+
+
 def ns_to_datetime(ns: int) -> datetime:
     """Unix nanoseconds (as the store records times) as an aware UTC datetime."""
     return datetime.fromtimestamp(ns / 1e9, UTC)

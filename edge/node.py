@@ -130,7 +130,6 @@ class EdgeNode:
         )
         self.metrics = NodeMetrics(config.region, self.node_id)
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
-        self._fit_capacity()
         # Read at scrape time: a restart on a full cache, a corrupt shard dropped or an LRU
         # eviction all change it, and a value set on writes read 0 until the first one.
         self._last_used = 0.0  # what the gauge last read (a scrape after close gets it)
@@ -140,6 +139,7 @@ class EdgeNode:
         self._last_pinned = 0.0
         self.metrics.pinned_bytes.set_function(self._pinned_bytes)
         self._evicted_counted = (0, 0)  # the store's (shards, bytes) evicted already counted
+        self._fit_capacity()
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
@@ -180,50 +180,31 @@ class EdgeNode:
         """Bring a cache opened with less capacity than it holds within it, at startup.
 
         A node restarted with a lower ``--capacity`` would otherwise serve over it
-        until its next write made room. The least recently used shards of
-        versions not pinned go first, as a write would evict them (counted in
-        ``edgecache_cache_evicted_*``); pinned shards stay, and the warning says
-        when they alone keep the cache over capacity.
+        until its next write made room (:meth:`CacheStore.fit_capacity`; counted in
+        ``edgecache_cache_evicted_*``); the warning says what went, and when pinned
+        shards alone keep the cache over capacity.
         """
-        capacity, used = self.store.capacity_bytes, self.store.stats.used_bytes
-        if used <= capacity:
+        capacity = self.store.capacity_bytes
+        if self.store.stats.used_bytes <= capacity:
             return
-        now = datetime.now(UTC)
-        versions = self.store.versions()
-        pinned = [v for v in versions if v.pinned_until is not None and v.pinned_until > now]
-        kept = {(v.dataset, v.version) for v in pinned}
-        candidates = sorted(
-            (
-                shard
-                for v in versions
-                if (v.dataset, v.version) not in kept
-                for shard in self.store.shards(v.dataset, v.version)
-            ),
-            key=lambda shard: (shard.last_access, shard.key.encode()),
-        )
-        freed = shards = 0
-        for shard in candidates:
-            if used - freed <= capacity:
-                break
-            try:
-                freed += self.store.drop_shard(shard.key)
-            except EdgeCacheError as exc:  # e.g. a full disk: serve; writes make room later
-                log.warning("evicting %s to fit the capacity failed: %s", shard.key, exc)
-                break
-            shards += 1
-        self.metrics.evicted_shards.inc(shards)
-        self.metrics.evicted_bytes.inc(freed)
+        try:
+            fitted = self.store.fit_capacity()
+        except EdgeCacheError as exc:  # e.g. a full disk: serve; writes make room later
+            log.warning("evicting to fit the capacity of %s failed: %s", self.store.path, exc)
+            return
+        self._count_evictions()
         message = (
-            f"the cache under {self.store.path} holds {format_bytes(used)}, more than its "
-            f"capacity of {format_bytes(capacity)} (--capacity was lowered): evicted "
-            f"{shards} least recently used unpinned shards ({format_bytes(freed)})"
+            f"the cache under {self.store.path} holds {format_bytes(fitted.used_bytes)}, more "
+            f"than its capacity of {format_bytes(capacity)} (--capacity was lowered): evicted "
+            f"{fitted.evicted_shards} least recently used unpinned shards "
+            f"({format_bytes(fitted.evicted_bytes)})"
         )
-        if used - freed > capacity:
+        if fitted.held_after > capacity:
             held = ", ".join(
-                f"{v.dataset}@{v.version} ({format_bytes(v.stored_bytes)})" for v in pinned
+                f"{v.dataset}@{v.version} ({format_bytes(v.stored_bytes)})" for v in fitted.pinned
             )
             message += (
-                f"; still {format_bytes(used - freed)}: the pinned versions alone ({held}) "
+                f"; still {format_bytes(fitted.held_after)}: the pinned versions alone ({held}) "
                 "exceed the capacity, so new shards are refused until they are unpinned or "
                 "evicted (edgecache evict), or --capacity is raised"
             )

@@ -97,6 +97,31 @@ def test_lru_eviction_of_unpinned_shards(tmp_path: Path) -> None:
         assert s.stats.used_bytes <= s.capacity_bytes
 
 
+def test_reopened_with_less_capacity_fits_lru_first_and_keeps_pins(tmp_path: Path) -> None:
+    """A cache opened with less capacity than it holds evicts as a write would, at once."""
+    frames = shard_frames()
+    size = sum(map(len, frames))
+    with CacheStore(tmp_path / "c", capacity_bytes=size * 10, sync=False) as s:
+        s.pin_version("keep", 1, FUTURE)
+        s.put_shard(ShardKey("keep", 1, 0), frames)
+        for shard in range(3):
+            s.put_shard(ShardKey("a", 1, shard), frames)
+        s.get_chunk(ShardKey("a", 1, 0), 0)  # shard 0 is now the most recent of a@1
+    with CacheStore(tmp_path / "c", capacity_bytes=int(size * 2.5), sync=False) as s:
+        fitted = s.fit_capacity()
+        assert (fitted.used_bytes, fitted.evicted_shards) == (4 * size, 2)
+        assert fitted.held_after == 2 * size <= s.capacity_bytes
+        assert [(v.dataset, v.version) for v in fitted.pinned] == [("keep", 1)]
+        assert [i.key.shard for i in s.shards("a", 1)] == [0]
+        assert len(s.shards("keep", 1)) == 1
+        assert (s.stats.evicted_shards, s.stats.evicted_bytes) == (2, 2 * size)
+        assert s.fit_capacity().evicted_shards == 0  # within it now: nothing more goes
+    with CacheStore(tmp_path / "c", capacity_bytes=size // 2, sync=False) as s:
+        fitted = s.fit_capacity()  # the pinned shard alone is over: it stays, and says so
+        assert fitted.held_after == size > s.capacity_bytes
+        assert len(s.shards("keep", 1)) == 1 and s.shards("a", 1) == []
+
+
 def test_pins_block_eviction_and_are_named(tmp_path: Path) -> None:
     frames = shard_frames()
     size = sum(map(len, frames))
