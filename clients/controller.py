@@ -46,11 +46,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Gauge
+
 from edgecache.cache.errors import EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
-from edgecache.clients.controller_metrics import ControllerMetrics
+from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
 from edgecache.clients.executor import NodeCalls, NodesSeen, PlanExecutor, TaskRun
 from edgecache.clients.ops import (
     NodeReport,
@@ -145,6 +147,9 @@ class ControllerState:
     # The pins this controller placed: "node name@N" → until. One the plan no longer
     # keeps (its job removed or moved) is released, if the node still has it as placed.
     pins: dict[str, str] = field(default_factory=dict)
+    # Each node's id as it last reported it (address → node_id): the `node` label of a
+    # node that is down now, after a restart or a takeover too (ControllerMetrics).
+    nodes: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         """The state as JSON."""
@@ -160,6 +165,7 @@ class ControllerState:
             tasks={k: TaskRecord(**v) for k, v in data.get("tasks", {}).items()},
             jobs={k: JobRecord(**v) for k, v in data.get("jobs", {}).items()},
             pins=dict(data.get("pins", {})),
+            nodes=dict(data.get("nodes", {})),
         )
 
 
@@ -275,6 +281,14 @@ def _minute(text: str | None) -> str:
     return f"{datetime.fromisoformat(text):%Y-%m-%d %H:%M}" if text else "an unknown time"
 
 
+def _remove_series(gauge: Gauge, labels: dict[str, str]) -> None:
+    """Drop ``gauge``'s series of ``labels``, if it has one (``remove`` may raise otherwise)."""
+    try:
+        gauge.remove(*(labels[name] for name in NODE_LABELS))
+    except KeyError:
+        pass  # an older prometheus_client raises for a series it does not have
+
+
 def default_holder() -> str:
     """Unique per process: hostname, pid and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -302,8 +316,10 @@ class Controller:
         failure in a row up to ``RETRY_BACKOFF_MAX``, so a broken origin or node
         is not hammered every round. ``record_retention``: how long the records of
         a job and its tasks are kept after the job ends, for ``plan --status`` to
-        say how it went.
+        say how it went; it must be positive.
         """
+        if record_retention <= timedelta(0):
+            raise ValueError(f"record_retention must be positive, got {record_retention}")
         self.topology_path, self.schedule_path = topology_path, Path(schedule_path)
         self.topology: Topology = load_topology(topology_path)
         self.token, self.clock = token, clock
@@ -334,6 +350,7 @@ class Controller:
         self._leading = False  # held the lease at the last round: the record is ours to save
         self._renewed_at = -math.inf  # time.monotonic() when the lease was last taken or renewed
         self._down_since: dict[str, str] = {}  # node → when it was first seen down, while it is
+        self._exported: dict[str, dict[str, str]] = {}  # address → its node series' labels
         self.last_plan: Plan | None = None
         self.last_error = ""
         # A schedule edit that does not validate leaves the last good schedule running;
@@ -443,20 +460,26 @@ class Controller:
         """Export each node's health; log a node going down once, and its return once.
 
         Warned every round, an outage drowned the rest of the log, and nothing
-        said when the node was back.
+        said when the node was back. A node down has no RTT series: its last
+        value, held, drew a flat line on the RTT panel for a dead node.
         """
+        known = {address for cfg in self.topology.regions.values() for address in cfg.nodes}
+        for address in set(self.state.nodes) - known:
+            del self.state.nodes[address]  # a node since removed from the topology
         for report in reports:
-            labels = {"region": report.region, "node": report.address}
+            labels = self._node_labels(report)
             self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
+            name = self._node_name(report.address)
             since = self._down_since.get(report.address)
             if report.status is None:
+                _remove_series(self.metrics.node_rtt, labels)
                 if since is None:
                     self._down_since[report.address] = _iso(self.clock()) or ""
                     log.warning(
                         "node %s of %s is down: %s; check that it runs and is reachable from "
                         "here (edgecache status, edgecache doctor). Rounds plan around it and "
                         "do not call it until it answers a round's status again",
-                        report.address,
+                        name,
                         report.region,
                         report.error,
                     )
@@ -466,10 +489,35 @@ class Controller:
                 del self._down_since[report.address]
                 log.info(
                     "node %s of %s is back up (down since %s); planning with it again",
-                    report.address,
+                    name,
                     report.region,
                     since,
                 )
+
+    def _node_labels(self, report: NodeReport) -> dict[str, str]:
+        """The labels of a node's series: ``node`` its node id, ``address`` the topology's.
+
+        ``node`` is what the node's own metrics call it (the ``node_id`` of its
+        Status), so an alert or panel on the controller's series joins the
+        node's. A node that is down keeps the id it last reported (kept in the
+        record, so a restarted controller says the same); one never heard from
+        is named by its address. When a node's id changes, its old series go.
+        """
+        if report.status is not None and report.status.node_id:
+            self.state.nodes[report.address] = report.status.node_id
+        node = self.state.nodes.get(report.address, report.address)
+        labels = {"region": report.region, "node": node, "address": report.address}
+        before = self._exported.get(report.address)
+        if before is not None and before != labels:
+            _remove_series(self.metrics.node_up, before)
+            _remove_series(self.metrics.node_rtt, before)
+        self._exported[report.address] = labels
+        return labels
+
+    def _node_name(self, address: str) -> str:
+        """A node as the log names it: its id and address (``eu-west-1 (10.0.0.5:7070)``)."""
+        node = self.state.nodes.get(address, address)
+        return address if node == address else f"{node} ({address})"
 
     def tick(self) -> Plan | None:
         """One round: lease, status, plan, then pins, due evictions and due tasks.

@@ -21,7 +21,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-__all__ = ["ControllerMetrics"]
+__all__ = ["NODE_LABELS", "ControllerMetrics"]
+
+# The labels of the per-node series. ``node`` is the node id the node reports in its
+# Status, the ``node`` of its own metrics (edgecache_cache_*, edgecache_read_*), so the
+# two join; ``address`` is the node's address in the topology. A node not heard from
+# since the record began is named by its address in both.
+NODE_LABELS = ("region", "node", "address")
 
 
 class ControllerMetrics:
@@ -88,14 +94,16 @@ class ControllerMetrics:
         )
         self.node_rtt = Gauge(
             "edgecache_controller_node_rtt_seconds",
-            "Round trip from the controller to each node (median of health checks, each round)",
-            ["region", "node"],
+            "Round trip from the controller to each node (median of health checks, each "
+            "round); no series while the node is down",
+            NODE_LABELS,
             registry=r,
         )
         self.node_up = Gauge(
             "edgecache_controller_node_up",
-            "1 when the node answered the controller's last round, else 0",
-            ["region", "node"],
+            "1 when the node answered the controller's last round, else 0 (node: its node "
+            "id, as in its own metrics; address: the topology's)",
+            NODE_LABELS,
             registry=r,
         )
         self.leader = Gauge(

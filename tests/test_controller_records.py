@@ -190,3 +190,37 @@ def test_a_registry_that_does_not_answer_is_named_with_what_to_check(tmp_path: P
     )
     assert status.returncode == 1, status
     assert f"the version registry {registry} (registry: in " in status.stderr, status.stderr
+
+
+def test_keep_records_sets_how_long_the_record_keeps_an_ended_job(eu) -> None:
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0, 1, "b@1"))
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0))
+    try:
+        controller.tick()  # j is recorded from its start
+        controller.wait_idle()
+    finally:
+        controller.close()
+    state = read_state(registry)
+    assert state is not None and "j" in state.jobs
+    after = (T0 + 3 * HOUR).isoformat()  # j ended two hours before
+    for hours, kept in (("3", True), ("1.5", False)):
+        process = controller_process(root, "--once", "--at", after, "--keep-records", hours)
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 0, out
+        state = read_state(registry)
+        assert state is not None and ("j" in state.jobs) == kept, (hours, out)
+        assert ("eu b@1" in state.tasks) == kept, (hours, out)
+
+
+@pytest.mark.parametrize("hours", ["0", "-2", "nan", "inf", "100000"])
+def test_keep_records_out_of_range_is_bad_input_naming_it(tmp_path: Path, hours: str) -> None:
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: file://{tmp_path}/registry\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0, 1, "b@1"))
+    process = controller_process(tmp_path, "--once", "--keep-records", hours)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 2, out
+    assert f"--keep-records {hours}" in out and "above 0 and at most 87600" in out, out
+    assert not (tmp_path / "registry").exists()  # refused before it acted

@@ -203,3 +203,17 @@ def test_versions_of_an_unknown_dataset_says_what_operations_md_shows(tmp_path: 
     assert result.exit_code == 2
     said = result.output.strip().replace(f"file://{tmp_path}/registry", "file:///srv/registry")
     assert said == shown.group(1)
+
+
+def test_the_record_retention_operations_md_gives_is_the_controllers() -> None:
+    # The controller's record keeps an ended job for --keep-records hours: the default
+    # the docs give must be the option's, and the option's the Controller's own.
+    from datetime import timedelta
+
+    from edgecache.clients.controller import RECORD_RETENTION
+
+    (option,) = [p for p in _command("controller").params if "--keep-records" in p.opts]
+    assert option.default == RECORD_RETENTION / timedelta(hours=1)
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "operations.md").read_text())
+    assert f"`--keep-records` hours ({option.default:g} by default)" in text
+    assert f"`--keep-records HOURS` ({option.default:g} by default)" in text

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -58,6 +59,14 @@ def controller(
     once: Annotated[
         bool, typer.Option("--once", help="One round; wait for the tasks it started; exit.")
     ] = False,
+    keep_records: Annotated[
+        float,
+        typer.Option(
+            "--keep-records",
+            metavar="HOURS",
+            help="Hours the record keeps a job and its tasks after the job ends (plan --status).",
+        ),
+    ] = 24.0,
     token_file: TokenOption = None,
     log_level: LogLevelOption = LogLevel.INFO,
 ) -> None:
@@ -77,8 +86,8 @@ def controller(
     The task gauges count live tasks only: one the plan no longer has stops
     counting once its jobs have started (a late task, then, too). The record
     (<registry>/_controller/state.json, read by plan --status: missed, and
-    why) keeps tasks and jobs for 24 hours after their jobs end, then drops
-    them (at once when the jobs leave the schedule).
+    why) keeps tasks and jobs for --keep-records hours (24) after their jobs
+    end, then drops them (at once when the jobs leave the schedule).
 
     Stopping: SIGTERM or Ctrl-C ends the round, stops the staging tasks
     (whole shards are kept) and gives the lease up; a second one stops at
@@ -108,6 +117,7 @@ def controller(
             token=options.token,
             clock=clock,
             lease_ttl=lease_ttl,
+            record_retention=record_retention(keep_records),
         )
     received: list[int] = []  # the stop signals so far
 
@@ -166,6 +176,25 @@ def controller(
     if received and received[0] == signal.SIGINT:
         err_console.print("interrupted; run the same command again to resume", highlight=False)
         raise typer.Exit(ExitCode.INTERRUPTED)
+
+
+KEEP_RECORDS_MAX = 87_600.0  # hours: ten years, well inside what a datetime can reach
+
+
+def record_retention(hours: float) -> timedelta:
+    """``--keep-records``'s hours as a retention; anything but a positive number is bad input.
+
+    Zero or less would drop a job's record as it ends, before ``plan --status``
+    could say how it went; NaN or a span past the calendar's end would fail
+    every round when added to a job's end.
+    """
+    if not math.isfinite(hours) or not 0 < hours <= KEEP_RECORDS_MAX:
+        raise ValueError(
+            f"--keep-records {hours:g} is not a retention: give the hours plan --status "
+            f"still shows a job after it ends, above 0 and at most {KEEP_RECORDS_MAX:g} "
+            "(ten years), e.g. --keep-records 24 (the default)"
+        )
+    return timedelta(hours=hours)
 
 
 def _serve_metrics(running: Controller, listen: str, interval: float) -> str:
