@@ -15,7 +15,6 @@ nodes (``Diagnose``), so a slow origin link is found where it is.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
+from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.topology import Topology
@@ -107,62 +107,35 @@ def _surely_above(check: PathCheck | NodePath, limit: float) -> bool:
     return sent > 0 and (retransmitted - 2 * retransmitted**0.5) / sent > limit
 
 
-_SINK_PART = 512 << 10  # each upload message, unless the node's max_request_bytes is less
-# gRPC's words when a node refuses a message over its max_request_bytes (the limit last)
-# and a call over its max_streams.
-_TOO_LARGE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
-_TOO_MANY = "Concurrent RPC limit"
-_FRAMING = 6  # a SinkChunk's bytes beyond its data: the field's tag and length varint
-_LEAST_PART = 256  # fits the least max_request_bytes (1 KiB) with room for framing
-
-
-def _smaller_part(part: int, exc: grpc.RpcError) -> int | None:
-    """The next message size to try after ``part`` bytes were refused; None: give up.
-
-    A refusal for size names the node's limit: just under it. The same refusal can
-    reach the sender as INTERNAL ("Internal error from Core") when it lands while
-    the message is still being sent: half the size then. Anything else, or sizes
-    below the least max_request_bytes (1 KiB), is no size problem.
-    """
-    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        found = _TOO_LARGE.search(exc.details() or "")
-        smaller = min(int(found.group(2)) - _FRAMING, part - 1) if found else 0
-    elif exc.code() == grpc.StatusCode.INTERNAL:
-        smaller = part // 2
-    else:
-        smaller = 0
-    return smaller if smaller >= _LEAST_PART else None
-
-
 def _sink_part(
     sink: grpc.StreamUnaryMultiCallable, metadata: tuple[tuple[str, str], ...] | None
 ) -> tuple[int, grpc.RpcError | None]:
-    """The upload message size the node accepts: ``_SINK_PART``, or less under its limit.
+    """The upload message size the node accepts: ``SINK_PART``, or less under its limit.
 
     One message is sent first; a node whose ``max_request_bytes`` is lower
     refuses it naming its limit, and the upload is then sized to fit it.
     Returns 0 and the refusal when no size is accepted (or the call failed
     for another reason).
     """
-    part = _SINK_PART
+    part = SINK_PART
     while True:
         try:
             sink(iter([edge_pb2.SinkChunk(data=bytes(part))]), timeout=10, metadata=metadata)
             return part, None
         except grpc.RpcError as exc:
-            if (smaller := _smaller_part(part, exc)) is None:
+            if (smaller := smaller_part(part, exc)) is None:
                 return 0, exc
             part = smaller
 
 
 def _limit_named(exc: grpc.RpcError) -> str:
     """``describe(exc)``, with the node's setting that refused the upload when one did."""
-    text, details = describe(exc), exc.details() or ""
+    text = describe(exc)
     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return text
-    if _TOO_LARGE.search(details):
+    if too_large(exc):
         return f"{text} (the node's max_request_bytes is too low for an upload test)"
-    if _TOO_MANY in details:
+    if too_many_streams(exc):
         return (
             f"{text} (the node's max_streams, its limit on concurrent calls, was reached: "
             "run the doctor with fewer --streams or when the node is less busy, or raise "
@@ -219,9 +192,9 @@ def _upload(
     if errors:
         # A call over max_streams is refused at once; racing the stream's first message,
         # the refusal can arrive as INTERNAL: the limit is named either way.
-        telling = next((e for e in errors if _TOO_MANY in (e.details() or "")), errors[0])
+        telling = next((e for e in errors if too_many_streams(e)), errors[0])
         why = _limit_named(telling)
-        if _TOO_MANY not in (telling.details() or ""):
+        if not too_many_streams(telling):
             why += " (a node refuses the calls beyond its max_streams)"
         check.problems.append(
             f"{len(moved)} of {streams} upload streams were accepted, and the upload "

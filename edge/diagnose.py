@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.cache.storage import ObjectStore, Stores
 from edgecache.edge.peers import Peers, refuses_configuration, rpc_status
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
@@ -120,54 +120,27 @@ def _peer_failed(
     return PeerPathFailed(message, peer=peer, code=name, final=final)
 
 
-# gRPC's words when a node refuses a message over its max_request_bytes (the limit last)
-# and a call over its max_streams.
-_TOO_LARGE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
-_FRAMING = 6  # a SinkChunk's bytes beyond its data: the field's tag and length varint
-_LEAST_PART = 256  # fits the least max_request_bytes (1 KiB) with room for framing
-_SINK_PART = 512 << 10  # each message into a peer's Sink, unless it accepts less
-
-
 def _too_many(exc: grpc.RpcError) -> bool:
     """Whether a call was refused for the peer's ``max_streams`` (concurrent calls)."""
-    details = exc.details() or ""
-    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in details
-
-
-def _smaller_part(part: int, exc: grpc.RpcError) -> int | None:
-    """The next message size to try after ``part`` bytes were refused; None: give up.
-
-    A refusal for size names the node's limit: just under it. The same refusal can
-    reach the sender as INTERNAL ("Internal error from Core") when it lands while
-    the message is still being sent: half the size then. Anything else, or sizes
-    below the least max_request_bytes (1 KiB), is no size problem.
-    """
-    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        found = _TOO_LARGE.search(exc.details() or "")
-        smaller = min(int(found.group(2)) - _FRAMING, part - 1) if found else 0
-    elif exc.code() == grpc.StatusCode.INTERNAL:
-        smaller = part // 2
-    else:
-        smaller = 0
-    return smaller if smaller >= _LEAST_PART else None
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and too_many_streams(exc)
 
 
 async def _sink_part(
     sink: grpc.aio.StreamUnaryMultiCallable, metadata: tuple[tuple[str, str], ...] | None
 ) -> int:
-    """The message size a peer's Sink accepts: ``_SINK_PART``, or less under its limit.
+    """The message size a peer's Sink accepts: ``SINK_PART``, or less under its limit.
 
     One message is sent first; a peer whose ``max_request_bytes`` is lower
     refuses it naming its limit, and the upload is sized to fit. Raises the
     refusal when no size fits (or the call failed for another reason).
     """
-    part = _SINK_PART
+    part = SINK_PART
     while True:
         try:
             await sink(_one(edge_pb2.SinkChunk(data=bytes(part))), metadata=metadata, timeout=10)
             return part
         except grpc.RpcError as exc:
-            if (smaller := _smaller_part(part, exc)) is None:
+            if (smaller := smaller_part(part, exc)) is None:
                 raise
             part = smaller
 
@@ -178,7 +151,7 @@ async def _one(chunk: edge_pb2.SinkChunk) -> AsyncIterator[edge_pb2.SinkChunk]:
 
 def _with_limit(failed: PeerPathFailed, exc: grpc.RpcError) -> PeerPathFailed:
     """``failed``, naming the peer's setting that refused the upload when one did."""
-    if _TOO_LARGE.search(exc.details() or ""):
+    if too_large(exc):
         limit = "the peer's max_request_bytes is too low for an upload test"
     elif _too_many(exc):
         limit = (
