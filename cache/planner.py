@@ -191,6 +191,7 @@ def plan(
     *,
     now: datetime,
     missing: Iterable[tuple[str, str, str]] = (),
+    why_missing: Mapping[str, str] | None = None,
 ) -> Plan:
     """Plan staging for ``jobs``.
 
@@ -201,13 +202,17 @@ def plan(
             :class:`VersionSize` or one number for both.
         now: when staging can begin.
         missing: (job, region, spec) of datasets the caller could not resolve.
+        why_missing: spec → the registry's own words for why it did not resolve (they name
+            the registry's URL and what it holds); without them a reason says only that
+            the spec does not exist in the registry.
     """
+    why_missing = why_missing or {}
     sized = {
         version: size if isinstance(size, VersionSize) else VersionSize(size, size)
         for version, size in sizes.items()
     }
     infeasible = [
-        Infeasible(job, region, spec, f"{spec} does not exist in the registry")
+        Infeasible(job, region, spec, _not_found(spec, why_missing))
         for job, region, spec in missing
     ]
     by_region: dict[str, list[Job]] = defaultdict(list)
@@ -248,11 +253,23 @@ def plan(
 
     for name in sorted(regions, key=first_need):
         result.regions[name] = _plan_region(
-            regions[name], by_region.get(name, []), sized, now, ready_at, result
+            regions[name], by_region.get(name, []), sized, now, ready_at, result, why_missing
         )
     result.regions = dict(sorted(result.regions.items()))
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     return result
+
+
+def _not_found(spec: str, why_missing: Mapping[str, str]) -> str:
+    """Why ``spec`` cannot be planned: the registry's words when the caller has them.
+
+    They say where the registry is and what it holds ("the registry file:///…
+    does not exist"), which "does not exist in the registry" alone left out.
+    """
+    why = why_missing.get(spec)
+    if why is None:
+        return f"{spec} does not exist in the registry"
+    return why if why.startswith(f"{spec} ") else f"{spec}: {why}"
 
 
 def _plan_region(
@@ -262,6 +279,7 @@ def _plan_region(
     now: datetime,
     ready_at: dict[tuple[str, VersionKey], datetime],
     result: Plan,
+    why_missing: Mapping[str, str],
 ) -> RegionPlan:
     out = RegionPlan()
     for job in jobs:
@@ -308,7 +326,7 @@ def _plan_region(
             sized = sizes.get(version)
             if sized is None:
                 result.infeasible.append(
-                    Infeasible(job.name, state.name, spec, f"{spec} does not exist in the registry")
+                    Infeasible(job.name, state.name, spec, _not_found(spec, why_missing))
                 )
                 continue
             if version in resident:

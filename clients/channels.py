@@ -271,15 +271,19 @@ def _plain(details: str) -> str:
 
 
 def _with_hint(text: str, hint: str | None) -> str:
-    """``text; hint``, unless the text already gives that advice (names its setting).
+    """``text; hint``, unless the text already gives that advice (names its setting or command).
 
     Nodes word their own refusals with the fix ("pass the node's token
-    (--token-file …)"): the client's hint for the same code said it twice.
+    (--token-file …)", "list the published versions with `edgecache versions
+    tokens`"): the client's hint for the same code said it twice.
     """
     if not hint:
         return text
     settings = re.findall(r"(?:--|\$)[A-Za-z][\w-]*", hint)
     if settings and any(setting in text for setting in settings):
+        return text
+    commands = re.findall(r"\bedgecache [a-z][\w-]*", hint)
+    if commands and any(re.search(rf"{command}\b", text) for command in commands):
         return text
     return f"{text}; {hint}"
 

@@ -77,6 +77,13 @@ _Answer = TypeVar("_Answer")
 class _NotDone(Exception):
     """A node call that failed or was not begun; its text is the failure, one line."""
 
+    @property
+    def code(self) -> grpc.StatusCode | None:
+        """The status the node answered with; None for a call not begun."""
+        cause = self.__cause__
+        code = getattr(cause, "code", None) if isinstance(cause, grpc.RpcError) else None
+        return code() if callable(code) else None
+
 
 @dataclass(frozen=True)
 class NodesSeen:
@@ -447,7 +454,9 @@ class PlanExecutor:
 
         A node :attr:`calls` holds as down is not asked: it is named in the errors,
         so the eviction counts as not done there (the next round's plan sees
-        whether the node still holds the version when it answers again).
+        whether the node still holds the version when it answers again). A node
+        that answers NOT_FOUND holds nothing of a version no longer published:
+        nothing to free there, which is what the eviction asked for.
         """
         what = f"evicting {eviction.version[0]}@{eviction.version[1]}"
         freed, errors = 0, []
@@ -459,7 +468,8 @@ class PlanExecutor:
             try:
                 freed += self._node_call(node, what, lambda stub: stub.Evict, request).bytes_freed
             except _NotDone as failure:
-                errors.append(str(failure))
+                if failure.code != grpc.StatusCode.NOT_FOUND:
+                    errors.append(str(failure))
         return Evicted(freed, errors=tuple(errors))
 
     # --------------------------------------------------------------- staging

@@ -151,15 +151,21 @@ def gather_status(
 
 async def resolve_specs(
     registry: Registry, specs: set[str]
-) -> tuple[dict[str, pb.Manifest], set[str]]:
-    """Manifests of every spec (``latest`` resolved now), and the specs that do not exist."""
+) -> tuple[dict[str, pb.Manifest], dict[str, str]]:
+    """Manifests of every spec (``latest`` resolved now), and why each other spec does not exist.
+
+    The reason is the registry's own: it names the registry's URL and says
+    whether that exists at all or which versions it holds (a typo in the
+    registry URL made every version "not in the registry", with nothing to
+    say where the plan had looked).
+    """
     found: dict[str, pb.Manifest] = {}
-    missing: set[str] = set()
+    missing: dict[str, str] = {}
     for spec in sorted(specs):
         try:
             found[spec] = await registry.resolve(spec)
-        except VersionNotFound:
-            missing.add(spec)
+        except VersionNotFound as exc:
+            missing[spec] = str(exc)
     return found, missing
 
 
@@ -182,7 +188,7 @@ def make_plan(
 
     async def resolve(
         reg: Registry,
-    ) -> tuple[dict[str, pb.Manifest], set[str], dict[str, pb.Manifest]]:
+    ) -> tuple[dict[str, pb.Manifest], dict[str, str], dict[str, pb.Manifest]]:
         found, absent = await resolve_specs(reg, specs)
         return found, absent, await held_manifests(reg, held_keys, found)
 
@@ -239,7 +245,8 @@ def make_plan(
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
-    return plan(jobs, regions, sizes, now=now, missing=missing_items), manifests
+    result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    return result, manifests
 
 
 def foreign_pins(
@@ -730,7 +737,11 @@ def evict(
     Refused (:class:`VersionPinned`, naming the jobs) while any of those nodes
     pins the version for a scheduled job, unless ``force``; a version neither
     published nor held anywhere is :class:`VersionNotFound`. Every node is
-    asked even when one fails; failures come back in ``error``.
+    asked even when one fails; failures come back in ``error``. A node that
+    answers NOT_FOUND holds nothing of the version (the version is no longer
+    published, and another node still held it): 0 bytes freed there, not a
+    failure; only when every node says so does nobody know the version, and
+    that is :class:`VersionNotFound`.
     """
     parsed = parse_spec(spec)
     if parsed.version is None:
@@ -753,17 +764,17 @@ def evict(
     ]
     if pins and not force:
         raise VersionPinned(_pinned_message(topology, f"{key[0]}@{key[1]}", pins, now))
+    unknown = VersionNotFound(
+        f"{spec} is neither published in {topology.registry} nor held by any node of "
+        f"{', '.join(regions)}; list versions with: edgecache versions {parsed.dataset}"
+    )
     if not held:
         try:
             Registry.run(topology.registry, lambda reg: reg.manifest(*key))
         except VersionNotFound:
-            where = ", ".join(regions)
-            raise VersionNotFound(
-                f"{spec} is neither published in {topology.registry} nor held by any node of "
-                f"{where}; list versions with: edgecache versions {parsed.dataset}"
-            ) from None
+            raise unknown from None
     request = edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version)
-    results = []
+    results, not_found = [], 0
     for name, nodes in regions.items():
         for node in nodes:
             result = EvictResult(name, node)
@@ -772,8 +783,14 @@ def evict(
                     reply = stub.Evict(request, timeout=30, metadata=bearer(token))
                     result.bytes_freed = reply.bytes_freed
                 except grpc.RpcError as exc:
-                    result.error = str(node_error(exc, endpoint=node, what=f"evicting {spec}"))
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        not_found += 1  # nothing of it held there: nothing to free
+                    else:
+                        error = node_error(exc, endpoint=node, what=f"evicting {spec}")
+                        result.error = str(error)
             results.append(result)
+    if results and not_found == len(results):
+        raise unknown
     return results
 
 
