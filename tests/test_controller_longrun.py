@@ -412,19 +412,24 @@ def test_a_node_going_down_and_coming_back_is_logged_once_each(site, caplog) -> 
     controller = Controller(
         root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=5
     )
-    up = controller.metrics.node_up.labels(region="eu", node=node.address)
+
+    def up() -> float:
+        """The node's one node_up sample (its `node` label turns from address to id)."""
+        [sample] = [s for m in controller.metrics.node_up.collect() for s in m.samples]
+        return sample.value
+
     try:
         with caplog.at_level(logging.INFO, logger="edgecache.clients.controller"):
             node.process.send_signal(signal.SIGSTOP)  # accepts TCP, answers nothing
             try:
                 for _ in range(3):
                     controller.tick()
-                    assert up._value.get() == 0
+                    assert up() == 0
             finally:
                 node.process.send_signal(signal.SIGCONT)
             for _ in range(2):
                 controller.tick()
-                assert up._value.get() == 1
+                assert up() == 1
         said = [r.getMessage() for r in caplog.records if node.address in r.getMessage()]
         down = [m for m in said if "is down" in m]
         back = [m for m in said if "is back up" in m]

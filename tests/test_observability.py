@@ -266,7 +266,7 @@ def test_the_live_processes_export_what_the_code_declares(exported: Exported) ->
     assert {"node", "client", "controller"} <= set(exported.by_process)
     assert "edgecache_read_first_chunk_seconds_bucket" in exported.labels
     assert exported.labels["edgecache_cache_used_bytes"] == {"region", "node"}
-    assert exported.labels["edgecache_controller_node_up"] == {"region", "node"}
+    assert exported.labels["edgecache_controller_node_up"] == {"region", "node", "address"}
     assert exported.labels["edgecache_client_read_bytes_total"] == {"rank", "dataset", "endpoint"}
 
 
@@ -485,7 +485,11 @@ ALERT_TESTS: list[dict] = [
             # Half the reads fail on the node's side (origin lost an object).
             series(FIRST_CHUNK_COUNT, f'{NODE}, result="ok"', "0+10x30"),
             series(FIRST_CHUNK_COUNT, f'{NODE}, result="FAILED_PRECONDITION"', "0+10x30"),
-            series("edgecache_controller_node_up", 'region="eu-west", node="n1:7070"', "0x30"),
+            series(
+                "edgecache_controller_node_up",
+                'region="eu-west", node="n1", address="n1:7070"',
+                "0x30",
+            ),
         ],
         "alert_rule_test": [
             fires("20m", "EdgecacheDataStall", "warning", **EU),
@@ -494,7 +498,14 @@ ALERT_TESTS: list[dict] = [
             fires("20m", "EdgecacheReadsFailing", "critical", **EU),
             quiet("20m", "EdgecacheCacheFull"),
             fires("35m", "EdgecacheCacheFull", "warning", **N1),
-            fires("5m", "EdgecacheNodeDown", "critical", region="eu-west", node="n1:7070"),
+            fires(
+                "5m",
+                "EdgecacheNodeDown",
+                "critical",
+                region="eu-west",
+                node="n1",
+                address="n1:7070",
+            ),
             # No controller scraped at all: nothing runs the schedule.
             fires("15m", "EdgecacheControllerStalled", "critical"),
         ],
