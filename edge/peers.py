@@ -15,13 +15,18 @@ so chunk *k* is the same on every node); a peer whose chunking differs is
 asked from chunk 0. A peer is left for the next one too when it sends
 nothing for ``STALL_SECONDS``, or gives the shard more slowly than
 ``MIN_PEER_RATE`` on average once ``RATE_GRACE_SECONDS`` have passed (a slow
-drip; see :class:`_PeerTooSlow`). Peers authenticate this node like any client: the
-node's read or admin token, and its own certificate for mutual TLS.
+drip; see :class:`_PeerTooSlow`). Peers authenticate this node like any client:
+``peer_token_file`` or else the node's read token (never its admin token: a peer
+needs read access only, and a token sent to a peer is one the peer may keep), and
+its own certificate for mutual TLS. A peer that sends more than a shard can hold
+(see :func:`copy_byte_limit`), more chunks than the shard has rows, or a chunk of
+no rows is left for the next peer (or origin), with what it sent dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,11 +38,19 @@ from grpc import aio
 from edgecache.cache import rendezvous
 from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
 from edgecache.cache.frame import verify_frame
+from edgecache.cache.preprocess import limits
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
-from edgecache.edge.config import NodeConfig, read_pem
+from edgecache.edge.config import NodeConfig, read_pem, split_hostport
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["PeerCopy", "PeerCopyFailed", "Peers", "refuses_configuration", "rpc_status"]
+__all__ = [
+    "PeerCopy",
+    "PeerCopyFailed",
+    "Peers",
+    "copy_byte_limit",
+    "refuses_configuration",
+    "rpc_status",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +68,31 @@ STALL_SECONDS = 30.0  # a peer that sends nothing for this long is abandoned
 # _PeerTooSlow for why a floor on the average, and why these values.
 MIN_PEER_RATE = 256 << 10  # 2 Mbit/s
 RATE_GRACE_SECONDS = 30.0
+# A peer's copy of one shard may total at most COPY_BYTES_PER_SOURCE_BYTE times the
+# shard's size at origin (or stored size, when the manifest knows it), plus
+# COPY_BYTES_FLOOR: see copy_byte_limit for why these values.
+COPY_BYTES_PER_SOURCE_BYTE = 64
+COPY_BYTES_FLOOR = 64 << 20
+
+
+def copy_byte_limit(shard: manifest_pb2.Shard) -> int:
+    """The most frame bytes a peer may send for ``shard`` before its copy is abandoned.
+
+    A peer's frames are kept in memory until the shard is whole, so a peer
+    that never stops (a bug, or a malicious one) would otherwise grow the node
+    until it is killed. Stored frames are compressed Arrow, rarely larger than
+    the raw object: tokenised text is about its size; decoded images, the
+    largest expansion in practice, are some 5-20 times a JPEG or PNG (up to ~60
+    times for small images upscaled, before zstd halves it). 64 times the source
+    size covers these with room; the 64 MiB floor covers small objects that
+    expand (a tiny gzip of repetitive rows) and chunks' headers. A shard is
+    never more than the node itself would build from origin: preprocessing
+    stops at limits.MAX_DECODED_BYTES decoded (zstd and frame headers add a
+    little: an eighth is ample), so the bound never passes that either.
+    """
+    size = max(shard.source_size, shard.stored_size)
+    built = limits.MAX_DECODED_BYTES + (limits.MAX_DECODED_BYTES >> 3)
+    return min(COPY_BYTES_FLOOR + COPY_BYTES_PER_SOURCE_BYTE * size, built)
 
 
 class PeerCopyFailed(EdgeCacheError):
@@ -115,10 +153,11 @@ class Peers:
         self.config = config
         self._channels: dict[str, aio.Channel] = {}
         token, self._token_from = None, ""  # the token, and the setting it came from
+        # Never the admin token: a peer needs read access only, and whoever runs (or has
+        # broken into) a peer would hold the power to Stage and Evict on this node.
         for setting, named in (
             ("peer_token_file", "peer_token_file ($EDGECACHE_PEER_TOKEN_FILE)"),
             ("read_token_file", "this node's read token (--read-token-file)"),
-            ("token_file", "this node's admin token (--token-file)"),
         ):
             if (token := config.read_token(setting)) is not None:
                 self._token_from = named
@@ -144,6 +183,15 @@ class Peers:
                 )
             else:
                 target = peer[len("grpc://") :] if peer.startswith("grpc://") else peer
+                if self._metadata is not None and not _loopback(target):
+                    log.warning(
+                        "peer %s is plaintext: this node's token (from %s) crosses the "
+                        "network readable to anyone on the path; name the peer "
+                        "grpcs://%s if it serves TLS",
+                        peer,
+                        self._token_from,
+                        target,
+                    )
                 channel = aio.insecure_channel(target, options=_OPTIONS)
             self._channels[peer] = channel
         return channel
@@ -196,6 +244,12 @@ class Peers:
                 except _PeerTooSlow as exc:
                     none_held = final = False
                     reasons.append(f"{peer} {exc}")
+                except _PeerMisbehaved as exc:
+                    # Nothing it sent is kept: its frames, though each is well formed, are
+                    # not the shard; the next peer (or origin) gives it whole.
+                    none_held = final = False
+                    reasons.append(f"{peer} {exc}; what it sent is dropped")
+                    copy.reset()
                 except ChunkCorrupt as exc:
                     none_held = final = False
                     got = len(copy.frames) - before
@@ -220,7 +274,8 @@ class Peers:
         """What to change on this node when a peer refused it (retrying cannot help)."""
         if code == "UNAUTHENTICATED":
             presented = (
-                "no token (none of peer_token_file, --read-token-file, --token-file is set)"
+                "no token (neither peer_token_file nor --read-token-file is set; the admin "
+                "token is never sent to peers)"
                 if self._metadata is None
                 else f"a token it does not accept, from {self._token_from}"
             )
@@ -290,6 +345,20 @@ class Peers:
             call.cancel()
 
 
+def _loopback(target: str) -> bool:
+    """Whether ``host:port`` names this host's loopback (a token sent there stays here)."""
+    try:
+        host, _ = split_hostport(target)
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is across the network
+
+
 def _optional_pem(path: Path | None, setting: str) -> bytes | None:
     return None if path is None else read_pem(path, setting)
 
@@ -351,6 +420,10 @@ def _tls_hint(peer: str, details: str) -> str | None:
     return None
 
 
+class _PeerMisbehaved(ChunkCorrupt):
+    """A peer sent what no shard can be: too many chunks, a chunk of no rows, too many bytes."""
+
+
 class _ChunkedDifferently(Exception):
     """A peer's chunks do not continue the ones already received."""
 
@@ -393,6 +466,7 @@ class _Copy:
     def __init__(self, manifest: manifest_pb2.Manifest, shard: int) -> None:
         self.manifest, self.shard = manifest, shard
         self.expected_rows = manifest.shards[shard].row_count
+        self.byte_limit = copy_byte_limit(manifest.shards[shard])
         self.givers: list[str] = []
         self.reset()
 
@@ -401,11 +475,17 @@ class _Copy:
         self.frames: list[bytes | memoryview] = []
         self.chunk_count: int | None = None
         self.rows = 0
+        self.received = 0  # bytes of the frames kept
         self.givers = []
 
     def add(self, chunk: object) -> None:
         """Verify one received chunk and keep it; ChunkCorrupt if it is wrong."""
         index, count = chunk.index, chunk.chunk_count  # type: ignore[attr-defined]
+        if count > self.expected_rows:  # every chunk holds at least one row
+            raise _PeerMisbehaved(
+                f"announced {count} chunks for a shard of {self.expected_rows} rows (every "
+                "chunk holds at least one row)"
+            )
         if self.chunk_count is None:
             self.chunk_count = count
         if count != self.chunk_count or index != len(self.frames):
@@ -416,6 +496,12 @@ class _Copy:
                 f"of {self.chunk_count}"
             )
         frame = chunk.frame  # type: ignore[attr-defined]
+        if self.received + len(frame) > self.byte_limit:
+            raise _PeerMisbehaved(
+                f"sent more than {self.byte_limit} bytes for a shard of {self.expected_rows} "
+                f"rows at chunk {index} (the bound for a shard of this size: see "
+                "edgecache.edge.peers.copy_byte_limit)"
+            )
         try:
             header = verify_frame(frame)  # ChunkCorrupt (or ChunkTruncated) when damaged
         except ChunkCorrupt as exc:
@@ -427,10 +513,18 @@ class _Copy:
             ) from exc
         if header.checksum != chunk.checksum or header.rows != chunk.rows:  # type: ignore[attr-defined]
             raise ChunkCorrupt(f"chunk {index}: checksum or rows differ from the frame's")
+        if header.rows == 0:  # the encoder never writes one: it would never end
+            raise _PeerMisbehaved(f"sent chunk {index} with no rows")
+        if self.rows + header.rows > self.expected_rows:
+            raise _PeerMisbehaved(
+                f"sent chunk {index} ending at row {self.rows + header.rows}, past the "
+                f"shard's {self.expected_rows} rows"
+            )
         if chunk.first_row != self.rows:  # type: ignore[attr-defined]
             raise ChunkCorrupt(f"chunk {index} starts at row {chunk.first_row}, not {self.rows}")  # type: ignore[attr-defined]
         self.frames.append(frame)
         self.rows += header.rows
+        self.received += len(frame)
 
     def complete(self) -> bool:
         """Whether every chunk and row is here."""

@@ -36,7 +36,13 @@ from edgecache.cache.errors import ConfigError
 from edgecache.cache.storage import s3
 from edgecache.edge.config import NodeConfig, read_pem, split_hostport
 from edgecache.edge.node import EdgeNode
-from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
+from edgecache.edge.service import (
+    SERVICE_NAME,
+    EdgeCacheService,
+    OpenStreamLimit,
+    TokenAuthInterceptor,
+    open_stream_limit,
+)
 
 __all__ = ["CHANNEL_OPTIONS", "NodeServer", "exposure", "running_node", "serve_forever"]
 
@@ -74,15 +80,28 @@ def exposure(config: NodeConfig) -> list[str]:
     except ValueError:
         pass  # a host name: assume it is reachable
     problems = []
-    if config.token_file is None:
+    admin, read = config.token_file is not None, config.read_token_file is not None
+    if not admin and not read:
         problems.append(
-            f"Stage and Evict on {config.listen} need no token: anyone who reaches this port "
-            "can fill or empty the cache; set --token-file"
+            f"{config.listen} has no token: anyone who reaches this port can Stage, Evict, "
+            "Pin and Diagnose (fill or empty the cache), read every cached dataset and make "
+            "the node fetch any published shard from origin; set --token-file and "
+            "--read-token-file"
         )
+    elif not read:
+        # Admin calls need the admin token; everything else is open (see TokenAuthInterceptor).
+        problems.append(
+            f"reads on {config.listen} need no token: anyone who reaches this port can read "
+            "every cached dataset, list what is cached (Status), make the node fetch any "
+            "published shard from origin (egress, pushing unpinned versions out) and send "
+            "it Sink tests; set --read-token-file"
+        )
+    # A read token without an admin token: admin calls are refused altogether, reads need it.
     if config.tls_cert is None:
         problems.append(
-            f"{config.listen} is plaintext: data and tokens cross the network readable and "
-            "alterable; set --tls-cert/--tls-key (and --tls-client-ca for mutual TLS)"
+            f"{config.listen} is plaintext: data{' and tokens' if admin or read else ''} cross "
+            "the network readable and alterable; set --tls-cert/--tls-key (and "
+            "--tls-client-ca for mutual TLS)"
         )
     return problems
 
@@ -286,9 +305,13 @@ class NodeServer:
                         "--metrics-listen: "
                         + _bind_failure(config.metrics_listen, "--metrics-listen", exc)
                     ) from exc
-            interceptors = (
-                [TokenAuthInterceptor(admin_token, read_token)] if admin_token or read_token else []
-            )
+            # Token-free Watch and reflection streams get a small share of max_streams of
+            # their own, so callers without a token cannot hold every slot (see OpenStreamLimit).
+            interceptors: list[aio.ServerInterceptor] = [
+                OpenStreamLimit(open_stream_limit(config.max_streams))
+            ]
+            if admin_token or read_token:
+                interceptors.append(TokenAuthInterceptor(admin_token, read_token))
             server = aio.server(
                 interceptors=interceptors,
                 # Requests are small (names and numbers): refuse anything bigger than

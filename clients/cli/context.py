@@ -90,13 +90,23 @@ class Options:
 
     @property
     def token(self) -> str | None:
-        """The token in ``--token-file``; an unreadable file is bad input, not a refused call."""
+        """The token in ``--token-file``; an unreadable or empty file is bad input.
+
+        Bad input (exit 2, naming the file) rather than a refused call later.
+        """
         if self.token_file is None:
             return None
         try:
-            return self.token_file.read_text().strip() or None
+            token = self.token_file.read_text().strip()
         except OSError as exc:
             raise ValueError(f"--token-file {self.token_file}: {exc.strerror}") from None
+        if not token:
+            # Sending no token would only come back from the node as "the token was missing".
+            raise ValueError(
+                f"--token-file {self.token_file} is empty: put the node's token in it, or "
+                "leave out --token-file (and $EDGECACHE_TOKEN_FILE) for nodes without tokens"
+            )
+        return token
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:

@@ -1,0 +1,309 @@
+"""What a caller without a token, a hostile peer, or a node's own settings can open up.
+
+Real nodes on loopback (``running_node``); the hostile peer is a real gRPC server
+that answers ``ReadShard`` with well-formed frames that are not the shard (too many,
+no rows, too large), and records the metadata a staging node sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pyarrow as pa
+import pytest
+from edgeutil import (
+    node_settings,
+    publish,
+    read_shard_table,
+    shard_table,
+    stub,
+    write_parquet_shards,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from typer.testing import CliRunner
+
+from edgecache.cache.frame import Codec, pack_frame, read_header
+from edgecache.cache.registry import Registry
+from edgecache.cache.wire import encode_chunk
+from edgecache.clients.cli import app
+from edgecache.edge.config import NodeConfig
+from edgecache.edge.peers import copy_byte_limit
+from edgecache.edge.server import exposure, running_node
+from edgecache.edge.service import open_stream_limit
+from edgecache.v1 import edge_pb2
+
+ROWS = 500
+READER = (("authorization", "Bearer r3ad-token"),)
+ADMIN = (("authorization", "Bearer adm1n-token"),)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("security")
+    write_parquet_shards(root / "origin", 2, rows=ROWS)
+    registry = f"file://{root}/registry"
+    publish(registry, f"file://{root}/origin", "tokens")
+    (root / "read").write_text("r3ad-token\n")
+    (root / "admin").write_text("adm1n-token\n")
+    return root, registry
+
+
+def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__next__"):
+            next(result)  # type: ignore[call-overload]
+    return info.value
+
+
+# --- 1. token-free streams cannot take the readers' slots -------------------------------
+
+
+def test_token_free_watch_streams_cannot_take_the_readers_slots(site, tmp_path: Path) -> None:
+    """Every RPC counted against max_streams, token-free health Watch streams too: opening
+    max_streams of them (no token needed) left every reader RESOURCE_EXHAUSTED."""
+    root, registry = site
+    settings = node_settings(tmp_path, registry, read_token_file=root / "read", max_streams=16)
+    limit = open_stream_limit(16)
+    assert limit == 2
+    with running_node(settings) as node:
+        channel = grpc.insecure_channel(node.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        watches, refused = [], []
+        for _ in range(16):
+            watch = health.Watch(health_pb2.HealthCheckRequest())
+            try:
+                next(watch)
+                watches.append(watch)
+            except grpc.RpcError as exc:
+                refused.append(exc)
+        # A reader with the token still gets a stream, and health Check still answers.
+        client = stub(node.address)
+        assert client.Status(edge_pb2.StatusRequest(), metadata=READER).node_id
+        request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+        assert sum(c.rows for c in client.ReadShard(request, metadata=READER)) == ROWS
+        assert health.Check(health_pb2.HealthCheckRequest()).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        assert len(watches) == limit and len(refused) == 16 - limit
+        error = refused[0]
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--probe-listen" in error.details() and "Check" in error.details()
+        # Reflection streams share the cap.
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        listing = reflection_pb2.ServerReflectionRequest(list_services="")
+        error = rpc_error(lambda: reflect.ServerReflectionInfo(iter([listing])))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The Sink stream (the doctor's upload target) needs the read token here.
+        sink = client.Sink
+        error = rpc_error(lambda: sink(iter([edge_pb2.SinkChunk(data=b"x")])))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        # A stream that ends gives its slot back.
+        for watch in watches:
+            watch.cancel()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                responses = reflect.ServerReflectionInfo(iter([listing]))
+                names = {s.name for r in responses for s in r.list_services_response.service}
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline, "the Watch slots were never released"
+                time.sleep(0.05)
+        assert "edgecache.v1.EdgeCache" in names
+
+
+# --- 2 and 3. a hostile peer --------------------------------------------------------------
+
+
+class FakePeer:
+    """A gRPC server answering ReadShard with the chunks ``send`` yields; records metadata."""
+
+    def __init__(self, send: Callable[[edge_pb2.ReadShardRequest], Iterator[bytes]]) -> None:
+        self.send = send
+        self.metadata: list[dict[str, str]] = []
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", -1)]
+        )
+        handler = grpc.unary_stream_rpc_method_handler(
+            self._read_shard,
+            request_deserializer=edge_pb2.ReadShardRequest.FromString,
+            response_serializer=bytes,
+        )
+        self.server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "edgecache.v1.EdgeCache", {"ReadShard": handler}
+                ),
+            )
+        )
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _read_shard(self, request: edge_pb2.ReadShardRequest, context: object) -> Iterator[bytes]:
+        self.metadata.append(dict(context.invocation_metadata()))  # type: ignore[attr-defined]
+        yield from self.send(request)
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+def chunk(index: int, count: int, rows: int, first_row: int, payload: bytes) -> bytes:
+    """A well-formed chunk (its frame's checksum is right) of whatever the peer likes."""
+    frame = pack_frame(payload, codec=Codec.NONE, rows=rows, raw_len=len(payload))
+    checksum = read_header(frame).checksum
+    return encode_chunk(
+        index=index,
+        chunk_count=count,
+        rows=rows,
+        checksum=checksum,
+        frame=frame,
+        first_row=first_row,
+    )
+
+
+def zero_rows(limit: int) -> Iterator[bytes]:
+    for i in range(200):  # the old node kept every one (a peer could go on for ever)
+        yield chunk(i, ROWS, 0, 0, b"z" * 1024)
+
+
+def too_many_chunks(limit: int) -> Iterator[bytes]:
+    yield chunk(0, 10**9, 1, 0, b"z" * 1024)
+
+
+def too_many_bytes(limit: int) -> Iterator[bytes]:
+    size, sent = 4 << 20, 0
+    for i in range(ROWS):  # one row a chunk, 4 MiB each: stop a little past the bound
+        if sent > limit + (8 << 20):
+            return
+        yield chunk(i, ROWS, 1, i, b"z" * size)
+        sent += size
+
+
+@pytest.mark.parametrize(
+    ("send", "why"),
+    [
+        (zero_rows, "with no rows"),
+        (too_many_chunks, "announced 1000000000 chunks for a shard of 500 rows"),
+        (too_many_bytes, "sent more than"),
+    ],
+)
+def test_a_hostile_peer_is_left_for_origin_with_nothing_kept(
+    site, tmp_path: Path, send: Callable[[int], Iterator[bytes]], why: str
+) -> None:
+    """A peer copy kept every verified frame: zero-row chunks, a chunk count of a billion,
+    4 MiB chunks without end all grew the staging node's memory without bound."""
+    _, registry = site
+    manifest = Registry.run(registry, lambda reg: reg.manifest("tokens", 1))
+    limit = copy_byte_limit(manifest.shards[0])
+    assert limit < 128 << 20  # 64 MiB floor + 64 times a small shard's source size
+    peer = FakePeer(lambda request: send(limit))
+    address = f"127.0.0.1:{peer.port}"
+    try:
+        with running_node(node_settings(tmp_path, registry)) as node:
+            request = edge_pb2.StageRequest(
+                dataset="tokens", version=1, shards=[0], peers=[address]
+            )
+            last = list(stub(node.address).Stage(request))[-1]
+            assert last.finished and last.shards_done == 1 and not last.failures
+            assert last.peer_bytes_done == 0 and last.bytes_done > 0  # origin gave it whole
+            note = " ".join(last.notes)
+            assert address in note and why in note and "took it from origin" in note, note
+            got = read_shard_table(stub(node.address), "tokens", 1, 0)
+            expected = pa.Table.from_batches(shard_table(0, ROWS).to_batches())
+            assert got.equals(expected.cast(got.schema))
+    finally:
+        peer.stop()
+
+
+def test_the_admin_token_never_goes_to_a_peer(site, tmp_path: Path, caplog) -> None:
+    """A node without peer_token_file or a read token sent its ADMIN token to every peer
+    (whoever ran the peer could then Stage and Evict on it), over plaintext without a word."""
+    root, registry = site
+    peer = FakePeer(lambda request: iter(()))
+    try:
+        # A node with only the admin token presents no token to peers.
+        with running_node(node_settings(tmp_path / "a", registry, token_file=root / "admin")) as a:
+            request = edge_pb2.StageRequest(
+                dataset="tokens", version=1, shards=[0], peers=[f"127.0.0.1:{peer.port}"]
+            )
+            last = list(stub(a.address).Stage(request, metadata=ADMIN))[-1]
+            assert last.finished and last.shards_done == 1
+        assert peer.metadata and all("authorization" not in m for m in peer.metadata), peer.metadata
+        # With a read token it presents that, and warns once per peer that is not on
+        # loopback (0.0.0.0 reaches this host, but is not a loopback address) and plaintext.
+        peer.metadata.clear()
+        caplog.set_level(logging.WARNING, logger="edgecache.edge.peers")
+        settings = node_settings(
+            tmp_path / "b", registry, token_file=root / "admin", read_token_file=root / "read"
+        )
+        far, near = f"0.0.0.0:{peer.port}", f"localhost:{peer.port}"
+        with running_node(settings) as b:
+            request = edge_pb2.StageRequest(dataset="tokens", version=1, peers=[far, near])
+            last = list(stub(b.address).Stage(request, metadata=ADMIN))[-1]
+            assert last.finished and last.shards_done == 2
+        assert len(peer.metadata) == 4  # both shards asked of both peers
+        assert {m.get("authorization") for m in peer.metadata} == {"Bearer r3ad-token"}
+        warnings = [r.getMessage() for r in caplog.records if "plaintext" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert far in warnings[0] and f"grpcs://{far}" in warnings[0]
+        assert "r3ad" not in warnings[0]
+    finally:
+        peer.stop()
+
+
+# --- 4. startup warnings say what is open -------------------------------------------------
+
+
+def test_startup_warnings_say_exactly_what_is_open(tmp_path: Path) -> None:
+    """A node with only a read token was told Stage and Evict need no token (they are
+    refused); one with only the admin token was not told its reads are open to anyone."""
+    token = tmp_path / "t"
+    token.write_text("x")
+    tls = {"tls_cert": token, "tls_key": token}
+
+    def warnings(**extra: object) -> list[str]:
+        return exposure(
+            NodeConfig(
+                region="eu",
+                cache_dir=tmp_path,
+                registry="file:///r",
+                listen="0.0.0.0:7070",
+                **extra,
+            )
+        )
+
+    (none,) = warnings(**tls)
+    assert "Stage" in none and "read every cached dataset" in none and "--token-file" in none
+    assert warnings(read_token_file=token, **tls) == []  # admin calls refused, reads guarded
+    (reads,) = warnings(token_file=token, **tls)
+    assert "reads" in reads and "origin" in reads and "--read-token-file" in reads
+    assert "Stage" not in reads
+    assert warnings(token_file=token, read_token_file=token, **tls) == []
+    (plain,) = warnings(token_file=token, read_token_file=token)
+    assert "plaintext" in plain and "tokens" in plain
+
+
+# --- 5. an empty --token-file is bad input ------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["", "  \n\t\n"])
+def test_an_empty_token_file_is_bad_input_naming_it(tmp_path: Path, content: str) -> None:
+    """An empty or blank --token-file was taken as "no token": the node then answered
+    "the token was missing", far from the file that was wrong."""
+    empty = tmp_path / "token"
+    empty.write_text(content)
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text("registry: file:///r\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n")
+    result = CliRunner().invoke(
+        app, ["status", "--config", str(topology), "--token-file", str(empty)]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"--token-file {empty} is empty" in " ".join(result.output.split())
