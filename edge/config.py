@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import posixpath
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -177,6 +178,11 @@ class NodeConfig(BaseModel):
         None, description="Name in logs and metrics [hostname:port, unique per node on a host]"
     )
     sync: bool = Field(True, description="fsync LMDB commits (survives power loss)")
+    origins: str | None = Field(
+        None,
+        description="Comma-separated URL prefixes versions may be read from "
+        "[every s3:// bucket, and the registry's own scheme]",
+    )
 
     @field_validator("capacity", mode="before")
     @classmethod
@@ -205,6 +211,24 @@ class NodeConfig(BaseModel):
                 f"--staging-rate, no {ENV_PREFIX}STAGING_RATE, no staging_rate in the YAML file"
             )
         return rate
+
+    @field_validator("origins")
+    @classmethod
+    def _origins(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        if not entries:
+            raise ValueError(
+                "no origin given; name URL prefixes (s3://bucket/datasets/,file:///data/), "
+                "or leave it unset for the default"
+            )
+        if bad := [entry for entry in entries if "://" not in entry]:
+            raise ValueError(
+                f"{', '.join(bad)}: an origin is a URL prefix with its scheme "
+                "(s3://bucket/prefix/, file:///data/, https://host/path/)"
+            )
+        return ",".join(entries)
 
     @field_validator("listen", "metrics_listen", "probe_listen")
     @classmethod
@@ -236,6 +260,21 @@ class NodeConfig(BaseModel):
             )
         return self
 
+    def origin_prefixes(self) -> tuple[str, ...]:
+        """The URL prefixes this node reads versions from: ``origins``, else the default.
+
+        A version's source URL (and a transform's file) comes from the registry;
+        anyone who can write a manifest there could otherwise point it at
+        ``file:///var/run/secrets/…`` or an internal ``http://`` service and read
+        the bytes back as rows. The default takes every ``s3://`` bucket (where
+        training data lives) and the registry's own scheme (a ``file://`` registry
+        is a local setup, whose writers have the files anyway).
+        """
+        if self.origins:
+            return tuple(self.origins.split(","))
+        scheme = self.registry.split("://", 1)[0].lower() if "://" in self.registry else "file"
+        return tuple(dict.fromkeys(("s3://", f"{scheme}://")))
+
     def cpu_threads(self) -> int:
         """``preprocess_threads``, else the cores this process may run on (taskset, cgroups)."""
         return self.preprocess_threads or usable_cores()
@@ -260,6 +299,22 @@ class NodeConfig(BaseModel):
         if not token:
             raise ConfigError(f"{which} {path} is empty; put the token in it")
         return token
+
+
+def origin_allowed(url: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``url`` lies under one of ``prefixes`` (whole path segments; ``..`` resolved)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return False
+    if scheme.lower() == "file":
+        rest = posixpath.normpath(rest) + ("/" if rest.endswith("/") else "")
+    url = f"{scheme.lower()}://{rest}"
+    for prefix in prefixes:
+        p_scheme, _, p_rest = prefix.partition("://")
+        prefix = f"{p_scheme.lower()}://{p_rest}"
+        if url == prefix or url.startswith(prefix if prefix.endswith("/") else prefix + "/"):
+            return True
+    return False
 
 
 def _shown(value: Any) -> str:

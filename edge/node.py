@@ -36,6 +36,7 @@ import functools
 import itertools
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -51,6 +52,7 @@ from edgecache.cache.errors import (
     DiskFull,
     EdgeCacheError,
     MalformedShard,
+    ManifestError,
     OriginChanged,
     OriginError,
     ShardNotCached,
@@ -60,13 +62,13 @@ from edgecache.cache.frame import Buffer
 from edgecache.cache.keys import ShardKey
 from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.names import LATEST, validate_name
-from edgecache.cache.preprocess import Transform, load_transform
-from edgecache.cache.registry import Registry, fetch_resources
+from edgecache.cache.preprocess import Transform, load_transform, resource_refs
+from edgecache.cache.registry import Registry, fetch_resources, resource_url
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
-from edgecache.edge.config import NodeConfig, usable_cores
+from edgecache.edge.config import NodeConfig, origin_allowed, usable_cores
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard, lower_priority
@@ -76,6 +78,15 @@ from edgecache.v1 import edge_pb2, manifest_pb2
 __all__ = ["EdgeNode", "Fetched", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _clipped(text: str, limit: int = 80) -> str:
+    """A caller's string for a message or log line: repr'd, at most ``limit`` characters."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[: limit - 1]}… ({len(text):,} characters)"
+
+
 T = TypeVar("T")
 
 # How often a manifest this node serves from its own copy is read from the registry
@@ -281,7 +292,9 @@ class EdgeNode:
         elif text.isdigit() and text.isascii() and int(text) >= 1:
             number = int(text)
         else:
-            raise ValueError(f"version must be 'latest' or a positive integer, got {version!r}")
+            raise ValueError(
+                f"version must be 'latest' or a positive integer, got {_clipped(version)}"
+            )
         key = (dataset, number)
         asked = self._manifest_asked.get(key)
         manifest = await self.manifest(dataset, number)
@@ -303,6 +316,13 @@ class EdgeNode:
         copy, the reader gets :meth:`_current_manifest`'s account (the version was
         changed in the registry; evict it here), not a refusal that blames it.
         """
+        if digest and not _DIGEST.fullmatch(digest):
+            # Checked first: a reader's digest is kept (and echoed) below, and up to
+            # max_request_bytes of made-up digests would each be held and logged.
+            raise ValueError(
+                f"digest must be 'sha256:' and 64 hex digits, as manifests hold it, got "
+                f"{_clipped(digest)}; pass the manifest's digest, or none"
+            )
         manifest = await self.manifest(dataset, version)
         if not digest or digest == manifest.digest:
             return manifest
@@ -341,6 +361,7 @@ class EdgeNode:
             kept = self.store.get_manifest(dataset, version)
             if kept is not None:
                 found = manifest_from_bytes(kept, source=f"cached manifest of {dataset}@{version}")
+                self._check_origin(found)  # origins may have been narrowed since
             else:
                 try:
                     found = await self.registry.manifest(dataset, version)
@@ -353,6 +374,7 @@ class EdgeNode:
                     ) from exc
                 finally:
                     self.count_retries()
+                self._check_origin(found)  # before it is kept: a refused one is not
                 self._manifest_asked[key] = time.monotonic()
                 try:
                     await self._write(
@@ -365,6 +387,34 @@ class EdgeNode:
             self._manifests.setdefault(key, found)
         self._recheck_later(key)
         return self._current_manifest(key)
+
+    def _check_origin(self, manifest: manifest_pb2.Manifest) -> None:
+        """Refuse a version whose data (or a transform's file) lies outside ``origins``.
+
+        The manifest comes from the registry: without this, whoever can write
+        there could have the node read any file or URL it reaches (its own
+        tokens, ``/proc/self/environ``, a metadata service) and serve the bytes
+        back as rows.
+        """
+        prefixes = self.config.origin_prefixes()
+        spec = manifest.preprocess
+        try:
+            urls = [manifest.source_url] + [
+                resource_url(manifest.source_url, ref)
+                for ref in resource_refs(spec.transform, spec.params)
+            ]
+        except ValueError as exc:  # a transform's file no node can read
+            raise ManifestError(f"{manifest.dataset}@{manifest.version}: {exc}") from exc
+        for url in urls:
+            if not origin_allowed(url, prefixes):
+                raise ManifestError(
+                    f"{manifest.dataset}@{manifest.version} reads {url}, outside the origins "
+                    f"this node may read ({', '.join(prefixes)}); a version is refused there "
+                    "so that a registry entry cannot make the node read and serve other "
+                    "files. If the version is trusted, add its origin's prefix to the node's "
+                    "origins setting (EDGECACHE_ORIGINS); otherwise publish it from an "
+                    "allowed origin"
+                )
 
     def _current_manifest(self, key: tuple[str, int]) -> manifest_pb2.Manifest:
         """The manifest this node serves for a version; :class:`OriginChanged` if it changed.

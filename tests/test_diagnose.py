@@ -110,7 +110,10 @@ def test_an_s3_registry_and_a_file_origin_each_measured_through_its_own_store(
     write_parquet_shards(tmp_path / "raw", 1, rows=1000)
     registry_url = f"s3://{bucket}/_edgecache"
     publish(registry_url, f"file://{tmp_path}/raw", "tokens")
-    settings = node_settings(tmp_path, registry_url, metrics_listen="127.0.0.1:0")
+    # An s3:// registry's nodes read s3:// origins by default: the local one is named.
+    settings = node_settings(
+        tmp_path, registry_url, metrics_listen="127.0.0.1:0", origins=f"file://{tmp_path}/raw"
+    )
     with running_node(settings) as node:
         unstaged = _diagnose(node.address, "origin")
         assert unstaged.note == "no object known to read: stage a version first", unstaged

@@ -219,7 +219,7 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
             (
                 lambda: c.ReadShard(
                     edge_pb2.ReadShardRequest(
-                        dataset="tokens", version=1, shard=0, digest="sha256:00"
+                        dataset="tokens", version=1, shard=0, digest="sha256:" + "0" * 64
                     )
                 ),
                 "FAILED_PRECONDITION",
@@ -292,8 +292,14 @@ def test_origin_refusals_fail_precondition_naming_the_object(tmp_path: Path, fil
     (tmp_path / "origin" / "part-00002.parquet").unlink()
     with running_node(config(tmp_path, registry)) as node:
         c = stub(node.address)
+        # A source URL with no scheme lies in no origin the node reads: refused before any
+        # shard is fetched (it was a path relative to wherever the node ran).
+        stage = code_of(
+            lambda: c.Stage(edge_pb2.StageRequest(dataset="tokens", version=plain, shards=[0]))
+        )
+        assert stage.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "reads origin/, outside the origins" in stage.details()
         cases = [
-            (plain, [0], f"origin/{origin}part-00000.parquet", "cannot read this from origin"),
             (1, [2], f"no object at {origin}part-00002.parquet", "restore it or publish"),
             (level, [0], "zstd level must be in -7..22, got 30", "publish it again"),
         ]

@@ -332,7 +332,9 @@ def test_a_reader_with_the_registrys_new_digest_is_told_at_once_not_blamed(
         cx.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1))
         err = failure(
             lambda: cx.ReadShard(
-                edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0, digest="f" * 64)
+                edge_pb2.ReadShardRequest(
+                    dataset="tokens", version=1, shard=0, digest="sha256:" + "f" * 64
+                )
             )
         )
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION

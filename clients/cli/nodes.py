@@ -57,6 +57,9 @@ file. These settings have no flag (default in parentheses):
                        token, else the admin token)
   peer_tls_ca          CA of grpcs:// peers' certificates (the system's
                        roots)
+  origins              URL prefixes versions may be read from, comma-
+                       separated; others are refused (every s3:// bucket,
+                       and the registry's own scheme)
 """
 
 
