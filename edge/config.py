@@ -150,7 +150,7 @@ class NodeConfig(BaseModel):
     peer_token_file: Path | None = Field(
         None,
         description="Bearer token for reading from peer nodes when staging from them "
-        "[the read token, else the admin token]",
+        "[the read token; never the admin token]",
     )
     peer_tls_ca: Path | None = Field(
         None, description="CA of peers' certificates, for grpcs:// peers [the system's roots]"

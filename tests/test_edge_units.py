@@ -167,8 +167,10 @@ def test_exposure_warns_only_beyond_loopback(tmp_path: Path) -> None:
     assert len(open_node) == 2 and "--token-file" in open_node[0] and "--tls-cert" in open_node[1]
     token = tmp_path / "t"
     token.write_text("x")
-    secured = config("10.0.0.5:7070", token_file=token, tls_cert=token, tls_key=token)
-    assert exposure(secured) == []
+    secured = config(
+        "10.0.0.5:7070", token_file=token, read_token_file=token, tls_cert=token, tls_key=token
+    )
+    assert exposure(secured) == []  # reads need a token too: nothing is open
 
 
 def test_stored_damage_is_unavailable_never_failed_precondition() -> None:

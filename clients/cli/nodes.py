@@ -54,7 +54,7 @@ file. These settings have no flag (default in parentheses):
   grace_seconds        SIGTERM drain time for streams, in seconds (10)
   sync                 fsync LMDB commits: true or false (true)
   peer_token_file      bearer token for reading from peer nodes (the read
-                       token, else the admin token)
+                       token; never the admin token)
   peer_tls_ca          CA of grpcs:// peers' certificates (the system's
                        roots)
   origins              URL prefixes versions may be read from, comma-
