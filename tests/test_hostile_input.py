@@ -74,6 +74,27 @@ def test_a_compressed_bomb_is_refused_without_inflating_it(
     assert peak < 16 * MiB, f"{kind}: {peak / MiB:.1f} MiB allocated to refuse a 1 MiB limit"
 
 
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_a_bomb_under_the_absolute_limit_is_refused_by_its_ratio(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fetch could hold 4 GiB of a few KB of zeros: eight at once (the default fetch and
+    staging concurrency) passed a pod's 8 GiB. An object may inflate MAX_INFLATION times its
+    size (past a floor), and real data far less: 3-20x."""
+    monkeypatch.setattr(limits, "MIN_INFLATION_LIMIT", 1 * MiB)
+    bomb = COMPRESSORS[kind](b"\n" * (48 * MiB))  # far under the 4 GiB limit, 1000x+
+    ratio_limit = limits.MAX_INFLATION * len(bomb)
+    assert ratio_limit < 48 * MiB < limits.MAX_DECOMPRESSED_BYTES
+    error, peak = peak_python_bytes(lambda: decompress(bomb, f"s3://b/docs.jsonl.{kind}"))
+    assert isinstance(error, MalformedShard), error
+    assert f"{limits.MAX_INFLATION}x its size" in str(error), str(error)
+    assert peak < ratio_limit + 16 * MiB
+    # Real text (Python's own sources, ~4x) is read whole under the same limits.
+    text = Path(json.__file__).read_bytes() * 20
+    data, found = decompress(COMPRESSORS[kind](text), f"s3://b/src.txt.{kind}")
+    assert found == kind and bytes(data) == text
+
+
 def test_a_zstd_frame_declaring_a_huge_size_is_refused_before_decoding(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -70,10 +70,24 @@ _PIECE = 4 << 20  # bytes decompressed per read: small against the limit, large 
 
 
 def _too_big(source: str, kind: str, what: str, limit: int) -> MalformedShard:
+    by_ratio = limit < limits.MAX_DECOMPRESSED_BYTES
+    why = (
+        f"{limits.MAX_INFLATION}x its size, the most a node expands an object of this size to"
+        if by_ratio
+        else "the most a node expands one object to"
+    )
     return MalformedShard(
-        f"{source} is {kind}-compressed and {what}, more than the {format_bytes(limit)} a node "
-        f"expands one object to (a decompression bomb, or a shard too large to preprocess "
-        f"whole: split it into objects under {format_bytes(limit)} uncompressed); {FIX}"
+        f"{source} is {kind}-compressed and {what}, more than {format_bytes(limit)} ({why}: "
+        f"a decompression bomb, or a shard too large to preprocess whole: split it into "
+        f"objects under {format_bytes(limit)} uncompressed); {FIX}"
+    )
+
+
+def _inflation_limit(compressed: int) -> int:
+    """The most ``compressed`` bytes may inflate to: a ratio of its size, within bounds."""
+    return min(
+        limits.MAX_DECOMPRESSED_BYTES,
+        max(limits.MIN_INFLATION_LIMIT, limits.MAX_INFLATION * compressed),
     )
 
 
@@ -136,9 +150,11 @@ def decompress(data: bytes | memoryview, source: str) -> tuple[bytes | memoryvie
     """``data`` decompressed when it is gzip/zstd/bz2/xz, else unchanged; and which it was.
 
     Concatenated members/frames (``cat a.gz b.gz``, pzstd output) are read whole.
-    Output is bounded by :data:`~.limits.MAX_DECOMPRESSED_BYTES`: a few KB can
-    inflate to many GB, and a node must not be the one that finds out by running
-    out of memory. A zstd frame that declares more is refused before decoding.
+    Output is bounded by :data:`~.limits.MAX_DECOMPRESSED_BYTES`, and by
+    :data:`~.limits.MAX_INFLATION` times the object's size past
+    :data:`~.limits.MIN_INFLATION_LIMIT`: a few KB can inflate to many GB, and a
+    node must not be the one that finds out by running out of memory. A zstd
+    frame that declares more is refused before decoding.
 
     Raises:
         MalformedShard: the object is truncated or damaged, or inflates past the limit,
@@ -147,7 +163,7 @@ def decompress(data: bytes | memoryview, source: str) -> tuple[bytes | memoryvie
     kind = compression_of(memoryview(data)[:10])
     if kind is None:
         return data, None
-    limit = limits.MAX_DECOMPRESSED_BYTES
+    limit = _inflation_limit(len(data))
     try:
         if kind == "zstd":
             declared = zstandard.frame_content_size(bytes(memoryview(data)[:18]))

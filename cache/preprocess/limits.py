@@ -19,11 +19,19 @@ __all__ = [
     "BATCH_DECODED_BYTES",
     "MAX_DECODED_BYTES",
     "MAX_DECOMPRESSED_BYTES",
+    "MAX_INFLATION",
     "MAX_RESOURCE_BYTES",
+    "MIN_INFLATION_LIMIT",
 ]
 
 # A compressed object (gzip, zstd, bz2, xz) is refused once it inflates past this.
 MAX_DECOMPRESSED_BYTES = 4 << 30
+# ... or past this many times its own size, once past MIN_INFLATION_LIMIT. Real data
+# (JSON Lines, CSV, text) compresses 3-20x, rarely 100x; a bomb 1000x and more. Without
+# it, each of the fetches a node runs at once (fetch + staging concurrency: 8) could
+# hold 4 GiB of a few KB of zeros, past a pod's memory limit.
+MAX_INFLATION = 200
+MIN_INFLATION_LIMIT = 256 << 20
 # The Arrow data one shard decodes to, summed over its batches (before the transform).
 MAX_DECODED_BYTES = 16 << 30
 # Parquet string/binary columns are decoded in slices of about this many bytes, so a
