@@ -58,7 +58,7 @@ def test_dockerfile_shape() -> None:
         assert not re.search(r"^VOLUME\b", dockerfile.read_text(), re.M), dockerfile
     healthcheck = re.search(r"^HEALTHCHECK .*\n\s+CMD (.*)$", text, re.M)
     # No address: the command asks the node's own configured probe (EDGECACHE_PROBE_LISTEN).
-    assert healthcheck and json.loads(healthcheck.group(1))[:2] == ["edgecache", "healthcheck"]
+    assert healthcheck and json.loads(healthcheck.group(1))[:3] == HEALTHCHECK_MODULE
     assert ":7071" not in healthcheck.group(1), "follow the configured probe port"
     assert "torch" not in code.lower()  # comments may say "no torch"
     assert "-c deploy/constraints.txt" in text and "PIP_NO_CACHE_DIR=1" in text
@@ -68,14 +68,18 @@ def test_dockerfile_shape() -> None:
     assert ".venv" in ignored and "tests" in ignored
 
 
+# Not `edgecache healthcheck`: the whole CLI's imports, every 10 s, cost ~5 % of a core.
+HEALTHCHECK_MODULE = ["python3", "-m", "edgecache.clients.healthcheck"]
+
+
 def test_healthcheck_command_follows_the_probe_address(tmp_path: Path) -> None:
     """The HEALTHCHECK asks the node on its own configured probe address."""
-    from edgecache.clients.cli.nodes import probe_address
+    from edgecache.clients.healthcheck import probe_address
 
     text = (DEPLOY / "Dockerfile").read_text()
     found = re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", text, re.M)
     assert found
-    assert json.loads(found.group(1))[:2] == ["edgecache", "healthcheck"]
+    assert json.loads(found.group(1))[:3] == HEALTHCHECK_MODULE
     cases = {
         None: "127.0.0.1:7071",
         "0.0.0.0:7071": "127.0.0.1:7071",
@@ -502,6 +506,26 @@ def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path
             env={**os.environ, "EDGECACHE_PROBE_LISTEN": f"0.0.0.0:{node.probe_port}"},
         )
         assert out.returncode == 0 and "SERVING" in out.stdout, out.stderr
+        # The image's HEALTHCHECK: the same check without the CLI's imports.
+        light = subprocess.run(
+            [sys.executable, "-m", "edgecache.clients.healthcheck", "--timeout", "4"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "EDGECACHE_PROBE_LISTEN": f"0.0.0.0:{node.probe_port}"},
+        )
+        assert light.returncode == 0 and "SERVING" in light.stdout, light.stderr
+    down = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.healthcheck", "127.0.0.1:9", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert down.returncode == 1 and "127.0.0.1:9" in down.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.healthcheck", "no-port"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "is not HOST:PORT" in bad.stderr, bad.stderr
     refused = subprocess.run(
         [
             sys.executable,

@@ -459,34 +459,6 @@ def doctor(
         raise exit_with(ExitCode.FAILED)
 
 
-def probe_address(config: Path | None = None, environ: dict[str, str] | None = None) -> str:
-    """Where this host's node answers health checks: its configured probe address.
-
-    ``$EDGECACHE_PROBE_LISTEN``, else ``probe_listen`` in the node's settings
-    file, else the default 127.0.0.1:7071; a wildcard host (0.0.0.0, ::) is
-    asked on loopback, where the probe also listens.
-    """
-    import os
-
-    import yaml
-
-    env = os.environ if environ is None else environ
-    listen = env.get("EDGECACHE_PROBE_LISTEN")
-    if not listen and config is not None:
-        try:
-            settings = yaml.safe_load(config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"cannot read the node settings {config}: {exc}") from exc
-        listen = settings.get("probe_listen") or settings.get("probe-listen")
-    listen = str(listen or "127.0.0.1:7071")
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"the probe address {listen!r} is not HOST:PORT")
-    if host in ("", "0.0.0.0", "[::]", "::"):
-        host = "127.0.0.1"
-    return f"{host}:{port}"
-
-
 @app.command()
 def healthcheck(
     address: Annotated[
@@ -507,24 +479,10 @@ def healthcheck(
     so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN. Exit codes: 0
     SERVING; 1 not serving or not answering; 2 bad input (the address).
     """
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from edgecache.clients.channels import describe, open_channel
+    from edgecache.clients.healthcheck import check, probe_address
 
     with reporting():
         address = address or probe_address(config)
-        channel = open_channel(address)
-    try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=timeout
-        )
-    except grpc.RpcError as exc:
-        err_console.print(f"{address}: {describe(exc)}", soft_wrap=True)
-        raise exit_with(ExitCode.FAILED) from None
-    finally:
-        channel.close()
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    console.print(f"{address}: {name}")
-    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    serving, said = check(address, timeout)
+    (console if serving else err_console).print(said, soft_wrap=True)
     raise exit_with(ExitCode.OK if serving else ExitCode.FAILED)

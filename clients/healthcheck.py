@@ -1,0 +1,108 @@
+"""The container's health check: ask this host's node on its probe port, importing little.
+
+``python3 -m edgecache.clients.healthcheck [HOST:PORT] [--config FILE] [--timeout S]``
+exits 0 when the node answers the standard gRPC health check with SERVING, 1
+when it does not (or does not answer), 2 for a bad address. Docker runs it
+every 10 s for the life of every node: through the whole ``edgecache`` CLI
+(typer, rich, every command module) each run took 0.5 CPU-s and 130 MB, about
+5 % of a core held by health checks alone; this imports grpc and the health
+stubs only (~0.1 s, 40 MB). ``edgecache healthcheck`` runs the same check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["check", "main", "probe_address"]
+
+DEFAULT_PROBE = "127.0.0.1:7071"
+
+
+def probe_address(config: Path | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """Where this host's node answers health checks: its configured probe address.
+
+    ``$EDGECACHE_PROBE_LISTEN``, else ``probe_listen`` in the node's settings
+    file, else the default 127.0.0.1:7071; a wildcard host (0.0.0.0, ::) is
+    asked on loopback, where the probe also listens.
+    """
+    env = os.environ if environ is None else environ
+    listen = env.get("EDGECACHE_PROBE_LISTEN")
+    if not listen and config is not None:
+        import yaml
+
+        try:
+            settings = yaml.safe_load(config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read the node settings {config}: {exc}") from exc
+        listen = settings.get("probe_listen") or settings.get("probe-listen")
+    listen = str(listen or DEFAULT_PROBE)
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"the probe address {listen!r} is not HOST:PORT")
+    if host in ("", "0.0.0.0", "[::]", "::"):  # noqa: S104 - a wildcard is asked on loopback
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+def check(address: str, timeout: float) -> tuple[bool, str]:
+    """(serving, what to print) for the node at ``address``.
+
+    A plain ``HOST:PORT`` (the probe port is plaintext) is asked on an insecure
+    channel; another address (``grpcs://…``) through the clients' channel setup.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if "://" in address:
+        from edgecache.clients.channels import open_channel
+
+        channel = open_channel(address)
+    else:
+        channel = grpc.insecure_channel(address)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout
+        )
+    except grpc.RpcError as exc:
+        from edgecache.clients.channels import describe
+
+        return False, f"{address}: {describe(exc)}"
+    finally:
+        channel.close()
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{address}: {name}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the check; the exit code (0 serving, 1 not, 2 bad input)."""
+    parser = argparse.ArgumentParser(
+        prog="python3 -m edgecache.clients.healthcheck",
+        description="Exit 0 when this host's node answers the gRPC health check with SERVING.",
+    )
+    parser.add_argument(
+        "address",
+        nargs="?",
+        help=f"HOST:PORT of the node's probe [$EDGECACHE_PROBE_LISTEN, the --config file's "
+        f"probe_listen, {DEFAULT_PROBE}]",
+    )
+    parser.add_argument("--config", type=Path, help="the node's settings file")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait [3]")
+    args = parser.parse_args(argv)
+    try:
+        address = args.address or probe_address(args.config)
+        if "://" not in address and not address.rpartition(":")[2].isdigit():
+            raise ValueError(f"the address {address!r} is not HOST:PORT")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    serving, said = check(address, args.timeout)
+    print(said, file=sys.stdout if serving else sys.stderr)
+    return 0 if serving else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
