@@ -71,9 +71,13 @@ _SERVER_OPTIONS = [
 ]
 
 
-def exposure(config: NodeConfig) -> list[str]:
-    """What is open to the network about a node bound beyond loopback (see docs/security.md)."""
-    host, _ = split_hostport(config.listen)
+def exposure(config: NodeConfig, port: int | None = None) -> list[str]:
+    """What is open to the network about a node bound beyond loopback (see docs/security.md).
+
+    ``port``: the port bound, named in place of ``--listen``'s 0 (port picked at bind).
+    """
+    host, asked = split_hostport(config.listen)
+    listen = config.listen if port is None or asked else f"{host}:{port}"
     try:
         if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return []
@@ -83,7 +87,7 @@ def exposure(config: NodeConfig) -> list[str]:
     admin, read = config.token_file is not None, config.read_token_file is not None
     if not admin and not read:
         problems.append(
-            f"{config.listen} has no token: anyone who reaches this port can Stage, Evict, "
+            f"{listen} has no token: anyone who reaches this port can Stage, Evict, "
             "Pin and Diagnose (fill or empty the cache), read every cached dataset and make "
             "the node fetch any published shard from origin; set --token-file and "
             "--read-token-file"
@@ -91,7 +95,7 @@ def exposure(config: NodeConfig) -> list[str]:
     elif not read:
         # Admin calls need the admin token; everything else is open (see TokenAuthInterceptor).
         problems.append(
-            f"reads on {config.listen} need no token: anyone who reaches this port can read "
+            f"reads on {listen} need no token: anyone who reaches this port can read "
             "every cached dataset, list what is cached (Status), make the node fetch any "
             "published shard from origin (egress, pushing unpinned versions out) and send "
             "it Sink tests; set --read-token-file"
@@ -99,7 +103,7 @@ def exposure(config: NodeConfig) -> list[str]:
     # A read token without an admin token: admin calls are refused altogether, reads need it.
     if config.tls_cert is None:
         problems.append(
-            f"{config.listen} is plaintext: data{' and tokens' if admin or read else ''} cross "
+            f"{listen} is plaintext: data{' and tokens' if admin or read else ''} cross "
             "the network readable and alterable; set --tls-cert/--tls-key (and "
             "--tls-client-ca for mutual TLS)"
         )
@@ -352,7 +356,7 @@ class NodeServer:
             config.cache_dir,
             config.registry,
         )
-        for problem in exposure(config):
+        for problem in exposure(config, self.port):
             log.warning("%s", problem)
 
     async def stop(self, grace: float | None = None) -> None:
@@ -395,10 +399,17 @@ async def serve_forever(config: NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    print(f"serving on {server.address}", flush=True)
+    # The address to dial comes last (scripts take the line's last word); a wildcard host is
+    # said as bound first, so the line does not read as loopback-only.
+    host, _ = split_hostport(config.listen)
+    bound = f"{host}:{server.port}, dial " if host in ("0.0.0.0", "::", "") else ""  # noqa: S104
+    print(f"serving on {bound}{server.address}", flush=True)
     if server.metrics_port:
         host, _ = split_hostport(config.metrics_listen or "")
         print(f"metrics on {host}:{server.metrics_port}", flush=True)
+    if server.probe_port:  # chosen at bind with port 0: said, or found only with ss
+        host, _ = split_hostport(config.probe_listen or "")
+        print(f"health probe on {host}:{server.probe_port}", flush=True)
     await stop.wait()
     log.info("signal received: draining for up to %g s", config.grace_seconds)  # 0.5 is 0.5
     await server.stop()

@@ -236,3 +236,35 @@ def test_a_stopped_in_process_node_leaves_no_grpc_aio_thread(tmp_path: Path) -> 
         assert stub(node.address).Status(edge_pb2.StatusRequest()).region == "eu"
         assert grpc_aio_running()  # so the check below cannot pass for a renamed thread
     assert not grpc_aio_running()
+
+
+def test_a_probe_port_picked_at_bind_is_said(tmp_path: Path) -> None:
+    """With --probe-listen HOST:0 the chosen port was printed nowhere (found only with ss)."""
+    (tmp_path / "registry").mkdir()
+    proc, address = start_node(
+        tmp_path, f"file://{tmp_path}/registry", env={"EDGECACHE_PROBE_LISTEN": "127.0.0.1:0"}
+    )
+    try:
+        assert proc.stdout is not None
+        said = proc.stdout.readline().split()
+        assert said[:3] == ["health", "probe", "on"] and not said[-1].endswith(":0"), said
+        from edgecache.clients.healthcheck import check
+
+        assert check(said[-1], timeout=5)[0]  # the port said is the probe's
+        assert address.startswith("127.0.0.1:")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_exposure_names_the_port_bound_not_the_0_asked_for(tmp_path: Path) -> None:
+    from edgecache.edge.config import NodeConfig
+    from edgecache.edge.server import exposure
+
+    config = NodeConfig(region="eu", cache_dir=tmp_path, registry="file:///r", listen="10.0.0.5:0")
+    said = exposure(config, port=41234)
+    assert said and all("10.0.0.5:41234" in line for line in said), said
+    fixed = NodeConfig(
+        region="eu", cache_dir=tmp_path, registry="file:///r", listen="10.0.0.5:7070"
+    )
+    assert all("10.0.0.5:7070" in line for line in exposure(fixed, port=7070))
