@@ -11,6 +11,10 @@ next to a new holder. Nothing needs a compare-and-swap that only some stores
 offer, so the same lease works in compose (a local or S3 registry) and in
 Kubernetes (S3) alike. Old generations are deleted as new ones are written.
 
+A holder that takes the lease anew, rather than renewing the generation it
+already held, is told so (:attr:`Lease.gained`): others may have held it in
+between, and whatever the lease guards may have changed under it.
+
 Expiry uses the wall clock of each contender; clocks within a few seconds of
 each other are enough, since the time to live is tens of seconds.
 """
@@ -53,6 +57,9 @@ class Lease:
             raise ValueError(f"the lease time to live must be positive, got {ttl}")
         self.store, self.prefix, self.holder, self.ttl = store, prefix.rstrip("/"), holder, ttl
         self.generation: int | None = None  # the generation we hold, if any
+        # Whether the last acquire that succeeded took the lease anew rather than renewing
+        # the newest generation, ours: only then can another holder have acted in between.
+        self.gained = False
 
     def _url(self, generation: int) -> str:
         return f"{self.prefix}/{generation:020d}"
@@ -91,7 +98,11 @@ class Lease:
     async def acquire(self, now: float | None = None) -> LeaseRecord | None:
         """Take (or renew) the lease; the record now in force if someone else holds it.
 
-        Returns None when this holder holds the lease afterwards.
+        Returns None when this holder holds the lease afterwards; :attr:`gained`
+        then says whether it was taken anew (first taken, taken over, or taken
+        again after another held it) rather than renewed: a renewal writes the
+        generation after our own newest one, so nobody held it in between, even
+        when ours had expired.
         """
         now = time.time() if now is None else now
         record = await self.current()
@@ -104,7 +115,7 @@ class Lease:
             return record
         generation = (record.generation if record else 0) + 1
         if await self._write(generation, now + self.ttl):
-            self.generation = generation
+            self.generation, self.gained = generation, not mine
             return None
         self.generation = None
         return await self.current()  # someone else wrote that generation first

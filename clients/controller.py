@@ -20,6 +20,11 @@ schedule).
 
 Only one controller acts at a time: it holds a lease in the registry's object
 store (:mod:`edgecache.cache.lease`) and does nothing while another holds it.
+One that takes the lease (a standby taking over, or a leader back from a
+pause past its lease) first reads the record again: the controller that led
+in between may have changed it, and acting on, then saving, the copy read
+earlier would undo that. A registry on a local filesystem must exist: the
+controller does not create one where a mistyped ``registry:`` points.
 A controller killed mid-task loses nothing: staging commits whole shards, the
 next tick (of this controller or of the next leaseholder) plans the rest of
 the version and fetches only the missing shards.
@@ -48,9 +53,9 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from edgecache.cache.errors import EdgeCacheError, ObjectNotFound, OriginError
+from edgecache.cache.errors import ConfigError, EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
-from edgecache.cache.planner import Plan, VersionKey
+from edgecache.cache.planner import Infeasible, Plan, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
 from edgecache.clients.executor import NodeCalls, NodesSeen, PlanExecutor, TaskRun
@@ -73,6 +78,7 @@ __all__ = [
     "SimulatedClock",
     "TaskRecord",
     "as_started",
+    "infeasible_reason",
     "lease_holder",
     "read_state",
 ]
@@ -186,8 +192,58 @@ def _unreachable(
     )
 
 
+def _local_registry(registry: str) -> str | None:
+    """The directory of a registry on this machine's filesystem, or None for an object store."""
+    if registry.startswith("file://"):
+        return registry[len("file://") :]
+    return None if "://" in registry else registry
+
+
+def _missing_registry(
+    registry: str, doing: str, topology_path: object = None
+) -> ConfigError | None:
+    """The error for a registry on a local filesystem that does not exist; None if it does.
+
+    A filesystem store creates the folders a write needs: the lease or the
+    record written to a mistyped ``registry:`` made a new, empty registry
+    there, and every later command said it "holds no datasets", hiding the
+    typo. An object store has no folders to tell a new registry from a
+    mistyped one (a missing bucket, the store itself refuses).
+    """
+    local = _local_registry(registry)
+    if local is None or os.path.isdir(local):
+        return None
+    state = "is not a directory" if os.path.exists(local) else "does not exist"
+    where = topology_path or "the topology file"
+    return ConfigError(
+        f"cannot {doing}: the version registry {registry.rstrip('/')} (registry: in {where}) "
+        f"{state}; check the registry URL for a typo, or publish a version there first "
+        "(edgecache publish creates the registry): the controller keeps its lease and its "
+        "record in the registry, and does not create one"
+    )
+
+
+def infeasible_reason(item: Infeasible) -> str:
+    """``item``'s reason after its version, once (``b@1: the registry … does not exist``).
+
+    The registry's reason for a version that does not resolve already starts
+    with the spec: prefixed again, it read "b@1: b@1: the registry …".
+    """
+    if item.reason.startswith((f"{item.version}: ", f"{item.version} ")):
+        return item.reason
+    return f"{item.version}: {item.reason}"
+
+
 def read_state(registry: str) -> ControllerState | None:
-    """The controller's last saved state in ``registry``, or None if none ran there."""
+    """The controller's last saved state in ``registry``, or None if none ran there.
+
+    A registry on a local filesystem that does not exist is a
+    :class:`ConfigError` naming it (``plan --status`` on a mistyped
+    ``registry:``), not an empty record.
+    """
+    missing = _missing_registry(registry, "read the controller's record")
+    if missing is not None:
+        raise missing
 
     async def go() -> ControllerState | None:
         stores = Stores()
@@ -334,13 +390,19 @@ class Controller:
         self.lease = Lease(
             self._stores.for_url(registry), f"{registry}/{LEASE_PREFIX}", self.holder, lease_ttl
         )
+        # The record as last read from or written to the registry (None: there was none):
+        # a controller taking the lease reloads the record only if it changed since.
+        self._record_raw: bytes | None = None
+        self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
+        # Each run's record (its key and the record its thread updates), kept across a reload.
+        self._run_records: dict[tuple[str, VersionKey], tuple[str, TaskRecord]] = {}
         try:
+            self._require_registry("start the controller")
             self.state = self._load_state()
         except BaseException:
             self._await(self._stores.close())  # no client session left open behind the error
             self._loop.close()
             raise
-        self._runs: dict[tuple[str, VersionKey], tuple[TaskRun, threading.Thread]] = {}
         self._ended: dict[tuple[str, VersionKey], float] = {}  # when each run last ended
         self.retry_backoff = retry_backoff
         self.record_retention = record_retention
@@ -378,13 +440,29 @@ class Controller:
         except OriginError as exc:
             raise _unreachable(self.topology.registry, doing, exc, self.topology_path) from exc
 
-    def _load_state(self) -> ControllerState:
+    def _require_registry(self, doing: str) -> None:
+        """Refuse to go on when the registry, on a local filesystem, does not exist.
+
+        Checked before each write to it (the lease, the record): one would
+        create it, and a mistyped registry would look like an empty one.
+        """
+        missing = _missing_registry(self.topology.registry, doing, self.topology_path)
+        if missing is not None:
+            raise missing
+
+    def _read_record(self) -> bytes | None:
+        """The record as saved in the registry now; None when no controller saved one."""
         try:
-            raw = self._registry_call(
+            raw: bytes = self._registry_call(
                 self._stores.for_url(self._state_url).get(self._state_url),
                 "read the controller's record",
             )
         except ObjectNotFound:
+            return None
+        return raw
+
+    def _parse_record(self, raw: bytes | None) -> ControllerState:
+        if raw is None:
             return ControllerState()
         try:
             return ControllerState.from_json(raw)
@@ -392,13 +470,48 @@ class Controller:
             log.warning("%s is unreadable; starting a fresh record", self._state_url)
             return ControllerState()
 
+    def _load_state(self) -> ControllerState:
+        raw = self._read_record()
+        self._record_raw = raw
+        return self._parse_record(raw)
+
+    def _take_up_record(self) -> None:
+        """Having taken the lease anew, carry on from the record as it is saved now.
+
+        Another controller may have led since this one read or wrote the
+        record (it stood by since it started, or lost the lease for a while):
+        that one's task and job records, pins and node ids are the truth now.
+        Acting on the copy in memory would forget its work (a pin it placed
+        never released, a job that missed its data recorded as complete), and
+        saving that copy would write over its record. A record nobody wrote
+        since stays as it is in memory, which is newer (runs ended since the
+        last save). A run still in flight here keeps its own record: its
+        thread goes on updating it.
+        """
+        raw = self._read_record()
+        if raw == self._record_raw:
+            return
+        state = self._parse_record(raw)
+        with self._lock:
+            for record_key, record in self._run_records.values():
+                state.tasks[record_key] = record
+        log.info(
+            "took the lease: carrying on from the record controller %s saved at %s",
+            state.holder or "(unknown)",
+            state.updated_at or "(unknown)",
+        )
+        self.state, self._record_raw = state, raw
+
     def _save_state(self) -> None:
+        self._require_registry("save the controller's record")
         self.state.updated_at = _iso(self.clock()) or ""
         self.state.holder = self.holder
+        raw = self.state.to_json()
         self._registry_call(
-            self._stores.for_url(self._state_url).put(self._state_url, self.state.to_json()),
+            self._stores.for_url(self._state_url).put(self._state_url, raw),
             "save the controller's record",
         )
+        self._record_raw = raw
 
     def close(self) -> None:
         """Stop running tasks, give the lease up, close connections."""
@@ -412,12 +525,18 @@ class Controller:
         for thread in threads:
             thread.join(timeout=30)
         if self._leading:
-            # The record said "running" for the tasks just stopped: say what is true now.
+            # The record said "running" for the tasks just stopped: say what is true now,
+            # if the lease is still ours (another holder's record is not ours to save over).
             try:
-                self._save_state()
+                other = self.leader()
+                if other is None:
+                    self._save_state()
+                else:
+                    log.info("controller %s holds the lease now: its record stands", other.holder)
             except EdgeCacheError as exc:
                 log.warning("could not save the record on stopping: %s", exc)
         try:
+            self._require_registry("give the lease up")  # a write: it would create it
             self._await(self.lease.release())
         except Exception:  # noqa: BLE001 - the lease expires by itself anyway
             log.debug("could not release the lease", exc_info=True)
@@ -427,12 +546,19 @@ class Controller:
     # ----------------------------------------------------------------- ticks
 
     def leader(self) -> LeaseRecord | None:
-        """Take or renew the lease: None when this controller holds it, else the holder's record."""
+        """Take or renew the lease: None when this controller holds it, else the holder's record.
+
+        Taken anew (not renewed), the record is read again first if another
+        controller saved it since (:meth:`_take_up_record`).
+        """
         asked = time.monotonic()  # the lease runs from no later than this
+        self._require_registry("take the controller's lease")
         held = self._registry_call(self.lease.acquire(), "take the controller's lease")
         self._leading = held is None
         if held is None:
             self._renewed_at = asked
+            if self.lease.gained:  # another may have led since: its record is the truth
+                self._take_up_record()
         self.metrics.leader.set(0 if held else 1)
         return held
 
@@ -444,12 +570,17 @@ class Controller:
         once. Renewed once a third of the time to live has passed, with every
         call ending half of it after the renewal, the lease never lapses
         mid-round, and the other half is left for the renewal itself and for
-        clocks that differ. Raises :class:`LeaseLost` when another holds it.
+        clocks that differ. Raises :class:`LeaseLost` when another holds it, or
+        held it since the round began (the lease lapsed mid-round and the
+        record changed): the round acted on a record that is no longer true.
         """
         if time.monotonic() - self._renewed_at > self.lease.ttl / 3:
+            before = self.state
             other = self.leader()
             if other is not None:
                 raise LeaseLost(other.holder)
+            if self.state is not before:
+                raise LeaseLost(self.state.holder or "(unknown)")
         self.executor.calls.deadline = self._renewed_at + self.lease.ttl / 2
 
     def _status_timeout(self) -> float:
@@ -726,6 +857,7 @@ class Controller:
                 )
                 with self._lock:
                     self._runs[key] = (run, thread)
+                    self._run_records[key] = (record_key, record)
                 log.info(
                     "%s: staging %s from %s (planned ready %s)",
                     region,
@@ -840,6 +972,7 @@ class Controller:
                 )
             with self._lock:
                 self._runs.pop(run.key, None)
+                self._run_records.pop(run.key, None)
                 self._ended[run.key] = time.monotonic()
 
     def _failed(self, *problems: str) -> None:
@@ -864,7 +997,7 @@ class Controller:
                 self.executor.mark_resident(region, version)
         reasons: dict[str, list[str]] = {}
         for item in plan.infeasible:
-            reasons.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
+            reasons.setdefault(item.job, []).append(infeasible_reason(item))
         down = {region for region, outage in region_outages(reports).items() if outage.unreachable}
         for job in schedule.jobs:
             record = self.state.jobs.get(job.name)
@@ -949,7 +1082,7 @@ class Controller:
             return f"no node of {record.region} answered at the start"
         why = ["cannot be met: " + "; ".join(infeasible)] if infeasible else []
         for spec in missing:
-            if any(reason.startswith(f"{spec}: ") for reason in infeasible):
+            if any(reason.startswith((f"{spec}: ", f"{spec} ")) for reason in infeasible):
                 continue  # said above
             runs = self._runs_of(f"{record.region} {spec}")
             task = self.state.tasks[runs[-1]] if runs else None
@@ -1006,7 +1139,15 @@ class Controller:
         self.refresh()
 
     def refresh(self) -> None:
-        """Look at the nodes and record which jobs' data is complete, without acting."""
+        """Look at the nodes and record which jobs' data is complete, without acting.
+
+        Only while this controller holds the lease: the record is the leader's
+        (a standby's copy, saved, would write over it).
+        """
+        other = self.leader()
+        if other is not None:
+            log.info("controller %s holds the lease: its record stands", other.holder)
+            return
         now = self.clock()
         schedule = as_started(self._read_schedule(), self.state, now)
         reports = gather_status(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from edgecache.cache.planner import Plan, StageTask
-from edgecache.clients.controller import ControllerState
+from edgecache.clients.controller import ControllerState, infeasible_reason
 from edgecache.clients.ops import NodeReport, holdings, region_outages
 from edgecache.clients.topology import Schedule
 from edgecache.v1 import manifest_pb2 as pb
@@ -34,7 +34,9 @@ class JobView:
     # is missing now (evicted since, or its region does not answer) is not ready at
     # any time, whatever was seen before; ``missing`` and ``why`` say what is wrong.
     ready_at: datetime | None
-    missing: list[str]  # "name@N: 3/8 shards" now, "name@N: not seen, …" when unreachable
+    # "name@N: 3/8 shards" now, "name@N: not seen, …" when unreachable, and for a spec
+    # the registry does not resolve, the registry's own reason (it names the registry).
+    missing: list[str]
     complete_at_start: bool | None  # None until the job starts (or without a controller)
     why: str  # why it is late or cannot be met; "" when on time
     # What is being done about what is missing: "staging" (a controller's task runs),
@@ -80,15 +82,22 @@ def job_views(
     held = holdings(reports, manifests)
     unseen = {r for r, outage in region_outages(reports).items() if outage.unreachable}
     infeasible: dict[str, list[str]] = {}
+    unresolved: dict[tuple[str, str], str] = {}  # (job, spec) → the registry's reason
+    absent = {spec for job in schedule.jobs for spec in job.datasets if spec not in manifests}
     for item in plan.infeasible:
-        infeasible.setdefault(item.job, []).append(f"{item.version}: {item.reason}")
+        reason = infeasible_reason(item)
+        if item.version in absent and not item.unreachable:
+            # Said in full on the spec's `missing` line; the why refers to it.
+            unresolved[(item.job, item.version)] = reason
+            reason = f"{item.version} is not in the registry"
+        infeasible.setdefault(item.job, []).append(reason)
     views = []
     for job in sorted(schedule.jobs, key=lambda j: (j.start, j.name)):
         missing = []
         for spec in job.datasets:
             manifest = manifests.get(spec)
             if manifest is None:
-                missing.append(f"{spec}: not in the registry")
+                missing.append(unresolved.get((job.name, spec), f"{spec}: not in the registry"))
                 continue
             total = len(manifest.shards)
             holding = held.get(job.region, {}).get((manifest.dataset, manifest.version))

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from edgeutil import publish, stub, write_parquet_shards
 
+from edgecache.cache.errors import ConfigError
 from edgecache.clients.controller import Controller, read_state
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
@@ -373,3 +374,53 @@ def test_a_region_that_failed_to_stage_is_a_peer_source_again_once_it_holds_it()
     again = peer_task()
     assert executor.await_source(again, peer_wait=1.0)
     assert again.item.peers == ["127.0.0.1:1"] and not again.note
+
+
+def test_a_registry_that_does_not_exist_is_refused_not_created(tmp_path: Path) -> None:
+    # A typo in registry: made the lease and the record create a new, empty registry
+    # there; every later command then said it "holds no datasets".
+    registry = f"file://{tmp_path}/registy"
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0, 1, "b@1"))
+    for extra in (["--once"], []):  # a round, and the long-running controller
+        process = controller_process(tmp_path, *extra)
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 2, out  # bad input, before anything was done
+        said = " ".join(out.split())
+        assert f"the version registry {registry} (registry: in " in said, out
+        assert "edgecache.yaml) does not exist; check the registry URL" in said, out
+        assert not (tmp_path / "registy").exists()
+    status = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", "plan", str(tmp_path / "schedule.yaml")]
+        + ["--status", "--config", str(tmp_path / "edgecache.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 2, status
+    said = " ".join(status.stderr.split())
+    assert f"the version registry {registry} " in said and "does not exist" in said, said
+    assert "holds no datasets" not in said, said
+    assert not (tmp_path / "registy").exists()
+
+
+def test_a_registry_gone_under_a_running_controller_is_not_created_again(site) -> None:
+    root, registry = site
+    node = start_local_node("eu", root / "cache-eu", registry)
+    try:
+        one_region(root, registry, node, job("j", "eu", T0 + HOUR, 1, "b@1"))
+        controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0))
+        try:
+            assert controller.tick() is not None
+            controller.wait_idle()
+            (root / "registry").rename(root / "unmounted")
+            with pytest.raises(ConfigError, match="does not exist; check the registry URL"):
+                controller.tick()  # a running controller logs it and tries again next round
+            assert not (root / "registry").exists()
+        finally:
+            controller.close()  # neither the record nor the lease's release creates it
+        assert not (root / "registry").exists()
+    finally:
+        node.stop()

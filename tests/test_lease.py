@@ -61,3 +61,26 @@ def test_racing_contenders_get_one_winner(tmp_path: Path) -> None:
 
     won = asyncio.run(scenario())
     assert sum(won) == 1
+
+
+def test_gained_tells_a_lease_taken_anew_from_a_renewal(tmp_path: Path) -> None:
+    # A holder that takes the lease anew may find what it guards changed by another
+    # holder in between; a renewal (even of an expired generation) may not.
+    store, prefix = stores(tmp_path, None)[0]
+
+    async def scenario() -> None:
+        a = Lease(store, prefix, "a", ttl=10)  # type: ignore[arg-type]
+        b = Lease(store, prefix, "b", ttl=10)  # type: ignore[arg-type]
+        t = 1_000_000.0
+        assert await a.acquire(now=t) is None and a.gained  # first taken
+        assert await a.acquire(now=t + 5) is None and not a.gained  # renewed
+        assert await a.acquire(now=t + 30) is None and not a.gained  # expired, nobody took it
+        assert await b.acquire(now=t + 50) is None and b.gained  # taken over
+        assert await a.acquire(now=t + 51) is not None  # refused: b holds it
+        await b.release()
+        assert await a.acquire(now=t + 52) is None and a.gained  # taken again after b
+        await a.release()
+        assert await a.acquire(now=t + 53) is None and a.gained  # released, taken again
+        await store.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
