@@ -100,6 +100,7 @@ def test_a_node_never_heard_from_is_named_by_its_address(tmp_path: Path) -> None
         f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{address}']\n"
     )
     (tmp_path / "schedule.yaml").write_text("jobs: []\n")
+    (tmp_path / "registry").mkdir()  # a controller refuses a local registry that is not there
     controller = Controller(tmp_path / "edgecache.yaml", tmp_path / "schedule.yaml")
     try:
         controller.tick()

@@ -163,6 +163,8 @@ def test_plan_names_a_registry_that_does_not_exist(pair: Pair) -> None:
     assert "does not exist" in said and "check the registry URL" in said, out
     code, out, err = edgecache("controller", "--schedule", str(schedule), "--once", *config)
     said = " ".join((out + err).split())
-    # The controller's lease creates the directory first: it "holds no datasets" by then.
-    assert f"b@1: the registry {nowhere} " in said, (code, out, err)
-    assert "check the registry URL" in said, (code, out, err)
+    # The controller refuses a local registry that does not exist (its lease used to
+    # create the directory, and the registry then "held no datasets").
+    assert code == 2, (code, out, err)
+    assert nowhere in said and "does not exist" in said, (code, out, err)
+    assert not (pair.root / "nowhere").exists()
