@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 __all__ = ["NodeMetrics"]
 
@@ -21,6 +28,10 @@ class NodeMetrics:
 
     def __init__(self, region: str, node_id: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # The standard process_* series (resident memory, CPU seconds, open files), which a
+        # private registry does not get by itself: the node's memory bounds are watched
+        # with process_resident_memory_bytes.
+        ProcessCollector(registry=self.registry)
         self._http: Any = None
         labels = {"region": region, "node": node_id}
         self._labels = labels

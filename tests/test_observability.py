@@ -270,9 +270,26 @@ def test_the_live_processes_export_what_the_code_declares(exported: Exported) ->
     assert exported.labels["edgecache_client_read_bytes_total"] == {"rank", "dataset", "endpoint"}
 
 
+PROCESS_FAMILIES = {  # prometheus_client's ProcessCollector, on Linux
+    "process_virtual_memory_bytes",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_cpu_seconds",
+    "process_open_fds",
+    "process_max_fds",
+}
+
+
+def test_the_node_serves_the_standard_process_metrics(exported: Exported) -> None:
+    """Its memory bound is watched with process_resident_memory_bytes: a private registry
+    had none of them."""
+    assert {"process_resident_memory_bytes", "process_cpu_seconds"} <= exported.by_process["node"]
+
+
 def test_metric_names_follow_prometheus_conventions(exported: Exported) -> None:
     for family, kind in exported.families.items():
-        assert family.startswith("edgecache_"), family
+        # Ours are edgecache_*; the node also serves prometheus_client's standard process_*.
+        assert family.startswith("edgecache_") or family in PROCESS_FAMILIES, family
         if kind == "counter":
             assert f"{family}_total" in exported.labels, family
         else:
