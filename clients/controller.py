@@ -63,6 +63,7 @@ from edgecache.clients.ops import (
     NodeReport,
     complete_versions,
     gather_status,
+    local_registry,
     make_plan,
     region_outages,
     status_call_timeout,
@@ -192,13 +193,6 @@ def _unreachable(
     )
 
 
-def _local_registry(registry: str) -> str | None:
-    """The directory of a registry on this machine's filesystem, or None for an object store."""
-    if registry.startswith("file://"):
-        return registry[len("file://") :]
-    return None if "://" in registry else registry
-
-
 def _missing_registry(
     registry: str, doing: str, topology_path: object = None
 ) -> ConfigError | None:
@@ -210,7 +204,7 @@ def _missing_registry(
     typo. An object store has no folders to tell a new registry from a
     mistyped one (a missing bucket, the store itself refuses).
     """
-    local = _local_registry(registry)
+    local = local_registry(registry)
     if local is None or os.path.isdir(local):
         return None
     state = "is not a directory" if os.path.exists(local) else "does not exist"

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +59,7 @@ __all__ = [
     "NodeReport",
     "PinnedJob",
     "pinned_jobs",
+    "local_registry",
     "record_warmed_jobs",
     "Readiness",
     "WarmItem",
@@ -805,6 +807,13 @@ class PinnedJob:
     versions: tuple[str, ...]  # name@N
 
 
+def local_registry(registry: str) -> str | None:
+    """The directory of a registry on this machine's filesystem, or None for an object store."""
+    if registry.startswith("file://"):
+        return registry[len("file://") :]
+    return None if "://" in registry else registry
+
+
 def record_warmed_jobs(
     topology: Topology, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
 ) -> None:
@@ -814,6 +823,11 @@ def record_warmed_jobs(
     warm's (``_warm/jobs.json``): the jobs of the schedule not yet over, merged
     with those of earlier runs still to end (a job of the same name replaced).
     """
+    local = local_registry(topology.registry)
+    if local is not None and not os.path.isdir(local):
+        # A mistyped local registry: its versions did not resolve, so nothing was pinned;
+        # writing the record would create the folder, a new empty registry hiding the typo.
+        return
     url = _warmed_jobs_url(topology.registry)
     kept = {job.name: job for job in _warmed_jobs(topology.registry) if job.end > now}
     for job in schedule.jobs:

@@ -168,3 +168,7 @@ def test_plan_names_a_registry_that_does_not_exist(pair: Pair) -> None:
     assert code == 2, (code, out, err)
     assert nowhere in said and "does not exist" in said, (code, out, err)
     assert not (pair.root / "nowhere").exists()
+    # Nor does warm create it (its record of the jobs it pinned for went there).
+    code, out, err = edgecache("warm", str(schedule), *config)
+    assert code != 0 and "does not exist" in " ".join((out + err).split()), (code, out, err)
+    assert not (pair.root / "nowhere").exists()

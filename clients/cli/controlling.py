@@ -95,9 +95,10 @@ def controller(
     Exit codes: 0 stopped by SIGTERM, or --once done with every action
     carried out; 1 failed: with --once, another controller holds the lease,
     or something the round did failed (each failure listed on stderr); 2 bad
-    input; 3 with --once, a job cannot be met (listed on stderr, as plan
-    does); 130 interrupted by Ctrl-C, --once included (run it again to
-    resume); 143 a second SIGTERM.
+    input (a schedule or topology that does not validate, a registry on a local
+    path that does not exist: a controller creates none); 3 with --once, a job
+    cannot be met (listed on stderr, as plan does); 130 interrupted by Ctrl-C,
+    --once included (run it again to resume); 143 a second SIGTERM.
     """
     from edgecache.clients.cli.staging import parse_at, report_infeasible
     from edgecache.clients.controller import Controller, SimulatedClock

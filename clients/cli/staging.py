@@ -68,7 +68,8 @@ def plan(
     """Show what to stage where, by when, what to evict, and what cannot be met.
 
     Exit codes: 0 every job can be met; 3 some cannot (listed, with the reason);
-    2 bad input; 1 failed: the registry, or a node of a region the schedule
+    2 bad input (with --status, also a registry on a local path that does not
+    exist); 1 failed: the registry, or a node of a region the schedule
     uses, is unreachable (named; this wins over 3, since that region's plan
     is built without knowing what it holds).
 
