@@ -15,6 +15,7 @@ import pytest
 
 from edgecache.cache.store import CacheStore
 from edgecache.clients.fork_safety import grpc_aio_running
+from edgecache.clients.node_client import LocalNode
 
 # pytest-timeout's alarm (timeout in pyproject.toml) raises in the main thread, so it
 # cannot end a test stuck in C: a fork waiting in gRPC's atfork handler for gRPC's
@@ -113,6 +114,27 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
 def store(tmp_path: Path) -> Iterator[CacheStore]:
     with CacheStore(tmp_path / "cache", capacity_bytes=64 << 20, sync=False) as s:
         yield s
+
+
+@pytest.fixture
+def eu(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
+    """Versions b@1 and c@1 published from a file:// origin, and region eu of one node.
+
+    The controller's tests share it (a module may define an ``eu`` of its own).
+    """
+    from edgeutil import publish, write_parquet_shards
+
+    from edgecache.clients.node_client import start_local_node
+
+    registry = f"file://{tmp_path}/registry"
+    for name in ("b", "c"):
+        write_parquet_shards(tmp_path / "origin" / name, 2, rows=300)
+        publish(registry, f"file://{tmp_path}/origin/{name}", name)
+    node = start_local_node("eu", tmp_path / "cache-eu", registry)
+    try:
+        yield tmp_path, registry, node
+    finally:
+        node.stop()
 
 
 @pytest.fixture(scope="session")

@@ -10,35 +10,19 @@ started, and must not save over it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pytest
-from edgeutil import publish, stub, write_parquet_shards
+from edgeutil import stub
 from test_controller import Clock, job, one_region
 
 from edgecache.clients.controller import Controller, ControllerState, read_state
-from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.node_client import LocalNode
 from edgecache.v1 import edge_pb2
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 HOUR = timedelta(hours=1)
 MINUTE = timedelta(minutes=1)
-
-
-@pytest.fixture
-def eu(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
-    """Versions b@1 and c@1 published from a file:// origin, and region eu of one node."""
-    registry = f"file://{tmp_path}/registry"
-    for name in ("b", "c"):
-        write_parquet_shards(tmp_path / "origin" / name, 2, rows=300)
-        publish(registry, f"file://{tmp_path}/origin/{name}", name)
-    node = start_local_node("eu", tmp_path / "cache-eu", registry)
-    try:
-        yield tmp_path, registry, node
-    finally:
-        node.stop()
 
 
 def pinned(node: LocalNode) -> set[str]:

@@ -9,36 +9,19 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from edgeutil import publish, write_parquet_shards
 from test_controller import Clock, controller_process, job, one_region
 
 from edgecache.clients.controller import Controller, read_state
-from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.clients.ops import gather_status, make_plan
 from edgecache.clients.plan_status import JobView, job_views
 from edgecache.clients.topology import load_schedule, load_topology
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 HOUR = timedelta(hours=1)
-
-
-@pytest.fixture
-def eu(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
-    """Versions b@1 and c@1 published from a file:// origin, and region eu of one node."""
-    registry = f"file://{tmp_path}/registry"
-    for name in ("b", "c"):
-        write_parquet_shards(tmp_path / "origin" / name, 2, rows=300)
-        publish(registry, f"file://{tmp_path}/origin/{name}", name)
-    node = start_local_node("eu", tmp_path / "cache-eu", registry)
-    try:
-        yield tmp_path, registry, node
-    finally:
-        node.stop()
 
 
 def late(controller: Controller) -> float:
