@@ -426,7 +426,7 @@ def test_the_compose_topology_for_the_host_lists_the_published_ports() -> None:
     published = {}
     for svc in compose["services"].values():
         if "EDGECACHE_REGION" in svc.get("environment", {}):
-            (port,) = [p.split(":")[0] for p in svc["ports"] if p.endswith(":7070")]
+            (port,) = [p.split(":")[-2] for p in svc["ports"] if p.endswith(":7070")]
             published.setdefault(svc["environment"]["EDGECACHE_REGION"], set()).add(
                 f"localhost:{port}"
             )
@@ -437,7 +437,8 @@ def test_the_compose_topology_for_the_host_lists_the_published_ports() -> None:
         nodes = {r: {str(n) for n in region.nodes} for r, region in topology.regions.items()}
         assert nodes == published, (path, nodes)
     minio = compose["services"]["minio"]
-    assert "9000:9000" in minio["ports"] and "AWS_ENDPOINT_URL=http://localhost:9000" in section
+    assert "127.0.0.1:9000:9000" in minio["ports"]
+    assert "AWS_ENDPOINT_URL=http://localhost:9000" in section
     env = minio["environment"]
     assert f"AWS_ACCESS_KEY_ID={env['MINIO_ROOT_USER']}" in section
     assert f"AWS_SECRET_ACCESS_KEY={env['MINIO_ROOT_PASSWORD']}" in section
