@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import prometheus_client
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -393,6 +394,9 @@ class NodeServer:
 
 async def serve_forever(config: NodeConfig) -> None:
     """Run a node until SIGTERM or SIGINT, then drain gracefully."""
+    # A node process serves only its own metrics: each counter's `_created` series (its
+    # start time, which process_start_time_seconds gives once) would double the counters.
+    prometheus_client.disable_created_metrics()
     server = NodeServer(config)
     await server.start()
     stop = asyncio.Event()

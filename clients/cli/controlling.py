@@ -100,12 +100,15 @@ def controller(
     cannot be met (listed on stderr, as plan does); 130 interrupted by Ctrl-C,
     --once included (run it again to resume); 143 a second SIGTERM.
     """
+    import prometheus_client
+
     from edgecache.clients.cli.staging import parse_at, report_infeasible
     from edgecache.clients.controller import Controller, SimulatedClock
 
     logging.basicConfig(
         level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    prometheus_client.disable_created_metrics()  # its own process: no `_created` per counter
     options = Options(config, token_file)
     with reporting():
         start = parse_at(at)
