@@ -160,6 +160,11 @@ class NodeConfig(BaseModel):
     fetch_concurrency: int = Field(
         4, ge=1, le=64, description="Read-through origin fetches at once; more misses wait"
     )
+    fetch_memory: int | None = Field(
+        None,
+        description="Memory the node's shard fetches may hold at once, e.g. 8GiB [half the "
+        "memory this process may use]",
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=1 << 10, le=64 << 20, description="Larger requests are refused unparsed"
     )
@@ -195,6 +200,19 @@ class NodeConfig(BaseModel):
                 f"the cache's capacity must be at least 1 byte, got {_shown(value)}; leave it "
                 "unset to size the cache from its disk (the size it had, else 80% of the "
                 "free space)"
+            )
+        return size
+
+    @field_validator("fetch_memory", mode="before")
+    @classmethod
+    def _fetch_memory(cls, value: Any) -> Any:
+        if value is None or value == "":
+            return None
+        size = parse_size(value)
+        if size < 64 << 20:
+            raise ValueError(
+                f"{_shown(value)} is too little for a shard fetch (at least 64MiB); leave it "
+                "unset for half the memory this process may use"
             )
         return size
 

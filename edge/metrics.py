@@ -154,6 +154,14 @@ class NodeMetrics:
         ).labels(**labels)
         self.used_bytes = gauge("edgecache_cache_used_bytes", "Bytes of chunks in the cache")
         self.capacity_bytes = gauge("edgecache_cache_capacity_bytes", "Cache capacity in bytes")
+        self.fetch_memory_bytes = gauge(
+            "edgecache_fetch_memory_bytes",
+            "Memory the node's shard fetches may hold at once (fetch_memory)",
+        )
+        self.fetch_memory_reserved_bytes = gauge(
+            "edgecache_fetch_memory_reserved_bytes",
+            "Memory reserved by the shard fetches running now (estimates from source sizes)",
+        )
         self.pinned_bytes = gauge(
             "edgecache_cache_pinned_bytes",
             "Bytes of chunks of versions pinned now: what eviction cannot free for new versions",

@@ -69,6 +69,7 @@ from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, origin_allowed, usable_cores
+from edgecache.edge.fetch_memory import FetchMemory, default_budget
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard, lower_priority
@@ -165,6 +166,10 @@ class EdgeNode:
         self.peers = Peers(config)
         self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
+        # The slots bound how many fetches run, this how much memory they hold (whole shards).
+        self.fetch_memory = FetchMemory(config.fetch_memory or default_budget())
+        self.metrics.fetch_memory_bytes.set(self.fetch_memory.budget)
+        self.metrics.fetch_memory_reserved_bytes.set_function(lambda: self.fetch_memory.reserved)
         self._staging_order = itertools.count()
         threads = config.cpu_threads()
         self.staging_rate = StagingRate(min(threads, usable_cores()))
@@ -687,6 +692,14 @@ class EdgeNode:
     async def _fetch_origin(
         self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
     ) -> tuple[ShardInfo, int]:
+        shard = manifest.shards[key.shard]
+        async with self.fetch_memory.hold(shard.source_size):
+            return await self._fetch_origin_held(manifest, key, staging=staging)
+
+    async def _fetch_origin_held(
+        self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
+    ) -> tuple[ShardInfo, int]:
+        """:meth:`_fetch_origin` once its memory is reserved: fetch, encode, commit."""
         shard = manifest.shards[key.shard]
         url = manifest.source_url + shard.source_key
         expect = ObjectInfo(url=url, size=shard.source_size, etag=shard.source_etag)

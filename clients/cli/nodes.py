@@ -45,6 +45,9 @@ file. These settings have no flag (default in parentheses):
   staging_concurrency  shards a Stage fetches at once, 1-64 (4)
   fetch_concurrency    read-through origin fetches at once, 1-64; more
                        misses wait (4)
+  fetch_memory         memory shard fetches may hold at once, at least
+                       64MiB; more wait (half the memory this process
+                       may use)
   max_request_bytes    larger requests are refused unparsed, 1KiB-64MiB
                        (1MiB)
   max_streams          concurrent RPCs, 1-65536; beyond them callers get

@@ -1,0 +1,74 @@
+"""A node-wide bound on the memory its shard fetches hold at once.
+
+A fetch holds a whole shard while it preprocesses it: the source object, its
+decoded Arrow batches and the encoded frames. ``fetch_concurrency`` and
+``staging_concurrency`` bound how many run, not how large they are: eight
+fetches of 1 GiB Parquet shards hold tens of GiB, past a pod's memory limit.
+Each fetch reserves its estimate here first (:data:`EXPANSION` times its source
+size, at most the whole budget) and waits while the reservations in flight
+would pass the budget; a shard larger than the budget runs alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+__all__ = ["EXPANSION", "FetchMemory", "default_budget"]
+
+# A fetch's peak over its source's size: the object itself, ~3x of decoded Arrow for
+# compressed Parquet (the common source), the frames, and the codec's working copies.
+EXPANSION = 6
+_FLOOR = 256 << 20  # a budget below this would run even small shards one at a time
+
+
+def _memory_limit() -> int | None:
+    """The memory this process may use: its cgroup's limit, else the machine's."""
+    try:  # cgroup v2: "max" or bytes
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if text != "max":
+            return int(text)
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_budget() -> int:
+    """Half the memory this process may use (the rest: serving, the store's pages, Python)."""
+    limit = _memory_limit()
+    return max(_FLOOR, limit // 2) if limit else 4 << 30
+
+
+class FetchMemory:
+    """Reservations of fetch memory against a budget, in bytes (one event loop)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = max(1, budget)
+        self.reserved = 0
+        self.peak = 0  # the most reserved at once (tests, and a gauge's story)
+        self._changed = asyncio.Condition()
+
+    def estimate(self, source_bytes: int) -> int:
+        """What a fetch of a ``source_bytes`` object reserves: at most the whole budget."""
+        return min(self.budget, max(1, EXPANSION * source_bytes))
+
+    @contextlib.asynccontextmanager
+    async def hold(self, source_bytes: int) -> AsyncIterator[int]:
+        """Reserve a fetch's estimate for the block, waiting while it would not fit."""
+        need = self.estimate(source_bytes)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.reserved + need <= self.budget)
+            self.reserved += need
+            self.peak = max(self.peak, self.reserved)
+        try:
+            yield need
+        finally:
+            async with self._changed:
+                self.reserved -= need
+                self._changed.notify_all()
