@@ -134,6 +134,17 @@ def local_rows(
     target, shard = rows.target, rows.shard
     row_start, row_end = rows.row_start, rows.row_end
     store = pool.store(endpoint)
+    kept = pool.local_digest(endpoint, target.dataset, target.version)
+    if target.digest and kept is not None and kept != target.digest:
+        # Another copy of the version than the one this dataset reads (its manifest came
+        # from a node of another region, or the registry changed under this cache): its
+        # rows are other rows. Read elsewhere, as for a shard this cache lacks.
+        raise ShardNotCached(
+            f"the cache at {store.path} holds {target} with digest {kept}, not {target.digest} "
+            "as this dataset read it: the version was changed in the registry after that "
+            f"cache took it. Evict it there (edgecache evict {target} --region <its region>) "
+            "and stage it again; meanwhile reads go to the next endpoint"
+        )
     try:
         opened = store.read_shard(ShardKey(target.dataset, target.version, shard))
     except ShardNotCached as exc:

@@ -36,6 +36,7 @@ from edgecache.cache.errors import (
     NodeUnavailable,
     ShardNotCached,
 )
+from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.clients import local_stores, rendezvous
@@ -116,6 +117,8 @@ class NodePool:
         self._readers: dict[str, grpc.UnaryStreamMultiCallable] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stores: dict[str, CacheStore] = {}
+        # (endpoint, dataset, version) → the digest of the manifest that local cache keeps
+        self._local_digests: dict[tuple[str, str, int], str | None] = {}
         self._active: dict[int, Stream] = {}
         self.parked = ParkedStreams()
         self._lock = threading.Lock()  # the active streams
@@ -178,6 +181,22 @@ class NodePool:
                     response_deserializer=parse_chunk,
                 )
             return reader
+
+    def local_digest(self, endpoint: Endpoint, dataset: str, version: int) -> str | None:
+        """The digest of the manifest a local cache keeps for a version (None: it keeps none).
+
+        Read once per pool: a version is immutable, and a node that finds the
+        registry's copy changed refuses it until it is evicted.
+        """
+        key = (endpoint.text, dataset, version)
+        with self._channel_lock:
+            if key in self._local_digests:
+                return self._local_digests[key]
+        raw = self.store(endpoint).get_manifest(dataset, version)
+        digest = None if raw is None else manifest_from_bytes(raw, source=endpoint.text).digest
+        with self._channel_lock:
+            self._local_digests[key] = digest
+        return digest
 
     def store(self, endpoint: Endpoint) -> CacheStore:
         """The read-only store of a local endpoint, shared by the process's readers.

@@ -438,3 +438,39 @@ if __name__ == "__main__":  # the child of run_child
         child_epoch([sys.argv[2]], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "map":
         child_map_growth(sys.argv[2])
+
+
+def test_a_local_cache_holding_another_copy_of_the_version_is_not_read(tmp_path: Path) -> None:
+    """Another copy of ``tokens@1`` (other rows) in the lmdb:// cache than the one the
+    dataset's manifest names: its rows were read as this version's, silently wrong. Now the
+    cache's kept digest is compared, and the reads go on at the next endpoint, exactly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from edgeutil import node_settings
+
+    from edgecache.edge.server import running_node
+
+    tables = write_parquet_shards(tmp_path / "a", 2, rows=500)
+    (tmp_path / "b").mkdir()
+    for i, table in enumerate(tables):  # the same shape, other labels
+        moved = pa.compute.add(table.column("label"), 1_000_000)
+        other = table.set_column(table.schema.get_field_index("label"), "label", moved)
+        pq.write_table(other, tmp_path / "b" / f"part-{i:05d}.parquet", row_group_size=1000)
+    expected = sorted(int(x) + 1_000_000 for t in tables for x in t.column("label"))
+    mine, theirs = f"file://{tmp_path}/reg-a", f"file://{tmp_path}/reg-b"
+    publish(mine, f"file://{tmp_path}/a", "tokens")
+    publish(theirs, f"file://{tmp_path}/b", "tokens")
+    with running_node(node_settings(tmp_path / "na", mine)) as node:
+        stage(node, "tokens")  # type: ignore[arg-type]
+    with running_node(node_settings(tmp_path / "nb", theirs)) as other:
+        ds = EdgeDataset(
+            "tokens@1",
+            endpoints=[f"lmdb://{tmp_path / 'na' / 'cache'}", other.address],
+            batch_size=100,
+        )
+        try:
+            got = sorted(x for batch in ds for x in labels(batch))
+            assert got == expected  # the registry-b copy's rows, each once
+            assert ds.stats()["endpoints"][other.address]["bytes"] > 0
+        finally:
+            ds.close()
