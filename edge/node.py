@@ -242,14 +242,9 @@ class EdgeNode:
         return self._last_used
 
     def _pinned_bytes(self) -> float:
-        now = datetime.now(UTC)
         try:
             self._last_pinned = float(
-                sum(
-                    v.stored_bytes
-                    for v in self.store.versions()
-                    if v.pinned_until is not None and v.pinned_until > now
-                )
+                sum(v.stored_bytes for v in self.store.versions() if v.pinned())
             )
         except Exception:  # noqa: BLE001 - closed while scraped: the last value read
             pass
