@@ -12,8 +12,11 @@ STAMP  := $(VENV)/.installed
 demo: $(STAMP)  ## run the local end-to-end demo on generated data
 	$(VENV)/bin/edgecache demo
 
+# Tests run in parallel (pytest-xdist), one worker per core, at most 4: most of them wait on
+# real nodes, sockets and subprocesses, so two workers on two cores take ~2/3 of the time.
+# One file alone: .venv/bin/pytest tests/<file>.py (serial).
 test: $(STAMP)  ## run the whole test suite (bin/pytest: python -m would put the checkout on sys.path)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n auto --maxprocesses 4
 
 # Containers for real: a Docker engine (installed and started here when missing, as root),
 # the local Debian base (debootstrap + docker import; no registry needed), the images, and

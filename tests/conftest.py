@@ -34,6 +34,11 @@ _LOADER_ITERATORS: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's workers run with COLUMNS=80 in their environment. rich's consoles fix
+    # their width from COLUMNS when they are made (when the CLI is imported, after this), so
+    # a test that gives the CLI another width (CliRunner's env=) would get it in a plain run
+    # and 80 under xdist.
+    os.environ.pop("COLUMNS", None)
     # Capture is suspended while plugins configure: this is the terminal's stderr.
     _STDERR.append(os.dup(sys.stderr.fileno()))
     from torch.utils.data import dataloader
