@@ -8,14 +8,23 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-__all__ = ["binary_column", "check_param_names", "parse_type", "split_params", "type_label"]
+__all__ = [
+    "binary_column",
+    "check_param_names",
+    "parse_type",
+    "split_params",
+    "type_label",
+    "type_name",
+]
 
 _PRIMITIVES = (
     "int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 float double bool "
-    "string utf8 large_string binary large_binary date32 timestamp[unit]"
+    "string utf8 large_string binary large_binary date32 timestamp[unit] decimal128(P, S)"
 )
 _LIST = re.compile(r"(large_list|list|fixed_size_list)\s*<(.*)>\s*(?:\[\s*(\d+)\s*\])?", re.S)
 _FIELD_NAME = re.compile(r"^\s*\w+\s*:\s*")  # pyarrow prints list<item: int32>
+_STRUCT = re.compile(r"struct\s*<(.*)>", re.S)
+_DECIMAL = re.compile(r"decimal(128|256)?\s*\(\s*(\d+)\s*,\s*(-?\d+)\s*\)")
 
 
 def parse_type(text: str) -> pa.DataType:
@@ -27,13 +36,22 @@ def parse_type(text: str) -> pa.DataType:
         ValueError: the string is not a type this parser knows; the message names it.
     """
     spec = text.strip()
+    if match := _STRUCT.fullmatch(spec):
+        return _struct(spec, match.group(1))
+    if match := _DECIMAL.fullmatch(spec):
+        bits, precision, scale = match.groups()
+        try:  # integers past uint64 fit decimal128(38, 0); 39 digits and more need 256
+            make = pa.decimal256 if bits == "256" else pa.decimal128
+            return make(int(precision), int(scale))
+        except ValueError as exc:
+            raise ValueError(f"bad Arrow type {spec!r}: {exc}") from None
     if not (match := _LIST.fullmatch(spec)):
         try:  # the names str(type) prints, and aliases: timestamp[ms], halffloat, utf8, ...
             return pa.type_for_alias(spec)
         except ValueError:
             raise ValueError(
                 f"unknown Arrow type {spec!r}; known: {_PRIMITIVES.replace(' ', ', ')}"
-                ", list<T>, large_list<T>, fixed_size_list<T, N>"
+                ", list<T>, large_list<T>, fixed_size_list<T, N>, struct<name: T, ...>"
             ) from None
     kind, inner, size = match.groups()
     if kind == "fixed_size_list" and size is None:
@@ -48,11 +66,27 @@ def parse_type(text: str) -> pa.DataType:
     return pa.list_(item) if kind == "list" else pa.large_list(item)
 
 
+def _struct(spec: str, inner: str) -> pa.DataType:
+    """``struct<a: int32, b: list<string>>``: the fields of a JSON object column."""
+    fields: list[tuple[str, pa.DataType]] = []
+    for part in split_params(inner):
+        name, colon, kind = part.partition(":")
+        if not colon or not name.strip() or name.strip() in dict(fields):
+            raise ValueError(
+                f"bad Arrow type {spec!r}: a struct lists unique fields as NAME: TYPE, "
+                "e.g. struct<id: uint64, name: string>"
+            )
+        fields.append((name.strip(), parse_type(kind)))
+    if not fields:
+        raise ValueError(f"bad Arrow type {spec!r}: a struct needs at least one field")
+    return pa.struct(fields)
+
+
 def split_params(value: str) -> list[str]:
-    """Split on commas outside <...> and [...], so list types with a size stay whole."""
+    """Split on commas outside <...>, [...] and (...), so nested and decimal types stay whole."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(value):
-        depth += (char in "<[") - (char in ">]")
+        depth += (char in "<[(") - (char in ">])")
         if char == "," and depth == 0:
             parts.append(value[start:i])
             start = i + 1
@@ -128,4 +162,21 @@ def type_label(arrow: pa.DataType) -> str:
     if pa.types.is_list(arrow) or pa.types.is_large_list(arrow):
         kind = "list" if pa.types.is_list(arrow) else "large_list"
         return f"{kind}<{type_label(arrow.value_type)}>"
+    return _PLAIN_NAMES.get(str(arrow), str(arrow))
+
+
+def type_name(arrow: pa.DataType) -> str:
+    """A type spelled the way :func:`parse_type` reads it back, and the way publish prints it.
+
+    Floats are ``float32``/``float64`` (pyarrow's ``str`` says ``float`` and ``double``),
+    lists ``list<T>`` without pyarrow's ``item:``, structs ``struct<a: T, b: U>``.
+    """
+    if pa.types.is_fixed_size_list(arrow):
+        return f"fixed_size_list<{type_name(arrow.value_type)}, {arrow.list_size}>"
+    if pa.types.is_list(arrow) or pa.types.is_large_list(arrow):
+        kind = "list" if pa.types.is_list(arrow) else "large_list"
+        return f"{kind}<{type_name(arrow.value_type)}>"
+    if pa.types.is_struct(arrow):
+        fields = (arrow.field(i) for i in range(arrow.num_fields))
+        return f"struct<{', '.join(f'{f.name}: {type_name(f.type)}' for f in fields)}>"
     return _PLAIN_NAMES.get(str(arrow), str(arrow))

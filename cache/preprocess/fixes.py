@@ -11,9 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from edgecache.cache.errors import MalformedShard
+import pyarrow as pa
 
-__all__ = ["COLUMN_FIX", "FIX", "PARAM_FIX", "MissingColumn", "ParamMismatch", "options_fix"]
+from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.arrow_types import type_name
+from edgecache.v1 import manifest_pb2 as pb
+
+__all__ = [
+    "COLUMN_FIX",
+    "FIX",
+    "PARAM_FIX",
+    "MissingColumn",
+    "ParamMismatch",
+    "columns_text",
+    "options_fix",
+    "schema_mismatch",
+]
 
 # The object is wrong (corrupt, empty, rows that do not fit): a version is immutable.
 FIX = "fix or remove the object and publish a new version"
@@ -54,3 +67,59 @@ def options_fix(options: Mapping[str, str]) -> str:
         f"if the reader options ({given}) do not match the file, fix them and publish again; "
         f"else {FIX}"
     )
+
+
+def columns_text(schema: pa.Schema) -> str:
+    """A schema on one line, ``a: int64, b: float64``, spelled as publish prints types."""
+    return ", ".join(f"{f.name}: {type_name(f.type)}" for f in schema)
+
+
+def _common_type(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
+    """The type both columns read as without losing a value (pyarrow's promotion), or None."""
+    try:
+        merged = pa.unify_schemas(
+            [pa.schema([("c", one)]), pa.schema([("c", other)])], promote_options="permissive"
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    return merged.field("c").type
+
+
+def schema_mismatch(
+    url: str,
+    schema: pa.Schema,
+    first_url: str,
+    first: pa.Schema,
+    fmt: pb.SourceFormat.ValueType,
+    transform: str = "identity",
+) -> str:
+    """Why ``url``'s columns do not match ``first_url``'s, and the types that make them agree.
+
+    An object whose column is all null, or holds one float among integers,
+    infers another type than its neighbours; a type said for the column reads
+    them all alike: ``--column-types`` for CSV and JSON Lines (read as that type),
+    else the ``columns`` transform's cast.
+    """
+    text = (
+        f"{url} has columns ({columns_text(schema)}) after preprocessing, but {first_url} has "
+        f"({columns_text(first)}); all objects of a version must agree"
+    )
+    read_as = fmt in (pb.SOURCE_FORMAT_CSV, pb.SOURCE_FORMAT_JSONL) and transform == "identity"
+    if schema.names != first.names or transform not in ("identity", "columns"):
+        return text
+    typed: list[str] = []
+    for mine, theirs in zip(schema, first, strict=True):
+        if mine.type.equals(theirs.type):
+            continue
+        common = _common_type(mine.type, theirs.type)
+        if common is None and read_as and fmt == pb.SOURCE_FORMAT_CSV:
+            common = pa.string()  # a CSV cell reads as text whatever it holds
+        if common is None or pa.types.is_null(common):
+            return text
+        typed.append(f"{mine.name}={type_name(common)}")
+    if not typed:
+        return text
+    pairs = ",".join(typed)
+    quoted = pairs if all(ch not in pairs for ch in "<>() ") else f"'{pairs}'"
+    how = f"--column-types {quoted}" if read_as else f"--transform columns --param 'cast={pairs}'"
+    return f"{text}; give the columns one type: publish with {how}"

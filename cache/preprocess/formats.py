@@ -28,7 +28,13 @@ from edgecache.cache.preprocess.byte_types import is_text_or_binary
 from edgecache.cache.preprocess.compressed import decompress, strip_suffix
 from edgecache.cache.preprocess.fixes import COLUMN_FIX, FIX, MissingColumn, options_fix
 from edgecache.cache.preprocess.mds import mds_source
-from edgecache.cache.preprocess.source_options import column_types, read_csv
+from edgecache.cache.preprocess.source_options import (
+    LONG_INTEGER,
+    column_types,
+    integer_type_hint,
+    read_csv,
+    rounded_integer_error,
+)
 from edgecache.cache.preprocess.webdataset import tar_source
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import manifest_pb2 as pb
@@ -148,40 +154,86 @@ def _jsonl_culprit(data: pa.Buffer) -> str | None:
     return None
 
 
-# An integer literal of 19 digits or more, not part of a decimal or an exponent: past
-# int64's 9,223,372,036,854,775,807 pyarrow reads the whole column as float64.
-_LONG_INTEGER = re.compile(rb"(?<![\w.+-])-?[0-9]{19,}(?![\w.])")
+_Path = tuple[str | None, ...]  # field names from the top; None: into a list's items
+
+
+def _float_paths(kind: pa.DataType, path: _Path) -> Iterator[_Path]:
+    """The paths to the float values of a (nested) JSON column type."""
+    if pa.types.is_floating(kind):
+        yield path
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        yield from _float_paths(kind.value_type, (*path, None))
+    elif pa.types.is_struct(kind):
+        for i in range(kind.num_fields):
+            yield from _float_paths(kind.field(i).type, (*path, kind.field(i).name))
+
+
+def _values_at(value: object, path: _Path) -> Iterator[object]:
+    if not path:
+        yield value
+    elif path[0] is None:
+        for item in value if isinstance(value, list) else ():
+            yield from _values_at(item, path[1:])
+    elif isinstance(value, dict) and path[0] in value:
+        yield from _values_at(value[path[0]], path[1:])
+
+
+def _path_name(path: _Path) -> str:
+    """``a.id``, ``xs[]``: where a value sits, as a person reads it."""
+    out = ""
+    for step in path:
+        out += "[]" if step is None else (f".{step}" if out else step)
+    return out
+
+
+def _typed_at(path: _Path, leaf: str) -> str:
+    """The type of ``path``'s top-level column with ``leaf`` at its end: ``list<uint64>``.
+
+    Only the path is spelled: JSON Lines infers the struct fields a type leaves out.
+    """
+    kind = leaf
+    for step in reversed(path[1:]):
+        kind = f"list<{kind}>" if step is None else f"struct<{step}: {kind}>"
+    return kind
 
 
 def _refuse_rounded_integers(
     table: pa.Table, buf: pa.Buffer, source: str, types: Mapping[str, pa.DataType]
 ) -> None:
-    """Refuse a JSON Lines column of integers read as float64, which loses their digits.
+    """Refuse JSON Lines integers past int64 read as float64, which loses their digits.
 
-    Only when a float64 column was inferred (no text is scanned otherwise).
+    Top-level fields and fields nested in objects and arrays alike; only when a
+    float was inferred somewhere (no text is scanned otherwise).
     """
     inferred = [
-        f.name for f in table.schema if pa.types.is_floating(f.type) and f.name not in types
+        path
+        for field in table.schema
+        if field.name not in types
+        for path in _float_paths(field.type, (field.name,))
     ]
     if not inferred:
         return
     for number, line in _lines(memoryview(buf)):
         raw = line.tobytes()
-        if not _LONG_INTEGER.search(raw):
+        if not LONG_INTEGER.search(raw):
             continue
         try:
             record = json.loads(raw)
         except (ValueError, RecursionError):
             continue
-        for name in inferred:
-            value = record.get(name) if isinstance(record, dict) else None
-            if isinstance(value, int) and not -(2**63) <= value < 2**63:
-                raise MalformedShard(
-                    f"{source} line {number}: field {name!r} holds the integer {value}, past "
-                    f"int64, so the column would be read as float64 and lose digits "
-                    f"({float(value)!r}); publish with --column-types {name}=uint64 (or "
-                    f"{name}=float64 to accept the rounding)"
-                )
+        for path in inferred:
+            for value in _values_at(record, path):
+                if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                    name = _path_name(path)
+                    kind = _typed_at(path, integer_type_hint(value))
+                    raise rounded_integer_error(
+                        f"{source} line {number}",
+                        f"field {name!r}",
+                        str(path[0]),
+                        value,
+                        kind,
+                        _typed_at(path, "float64"),
+                    )
 
 
 def _read_text(

@@ -28,15 +28,18 @@ from __future__ import annotations
 import csv
 import io
 import re
+import shlex
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import parse_type, split_params
+from edgecache.cache.preprocess.arrow_types import type_name as spelled
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import COLUMN_FIX
 from edgecache.v1 import manifest_pb2 as pb
@@ -76,7 +79,10 @@ def _split_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _type_pairs(text: str) -> dict[str, pa.DataType]:
+def _type_pairs(
+    text: str, fmt: pb.SourceFormat.ValueType = pb.SOURCE_FORMAT_JSONL
+) -> dict[str, pa.DataType]:
+    """``a=int32,b=string`` parsed; nested types only where ``fmt`` holds them (JSON Lines)."""
     out: dict[str, pa.DataType] = {}
     for part in split_params(text):
         name, eq, type_name = (s.strip() for s in part.partition("="))
@@ -86,19 +92,43 @@ def _type_pairs(text: str) -> dict[str, pa.DataType]:
                 "e.g. 'age=int32,name=string'"
             )
         kind = parse_type(type_name)
-        if pa.types.is_nested(kind) or pa.types.is_dictionary(kind):
+        if fmt == pb.SOURCE_FORMAT_CSV and (
+            pa.types.is_nested(kind) or pa.types.is_dictionary(kind)
+        ):
             raise ValueError(
                 f"column_types {name}={type_name}: a CSV cell holds one value, not a "
-                f"{kind}; read the column as string (or leave it out), or publish the data "
-                "as JSON Lines or Parquet, which hold lists and structs"
+                f"{spelled(kind)}; read the column as string (or leave it out), or publish the "
+                "data as JSON Lines or Parquet, which hold lists and structs"
+            )
+        if fmt == pb.SOURCE_FORMAT_JSONL and (bad := _unreadable_json_type(kind)):
+            raise ValueError(
+                f"column_types {name}={type_name}: the JSON Lines reader cannot read a value as "
+                f"{spelled(bad)}; use list<T> for a JSON array (cast it afterwards with "
+                f"--transform columns --param 'cast={name}={spelled(kind)}')"
             )
         out[name] = kind
     return out
 
 
-def _canonical_types(text: str) -> str:
-    """``column_types`` as the manifest records it: ``a=int32,b=string`` ("" for none)."""
-    return ",".join(f"{k}={v}" for k, v in _type_pairs(text).items())
+def _unreadable_json_type(kind: pa.DataType) -> pa.DataType | None:
+    """The part of ``kind`` pyarrow's JSON reader has no conversion to, or None."""
+    if pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return kind
+    if pa.types.is_list(kind):
+        return _unreadable_json_type(kind.value_type)
+    if pa.types.is_struct(kind):
+        found = (_unreadable_json_type(kind.field(i).type) for i in range(kind.num_fields))
+        return next((bad for bad in found if bad is not None), None)
+    return None
+
+
+def _canonical_types(text: str, fmt: pb.SourceFormat.ValueType) -> str:
+    """``column_types`` as the manifest records it: ``a=int32,b=float32`` ("" for none).
+
+    Types are spelled as publish prints the schema (``float32``, not pyarrow's
+    ``float``), so what is echoed is what is used.
+    """
+    return ",".join(f"{k}={spelled(v)}" for k, v in _type_pairs(text, fmt).items())
 
 
 def column_types(options: Mapping[str, str]) -> dict[str, pa.DataType]:
@@ -119,8 +149,8 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
     if fmt == pb.SOURCE_FORMAT_JSONL and set(opts) <= {"column_types"}:
         # JSON holds its own names and values; only a type can need saying (an integer
         # past int64, which pyarrow would otherwise read as float64, losing digits).
-        spelled = _canonical_types(opts["column_types"])
-        return {"column_types": spelled} if spelled else {}
+        typed = _canonical_types(opts["column_types"], fmt)
+        return {"column_types": typed} if typed else {}
     if fmt != pb.SOURCE_FORMAT_CSV:
         jsonl = " (JSON Lines: column_types only)" if fmt == pb.SOURCE_FORMAT_JSONL else ""
         raise ValueError(
@@ -128,7 +158,9 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
             f"{', '.join(sorted(opts))}); reader options are for CSV: {', '.join(CSV_OPTIONS)}"
         )
     if unknown := sorted(set(opts) - set(CSV_OPTIONS)):
-        raise ValueError(f"unknown CSV options {unknown}; known: {', '.join(CSV_OPTIONS)}")
+        raise ValueError(
+            f"unknown CSV options {', '.join(unknown)}; known: {', '.join(CSV_OPTIONS)}"
+        )
     out: dict[str, str] = {}
     if "header" in opts:
         value = opts["header"].strip().lower()
@@ -158,8 +190,8 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
         if int(text):
             out["skip_rows"] = str(int(text))
     if "column_types" in opts:
-        if spelled := _canonical_types(opts["column_types"]):
-            out["column_types"] = spelled
+        if typed := _canonical_types(opts["column_types"], fmt):
+            out["column_types"] = typed
     return out
 
 
@@ -211,7 +243,7 @@ def delimiter_for_names(names: list[str]) -> str | None:
 
 
 def _check_header(text: bytes, delimiter: str, skip: int, source: str) -> None:
-    rows = _first_rows(text, delimiter, skip, 1)
+    rows = _first_rows(text, delimiter, skip, 2)
     if not rows:
         return
     header = rows[0]
@@ -224,17 +256,82 @@ def _check_header(text: bytes, delimiter: str, skip: int, source: str) -> None:
         what = f"{', '.join(repr(c) for c in numeric[:4])} {verb}"
     else:
         what = f"{blank} of its cells {'is' if blank == 1 else 'are'} empty"
+    first = header[0].strip() if header else ""
+    below = text.splitlines()[skip + 1 :]
+    if first.isdigit() and len(text) < 1 << 20 and int(first) == sum(1 for x in below if x.strip()):
+        drop = f" (a count line: its first cell, {first}, is the number of rows below it)"
+    elif len(rows) > 1 and len(header) < len(rows[1]):
+        drop = f" (it has {len(header)} cells where the next row has {len(rows[1])}: a title line)"
+    else:
+        drop = ""
     raise MalformedShard(
-        f"{source}: the first row (row {skip + 1}: {','.join(header)[:80]!r}) does not look "
+        f"{source}: the first row (row {skip + 1}: {delimiter.join(header)[:80]!r}) does not look "
         f"like a header: {what}. If it is data, publish with --no-header (columns are named "
-        "f0, f1, … unless you give --column-names a,b,c); if it is a line to drop (iris.csv "
-        f"starts with a count line), add --skip-rows {skip + 1}; if it really is the header, "
-        "pass --header"
+        "f0, f1, … unless you give --column-names a,b,c); if it is a line to drop"
+        f"{drop}, add --skip-rows {skip + 1}; if it really is the header, pass --header"
     )
 
 
-def _check_one_column(table: pa.Table, text: bytes, skip: int, source: str) -> None:
-    """Refuse a file that parsed as one column but is plainly separated by something else."""
+def _check_named_header(
+    text: bytes, delimiter: str, skip: int, names: list[str], source: str
+) -> None:
+    """Refuse ``column_names`` over a file whose first row is its own header.
+
+    Given names without ``--header``, the first row is data; when it is text over
+    columns of numbers (or the very names given), it is the file's header, and
+    reading it as a row would turn every column it sits on into strings.
+    """
+    rows = [row for row in _first_rows(text, delimiter, skip, 21) if row]
+    if len(rows) < 2:
+        return
+    first, rest = [cell.strip() for cell in rows[0]], rows[1:]
+    if not all(first) or any(_is_number(cell) for cell in first):
+        return
+    numbers = [
+        i
+        for i in range(len(first))
+        if all(i < len(row) and _is_number(row[i].strip()) for row in rest)
+    ]
+    if first != names and not numbers:
+        return
+    over = ", ".join(first[i] for i in numbers[:4])
+    why = (
+        "it holds the very names given"
+        if first == names
+        else f"its cells are text over columns of numbers ({over}), which it would make strings"
+    )
+    raise MalformedShard(
+        f"{source}: --column-names was given, so the first row (row {skip + 1}: "
+        f"{','.join(first)[:80]!r}) is read as data, but it looks like the file's header: {why}. "
+        f"Add --header to replace the file's header with these names (or --skip-rows "
+        f"{skip + 1} to drop it); if that row really is data, pass --no-header"
+    )
+
+
+def _check_header_names(text: bytes, delimiter: str, skip: int, source: str) -> None:
+    """Refuse a header (``--header``, no names given) with an empty cell: a column named ""."""
+    rows = _first_rows(text, delimiter, skip, 1)
+    if not rows:
+        return
+    empty = [i + 1 for i, cell in enumerate(rows[0]) if not cell.strip()]
+    if empty:
+        which = ("column " if len(empty) == 1 else "columns ") + ", ".join(map(str, empty[:8]))
+        raise MalformedShard(
+            f"{source}: the header (row {skip + 1}) has no name for {which}"
+            f" (of {len(rows[0])}), and readers find a column by its name: name every "
+            "column with --column-names a,b,c (with --header they replace the file's header)"
+        )
+
+
+def _check_one_column(
+    table: pa.Table, text: bytes, skip: int, source: str, has_header: bool
+) -> None:
+    """Refuse a file that parsed as one column but is plainly separated by something else.
+
+    A separator character on every line the same number of times names it; runs of
+    blanks the same number of times on every line (an aligned table, where the
+    blanks between columns vary with the numbers' widths) name ``whitespace``.
+    """
     if table.num_columns != 1:
         return
     lines = [
@@ -244,15 +341,145 @@ def _check_one_column(table: pa.Table, text: bytes, skip: int, source: str) -> N
     ]
     if not lines:
         return
+    parsed = f"{source} parsed as one column ({table.column_names[0][:60]!r}), but"
+    keep = "or with --delimiter , to keep one column"
+    first = lines[0].strip()
     for char, name in _SNIFF.items():
         counts = {line.strip().count(char) for line in lines}
-        if len(counts) == 1 and counts.pop() > 0:
-            raise MalformedShard(
-                f"{source} parsed as one column ({table.column_names[0][:60]!r}), but every line "
-                f"holds the same number of {name}s: it looks {name}-separated. Publish with "
-                f"--delimiter {name} (or --delimiter whitespace for runs of spaces), or with "
-                "--delimiter , to keep one column"
-            )
+        if len(counts) != 1 or not counts.pop():
+            continue
+        if char in " \t" and any(line != line.strip() or char * 2 in line for line in lines):
+            continue  # blanks at the edges or doubled: an aligned table, told below
+        no_header = _no_header_hint(first, char, has_header)
+        blanks = " (or --delimiter whitespace for runs of blanks)" if char in " \t" else ""
+        raise MalformedShard(
+            f"{parsed} every line holds the same number of {name}s: it looks "
+            f"{name}-separated. Publish with --delimiter {name}{no_header}{blanks}, {keep}"
+        )
+    runs = {len(re.findall(r"[ \t]+", line.strip())) for line in lines}
+    if len(runs) == 1 and (count := runs.pop()) > 0:
+        no_header = _no_header_hint(first, None, has_header)
+        raise MalformedShard(
+            f"{parsed} every line holds {count + 1} values between runs of blanks: it looks "
+            f"like an aligned text table. Publish with --delimiter whitespace{no_header}, {keep}"
+        )
+
+
+def _no_header_hint(line: str, char: str | None, has_header: bool) -> str:
+    """`` --no-header (…)`` when a header is expected but ``line`` is all numbers, else ""."""
+    cells = line.split(char)
+    if not has_header or not cells or not all(_is_number(cell.strip()) for cell in cells):
+        return ""
+    return f" --no-header (its first line, {line[:40]!r}, is data, not names)"
+
+
+def _leading_prose(text: bytes, delimiter: str, skip: int) -> list[str]:
+    """The lines before the first row (after ``skip``) that are comments or prose.
+
+    Those starting with ``#``, or holding another number of cells than the rows
+    below mostly do: a title, a source note above the header.
+    """
+    rows = _first_rows(text, delimiter, skip, 60)
+    lines = text[: 1 << 20].decode("utf-8", errors="replace").splitlines()[skip : skip + 60]
+    counts = [len(row) for row in rows]
+    if len(counts) < 2 or len(counts) != len(lines):
+        return []
+    body = max(set(counts[1:]), key=counts[1:].count)
+    lead = 0
+    while lead < len(lines) and (lines[lead].lstrip().startswith("#") or counts[lead] != body):
+        lead += 1
+    return lines[:lead] if body > 1 and lead <= len(lines) // 2 else []
+
+
+def _not_utf8(buf: pa.Buffer, names: list[str], source: str) -> MalformedShard:
+    """The error for a file whose text is not UTF-8 (pyarrow reads such columns as binary)."""
+    data = buf.to_pybytes()  # a copy, made only for a file that is refused
+    try:
+        data.decode("utf-8")
+        where = ""
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        end = data.find(b"\n", exc.start)
+        shown = data[start : end if end >= 0 else len(data)][:80]
+        where = f" (line {line}: {shown!r}, byte 0x{data[exc.start]:02x})"
+    typed = ",".join(f"{name}=binary" for name in names[:4])
+    return MalformedShard(
+        f"{source} is not UTF-8 text{where}, so column{'s' if len(names) > 1 else ''} "
+        f"{', '.join(names[:4])} would be read as bytes, not strings. Convert the file to UTF-8 "
+        "(Latin-1 or Windows-1252 text: iconv -f latin1 -t utf-8) and publish again, or keep "
+        f"the raw bytes with --column-types {typed}"
+    )
+
+
+# An integer literal of 19 digits or more, not part of a decimal or an exponent: past
+# int64's 9,223,372,036,854,775,807 pyarrow reads the whole column as float64.
+LONG_INTEGER = re.compile(rb"(?<![\w.+-])-?[0-9]{19,}(?![\w.])")
+_INT64 = 2**63
+
+
+def integer_type_hint(value: int) -> str:
+    """The narrowest type that holds ``value`` exactly, as ``--column-types`` takes it."""
+    if 0 <= value < 2**64:
+        return "uint64"
+    return "decimal128(38, 0)" if len(str(abs(value))) <= 38 else "string"
+
+
+def rounded_integer_error(
+    where: str, what: str, name: str, value: int, kind: str, rounded: str = "float64"
+) -> MalformedShard:
+    """The error for an integer past int64 that pyarrow would read as a float, losing digits.
+
+    ``kind`` is the column's type that keeps it, ``rounded`` the one that accepts the rounding.
+    """
+    keep, accept = shlex.quote(f"{name}={kind}"), shlex.quote(f"{name}={rounded}")
+    return MalformedShard(
+        f"{where}: {what} holds the integer {value}, past int64, so it would be read as "
+        f"float64 and lose digits ({float(value)!r}); publish with --column-types {keep} "
+        f"(or {accept} to accept the rounding)"
+    )
+
+
+def _refuse_rounded_integers(
+    table: pa.Table,
+    buf: pa.Buffer,
+    delimiter: str,
+    first_data_line: int,
+    source: str,
+    typed: Mapping[str, pa.DataType],
+) -> None:
+    """Refuse a CSV column of integers past int64 read as float64, which loses their digits.
+
+    Only a float column inferred (not typed) whose values reach past int64 is a
+    candidate (a vectorised min/max); only then are the lines with a long integer
+    literal found (one regex pass) and split, to name the row.
+    """
+    suspects: dict[int, str] = {}
+    for i, field in enumerate(table.schema):
+        if not pa.types.is_floating(field.type) or field.name in typed:
+            continue
+        low, high = pc.min_max(table.column(i)).values()
+        if (low.as_py() or 0) < -_INT64 or (high.as_py() or 0) >= _INT64:
+            suspects[i] = field.name
+    if not suspects:
+        return
+    data = buf.to_pybytes()  # a copy, made only for a column that reaches past int64
+    line, counted = 1, 0
+    for match in LONG_INTEGER.finditer(data):
+        line += data.count(b"\n", counted, match.start())
+        counted = match.start()
+        if line < first_data_line:
+            continue
+        start = data.rfind(b"\n", 0, match.start()) + 1
+        end = data.find(b"\n", match.start())
+        for row in _first_rows(data[start : end if end >= 0 else len(data)], delimiter, 0, 1):
+            for i, name in suspects.items():
+                cell = row[i].strip() if i < len(row) else ""
+                if re.fullmatch(r"-?[0-9]{19,}", cell) and not -_INT64 <= int(cell) < _INT64:
+                    value = int(cell)
+                    kind = integer_type_hint(value)
+                    where = f"{source} line {line}"
+                    raise rounded_integer_error(where, f"column {name!r}", name, value, kind)
 
 
 def _single_spaced(text: bytes) -> bytes:
@@ -299,8 +526,13 @@ def read_csv(
     if delimiter == "whitespace":
         buf = pa.py_buffer(_single_spaced(memoryview(buf).tobytes()))
     head = memoryview(buf)[: 1 << 20].tobytes()  # enough lines to judge the first rows
+    split = delimiter if delimiter != "whitespace" else " "
     if header == "auto" and not names:
-        _check_header(head, delimiter if delimiter != "whitespace" else " ", skip, source)
+        _check_header(head, split, skip, source)
+    elif header == "auto":
+        _check_named_header(head, split, skip, names, source)
+    elif header == "true" and not names:
+        _check_header_names(head, split, skip, source)
     has_header = header == "true" or (header == "auto" and not names)
     read: dict[str, Any] = {"use_threads": threads}
     if block_size:
@@ -316,18 +548,34 @@ def read_csv(
     convert = pa_csv.ConvertOptions(
         strings_can_be_null=True, quoted_strings_can_be_null=False, column_types=types
     )
-    parse = pa_csv.ParseOptions(delimiter=" " if delimiter == "whitespace" else delimiter)
-    table = pa_csv.read_csv(
-        pa.BufferReader(buf),
-        read_options=pa_csv.ReadOptions(**read),
-        parse_options=parse,
-        convert_options=convert,
-    )
+    parse = pa_csv.ParseOptions(delimiter=split)
+    try:
+        table = pa_csv.read_csv(
+            pa.BufferReader(buf),
+            read_options=pa_csv.ReadOptions(**read),
+            parse_options=parse,
+            convert_options=convert,
+        )
+    except pa.ArrowInvalid as exc:
+        if "columns, got" in str(exc) and (prose := _leading_prose(head, split, skip)):
+            count = len(prose)
+            raise MalformedShard(
+                f"{source}: {exc}; its first {f'{count} lines' if count > 1 else 'line'} "
+                f"({prose[0][:60]!r}) {'do' if count > 1 else 'does'} not fit the rows below "
+                f"(a comment, title or count line): publish with --skip-rows {skip + count}"
+            ) from exc
+        raise
     if types and (missing := sorted(set(types) - set(table.column_names))):
         raise MalformedShard(
             f"{source}: column_types names {missing}, but the columns are "
             f"{', '.join(table.column_names)}; {COLUMN_FIX}"
         )
     if "delimiter" not in options:
-        _check_one_column(table, head, skip, source)
+        _check_one_column(table, head, skip, source, has_header and not names)
+    if binary := [
+        f.name for f in table.schema if pa.types.is_binary(f.type) and f.name not in types
+    ]:
+        raise _not_utf8(buf, binary, source)
+    first_data_line = skip + 1 + (1 if has_header else 0)
+    _refuse_rounded_integers(table, buf, split, first_data_line, source, types)
     return table
