@@ -78,6 +78,9 @@ class CodecOptions:
             "zstd" compresses the Arrow stream as it is (what versions published
             before byte-split use); "none" decodes zero-copy at memory speed.
         level: zstd level (negative levels are faster, 1-3 is the usual trade).
+            With "none" no codec reads it, so it is always 1 there: options that
+            encode the same chunks are equal, and a spec written from them (at
+            publish) records one level, so one content keeps one digest.
         chunk_bytes: target uncompressed bytes per chunk.
     """
 
@@ -91,7 +94,9 @@ class CodecOptions:
                 f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, "
                 f"got {self.compression!r}"
             )
-        if self.compression != "none" and not -7 <= self.level <= 22:
+        if self.compression == "none":
+            object.__setattr__(self, "level", 1)  # frozen: set once, here
+        elif not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be in -7..22, got {self.level}")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(

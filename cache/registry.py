@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -67,6 +68,7 @@ T = TypeVar("T")
 
 _PUBLISH_ATTEMPTS = 20
 _DESCRIBE_CONCURRENCY = 16
+_MAX_INDEX_BYTES = 64 << 20  # an index.json read to tell whether it is MDS's
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,10 @@ def resource_url(source_url: str, ref: str) -> str:
             f"{ref!r} climbs out of the source prefix with '..': give a key under "
             f"{source_url} or the file's full URL"
         )
-    return (source_url if source_url.endswith("/") else source_url + "/") + ref.lstrip("/")
+    # ``./tokenizer.json`` is the key ``tokenizer.json``: the one the listing names, so
+    # the file is left out of the shards, and the one an object store holds.
+    key = "/".join(part for part in ref.split("/") if part not in ("", "."))
+    return (source_url if source_url.endswith("/") else source_url + "/") + key
 
 
 async def fetch_resources(
@@ -273,7 +278,8 @@ class Registry:
         except ObjectNotFound as exc:
             known = await self.published(dataset)  # none: says what the registry holds
             raise VersionNotFound(
-                f"{dataset}@{version} is not in {self.url} (known versions: {known})"
+                f"{dataset}@{version} is not in {self.url} (known versions: "
+                f"{', '.join(map(str, known))})"
             ) from exc
         manifest = manifest_from_json(text, source=url)
         if (manifest.dataset, manifest.version) != (dataset, version):
@@ -310,14 +316,10 @@ class Registry:
                 log.info("%s taken by another publisher; trying %d", url, number + 1)
                 number += 1
                 continue
-            except OriginError as exc:
-                if _out_of_space(exc):  # the create-only write left nothing behind
-                    raise OriginError(
-                        f"cannot publish {manifest.dataset}@{number}: the registry {self.url} "
-                        "is out of space (no space left on device); nothing was published — "
-                        "free space on its volume and publish again"
-                    ) from exc
-                raise
+            except OriginError as exc:  # the create-only write left nothing behind
+                raise OriginError(
+                    _unwritable(self.url, f"{manifest.dataset}@{number}", exc)
+                ) from exc
             latest = f"{self.url}/{manifest.dataset}/latest"
             try:
                 await self._store(latest).update(latest, functools.partial(_raised_to, number))
@@ -349,9 +351,53 @@ class Registry:
         """The raw shards under a prefix, and their format (given, or guessed from names).
 
         ``exclude``: keys that are not shards (a transform's files, e.g. a tokenizer).
-        An MDS dataset's shards are the ones its ``index.json`` files list.
+        An MDS dataset's shards are the ones its ``index.json`` files list. A single
+        object given as the source is the one shard, its key cut from its folder.
         """
-        prefix = _as_prefix(location_url(source_url, "source"))
+        prefix, single = await self._source(location_url(source_url, "source"))
+        return await self._listed(prefix, single, fmt, exclude)
+
+    async def _source(self, url: str) -> tuple[str, SourceObject | None]:
+        """The source's prefix and, when ``url`` names one object, that object.
+
+        A person publishing one file (``raw/a.parquet``) means that file: it is a
+        version of one shard, whose prefix is the file's folder (nodes fetch prefix +
+        key). A URL ending in ``/`` is a prefix, and so is one naming no object (a
+        directory, or an object-store prefix): one HEAD request tells them apart.
+        """
+        if url.endswith("/"):
+            return url, None
+        scheme, _, rest = url.partition("://")
+        if scheme == "s3" and "/" not in rest:  # a bucket alone: no object's name
+            return url + "/", None
+        local = _local_path(url)
+        if local is not None and not os.path.isfile(local):
+            return url + "/", None
+        try:
+            info = await self._store(url).head(url)
+        except OriginError:  # none there; or refused (reads granted under the prefix alone)
+            return url + "/", None  # the listing then says what is wrong, as it did
+        folder, _, name = url.rpartition("/")
+        return folder + "/", SourceObject(info=info, key=name)
+
+    async def _listed(
+        self,
+        prefix: str,
+        single: SourceObject | None,
+        fmt: pb.SourceFormat.ValueType | None,
+        exclude: frozenset[str],
+    ) -> tuple[list[SourceObject], pb.SourceFormat.ValueType]:
+        """The shards under ``prefix`` (or ``single`` alone) and their format."""
+        found = [single] if single is not None else await self._objects(prefix, exclude)
+        if fmt is None or fmt == pb.SOURCE_FORMAT_UNSPECIFIED:
+            fmt = await self._guess_format(prefix, found)
+        if single is not None and fmt == pb.SOURCE_FORMAT_MDS:
+            # An MDS dataset is its directory: one of its files (its index.json) names it.
+            found = await self._objects(prefix, exclude)
+        return found, fmt
+
+    async def _objects(self, prefix: str, exclude: frozenset[str]) -> list[SourceObject]:
+        """Every object under ``prefix`` that may be a shard; refused if there is none."""
         found = []
         for info in await self._store(prefix).list(prefix):
             if not info.url.startswith(prefix):  # a key must rebuild the URL: prefix + key
@@ -371,18 +417,42 @@ class Registry:
                     "give the source as an existing directory or a URL (s3://…, file:///…)"
                 )
             raise ObjectNotFound(f"no objects under {prefix}; check the source URL")
-        if fmt is None or fmt == pb.SOURCE_FORMAT_UNSPECIFIED:
-            if any(strip_suffix(o.key).lower().endswith(".mds") for o in found):
-                fmt = pb.SOURCE_FORMAT_MDS
-            else:
-                guesses = {format_from_key(obj.key) for obj in found}
-                if len(guesses) > 1 and None not in guesses:
-                    raise MalformedShard(_mixed_formats(prefix, found))
-                if len(guesses) != 1 or None in guesses:
-                    raise MalformedShard(_unknown_format(prefix, found))
-                fmt = guesses.pop()
-                assert fmt is not None
-        return found, fmt
+        return found
+
+    async def _guess_format(
+        self, prefix: str, found: list[SourceObject]
+    ) -> pb.SourceFormat.ValueType:
+        """The objects' format from their names; MDS from its ``.mds`` shards or its index.
+
+        An ``index.json`` of MDS's shape (``{"shards": [...], "version": ...}``) makes
+        the source MDS even without a shard beside it: guessed from the names alone,
+        an index whose shards were not uploaded was published as a one-row JSON Lines
+        version of the index itself; as MDS it is refused, naming the missing shards.
+        """
+        if any(strip_suffix(o.key).lower().endswith(".mds") for o in found):
+            return pb.SOURCE_FORMAT_MDS
+        for obj in found:
+            if obj.key.rsplit("/", 1)[-1] == "index.json" and await self._mds_shaped(obj):
+                return pb.SOURCE_FORMAT_MDS
+        guesses = {format_from_key(obj.key) for obj in found}
+        if len(guesses) > 1 and None not in guesses:
+            raise MalformedShard(_mixed_formats(prefix, found))
+        if len(guesses) != 1 or None in guesses:
+            raise MalformedShard(_unknown_format(prefix, found))
+        fmt = guesses.pop()
+        assert fmt is not None
+        return fmt
+
+    async def _mds_shaped(self, obj: SourceObject) -> bool:
+        """Whether an ``index.json`` is an MDS index: an object with a list of ``shards``."""
+        if obj.info.size > _MAX_INDEX_BYTES:  # not an index a person would upload
+            return False
+        text = await self._store(obj.info.url).get(obj.info.url, expect=obj.info)
+        try:
+            index = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(index, dict) and isinstance(index.get("shards"), list)
 
     async def _mds_sources(
         self, prefix: str, found: list[SourceObject]
@@ -400,13 +470,14 @@ class Registry:
             )
         columns: MdsColumns | None = None
         shards: list[SourceObject] = []
+        missing: list[str] = []
         for index in indexes:
             text = await self._store(index.info.url).get(index.info.url, expect=index.info)
             these, listed = mds_index(text, index.info.url)
             if columns is not None and these != columns:
                 raise MalformedShard(
-                    f"{index.info.url} lists columns {list(these.names)} but "
-                    f"{indexes[0].info.url} lists {list(columns.names)}; publish them apart"
+                    f"{index.info.url} lists columns {', '.join(these.names)} but "
+                    f"{indexes[0].info.url} lists {', '.join(columns.names)}; publish them apart"
                 )
             columns = these
             folder = index.key.rpartition("/")[0]
@@ -414,10 +485,8 @@ class Registry:
                 key = f"{folder}/{shard.key}" if folder else shard.key
                 obj = by_key.get(key)
                 if obj is None:
-                    raise ObjectNotFound(
-                        f"{index.info.url} lists {shard.key}, but there is no {prefix}{key}; "
-                        "upload the whole MDS directory"
-                    )
+                    missing.append(key)
+                    continue
                 if key == strip_suffix(key) and 4 * (shard.samples + 2) > obj.info.size:
                     raise MalformedShard(
                         f"{index.info.url} says {shard.key} holds {shard.samples:,} samples, but "
@@ -425,6 +494,8 @@ class Registry:
                         "the index or the shard and publish again"
                     )
                 shards.append(SourceObject(info=obj.info, key=key, rows=shard.samples))
+        if missing:
+            raise ObjectNotFound(_missing_shards(prefix, indexes, missing, len(shards)))
         assert columns is not None
         return shards, columns
 
@@ -452,11 +523,15 @@ class Registry:
         one is written.
         """
         validate_name(dataset)
-        CodecOptions.from_spec(spec)  # a level or chunk size no node could encode: refuse now
-        source_url = _as_prefix(location_url(source_url, "source"))
+        codec = CodecOptions.from_spec(spec)  # a level or chunk size no node could encode
+        source_url, single = await self._source(location_url(source_url, "source"))
         resources = await fetch_resources(self._stores, source_url, spec)
         name = spec.transform or "identity"
         spec = _copy(spec)
+        # The level the nodes encode with, in one spelling: 0 is 1, and uncompressed
+        # chunks read none; a level recorded as given made two versions (two digests)
+        # of byte-identical chunks, and --if-changed took them for different content.
+        spec.compression_level = codec.level
         params = canonical_params(name, dict(spec.params), resources)
         spec.params.clear()
         spec.params.update(params)
@@ -468,7 +543,7 @@ class Registry:
             for url in (resource_url(source_url, r) for r in resource_refs(name, params))
             if url.startswith(source_url)
         )
-        objects, fmt = await self.list_sources(source_url, fmt, exclude=refs)
+        objects, fmt = await self._listed(source_url, single, fmt, refs)
         options = (
             canonical_options(fmt, dict(spec.source_options)) if fmt != pb.SOURCE_FORMAT_MDS else {}
         )
@@ -577,9 +652,55 @@ def _out_of_space(exc: BaseException) -> bool:
     )
 
 
-def _as_prefix(url: str) -> str:
-    """``url`` ending in ``/``: what a version records, and what its shard keys follow."""
-    return url if url.endswith("/") else url + "/"
+def _unwritable(registry: str, version: str, exc: OriginError) -> str:
+    """Why ``version`` could not be written to ``registry``, and what to do about it.
+
+    The store's own message names a file deep in the registry and an errno; the
+    person publishing needs to hear which registry refused and how to fix it: a
+    full volume is freed, a read-only one or a file is replaced by a registry they
+    can write (``--registry``, or ``registry:`` in the topology file).
+    """
+    if _out_of_space(exc):
+        return (
+            f"cannot publish {version}: the registry {registry} is out of space (no space "
+            "left on device); nothing was published — free space on its volume and publish "
+            "again"
+        )
+    codes = {c.errno for c in causes(exc, itself=True) if isinstance(c, OSError)}
+    if codes & {errno.EROFS, errno.EACCES, errno.EPERM}:
+        why = "read-only file system" if errno.EROFS in codes else "permission denied"
+        return (
+            f"cannot publish {version}: the registry {registry} is not writable ({why}); "
+            "nothing was published — make it writable, or publish to a registry you can "
+            "write (--registry URL, or registry: in the topology file)"
+        )
+    if errno.ENOTDIR in codes:
+        return (
+            f"cannot publish {version}: the registry {registry} is not a directory (it, or a "
+            "folder above it, is a file); nothing was published — give --registry (or "
+            "registry: in the topology file) a directory, new or already a registry"
+        )
+    return (
+        f"cannot publish {version} to the registry {registry} ({exc}); nothing was published "
+        "— check the registry URL (--registry, or registry: in the topology file) and that "
+        "you may write there, then publish again"
+    )
+
+
+def _missing_shards(
+    prefix: str, indexes: list[SourceObject], missing: list[str], present: int
+) -> str:
+    """Which shards the MDS index lists that are not under the prefix, and what to do."""
+    listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
+    where = ", ".join(o.info.url for o in indexes[:3]) + (", …" if indexes[3:] else "")
+    total = len(missing) + present
+    return (
+        f"{where} {'lists' if len(indexes) == 1 else 'list'} {total} MDS shard"
+        f"{'s' if total != 1 else ''}, but {len(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not under {prefix}: {listed}; upload the "
+        "whole MDS directory (the index.json with every shard it lists) and publish that "
+        "directory"
+    )
 
 
 def _copy(spec: pb.PreprocessSpec) -> pb.PreprocessSpec:

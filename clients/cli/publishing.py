@@ -186,7 +186,10 @@ def _params(given: list[str]) -> dict[str, str]:
 def publish(
     source_url: Annotated[
         str,
-        typer.Argument(help="Prefix of raw shards: s3://…, file://…, or a local directory."),
+        typer.Argument(
+            help="Prefix of raw shards: s3://…, file://…, or a local directory; or one "
+            "object (a version of one shard)."
+        ),
     ],
     dataset: Annotated[str, typer.Option(help="Dataset name.")],
     fmt: Annotated[
@@ -252,7 +255,13 @@ def publish(
             "Arrow stream as it is), or none (zero-copy reads, the most bytes).",
         ),
     ] = Compression.BYTE_SPLIT_ZSTD,
-    level: Annotated[int, typer.Option(help="zstd level (-7..22).")] = 1,
+    level: Annotated[
+        int | None,
+        typer.Option(
+            help="zstd level (-7..22; default 1); not with --compression none.",
+            show_default=False,
+        ),
+    ] = None,
     if_changed: Annotated[
         bool,
         typer.Option(
@@ -270,7 +279,8 @@ def publish(
     Objects may be gzip/zstd/bz2/xz-compressed (part-0.csv.gz, docs.jsonl.zst).
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object, a --level out of
-    range); 1 failed.
+    range or with --compression none); 1 failed (a registry that cannot be written
+    is named, with what to do).
     """
     from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
@@ -278,12 +288,19 @@ def publish(
     from edgecache.cache.registry import Registry
 
     with reporting():
+        if compression is Compression.NONE and level is not None:
+            # It used to be taken and ignored, yet recorded: another version of the
+            # same chunks.
+            raise ValueError(
+                f"--level {level} sets the zstd level, but --compression none compresses "
+                "nothing: drop --level, or pick --compression zstd or byte-split-zstd"
+            )
         params = _params(param or [])
         spec = preprocess_spec(
             transform=transform,
             params=params,
             compression=COMPRESSIONS[compression.value],
-            compression_level=level,
+            compression_level=1 if level is None else level,
         )
         reader = {
             "header": None if header is None else str(header).lower(),
