@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.manifest import preprocess_spec
-from edgecache.cache.preprocess import canonical_options, read_source
+from edgecache.cache.preprocess import canonical_options, describe, preprocess, read_source
 from edgecache.cache.preprocess.arrow_types import parse_type, type_name
 from edgecache.cache.preprocess.fixes import schema_mismatch
 from edgecache.cache.registry import Registry
@@ -319,3 +319,27 @@ def test_real_csvs_that_published_still_publish(tmp_path: Path) -> None:
         assert read(path.read_bytes(), CSV, **options).num_rows > 0
     shutil.copy(MPL_DATA / "msft.csv", tmp_path / "msft.csv")
     assert read((tmp_path / "msft.csv").read_bytes(), CSV).num_columns == 7
+
+
+def test_a_node_stages_a_version_published_before_these_checks_as_recorded() -> None:
+    """The new refusals are publish's: a version published before them (an aligned table as
+    one column, Latin-1 as binary, names over a header, a rounded id) still stages as its
+    schema says, while describe (publish) refuses the same object."""
+    cases = {
+        (MPL_DATA / "data_x_x2_x3.csv").read_bytes(): {},
+        "name,v\ncafé,1\n".encode("latin-1"): {},
+        b"a,b\n1,2\n": {"column_names": "x,y"},
+        b"a,,c\n1,2,3\n": {"header": "true"},
+        b"id,x\n12345678901234567890,1\n": {},
+    }
+    for data, options in cases.items():
+        spec = pb.PreprocessSpec(source_options=canonical_options(CSV, options))
+        with pytest.raises(MalformedShard):
+            describe(data, fmt=CSV, source="x.csv", spec=spec)
+        batches = list(preprocess(data, fmt=CSV, source="x.csv", spec=spec))
+        assert sum(b.num_rows for b in batches) >= 1
+    nested = b'{"a": {"id": 12345678901234567890}}\n'
+    with pytest.raises(MalformedShard, match="a.id"):
+        describe(nested, fmt=JSONL, source="x.jsonl", spec=pb.PreprocessSpec())
+    rows = list(preprocess(nested, fmt=JSONL, source="x.jsonl", spec=pb.PreprocessSpec()))
+    assert rows[0].schema.field("a").type == pa.struct([("id", pa.float64())])

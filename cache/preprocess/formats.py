@@ -237,7 +237,11 @@ def _refuse_rounded_integers(
 
 
 def _read_text(
-    buf: pa.Buffer, fmt: pb.SourceFormat.ValueType, source: str, options: Mapping[str, str]
+    buf: pa.Buffer,
+    fmt: pb.SourceFormat.ValueType,
+    source: str,
+    options: Mapping[str, str],
+    strict: bool,
 ) -> pa.Table:
     def parse(block_size: int | None, threads: bool = False) -> pa.Table:
         # Serial readers: a node parses several shards at once, one per core, and threads
@@ -260,7 +264,8 @@ def _read_text(
                 ).column_names
                 rest = [n for n in table.column_names if n not in found]
                 table = table.select([*found, *rest])
-            _refuse_rounded_integers(table, buf, source, types)
+            if strict:
+                _refuse_rounded_integers(table, buf, source, types)
             # explicit_schema adds a column of nulls for a name no record has: a typo.
             missing = [
                 name
@@ -276,7 +281,7 @@ def _read_text(
                     f"{COLUMN_FIX}"
                 )
             return table
-        return read_csv(buf, options, source, threads=threads, block_size=block_size)
+        return read_csv(buf, options, source, threads=threads, block_size=block_size, strict=strict)
 
     try:
         try:
@@ -379,8 +384,16 @@ def open_source(
     source: str,
     batch_rows: int,
     options: Mapping[str, str] | None = None,
+    *,
+    strict: bool = True,
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int | None]:
     """Parse enough of ``data`` to know its schema (and, where it says, its row count).
+
+    ``strict`` (publish) refuses CSV and JSON Lines objects that parse, but not as
+    their writer meant (an aligned table as one column, integers rounded to floats,
+    text that is not UTF-8, names over a header); a node staging a version reads it
+    without them (``strict=False``): a version published under these rules passed
+    them already, and one published before them must still stage as it was recorded.
 
     ``options`` are the version's reader options (``PreprocessSpec.source_options``).
     A gzip/zstd/bz2/xz-compressed object is decompressed first, whatever its format.
@@ -402,7 +415,7 @@ def open_source(
         )
     try:
         if fmt in (_J, _C):
-            table = _read_text(buf, fmt, source, options)
+            table = _read_text(buf, fmt, source, options, strict)
             return table.schema, iter(table.to_batches(max_chunksize=batch_rows)), None
         if fmt == _P:
             return _parquet(buf, batch_rows, source)

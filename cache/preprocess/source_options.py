@@ -324,13 +324,14 @@ def _check_header_names(text: bytes, delimiter: str, skip: int, source: str) -> 
 
 
 def _check_one_column(
-    table: pa.Table, text: bytes, skip: int, source: str, has_header: bool
+    table: pa.Table, text: bytes, skip: int, source: str, has_header: bool, runs: bool
 ) -> None:
     """Refuse a file that parsed as one column but is plainly separated by something else.
 
     A separator character on every line the same number of times names it; runs of
     blanks the same number of times on every line (an aligned table, where the
-    blanks between columns vary with the numbers' widths) name ``whitespace``.
+    blanks between columns vary with the numbers' widths) name ``whitespace``, with
+    ``runs`` (publish: versions published before that check read as recorded).
     """
     if table.num_columns != 1:
         return
@@ -356,8 +357,8 @@ def _check_one_column(
             f"{parsed} every line holds the same number of {name}s: it looks "
             f"{name}-separated. Publish with --delimiter {name}{no_header}{blanks}, {keep}"
         )
-    runs = {len(re.findall(r"[ \t]+", line.strip())) for line in lines}
-    if len(runs) == 1 and (count := runs.pop()) > 0:
+    found = {len(re.findall(r"[ \t]+", line.strip())) for line in lines} if runs else set()
+    if len(found) == 1 and (count := found.pop()) > 0:
         no_header = _no_header_hint(first, None, has_header)
         raise MalformedShard(
             f"{parsed} every line holds {count + 1} values between runs of blanks: it looks "
@@ -511,8 +512,14 @@ def read_csv(
     *,
     threads: bool,
     block_size: int | None,
+    strict: bool = True,
 ) -> pa.Table:
     """Parse a whole CSV object with ``options`` (canonical, see :func:`canonical_options`).
+
+    ``strict`` (publish) adds the checks of what parses but not as meant: an aligned
+    table, names given over a header, an empty header name, text that is not UTF-8,
+    integers past int64 read as floats. A node staging a version reads without them
+    (see :func:`~edgecache.cache.preprocess.formats.open_source`).
 
     Raises:
         MalformedShard: the first row is not plainly a header (with ``header`` auto), or the
@@ -529,9 +536,9 @@ def read_csv(
     split = delimiter if delimiter != "whitespace" else " "
     if header == "auto" and not names:
         _check_header(head, split, skip, source)
-    elif header == "auto":
+    elif header == "auto" and strict:
         _check_named_header(head, split, skip, names, source)
-    elif header == "true" and not names:
+    elif header == "true" and not names and strict:
         _check_header_names(head, split, skip, source)
     has_header = header == "true" or (header == "auto" and not names)
     read: dict[str, Any] = {"use_threads": threads}
@@ -571,7 +578,9 @@ def read_csv(
             f"{', '.join(table.column_names)}; {COLUMN_FIX}"
         )
     if "delimiter" not in options:
-        _check_one_column(table, head, skip, source, has_header and not names)
+        _check_one_column(table, head, skip, source, has_header and not names, strict)
+    if not strict:
+        return table
     if binary := [
         f.name for f in table.schema if pa.types.is_binary(f.type) and f.name not in types
     ]:
