@@ -42,6 +42,7 @@ from edgecache.clients.channels import bearer, edge_stub, node_error
 from edgecache.clients.ops import (
     NodeReport,
     WarmItem,
+    WarmPin,
     complete_versions,
     gather_status,
     region_nodes,
@@ -57,6 +58,7 @@ __all__ = [
     "NodeCalls",
     "NodesSeen",
     "PlanExecutor",
+    "Released",
     "TaskRun",
     "Unpinned",
     "WarmOutcome",
@@ -159,6 +161,15 @@ class Unpinned:
 
     released: bool = False
     problem: str | None = None
+
+
+@dataclass
+class Released:
+    """What :meth:`PlanExecutor.release` did with the pins of jobs no longer scheduled."""
+
+    released: list[WarmPin] = field(default_factory=list)
+    kept: list[WarmPin] = field(default_factory=list)  # not released yet: the next run tries
+    problems: list[str] = field(default_factory=list)  # why a release failed
 
 
 @dataclass
@@ -344,6 +355,38 @@ class PlanExecutor:
         except _NotDone as failure:
             return Unpinned(problem=str(failure))
         return Unpinned(released=True)
+
+    def release(
+        self, pins: Sequence[WarmPin], reports: Sequence[NodeReport], *, dry_run: bool = False
+    ) -> Released:
+        """Release pins an earlier warm placed for jobs no longer scheduled (``dropped_warm_pins``).
+
+        Only a pin the node still has as placed is released: one gone, or set
+        to another time since (someone pinned it again), is not warm's any
+        more, and its record is dropped. A pin on a node that did not answer,
+        or whose release failed, is kept for the next run. ``dry_run`` releases
+        nothing and lists what would be.
+        """
+        seen = self._see(reports)
+        out = Released()
+        for pin in pins:
+            if pin.node in self.calls.down:
+                out.kept.append(pin)
+                continue
+            have = seen.pins.get((pin.node, pin.key))
+            if have is None or abs(have - pin.until) >= _SAME_PIN:
+                continue
+            if dry_run:
+                out.released.append(pin)
+                continue
+            unpinned = self.unpin(pin.node, pin.key)
+            if unpinned.released:
+                out.released.append(pin)
+                continue
+            out.kept.append(pin)
+            if unpinned.problem:
+                out.problems.append(unpinned.problem)
+        return out
 
     def _see(self, reports: Sequence[NodeReport]) -> NodesSeen:
         """Read a status round once; the nodes that did not answer join :attr:`calls`' down."""

@@ -17,10 +17,11 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import grpc
 
@@ -61,6 +62,9 @@ __all__ = [
     "pinned_jobs",
     "local_registry",
     "record_warmed_jobs",
+    "dropped_warm_pins",
+    "schedule_owner",
+    "WarmPin",
     "Readiness",
     "WarmItem",
     "evict",
@@ -805,6 +809,33 @@ class PinnedJob:
     start: datetime
     end: datetime
     versions: tuple[str, ...]  # name@N
+    # Who pinned for it: "warm" (with the schedule file it ran, "" in a record older than
+    # that) or "controller"; an eviction refusal names the command that releases the pin.
+    by: str = "warm"
+    schedule: str = ""
+
+
+@dataclass(frozen=True)
+class WarmPin:
+    """A pin ``warm`` placed on a node, as its record keeps it: the schedule it ran owns it.
+
+    Kept so a later warm of the same schedule file can release it once no job
+    of that schedule reads the version there (a job removed or moved), as the
+    controller releases its own; without it the pin stayed to its old end and
+    only ``evict --force`` could free the room.
+    """
+
+    schedule: str  # the schedule file warm ran, as an absolute path
+    node: str
+    region: str
+    version: str  # name@N
+    until: datetime
+
+    @property
+    def key(self) -> VersionKey:
+        """The version as the plan and the nodes name it."""
+        dataset, _, number = self.version.rpartition("@")
+        return dataset, int(number)
 
 
 def local_registry(registry: str) -> str | None:
@@ -814,22 +845,44 @@ def local_registry(registry: str) -> str | None:
     return None if "://" in registry else registry
 
 
+def schedule_owner(path: str | os.PathLike[str]) -> str:
+    """How warm's record names a schedule file: its absolute path, whatever the cwd."""
+    return str(Path(path).resolve())
+
+
 def record_warmed_jobs(
-    topology: Topology, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
+    topology: Topology,
+    schedule: Schedule,
+    manifests: dict[str, pb.Manifest],
+    now: datetime,
+    *,
+    owner: str = "",
+    plan: Plan | None = None,
+    unreleased: Sequence[WarmPin] = (),
 ) -> None:
     """Record in the registry which jobs ``warm`` pins versions for, so ``evict`` can name them.
 
     The controller keeps its own record (``_controller/state.json``); this is
-    warm's (``_warm/jobs.json``): the jobs of the schedule not yet over, merged
-    with those of earlier runs still to end (a job of the same name replaced).
+    warm's (``_warm/jobs.json``). A warm run owns what an earlier run of the
+    same schedule file (``owner``) recorded: those jobs and pins are replaced
+    by this run's (a job removed from the schedule goes), while other
+    schedules' are kept until they end, so warm runs of two schedules do not
+    erase each other's. A job of the same name is replaced whoever recorded it.
+    ``plan``'s pins are recorded as placed on every node of their region;
+    ``unreleased`` are this schedule's earlier pins that no job reads any
+    more but that could not be released yet (a node down): kept, to be
+    released by the next run.
     """
     local = local_registry(topology.registry)
     if local is not None and not os.path.isdir(local):
         # A mistyped local registry: its versions did not resolve, so nothing was pinned;
         # writing the record would create the folder, a new empty registry hiding the typo.
         return
-    url = _warmed_jobs_url(topology.registry)
-    kept = {job.name: job for job in _warmed_jobs(topology.registry) if job.end > now}
+    old_jobs, old_pins = _warm_record(topology.registry)
+    mine = bool(owner)
+    kept = {
+        job.name: job for job in old_jobs if job.end > now and not (mine and job.schedule == owner)
+    }
     for job in schedule.jobs:
         if job.end > now:
             versions = tuple(
@@ -837,20 +890,44 @@ def record_warmed_jobs(
                 for s in job.datasets
                 if s in manifests
             )
-            kept[job.name] = PinnedJob(job.name, job.region, job.start, job.end, versions)
+            kept[job.name] = PinnedJob(
+                job.name, job.region, job.start, job.end, versions, schedule=owner
+            )
+    pins = [p for p in old_pins if p.until > now and not (mine and p.schedule == owner)]
+    pins += unreleased
+    if plan is not None and mine:
+        for region, region_plan in plan.regions.items():
+            for node in topology.regions[region].nodes:
+                for version, until in sorted(region_plan.pins.items()):
+                    spec = f"{version[0]}@{version[1]}"
+                    pins.append(WarmPin(owner, node, region, spec, until))
     body = json.dumps(
-        [
-            {
-                "name": job.name,
-                "region": job.region,
-                "start": job.start.isoformat(),
-                "end": job.end.isoformat(),
-                "versions": list(job.versions),
-            }
-            for job in sorted(kept.values(), key=lambda j: (j.start, j.name))
-        ],
+        {
+            "jobs": [
+                {
+                    "name": job.name,
+                    "region": job.region,
+                    "start": job.start.isoformat(),
+                    "end": job.end.isoformat(),
+                    "versions": list(job.versions),
+                    "schedule": job.schedule,
+                }
+                for job in sorted(kept.values(), key=lambda j: (j.start, j.name))
+            ],
+            "pins": [
+                {
+                    "schedule": pin.schedule,
+                    "node": pin.node,
+                    "region": pin.region,
+                    "version": pin.version,
+                    "until": pin.until.isoformat(),
+                }
+                for pin in sorted(pins, key=lambda p: (p.schedule, p.node, p.version))
+            ],
+        },
         indent=1,
     ).encode()
+    url = _warmed_jobs_url(topology.registry)
 
     async def write() -> None:
         stores = Stores()
@@ -862,16 +939,54 @@ def record_warmed_jobs(
     asyncio.run(write())
 
 
+def dropped_warm_pins(topology: Topology, owner: str, plan: Plan, now: datetime) -> list[WarmPin]:
+    """The pins an earlier warm of schedule ``owner`` placed that its plan keeps no more.
+
+    Their job was removed from the schedule (or moved, or reads another
+    version now): warm releases them, as the controller releases its own. A
+    pin still needed by a job another schedule's warm or the controller
+    recorded (same region, same version, not ended) is left to that record,
+    and so is not returned. A record that cannot be read gives nothing.
+    """
+    try:
+        jobs, pins = _warm_record(topology.registry)
+    except OriginError as exc:
+        _unreadable_record(_warmed_jobs_url(topology.registry), exc)
+        return []
+    others = [job for job in pinned_jobs(topology) if job.by != "warm" or job.schedule != owner]
+    dropped = []
+    for pin in pins:
+        if pin.schedule != owner or pin.until <= now:
+            continue
+        region_plan = plan.regions.get(pin.region)
+        if region_plan is not None and pin.key in region_plan.pins:
+            continue  # still kept (re-pinned by this run if its time changed)
+        if any(
+            job.region == pin.region and pin.version in job.versions and job.end > now
+            for job in others
+        ):
+            continue
+        dropped.append(pin)
+    return dropped
+
+
 def _warmed_jobs_url(registry: str) -> str:
     return f"{registry.rstrip('/')}/{WARMED_JOBS}"
 
 
 def _warmed_jobs(registry: str) -> list[PinnedJob]:
+    """The jobs :func:`record_warmed_jobs` recorded (see :func:`_warm_record`)."""
+    return _warm_record(registry)[0]
+
+
+def _warm_record(registry: str) -> tuple[list[PinnedJob], list[WarmPin]]:
     """What :func:`record_warmed_jobs` recorded: nothing if warm never ran or it does not parse.
 
     A record origin will not give is :class:`OriginError`, raised: ``warm`` then
     warns instead of writing over the jobs of earlier runs after a passing
     failure, and :func:`pinned_jobs`, which only names jobs, goes on without it.
+    A record written before warm kept its pins (a bare list of jobs) has jobs
+    owned by no schedule and no pins.
     """
     url = _warmed_jobs_url(registry)
 
@@ -886,18 +1001,35 @@ def _warmed_jobs(registry: str) -> list[PinnedJob]:
 
     raw = asyncio.run(read())
     try:
-        return [
+        data = json.loads(raw or b"[]")
+        if isinstance(data, list):
+            data = {"jobs": data, "pins": []}
+        jobs = [
             PinnedJob(
                 j["name"],
                 j["region"],
                 datetime.fromisoformat(j["start"]),
                 datetime.fromisoformat(j["end"]),
                 tuple(j["versions"]),
+                schedule=str(j.get("schedule", "")),
             )
-            for j in json.loads(raw or b"[]")
+            for j in data.get("jobs", [])
         ]
-    except (ValueError, TypeError, KeyError):
-        return []  # a record that cannot be read only costs the job's name in a message
+        pins = [
+            WarmPin(
+                str(p["schedule"]),
+                str(p["node"]),
+                str(p["region"]),
+                str(p["version"]),
+                datetime.fromisoformat(p["until"]),
+            )
+            for p in data.get("pins", [])
+        ]
+        if not all(pin.version.rpartition("@")[2].isdigit() for pin in pins):
+            raise ValueError("a pin's version is not NAME@N")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return [], []  # a record that cannot be read only costs the job's name in a message
+    return jobs, pins
 
 
 def pinned_jobs(topology: Topology) -> list[PinnedJob]:
@@ -919,6 +1051,7 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
                 datetime.fromisoformat(job.start),
                 datetime.fromisoformat(job.end),
                 tuple(job.versions),
+                by="controller",
             )
     except (OriginError, ValueError, TypeError) as exc:
         _unreadable_record(f"{topology.registry.rstrip('/')}/{STATE_NAME}", exc)
@@ -962,23 +1095,49 @@ def _pinned_message(
     held_until: dict[str, datetime] = {}
     for region, _, when in pins:
         held_until[region] = max(held_until.get(region, when), when)
-    jobs = [
-        _job_times(job, now)
+    readers = [
+        job
         for job in pinned_jobs(topology)
         if spec in job.versions
         and job.region in held_until
         and now < job.end <= held_until[job.region] + timedelta(seconds=1)
     ]
     reads = (
-        f"read by {', '.join(jobs)}"
-        if jobs
+        f"read by {', '.join(_job_times(job, now) for job in readers)}"
+        if readers
         else "kept for a scheduled job (neither warm nor the controller recorded which: "
         "`edgecache plan SCHEDULE` lists the jobs that read it)"
     )
     return (
         f"{spec} is pinned on {nodes} until {until:%Y-%m-%d %H:%M} UTC, {reads}; evicting it "
-        "would leave that job without its data. Change the schedule, or pass --force"
+        f"would leave that job without its data. {_how_to_release(readers)}, or pass --force"
     )
+
+
+def _how_to_release(readers: list[PinnedJob]) -> str:
+    """The command that releases the pin once its job is no longer scheduled.
+
+    Editing the schedule alone changes nothing on the nodes: warm releases
+    the pins it placed when it runs that schedule file again, the controller
+    on its next round.
+    """
+    schedules = sorted({job.schedule for job in readers if job.by == "warm" and job.schedule})
+    steps = [
+        f"remove the job from {path} and run `edgecache warm {path}` again (it releases "
+        "the pins it placed for jobs no longer there)"
+        for path in schedules
+    ]
+    if any(job.by == "controller" for job in readers):
+        steps.append(
+            "remove the job from the controller's schedule (its next round releases the pin)"
+        )
+    if not steps:
+        steps.append(
+            "remove the job from its schedule and run `edgecache warm SCHEDULE` again, or let "
+            "the controller run it (each releases the pins it placed for jobs no longer there)"
+        )
+    text = "; ".join(steps)
+    return text[0].upper() + text[1:]
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ staging the rest, and which command would.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from edgecache.cache.planner import Plan, StageTask
 from edgecache.clients.controller import ControllerState, infeasible_reason
 from edgecache.clients.ops import NodeReport, holdings, region_outages
-from edgecache.clients.topology import Schedule
+from edgecache.clients.topology import Schedule, ScheduledJob
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["JobView", "job_views"]
@@ -43,17 +43,22 @@ class JobView:
     # "planned" (a running controller starts it at its planned start), "not started"
     # (nothing runs the schedule) or "over" (the job has ended); "" when nothing is missing.
     progress: str = ""
-    hint: str = ""  # what happens next, or what to run; "" when nothing is missing
+    hint: str = ""  # what happens next, or what to run; for a job that has ended, what it had
+    # The job has ended: nothing is planned or staged for it, so nothing is said of what
+    # is missing now; ``hint`` says when it ended and what the record says it had.
+    ended: bool = False
 
     @property
     def state(self) -> str:
-        """ready, missed (started without its data), infeasible, late, or else its progress.
+        """ready, missed (started without its data), over (ended), infeasible, late, or progress.
 
         Only a task a controller is running counts as staging: a plan nobody
         carries out is "not started", however soon it was planned to be ready.
         """
         if self.complete_at_start is False:
             return "missed"
+        if self.ended:
+            return "over"
         if not self.missing:
             return "ready"
         if self.why.startswith("cannot be met"):
@@ -93,6 +98,9 @@ def job_views(
         infeasible.setdefault(item.job, []).append(reason)
     views = []
     for job in sorted(schedule.jobs, key=lambda j: (j.start, j.name)):
+        if job.end <= now:
+            views.append(_ended_view(job, state))
+            continue
         missing = []
         for spec in job.datasets:
             manifest = manifests.get(spec)
@@ -142,12 +150,9 @@ def job_views(
             ]
             if failed:
                 why = "staging failed: " + "; ".join(failed)
-        if job.end <= now:
-            progress, hint = "over", ""
-        else:
-            progress, hint = _progress(
-                job.region, tasks, state if controller_running else None, schedule_path
-            )
+        progress, hint = _progress(
+            job.region, tasks, state if controller_running else None, schedule_path
+        )
         views.append(
             JobView(
                 job=job.name,
@@ -163,6 +168,46 @@ def job_views(
             )
         )
     return views
+
+
+def _ended_view(job: ScheduledJob, state: ControllerState | None) -> JobView:
+    """A job that has ended, as it was: the controller's record of its start, or no claim.
+
+    The plan leaves an ended job out (nothing is staged for it), so its specs
+    are not resolved and what its region holds now says nothing of what it
+    read: judged like a current job, it showed its dataset "not in the
+    registry" and "started before its data was complete" with no record of
+    either. Only the record (kept ``--keep-records`` hours after the end)
+    knows whether its data was there at its start, and which versions it read.
+    """
+    record = state.jobs.get(job.name) if state else None
+    if record is not None and record.start != job.start.astimezone(UTC).isoformat():
+        record = None  # another job of the same name (moved since): not this one's record
+    ended = f"ended {job.end:%Y-%m-%d %H:%M}"
+    if record is None or record.complete_at_start is None:
+        hint = (
+            f"{ended}; no record of whether its data was there at its start (a running "
+            "controller records it)"
+        )
+    elif record.complete_at_start:
+        hint = f"{ended}; it had {', '.join(record.versions) or 'its data'} from its start"
+    else:
+        hint = ended
+    return JobView(
+        job=job.name,
+        region=job.region,
+        start=job.start,
+        planned_ready=_time(record.planned_ready) if record else None,
+        ready_at=_time(record.ready_at) if record and record.complete_at_start else None,
+        missing=[],
+        complete_at_start=record.complete_at_start if record else None,
+        why=(record.why_missed or "started before its data was complete")
+        if record and record.complete_at_start is False
+        else "",
+        progress="over",
+        hint=hint,
+        ended=True,
+    )
 
 
 def _progress(

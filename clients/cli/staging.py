@@ -40,7 +40,14 @@ from edgecache.clients.cli.render import (
     table,
     warning,
 )
-from edgecache.clients.executor import Evicted, NodesSeen, PlanExecutor, TaskRun, WarmOutcome
+from edgecache.clients.executor import (
+    Evicted,
+    NodesSeen,
+    PlanExecutor,
+    Released,
+    TaskRun,
+    WarmOutcome,
+)
 from edgecache.clients.ops import WarmItem
 from edgecache.clients.plan_status import JobView
 from edgecache.clients.topology import Schedule, Topology
@@ -114,7 +121,7 @@ def plan(
     elif as_json:
         print(json.dumps(_plan_json(result), indent=2))
     else:
-        _print_plan(result, explain)
+        _print_plan(result, explain, unseen=_unseen_regions(reports))
     down = unreachable_regions(reports, jobs, now)
     for message in down.values():
         error(message)
@@ -174,6 +181,7 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
         "not started": "yellow",
         "late": "yellow",
         "missed": "red",
+        "over": "dim",
     }
     table(
         "jobs: plan against reality",
@@ -286,10 +294,30 @@ def _say_ended(schedule: Schedule, now: datetime) -> None:
         warning(f"{when}{more}: nothing is planned for a job that has ended; check its start")
 
 
-def _print_plan(result: Plan, explain: bool) -> None:
+def _unseen_regions(reports: list[ops.NodeReport]) -> set[str]:
+    """The regions none of whose nodes answered: what they hold, and so their plan, is unknown."""
+    return {region for region, outage in ops.region_outages(reports).items() if outage.unreachable}
+
+
+def _print_plan(result: Plan, explain: bool, *, unseen: set[str]) -> None:
+    """Each region's stages and evictions (a table), then its pins, a line each.
+
+    The pins are shown without --explain: warm and the controller place them,
+    so they are as much the plan as the stages. A region in ``unseen`` (no node
+    answers) is not said to have nothing to do: nothing is known of it, and the
+    command's error names the outage.
+    """
     for name, rp in result.regions.items():
+        if name in unseen and not (rp.tasks or rp.evictions or rp.pins):
+            line(f"region {name}: not planned: no node answers")
+            continue
         if not (rp.tasks or rp.evictions):
-            line(f"region {name}: nothing to do")
+            line(
+                f"region {name}: nothing to stage or evict"
+                if rp.pins
+                else f"region {name}: nothing to do"
+            )
+            _print_pins(name, rp.pins)
             continue
         rows = [
             [
@@ -328,6 +356,7 @@ def _print_plan(result: Plan, explain: bool) -> None:
             ],
             rows,
         )
+        _print_pins(name, rp.pins)
     if explain:
         for name, rp in result.regions.items():
             for t in rp.tasks:
@@ -337,8 +366,6 @@ def _print_plan(result: Plan, explain: bool) -> None:
                     else "origin (no faster peer holds it in time)"
                 )
                 line(f"{name}: {t.spec} from {t.source}: {why}")
-            for version, until in sorted(rp.pins.items()):
-                line(f"{name}: pin {version[0]}@{version[1]} until {until:%Y-%m-%d %H:%M}")
     for (job, link), size in sorted(result.transfers.items()):
         cost = f", egress ${result.cost[job]:.2f}" if job in result.cost else ""
         line(f"{job}: {format_bytes(size)} over {link}{cost}")
@@ -353,6 +380,12 @@ def _print_plan(result: Plan, explain: bool) -> None:
             ],
             [[i.job, i.region, i.version, f"[red]{i.reason}[/red]"] for i in reasons],
         )
+
+
+def _print_pins(region: str, pins: dict[VersionKey, datetime]) -> None:
+    """``region: pin NAME@N until TIME``, a line per pin the plan places (to its last job's end)."""
+    for version, until in sorted(pins.items()):
+        line(f"{region}: pin {version[0]}@{version[1]} until {until:%Y-%m-%d %H:%M}")
 
 
 @app.command()
@@ -438,6 +471,10 @@ class _ScheduleWork:
     manifests: dict[str, pb.Manifest]
     now: datetime
     down: dict[str, str]
+    owner: str = ""  # the schedule file, as warm's record names it
+    # Pins an earlier warm of this schedule placed for jobs it no longer has: released
+    # before planning (or, in a dry run, would be).
+    released: Released = field(default_factory=Released)
 
 
 @dataclass(frozen=True)
@@ -468,8 +505,18 @@ def _plan_schedule(
 
     schedule = load_schedule(path, topology)
     now = datetime.now(UTC)
+    owner = ops.schedule_owner(path)
     reports = ops.gather_status(topology, token=token)
     plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
+    released = Released()
+    if dropped := ops.dropped_warm_pins(topology, owner, plan, now):
+        # Released before the plan is carried out, so their room is the plan's: planned
+        # again on what the nodes pin once they are gone.
+        executor = PlanExecutor(topology, token=token)
+        released = executor.release(dropped, reports, dry_run=dry_run)
+        if released.released and not dry_run:
+            reports = ops.gather_status(topology, token=token)
+            plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
     down = ops.unreachable_regions(reports, schedule, now)
     holder = lease_holder(topology.registry)
     if holder is not None and not dry_run:
@@ -478,7 +525,7 @@ def _plan_schedule(
             "now as well (pins, evictions and staging are idempotent, so nothing is "
             "done twice, but its timing is not the controller's)"
         )
-    return _ScheduleWork(schedule, plan, manifests, now, down)
+    return _ScheduleWork(schedule, plan, manifests, now, down, owner, released)
 
 
 def _single_item(topology: Topology, spec: str, region: str | None, token: str | None) -> WarmItem:
@@ -594,7 +641,7 @@ def _run_plan(
     executor_type = Rehearsal if dry_run else PlanExecutor
     executor = executor_type(topology, token=token, stop=stop, on_progress=_plan_bars(bars))
     if not dry_run:
-        _record_warmed_jobs(topology, work.schedule, work.manifests, work.now)
+        _record_warmed_jobs(topology, work)
     with reporting():
         outcome = executor.warm(work.plan, work.schedule, work.manifests)
     return _Warmed(
@@ -644,6 +691,15 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             if (name, v) not in outcome.pins_failed
         ]
         out["pin_failures"] = outcome.pin_failures
+        out["released"] = [
+            {
+                "region": pin.region,
+                "node": pin.node,
+                "version": pin.version,
+                "until": json_time(pin.until),
+            }
+            for pin in work.released.released
+        ]
         out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
         out["unreachable"] = [{"region": r, "reason": why} for r, why in work.down.items()]
     print(json.dumps(out))
@@ -652,7 +708,9 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
 def _report_text(warmed: _Warmed, dry_run: bool) -> None:
     """What was done (or would be), the items' notes, then a count a person can check."""
     if warmed.work is not None:
-        _print_plan_steps(warmed.work.plan, warmed.outcome, warmed.rows, dry_run)
+        _print_plan_steps(
+            warmed.work.plan, warmed.outcome, warmed.rows, dry_run, warmed.work.released
+        )
     for row in warmed.rows:
         for note in row["notes"]:
             err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
@@ -665,7 +723,11 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
 
 
 def _print_plan_steps(
-    plan: Plan, outcome: WarmOutcome, rows: list[dict[str, Any]], dry_run: bool
+    plan: Plan,
+    outcome: WarmOutcome,
+    rows: list[dict[str, Any]],
+    dry_run: bool,
+    released: Released | None = None,
 ) -> None:
     """A plan's evictions, stages, pins and deferrals, in the words of a real run or a rehearsal.
 
@@ -677,6 +739,15 @@ def _print_plan_steps(
     evicted, staged, pinned = (
         ("would evict", "would stage", "would pin") if dry_run else ("evicted", "staged", "pinned")
     )
+    released = released or Released()
+    for pin in released.released:
+        console.print(
+            f"{pin.region}: {'would release' if dry_run else 'released'} the pin of "
+            f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): no job of "
+            "the schedule reads it there any more"
+        )
+    for problem in released.problems:
+        warning(f"{problem}; the pin stays, and the next warm of this schedule releases it")
     for e, freed in outcome.evicted:
         console.print(
             f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
@@ -730,14 +801,22 @@ def _down(warmed: _Warmed) -> dict[str, str]:
     return warmed.work.down if warmed.work is not None else {}
 
 
-def _record_warmed_jobs(
-    topology: Topology, schedule: Schedule, manifests: dict[str, pb.Manifest], now: datetime
-) -> None:
-    """Record the jobs warm pins for (so evict can name them); failing that only warns."""
-    from edgecache.clients import ops
+def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
+    """Record the jobs and pins of a warm run; failing that only warns.
 
+    ``evict`` names the jobs, and a later warm of the same schedule releases
+    the pins of jobs it no longer has.
+    """
     try:
-        ops.record_warmed_jobs(topology, schedule, manifests, now)
+        ops.record_warmed_jobs(
+            topology,
+            work.schedule,
+            work.manifests,
+            work.now,
+            owner=work.owner,
+            plan=work.plan,
+            unreleased=work.released.kept,
+        )
     except (EdgeCacheError, OSError) as exc:
         warning(
             f"could not record the jobs warm pins versions for ({exc}); evict will not be "

@@ -1,0 +1,185 @@
+"""plan and warm as an operator reviewed them: ended jobs, warm's record, pins, error lines.
+
+Every command runs as a real process (``python -m edgecache.clients.cli``)
+against real nodes on loopback and a real file:// registry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import publish, stub, write_parquet_shards
+
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.v1 import edge_pb2
+
+ENV = {**os.environ, "COLUMNS": "80"}
+
+
+def edgecache(root: Path, *args: str) -> tuple[int, str, str]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgecache.clients.cli",
+            *args,
+            "--config",
+            str(root / "edgecache.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    return out.returncode, out.stdout, out.stderr
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
+    """One region (us-east) with one node, and iris@1 published."""
+    write_parquet_shards(tmp_path / "origin", 2, rows=100)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "iris")
+    node = start_local_node("us-east", tmp_path / "cache", registry, capacity="256MiB")
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  us-east:\n    nodes: ['{node.address}']\n"
+    )
+    yield tmp_path, node
+    node.stop()
+
+
+def job(name: str, start: datetime, datasets: str, duration: str = "2h") -> str:
+    return (
+        f"  - name: {name}\n    region: us-east\n    start: {start.isoformat()}\n"
+        f"    datasets: [{datasets}]\n    duration: {duration}\n"
+    )
+
+
+def test_a_job_that_has_ended_shows_as_over_with_no_false_claims(site) -> None:
+    """A job that ended days ago read "iris: not in the registry", state late, "started
+    before its data was complete": the plan leaves ended jobs out, so their specs were not
+    resolved, and nothing recorded what the job had at its start."""
+    root, _ = site
+    assert edgecache(root, "warm", "iris@1", "--region", "us-east")[0] == 0
+    schedule = root / "schedule.yaml"
+    now = datetime.now(UTC)
+    schedule.write_text(
+        "jobs:\n"
+        + job("old", now - timedelta(days=3), "iris", duration="1h")
+        + job("next", now + timedelta(days=1), "iris@1")
+    )
+    code, out, err = edgecache(root, "plan", str(schedule), "--status", "--json")
+    assert code == 0, (out, err)
+    views = {v["job"]: v for v in json.loads(out)}
+    old = views["old"]
+    assert old["state"] == "over", old
+    assert old["missing"] == [] and old["why"] is None, old
+    assert old["hint"].startswith("ended ") and "no record" in old["hint"], old
+    assert views["next"]["state"] == "ready", views["next"]
+    code, out, err = edgecache(root, "plan", str(schedule), "--status")
+    assert code == 0, (out, err)
+    said = " ".join(out.split())
+    assert "not in the registry" not in said and "before its data" not in said, out
+    assert "state: over" in said or " over " in said, out
+
+
+def test_plan_shows_its_pins_without_explain_and_no_nothing_to_do_for_a_silent_region(
+    site,
+) -> None:
+    """The pins the plan places were shown only with --explain, though warm and the
+    controller carry them out; and with the only node down, plan said "region us-east:
+    nothing to do" before its exit-1 error."""
+    root, node = site
+    schedule = root / "schedule.yaml"
+    start = datetime.now(UTC) + timedelta(days=1)
+    schedule.write_text("jobs:\n" + job("next", start, "iris@1", duration="3h"))
+    until = start + timedelta(hours=3)
+    code, out, err = edgecache(root, "plan", str(schedule))
+    assert code == 0, (out, err)
+    assert f"us-east: pin iris@1 until {until:%Y-%m-%d %H:%M}" in out, out
+    assert edgecache(root, "warm", str(schedule))[0] == 0
+    code, out, err = edgecache(root, "plan", str(schedule))  # staged: only the pin is left
+    assert code == 0, (out, err)
+    assert "nothing to do" not in out, out
+    assert f"us-east: pin iris@1 until {until:%Y-%m-%d %H:%M}" in out, out
+    node.stop()
+    code, out, err = edgecache(root, "plan", str(schedule))
+    assert code == 1, (out, err)
+    assert "nothing to do" not in out and "region us-east: not planned: no node answers" in out
+    assert "error:" in err and "us-east" in err, err
+
+
+def pins_on(node: LocalNode) -> dict[str, datetime]:
+    """name@N → the time ``node`` pins it until."""
+    status = stub(node.address).Status(edge_pb2.StatusRequest())
+    return {
+        f"{v.dataset}@{v.version}": v.pinned_until.ToDatetime(tzinfo=UTC)
+        for v in status.versions
+        if v.HasField("pinned_until")
+    }
+
+
+@pytest.fixture
+def two(site) -> tuple[Path, LocalNode]:
+    """The site with a second dataset, "other", for the jobs that stay in the schedule."""
+    root, node = site
+    write_parquet_shards(root / "origin-other", 1, rows=100)
+    publish(f"file://{root}/registry", f"file://{root}/origin-other", "other")
+    return root, node
+
+
+def test_warm_of_the_same_schedule_releases_the_pins_of_a_job_removed_from_it(two) -> None:
+    """warm merged its jobs into _warm/jobs.json across runs: a job removed from the
+    schedule kept its record and its pins, so evict still refused, naming it, and advised
+    "Change the schedule", which did nothing; only --force helped."""
+    root, node = two
+    start = datetime.now(UTC) + timedelta(days=1)
+    path = root / "a.yaml"
+    path.write_text("jobs:\n" + job("jl", start, "iris@1") + job("keep", start, "other@1"))
+    assert edgecache(root, "warm", str(path))[0] == 0
+    assert "iris@1" in pins_on(node)
+    code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
+    assert code == 2 and "read by jl (us-east" in err, (out, err)
+    said = " ".join(err.split())
+    assert f"Remove the job from {path} and run `edgecache warm {path}` again" in said, err
+    path.write_text("jobs:\n" + job("keep", start, "other@1"))  # jl removed
+    code, out, err = edgecache(root, "warm", str(path))
+    assert code == 0, (out, err)
+    assert "us-east: released the pin of iris@1 on" in out, out
+    assert set(pins_on(node)) == {"other@1"}, pins_on(node)
+    record = json.loads((root / "registry" / "_warm" / "jobs.json").read_text())
+    assert [j["name"] for j in record["jobs"]] == ["keep"], record
+    code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
+    assert code == 0, (out, err)  # no --force needed
+
+
+def test_warm_of_another_schedule_keeps_the_jobs_and_pins_of_the_first(two) -> None:
+    """Each warm run owns its schedule file's records: warm of b.yaml leaves a.yaml's job
+    and pin alone, and a.yaml dropping a version b.yaml's job reads leaves b's pin."""
+    root, node = two
+    start = datetime.now(UTC) + timedelta(days=1)
+    a, b = root / "a.yaml", root / "b.yaml"
+    a.write_text("jobs:\n" + job("ja", start, "iris@1"))
+    b.write_text("jobs:\n" + job("jb", start, "iris@1") + job("jo", start, "other@1"))
+    assert edgecache(root, "warm", str(a))[0] == 0
+    assert edgecache(root, "warm", str(b))[0] == 0
+    a.write_text("jobs:\n" + job("ja2", start, "other@1"))  # ja gone; jb still reads iris@1
+    code, out, err = edgecache(root, "warm", str(a))
+    assert code == 0 and "released" not in out, (out, err)
+    assert set(pins_on(node)) == {"iris@1", "other@1"}, pins_on(node)
+    record = json.loads((root / "registry" / "_warm" / "jobs.json").read_text())
+    assert sorted(j["name"] for j in record["jobs"]) == ["ja2", "jb", "jo"], record
+    code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
+    assert code == 2 and "read by jb (us-east" in err and "ja " not in err, (out, err)
+    assert f"run `edgecache warm {b}` again" in " ".join(err.split()), err
+    b.write_text("jobs:\n" + job("jo", start, "other@1"))  # now nobody reads iris@1
+    code, out, err = edgecache(root, "warm", str(b))
+    assert code == 0 and "released the pin of iris@1" in out, (out, err)
+    assert set(pins_on(node)) == {"other@1"}, pins_on(node)
