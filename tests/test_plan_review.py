@@ -150,6 +150,9 @@ def test_warm_of_the_same_schedule_releases_the_pins_of_a_job_removed_from_it(tw
     said = " ".join(err.split())
     assert f"Remove the job from {path} and run `edgecache warm {path}` again" in said, err
     path.write_text("jobs:\n" + job("keep", start, "other@1"))  # jl removed
+    code, out, err = edgecache(root, "warm", str(path), "--dry-run")
+    assert code == 0 and "us-east: would release the pin of iris@1 on" in out, (out, err)
+    assert "iris@1" in pins_on(node)  # a rehearsal releases nothing
     code, out, err = edgecache(root, "warm", str(path))
     assert code == 0, (out, err)
     assert "us-east: released the pin of iris@1 on" in out, out
