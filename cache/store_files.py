@@ -290,7 +290,8 @@ class WriterLock:
         except OSError as exc:
             raise CacheDirError(
                 f"cache directory {path} is not writable ({exc.strerror}): fix its "
-                "permissions, mount it read-write, or open the store with readonly=True"
+                "permissions or mount it read-write, or give the node another --cache-dir "
+                "(readers need no write access: lmdb:// opens it read-only)"
             ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -298,8 +299,9 @@ class WriterLock:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise WriterLocked(
-                f"another process (pid {holder}) is the writer of {path}; stop it, "
-                "use another --cache-dir, or open this store with readonly=True"
+                f"another process (pid {holder}) is the writer of {path} (an edge node "
+                "serving it?); stop it or give this node another --cache-dir (readers need no "
+                "lock: lmdb:// opens the directory read-only)"
             ) from None
         try:
             os.ftruncate(fd, 0)
@@ -310,7 +312,8 @@ class WriterLock:
                 raise CacheDirError(no_space_message(path, "taking the writer lock")) from exc
             raise CacheDirError(
                 f"cache directory {path} is not writable ({exc.strerror}): fix its "
-                "permissions, mount it read-write, or open the store with readonly=True"
+                "permissions or mount it read-write, or give the node another --cache-dir "
+                "(readers need no write access: lmdb:// opens it read-only)"
             ) from exc
         self._fd: int | None = fd
 

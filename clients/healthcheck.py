@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["check", "main", "probe_address"]
+__all__ = ["check", "main", "probe_address", "target"]
 
 DEFAULT_PROBE = "127.0.0.1:7071"
 
@@ -46,6 +46,22 @@ def probe_address(config: Path | None = None, environ: Mapping[str, str] | None 
     if host in ("", "0.0.0.0", "[::]", "::"):  # noqa: S104 - a wildcard is asked on loopback
         host = "127.0.0.1"
     return f"{host}:{port}"
+
+
+def target(address: str | None, config: Path | None = None) -> str:
+    """The address to ask: ``address`` as given, else this host's probe; ValueError if bad.
+
+    Checked before any channel is made: grpc takes ``nonsense`` or
+    ``host:99999`` as an address and reports UNAVAILABLE, which reads as a
+    node that is down (exit 1) rather than a typo (exit 2).
+    """
+    found = address or probe_address(config)
+    if "://" in found:
+        return found
+    port = found.rpartition(":")[2]
+    if not (":" in found and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"the address {found!r} is not HOST:PORT (a port in 1..65535)")
+    return found
 
 
 def check(address: str, timeout: float) -> tuple[bool, str]:
@@ -93,9 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait [3]")
     args = parser.parse_args(argv)
     try:
-        address = args.address or probe_address(args.config)
-        if "://" not in address and not address.rpartition(":")[2].isdigit():
-            raise ValueError(f"the address {address!r} is not HOST:PORT")
+        address = target(args.address, args.config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

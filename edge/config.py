@@ -394,7 +394,9 @@ def load_node_config(
                 )
                 problems.append(f"{name} ({origin}): there is no such setting; {hint}")
                 continue
-            problems.append(f"{setting_name(name)} ({origin}): {message}")
+            named = setting_name(name)
+            # "--capacity (--capacity)" said the flag twice; a file or variable is worth naming.
+            problems.append(f"{named}{'' if origin == named else f' ({origin})'}: {message}")
         raise ConfigError(
             "invalid node settings:\n  "
             + "\n  ".join(problems)

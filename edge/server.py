@@ -19,6 +19,7 @@ import errno
 import gc
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -359,6 +360,9 @@ class NodeServer:
         )
         for problem in exposure(config, self.port):
             log.warning("%s", problem)
+        missing = missing_registry(config.registry)
+        if missing:
+            log.warning("%s", missing)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, no new calls, in-flight ones get ``grace`` seconds."""
@@ -390,6 +394,26 @@ class NodeServer:
         if self.node is not None and self.metrics_port:
             self.node.metrics.shutdown()
         log.info("edge node stopped")
+
+
+def missing_registry(registry: str) -> str | None:
+    """A warning when a registry on this filesystem does not exist, else None.
+
+    Not refused: a registry is made by its first publish, and a node may start
+    before that (a fresh deployment). But a mistyped path looks exactly like
+    that, and the node then answers every read with NOT_FOUND; saying so at
+    start points at the cause.
+    """
+    path = registry[len("file://") :] if registry.startswith("file://") else None
+    if path is None and "://" not in registry:
+        path = registry
+    if path is None or os.path.isdir(path):
+        return None
+    return (
+        f"the registry {registry} does not exist: every version is unknown (NOT_FOUND) "
+        "until one is published there; if that is not the path you meant, restart with "
+        "the right --registry"
+    )
 
 
 async def serve_forever(config: NodeConfig) -> None:

@@ -179,7 +179,7 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
             (
                 lambda: c.GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=9)),
                 "NOT_FOUND",
-                "known versions: [1]",
+                "known versions: 1",
             ),
             (
                 lambda: c.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="../x")),

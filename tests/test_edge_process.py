@@ -130,7 +130,7 @@ def test_bad_settings_exit_with_a_clear_message(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 2
-    assert "--capacity (--capacity)" in out.stderr and "invalid size 'lots'" in out.stderr
+    assert "--capacity: invalid size" in out.stderr and "invalid size 'lots'" in out.stderr
 
 
 def test_a_port_another_node_serves_is_refused_and_a_freed_one_reused(tmp_path: Path) -> None:

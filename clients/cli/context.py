@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from edgecache.cache.errors import EdgeCacheError, VersionNotFound
+from edgecache.cache.errors import CacheDirError, EdgeCacheError, VersionNotFound, WriterLocked
 from edgecache.clients.cli.render import err_console, error
 from edgecache.clients.topology import Topology, load_topology
 
@@ -112,6 +112,10 @@ class Options:
 def exit_code_for(exc: BaseException) -> ExitCode:
     """Bad input (2) for what the user can fix in the command; failure (1) otherwise."""
     if isinstance(exc, ValueError | VersionNotFound | FileNotFoundError | NotADirectoryError):
+        return ExitCode.BAD_INPUT
+    # A cache directory that cannot be made, written or locked is a setting to change
+    # (--cache-dir), as an address in use is: serve documents 2 for bad settings.
+    if isinstance(exc, CacheDirError | WriterLocked):
         return ExitCode.BAD_INPUT
     return ExitCode.FAILED
 

@@ -482,10 +482,10 @@ def healthcheck(
     so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN. Exit codes: 0
     SERVING; 1 not serving or not answering; 2 bad input (the address).
     """
-    from edgecache.clients.healthcheck import check, probe_address
+    from edgecache.clients.healthcheck import check, target
 
     with reporting():
-        address = address or probe_address(config)
+        address = target(address, config)
     serving, said = check(address, timeout)
-    (console if serving else err_console).print(said, soft_wrap=True)
+    (console if serving else err_console).print(said, soft_wrap=True, markup=False, highlight=False)
     raise exit_with(ExitCode.OK if serving else ExitCode.FAILED)

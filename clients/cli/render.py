@@ -48,8 +48,8 @@ __all__ = [
 
 # Soft wrap: a line is never broken by the console (a terminal still wraps it on screen,
 # a pipe or a log keeps it whole, so scripts can grep it). Tables lay themselves out.
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+console = Console(soft_wrap=True, emoji=False)  # ":abc:" in a name or URL stays text
+err_console = Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 def json_time(when: datetime) -> str:

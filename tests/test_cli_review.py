@@ -1,0 +1,93 @@
+"""What a new operator met on the command line: typos that read as a dead node, flags named
+twice, a cache directory that cannot be used reported as a node failure, a mistyped
+registry that a node served from without a word, and rich turning ``:name:`` into emoji."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from edgeutil import serve_args
+from typer.testing import CliRunner
+
+from edgecache.clients.cli import app
+from edgecache.edge.config import load_node_config
+from edgecache.edge.server import missing_registry, running_node
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:abc", "127.0.0.1:99999", "h:0"])
+def test_healthcheck_refuses_an_address_that_is_not_host_port_as_bad_input(address: str) -> None:
+    """Exit 1 with UNAVAILABLE said "the node is down" for a typo; the module said exit 2."""
+    result = CliRunner().invoke(app, ["healthcheck", address, "--timeout", "0.5"])
+    assert result.exit_code == 2, result.output
+    assert "is not HOST:PORT" in result.output and "UNAVAILABLE" not in result.output
+
+
+def test_cli_output_keeps_colons_as_text_not_emoji() -> None:
+    """``127.0.0.1:abc:`` printed as ``127.0.0.1🔤``: rich's emoji codes were on."""
+    result = CliRunner().invoke(app, ["healthcheck", "127.0.0.1:smile:", "--timeout", "0.5"])
+    assert result.exit_code == 2, result.output
+    assert "127.0.0.1:smile:" in result.output and "😄" not in result.output
+
+
+def test_a_bad_flag_is_named_once(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, [*serve_args(tmp_path), "--capacity", "1XB"])
+    assert result.exit_code == 2, result.output
+    assert "--capacity: invalid size '1XB'" in result.output, result.output
+    assert "(--capacity)" not in result.output
+
+
+def test_a_cache_dir_that_cannot_be_used_is_a_bad_setting(tmp_path: Path) -> None:
+    """A file as --cache-dir exited 1 ("the node failed"); serve documents 2 for bad settings."""
+    (tmp_path / "cache").write_text("not a directory")
+    result = CliRunner().invoke(app, serve_args(tmp_path), env={"EDGECACHE_SYNC": "false"})
+    assert result.exit_code == 2, result.output
+    assert "--cache-dir" in result.output and "readonly=True" not in result.output
+
+
+def test_a_second_node_on_one_cache_dir_is_told_what_to_do_in_its_own_terms(
+    tmp_path: Path,
+) -> None:
+    """The refusal suggested ``readonly=True``, a Python argument, to a node operator."""
+    config = load_node_config(
+        None,
+        {
+            "region": "eu",
+            "cache_dir": str(tmp_path / "cache"),
+            "registry": f"file://{tmp_path}",
+            "listen": "127.0.0.1:0",
+            "probe_listen": "127.0.0.1:0",
+            "sync": False,
+        },
+        {},
+    )
+    with running_node(config):
+        result = CliRunner().invoke(app, serve_args(tmp_path), env={"EDGECACHE_SYNC": "false"})
+    assert result.exit_code == 2, result.output
+    assert "is the writer of" in result.output and "another --cache-dir" in result.output
+    assert "readonly=True" not in result.output
+
+
+def test_a_node_on_a_registry_that_does_not_exist_says_so_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistyped --registry started a node that answered every read NOT_FOUND, silently."""
+    flags = {
+        "region": "eu",
+        "cache_dir": str(tmp_path / "cache"),
+        "listen": "127.0.0.1:0",
+        "probe_listen": "127.0.0.1:0",
+        "sync": False,
+    }
+    typo = f"file://{tmp_path}/regsitry"
+    with caplog.at_level(logging.WARNING, "edgecache.edge.server"):
+        with running_node(load_node_config(None, {**flags, "registry": typo}, {})):
+            pass
+    said = [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
+    assert said and typo in said[0] and "--registry" in said[0], caplog.text
+    (tmp_path / "registry").mkdir()
+    assert missing_registry(f"file://{tmp_path}/registry") is None
+    assert missing_registry(str(tmp_path / "registry")) is None
+    assert missing_registry(str(tmp_path / "nope")) is not None
+    assert missing_registry("s3://bucket/_edgecache") is None  # not ours to check here
