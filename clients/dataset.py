@@ -25,7 +25,7 @@ Guarantees (see :mod:`edgecache.clients.epoch_order` for how):
 * ``state_dict()`` resumes with other workers, endpoints or regions, and at
   another world size or batch size (elastic) with exactly the samples not yet
   consumed this epoch. With ``num_workers > 0`` pass
-  ``state_dict(batches=steps_this_epoch)``.
+  ``state_dict(batches=steps)``: steps since the last resume, or the epoch's start.
 * a mapping spec ``{"web@3": 0.7, "code@2": 0.3}`` reads a weighted mixture
   (:mod:`edgecache.clients.mixture`); ``rows=`` reads a stable split.
 
@@ -43,6 +43,7 @@ import logging
 import math
 import numbers
 import os
+import pickle
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -111,7 +112,8 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     (``world_size=2`` alone read rank 0's share in every process). Without an
     initialised process group, ``$RANK`` / ``$WORLD_SIZE`` (as torchrun sets them)
     count, so a dataset made before ``init_process_group`` still reads its share,
-    not the whole epoch in every process.
+    not the whole epoch in every process; one of them alone is refused for the same
+    reason (``WORLD_SIZE=4`` alone read the whole epoch in each of the four).
     """
     if (rank is None) != (world_size is None):
         raise ValueError(
@@ -119,26 +121,39 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
             "them from torch.distributed (or torchrun's RANK and WORLD_SIZE)"
         )
     if rank is not None and world_size is not None:
-        found = (rank, world_size)
+        # Any integer (np.int64 from a launcher's arithmetic) but never a bool.
+        found = (_integer("rank", rank, minimum=0), _integer("world_size", world_size, minimum=1))
     elif (dist := _distributed()) is not None:
         found = dist
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            found = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-        except ValueError:
-            raise ValueError(
-                f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} "
-                "are not integers; fix them, or pass rank= and world_size="
-            ) from None
+    elif "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        found = _environment_rank()
     else:
         found = (0, 1)
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in found) or not (
-        0 <= found[0] < found[1]
-    ):
+    if not 0 <= found[0] < found[1]:
         raise ValueError(
             f"rank must be in 0..world_size-1, got rank={found[0]!r}, world_size={found[1]!r}"
         )
     return found
+
+
+def _environment_rank() -> tuple[int, int]:
+    """``$RANK`` and ``$WORLD_SIZE``: both, as integers, or a ValueError saying which to fix."""
+    texts = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
+    missing = [name for name, text in texts.items() if text is None]
+    if missing:
+        given = next(f"{n}={t!r}" for n, t in texts.items() if t is not None)
+        raise ValueError(
+            f"{given} is set but {missing[0]} is not: each process would read as rank 0 of 1 "
+            f"(the whole epoch); set both (torchrun does), unset {given.split('=')[0]}, or "
+            "pass rank= and world_size="
+        )
+    try:
+        return int(texts["RANK"]), int(texts["WORLD_SIZE"])  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(
+            f"RANK={texts['RANK']!r} and WORLD_SIZE={texts['WORLD_SIZE']!r} "
+            "are not integers; fix them, or pass rank= and world_size="
+        ) from None
 
 
 def _column_names(columns: str | Sequence[str] | None) -> list[str] | None:
@@ -186,6 +201,50 @@ def _seconds(name: str, value: Any) -> float:
         if math.isfinite(seconds) and seconds > 0:
             return seconds
     raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _check_row_numbers(
+    rows: tuple[float, float] | tuple[int, int] | None,
+    names: Sequence[str],
+    manifests: Sequence[pb.Manifest],
+) -> None:
+    """Row numbers past a version's last row are a ValueError, not a split quietly cut short."""
+    if rows is None or not all(isinstance(x, int) for x in rows):
+        return
+    for name, manifest in zip(names, manifests, strict=True):
+        total = sum(s.row_count for s in manifest.shards)
+        if rows[1] > total:
+            raise ValueError(
+                f"rows={rows!r}: {name} has {total} rows, so row numbers go up to {total}; "
+                "give a smaller end, or fractions ((0.0, 1.0) is every row)"
+            )
+
+
+def _name_in_message(exc: BaseException, version: str) -> None:
+    """Put ``version`` in the message of ``exc`` too, when its message is one plain string.
+
+    A note shows in a traceback, but not in ``str(exc)``: what a training loop logs
+    (a DataLoader worker's error reaches the loop with its notes in the message, so
+    only ``num_workers=0`` lacked it). Errors that format their own message keep it.
+    """
+    if (
+        type(exc).__str__ is BaseException.__str__
+        and len(exc.args) == 1
+        and isinstance(exc.args[0], str)
+        and version not in exc.args[0]
+    ):
+        exc.args = (f"{exc.args[0]} (reading {version})",)
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` as it can cross to the other ranks: a copy if it pickles whole, else its text."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+        if type(copy) is type(exc) and str(copy) == str(exc):
+            return copy  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001, S110 - any failure to pickle: send what it says
+        pass
+    return EdgeCacheError(f"{type(exc).__name__}: {exc}")
 
 
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
@@ -349,6 +408,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             rows_per_window(b, window_bytes or version_chunk_bytes(m))
             for b, m in zip(self._row_bytes, self.manifests, strict=True)
         ]
+        _check_row_numbers(self.rows, self.components, self.manifests)
         extents = [
             split_extents([s.row_count for s in m.shards], self.rows) for m in self.manifests
         ]
@@ -380,6 +440,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._position = SharedPosition()
         self._position_seen = 0  # the generation this copy wrote or took last
         self._own_position = True  # False while a pass runs: broken off, it is stale
+        self._passes = 0  # passes this copy began in a DataLoader worker
+        self._finished_pass: int | None = None  # the last of them, if read to its end
+        # Batches of the stretch the last pass here read to its end (num_workers=0), until
+        # the next pass: state_dict(batches=that) then means the finished epoch.
+        self._finished_stretch: int | None = None
+        self._said_uncounted = False  # the state_dict() warning, once
         self._publish_position()
 
     # ------------------------------------------------------------- versions
@@ -422,13 +488,24 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def _resolve(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
         dist = _distributed()
-        if dist is not None:
-            box: list[Any] = [None]
-            if dist[0] == 0:
+        if dist is None:
+            return self._fetch(specs)
+        box: list[Any] = [None]
+        failure: Exception | None = None
+        if dist[0] == 0:
+            try:
                 box[0] = [m.SerializeToString() for m in self._fetch(specs)]
-            torch.distributed.broadcast_object_list(box, src=0)  # every rank: one version each
-            return [manifest_from_bytes(raw, source="manifest from rank 0") for raw in box[0]]
-        return self._fetch(specs)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, below
+                # Raised before the broadcast, it left the other ranks waiting in it for
+                # as long as rank 0 lived, then failing with gloo's "connection closed".
+                failure, box[0] = exc, _portable(exc)
+        torch.distributed.broadcast_object_list(box, src=0)  # every rank: one version each
+        if failure is not None:
+            raise failure
+        if isinstance(box[0], BaseException):
+            box[0].add_note("raised on rank 0, which resolves the versions for every rank")
+            raise box[0]
+        return [manifest_from_bytes(raw, source="manifest from rank 0") for raw in box[0]]
 
     def _fetch(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
         if all(e.local for e in self.endpoints):  # each store is closed again at once
@@ -457,6 +534,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         there) the worker's own call is newer than anything written before it.
         """
         self._origin = (self.seed, self.epoch, self._cursor, self._remaining)
+        self._finished_pass = self._finished_stretch = None
         if get_worker_info() is None:
             self._position_seen = self._position.write(
                 {
@@ -470,28 +548,58 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             self._position_seen = self._position.generation
         self._own_position = True
 
-    def _take_position(self) -> None:
-        """In a DataLoader worker: start from the training process's position when it moved.
+    def _take_position(self, worker: Any) -> None:
+        """In a DataLoader worker, at a pass's start: where the training process put the dataset.
 
-        It moved if ``set_epoch`` or ``load_state_dict`` ran there since this copy
-        last looked; and this copy's own position is stale if its last pass was
-        broken off (a ``break``, a failure): it had read ahead of what the loop
-        consumed. A pass read to its end moved the copy to the next epoch by itself.
+        That is where it was put by ``set_epoch`` or ``load_state_dict`` in the training
+        process, when either ran there since this copy last looked; else where this
+        copy's last pass began, as a fresh worker would start, never where it had read
+        ahead to. Only when *every* worker read the last pass to its end do they go on
+        to the next epoch by themselves, all together: a worker cannot see the loop, and
+        after a ``break`` near the epoch's end some had read their share to its end and
+        others not (the next pass was half one epoch, half the next). The training
+        process learns of the move through the same shared memory (:meth:`_follow_workers`).
         """
         generation, position = self._position.read()
-        if generation == self._position_seen and self._own_position:
+        finished, self._finished_pass = self._finished_pass, None
+        self._passes += 1
+        if generation != self._position_seen:
+            self._position_seen = generation
+            if position is not None:  # None: too large for shared memory (logged there)
+                seed, epoch = int(position["seed"]), int(position["epoch"])
+                remaining = position["remaining"]
+                self._origin = (
+                    seed,
+                    epoch,
+                    int(position["cursor"]),
+                    None
+                    if remaining is None
+                    else Remaining.from_json(
+                        remaining, self._order(seed, epoch, None).lane_lengths
+                    ),
+                )
+        elif finished is not None and self._position.all_finished(
+            worker.num_workers, worker.seed - worker.id, finished
+        ):
+            self._origin = (self.seed, self.epoch, 0, None)  # the next epoch (set at the end)
+            self._position.moved(generation, self.epoch)
+        self.seed, self.epoch, self._cursor, self._remaining = self._origin
+        self._position.started(generation)
+
+    def _follow_workers(self) -> None:
+        """In the training process: the epoch persistent workers went on to by themselves.
+
+        Without it, ``state_dict()`` in their second pass said the first epoch and a
+        checkpoint resumed its order. Nothing is written for the workers: they are there.
+        """
+        if get_worker_info() is not None:
             return
-        self._position_seen, self._own_position = generation, True
-        if position is None:  # too large for shared memory (logged where it was written)
+        moved = self._position.moved_to()
+        if moved is None or moved[0] != self._position_seen or moved[1] <= self._origin[1]:
             return
-        seed, epoch = int(position["seed"]), int(position["epoch"])
-        remaining = position["remaining"]
-        self.seed, self.epoch, self._cursor = seed, epoch, int(position["cursor"])
-        self._remaining = (
-            None
-            if remaining is None
-            else Remaining.from_json(remaining, self._order(seed, epoch, None).lane_lengths)
-        )
+        self._origin = (self._origin[0], moved[1], 0, None)
+        self.seed, self.epoch, self._cursor, self._remaining = self._origin
+        self._own_position, self._finished_stretch = True, None
 
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
         key = (seed, epoch)
@@ -518,6 +626,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
         For the current epoch after a resume, only what was left of it.
         """
+        self._follow_workers()
         if epoch is None or epoch == self.epoch:
             return self._order(self.seed, self.epoch, self._remaining)
         return self._order(self.seed, epoch, None)
@@ -530,6 +639,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         The whole epoch, or after a resume (at any world size) what is left of
         it: a progress bar's total.
         """
+        self._follow_workers()
         if not self._own_position and get_worker_info() is None:
             seed, epoch, cursor, remaining = self._origin
             return max(self._order(seed, epoch, remaining).batch_count - cursor, 0)
@@ -573,13 +683,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         if worker is not None:
-            self._take_position()
+            self._take_position(worker)
         elif not self._own_position:
             # The last pass here was broken off (a break, a failure): start where the
             # dataset was put, as DataLoader workers do, not where that pass stopped. Its
             # progress stayed in state_dict() until now, for a checkpoint after the break.
             self._restart_broken_pass()
         self._own_position = False  # until this pass reads to the epoch's end
+        self._finished_stretch = None
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
@@ -634,11 +745,18 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     }
                 else:
                     yield batch
-            # Read to its end: what comes next is the next epoch, for the next pass, for
-            # state_dict() (a resume must not read this one again) and for a persistent
-            # DataLoader worker, which set_epoch() in the main process never reaches.
+            # Read to its end: what comes next is the next epoch, for the next pass and
+            # for state_dict() (a resume must not read this one again). A persistent
+            # DataLoader worker goes on to it only if every worker read to its end
+            # (_take_position): it says so, and keeps where this pass began till then.
+            stretch = order.batch_count - self._origin[2]
             self.epoch, self._cursor, self._remaining = self.epoch + 1, 0, None
-            self._publish_position()
+            if worker is None:
+                self._publish_position()
+                self._finished_stretch = stretch
+            else:
+                self._finished_pass = self._passes
+                self._position.finished(worker.id, worker.seed - worker.id, self._passes)
         except (EdgeCacheError, ValueError) as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
             # and code) and traceback stay; the version is added as context (also to
@@ -646,6 +764,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             note = f"while reading {self.version} with EdgeDataset"
             if note not in getattr(exc, "__notes__", ()):
                 exc.add_note(note)
+            _name_in_message(exc, self.version)
             raise
         finally:
             # A break, an abandoned iterator or a DataLoader worker's exit end up here
@@ -716,29 +835,52 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def state_dict(self, batches: int | None = None) -> dict[str, Any]:
         """Where this rank is: versions, seed, epoch, what was left, batches yielded since.
 
-        With ``num_workers > 0`` pass ``batches`` (your step count this epoch, or
-        since the resume). Under DDP every rank steps in lockstep, so rank 0's state
-        resumes every rank, at any world size.
+        With ``num_workers > 0`` pass ``batches``: your steps since the last
+        ``load_state_dict`` or, without one, since the epoch began (a resumed run
+        counts from 0 again, whether the resume was elastic or not). Under DDP every
+        rank steps in lockstep, so rank 0's state resumes every rank, at any world size.
         """
+        self._follow_workers()
+        seed, epoch, cursor, remaining = self.seed, self.epoch, self._cursor, self._remaining
         if batches is not None:
             batches = _integer("batches", batches, minimum=0)
-            total = self.epoch_order().batch_count
+            # Counted from where the dataset was put: a resume at the same layout keeps
+            # the saved cursor, which these steps come after (replacing it read the
+            # batches between the two checkpoints again).
+            seed, epoch, cursor, remaining = self._origin
+            if batches == self._finished_stretch:
+                batches = 0  # this process read that epoch to its end: the next one's start
+            total = self._order(seed, epoch, remaining).batch_count - cursor
             if batches > total:
                 raise ValueError(
-                    f"batches={batches}, but this stretch of epoch {self.epoch} has {total} "
+                    f"batches={batches}, but this stretch of epoch {epoch} has {total} "
                     "batches on this rank; pass the steps taken since it began (or since the "
                     "last load_state_dict)"
                 )
+            cursor += batches
+        elif self._position.started_since(self._position_seen) and get_worker_info() is None:
+            self._say_uncounted()
         components, order, layout = self._identity()
         return make_state(
             components=components,
             order=order,
-            seed=self.seed,
-            epoch=self.epoch,
-            remaining=self._remaining,
+            seed=seed,
+            epoch=epoch,
+            remaining=remaining,
             layout=layout,
-            batches=self._cursor if batches is None else batches,
+            batches=cursor,
         )
+
+    def _say_uncounted(self) -> None:
+        if not self._said_uncounted:
+            self._said_uncounted = True
+            log.warning(
+                "%s: state_dict() in the training process cannot see what DataLoader workers "
+                "yielded (it says batches=%d); pass your step count, state_dict(batches=steps "
+                "since the last load_state_dict or the epoch's start)",
+                self.version,
+                self._cursor,
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume where ``state`` left off, at this dataset's world size and batch size.

@@ -16,6 +16,8 @@ the same canonical batches at ``batches`` (exact for each DataLoader worker
 too). Resuming with another world size or batch size is *elastic*: what every
 rank consumed is removed (:meth:`Remaining.after`, from ``batches`` alone, as
 DDP ranks step in lockstep) and what is left is split among the new ranks.
+A state whose ``batches`` reach the end of its stretch resumes the next
+epoch from its start, either way.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from edgecache.cache.errors import StateMismatch
 from edgecache.clients.mixture import allocate
-from edgecache.clients.partition import Remaining
+from edgecache.clients.partition import RankBatches, Remaining
 
 __all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
 
@@ -166,14 +168,34 @@ def resume_from(
     # than one rank, what they consumed is removed that way and the rest resumed
     # elastically (exact, at any layout); one rank consumed the same either way.
     per_lane = state["format"] == PER_LANE_FORMAT and state["world_size"] > 1
+    start = remaining or Remaining.whole(lengths)
+    # batch_size=None reads one sample at a time: batches of one (as the epoch's order).
+    batch_size = state["batch_size"] or 1
+    if batches >= _batch_count(state, start, batch_size, per_lane):
+        # The whole stretch was consumed (a checkpoint after an epoch's last step, with
+        # workers): the next epoch, from its start, as a state saved at num_workers=0 says.
+        # Resumed as it stands, it was an empty epoch: len() 0 and a pass of nothing.
+        return Resume(seed, epoch + 1, None, 0, elastic=False)
     same = all(state[k] == layout[k] for k in ("world_size", "batch_size", "drop_last"))
     if same and not per_lane:
         return Resume(seed, epoch, remaining, batches, elastic=False)
-    start = remaining or Remaining.whole(lengths)
     left = start.after(
-        state["world_size"], state["batch_size"], state["drop_last"], batches, per_lane=per_lane
+        state["world_size"], batch_size, state["drop_last"], batches, per_lane=per_lane
     )
     return Resume(seed, epoch, left, 0, elastic=True)
+
+
+def _batch_count(state: dict[str, Any], start: Remaining, batch_size: int, per_lane: bool) -> int:
+    """Batches each rank of the state's layout had in its stretch (lockstep: rank 0's)."""
+    world_size = int(state["world_size"])
+    rank = state.get("rank")
+    rank = rank if isinstance(rank, int) and 0 <= rank < world_size else 0
+    try:
+        return RankBatches(
+            start, world_size, rank, batch_size, bool(state["drop_last"]), per_lane=per_lane
+        ).batch_count
+    except ValueError as exc:
+        raise StateMismatch(f"the state's layout cannot be resumed: {exc}") from exc
 
 
 class SharedPosition:
@@ -194,12 +216,18 @@ class SharedPosition:
     """
 
     CAPACITY = 256 << 10  # bytes of JSON; a position is a few hundred
+    WORKERS = 1024  # DataLoader workers whose passes are tracked (more: see all_finished)
 
     def __init__(self) -> None:
         # A sequence lock: [sequence, length]; the sequence is odd while a write is under
         # way and 2 × generation once it is done, so a reader can tell a torn copy.
         self._header = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._blob = torch.zeros(self.CAPACITY, dtype=torch.uint8).share_memory_()
+        # Written by the workers, read by the workers and the training process:
+        # [0] the generation and epoch persistent workers moved to by themselves (packed),
+        # [1] the generation under which a worker last started a pass (+1; 0: never);
+        # then per worker, the (loader, pass) it last read to its end.
+        self._workers = torch.zeros(2 + 2 * self.WORKERS, dtype=torch.int64).share_memory_()
 
     @property
     def generation(self) -> int:
@@ -224,6 +252,45 @@ class SharedPosition:
             self._header[1] = len(data)
         self._header[0] = 2 * generation  # even again: the blob and length are whole
         return generation
+
+    # ------------------------------------------------ what the workers did by themselves
+
+    def finished(self, worker: int, loader: int, serial: int) -> None:
+        """Worker ``worker`` of DataLoader ``loader`` read pass ``serial`` to its end."""
+        if worker < self.WORKERS:
+            self._workers[2 + 2 * worker + 1] = serial
+            self._workers[2 + 2 * worker] = loader
+
+    def all_finished(self, workers: int, loader: int, serial: int) -> bool:
+        """Whether every worker of ``loader`` read pass ``serial`` to its end.
+
+        A worker writes this before its StopIteration reaches the DataLoader, and the
+        DataLoader starts a pass only after every worker has answered the last, so
+        what the workers read here at a pass's start is whole and final. Beyond
+        :attr:`WORKERS` workers, False: the next pass starts where the dataset was put.
+        """
+        if workers > self.WORKERS:
+            return False
+        marks = self._workers[2 : 2 + 2 * workers].view(workers, 2)
+        return bool(((marks[:, 0] == loader) & (marks[:, 1] == serial)).all())
+
+    def moved(self, generation: int, epoch: int) -> None:
+        """The workers began ``epoch`` by themselves (the last one read to its end)."""
+        if 0 <= epoch < 1 << 32:
+            self._workers[0] = (generation << 32) | epoch  # one store: never torn
+
+    def moved_to(self) -> tuple[int, int] | None:
+        """(generation, epoch) the workers last moved to by themselves, if they did."""
+        packed = int(self._workers[0])
+        return None if packed == 0 else (packed >> 32, packed & 0xFFFFFFFF)
+
+    def started(self, generation: int) -> None:
+        """A worker began a pass from the position of ``generation``."""
+        self._workers[1] = generation + 1
+
+    def started_since(self, generation: int) -> bool:
+        """Whether a worker began a pass since the position of ``generation`` was written."""
+        return int(self._workers[1]) == generation + 1
 
     def read(self) -> tuple[int, dict[str, Any] | None]:
         """(generation, position); position None when none was written or it did not fit."""
