@@ -55,6 +55,7 @@ from edgecache.cache.preprocess import (
     resource_refs,
 )
 from edgecache.cache.preprocess.compressed import strip_suffix
+from edgecache.cache.preprocess.fixes import columns_text, schema_mismatch
 from edgecache.cache.preprocess.formats import KIND_NAMES
 from edgecache.cache.preprocess.mds import MdsColumns, mds_index
 from edgecache.cache.preprocess.source_options import delimiter_for_names
@@ -572,15 +573,14 @@ class Registry:
         for obj, (other, _) in zip(objects, described, strict=True):
             if not other.equals(schema):
                 raise MalformedShard(
-                    f"{obj.info.url} has columns ({_columns(other)}) after preprocessing, but "
-                    f"{objects[0].info.url} has ({_columns(schema)}); all objects of a version "
-                    "must agree"
+                    schema_mismatch(obj.info.url, other, objects[0].info.url, schema, fmt, name)
                 )
         if repeated := sorted({n for n in schema.names if schema.names.count(n) > 1}):
             raise MalformedShard(
-                f"the columns after preprocessing ({_columns(schema)}) name {', '.join(repeated)} "
-                "more than once, and readers find a column by its name; give each a name of "
-                "its own (--column-names for CSV, or --transform columns --param rename=OLD=NEW)"
+                f"the columns after preprocessing ({columns_text(schema)}) name "
+                f"{', '.join(repeated)} more than once, and readers find a column by its name; "
+                "give each a name of its own (--column-names for CSV, or --transform columns "
+                "--param rename=OLD=NEW)"
             )
         shards = [
             pb.Shard(
@@ -721,11 +721,6 @@ async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> bytes:
     if length + 12 > info.size:
         raise MalformedShard(f"{info.url}: Parquet footer length {length} exceeds the file")
     return b"PAR1" + await store.get_range(info.url, info.size - 8 - length, info.size)
-
-
-def _columns(schema: pa.Schema) -> str:
-    """A schema on one line, ``a: int64, b: string``, for messages."""
-    return ", ".join(f"{f.name}: {f.type}" for f in schema)
 
 
 def _no_rows(urls: list[str], transform: str, keeps: bool) -> str:

@@ -466,3 +466,20 @@ def test_mds_damaged_shard_is_named(tmp_path: Path) -> None:
         list(
             preprocess(bytes(data), fmt=pb.SOURCE_FORMAT_MDS, source=key, spec=manifest.preprocess)
         )
+
+
+def test_objects_whose_types_differ_are_told_the_type_that_makes_them_agree(
+    tmp_path: Path,
+) -> None:
+    """It said "(a: double…) but (a: int64…); must agree" and left the fix to the reader."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "p0.csv").write_bytes(b"a,b\n1,x\n")
+    (tmp_path / "src" / "p1.csv").write_bytes(b"a,b\n1.5,y\n")
+    with pytest.raises(MalformedShard) as refused:
+        publish(tmp_path, tmp_path / "src", "ab")
+    message = str(refused.value)
+    assert "a: float64" in message and "double" not in message, message
+    assert "--column-types a=float64" in message, message
+    (tmp_path / "src" / "p0.csv").write_bytes(b"a,b\n1,x\n")
+    typed = publish(tmp_path, tmp_path / "src", "ab", source_options={"column_types": "a=float64"})
+    assert typed.version == 1
