@@ -114,6 +114,9 @@ class NodeReport:
     rtt_ms: float = math.inf
     status: edge_pb2.NodeStatus | None = None
     error: str = ""
+    # Serving, but it refused this call's credentials: not down (a retry will not help,
+    # a token will), though nothing of its state is known either.
+    refused: bool = False
 
 
 def gather_status(
@@ -138,7 +141,24 @@ def gather_status(
             checks = health_pings(channel, pings=pings, timeout=timeout)
             if checks.rtt_ms is None:
                 return NodeReport(region, address, False, error=checks.error)
-            status = stub.Status(edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token))
+            try:
+                status = stub.Status(
+                    edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token)
+                )
+            except grpc.RpcError as exc:
+                if exc.code() not in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ):
+                    raise
+                return NodeReport(
+                    region,
+                    address,
+                    checks.serving,
+                    checks.rtt_ms,
+                    error=describe(exc),
+                    refused=True,
+                )
             return NodeReport(region, address, checks.serving, checks.rtt_ms, status)
         except grpc.RpcError as exc:
             return NodeReport(region, address, False, error=describe(exc))
@@ -307,6 +327,12 @@ class Outage:
     def message(self) -> str:
         """Which nodes did not answer, and what to check: one line for an operator."""
         nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in self.down)
+        if all(r.refused for r in self.down):
+            return (
+                f"region {self.region}'s nodes serve but refused this command's credentials: "
+                f"{nodes}; pass the token they take with --token-file (the admin token for "
+                "warm and evict)"
+            )
         state = (
             "unreachable"
             if self.unreachable

@@ -4,6 +4,7 @@ registry that a node served from without a word, and rich turning ``:name:`` int
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -91,3 +92,69 @@ def test_a_node_on_a_registry_that_does_not_exist_says_so_at_start(
     assert missing_registry(str(tmp_path / "registry")) is None
     assert missing_registry(str(tmp_path / "nope")) is not None
     assert missing_registry("s3://bucket/_edgecache") is None  # not ours to check here
+
+
+def test_status_without_the_token_says_the_node_refused_it_not_that_it_is_down(
+    tmp_path: Path,
+) -> None:
+    """A serving node that wanted a token was listed "down: UNAUTHENTICATED", exit 1 (retry)."""
+    (tmp_path / "admin").write_text("s3cret\n")
+    (tmp_path / "registry").mkdir()
+    fields = {
+        "region": "eu",
+        "cache_dir": str(tmp_path / "cache"),
+        "registry": f"file://{tmp_path}/registry",
+        "listen": "127.0.0.1:0",
+        "probe_listen": "127.0.0.1:0",
+        "sync": False,
+        "token_file": str(tmp_path / "admin"),
+        "read_token_file": str(tmp_path / "admin"),
+    }
+    with running_node(load_node_config(None, fields, {})) as node:
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: file://{tmp_path}/registry\n"
+            f"regions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        env = {"COLUMNS": "200"}
+        result = CliRunner().invoke(app, ["status", "--config", str(topology)], env=env)
+        assert result.exit_code == 2, result.output
+        assert "down" not in result.output and "refused" in result.output, result.output
+        assert "--token-file" in result.output, result.output
+        result = CliRunner().invoke(app, ["status", "--config", str(topology), "--json"], env=env)
+        assert result.exit_code == 2, result.output
+        (row,) = json.loads(result.stdout)
+        assert row["healthy"] is True and row["refused"] is True, row
+        token = ["--token-file", str(tmp_path / "admin")]
+        result = CliRunner().invoke(app, ["status", "--config", str(topology), *token], env=env)
+        assert result.exit_code == 0, result.output
+
+
+def test_plan_against_nodes_that_refuse_the_token_asks_for_the_token(tmp_path: Path) -> None:
+    """plan said "region eu is unreachable … check that the node runs", exit 1, for a token."""
+    (tmp_path / "read").write_text("r3ad\n")
+    (tmp_path / "registry").mkdir()
+    fields = {
+        "region": "eu",
+        "cache_dir": str(tmp_path / "cache"),
+        "registry": f"file://{tmp_path}/registry",
+        "listen": "127.0.0.1:0",
+        "probe_listen": "127.0.0.1:0",
+        "sync": False,
+        "read_token_file": str(tmp_path / "read"),
+    }
+    (tmp_path / "schedule.yaml").write_text(
+        "jobs:\n  - name: j\n    region: eu\n    start: '2099-01-01T00:00:00Z'\n"
+        "    duration: 1h\n    datasets: [tokens@1]\n"
+    )
+    with running_node(load_node_config(None, fields, {})) as node:
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: file://{tmp_path}/registry\n"
+            f"regions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        args = ["plan", str(tmp_path / "schedule.yaml"), "--config", str(topology)]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "refused this command's credentials" in result.output, result.output
+    assert "--token-file" in result.output and "check that the node runs" not in result.output

@@ -112,7 +112,10 @@ def test_plan_shows_its_pins_without_explain_and_no_nothing_to_do_for_a_silent_r
     node.stop()
     code, out, err = edgecache(root, "plan", str(schedule))
     assert code == 1, (out, err)
-    assert "nothing to do" not in out and "region us-east: not planned: no node answers" in out
+    assert (
+        "nothing to do" not in out
+        and "region us-east: not planned: its nodes' state is unknown" in out
+    )
     assert "error:" in err and "us-east" in err, err
 
 

@@ -153,7 +153,7 @@ def status(
     """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio.
 
     Exit codes: 0 every node answered; 1 a node is down (listed); 2 bad input
-    (the topology file).
+    (the topology file, or a token a node refused or needs: --token-file).
     """
     from edgecache.clients.ops import gather_status
 
@@ -169,6 +169,7 @@ def status(
                         "node": r.address,
                         "node_id": r.status.node_id if r.status else None,
                         "healthy": r.healthy,
+                        "refused": r.refused,  # serving, but not to this token
                         "rtt_ms": None if r.status is None else json_ms(r.rtt_ms),
                         "error": r.error or None,  # null when up, as evict's
                         "capacity_bytes": r.status.capacity_bytes if r.status else None,
@@ -201,7 +202,8 @@ def status(
         rows = []
         for r in reports:
             if r.status is None:
-                rows.append([r.region, r.address, "[red]down[/red]", "", "", "", "", ""])
+                health = "[yellow]refused the token[/yellow]" if r.refused else "[red]down[/red]"
+                rows.append([r.region, r.address, health, "", "", "", "", ""])
                 continue
             s = r.status
             lookups = s.hits + s.misses
@@ -237,7 +239,14 @@ def status(
             rows,
         )
         for r in reports:
-            if r.status is None:
+            if r.refused:
+                line(
+                    f"[yellow]{r.region} {r.address} serves, but refused this command's "
+                    f"credentials:[/yellow] {r.error}; pass the node's read token with "
+                    "--token-file (or $EDGECACHE_TOKEN_FILE)",
+                    to_stderr=True,
+                )
+            elif r.status is None:
                 line(f"[red]{r.region} {r.address} is down:[/red] {r.error}", to_stderr=True)
             elif r.status.disk_full:
                 line(
@@ -247,8 +256,10 @@ def status(
                     "evict NAME@N)",
                     to_stderr=True,
                 )
-    if any(r.status is None for r in reports):
+    if any(r.status is None and not r.refused for r in reports):
         raise exit_with(ExitCode.FAILED)
+    if any(r.refused for r in reports):
+        raise exit_with(ExitCode.BAD_INPUT)  # the token to pass, not a node to wait for
 
 
 def _ms_rounded(figures: dict[str, object]) -> dict[str, object]:

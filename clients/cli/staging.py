@@ -76,9 +76,10 @@ def plan(
 
     Exit codes: 0 every job can be met; 3 some cannot (listed, with the reason);
     2 bad input (with --status, also a registry on a local path that does not
-    exist); 1 failed: the registry, or a node of a region the schedule
-    uses, is unreachable (named; this wins over 3, since that region's plan
-    is built without knowing what it holds).
+    exist; nodes that serve but refused the token: --token-file); 1 failed:
+    the registry, or a node of a region the schedule uses, is unreachable
+    (named; this wins over 3, since that region's plan is built without
+    knowing what it holds).
 
     Times are UTC. --json gives regions.R.tasks (version, bytes, source,
     start, finish, deadline, jobs), regions.R.evictions (version, bytes, at,
@@ -126,7 +127,9 @@ def plan(
     for message in down.values():
         error(message)
     if down:
-        raise exit_with(ExitCode.FAILED)
+        # Nodes that serve but refused the token want --token-file, not a retry.
+        refused = all(r.refused for r in reports if r.status is None)
+        raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
     if result.infeasible:
         raise exit_with(ExitCode.CANNOT_BE_MET)
 
@@ -309,7 +312,7 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str]) -> None:
     """
     for name, rp in result.regions.items():
         if name in unseen and not (rp.tasks or rp.evictions or rp.pins):
-            line(f"region {name}: not planned: no node answers")
+            line(f"region {name}: not planned: its nodes' state is unknown (see below)")
             continue
         if not (rp.tasks or rp.evictions):
             line(
