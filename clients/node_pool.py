@@ -310,25 +310,28 @@ class NodePool:
 
         RTTs within 25% (+0.5 ms) of the best count as a tie: jitter must not
         bounce readers between nodes, and ties go to the order given (own region
-        first). Among the own region's replicas, which split shards by rendezvous
-        hashing, a ``(dataset, version, shard)`` goes to the shard's owner first;
-        a replica stays in that group unless it is more than REPLICA_SLACK_MS
-        slower than the best: one noisy probe (5 ms against 1.3 on a busy host)
-        must not send every shard to the replica that does not own it, which
-        then reads it through from origin and caches it twice.
+        first). The own region's nodes (one or several) come first, and among
+        them, replicas that split shards by rendezvous hashing, a ``(dataset,
+        version, shard)`` goes to the shard's owner first; a node stays in that
+        group unless it is more than REPLICA_SLACK_MS slower than the best: one
+        noisy probe (5 ms against 1.3 on a busy host) must not send every shard
+        to a node that does not own it (another replica, or another region's
+        node), which then reads it through from origin and caches it twice.
         """
         order = {e.text: i for i, e in enumerate(self.endpoints)}
         best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
         near = best * 1.25 + 0.5
-        grouped: set[str] = set()  # replicas ranked by shard ownership, not by RTT
-        if shard is not None and len(self.replicas) > 1:
+        grouped: set[str] = set()  # own-region nodes: ranked by shard ownership, not by RTT
+        if self.replicas:
             same_region = max(near, best + REPLICA_SLACK_MS)
             group = [
                 e.text
                 for e in self.endpoints
                 if e.text in self.replicas and self.stats[e.text].rtt_ms <= same_region
             ]
-            order = {text: i for i, text in enumerate(rendezvous.rank(group, *shard))} | {
+            if shard is not None:
+                group = rendezvous.rank(group, *shard)
+            order = {text: i for i, text in enumerate(group)} | {
                 e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
             }
             grouped = set(group)

@@ -265,3 +265,21 @@ def test_retries_with_every_node_down_are_not_failovers(node) -> None:
         assert pool.failovers == 0
     finally:
         pool.close()
+
+
+def test_a_regions_only_node_keeps_its_reads_against_a_noisy_probe(node) -> None:
+    """With one node per region on a busy host, ``region=eu-west`` read from us-east 5 times
+    in 12 runs: the 10 ms slack held only for regions of several replicas, so a probe of
+    1.1 ms against 0.4 sent the reads (and the read-through from origin) to the other region."""
+    other = "127.0.0.1:1"  # another region's node; nothing listens: only the ranking is looked at
+    endpoints = [parse_endpoint(node.address), parse_endpoint(other)]
+    pool = NodePool(endpoints, replicas=[node.address], probe_interval=3600)
+    try:
+        for noisy in (1.1, 0.4 + 9.9):
+            pool.stats[node.address].rtt_ms, pool.stats[other].rtt_ms = noisy, 0.4
+            assert all(pool.ranked(("tokens", 1, s))[0].text == node.address for s in range(4))
+            assert pool.ranked()[0].text == node.address, noisy
+        pool.stats[node.address].rtt_ms = 0.4 + 30  # far slower than jitter: the other is nearer
+        assert pool.ranked(("tokens", 1, 0))[0].text == other
+    finally:
+        pool.close()
