@@ -375,10 +375,13 @@ def connection_hint(details: str) -> str | None:
     if ("Socket closed" in details or "Connection reset" in details) and (
         "Stream removed" not in details  # a stream that was running: the node went away
     ):
+        # Most often the node stopped or restarted (a failover log line after a kill says
+        # this); the TLS causes come second, for a node that is running.
         return (
-            "the node closed the connection: over grpcs://, a node with --tls-client-ca refuses "
+            "the node closed the connection: it may have stopped or restarted (edgecache "
+            "status); if it runs, over grpcs:// a node with --tls-client-ca refuses "
             "clients without a certificate from that CA (set $EDGECACHE_TLS_CERT and "
-            "$EDGECACHE_TLS_KEY); over host:port, a node that serves TLS needs "
+            "$EDGECACHE_TLS_KEY), and over host:port a node that serves TLS needs "
             "grpcs://host:port"
         )
     return None

@@ -125,3 +125,14 @@ def test_a_refused_token_is_advised_once(tmp_path: Path) -> None:
         str(node_error(refused.value, endpoint=node.address, what="ResolveVersion")),
     ):
         assert text.count("--token-file") == 1, text
+
+
+def test_a_closed_connection_says_first_that_the_node_may_have_stopped() -> None:
+    """After a node was killed, the failover warning ended with advice about client
+    certificates, on a plain host:port: the likeliest cause, a node that went away, came
+    nowhere. The TLS causes stay, for a node that runs."""
+    from edgecache.clients.channels import connection_hint
+
+    for details in ("Socket closed", "Connection reset by peer"):
+        hint = connection_hint(details) or ""
+        assert hint.index("stopped or restarted") < hint.index("--tls-client-ca"), hint
