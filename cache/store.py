@@ -57,6 +57,7 @@ from edgecache.cache.frame import Buffer, verify_frame
 from edgecache.cache.keys import (
     ShardKey,
     chunk_key,
+    dataset_prefix,
     parse_shard_key,
     parse_version_key,
     version_key,
@@ -670,6 +671,27 @@ class CacheStore(ClosingContext):
         with self._snapshot() as txn:
             raw = txn.get(version_key(dataset, version), db=self._dbs[b"manifests"])
             return None if raw is None else bytes(raw)
+
+    def manifest_versions(self, dataset: str) -> list[int]:
+        """The versions of ``dataset`` whose manifest is kept, evicted ones too, ascending.
+
+        A manifest outlives its shards' eviction (it is small, and the node
+        serves it without the registry), so this is what the cache knows of a
+        dataset's versions, not what it holds the data of (:meth:`versions`).
+        """
+        prefix = dataset_prefix(dataset)
+        found = []
+        with self._snapshot() as txn:
+            cursor = txn.cursor(db=self._dbs[b"manifests"])
+            if cursor.set_range(prefix):
+                for raw_key in cursor.iternext(values=False):
+                    raw_key = bytes(raw_key)
+                    if not raw_key.startswith(prefix):
+                        break
+                    name, version = parse_version_key(raw_key)
+                    if name == dataset:
+                        found.append(version)
+        return sorted(found)
 
     # --------------------------------------------------------------- listing
 

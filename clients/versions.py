@@ -51,7 +51,7 @@ def fetch_manifest(pool: NodePool, dataset: str, version: int | None) -> pb.Mani
 
 
 def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | None) -> pb.Manifest:
-    """The manifest from the first local cache (``lmdb://``) that holds the version.
+    """The manifest from the first local cache (``lmdb://``) that keeps the version's.
 
     Each store is given back before returning (and closed if no reader of this
     process holds it): an LMDB environment must not be open in a process that
@@ -60,7 +60,10 @@ def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | N
     for endpoint in endpoints:
         store = local_stores.acquire(endpoint.target)
         try:
-            numbers = sorted({v.version for v in store.versions() if v.dataset == dataset})
+            # The newest version whose manifest the cache keeps, evicted ones too: as a
+            # node would, it resolves to what is newest, and reading it then says the
+            # data must be staged again (ShardNotCached), never "unknown".
+            numbers = store.manifest_versions(dataset)
             wanted = version or (numbers[-1] if numbers else None)
             raw = store.get_manifest(dataset, wanted) if wanted else None
         finally:

@@ -431,6 +431,11 @@ def test_evicted_version_lmdb_only_fails_the_constructor(node: Node) -> None:
     message = str(raised.value)
     assert str(node.cache) in message and "holds no shard of tokens@1" in message
     assert "edgecache warm tokens@1 --region" in message and "gRPC endpoint" in message
+    # By name alone the same: "tokens@latest is in none of the local caches" said the
+    # version was unknown, though the cache keeps its manifest.
+    for spec in ("tokens", "tokens@latest"):
+        with pytest.raises(ShardNotCached, match="holds no shard of tokens@1"):
+            EdgeDataset(spec, endpoints=[f"lmdb://{node.cache}"], **SMALL)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":  # the child of run_child

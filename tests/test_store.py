@@ -353,7 +353,7 @@ def test_second_writer_process_is_refused(tmp_path: Path) -> None:
             [sys.executable, "-c", code, str(s.path)], capture_output=True, text=True
         )
         assert out.returncode == 3, out.stderr
-        assert f"pid {os.getpid()}" in out.stdout and "readonly=True" in out.stdout
+        assert f"pid {os.getpid()}" in out.stdout and "opens the directory read-only" in out.stdout
         with pytest.raises(WriterLocked):  # also within one process
             CacheStore(s.path)
     CacheStore(tmp_path / "c").close()  # released on close
@@ -428,3 +428,12 @@ def test_churn_never_leaks_map_full(tmp_path: Path) -> None:
         for i in range(60):  # 15x the capacity through the cache
             s.put_shard(ShardKey("churn", 1 + i % 7, i), frames)
             assert s.stats.used_bytes <= s.capacity_bytes
+
+
+def test_manifest_versions_outlive_eviction_and_keep_to_their_dataset(tmp_path: Path) -> None:
+    with CacheStore(tmp_path / "c", capacity_bytes=1 << 30) as store:
+        for dataset, version in (("tok", 2), ("tok", 10), ("tok2", 1), ("to", 3)):
+            store.put_manifest(dataset, version, b"manifest")
+        assert store.manifest_versions("tok") == [2, 10]
+        assert store.manifest_versions("to") == [3] and store.manifest_versions("x") == []
+        assert store.versions() == []  # no data held: the manifests are all that is kept
