@@ -110,6 +110,12 @@ def column_kinds(schema: pa.Schema, columns: Sequence[str] | None) -> list[Colum
             kinds.append(ColumnKind(name, "ragged", (), dtype, "list"))
         elif not shape and _bytes_like(inner):
             kinds.append(ColumnKind(name, "packed", (), np.dtype(np.uint8), _bytes_like(inner)))
+        elif not shape and pa.types.is_dictionary(inner) and _bytes_like(inner.value_type):
+            # Strings stored as a dictionary (pandas categoricals in Parquet): packed from
+            # the dictionary's values through the indices, like any string column; as lists
+            # they were one pickled object per sample in workers.
+            item = _bytes_like(inner.value_type)
+            kinds.append(ColumnKind(name, "packed", (), np.dtype(np.uint8), item))
         else:
             kinds.append(ColumnKind(name, "list"))
     return kinds
@@ -130,6 +136,14 @@ def with_forms(
         elif k.item == "list":
             k = replace(k, kind="ragged" if ragged == "padded" else "packed")
         out.append(k)
+    names = {k.name for k in out}
+    for k in out:
+        if k.kind == "ragged" and f"{k.name}_lengths" in names:
+            raise ValueError(
+                f"column {k.name!r} padded comes with its lengths as {k.name + '_lengths'!r}, "
+                "which is also a column of the data: leave one out of columns=, or read "
+                "the lists with ragged='packed' (no lengths column)"
+            )
     return out
 
 
@@ -214,6 +228,14 @@ def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
                 f"column {kind.name!r} has nulls, which a packed column cannot hold; read it "
                 "with binary='list' (None for each null) or fill them in preprocessing"
             )
+        if pa.types.is_dictionary(column.type):  # the values through the indices
+            rows = column.indices.to_numpy(zero_copy_only=False)[rows].astype(np.int64)
+            column = column.dictionary
+            if column.null_count:
+                raise ValueError(
+                    f"column {kind.name!r} has nulls in its dictionary, which a packed column "
+                    "cannot hold; read it with binary='list'"
+                )
         width = (
             np.int64
             if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type)

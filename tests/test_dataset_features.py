@@ -378,3 +378,36 @@ def test_workers_started_by_forkserver_read_grpc_endpoints_exactly_once(cluster)
     )
     assert sorted(x for _, x in ids(loader)) == list(range(TOTAL))
     ds.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_categorical_strings_arrive_packed_over_grpc_and_through_workers(
+    tmp_path: Path, workers: int
+) -> None:
+    """pandas categoricals written to Parquet are dictionary-encoded strings: they came back
+    as Python lists even with binary="packed", pickled per sample from each worker."""
+    from edgeutil import node_settings
+    from torch.utils.data import DataLoader
+
+    from edgecache.clients.packed import Packed
+    from edgecache.edge.server import running_node
+
+    names = ["cat", "dog", "ému", "yak"]
+    (tmp_path / "src").mkdir()
+    for part in range(2):
+        labels = pa.array([names[(part * 50 + i) % 4] for i in range(50)]).dictionary_encode()
+        ids = pa.array(range(part * 50, part * 50 + 50), pa.int64())
+        table = pa.table({"id": ids, "animal": labels})
+        pq.write_table(table, tmp_path / "src" / f"part-{part}.parquet")
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/src", "zoo")
+    with running_node(node_settings(tmp_path, registry)) as node:
+        ds = EdgeDataset("zoo@1", endpoints=[node.address], batch_size=10, shuffle=True)
+        seen = {}
+        loader = DataLoader(ds, batch_size=None, num_workers=workers)
+        for batch in loader:
+            assert isinstance(batch["animal"], Packed), type(batch["animal"])
+            for i, row in enumerate(batch["id"].tolist()):
+                seen[row] = batch["animal"][i]
+        ds.close()
+    assert seen == {i: names[i % 4] for i in range(100)}

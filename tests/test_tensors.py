@@ -143,3 +143,33 @@ def test_rows_outside_the_chunk_are_refused_not_clipped(rows: list[int]) -> None
     kinds = column_kinds(SCHEMA, ["ids"])
     with pytest.raises(IndexError, match="outside the chunk"):
         assemble([Gather(chunk(0, 10), np.array(rows))], kinds, pin_memory=False)
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.binary(), pa.large_string()])
+def test_dictionary_strings_are_packed_like_plain_ones(kind: pa.DataType) -> None:
+    """Strings stored as a dictionary (pandas categoricals written to Parquet) came back as
+    lists even with binary="packed": one pickled object per sample in workers."""
+    words = ["cat", "", "dog", "ünïcode", "cat"]
+    values = [w.encode() if kind == pa.binary() else w for w in words]
+    column = pa.array(values, kind).dictionary_encode()
+    batch = pa.record_batch([column], names=["label"])
+    (packed,) = column_kinds(batch.schema, None)
+    assert (packed.kind, packed.item) == ("packed", "binary" if kind == pa.binary() else "string")
+    rows = np.array([4, 0, 3, 1, 2])
+    got = assemble([Gather(batch, rows)], [packed])["label"]
+    assert isinstance(got, Packed)
+    assert [got[i] for i in range(len(rows))] == [values[r] for r in rows]
+    (listed,) = with_forms([packed], binary="list")
+    assert assemble([Gather(batch, rows)], [listed])["label"] == [values[r] for r in rows]
+    nulls = pa.record_batch([pa.array(["a", None], kind).dictionary_encode()], names=["label"])
+    with pytest.raises(ValueError, match="nulls"):
+        assemble([Gather(nulls, np.array([0, 1]))], [packed])
+
+
+def test_a_padded_list_whose_lengths_name_a_column_is_refused() -> None:
+    """``toks`` padded beside a data column ``toks_lengths``: the lengths silently replaced it."""
+    schema = pa.schema([("toks", pa.list_(pa.int32())), ("toks_lengths", pa.int64())])
+    with pytest.raises(ValueError, match="toks_lengths.*ragged='packed'"):
+        with_forms(column_kinds(schema, None))
+    assert with_forms(column_kinds(schema, None), ragged="packed")  # no lengths column then
+    assert with_forms(column_kinds(schema, ["toks"]))
