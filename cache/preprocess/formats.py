@@ -275,7 +275,7 @@ def _read_text(
             ]
             if missing:
                 raise MissingColumn(
-                    f"{source}: column_types names {missing}, but no record has "
+                    f"{source}: column_types names {', '.join(missing)}, but no record has "
                     f"{'it' if len(missing) == 1 else 'them'}; the fields are "
                     f"{', '.join(n for n in table.column_names if n not in missing)}; "
                     f"{COLUMN_FIX}"

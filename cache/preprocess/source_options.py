@@ -574,7 +574,7 @@ def read_csv(
         raise
     if types and (missing := sorted(set(types) - set(table.column_names))):
         raise MalformedShard(
-            f"{source}: column_types names {missing}, but the columns are "
+            f"{source}: column_types names {', '.join(missing)}, but the columns are "
             f"{', '.join(table.column_names)}; {COLUMN_FIX}"
         )
     if "delimiter" not in options:
