@@ -58,6 +58,14 @@ from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import columns_text, schema_mismatch
 from edgecache.cache.preprocess.formats import KIND_NAMES
 from edgecache.cache.preprocess.mds import MdsColumns, mds_index
+from edgecache.cache.preprocess.partitions import (
+    RECORDED,
+    hive_partitions,
+    partition_fields,
+    partitioning_mode,
+    recorded,
+    with_partitions,
+)
 from edgecache.cache.preprocess.source_options import delimiter_for_names
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
@@ -518,7 +526,10 @@ class Registry:
         are read once. ``spec.source_options`` are validated and recorded in
         one spelling; the transform's params are pinned (``canonical_params``:
         the image decoder, the tokenizer's SHA-256), its files fetched from
-        origin and left out of the shards. With ``if_changed``, when the
+        origin and left out of the shards. Hive-style ``key=value`` folders in
+        the keys become columns after the data's own (see
+        :mod:`~edgecache.cache.preprocess.partitions`; ``partitioning=none`` in
+        ``spec.source_options`` turns that off). With ``if_changed``, when the
         newest version already has this content (the same digest: the same
         objects, schema and preprocessing), that version is returned and no new
         one is written.
@@ -545,18 +556,21 @@ class Registry:
             if url.startswith(source_url)
         )
         objects, fmt = await self._listed(source_url, single, fmt, refs)
-        options = (
-            canonical_options(fmt, dict(spec.source_options)) if fmt != pb.SOURCE_FORMAT_MDS else {}
-        )
+        given = dict(spec.source_options)
+        partitioning = partitioning_mode(given)  # any format's; the others are the reader's
+        options = canonical_options(fmt, given) if fmt != pb.SOURCE_FORMAT_MDS else {}
         if fmt == pb.SOURCE_FORMAT_CSV and "delimiter" not in options:
             implied = delimiter_for_names([o.key for o in objects])
             if implied is not None:
                 options = canonical_options(fmt, {**options, "delimiter": implied})
         if fmt == pb.SOURCE_FORMAT_MDS:
-            if spec.source_options:
+            if given:
                 raise ValueError("MDS sources take no reader options: index.json says it all")
             objects, columns = await self._mds_sources(source_url, objects)
             options = {"columns": columns.to_option()}
+        if partitioning == "hive":  # from the keys alone: no reads
+            if partitions := hive_partitions([(o.info.url, o.key) for o in objects]):
+                options[RECORDED] = recorded(partitions)
         spec.source_options.clear()
         spec.source_options.update(options)
         limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
@@ -582,6 +596,8 @@ class Registry:
                 "give each a name of its own (--column-names for CSV, or --transform columns "
                 "--param rename=OLD=NEW)"
             )
+        # Hive partition columns, after the data's own (a column of the same name refused).
+        schema = with_partitions(schema, partition_fields(options), objects[0].info.url)
         shards = [
             pb.Shard(
                 index=i,

@@ -80,6 +80,7 @@ def encode_raw_shard(
         transform=transform,
         context=context,
         pool=metered,
+        key=shard.source_key,  # its Hive partition values, when the version records them
     ):
         frames.extend(encoder.add(batch))
     frames.extend(encoder.finish())

@@ -15,7 +15,8 @@ gzip/zstd/bz2/xz objects, :mod:`.formats` parses raw objects (with
 MosaicML shards), :mod:`.arrow_types` reads type strings, :mod:`.transforms`
 holds the transform registry and the built-ins (:mod:`.images`, :mod:`.text`
 for the big ones), :mod:`.context` tells a transform which shard and sample it
-is on, and :mod:`.pipeline` chains them.
+is on, :mod:`.partitions` adds the columns Hive-style ``key=value`` folders
+name, and :mod:`.pipeline` chains them.
 
 Every way a raw object can be unusable surfaces as :class:`MalformedShard`
 naming the object (and the line or row where that can be known), because the

@@ -24,6 +24,12 @@ from edgecache.cache.preprocess.fixes import (
     ParamMismatch,
 )
 from edgecache.cache.preprocess.formats import guarded, open_source
+from edgecache.cache.preprocess.partitions import (
+    add_partitions,
+    partition_fields,
+    partition_scalars,
+    reader_options,
+)
 from edgecache.cache.preprocess.transforms import (
     Transform,
     cast_column,
@@ -141,8 +147,13 @@ def preprocess(
     resources: Mapping[str, bytes] | None = None,
     context: ShardContext | None = None,
     pool: Executor | None = None,
+    key: str | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Parse, transform and conform one raw object; yields non-empty batches.
+
+    A version that records Hive partitions (``hive_partitions`` in its source
+    options, see :mod:`.partitions`) gets one constant column per partition
+    after the transform's columns, its value read from ``key``'s folders.
 
     Args:
         data: the whole raw object (compressed or not).
@@ -158,6 +169,8 @@ def preprocess(
         context: receives the skipped-sample tally; a new one when None.
         pool: threads for the parts of a batch (images, text slices); never the pool
             this call itself runs on.
+        key: the object's key under the version's source prefix (the shard's
+            ``source_key``); required when the spec records Hive partitions.
 
     Raises:
         MalformedShard: the object cannot be parsed, transformed or conformed.
@@ -165,12 +178,29 @@ def preprocess(
     """
     context = context or ShardContext()
     context.source, context.pool = source, pool
+    fields, values = _partitions(spec, key, source)
     # Not strict: the version's objects passed publish's checks, or were published before them.
-    options = spec.source_options
+    options = reader_options(spec.source_options)
     _, batches, _ = open_source(data, fmt, source, batch_rows, options, strict=False)
     for batch in _transformed(guarded(batches, source), spec, context, transform, resources):
         if batch.num_rows:
+            batch = add_partitions(batch, fields, values)
             yield batch if schema is None else _conform(batch, schema, source)
+
+
+def _partitions(
+    spec: pb.PreprocessSpec, key: str | None, source: str
+) -> tuple[list[pa.Field], list[pa.Scalar]]:
+    """The partition columns the spec records, and their values for the object at ``key``."""
+    try:
+        fields = partition_fields(spec.source_options)
+    except ValueError as exc:
+        raise MalformedShard(f"{source}: {exc}") from exc
+    if not fields:
+        return [], []
+    if key is None:
+        raise ValueError(f"{source}: the version records Hive partitions; pass the shard's key")
+    return fields, partition_scalars(fields, key, source)
 
 
 def describe(
@@ -188,13 +218,15 @@ def describe(
     When the format knows its row count without decoding (Parquet's footer, a
     tar's member headers, an MDS shard's header) and the transform keeps every
     row, nothing is decoded; anything else is parsed and transformed in full.
+    Hive partition columns are not part of it: publish adds them from the keys.
 
     Raises:
         MalformedShard: as :func:`preprocess`.
     """
     context = context or ShardContext()
     context.source = source
-    schema, batches, known_rows = open_source(data, fmt, source, 65536, spec.source_options)
+    options = reader_options(spec.source_options)
+    schema, batches, known_rows = open_source(data, fmt, source, 65536, options)
     if transform is None:
         transform = load_transform(spec.transform or "identity", spec.params, resources)
     empty = pa.RecordBatch.from_pylist([], schema=schema)

@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from edgecache.v1 import manifest_pb2 as pb
 
 
+class Partitioning(StrEnum):
+    """How key=value folders in the source's keys are read (cache.preprocess.partitions)."""
+
+    HIVE = "hive"
+    NONE = "none"
+
+
 class Compression(StrEnum):
     """The chunk codecs a version may use (edgecache.cache.codec.COMPRESSIONS)."""
 
@@ -247,6 +254,14 @@ def publish(
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
+    partitioning: Annotated[
+        Partitioning,
+        typer.Option(
+            help="hive: key=value folders in the keys (year=2024/month=02/…, as Spark and "
+            "pyarrow write them) become columns after the data's own; none: folders are "
+            "only where the objects are.",
+        ),
+    ] = Partitioning.HIVE,
     compression: Annotated[
         Compression,
         typer.Option(
@@ -277,6 +292,7 @@ def publish(
     """Snapshot a prefix as the next immutable version of a dataset; print its schema.
 
     Objects may be gzip/zstd/bz2/xz-compressed (part-0.csv.gz, docs.jsonl.zst).
+    Hive-style key=value folders (year=2024/month=02/part-0.parquet) become columns.
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object, a --level out of
     range or with --compression none); 1 failed (a registry that cannot be written
@@ -310,6 +326,8 @@ def publish(
             "column_types": column_types,
         }
         spec.source_options.update({k: v for k, v in reader.items() if v is not None})
+        if partitioning is Partitioning.NONE:  # hive, the default, is not recorded as given
+            spec.source_options["partitioning"] = partitioning.value
         source_format = format_from_name(fmt) if fmt else None
 
         async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool]:
