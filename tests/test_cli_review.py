@@ -13,7 +13,7 @@ from edgeutil import serve_args
 from typer.testing import CliRunner
 
 from edgecache.clients.cli import app
-from edgecache.edge.config import load_node_config
+from edgecache.edge.config import NodeConfig, load_node_config
 from edgecache.edge.server import missing_registry, running_node
 
 
@@ -47,23 +47,33 @@ def test_a_cache_dir_that_cannot_be_used_is_a_bad_setting(tmp_path: Path) -> Non
     assert "--cache-dir" in result.output and "readonly=True" not in result.output
 
 
+def _config(tmp_path: Path, **more: str) -> NodeConfig:
+    """A node of region eu on any port, its cache and registry under ``tmp_path``."""
+    fields = {
+        "region": "eu",
+        "cache_dir": str(tmp_path / "cache"),
+        "registry": f"file://{tmp_path}/registry",
+        "listen": "127.0.0.1:0",
+        "probe_listen": "127.0.0.1:0",
+        "sync": False,
+        **more,
+    }
+    return load_node_config(None, fields, {})
+
+
+def _topology(tmp_path: Path, address: str) -> Path:
+    path = tmp_path / "edgecache.yaml"
+    path.write_text(
+        f"registry: file://{tmp_path}/registry\nregions:\n  eu:\n    nodes: ['{address}']\n"
+    )
+    return path
+
+
 def test_a_second_node_on_one_cache_dir_is_told_what_to_do_in_its_own_terms(
     tmp_path: Path,
 ) -> None:
     """The refusal suggested ``readonly=True``, a Python argument, to a node operator."""
-    config = load_node_config(
-        None,
-        {
-            "region": "eu",
-            "cache_dir": str(tmp_path / "cache"),
-            "registry": f"file://{tmp_path}",
-            "listen": "127.0.0.1:0",
-            "probe_listen": "127.0.0.1:0",
-            "sync": False,
-        },
-        {},
-    )
-    with running_node(config):
+    with running_node(_config(tmp_path)):
         result = CliRunner().invoke(app, serve_args(tmp_path), env={"EDGECACHE_SYNC": "false"})
     assert result.exit_code == 2, result.output
     assert "is the writer of" in result.output and "another --cache-dir" in result.output
@@ -74,16 +84,9 @@ def test_a_node_on_a_registry_that_does_not_exist_says_so_at_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A mistyped --registry started a node that answered every read NOT_FOUND, silently."""
-    flags = {
-        "region": "eu",
-        "cache_dir": str(tmp_path / "cache"),
-        "listen": "127.0.0.1:0",
-        "probe_listen": "127.0.0.1:0",
-        "sync": False,
-    }
     typo = f"file://{tmp_path}/regsitry"
     with caplog.at_level(logging.WARNING, "edgecache.edge.server"):
-        with running_node(load_node_config(None, {**flags, "registry": typo}, {})):
+        with running_node(_config(tmp_path, registry=typo)):
             pass
     said = [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
     assert said and typo in said[0] and "--registry" in said[0], caplog.text
@@ -100,22 +103,9 @@ def test_status_without_the_token_says_the_node_refused_it_not_that_it_is_down(
     """A serving node that wanted a token was listed "down: UNAUTHENTICATED", exit 1 (retry)."""
     (tmp_path / "admin").write_text("s3cret\n")
     (tmp_path / "registry").mkdir()
-    fields = {
-        "region": "eu",
-        "cache_dir": str(tmp_path / "cache"),
-        "registry": f"file://{tmp_path}/registry",
-        "listen": "127.0.0.1:0",
-        "probe_listen": "127.0.0.1:0",
-        "sync": False,
-        "token_file": str(tmp_path / "admin"),
-        "read_token_file": str(tmp_path / "admin"),
-    }
-    with running_node(load_node_config(None, fields, {})) as node:
-        topology = tmp_path / "edgecache.yaml"
-        topology.write_text(
-            f"registry: file://{tmp_path}/registry\n"
-            f"regions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
+    admin = str(tmp_path / "admin")
+    with running_node(_config(tmp_path, token_file=admin, read_token_file=admin)) as node:
+        topology = _topology(tmp_path, node.address)
         env = {"COLUMNS": "200"}
         result = CliRunner().invoke(app, ["status", "--config", str(topology)], env=env)
         assert result.exit_code == 2, result.output
@@ -134,25 +124,12 @@ def test_plan_against_nodes_that_refuse_the_token_asks_for_the_token(tmp_path: P
     """plan said "region eu is unreachable … check that the node runs", exit 1, for a token."""
     (tmp_path / "read").write_text("r3ad\n")
     (tmp_path / "registry").mkdir()
-    fields = {
-        "region": "eu",
-        "cache_dir": str(tmp_path / "cache"),
-        "registry": f"file://{tmp_path}/registry",
-        "listen": "127.0.0.1:0",
-        "probe_listen": "127.0.0.1:0",
-        "sync": False,
-        "read_token_file": str(tmp_path / "read"),
-    }
     (tmp_path / "schedule.yaml").write_text(
         "jobs:\n  - name: j\n    region: eu\n    start: '2099-01-01T00:00:00Z'\n"
         "    duration: 1h\n    datasets: [tokens@1]\n"
     )
-    with running_node(load_node_config(None, fields, {})) as node:
-        topology = tmp_path / "edgecache.yaml"
-        topology.write_text(
-            f"registry: file://{tmp_path}/registry\n"
-            f"regions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
+    with running_node(_config(tmp_path, read_token_file=str(tmp_path / "read"))) as node:
+        topology = _topology(tmp_path, node.address)
         args = ["plan", str(tmp_path / "schedule.yaml"), "--config", str(topology)]
         result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
