@@ -386,11 +386,9 @@ def test_categorical_strings_arrive_packed_over_grpc_and_through_workers(
 ) -> None:
     """pandas categoricals written to Parquet are dictionary-encoded strings: they came back
     as Python lists even with binary="packed", pickled per sample from each worker."""
-    from edgeutil import node_settings
     from torch.utils.data import DataLoader
 
     from edgecache.clients.packed import Packed
-    from edgecache.edge.server import running_node
 
     names = ["cat", "dog", "ému", "yak"]
     (tmp_path / "src").mkdir()
@@ -401,7 +399,8 @@ def test_categorical_strings_arrive_packed_over_grpc_and_through_workers(
         pq.write_table(table, tmp_path / "src" / f"part-{part}.parquet")
     registry = f"file://{tmp_path}/registry"
     publish(registry, f"file://{tmp_path}/src", "zoo")
-    with running_node(node_settings(tmp_path, registry)) as node:
+    node = start_local_node("eu", tmp_path / "cache", registry)  # a process: workers fork
+    try:
         ds = EdgeDataset("zoo@1", endpoints=[node.address], batch_size=10, shuffle=True)
         seen = {}
         loader = DataLoader(ds, batch_size=None, num_workers=workers)
@@ -410,4 +409,6 @@ def test_categorical_strings_arrive_packed_over_grpc_and_through_workers(
             for i, row in enumerate(batch["id"].tolist()):
                 seen[row] = batch["animal"][i]
         ds.close()
+    finally:
+        node.stop()
     assert seen == {i: names[i % 4] for i in range(100)}
