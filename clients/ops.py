@@ -1059,7 +1059,7 @@ def _warm_record(registry: str) -> tuple[list[PinnedJob], list[WarmPin]]:
 
 
 def pinned_jobs(topology: Topology) -> list[PinnedJob]:
-    """The jobs pins were set for: the controller's record, then warm's for jobs it lacks.
+    """The jobs pins were set for: the controller's record, and warm's jobs it lacks.
 
     The names only explain an eviction refusal, so a record that cannot be read
     (origin failing, a damaged file) is left out with a warning: the refusal
@@ -1067,11 +1067,18 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
     """
     from edgecache.clients.controller import STATE_NAME, read_state  # it builds on ops
 
-    jobs: dict[str, PinnedJob] = {}
+    # Keyed by what a job is, not its name alone: warm's schedule and the controller's
+    # may each have a job of one name (the demo's eval-us and yours), and the one that
+    # holds the pin must not be dropped for the other. The same job in both is one.
+    jobs: dict[tuple[object, ...], PinnedJob] = {}
+
+    def key(job: PinnedJob) -> tuple[object, ...]:
+        return (job.name, job.region, job.start, job.end, tuple(job.versions))
+
     try:
         state = read_state(topology.registry)
         for job in state.jobs.values() if state else []:
-            jobs[job.name] = PinnedJob(
+            pinned = PinnedJob(
                 job.name,
                 job.region,
                 datetime.fromisoformat(job.start),
@@ -1079,6 +1086,7 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
                 tuple(job.versions),
                 by="controller",
             )
+            jobs[key(pinned)] = pinned
     except (OriginError, ValueError, TypeError) as exc:
         _unreadable_record(f"{topology.registry.rstrip('/')}/{STATE_NAME}", exc)
     try:
@@ -1087,8 +1095,8 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
         _unreadable_record(_warmed_jobs_url(topology.registry), exc)
         warmed = []
     for pinned in warmed:
-        jobs.setdefault(pinned.name, pinned)
-    return sorted(jobs.values(), key=lambda j: (j.start, j.name))
+        jobs.setdefault(key(pinned), pinned)
+    return sorted(jobs.values(), key=lambda j: (j.start, j.name, j.region, j.by))
 
 
 def _unreadable_record(url: str, exc: BaseException) -> None:

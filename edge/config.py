@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from edgecache.cache.addresses import split_hostport
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.units import parse_rate, parse_size
 
@@ -116,14 +117,6 @@ def usable_cores() -> int:
     except (OSError, ValueError):
         pass
     return max(1, cores)
-
-
-def split_hostport(value: str) -> tuple[str, int]:
-    """``"0.0.0.0:7070"`` → ``("0.0.0.0", 7070)``; ``"[::1]:7070"`` works too."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 class NodeConfig(BaseModel):
@@ -298,12 +291,14 @@ class NodeConfig(BaseModel):
         return self.preprocess_threads or usable_cores()
 
     def default_node_id(self) -> str:
-        """``hostname:port``, or ``hostname:<cache dir>`` when the port is picked at bind.
+        """``hostname:port``, or ``hostname:<cache dir's absolute path>`` with port 0.
 
-        Two nodes on one host must not share a name in logs and metrics.
+        Two nodes on one host must not share a name in logs and metrics: their
+        ports differ, or (a port picked at bind) their cache directories, whose
+        last parts alone need not (``/a/cache`` and ``/b/cache``).
         """
         _, port = split_hostport(self.listen)
-        return f"{socket.gethostname()}:{port or self.cache_dir.name}"
+        return f"{socket.gethostname()}:{port or self.cache_dir.absolute()}"
 
     def read_token(self, which: str) -> str | None:
         """The token from ``token_file`` or ``read_token_file``, stripped; never logged."""

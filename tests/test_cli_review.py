@@ -135,3 +135,12 @@ def test_plan_against_nodes_that_refuse_the_token_asks_for_the_token(tmp_path: P
     assert result.exit_code == 2, result.output
     assert "refused this command's credentials" in result.output, result.output
     assert "--token-file" in result.output and "check that the node runs" not in result.output
+
+
+def test_nodes_on_picked_ports_with_caches_of_one_name_get_ids_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """``hostname:cache`` for both /a/cache and /b/cache: one name for two nodes in metrics."""
+    one, two = _config(tmp_path / "a"), _config(tmp_path / "b")
+    assert one.default_node_id() != two.default_node_id()
+    assert one.default_node_id().endswith(str(tmp_path / "a" / "cache"))

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 from edgecache.v1 import manifest_pb2, store_pb2
 
@@ -60,3 +61,29 @@ def test_cli_help_and_demo_json() -> None:
         [sys.executable, "-m", "edgecache.clients.cli", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_clients_do_not_import_the_node_but_for_serve() -> None:
+    """architecture.md: clients may import cache but not edge, serve the one exception.
+    The controller's --metrics-listen imported the node's settings module to parse an
+    address; an import from a client module to edge is found here, at the source."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "clients"
+    allowed = {root / "cli" / "nodes.py"}  # `edgecache serve` runs a node
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            found += [
+                f"{path.relative_to(root)}: {n}" for n in names if n.startswith("edgecache.edge")
+            ]
+    assert not found, found

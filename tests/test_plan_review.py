@@ -189,3 +189,29 @@ def test_warm_of_another_schedule_keeps_the_jobs_and_pins_of_the_first(two) -> N
     code, out, err = edgecache(root, "warm", str(b))
     assert code == 0 and "released the pin of iris@1" in out, (out, err)
     assert set(pins_on(node)) == {"other@1"}, pins_on(node)
+
+
+def test_a_controller_job_of_the_same_name_does_not_hide_the_warm_job_that_pins(two) -> None:
+    """The controller's record and warm's were merged by job name alone: with a controller
+    job called eval-us elsewhere (the demo's schedule has one), the warm job eval-us that
+    held the pin was dropped, and evict said no one had recorded which job reads it."""
+    from edgecache.clients.controller import STATE_NAME, ControllerState, JobRecord
+
+    root, node = two
+    start = datetime.now(UTC) + timedelta(days=1)
+    path = root / "a.yaml"
+    path.write_text("jobs:\n" + job("eval-us", start, "iris@1"))
+    assert edgecache(root, "warm", str(path))[0] == 0
+    theirs = JobRecord(
+        name="eval-us",
+        region="eu-west",
+        start=(start + timedelta(days=3)).isoformat(),
+        end=(start + timedelta(days=4)).isoformat(),
+        versions=["other@1"],
+    )
+    state = ControllerState(jobs={"eval-us": theirs})
+    (root / "registry" / STATE_NAME).parent.mkdir(parents=True, exist_ok=True)
+    (root / "registry" / STATE_NAME).write_bytes(state.to_json())
+    code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
+    assert code == 2 and "read by eval-us (us-east" in err, (out, err)
+    assert "neither warm nor the controller recorded" not in err, err

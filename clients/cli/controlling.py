@@ -209,7 +209,7 @@ def _serve_metrics(running: Controller, listen: str, interval: float) -> str:
     """
     import errno
 
-    from edgecache.edge.config import split_hostport
+    from edgecache.cache.addresses import split_hostport
 
     try:
         host, port = split_hostport(listen)
