@@ -46,6 +46,8 @@ from datetime import UTC, datetime
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
+from google.protobuf.message import DecodeError
+
 from edgecache.cache.errors import (
     CacheFull,
     ChunkCorrupt,
@@ -359,23 +361,8 @@ class EdgeNode:
         found = self._manifests.get(key)
         if found is None:
             kept = self.store.get_manifest(dataset, version)
-            if kept is not None:
-                found = manifest_from_bytes(kept, source=f"cached manifest of {dataset}@{version}")
-                self._check_origin(found)  # origins may have been narrowed since
-            else:
-                try:
-                    found = await self.registry.manifest(dataset, version)
-                except OriginError as exc:
-                    if isinstance(exc, VersionNotFound):
-                        raise
-                    raise OriginError(
-                        f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
-                        f"was never seen by this node: {exc}"
-                    ) from exc
-                finally:
-                    self.count_retries()
-                self._check_origin(found)  # before it is kept: a refused one is not
-                self._manifest_asked[key] = time.monotonic()
+            if kept is None:
+                found = await self._registry_manifest(dataset, version, "was never seen")
                 try:
                     await self._write(
                         self.store.put_manifest, dataset, version, found.SerializeToString()
@@ -384,9 +371,79 @@ class EdgeNode:
                     # The registry answered: serve its manifest, keeping no copy, so the
                     # next call stores one once there is room (shards will not fit anyway).
                     return found
+            else:
+                try:
+                    found = manifest_from_bytes(
+                        kept, source=f"cached manifest of {dataset}@{version}"
+                    )
+                except ManifestError as exc:
+                    found = await self._replace_damaged_manifest(dataset, version, kept, exc)
+                else:
+                    self._check_origin(found)  # origins may have been narrowed since
             self._manifests.setdefault(key, found)
         self._recheck_later(key)
         return self._current_manifest(key)
+
+    async def _registry_manifest(
+        self, dataset: str, version: int, locally: str
+    ) -> manifest_pb2.Manifest:
+        """The registry's manifest of a version, checked against ``origins``.
+
+        ``locally`` says, when the registry cannot be read, why the node had to
+        ask it (the version "was never seen", or its kept copy is damaged).
+        """
+        try:
+            found = await self.registry.manifest(dataset, version)
+        except OriginError as exc:
+            if isinstance(exc, VersionNotFound):
+                raise
+            raise OriginError(
+                f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
+                f"{locally} by this node: {exc}"
+            ) from exc
+        finally:
+            self.count_retries()
+        self._check_origin(found)  # before it is kept: a refused one is not
+        self._manifest_asked[(dataset, version)] = time.monotonic()
+        return found
+
+    async def _replace_damaged_manifest(
+        self, dataset: str, version: int, kept: bytes, damage: ManifestError
+    ) -> manifest_pb2.Manifest:
+        """The registry's manifest, kept in place of a local copy that fails its checks.
+
+        A flipped bit in the node's own copy refused the version for good (evict
+        keeps manifests, a restart reads the same bytes), with advice to republish
+        a registry copy that was intact. Like a damaged chunk, the copy is fetched
+        again. The cached shards stay only if the registry's manifest carries the
+        digest the damaged copy still records (the version they were staged for);
+        otherwise which version they belong to is unknown, and they are dropped.
+        """
+        recorded = manifest_pb2.Manifest()
+        try:
+            recorded.ParseFromString(kept)
+        except DecodeError:
+            recorded.Clear()
+        log.warning(
+            "the manifest of %s@%s kept in %s is damaged (%s); reading the registry's again",
+            dataset,
+            version,
+            self.config.cache_dir,
+            damage,
+        )
+        found = await self._registry_manifest(dataset, version, "is damaged in the cache kept")
+        if not recorded.digest or recorded.digest != found.digest:
+            freed = await self._write(self.store.evict_version, dataset, version)
+            log.warning(
+                "%s@%s: the cached shards (%s) cannot be matched to the registry's manifest "
+                "%s, so they were dropped and are fetched again",
+                dataset,
+                version,
+                format_bytes(freed),
+                found.digest,
+            )
+        await self._write(self.store.put_manifest, dataset, version, found.SerializeToString())
+        return found
 
     def _check_origin(self, manifest: manifest_pb2.Manifest) -> None:
         """Refuse a version whose data (or a transform's file) lies outside ``origins``.

@@ -352,3 +352,43 @@ def test_a_nodes_upload_into_a_peer_fits_the_peers_limits(
         assert "max_streams" in report.note, report.note
     else:
         assert report.streams == 4, report
+
+
+# ------------------------------------- a damaged copy of a manifest kept by the node
+
+
+def _damage_kept_manifest(cache: Path, *, digest_too: bool) -> None:
+    """One changed field in the node's own copy of tokens@1's manifest (the registry's is
+    intact); with ``digest_too`` its recorded digest changes as well."""
+    from edgecache.v1 import manifest_pb2
+
+    with CacheStore(cache) as store:
+        manifest = manifest_pb2.Manifest.FromString(store.get_manifest("tokens", 1) or b"")
+        manifest.shards[0].source_key += ".x"
+        if digest_too:
+            manifest.digest = "sha256:" + "0" * 64
+        store.put_manifest("tokens", 1, manifest.SerializeToString())
+
+
+@pytest.mark.parametrize("digest_too", [False, True])
+def test_a_damaged_kept_manifest_is_read_again_from_the_registry(
+    tmp_path: Path, registry: str, digest_too: bool
+) -> None:
+    """A flipped byte in the node's copy of a manifest refused the version for good, after
+    Evict and restarts too, with "republish it" for a registry copy that was intact. The
+    registry's is read again; the cached shards stay when it carries the digest the copy
+    still records, and are dropped (fetched again) when which version they are is unknown."""
+    with running_node(node_settings(tmp_path, registry)) as node:
+        _stage(node.address)
+    _damage_kept_manifest(tmp_path / "cache", digest_too=digest_too)
+    with running_node(node_settings(tmp_path, registry)) as node:
+        for shard in (0, 1):
+            assert read_shard_table(stub(node.address), "tokens", 1, shard).num_rows == 1000
+        assert node.node is not None
+        misses = node.node.metrics.value("edgecache_cache_misses_total")
+    assert misses == (2 if digest_too else 0), misses
+    with CacheStore(tmp_path / "cache", readonly=True) as store:
+        from edgecache.cache.manifest import manifest_from_bytes
+
+        kept = manifest_from_bytes(store.get_manifest("tokens", 1) or b"")  # whole again
+        assert not kept.shards[0].source_key.endswith(".x")
