@@ -21,6 +21,7 @@ import importlib.metadata
 import logging
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import lmdb
@@ -52,6 +53,52 @@ _MIB = 1 << 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+# LMDB's meta pages (lmdb.h, 64-bit): a 16-byte page header, then MDB_meta: magic and
+# version (2 × u32), address and map size (2 × 8), two MDB_db of 48 bytes (the first's
+# md_pad holds the page size), then the last page used and the transaction id (2 × u64).
+_META = 16
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def check_data_file(path: Path) -> None:
+    """Refuse a cache whose ``data.mdb`` is shorter than its own meta pages say.
+
+    LMDB maps the file and trusts it: a truncated one (a copy cut short, a disk
+    that lost its tail) killed the node with SIGBUS at its first read, nothing
+    logged, so it restarted into the same crash; an empty one failed with "Bad
+    file descriptor". Both are told here, naming the file and what to do.
+    """
+    data_file = path / "data.mdb"
+    try:
+        size = data_file.stat().st_size
+        with data_file.open("rb") as f:
+            head = f.read(2 * 65536)
+    except FileNotFoundError:
+        return  # a new store
+    except OSError as exc:
+        raise CacheDirError(f"cannot read {data_file}: {exc.strerror}") from exc
+    fix = (
+        "move the directory aside (or delete it) and start the node on an empty --cache-dir: "
+        "it fetches what it served again"
+    )
+    if size < 2 * _META + 128:
+        raise CacheDirError(f"{data_file} is damaged: {size} bytes, no LMDB header; {fix}")
+    (magic,) = struct.unpack_from("<I", head, _META)
+    if magic != _LMDB_MAGIC:
+        return  # not LMDB at all: lmdb.open says so (see open_reader)
+    (page,) = struct.unpack_from("<I", head, _META + 24)
+    if page < 512 or page > 65536 or page & (page - 1) or len(head) < page + _META + 136:
+        raise CacheDirError(f"{data_file} is damaged: its LMDB header is not valid; {fix}")
+    metas = [struct.unpack_from("<QQ", head, offset + _META + 120) for offset in (0, page)]
+    last_page, _ = max(metas, key=lambda m: m[1])  # the meta of the newest transaction
+    needed = (last_page + 1) * page
+    if size < needed:
+        raise CacheDirError(
+            f"{data_file} is damaged: {format_bytes(size)}, but its last transaction wrote "
+            f"{format_bytes(needed)} (the file was cut short); {fix}"
+        )
+
+
 def open_reader(path: Path, max_readers: int) -> lmdb.Environment:
     """The store at ``path``, read-only (many processes may, next to the writer)."""
     if not (path / "data.mdb").is_file():
@@ -59,6 +106,7 @@ def open_reader(path: Path, max_readers: int) -> lmdb.Environment:
             f"no edgecache store at {path}: check the path, or start a node "
             f"with --cache-dir {path} to create one"
         )
+    check_data_file(path)
     # Less where address space is limited (ulimit -v): the most that maps, down to
     # what the file holds (LMDB raises 1 MiB to that).
     sizes = [reader_map_size(path)]
@@ -124,6 +172,7 @@ def open_writer(
     store opens on a full disk (it writes nothing unless its capacity changes),
     so a node restarted there serves what it holds.
     """
+    check_data_file(path)
     try:
         existing = _existing_capacity(path)
         if capacity_bytes is None:

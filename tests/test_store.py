@@ -437,3 +437,30 @@ def test_manifest_versions_outlive_eviction_and_keep_to_their_dataset(tmp_path: 
         assert store.manifest_versions("tok") == [2, 10]
         assert store.manifest_versions("to") == [3] and store.manifest_versions("x") == []
         assert store.versions() == []  # no data held: the manifests are all that is kept
+
+
+@pytest.mark.parametrize("keep", [0, 100, 2_000_000])
+def test_a_data_file_cut_short_is_refused_naming_it_not_a_crash(tmp_path: Path, keep: int) -> None:
+    """A truncated data.mdb killed the node with SIGBUS at its first read (nothing logged, a
+    crash loop); an empty one said "Bad file descriptor". Now: CacheDirError naming the file,
+    for the writer and for readers, in a child process (a SIGBUS would kill this one)."""
+    with CacheStore(tmp_path / "c", capacity_bytes=64 << 20) as store:
+        for i in range(6):
+            store.put_shard(ShardKey("tok", 1, i), shard_frames(rows=4000, seed=i))
+    data = tmp_path / "c" / "data.mdb"
+    assert data.stat().st_size > keep
+    os.truncate(data, keep)
+    for readonly in (False, True):
+        code = (
+            "import sys\nfrom edgecache.cache.store import CacheStore\n"
+            "from edgecache.cache.errors import CacheDirError\n"
+            f"try:\n    s = CacheStore(sys.argv[1], readonly={readonly})\n"
+            "    print([len(s.shards(v.dataset, v.version)) for v in s.versions()])\n"
+            "except CacheDirError as exc:\n    print('refused:', exc)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True
+        )
+        assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+        assert out.stdout.startswith("refused:") and str(data) in out.stdout, out.stdout
+        assert "is damaged" in out.stdout and "empty --cache-dir" in out.stdout, out.stdout
