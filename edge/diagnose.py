@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
@@ -34,13 +35,43 @@ from edgecache.cache import tcp_stats
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.cache.storage import ObjectStore, Stores
-from edgecache.edge.peers import Peers, refuses_configuration, rpc_status
+from edgecache.edge.peers import Peers, check_peer, refuses_configuration, rpc_status
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
-__all__ = ["PeerPathFailed", "diagnose_origin", "diagnose_peer", "diagnose_registry"]
+__all__ = [
+    "DIAGNOSE_SECONDS",
+    "SINK_BYTES",
+    "SINK_SECONDS",
+    "PeerPathFailed",
+    "diagnose_origin",
+    "diagnose_peer",
+    "diagnose_registry",
+    "diagnose_seconds",
+]
 
 log = logging.getLogger(__name__)
 _PART = 4 << 20  # bytes per request or message of the tests
+# A node's Sink cuts a stream longer than SINK_SECONDS or larger than SINK_BYTES (a
+# test is short; an endless one would tie up the node). A test of a peer runs at most
+# DIAGNOSE_SECONDS, within SINK_SECONDS, and each stream stops short of SINK_BYTES.
+SINK_SECONDS = 60.0
+SINK_BYTES = 8 << 30
+DIAGNOSE_SECONDS = 30.0
+
+
+def diagnose_seconds(asked: float) -> float:
+    """How long a Diagnose runs when ``asked`` (0: the default 4 s), within 0.5-30 s.
+
+    ``ValueError`` for NaN, infinities and negative values: NaN passed every
+    comparison as false, so a test of a peer never ended; infinity was clamped to
+    the longest test, which the caller did not knowingly ask for.
+    """
+    if not math.isfinite(asked) or asked < 0:
+        raise ValueError(
+            f"seconds={asked} is not a test's length: give a number of seconds from 0.5 to "
+            f"{DIAGNOSE_SECONDS:.0f} (0 or unset: 4)"
+        )
+    return min(max(asked or 4.0, 0.5), DIAGNOSE_SECONDS)
 
 
 async def _for(seconds: float, streams: int, one: object) -> tuple[int, float]:
@@ -298,7 +329,9 @@ async def diagnose_peer(
     """The path to another node: RTT of health checks, and an upload into its ``Sink``.
 
     :class:`PeerPathFailed` when the peer cannot be reached or refuses this node;
-    ``ValueError`` for a target that is no address (no ``:port``).
+    ``ValueError`` for a target that is no address (see :func:`~edgecache.edge.peers.check_peer`).
+    The channel is closed after the test unless a Stage uses it too: a node asked to
+    test many targets kept one open for each until it stopped.
     """
     if ":" not in peer:
         # A word, not an address: a target this node does not know (one a newer doctor
@@ -307,8 +340,16 @@ async def diagnose_peer(
             f"{peer!r} is not a Diagnose target this node knows: 'origin', 'registry' or a "
             "peer node's address (host:port, grpcs://host:port)"
         )
+    check_peer(peer)  # before anything is dialled: ValueError naming what is wrong
+    async with peers.channel(peer, keep=False) as channel:
+        return await _test_peer(peers, peer, channel, seconds, streams)
+
+
+async def _test_peer(
+    peers: Peers, peer: str, channel: grpc.aio.Channel, seconds: float, streams: int
+) -> edge_pb2.PathReport:
+    """:func:`diagnose_peer` over ``channel``."""
     report = edge_pb2.PathReport(target=peer, streams=streams)
-    channel = peers._channel(peer)  # noqa: SLF001 - the node's own channels and credentials
     health = health_pb2_grpc.HealthStub(channel)
     samples: list[float] = []
     for _ in range(5):
@@ -345,10 +386,20 @@ async def diagnose_peer(
         ) from exc
     chunk = edge_pb2.SinkChunk(data=os.urandom(part))
     deadline = time.monotonic() + seconds
+    capped = 0  # streams that stopped at SINK_BYTES before the time was up
 
     async def stream() -> int:
         async def chunks() -> AsyncIterator[edge_pb2.SinkChunk]:
+            nonlocal capped
+            sent = 0
             while time.monotonic() < deadline:
+                if sent + part > SINK_BYTES:
+                    # The peer cuts a Sink past SINK_BYTES (RESOURCE_EXHAUSTED, or INTERNAL
+                    # when the cut races this side's sending): a fast link filled it in
+                    # under the test's time, and its rate is measured on what was sent.
+                    capped += 1
+                    return
+                sent += part
                 yield chunk
 
         reply = await sink(chunks(), metadata=peers._metadata, timeout=seconds + 30)  # noqa: SLF001
@@ -380,6 +431,12 @@ async def diagnose_peer(
             f"{accepted} of {streams} upload streams were accepted by {peer}, and the upload "
             f"measured on them; the others were refused ({': '.join(refused)}): a node "
             "refuses the calls beyond its max_streams",
+        )
+    if capped:
+        _add_note(
+            report,
+            f"{capped} upload streams stopped at {SINK_BYTES >> 30} GiB, the most a node's "
+            "Sink takes in one call, before the time was up: measured on what they sent",
         )
     moved = sum(r for r in results if isinstance(r, int))
     change = tcp_stats.delta(before, tcp_stats.counters_to(target))

@@ -26,9 +26,12 @@ no rows is left for the next peer (or origin), with what it sent dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-from collections.abc import Sequence
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,17 +39,19 @@ import grpc
 from grpc import aio
 
 from edgecache.cache import rendezvous
+from edgecache.cache.addresses import split_hostport
 from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
 from edgecache.cache.frame import verify_frame
 from edgecache.cache.preprocess import limits
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
-from edgecache.edge.config import NodeConfig, read_pem, split_hostport
+from edgecache.edge.config import NodeConfig, read_pem
 from edgecache.v1 import edge_pb2, manifest_pb2
 
 __all__ = [
     "PeerCopy",
     "PeerCopyFailed",
     "Peers",
+    "check_peer",
     "copy_byte_limit",
     "refuses_configuration",
     "rpc_status",
@@ -73,6 +78,53 @@ RATE_GRACE_SECONDS = 30.0
 # COPY_BYTES_FLOOR: see copy_byte_limit for why these values.
 COPY_BYTES_PER_SOURCE_BYTE = 64
 COPY_BYTES_FLOOR = 64 << 20
+# Channels kept open to peers (and Diagnose targets) at most; the least recently used
+# beyond it is closed. Each channel holds sockets, threads' work and (grpcs://) a TLS
+# session that gRPC keeps reconnecting: kept until shutdown, a node asked for many
+# distinct targets grew without bound.
+MAX_CHANNELS = 64
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?")
+_PEER_FORMS = "host:port, grpc://host:port or grpcs://host:port, port 1-65535"
+
+
+def check_peer(peer: str) -> tuple[bool, str]:
+    """(whether ``peer`` is dialled with TLS, its ``host:port``); ``ValueError`` naming it.
+
+    A peer is ``host:port``, ``grpc://host:port`` (the same) or ``grpcs://host:port``
+    (TLS), an IPv6 host in brackets. Checked before anything is dialled: gRPC takes
+    other strings as targets of its own and fails each call UNAVAILABLE ("retrying
+    may help", which it cannot), and wraps ports past 65535 around (``:99999`` dialled
+    port 34463), so a typo could reach an unintended port.
+    """
+    secure, target = False, peer
+    if peer.startswith("grpcs://"):
+        secure, target = True, peer[len("grpcs://") :]
+    elif peer.startswith("grpc://"):
+        target = peer[len("grpc://") :]
+    problem = _address_problem(target)
+    if problem is not None:
+        raise ValueError(f"peer {peer!r} is not a peer address: {problem}; expected {_PEER_FORMS}")
+    return secure, target
+
+
+def _address_problem(target: str) -> str | None:
+    """What is wrong with ``host:port`` as an address to dial; None when nothing is."""
+    if "://" in target:
+        return f"the scheme {target.split('://', 1)[0]!r} is not one a peer is named with"
+    host, sep, port = target.rpartition(":")
+    if not sep or not host:
+        return "no host:port"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"the port {port!r} is not a number from 1 to 65535"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host} is not an IPv6 address"
+        return None
+    if not _HOST.fullmatch(host):
+        return f"the host {host!r} is not a host name or IP address (an IPv6 one in brackets)"
+    return None
 
 
 def copy_byte_limit(shard: manifest_pb2.Shard) -> int:
@@ -147,11 +199,19 @@ class PeerCopy:
 
 
 class Peers:
-    """Channels to peer nodes, opened as needed, with this node's credentials."""
+    """Channels to peer nodes, opened as needed, with this node's credentials.
 
-    def __init__(self, config: NodeConfig) -> None:
+    At most :data:`MAX_CHANNELS` stay open, the least recently used closed beyond
+    that (once no call of this node is using it).
+    """
+
+    def __init__(self, config: NodeConfig, max_channels: int = MAX_CHANNELS) -> None:
         self.config = config
-        self._channels: dict[str, aio.Channel] = {}
+        self.max_channels = max_channels
+        self._channels: OrderedDict[str, aio.Channel] = OrderedDict()  # most recent last
+        self._users: dict[aio.Channel, int] = {}  # calls of this node using a channel now
+        self._retired: set[aio.Channel] = set()  # evicted, closed when their last user ends
+        self._closing: set[asyncio.Task[None]] = set()  # evicted channels being closed
         token, self._token_from = None, ""  # the token, and the setting it came from
         # Never the admin token: a peer needs read access only, and whoever runs (or has
         # broken into) a peer would hold the power to Stage and Evict on this node.
@@ -174,33 +234,78 @@ class Peers:
     def _credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(*self._tls_files)
 
+    @property
+    def open_channels(self) -> int:
+        """Channels open now: kept for reuse, or evicted but still in use."""
+        return len(self._channels) + len(self._retired)
+
+    @contextlib.asynccontextmanager
+    async def channel(self, peer: str, *, keep: bool = True) -> AsyncIterator[aio.Channel]:
+        """The channel to ``peer`` for the calls made inside; ``ValueError`` for no address.
+
+        ``keep=False`` (a Diagnose target, asked once): a channel opened for this use
+        alone is closed after it, instead of staying among the peers' channels.
+        """
+        opened = peer not in self._channels
+        channel = self._channel(peer)
+        self._users[channel] = self._users.get(channel, 0) + 1
+        try:
+            yield channel
+        finally:
+            self._users[channel] -= 1
+            if not keep and opened and self._channels.get(peer) is channel:
+                del self._channels[peer]
+                self._retired.add(channel)
+            await self._close_unused()
+
+    async def _close_unused(self) -> None:
+        """Close the evicted channels no call uses any more."""
+        for channel in [c for c in self._retired if not self._users.get(c)]:
+            self._retired.discard(channel)
+            self._users.pop(channel, None)
+            await channel.close(None)
+
     def _channel(self, peer: str) -> aio.Channel:
         channel = self._channels.get(peer)
-        if channel is None:
-            if peer.startswith("grpcs://"):
-                channel = aio.secure_channel(
-                    peer[len("grpcs://") :], self._credentials(), options=_OPTIONS
+        if channel is not None:
+            self._channels.move_to_end(peer)
+            return channel
+        secure, target = check_peer(peer)
+        if secure:
+            channel = aio.secure_channel(target, self._credentials(), options=_OPTIONS)
+        else:
+            if self._metadata is not None and not _loopback(target):
+                log.warning(
+                    "peer %s is plaintext: this node's token (from %s) crosses the "
+                    "network readable to anyone on the path; name the peer "
+                    "grpcs://%s if it serves TLS",
+                    peer,
+                    self._token_from,
+                    target,
                 )
-            else:
-                target = peer[len("grpc://") :] if peer.startswith("grpc://") else peer
-                if self._metadata is not None and not _loopback(target):
-                    log.warning(
-                        "peer %s is plaintext: this node's token (from %s) crosses the "
-                        "network readable to anyone on the path; name the peer "
-                        "grpcs://%s if it serves TLS",
-                        peer,
-                        self._token_from,
-                        target,
-                    )
-                channel = aio.insecure_channel(target, options=_OPTIONS)
-            self._channels[peer] = channel
+            channel = aio.insecure_channel(target, options=_OPTIONS)
+        self._channels[peer] = channel
+        while len(self._channels) > self.max_channels:
+            _, evicted = self._channels.popitem(last=False)
+            self._retired.add(evicted)
+            if not self._users.get(evicted):
+                # No call uses it: close it now (from this synchronous path, as a task).
+                self._retired.discard(evicted)
+                self._users.pop(evicted, None)
+                task = asyncio.get_running_loop().create_task(evicted.close(None))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
         return channel
 
     async def close(self) -> None:
         """Close every channel."""
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close(None)
         self._channels.clear()
+        self._retired.clear()
+        self._users.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def copy_shard(
         self, manifest: manifest_pb2.Manifest, shard: int, peers: Sequence[str]
@@ -304,11 +409,16 @@ class Peers:
             start_chunk=len(copy.frames),
             cached_only=True,
         )
-        call = self._channel(peer).unary_stream(
-            READ_SHARD_METHOD,
-            request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
-            response_deserializer=parse_chunk,
-        )(request, metadata=self._metadata)
+        async with self.channel(peer) as channel:
+            call = channel.unary_stream(
+                READ_SHARD_METHOD,
+                request_serializer=edge_pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=parse_chunk,
+            )(request, metadata=self._metadata)
+            await self._receive(call, copy)
+
+    async def _receive(self, call: aio.UnaryStreamCall, copy: _Copy) -> None:
+        """Append ``call``'s verified chunks to ``copy`` (see :meth:`_stream`)."""
         loop = asyncio.get_running_loop()
         asked = loop.time()  # when this peer was asked
         received = chunks = 0  # frame bytes and chunks it gave since

@@ -43,13 +43,16 @@ from edgecache.cache.errors import (
     causes,
 )
 from edgecache.edge.diagnose import (
+    SINK_BYTES,
+    SINK_SECONDS,
     PeerPathFailed,
     diagnose_origin,
     diagnose_peer,
     diagnose_registry,
+    diagnose_seconds,
 )
 from edgecache.edge.node import EdgeNode
-from edgecache.edge.peers import PeerCopyFailed
+from edgecache.edge.peers import PeerCopyFailed, check_peer
 from edgecache.v1 import edge_pb2, manifest_pb2
 
 __all__ = [
@@ -63,9 +66,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 SERVICE_NAME = edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name
 ADMIN_METHODS = frozenset({"Stage", "Evict", "Pin", "Diagnose"})
-SINK_SECONDS = 60.0  # a Sink stream longer than this, or larger than SINK_BYTES, is cut
-SINK_BYTES = 8 << 30
-DIAGNOSE_SECONDS, DIAGNOSE_STREAMS = 30.0, 16
+DIAGNOSE_STREAMS = 16  # SINK_SECONDS, SINK_BYTES: a Sink's limits (see edge/diagnose.py)
 Req = TypeVar("Req")
 
 
@@ -426,6 +427,7 @@ class EdgeCacheService:
         self.node.metrics.stage_done(time.monotonic() - began, "ok")
 
     async def _stage(self, request: edge_pb2.StageRequest) -> AsyncIterator[edge_pb2.StageProgress]:
+        _check_peers(request)
         manifest = await self.node.manifest(request.dataset, request.version)
         pin = request.pin_until.ToDatetime(tzinfo=UTC) if request.HasField("pin_until") else None
         wanted = self.node.staging_targets(manifest, list(request.shards))
@@ -515,7 +517,7 @@ class EdgeCacheService:
         its own metric (``edgecache_origin_retries_total``,
         ``edgecache_registry_retries_total``).
         """
-        seconds = min(max(request.seconds or 4.0, 0.5), DIAGNOSE_SECONDS)
+        seconds = diagnose_seconds(request.seconds)
         streams = min(max(request.streams or 4, 1), DIAGNOSE_STREAMS)
         node = self.node
         if request.target in ("", "origin", "registry"):
@@ -563,6 +565,22 @@ class EdgeCacheService:
                 response_serializer=serializer,
             )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _check_peers(request: edge_pb2.StageRequest) -> None:
+    """``ValueError`` (INVALID_ARGUMENT) for a Stage's peers no shard could come from.
+
+    Before anything is fetched: ``peers_only`` without peers asks for no origin
+    traffic and names nowhere else, and a peer that is no address failed every
+    shard UNAVAILABLE (or, without ``peers_only``, sent each quietly to origin).
+    """
+    if request.peers_only and not request.peers:
+        raise ValueError(
+            "peers_only needs peers: name them in peers (host:port or grpcs://host:port), "
+            "or stage without peers_only to fetch from origin"
+        )
+    for peer in request.peers:
+        check_peer(peer)
 
 
 def _held_manifests(node: EdgeNode) -> list[manifest_pb2.Manifest]:
@@ -780,10 +798,20 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
             )
         reason = "missing" if not presented else "wrong"
         log.warning("[EdgeCache.%s] refused: %s bearer token", name, reason)
+        # Name the token the call needs, by the node's flag that holds it: a reader told
+        # "--token-file" went looking for the admin token. Clients pass either one with
+        # their own --token-file ($EDGECACHE_TOKEN_FILE, token= for EdgeDataset).
+        if name in ADMIN_METHODS:
+            needed = "the node's admin token (the file of the node's --token-file)"
+        else:
+            needed = (
+                "the node's read token (the file of the node's --read-token-file; its admin "
+                "token works too)"
+            )
         return grpc.StatusCode.UNAUTHENTICATED, (
             f"{name} needs 'authorization: Bearer <token>' metadata; the token was {reason}: "
-            "pass the node's token (--token-file or $EDGECACHE_TOKEN_FILE; token= for "
-            "EdgeDataset)"
+            f"pass {needed} to the client (--token-file or $EDGECACHE_TOKEN_FILE; token= "
+            "for EdgeDataset)"
         )
 
     async def intercept_service(
