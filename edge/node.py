@@ -157,6 +157,8 @@ class EdgeNode:
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
+        # Stored bytes a shard needed when the cache refused it for room (_still_no_room).
+        self._refused_size: dict[ShardKey, int] = {}
         # When the registry was last asked for each manifest kept here (monotonic),
         # the checks in flight, and the registry's manifest of each version
         # that no longer agrees: a published version changed after this node cached it.
@@ -598,6 +600,29 @@ class EdgeNode:
             ", as when the last write failed",
         )
 
+    def _still_no_room(self, key: ShardKey) -> CacheFull | None:
+        """The error for a shard refused for room before, while pins still leave too little.
+
+        A cache full of pinned data refused each shard only after fetching and
+        preprocessing it, on every read and Stage that asked (six refusals pulled
+        six shards from origin). The size a refused shard needed is remembered;
+        until unpinned room (capacity less pinned bytes) reaches it, it is refused
+        before anything is fetched. Room from an unpin, an evict or a larger
+        capacity is seen at the next call.
+        """
+        need = self._refused_size.get(key)
+        if need is None:
+            return None
+        room = self.store.capacity_bytes - int(self._pinned_bytes())
+        if room >= need:
+            return None
+        return CacheFull(
+            f"{key}: not fetched, it needs {format_bytes(need)} and pinned versions leave "
+            f"{format_bytes(max(room, 0))} of the {format_bytes(self.store.capacity_bytes)} "
+            "capacity, as when it was last refused; unpin or evict a version (edgecache evict), "
+            "or raise --capacity"
+        )
+
     async def _put_shard(
         self, manifest: manifest_pb2.Manifest, key: ShardKey, frames: Sequence[Buffer]
     ) -> ShardInfo:
@@ -615,7 +640,12 @@ class EdgeNode:
                 f"(digest {manifest.digest}) that this node no longer serves: the registry's "
                 "version changed meanwhile; nothing was stored"
             )
-        info = await self._write(self.store.put_shard, key, frames)
+        try:
+            info = await self._write(self.store.put_shard, key, frames)
+        except CacheFull:
+            self._refused_size[key] = sum(len(f) for f in frames)  # see _still_no_room
+            raise
+        self._refused_size.pop(key, None)
         self._count_evictions()
         if self._disk_full:
             self._disk_full = False
@@ -690,6 +720,8 @@ class EdgeNode:
     ) -> Fetched:
         if (full := self._still_full(key)) is not None:
             raise full
+        if (no_room := self._still_no_room(key)) is not None:
+            raise no_room
         notes: tuple[str, ...] = ()
         if peers:
             try:

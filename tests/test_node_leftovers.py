@@ -392,3 +392,39 @@ def test_a_damaged_kept_manifest_is_read_again_from_the_registry(
 
         kept = manifest_from_bytes(store.get_manifest("tokens", 1) or b"")  # whole again
         assert not kept.shards[0].source_key.endswith(".x")
+
+
+def test_a_shard_refused_for_pinned_room_is_not_fetched_again_until_there_is_room(
+    tmp_path: Path, registry: str
+) -> None:
+    """A cache full of pinned data fetched and preprocessed each shard before refusing it,
+    on every read that asked: six refusals pulled six shards from origin. The size a
+    refused shard needed is remembered, and it is refused before fetching while pins still
+    leave too little; once they do not, it is read through as before."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    write_parquet_shards(tmp_path / "origin2", 2, rows=1000)
+    publish(registry, f"file://{tmp_path}/origin2", "other")
+    with running_node(node_settings(tmp_path, registry)) as node:
+        client = stub(node.address)
+        _stage(node.address)
+        assert node.node is not None
+        held = node.node.store.stats.used_bytes
+    # Restarted with room for tokens@1 alone, pinned: nothing of other@1 fits.
+    with running_node(node_settings(tmp_path, registry, capacity=held + 1024)) as node:
+        client = stub(node.address)
+        until = Timestamp(seconds=int(time.time()) + 3600)
+        client.Pin(edge_pb2.PinRequest(dataset="tokens", version=1, until=until))
+        assert node.node is not None
+        fetches = lambda: node.node.metrics.value("edgecache_origin_fetches_total")  # noqa: E731
+        codes = []
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as refused:
+                read_shard_table(client, "other", 1, 0)
+            codes.append(refused.value.code())
+        assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+        assert fetches() == 1, fetches()  # the first refusal fetched; the others did not
+        assert "not fetched" in (refused.value.details() or "")
+        client.Pin(edge_pb2.PinRequest(dataset="tokens", version=1))  # unpinned: room again
+        assert read_shard_table(client, "other", 1, 0).num_rows == 1000
+        assert fetches() == 2
