@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -112,4 +113,14 @@ def node_fields(root: Path, **flags: object) -> dict[str, object]:
         "listen": "127.0.0.1:0",
         "sync": False,
         **flags,
+    }
+
+
+def pins_on(node: object) -> dict[str, datetime]:
+    """name@N → the time the node (anything with an ``address``) pins it until."""
+    status = stub(node.address).Status(edge_pb2.StatusRequest())  # type: ignore[attr-defined]
+    return {
+        f"{v.dataset}@{v.version}": v.pinned_until.ToDatetime(tzinfo=UTC)
+        for v in status.versions
+        if v.HasField("pinned_until")
     }

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from edgeutil import publish, stub, write_parquet_shards
+from edgeutil import pins_on, publish, stub, write_parquet_shards
 from tcpproxy import FaultyProxy
 
 from edgecache.clients.controller import Controller, read_state
@@ -52,15 +52,6 @@ def job(name: str, region: str, start: datetime, hours: float, *datasets: str) -
 def versions_on(node: LocalNode) -> dict[str, int]:
     status = stub(node.address).Status(edge_pb2.StatusRequest())
     return {f"{v.dataset}@{v.version}": v.shard_count for v in status.versions if v.shard_count}
-
-
-def pins_on(node: LocalNode) -> dict[str, datetime]:
-    status = stub(node.address).Status(edge_pb2.StatusRequest())
-    return {
-        f"{v.dataset}@{v.version}": v.pinned_until.ToDatetime(tzinfo=UTC)
-        for v in status.versions
-        if v.HasField("pinned_until")
-    }
 
 
 @pytest.fixture

@@ -15,10 +15,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from edgeutil import publish, stub, write_parquet_shards
+from edgeutil import pins_on, publish, write_parquet_shards
 
 from edgecache.clients.node_client import LocalNode, start_local_node
-from edgecache.v1 import edge_pb2
 
 ENV = {**os.environ, "COLUMNS": "80"}
 
@@ -117,16 +116,6 @@ def test_plan_shows_its_pins_without_explain_and_no_nothing_to_do_for_a_silent_r
         and "region us-east: not planned: its nodes' state is unknown" in out
     )
     assert "error:" in err and "us-east" in err, err
-
-
-def pins_on(node: LocalNode) -> dict[str, datetime]:
-    """name@N → the time ``node`` pins it until."""
-    status = stub(node.address).Status(edge_pb2.StatusRequest())
-    return {
-        f"{v.dataset}@{v.version}": v.pinned_until.ToDatetime(tzinfo=UTC)
-        for v in status.versions
-        if v.HasField("pinned_until")
-    }
 
 
 @pytest.fixture
