@@ -1073,7 +1073,12 @@ class EdgeNode:
                             size,
                             fetched=fetched is not None,
                             source=fetched.source if fetched else "",
-                            peer_bytes=fetched.bytes if fetched and fetched.source == "peer" else 0,
+                            # A joined fetch's bytes are the other request's to report.
+                            peer_bytes=(
+                                fetched.bytes
+                                if fetched and fetched.source == "peer" and not joined
+                                else 0
+                            ),
                             notes=fetched.notes if fetched else (),
                             joined=joined,
                         )

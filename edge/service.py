@@ -451,11 +451,11 @@ class EdgeCacheService:
                 failures.append((outcome.shard, why, code))
             else:
                 progress.shards_done += 1
-                if outcome.fetched and outcome.source == "origin":
+                if outcome.fetched and not outcome.joined and outcome.source == "origin":
                     progress.bytes_done += outcome.source_bytes
-                elif outcome.fetched:
+                elif outcome.fetched and not outcome.joined:
                     pass  # copied from a peer: peer_bytes_done
-                else:
+                else:  # resident already, or fetched by another request this one waited on
                     progress.shards_skipped += 1
             progress.bytes_per_second = progress.bytes_done / max(time.monotonic() - started, 1e-9)
             yield progress

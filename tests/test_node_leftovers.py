@@ -428,3 +428,27 @@ def test_a_shard_refused_for_pinned_room_is_not_fetched_again_until_there_is_roo
         client.Pin(edge_pb2.PinRequest(dataset="tokens", version=1))  # unpinned: room again
         assert read_shard_table(client, "other", 1, 0).num_rows == 1000
         assert fetches() == 2
+
+
+def test_concurrent_stages_of_one_version_report_each_shard_fetched_once(
+    tmp_path: Path,
+) -> None:
+    """Eight Stage calls of one version each reported every shard's bytes as fetched by it
+    (bytes_done 8 × the version, shards_skipped 0) while the node fetched each once and its
+    metrics counted the others skipped. A shard another request fetched while this one
+    waited is skipped here, its bytes the other's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    write_parquet_shards(tmp_path / "origin", 6, rows=4000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(node_settings(tmp_path, registry)) as node:
+        with ThreadPoolExecutor(8) as pool:
+            last = list(pool.map(lambda _: _stage(node.address), range(8)))
+        assert node.node is not None
+        staged = node.node.metrics.value("edgecache_staged_shards_total", result="staged")
+    total = last[0].bytes_total
+    assert all(p.finished and p.shards_done == 6 and not p.shards_failed for p in last), last
+    assert staged == 6
+    assert sum(p.bytes_done for p in last) == total, [p.bytes_done for p in last]
+    assert sum(6 - p.shards_skipped for p in last) == 6, [p.shards_skipped for p in last]
