@@ -1000,15 +1000,20 @@ class EdgeNode:
                     )
                     again, _ = await self.ensure_shard(manifest, shard)
                     refetched = True
-                    if (again.checksums, again.chunk_rows, again.chunk_count) != (
-                        info.checksums,
+                    # The stream goes on from the new copy if the chunks it has sent are
+                    # the new copy's too. Not the whole record: a damaged checksum in the
+                    # old record (the chunk it describes then fails its check) made the
+                    # copies differ there, and such a read ended, before it sent anything,
+                    # saying the shard was "re-encoded differently".
+                    if (again.chunk_rows, again.checksums[:index]) != (
                         info.chunk_rows,
-                        info.chunk_count,
+                        info.checksums[:index],
                     ):
                         raise ChunkCorrupt(
                             f"{key} was re-encoded differently mid-stream; read it again "
                             "from chunk 0"
                         ) from exc
+                    info = again
                     continue
                 damaged = 0
                 self.metrics.bytes_served.inc(len(encoded))

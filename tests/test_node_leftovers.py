@@ -452,3 +452,32 @@ def test_concurrent_stages_of_one_version_report_each_shard_fetched_once(
     assert staged == 6
     assert sum(p.bytes_done for p in last) == total, [p.bytes_done for p in last]
     assert sum(6 - p.shards_skipped for p in last) == 6, [p.shards_skipped for p in last]
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_a_damaged_checksum_in_a_shard_record_is_read_through_whole(
+    tmp_path: Path, registry: str, chunk: int
+) -> None:
+    """One checksum of a shard's record flipped: its chunk fails its check, the shard is
+    fetched anew, and the read ended UNAVAILABLE saying the shard "was re-encoded
+    differently mid-stream" (the new record differs from the damaged one exactly there).
+    The stream goes on from the new copy when the chunks it sent are the same."""
+    import lmdb
+
+    from edgecache.cache.keys import ShardKey
+    from edgecache.v1 import store_pb2
+
+    with running_node(node_settings(tmp_path, registry)) as node:
+        _stage(node.address)
+        expected = read_shard_table(stub(node.address), "tokens", 1, 0)
+    env = lmdb.open(str(tmp_path / "cache"), max_dbs=8)
+    raw_key = ShardKey("tokens", 1, 0).encode()
+    with env.begin(write=True) as txn:
+        shards = env.open_db(b"shards", txn=txn, create=False)
+        record = store_pb2.StoredShard.FromString(txn.get(raw_key, db=shards))
+        assert record.chunk_count > chunk
+        record.checksums[chunk] ^= 1
+        txn.put(raw_key, record.SerializeToString(), db=shards)
+    env.close()
+    with running_node(node_settings(tmp_path, registry)) as node:
+        assert read_shard_table(stub(node.address), "tokens", 1, 0).equals(expected)
