@@ -55,12 +55,13 @@ def target(address: str | None, config: Path | None = None) -> str:
     ``host:99999`` as an address and reports UNAVAILABLE, which reads as a
     node that is down (exit 1) rather than a typo (exit 2).
     """
+    from edgecache.cache.addresses import address_problem
+
     found = address or probe_address(config)
     if "://" in found:
         return found
-    port = found.rpartition(":")[2]
-    if not (":" in found and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"the address {found!r} is not HOST:PORT (a port in 1..65535)")
+    if (problem := address_problem(found)) is not None:
+        raise ValueError(f"the address {found!r} is not HOST:PORT: {problem}")
     return found
 
 

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ import grpc
 from grpc import aio
 
 from edgecache.cache import rendezvous
-from edgecache.cache.addresses import split_hostport
+from edgecache.cache.addresses import address_problem, split_hostport
 from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
 from edgecache.cache.frame import verify_frame
 from edgecache.cache.preprocess import limits
@@ -83,7 +82,6 @@ COPY_BYTES_FLOOR = 64 << 20
 # session that gRPC keeps reconnecting: kept until shutdown, a node asked for many
 # distinct targets grew without bound.
 MAX_CHANNELS = 64
-_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?")
 _PEER_FORMS = "host:port, grpc://host:port or grpcs://host:port, port 1-65535"
 
 
@@ -101,30 +99,10 @@ def check_peer(peer: str) -> tuple[bool, str]:
         secure, target = True, peer[len("grpcs://") :]
     elif peer.startswith("grpc://"):
         target = peer[len("grpc://") :]
-    problem = _address_problem(target)
+    problem = address_problem(target)
     if problem is not None:
         raise ValueError(f"peer {peer!r} is not a peer address: {problem}; expected {_PEER_FORMS}")
     return secure, target
-
-
-def _address_problem(target: str) -> str | None:
-    """What is wrong with ``host:port`` as an address to dial; None when nothing is."""
-    if "://" in target:
-        return f"the scheme {target.split('://', 1)[0]!r} is not one a peer is named with"
-    host, sep, port = target.rpartition(":")
-    if not sep or not host:
-        return "no host:port"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return f"the port {port!r} is not a number from 1 to 65535"
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            return f"{host} is not an IPv6 address"
-        return None
-    if not _HOST.fullmatch(host):
-        return f"the host {host!r} is not a host name or IP address (an IPv6 one in brackets)"
-    return None
 
 
 def copy_byte_limit(shard: manifest_pb2.Shard) -> int:
