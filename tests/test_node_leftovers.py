@@ -156,7 +156,10 @@ def test_a_read_abandoned_before_its_first_chunk_is_a_miss_and_timed(
                 assert _wait_for(lambda: proxy.injected)  # the fetch is under way
                 call.cancel()
             else:
-                call = stub(node.address).ReadShard(request, timeout=0.5)
+                # Passes during the proxy's 2 s stall; 0.5 s could pass under a loaded
+                # parallel suite before the node had even started the call (then nothing
+                # on the node is abandoned, and nothing counted).
+                call = stub(node.address).ReadShard(request, timeout=1.5)
             with pytest.raises(grpc.RpcError):
                 list(call)
             result = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
