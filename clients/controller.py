@@ -675,7 +675,7 @@ class Controller:
         )
         self.last_plan = plan
         self._observe(plan, schedule, manifests, reports, now)
-        self._failed(*unreachable_regions(reports, schedule, now).values())
+        self._failed(*(o.message() for o in unreachable_regions(reports, schedule, now).values()))
         try:
             if not self.stop.is_set():  # stopping: no new calls; the next run makes them
                 self._keep_lease()

@@ -324,10 +324,15 @@ class Outage:
         """No node of the region answered."""
         return len(self.down) == self.nodes
 
+    @property
+    def refused(self) -> bool:
+        """Every silent node serves but refused the credentials: bad input, not a retry."""
+        return all(r.refused for r in self.down)
+
     def message(self) -> str:
         """Which nodes did not answer, and what to check: one line for an operator."""
         nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in self.down)
-        if all(r.refused for r in self.down):
+        if self.refused:
             return (
                 f"region {self.region}'s nodes serve but refused this command's credentials: "
                 f"{nodes}; pass the token they take with --token-file (the admin token for "
@@ -358,19 +363,15 @@ def region_outages(reports: list[NodeReport]) -> dict[str, Outage]:
 
 def unreachable_regions(
     reports: list[NodeReport], schedule: Schedule, now: datetime
-) -> dict[str, str]:
-    """Region → why, for the regions of jobs not yet over with an outage (:class:`Outage`).
+) -> dict[str, Outage]:
+    """Region → its outage, for the regions of jobs not yet over (:class:`Outage`).
 
     Unreachable and degraded regions both: a plan for such a region is built
     on part of it, or on nothing, so it is not to be trusted, and staging
     there cannot finish.
     """
     used = {job.region for job in schedule.jobs if job.end > now}
-    return {
-        region: outage.message()
-        for region, outage in region_outages(reports).items()
-        if region in used
-    }
+    return {region: outage for region, outage in region_outages(reports).items() if region in used}
 
 
 @dataclass

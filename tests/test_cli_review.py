@@ -144,3 +144,37 @@ def test_nodes_on_picked_ports_with_caches_of_one_name_get_ids_of_their_own(
     one, two = _config(tmp_path / "a"), _config(tmp_path / "b")
     assert one.default_node_id() != two.default_node_id()
     assert one.default_node_id().endswith(str(tmp_path / "a" / "cache"))
+
+
+def _refusing_node_and_a_dead_region(tmp_path: Path) -> tuple[Path, Path]:
+    """A schedule for region eu, and a topology whose other region's only node is down."""
+    (tmp_path / "read").write_text("r3ad\n")
+    (tmp_path / "registry").mkdir()
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text(
+        "jobs:\n  - name: j\n    region: eu\n    start: '2099-01-01T00:00:00Z'\n"
+        "    duration: 1h\n    datasets: [tokens@1]\n"
+    )
+    return schedule, tmp_path / "edgecache.yaml"
+
+
+@pytest.mark.parametrize("command", ["plan", "warm"])
+def test_a_refused_token_is_bad_input_whatever_a_region_no_job_uses_says(
+    tmp_path: Path, command: str
+) -> None:
+    """warm exited 1 (retry) where plan exited 2 for nodes that refused the token, and plan
+    exited 1 too once any node of a region no job used was down: the exit code asked every
+    silent node of the topology, where the messages named only the schedule's regions."""
+    schedule, topology = _refusing_node_and_a_dead_region(tmp_path)
+    with running_node(_config(tmp_path, read_token_file=str(tmp_path / "read"))) as node:
+        topology.write_text(
+            f"registry: file://{tmp_path}/registry\nregions:\n"
+            f"  eu:\n    nodes: ['{node.address}']\n  us:\n    nodes: ['127.0.0.1:1']\n"
+        )
+        args = [command, str(schedule), "--config", str(topology)]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "refused this command's credentials" in result.output, result.output
+    assert "region us is" not in result.output, result.output  # no job there: no error
+    if command == "plan":  # nor the plan's "(see below)" for an error that is not printed
+        assert "region us: not planned: no node answers (no job" in result.output, result.output

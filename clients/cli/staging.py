@@ -117,18 +117,18 @@ def plan(
             )
     if not show_status:
         _say_ended(jobs, now)
+    down = unreachable_regions(reports, jobs, now)
     if show_status:
         _print_status(views, as_json)
     elif as_json:
         print(json.dumps(_plan_json(result), indent=2))
     else:
-        _print_plan(result, explain, unseen=_unseen_regions(reports))
-    down = unreachable_regions(reports, jobs, now)
-    for message in down.values():
-        error(message)
+        _print_plan(result, explain, unseen=_unseen_regions(reports), reported=set(down))
+    for outage in down.values():
+        error(outage.message())
     if down:
         # Nodes that serve but refused the token want --token-file, not a retry.
-        refused = all(r.refused for r in reports if r.status is None)
+        refused = all(outage.refused for outage in down.values())
         raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
     if result.infeasible:
         raise exit_with(ExitCode.CANNOT_BE_MET)
@@ -302,17 +302,23 @@ def _unseen_regions(reports: list[ops.NodeReport]) -> set[str]:
     return {region for region, outage in ops.region_outages(reports).items() if outage.unreachable}
 
 
-def _print_plan(result: Plan, explain: bool, *, unseen: set[str]) -> None:
+def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[str]) -> None:
     """Each region's stages and evictions (a table), then its pins, a line each.
 
     The pins are shown without --explain: warm and the controller place them,
     so they are as much the plan as the stages. A region in ``unseen`` (no node
-    answers) is not said to have nothing to do: nothing is known of it, and the
-    command's error names the outage.
+    answers) is not said to have nothing to do: nothing is known of it; the
+    command's error names the outage of the regions in ``reported`` (those a
+    job not yet over runs in), and a silent region no job needs is said so here.
     """
     for name, rp in result.regions.items():
         if name in unseen and not (rp.tasks or rp.evictions or rp.pins):
-            line(f"region {name}: not planned: its nodes' state is unknown (see below)")
+            why = (
+                "its nodes' state is unknown (see below)"
+                if name in reported
+                else "no node answers (no job of the schedule runs there)"
+            )
+            line(f"region {name}: not planned: {why}")
             continue
         if not (rp.tasks or rp.evictions):
             line(
@@ -473,7 +479,7 @@ class _ScheduleWork:
     plan: Plan
     manifests: dict[str, pb.Manifest]
     now: datetime
-    down: dict[str, str]
+    down: dict[str, ops.Outage]
     owner: str = ""  # the schedule file, as warm's record names it
     # Pins an earlier warm of this schedule placed for jobs it no longer has: released
     # before planning (or, in a dry run, would be).
@@ -704,7 +710,9 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             for pin in work.released.released
         ]
         out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
-        out["unreachable"] = [{"region": r, "reason": why} for r, why in work.down.items()]
+        out["unreachable"] = [
+            {"region": r, "reason": outage.message()} for r, outage in work.down.items()
+        ]
     print(json.dumps(out))
 
 
@@ -782,24 +790,33 @@ def _report_failures(warmed: _Warmed) -> None:
             f"[red]failed:[/red] {item.spec} in {item.region}: " + "; ".join(item.failures),
             soft_wrap=True,
         )
-    for message in _down(warmed).values():
-        error(message)
+    for outage in _down(warmed).values():
+        error(outage.message())
 
 
 def _exit_code(warmed: _Warmed) -> ExitCode:
     """A failure (1) outranks a job that cannot be met (3): retrying may fix the former.
 
     An unreachable region counts as a failure even in a dry run, since its
-    plan was built without knowing what the region holds.
+    plan was built without knowing what the region holds; nodes that serve but
+    refused the credentials are bad input (2), as for ``plan`` and ``status``.
     """
-    if warmed.failed or _down(warmed) or warmed.outcome.pin_failures:
+    down = _down(warmed)
+    if warmed.failed or warmed.outcome.pin_failures:
         return ExitCode.FAILED
+    if down:
+        # Nodes that serve but refused the token want --token-file, not a retry.
+        return (
+            ExitCode.BAD_INPUT
+            if all(outage.refused for outage in down.values())
+            else ExitCode.FAILED
+        )
     if warmed.work is not None and warmed.work.plan.infeasible:
         return ExitCode.CANNOT_BE_MET
     return ExitCode.OK
 
 
-def _down(warmed: _Warmed) -> dict[str, str]:
+def _down(warmed: _Warmed) -> dict[str, ops.Outage]:
     """Unreachable regions of the schedule; a single version checks none."""
     return warmed.work.down if warmed.work is not None else {}
 
