@@ -9,6 +9,7 @@ first object and which a new version with the right value fixes.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 
 import pyarrow as pa
@@ -85,6 +86,36 @@ def _common_type(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
     return merged.field("c").type
 
 
+def _shared_columns(schema: pa.Schema, first: pa.Schema, fmt: pb.SourceFormat.ValueType) -> str:
+    """The advice for objects whose columns differ in name or order: select those both have.
+
+    WebDataset shards often do (an optional extension, ``.json`` on some samples,
+    makes a column only in the shards where some sample has one); the ``columns``
+    transform's ``select`` reads every object as the same columns, in one order.
+    "" when they share none, or a shared column's type differs too.
+    """
+    theirs = {f.name: f.type for f in schema}
+    shared = [f.name for f in first if f.name in theirs]
+    if (
+        not shared
+        or any(not first.field(n).type.equals(theirs[n]) for n in shared)
+        or any("," in n or n != n.strip() or set(n) & set("<>[]()") for n in shared)
+    ):
+        return ""
+    left = sorted(set(first.names) ^ set(schema.names))
+    why = f"leaving out {', '.join(left)}" if left else "in one order"
+    wds = (
+        " (WebDataset: a shard where no sample has an optional extension has no column for it)"
+        if fmt == pb.SOURCE_FORMAT_WEBDATASET and left
+        else ""
+    )
+    select = shlex.quote(f"select={','.join(shared)}")
+    return (
+        f"{wds}; to publish the columns both have ({why}), publish with --transform columns "
+        f"--param {select}"
+    )
+
+
 def schema_mismatch(
     url: str,
     schema: pa.Schema,
@@ -98,14 +129,18 @@ def schema_mismatch(
     An object whose column is all null, or holds one float among integers,
     infers another type than its neighbours; a type said for the column reads
     them all alike: ``--column-types`` for CSV and JSON Lines (read as that type),
-    else the ``columns`` transform's cast.
+    else the ``columns`` transform's cast. Objects whose columns differ in name
+    (a WebDataset extension some shards lack) are told the ``select`` of the
+    columns they share.
     """
     text = (
         f"{url} has columns ({columns_text(schema)}) after preprocessing, but {first_url} has "
         f"({columns_text(first)}); all objects of a version must agree"
     )
     read_as = fmt in (pb.SOURCE_FORMAT_CSV, pb.SOURCE_FORMAT_JSONL) and transform == "identity"
-    if schema.names != first.names or transform not in ("identity", "columns"):
+    if schema.names != first.names:
+        return text + (_shared_columns(schema, first, fmt) if transform == "identity" else "")
+    if transform not in ("identity", "columns"):
         return text
     typed: list[str] = []
     for mine, theirs in zip(schema, first, strict=True):

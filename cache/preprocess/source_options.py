@@ -413,14 +413,38 @@ def _not_utf8(buf: pa.Buffer, names: list[str], source: str) -> MalformedShard:
     )
 
 
-# An integer literal of 19 digits or more, not part of a decimal or an exponent: past
-# int64's 9,223,372,036,854,775,807 pyarrow reads the whole column as float64.
-LONG_INTEGER = re.compile(rb"(?<![\w.+-])-?[0-9]{19,}(?![\w.])")
+# An integer literal from 9,000,000,000,000,000 up (16 digits starting with 9, or 17 or
+# more), not part of a decimal or an exponent: a float64 holds every integer exactly only
+# up to 2**53 (9,007,199,254,740,992), so in a column read as float64 (beside fractions,
+# or past int64, where pyarrow reads the whole column as float64) a larger one can lose
+# digits. Only lines it finds are parsed to look closer.
+LONG_INTEGER = re.compile(rb"(?<![\w.+-])-?(?:9[0-9]{15}|[0-9]{17,})(?![\w.])")
 _INT64 = 2**63
+_EXACT = 2**53  # float64's 53-bit significand: every integer up to it is exact
+# A decimal that holds any int64 (19 digits) and fractions of up to 9 places.
+DECIMAL_HINT = "decimal128(38, 9)"
+
+
+def rounds_in_float(value: int) -> bool:
+    """Whether an integer in a column read as float64 does not come back as itself.
+
+    Past int64 always (pyarrow reads its whole column as float64: the integers are
+    no more); inside it, past 2**53 when the float's step there misses it.
+    """
+    if not -_INT64 <= value < _INT64:
+        return True
+    return not -_EXACT <= value <= _EXACT and float(value) != value
 
 
 def integer_type_hint(value: int) -> str:
-    """The narrowest type that holds ``value`` exactly, as ``--column-types`` takes it."""
+    """The type, as ``--column-types`` takes it, that holds ``value`` exactly.
+
+    Past int64: the narrowest integer-like type. Inside it, ``value`` only rounds
+    because the column holds fractions too (it reads as float64), which an integer
+    type would refuse: a decimal holds both.
+    """
+    if -_INT64 <= value < _INT64:
+        return DECIMAL_HINT
     if 0 <= value < 2**64:
         return "uint64"
     return "decimal128(38, 0)" if len(str(abs(value))) <= 38 else "string"
@@ -429,15 +453,28 @@ def integer_type_hint(value: int) -> str:
 def rounded_integer_error(
     where: str, what: str, name: str, value: int, kind: str, rounded: str = "float64"
 ) -> MalformedShard:
-    """The error for an integer past int64 that pyarrow would read as a float, losing digits.
+    """The error for an integer that pyarrow would read as a float, losing digits.
 
+    Past int64, or (``rounds_in_float``) past 2**53 in a column of fractions.
     ``kind`` is the column's type that keeps it, ``rounded`` the one that accepts the rounding.
     """
     keep, accept = shlex.quote(f"{name}={kind}"), shlex.quote(f"{name}={rounded}")
+    try:
+        became = repr(float(value))
+    except OverflowError:
+        became = "inf"
+    if -_INT64 <= value < _INT64:
+        why = (
+            "in a column read as float64 (it holds fractions, or integers past int64), which "
+            f"holds integers exactly only up to 2**53 ({_EXACT}): it would become {became}"
+        )
+        scale = " (9 decimal places: raise the scale if the fractions need more)"
+    else:
+        why = f"past int64, so it would be read as float64 and lose digits ({became})"
+        scale = ""
     return MalformedShard(
-        f"{where}: {what} holds the integer {value}, past int64, so it would be read as "
-        f"float64 and lose digits ({float(value)!r}); publish with --column-types {keep} "
-        f"(or {accept} to accept the rounding)"
+        f"{where}: {what} holds the integer {value}, {why}; publish with --column-types "
+        f"{keep}{scale} (or {accept} to accept the rounding)"
     )
 
 
@@ -449,22 +486,23 @@ def _refuse_rounded_integers(
     source: str,
     typed: Mapping[str, pa.DataType],
 ) -> None:
-    """Refuse a CSV column of integers past int64 read as float64, which loses their digits.
+    """Refuse a CSV integer that a column read as float64 would round.
 
-    Only a float column inferred (not typed) whose values reach past int64 is a
-    candidate (a vectorised min/max); only then are the lines with a long integer
-    literal found (one regex pass) and split, to name the row.
+    Past int64 (pyarrow then reads the column as float64), or past 2**53 beside
+    fractions. Only a float column inferred (not typed) whose values reach 2**53
+    is a candidate (a vectorised min/max); only then are the lines with a long
+    integer literal found (one regex pass) and split, to name the row.
     """
     suspects: dict[int, str] = {}
     for i, field in enumerate(table.schema):
         if not pa.types.is_floating(field.type) or field.name in typed:
             continue
         low, high = pc.min_max(table.column(i)).values()
-        if (low.as_py() or 0) < -_INT64 or (high.as_py() or 0) >= _INT64:
+        if (low.as_py() or 0) <= -_EXACT or (high.as_py() or 0) >= _EXACT:
             suspects[i] = field.name
     if not suspects:
         return
-    data = buf.to_pybytes()  # a copy, made only for a column that reaches past int64
+    data = buf.to_pybytes()  # a copy, made only for a column that reaches 2**53
     line, counted = 1, 0
     for match in LONG_INTEGER.finditer(data):
         line += data.count(b"\n", counted, match.start())
@@ -476,7 +514,7 @@ def _refuse_rounded_integers(
         for row in _first_rows(data[start : end if end >= 0 else len(data)], delimiter, 0, 1):
             for i, name in suspects.items():
                 cell = row[i].strip() if i < len(row) else ""
-                if re.fullmatch(r"-?[0-9]{19,}", cell) and not -_INT64 <= int(cell) < _INT64:
+                if re.fullmatch(r"-?[0-9]{16,}", cell) and rounds_in_float(int(cell)):
                     value = int(cell)
                     kind = integer_type_hint(value)
                     where = f"{source} line {line}"

@@ -3,12 +3,18 @@
 WebDataset's convention (``webdataset.tariterators``): a member's *key* is its
 path up to the first dot of its file name, the rest is its *extension*, and
 consecutive members with the same key form one sample
-(``n01/img_7.jpg`` + ``n01/img_7.cls`` → key ``n01/img_7``). Each sample
-becomes one row: ``__key__`` (string), then one column per extension, in
-sorted order so every node and every shard agrees on it:
+(``n01/img_7.jpg`` + ``n01/img_7.cls`` → key ``n01/img_7``). Members that
+WebDataset takes for metadata are skipped as it skips them: a top-level name
+that starts and ends with ``__``, and anything under such a folder
+(``__meta__/…``); a key whose file name merely starts with ``__`` (``x/__a``)
+is a sample like any other. Each sample becomes one row: ``__key__``
+(string), then one column per extension, in sorted order so every node and
+every shard agrees on it, typed as WebDataset's ``.decode()`` types it, by
+the extension's last part (``caption.txt`` is text, ``label.cls`` an integer;
+the column keeps the full extension as its name):
 
 * ``cls``, ``cls2``, ``index``, ``inx``, ``id`` → int64 (WebDataset decodes
-  them as integers too);
+  them as integers too; publish refuses a member that is not one, naming it);
 * ``txt``, ``text``, ``transcript``, ``json``, ``jsn`` → string (JSON stays its
   text: a column of one Arrow type cannot hold arbitrary JSON);
 * anything else (``jpg``, ``png``, ``npy``, …) → binary, the member's bytes
@@ -22,6 +28,7 @@ member data, so shards of large images stay bounded in memory.
 from __future__ import annotations
 
 import io
+import json
 import re
 import tarfile
 from collections.abc import Iterator
@@ -38,15 +45,90 @@ INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "inx", "id"})
 TEXT_EXTENSIONS = frozenset({"txt", "text", "transcript", "json", "jsn"})
 BATCH_BYTES = 64 << 20
 KEY = "__key__"
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 
 Sample = tuple[str, dict[str, memoryview]]
 
 
+def _kind(ext: str) -> str:
+    """The part of an extension that says its type: the last (``label.cls`` → ``cls``).
+
+    WebDataset's decoders match the extension's last part alone
+    (``autodecode.basichandlers``).
+    """
+    return ext.rsplit(".", 1)[-1]
+
+
 def _field(ext: str) -> pa.Field:
-    if ext in INT_EXTENSIONS:
+    kind = _kind(ext)
+    if kind in INT_EXTENSIONS:
         return pa.field(ext, pa.int64())
-    return pa.field(ext, pa.string() if ext in TEXT_EXTENSIONS else pa.binary())
+    return pa.field(ext, pa.string() if kind in TEXT_EXTENSIONS else pa.binary())
+
+
+def _is_metadata(name: str) -> bool:
+    """Whether WebDataset skips this member as metadata rather than sample data.
+
+    Its rule exactly (``webdataset.tariterators.tar_file_iterator``): a top-level
+    name that starts and ends with ``__``, or one matching ``__…__`` up to the end
+    or a ``/`` from its start. ``x/__a.jpg`` and ``__a.jpg`` are samples.
+    """
+    top = "/" not in name and name.startswith("__") and name.endswith("__")
+    return top or _META.match(name) is not None
+
+
+def _integer(value: memoryview) -> int | None:
+    """The integer an int-typed member holds (as WebDataset's ``int(data)`` reads it)."""
+    try:
+        number = int(bytes(value).strip() or b"x")
+    except ValueError:
+        return None
+    return number if -(2**63) <= number < 2**63 else None
+
+
+def _not_integer(source: str, key: str, ext: str, value: memoryview) -> MalformedShard:
+    """The error for an int-typed member that holds no int64, with what to do instead."""
+    kind = _kind(ext)
+    text = ext.rsplit(".", 1)[0] + ".txt" if "." in ext else f"{ext}.txt"
+    try:
+        int(bytes(value).strip() or b"x")
+        what, decode = "an integer past int64", ""
+    except ValueError:
+        what, decode = "not an integer", " (its .decode() fails on this one too)"
+    return MalformedShard(
+        f"{source}: sample {key!r}: {ext} holds {bytes(value)[:40]!r}, {what} (member "
+        f"{key}.{ext}); WebDataset reads a .{kind} member as an integer{decode}, and WebDataset "
+        f"sources take no --column-types: to keep such values as text, name the members "
+        f".{text} (a string column {text!r}); else {FIX}"
+    )
+
+
+def _wids_index(data: memoryview) -> bool:
+    """Whether ``data`` is a wids index (``train.json``: a JSON object with a shardlist)."""
+    if len(data) > 64 << 20 or bytes(data[:64]).lstrip()[:1] != b"{":
+        return False
+    try:
+        index = json.loads(bytes(data))
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(index, dict):
+        return False
+    kind = index.get("__kind__")
+    return isinstance(index.get("shardlist"), list) or (
+        isinstance(kind, str) and kind.startswith("wids")
+    )
+
+
+def _not_a_tar(data: memoryview, source: str, exc: tarfile.TarError) -> MalformedShard:
+    if _wids_index(data):
+        name = source.rstrip("/").rsplit("/", 1)[-1]
+        return MalformedShard(
+            f"{source} is a wids index (a JSON list of the shards and their sample counts), "
+            f"not a WebDataset shard; the shards it lists are the tars beside it: publish "
+            f"without it (--exclude {name})"
+        )
+    return MalformedShard(f"{source} is not a readable tar archive ({exc}); {FIX}")
 
 
 def _samples(data: memoryview, source: str) -> Iterator[Sample]:
@@ -54,7 +136,7 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
     try:
         archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # noqa: SIM115
     except tarfile.TarError as exc:
-        raise MalformedShard(f"{source} is not a readable tar archive ({exc}); {FIX}") from exc
+        raise _not_a_tar(data, source, exc) from exc
     key: str | None = None
     fields: dict[str, memoryview] = {}
     try:
@@ -62,8 +144,8 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
             if not member.isfile():
                 continue
             match = _KEY_EXT.match(member.name)
-            if match is None or member.name.rsplit("/", 1)[-1].startswith("__"):
-                continue  # no extension, or WebDataset's own markers: not sample data
+            if match is None or _is_metadata(member.name):
+                continue  # no extension, or WebDataset's own metadata: not sample data
             name, ext = match.group(1), match.group(2).lower()
             if name != key:
                 if key is not None:
@@ -88,12 +170,20 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
 
 
 def tar_schema(data: bytes | memoryview, source: str) -> tuple[pa.Schema, int]:
-    """The schema and sample count of a tar shard, from its member headers alone."""
+    """The schema and sample count of a tar shard, from its member headers.
+
+    Members typed as integers (``.cls``, ``.id``, …: a few bytes each) are read
+    too, so one that holds no integer is refused at publish, naming it, rather
+    than failing every read of the shard.
+    """
     extensions: set[str] = set()
     count = 0
-    for _, fields in _samples(memoryview(data), source):
+    for key, fields in _samples(memoryview(data), source):
         extensions.update(fields)
         count += 1
+        for ext, value in fields.items():
+            if _kind(ext) in INT_EXTENSIONS and _integer(value) is None:
+                raise _not_integer(source, key, ext, value)
     if not count:
         raise MalformedShard(f"{source}: the tar archive holds no samples (key.ext members); {FIX}")
     return pa.schema([pa.field(KEY, pa.string()), *(_field(e) for e in sorted(extensions))]), count
@@ -108,16 +198,10 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
         if field.type == pa.int64():
             numbers: list[int | None] = []
             for (key, _), value in zip(samples, values, strict=True):
-                if value is None:
-                    numbers.append(None)
-                    continue
-                try:
-                    numbers.append(int(bytes(value).strip() or b"x"))
-                except ValueError:
-                    raise MalformedShard(
-                        f"{source}: sample {key!r}: {field.name} holds {bytes(value)[:40]!r}, not "
-                        f"an integer (WebDataset's .{field.name} is a class number); {FIX}"
-                    ) from None
+                number = None if value is None else _integer(value)
+                if value is not None and number is None:
+                    raise _not_integer(source, key, field.name, value)
+                numbers.append(number)
             columns.append(pa.array(numbers, pa.int64()))
             continue
         try:
