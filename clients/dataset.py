@@ -13,15 +13,19 @@
 Guarantees (see :mod:`edgecache.clients.epoch_order` for how):
 
 * every batch draws from ``shuffle_windows`` windows spread over the stored
-  order; memory about ``lanes * shuffle_windows * window_bytes`` plus the
-  read-ahead;
+  order, when the version has at least ``8 * lanes * shuffle_windows`` windows
+  (2 GiB at the defaults and 4 MiB chunks; fewer windows, fewer per batch: a
+  warning says so and names a ``window_bytes`` that restores it); memory about
+  ``lanes * shuffle_windows * window_bytes`` plus the read-ahead;
 * every sample exactly once per epoch across all ranks and workers
   (``drop_last=False``), as many batches on every rank, at most one partial
   (or a last batch split in two to step as often as the others); with
   ``drop_last=True`` the same number of full batches on every rank and no
   sample twice;
-* the same (versions, seed, epoch) gives the same order on any machine, for
-  any number of DataLoader workers, world size or batch size;
+* the same (versions, seed, epoch) gives the same global order on any machine,
+  for any number of DataLoader workers, world size or batch size; a rank's
+  batches are the same for any number of workers, while another world size or
+  batch size cuts the same epoch into other batches;
 * ``state_dict()`` resumes with other workers, endpoints or regions, and at
   another world size or batch size (elastic) with exactly the samples not yet
   consumed this epoch. With ``num_workers > 0`` pass
@@ -45,6 +49,7 @@ import numbers
 import os
 import pickle
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -87,6 +92,7 @@ from edgecache.clients.node_pool import NodePool
 from edgecache.clients.packed import Packed
 from edgecache.clients.pipeline import Pipeline
 from edgecache.clients.read_target import ReadTarget
+from edgecache.clients.shuffle import MIN_STREAM_WINDOWS, GlobalOrder
 from edgecache.clients.tensors import BinaryForm, RaggedForm, with_forms
 from edgecache.clients.topology import nodes_nearest_first
 from edgecache.clients.versions import fetch_manifest, local_manifest, select_columns
@@ -160,7 +166,17 @@ def _column_names(columns: str | Sequence[str] | None) -> list[str] | None:
     """``columns=`` as a list of names: one string is one column, none twice, not empty."""
     if columns is None:
         return None
-    names = [columns] if isinstance(columns, str) else list(columns)
+    if isinstance(columns, str):
+        names = [columns]
+    elif isinstance(columns, Iterable) and not isinstance(columns, bytes):
+        names = list(columns)
+    else:  # list(3) was a bare TypeError that named no parameter
+        raise ValueError(
+            f"columns must be a column name or a list of names, got {columns!r}; pass None for all"
+        )
+    strange = [n for n in names if not isinstance(n, str) or not n]
+    if strange:
+        raise ValueError(f"columns must name columns (non-empty strings), got {strange!r}")
     if not names:
         raise ValueError("columns=[] selects nothing; name at least one, or pass None for all")
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -218,6 +234,15 @@ def _check_row_numbers(
                 f"rows={rows!r}: {name} has {total} rows, so row numbers go up to {total}; "
                 "give a smaller end, or fractions ((0.0, 1.0) is every row)"
             )
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` as a short human size: 512 KiB, 4 MiB, 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.3g} GiB"
 
 
 def _name_in_message(exc: BaseException, version: str) -> None:
@@ -280,7 +305,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             (default: the version's chunk size, so windows are whole chunks).
         shuffle_windows: windows each batch is drawn from (per lane). 1 is the plain
             window shuffle: each batch cut from one window. Memory is about
-            ``lanes * shuffle_windows * window_bytes``.
+            ``lanes * shuffle_windows * window_bytes``. Capped at ``windows // (8 *
+            lanes)`` (a warning says when): small versions need a smaller
+            ``window_bytes`` (or smaller chunks) to mix as much.
         lanes: groups of windows read side by side; ``num_workers`` dividing it keeps
             each worker on its own windows.
         samples_per_epoch: epoch length of a mixture (default: all rows of its
@@ -288,7 +315,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         rows: ``(start, end)`` of each version's canonical row order, as fractions
             (``(0.0, 0.95)``) or row numbers: splits that never overlap.
         component_column: also yield this column: each sample's component index
-            (into :attr:`components`).
+            (into :attr:`components`); a non-empty string.
         token: bearer token for nodes that require one for reads.
         stall_timeout: seconds without a chunk before a stream is abandoned.
         retry_timeout: seconds without progress on any node before giving up.
@@ -343,6 +370,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         stall_timeout = _seconds("stall_timeout", stall_timeout)
         retry_timeout = _seconds("retry_timeout", retry_timeout)
         metrics_port = _integer("metrics_port", metrics_port, minimum=0, optional=True)
+        if component_column is not None and (
+            not isinstance(component_column, str) or not component_column
+        ):
+            # '' or 3 became a batch key of '' or 3, which no training loop looks up.
+            raise ValueError(
+                "component_column must be a non-empty string (the name of the batch key "
+                f"holding each sample's component index) or None, got {component_column!r}"
+            )
         mixture = parse_mixture(spec)
         self.rows = parse_rows(rows)
         if endpoints is None and config is None:
@@ -447,6 +482,76 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._finished_stretch: int | None = None
         self._said_uncounted = False  # the state_dict() warning, once
         self._publish_position()
+        self._warn_about_order()
+
+    # ------------------------------------------------------------ warnings
+
+    def _warn_about_order(self) -> None:
+        """Warn, once, here (never in DataLoader workers), where the order gives less than asked.
+
+        Both used to be silent: a small version's batches each cut from one window
+        whatever ``shuffle_windows`` said, and a rank with no sample yielding no
+        batch (DDP then waits for it forever).
+        """
+        order = self._order(self.seed, self.epoch, None)
+        if order.samples == 0:
+            warnings.warn(
+                f"{self.version}: rank {self.rank} of {self.world_size} gets no sample of the "
+                f"epoch's {order.total} and yields no batch; under DDP the other ranks then "
+                "wait for it at their first collective until the process group's timeout. Use "
+                "fewer ranks than samples, or read this version on fewer ranks",
+                stacklevel=3,
+            )
+        per_lane = order.order.per_lane
+        if self.shuffle and self.shuffle_windows > 1 and per_lane < self.shuffle_windows:
+            warnings.warn(self._mixing_shortfall(len(order.order.windows), per_lane), stacklevel=3)
+
+    def _per_lane(self, window_bytes: int) -> int:
+        """Windows each batch would draw from in this epoch with windows of ``window_bytes``."""
+        components = [
+            Component(c.key, c.extents, rows_per_window(b, window_bytes), c.samples)
+            for c, b in zip(self._components, self._row_bytes, strict=True)
+        ]
+        return GlobalOrder(
+            components,
+            seed=self.seed,
+            epoch=self.epoch,
+            lanes=self.lanes,
+            shuffle_windows=self.shuffle_windows,
+            shuffle=self.shuffle,
+        ).per_lane
+
+    def _mixing_shortfall(self, windows: int, per_lane: int) -> str:
+        """What a version with too few windows for ``shuffle_windows`` gets, and what to do."""
+        wanted = self.shuffle_windows
+        needed = MIN_STREAM_WINDOWS * self.lanes * wanted
+        window = max(r * b for r, b in zip(self.window_rows, self._row_bytes, strict=True))
+        chunk = max(version_chunk_bytes(m) for m in self.manifests)
+        text = (
+            f"{self.version}: each batch draws from {per_lane} window(s), not "
+            f"shuffle_windows={wanted}: the epoch has {windows} windows of about "
+            f"{_size(window)}, and each of the {self.lanes} lanes' streams needs at least "
+            f"{MIN_STREAM_WINDOWS} ({needed} windows for {wanted} streams a lane). A version "
+            f"stored in class order gives batches of about {per_lane} class(es). "
+        )
+        # A power of two near what the window count asks, checked (shard ends and the
+        # window's row cap make it approximate); a few halvings at most, each cheap.
+        # One row a window, last: the most windows the version has.
+        smallest = math.ceil(max(1.0, *self._row_bytes))
+        candidate = 1 << max(int(window * windows / needed).bit_length() - 1, 0)
+        tries = [c for c in (candidate >> i for i in range(4)) if c > smallest] + [smallest]
+        for candidate in tries:
+            if self._per_lane(candidate) >= wanted:
+                return text + (
+                    f"Pass window_bytes={candidate} ({_size(candidate)}) to draw from "
+                    f"{wanted}: each {_size(chunk)} chunk is then read and decoded about "
+                    f"{max(1, chunk // candidate)} times an epoch; or lower lanes (fewer, "
+                    "longer streams)"
+                )
+        return text + (
+            "The version has too few rows for that many windows: lower shuffle_windows "
+            "or lanes, or mix it with a larger version"
+        )
 
     # ------------------------------------------------------------- versions
 
@@ -885,7 +990,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume where ``state`` left off, at this dataset's world size and batch size.
 
-        Refuses (StateMismatch) a state of other versions, weights or order knobs.
+        Refuses (StateMismatch) a state of other versions, weights, order knobs or seed.
         """
         components, order, layout = self._identity()
         resume = resume_from(
@@ -894,6 +999,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             order=order,
             layout=layout,
             lane_lengths=lambda seed, epoch: self._order(seed, epoch, None).lane_lengths,
+            seed=self.seed,
         )
         if resume.elastic:
             log.info(

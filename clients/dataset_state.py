@@ -112,11 +112,15 @@ def resume_from(
     order: dict[str, Any],
     layout: dict[str, Any],
     lane_lengths: Any,
+    seed: int | None = None,
 ) -> Resume:
     """Check ``state`` against this dataset and say where to resume; StateMismatch if it cannot.
 
     ``lane_lengths(seed, epoch)`` gives the lanes of the state's epoch, to check
-    its intervals.
+    its intervals. ``seed``, the dataset's own, must be the state's: the seed
+    fixes the order like the knobs do, and taking the state's in its place
+    quietly (as before) made ``EdgeDataset(seed=10)`` read seed 9's epochs,
+    this one and every later one.
     """
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, PER_LANE_FORMAT):
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -155,6 +159,12 @@ def resume_from(
                 f"{_names(components)}: the state was saved with {key}={saved!r}, this "
                 f"dataset has {mine!r}; the epoch's order depends on it, use the same value"
             )
+    if seed is not None and int(state["seed"]) != seed:
+        raise StateMismatch(
+            f"{_names(components)}: the state was saved with seed={state['seed']!r}, this "
+            f"dataset has seed={seed!r}; the epoch's order depends on it: create EdgeDataset "
+            f"with seed={state['seed']!r} to resume it (or start a new run with set_epoch)"
+        )
     seed, epoch = int(state["seed"]), int(state["epoch"])
     lengths = lane_lengths(seed, epoch)
     try:

@@ -18,17 +18,22 @@ is :mod:`edgecache.clients.partition`.
 2. **The epoch sequence.** Epoch ``e`` takes samples ``[e*n, (e+1)*n)`` of
    the component's endless sequence of passes (``n`` its samples per epoch:
    all its rows, or its share of a mixture, :mod:`edgecache.clients.mixture`).
-   Mixture components are interleaved window by window in proportion, so
-   every stretch of the sequence holds each component at its weight.
+   Mixture components are interleaved window by window in proportion, so a
+   stretch of many windows holds each component at its weight; a batch, which
+   draws from ``per_lane`` windows, holds each in whole windows' worth: a
+   component of weight ``p`` has a share of a batch of variance about
+   ``p(1-p)/per_lane`` (all or nothing with one window per batch).
 3. **Streams and lanes.** From a window chosen at random each epoch (and
    around), the sequence is cut into ``lanes * shuffle_windows`` *streams* of
    about equal length (cut at window edges, so no window is read twice; fewer
-   streams when there are fewer than ``MIN_STREAM_WINDOWS`` windows for each:
-   small versions get less mixing, not reads that cannot spread over the epoch
-   or that ranks share). Stream ``s`` belongs to lane ``s % lanes``, so each
-   lane's streams are spread evenly over the whole sequence. A stream is read
-   one window at a time, even streams front to back and odd ones back to
-   front, so the two windows where streams meet are read at the same time.
+   streams when there are fewer than ``MIN_STREAM_WINDOWS`` windows for each,
+   :func:`streams_per_lane`: small versions get less mixing, not reads that
+   cannot spread over the epoch or that ranks share; a version of 10 windows
+   gives each batch one window, whatever ``shuffle_windows`` says). Stream
+   ``s`` belongs to lane ``s % lanes``, so each lane's streams are spread
+   evenly over the whole sequence. A stream is read one window at a time,
+   even streams front to back and odd ones back to front, so the two windows
+   where streams meet are read at the same time.
 4. **Blocks.** A lane's sequence is a series of *blocks*: block ``b`` takes
    the next few rows (``rows_per_stream``) of every stream of the lane and
    permutes them. Consecutive samples, hence every batch, are drawn from all
@@ -59,6 +64,7 @@ __all__ = [
     "Lane",
     "Units",
     "rng",
+    "streams_per_lane",
 ]
 
 BLOCK_ROWS = 1024  # rows a block aims at: a block draws about BLOCK_ROWS // K from each stream
@@ -184,7 +190,10 @@ def component_epoch(
 
     A pass visits the component's windows in a random order (the rows of each
     window in a random order too), so any stretch of a pass is a random
-    sample of the whole. An under-weighted component continues where the
+    choice of the component's *windows*, each taken whole — not a random
+    sample of its rows: an epoch whose share is a window or two holds only
+    those windows' rows (one class an epoch, for a component stored one class
+    a window); the next epochs continue the pass. An under-weighted component continues where the
     last epoch stopped; an over-weighted one runs through several passes; no
     row repeats before a pass is complete. Within each pass the epoch's
     windows are then put back in canonical order: streams cut from that
@@ -348,6 +357,20 @@ class Lane:
         return int(self._block_starts[first]), int(self._block_starts[last + 1])
 
 
+def streams_per_lane(windows: int, lanes: int, shuffle_windows: int, shuffle: bool) -> int:
+    """Streams each lane has, hence windows each batch draws from: ``shuffle_windows`` at most.
+
+    Fewer when the epoch has fewer than ``MIN_STREAM_WINDOWS * lanes *
+    shuffle_windows`` windows (each stream holds at least ``MIN_STREAM_WINDOWS``):
+    a version of 10 windows gives every batch one window, whatever
+    ``shuffle_windows`` asks (EdgeDataset warns, naming a ``window_bytes`` that
+    restores it). One without ``shuffle``.
+    """
+    if not shuffle:
+        return 1
+    return max(1, min(shuffle_windows, windows // (MIN_STREAM_WINDOWS * lanes)))
+
+
 class GlobalOrder:
     """Every lane's sequence of samples for one epoch (see the module docstring)."""
 
@@ -374,8 +397,7 @@ class GlobalOrder:
             merged = merged.select(np.roll(np.arange(len(merged)), -phase))
         # At least MIN_STREAM_WINDOWS windows a stream: reads stay spread over the
         # epoch, and ranks (which take a stretch of every stream) rarely share one.
-        most = len(merged) // (MIN_STREAM_WINDOWS * lanes)
-        self.per_lane = max(1, min(shuffle_windows, most)) if shuffle else 1
+        self.per_lane = streams_per_lane(len(merged), lanes, shuffle_windows, shuffle)
         streams = lanes * self.per_lane
         # Streams of equal length. A window cut in two by a stream end is read once
         # for both streams: they read it at the same time (see ``backward`` below).

@@ -14,14 +14,20 @@ Column kinds (:func:`column_kinds`, then :func:`with_forms` for the
 dataset's ``binary=`` and ``ragged=``):
 
 * numbers and booleans → ``[batch]`` tensors;
-* fixed-size lists of numbers (nested too) → ``[batch, d1, d2, …]``;
-* variable-length lists of numbers → a ``[batch, longest]`` tensor padded with
-  zeros, plus ``<name>_lengths`` (``[batch]``, int64) — or, ``ragged="packed"``,
-  a :class:`~edgecache.clients.packed.Packed` of the values;
-* binary and strings → a :class:`~edgecache.clients.packed.Packed` (one uint8
-  tensor of the values plus offsets; the default) or, ``binary="list"``, a
-  Python list of ``bytes`` / ``str``;
-* anything else (structs, nested lists of strings) → a Python list.
+* fixed-size lists of numbers or booleans (nested too) → ``[batch, d1, d2, …]``;
+* variable-length lists of numbers or booleans → a ``[batch, longest]`` tensor
+  padded with zeros, plus ``<name>_lengths`` (``[batch]``, int64) — or,
+  ``ragged="packed"``, a :class:`~edgecache.clients.packed.Packed` of the values;
+* binary (fixed-size too) and strings → a :class:`~edgecache.clients.packed.Packed`
+  (one uint8 tensor of the values plus offsets; the default) or, ``binary="list"``,
+  a Python list of ``bytes`` / ``str``;
+* anything else (structs, nested lists of strings, timestamps, dates, durations,
+  decimals) → a Python list of what pyarrow's ``to_pylist`` gives (``datetime``,
+  ``Decimal``, …), pickled per sample by DataLoader workers.
+
+A null raises ValueError naming the column in every tensor or ``Packed``
+column (a null list too: read as an empty one, it was a sample quietly
+changed); Python-list columns give ``None``.
 """
 
 from __future__ import annotations
@@ -81,8 +87,8 @@ def _numeric(t: pa.DataType) -> bool:
 
 
 def _bytes_like(t: pa.DataType) -> str:
-    """``"binary"`` / ``"string"`` for (large) binary and string types, else ``""``."""
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+    """``"binary"`` / ``"string"`` for (large, fixed-size) binary and string types, else ``""``."""
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return "binary"
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "string"
@@ -104,7 +110,6 @@ def column_kinds(schema: pa.Schema, columns: Sequence[str] | None) -> list[Colum
             (pa.types.is_list(inner) or pa.types.is_large_list(inner))
             and not shape
             and _numeric(inner.value_type)
-            and not pa.types.is_boolean(inner.value_type)
         ):
             dtype = np.dtype(inner.value_type.to_pandas_dtype())
             kinds.append(ColumnKind(name, "ragged", (), dtype, "list"))
@@ -216,12 +221,29 @@ class _Ranges:
 def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
     """The values of ``rows`` of a binary, string or list-of-numbers column, without copying."""
     if kind.item == "list":
+        if column.null_count:  # read as an empty list, it was a sample quietly changed
+            raise ValueError(
+                f"column {kind.name!r} has nulls (a null list), which a tensor of numbers "
+                "cannot hold; leave it out (columns=[...] without it) or publish a version "
+                "with the nulls filled in (an empty list, say)"
+            )
         offsets = np.asarray(column.offsets)  # sliced with the array; values are not
         source = column.values.to_numpy(zero_copy_only=False)
         if column.values.null_count:
             raise ValueError(
                 f"column {kind.name!r} has null list entries; tensors cannot hold them"
             )
+    elif pa.types.is_fixed_size_binary(column.type):
+        if column.null_count:
+            raise ValueError(
+                f"column {kind.name!r} has nulls, which a packed column cannot hold; read it "
+                "with binary='list' (None for each null) or fill them in preprocessing"
+            )
+        width = column.type.byte_width
+        data = column.buffers()[1]
+        source = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
+        starts = (column.offset + rows.astype(np.int64)) * width
+        return _Ranges(source, starts, np.full(len(rows), width, dtype=np.int64))
     else:
         if column.null_count:
             raise ValueError(
@@ -248,8 +270,6 @@ def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
         source = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
     starts = offsets[rows].astype(np.int64)
     lengths = offsets[rows + 1].astype(np.int64) - starts
-    if kind.item == "list" and column.null_count:  # a null list is an empty one
-        lengths[~np.asarray(column.is_valid())[rows]] = 0
     return _Ranges(source, starts, lengths)
 
 

@@ -119,8 +119,8 @@ def test_resume_at_a_random_point_with_other_workers_and_endpoints(cluster, seed
     state = ds.state_dict()
     assert state["batches"] == stop and state["epoch"] == 2 and state["version"] == 1
     resumed = EdgeDataset(
-        "tokens@1", endpoints=[nodes[1].address, nodes[0].address], seed=0, **SMALL
-    )
+        "tokens@1", endpoints=[nodes[1].address, nodes[0].address], seed=seed, **SMALL
+    )  # the state's seed: another one is refused (StateMismatch)
     resumed.load_state_dict(state)
     rest = read_epoch(resumed, rng.choice([0, 2]))
     assert first + rest == full

@@ -210,7 +210,7 @@ def test_elastic_resume_at_another_world_size_and_batch_size(cluster, kind, work
             rank=rank,
             world_size=2,
             batch_size=64,
-            seed=0,
+            seed=4,  # the state's: another seed is refused (StateMismatch)
             window_bytes=24 << 10,
         )
         ds.load_state_dict(state)
