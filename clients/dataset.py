@@ -525,8 +525,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """What a version with too few windows for ``shuffle_windows`` gets, and what to do."""
         wanted = self.shuffle_windows
         needed = MIN_STREAM_WINDOWS * self.lanes * wanted
-        window = max(r * b for r, b in zip(self.window_rows, self._row_bytes, strict=True))
-        chunk = max(version_chunk_bytes(m) for m in self.manifests)
+        # The epoch's decoded bytes: its windows are smaller than the chunk size where
+        # shards are (a 640 KB version of 10 shards has 10 windows of 64 KB).
+        total = sum(c.samples * b for c, b in zip(self._components, self._row_bytes, strict=True))
+        window = total / max(windows, 1)
         text = (
             f"{self.version}: each batch draws from {per_lane} window(s), not "
             f"shuffle_windows={wanted}: the epoch has {windows} windows of about "
@@ -534,19 +536,22 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             f"{MIN_STREAM_WINDOWS} ({needed} windows for {wanted} streams a lane). A version "
             f"stored in class order gives batches of about {per_lane} class(es). "
         )
-        # A power of two near what the window count asks, checked (shard ends and the
-        # window's row cap make it approximate); a few halvings at most, each cheap.
-        # One row a window, last: the most windows the version has.
+        # A power of two near what the window count asks, checked (shard ends make it
+        # approximate); a few halvings at most, each cheap. One row a window last, the
+        # most windows there are, only where that is few.
         smallest = math.ceil(max(1.0, *self._row_bytes))
-        candidate = 1 << max(int(window * windows / needed).bit_length() - 1, 0)
-        tries = [c for c in (candidate >> i for i in range(4)) if c > smallest] + [smallest]
+        candidate = 1 << max(int(total / needed).bit_length() - 1, 0)
+        tries = [c for c in (candidate >> i for i in range(4)) if c > smallest]
+        if total / smallest <= 64 * needed:
+            tries.append(smallest)
         for candidate in tries:
             if self._per_lane(candidate) >= wanted:
                 return text + (
                     f"Pass window_bytes={candidate} ({_size(candidate)}) to draw from "
-                    f"{wanted}: each {_size(chunk)} chunk is then read and decoded about "
-                    f"{max(1, chunk // candidate)} times an epoch; or lower lanes (fewer, "
-                    "longer streams)"
+                    f"{wanted}: each chunk is then read and decoded about "
+                    f"{max(1, round(window / candidate))} times an epoch (once for each "
+                    "window it holds); or publish the version with smaller chunks, or lower "
+                    "lanes (fewer, longer streams)"
                 )
         return text + (
             "The version has too few rows for that many windows: lower shuffle_windows "

@@ -53,11 +53,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Lo
     registry = f"file://{root}/registry"
     write_parquet_shards(root / "tokens", SHARDS, rows=ROWS)
     publish(registry, f"file://{root}/tokens", "tokens")
+    publish(registry, f"file://{root}/tokens", "wide", chunk_bytes=4 << 20)  # a shard a window
     (root / "types").mkdir()
     pq.write_table(_types_table(), root / "types" / "p.parquet")
     publish(registry, f"file://{root}/types", "types")
     node = start_local_node("eu", root / "cache", registry)
-    for dataset in ("tokens", "types"):
+    for dataset in ("tokens", "types", "wide"):
         for _ in stub(node.address).Stage(edge_pb2.StageRequest(dataset=dataset, version=1)):
             pass
     yield root, node
@@ -123,6 +124,16 @@ def test_a_version_with_too_few_windows_warns_and_names_a_window_bytes_that_mixe
     mixed = make(cluster, batch_size=32, seed=3, window_bytes=suggested)
     assert mixed.epoch_order().order.per_lane == 16
     assert distinct_classes(mixed) > 7
+
+
+def test_the_window_bytes_named_fits_shards_smaller_than_a_chunk(cluster) -> None:
+    # 4 MiB chunks over shards of 95 KB: each shard is one window. A size worked out
+    # from the chunk size named 16 B windows (one row each, every chunk read 700 times).
+    [text] = [m for m in made_warnings(cluster, "wide@1", batch_size=32) if "draws from" in m]
+    assert "6 windows" in text
+    suggested = int(re.search(r"window_bytes=(\d+)", text).group(1))  # type: ignore[union-attr]
+    assert 1 << 10 <= suggested < 4 << 10
+    assert quiet(cluster, "wide@1", window_bytes=suggested).epoch_order().order.per_lane == 16
 
 
 def test_no_mixing_warning_without_shuffle_or_with_one_window_per_batch(cluster) -> None:
