@@ -24,8 +24,9 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import TypeVar
 
 import fsspec
@@ -55,9 +56,15 @@ from edgecache.cache.preprocess import (
     resource_refs,
 )
 from edgecache.cache.preprocess.compressed import strip_suffix
-from edgecache.cache.preprocess.fixes import columns_text, schema_mismatch
+from edgecache.cache.preprocess.fixes import ParamMismatch, columns_text, schema_mismatch
 from edgecache.cache.preprocess.formats import KIND_NAMES
-from edgecache.cache.preprocess.mds import MdsColumns, mds_index
+from edgecache.cache.preprocess.mds import (
+    LITDATA_ADVICE,
+    MdsColumns,
+    image_encoding_problem,
+    is_litdata_index,
+    mds_index,
+)
 from edgecache.cache.preprocess.partitions import (
     RECORDED,
     hive_partitions,
@@ -70,7 +77,14 @@ from edgecache.cache.preprocess.source_options import delimiter_for_names
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["Registry", "SourceObject", "fetch_resources", "location_url", "resource_url"]
+__all__ = [
+    "Registry",
+    "Selection",
+    "SourceObject",
+    "fetch_resources",
+    "location_url",
+    "resource_url",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,6 +101,59 @@ class SourceObject:
     info: ObjectInfo
     key: str  # relative to the source prefix
     rows: int | None = None  # when an index says (MDS), so the shard need not be read
+
+
+_GLOB = frozenset("*?[")
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which objects under a source prefix are shards: ``--include`` / ``--exclude`` patterns.
+
+    Patterns are matched against an object's key (its path relative to the source
+    prefix) with :func:`fnmatch.fnmatchcase`: ``*`` and ``?`` match ``/`` too, so
+    ``*.md`` leaves out a README in any folder. An object is kept when it matches
+    ``glob`` (the source URL's last part, when that is a pattern: ``data/train-*``),
+    at least one ``include`` (when there are any) and no ``exclude``. Nothing about
+    the selection is recorded: the manifest lists the shards it chose.
+    """
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    glob: str | None = None
+
+    def __post_init__(self) -> None:
+        for flag, patterns in (("--include", self.include), ("--exclude", self.exclude)):
+            for pattern in patterns:
+                if not pattern.strip():
+                    raise ValueError(f"{flag} needs a pattern, e.g. {flag} '*.parquet'")
+                if pattern.startswith("/"):
+                    raise ValueError(
+                        f"{flag} {pattern!r}: patterns match keys relative to the source "
+                        f"prefix, which never start with '/'; drop the leading '/'"
+                    )
+
+    def keeps(self, key: str) -> bool:
+        """Whether the object at ``key`` (relative to the prefix) is selected."""
+        if self.glob is not None and not fnmatchcase(key, self.glob):
+            return False
+        if self.include and not any(fnmatchcase(key, p) for p in self.include):
+            return False
+        return not any(fnmatchcase(key, p) for p in self.exclude)
+
+    def __bool__(self) -> bool:
+        return bool(self.include or self.exclude or self.glob is not None)
+
+    def text(self) -> str:
+        """The patterns as a person gave them: ``the source's pattern 'train-*', --exclude …``."""
+        parts = [f"the source's pattern {self.glob!r}"] if self.glob is not None else []
+        parts += [f"--include {p!r}" for p in self.include]
+        parts += [f"--exclude {p!r}" for p in self.exclude]
+        return ", ".join(parts)
+
+
+def _is_glob(name: str) -> bool:
+    return any(c in _GLOB for c in name)
 
 
 def location_url(location: str, what: str) -> str:
@@ -356,38 +423,48 @@ class Registry:
         fmt: pb.SourceFormat.ValueType | None = None,
         *,
         exclude: frozenset[str] = frozenset(),
+        select: Selection | None = None,
     ) -> tuple[list[SourceObject], pb.SourceFormat.ValueType]:
         """The raw shards under a prefix, and their format (given, or guessed from names).
 
         ``exclude``: keys that are not shards (a transform's files, e.g. a tokenizer).
-        An MDS dataset's shards are the ones its ``index.json`` files list. A single
-        object given as the source is the one shard, its key cut from its folder.
+        ``select``: the ``--include``/``--exclude`` patterns (a glob in the source URL's
+        last part is added to them). An MDS dataset's shards are the ones its
+        ``index.json`` files list. A single object given as the source is the one
+        shard, its key cut from its folder.
         """
-        prefix, single = await self._source(location_url(source_url, "source"))
-        return await self._listed(prefix, single, fmt, exclude)
+        prefix, single, glob = await self._source(location_url(source_url, "source"))
+        chosen = _with_glob(select or Selection(), glob)
+        return await self._listed(prefix, single, fmt, exclude, chosen)
 
-    async def _source(self, url: str) -> tuple[str, SourceObject | None]:
-        """The source's prefix and, when ``url`` names one object, that object.
+    async def _source(self, url: str) -> tuple[str, SourceObject | None, str | None]:
+        """The source's prefix; when ``url`` names one object, that object; or its pattern.
 
         A person publishing one file (``raw/a.parquet``) means that file: it is a
         version of one shard, whose prefix is the file's folder (nodes fetch prefix +
         key). A URL ending in ``/`` is a prefix, and so is one naming no object (a
-        directory, or an object-store prefix): one HEAD request tells them apart.
+        directory, or an object-store prefix): one HEAD request tells them apart. A
+        last part that names nothing and holds ``*``, ``?`` or ``[``
+        (``data/train-*.parquet``) is a pattern over the keys under its folder.
         """
         if url.endswith("/"):
-            return url, None
+            return url, None, None
         scheme, _, rest = url.partition("://")
         if scheme == "s3" and "/" not in rest:  # a bucket alone: no object's name
-            return url + "/", None
+            return url + "/", None, None
+        folder, _, name = url.rpartition("/")
         local = _local_path(url)
         if local is not None and not os.path.isfile(local):
-            return url + "/", None
+            if _is_glob(name) and not os.path.isdir(local):
+                return folder + "/", None, name
+            return url + "/", None, None
         try:
             info = await self._store(url).head(url)
         except OriginError:  # none there; or refused (reads granted under the prefix alone)
-            return url + "/", None  # the listing then says what is wrong, as it did
-        folder, _, name = url.rpartition("/")
-        return folder + "/", SourceObject(info=info, key=name)
+            if _is_glob(name):
+                return folder + "/", None, name
+            return url + "/", None, None  # the listing then says what is wrong, as it did
+        return folder + "/", SourceObject(info=info, key=name), None
 
     async def _listed(
         self,
@@ -395,19 +472,51 @@ class Registry:
         single: SourceObject | None,
         fmt: pb.SourceFormat.ValueType | None,
         exclude: frozenset[str],
+        select: Selection,
     ) -> tuple[list[SourceObject], pb.SourceFormat.ValueType]:
-        """The shards under ``prefix`` (or ``single`` alone) and their format."""
-        found = [single] if single is not None else await self._objects(prefix, exclude)
+        """The shards under ``prefix`` (or ``single`` alone) and their format.
+
+        An ``index.json`` is never data: LitData's is refused (its chunks are no
+        source), and MDS's, under another ``--format``, is left out of the shards.
+        """
+        if single is not None and not select.keeps(single.key):
+            raise ObjectNotFound(
+                f"the source {single.info.url} is one object, and {select.text()} leaves it "
+                "out; drop the pattern, or give the folder as the source"
+            )
+        found = [single] if single is not None else await self._objects(prefix, exclude, select)
         if fmt is None or fmt == pb.SOURCE_FORMAT_UNSPECIFIED:
             fmt = await self._guess_format(prefix, found)
+        elif fmt != pb.SOURCE_FORMAT_MDS:
+            found = await self._not_indexes(prefix, found, fmt)
         if single is not None and fmt == pb.SOURCE_FORMAT_MDS:
             # An MDS dataset is its directory: one of its files (its index.json) names it.
-            found = await self._objects(prefix, exclude)
+            found = await self._objects(prefix, exclude, select)
         return found, fmt
 
-    async def _objects(self, prefix: str, exclude: frozenset[str]) -> list[SourceObject]:
+    async def _not_indexes(
+        self, prefix: str, found: list[SourceObject], fmt: pb.SourceFormat.ValueType
+    ) -> list[SourceObject]:
+        """``found`` less the MDS indexes among them; a LitData index refused."""
+        kept = []
+        for obj in found:
+            shape = await self._index_shape(obj)
+            if shape == "litdata":
+                raise MalformedShard(_litdata(obj.info.url))
+            if shape != "mds":
+                kept.append(obj)
+        if not kept:
+            raise ObjectNotFound(
+                f"the only objects under {prefix} are MDS index.json files, which are no "
+                f"{KIND_NAMES[fmt]} data: publish the MDS directory without --format"
+            )
+        return kept
+
+    async def _objects(
+        self, prefix: str, exclude: frozenset[str], select: Selection
+    ) -> list[SourceObject]:
         """Every object under ``prefix`` that may be a shard; refused if there is none."""
-        found = []
+        found, unselected = [], []
         for info in await self._store(prefix).list(prefix):
             if not info.url.startswith(prefix):  # a key must rebuild the URL: prefix + key
                 raise ValueError(
@@ -417,7 +526,18 @@ class Registry:
             key = info.url[len(prefix) :]
             if any(part.startswith(("_", ".")) for part in key.split("/")) or key in exclude:
                 continue  # _SUCCESS, .crc and similar markers are not data
+            if not select.keeps(key):
+                unselected.append(key)
+                continue
             found.append(SourceObject(info=info, key=key))
+        if not found and unselected:
+            keys = sorted(unselected)
+            listed = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if keys[5:] else "")
+            raise ObjectNotFound(
+                f"no object under {prefix} is selected by {select.text()} (patterns match "
+                f"each key relative to the prefix, * and ? also across '/'); the keys there "
+                f"are {listed}"
+            )
         if not found:
             local = _local_path(prefix)
             if local and not os.path.isdir(local):
@@ -441,8 +561,11 @@ class Registry:
         if any(strip_suffix(o.key).lower().endswith(".mds") for o in found):
             return pb.SOURCE_FORMAT_MDS
         for obj in found:
-            if obj.key.rsplit("/", 1)[-1] == "index.json" and await self._mds_shaped(obj):
+            shape = await self._index_shape(obj)
+            if shape == "mds":
                 return pb.SOURCE_FORMAT_MDS
+            if shape == "litdata":  # never a one-row JSON Lines version of the index
+                raise MalformedShard(_litdata(obj.info.url))
         guesses = {format_from_key(obj.key) for obj in found}
         if len(guesses) > 1 and None not in guesses:
             raise MalformedShard(_mixed_formats(prefix, found))
@@ -452,16 +575,22 @@ class Registry:
         assert fmt is not None
         return fmt
 
-    async def _mds_shaped(self, obj: SourceObject) -> bool:
-        """Whether an ``index.json`` is an MDS index: an object with a list of ``shards``."""
-        if obj.info.size > _MAX_INDEX_BYTES:  # not an index a person would upload
-            return False
+    async def _index_shape(self, obj: SourceObject) -> str | None:
+        """Whose index an ``index.json`` is: ``"mds"``, ``"litdata"``, or None (no index).
+
+        MDS's is an object with a list of ``shards``; LitData's (``optimize()``) has
+        ``chunks`` and ``config``. Objects of other names are not read.
+        """
+        if obj.key.rsplit("/", 1)[-1] != "index.json" or obj.info.size > _MAX_INDEX_BYTES:
+            return None  # not an index a person would upload
         text = await self._store(obj.info.url).get(obj.info.url, expect=obj.info)
         try:
             index = json.loads(text)
         except (ValueError, RecursionError):
-            return False
-        return isinstance(index, dict) and isinstance(index.get("shards"), list)
+            return None
+        if is_litdata_index(index):
+            return "litdata"
+        return "mds" if isinstance(index, dict) and isinstance(index.get("shards"), list) else None
 
     async def _mds_sources(
         self, prefix: str, found: list[SourceObject]
@@ -469,29 +598,56 @@ class Registry:
         """The shards the ``index.json`` files under ``prefix`` list, with their row counts.
 
         Reads only the indexes: publishing an MDS dataset never downloads its shards.
+        Each shard is taken once, however many indexes list it (a root ``index.json``
+        from ``merge_index`` lists the shards of the streams' own indexes again): the
+        indexes are read shallowest first, then by key, so a merged root's order is the
+        version's. Two indexes that disagree about a shard's samples are refused. A
+        compressed shard found only decompressed under its ``raw_data`` name (a
+        Streaming local cache) is taken as that file: nodes read either alike.
         """
         by_key = {obj.key: obj for obj in found}
-        indexes = [o for o in found if o.key.rsplit("/", 1)[-1] == "index.json"]
+        indexes = sorted(
+            (o for o in found if o.key.rsplit("/", 1)[-1] == "index.json"),
+            key=lambda o: (o.key.count("/"), o.key),
+        )
         if not indexes:
             raise ObjectNotFound(
                 f"no index.json under {prefix}: an MDS dataset is the directory its "
-                "index.json lists (publish that directory)"
+                "index.json lists (publish that directory, and let --include/--exclude keep "
+                "its index.json)"
             )
         columns: MdsColumns | None = None
         shards: list[SourceObject] = []
         missing: list[str] = []
+        taken: dict[str, tuple[str, int]] = {}  # key → (the index that listed it, samples)
         for index in indexes:
             text = await self._store(index.info.url).get(index.info.url, expect=index.info)
             these, listed = mds_index(text, index.info.url)
             if columns is not None and these != columns:
                 raise MalformedShard(
                     f"{index.info.url} lists columns {', '.join(these.names)} but "
-                    f"{indexes[0].info.url} lists {', '.join(columns.names)}; publish them apart"
+                    f"{indexes[0].info.url} lists {', '.join(columns.names)}; publish them "
+                    "apart (choose one's folder with --include 'FOLDER/*')"
                 )
             columns = these
             folder = index.key.rpartition("/")[0]
             for shard in listed:
                 key = f"{folder}/{shard.key}" if folder else shard.key
+                raw = (f"{folder}/{shard.raw}" if folder else shard.raw) if shard.raw else None
+                if key not in by_key and raw is not None and raw in by_key:
+                    key = raw  # a local cache: the shard kept decompressed, the zip gone
+                if key in taken:
+                    first, samples = taken[key]
+                    if samples != shard.samples:
+                        raise MalformedShard(
+                            f"{first} says {key} holds {samples:,} samples but "
+                            f"{index.info.url} says {shard.samples:,}; one of them is stale: "
+                            "rewrite it (streaming.base.util.merge_index rebuilds a root "
+                            "index from the streams' own), or leave it out with --exclude, "
+                            "and publish again"
+                        )
+                    continue
+                taken[key] = (index.info.url, shard.samples)
                 obj = by_key.get(key)
                 if obj is None:
                     missing.append(key)
@@ -516,6 +672,8 @@ class Registry:
         fmt: pb.SourceFormat.ValueType | None = None,
         spec: pb.PreprocessSpec,
         if_changed: bool = False,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
     ) -> pb.Manifest:
         """Snapshot a prefix of raw shards as the next version of ``dataset``.
 
@@ -532,11 +690,14 @@ class Registry:
         ``spec.source_options`` turns that off). With ``if_changed``, when the
         newest version already has this content (the same digest: the same
         objects, schema and preprocessing), that version is returned and no new
-        one is written.
+        one is written. ``include``/``exclude`` choose the objects under the prefix
+        by pattern (:class:`Selection`; a pattern in the source URL's last part is
+        one more); one ``.mds`` shard given as the source is a version of that shard.
         """
         validate_name(dataset)
         codec = CodecOptions.from_spec(spec)  # a level or chunk size no node could encode
-        source_url, single = await self._source(location_url(source_url, "source"))
+        source_url, single, glob = await self._source(location_url(source_url, "source"))
+        select = Selection(tuple(include), tuple(exclude), glob)
         resources = await fetch_resources(self._stores, source_url, spec)
         name = spec.transform or "identity"
         spec = _copy(spec)
@@ -555,7 +716,7 @@ class Registry:
             for url in (resource_url(source_url, r) for r in resource_refs(name, params))
             if url.startswith(source_url)
         )
-        objects, fmt = await self._listed(source_url, single, fmt, refs)
+        objects, fmt = await self._listed(source_url, single, fmt, refs, select)
         given = dict(spec.source_options)
         partitioning = partitioning_mode(given)  # any format's; the others are the reader's
         options = canonical_options(fmt, given) if fmt != pb.SOURCE_FORMAT_MDS else {}
@@ -567,6 +728,10 @@ class Registry:
             if given:
                 raise ValueError("MDS sources take no reader options: index.json says it all")
             objects, columns = await self._mds_sources(source_url, objects)
+            if single is not None and single.key.rsplit("/", 1)[-1] != "index.json":
+                objects = _one_mds_shard(single, objects)
+            if name == "images" and (why := image_encoding_problem(columns, params.get("column"))):
+                raise ParamMismatch(why)  # every read would fail, and on_error=skip drop all
             options = {"columns": columns.to_option()}
         if partitioning == "hive":  # from the keys alone: no reads
             if partitions := hive_partitions([(o.info.url, o.key) for o in objects]):
@@ -719,6 +884,32 @@ def _missing_shards(
     )
 
 
+def _with_glob(select: Selection, glob: str | None) -> Selection:
+    """``select`` with the source URL's pattern (``data/train-*``) added, if it has one."""
+    return select if glob is None else Selection(select.include, select.exclude, glob)
+
+
+def _litdata(url: str) -> str:
+    """Why a LitData ``optimize()`` output is no source, and what to do instead."""
+    return f"{url} is a LitData index (optimize() output: chunks and config); {LITDATA_ADVICE}"
+
+
+def _one_mds_shard(single: SourceObject, shards: list[SourceObject]) -> list[SourceObject]:
+    """The one shard a person named as the source (``shard.00000.mds``), as its index lists it.
+
+    ``--help`` says one object is a version of one shard; an MDS shard file used to
+    publish its whole directory.
+    """
+    chosen = [s for s in shards if s.key == single.key]
+    if not chosen:
+        raise ObjectNotFound(
+            f"{single.info.url} is not a shard the index.json beside it lists (it lists "
+            f"{', '.join(s.key for s in shards[:5])}{', …' if shards[5:] else ''}); give a "
+            "listed shard, or the MDS directory to publish all of them"
+        )
+    return chosen
+
+
 def _copy(spec: pb.PreprocessSpec) -> pb.PreprocessSpec:
     out = pb.PreprocessSpec()
     out.CopyFrom(spec)
@@ -755,8 +946,9 @@ def _no_rows(urls: list[str], transform: str, keeps: bool) -> str:
     )
     return (
         f"{listed} {'gives' if len(urls) == 1 else 'give'} no rows after preprocessing "
-        f"({cause}); every shard of a version needs at least one row: move such objects out "
-        "of the source prefix, or change the options that drop their rows, and publish again"
+        f"({cause}); every shard of a version needs at least one row: leave such objects out "
+        "with --exclude PATTERN (matched against keys under the source prefix; or move them "
+        "out of it), or change the options that drop their rows, and publish again"
     )
 
 
@@ -765,11 +957,13 @@ def _unknown_format(prefix: str, found: list[SourceObject]) -> str:
     unknown = sorted(o.key for o in found if format_from_key(o.key) is None)
     listed = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
     if len(unknown) < len(found):  # others are known: these are most likely not shards
+        known = sorted({_pattern_of(o.key) for o in found if format_from_key(o.key) is not None})
         return (
             f"the names of {listed} under {prefix} tell no format, beside shards that do; "
-            "move files that are not shards (a README, notes) out of the prefix, or, if they "
-            "are shards of the same format, pass it (--format parquet, jsonl, csv, arrow, "
-            "webdataset or mds)"
+            f"leave files that are not shards (a README, notes) out with {_excludes(unknown)}, "
+            f"or choose the shards with {' '.join(f'--include {p!r}' for p in known[:3])} "
+            "(or move files that are not shards out of the prefix); if they are shards of the "
+            "same format, pass it (--format parquet, jsonl, csv, arrow, webdataset or mds)"
         )
     return (
         f"cannot tell the format of the objects under {prefix} from their names ({listed}); "
@@ -792,7 +986,27 @@ def _mixed_formats(prefix: str, found: list[SourceObject]) -> str:
         f"{name}: {', '.join(sorted(k)[:3])}{', …' if len(k) > 3 else ''} ({len(k)})"
         for name, k in sorted(keys.items())
     )
+    most = max(keys.values(), key=len)
+    example = " ".join(f"--include {p!r}" for p in sorted({_pattern_of(k) for k in most})[:3])
     return (
         f"the objects under {prefix} are of several formats ({listed}); a version is one "
-        "format: publish each format's objects from a prefix of their own"
+        f"format: choose one format's objects with --include or --exclude (e.g. {example}; "
+        "patterns match keys under the prefix), or publish each format's objects from a "
+        "prefix of their own"
     )
+
+
+def _pattern_of(key: str) -> str:
+    """A pattern for the objects named like ``key``: ``*.parquet``, ``*.tar.gz``."""
+    name = key.rsplit("/", 1)[-1]
+    stem = strip_suffix(name)
+    dot = stem.rfind(".")
+    return f"*{name[dot:]}" if dot > 0 else name
+
+
+def _excludes(keys: list[str]) -> str:
+    """``--exclude`` options that leave ``keys`` out: by name when few, else by extension."""
+    patterns = keys if len(keys) <= 3 else sorted({_pattern_of(k) for k in keys})
+    if len(patterns) > 3:
+        return "--exclude PATTERN"
+    return " ".join(f"--exclude {p!r}" for p in patterns)

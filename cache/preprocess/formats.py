@@ -93,9 +93,12 @@ def format_from_name(name: str) -> pb.SourceFormat.ValueType:
 def format_from_key(key: str) -> pb.SourceFormat.ValueType | None:
     """Guess an object's source format from its file extension; None when there is no telling.
 
-    A compression suffix is looked through: ``part-0.csv.gz`` is CSV.
+    A compression suffix is looked through: ``part-0.csv.gz`` is CSV, and ``.tgz``
+    is a gzip-compressed tar (WebDataset), as ``.tar.gz`` is.
     """
     name = strip_suffix(key.rsplit("/", 1)[-1]).lower()
+    if name.endswith(".tgz"):
+        return _W
     dot = name.rfind(".")
     return _EXTENSIONS.get(name[dot:]) if dot >= 0 else None
 
@@ -152,6 +155,16 @@ def _jsonl_culprit(data: pa.Buffer) -> str | None:
                     f"line {number}: field {key!r} is a {kind} but line {seen[1]} has a {seen[0]}"
                 )
     return None
+
+
+def _json_array(data: pa.Buffer) -> bool:
+    """Whether ``data`` is one JSON array (its first character ``[``), not JSON Lines.
+
+    Only the start is looked at: a record per line never starts with ``[``, and a
+    JSON array of records is a common export (pandas, Hugging Face ``to_json``).
+    """
+    head = memoryview(data)[:4096].tobytes().lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
 
 
 _Path = tuple[str | None, ...]  # field names from the top; None: into a list's items
@@ -294,6 +307,12 @@ def _read_text(
         raise
     except ARROW_ERRORS as exc:
         if fmt == _J:
+            if _json_array(buf):
+                raise MalformedShard(
+                    f"{source} is a JSON array (one document, as to_json(lines=False) writes), "
+                    "not JSON Lines (one object per line); convert it to JSON Lines (e.g. "
+                    "jq -c '.[]' in.json > out.jsonl, or to_json(lines=True)) and publish that"
+                ) from exc
             where = _jsonl_culprit(buf) or f"not valid JSON Lines ({exc})"
             raise MalformedShard(f"{source} {where}; {FIX}") from exc
         try:  # the serial reader reports the row number; the threaded one does not

@@ -9,7 +9,10 @@ into pinned memory (channels last, in ``R, G, B`` order; one channel for
 
 Params (``--param K=V``):
 
-* ``column``: the encoded image column (default: the only binary column);
+* ``column``: the encoded image column (default: the only binary column), or
+  a field of a struct column by its path, ``image.bytes``: Hugging Face's
+  ``Image()`` feature is ``struct<bytes: binary, path: string>`` in Parquet;
+  the pixels then replace the whole struct column (``image``);
 * ``size=N`` or ``height=H,width=W`` (both required one way or the other);
 * ``fit``: ``crop`` (default: scale so the image covers H×W, keep the centre)
   or ``pad`` (scale so it fits inside, centre it on ``fill``, default 0);
@@ -41,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import check_param_names
@@ -209,14 +213,17 @@ class _Images:
         self.spec = spec
         self.batch_rows = ROWS_PER_BATCH  # the pipeline slices input batches to this
 
-    def _column(self, batch: pa.RecordBatch) -> str:
+    def _column(self, batch: pa.RecordBatch) -> tuple[str, pa.Array]:
+        """The column the images replace, and the encoded images (a struct's field)."""
         if self.spec.column is not None:
-            if self.spec.column not in batch.schema.names:
-                raise MissingColumn(
-                    f"images: column {self.spec.column!r} is missing; the data has "
-                    f"{', '.join(batch.schema.names)}"
-                )
-            return self.spec.column
+            if self.spec.column in batch.schema.names:
+                return self.spec.column, batch.column(self.spec.column)
+            if (found := _struct_field(batch, self.spec.column)) is not None:
+                return found
+            raise MissingColumn(
+                f"images: column {self.spec.column!r} is missing; the data has "
+                f"{', '.join(batch.schema.names)}"
+            )
         binary = [f.name for f in batch.schema if pa.types.is_binary(f.type)
                   or pa.types.is_large_binary(f.type)]  # fmt: skip
         if len(binary) != 1:
@@ -224,12 +231,13 @@ class _Images:
                 f"images: say which column holds the encoded images (column=NAME); binary "
                 f"columns: {', '.join(binary) or 'none'}"
             )
-        return binary[0]
+        return binary[0], batch.column(binary[0])
 
     def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         spec, context = self.spec, shard_context()
-        name = self._column(batch)
-        column = batch.column(name)
+        name, column = self._column(batch)
+        if pa.types.is_struct(column.type):
+            raise ParamMismatch(_struct_advice(name, column.type))
         if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
             raise ParamMismatch(f"images: column {name!r} is {column.type}, not binary")
         if spec.output not in (None, name) and spec.output in batch.schema.names:
@@ -262,6 +270,54 @@ class _Images:
         index = batch.schema.get_field_index(name)
         batch = batch.remove_column(index)
         return batch.add_column(index, spec.output or name, pixels)
+
+
+def _struct_field(batch: pa.RecordBatch, path: str) -> tuple[str, pa.Array] | None:
+    """``image.bytes``: the top-level column and the values of its field; None if no such.
+
+    The longest top-level name the path starts with is taken (a column may have a
+    ``.`` in its name). A row whose struct is null has a null field (it then fails,
+    or is skipped, as any null image). A field the struct lacks is refused, naming
+    the fields it has.
+    """
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        top = ".".join(parts[:cut])
+        if top not in batch.schema.names:
+            continue
+        values: pa.Array = batch.column(top)
+        for depth, field in enumerate(parts[cut:]):
+            kind = values.type
+            if not pa.types.is_struct(kind) or kind.get_field_index(field) < 0:
+                inside = ".".join(parts[: cut + depth])
+                names = (
+                    [kind.field(i).name for i in range(kind.num_fields)]
+                    if pa.types.is_struct(kind)
+                    else []
+                )
+                has = (
+                    f"its fields are {', '.join(names)}" if names else f"it is {kind}, not a struct"
+                )
+                raise MissingColumn(f"images: column {path!r} is missing: {inside!r} has no "
+                                    f"field {field!r} ({has})")  # fmt: skip
+            values = pc.struct_field(values, [field])
+        return top, values
+    return None
+
+
+def _struct_advice(name: str, kind: pa.StructType) -> str:
+    """Which ``column=`` names a struct column's encoded images (Hugging Face ``Image()``)."""
+    fields = [kind.field(i) for i in range(kind.num_fields)]
+    binary = [
+        f.name for f in fields if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
+    ]
+    if not binary:
+        return f"images: column {name!r} is {kind}, a struct with no binary field, not images"
+    hf = " (Hugging Face's Image() keeps the encoded file in 'bytes')" if "bytes" in binary else ""
+    return (
+        f"images: column {name!r} is {kind}, not binary; name the field that holds the "
+        f"encoded images: {' or '.join(f'column={name}.{b}' for b in binary)}{hf}"
+    )
 
 
 def images_transform(params: Mapping[str, str]) -> _Images:

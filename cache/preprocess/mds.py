@@ -18,7 +18,15 @@ Encodings become Arrow types one to one:
 * ``bytes``, ``jpeg``, ``png`` and anything else (``pil``, ``pkl``, dynamic
   ``ndarray``, lists) → binary, the encoded bytes unchanged: ``pkl`` is never
   unpickled on a node (unpickling runs code), and ``jpeg``/``png`` columns
-  can be decoded at the edge by the ``images`` transform.
+  can be decoded at the edge by the ``images`` transform (a ``pil`` column,
+  raw pixels behind MDS's own header, is refused for it at publish:
+  :func:`image_encoding_problem`).
+
+A shard listed by several indexes (a root ``index.json`` from ``merge_index``
+beside the streams' own) is one shard; a Streaming local cache's compressed
+shard kept decompressed under its ``raw_data`` name is read from that file
+(:attr:`MdsShard.raw`). LitData's ``index.json`` (``chunks`` and ``config``)
+is told apart and refused: its chunks are no source (:func:`is_litdata_index`).
 """
 
 from __future__ import annotations
@@ -34,7 +42,15 @@ from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import binary_column
 from edgecache.cache.preprocess.fixes import FIX
 
-__all__ = ["MdsColumns", "MdsShard", "mds_index", "mds_source"]
+__all__ = [
+    "LITDATA_ADVICE",
+    "MdsColumns",
+    "MdsShard",
+    "image_encoding_problem",
+    "is_litdata_index",
+    "mds_index",
+    "mds_source",
+]
 
 _SCALARS = {
     "int": "int64",
@@ -45,6 +61,28 @@ _STRINGS = frozenset({"str", "str_decimal", "json"})
 _COMPRESSIONS = {None: "", "zstd": ".zstd", "gz": ".gz", "bz2": ".bz2"}
 _MAX_SIDE = 1 << 31  # an ndarray side pyarrow's fixed-size lists can hold
 MAX_SAMPLES = (1 << 32) - 1  # a shard's header counts its samples in a u32
+# MDS encodings whose values are an image file Pillow opens (bytes may hold WebP or any).
+_IMAGE_FILES = frozenset({"jpeg", "png", "bytes"})
+LITDATA_ADVICE = (
+    "LitData's .bin chunks are not a source edgecache reads: export the dataset to Parquet "
+    "(iterate litdata.StreamingDataset and write the rows with pyarrow.parquet, or use "
+    "LitData's own tools) and publish that"
+)
+
+
+def is_litdata_index(index: object) -> bool:
+    """Whether a parsed ``index.json`` is LitData's (``optimize()``): ``chunks`` and ``config``.
+
+    LitData names its index ``index.json`` too, beside ``chunk-*.bin`` files; read as
+    anything else it was a one-row JSON Lines version of the index, or an MDS index
+    missing its ``shards``.
+    """
+    return (
+        isinstance(index, dict)
+        and isinstance(index.get("chunks"), list)
+        and isinstance(index.get("config"), dict)
+        and "shards" not in index
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +91,7 @@ class MdsShard:
 
     key: str
     samples: int
+    raw: str | None = None  # a compressed shard's decompressed file, as a local cache holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +169,21 @@ def mds_index(text: bytes, source: str) -> tuple[MdsColumns, list[MdsShard]]:
     """
     try:
         index = json.loads(text)
-        entries = index["shards"]
-        if index.get("version") != 2 or not isinstance(entries, list):
-            raise ValueError(f"version {index.get('version')!r}, expected 2")
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise MalformedShard(f"{source} is not an MDS index.json ({exc}); {FIX}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise MalformedShard(f"{source} is not an MDS index.json (not JSON: {exc}); {FIX}") from exc
+    if is_litdata_index(index):
+        raise MalformedShard(f"{source} is a LitData index (chunks and config), not MDS; "
+                             f"{LITDATA_ADVICE}")  # fmt: skip
+    entries = index.get("shards") if isinstance(index, dict) else None
+    if not isinstance(entries, list):
+        raise MalformedShard(
+            f"{source} is not an MDS index.json (it has no list of 'shards'); {FIX}"
+        )
+    if index.get("version") != 2:
+        raise MalformedShard(
+            f"{source} is not an MDS index.json of version 2 (it says version "
+            f"{index.get('version')!r}); {FIX}"
+        )
     columns: MdsColumns | None = None
     shards = []
     for number, entry in enumerate(entries):
@@ -184,22 +233,65 @@ def _entry(entry: dict, where: str) -> tuple[MdsColumns, MdsShard]:
     if len(set(names)) != len(names):
         raise MalformedShard(f"{where}: column names repeat ({names}); {FIX}")
     columns = MdsColumns(tuple(names), tuple(encodings), tuple(sizes))
-    data = entry.get("zip_data") if compression else entry.get("raw_data")
-    if not isinstance(data, dict) or not data.get("basename"):
+    key = _basename(entry.get("zip_data") if compression else entry.get("raw_data"), where)
+    if key is None:
         raise MalformedShard(f"{where} names no data file; {FIX}")
-    key = data["basename"]
-    if not isinstance(key, str) or not _inside(key):
-        raise MalformedShard(
-            f"{where} names its file {key!r}, which is not a file name in the index's "
-            f"directory (no '..', '/' at the start, URL, backslash or NUL); {FIX}"
-        )
+    # A Streaming local cache keeps a compressed shard decompressed, under its raw_data
+    # name: the index still says zstd, and the zip file is gone.
+    raw = _basename(entry.get("raw_data"), where) if compression else None
     samples = entry["samples"]
     if type(samples) is not int or not 0 <= samples <= MAX_SAMPLES:
         raise MalformedShard(
             f"{where} says it holds {samples!r} samples; an MDS shard holds 0..{MAX_SAMPLES} "
             f"(its header counts them in 32 bits); {FIX}"
         )
-    return columns, MdsShard(key=key, samples=samples)
+    return columns, MdsShard(key=key, samples=samples, raw=raw)
+
+
+def _basename(data: object, where: str) -> str | None:
+    """The file a ``raw_data``/``zip_data`` entry names; None when it names none."""
+    if not isinstance(data, dict) or not data.get("basename"):
+        return None
+    key = data["basename"]
+    if not isinstance(key, str) or not _inside(key):
+        raise MalformedShard(
+            f"{where} names its file {key!r}, which is not a file name in the index's "
+            f"directory (no '..', '/' at the start, URL, backslash or NUL); {FIX}"
+        )
+    return key
+
+
+def image_encoding_problem(columns: MdsColumns, column: str | None) -> str | None:
+    """Why the ``images`` transform cannot decode an MDS column; None when it can.
+
+    The transform opens image files (JPEG, PNG, WebP). MDS's ``pil`` encoding is raw
+    pixels behind a small header, and ``pkl``, ``ndarray`` and image lists are no image
+    file either: accepted at publish, every read of such a version failed, and
+    ``on_error=skip`` would have dropped every sample. ``column`` None: the transform's
+    default, the only binary column.
+    """
+    schema = columns.schema()
+    if column is None:
+        binary = [f.name for f in schema if pa.types.is_binary(f.type)]
+        if len(binary) != 1:
+            return None  # the transform asks for column=NAME itself
+        column = binary[0]
+    if column not in columns.names:
+        return None  # the transform names what is missing
+    encoding = columns.encodings[columns.names.index(column)]
+    if encoding in _IMAGE_FILES or not pa.types.is_binary(_arrow_type(encoding)):
+        return None  # an image file; or no binary column, which the transform refuses
+    pictures = [n for n, e in zip(columns.names, columns.encodings, strict=True)
+                if e in ("jpeg", "png")]  # fmt: skip
+    other = f" (this dataset's {', '.join(pictures)} {'is' if len(pictures) == 1 else 'are'})"
+    return (
+        f"images: column {column!r} has MDS encoding {encoding!r}, "
+        + ("raw pixels behind MDS's own header, " if encoding == "pil" else "")
+        + "not an image file the images transform decodes; it decodes MDS jpeg and png "
+        f"columns (or bytes holding JPEG, PNG or WebP){other if pictures else ''}: pass "
+        "column= one of those, or write the images with MDSWriter's jpeg or png encoding "
+        "and publish again"
+    )
 
 
 def _inside(key: str) -> bool:

@@ -195,7 +195,9 @@ def publish(
         str,
         typer.Argument(
             help="Prefix of raw shards: s3://…, file://…, or a local directory; or one "
-            "object (a version of one shard)."
+            "object (a version of one shard: one .mds file too; an MDS index.json is its "
+            "whole directory); or a pattern in the last part, …/data/train-*.parquet, which "
+            "selects as --include does."
         ),
     ],
     dataset: Annotated[str, typer.Option(help="Dataset name.")],
@@ -254,6 +256,23 @@ def publish(
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include",
+            help="Publish only the objects whose key (path under the source prefix) "
+            "matches this pattern (repeatable: any of them; fnmatch: * and ? match / too), "
+            "e.g. --include 'data/train-*'.",
+        ),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--exclude",
+            help="Leave out the objects whose key matches this pattern (repeatable), e.g. "
+            "--exclude README.md --exclude '*.json'.",
+        ),
+    ] = None,
     partitioning: Annotated[
         Partitioning,
         typer.Option(
@@ -293,6 +312,7 @@ def publish(
 
     Objects may be gzip/zstd/bz2/xz-compressed (part-0.csv.gz, docs.jsonl.zst).
     Hive-style key=value folders (year=2024/month=02/part-0.parquet) become columns.
+    --include/--exclude choose objects under the prefix by pattern (a split, no README).
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object, a --level out of
     range or with --compression none); 1 failed (a registry that cannot be written
@@ -333,7 +353,13 @@ def publish(
         async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool]:
             before = await reg.versions(dataset)
             done = await reg.publish(
-                source_url, dataset, fmt=source_format, spec=spec, if_changed=if_changed
+                source_url,
+                dataset,
+                fmt=source_format,
+                spec=spec,
+                if_changed=if_changed,
+                include=include or (),
+                exclude=exclude or (),
             )
             if done.version in before:  # --if-changed found it unchanged
                 return done, None, True
