@@ -141,9 +141,6 @@ class Selection:
             return False
         return not any(fnmatchcase(key, p) for p in self.exclude)
 
-    def __bool__(self) -> bool:
-        return bool(self.include or self.exclude or self.glob is not None)
-
     def text(self) -> str:
         """The patterns as a person gave them: ``the source's pattern 'train-*', --exclude …``."""
         parts = [f"the source's pattern {self.glob!r}"] if self.glob is not None else []
