@@ -106,7 +106,9 @@ lock:  ## pin the edge node image's dependencies (deploy/constraints.txt)
 	rm -rf build/lock-venv
 	$(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/pip install -q --upgrade pip
-	build/lock-venv/bin/pip install -q .
+	# With the images and text extras: a node decodes and tokenises the versions
+	# published with --transform images or tokens (Pillow, tokenizers).
+	build/lock-venv/bin/pip install -q '.[images,text]'
 	echo "# Edge node image dependencies, pinned: regenerate with 'make lock'." > deploy/constraints.txt
 	build/lock-venv/bin/pip freeze --exclude edgecache >> deploy/constraints.txt
 

@@ -37,6 +37,7 @@ __all__ = [
     "read_pem",
     "setting_name",
     "split_hostport",
+    "cgroup_cpu_limit",
     "usable_cores",
 ]
 
@@ -100,22 +101,44 @@ def read_pem(path: Path | str, setting: str) -> bytes:
     return data
 
 
-def usable_cores() -> int:
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> int | None:
+    """Whole CPUs this process's cgroup quota allows (rounded up), or None where it has none.
+
+    cgroup v2: ``cpu.max`` ("max 100000" or "200000 100000": quota, period);
+    cgroup v1: ``cpu/cpu.cfs_quota_us`` (-1: no quota) over ``cpu.cfs_period_us``
+    (the controller is mounted as ``cpu`` or ``cpu,cpuacct``).
+    """
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        try:
+            quota_us = int((root / folder / "cpu.cfs_quota_us").read_text())
+            period_us = int((root / folder / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota_us <= 0 or period_us <= 0 else max(1, -(-quota_us // period_us))
+    return None
+
+
+def usable_cores(root: Path = CGROUP_ROOT) -> int:
     """The CPUs this process may run on: its affinity mask (taskset), capped by a cgroup quota.
 
     ``os.cpu_count()`` counts the host's cores, which a container or a pinned
-    process cannot all use.
+    process cannot all use; the quota is read from cgroup v2 or v1.
     """
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    try:  # cgroup v2: "max 100000" or "200000 100000" (quota, period)
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
+    quota = cgroup_cpu_limit(root)
+    if quota is not None:
+        cores = min(cores, quota)
     return max(1, cores)
 
 

@@ -17,7 +17,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-__all__ = ["EXPANSION", "FetchMemory", "default_budget"]
+__all__ = ["EXPANSION", "FetchMemory", "cgroup_memory_limit", "default_budget"]
 
 # A fetch's peak over its source's size: the object itself, ~3x of decoded Arrow for
 # compressed Parquet (the common source), the frames, and the codec's working copies.
@@ -25,23 +25,44 @@ EXPANSION = 6
 _FLOOR = 256 << 20  # a budget below this would run even small shards one at a time
 
 
-def _memory_limit() -> int | None:
-    """The memory this process may use: its cgroup's limit, else the machine's."""
-    try:  # cgroup v2: "max" or bytes
-        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if text != "max":
-            return int(text)
-    except (OSError, ValueError):
-        pass
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer in a cgroup file, or None where it is absent, "max" or not a number."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
         return None
 
 
-def default_budget() -> int:
+def cgroup_memory_limit(root: Path = CGROUP_ROOT) -> int | None:
+    """The memory limit of this process's cgroup, in bytes, or None where it has none.
+
+    cgroup v2 (``memory.max``: "max" or bytes), else cgroup v1
+    (``memory/memory.limit_in_bytes``), whose "no limit" is a huge number
+    (9223372036854771712): the caller caps it by the machine's RAM.
+    """
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        limit = _read_int(path)
+        if limit is not None and limit > 0:
+            return limit
+    return None
+
+
+def _memory_limit(root: Path = CGROUP_ROOT) -> int | None:
+    """The memory this process may use: its cgroup's limit (v2 or v1), at most the machine's."""
+    try:
+        physical: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = None
+    limits = [x for x in (cgroup_memory_limit(root), physical) if x]
+    return min(limits) if limits else None
+
+
+def default_budget(root: Path = CGROUP_ROOT) -> int:
     """Half the memory this process may use (the rest: serving, the store's pages, Python)."""
-    limit = _memory_limit()
+    limit = _memory_limit(root)
     return max(_FLOOR, limit // 2) if limit else 4 << 30
 
 

@@ -77,6 +77,19 @@ def _abandoned(context: aio.ServicerContext) -> str:
     return (grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED).name
 
 
+# The first-chunk result of a cached_only read of a shard this node does not hold. Peer
+# copies ask the shard's rendezvous owner first and go on to the next node on this answer:
+# a normal miss, not a failure of this node, so not a status code that alerts count.
+NOT_CACHED = "not_cached"
+
+
+def _read_result(exc: BaseException, cached_only: bool) -> str:
+    """A read's first-chunk result label for an error: its status code, or ``not_cached``."""
+    if cached_only and isinstance(exc, _NotHere | ShardNotCached):
+        return NOT_CACHED
+    return status_for(exc)[0].name
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an exception raised while handling a request."""
     message = str(exc)
@@ -361,7 +374,9 @@ class EdgeCacheService:
                         f"{key} is not cached on {node.node_id} and cached_only was asked"
                     )
         except Exception as exc:  # refused before a stream began: still a read's result
-            node.metrics.first_chunk(time.monotonic() - began, status_for(exc)[0].name)
+            node.metrics.first_chunk(
+                time.monotonic() - began, _read_result(exc, request.cached_only)
+            )
             raise
         except (asyncio.CancelledError, GeneratorExit):
             node.metrics.first_chunk(time.monotonic() - began, _abandoned(context))
@@ -393,7 +408,8 @@ class EdgeCacheService:
                 last = time.monotonic()
         except Exception as exc:
             if first:
-                node.metrics.first_chunk(time.monotonic() - began, status_for(exc)[0].name)
+                result = _read_result(exc, request.cached_only)
+                node.metrics.first_chunk(time.monotonic() - began, result)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # The reader left (or its deadline passed) before its first chunk, typically
