@@ -85,12 +85,27 @@ def encode_raw_shard(
         frames.extend(encoder.add(batch))
     frames.extend(encoder.finish())
     if encoder.rows != shard.row_count:
-        raise MalformedShard(
-            f"{url} gave {encoder.rows} rows but the version recorded {shard.row_count}; "
-            "origin changed under an immutable version — publish a new version"
-        )
+        raise MalformedShard(_row_count_mismatch(manifest, url, encoder.rows, shard.row_count))
     cpu = time.thread_time() - started + metered.cpu_seconds
     return Encoded(frames, cpu, context.skipped, tuple(context.notes))
+
+
+def _row_count_mismatch(manifest: manifest_pb2.Manifest, url: str, rows: int, recorded: int) -> str:
+    """Why a shard gave other rows than its version recorded, and what to do.
+
+    An MDS version's counts come from its index.json (publish reads no shard), so
+    there the likelier cause is an index written before its shards were.
+    """
+    if manifest.source_format == manifest_pb2.SOURCE_FORMAT_MDS:
+        return (
+            f"{url} holds {rows} samples in its header but the version recorded {recorded} "
+            "from its index.json: the index is stale (or the shard was replaced); rewrite "
+            "index.json (MDSWriter, or streaming's merge_index) and publish a new version"
+        )
+    return (
+        f"{url} gave {rows} rows but the version recorded {recorded}; origin changed under "
+        "an immutable version — publish a new version"
+    )
 
 
 class StagingRate:

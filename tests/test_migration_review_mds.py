@@ -345,3 +345,26 @@ def test_one_mds_shard_as_the_source_is_a_version_of_that_shard(tmp_path: Path) 
     manifest = publish(tmp_path, f"file://{root}/{key}")
     assert [s.source_key for s in manifest.shards] == [key]
     assert rows_of(root, manifest) == list(range(first, first + entries[1]["samples"]))
+
+
+def test_a_stale_index_count_is_named_stale_not_a_changed_origin(tmp_path: Path) -> None:
+    """A shard holding other samples than its index.json said was reported as "origin
+    changed under an immutable version", though publish never reads MDS shards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgecache.cache.preprocess import load_transform
+    from edgecache.edge.preprocessing import encode_raw_shard
+
+    write_mds(tmp_path / "mds", 0, 6)
+    index_path = tmp_path / "mds" / "index.json"
+    index = json.loads(index_path.read_text())
+    index["shards"][0]["samples"] -= 2  # stale: written before the shard's last samples
+    index_path.write_text(json.dumps(index))
+    manifest = publish(tmp_path, f"file://{tmp_path}/mds")
+    shard = manifest.shards[0]
+    data = (tmp_path / "mds" / shard.source_key).read_bytes()
+    with ThreadPoolExecutor(1) as parts, pytest.raises(MalformedShard) as info:
+        encode_raw_shard(data, manifest, shard, "s", load_transform("identity", {}), parts)
+    message = str(info.value)
+    assert "index is stale" in message and "origin changed" not in message, message
+    assert f"recorded {shard.row_count}" in message, message

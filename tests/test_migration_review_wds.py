@@ -224,3 +224,17 @@ def test_a_csv_integer_past_2_53_beside_fractions_is_refused_not_rounded(tmp_pat
     # A float64 holds 2**53 + 2 exactly: nothing is lost, nothing refused.
     (tmp_path / "csv" / "d.csv").write_text("x,y\n1,a\n1.5,b\n9007199254740994,c\n")
     assert [s.row_count for s in publish(tmp_path, tmp_path / "csv", "intfloat").shards] == [3]
+
+
+def test_a_jsonl_integer_past_2_53_beside_fractions_is_refused_not_rounded() -> None:
+    """9007199254740993 beside 1.5 became 9007199254740992.0: the check refused only
+    integers past int64."""
+    jsonl = pb.SOURCE_FORMAT_JSONL
+    data = b'{"x": 1}\n{"x": 1.5}\n{"x": 9007199254740993}\n'
+    with pytest.raises(
+        MalformedShard,
+        match=r"line 3: field 'x' holds the integer 9007199254740993.*'x=decimal128\(38, 9\)'",
+    ):
+        pa.Table.from_batches(list(read_source(data, fmt=jsonl, source="s3://b/x")))
+    typed = read(data, jsonl, column_types="x=decimal128(38, 9)")
+    assert typed.column("x").to_pylist()[2] == Decimal(2**53 + 1)

@@ -34,8 +34,9 @@ from edgecache.cache.preprocess.source_options import (
     integer_type_hint,
     read_csv,
     rounded_integer_error,
+    rounds_in_float,
 )
-from edgecache.cache.preprocess.webdataset import tar_source
+from edgecache.cache.preprocess.webdataset import MEMBER_RULES_OPTION, tar_source
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -213,8 +214,9 @@ def _typed_at(path: _Path, leaf: str) -> str:
 def _refuse_rounded_integers(
     table: pa.Table, buf: pa.Buffer, source: str, types: Mapping[str, pa.DataType]
 ) -> None:
-    """Refuse JSON Lines integers past int64 read as float64, which loses their digits.
+    """Refuse JSON Lines integers a float64 column would round: past int64, or past 2**53.
 
+    Such a column is read as float64 beside fractions, and it loses their digits.
     Top-level fields and fields nested in objects and arrays alike; only when a
     float was inferred somewhere (no text is scanned otherwise).
     """
@@ -236,7 +238,7 @@ def _refuse_rounded_integers(
             continue
         for path in inferred:
             for value in _values_at(record, path):
-                if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                if isinstance(value, int) and rounds_in_float(value):
                     name = _path_name(path)
                     kind = _typed_at(path, integer_type_hint(value))
                     raise rounded_integer_error(
@@ -439,7 +441,8 @@ def open_source(
         if fmt == _P:
             return _parquet(buf, batch_rows, source)
         if fmt == _W:
-            return tar_source(data, source, batch_rows)
+            # A version without the option was published under the earlier member rules.
+            return tar_source(data, source, batch_rows, rules=options.get(MEMBER_RULES_OPTION, ""))
         if fmt == _M:
             return mds_source(data, options, source, batch_rows)
         head = memoryview(buf)[:6].tobytes()

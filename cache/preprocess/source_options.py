@@ -42,6 +42,7 @@ from edgecache.cache.preprocess.arrow_types import parse_type, split_params
 from edgecache.cache.preprocess.arrow_types import type_name as spelled
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import COLUMN_FIX
+from edgecache.cache.preprocess.webdataset import MEMBER_RULES, MEMBER_RULES_OPTION
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
@@ -136,6 +137,23 @@ def column_types(options: Mapping[str, str]) -> dict[str, pa.DataType]:
     return _type_pairs(options["column_types"]) if "column_types" in options else {}
 
 
+def _webdataset_options(opts: Mapping[str, str]) -> dict[str, str]:
+    """WebDataset's one recorded option: the member rules a version's tars are read by.
+
+    Every version published from now on records WebDataset's own rules
+    (``webdataset.MEMBER_RULES``); one without the option was published under the
+    earlier rules and is read by them, so its rows and types stay as recorded.
+    """
+    rules = opts.get(MEMBER_RULES_OPTION, MEMBER_RULES)
+    if set(opts) - {MEMBER_RULES_OPTION} or rules != MEMBER_RULES:
+        raise ValueError(
+            f"WebDataset sources take no reader options (got "
+            f"{', '.join(f'{k}={v}' for k, v in sorted(opts.items()))}); reader options are "
+            f"for CSV: {', '.join(CSV_OPTIONS)}"
+        )
+    return {MEMBER_RULES_OPTION: MEMBER_RULES}
+
+
 def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]) -> dict[str, str]:
     """Validate reader options for ``fmt`` and spell them one way (what the manifest records).
 
@@ -144,6 +162,8 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
             the message names the allowed ones.
     """
     opts = {str(k).strip(): str(v) for k, v in options.items()}
+    if fmt == pb.SOURCE_FORMAT_WEBDATASET:
+        return _webdataset_options(opts)
     if not opts:
         return {}
     if fmt == pb.SOURCE_FORMAT_JSONL and set(opts) <= {"column_types"}:

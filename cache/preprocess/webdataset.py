@@ -20,6 +20,13 @@ the column keeps the full extension as its name):
 * anything else (``jpg``, ``png``, ``npy``, …) → binary, the member's bytes
   unchanged: decode images at the edge with the ``images`` transform.
 
+Versions published before these rules were WebDataset's own (keys whose
+file name started with ``__`` were skipped, multi-dot extensions were binary)
+are read as they were published: publish records ``members=webdataset`` in
+the version's source options (:data:`MEMBER_RULES`), and a version without it
+is read by the earlier rules, so its rows and types stay those its manifest
+recorded.
+
 A sample without some extension gets a null there. Members' bytes are not
 copied until a batch is built, and batches hold at most ``batch_bytes`` of
 member data, so shards of large images stay bounded in memory.
@@ -39,7 +46,15 @@ from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import binary_column
 from edgecache.cache.preprocess.fixes import FIX
 
-__all__ = ["BATCH_BYTES", "INT_EXTENSIONS", "TEXT_EXTENSIONS", "tar_schema", "tar_source"]
+__all__ = [
+    "BATCH_BYTES",
+    "INT_EXTENSIONS",
+    "MEMBER_RULES",
+    "MEMBER_RULES_OPTION",
+    "TEXT_EXTENSIONS",
+    "tar_schema",
+    "tar_source",
+]
 
 INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "inx", "id"})
 TEXT_EXTENSIONS = frozenset({"txt", "text", "transcript", "json", "jsn"})
@@ -47,6 +62,12 @@ BATCH_BYTES = 64 << 20
 KEY = "__key__"
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
+# The rules of versions published before MEMBER_RULES: the key's file name ended at its
+# first dot or slash, any member whose file name started with __ was skipped, and a
+# multi-dot extension was typed by the whole of it (binary).
+_EARLIER_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+MEMBER_RULES_OPTION = "members"  # the source option publish records the rules in
+MEMBER_RULES = "webdataset"  # WebDataset's own key, metadata and type rules
 
 Sample = tuple[str, dict[str, memoryview]]
 
@@ -60,8 +81,8 @@ def _kind(ext: str) -> str:
     return ext.rsplit(".", 1)[-1]
 
 
-def _field(ext: str) -> pa.Field:
-    kind = _kind(ext)
+def _field(ext: str, earlier: bool = False) -> pa.Field:
+    kind = ext if earlier else _kind(ext)
     if kind in INT_EXTENSIONS:
         return pa.field(ext, pa.int64())
     return pa.field(ext, pa.string() if kind in TEXT_EXTENSIONS else pa.binary())
@@ -131,8 +152,8 @@ def _not_a_tar(data: memoryview, source: str, exc: tarfile.TarError) -> Malforme
     return MalformedShard(f"{source} is not a readable tar archive ({exc}); {FIX}")
 
 
-def _samples(data: memoryview, source: str) -> Iterator[Sample]:
-    """(key, {extension: bytes}) per sample, in tar order."""
+def _samples(data: memoryview, source: str, earlier: bool = False) -> Iterator[Sample]:
+    """(key, {extension: bytes}) per sample, in tar order (``earlier``: the earlier rules)."""
     try:
         archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # noqa: SIM115
     except tarfile.TarError as exc:
@@ -143,8 +164,12 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
         for member in archive:
             if not member.isfile():
                 continue
-            match = _KEY_EXT.match(member.name)
-            if match is None or _is_metadata(member.name):
+            match = (_EARLIER_KEY_EXT if earlier else _KEY_EXT).match(member.name)
+            if match is None or (
+                member.name.rsplit("/", 1)[-1].startswith("__")
+                if earlier
+                else _is_metadata(member.name)
+            ):
                 continue  # no extension, or WebDataset's own metadata: not sample data
             name, ext = match.group(1), match.group(2).lower()
             if name != key:
@@ -169,24 +194,30 @@ def _samples(data: memoryview, source: str) -> Iterator[Sample]:
         yield key, fields
 
 
-def tar_schema(data: bytes | memoryview, source: str) -> tuple[pa.Schema, int]:
+def tar_schema(
+    data: bytes | memoryview, source: str, rules: str = MEMBER_RULES
+) -> tuple[pa.Schema, int]:
     """The schema and sample count of a tar shard, from its member headers.
 
     Members typed as integers (``.cls``, ``.id``, …: a few bytes each) are read
     too, so one that holds no integer is refused at publish, naming it, rather
-    than failing every read of the shard.
+    than failing every read of the shard. ``rules``: the version's recorded
+    :data:`MEMBER_RULES_OPTION` ("" for a version published before it).
     """
+    earlier = rules != MEMBER_RULES
     extensions: set[str] = set()
     count = 0
-    for key, fields in _samples(memoryview(data), source):
+    for key, fields in _samples(memoryview(data), source, earlier):
         extensions.update(fields)
         count += 1
         for ext, value in fields.items():
-            if _kind(ext) in INT_EXTENSIONS and _integer(value) is None:
+            kind = ext if earlier else _kind(ext)
+            if kind in INT_EXTENSIONS and _integer(value) is None:
                 raise _not_integer(source, key, ext, value)
     if not count:
         raise MalformedShard(f"{source}: the tar archive holds no samples (key.ext members); {FIX}")
-    return pa.schema([pa.field(KEY, pa.string()), *(_field(e) for e in sorted(extensions))]), count
+    columns = [_field(e, earlier) for e in sorted(extensions)]
+    return pa.schema([pa.field(KEY, pa.string()), *columns]), count
 
 
 def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBatch:
@@ -214,21 +245,28 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
 
 
 def tar_source(
-    data: bytes | memoryview, source: str, batch_rows: int, batch_bytes: int = BATCH_BYTES
+    data: bytes | memoryview,
+    source: str,
+    batch_rows: int,
+    batch_bytes: int = BATCH_BYTES,
+    rules: str = MEMBER_RULES,
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int]:
     """The schema, the row batches and the sample count of a tar shard.
+
+    ``rules``: as for :func:`tar_schema`.
 
     Raises:
         MalformedShard: not a tar, truncated, a sample with a repeated extension, a bad
             integer or text member; the message names the object and the sample.
     """
     view = memoryview(data)
-    schema, count = tar_schema(view, source)
+    schema, count = tar_schema(view, source, rules)
+    earlier = rules != MEMBER_RULES
 
     def batches() -> Iterator[pa.RecordBatch]:
         pending: list[Sample] = []
         size = 0
-        for sample in _samples(view, source):
+        for sample in _samples(view, source, earlier):
             pending.append(sample)
             size += sum(len(v) for v in sample[1].values())
             if len(pending) >= batch_rows or size >= batch_bytes:
