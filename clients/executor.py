@@ -13,8 +13,9 @@ The planner decides; this module does what it decided, for ``edgecache warm``
   a job outside the schedule (another schedule's warm or controller), as
   ``edgecache evict`` refuses to. A pin is never cut short either: a node
   pinning a version longer than the plan keeps that pin.
-* **Staging.** Each task stages on the region's nodes (each node its own
-  shards), from the source the plan chose: origin, or a peer region's nodes,
+* **Staging.** Each task stages on the region's nodes that answer (each
+  node its own shards among them: a node down leaves its share to the
+  others), from the source the plan chose: origin, or a peer region's nodes,
   which the receiving node copies chunk for chunk. A task from a peer waits
   until the peer region holds the whole version.
 
@@ -188,6 +189,11 @@ class TaskRun:
         """(region, version): at most one run of it at a time."""
         return self.task.region, self.task.version
 
+    @property
+    def staged(self) -> bool:
+        """Whether the region holds the version after the run (or would, rehearsed)."""
+        return self.state in ("done", "would stage")
+
 
 @dataclass(frozen=True)
 class Deferred:
@@ -221,6 +227,9 @@ class WarmOutcome:
     deferred: list[Deferred] = field(default_factory=list)
     pin_failures: list[str] = field(default_factory=list)
     pins_failed: set[tuple[str, VersionKey]] = field(default_factory=set)  # (region, version)
+    # (region, version) the region's nodes hold whole once the plan was carried out (or,
+    # rehearsed, would): a pin on any other holds no data yet (its staging deferred or failed).
+    held: set[tuple[str, VersionKey]] = field(default_factory=set)
 
     @property
     def failed(self) -> list[TaskRun]:
@@ -520,17 +529,28 @@ class PlanExecutor:
     def make_run(
         self, task: StageTask, manifests: Mapping[str, pb.Manifest], pin_until: datetime | None
     ) -> TaskRun:
-        """A run of ``task``: the item to stage, with the source's nodes as peers."""
+        """A run of ``task``: the item to stage, with the source's nodes as peers.
+
+        The region's nodes :attr:`calls` holds as down are the item's ``down``:
+        never called, the nodes that answer split the whole version between
+        them (:func:`~edgecache.clients.ops.stage_item`); the source's down
+        nodes are left out of the peers.
+        """
         manifest = next(m for m in manifests.values() if (m.dataset, m.version) == task.version)
         peers = [] if task.source == "origin" else list(self.topology.regions[task.source].nodes)
+        # A source node known down is not asked either (its shards are on the others);
+        # with every one down the nodes fall back to origin shard by shard, as they would.
+        peers = [node for node in peers if node not in self.calls.down] or peers
+        nodes = list(self.topology.regions[task.region].nodes)
         item = WarmItem(
             task.region,
             task.spec,
-            list(self.topology.regions[task.region].nodes),
+            nodes,
             task.bytes,
             pin_until=pin_until,
             shard_count=len(manifest.shards),
             peers=peers,
+            down=[node for node in nodes if node in self.calls.down],
         )
         return TaskRun(task, item)
 
@@ -622,20 +642,24 @@ class PlanExecutor:
         plan: Plan,
         schedule: Schedule,
         manifests: Mapping[str, pb.Manifest],
+        *,
+        reports: Sequence[NodeReport] | None = None,
     ) -> WarmOutcome:
         """Carry out the whole plan now: regions in parallel, each in the plan's order.
 
         Within a region, evictions come before the task that needs their room;
         an eviction the guard refuses defers the tasks after it (they need the
         room), which a later run or the controller carries out when the time
-        comes.
+        comes. ``reports`` is the status to decide on (``warm --dry-run`` gives
+        the one its plan was made on); without it the nodes are asked now.
         """
         outcome = WarmOutcome()
-        reports = gather_status(self.topology, token=self.token)
+        if reports is None:
+            reports = gather_status(self.topology, token=self.token)
         for region, version, problem in self._pin(plan, self._see(reports)):
             outcome.pin_failures.append(problem)
             outcome.pins_failed.add((region, version))
-        held = complete_versions(reports, dict(manifests))
+        held = complete_versions(list(reports), dict(manifests))
         for region, versions in held.items():  # what regions hold can serve as a peer source
             for version in versions:
                 self.mark_resident(region, version)
@@ -646,6 +670,7 @@ class PlanExecutor:
 
         def one_region(region: str) -> None:
             region_plan, mine = plan.regions[region], done[region]
+            mine.held = {(region, version) for version in held.get(region, set())}
             steps: list[tuple[datetime, int, Eviction | StageTask]] = [
                 (e.at, 0, e) for e in region_plan.evictions
             ] + [(t.start, 1, t) for t in region_plan.tasks]
@@ -658,6 +683,7 @@ class PlanExecutor:
                     evicted = self.evict(step, schedule, manifests)
                     if evicted.problem is None:
                         mine.evicted.append((step, evicted.freed))
+                        mine.held.discard((region, step.version))
                         # An eviction drops the version's pin with it. A later job here
                         # still reads it (the plan stages it again for that job): pin
                         # it again, so the pin warm reports is the pin the node holds.
@@ -679,7 +705,8 @@ class PlanExecutor:
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
                     continue
-                self.run(run)
+                if self.run(run).staged:
+                    mine.held.add((region, step.version))
 
         with ThreadPoolExecutor(max(len(plan.regions), 1)) as pool:
             futures = [pool.submit(one_region, region) for region in plan.regions]
@@ -697,4 +724,5 @@ class PlanExecutor:
             outcome.deferred += region_outcome.deferred
             outcome.pin_failures += region_outcome.pin_failures
             outcome.pins_failed |= region_outcome.pins_failed
+            outcome.held |= region_outcome.held
         return outcome

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -86,6 +86,7 @@ __all__ = [
     "warm_items_for_plan",
     "warm_item_for_version",
     "version_too_large",
+    "without_pins",
 ]
 
 log = logging.getLogger(__name__)
@@ -309,10 +310,11 @@ class Outage:
 
     *Unreachable* when none answered: nothing can be planned there, its jobs
     cannot be met as far as anyone here can tell. *Degraded* when some did:
-    the plan counts only those (their capacity, their holdings), and the
-    shards that replicas split to the silent ones can be neither seen nor
-    staged. Either way a command that plans or stages for the region fails
-    (exit 1), naming the nodes: retrying once they answer may help.
+    the plan counts only those (their capacity, their holdings), and staging
+    splits the whole version among them (the silent nodes' share included,
+    where readers look for it while they are down). Either way a command that
+    plans or stages for the region fails (exit 1), naming the nodes: retrying
+    once they answer may help.
     """
 
     region: str
@@ -347,6 +349,26 @@ class Outage:
             f"region {self.region} is {state}: {nodes}; check that the node runs and is "
             "reachable from here (edgecache status, edgecache doctor), then try again"
         )
+
+
+def without_pins(reports: Sequence[NodeReport], pins: Sequence[WarmPin]) -> list[NodeReport]:
+    """``reports`` as they would read once ``pins`` are released: copies, those pins unset.
+
+    ``warm --dry-run`` plans on this, so it shows what the real run, which
+    releases the pins first and then asks the nodes again, carries out.
+    """
+    gone = {(pin.node, pin.key) for pin in pins}
+    out = []
+    for report in reports:
+        if report.status is not None and any(node == report.address for node, _ in gone):
+            status = edge_pb2.NodeStatus()
+            status.CopyFrom(report.status)
+            for v in status.versions:
+                if (report.address, (v.dataset, v.version)) in gone:
+                    v.ClearField("pinned_until")
+            report = replace(report, status=status)
+        out.append(report)
+    return out
 
 
 def region_outages(reports: list[NodeReport]) -> dict[str, Outage]:
@@ -516,16 +538,53 @@ class WarmItem:
     region: str
     spec: str
     nodes: list[str]
-    bytes_total: int
+    bytes_total: int  # the plan's estimate (stored bytes), which progress bars scale
     pin_until: datetime | None = None
     shard_count: int = 0  # with several nodes: each stages only the shards it owns
     peers: list[str] = field(default_factory=list)  # copy from these nodes; empty: origin
-    bytes_done: int = 0
-    peer_bytes: int = 0  # of which copied from peers
+    # Nodes of ``nodes`` known not to answer (the round's status): never called; the
+    # nodes that answer split the version between them instead (see stage_item).
+    down: list[str] = field(default_factory=list)
+    bytes_done: int = 0  # progress, as a share of bytes_total
+    origin_bytes: int = 0  # what the nodes said they fetched from origin (source bytes)
+    peer_bytes: int = 0  # what the nodes said they copied from peers (stored bytes)
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. a peer that failed mid-shard
     done: bool = False
-    _peer_seen: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes the nodes' Stage progress said they moved: from origin and from peers."""
+        return self.origin_bytes + self.peer_bytes
+
+
+def _split(item: WarmItem) -> bool:
+    """Whether the item's nodes split its shards (several replicas, shard count known)."""
+    return len(item.nodes) > 1 and item.shard_count > 0
+
+
+def _shares(item: WarmItem, nodes: Sequence[str]) -> dict[str, list[int]]:
+    """Node → the shards it owns among ``nodes`` (rendezvous hashing, as readers rank them)."""
+    dataset, version = parse_spec(item.spec)
+    return {
+        node: rendezvous.owned_shards(nodes, node, dataset, version or 0, item.shard_count)
+        for node in nodes
+    }
+
+
+def _silent(address: str) -> str | None:
+    """Why ``address`` is down (a health check it does not answer), or None when it answers.
+
+    A Stage that failed UNAVAILABLE before any progress may be the node's own
+    answer (its origin failing): only a node that does not answer its health
+    check is down, and its share goes to the others.
+    """
+    channel = open_channel(address)
+    try:
+        checks = health_pings(channel, pings=1, timeout=2.0)
+    finally:
+        channel.close()
+    return (checks.error or "no answer") if checks.rtt_ms is None else None
 
 
 def stage_item(
@@ -542,53 +601,114 @@ def stage_item(
     skips what is cached, so running it again resumes. Failures are collected
     in ``item.failures`` (unreachable nodes included), never raised. Setting
     ``stop`` cancels the streams; nodes keep the whole shards they committed.
+
+    Replicas split the shards by rendezvous hashing over the nodes that
+    answer: a node in ``item.down`` is never called, and one found down while
+    staging (no progress, no health check) is dropped, so the others stage its
+    share. That is the owner ``EdgeDataset`` asks first while the node is
+    down (it ranks the replicas that answer), and a note names the nodes
+    whose share moved. A region of one node that is down fails, uncalled.
     """
     stop = stop or threading.Event()
     dataset, version = parse_spec(item.spec)
     request = edge_pb2.StageRequest(dataset=dataset, version=version or 0, peers=item.peers)
     if item.pin_until is not None:
         request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
-    finished = 0  # shards staged by the nodes before this one
-    for address in item.nodes:
-        if stop.is_set():
-            return item
-        node_request = edge_pb2.StageRequest()
-        node_request.CopyFrom(request)
-        if len(item.nodes) > 1 and item.shard_count:
-            mine = rendezvous.owned_shards(
-                item.nodes, address, dataset, version or 0, item.shard_count
-            )
-            if not mine:
+    live = [node for node in item.nodes if node not in item.down]
+    lost = {node: "" for node in item.nodes if node in item.down}  # node → why, if known
+    asked: dict[str, set[int]] = {}  # node → the shards it staged (split items)
+    finished = 0  # shards staged by the calls before this one
+    changed = True
+    while changed and live:
+        changed = False  # a node found down this pass: its share goes to the others
+        shares = _shares(item, live) if _split(item) else {live[0]: []}
+        for address in live:
+            if stop.is_set():
+                return item
+            mine = [s for s in shares.get(address, []) if s not in asked.get(address, set())]
+            if _split(item) and not mine:
                 continue
+            node_request = edge_pb2.StageRequest()
+            node_request.CopyFrom(request)
             node_request.shards.extend(mine)
-        channel = open_channel(address)
-        call = edge_pb2_grpc.EdgeCacheStub(channel).Stage(node_request, metadata=bearer(token))
-        watcher = threading.Thread(target=_cancel_on, args=(stop, call), daemon=True)
-        watcher.start()
-        try:
-            for event in call:
-                # Skipped (already cached) shards count as done for progress.
-                total = item.shard_count or event.shards_total
-                share = (finished + event.shards_done) / max(total, 1)
-                item.bytes_done = max(item.bytes_done, int(item.bytes_total * min(share, 1)))
-                item.peer_bytes += event.peer_bytes_done - item._peer_seen.get(address, 0)
-                item._peer_seen[address] = event.peer_bytes_done
-                item.notes.extend(n for n in event.notes if n not in item.notes)
-                on_progress(item)
-            finished += len(node_request.shards) or 0
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED or not stop.is_set():
-                error = node_error(exc, endpoint=address, what=f"staging {item.spec}")
-                item.failures.append(str(error))
-        finally:
-            call.cancel()
-            channel.close()
+            outcome = _stage_node(item, address, node_request, finished, token, stop, on_progress)
+            if outcome is None:
+                asked.setdefault(address, set()).update(mine)
+                finished += len(mine)
+            elif (why := outcome[1]) is not None and _split(item) and len(live) > 1:
+                lost[address] = why
+                live.remove(address)
+                changed = True
+                break
+            else:
+                item.failures.append(outcome[0])
+    if not live:
+        nodes = "; ".join(f"{node} ({why or 'no answer'})" for node, why in lost.items())
+        item.failures.append(
+            f"staging {item.spec}: no node of {item.region} answers: {nodes}; check that they "
+            "run and are reachable from here (edgecache status, edgecache doctor), then try again"
+        )
+    elif lost and _split(item):
+        owned = _shares(item, item.nodes)
+        for node, why in lost.items():
+            share = len(owned[node])
+            silent = f"{node} is not answering" + (f" ({why})" if why else "")
+            item.notes.append(
+                f"{silent}: its share ({share} of {item.shard_count} shards) was staged on "
+                f"{', '.join(live)}"
+                if share
+                else f"{silent}; it owns none of the shards"
+            )
     if stop.is_set():
         return item
     item.done = not item.failures
     item.bytes_done = item.bytes_total if item.done else item.bytes_done
     on_progress(item)
     return item
+
+
+def _stage_node(
+    item: WarmItem,
+    address: str,
+    request: edge_pb2.StageRequest,
+    finished: int,
+    token: str | None,
+    stop: threading.Event,
+    on_progress: Callable[[WarmItem], None],
+) -> tuple[str, str | None] | None:
+    """One node's ``Stage`` call, its progress added to ``item``: None when it went through.
+
+    Otherwise (the failure, why the node is down or None): a node that failed
+    before any progress and does not answer a health check is down.
+    """
+    channel = open_channel(address)
+    call = edge_pb2_grpc.EdgeCacheStub(channel).Stage(request, metadata=bearer(token))
+    watcher = threading.Thread(target=_cancel_on, args=(stop, call), daemon=True)
+    watcher.start()
+    origin_seen = peer_seen = 0
+    answered = False
+    try:
+        for event in call:
+            answered = True
+            # Skipped (already cached) shards count as done for progress.
+            total = item.shard_count or event.shards_total
+            share = (finished + event.shards_done) / max(total, 1)
+            item.bytes_done = max(item.bytes_done, int(item.bytes_total * min(share, 1)))
+            item.origin_bytes += event.bytes_done - origin_seen
+            item.peer_bytes += event.peer_bytes_done - peer_seen
+            origin_seen, peer_seen = event.bytes_done, event.peer_bytes_done
+            item.notes.extend(n for n in event.notes if n not in item.notes)
+            on_progress(item)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.CANCELLED and stop.is_set():
+            return None
+        failure = str(node_error(exc, endpoint=address, what=f"staging {item.spec}"))
+        gone = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return failure, (_silent(address) if gone and not answered else None)
+    finally:
+        call.cancel()
+        channel.close()
+    return None
 
 
 def _cancel_on(stop: threading.Event, call: grpc.Call) -> None:
@@ -634,39 +754,52 @@ def warm(
 
 
 def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tuple[bool, str]:
-    """Whether ``region`` holds every shard of the version.
+    """Whether ``region``'s nodes that answer hold every shard of the version between them.
 
     One node must hold them all; several nodes split them (rendezvous hashing),
-    so together they must hold every shard, each node its own.
+    so together they must hold every shard, each node its own share among the
+    nodes that answer. That is where readers find a shard while a node is
+    down (``EdgeDataset`` ranks the replicas that answer) and where ``warm``
+    and the controller stage the down node's share: ready then, with a note
+    naming the node that did not answer. With no node answering, not ready.
     """
     nodes = [r for r in reports if r.region == region]
     if not nodes:
         return False, f"region {region!r} has no nodes in the topology"
     total = len(manifest.shards)
     spec = f"{manifest.dataset}@{manifest.version}"
+    alive = [r for r in nodes if r.status is not None]
+    silent = [
+        f"{r.address} unreachable ({r.error or 'no answer'})" for r in nodes if r.status is None
+    ]
+    if not alive:
+        return False, f"{spec} is not ready in {region}: " + "; ".join(silent)
     missing = []
-    for report in nodes:
-        if report.status is None:
-            missing.append(f"{report.address} unreachable ({report.error})")
-            continue
+    for report in alive:
         held = _held(report, manifest)
         wanted = (
             len(
                 rendezvous.owned_shards(
-                    [n.address for n in nodes],
+                    [n.address for n in alive],
                     report.address,
                     manifest.dataset,
                     manifest.version,
                     total,
                 )
             )
-            if len(nodes) > 1
+            if len(alive) > 1
             else total
         )
         if held < wanted:
-            missing.append(f"{report.address} has {held}/{wanted} shards")
+            share = " (its share with the others not answering)" if silent else ""
+            missing.append(f"{report.address} has {held}/{wanted} shards{share}")
     if missing:
-        return False, f"{spec} is not ready in {region}: " + "; ".join(missing)
+        return False, f"{spec} is not ready in {region}: " + "; ".join([*missing, *silent])
+    if silent:
+        return True, (
+            f"{spec} is staged in {region}: the nodes that answered hold every shard between "
+            f"them (note: {'; '.join(silent)})"
+        )
     return True, f"{spec} is staged in {region}"
 
 

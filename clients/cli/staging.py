@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -53,6 +53,9 @@ from edgecache.clients.plan_status import JobView
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import manifest_pb2 as pb
 
+if TYPE_CHECKING:
+    from edgecache.clients.controller import ControllerState
+
 
 @app.command()
 def plan(
@@ -75,11 +78,16 @@ def plan(
     """Show what to stage where, by when, what to evict, and what cannot be met.
 
     Exit codes: 0 every job can be met; 3 some cannot (listed, with the reason);
-    2 bad input (with --status, also a registry on a local path that does not
-    exist; nodes that serve but refused the token: --token-file); 1 failed:
+    2 bad input (with --status or a job running, also a registry on a local
+    path that does not exist; nodes that serve but refused the token:
+    --token-file); 1 failed:
     the registry, or a node of a region the schedule uses, is unreachable
     (named; this wins over 3, since that region's plan is built without
     knowing what it holds).
+
+    A job that has started reads the versions resolved at its start (the
+    controller's record), not a version published since, as the controller
+    and warm carry it out.
 
     Times are UTC. --json gives regions.R.tasks (version, bytes, source,
     start, finish, deadline, jobs), regions.R.evictions (version, bytes, at,
@@ -95,16 +103,12 @@ def plan(
         jobs = load_schedule(schedule, options.topology)
         now = parse_at(at) or datetime.now(UTC)
         reports = gather_status(options.topology, token=options.token)
-        if show_status:
-            from edgecache.clients.controller import as_started, lease_holder, read_state
-            from edgecache.clients.plan_status import job_views
-
-            # Started jobs read what was resolved before their start, as the controller
-            # carries it out, not a version published since.
-            state = read_state(options.topology.registry)
-            jobs = as_started(jobs, state, now)
+        jobs, state = started_as_recorded(options.topology, jobs, now, always=show_status)
         result, manifests = make_plan(options.topology, jobs, now=now, reports=reports)
         if show_status:
+            from edgecache.clients.controller import lease_holder
+            from edgecache.clients.plan_status import job_views
+
             views = job_views(
                 jobs,
                 result,
@@ -132,6 +136,28 @@ def plan(
         raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
     if result.infeasible:
         raise exit_with(ExitCode.CANNOT_BE_MET)
+
+
+def started_as_recorded(
+    topology: Topology, schedule: Schedule, now: datetime, *, always: bool = False
+) -> tuple[Schedule, ControllerState | None]:
+    """The schedule with its started jobs reading the versions resolved at their start.
+
+    ``name`` and ``name@latest`` are resolved once, when a job starts: the
+    controller records what it resolved then, and carries the job out on that
+    version to its end. ``plan``, ``plan --status`` and ``warm`` all read the
+    schedule through this one function, so none of them stages, pins or calls
+    "cannot be met" a version published after the job started. The
+    controller's record is read only when a job is running (or ``always``, for
+    ``--status``, which shows it): a schedule of jobs still to come resolves
+    as before, whatever the registry's record.
+    """
+    from edgecache.clients.controller import as_started, read_state
+
+    if not always and not any(job.start <= now < job.end for job in schedule.jobs):
+        return schedule, None
+    state = read_state(topology.registry)
+    return as_started(schedule, state, now), state
 
 
 def parse_at(at: str | None, option: str = "--at") -> datetime | None:
@@ -484,6 +510,9 @@ class _ScheduleWork:
     # Pins an earlier warm of this schedule placed for jobs it no longer has: released
     # before planning (or, in a dry run, would be).
     released: Released = field(default_factory=Released)
+    # The status the plan was made on: a rehearsal decides on it (the pins a dry run
+    # would release are gone from it); a real run asks the nodes again.
+    reports: list[ops.NodeReport] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -512,8 +541,8 @@ def _plan_schedule(
     from edgecache.clients.controller import lease_holder
     from edgecache.clients.topology import load_schedule
 
-    schedule = load_schedule(path, topology)
     now = datetime.now(UTC)
+    schedule, _ = started_as_recorded(topology, load_schedule(path, topology), now)
     owner = ops.schedule_owner(path)
     reports = ops.gather_status(topology, token=token)
     plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
@@ -523,8 +552,14 @@ def _plan_schedule(
         # again on what the nodes pin once they are gone.
         executor = PlanExecutor(topology, token=token)
         released = executor.release(dropped, reports, dry_run=dry_run)
-        if released.released and not dry_run:
-            reports = ops.gather_status(topology, token=token)
+        if released.released:
+            # A dry run plans (and rehearses) on the pins as the release would leave
+            # them, so it shows the evictions and stages the real run then carries out.
+            reports = (
+                ops.without_pins(reports, released.released)
+                if dry_run
+                else ops.gather_status(topology, token=token)
+            )
             plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
     down = ops.unreachable_regions(reports, schedule, now)
     holder = lease_holder(topology.registry)
@@ -534,7 +569,7 @@ def _plan_schedule(
             "now as well (pins, evictions and staging are idempotent, so nothing is "
             "done twice, but its timing is not the controller's)"
         )
-    return _ScheduleWork(schedule, plan, manifests, now, down, owner, released)
+    return _ScheduleWork(schedule, plan, manifests, now, down, owner, released, reports)
 
 
 def _single_item(topology: Topology, spec: str, region: str | None, token: str | None) -> WarmItem:
@@ -652,7 +687,9 @@ def _run_plan(
     if not dry_run:
         _record_warmed_jobs(topology, work)
     with reporting():
-        outcome = executor.warm(work.plan, work.schedule, work.manifests)
+        outcome = executor.warm(
+            work.plan, work.schedule, work.manifests, reports=work.reports if dry_run else None
+        )
     return _Warmed(
         rows=[_row(run.item, run.state, run.task.source, run.task) for run in outcome.runs],
         failed=[run.item for run in outcome.failed],
@@ -694,7 +731,14 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             {"region": d.region, "what": d.what, "reason": d.reason} for d in outcome.deferred
         ]
         out["pins"] = [
-            {"region": name, "version": f"{v[0]}@{v[1]}", "until": json_time(until)}
+            {
+                "region": name,
+                "version": f"{v[0]}@{v[1]}",
+                "until": json_time(until),
+                # False: pinned, but the region holds none of it (its staging deferred or
+                # failed); the pin keeps room for it, not data.
+                "staged": (name, v) in outcome.held,
+            }
             for name, rp in work.plan.regions.items()
             for v, until in sorted(rp.pins.items())
             if (name, v) not in outcome.pins_failed
@@ -767,13 +811,16 @@ def _print_plan_steps(
     for row in rows:
         if row["state"] == ("would stage" if dry_run else "done"):
             console.print(
-                f"{row['region']}: {staged} {row['version']} "
-                f"({format_bytes(int(row['bytes']))}) from {row['from']}"
+                f"{row['region']}: {staged} {row['version']} ({_moved(row, dry_run)}) "
+                f"from {row['from']}"
             )
     for name, rp in plan.regions.items():
         for v, until in sorted(rp.pins.items()):
             if (name, v) not in outcome.pins_failed:
-                console.print(f"{name}: {pinned} {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}")
+                console.print(
+                    f"{name}: {pinned} {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}"
+                    + _not_staged(outcome, name, v)
+                )
     deferred = "would defer" if dry_run else "deferred"
     for d in outcome.deferred:
         err_console.print(
@@ -781,6 +828,35 @@ def _print_plan_steps(
         )
     for failure in outcome.pin_failures:
         err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
+
+
+def _moved(row: dict[str, Any], dry_run: bool) -> str:
+    """A stage's size as warm says it: the bytes the nodes moved; a dry run, the plan's estimate.
+
+    Origin bytes are the source's (before preprocessing), peer bytes the
+    stored chunks copied: what the nodes' ``staged_*_bytes`` counters add.
+    """
+    if dry_run:
+        return format_bytes(int(row["planned_bytes"]))
+    if not row["bytes"]:
+        return "nothing moved: its shards were held already"
+    return format_bytes(int(row["bytes"]))
+
+
+def _not_staged(outcome: WarmOutcome, region: str, version: VersionKey) -> str:
+    """``, not staged: …`` for a pin on a version the region does not hold (or would not)."""
+    if (region, version) in outcome.held:
+        return ""
+    states = {r.state for r in outcome.runs if r.key == (region, version)}
+    why = (
+        "its staging deferred"
+        if "deferred" in states
+        else "its staging failed"
+        if "failed" in states
+        else "nothing of it held"
+    )
+    # The same words in a dry run: its lines are the real run's, in another tense.
+    return f", not staged: {why} (the pin holds no data yet)"
 
 
 def _report_failures(warmed: _Warmed) -> None:
@@ -883,6 +959,8 @@ def _row(
 ) -> dict[str, Any]:
     """One item as warm reports it (and --json prints it): a plan's task or a single version.
 
+    ``bytes`` is what the nodes said they moved (origin bytes fetched and peer
+    bytes copied), ``planned_bytes`` the plan's estimate (all a dry run has).
     ``source`` is the region the plan chose to copy from; the row names it only
     while the item still copies from a peer, since a run whose peer will not
     hold the version falls back to origin. A plan's task also gives its planned
@@ -895,7 +973,11 @@ def _row(
         "version": item.spec,
         "source": "peer" if from_peer else "origin",
         "from": source if from_peer else "origin",
-        "bytes": item.bytes_total,
+        # What the nodes' Stage progress said they moved (origin and peer bytes); the
+        # plan's estimate apart: a shard already held moves nothing, and a copy from a
+        # peer moves stored bytes, not the plan's size.
+        "bytes": item.moved_bytes,
+        "planned_bytes": item.bytes_total,
         "state": state,
         "done": item.done,
         "failures": item.failures,
