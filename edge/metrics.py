@@ -120,7 +120,8 @@ class NodeMetrics:
             "Source bytes/s this node can preprocess on all its preprocessing threads, "
             "from the CPU time of its recent shards",
         )
-        # Latency as readers and operators feel it, by result (ok, or the status code).
+        # Latency as readers and operators feel it, by result (ok, not_cached, or the
+        # status code).
         self._first_chunk = Histogram(
             "edgecache_read_first_chunk_seconds",
             "ReadShard: time from the request to its first chunk (a miss includes the fetch)",
@@ -179,7 +180,11 @@ class NodeMetrics:
         self.staging_active = gauge("edgecache_staging_active", "Stage requests in flight")
 
     def first_chunk(self, seconds: float, result: str) -> None:
-        """A ReadShard's first chunk took ``seconds`` (``result``: ok or a status code name)."""
+        """A ReadShard's first chunk took ``seconds`` (``result``: ok, not_cached or a status code).
+
+        ``not_cached``: a cached_only read of a shard this node does not hold (a peer
+        copy asking the shard's owner first), kept apart from the failures alerts count.
+        """
         self._first_chunk.labels(**self._labels, result=result).observe(seconds)
 
     def next_chunk(self, seconds: float) -> None:
