@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -55,12 +55,13 @@ from prometheus_client import Gauge
 
 from edgecache.cache.errors import ConfigError, EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
-from edgecache.cache.planner import Infeasible, Plan, VersionKey
+from edgecache.cache.planner import Infeasible, Plan, StageTask, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
 from edgecache.clients.executor import NodeCalls, NodesSeen, PlanExecutor, TaskRun
 from edgecache.clients.ops import (
     NodeReport,
+    Outage,
     complete_versions,
     gather_status,
     local_registry,
@@ -92,6 +93,7 @@ RETRY_BACKOFF_MAX = 600.0  # seconds: the longest wait between runs of a failing
 STATUS_PINGS = 3  # health checks per node and round (the RTT is their median)
 STATUS_TIMEOUT = 3.0  # seconds a status call may take, at most (less for a short lease)
 RECORD_RETENTION = timedelta(days=1)  # records of a job and its tasks stay this long past its end
+UNSEEN_BEFORE_START = "no controller round saw the job before it started"
 
 
 class LeaseLost(EdgeCacheError):
@@ -119,6 +121,7 @@ class TaskRecord:
     error: str = ""  # the last attempt's error; "" once done
     notes: list[str] = field(default_factory=list)
     attempts: int = 0  # runs started: a failed task is retried in the same record
+    retry_at: str | None = None  # failed: when the controller runs it again (its backoff)
 
 
 @dataclass
@@ -131,7 +134,9 @@ class JobRecord:
     end: str
     versions: list[str]
     planned_ready: str | None = None  # when the plan says its data is complete
-    ready_at: str | None = None  # when the controller saw it complete
+    # When the controller saw the versions it reads now complete, since they last were
+    # not (cleared when a round sees them missing, or when the job reads others).
+    ready_at: str | None = None
     complete_at_start: bool | None = None  # None until the job starts
     missing_at_start: list[str] = field(default_factory=list)
     infeasible: list[str] = field(default_factory=list)  # the planner's reasons
@@ -141,6 +146,10 @@ class JobRecord:
     # Each of the job's specs as resolved ("tokens" → "tokens@3"): followed until the
     # job starts, then kept, so the job reads one version however many are published.
     resolved: dict[str, str] = field(default_factory=dict)
+    # Why nobody knows whether its data was there at its start (no round saw the job
+    # before it started); "" otherwise. Such a job is neither complete nor missed at its
+    # start: ``complete_at_start`` stays None and no metric counts it either way.
+    unknown_at_start: str = ""
 
 
 @dataclass
@@ -157,6 +166,9 @@ class ControllerState:
     # Each node's id as it last reported it (address → node_id): the `node` label of a
     # node that is down now, after a restart or a takeover too (ControllerMetrics).
     nodes: dict[str, str] = field(default_factory=dict)
+    # The nodes down now: address → when a round first saw it down (kept across a restart
+    # or a takeover, so "back up" says since when, not since the new leader looked).
+    down_since: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         """The state as JSON."""
@@ -173,6 +185,7 @@ class ControllerState:
             jobs={k: JobRecord(**v) for k, v in data.get("jobs", {}).items()},
             pins=dict(data.get("pins", {})),
             nodes=dict(data.get("nodes", {})),
+            down_since=dict(data.get("down_since", {})),
         )
 
 
@@ -405,7 +418,6 @@ class Controller:
         self._lock = threading.Lock()
         self._leading = False  # held the lease at the last round: the record is ours to save
         self._renewed_at = -math.inf  # time.monotonic() when the lease was last taken or renewed
-        self._down_since: dict[str, str] = {}  # node → when it was first seen down, while it is
         self._exported: dict[str, dict[str, str]] = {}  # address → its node series' labels
         self.last_plan: Plan | None = None
         self.last_error = ""
@@ -419,6 +431,9 @@ class Controller:
         # non-zero on any; a running controller logs them and tries again next round.
         self.failures: list[str] = []
         self._complete: dict[str, set[VersionKey]] = {}
+        # The other controller holding the lease at the last round (None: this one led).
+        self.other_leader: LeaseRecord | None = None
+        self._standing_by_for: str | None = None  # the leader last logged as standing by for
 
     # -------------------------------------------------------------- plumbing
 
@@ -591,15 +606,17 @@ class Controller:
         known = {address for cfg in self.topology.regions.values() for address in cfg.nodes}
         for address in set(self.state.nodes) - known:
             del self.state.nodes[address]  # a node since removed from the topology
+        for address in set(self.state.down_since) - known:
+            del self.state.down_since[address]
         for report in reports:
             labels = self._node_labels(report)
             self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
             name = self._node_name(report.address)
-            since = self._down_since.get(report.address)
+            since = self.state.down_since.get(report.address)
             if report.status is None:
                 _remove_series(self.metrics.node_rtt, labels)
                 if since is None:
-                    self._down_since[report.address] = _iso(self.clock()) or ""
+                    self.state.down_since[report.address] = _iso(self.clock()) or ""
                     log.warning(
                         "node %s of %s is down: %s; check that it runs and is reachable from "
                         "here (edgecache status, edgecache doctor). Rounds plan around it and "
@@ -611,9 +628,10 @@ class Controller:
                 continue
             self.metrics.node_rtt.labels(**labels).set(report.rtt_ms / 1e3)
             if since is not None:
-                del self._down_since[report.address]
+                del self.state.down_since[report.address]
+                # The first round that saw it down: it may have gone down before that.
                 log.info(
-                    "node %s of %s is back up (down since %s); planning with it again",
+                    "node %s of %s is back up (down since at least %s); planning with it again",
                     name,
                     report.region,
                     since,
@@ -652,13 +670,20 @@ class Controller:
         round, and every call ends inside the lease (:meth:`_keep_lease`).
         """
         other = self.leader()
+        self.other_leader = other
         if other is not None:
-            log.info(
-                "controller %s holds the lease until %s; standing by",
-                other.holder,
-                datetime.fromtimestamp(other.expires, UTC).isoformat(timespec="seconds"),
-            )
+            if other.holder != self._standing_by_for:  # once per leader, not every round
+                log.info(
+                    "controller %s holds the lease (until %s unless renewed); standing by: "
+                    "this one takes over if it stops renewing",
+                    other.holder,
+                    datetime.fromtimestamp(other.expires, UTC).isoformat(timespec="seconds"),
+                )
+            self._standing_by_for = other.holder
             return None
+        if self._standing_by_for is not None:
+            log.info("took the lease from controller %s; acting", self._standing_by_for)
+        self._standing_by_for = None
         now = self.clock()
         with self._lock:
             self.failures = []
@@ -690,7 +715,7 @@ class Controller:
         except LeaseLost as lost:
             log.warning("%s; stopping this round and standing by", lost)
             return None
-        self._start_due(plan, schedule, manifests, now, looked)
+        self._start_due(plan, schedule, manifests, now, looked, region_outages(reports))
         self._prune(plan, schedule, reports, now)
         self._update_metrics(now)
         self._save_state()
@@ -802,7 +827,15 @@ class Controller:
         manifests: dict[str, pb.Manifest],
         now: datetime,
         looked: float,
+        outages: dict[str, Outage],
     ) -> None:
+        """Start each task whose planned start has come, from the plan's source.
+
+        A task that copies from a peer region waits for the peer to hold the
+        version, unless the peer cannot (:meth:`_peer_wont_do`): then it stages
+        from origin now, and its log line and record say why. The job needs
+        the data; the peer is only the cheaper way to it.
+        """
         ends = {job.name: job.end for job in schedule.jobs}
         for region, region_plan in plan.regions.items():
             for task in region_plan.tasks:
@@ -837,13 +870,32 @@ class Controller:
                     record.predicted_ready = _iso(task.finish) or ""
                 if time.monotonic() < ended + self._backoff(key):
                     continue  # failed lately: wait before trying again
-                if task.start > now or self.stop.is_set():
-                    continue  # not due, or stopping: begin nothing new
+                if self.stop.is_set():
+                    continue  # stopping: begin nothing new
+                note = ""
                 if task.source != "origin" and not self._peer_holds(task.source, task.version):
-                    continue  # the plan counts on the peer's own task; it is not done yet
+                    why = self._peer_wont_do(task, plan, outages)
+                    if why is None:
+                        continue  # the plan counts on the peer's own task, still on time
+                    if task.start > now and any(
+                        e.at <= task.start for e in region_plan.evictions if e.at > now
+                    ):
+                        continue  # it needs the room of an eviction still to come
+                    # Its start was the peer's planned finish, re-planned every round
+                    # while the peer fails: from origin, it is due now.
+                    note = f"from origin: {task.source} will not hold {task.spec} ({why})"
+                    log.warning("%s: staging %s %s", region, task.spec, note)
+                    task = replace(task, source="origin")
+                    record.source = "origin"
+                elif task.start > now:
+                    continue  # not due
                 pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)
                 run = self.executor.make_run(task, manifests, pin_until)
-                record.state, record.started_at = "running", _iso(now)
+                if note:
+                    run.note = note
+                    run.item.notes.append(note)
+                    record.notes = [note]
+                record.state, record.started_at, record.retry_at = "running", _iso(now), None
                 record.attempts += 1
                 record.predicted_ready = _iso(task.finish) or ""
                 thread = threading.Thread(
@@ -925,6 +977,41 @@ class Controller:
     def _peer_holds(self, region: str, version: VersionKey) -> bool:
         return version in self._complete.get(region, set())
 
+    def _peer_wont_do(self, task: StageTask, plan: Plan, outages: dict[str, Outage]) -> str | None:
+        """Why ``task``'s peer source will not hold its version in time; None: wait for it.
+
+        The peer cannot complete it when no node of the peer region answers,
+        when the peer's own last run of it failed (its retries wait out a
+        backoff and may fail again: a node of the peer that cannot stage it
+        fails every one), or when no plan of the peer stages it. It is too
+        late when the peer's planned finish plus the copy ends past the
+        task's deadline, while origin, started now, would end sooner.
+        """
+        source, spec = task.source, task.spec
+        outage = outages.get(source)
+        if outage is not None and outage.unreachable:
+            return "no node of it answers"
+        runs = self._runs_of(f"{source} {spec}")
+        with self._lock:
+            failing = self._failed_in_row.get((source, task.version), 0)
+        if failing or (runs and self.state.tasks[runs[-1]].state == "failed"):
+            return "its staging failed"  # its retry (running now, maybe) may fail again
+        source_plan = plan.regions.get(source)
+        theirs = [t for t in source_plan.tasks if t.version == task.version] if source_plan else []
+        if not theirs:
+            return "nothing stages it there"
+        copy = task.finish - task.start
+        peer_ready = max(t.finish for t in theirs) + copy
+        if peer_ready <= task.deadline:
+            return None
+        rate = self.topology.regions[task.region].origin_bandwidth
+        if rate and self.clock() + timedelta(seconds=task.bytes / rate) >= peer_ready:
+            return None  # origin would be no sooner: the peer is still the best way
+        return (
+            f"it would hold it only at {peer_ready:%Y-%m-%d %H:%M:%S}, after the deadline "
+            f"{task.deadline:%Y-%m-%d %H:%M:%S}"
+        )
+
     def _run_task(self, run: TaskRun, record: TaskRecord) -> None:
         try:
             self.executor.run(run, peer_wait=5.0)
@@ -954,7 +1041,10 @@ class Controller:
                     self._failed_in_row[run.key] = self._failed_in_row.get(run.key, 0) + 1
                 elif record.state == "done":
                     self._failed_in_row.pop(run.key, None)
+            record.retry_at = None
             if record.state == "failed":
+                retry = self.clock() + timedelta(seconds=self._backoff(run.key))
+                record.retry_at = _iso(retry)
                 problem = f"staging {record.version} in {record.region}: {record.error}"
                 self._failed(problem)
                 self.metrics.task_failures.inc()
@@ -996,7 +1086,12 @@ class Controller:
         for job in schedule.jobs:
             record = self.state.jobs.get(job.name)
             if job.end <= now:  # over: settle what is known, look no further
-                if record is not None and record.complete_at_start is None and record.ready_at:
+                if (
+                    record is not None
+                    and record.complete_at_start is None
+                    and not record.unknown_at_start
+                    and record.ready_at
+                ):
                     record.complete_at_start = datetime.fromisoformat(record.ready_at) <= job.start
                 continue
             reads = [
@@ -1017,6 +1112,10 @@ class Controller:
                     for s in job.datasets
                     if s in manifests
                 }
+                if record.versions != [_spec(v) for v in reads]:
+                    # The schedule switched it to other versions: what was seen and planned
+                    # was of the old ones.
+                    record.ready_at = record.planned_ready = None
                 record.versions = [_spec(v) for v in reads]
             planned_infeasible = record.infeasible  # the reasons of the last round before
             record.infeasible = reasons.get(job.name, [])
@@ -1026,15 +1125,32 @@ class Controller:
             ]
             region_plan = plan.regions.get(job.region)
             tasks = [t for t in region_plan.tasks if job.name in t.jobs] if region_plan else []
-            if not missing and record.ready_at is None:
+            if missing and job.region not in down:
+                record.ready_at = None  # gone since it was seen (evicted, lost): not ready
+            elif not missing and record.ready_at is None:
                 record.ready_at = _iso(now)
             if job.start > now:  # from the start on, the time planned stays as it was
                 if tasks:
                     record.planned_ready = _iso(max(t.finish for t in tasks))
                 elif not missing and record.planned_ready is None:
                     record.planned_ready = record.ready_at
-            if record.complete_at_start is None and job.start <= now:
-                # Seen complete before the start (recorded when seen), or not complete now.
+            if record.complete_at_start is not None or record.unknown_at_start:
+                continue  # judged at its start, once
+            if job.start < now and first_seen:
+                # No round saw it before it started: what was there at its start is not
+                # known, whatever is there now (or whether its region answers now).
+                record.unknown_at_start = UNSEEN_BEFORE_START
+                log.warning(
+                    "job %s had started (%s) before this controller first saw it: %s; "
+                    "whether its data was there at its start is unknown",
+                    job.name,
+                    _minute(record.start),
+                    UNSEEN_BEFORE_START,
+                )
+                continue
+            if job.start <= now:
+                # Complete now, or, where no node of the region answers now, when last seen
+                # before the start (ready_at is cleared whenever a round sees data missing).
                 ready = record.ready_at and datetime.fromisoformat(record.ready_at) <= job.start
                 record.complete_at_start = bool(ready) or not missing
                 record.missing_at_start = [] if record.complete_at_start else missing
@@ -1107,11 +1223,13 @@ class Controller:
         for key, record in self.state.tasks.items():
             if key not in self._live_tasks:
                 continue  # history: kept for plan --status, not counted as if still at stake
-            counts[record.state] = counts.get(record.state, 0) + 1
+            # One state per task: a late one counts as late only, so the states add up to
+            # the live tasks (a running task past its deadline was counted twice).
             deadline = datetime.fromisoformat(record.deadline) if record.deadline else None
             ready = datetime.fromisoformat(record.ready_at) if record.ready_at else None
-            if deadline is not None and (ready or now) > deadline:
-                counts["late"] += 1
+            late = deadline is not None and (ready or now) > deadline
+            state = "late" if late else record.state
+            counts[state] = counts.get(state, 0) + 1
         for state, count in counts.items():
             self.metrics.tasks.labels(state=state).set(count)
 

@@ -39,15 +39,17 @@ class ControllerMetrics:
         r = self.registry
         self.tasks = Gauge(
             "edgecache_controller_tasks",
-            "Live staging tasks by state (late: ready after, or not ready at, their "
-            "deadline); a task stops counting once the plan no longer has it and its jobs "
-            "have started",
+            "Live staging tasks by state, each task in one state only: late (ready after, "
+            "or not ready at, its deadline, whatever else it is), else pending, running, "
+            "done or failed; a task stops counting once the plan no longer has it and its "
+            "jobs have started",
             ["state"],
             registry=r,
         )
         self.jobs_unready_at_start = Counter(
             "edgecache_controller_jobs_unready_at_start_total",
-            "Jobs whose data was not complete in their region when they started",
+            "Jobs whose data was not complete in their region when they started (a job no "
+            "controller round saw before its start is not counted: that is not known)",
             registry=r,
         )
         staged = Counter(

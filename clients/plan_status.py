@@ -40,25 +40,35 @@ class JobView:
     complete_at_start: bool | None  # None until the job starts (or without a controller)
     why: str  # why it is late or cannot be met; "" when on time
     # What is being done about what is missing: "staging" (a controller's task runs),
-    # "planned" (a running controller starts it at its planned start), "not started"
-    # (nothing runs the schedule) or "over" (the job has ended); "" when nothing is missing.
+    # "waiting to retry" (its stage failed; a running controller tries again at the time
+    # the hint gives), "planned" (a running controller starts it at its planned start),
+    # "not started" (nothing runs the schedule) or "over" (the job has ended); "" when
+    # nothing is missing.
     progress: str = ""
     hint: str = ""  # what happens next, or what to run; for a job that has ended, what it had
     # The job has ended: nothing is planned or staged for it, so nothing is said of what
     # is missing now; ``hint`` says when it ended and what the record says it had.
     ended: bool = False
+    # Why whether its data was there at its start is unknown (no controller round saw
+    # the job before it started); "" when known, or not started yet.
+    unknown_at_start: str = ""
 
     @property
     def state(self) -> str:
-        """ready, missed (started without its data), over (ended), infeasible, late, or progress.
+        """ready, missed (started without its data), unknown, over, infeasible, late, or progress.
 
         Only a task a controller is running counts as staging: a plan nobody
         carries out is "not started", however soon it was planned to be ready.
+        A started job no controller saw before its start is "unknown": its
+        start is counted neither ready nor missed. A failed stage the
+        controller retries is "waiting to retry" (its progress), not late.
         """
         if self.complete_at_start is False:
             return "missed"
         if self.ended:
             return "over"
+        if self.unknown_at_start:
+            return "unknown"
         if not self.missing:
             return "ready"
         if self.why.startswith("cannot be met"):
@@ -121,10 +131,16 @@ def job_views(
         tasks = [t for t in region_plan.tasks if job.name in t.jobs] if region_plan else []
         planned = max((t.finish for t in tasks), default=None)
         record = state.jobs.get(job.name) if state else None
+        if record is not None and record.start != job.start.astimezone(UTC).isoformat():
+            record = None  # another job of the same name (moved since): not this one's record
+        reads = [f"{m.dataset}@{m.version}" for s in job.datasets if (m := manifests.get(s))]
         # Seen complete once is not ready now: the record's time stands only while nothing
         # is missing (else a job of an unreachable region read "ready" at the very time
-        # it showed its shards missing).
-        ready_at = _time(record.ready_at) if record and not missing else None
+        # it showed its shards missing), and only for the versions the job reads now (a
+        # job switched from a@1 to b@1 kept a@1's ready time).
+        ready_at = (
+            _time(record.ready_at) if record and not missing and record.versions == reads else None
+        )
         if record is not None and record.complete_at_start is not None:
             # The time planned before the start, not one re-planned after it (a plan made
             # now puts what is still missing at now, which says nothing of the plan).
@@ -132,17 +148,22 @@ def job_views(
         elif record and record.planned_ready and planned is None and job.name not in infeasible:
             planned = _time(record.planned_ready)  # the record's, unless it cannot be met
         why = ""
+        unknown = record.unknown_at_start if record is not None else ""
         if record is not None and record.complete_at_start is False:
             # Why it missed, as the controller knew it at the start: still said once the
             # data is there, and after the task records it came from are gone.
             why = record.why_missed or "started before its data was complete"
+        elif unknown:
+            why = f"{unknown}: whether its data was there at its start is unknown"
         elif job.name in infeasible:
             why = "cannot be met: " + "; ".join(infeasible[job.name])
         elif missing and planned is not None and planned > job.start:
             why = f"planned ready {planned:%Y-%m-%d %H:%M} is after the start"
         elif missing and job.start <= now:
             why = "started before its data was complete"
-        elif missing and state is not None:
+        elif missing and state is not None and not controller_running:
+            # Nothing retries it: the failure is why the data is not coming. (A running
+            # controller retries it: "waiting to retry", below, with its time.)
             failed = [
                 f"{t.version}: {t.error}"
                 for t in state.tasks.values()
@@ -151,7 +172,7 @@ def job_views(
             if failed:
                 why = "staging failed: " + "; ".join(failed)
         progress, hint = _progress(
-            job.region, tasks, state if controller_running else None, schedule_path
+            job.region, tasks, state if controller_running else None, schedule_path, now
         )
         views.append(
             JobView(
@@ -165,6 +186,7 @@ def job_views(
                 why=why,
                 progress=progress if missing else "",
                 hint=hint if missing and job.name not in infeasible else "",
+                unknown_at_start=unknown,
             )
         )
     return views
@@ -184,7 +206,9 @@ def _ended_view(job: ScheduledJob, state: ControllerState | None) -> JobView:
     if record is not None and record.start != job.start.astimezone(UTC).isoformat():
         record = None  # another job of the same name (moved since): not this one's record
     ended = f"ended {job.end:%Y-%m-%d %H:%M}"
-    if record is None or record.complete_at_start is None:
+    if record is not None and record.unknown_at_start:
+        hint = f"{ended}; {record.unknown_at_start}: whether its data was there is unknown"
+    elif record is None or record.complete_at_start is None:
         hint = (
             f"{ended}; no record of whether its data was there at its start (a running "
             "controller records it)"
@@ -211,11 +235,18 @@ def _ended_view(job: ScheduledJob, state: ControllerState | None) -> JobView:
 
 
 def _progress(
-    region: str, tasks: list[StageTask], state: ControllerState | None, schedule_path: str
+    region: str,
+    tasks: list[StageTask],
+    state: ControllerState | None,
+    schedule_path: str,
+    now: datetime,
 ) -> tuple[str, str]:
     """What is being done about a job's missing data, and what comes next.
 
     ``state`` is the record of a controller running now (None when none runs).
+    A stage that failed and waits out its backoff is "waiting to retry", with
+    the time of the retry: not late (its job may be hours away), and not
+    "starts staging at" a planned start that has already passed.
     """
     if state is None:
         return "not started", (
@@ -231,8 +262,32 @@ def _progress(
     )
     if running:
         return "staging", f"the controller is staging {', '.join(running)}"
+    retries = sorted(
+        (
+            t
+            for t in state.tasks.values()
+            if t.region == region and t.version in specs and t.state == "failed"
+        ),
+        key=lambda t: t.version,
+    )
+    if retries:
+        said = []
+        for t in retries:
+            retry = _time(t.retry_at)
+            when = (
+                f"at {retry:%Y-%m-%d %H:%M:%S}"
+                if retry is not None and retry > now
+                else "at its next round"
+            )
+            said.append(
+                f"staging {t.version} failed (attempt {t.attempts}: {t.error}); the "
+                f"controller tries again {when}"
+            )
+        return "waiting to retry", "; ".join(said)
     if tasks:
         first = min(t.start for t in tasks)
+        if first <= now:
+            return "planned", "the controller starts staging at its next round"
         return "planned", f"the controller starts staging at {first:%Y-%m-%d %H:%M}"
     return "planned", ""
 

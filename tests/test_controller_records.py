@@ -73,9 +73,11 @@ def test_a_late_task_stops_counting_once_done_and_records_go_after_the_retention
 def test_a_missed_job_says_why_even_once_its_data_is_there(eu) -> None:
     root, registry, node = eu
     one_region(root, registry, node, job("j", "eu", T0, 1, "b@1"))
-    clock = Clock(T0 + timedelta(minutes=10))
+    clock = Clock(T0 - timedelta(minutes=1))  # seen before its start: its start is judged
     controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
     try:
+        controller.refresh()  # looks, without acting: nothing staged before the start
+        clock.now = T0 + timedelta(minutes=10)
         controller.tick()
         controller.wait_idle()
     finally:
@@ -188,7 +190,9 @@ def test_keep_records_sets_how_long_the_record_keeps_an_ended_job(eu) -> None:
     assert state is not None and "j" in state.jobs
     after = (T0 + 3 * HOUR).isoformat()  # j ended two hours before
     for hours, kept in (("3", True), ("1.5", False)):
-        process = controller_process(root, "--once", "--at", after, "--keep-records", hours)
+        process = controller_process(
+            root, "--once", "--yes", "--at", after, "--keep-records", hours
+        )
         out, _ = process.communicate(timeout=60)
         assert process.returncode == 0, out
         state = read_state(registry)

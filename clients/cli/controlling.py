@@ -56,6 +56,14 @@ def controller(
     speed: Annotated[
         float, typer.Option(min=0.001, help="Simulated seconds per second (with --at).")
     ] = 1.0,
+    yes: Annotated[
+        bool,
+        typer.Option(
+            "--yes",
+            help="With --at: act on the topology's live nodes and save the real record at "
+            "the simulated time (refused without it).",
+        ),
+    ] = False,
     once: Annotated[
         bool, typer.Option("--once", help="One round; wait for the tasks it started; exit.")
     ] = False,
@@ -89,6 +97,11 @@ def controller(
     why) keeps tasks and jobs for --keep-records hours (24) after their jobs
     end, then drops them (at once when the jobs leave the schedule).
 
+    Rehearsal: --at TIME [--speed N] runs the rounds on a simulated clock.
+    It acts on the topology's nodes and saves the record in its registry as
+    if it were that time, so it is refused (exit 2) unless --yes is given:
+    rehearse against a topology of its own, not the live one.
+
     Stopping: SIGTERM or Ctrl-C ends the round, stops the staging tasks
     (whole shards are kept) and gives the lease up; a second one stops at
     once (the next controller resumes the tasks when the lease lapses).
@@ -114,6 +127,8 @@ def controller(
         start = parse_at(at)
         if start is None and speed != 1.0:
             raise ValueError("--speed needs --at (the time the simulated clock starts)")
+        if start is not None and not yes:
+            raise ValueError(_AT_REFUSED.format(at=at))
         clock = SimulatedClock(start, speed) if start else (lambda: datetime.now(UTC))
         running = Controller(
             options.config,
@@ -160,8 +175,9 @@ def controller(
         if once:
             with reporting():
                 acted_on = running.tick()
-                if acted_on is None:
-                    raise exit_with(ExitCode.FAILED)  # another controller holds the lease
+                if acted_on is None:  # another controller holds the lease
+                    error(_lease_held(running))
+                    raise exit_with(ExitCode.FAILED)
             running.wait_idle()
             # What cannot be met, as warm says it (an unreachable region is a failure of
             # the round, said below); a failure (1) outranks it (3).
@@ -180,6 +196,29 @@ def controller(
     if received and received[0] == signal.SIGINT:
         err_console.print("interrupted; run the same command again to resume", highlight=False)
         raise typer.Exit(ExitCode.INTERRUPTED)
+
+
+_AT_REFUSED = (
+    "--at {at} runs the controller as if it were that time against the live nodes of the "
+    "topology: it would pin, unpin, evict and stage there on the simulated clock and save "
+    "simulated times in the real record (<registry>/_controller/state.json). Rehearse on a "
+    "topology of its own (its own nodes and registry) and pass --yes to go ahead; to see "
+    "what the plan would be then without acting, run edgecache plan SCHEDULE --at {at}"
+)
+
+
+def _lease_held(running: Controller) -> str:
+    """Why ``--once`` did nothing: which controller holds the lease, and what to do."""
+    other = running.other_leader
+    if other is None:
+        return "another controller took the lease mid-round; nothing more was done"
+    until = datetime.fromtimestamp(other.expires, UTC).isoformat(timespec="seconds")
+    return (
+        f"controller {other.holder} holds the lease (until {until} unless it renews it), so "
+        "this one did nothing: a controller already runs the schedule. Wait for it (edgecache "
+        "plan SCHEDULE --status shows what it does), or stop it (SIGTERM gives the lease up) "
+        "and run this again"
+    )
 
 
 KEEP_RECORDS_MAX = 87_600.0  # hours: ten years, well inside what a datetime can reach
