@@ -530,7 +530,7 @@ def _no_room(
         )
     fix = f"add at least {format_bytes(short)} to {state.name}"
     frees = [last_end(v, job.end) for v in others] + [until for _, until in pinned]
-    if frees:
+    if frees and job.start > begin:  # a job already running cannot be started later
         fix += f", or start {job.name} after {_utc(max(frees))}"
     free = max(state.capacity_bytes - kept, 0)
     return (

@@ -1021,9 +1021,10 @@ class Controller:
                 log.info(
                     "%s: staged %s, ready at %s", record.region, record.version, record.ready_at
                 )
-                self.metrics.staged_bytes["peer" if run.item.peers else "origin"].inc(
-                    run.item.peer_bytes if run.item.peers else run.item.bytes_total
-                )
+                # What the nodes moved, by where it came from: a peer task may have fallen
+                # back to origin, and a partly held version moves only the rest.
+                self.metrics.staged_bytes["origin"].inc(run.item.origin_bytes)
+                self.metrics.staged_bytes["peer"].inc(run.item.peer_bytes)
                 predicted = datetime.fromisoformat(record.predicted_ready)
                 self.metrics.ready_delay.observe((self.clock() - predicted).total_seconds())
             elif run.state == "pending":  # stopped: the next leaseholder resumes it

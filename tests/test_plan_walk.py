@@ -140,6 +140,17 @@ def test_not_enough_capacity_says_how_much_more_and_when_room_frees_up() -> None
     assert "start second after 2026-12-01 05:00" in why, why  # when first stops reading ds@1
 
 
+def test_a_running_job_that_does_not_fit_is_not_told_to_start_later() -> None:
+    """A job that started an hour ago was advised "start second after …"."""
+    first = Job("first", "eu", NOW - timedelta(hours=1), NOW + timedelta(hours=5), (("ds", 1),))
+    second = Job("second", "eu", NOW - timedelta(hours=1), NOW + timedelta(hours=5), (("ds", 2),))
+    sizes = {("ds", 1): 6 * GB, ("ds", 2): 6 * GB}
+    result = plan([first, second], {"eu": region()}, sizes, now=NOW)
+    (why,) = [i.reason for i in result.infeasible if i.job == "second"]
+    assert "not enough capacity" in why and "add at least" in why, why
+    assert "start second after" not in why, why
+
+
 def test_an_eviction_reason_gives_the_next_use_in_utc_whatever_the_job_zone() -> None:
     """It printed a +02:00 time with a 'Z' after it: two hours off."""
     start = datetime(2026, 12, 1, 12, tzinfo=PLUS2)  # 10:00 UTC

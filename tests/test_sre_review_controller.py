@@ -8,6 +8,7 @@ the point).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -19,7 +20,9 @@ import pytest
 from edgeutil import publish, stub, write_parquet_shards
 from test_controller import Clock, controller_process, job, one_region, versions_on
 from test_controller_records import views
+from typer.testing import CliRunner
 
+from edgecache.clients.cli import app
 from edgecache.clients.controller import Controller, read_state
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.clients.ops import gather_status, make_plan
@@ -99,7 +102,11 @@ def test_a_task_copying_from_a_peer_whose_staging_failed_stages_from_origin(
         note = "from origin: eu will not hold b@1 (its staging failed)"
         assert note in record.notes, record.notes
         assert any(note in r.getMessage() for r in caplog.records), caplog.text
-        assert stub(us.address).Status(edge_pb2.StatusRequest()).origin_bytes > 0
+        fetched = stub(us.address).Status(edge_pb2.StatusRequest()).origin_bytes
+        assert fetched > 0
+        # Counted as what the node fetched from origin (not the plan's estimate, nor "peer").
+        assert ctl.metrics.staged_bytes["origin"]._value.get() == fetched
+        assert ctl.metrics.staged_bytes["peer"]._value.get() == 0
     finally:
         ctl.close()
 
@@ -195,6 +202,12 @@ def test_a_job_first_seen_after_its_start_has_an_unknown_verdict(eu) -> None:
     view = views(root, clock.now)["j"]
     assert view.state == "unknown" and view.complete_at_start is None
     assert "no controller round saw the job before it started" in view.why, view.why
+    at = ["--at", clock.now.isoformat()]
+    args = ["plan", str(root / "schedule.yaml"), "--config", str(root / "edgecache.yaml"), *at]
+    shown = CliRunner().invoke(app, [*args, "--status", "--json"])
+    (row,) = json.loads(shown.stdout)
+    assert row["state"] == "unknown" and row["complete_at_start"] is None, row
+    assert row["unknown_at_start"] == "no controller round saw the job before it started", row
 
 
 # ------------------------------------------------------- M5: --at against live nodes
@@ -316,5 +329,25 @@ def test_a_running_task_past_its_deadline_counts_as_late_only(eu) -> None:
         total = sum(gauge(ctl, s) for s in ("pending", "running", "done", "failed", "late"))
         assert total == 1
         ctl.wait_idle()
+    finally:
+        ctl.close()
+
+
+def test_staged_bytes_count_what_the_nodes_moved_not_the_plans_estimate(eu) -> None:
+    """A version partly held already moves only the rest; the controller counted the
+    plan's whole estimate as staged from origin."""
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 + HOUR, 1, "b@1"))
+    client = stub(node.address)
+    list(client.Stage(edge_pb2.StageRequest(dataset="b", version=1, shards=[0])))
+    before = client.Status(edge_pb2.StatusRequest()).origin_bytes
+    ctl = controller(root, Clock(T0), retry_backoff=0.0)
+    try:
+        ctl.tick()
+        ctl.wait_idle()
+        assert versions_on(node) == {"b@1": 2}
+        moved = client.Status(edge_pb2.StatusRequest()).origin_bytes - before
+        assert 0 < moved < client.Status(edge_pb2.StatusRequest()).origin_bytes
+        assert ctl.metrics.staged_bytes["origin"]._value.get() == moved
     finally:
         ctl.close()

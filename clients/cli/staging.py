@@ -193,6 +193,8 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
                         "planned_ready": json_time(v.planned_ready) if v.planned_ready else None,
                         "ready_at": json_time(v.ready_at) if v.ready_at else None,
                         "complete_at_start": v.complete_at_start,
+                        # why no verdict: no controller round saw the job before its start
+                        "unknown_at_start": v.unknown_at_start or None,
                         "missing": v.missing,
                         "why": v.why or None,  # null when nothing is wrong
                         "hint": v.hint or None,
@@ -209,7 +211,9 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
         "planned": "cyan",
         "not started": "yellow",
         "late": "yellow",
+        "waiting to retry": "yellow",
         "missed": "red",
+        "unknown": "dim",  # no round saw the job before its start: neither ready nor missed
         "over": "dim",
     }
     table(
