@@ -314,3 +314,18 @@ def test_compose_nodes_drain_and_run_read_only() -> None:
     assert services["seed"]["healthcheck"] == {"disable": True}
     assert "prometheus:/prometheus" in services["prometheus"]["volumes"]
     assert "prometheus" in compose["volumes"]
+
+
+def test_the_dashboard_has_a_query_for_every_training_reader_metric() -> None:
+    """docs/dataset.md says the dashboard has a panel per metric; batches_total had none."""
+    declared = set(
+        re.findall(
+            r'"(edgecache_client_[a-z_]+)"', (ROOT / "clients" / "dataset_metrics.py").read_text()
+        )
+    )
+    dashboard = (DEPLOY / "grafana" / "edgecache.json").read_text()
+    assert declared, "no metric found: the pattern no longer matches the metrics module"
+    missing = sorted(
+        m for m in declared if not re.search(rf"{m.removesuffix('_total')}(_total)?\b", dashboard)
+    )
+    assert not missing, missing
