@@ -550,8 +550,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     f"Pass window_bytes={candidate} ({_size(candidate)}) to draw from "
                     f"{wanted}: each chunk is then read and decoded about "
                     f"{max(1, round(window / candidate))} times an epoch (once for each "
-                    "window it holds); or publish the version with smaller chunks, or lower "
-                    "lanes (fewer, longer streams)"
+                    "window it holds); or publish it again with smaller chunks, each read "
+                    f"once (edgecache publish --chunk-size {_size(candidate).replace(' ', '')}"
+                    ", at least 4KiB), or lower lanes (fewer, longer streams)"
                 )
         return text + (
             "The version has too few rows for that many windows: lower shuffle_windows "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -125,7 +126,15 @@ class Training:
     exact_once: bool
 
 
-def train(spec: str, topology: Path, *, threads: int, progress: Progress, total: int) -> Training:
+def train(
+    spec: str,
+    topology: Path,
+    *,
+    threads: int,
+    progress: Progress,
+    total: int,
+    say: Callable[[str], None] = lambda line: None,
+) -> Training:
     """One epoch of a tiny classifier (predict a sample's first token's parity)."""
     import torch
 
@@ -137,9 +146,13 @@ def train(spec: str, topology: Path, *, threads: int, progress: Progress, total:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     started = time.perf_counter()  # from here on: the data path
-    dataset = EdgeDataset(
-        spec, config=topology, region="eu-west", batch_size=256, seed=17, threads=threads
-    )
+    with warnings.catch_warnings(record=True) as caught:  # said as a note, not a traceback line
+        warnings.simplefilter("always", UserWarning)
+        dataset = EdgeDataset(
+            spec, config=topology, region="eu-west", batch_size=256, seed=17, threads=threads
+        )
+    for said in caught:  # e.g. a small --size-mib: fewer shuffle windows than asked
+        say(f"note: {said.message}")
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
     task = progress.add_task("train 1 epoch via EdgeDataset", total=total * (TOKENS * 4 + 8))
     losses, labels, first_batch = [], [], 0.0
@@ -455,6 +468,7 @@ def run_demo(
                     threads=threads,
                     progress=progress,
                     total=samples,
+                    say=say,
                 )
                 got, read_seconds = training.samples, training.seconds
                 verified = training.exact_once

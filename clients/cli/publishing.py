@@ -189,6 +189,22 @@ def _params(given: list[str]) -> dict[str, str]:
     return params
 
 
+def _chunk_size(text: str) -> int:
+    """``--chunk-size`` in bytes, in the range the nodes encode."""
+    from edgecache.cache.codec import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+    from edgecache.cache.units import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"--chunk-size: {exc}") from None
+    if not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES:
+        raise ValueError(
+            f"--chunk-size {text} is {format_bytes(size)}; give 4KiB..256MiB (default 4MiB)"
+        )
+    return size
+
+
 @app.command()
 def publish(
     source_url: Annotated[
@@ -296,6 +312,16 @@ def publish(
             show_default=False,
         ),
     ] = None,
+    chunk_size: Annotated[
+        str | None,
+        typer.Option(
+            "--chunk-size",
+            help="Decoded bytes per stored chunk, e.g. 512KiB (4KiB..256MiB; default 4MiB). "
+            "A reader's shuffle window is a chunk: a small version mixes better with "
+            "smaller chunks (at a little compression), see docs/dataset.md.",
+            show_default=False,
+        ),
+    ] = None,
     if_changed: Annotated[
         bool,
         typer.Option(
@@ -315,13 +341,14 @@ def publish(
     --include/--exclude choose objects under the prefix by pattern (a split, no README).
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object, a --level out of
-    range or with --compression none); 1 failed (a registry that cannot be written
-    is named, with what to do).
+    range or with --compression none, a --chunk-size out of range); 1 failed (a
+    registry that cannot be written is named, with what to do).
     """
     from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.registry import Registry
+    from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
 
     with reporting():
         if compression is Compression.NONE and level is not None:
@@ -337,6 +364,7 @@ def publish(
             params=params,
             compression=COMPRESSIONS[compression.value],
             compression_level=1 if level is None else level,
+            chunk_bytes=DEFAULT_CHUNK_BYTES if chunk_size is None else _chunk_size(chunk_size),
         )
         reader = {
             "header": None if header is None else str(header).lower(),

@@ -1,0 +1,67 @@
+"""``publish --chunk-size``: what EdgeDataset's small-version warning advises must exist.
+
+A small version has few windows (a window is a chunk), so each batch drew from fewer
+windows than ``shuffle_windows``; the warning advised publishing it with smaller chunks,
+which only the Python spec could do."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+from edgeutil import stub, write_parquet_shards
+from typer.testing import CliRunner
+
+from edgecache.cache.registry import Registry
+from edgecache.clients import EdgeDataset
+from edgecache.clients.cli import app
+from edgecache.clients.node_client import start_local_node
+from edgecache.v1 import edge_pb2
+
+runner = CliRunner()
+
+
+def _publish(root: Path, name: str, *more: str) -> None:
+    args = ["publish", f"file://{root}/src", "--dataset", name, "--registry", f"file://{root}/reg"]
+    result = runner.invoke(app, [*args, *more], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+
+
+def _warnings(root: Path, spec: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EdgeDataset(spec, endpoints=[f"lmdb://{root}/cache"], batch_size=32)
+    return [str(w.message) for w in caught if "shuffle_windows" in str(w.message)]
+
+
+def test_the_chunk_size_the_mixing_warning_names_publishes_a_version_that_mixes(
+    tmp_path: Path,
+) -> None:
+    write_parquet_shards(tmp_path / "src", 6, rows=3000)
+    _publish(tmp_path, "small")
+    node = start_local_node("eu", tmp_path / "cache", f"file://{tmp_path}/reg")
+    try:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="small", version=1)))
+        (said,) = _warnings(tmp_path, "small@1")
+        found = re.search(r"edgecache publish --chunk-size (\S+?)(B|KiB|MiB),", said)
+        assert found, said
+        size = found.group(1) + found.group(2)
+        _publish(tmp_path, "fine", "--chunk-size", size)
+        manifest = Registry.run(f"file://{tmp_path}/reg", lambda reg: reg.manifest("fine", 1))
+        assert 4 << 10 <= manifest.preprocess.chunk_bytes < 4 << 20
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="fine", version=1)))
+        assert _warnings(tmp_path, "fine@1") == []  # mixes as asked, each chunk read once
+    finally:
+        node.stop()
+
+
+def test_a_chunk_size_out_of_range_is_bad_input(tmp_path: Path) -> None:
+    write_parquet_shards(tmp_path / "src", 1, rows=10)
+    for size, said in (("1KiB", "give 4KiB..256MiB"), ("lots", "--chunk-size: invalid size")):
+        args = ["publish", f"file://{tmp_path}/src", "--dataset", "x"]
+        result = runner.invoke(
+            app, [*args, "--registry", f"file://{tmp_path}/reg", "--chunk-size", size]
+        )
+        assert result.exit_code == 2, result.output
+        assert said in result.output, result.output
