@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 import numpy as np
@@ -124,3 +126,24 @@ def pins_on(node: object) -> dict[str, datetime]:
         for v in status.versions
         if v.HasField("pinned_until")
     }
+
+
+def streaming_module() -> ModuleType:
+    """``import streaming`` (mosaicml-streaming), skipping the test where it is not installed.
+
+    It imports torchvision, which cannot be installed beside the CPU torch: bench/peers'
+    stand-in for it is loaded by path first.
+    """
+    import pytest
+
+    if importlib.util.find_spec("streaming") is None:
+        pytest.skip("mosaicml-streaming is not installed (make test installs it)")
+    stub = Path(__file__).resolve().parent.parent / "bench" / "peers" / "torchvision_stub.py"
+    spec = importlib.util.spec_from_file_location("edgecache_tv_stub", stub)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.import_streaming()
+    import streaming
+
+    return streaming

@@ -13,13 +13,13 @@ import io
 import json
 import tarfile
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from edgeutil import streaming_module
 from typer.testing import CliRunner
 
 from edgecache.cache.errors import MalformedShard, ObjectNotFound
@@ -32,24 +32,9 @@ from edgecache.v1 import manifest_pb2 as pb
 runner = CliRunner()
 
 
-def streaming() -> ModuleType:
-    """``import streaming``, with bench/peers' stand-in for torchvision (see there)."""
-    if importlib.util.find_spec("streaming") is None:
-        pytest.skip("mosaicml-streaming is not installed (make test installs it)")
-    stub = Path(__file__).resolve().parent.parent / "bench" / "peers" / "torchvision_stub.py"
-    spec = importlib.util.spec_from_file_location("edgecache_tv_stub", stub)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.import_streaming()
-    import streaming as imported
-
-    return imported
-
-
 def write_mds(out: Path, first: int, count: int, **options: object) -> None:
     """``count`` samples (id, text) from ``first``, six to a shard."""
-    with streaming().MDSWriter(
+    with streaming_module().MDSWriter(
         out=str(out), columns={"id": "int", "t": "str"}, size_limit=300, **options
     ) as writer:
         for i in range(first, first + count):
@@ -95,7 +80,7 @@ def nested(tmp_path: Path) -> Path:
     root = tmp_path / "nested"
     write_mds(root / "a", 0, 12)
     write_mds(root / "b", 100, 12)
-    streaming().base.util.merge_index(str(root), keep_local=True)
+    streaming_module().base.util.merge_index(str(root), keep_local=True)
     assert len(json.loads((root / "index.json").read_text())["shards"]) > 2
     return root
 
@@ -156,7 +141,7 @@ def test_an_mds_pil_column_is_refused_by_images_at_publish(tmp_path: Path) -> No
 
     picture = Image.fromarray(np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3))
     root = tmp_path / "pix"
-    with streaming().MDSWriter(
+    with streaming_module().MDSWriter(
         out=str(root), columns={"id": "int", "pl": "pil", "jp": "jpeg"}
     ) as writer:
         for i in range(3):

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 import zstandard
 from datagen import tar_archive
+from edgeutil import streaming_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -375,16 +376,7 @@ def needs_streaming() -> None:
 
 
 def _write_mds(out: Path, compression: str | None) -> list[dict]:
-    import importlib.util
-
-    # bench/peers' stand-in for torchvision (not installable beside CPU torch), loaded by path.
-    stub = Path(__file__).resolve().parent.parent / "bench" / "peers" / "torchvision_stub.py"
-    spec = importlib.util.spec_from_file_location("edgecache_tv_stub", stub)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.import_streaming()
-    from streaming import MDSWriter
+    MDSWriter = streaming_module().MDSWriter  # noqa: N806 - the class, as streaming names it
 
     images = _image_bytes()
     columns = {
