@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from edgecache.cache.codec import MIN_CHUNK_BYTES
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
@@ -546,13 +547,19 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             tries.append(smallest)
         for candidate in tries:
             if self._per_lane(candidate) >= wanted:
+                # Chunks of the window's size mix as well with each chunk read once, where
+                # publish can cut them that small.
+                republish = (
+                    "publish it again with smaller chunks, each read once (edgecache publish "
+                    f"--chunk-size {_size(candidate).replace(' ', '')}), or "
+                    if candidate >= MIN_CHUNK_BYTES
+                    else ""
+                )
                 return text + (
                     f"Pass window_bytes={candidate} ({_size(candidate)}) to draw from "
                     f"{wanted}: each chunk is then read and decoded about "
                     f"{max(1, round(window / candidate))} times an epoch (once for each "
-                    "window it holds); or publish it again with smaller chunks, each read "
-                    f"once (edgecache publish --chunk-size {_size(candidate).replace(' ', '')}"
-                    ", at least 4KiB), or lower lanes (fewer, longer streams)"
+                    f"window it holds); or {republish}lower lanes (fewer, longer streams)"
                 )
         return text + (
             "The version has too few rows for that many windows: lower shuffle_windows "

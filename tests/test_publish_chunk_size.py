@@ -44,7 +44,7 @@ def test_the_chunk_size_the_mixing_warning_names_publishes_a_version_that_mixes(
     try:
         list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="small", version=1)))
         (said,) = _warnings(tmp_path, "small@1")
-        found = re.search(r"edgecache publish --chunk-size (\S+?)(B|KiB|MiB),", said)
+        found = re.search(r"edgecache publish --chunk-size (\S+?)(B|KiB|MiB)\)", said)
         assert found, said
         size = found.group(1) + found.group(2)
         _publish(tmp_path, "fine", "--chunk-size", size)
@@ -65,3 +65,18 @@ def test_a_chunk_size_out_of_range_is_bad_input(tmp_path: Path) -> None:
         )
         assert result.exit_code == 2, result.output
         assert said in result.output, result.output
+
+
+def test_no_chunk_size_below_what_publish_takes_is_advised(tmp_path: Path) -> None:
+    """A tiny version was told ``--chunk-size 1KiB, at least 4KiB``: advice it could not take."""
+    write_parquet_shards(tmp_path / "src", 6, rows=200)
+    _publish(tmp_path, "tiny")
+    node = start_local_node("eu", tmp_path / "cache", f"file://{tmp_path}/reg")
+    try:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tiny", version=1)))
+        (said,) = _warnings(tmp_path, "tiny@1")
+    finally:
+        node.stop()
+    window = re.search(r"window_bytes=(\d+)", said)
+    assert window and int(window.group(1)) < 4 << 10, said  # the case: below publish's least
+    assert "--chunk-size" not in said and "lower lanes" in said, said
