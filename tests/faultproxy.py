@@ -3,7 +3,8 @@
 Faults for GETs of keys matching a pattern, in order, one per request, then the
 request goes through: ``"503"`` (SlowDown), ``"500"``, ``"reset"`` (headers and half
 the body, then the connection closes), ``"truncate"`` (a full Content-Length, half the
-body), ``"stall"`` (2 s before answering). ``"always500"`` fails every request.
+body), ``"stall"`` (``stall_seconds``, 2 by default, before answering).
+``"always500"`` fails every request.
 ``"lost"`` (for PUTs, with ``methods=("PUT",)``) forwards the request, so the write
 lands, then closes the connection without an answer: a response lost on the way back.
 """
@@ -25,8 +26,13 @@ _SLOWDOWN = (
 
 class OriginFaults:
     def __init__(
-        self, upstream: str, plan: dict[str, list[str]], methods: tuple[str, ...] = ("GET",)
+        self,
+        upstream: str,
+        plan: dict[str, list[str]],
+        methods: tuple[str, ...] = ("GET",),
+        stall_seconds: float = 2.0,
     ) -> None:
+        self.stall_seconds = stall_seconds  # how long a "stall" holds a request
         self.upstream = upstream.rstrip("/")
         self.methods = methods
         self.plan = {re.compile(k): v for k, v in plan.items()}
@@ -87,7 +93,7 @@ class OriginFaults:
         if fault == "500":
             return web.Response(status=500, body=b"<Error><Code>InternalError</Code></Error>")
         if fault == "stall":
-            await asyncio.sleep(2)
+            await asyncio.sleep(self.stall_seconds)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host",)}
         body = await request.read()
         async with self._session.request(
