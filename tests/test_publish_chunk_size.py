@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from edgecache.cache.registry import Registry
 from edgecache.clients import EdgeDataset
 from edgecache.clients.cli import app
-from edgecache.clients.node_client import start_local_node
+from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
 
 runner = CliRunner()
@@ -26,6 +26,12 @@ def _publish(root: Path, name: str, *more: str) -> None:
     args = ["publish", f"file://{root}/src", "--dataset", name, "--registry", f"file://{root}/reg"]
     result = runner.invoke(app, [*args, *more], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
+
+
+def _staged_warnings(root: Path, node: LocalNode, name: str) -> list[str]:
+    """The mixing warnings of ``name``@1 once ``node`` staged it (read through ``lmdb://``)."""
+    list(stub(node.address).Stage(edge_pb2.StageRequest(dataset=name, version=1)))
+    return _warnings(root, f"{name}@1")
 
 
 def _warnings(root: Path, spec: str) -> list[str]:
@@ -42,16 +48,14 @@ def test_the_chunk_size_the_mixing_warning_names_publishes_a_version_that_mixes(
     _publish(tmp_path, "small")
     node = start_local_node("eu", tmp_path / "cache", f"file://{tmp_path}/reg")
     try:
-        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="small", version=1)))
-        (said,) = _warnings(tmp_path, "small@1")
+        (said,) = _staged_warnings(tmp_path, node, "small")
         found = re.search(r"edgecache publish --chunk-size (\S+?)(B|KiB|MiB)\)", said)
         assert found, said
         size = found.group(1) + found.group(2)
         _publish(tmp_path, "fine", "--chunk-size", size)
         manifest = Registry.run(f"file://{tmp_path}/reg", lambda reg: reg.manifest("fine", 1))
         assert 4 << 10 <= manifest.preprocess.chunk_bytes < 4 << 20
-        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="fine", version=1)))
-        assert _warnings(tmp_path, "fine@1") == []  # mixes as asked, each chunk read once
+        assert _staged_warnings(tmp_path, node, "fine") == []  # mixes, each chunk read once
     finally:
         node.stop()
 
@@ -73,8 +77,7 @@ def test_no_chunk_size_below_what_publish_takes_is_advised(tmp_path: Path) -> No
     _publish(tmp_path, "tiny")
     node = start_local_node("eu", tmp_path / "cache", f"file://{tmp_path}/reg")
     try:
-        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tiny", version=1)))
-        (said,) = _warnings(tmp_path, "tiny@1")
+        (said,) = _staged_warnings(tmp_path, node, "tiny")
     finally:
         node.stop()
     window = re.search(r"window_bytes=(\d+)", said)
