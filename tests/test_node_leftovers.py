@@ -488,3 +488,33 @@ def test_a_damaged_checksum_in_a_shard_record_is_read_through_whole(
     env.close()
     with running_node(node_settings(tmp_path, registry)) as node:
         assert read_shard_table(stub(node.address), "tokens", 1, 0).equals(expected)
+
+
+class _Left:
+    """A call context's ``time_remaining``, as a gRPC aio server reports it."""
+
+    def __init__(self, left: float | None) -> None:
+        self.left = left
+
+    def time_remaining(self) -> float | None:
+        return self.left
+
+
+@pytest.mark.parametrize(
+    ("left", "result"),
+    [
+        (None, "CANCELLED"),
+        (30.0, "CANCELLED"),
+        (0.4, "DEADLINE_EXCEEDED"),
+        (0.0, "DEADLINE_EXCEEDED"),
+    ],
+)
+def test_a_cancel_at_the_clients_deadline_counts_as_the_deadline(
+    left: float | None, result: str
+) -> None:
+    """The client's deadline fires before the node's (which starts when the request
+    arrives): its cancel came with 0.4 s "left" and was counted CANCELLED, in a fresh-clone
+    run under load."""
+    from edgecache.edge.service import _abandoned
+
+    assert _abandoned(_Left(left)) == result  # type: ignore[arg-type]
