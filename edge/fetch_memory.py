@@ -17,15 +17,14 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from edgecache.edge.config import CGROUP_ROOT
+
 __all__ = ["EXPANSION", "FetchMemory", "cgroup_memory_limit", "default_budget"]
 
 # A fetch's peak over its source's size: the object itself, ~3x of decoded Arrow for
 # compressed Parquet (the common source), the frames, and the codec's working copies.
 EXPANSION = 6
 _FLOOR = 256 << 20  # a budget below this would run even small shards one at a time
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def _read_int(path: Path) -> int | None:

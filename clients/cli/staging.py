@@ -131,11 +131,17 @@ def plan(
     for outage in down.values():
         error(outage.message())
     if down:
-        # Nodes that serve but refused the token want --token-file, not a retry.
-        refused = all(outage.refused for outage in down.values())
-        raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
+        raise exit_with(_outage_exit(down))
     if result.infeasible:
         raise exit_with(ExitCode.CANNOT_BE_MET)
+
+
+def _outage_exit(down: dict[str, ops.Outage]) -> ExitCode:
+    """The exit code of ``plan`` and ``warm`` for the schedule's regions with an outage.
+
+    Nodes that serve but refused the token want --token-file (bad input), not a retry.
+    """
+    return ExitCode.BAD_INPUT if all(o.refused for o in down.values()) else ExitCode.FAILED
 
 
 def started_as_recorded(
@@ -885,12 +891,7 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
     if warmed.failed or warmed.outcome.pin_failures:
         return ExitCode.FAILED
     if down:
-        # Nodes that serve but refused the token want --token-file, not a retry.
-        return (
-            ExitCode.BAD_INPUT
-            if all(outage.refused for outage in down.values())
-            else ExitCode.FAILED
-        )
+        return _outage_exit(down)
     if warmed.work is not None and warmed.work.plan.infeasible:
         return ExitCode.CANNOT_BE_MET
     return ExitCode.OK
