@@ -295,10 +295,15 @@ class NodePool:
         worker may be forked, and a fork during gRPC's work is what gRPC handles
         worst (see ``_FORK_GUARD``). Reads resume probing within ``interval``.
         """
+        checked = time.monotonic()
         while not self._stop.wait(interval):
             with self._lock:
                 reading = bool(self._active)
-            if not reading and time.monotonic() - self._last_read > interval:
+            # "a read started since the last look", not "within one interval": a
+            # wake-up that comes late on a loaded host must not miss the read.
+            read_since = self._last_read > checked
+            checked = time.monotonic()
+            if not (reading or read_since):
                 continue
             try:
                 self.probe()
