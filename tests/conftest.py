@@ -7,6 +7,7 @@ import faulthandler
 import gc
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,7 @@ def _before_fork() -> None:
     DataLoader worker forked then inherits a broken gRPC: CI saw workers segfault. A
     training process holds no such server; the test process must not either when it forks.
     """
+    _report_calls_in_flight()
     if not grpc_aio_running():
         return
     gc.collect()
@@ -96,6 +98,36 @@ def _before_fork() -> None:
             f"\nfork guard: gRPC aio is still in use at a fork ({where}); a forked "
             "worker may inherit a broken gRPC. Stop in-process nodes before forking.\n".encode(),
         )
+
+
+def _report_calls_in_flight() -> None:
+    """Name the threads inside a sync gRPC call when this process forks.
+
+    gRPC core skips its fork handlers while any thread is in a call (a stream a
+    test left open, a probe), and a DataLoader worker forked then may abort in
+    its first call (ev_epoll1 "Check failed"): seen once in three CI runs, with
+    no culprit named. Frames are named by code object only (no source lines):
+    this runs inside every fork and must stay cheap.
+    """
+    if not _STDERR:
+        return
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        names: list[str] = []
+        walked: object = frame
+        while walked is not None and len(names) < 40:
+            code = walked.f_code  # type: ignore[attr-defined]
+            names.append(f"{code.co_name}@{os.path.basename(code.co_filename)}")
+            walked = walked.f_back  # type: ignore[attr-defined]
+        if any(name.endswith("@_channel.py") for name in names):
+            where = _RUNNING[-1] if _RUNNING else "outside a test"
+            os.write(
+                _STDERR[0],
+                f"\nfork guard: a thread is inside a gRPC call at a fork ({where}): "
+                f"{' < '.join(names)}\n".encode(),
+            )
 
 
 os.register_at_fork(before=_before_fork)
