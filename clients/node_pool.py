@@ -39,7 +39,7 @@ from edgecache.cache.errors import (
 from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
-from edgecache.clients import local_stores, rendezvous
+from edgecache.clients import fork_safety, local_stores, rendezvous
 from edgecache.clients.channels import bearer, describe, node_error, open_channel
 from edgecache.clients.chunk_sources import Stream, chained, goes_past, grpc_rows, local_rows
 from edgecache.clients.edge_chunks import EdgeChunks
@@ -126,6 +126,7 @@ class NodePool:
         self._closed = False
         self._stop = threading.Event()
         self._last_read = -math.inf  # when a read last started (monotonic)
+        fork_safety.watch_calls(self)
         self.probe()
         self._threads = [
             threading.Thread(target=self._watchdog, name="edgecache-watchdog", daemon=True),
@@ -405,6 +406,11 @@ class NodePool:
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         """Call metadata for reads (the bearer token)."""
         return self._metadata
+
+    def calls_in_flight(self) -> int:
+        """The gRPC streams open now, parked ones included (a fork skips gRPC's handlers then)."""
+        with self._lock:
+            return sum(1 for s in self._active.values() if s.call is not None)
 
     def cancel(self, stop: threading.Event) -> None:
         """Cancel the gRPC streams of reads given ``stop`` (set it first).

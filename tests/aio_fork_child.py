@@ -2,8 +2,10 @@
 
 Run by tests/test_fork_safety.py in a fresh process: ``in-process`` serves the
 node from a grpc.aio server in this process (the poller thread runs at the
-forks), ``subprocess`` from ``edgecache serve`` (no aio here). The children
-exit at once; what is checked is what this process logs.
+forks), ``subprocess`` from ``edgecache serve`` (no aio here). A third argument,
+``open`` or ``closed``, first takes one batch from an iterator of the dataset and
+leaves it open (its streams are gRPC calls in flight at the forks) or closes it.
+The children exit at once; what is checked is what this process logs.
 """
 
 from __future__ import annotations
@@ -39,13 +41,22 @@ def node(root: Path, registry: str, where: str) -> Iterator[str]:
             local.stop()
 
 
-def main(root: Path, where: str) -> None:
+def main(root: Path, where: str, iterator: str = "none") -> None:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    write_parquet_shards(root / "origin", 1, rows=100)
+    # A look at the first batch leaves streams open only where the epoch outlasts it:
+    # a version of many windows, and a read-ahead of one batch.
+    looks = iterator != "none"
+    write_parquet_shards(root / "origin", 4 if looks else 1, rows=1500 if looks else 100)
     registry = f"file://{root}/registry"
     publish(registry, f"file://{root}/origin", "tokens")
     with node(root, registry, where) as address:
-        dataset = EdgeDataset("tokens@1", endpoints=[address])
+        small = {"window_bytes": 16 << 10, "prefetch_bytes": 1} if looks else {}
+        dataset = EdgeDataset("tokens@1", endpoints=[address], batch_size=10, **small)
+        if iterator != "none":  # a look at the first batch, before the loader forks
+            batches = iter(dataset)
+            next(batches)
+            if iterator == "closed":
+                batches.close()
         for _ in range(2):
             pid = os.fork()
             if pid == 0:
@@ -55,4 +66,4 @@ def main(root: Path, where: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), *sys.argv[2:])
