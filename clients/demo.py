@@ -183,8 +183,15 @@ def train(
     )
 
 
+# The demo's 256 MiB version in 4 MiB chunks would be 72 shuffle windows, and its
+# batches would draw from 2 of them, not 16 (EdgeDataset says so in a warning). A
+# user publishes such a small version with smaller chunks (publish --chunk-size):
+# so does the demo, for 512+ windows.
+CHUNK_BYTES = 512 << 10
+
+
 def _publish(registry_url: str, origin: str, compression: str) -> pb.Manifest:
-    spec = preprocess_spec(compression=COMPRESSIONS[compression])
+    spec = preprocess_spec(compression=COMPRESSIONS[compression], chunk_bytes=CHUNK_BYTES)
     return Registry.run(registry_url, lambda reg: reg.publish(origin, DATASET, spec=spec))
 
 
