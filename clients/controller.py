@@ -148,7 +148,8 @@ class JobRecord:
     resolved: dict[str, str] = field(default_factory=dict)
     # Why nobody knows whether its data was there at its start (no round saw the job
     # before it started); "" otherwise. Such a job is neither complete nor missed at its
-    # start: ``complete_at_start`` stays None and no metric counts it either way.
+    # start: ``complete_at_start`` stays None, and it is counted in
+    # ``edgecache_controller_jobs_unknown_at_start_total``, not as unready.
     unknown_at_start: str = ""
 
 
@@ -1141,6 +1142,7 @@ class Controller:
                 # No round saw it before it started: what was there at its start is not
                 # known, whatever is there now (or whether its region answers now).
                 record.unknown_at_start = UNSEEN_BEFORE_START
+                self.metrics.jobs_unknown_at_start.inc()
                 log.warning(
                     "job %s had started (%s) before this controller first saw it: %s; "
                     "whether its data was there at its start is unknown",
@@ -1191,12 +1193,16 @@ class Controller:
         """
         if down:
             return f"no node of {record.region} answered at the start"
-        why = ["cannot be met: " + "; ".join(infeasible)] if infeasible else []
+        why = []
         for spec in missing:
-            if any(reason.startswith((f"{spec}: ", f"{spec} ")) for reason in infeasible):
-                continue  # said above
+            planned = any(reason.startswith((f"{spec}: ", f"{spec} ")) for reason in infeasible)
             runs = self._runs_of(f"{record.region} {spec}")
             task = self.state.tasks[runs[-1]] if runs else None
+            if planned and (task is None or task.state == "done"):
+                continue  # the planner's reason (below) says why nothing was staged
+            # What its task did is what happened, and is said first: the planner's "cannot
+            # be met" (it would be late) came before and was kept alone, hiding that the
+            # staging was still running, or had failed, at the start.
             if task is None or task.state == "done":
                 if spec.partition("@")[2].isdigit():
                     again = " (staged before, gone since)" if task is not None else ""
@@ -1215,6 +1221,8 @@ class Controller:
                     f"staging {spec} had not begun before the start (planned start "
                     f"{_minute(task.planned_start)}, ready {_minute(task.predicted_ready)})"
                 )
+        if infeasible:
+            why.append("cannot be met: " + "; ".join(infeasible))
         if first_seen:
             why.append("no controller round saw the job before it started")
         return "; ".join(why)

@@ -52,6 +52,16 @@ class ControllerMetrics:
             "controller round saw before its start is not counted: that is not known)",
             registry=r,
         )
+        # The third verdict at a start, beside complete (not counted) and unready: a job no
+        # round saw before it started (the controller restarted late, the schedule was edited
+        # late). Without it such a job left no trace in any metric.
+        self.jobs_unknown_at_start = Counter(
+            "edgecache_controller_jobs_unknown_at_start_total",
+            "Jobs no controller round saw before their start (the controller started late, "
+            "or the schedule gained the job late): whether their data was complete then is "
+            "unknown, and they are not counted as unready",
+            registry=r,
+        )
         staged = Counter(
             "edgecache_controller_staged_bytes_total",
             "Bytes staged by the controller's tasks, by source (origin: source bytes; "
