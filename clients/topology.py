@@ -367,7 +367,10 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
                 first = _line(tree, ("jobs", error["ctx"]["first"], "name"))
                 message += f", line {first})"
             problems.append(f"{path}:{line}: {field}: {message}")
-        raise ConfigFileError("\n".join(problems)) from exc
+        # One error, one problem a line: the first after "error:", the others indented
+        # under it (as every multi-line error is): flush left, they read in a log as lines
+        # of some other output.
+        raise ConfigFileError("\n  ".join(problems)) from exc
 
 
 def _yaml_problem(path: Path, exc: yaml.YAMLError) -> str:

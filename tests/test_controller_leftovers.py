@@ -9,6 +9,7 @@ the real CLI (typer's runner, and the controller's own log).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -150,3 +151,80 @@ def test_staging_still_running_at_the_start_is_said_beside_cannot_be_met(slow_eu
     assert "staging b@1 was still running at the start" in row["why"], row
     table = CliRunner().invoke(app, [*args, *at, "--status"])
     assert "staging b@1 was still running at the" in " ".join(table.stdout.split()), table.stdout
+
+
+# ----------------------------- 3: every line of a schedule error belongs to the error
+
+
+BROKEN = (
+    "jobs:\n"
+    "  - name: a\n    region: eu\n    start: nope\n    duration: 1h\n    datasets: [b@1]\n"
+    "  - name: c\n    region: eu\n    start: '2026-12-01T08:00:00+00:00'\n"
+    "    duration: xx\n    datasets: [b@1]\n"
+)
+
+
+def error_block(stderr: str) -> list[str]:
+    """The lines of the one error on stderr: its first starts ``error:``."""
+    lines = stderr.rstrip("\n").splitlines()
+    assert lines and lines[0].startswith("error: "), stderr
+    return lines
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["plan", "{schedule}"],
+        ["plan", "{schedule}", "--status"],
+        ["warm", "{schedule}"],
+        ["controller", "--schedule", "{schedule}", "--once"],
+    ],
+)
+def test_each_line_of_a_schedule_error_is_indented_under_its_error_line(
+    eu, command: list[str]
+) -> None:
+    root, registry, node = eu
+    one_region(root, registry, node)
+    schedule = root / "schedule.yaml"
+    schedule.write_text(BROKEN)
+    args = [part.format(schedule=schedule) for part in command]
+    result = CliRunner().invoke(app, [*args, "--config", str(root / "edgecache.yaml")])
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = error_block(result.stderr)
+    assert len(lines) == 2, result.stderr  # both problems, one per line
+    assert f"{schedule}:4: jobs.0.start: 'nope' is not a time" in lines[0], lines
+    assert lines[1].startswith(f"  {schedule}:10: jobs.1.duration:"), lines
+
+
+def test_a_broken_schedule_edit_is_logged_with_its_lines_indented(eu, caplog) -> None:
+    """The controller logs an edit that does not validate and runs on: the log's
+    continuation lines were flush left, like lines of another record."""
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 + HOUR, 1, "b@1"))
+    ctl = controller(root, Clock(T0))
+    try:
+        ctl.tick()
+        ctl.wait_idle()
+        (root / "schedule.yaml").write_text(BROKEN)
+        with caplog.at_level(logging.ERROR, logger="edgecache.clients.controller"):
+            ctl.tick()
+    finally:
+        ctl.close()
+    (message,) = [r.getMessage() for r in caplog.records if "last good schedule" in r.getMessage()]
+    first, *rest = message.splitlines()
+    assert "jobs.0.start" in first, message
+    assert rest and all(line.startswith("  ") for line in rest), message
+    assert any("jobs.1.duration" in line for line in rest), message
+
+
+def test_every_line_of_a_multi_line_cli_error_reads_as_part_of_it(tmp_path: Path) -> None:
+    """The CLI's error printer indents what a message left flush left: the node's settings
+    error ended with a flush-left "Set them with flags…" line, read as output of its own."""
+    args = ["serve", "--region", "eu", "--cache-dir", str(tmp_path / "cache")]
+    args += ["--registry", f"file://{tmp_path}", "--staging-rate", "xx", "--capacity", "yy"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    first, *rest = error_block(result.stderr)
+    assert first == "error: invalid node settings:", result.stderr
+    assert len(rest) == 3 and all(line.startswith("  ") for line in rest), result.stderr
+    assert rest[-1] == "  Set them with flags, EDGECACHE_<NAME> variables or a --config file."

@@ -81,15 +81,31 @@ def json_ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+def _indented(message: str) -> str:
+    """``message`` with each line after the first that is flush left indented two spaces.
+
+    A message of several lines is one error or warning: after its ``error:``
+    line, a line flush left read as unrelated output in a log. Lines indented
+    already (a list under a heading) keep their indent.
+    """
+    first, *rest = message.split("\n")
+    return "\n".join([first, *(f"  {text}" if text[:1].strip() else text for text in rest)])
+
+
 def error(message: str) -> None:
-    """``error: message`` on stderr, never wrapped (scripts grep it) nor marked up."""
-    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+    """``error: message`` on stderr, never wrapped (scripts grep it) nor marked up.
+
+    Its lines after the first are indented under it (:func:`_indented`).
+    """
+    err_console.print(
+        f"[red]error:[/red] {escape(_indented(message))}", soft_wrap=True, highlight=False
+    )
 
 
 def warning(message: str) -> None:
-    """``warning: message`` on stderr."""
+    """``warning: message`` on stderr; its lines after the first indented under it."""
     err_console.print(
-        f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True, highlight=False
+        f"[yellow]warning:[/yellow] {escape(_indented(message))}", soft_wrap=True, highlight=False
     )
 
 
