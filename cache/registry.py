@@ -48,13 +48,13 @@ from edgecache.cache.preprocess import (
     Transform,
     canonical_options,
     canonical_params,
-    describe,
     format_from_key,
     keeps_rows,
     limits,
     load_transform,
     resource_refs,
 )
+from edgecache.cache.preprocess.arrow_types import type_label
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import ParamMismatch, columns_text, schema_mismatch
 from edgecache.cache.preprocess.formats import KIND_NAMES
@@ -65,6 +65,7 @@ from edgecache.cache.preprocess.mds import (
     is_litdata_index,
     mds_index,
 )
+from edgecache.cache.preprocess.nulls import NullCount, null_warnings
 from edgecache.cache.preprocess.partitions import (
     RECORDED,
     hive_partitions,
@@ -73,6 +74,7 @@ from edgecache.cache.preprocess.partitions import (
     recorded,
     with_partitions,
 )
+from edgecache.cache.preprocess.pipeline import Description, survey
 from edgecache.cache.preprocess.source_options import delimiter_for_names
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.v1 import manifest_pb2 as pb
@@ -671,6 +673,7 @@ class Registry:
         if_changed: bool = False,
         include: Sequence[str] = (),
         exclude: Sequence[str] = (),
+        nulls: list[NullCount] | None = None,
     ) -> pb.Manifest:
         """Snapshot a prefix of raw shards as the next version of ``dataset``.
 
@@ -690,6 +693,13 @@ class Registry:
         one is written. ``include``/``exclude`` choose the objects under the prefix
         by pattern (:class:`Selection`; a pattern in the source URL's last part is
         one more); one ``.mds`` shard given as the source is a version of that shard.
+
+        Nulls in the columns EdgeDataset makes tensors of (numbers, booleans,
+        fixed-size lists of them) are not refused (a reader may leave the column
+        out), but each would fail a training batch: they are appended to ``nulls``
+        when given (the CLI warns), else logged as warnings. They come from what
+        is read anyway (:mod:`~edgecache.cache.preprocess.nulls`): a Parquet
+        footer's statistics, or the object read whole; none are recorded.
         """
         validate_name(dataset)
         codec = CodecOptions.from_spec(spec)  # a level or chunk size no node could encode
@@ -737,16 +747,16 @@ class Registry:
         spec.source_options.update(options)
         limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
 
-        async def one(obj: SourceObject) -> tuple[pa.Schema, int]:
+        async def one(obj: SourceObject) -> Description:
             async with limit:
                 return await self._describe(obj, fmt, spec, transform)
 
         described = await asyncio.gather(*(one(obj) for obj in objects))
-        empty = [o.info.url for o, (_, rows) in zip(objects, described, strict=True) if not rows]
+        empty = [o.info.url for o, d in zip(objects, described, strict=True) if not d.rows]
         if empty:
             raise MalformedShard(_no_rows(empty, name, keeps_rows(name, params)))
         schema = described[0][0]
-        for obj, (other, _) in zip(objects, described, strict=True):
+        for obj, (other, *_) in zip(objects, described, strict=True):
             if not other.equals(schema):
                 raise MalformedShard(
                     schema_mismatch(obj.info.url, other, objects[0].info.url, schema, fmt, name)
@@ -768,8 +778,14 @@ class Registry:
                 source_size=obj.info.size,
                 row_count=rows,
             )
-            for i, (obj, (_, rows)) in enumerate(zip(objects, described, strict=True))
+            for i, (obj, (_, rows, _)) in enumerate(zip(objects, described, strict=True))
         ]
+        found = _null_counts(objects, described, schema)
+        if nulls is not None:
+            nulls.extend(found)
+        else:
+            for text in null_warnings(found, schema.names):
+                log.warning("%s", text)
         manifest = build_manifest(
             dataset=dataset,
             version=1,
@@ -793,21 +809,38 @@ class Registry:
         fmt: pb.SourceFormat.ValueType,
         spec: pb.PreprocessSpec,
         transform: Transform,
-    ) -> tuple[pa.Schema, int]:
+    ) -> Description:
         info = obj.info
         store = self._store(info.url)
         keeps = keeps_rows(spec.transform, spec.params)
         if obj.rows is not None and keeps:  # an index says it (MDS): read nothing
             columns = MdsColumns.from_option(spec.source_options["columns"], info.url)
             empty = pa.RecordBatch.from_pylist([], schema=columns.schema())
-            return transform(empty).schema, obj.rows
+            return Description(transform(empty).schema, obj.rows, None)
         if fmt == pb.SOURCE_FORMAT_PARQUET and keeps and info.size > 12:
             data = await _parquet_footer(store, info)  # rows kept: the footer says all
         else:
             data = await store.get(info.url, expect=info)
         return await asyncio.to_thread(
-            describe, data, fmt=fmt, source=info.url, spec=spec, transform=transform
+            survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
         )
+
+
+def _null_counts(
+    objects: Sequence[SourceObject], described: Sequence[Description], schema: pa.Schema
+) -> list[NullCount]:
+    """The nulls found in the version's tensor columns, column by column, then object by object.
+
+    Read against the version's schema (after the transform), so a column the
+    transform renamed is named as readers see it.
+    """
+    nulled = [(o, d.nulls) for o, d in zip(objects, described, strict=True) if d.nulls]
+    out = []
+    for field in schema:
+        for obj, nulls in nulled:
+            if count := nulls.get(field.name, 0):
+                out.append(NullCount(field.name, type_label(field.type), obj.info.url, count))
+    return out
 
 
 def _raised_to(number: int, current: bytes | None) -> bytes | None:

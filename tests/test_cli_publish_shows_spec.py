@@ -59,7 +59,9 @@ def test_publish_and_versions_show_format_reader_options_transform_and_codec(
             *("--compression", "zstd", "--level", "3"),
         )
     )
-    assert published["version"] == "pairs@2" and published["reused"] is False
+    spelled = (published["dataset"], published["version"], published["spec"])
+    assert spelled == ("pairs", 2, "pairs@2")
+    assert published["reused"] is False
     assert published["source_url"] == f"file://{tabs}/" and published["format"] == "csv"
     assert published["source_options"] == {
         "column_names": "x,b",

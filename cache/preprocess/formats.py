@@ -31,6 +31,7 @@ from edgecache.cache.preprocess.mds import mds_source
 from edgecache.cache.preprocess.source_options import (
     LONG_INTEGER,
     column_types,
+    has_fractions,
     integer_type_hint,
     read_csv,
     rounded_integer_error,
@@ -211,6 +212,14 @@ def _typed_at(path: _Path, leaf: str) -> str:
     return kind
 
 
+def _leaf_values(table: pa.Table, path: _Path) -> pa.ChunkedArray:
+    """Every value at ``path`` in ``table``: struct fields followed, lists flattened."""
+    values = table.column(path[0])
+    for step in path[1:]:
+        values = pc.list_flatten(values) if step is None else pc.struct_field(values, step)
+    return values
+
+
 def _refuse_rounded_integers(
     table: pa.Table, buf: pa.Buffer, source: str, types: Mapping[str, pa.DataType]
 ) -> None:
@@ -240,7 +249,8 @@ def _refuse_rounded_integers(
             for value in _values_at(record, path):
                 if isinstance(value, int) and rounds_in_float(value):
                     name = _path_name(path)
-                    kind = _typed_at(path, integer_type_hint(value))
+                    fractions = has_fractions(_leaf_values(table, path))
+                    kind = _typed_at(path, integer_type_hint(value, fractions))
                     raise rounded_integer_error(
                         f"{source} line {number}",
                         f"field {name!r}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
+from typing import NamedTuple
 
 import pyarrow as pa
 
@@ -24,6 +25,7 @@ from edgecache.cache.preprocess.fixes import (
     ParamMismatch,
 )
 from edgecache.cache.preprocess.formats import guarded, open_source
+from edgecache.cache.preprocess.nulls import batch_nulls, carried, parquet_nulls
 from edgecache.cache.preprocess.partitions import (
     add_partitions,
     partition_fields,
@@ -39,7 +41,7 @@ from edgecache.cache.preprocess.transforms import (
 )
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["ShardContext", "describe", "preprocess"]
+__all__ = ["Description", "ShardContext", "describe", "preprocess", "survey"]
 
 
 def _sliced(batches: Iterator[pa.RecordBatch], rows: int | None) -> Iterator[pa.RecordBatch]:
@@ -203,6 +205,20 @@ def _partitions(
     return fields, partition_scalars(fields, key, source)
 
 
+class Description(NamedTuple):
+    """What publish learns of one object: its schema and rows after the transform, and nulls.
+
+    ``nulls``: null values per column that becomes a tensor in EdgeDataset (see
+    :mod:`.nulls`), only those with any; None where the object was not looked at
+    closely enough to say (a tar or an MDS shard counted from its headers or index,
+    a Parquet footer under a transform it cannot follow).
+    """
+
+    schema: pa.Schema
+    rows: int
+    nulls: dict[str, int] | None
+
+
 def describe(
     data: bytes | memoryview,
     *,
@@ -217,11 +233,41 @@ def describe(
 
     When the format knows its row count without decoding (Parquet's footer, a
     tar's member headers, an MDS shard's header) and the transform keeps every
-    row, nothing is decoded; anything else is parsed and transformed in full.
+    row, nothing is decoded (a tar is still read whole: its headers lie
+    throughout it); anything else is parsed and transformed in full.
     Hive partition columns are not part of it: publish adds them from the keys.
 
     Raises:
         MalformedShard: as :func:`preprocess`.
+    """
+    found = survey(
+        data,
+        fmt=fmt,
+        source=source,
+        spec=spec,
+        transform=transform,
+        resources=resources,
+        context=context,
+    )
+    return found.schema, found.rows
+
+
+def survey(
+    data: bytes | memoryview,
+    *,
+    fmt: pb.SourceFormat.ValueType,
+    source: str,
+    spec: pb.PreprocessSpec,
+    transform: Transform | None = None,
+    resources: Mapping[str, bytes] | None = None,
+    context: ShardContext | None = None,
+) -> Description:
+    """:func:`describe`, with the nulls of the columns readers make tensors of.
+
+    Counted on the transformed batches when the object is read whole; from a
+    Parquet footer's ``null_count`` statistics when only the footer is read (and
+    the transform is one whose columns can be traced to the source's, see
+    :func:`.nulls.carried`); not at all (None) otherwise.
     """
     context = context or ShardContext()
     context.source = source
@@ -237,9 +283,17 @@ def describe(
         return transform.schema  # type: ignore[attr-defined] # a stream transform says it
 
     if known_rows is not None and keeps_rows(spec.transform, spec.params):
-        return schema_of_nothing(), known_rows
-    result: pa.Schema | None = None
+        result = schema_of_nothing()
+        nulls = None
+        if fmt == pb.SOURCE_FORMAT_PARQUET:
+            counts = parquet_nulls(data, schema)
+            nulls = carried(counts, spec.transform, spec.params, schema, result)
+        return Description(result, known_rows, nulls)
+    found: pa.Schema | None = None
     rows = 0
+    tally: dict[str, int] = {}
     for out in _transformed(guarded(batches, source), spec, context, transform):
-        result, rows = result or out.schema, rows + out.num_rows
-    return result or schema_of_nothing(), rows
+        found, rows = found or out.schema, rows + out.num_rows
+        for name, count in batch_nulls(out).items():
+            tally[name] = tally.get(name, 0) + count
+    return Description(found or schema_of_nothing(), rows, tally)

@@ -456,18 +456,32 @@ def rounds_in_float(value: int) -> bool:
     return not -_EXACT <= value <= _EXACT and float(value) != value
 
 
-def integer_type_hint(value: int) -> str:
+def integer_type_hint(value: int, fractions: bool = False) -> str:
     """The type, as ``--column-types`` takes it, that holds ``value`` exactly.
 
-    Past int64: the narrowest integer-like type. Inside it, ``value`` only rounds
-    because the column holds fractions too (it reads as float64), which an integer
-    type would refuse: a decimal holds both.
+    Past int64, in a column of integers alone: the narrowest integer-like type.
+    Inside int64, ``value`` only rounds because the column holds fractions too (it
+    reads as float64); with ``fractions`` (the column holds some), past int64 too:
+    an integer type would refuse them, and a decimal holds both.
     """
-    if -_INT64 <= value < _INT64:
-        return DECIMAL_HINT
+    digits = len(str(abs(value)))
+    if fractions or -_INT64 <= value < _INT64:
+        if digits <= 38 - 9:
+            return DECIMAL_HINT
+        # Fewer places beside a longer integer: the readers convert to no decimal256.
+        return f"decimal128(38, {38 - digits})" if digits < 38 else "string"
     if 0 <= value < 2**64:
         return "uint64"
-    return "decimal128(38, 0)" if len(str(abs(value))) <= 38 else "string"
+    return "decimal128(38, 0)" if digits <= 38 else "string"
+
+
+def has_fractions(values: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether a float column holds a finite value that is not a whole number."""
+    if not len(values):
+        return False
+    finite = pc.is_finite(values)
+    broken = pc.not_equal(values, pc.floor(values))
+    return bool(pc.any(pc.and_(finite, broken)).as_py())
 
 
 def rounded_integer_error(
@@ -479,6 +493,8 @@ def rounded_integer_error(
     ``kind`` is the column's type that keeps it, ``rounded`` the one that accepts the rounding.
     """
     keep, accept = shlex.quote(f"{name}={kind}"), shlex.quote(f"{name}={rounded}")
+    decimal = re.search(r"decimal128\(38, ([0-9]+)\)", kind)
+    places = decimal.group(1) if decimal else None
     try:
         became = repr(float(value))
     except OverflowError:
@@ -488,10 +504,17 @@ def rounded_integer_error(
             "in a column read as float64 (it holds fractions, or integers past int64), which "
             f"holds integers exactly only up to 2**53 ({_EXACT}): it would become {became}"
         )
-        scale = " (9 decimal places: raise the scale if the fractions need more)"
     else:
         why = f"past int64, so it would be read as float64 and lose digits ({became})"
-        scale = ""
+        if places is not None:
+            why += ", beside fractions that an integer type would refuse"
+    scale = ""
+    if places is not None:
+        scale = (
+            " (9 decimal places: raise the scale if the fractions need more)"
+            if places == "9"
+            else f" ({places} decimal places, all that 38 digits leave beside this integer)"
+        )
     return MalformedShard(
         f"{where}: {what} holds the integer {value}, {why}; publish with --column-types "
         f"{keep}{scale} (or {accept} to accept the rounding)"
@@ -536,7 +559,7 @@ def _refuse_rounded_integers(
                 cell = row[i].strip() if i < len(row) else ""
                 if re.fullmatch(r"-?[0-9]{16,}", cell) and rounds_in_float(int(cell)):
                     value = int(cell)
-                    kind = integer_type_hint(value)
+                    kind = integer_type_hint(value, has_fractions(table.column(i)))
                     where = f"{source} line {line}"
                     raise rounded_integer_error(where, f"column {name!r}", name, value, kind)
 

@@ -347,6 +347,7 @@ def publish(
     from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.preprocess import format_from_name
+    from edgecache.cache.preprocess.nulls import NullCount, null_warnings
     from edgecache.cache.registry import Registry
     from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
 
@@ -378,6 +379,8 @@ def publish(
             spec.source_options["partitioning"] = partitioning.value
         source_format = format_from_name(fmt) if fmt else None
 
+        nulls: list[NullCount] = []
+
         async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool]:
             before = await reg.versions(dataset)
             done = await reg.publish(
@@ -388,6 +391,7 @@ def publish(
                 if_changed=if_changed,
                 include=include or (),
                 exclude=exclude or (),
+                nulls=nulls,
             )
             if done.version in before:  # --if-changed found it unchanged
                 return done, None, True
@@ -399,11 +403,20 @@ def publish(
         manifest, same, reused = Registry.run(_registry_url(registry, Options(config)), go)
     name = f"{manifest.dataset}@{manifest.version}"
     rows = sum(s.row_count for s in manifest.shards)
+    found = null_warnings(nulls, [str(f["name"]) for f in schema_json(manifest.arrow_schema)])
+    if same is not None and not reused:
+        found.append(
+            f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
+            "nothing changed at the source; pass --if-changed to reuse the existing version"
+        )
     if as_json:
         print(
             json.dumps(
                 {
-                    "version": name,
+                    # As versions --json: the number, the dataset apart; "spec" for name@N.
+                    "dataset": manifest.dataset,
+                    "version": manifest.version,
+                    "spec": name,
                     "digest": manifest.digest,
                     "shards": len(manifest.shards),
                     "rows": rows,
@@ -411,6 +424,11 @@ def publish(
                     "reused": reused,
                     "same_content_as": None if same is None else f"{same.dataset}@{same.version}",
                     **preparation_json(manifest),
+                    "nulls": [
+                        {"column": n.column, "type": n.kind, "object": n.url, "count": n.count}
+                        for n in nulls
+                    ],
+                    "warnings": found,
                 }
             )
         )
@@ -419,13 +437,8 @@ def publish(
     line(escape(summary + (": unchanged" if reused else "")))
     for each in [*preparation_lines(manifest), *schema_lines(manifest.arrow_schema)]:
         line("  " + escape(each))
-    if reused:
-        return
-    if same is not None:
-        warning(
-            f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
-            "nothing changed at the source; pass --if-changed to reuse the existing version"
-        )
+    for text in found:  # the same on stdout's JSON, as "warnings", with --json
+        warning(text)
 
 
 @app.command()

@@ -1,0 +1,189 @@
+"""Nulls in the columns a reader turns into tensors, found at publish rather than mid-epoch.
+
+EdgeDataset makes a tensor of every number or boolean column (and of fixed-size
+lists of them, nested too), and a tensor has no null: a null there raises
+ValueError when the batch holding it is assembled, which can be hours into
+training. Publish can tell beforehand, at no extra read:
+
+* a Parquet object read from its footer alone has each column chunk's
+  ``null_count`` statistic (:func:`parquet_nulls`); a column without it in any
+  row group is not judged (the file is not read for it);
+* an object read whole (CSV, JSON Lines, Arrow, or any format under a transform
+  that may drop rows) has its batches, counted after the transform
+  (:func:`batch_nulls`).
+
+A null is not refused: a transform may fill it, or the reader may leave the column
+out. Publish warns, naming the column, the object and the count.
+
+Counts are of null values: a null row, and each null item inside a fixed-size list
+(Parquet's ``null_count`` of the list's leaf column counts both the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from edgecache.cache.preprocess.arrow_types import split_params
+from edgecache.cache.preprocess.compressed import compression_of
+
+__all__ = [
+    "NullCount",
+    "batch_nulls",
+    "carried",
+    "null_warnings",
+    "parquet_nulls",
+    "tensor_type",
+]
+
+
+def tensor_type(kind: pa.DataType) -> bool:
+    """Whether a column of ``kind`` becomes a tensor in EdgeDataset (and so holds no null).
+
+    Numbers and booleans, and fixed-size lists of them (nested too): the columns
+    :func:`edgecache.clients.tensors.column_kinds` reads as ``fixed``.
+    """
+    while pa.types.is_fixed_size_list(kind):
+        kind = kind.value_type
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+
+
+def _array_nulls(column: pa.Array) -> int:
+    """Null values in a tensor column: null rows, and null items of fixed-size lists."""
+    count = column.null_count
+    while pa.types.is_fixed_size_list(column.type):
+        column = column.flatten()  # the items of the rows that are not null
+        count += column.null_count
+    return count
+
+
+def batch_nulls(batch: pa.RecordBatch) -> dict[str, int]:
+    """Each tensor column's null values in ``batch`` (columns without any left out)."""
+    out: dict[str, int] = {}
+    for field, column in zip(batch.schema, batch.columns, strict=True):
+        if tensor_type(field.type) and (count := _array_nulls(column)):
+            out[field.name] = out.get(field.name, 0) + count
+    return out
+
+
+def _leaves(kind: pa.DataType) -> int:
+    """How many Parquet leaf columns an Arrow column of ``kind`` is stored as."""
+    if pa.types.is_struct(kind):
+        return sum(_leaves(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_map(kind):
+        return _leaves(kind.key_type) + _leaves(kind.item_type)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _leaves(kind.value_type)
+    return 1
+
+
+def parquet_nulls(data: bytes | memoryview, schema: pa.Schema) -> dict[str, int]:
+    """Null values per column of a Parquet object, from its footer's statistics alone.
+
+    ``data`` is the object, or its footer framed as one (``PAR1`` + footer);
+    ``schema`` the Arrow schema the footer gives. Only columns stored as one leaf
+    (numbers, strings, lists of them) are counted, and only when every row group
+    has the statistic: where a writer left it out, nothing is said. A compressed
+    object (``.parquet.gz``) is not judged: its footer is not at hand.
+    """
+    if compression_of(memoryview(data)[:10]) is not None:
+        return {}
+    meta = pq.read_metadata(pa.BufferReader(pa.py_buffer(data)))
+    widths = [_leaves(field.type) for field in schema]
+    if sum(widths) != meta.num_columns or len(set(schema.names)) != len(schema.names):
+        return {}  # not the layout expected: say nothing rather than misname a column
+    out: dict[str, int] = {}
+    leaf = 0
+    for field, width in zip(schema, widths, strict=True):
+        first, leaf = leaf, leaf + width
+        if width != 1:
+            continue
+        total = 0
+        for group in range(meta.num_row_groups):
+            stats = meta.row_group(group).column(first).statistics
+            if stats is None or not stats.has_null_count:
+                break
+            total += stats.null_count
+        else:
+            out[field.name] = total
+    return out
+
+
+def carried(
+    counts: Mapping[str, int],
+    transform: str,
+    params: Mapping[str, str],
+    source: pa.Schema,
+    result: pa.Schema,
+) -> dict[str, int]:
+    """Source columns' null counts as the columns of ``result`` (the transformed schema).
+
+    For transforms that keep every row (those a footer can answer for): ``identity``
+    keeps each column; ``columns`` selects, then renames (a cast keeps a null a
+    null); any other (``images``) is trusted only for a column it passes through,
+    of the same name and type as the source's. Only tensor columns are kept.
+    """
+    name = transform or "identity"
+    if name == "identity":
+        origin = {n: n for n in result.names}
+    elif name == "columns":
+        chosen = split_params(params.get("select", ""))
+        renamed = {}
+        for pair in split_params(params.get("rename", "")):
+            old, eq, new = (s.strip() for s in pair.partition("="))
+            if eq:
+                renamed[old] = new
+        origin = {renamed.get(n, n): n for n in (chosen or source.names)}
+    else:
+        origin = {
+            f.name: f.name
+            for f in result
+            if f.name in source.names and source.field(f.name).type == f.type
+        }
+    out = {}
+    for field in result:
+        count = counts.get(origin.get(field.name, ""), 0)
+        if count and tensor_type(field.type):
+            out[field.name] = count
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class NullCount:
+    """``count`` null values in tensor column ``column`` (of type ``kind``) of object ``url``."""
+
+    column: str
+    kind: str
+    url: str
+    count: int
+
+
+def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[str]:
+    """One warning per column with nulls: where, how many, why it matters, what to do.
+
+    ``columns``: the version's columns, to spell a ``select=`` that leaves them out.
+    """
+    by_column: dict[str, list[NullCount]] = {}
+    for each in found:
+        by_column.setdefault(each.column, []).append(each)
+    nulled = set(by_column)
+    others = [n for n in columns if n not in nulled]
+    select = ",".join(others[:6]) + (",…" if others[6:] else "")
+    version = f"of the version (--transform columns --param select={select}) or " if others else ""
+    out = []
+    for column, counts in by_column.items():
+        total = sum(c.count for c in counts)
+        listed = ", ".join(f"{c.url}: {c.count:,}" for c in counts[:3])
+        more = f" and {len(counts) - 3} more" if counts[3:] else ""
+        objects = f"{len(counts)} object{'s' if len(counts) != 1 else ''}"
+        out.append(
+            f"column {column!r} ({counts[0].kind}) holds {total:,} null"
+            f"{'s' if total != 1 else ''} in {objects} ({listed}{more}); EdgeDataset makes "
+            "a tensor of it, which holds no null, so the batch holding one raises ValueError "
+            "mid-epoch. Fill the nulls at the source and publish again, or leave the column "
+            f"out {version}of the reader (EdgeDataset columns=[...] without it)"
+        )
+    return out

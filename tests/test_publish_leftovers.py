@@ -1,0 +1,166 @@
+"""What publish tells before training does: nulls in tensor columns, the type that keeps an
+integer beside fractions, the version as a number in ``--json``, what WebDataset costs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from edgecache.cache.manifest import preprocess_spec
+from edgecache.cache.registry import Registry
+from edgecache.clients.cli import app
+
+runner = CliRunner()
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "preprocessing.md"
+
+
+def publish(tmp_path: Path, source: Path, *args: str) -> tuple[int, str]:
+    result = runner.invoke(
+        app,
+        ["publish", str(source), "--registry", str(tmp_path / "reg"), *args],
+        env={"COLUMNS": "400"},
+    )
+    return result.exit_code, result.output
+
+
+def _nulled_table() -> pa.Table:
+    return pa.table(
+        {
+            "a": pa.array([1, None, 3, 4], pa.int64()),
+            "emb": pa.array([[1.0, 2.0], None, [None, 3.0], [4.0, 5.0]], pa.list_(pa.float32(), 2)),
+            "b": pa.array([0.5, 1.5, None, 2.5]),
+            "s": pa.array(["x", None, "y", "z"]),  # a string: read as a list, nulls are fine
+        }
+    )
+
+
+def test_nulls_in_parquet_tensor_columns_are_warned_from_the_footer(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(_nulled_table(), raw / "a.parquet", row_group_size=2)
+    pq.write_table(_nulled_table().slice(2), raw / "b.parquet")
+    code, out = publish(tmp_path, raw, "--dataset", "pq")
+    assert code == 0, out
+    url_a, url_b = f"file://{raw}/a.parquet", f"file://{raw}/b.parquet"
+    assert f"column 'a' (int64) holds 1 null in 1 object ({url_a}: 1)" in out, out
+    assert f"column 'emb' (float32[2]) holds 3 nulls in 2 objects ({url_a}: 2, {url_b}: 1)" in out
+    assert f"column 'b' (float64) holds 2 nulls in 2 objects ({url_a}: 1, {url_b}: 1)" in out
+    assert "column 's'" not in out  # strings become lists of str: None is fine there
+    assert "ValueError" in out and "--transform columns --param select=s" in out
+    assert "EdgeDataset columns=[...] without it" in out
+
+    code, out = publish(tmp_path, raw, "--dataset", "pq", "--json")
+    assert code == 0, out
+    printed = json.loads(out)
+    assert {(n["column"], n["object"], n["count"]) for n in printed["nulls"]} == {
+        ("a", url_a, 1),
+        ("emb", url_a, 2),
+        ("emb", url_b, 1),
+        ("b", url_a, 1),
+        ("b", url_b, 1),
+    }
+    assert len(printed["warnings"]) == 4  # three columns, and the same content as pq@1
+    assert any("same content as pq@1" in w for w in printed["warnings"])
+
+
+def test_parquet_nulls_follow_the_columns_transform(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(_nulled_table(), raw / "a.parquet")
+    code, out = publish(
+        tmp_path,
+        raw,
+        *("--dataset", "pq", "--transform", "columns"),
+        *("--param", "select=s,b", "--param", "rename=b=bee", "--param", "cast=bee=float32"),
+    )
+    assert code == 0, out
+    assert "column 'bee' (float32) holds 1 null in 1 object" in out, out
+    assert "column 'a'" not in out and "column 'emb'" not in out and "column 'b'" not in out
+
+
+def test_no_statistics_no_warning(tmp_path: Path) -> None:
+    """A footer without null counts says nothing, and publish reads no more to find out."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(_nulled_table(), raw / "a.parquet", write_statistics=False)
+    code, out = publish(tmp_path, raw, "--dataset", "pq", "--json")
+    assert code == 0, out
+    assert json.loads(out)["nulls"] == [] and json.loads(out)["warnings"] == []
+
+
+def test_nulls_in_csv_are_counted_after_the_transform(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "x.csv").write_text("id,score,name\n1,0.5,a\n,1.5,b\n3,,c\n4,,\n")
+    code, out = publish(tmp_path, raw, "--dataset", "csv")
+    assert code == 0, out
+    url = f"file://{raw}/x.csv"
+    assert f"column 'id' (int64) holds 1 null in 1 object ({url}: 1)" in out, out
+    assert f"column 'score' (float64) holds 2 nulls in 1 object ({url}: 2)" in out
+    assert "column 'name'" not in out
+    # A version without the nulled columns: nothing to say.
+    code, out = publish(
+        tmp_path, raw, "--dataset", "csv", "--transform", "columns", "--param", "select=name"
+    )
+    assert code == 0 and "warning" not in out, out
+
+
+def test_the_python_api_logs_the_nulls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "x.csv").write_text("id,x\n1,a\n,b\n2,c\n")
+    spec = preprocess_spec(transform="identity", params={})
+
+    async def go(reg: Registry) -> None:
+        await reg.publish(str(raw), "csv", spec=spec)
+
+    with caplog.at_level(logging.WARNING, logger="edgecache.cache.registry"):
+        Registry.run(f"file://{tmp_path}/reg", go)
+    assert any("column 'id' (int64) holds 1 null" in r.getMessage() for r in caplog.records)
+
+
+def test_an_integer_past_int64_beside_fractions_is_told_decimal(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "x.csv").write_text("id,v\n1.5,2\n18446744073709551615,3\n")
+    code, out = publish(tmp_path, raw, "--dataset", "d")
+    assert code == 2 and "past int64" in out, out
+    assert "'id=decimal128(38, 9)'" in out and "uint64" not in out, out
+    # The hint, followed, keeps both values exactly.
+    code, out = publish(tmp_path, raw, "--dataset", "d", "--column-types", "id=decimal128(38, 9)")
+    assert code == 0, out
+    # JSON Lines, a nested field: the same.
+    (raw / "x.csv").unlink()
+    (raw / "x.jsonl").write_text('{"a": {"xs": [1.5]}}\n{"a": {"xs": [18446744073709551615]}}\n')
+    code, out = publish(tmp_path, raw, "--dataset", "j")
+    assert code == 2 and "'a=struct<xs: list<decimal128(38, 9)>>'" in out, out
+    assert "uint64" not in out
+    # Integers alone past int64 still fit uint64, the narrowest type.
+    (raw / "x.jsonl").write_text('{"id": 3}\n{"id": 18446744073709551615}\n')
+    code, out = publish(tmp_path, raw, "--dataset", "j")
+    assert code == 2 and "--column-types id=uint64" in out, out
+
+
+def test_publish_json_gives_the_version_as_a_number_like_versions(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "x.csv").write_text("id\n1\n2\n")
+    code, out = publish(tmp_path, raw, "--dataset", "n", "--json")
+    assert code == 0, out
+    printed = json.loads(out)
+    assert (printed["dataset"], printed["version"], printed["spec"]) == ("n", 1, "n@1")
+    listed = runner.invoke(app, ["versions", "n", "--registry", str(tmp_path / "reg"), "--json"])
+    assert json.loads(listed.output)[0]["version"] == printed["version"]
+
+
+def test_the_docs_say_publish_reads_each_tar_whole() -> None:
+    (row,) = [r for r in DOCS.read_text().splitlines() if r.startswith("| `webdataset`")]
+    assert "member headers (read once)" not in row
+    assert re.search(r"read once, whole", row) and "downloads" in row
