@@ -768,6 +768,7 @@ class Registry:
                 "give each a name of its own (--column-names for CSV, or --transform columns "
                 "--param rename=OLD=NEW)"
             )
+        own = schema.names  # what a columns transform can select: not the partitions
         # Hive partition columns, after the data's own (a column of the same name refused).
         schema = with_partitions(schema, partition_fields(options), objects[0].info.url)
         shards = [
@@ -784,7 +785,7 @@ class Registry:
         if nulls is not None:
             nulls.extend(found)
         else:
-            for text in null_warnings(found, schema.names):
+            for text in null_warnings(found, own):
                 log.warning("%s", text)
         manifest = build_manifest(
             dataset=dataset,

@@ -164,3 +164,13 @@ def test_the_docs_say_publish_reads_each_tar_whole() -> None:
     (row,) = [r for r in DOCS.read_text().splitlines() if r.startswith("| `webdataset`")]
     assert "member headers (read once)" not in row
     assert re.search(r"read once, whole", row) and "downloads" in row
+
+
+def test_the_advice_selects_the_data_columns_not_the_partitions(tmp_path: Path) -> None:
+    """Partition columns come after the transform: a select= naming one would be refused."""
+    raw = tmp_path / "raw" / "year=2024"
+    raw.mkdir(parents=True)
+    (raw / "x.csv").write_text("id,name\n1,a\n,b\n")
+    code, out = publish(tmp_path, tmp_path / "raw", "--dataset", "p")
+    assert code == 0 and "year: int64" in out, out
+    assert "--transform columns --param select=name)" in out, out

@@ -348,6 +348,7 @@ def publish(
     from edgecache.cache.manifest import preprocess_spec
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.preprocess.nulls import NullCount, null_warnings
+    from edgecache.cache.preprocess.partitions import partition_fields
     from edgecache.cache.registry import Registry
     from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
 
@@ -403,7 +404,9 @@ def publish(
         manifest, same, reused = Registry.run(_registry_url(registry, Options(config)), go)
     name = f"{manifest.dataset}@{manifest.version}"
     rows = sum(s.row_count for s in manifest.shards)
-    found = null_warnings(nulls, [str(f["name"]) for f in schema_json(manifest.arrow_schema)])
+    folders = {f.name for f in partition_fields(manifest.preprocess.source_options)}
+    own = [str(f["name"]) for f in schema_json(manifest.arrow_schema) if f["name"] not in folders]
+    found = null_warnings(nulls, own)  # a select= of the data's columns, no partition's
     if same is not None and not reused:
         found.append(
             f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
