@@ -818,9 +818,10 @@ class Registry:
             columns = MdsColumns.from_option(spec.source_options["columns"], info.url)
             empty = pa.RecordBatch.from_pylist([], schema=columns.schema())
             return Description(transform(empty).schema, obj.rows, None)
+        data = None
         if fmt == pb.SOURCE_FORMAT_PARQUET and keeps and info.size > 12:
             data = await _parquet_footer(store, info)  # rows kept: the footer says all
-        else:
+        if data is None:
             data = await store.get(info.url, expect=info)
         return await asyncio.to_thread(
             survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
@@ -947,14 +948,17 @@ def _copy(spec: pb.PreprocessSpec) -> pb.PreprocessSpec:
     return out
 
 
-async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> bytes:
+async def _parquet_footer(store: ObjectStore, info: ObjectInfo) -> bytes | None:
     """Only a Parquet file's footer, framed as a file pyarrow can read metadata from.
 
-    Two small ranged reads instead of downloading the whole object.
+    Two small ranged reads instead of downloading the whole object. None when the
+    object does not end as Parquet does: a compressed one (``part.parquet.gz``) is
+    read whole and decompressed, and anything else is then refused by the reader
+    with the reason (not Parquet, or not readable).
     """
     tail = await store.get_range(info.url, info.size - 8, info.size)
     if tail[4:] != b"PAR1":
-        raise MalformedShard(f"{info.url} is not a Parquet file (no PAR1 footer magic)")
+        return None
     length = int.from_bytes(tail[:4], "little")
     if length + 12 > info.size:
         raise MalformedShard(f"{info.url}: Parquet footer length {length} exceeds the file")

@@ -211,6 +211,26 @@ def test_tsv_objects_are_read_tab_separated(tmp_path: Path) -> None:
         publish(tmp_path, tmp_path / "src", "tsv3")
 
 
+def test_a_compressed_parquet_object_publishes_and_reads_like_the_plain_one(tmp_path: Path) -> None:
+    """Publish reads a Parquet footer alone; a ``.parquet.gz`` has none at its end.
+
+    It was refused ("not a Parquet file (no PAR1 footer magic)") though every object
+    may be compressed; it is read whole and decompressed, as a node stages it.
+    """
+    import pyarrow.parquet as pq
+
+    (tmp_path / "src").mkdir()
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"x": list(range(50))}), sink)
+    (tmp_path / "src" / "a.parquet.gz").write_bytes(gzip.compress(sink.getvalue()))
+    (tmp_path / "src" / "b.parquet").write_bytes(sink.getvalue())
+    manifest = publish(tmp_path, tmp_path / "src", "pqgz")
+    assert [s.row_count for s in manifest.shards] == [50, 50]
+    data = (tmp_path / "src" / "a.parquet.gz").read_bytes()
+    batches = preprocess(data, fmt=pb.SOURCE_FORMAT_PARQUET, source="a", spec=manifest.preprocess)
+    assert pa.Table.from_batches(list(batches)).column("x").to_pylist() == list(range(50))
+
+
 def test_objects_without_rows_are_refused_at_publish_naming_them(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.csv").write_bytes(b"a,b\n1,2\n")
