@@ -111,10 +111,11 @@ def _report_calls_in_flight() -> None:
     """
     if not _STDERR:
         return
-    me = threading.get_ident()
-    for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue
+    frames = sys._current_frames()
+    # This frame is among them: held in its own locals it would be a cycle, keeping every
+    # caller's frame (a test's DataLoader iterator, say) alive until the next collection.
+    del frames[threading.get_ident()]
+    for ident, frame in frames.items():
         names: list[str] = []
         walked: object = frame
         while walked is not None and len(names) < 40:
@@ -125,9 +126,14 @@ def _report_calls_in_flight() -> None:
             where = _RUNNING[-1] if _RUNNING else "outside a test"
             os.write(
                 _STDERR[0],
-                f"\nfork guard: a thread is inside a gRPC call at a fork ({where}): "
-                f"{' < '.join(names)}\n".encode(),
+                f"\nfork guard: thread {_thread_name(ident)!r} is inside a gRPC call at a "
+                f"fork ({where}): {' < '.join(names)}\n".encode(),
             )
+
+
+def _thread_name(ident: int) -> str:
+    thread = threading._active.get(ident)  # type: ignore[attr-defined]
+    return thread.name if thread is not None else "?"
 
 
 os.register_at_fork(before=_before_fork)
