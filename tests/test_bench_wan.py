@@ -180,13 +180,15 @@ def test_gate_sends_one_staging_request_while_reads_stream_and_for_a_hold_after(
         return peak
 
     async def scenario() -> list[int]:
-        gate = StagingGate(rate=None, concurrency=4, hold=0.3, requests=3)
+        # A 2 s hold: six 10 ms requests in a row must fit inside it even on a loaded
+        # machine (0.3 s did not), and the sleep below steps past it.
+        gate = StagingGate(rate=None, concurrency=4, hold=2.0, requests=3)
         idle = await peak_requests(gate)
         await gate.read_started()
         reading = await peak_requests(gate)
         await gate.read_finished()
         held = await peak_requests(gate)  # within the hold: still background
-        await asyncio.sleep(0.35)
+        await asyncio.sleep(2.1)
         after = await peak_requests(gate)
         return [idle, reading, held, after]
 

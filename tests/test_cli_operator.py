@@ -152,7 +152,12 @@ def test_ready_wait_stops_at_its_timeout_and_says_so(site) -> None:
     )
     elapsed = time.monotonic() - started
     assert code == 1 and "timed out after" in err and "0/3 shards" in err, err
-    assert elapsed < 15  # the process, not the wait: the wait itself stops at its timeout
+    # The wait itself, as it says it: stopped at its timeout, not a round more.
+    said = re.search(r"timed out after (\d+\.\d) s", err)
+    assert said and 2.0 <= float(said.group(1)) < 2.5, err
+    # The whole process (Python start-up and imports included, slow on a loaded machine):
+    # only a bound on a hang.
+    assert elapsed < 60
     code, out, err = edgecache("ready", "never@1", "--region", "us-east", *cfg(root))
     assert code == 1 and "timed out" not in err
 

@@ -341,7 +341,9 @@ def test_ready_wait_never_overruns_its_timeout(site) -> None:
     answer = json.loads(out)
     assert answer["timed_out"] and answer["waited_seconds"] < 2.5, answer  # not a round more
     assert re.match(r"timed out after 2\.\d s", answer["message"]), answer
-    assert time.monotonic() - started < 15
+    # The whole process, Python start-up included (slow on a loaded machine): the wait is
+    # held above by waited_seconds, this only bounds a hang.
+    assert time.monotonic() - started < 60
 
 
 def test_ready_wait_with_no_time_left_still_asks_once(site) -> None:
@@ -376,8 +378,10 @@ def test_ready_wait_leaves_no_status_round_behind(site) -> None:
     # loaded machine, where threads are slow to be scheduled.
     assert readiness.timed_out and 1.0 <= readiness.waited_seconds < 1.9, readiness
     assert "127.0.0.1:1 unreachable" in readiness.message, readiness
-    # A closed channel's gRPC threads end soon after, not at once: give them that.
-    stop_by = time.monotonic() + 2.0
+    # A closed channel's gRPC threads end soon after, not at once: give them that (10 s,
+    # polled: on a loaded machine they are slow to be scheduled; a round still out would
+    # hold its threads until its calls time out, and a leaked thread never ends).
+    stop_by = time.monotonic() + 10.0
     while (left := [t for t in set(threading.enumerate()) - before if t.is_alive()]) and (
         time.monotonic() < stop_by
     ):

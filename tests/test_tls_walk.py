@@ -347,7 +347,10 @@ def test_a_node_dying_mid_stream_gets_no_tls_advice() -> None:
 
 def test_status_of_a_refused_port_is_said_at_once(tmp_path: Path) -> None:
     """Waiting for the channel to be ready took the whole timeout for a refused port
-    (3 s for every down node in status, plan and warm); the first call says it at once."""
+    (3 s for every down node in status, plan and warm); the first call says it at once.
+
+    A 10 s timeout against a 5 s bound: slack for a loaded machine, while a wait for
+    the whole timeout still fails."""
     import time
 
     from edgecache.clients.channels import health_pings, open_channel
@@ -355,6 +358,6 @@ def test_status_of_a_refused_port_is_said_at_once(tmp_path: Path) -> None:
 
     started = time.monotonic()
     with open_channel(parse_endpoint("127.0.0.1:1")) as channel:
-        pings = health_pings(channel, pings=3, timeout=3.0)
-    assert time.monotonic() - started < 1.5
+        pings = health_pings(channel, pings=3, timeout=10.0)
+    assert time.monotonic() - started < 5
     assert pings.lost == 3 and "Connection refused" in (pings.error or ""), pings
