@@ -58,7 +58,13 @@ from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.planner import Infeasible, Plan, StageTask, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
-from edgecache.clients.executor import NodeCalls, NodesSeen, PlanExecutor, TaskRun
+from edgecache.clients.executor import (
+    MIN_CALL_SECONDS,
+    NodeCalls,
+    NodesSeen,
+    PlanExecutor,
+    TaskRun,
+)
 from edgecache.clients.ops import (
     NodeReport,
     Outage,
@@ -92,6 +98,12 @@ LEASE_PREFIX = "_controller/lease"
 RETRY_BACKOFF_MAX = 600.0  # seconds: the longest wait between runs of a failing task
 STATUS_PINGS = 3  # health checks per node and round (the RTT is their median)
 STATUS_TIMEOUT = 3.0  # seconds a status call may take, at most (less for a short lease)
+STATUS_FLOOR = 1.0  # seconds a status call may take, at least, however short the lease
+# Fewer seconds than this left before the calls' deadline: the lease is renewed before the
+# next Pin or Evict call, which then has at least this long (MIN_CALL_SECONDS, and a margin).
+RENEW_AHEAD = MIN_CALL_SECONDS + 0.25
+# Half the lease bounds each call after a renewal: it must hold the renewal and a call.
+MIN_LEASE_TTL = 2.0
 RECORD_RETENTION = timedelta(days=1)  # records of a job and its tasks stay this long past its end
 UNSEEN_BEFORE_START = "no controller round saw the job before it started"
 
@@ -384,6 +396,12 @@ class Controller:
         """
         if record_retention <= timedelta(0):
             raise ValueError(f"record_retention must be positive, got {record_retention}")
+        if lease_ttl < MIN_LEASE_TTL:
+            raise ValueError(
+                f"the lease time to live (--lease-ttl) must be at least {MIN_LEASE_TTL:g} s, "
+                f"got {lease_ttl:g}: each Pin and Evict call ends within half of it after "
+                "a renewal, and a shorter one leaves no room for a call"
+            )
         self.topology_path, self.schedule_path = topology_path, Path(schedule_path)
         self.topology: Topology = load_topology(topology_path)
         self.token, self.clock = token, clock
@@ -573,18 +591,26 @@ class Controller:
         return held
 
     def _keep_lease(self) -> None:
-        """Renew the lease if a third of it has gone, and end the calls that follow inside it.
+        """Renew the lease when due, and end the calls that follow inside it.
 
         A round's Pin and Evict calls must end while this controller holds the
         lease: past it another controller may take over, and two would act at
-        once. Renewed once a third of the time to live has passed, with every
-        call ending half of it after the renewal, the lease never lapses
-        mid-round, and the other half is left for the renewal itself and for
-        clocks that differ. Raises :class:`LeaseLost` when another holds it, or
-        held it since the round began (the lease lapsed mid-round and the
-        record changed): the round acted on a record that is no longer true.
+        once. Every call ends half the time to live after the last renewal
+        (``NodeCalls.deadline``); the other half is left for the renewal itself
+        and for clocks that differ. This runs between a round's steps and
+        before each call (``NodeCalls.renew``), and renews the lease when a
+        third of it has gone (so it never lapses mid-round) or when fewer than
+        ``RENEW_AHEAD`` seconds are left before the deadline. The second rule
+        is for short leases: a call is not begun with less than
+        ``MIN_CALL_SECONDS`` left, and a third of a 2 s lease is 0.67 s: by
+        the first rule alone, every call from 0.5 s to 0.67 s after a renewal
+        would be skipped as out of time, with nothing to renew the lease.
+        Raises :class:`LeaseLost` when another holds it, or held it since the
+        round began (the lease lapsed mid-round and the record changed): the
+        round acted on a record that is no longer true.
         """
-        if time.monotonic() - self._renewed_at > self.lease.ttl / 3:
+        since = time.monotonic() - self._renewed_at
+        if since > self.lease.ttl / 3 or self.lease.ttl / 2 - since < RENEW_AHEAD:
             before = self.state
             other = self.leader()
             if other is not None:
@@ -594,8 +620,24 @@ class Controller:
         self.executor.calls.deadline = self._renewed_at + self.lease.ttl / 2
 
     def _status_timeout(self) -> float:
-        """Each status call's timeout: a round's status ends within half the lease."""
-        return status_call_timeout(self.lease.ttl / 2, pings=STATUS_PINGS, longest=STATUS_TIMEOUT)
+        """Each status call's timeout: its share of half the lease, at least ``STATUS_FLOOR``.
+
+        The share (:func:`status_call_timeout`: half the time to live over a
+        node's ``STATUS_PINGS + 2`` calls, at most ``STATUS_TIMEOUT``) ends the
+        round's status within half the lease even for a node that answers the
+        first call and hangs on each of the others. With a short lease the
+        share is too little for a loaded host (0.2 s at 2 s, 0.5 s at 5 s): a
+        node busy staging, or a controller sharing its cores, misses it, and
+        the round holds a healthy node as down (not called, no RTT series, an
+        outage logged). Hence the floor, which a loaded host meets. It costs
+        nothing the lease guards: status calls only read, and the Pin and
+        Evict calls after them renew the lease first, or stop the round when
+        another controller took it meanwhile (:meth:`_keep_lease`). Under a
+        10 s lease a node hanging on every call may make the status outlast
+        half of it.
+        """
+        share = status_call_timeout(self.lease.ttl / 2, pings=STATUS_PINGS, longest=STATUS_TIMEOUT)
+        return max(STATUS_FLOOR, share)
 
     def _note_nodes(self, reports: list[NodeReport]) -> None:
         """Export each node's health; log a node going down once, and its return once.
@@ -695,7 +737,7 @@ class Controller:
         )
         self._note_nodes(reports)
         seen = NodesSeen.of(reports)  # down nodes and current pins, for the whole round
-        self.executor.calls = NodeCalls(down=set(seen.down))
+        self.executor.calls = NodeCalls(down=set(seen.down), renew=self._keep_lease)
         plan, manifests = make_plan(
             self.topology, schedule, now=now, reports=reports, token=self.token
         )

@@ -125,15 +125,22 @@ class NodeCalls:
     round would outlast its lease. So a node that did not answer the status
     (``down``), or whose call timed out or found it unavailable since, is not
     called again; and no call runs past ``deadline`` (``time.monotonic()``),
-    which the controller keeps inside its lease. Calls not made are failures
-    of this round: the next one makes them.
+    which the controller keeps inside its lease. ``renew``, when set, runs
+    before each call: the controller renews its lease there when ``deadline``
+    is near, and moves it, so that a call is not skipped merely because the
+    lease was last renewed a while ago (its raising stops the calls: another
+    controller took the lease). Calls not made are failures of this round:
+    the next one makes them.
     """
 
     deadline: float = math.inf
     down: set[str] = field(default_factory=set)
+    renew: Callable[[], None] | None = None
 
     def timeout(self) -> float | None:
         """Seconds the next call may take, or None when there is no time left for one."""
+        if self.renew is not None:
+            self.renew()
         left = self.deadline - time.monotonic()
         return min(CALL_TIMEOUT, left) if left >= MIN_CALL_SECONDS else None
 
