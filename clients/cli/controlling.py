@@ -47,7 +47,12 @@ def controller(
         typer.Option(envvar="EDGECACHE_CONTROLLER_METRICS_LISTEN", help="Prometheus HOST:PORT."),
     ] = None,
     lease_ttl: Annotated[
-        float, typer.Option(min=1.0, help="Seconds the lease lasts without renewal.")
+        # controller.MIN_LEASE_TTL (not imported: the controller loads only when it runs)
+        float,
+        typer.Option(
+            min=2.0,
+            help="Seconds the lease lasts without renewal (at least 2: a renewal and a call).",
+        ),
     ] = 30.0,
     at: Annotated[
         str | None,
