@@ -390,7 +390,9 @@ def _plan_region(
                         state.name,
                         spec,
                         f"{spec} ({format_bytes(size)} once stored) is larger than the "
-                        f"region's capacity ({format_bytes(state.capacity_bytes)})",
+                        f"region's capacity ({format_bytes(state.capacity_bytes)}); to meet "
+                        f"it: add at least {format_bytes(size - state.capacity_bytes)} to "
+                        f"{state.name}",
                     )
                 )
                 continue

@@ -123,6 +123,7 @@ def test_infeasible_items_say_why() -> None:
     reasons = {i.job: i.reason for i in result.infeasible}
     assert "only 10 s before the start" in reasons["slow"]
     assert "larger than the region's capacity" in reasons["huge"]
+    assert "to meet it: add at least 27.9 GiB to eu" in reasons["huge"], reasons["huge"]
     assert "unknown" in reasons["nowhere"]
     assert "does not exist" in reasons["ghost"]
 
