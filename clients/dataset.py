@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from edgecache.cache.codec import MIN_CHUNK_BYTES
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
@@ -99,7 +100,7 @@ from edgecache.clients.topology import nodes_nearest_first
 from edgecache.clients.versions import fetch_manifest, local_manifest, select_columns
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["EdgeDataset"]
+__all__ = ["EdgeDataset", "Sample", "collate_samples"]
 
 log = logging.getLogger(__name__)
 _said_unpinned = False
@@ -273,6 +274,64 @@ def _portable(exc: Exception) -> Exception:
     return EdgeCacheError(f"{type(exc).__name__}: {exc}")
 
 
+class Sample(dict):  # type: ignore[type-arg]
+    """One sample (``batch_size=None``): a dict that knows its variable-length columns.
+
+    Why: torch's ``default_collate`` stacks each column, and cannot stack the
+    samples of a variable-length list column (``[7]`` and ``[3]`` tokens: "stack
+    expects each tensor to be equal size"). This type is registered with
+    ``default_collate`` (``default_collate_fn_map``, the extension point torch
+    documents), so ``DataLoader(ds, batch_size=k)`` batches samples as
+    ``EdgeDataset(batch_size=k)`` would (:func:`collate_samples`).
+    """
+
+    __slots__ = ("forms",)
+
+    def __init__(self, values: Mapping[str, Any], forms: Mapping[str, str]) -> None:
+        super().__init__(values)
+        self.forms = forms  # column -> "ragged" (padded), "packed" or "list"
+
+
+def _packed(name: str, items: Sequence[Any]) -> Packed:
+    """Per-sample 1-D tensors of one list column as one ``Packed`` (a batch's form)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in items):
+        raise TypeError(f"column {name!r}: expected each sample's value as a 1-D tensor")
+    lengths = torch.tensor([len(t) for t in items], dtype=torch.int64)
+    offsets = torch.zeros(len(items) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return Packed(torch.cat([t.cpu() for t in items]), offsets, "list")
+
+
+def collate_samples(
+    batch: Sequence[Mapping[str, Any]], *, collate_fn_map: dict[Any, Any] | None = None
+) -> dict[str, Any]:
+    """Batch :class:`Sample` s as ``EdgeDataset(batch_size=len(batch))`` yields a batch.
+
+    Variable-length lists of numbers become ``[B, longest]`` zero-padded
+    (``ragged="padded"``, their ``<name>_lengths`` stacked beside them) or a
+    ``Packed`` (``ragged="packed"``); Python-object columns stay a list; every
+    other column is collated as ``default_collate`` does. ``default_collate``
+    calls this for a batch of samples; a custom ``collate_fn`` may call it too.
+    """
+    forms = getattr(batch[0], "forms", {})
+    out: dict[str, Any] = {}
+    for key in batch[0]:
+        items = [sample[key] for sample in batch]
+        form = forms.get(key)
+        if form == "list":
+            out[key] = items
+        elif form == "ragged":
+            out[key] = _packed(key, items).padded()[0]
+        elif form == "packed":
+            out[key] = _packed(key, items)
+        else:
+            out[key] = collate(items, collate_fn_map=collate_fn_map or default_collate_fn_map)
+    return out
+
+
+default_collate_fn_map[Sample] = collate_samples
+
+
 class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     """Stream pinned dataset versions (one, or a weighted mixture) from the nearest healthy node.
 
@@ -283,7 +342,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             (one endpoint may be given as a plain string).
         config / region: read the endpoints from a topology file (edgecache.yaml)
             instead; the region's nodes come first, other regions' after them.
-        batch_size: samples per batch; ``None`` yields one sample at a time.
+        batch_size: samples per batch; ``None`` yields one sample at a time (a
+            :class:`Sample`, which `DataLoader(batch_size=k)` batches as ``k`` would).
         columns: columns to read, each once (one may be given as a plain string;
             default: all; for a mixture, those every component has with the same type).
         shuffle / seed: deterministic shuffling (see ``shuffle_windows``).
@@ -840,6 +900,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         )
         readers.add(pipeline)
         tally, counted_wait = readers.tally, 0.0
+        forms = {
+            k.name: k.kind
+            for k in self.kinds
+            if k.kind in ("ragged", "list") or (k.kind == "packed" and k.item == "list")
+        }
         try:
             for size, batch in pipeline:
                 self._cursor += workers if worker else 1
@@ -857,10 +922,13 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     if attach(batch, (self._metrics_key, readers.pending)):
                         readers.pending = None
                 if self.batch_size is None:
-                    yield {
-                        k: v[0] if isinstance(v, (torch.Tensor, list, Packed)) else v
-                        for k, v in batch.items()
-                    }
+                    yield Sample(
+                        {
+                            k: v[0] if isinstance(v, (torch.Tensor, list, Packed)) else v
+                            for k, v in batch.items()
+                        },
+                        forms,
+                    )
                 else:
                     yield batch
             # Read to its end: what comes next is the next epoch, for the next pass and

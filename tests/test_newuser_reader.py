@@ -1,0 +1,70 @@
+"""What a new user met reading data: one-sample mode with ragged columns, partial lmdb:// caches.
+
+Real nodes on loopback (``edgecache serve`` subprocesses) stage from a
+``file://`` origin; EdgeDataset reads through a real DataLoader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from edgeutil import publish
+
+from edgecache.clients import EdgeDataset
+from edgecache.clients.node_client import LocalNode, start_local_node
+
+SHARDS, ROWS = 4, 200
+
+
+def ragged_shard(index: int) -> pa.Table:
+    """Rows whose ``toks`` list holds ``row % 5`` numbers (empty ones too)."""
+    rows = np.arange(index * ROWS, (index + 1) * ROWS, dtype=np.int64)
+    return pa.table(
+        {
+            "toks": pa.array([list(range(r % 5)) for r in rows.tolist()], pa.list_(pa.int32())),
+            "row": pa.array(rows),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    root = tmp_path_factory.mktemp("newuser")
+    (root / "origin").mkdir()
+    for i in range(SHARDS):
+        pq.write_table(ragged_shard(i), root / "origin" / f"part-{i:05d}.parquet")
+    url = f"file://{root}/registry"
+    publish(url, f"file://{root}/origin", "ragged")
+    local = start_local_node("eu", root / "cache", url, capacity="256MiB")
+    yield local
+    local.stop()
+
+
+def test_one_sample_mode_batches_ragged_columns_in_a_dataloader(node: LocalNode) -> None:
+    """batch_size=None in DataLoader(batch_size=8) raised "stack expects each tensor to be
+    equal size": default_collate cannot stack a list column's per-sample tensors. The
+    samples now collate as EdgeDataset(batch_size=8) batches: padded plus lengths."""
+    for ragged in ("padded", "packed"):
+        ds = EdgeDataset(
+            "ragged@1", endpoints=[node.address], batch_size=None, shuffle=False, ragged=ragged
+        )
+        for workers in (0, 2):
+            rows = []
+            for batch in torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers):
+                want = [list(range(r % 5)) for r in batch["row"].tolist()]
+                if ragged == "padded":
+                    lengths = batch["toks_lengths"].tolist()
+                    assert lengths == [len(w) for w in want]
+                    assert batch["toks"].shape == (len(want), max(lengths))
+                    got = [t[:n].tolist() for t, n in zip(batch["toks"], lengths, strict=True)]
+                else:
+                    got = batch["toks"].tolist()
+                assert got == want
+                rows += batch["row"].tolist()
+            assert sorted(rows) == list(range(SHARDS * ROWS))
+        ds.close()
