@@ -277,6 +277,21 @@ class _StrictLoader(_BASE_LOADER):  # type: ignore[valid-type, misc]
                     continue  # an unhashable key: the base constructor says so
         return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
 
+    def construct_yaml_timestamp(self, node: yaml.ScalarNode) -> Any:
+        """A timestamp, or its text when it is not a real time (hour 25, February 30).
+
+        PyYAML's resolver takes any ``2026-12-02T25:00:00Z`` for a timestamp and its
+        constructor raises (ValueError: hour must be in 0..23), which only said "not
+        valid YAML" with no line or field. As text, the field's check reports it as
+        for a quoted value: file, line, field, and how to write a time.
+        """
+        try:
+            return super().construct_yaml_timestamp(node)
+        except (ValueError, OverflowError):
+            return self.construct_scalar(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", _StrictLoader.construct_yaml_timestamp)
 
 _SAFE_LOADER = _StrictLoader
 

@@ -7,6 +7,8 @@ Real nodes on loopback (``edgecache serve`` subprocesses) stage from a
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -15,8 +17,10 @@ import pytest
 import torch
 from edgeutil import publish
 
+from edgecache.cache.errors import ConfigFileError
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.topology import load_schedule
 
 SHARDS, ROWS = 4, 200
 
@@ -68,3 +72,22 @@ def test_one_sample_mode_batches_ragged_columns_in_a_dataloader(node: LocalNode)
                 rows += batch["row"].tolist()
             assert sorted(rows) == list(range(SHARDS * ROWS))
         ds.close()
+
+
+@pytest.mark.parametrize(
+    "start", ["2026-12-02T25:00:00Z", "2026-02-30T01:00:00Z", "2026-12-02T10:00:00+25:00"]
+)
+def test_an_impossible_unquoted_start_names_line_and_field(tmp_path: Path, start: str) -> None:
+    """YAML's timestamp constructor raised on these ("hour must be in 0..23"): the error
+    said "not valid YAML" with no line or field, where the quoted form named both."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        f"jobs:\n  - name: a\n    region: eu\n    start: {start}\n    datasets: [t@1]\n"
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_schedule(path)
+    assert f"{path}:4: jobs.0.start: '{start}' is not a time: write ISO 8601" in str(caught.value)
+    path.write_text(
+        "jobs:\n  - name: a\n    region: eu\n    start: 2026-12-02T10:00:00Z\n    datasets: [t@1]\n"
+    )
+    assert load_schedule(path).jobs[0].start == datetime(2026, 12, 2, 10, tzinfo=UTC)
