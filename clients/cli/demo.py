@@ -52,8 +52,10 @@ def demo(
     Tells the story as it goes (what is written where, the plan, what staging
     achieved, the first chunk from a warm and a cold region, a training epoch),
     then the figures. Exit codes: 0 every sample read exactly once and every
-    chunk verified; 1 otherwise or a node failed; 130 Ctrl-C, 143 SIGTERM, 129
-    SIGHUP (its nodes stopped and its temporary files removed first).
+    chunk verified; 1 otherwise or a node failed; 130 Ctrl-C while it runs, 143
+    SIGTERM, 129 SIGHUP (its nodes stopped and its temporary files removed
+    first). With --keep-nodes, Ctrl-C once the nodes are left up is how they
+    are stopped: the exit is then the demo's own (0, or 1).
     """
     from edgecache.clients.demo import run_demo
 
