@@ -558,13 +558,21 @@ class NodePool:
                         self._said_missing.add(said)
                         continue
                     failed_on = endpoint.text
+                    # Every endpoint refused or lacks the rows: the read fails right
+                    # below, so the log must not promise a retry that never comes.
+                    final = (
+                        last
+                        and not progressed
+                        and bool(refusals)
+                        and settled == len(self.endpoints)
+                    )
                     (log.warning if attempt == 0 else log.debug)(
                         "%s shard %d: %s failed (%s); %s",
                         rows.target,
                         rows.shard,
                         endpoint.text,
                         errors.get(endpoint.text),
-                        _next_step(ranking, place, next_row, self.retry_timeout),
+                        _next_step(ranking, place, next_row, self.retry_timeout, final=final),
                     )
             if refusals and not progressed and settled == len(self.endpoints):
                 node, answer = refusals[0]
@@ -655,8 +663,18 @@ _FAILOVER_CODES = frozenset(
 )
 
 
-def _next_step(ranking: Sequence[Endpoint], place: int, row: int, retry_timeout: float) -> str:
-    """What a read does after ``ranking[place]`` failed at ``row`` (for the log)."""
+def _next_step(
+    ranking: Sequence[Endpoint], place: int, row: int, retry_timeout: float, *, final: bool
+) -> str:
+    """What a read does after ``ranking[place]`` failed at ``row`` (for the log).
+
+    ``final``: every endpoint answered for good (refused the rows, or is a cache
+    without them), so the read fails now instead of retrying.
+    """
+    if final:
+        if len(ranking) == 1:
+            return "no other endpoint, and a refusal is its answer: the read fails now"
+        return "no endpoint can serve it (each refused or lacks it): the read fails now"
     if place + 1 < len(ranking):
         return f"continuing from row {row} on {ranking[place + 1].text}"
     if len(ranking) == 1:

@@ -6,6 +6,9 @@ Real nodes on loopback (``edgecache serve`` subprocesses) stage from a
 
 from __future__ import annotations
 
+import logging
+import shutil
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from edgeutil import publish
+from edgeutil import publish, write_parquet_shards
 
-from edgecache.cache.errors import ConfigFileError
+from edgecache.cache.errors import ConfigFileError, EdgeCacheError
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.clients.topology import load_schedule
@@ -91,3 +94,31 @@ def test_an_impossible_unquoted_start_names_line_and_field(tmp_path: Path, start
         "jobs:\n  - name: a\n    region: eu\n    start: 2026-12-02T10:00:00Z\n    datasets: [t@1]\n"
     )
     assert load_schedule(path).jobs[0].start == datetime(2026, 12, 2, 10, tzinfo=UTC)
+
+
+def test_every_node_refusing_logs_that_the_read_fails_not_a_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With FAILED_PRECONDITION from every node the log said "retrying them all from row
+    0 for up to 30 s", and the refusal was raised at once: it now says the read fails."""
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "gone")
+    nodes = [start_local_node("eu", tmp_path / f"cache-{i}", registry) for i in range(2)]
+    try:
+        shutil.rmtree(tmp_path / "origin")  # nothing staged: each node's origin refuses
+        for endpoints in ([n.address for n in nodes], [nodes[0].address]):
+            caplog.clear()
+            ds = EdgeDataset("gone@1", endpoints=endpoints, batch_size=10, retry_timeout=30)
+            started = time.monotonic()
+            with caplog.at_level(logging.DEBUG, logger="edgecache.clients.node_pool"):
+                with pytest.raises(EdgeCacheError) as refused:
+                    list(ds)
+            ds.close()
+            assert time.monotonic() - started < 10 and refused.value.code == "FAILED_PRECONDITION"
+            said = [r.getMessage() for r in caplog.records if "failed (" in r.getMessage()]
+            assert said and "the read fails now" in said[-1], said
+            assert not [m for m in said if "retrying" in m], said
+    finally:
+        for n in nodes:
+            n.stop()
