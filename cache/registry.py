@@ -687,12 +687,15 @@ class Registry:
         origin and left out of the shards. Hive-style ``key=value`` folders in
         the keys become columns after the data's own (see
         :mod:`~edgecache.cache.preprocess.partitions`; ``partitioning=none`` in
-        ``spec.source_options`` turns that off). With ``if_changed``, when the
-        newest version already has this content (the same digest: the same
-        objects, schema and preprocessing), that version is returned and no new
-        one is written. ``include``/``exclude`` choose the objects under the prefix
-        by pattern (:class:`Selection`; a pattern in the source URL's last part is
-        one more); one ``.mds`` shard given as the source is a version of that shard.
+        ``spec.source_options`` turns that off). With ``if_changed``, when a
+        version already has this content (the same digest: the same objects,
+        schema and preprocessing), the newest such version is returned and no
+        new one is written, even when a newer version of other content exists
+        (a re-run pipeline means "no new version"; ``latest`` never moves back,
+        so the CLI says which version ``name`` resolves to). ``include``/``exclude``
+        choose the objects under the prefix by pattern (:class:`Selection`; a
+        pattern in the source URL's last part is one more); one ``.mds`` shard
+        given as the source is a version of that shard.
 
         Nulls in the columns EdgeDataset makes tensors of (numbers, booleans,
         fixed-size lists of them) are not refused (a reader may leave the column
@@ -755,12 +758,20 @@ class Registry:
         empty = [o.info.url for o, d in zip(objects, described, strict=True) if not d.rows]
         if empty:
             raise MalformedShard(_no_rows(empty, name, keeps_rows(name, params)))
-        schema = described[0][0]
-        for obj, (other, *_) in zip(objects, described, strict=True):
-            if not other.equals(schema):
-                raise MalformedShard(
-                    schema_mismatch(obj.info.url, other, objects[0].info.url, schema, fmt, name)
-                )
+        first = _reference(objects, described, fmt)
+        schema = described[first].schema
+        odd = [i for i, d in enumerate(described) if not d.schema.equals(schema)]
+        if odd:
+            text = schema_mismatch(
+                objects[odd[0]].info.url,
+                described[odd[0]].schema,
+                objects[first].info.url,
+                schema,
+                fmt,
+                name,
+            )
+            strays = [objects[i].key for i in odd if _sidecar(objects[i], described[i], fmt)]
+            raise MalformedShard(text + (_stray_advice(strays) if strays else ""))
         if repeated := sorted({n for n in schema.names if schema.names.count(n) > 1}):
             raise MalformedShard(
                 f"the columns after preprocessing ({columns_text(schema)}) name "
@@ -796,13 +807,31 @@ class Registry:
             preprocess=spec,
             shards=shards,
         )
-        if if_changed:
-            newest = await self.versions(dataset)
-            if newest:
-                latest = await self.manifest(dataset, newest[-1])
-                if latest.digest == manifest.digest:
-                    return latest
+        if if_changed and (same := await self.same_content(dataset, manifest.digest)):
+            return same
         return await self.commit(manifest)
+
+    async def same_content(
+        self, dataset: str, digest: str, numbers: Sequence[int] | None = None
+    ) -> pb.Manifest | None:
+        """The newest version of ``dataset`` whose digest is ``digest``, or None.
+
+        Every version is compared, not the newest alone: content published as
+        ``tok@1``, then ``tok@2`` with other chunks, then ``tok@1``'s content again
+        is ``tok@1``'s (--if-changed used to write it as ``tok@3``, a copy a region
+        holding ``tok@1`` would stage again). ``numbers``: the versions to compare
+        (default: all of them). The manifests are small and read concurrently.
+        """
+        numbers = list(numbers) if numbers is not None else await self.versions(dataset)
+        limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
+
+        async def one(number: int) -> pb.Manifest:
+            async with limit:
+                return await self.manifest(dataset, number)
+
+        found = await asyncio.gather(*(one(n) for n in numbers))
+        same = [m for m in found if m.digest == digest]
+        return max(same, key=lambda m: m.version) if same else None
 
     async def _describe(
         self,
@@ -826,6 +855,73 @@ class Registry:
         return await asyncio.to_thread(
             survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
         )
+
+
+# Files kept beside shards that are no shard of them: a tokenizer (docs/preprocessing.md
+# says to ship it under the source prefix), a model or dataset card's JSON.
+_SIDECARS = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "config.json",
+        "generation_config.json",
+        "dataset_info.json",
+        "dataset_dict.json",
+        "state.json",
+        "metadata.json",
+    }
+)
+
+
+def _sidecar(obj: SourceObject, described: Description, fmt: pb.SourceFormat.ValueType) -> bool:
+    """Whether ``obj`` is clearly a file kept beside the shards, not one of them.
+
+    A known sidecar name (``tokenizer.json``), or among JSON Lines a ``.json``
+    file that reads as one row: a single JSON object (a config, a vocabulary).
+    """
+    name = obj.key.rsplit("/", 1)[-1].lower()
+    if name in _SIDECARS:
+        return True
+    single = strip_suffix(name).endswith(".json") and described.rows == 1
+    return fmt == pb.SOURCE_FORMAT_JSONL and single
+
+
+def _reference(
+    objects: Sequence[SourceObject],
+    described: Sequence[Description],
+    fmt: pb.SourceFormat.ValueType,
+) -> int:
+    """The object whose schema the others are held to: the most common one among shards.
+
+    The first object used to be the reference, so a ``tokenizer.json`` listed
+    before ``train.jsonl`` made every real shard the odd one out.
+    """
+    groups: list[tuple[pa.Schema, list[int]]] = []
+    for i, d in enumerate(described):
+        if _sidecar(objects[i], d, fmt) and len(objects) > 1:
+            continue
+        for schema, members in groups:
+            if schema.equals(d.schema):
+                members.append(i)
+                break
+        else:
+            groups.append((d.schema, [i]))
+    if not groups:
+        return 0
+    return max(groups, key=lambda g: (len(g[1]), -g[1][0]))[1][0]
+
+
+def _stray_advice(keys: list[str]) -> str:
+    """What to do with files among the shards that are no shards (a tokenizer beside JSONL)."""
+    listed = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if keys[3:] else "")
+    return (
+        f"; {listed} {'is' if len(keys) == 1 else 'are'} not a shard like the others (a file "
+        f"kept beside the data: a tokenizer, a config): leave "
+        f"{'it' if len(keys) == 1 else 'them'} out with {_excludes(keys)} (a transform's "
+        "own file, e.g. --param tokenizer=tokenizer.json, is left out by itself)"
+    )
 
 
 def _null_counts(
@@ -1000,9 +1096,42 @@ def _unknown_format(prefix: str, found: list[SourceObject]) -> str:
             "(or move files that are not shards out of the prefix); if they are shards of the "
             "same format, pass it (--format parquet, jsonl, csv, arrow, webdataset or mds)"
         )
+    if all(_pattern_of(k).lower() in _IMAGE_PATTERNS for k in unknown):
+        return _loose_images(prefix, unknown)
     return (
         f"cannot tell the format of the objects under {prefix} from their names ({listed}); "
         "pass the format explicitly (--format parquet, jsonl, csv, arrow, webdataset or mds)"
+    )
+
+
+_IMAGE_PATTERNS = frozenset(
+    f"*.{ext}" for ext in ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+)
+
+
+def _loose_images(prefix: str, keys: list[str]) -> str:
+    """What to do with a prefix of image files: pack them into WebDataset tars first.
+
+    No format reads a loose image as a row, and ``--format`` of any kind then
+    failed on each file; a tar whose members are named ``KEY.EXT`` is a WebDataset
+    shard of one sample per image (cache.preprocess.webdataset), whose column the
+    images transform decodes. Mixed extensions are renamed to one (``.img``): the
+    transform decodes the bytes whatever their format.
+    """
+    exts = sorted({_pattern_of(k)[2:].lower() for k in keys})
+    local = _local_path(prefix)
+    where = local.rstrip("/") if local else "a local copy of it"
+    out = f"{local.rstrip('/')}-wds" if local else "OUT"
+    column = exts[0] if len(exts) == 1 else "img"
+    rename = "" if len(exts) == 1 else f" --transform 's/[.][^.]*$/.{column}/'"
+    return (
+        f"the objects under {prefix} are image files ({', '.join(keys[:3])}"
+        f"{', …' if keys[3:] else ''}: {len(keys)} {', '.join(exts)}), which no format reads "
+        "as rows; pack them into WebDataset tars first (each member named KEY.EXT, one dot: "
+        f"one sample per image), e.g. mkdir -p {out} && (cd {where} && tar cf "
+        f"{out}/images-000000.tar{rename} *), then publish {out} with --transform "
+        f"images --param column={column} --param size=N (or store the bytes in a Parquet "
+        "binary column: see docs/preprocessing.md, images)"
     )
 
 

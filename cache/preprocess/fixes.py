@@ -70,9 +70,29 @@ def options_fix(options: Mapping[str, str]) -> str:
     )
 
 
+# Bounds on a schema in a message: a JSON file read as one row (a tokenizer.json's
+# vocabulary as a struct) used to print a 28 KB "schema".
+_MAX_COLUMNS_SHOWN = 12
+_MAX_TYPE_CHARS = 80
+
+
 def columns_text(schema: pa.Schema) -> str:
-    """A schema on one line, ``a: int64, b: float64``, spelled as publish prints types."""
-    return ", ".join(f"{f.name}: {type_name(f.type)}" for f in schema)
+    """A schema on one line, ``a: int64, b: float64``, spelled as publish prints types.
+
+    Bounded: a long type is cut (``struct<…> (2,345 fields)``), and past
+    :data:`_MAX_COLUMNS_SHOWN` columns the rest are counted, not listed.
+    """
+    shown = []
+    for field in list(schema)[:_MAX_COLUMNS_SHOWN]:
+        text = type_name(field.type)
+        if len(text) > _MAX_TYPE_CHARS:
+            kind = text.split("<", 1)[0]
+            inner = f" ({field.type.num_fields:,} fields)" if pa.types.is_struct(field.type) else ""
+            text = f"{kind}<…>{inner}"
+        shown.append(f"{field.name}: {text}")
+    if len(schema) > _MAX_COLUMNS_SHOWN:
+        shown.append(f"and {len(schema) - _MAX_COLUMNS_SHOWN} more columns")
+    return ", ".join(shown)
 
 
 def _common_type(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:

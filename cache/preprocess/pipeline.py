@@ -284,6 +284,8 @@ def survey(
 
     if known_rows is not None and keeps_rows(spec.transform, spec.params):
         result = schema_of_nothing()
+        if fmt == pb.SOURCE_FORMAT_WEBDATASET and spec.transform == "images":
+            _every_sample_has_its_image(batches, spec.params, source)
         nulls = None
         if fmt == pb.SOURCE_FORMAT_PARQUET:
             counts = parquet_nulls(data, schema)
@@ -297,3 +299,54 @@ def survey(
         for name, count in batch_nulls(out).items():
             tally[name] = tally.get(name, 0) + count
     return Description(found or schema_of_nothing(), rows, tally)
+
+
+def _every_sample_has_its_image(
+    batches: Iterator[pa.RecordBatch], params: Mapping[str, str], source: str
+) -> None:
+    """Refuse a tar where some samples lack the member ``images`` decodes (``column``).
+
+    Publish counts a tar's rows from its headers and decodes nothing, so tars
+    mixing ``.jpg`` and ``.png`` samples published with ``column=jpg`` used to
+    exit 0 and fail every staging on the ``png`` samples' null ``jpg``. The tar
+    is read whole anyway: its samples are checked here, from the headers' keys.
+    """
+    import pyarrow.compute as pc
+
+    column = params.get("column")
+    missing: list[str] = []
+    count = 0
+    others: set[str] = set()
+    for batch in batches:
+        if (
+            column is None
+            or column not in batch.schema.names
+            or "__key__" not in batch.schema.names
+        ):
+            return  # the transform itself names a missing or ambiguous column
+        values = batch.column(column)
+        if not values.null_count:
+            continue
+        lacking = pc.is_null(values)
+        count += values.null_count
+        missing += batch.column("__key__").filter(lacking).to_pylist()[: 5 - len(missing)]
+        for field in batch.schema:
+            if field.name == column or not pa.types.is_binary(field.type):
+                continue
+            if batch.column(field.name).filter(lacking).null_count < values.null_count:
+                others.add(field.name)  # what those samples hold instead: png
+    if not count:
+        return
+    listed = ", ".join(missing) + (
+        f" and {count - len(missing)} more" if count > len(missing) else ""
+    )
+    have = f" (they hold {', '.join(sorted(others))})" if others else ""
+    raise ParamMismatch(
+        f"{source}: {count} sample{'s' if count != 1 else ''} ({listed}) "
+        f"{'have' if count != 1 else 'has'} no .{column} member{have}, and the images "
+        f"transform decodes column={column} alone: each staging would fail on them. Give "
+        f"every image one extension (repack with the members named KEY.{column}: the image "
+        f"bytes are decoded whatever their format, e.g. GNU tar's --transform "
+        f"'s/[.][^.]*$/.{column}/'), or publish each extension's samples as a version of "
+        "their own, or pass --param on_error=skip to drop the samples without it"
+    )

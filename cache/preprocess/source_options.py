@@ -386,6 +386,36 @@ def _check_one_column(
         )
 
 
+_OTHER_DELIMITERS = {",": "comma", "\t": "tab", ";": "semicolon", "|": "pipe"}
+
+
+def _check_given_delimiter(
+    table: pa.Table, text: bytes, skip: int, source: str, delimiter: str
+) -> None:
+    """Refuse a ``--delimiter`` that splits no line while another splits every one alike.
+
+    ``--delimiter ';'`` on a comma-separated file used to publish one string column
+    named ``sensor_id,timestamp,…``. Lines quoted whole (one text column that holds
+    commas) are left alone.
+    """
+    lines = [
+        line.strip()
+        for line in text[: 1 << 16].decode("utf-8", errors="replace").splitlines()[skip : skip + 20]
+        if line.strip()
+    ]
+    if not lines or any(delimiter in line or line.startswith('"') for line in lines):
+        return
+    for char, name in _OTHER_DELIMITERS.items():
+        counts = {line.count(char) for line in lines}
+        if len(counts) == 1 and (count := counts.pop()):
+            raise MalformedShard(
+                f"{source} parsed as one column ({table.column_names[0][:60]!r}): the "
+                f"delimiter given ({delimiter!r}) is in none of its lines, but every line holds "
+                f"{count} {name}{'s' if count != 1 else ''}: it is {name}-separated. Publish "
+                f"with --delimiter {name}"
+            )
+
+
 def _no_header_hint(line: str, char: str | None, has_header: bool) -> str:
     """`` --no-header (…)`` when a header is expected but ``line`` is all numbers, else ""."""
     cells = line.split(char)
@@ -660,6 +690,8 @@ def read_csv(
         )
     if "delimiter" not in options:
         _check_one_column(table, head, skip, source, has_header and not names, strict)
+    elif strict and table.num_columns == 1 and delimiter != "whitespace":
+        _check_given_delimiter(table, head, skip, source, delimiter)
     if not strict:
         return table
     if binary := [

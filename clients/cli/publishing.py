@@ -326,8 +326,8 @@ def publish(
         bool,
         typer.Option(
             "--if-changed",
-            help="If the newest version has this very content (same digest), print it "
-            "instead of publishing a copy.",
+            help="If a version has this very content (same digest), print it (the "
+            "newest such) instead of publishing a copy.",
         ),
     ] = False,
     registry: RegistryOption = None,
@@ -382,7 +382,7 @@ def publish(
 
         nulls: list[NullCount] = []
 
-        async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool]:
+        async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool, int]:
             before = await reg.versions(dataset)
             done = await reg.publish(
                 source_url,
@@ -395,13 +395,13 @@ def publish(
                 nulls=nulls,
             )
             if done.version in before:  # --if-changed found it unchanged
-                return done, None, True
-            if not before:
-                return done, None, False
-            previous = await reg.manifest(dataset, before[-1])
-            return done, previous if previous.digest == done.digest else None, False
+                return done, None, True, max(before)
+            # Any earlier version, not the newest alone: tok@1's content published
+            # again after tok@2 is still a copy.
+            same = await reg.same_content(dataset, done.digest, before) if before else None
+            return done, same, False, done.version
 
-        manifest, same, reused = Registry.run(_registry_url(registry, Options(config)), go)
+        manifest, same, reused, newest = Registry.run(_registry_url(registry, Options(config)), go)
     name = f"{manifest.dataset}@{manifest.version}"
     rows = sum(s.row_count for s in manifest.shards)
     folders = {f.name for f in partition_fields(manifest.preprocess.source_options)}
@@ -411,6 +411,12 @@ def publish(
         found.append(
             f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
             "nothing changed at the source; pass --if-changed to reuse the existing version"
+        )
+    if reused and newest > manifest.version:
+        found.append(
+            f"{name} has this content, but {manifest.dataset}@{newest} is newer (other "
+            f"content), and {manifest.dataset} (or @latest) resolves to it: nothing was "
+            f"published and latest stays; read {name} to train on this content"
         )
     if as_json:
         print(
@@ -436,7 +442,11 @@ def publish(
             )
         )
         return
-    summary = f"{name}  {manifest.digest}  ({len(manifest.shards)} shards, {rows:,} rows)"
+    count = len(manifest.shards)
+    summary = (
+        f"{name}  {manifest.digest}  ({count} shard{'' if count == 1 else 's'}, "
+        f"{rows:,} row{'' if rows == 1 else 's'})"
+    )
     line(escape(summary + (": unchanged" if reused else "")))
     for each in [*preparation_lines(manifest), *schema_lines(manifest.arrow_schema)]:
         line("  " + escape(each))
@@ -446,25 +456,36 @@ def publish(
 
 @app.command()
 def versions(
-    dataset: Annotated[str, typer.Argument(help="Dataset name.")],
+    dataset: Annotated[
+        str,
+        typer.Argument(help="Dataset name (all its versions), or NAME@N / NAME@latest (one)."),
+    ],
     registry: RegistryOption = None,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List a dataset's published versions.
+    """List a dataset's published versions; NAME@N or NAME@latest shows that one alone.
 
     Exit codes: 0 listed; 2 bad input (no such dataset, a registry that does not
     exist or holds nothing, an unsupported URL scheme); 1 failed (the registry
     could not be read).
     """
     from edgecache.cache.manifest import summarize
+    from edgecache.cache.names import parse_spec
     from edgecache.cache.registry import Registry
 
     with reporting():
         url = _registry_url(registry, Options(config))
+        # tok@1 used to be refused as an invalid dataset name: it names one version.
+        spec = parse_spec(dataset)
+        one = "@" in dataset
+        dataset = spec.dataset
 
         async def listing(reg: Registry) -> tuple[str, list[tuple[pb.DatasetVersion, pb.Manifest]]]:
-            manifests = [await reg.manifest(dataset, n) for n in await reg.published(dataset)]
+            if one:
+                manifests = [await reg.resolve(spec)]
+            else:
+                manifests = [await reg.manifest(dataset, n) for n in await reg.published(dataset)]
             return reg.url, [(summarize(m), m) for m in manifests]
 
         where, found = Registry.run(url, listing)  # where: as its errors name it
@@ -488,7 +509,7 @@ def versions(
         )
         return
     table(
-        f"{dataset} in {where}",
+        f"{dataset}@{found[0][0].version} in {where}" if one else f"{dataset} in {where}",
         [
             Column("version", ident=True, right=True),
             Column("digest", ident=True),
