@@ -770,7 +770,10 @@ class Registry:
                 fmt,
                 name,
             )
-            strays = [objects[i].key for i in odd if _sidecar(objects[i], described[i], fmt)]
+            kept = [_sidecar(o, d, fmt) for o, d in zip(objects, described, strict=True)]
+            # Files beside shards only when some object is a shard: one-row .json files
+            # alone are the data.
+            strays = [objects[i].key for i in odd if kept[i]] if not all(kept) else []
             raise MalformedShard(text + (_stray_advice(strays) if strays else ""))
         if repeated := sorted({n for n in schema.names if schema.names.count(n) > 1}):
             raise MalformedShard(

@@ -105,6 +105,13 @@ def test_a_tokenizer_beside_jsonl_is_named_briefly_with_exclude(tmp_path: Path) 
     )
     assert code == 0, out
 
+    alone = tmp_path / "alone"  # one-row .json files with no shard beside them are the data
+    alone.mkdir()
+    (alone / "x.json").write_text('{"a": 1}')
+    (alone / "y.json").write_text('{"b": "s"}')
+    code, out = cli(tmp_path, "publish", str(alone), "--dataset", "alone")
+    assert code == 2 and "has columns" in out and "--exclude" not in out, out
+
 
 def test_versions_name_at_n_shows_that_version(tmp_path: Path) -> None:
     raw = _parquet(tmp_path / "tok", shards=1)
