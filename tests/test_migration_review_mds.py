@@ -235,7 +235,7 @@ def test_include_chooses_a_split_and_a_glob_source_does_too(tmp_path: Path, hub:
     assert sum(s.row_count for s in by_glob.shards) == 5
     assert rows_of(hub / "data", by_glob, "split") == ["train"] * 5
     code, out = cli(f"{hub}/data/test-*", "--dataset", "t", "--registry", str(tmp_path / "r"))
-    assert code == 0 and "(1 shards, 3 rows)" in out, out
+    assert code == 0 and "(1 shard, 3 rows)" in out, out
 
 
 def test_patterns_that_select_nothing_are_named(tmp_path: Path, hub: Path) -> None:

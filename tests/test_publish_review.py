@@ -216,7 +216,7 @@ def test_one_file_from_the_cli_is_staged_by_a_node(tmp_path: Path) -> None:
          "--registry", registry],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "(1 shards, 40 rows)" in result.output
+    assert "(1 shard, 40 rows)" in result.output
     with running_node(node_settings(tmp_path, registry)) as node:
         client = stub(node.address)
         last = list(client.Stage(edge_pb2.StageRequest(dataset="one", version=1)))[-1]
