@@ -288,23 +288,14 @@ class CacheStore(ClosingContext):
         key = key.validated()
         if not frames:
             raise EmptyShard(f"{key}: no chunks to store; an empty shard cannot be cached")
-        headers = [verify_frame(frame) for frame in frames]
-        size = sum(len(frame) for frame in frames)
+        now = time.time_ns()
+        record = _shard_record_of(frames, now)
+        size = record.stored_bytes
         if size > self.capacity_bytes:
             raise ShardTooLarge(
                 f"{key} is {format_bytes(size)}, larger than the whole cache capacity "
                 f"({format_bytes(self.capacity_bytes)}); raise --capacity or use smaller shards"
             )
-        now = time.time_ns()
-        record = store_pb2.StoredShard(
-            state=store_pb2.SHARD_STATE_COMPLETE,
-            chunk_count=len(frames),
-            stored_bytes=size,
-            row_count=sum(h.rows for h in headers),
-            checksums=[h.checksum for h in headers],
-            chunk_rows=[h.rows for h in headers],
-            committed_at_ns=now,
-        )
         raw_key = key.encode()
         with self._write_lock:
             for attempt in (1, 2):
@@ -335,6 +326,19 @@ class CacheStore(ClosingContext):
                     # The transaction is gone whole: nothing of the shard is visible.
                     raise self._write_failed(str(key), size, exc) from exc
         return self._info(key, record, now)
+
+    def passing_info(self, key: ShardKey, frames: Sequence[Buffer]) -> ShardInfo:
+        """The record ``frames`` would have once stored, for serving them without storing.
+
+        A read-through miss the cache cannot take (pinned data fills it, or the shard
+        is larger than the whole cache) is still served to its reader straight from
+        the fetched frames; they are verified as :meth:`put_shard` would.
+        """
+        key = key.validated()
+        if not frames:
+            raise EmptyShard(f"{key}: no chunks to serve; an empty shard cannot be read")
+        now = time.time_ns()
+        return self._info(key, _shard_record_of(frames, now), now)
 
     def _write_failed(self, what: str, need: int, exc: lmdb.Error) -> StoreError:
         """The error for a write transaction that failed: :class:`DiskFull` if the disk is.
@@ -747,3 +751,17 @@ class CacheStore(ClosingContext):
             evicted_bytes=self._evicted_bytes,
             corrupt_chunks=self._corrupt,
         )
+
+
+def _shard_record_of(frames: Sequence[Buffer], committed_at_ns: int) -> store_pb2.StoredShard:
+    """A complete shard's record for ``frames``, each verified first (a damaged one raises)."""
+    headers = [verify_frame(frame) for frame in frames]
+    return store_pb2.StoredShard(
+        state=store_pb2.SHARD_STATE_COMPLETE,
+        chunk_count=len(frames),
+        stored_bytes=sum(len(frame) for frame in frames),
+        row_count=sum(h.rows for h in headers),
+        checksums=[h.checksum for h in headers],
+        chunk_rows=[h.rows for h in headers],
+        committed_at_ns=committed_at_ns,
+    )

@@ -70,6 +70,7 @@ __all__ = [
     "evict",
     "foreign_pins",
     "gather_status",
+    "drop_unstaged_pins",
     "make_plan",
     "ready",
     "resolve_specs",
@@ -273,7 +274,33 @@ def make_plan(
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    drop_unstaged_pins(result)
     return result, manifests
+
+
+def drop_unstaged_pins(result: Plan) -> None:
+    """Take out of ``result`` the pins of versions the plan will not stage where it pins them.
+
+    The planner pins every version a job reads, and then reports some of them as
+    unable to be met (larger than the region, no room, arriving after the job).
+    Pinned anyway, such a version held no data yet, and each shard a reader then
+    fetched through was pinned in place: the version's own pin left no room for
+    its next shards, and training on it failed. A pin is kept where the version
+    is held already (no row for it) or a task stages it (late, or for another job);
+    rows that only report a region's outage keep theirs (the outage is the news).
+    """
+    unmet: dict[str, set[str]] = {}
+    for row in result.infeasible:
+        if not row.unreachable:
+            unmet.setdefault(row.region, set()).add(row.version)
+    for region, specs in unmet.items():
+        region_plan = result.regions.get(region)
+        if region_plan is None:
+            continue
+        staged = {task.version for task in region_plan.tasks}
+        for version in list(region_plan.pins):
+            if version not in staged and f"{version[0]}@{version[1]}" in specs:
+                del region_plan.pins[version]
 
 
 def foreign_pins(
@@ -1339,6 +1366,16 @@ _READY_CALLS = _READY_PINGS + 2  # connect, the health check, Status
 _READY_CALL_SECONDS = 3.0  # a call's timeout when the deadline is far (gather_status's)
 _READY_FIRST_ROUND_SECONDS = 2.0  # the first round's budget however short the timeout
 _READY_ROUND_MARGIN = 4.0  # a round starts early only with this many times the last one's
+# A node silent in a round whose calls had less than this each is not called unreachable
+# for it: the wait's own deadline cut the calls short, not the node (see wait_ready).
+_READY_TRUSTED_CALL_SECONDS = 0.5
+
+
+def _any_silent(reports: Sequence[object], region: str) -> bool:
+    """Whether a node of ``region`` did not answer in ``reports`` (anything else is kept)."""
+    return any(
+        isinstance(r, NodeReport) and r.region == region and r.status is None for r in reports
+    )
 
 
 def wait_ready(
@@ -1362,7 +1399,12 @@ def wait_ready(
     than the rest slept away, so data ready by then is seen; its calls may be
     cut shorter than usual. The wait gives up after such a short round that
     again leaves no room (or once no time is left), sits out the rest and
-    says it timed out. No thread outlives the call. Only the region's own
+    says it timed out. Its verdict is the last round's, unless a node did not
+    answer that round's calls cut under ``_READY_TRUSTED_CALL_SECONDS`` by
+    the deadline: a healthy node was then said to be "unreachable (not
+    connected within 0.0096 s)" where the truth was "has 0/2 shards", so the
+    verdict is the last round that every node answered or that had its time
+    (the first always has). No thread outlives the call. Only the region's own
     nodes are asked, so a node down elsewhere costs nothing.
     """
     if timeout is not None and timeout < 0:
@@ -1370,22 +1412,27 @@ def wait_ready(
     region_nodes(topology, region)  # an unknown region is an error, not "not ready"
     started = time.monotonic()
 
-    def check(budget: float) -> tuple[bool, str]:
+    def check(budget: float) -> tuple[bool, str, bool]:
+        """(ready, why, whether the verdict holds: every node answered or had its time)."""
         call = status_call_timeout(budget, pings=_READY_PINGS, longest=_READY_CALL_SECONDS)
         reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
-        return ready(reports, region, manifest)
+        ok, message = ready(reports, region, manifest)
+        return ok, message, call >= _READY_TRUSTED_CALL_SECONDS or not _any_silent(reports, region)
 
     if timeout is None:
-        ok, message = check(_READY_CALLS * _READY_CALL_SECONDS)
+        ok, message, _ = check(_READY_CALLS * _READY_CALL_SECONDS)
         return Readiness(ok, message, waited_seconds=time.monotonic() - started)
     deadline = started + timeout
     budget = max(timeout, _READY_FIRST_ROUND_SECONDS)
     short = False  # whether the round just asked started with too little room
+    message = ""  # the verdict: the last round's that holds (the first's at least)
     while True:
         asked = time.monotonic()
-        ok, message = check(budget)
+        ok, said, holds = check(budget)
         if ok:
-            return Readiness(True, message, waited_seconds=time.monotonic() - started)
+            return Readiness(True, said, waited_seconds=time.monotonic() - started)
+        if holds or not message:
+            message = said
         took = time.monotonic() - asked
         left = deadline - time.monotonic()
         room = _READY_ROUND_MARGIN * took

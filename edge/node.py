@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -106,6 +107,11 @@ class Fetched:
     source: str  # "origin" or "peer"
     bytes: int  # source bytes from origin, stored bytes from peers
     notes: tuple[str, ...] = ()  # e.g. peers that failed before origin gave it
+    # A read-through miss the cache could not take (pinned data fills it, or the shard
+    # is larger than the cache): its frames, served from memory and then dropped, and
+    # why it was not stored (what a Stage joining this fetch fails with).
+    passed: tuple[Buffer, ...] = ()
+    refused: CacheFull | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -692,6 +698,8 @@ class EdgeNode:
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._fetch_done, key))
         fetched = await asyncio.shield(task)
+        if staging and fetched.refused is not None:  # joined a read's uncached pass-through
+            raise fetched.refused
         return fetched.info, fetched
 
     async def _bounded(self, fetch: Coroutine[Any, Any, Fetched]) -> Fetched:
@@ -720,8 +728,8 @@ class EdgeNode:
     ) -> Fetched:
         if (full := self._still_full(key)) is not None:
             raise full
-        if (no_room := self._still_no_room(key)) is not None:
-            raise no_room
+        if staging and (no_room := self._still_no_room(key)) is not None:
+            raise no_room  # a reader's miss is fetched anyway: served without caching it
         notes: tuple[str, ...] = ()
         if peers:
             try:
@@ -761,28 +769,62 @@ class EdgeNode:
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)
                 log.warning("%s %s", key, notes[0])
             else:
-                info = await self._put_shard(manifest, key, copy.frames)
-                self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
-                log.info(
-                    "cached %s from peers %s (%d chunks)",
-                    key,
-                    ", ".join(copy.peers),
-                    len(copy.frames),
+                info, passed, refused = await self._keep(
+                    manifest, key, copy.frames, staging=staging
                 )
-                return Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes))
-        info, size = await self._fetch_origin(manifest, key, staging=staging)
-        return Fetched(info, "origin", size, notes)
+                self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
+                if not passed:
+                    log.info(
+                        "cached %s from peers %s (%d chunks)",
+                        key,
+                        ", ".join(copy.peers),
+                        len(copy.frames),
+                    )
+                return Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes), passed, refused)
+        fetched = await self._fetch_origin(manifest, key, staging=staging)
+        return dataclasses.replace(fetched, notes=notes)
+
+    async def _keep(
+        self,
+        manifest: manifest_pb2.Manifest,
+        key: ShardKey,
+        frames: Sequence[Buffer],
+        *,
+        staging: bool,
+    ) -> tuple[ShardInfo, tuple[Buffer, ...], CacheFull | None]:
+        """Store a fetched shard; a reader's miss the cache cannot take is passed through.
+
+        A read-through miss refused for room (pinned versions fill the cache, or
+        the shard is larger than its whole capacity) failed the read with
+        RESOURCE_EXHAUSTED, and a reader retried it until it gave up, while origin
+        could give the rows all along. Such a shard is served from the fetched
+        frames and then dropped: read through to origin, slowly, on every read
+        (logged, and counted as a miss). A Stage still fails: it is asked to keep
+        the shard. A full disk still fails either way (see :meth:`_write`).
+        """
+        try:
+            return await self._put_shard(manifest, key, frames), (), None
+        except DiskFull:
+            raise
+        except CacheFull as exc:
+            if staging:
+                raise
+            info = self.store.passing_info(key, frames)
+            log.warning(
+                "%s served to its reader without caching it (%d chunks): %s", key, len(frames), exc
+            )
+            return info, tuple(frames), exc
 
     async def _fetch_origin(
         self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
-    ) -> tuple[ShardInfo, int]:
+    ) -> Fetched:
         shard = manifest.shards[key.shard]
         async with self.fetch_memory.hold(shard.source_size):
             return await self._fetch_origin_held(manifest, key, staging=staging)
 
     async def _fetch_origin_held(
         self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
-    ) -> tuple[ShardInfo, int]:
+    ) -> Fetched:
         """:meth:`_fetch_origin` once its memory is reserved: fetch, encode, commit."""
         shard = manifest.shards[key.shard]
         url = manifest.source_url + shard.source_key
@@ -828,9 +870,10 @@ class EdgeNode:
         size = len(data)
         del data
         self._preprocessed(size, encoded)
-        info = await self._put_shard(manifest, key, encoded.frames)
-        log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
-        return info, size
+        info, passed, refused = await self._keep(manifest, key, encoded.frames, staging=staging)
+        if not passed:
+            log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
+        return Fetched(info, "origin", size, (), passed, refused)
 
     def count_retries(self) -> None:
         """Add the retries made since the last count to the retry counters.
@@ -947,6 +990,7 @@ class EdgeNode:
         # damaged (its record here, or a chunk mid-stream) is dropped and fetched again,
         # which makes the read a miss, not a hit and a miss.
         refetched = fetched is not None
+        passed = fetched.passed if fetched is not None else ()  # served, not cached
         if damage := _record_damage(info, rows):
             # The record itself is damaged: the stream is planned from it (how many chunks,
             # where each starts), so a short count would end the stream early with OK.
@@ -958,7 +1002,8 @@ class EdgeNode:
                     f"{key}'s record here is damaged ({damage}); not fetched again for a "
                     "cached_only read: take the shard from another node"
                 )
-            info, _ = await self.ensure_shard(manifest, shard)
+            info, again_fetched = await self.ensure_shard(manifest, shard)
+            passed = again_fetched.passed if again_fetched is not None else ()
             refetched = True
             if damage := _record_damage(info, rows):
                 raise ChunkCorrupt(
@@ -978,7 +1023,11 @@ class EdgeNode:
             damaged = 0  # damaged chunks found since the last chunk served
             while index < stop:
                 try:
-                    encoded = self.encoded_chunk(key, index, firsts[index])
+                    encoded = (
+                        _passed_chunk(info, passed, index, firsts[index])
+                        if passed
+                        else self.encoded_chunk(key, index, firsts[index])
+                    )
                 except (ShardNotCached, ChunkCorrupt) as exc:
                     # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
                     # deterministic, so the stream can go on only if the chunks came out the same.
@@ -998,7 +1047,8 @@ class EdgeNode:
                     log.warning(
                         "%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc
                     )
-                    again, _ = await self.ensure_shard(manifest, shard)
+                    again, again_fetched = await self.ensure_shard(manifest, shard)
+                    passed = again_fetched.passed if again_fetched is not None else ()
                     refetched = True
                     # The stream goes on from the new copy if the chunks it has sent are
                     # the new copy's too. Not the whole record: a damaged checksum in the
@@ -1246,6 +1296,18 @@ class EdgeNode:
             if v.pinned_until is not None:  # as stored, also when it has run out (see status)
                 entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))
         return status
+
+
+def _passed_chunk(info: ShardInfo, frames: Sequence[Buffer], index: int, first_row: int) -> bytes:
+    """One chunk of a shard served without caching it, as wire bytes (verified when fetched)."""
+    return encode_chunk(
+        index=index,
+        chunk_count=info.chunk_count,
+        rows=info.chunk_rows[index],
+        checksum=info.checksums[index],
+        frame=frames[index],
+        first_row=first_row,
+    )
 
 
 def _record_damage(info: ShardInfo, rows: int) -> str:

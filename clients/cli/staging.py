@@ -6,7 +6,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -458,7 +458,8 @@ def warm(
     goes through the same steps without touching a node, so it shows the same
     evictions, stages and deferrals. Exit codes: 0 done; 3 a job cannot be met
     (the rest is done); 1 a transfer or node failed, or a node of a region the
-    schedule uses is unreachable; 2 bad input; 130 interrupted (run it again to
+    schedule uses (or of NAME@N's --region) does not answer, even when the
+    others staged its share; 2 bad input; 130 interrupted (run it again to
     resume). --dry-run exits as the real run would before it moves data: 3, 1
     for an unreachable node, else 0.
     """
@@ -477,12 +478,21 @@ def warm(
             raise FileNotFoundError(f"no such schedule file: {target}")
         else:
             work = _single_item(topology, target, region, token)
+    single_down: dict[str, ops.Outage] = {}
     if isinstance(work, _ScheduleWork):
         report_infeasible(work.plan)
-    elif dry_run:
-        _report_single_rehearsal(work, as_json)
-        return
+    else:
+        single_down = _region_down(topology, work.region, token)
+        if dry_run:
+            _report_single_rehearsal(work, as_json)
+            rehearsed = _Warmed(rows=[], failed=[], down=single_down)
+            _report_failures(rehearsed)
+            if (code := _exit_code(rehearsed)) is not ExitCode.OK:
+                raise exit_with(code)
+            return
     warmed = _carry_out(work, topology, token, dry_run=dry_run, quiet=as_json)
+    if single_down:
+        warmed = replace(warmed, down=single_down)
     if as_json:
         _report_json(warmed, dry_run)
     else:
@@ -538,6 +548,8 @@ class _Warmed:
     failed: list[WarmItem]
     work: _ScheduleWork | None = None
     outcome: WarmOutcome = field(default_factory=WarmOutcome)
+    # A single version's region, when some of its nodes did not answer (see _region_down).
+    down: dict[str, ops.Outage] = field(default_factory=dict)
 
 
 def _plan_schedule(
@@ -898,8 +910,20 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
 
 
 def _down(warmed: _Warmed) -> dict[str, ops.Outage]:
-    """Unreachable regions of the schedule; a single version checks none."""
-    return warmed.work.down if warmed.work is not None else {}
+    """Unreachable or degraded regions of the schedule, or of a single version's region."""
+    return warmed.work.down if warmed.work is not None else warmed.down
+
+
+def _region_down(topology: Topology, region: str, token: str | None) -> dict[str, ops.Outage]:
+    """``region`` → its outage, when some of its nodes do not answer now; else empty.
+
+    ``warm NAME@N --region R`` with a node of R down staged the silent node's
+    share on the others and exited 0, where the schedule form, in the same state,
+    exits 1 ("region R is degraded"): readers look for that share on the silent
+    node, which does not have it. The same rule holds here: the version is
+    staged on the nodes that answer, and the command fails naming the others.
+    """
+    return ops.region_outages(ops.gather_status(topology, token=token, regions={region}))
 
 
 def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
