@@ -420,20 +420,28 @@ def test_publish_names_the_bad_row(tmp_path: Path, name: str, body: bytes, expec
     assert name in str(info.value)
 
 
-def test_cache_full_of_pins_is_resource_exhausted(tmp_path: Path, file_setup) -> None:
+def test_cache_full_of_pins_refuses_staging_and_serves_reads_uncached(
+    tmp_path: Path, file_setup
+) -> None:
+    """Staging cannot make room (RESOURCE_EXHAUSTED); a reader still gets its rows.
+
+    A read-through that the cache cannot keep is served from what was fetched and
+    not cached: failing it left a job with no way to read its data at all.
+    """
     registry, _ = file_setup
-    write_parquet_shards(tmp_path / "origin2", 1)
+    tables = write_parquet_shards(tmp_path / "origin2", 1)
     publish(registry, f"file://{tmp_path}/origin2", "other")
     with running_node(config(tmp_path, registry, capacity="700KiB")) as node:
         c = stub(node.address)
         request = edge_pb2.StageRequest(dataset="tokens", version=1, shards=[0, 1, 2])
         request.pin_until.FromDatetime(datetime.now(UTC) + timedelta(hours=1))
         list(c.Stage(request))
-        error = code_of(
-            lambda: c.ReadShard(edge_pb2.ReadShardRequest(dataset="other", version=1, shard=0))
-        )
+        error = code_of(lambda: list(c.Stage(edge_pb2.StageRequest(dataset="other", version=1))))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "pinned: tokens@1" in error.details()
+        assert read_shard_table(c, "other", 1, 0).equals(tables[0])
+        held = c.Status(edge_pb2.StatusRequest())
+        assert not [v for v in held.versions if v.dataset == "other" and v.shard_count], held
 
 
 def test_manifest_kept_when_registry_is_gone(tmp_path: Path, file_setup) -> None:

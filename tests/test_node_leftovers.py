@@ -408,9 +408,10 @@ def test_a_shard_refused_for_pinned_room_is_not_fetched_again_until_there_is_roo
     tmp_path: Path, registry: str
 ) -> None:
     """A cache full of pinned data fetched and preprocessed each shard before refusing it,
-    on every read that asked: six refusals pulled six shards from origin. The size a
-    refused shard needed is remembered, and it is refused before fetching while pins still
-    leave too little; once they do not, it is read through as before."""
+    on every request that asked: six refusals pulled six shards from origin. The size a
+    refused shard needed is remembered, and staging it is refused before fetching while
+    pins still leave too little (a reader is served it uncached meanwhile); once they do
+    not, it is staged as before."""
     from google.protobuf.timestamp_pb2 import Timestamp
 
     write_parquet_shards(tmp_path / "origin2", 2, rows=1000)
@@ -428,16 +429,19 @@ def test_a_shard_refused_for_pinned_room_is_not_fetched_again_until_there_is_roo
         assert node.node is not None
         fetches = lambda: node.node.metrics.value("edgecache_origin_fetches_total")  # noqa: E731
         codes = []
+        shard0 = edge_pb2.StageRequest(dataset="other", version=1, shards=[0])
         for _ in range(3):
             with pytest.raises(grpc.RpcError) as refused:
-                read_shard_table(client, "other", 1, 0)
+                list(client.Stage(shard0))
             codes.append(refused.value.code())
         assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
         assert fetches() == 1, fetches()  # the first refusal fetched; the others did not
         assert "not fetched" in (refused.value.details() or "")
         client.Pin(edge_pb2.PinRequest(dataset="tokens", version=1))  # unpinned: room again
-        assert read_shard_table(client, "other", 1, 0).num_rows == 1000
+        list(client.Stage(shard0))
         assert fetches() == 2
+        assert read_shard_table(client, "other", 1, 0).num_rows == 1000
+        assert fetches() == 2  # staged: read from the cache
 
 
 def test_concurrent_stages_of_one_version_report_each_shard_fetched_once(
