@@ -54,6 +54,11 @@ class NodeMetrics:
         self.misses = counter(
             "edgecache_cache_misses_total", "ReadShard requests that went to origin"
         ).labels(**labels)
+        self.uncached_reads = counter(
+            "edgecache_uncached_reads_total",
+            "Read-through misses served without caching them (pins fill the cache, or the shard "
+            "is larger than it): each read of such a shard goes to origin again",
+        ).labels(**labels)
         self.origin_bytes = counter(
             "edgecache_origin_bytes_total", "Bytes fetched from origin"
         ).labels(**labels)

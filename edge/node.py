@@ -810,6 +810,7 @@ class EdgeNode:
             if staging:
                 raise
             info = self.store.passing_info(key, frames)
+            self.metrics.uncached_reads.inc()
             log.warning(
                 "%s served to its reader without caching it (%d chunks): %s", key, len(frames), exc
             )

@@ -70,6 +70,8 @@ def test_a_read_through_past_its_own_pin_is_served_not_refused(
         status = client.Status(edge_pb2.StatusRequest())
         held = {f"{v.dataset}@{v.version}": v.shard_count for v in status.versions}
         assert held["big@1"] == 1  # the rest passed through, not cached
+        assert node.node is not None
+        assert node.node.metrics.value("edgecache_uncached_reads_total") == 4  # 2 reads x 2
 
 
 def test_a_shard_larger_than_the_cache_is_read_through(tmp_path: Path, registry: str) -> None:
