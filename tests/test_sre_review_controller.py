@@ -318,8 +318,13 @@ def test_back_up_after_a_takeover_says_since_when_the_first_leader_saw_it_down(e
 
 
 def test_a_running_task_past_its_deadline_counts_as_late_only(eu) -> None:
-    root, registry, node = eu
-    one_region(root, registry, node, job("j", "eu", T0, 1, "b@1"))
+    root, registry, _ = eu
+    # Staging throttled, so the task still runs when the round is counted: unthrottled,
+    # two small shards could be staged before the tick returned (a CI run found it done).
+    slow = start_local_node(
+        "eu", root / "cache-slow", registry, extra_args=["--staging-rate", "20KB/s"]
+    )
+    one_region(root, registry, slow, job("j", "eu", T0, 1, "b@1"))
     ctl = controller(root, Clock(T0 + 10 * MINUTE))
     try:
         ctl.tick()  # starts b@1, already past j's start
@@ -331,6 +336,7 @@ def test_a_running_task_past_its_deadline_counts_as_late_only(eu) -> None:
         ctl.wait_idle()
     finally:
         ctl.close()
+        slow.stop()
 
 
 def test_staged_bytes_count_what_the_nodes_moved_not_the_plans_estimate(eu) -> None:
