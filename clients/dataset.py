@@ -509,6 +509,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             split_extents([s.row_count for s in m.shards], self.rows) for m in self.manifests
         ]
         sizes = [sum(e.rows for e in ext) for ext in extents]
+        needed = [{e.shard for e in ext} for ext in extents]
+        local_stores.require_shards(self.endpoints, self.manifests, needed)
         for name, size in zip(self.components, sizes, strict=True):
             if size == 0:
                 raise ValueError(f"{name} has no rows in rows={rows!r}; choose a wider range")

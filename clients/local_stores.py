@@ -91,8 +91,10 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
     typo or a node not run on this host, and would otherwise cost every read a
     failed attempt and a warning. With ``lmdb://`` endpoints alone, a version
     none of them holds a shard of (evicted, its manifest left behind, or never
-    staged) raises :class:`~edgecache.cache.errors.ShardNotCached`; one held
-    only in part is read, with a warning (its node may be staging it).
+    staged) raises :class:`~edgecache.cache.errors.ShardNotCached`; so does one
+    they hold only in part (:func:`require_shards`, once the shards read are
+    known). Beside gRPC endpoints, a cache holding part of a version is read
+    with a warning, the other shards through the nodes.
     """
     local = [e for e in endpoints if e.local]
     held: dict[tuple[str, int], dict[str, int]] = {}  # version → {endpoint: shards there}
@@ -136,9 +138,49 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
                     name,
                     "the others are read from the other endpoints"
                     if not alone
-                    else "its node may still be staging it; a read of a shard no cache "
-                    "listed holds then ends the epoch",
+                    else "the others are read from the other caches listed",
                 )
+
+
+def require_shards(
+    endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest], needed: Sequence[set[int]]
+) -> None:
+    """With ``lmdb://`` endpoints alone, refuse a version whose shards read are not all there.
+
+    ``needed[i]``: the shards of ``manifests[i]`` the dataset reads (a ``rows=``
+    split reads fewer). Nothing fetches into a cache read directly, so a shard
+    none of the caches holds ended the epoch when its turn came (AllNodesFailed,
+    minutes in): :class:`~edgecache.cache.errors.ShardNotCached` now, when the
+    dataset is built, with how many are missing and what to do. Beside a gRPC
+    endpoint nothing is checked: the nodes read what the caches lack.
+    """
+    local = [e for e in endpoints if e.local]
+    if not local or len(local) != len(endpoints):
+        return
+    found: list[set[int]] = [set() for _ in manifests]
+    paths = []
+    for endpoint in local:
+        store = acquire(endpoint.target)
+        try:
+            paths.append(str(store.path))
+            for have, m in zip(found, manifests, strict=True):
+                have.update(s.key.shard for s in store.shards(m.dataset, m.version))
+        finally:
+            release(store)
+    where = ", ".join(paths)
+    state = f"the cache at {where} holds" if len(paths) == 1 else f"{where} hold"
+    for have, m, shards in zip(found, manifests, needed, strict=True):
+        lacking = len(shards - have)
+        if lacking:
+            name = f"{m.dataset}@{m.version}"
+            raise ShardNotCached(
+                f"{state} {len(shards) - lacking} of the {len(shards)} shards of {name} "
+                f"this dataset reads: the other {lacking} are in none of them, and nothing "
+                "fetches into a cache read directly (a read of one would end the epoch). "
+                f"Stage the version there and let it finish (edgecache warm {name} --region "
+                f"<its region>), or list the node's gRPC endpoint after {local[-1].text} so "
+                "reads fetch them through it"
+            )
 
 
 def _open_beside_inherited(key: str) -> CacheStore:

@@ -18,12 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from edgeutil import publish, write_parquet_shards
+from edgeutil import publish, stub, write_parquet_shards
 
-from edgecache.cache.errors import ConfigFileError, EdgeCacheError
+from edgecache.cache.errors import ConfigFileError, EdgeCacheError, ShardNotCached, VersionNotFound
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.clients.topology import load_schedule
+from edgecache.v1 import edge_pb2
 
 SHARDS, ROWS = 4, 200
 
@@ -122,3 +123,41 @@ def test_every_node_refusing_logs_that_the_read_fails_not_a_retry(
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_lmdb_alone_over_a_partial_cache_fails_when_built(tmp_path: Path) -> None:
+    """3 of 8 shards staged, lmdb:// alone: the dataset was built with a warning and the
+    epoch ended in AllNodesFailed at the first missing shard. It is refused when built,
+    naming the count and the warm command; a split of staged shards only still reads, and
+    with the node's gRPC endpoint after it the whole version reads as before."""
+    write_parquet_shards(tmp_path / "origin", 8, rows=100)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "part")
+    node = start_local_node("eu", tmp_path / "cache", registry)
+    try:
+        request = edge_pb2.StageRequest(dataset="part", version=1, shards=[0, 1, 2])
+        assert list(stub(node.address).Stage(request))[-1].finished
+        local = f"lmdb://{tmp_path / 'cache'}"
+        with pytest.raises(ShardNotCached) as caught:
+            EdgeDataset("part@1", endpoints=[local], batch_size=50)
+        said = str(caught.value)
+        assert "holds 3 of the 8 shards of part@1" in said and "other 5" in said, said
+        assert "edgecache warm part@1" in said, said
+        # A version the cache never staged is not found there at all (docs' errors table).
+        with pytest.raises(VersionNotFound, match="is in none of the local caches"):
+            EdgeDataset("other@1", endpoints=[local], batch_size=50)
+        # rows 0-299 are shards 0-2: all there.
+        split = EdgeDataset("part@1", endpoints=[local], batch_size=50, rows=(0, 300))
+        labels = [
+            int(x) for b in torch.utils.data.DataLoader(split, batch_size=None) for x in b["label"]
+        ]
+        split.close()
+        assert sorted(labels) == list(range(300))
+        both = EdgeDataset("part@1", endpoints=[local, node.address], batch_size=50)
+        labels = [
+            int(x) for b in torch.utils.data.DataLoader(both, batch_size=None) for x in b["label"]
+        ]
+        both.close()
+        assert sorted(labels) == list(range(800))
+    finally:
+        node.stop()
