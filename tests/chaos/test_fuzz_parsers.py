@@ -620,8 +620,17 @@ JOB_HEAD = "jobs:\n- name: a\n  region: eu\n  datasets: [tokens]\n"
             JOB_HEAD + "  start: 9999-12-31T00:00:00Z\n  duration: 2d\n",
             "past the year 9999",
         ),  # was OverflowError in the planner (job.end)
-        (load_schedule, JOB_HEAD + "  start: 2026-13-45T00:00:00Z\n", "month must be in 1..12"),
-        (load_schedule, JOB_HEAD + "  start: 2026-01-01T00:00:00+99:00\n", "not valid YAML"),
+        # Impossible times, unquoted: named by line and field as the quoted form is.
+        (
+            load_schedule,
+            JOB_HEAD + "  start: 2026-13-45T00:00:00Z\n",
+            r":5: jobs.0.start: .* not a time",
+        ),
+        (
+            load_schedule,
+            JOB_HEAD + "  start: 2026-01-01T00:00:00+99:00\n",
+            r":5: jobs.0.start: .* not a time",
+        ),
         (load_schedule, JOB_HEAD + "  start: !!timestamp x\n", "not valid YAML"),  # AttributeErr.
         (load_schedule, JOB_HEAD + "  start: !!bool maybe\n", "not valid YAML"),  # KeyError
         (load_schedule, JOB_HEAD + "  epochs: !!int ''\n", "not valid YAML"),  # IndexError
