@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Imported before this module registers its fork hook: "before" hooks run last-registered
+# first, so _before_fork's gc.collect() runs before node_pool's hook takes the pools' fork
+# lock (collecting a dataset closes its pool, which joins a prober that may wait on it).
+import edgecache.clients.node_pool  # noqa: F401  # isort: skip
 from edgecache.cache.store import CacheStore
 from edgecache.clients.fork_safety import grpc_aio_running
 from edgecache.clients.node_client import LocalNode
