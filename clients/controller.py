@@ -632,9 +632,11 @@ class Controller:
         outage logged). Hence the floor, which a loaded host meets. It costs
         nothing the lease guards: status calls only read, and the Pin and
         Evict calls after them renew the lease first, or stop the round when
-        another controller took it meanwhile (:meth:`_keep_lease`). Under a
-        10 s lease a node hanging on every call may make the status outlast
-        half of it.
+        another controller took it meanwhile (:meth:`_keep_lease`). It does
+        cost time: a node that answers its first call and hangs on each
+        later one holds the status for ``STATUS_PINGS + 2`` floors (5 s),
+        past a lease under 5 s, which a standby may then take (this round
+        then stops; docs/operations.md advises 10 s or more beside a standby).
         """
         share = status_call_timeout(self.lease.ttl / 2, pings=STATUS_PINGS, longest=STATUS_TIMEOUT)
         return max(STATUS_FLOOR, share)
