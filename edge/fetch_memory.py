@@ -6,7 +6,9 @@ decoded Arrow batches and the encoded frames. ``fetch_concurrency`` and
 fetches of 1 GiB Parquet shards hold tens of GiB, past a pod's memory limit.
 Each fetch reserves its estimate here first (:data:`EXPANSION` times its source
 size, at most the whole budget) and waits while the reservations in flight
-would pass the budget; a shard larger than the budget runs alone.
+would pass the budget; a shard larger than the budget runs alone. A shard
+served to its readers without caching it stays counted (:meth:`FetchMemory.keep`)
+until the last stream serving its frames ends.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from edgecache.edge.config import CGROUP_ROOT
 
-__all__ = ["EXPANSION", "FetchMemory", "cgroup_memory_limit", "default_budget"]
+__all__ = ["EXPANSION", "FetchMemory", "Kept", "cgroup_memory_limit", "default_budget"]
 
 # A fetch's peak over its source's size: the object itself, ~3x of decoded Arrow for
 # compressed Parquet (the common source), the frames, and the codec's working copies.
@@ -72,7 +74,7 @@ class FetchMemory:
         self.budget = max(1, budget)
         self.reserved = 0
         self.peak = 0  # the most reserved at once (tests, and a gauge's story)
-        self._changed = asyncio.Condition()
+        self._waiters: list[asyncio.Future[None]] = []
 
     def estimate(self, source_bytes: int) -> int:
         """What a fetch of a ``source_bytes`` object reserves: at most the whole budget."""
@@ -82,13 +84,52 @@ class FetchMemory:
     async def hold(self, source_bytes: int) -> AsyncIterator[int]:
         """Reserve a fetch's estimate for the block, waiting while it would not fit."""
         need = self.estimate(source_bytes)
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.reserved + need <= self.budget)
-            self.reserved += need
-            self.peak = max(self.peak, self.reserved)
+        while self.reserved + need > self.budget:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
+        self._add(need)
         try:
             yield need
         finally:
-            async with self._changed:
-                self.reserved -= need
-                self._changed.notify_all()
+            self._release(need)
+
+    def keep(self, nbytes: int) -> Kept:
+        """Count ``nbytes`` already in memory against the budget until :meth:`Kept.release`.
+
+        For a shard's frames that outlive their fetch (a read-through miss served
+        without caching it, held for the streams serving it). Taken without
+        waiting (the frames are in memory already), as the fetch's own reservation,
+        which covered them, is released: later fetches wait until they are.
+        """
+        kept = Kept(self, min(self.budget, max(1, nbytes)))
+        self._add(kept.nbytes)
+        return kept
+
+    def _add(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.peak = max(self.peak, self.reserved)
+
+    def _release(self, nbytes: int) -> None:
+        """Return ``nbytes`` (synchronous: a cancelled caller cannot leak it) and wake waiters."""
+        self.reserved -= nbytes
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class Kept:
+    """Bytes counted against a :class:`FetchMemory` until released (once)."""
+
+    def __init__(self, memory: FetchMemory, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._memory: FetchMemory | None = memory
+
+    def release(self) -> None:
+        """Stop counting the bytes; later calls do nothing."""
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            memory._release(self.nbytes)

@@ -72,7 +72,7 @@ from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, origin_allowed, usable_cores
-from edgecache.edge.fetch_memory import FetchMemory, default_budget
+from edgecache.edge.fetch_memory import FetchMemory, Kept, default_budget
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard, lower_priority
@@ -112,6 +112,40 @@ class Fetched:
     # why it was not stored (what a Stage joining this fetch fails with).
     passed: tuple[Buffer, ...] = ()
     refused: CacheFull | None = None
+    share: _Share | None = None  # the readers of those frames (set for each reader)
+
+
+class _Share:
+    """The readers of one in-flight fetch, and the fetch memory its passed frames keep.
+
+    A shard served without caching it lives in memory as long as a stream serves
+    it, past the fetch that brought it: its bytes stay counted against
+    ``fetch_memory`` (see :meth:`FetchMemory.keep`) until the fetch is over and
+    the last reader that joined it has left, so readers missing many such shards
+    at once wait for memory instead of growing the node without limit.
+    """
+
+    __slots__ = ("done", "kept", "readers", "staging")
+
+    def __init__(self, *, staging: bool) -> None:
+        self.staging = staging  # started by a Stage (see ensure_shard)
+        self.readers = 0
+        self.done = False
+        self.kept: Kept | None = None
+
+    def leave(self) -> None:
+        """One reader is done with the fetch's frames (or failed before it had them)."""
+        self.readers -= 1
+        self._settle()
+
+    def finish(self) -> None:
+        """The fetch is over: no reader joins it any more."""
+        self.done = True
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.done and self.readers <= 0 and self.kept is not None:
+            self.kept.release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +209,7 @@ class EdgeNode:
         self._changed: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self.peers = Peers(config)
         self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
+        self._shares: dict[ShardKey, _Share] = {}  # each in-flight fetch's readers
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         # The slots bound how many fetches run, this how much memory they hold (whole shards).
         self.fetch_memory = FetchMemory(config.fetch_memory or default_budget())
@@ -686,21 +721,45 @@ class EdgeNode:
         can give it (unless ``peers_only``).
         """
         key = self.shard_ref(manifest, shard)
-        info = self.store.shard_info(key)
-        if info is not None:
-            return info, None
-        task = self._inflight.get(key)
-        if task is None:
-            fetch = self._fetch(manifest, key, staging=staging, peers=peers, peers_only=peers_only)
-            if not staging:  # staging is bounded by its own workers and gate
-                fetch = self._bounded(fetch)
-            task = asyncio.create_task(fetch)
-            self._inflight[key] = task
-            task.add_done_callback(functools.partial(self._fetch_done, key))
-        fetched = await asyncio.shield(task)
-        if staging and fetched.refused is not None:  # joined a read's uncached pass-through
-            raise fetched.refused
-        return fetched.info, fetched
+        while True:
+            info = self.store.shard_info(key)
+            if info is not None:
+                return info, None
+            task = self._inflight.get(key)
+            if task is None:
+                fetch = self._fetch(
+                    manifest, key, staging=staging, peers=peers, peers_only=peers_only
+                )
+                if not staging:  # staging is bounded by its own workers and gate
+                    fetch = self._bounded(fetch)
+                task = asyncio.create_task(fetch)
+                self._inflight[key] = task
+                self._shares[key] = _Share(staging=staging)
+                task.add_done_callback(functools.partial(self._fetch_done, key))
+            share = self._shares[key]
+            if staging:
+                fetched = await asyncio.shield(task)
+                if fetched.refused is not None:  # the cache cannot keep it: a Stage fails
+                    raise fetched.refused
+                return fetched.info, fetched
+            share.readers += 1
+            try:
+                fetched = await asyncio.shield(task)
+            except CacheFull as exc:
+                share.leave()
+                if isinstance(exc, DiskFull) or not share.staging:
+                    raise
+                # A Stage's fetch, refused before fetching while pins leave too little
+                # room: a reader's miss is fetched anyway (served without caching it).
+                continue
+            except BaseException:
+                share.leave()
+                raise
+            if not fetched.passed:
+                share.leave()  # cached: nothing of the fetch's is held for this reader
+                return fetched.info, fetched
+            self.metrics.uncached_reads.inc()  # this reader leaves the share when done
+            return fetched.info, dataclasses.replace(fetched, share=share)
 
     async def _bounded(self, fetch: Coroutine[Any, Any, Fetched]) -> Fetched:
         """Run a read-through fetch in one of ``fetch_concurrency`` slots.
@@ -713,7 +772,10 @@ class EdgeNode:
             return await fetch
 
     def _fetch_done(self, key: ShardKey, task: asyncio.Task[Fetched]) -> None:
+        # Runs before any waiter resumes: every reader that joined has counted itself.
         self._inflight.pop(key, None)
+        if (share := self._shares.pop(key, None)) is not None:
+            share.finish()
         if not task.cancelled():
             task.exception()  # retrieved here: every waiter re-raises it itself
 
@@ -780,9 +842,25 @@ class EdgeNode:
                         ", ".join(copy.peers),
                         len(copy.frames),
                     )
-                return Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes), passed, refused)
+                return self._keep_memory(
+                    key,
+                    Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes), passed, refused),
+                )
         fetched = await self._fetch_origin(manifest, key, staging=staging)
-        return dataclasses.replace(fetched, notes=notes)
+        return self._keep_memory(key, dataclasses.replace(fetched, notes=notes))
+
+    def _keep_memory(self, key: ShardKey, fetched: Fetched) -> Fetched:
+        """Count passed-through frames against ``fetch_memory`` until their readers are done.
+
+        Taken as the fetch ends, just after it released its own reservation (nothing
+        awaits in between, and its estimate covered its frames), so fetches stay
+        within the budget; the next ones wait until the last stream serving these
+        frames has ended (see :class:`_Share`).
+        """
+        share = self._shares.get(key)
+        if fetched.passed and share is not None:
+            share.kept = self.fetch_memory.keep(fetched.info.stored_bytes)
+        return fetched
 
     async def _keep(
         self,
@@ -792,7 +870,7 @@ class EdgeNode:
         *,
         staging: bool,
     ) -> tuple[ShardInfo, tuple[Buffer, ...], CacheFull | None]:
-        """Store a fetched shard; a reader's miss the cache cannot take is passed through.
+        """Store a fetched shard; a miss the cache cannot take is passed through.
 
         A read-through miss refused for room (pinned versions fill the cache, or
         the shard is larger than its whole capacity) failed the read with
@@ -800,19 +878,23 @@ class EdgeNode:
         could give the rows all along. Such a shard is served from the fetched
         frames and then dropped: read through to origin, slowly, on every read
         (logged, and counted as a miss). A Stage still fails: it is asked to keep
-        the shard. A full disk still fails either way (see :meth:`_write`).
+        the shard (:meth:`ensure_shard` raises the refusal returned here for it),
+        while readers that joined its fetch are served. The frames stay counted
+        against ``fetch_memory`` until their last reader is done (:class:`_Share`).
+        A full disk still fails either way (see :meth:`_write`).
         """
         try:
             return await self._put_shard(manifest, key, frames), (), None
         except DiskFull:
             raise
         except CacheFull as exc:
-            if staging:
-                raise
             info = self.store.passing_info(key, frames)
-            self.metrics.uncached_reads.inc()
             log.warning(
-                "%s served to its reader without caching it (%d chunks): %s", key, len(frames), exc
+                "%s not cached (%d chunks), served only to the reads waiting for it%s: %s",
+                key,
+                len(frames),
+                " (asked by a Stage, which fails)" if staging else "",
+                exc,
             )
             return info, tuple(frames), exc
 
@@ -972,107 +1054,118 @@ class EdgeNode:
             raise IndexError(
                 f"{key} has rows 0..{rows}; the range {start_row}..{end_row or rows} is invalid"
             )
-        if cached_only:
-            held = self.store.shard_info(key)
-            if held is None:
-                raise ShardNotCached(f"{key} is not cached on {self.node_id} (cached_only)")
-            info, fetched = held, None
-        else:
-            try:
-                info, fetched = await self.ensure_shard(manifest, shard)
-            except BaseException:
-                # Not resident, and the read ended before a chunk: its reader left (or its
-                # deadline passed) while the shard was fetched, or the fetch failed. Still
-                # a miss, and the slowest kind: uncounted, it went missing from the hit
-                # ratio and Status while the fetch went on for the next reader.
-                self.metrics.misses.inc()
-                raise
-        # A hit or a miss, counted once when the stream ends: a resident shard found
-        # damaged (its record here, or a chunk mid-stream) is dropped and fetched again,
-        # which makes the read a miss, not a hit and a miss.
-        refetched = fetched is not None
-        passed = fetched.passed if fetched is not None else ()  # served, not cached
-        if damage := _record_damage(info, rows):
-            # The record itself is damaged: the stream is planned from it (how many chunks,
-            # where each starts), so a short count would end the stream early with OK.
-            self.metrics.corrupt_chunks.inc()
-            self.store.drop_shard(key)
-            log.warning("%s: the shard's record is damaged (%s); dropped it", key, damage)
-            if cached_only:
-                raise ChunkCorrupt(
-                    f"{key}'s record here is damaged ({damage}); not fetched again for a "
-                    "cached_only read: take the shard from another node"
-                )
-            info, again_fetched = await self.ensure_shard(manifest, shard)
-            passed = again_fetched.passed if again_fetched is not None else ()
-            refetched = True
-            if damage := _record_damage(info, rows):
-                raise ChunkCorrupt(
-                    f"{key}'s record was damaged again after fetching the shard anew "
-                    f"({damage}); read it from another node"
-                )
-        if start_chunk > info.chunk_count:
-            raise IndexError(
-                f"{key} has {info.chunk_count} chunks; start_chunk {start_chunk} is past the end"
-            )
-        firsts = list(itertools.accumulate(info.chunk_rows, initial=0))  # first row of each chunk
-        if start_row:
-            start_chunk = bisect.bisect_right(firsts, start_row) - 1
-        stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
+        shares: list[_Share] = []  # the passed-through fetches this stream reads from
         try:
-            index = start_chunk
-            damaged = 0  # damaged chunks found since the last chunk served
-            while index < stop:
+            if cached_only:
+                held = self.store.shard_info(key)
+                if held is None:
+                    raise ShardNotCached(f"{key} is not cached on {self.node_id} (cached_only)")
+                info, fetched = held, None
+            else:
                 try:
-                    encoded = (
-                        _passed_chunk(info, passed, index, firsts[index])
-                        if passed
-                        else self.encoded_chunk(key, index, firsts[index])
+                    info, fetched = await self.ensure_shard(manifest, shard)
+                    shares.extend(_shared(fetched))
+                except BaseException:
+                    # Not resident, and the read ended before a chunk: its reader left (or its
+                    # deadline passed) while the shard was fetched, or the fetch failed. Still
+                    # a miss, and the slowest kind: uncounted, it went missing from the hit
+                    # ratio and Status while the fetch went on for the next reader.
+                    self.metrics.misses.inc()
+                    raise
+            # A hit or a miss, counted once when the stream ends: a resident shard found
+            # damaged (its record here, or a chunk mid-stream) is dropped and fetched again,
+            # which makes the read a miss, not a hit and a miss.
+            refetched = fetched is not None
+            passed = fetched.passed if fetched is not None else ()  # served, not cached
+            if damage := _record_damage(info, rows):
+                # The record itself is damaged: the stream is planned from it (how many chunks,
+                # where each starts), so a short count would end the stream early with OK.
+                self.metrics.corrupt_chunks.inc()
+                self.store.drop_shard(key)
+                log.warning("%s: the shard's record is damaged (%s); dropped it", key, damage)
+                if cached_only:
+                    raise ChunkCorrupt(
+                        f"{key}'s record here is damaged ({damage}); not fetched again for a "
+                        "cached_only read: take the shard from another node"
                     )
-                except (ShardNotCached, ChunkCorrupt) as exc:
-                    # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding is
-                    # deterministic, so the stream can go on only if the chunks came out the same.
-                    if isinstance(exc, ChunkCorrupt):
-                        self.metrics.corrupt_chunks.inc()
-                        damaged += 1
-                    if cached_only:
-                        raise type(exc)(
-                            f"{key} chunk {index} is no longer here ({exc}); not fetched again "
-                            "for a cached_only read: take the shard from another node"
-                        ) from exc
-                    if damaged > 1:  # damaged again straight after a re-fetch: not here
-                        raise ChunkCorrupt(
-                            f"{key} chunk {index} was damaged again after fetching the shard "
-                            f"anew ({exc}); read it from another node"
-                        ) from exc
-                    log.warning(
-                        "%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc
+                info, again_fetched = await self.ensure_shard(manifest, shard)
+                shares.extend(_shared(again_fetched))
+                passed = again_fetched.passed if again_fetched is not None else ()
+                refetched = True
+                if damage := _record_damage(info, rows):
+                    raise ChunkCorrupt(
+                        f"{key}'s record was damaged again after fetching the shard anew "
+                        f"({damage}); read it from another node"
                     )
-                    again, again_fetched = await self.ensure_shard(manifest, shard)
-                    passed = again_fetched.passed if again_fetched is not None else ()
-                    refetched = True
-                    # The stream goes on from the new copy if the chunks it has sent are
-                    # the new copy's too. Not the whole record: a damaged checksum in the
-                    # old record (the chunk it describes then fails its check) made the
-                    # copies differ there, and such a read ended, before it sent anything,
-                    # saying the shard was "re-encoded differently".
-                    if (again.chunk_rows, again.checksums[:index]) != (
-                        info.chunk_rows,
-                        info.checksums[:index],
-                    ):
-                        raise ChunkCorrupt(
-                            f"{key} was re-encoded differently mid-stream; read it again "
-                            "from chunk 0"
-                        ) from exc
-                    info = again
-                    continue
-                damaged = 0
-                self.metrics.bytes_served.inc(len(encoded))
-                self.metrics.chunks_served.inc()
-                yield encoded
-                index += 1
+            if start_chunk > info.chunk_count:
+                raise IndexError(
+                    f"{key} has {info.chunk_count} chunks; "
+                    f"start_chunk {start_chunk} is past the end"
+                )
+            # the first row of each chunk
+            firsts = list(itertools.accumulate(info.chunk_rows, initial=0))
+            if start_row:
+                start_chunk = bisect.bisect_right(firsts, start_row) - 1
+            stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
+            try:
+                index = start_chunk
+                damaged = 0  # damaged chunks found since the last chunk served
+                while index < stop:
+                    try:
+                        encoded = (
+                            _passed_chunk(info, passed, index, firsts[index])
+                            if passed
+                            else self.encoded_chunk(key, index, firsts[index])
+                        )
+                    except (ShardNotCached, ChunkCorrupt) as exc:
+                        # Evicted, or damaged and dropped, mid-stream: fetch it again. Encoding
+                        # is deterministic, so the stream can go on only if the chunks came out
+                        # the same.
+                        if isinstance(exc, ChunkCorrupt):
+                            self.metrics.corrupt_chunks.inc()
+                            damaged += 1
+                        if cached_only:
+                            raise type(exc)(
+                                f"{key} chunk {index} is no longer here ({exc}); not fetched again "
+                                "for a cached_only read: take the shard from another node"
+                            ) from exc
+                        if damaged > 1:  # damaged again straight after a re-fetch: not here
+                            raise ChunkCorrupt(
+                                f"{key} chunk {index} was damaged again after fetching the shard "
+                                f"anew ({exc}); read it from another node"
+                            ) from exc
+                        log.warning(
+                            "%s chunk %d unavailable mid-stream (%s); refetching", key, index, exc
+                        )
+                        again, again_fetched = await self.ensure_shard(manifest, shard)
+                        shares.extend(_shared(again_fetched))
+                        passed = again_fetched.passed if again_fetched is not None else ()
+                        refetched = True
+                        # The stream goes on from the new copy if the chunks it has sent are
+                        # the new copy's too. Not the whole record: a damaged checksum in the
+                        # old record (the chunk it describes then fails its check) made the
+                        # copies differ there, and such a read ended, before it sent anything,
+                        # saying the shard was "re-encoded differently".
+                        if (again.chunk_rows, again.checksums[:index]) != (
+                            info.chunk_rows,
+                            info.checksums[:index],
+                        ):
+                            raise ChunkCorrupt(
+                                f"{key} was re-encoded differently mid-stream; read it again "
+                                "from chunk 0"
+                            ) from exc
+                        info = again
+                        continue
+                    damaged = 0
+                    self.metrics.bytes_served.inc(len(encoded))
+                    self.metrics.chunks_served.inc()
+                    yield encoded
+                    index += 1
+            finally:
+                (self.metrics.misses if refetched else self.metrics.hits).inc()
         finally:
-            (self.metrics.misses if refetched else self.metrics.hits).inc()
+            for share in shares:  # their frames stop counting once no stream serves them
+                share.leave()
 
     # ----------------------------------------------------------------- staging
 
@@ -1297,6 +1390,11 @@ class EdgeNode:
             if v.pinned_until is not None:  # as stored, also when it has run out (see status)
                 entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))
         return status
+
+
+def _shared(fetched: Fetched | None) -> tuple[_Share, ...]:
+    """The share a reader leaves when its stream ends: one for frames passed through."""
+    return (fetched.share,) if fetched is not None and fetched.share is not None else ()
 
 
 def _passed_chunk(info: ShardInfo, frames: Sequence[Buffer], index: int, first_row: int) -> bytes:

@@ -3,7 +3,9 @@ cache, warm NAME@N with a node down, and ready --wait's last round."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from edgeutil import (
 
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.edge.server import running_node
-from edgecache.v1 import edge_pb2
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 
 @pytest.fixture
@@ -182,3 +184,73 @@ def test_ready_wait_does_not_call_a_healthy_node_unreachable(tmp_path: Path, reg
     blamed = [m for m in said if "unreachable" in m]
     assert not blamed, blamed
     assert all("has 0/3 shards" in m and "timed out" in m for m in said), said
+
+
+# ------------------------- 1b, review: a read joining a Stage's fetch; memory of passed reads
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_read_joining_a_stage_of_a_shard_the_cache_cannot_keep_is_served(
+    tmp_path: Path, registry: str
+) -> None:
+    """A read of a shard larger than the cache, asked while a Stage of the same shard was
+    fetching it, joined that fetch and failed RESOURCE_EXHAUSTED ("larger than the whole
+    cache capacity"), where the same read alone is served. The read is served; the Stage
+    still fails."""
+    settings = node_settings(tmp_path, registry, capacity="1KiB", staging_rate="4KB/s")
+    with running_node(settings) as node:
+        assert node.node is not None
+        edge = node.node
+        client = stub(node.address)
+        staged: list[object] = []
+        stager = threading.Thread(
+            target=lambda: staged.append(_stage_outcome(client, "tok")), daemon=True
+        )
+        stager.start()
+        _wait_for(lambda: bool(edge._inflight), "the Stage's fetch to start")
+        table = read_shard_table(client, "tok", 1, 0)  # joins the Stage's fetch
+        assert table.num_rows == 100
+        stager.join(timeout=60)
+        assert staged == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert edge.fetch_memory.reserved == 0  # nothing kept once the read ended
+
+
+def _stage_outcome(client: object, dataset: str) -> object:
+    try:
+        list(client.Stage(edge_pb2.StageRequest(dataset=dataset, version=1)))  # type: ignore[attr-defined]
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_read_served_without_caching_keeps_its_frames_counted_until_it_ends(
+    tmp_path: Path, registry: str
+) -> None:
+    """A shard passed through to its reader is held in memory for the whole stream, but its
+    fetch-memory reservation ended with the fetch: readers missing many such shards at once
+    grew the node past fetch_memory. Its bytes stay counted until the stream ends."""
+    write_parquet_shards(tmp_path / "origin" / "wide", 1, rows=30000)
+    publish(registry, f"file://{tmp_path}/origin/wide", "wide")
+    with running_node(node_settings(tmp_path, registry, capacity="1KiB")) as node:
+        assert node.node is not None
+        memory = node.node.fetch_memory
+        # No BDP probing: the stream's window stays small, so the node cannot send the
+        # whole shard ahead of a reader that stopped reading (its stream stays open).
+        channel = grpc.insecure_channel(node.address, options=[("grpc.http2.bdp_probe", 0)])
+        stream = edge_pb2_grpc.EdgeCacheStub(channel).ReadShard(
+            edge_pb2.ReadShardRequest(dataset="wide", version=1, shard=0)
+        )
+        first = next(stream)
+        assert first.frame
+        time.sleep(0.2)  # the fetch is over: its own reservation was released
+        assert memory.reserved > 0  # the frames this open stream serves
+        stream.cancel()
+        _wait_for(lambda: memory.reserved == 0, "the stream's frames to be released")
+        channel.close()
+        assert node.node.metrics.value("edgecache_uncached_reads_total") == 1
