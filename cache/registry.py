@@ -86,6 +86,7 @@ __all__ = [
     "fetch_resources",
     "location_url",
     "resource_url",
+    "unread_text",
 ]
 
 log = logging.getLogger(__name__)
@@ -815,7 +816,11 @@ class Registry:
         return await self.commit(manifest)
 
     async def same_content(
-        self, dataset: str, digest: str, numbers: Sequence[int] | None = None
+        self,
+        dataset: str,
+        digest: str,
+        numbers: Sequence[int] | None = None,
+        skipped: list[int] | None = None,
     ) -> pb.Manifest | None:
         """The newest version of ``dataset`` whose digest is ``digest``, or None.
 
@@ -824,16 +829,34 @@ class Registry:
         is ``tok@1``'s (--if-changed used to write it as ``tok@3``, a copy a region
         holding ``tok@1`` would stage again). ``numbers``: the versions to compare
         (default: all of them). The manifests are small and read concurrently.
+
+        A manifest that cannot be read or verified is left out of the comparison,
+        not raised: the answer is advice (publish asks after its version is
+        written, and failing then would have a retrying script publish a copy).
+        Their numbers are appended to ``skipped`` when given (the CLI warns), else
+        said in one warning; each one's reason is logged at debug.
         """
         numbers = list(numbers) if numbers is not None else await self.versions(dataset)
         limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
+        unread: list[int] = []
 
-        async def one(number: int) -> pb.Manifest:
+        async def one(number: int) -> pb.Manifest | None:
             async with limit:
-                return await self.manifest(dataset, number)
+                try:
+                    return await self.manifest(dataset, number)
+                except Exception as exc:  # noqa: BLE001 - any unreadable one is skipped
+                    log.debug("%s@%d not compared: %s", dataset, number, exc)
+                    unread.append(number)
+                    return None
 
         found = await asyncio.gather(*(one(n) for n in numbers))
-        same = [m for m in found if m.digest == digest]
+        if unread:
+            unread.sort()
+            if skipped is not None:
+                skipped.extend(unread)
+            else:
+                log.warning("%s", unread_text(dataset, unread))
+        same = [m for m in found if m is not None and m.digest == digest]
         return max(same, key=lambda m: m.version) if same else None
 
     async def _describe(
@@ -942,6 +965,17 @@ def _null_counts(
             if count := nulls.get(field.name, 0):
                 out.append(NullCount(field.name, type_label(field.type), obj.info.url, count))
     return out
+
+
+def unread_text(dataset: str, numbers: Sequence[int]) -> str:
+    """The warning for versions whose manifests could not be read to compare digests."""
+    listed = ", ".join(f"{dataset}@{n}" for n in numbers[:5])
+    more = f" and {len(numbers) - 5} more" if numbers[5:] else ""
+    return (
+        f"could not read the manifest of {listed}{more} to compare content (skipped): "
+        f"an earlier version may hold the same content; check with edgecache versions "
+        f"{dataset}"
+    )
 
 
 def _raised_to(number: int, current: bytes | None) -> bytes | None:

@@ -48,7 +48,7 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     root, nodes = site
     code, out = cli(root, "publish", f"file://{root}/origin", "--dataset", "tokens", "--json")
     assert code == 0, out
-    assert json.loads(out)["spec"] == "tokens@1" and json.loads(out)["version"] == 1
+    assert json.loads(out)["version"] == "tokens@1" and json.loads(out)["number"] == 1
     code, out = cli(root, "versions", "tokens", "--json")
     assert code == 0 and json.loads(out)[0]["shards"] == 3
     start = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
@@ -228,7 +228,7 @@ def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> No
     write_parquet_shards(tmp_path / "raw", 2, rows=100)
     upload_dir(s3_endpoint, bucket, "raw", tmp_path / "raw")
     registry = f"s3://{bucket}/_edgecache"
-    for expected in (1, 2):
+    for expected in ("tokens@1", "tokens@2"):
         result = runner.invoke(
             app,
             [
@@ -242,7 +242,7 @@ def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> No
             ],
         )
         assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["version"] == expected  # a number, as versions
+        assert json.loads(result.output)["version"] == expected  # name@N, as warm takes it
     result = runner.invoke(app, ["versions", "tokens", "--registry", registry, "--json"])
     listed = json.loads(result.output)
     assert [v["version"] for v in listed] == [1, 2] and listed[0]["digest"] == listed[1]["digest"]

@@ -83,7 +83,7 @@ def test_publish_says_when_nothing_changed_and_can_reuse_the_version(site) -> No
         *cfg(root),
     )  # fmt: skip
     result = json.loads(out)
-    assert code == 0 and (result["spec"], result["version"]) == ("digits@2", 2)
+    assert code == 0 and (result["version"], result["number"]) == ("digits@2", 2)
     assert result["reused"] is True
     code, out, err = edgecache("versions", "digits", *cfg(root))
     assert code == 0 and "digits@3" not in out

@@ -59,8 +59,8 @@ def test_publish_and_versions_show_format_reader_options_transform_and_codec(
             *("--compression", "zstd", "--level", "3"),
         )
     )
-    spelled = (published["dataset"], published["version"], published["spec"])
-    assert spelled == ("pairs", 2, "pairs@2")
+    spelled = (published["version"], published["dataset"], published["number"])
+    assert spelled == ("pairs@2", "pairs", 2)
     assert published["reused"] is False
     assert published["source_url"] == f"file://{tabs}/" and published["format"] == "csv"
     assert published["source_options"] == {

@@ -148,16 +148,17 @@ def test_an_integer_past_int64_beside_fractions_is_told_decimal(tmp_path: Path) 
     assert code == 2 and "--column-types id=uint64" in out, out
 
 
-def test_publish_json_gives_the_version_as_a_number_like_versions(tmp_path: Path) -> None:
+def test_publish_json_version_is_name_at_n_with_the_number_beside(tmp_path: Path) -> None:
+    # Scripts pass .version on to warm / EdgeDataset as is: it stays name@N.
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "x.csv").write_text("id\n1\n2\n")
     code, out = publish(tmp_path, raw, "--dataset", "n", "--json")
     assert code == 0, out
     printed = json.loads(out)
-    assert (printed["dataset"], printed["version"], printed["spec"]) == ("n", 1, "n@1")
+    assert (printed["version"], printed["dataset"], printed["number"]) == ("n@1", "n", 1)
     listed = runner.invoke(app, ["versions", "n", "--registry", str(tmp_path / "reg"), "--json"])
-    assert json.loads(listed.output)[0]["version"] == printed["version"]
+    assert json.loads(listed.output)[0]["version"] == printed["number"]
 
 
 def test_the_docs_say_publish_reads_each_tar_whole() -> None:
@@ -174,3 +175,4 @@ def test_the_advice_selects_the_data_columns_not_the_partitions(tmp_path: Path) 
     code, out = publish(tmp_path, tmp_path / "raw", "--dataset", "p")
     assert code == 0 and "year: int64" in out, out
     assert "--transform columns --param select=name)" in out, out
+

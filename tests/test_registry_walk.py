@@ -89,13 +89,13 @@ def test_publishers_in_separate_processes_each_get_their_own_version(
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err
         printed.append(json.loads(out))
-    assert sorted(p["version"] for p in printed) == [1, 2, 3, 4]
+    assert sorted(p["version"] for p in printed) == ["raced@1", "raced@2", "raced@3", "raced@4"]
     assert len({p["digest"] for p in printed}) == 4  # four contents
 
     async def check(reg: Registry) -> None:
         assert await reg.versions("raced") == [1, 2, 3, 4]
         for each in printed:
-            number = each["version"]
+            number = int(each["version"].split("@")[1])
             assert (await reg.manifest("raced", number)).digest == each["digest"]
 
     Registry.run(registry, check)

@@ -349,7 +349,7 @@ def publish(
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.preprocess.nulls import NullCount, null_warnings
     from edgecache.cache.preprocess.partitions import partition_fields
-    from edgecache.cache.registry import Registry
+    from edgecache.cache.registry import Registry, unread_text
     from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
 
     with reporting():
@@ -381,6 +381,7 @@ def publish(
         source_format = format_from_name(fmt) if fmt else None
 
         nulls: list[NullCount] = []
+        found: list[str] = []  # warnings, said after the version line
 
         async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool, int]:
             before = await reg.versions(dataset)
@@ -397,8 +398,17 @@ def publish(
             if done.version in before:  # --if-changed found it unchanged
                 return done, None, True, max(before)
             # Any earlier version, not the newest alone: tok@1's content published
-            # again after tok@2 is still a copy.
-            same = await reg.same_content(dataset, done.digest, before) if before else None
+            # again after tok@2 is still a copy. The version is written now: this is
+            # advice, and nothing here may fail the command (a retrying script would
+            # publish a copy).
+            try:
+                skipped: list[int] = []
+                same = await reg.same_content(dataset, done.digest, before, skipped)
+                if skipped:
+                    found.append(unread_text(dataset, skipped))
+            except Exception as exc:  # noqa: BLE001 - the version is written; a warning
+                same = None
+                found.append(f"could not compare with earlier versions' content: {exc}")
             return done, same, False, done.version
 
         manifest, same, reused, newest = Registry.run(_registry_url(registry, Options(config)), go)
@@ -406,7 +416,7 @@ def publish(
     rows = sum(s.row_count for s in manifest.shards)
     folders = {f.name for f in partition_fields(manifest.preprocess.source_options)}
     own = [str(f["name"]) for f in schema_json(manifest.arrow_schema) if f["name"] not in folders]
-    found = null_warnings(nulls, own)  # a select= of the data's columns, no partition's
+    found[:0] = null_warnings(nulls, own)  # a select= of the data's columns, no partition's
     if same is not None and not reused:
         found.append(
             f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
@@ -422,10 +432,11 @@ def publish(
         print(
             json.dumps(
                 {
-                    # As versions --json: the number, the dataset apart; "spec" for name@N.
+                    # "version" is name@N, what warm and EdgeDataset take (scripts pass it
+                    # on as is); "number" is N alone, as versions --json gives it.
+                    "version": name,
                     "dataset": manifest.dataset,
-                    "version": manifest.version,
-                    "spec": name,
+                    "number": manifest.version,
                     "digest": manifest.digest,
                     "shards": len(manifest.shards),
                     "rows": rows,
