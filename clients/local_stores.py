@@ -93,8 +93,8 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
     none of them holds a shard of (evicted, its manifest left behind, or never
     staged) raises :class:`~edgecache.cache.errors.ShardNotCached`; so does one
     they hold only in part (:func:`require_shards`, once the shards read are
-    known). Beside gRPC endpoints, a cache holding part of a version is read
-    with a warning, the other shards through the nodes.
+    known), without a warning first. Beside gRPC endpoints, a cache holding part
+    of a version is read with a warning, the other shards through the nodes.
     """
     local = [e for e in endpoints if e.local]
     held: dict[tuple[str, int], dict[str, int]] = {}  # version → {endpoint: shards there}
@@ -127,18 +127,20 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
                 f"{state} no shard of {name}, only its manifest: {EVICTED_OR_NOT_STAGED}. "
                 + restage_advice(name, local[-1].text)
             )
+        if alone:
+            # Nothing reads the missing shards: require_shards refuses the version
+            # (or reads a split the caches hold), so "read elsewhere" would be false.
+            continue
         for endpoint in local:
             count = counts.get(endpoint.text, 0)
             if count < total:
                 log.warning(
-                    "the cache at %s holds %d of the %d shards of %s: %s",
+                    "the cache at %s holds %d of the %d shards of %s: the others are read "
+                    "from the other endpoints",
                     paths[endpoint.text],
                     count,
                     total,
                     name,
-                    "the others are read from the other endpoints"
-                    if not alone
-                    else "the others are read from the other caches listed",
                 )
 
 

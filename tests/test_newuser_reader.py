@@ -125,11 +125,14 @@ def test_every_node_refusing_logs_that_the_read_fails_not_a_retry(
             n.stop()
 
 
-def test_lmdb_alone_over_a_partial_cache_fails_when_built(tmp_path: Path) -> None:
+def test_lmdb_alone_over_a_partial_cache_fails_when_built(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """3 of 8 shards staged, lmdb:// alone: the dataset was built with a warning and the
     epoch ended in AllNodesFailed at the first missing shard. It is refused when built,
     naming the count and the warm command; a split of staged shards only still reads, and
-    with the node's gRPC endpoint after it the whole version reads as before."""
+    with the node's gRPC endpoint after it the whole version reads as before. The warning
+    that the other shards are read elsewhere is said only where something reads them."""
     write_parquet_shards(tmp_path / "origin", 8, rows=100)
     registry = f"file://{tmp_path}/registry"
     publish(registry, f"file://{tmp_path}/origin", "part")
@@ -138,8 +141,10 @@ def test_lmdb_alone_over_a_partial_cache_fails_when_built(tmp_path: Path) -> Non
         request = edge_pb2.StageRequest(dataset="part", version=1, shards=[0, 1, 2])
         assert list(stub(node.address).Stage(request))[-1].finished
         local = f"lmdb://{tmp_path / 'cache'}"
+        caplog.set_level(logging.WARNING, logger="edgecache.clients.local_stores")
         with pytest.raises(ShardNotCached) as caught:
             EdgeDataset("part@1", endpoints=[local], batch_size=50)
+        assert not [r for r in caplog.records if "the others are read" in r.getMessage()]
         said = str(caught.value)
         assert "holds 3 of the 8 shards of part@1" in said and "other 5" in said, said
         assert "edgecache warm part@1" in said, said
@@ -153,7 +158,11 @@ def test_lmdb_alone_over_a_partial_cache_fails_when_built(tmp_path: Path) -> Non
         ]
         split.close()
         assert sorted(labels) == list(range(300))
+        assert not [r for r in caplog.records if "the others are read" in r.getMessage()]
         both = EdgeDataset("part@1", endpoints=[local, node.address], batch_size=50)
+        (said_once,) = [r for r in caplog.records if "the others are read" in r.getMessage()]
+        assert "holds 3 of the 8 shards" in said_once.getMessage()
+        assert "from the other endpoints" in said_once.getMessage()
         labels = [
             int(x) for b in torch.utils.data.DataLoader(both, batch_size=None) for x in b["label"]
         ]
