@@ -176,3 +176,19 @@ def test_the_advice_selects_the_data_columns_not_the_partitions(tmp_path: Path) 
     assert code == 0 and "year: int64" in out, out
     assert "--transform columns --param select=name)" in out, out
 
+
+def test_the_select_advice_names_every_column_kept_and_can_be_pasted(tmp_path: Path) -> None:
+    """It printed select=c0,c1,c2,c3,c4,c5,…: a command that cannot be pasted."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    names = [f"c{i}" for i in range(9)]
+    (raw / "x.csv").write_text(",".join(["id", *names]) + "\n" + "1" + ",x" * 9 + "\n" + ",z" * 9)
+    code, out = publish(tmp_path, raw, "--dataset", "w")
+    assert code == 0 and "…" not in out, out
+    assert f"--param select={','.join(names)})" in out, out
+    # Too many to paste: said in words, naming the column to leave out.
+    wide = [f"column_with_a_long_name_{i}" for i in range(40)]
+    (raw / "x.csv").write_text(",".join(["id", *wide]) + "\n1" + ",x" * 40 + "\n" + ",z" * 40)
+    code, out = publish(tmp_path, raw, "--dataset", "w2")
+    assert code == 0 and "…" not in out and "select=column_with" not in out, out
+    assert "naming every one of its 41 columns but 'id'" in out, out

@@ -21,6 +21,7 @@ Counts are of null values: a null row, and each null item inside a fixed-size li
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -161,6 +162,28 @@ class NullCount:
     count: int
 
 
+_SELECT_CHARS = 300  # a longer select= is said in words: a command must be pasted whole
+
+
+def _select_advice(others: Sequence[str], nulled: Sequence[str]) -> str:
+    """How to publish a version without the ``nulled`` columns, keeping ``others``.
+
+    A command in a message is pasted as it is, so the ``select=`` names every
+    column kept (quoted for the shell where a name needs it), never an ellipsis;
+    past ``_SELECT_CHARS`` it is said in words instead.
+    """
+    if not others:
+        return ""
+    select = "select=" + ",".join(others)
+    if len(select) <= _SELECT_CHARS:
+        return f"of the version (--transform columns --param {shlex.quote(select)}) or "
+    but = ", ".join(repr(n) for n in nulled)
+    return (
+        f"of the version (--transform columns with a select= param naming every one of its "
+        f"{len(others) + len(nulled)} columns but {but}) or "
+    )
+
+
 def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[str]:
     """One warning per column with nulls: where, how many, why it matters, what to do.
 
@@ -169,10 +192,7 @@ def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[st
     by_column: dict[str, list[NullCount]] = {}
     for each in found:
         by_column.setdefault(each.column, []).append(each)
-    nulled = set(by_column)
-    others = [n for n in columns if n not in nulled]
-    select = ",".join(others[:6]) + (",…" if others[6:] else "")
-    version = f"of the version (--transform columns --param select={select}) or " if others else ""
+    version = _select_advice([n for n in columns if n not in by_column], list(by_column))
     out = []
     for column, counts in by_column.items():
         total = sum(c.count for c in counts)
