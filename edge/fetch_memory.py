@@ -8,7 +8,10 @@ Each fetch reserves its estimate here first (:data:`EXPANSION` times its source
 size, at most the whole budget) and waits while the reservations in flight
 would pass the budget; a shard larger than the budget runs alone. A shard
 served to its readers without caching it stays counted (:meth:`FetchMemory.keep`)
-until the last stream serving its frames ends.
+until the last stream serving its frames ends; such kept bytes delay fetches
+but never block them: a fetch with no other fetch in flight goes ahead (a
+stream's end depends on its client, which may wait for the very fetch that
+would wait for it: a parked stream, a pipeline's next window).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class FetchMemory:
     def __init__(self, budget: int) -> None:
         self.budget = max(1, budget)
         self.reserved = 0
+        self.fetching = 0  # the part of ``reserved`` that fetches in flight hold (not kept)
         self.peak = 0  # the most reserved at once (tests, and a gauge's story)
         self._waiters: list[asyncio.Future[None]] = []
 
@@ -84,7 +88,9 @@ class FetchMemory:
     async def hold(self, source_bytes: int) -> AsyncIterator[int]:
         """Reserve a fetch's estimate for the block, waiting while it would not fit."""
         need = self.estimate(source_bytes)
-        while self.reserved + need > self.budget:
+        # Kept bytes alone never hold a fetch back (see the module's docstring): over the
+        # budget by at most what is kept, instead of waiting on a client that waits on us.
+        while self.fetching and self.reserved + need > self.budget:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -92,9 +98,11 @@ class FetchMemory:
             finally:
                 self._waiters.remove(waiter)
         self._add(need)
+        self.fetching += need
         try:
             yield need
         finally:
+            self.fetching -= need
             self._release(need)
 
     def keep(self, nbytes: int) -> Kept:
@@ -102,8 +110,11 @@ class FetchMemory:
 
         For a shard's frames that outlive their fetch (a read-through miss served
         without caching it, held for the streams serving it). Taken without
-        waiting (the frames are in memory already), as the fetch's own reservation,
-        which covered them, is released: later fetches wait until they are.
+        waiting (the frames are in memory already), as the fetch's own reservation
+        is released (a fetch from origin reserved enough for them; a peer copy
+        reserves nothing, so its kept frames may pass the budget): later fetches
+        wait for them while another fetch is in flight, and go ahead past them
+        when none is.
         """
         kept = Kept(self, min(self.budget, max(1, nbytes)))
         self._add(kept.nbytes)

@@ -831,9 +831,7 @@ class EdgeNode:
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)
                 log.warning("%s %s", key, notes[0])
             else:
-                info, passed, refused = await self._keep(
-                    manifest, key, copy.frames, staging=staging
-                )
+                info, passed, refused = await self._keep(manifest, key, copy.frames)
                 self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)
                 if not passed:
                     log.info(
@@ -867,8 +865,6 @@ class EdgeNode:
         manifest: manifest_pb2.Manifest,
         key: ShardKey,
         frames: Sequence[Buffer],
-        *,
-        staging: bool,
     ) -> tuple[ShardInfo, tuple[Buffer, ...], CacheFull | None]:
         """Store a fetched shard; a miss the cache cannot take is passed through.
 
@@ -890,10 +886,10 @@ class EdgeNode:
         except CacheFull as exc:
             info = self.store.passing_info(key, frames)
             log.warning(
-                "%s not cached (%d chunks), served only to the reads waiting for it%s: %s",
+                "%s not cached (%d chunks): served to the reads joined to its fetch, if any; "
+                "a Stage asking for it fails: %s",
                 key,
                 len(frames),
-                " (asked by a Stage, which fails)" if staging else "",
                 exc,
             )
             return info, tuple(frames), exc
@@ -953,7 +949,7 @@ class EdgeNode:
         size = len(data)
         del data
         self._preprocessed(size, encoded)
-        info, passed, refused = await self._keep(manifest, key, encoded.frames, staging=staging)
+        info, passed, refused = await self._keep(manifest, key, encoded.frames)
         if not passed:
             log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return Fetched(info, "origin", size, (), passed, refused)

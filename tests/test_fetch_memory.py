@@ -45,6 +45,37 @@ def test_fetches_wait_while_their_estimates_would_pass_the_budget() -> None:
     assert order[at + 1] == "huge out"  # nothing else ran while it held the whole budget
 
 
+def test_kept_bytes_delay_fetches_but_never_block_one_with_none_in_flight() -> None:
+    """Frames served without caching stay counted until their streams end, and a stream
+    ends when its client reads on: a client waiting for the next window's fetch (a
+    parked stream, a pipeline) would wait for ever on a fetch that waited for it."""
+
+    async def scenario() -> list[str]:
+        memory = FetchMemory(budget=100 * EXPANSION)
+        kept = memory.keep(80 * EXPANSION)  # a passed-through shard's frames, still read
+        order: list[str] = []
+
+        async def fetch(name: str, source: int, seconds: float) -> None:
+            async with memory.hold(source):
+                order.append(f"{name} in")
+                await asyncio.sleep(seconds)
+                order.append(f"{name} out")
+
+        # Alone, past what is kept: goes ahead (the old rule waited for the kept bytes).
+        await asyncio.wait_for(fetch("alone", 50, 0.0), timeout=5)
+        # Beside a fetch in flight, it waits for that fetch, not for the kept bytes.
+        await asyncio.wait_for(
+            asyncio.gather(fetch("first", 50, 0.05), fetch("second", 50, 0.0)), timeout=5
+        )
+        kept.release()
+        assert memory.reserved == 0 and memory.fetching == 0
+        return order
+
+    order = asyncio.run(scenario())
+    assert order[:2] == ["alone in", "alone out"]
+    assert order.index("first out") < order.index("second in")
+
+
 def test_a_node_stages_every_shard_within_its_fetch_memory(tmp_path: Path) -> None:
     write_parquet_shards(tmp_path / "origin", 4, rows=2000)
     registry = f"file://{tmp_path}/registry"
