@@ -851,9 +851,10 @@ class EdgeNode:
         """Count passed-through frames against ``fetch_memory`` until their readers are done.
 
         Taken as the fetch ends, just after it released its own reservation (nothing
-        awaits in between, and its estimate covered its frames), so fetches stay
-        within the budget; the next ones wait until the last stream serving these
-        frames has ended (see :class:`_Share`).
+        awaits in between; a fetch from origin reserved enough for its frames, a peer
+        copy nothing); the next fetches wait for these bytes while another fetch is in
+        flight, until the last stream serving the frames has ended (see :class:`_Share`
+        and :meth:`FetchMemory.hold`).
         """
         share = self._shares.get(key)
         if fetched.passed and share is not None:

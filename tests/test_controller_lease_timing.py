@@ -7,8 +7,7 @@ after a renewal was skipped as out of time and nothing renewed the lease.
 The controller runs in-process on a file:// registry against a real node on
 loopback; the seconds clock its lease is timed on (``time.monotonic`` in the
 controller and the executor) is one the test moves, so where a round's calls
-fall in the lease does not depend on the machine's speed. A slow status round
-is a real node stopped (SIGSTOP) for a moment, as on a loaded host.
+fall in the lease does not depend on the machine's speed.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from edgeutil import stub
+from edgeutil import pins_on, stub
 from test_controller import Clock, job, one_region
 
 import edgecache.clients.controller as controller_module
@@ -55,41 +54,21 @@ class LeaseTime:
         return getattr(time, name)
 
 
-class CallTime:
-    """The executor's view of :class:`LeaseTime`: each read is a call, which takes time."""
+class TimeView:
+    """One module's view of :class:`LeaseTime`: the executor's reads are each a call, which
+    takes time (``reads_are_calls``); the controller's take none."""
 
-    def __init__(self, shared: LeaseTime) -> None:
-        self.shared = shared
+    def __init__(self, shared: LeaseTime, *, reads_are_calls: bool) -> None:
+        self.shared, self.reads_are_calls = shared, reads_are_calls
 
     def monotonic(self) -> float:
         now = self.shared.now()
-        self.shared.calls += self.shared.per_call
+        if self.reads_are_calls:
+            self.shared.calls += self.shared.per_call
         return now
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
-
-
-class ControllerTime:
-    """The controller's view of :class:`LeaseTime`: reading it takes no time."""
-
-    def __init__(self, shared: LeaseTime) -> None:
-        self.shared = shared
-
-    def monotonic(self) -> float:
-        return self.shared.now()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
-def pinned(node: LocalNode) -> dict[str, datetime]:
-    status = stub(node.address).Status(edge_pb2.StatusRequest())
-    return {
-        f"{v.dataset}@{v.version}": v.pinned_until.ToDatetime(tzinfo=UTC)
-        for v in status.versions
-        if v.HasField("pinned_until")
-    }
 
 
 def resident_b_and_c(root: Path, registry: str, node: LocalNode) -> Controller:
@@ -108,8 +87,8 @@ def resident_b_and_c(root: Path, registry: str, node: LocalNode) -> Controller:
 
 def on_lease_time(monkeypatch: pytest.MonkeyPatch, shared: LeaseTime) -> None:
     modules: list[tuple[ModuleType, object]] = [
-        (controller_module, ControllerTime(shared)),
-        (executor_module, CallTime(shared)),
+        (controller_module, TimeView(shared, reads_are_calls=False)),
+        (executor_module, TimeView(shared, reads_are_calls=True)),
     ]
     for module, seen in modules:
         monkeypatch.setattr(module, "time", seen)
@@ -126,7 +105,7 @@ def test_calls_late_in_the_window_renew_the_lease_first_instead_of_being_skipped
         on_lease_time(monkeypatch, LeaseTime(ctl.lease, after_taking=0.55))
         assert ctl.tick() is not None
         assert ctl.failures == []  # not "this round ran out of time"
-        assert pinned(node) == {"b@1": T0 + 3 * HOUR, "c@1": T0 + 5 * HOUR}
+        assert pins_on(node) == {"b@1": T0 + 3 * HOUR, "c@1": T0 + 5 * HOUR}
     finally:
         ctl.close()
 
@@ -142,7 +121,7 @@ def test_a_call_that_would_not_fit_after_the_one_before_renews_the_lease_first(
         on_lease_time(monkeypatch, LeaseTime(ctl.lease, after_taking=0.0, per_call=0.55))
         assert ctl.tick() is not None
         assert ctl.failures == []
-        assert pinned(node) == {"b@1": T0 + 3 * HOUR, "c@1": T0 + 5 * HOUR}
+        assert pins_on(node) == {"b@1": T0 + 3 * HOUR, "c@1": T0 + 5 * HOUR}
     finally:
         ctl.close()
 
@@ -159,7 +138,7 @@ def test_a_node_slow_to_answer_on_a_loaded_host_is_not_held_down_under_a_short_l
         assert ctl.tick() is not None
         assert ctl.state.down_since == {}
         assert ctl.failures == []
-        assert set(pinned(node)) == {"b@1", "c@1"}
+        assert set(pins_on(node)) == {"b@1", "c@1"}
     finally:
         ctl.close()
 

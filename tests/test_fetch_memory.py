@@ -19,22 +19,28 @@ from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
 
+async def fetch(
+    memory: FetchMemory, order: list[str], name: str, source: int, seconds: float
+) -> None:
+    """A fetch of a ``source``-byte object that holds its memory for ``seconds``."""
+    async with memory.hold(source):
+        order.append(f"{name} in")
+        await asyncio.sleep(seconds)
+        order.append(f"{name} out")
+
+
 def test_fetches_wait_while_their_estimates_would_pass_the_budget() -> None:
     async def scenario() -> list[str]:
         memory = FetchMemory(budget=100 * EXPANSION)  # room for sources of 100 bytes in all
         order: list[str] = []
 
-        async def fetch(name: str, source: int, seconds: float) -> None:
-            async with memory.hold(source):
-                order.append(f"{name} in")
-                await asyncio.sleep(seconds)
-                order.append(f"{name} out")
-
         await asyncio.gather(
-            fetch("a", 60, 0.05),  # 60 of 100
-            fetch("b", 30, 0.01),  # fits beside a
-            fetch("c", 50, 0.01),  # waits for a
-            fetch("huge", 10_000, 0.01),  # more than the budget: reserves all of it, alone
+            fetch(memory, order, "a", 60, 0.05),  # 60 of 100
+            fetch(memory, order, "b", 30, 0.01),  # fits beside a
+            fetch(memory, order, "c", 50, 0.01),  # waits for a
+            fetch(
+                memory, order, "huge", 10_000, 0.01
+            ),  # more than the budget: reserves all of it, alone
         )
         assert memory.reserved == 0 and memory.peak <= memory.budget
         return order
@@ -55,17 +61,14 @@ def test_kept_bytes_delay_fetches_but_never_block_one_with_none_in_flight() -> N
         kept = memory.keep(80 * EXPANSION)  # a passed-through shard's frames, still read
         order: list[str] = []
 
-        async def fetch(name: str, source: int, seconds: float) -> None:
-            async with memory.hold(source):
-                order.append(f"{name} in")
-                await asyncio.sleep(seconds)
-                order.append(f"{name} out")
-
         # Alone, past what is kept: goes ahead (the old rule waited for the kept bytes).
-        await asyncio.wait_for(fetch("alone", 50, 0.0), timeout=5)
+        await asyncio.wait_for(fetch(memory, order, "alone", 50, 0.0), timeout=5)
         # Beside a fetch in flight, it waits for that fetch, not for the kept bytes.
         await asyncio.wait_for(
-            asyncio.gather(fetch("first", 50, 0.05), fetch("second", 50, 0.0)), timeout=5
+            asyncio.gather(
+                fetch(memory, order, "first", 50, 0.05), fetch(memory, order, "second", 50, 0.0)
+            ),
+            timeout=5,
         )
         kept.release()
         assert memory.reserved == 0 and memory.fetching == 0
