@@ -257,7 +257,36 @@ def plan(
         )
     result.regions = dict(sorted(result.regions.items()))
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
+    _drop_unstaged_pins(result, regions)
     return result
+
+
+def _drop_unstaged_pins(result: Plan, regions: Mapping[str, RegionState]) -> None:
+    """Take out of ``result`` the pins of versions it will not stage where it pins them.
+
+    Every version a job reads is pinned first, and some are then reported as
+    unable to be met (larger than the region, no room, arriving after the job).
+    Pinned anyway, such a version holding no data yet had each shard a reader then
+    fetched through pinned in place: the version's own pin left no room for its
+    next shards, and training on it failed. A pin is kept where the version is
+    held already, where a task stages it (late, or for another job), and where the
+    region holds part of it: dropping that pin would leave a running job's shards
+    evictable mid-job while the rest cannot arrive in time. Rows that only report
+    a region's outage keep theirs (the outage is the news).
+    """
+    unmet: dict[str, set[str]] = defaultdict(set)
+    for row in result.infeasible:
+        if not row.unreachable:
+            unmet[row.region].add(row.version)
+    for region, specs in unmet.items():
+        region_plan, state = result.regions.get(region), regions.get(region)
+        if region_plan is None or state is None:
+            continue
+        kept = {task.version for task in region_plan.tasks}
+        kept |= set(state.resident) | {v for v, held in state.partial.items() if held}
+        for version in list(region_plan.pins):
+            if version not in kept and f"{version[0]}@{version[1]}" in specs:
+                del region_plan.pins[version]
 
 
 def _not_found(spec: str, why_missing: Mapping[str, str]) -> str:

@@ -17,7 +17,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -70,7 +70,6 @@ __all__ = [
     "evict",
     "foreign_pins",
     "gather_status",
-    "drop_unstaged_pins",
     "make_plan",
     "ready",
     "resolve_specs",
@@ -274,40 +273,7 @@ def make_plan(
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
-    held_in_part = {name: [v for v, b in r.partial.items() if b] for name, r in regions.items()}
-    drop_unstaged_pins(result, held_in_part)
     return result, manifests
-
-
-def drop_unstaged_pins(
-    result: Plan, partial: Mapping[str, Collection[VersionKey]] | None = None
-) -> None:
-    """Take out of ``result`` the pins of versions the plan will not stage where it pins them.
-
-    The planner pins every version a job reads, and then reports some of them as
-    unable to be met (larger than the region, no room, arriving after the job).
-    Pinned anyway, such a version holding no data yet had each shard a reader then
-    fetched through pinned in place: the version's own pin left no room for its
-    next shards, and training on it failed. A pin is kept where the version is
-    held already (no row for it), where a task stages it (late, or for another
-    job), and where the region holds part of it (``partial``: region → versions
-    partly held): dropping that pin would leave a running job's shards evictable
-    mid-job while the rest cannot arrive in time. Rows that only report a
-    region's outage keep theirs (the outage is the news).
-    """
-    partial = partial or {}
-    unmet: dict[str, set[str]] = {}
-    for row in result.infeasible:
-        if not row.unreachable:
-            unmet.setdefault(row.region, set()).add(row.version)
-    for region, specs in unmet.items():
-        region_plan = result.regions.get(region)
-        if region_plan is None:
-            continue
-        kept = {task.version for task in region_plan.tasks} | set(partial.get(region, ()))
-        for version in list(region_plan.pins):
-            if version not in kept and f"{version[0]}@{version[1]}" in specs:
-                del region_plan.pins[version]
 
 
 def foreign_pins(
