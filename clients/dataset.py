@@ -473,7 +473,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.epoch = 0
         self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
         self._remaining: Remaining | None = None  # None: the whole epoch is left
-        self._orders: dict[tuple[int, int], EpochOrder] = {}
+        self._orders: dict[tuple[int, int, bool], EpochOrder] = {}
+        # (seed, epoch) resumed from a state saved before format 5: read in its order.
+        self._permuted: tuple[int, int] | None = None
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
         self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
         self._last_pipeline: dict[str, float] = {}
@@ -722,6 +724,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     "epoch": self.epoch,
                     "cursor": self._cursor,
                     "remaining": None if self._remaining is None else self._remaining.to_json(),
+                    "permuted": self._permuted == (self.seed, self.epoch),
                 }
             )
         else:
@@ -748,6 +751,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             if position is not None:  # None: too large for shared memory (logged there)
                 seed, epoch = int(position["seed"]), int(position["epoch"])
                 remaining = position["remaining"]
+                self._permuted = (seed, epoch) if position.get("permuted") else None
                 self._origin = (
                     seed,
                     epoch,
@@ -782,7 +786,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._own_position, self._finished_stretch = True, None
 
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
-        key = (seed, epoch)
+        interleave = self._permuted != (seed, epoch)
+        key = (seed, epoch, interleave)
         order = self._orders.get(key)
         if order is None or order.remaining != (remaining or Remaining.whole(order.lane_lengths)):
             order = EpochOrder(
@@ -797,6 +802,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 shuffle_windows=self.shuffle_windows,
                 shuffle=self.shuffle,
                 remaining=remaining,
+                interleave=interleave,
             )
             self._orders = {key: order}  # one epoch at a time
         return order
@@ -965,6 +971,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             self._last_pipeline = {
                 "read_ahead_bytes": pipeline.read_ahead,
                 "held_peak_bytes": pipeline.held_peak,
+                "window_budget_bytes": pipeline.window_budget,
                 "fetch_wait_seconds": pipeline.fetch_wait_seconds,
                 "fetch_busy_seconds": pipeline.fetch_busy_seconds,
                 "windows_read": pipeline.windows_read,
@@ -1057,6 +1064,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             remaining=remaining,
             layout=layout,
             batches=cursor,
+            interleave=self._permuted != (seed, epoch),
         )
 
     def _say_uncounted(self) -> None:
@@ -1095,6 +1103,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             )
         self.seed, self.epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
+        self._permuted = None if resume.interleave else (resume.seed, resume.epoch)
         self._publish_position()
 
     # ---------------------------------------------------------------- stats
@@ -1104,8 +1113,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
         ``last_pipeline`` describes the last pass over the data this process
         finished or stopped: how far it read ahead, the decoded bytes it held
-        at most, how long it waited for and spent on reads, and how many
-        chunks its windows were decoded from (``window_chunks`` above
+        at most (beside its budget for the windows open at once), how long it
+        waited for and spent on reads, and how many chunks its windows were
+        decoded from (``window_chunks`` above
         ``windows_read`` means windows straddle chunks: see
         :mod:`edgecache.cache.row_grid`).
         """

@@ -3,7 +3,7 @@
 A state is a small dict of plain values (portable: JSON, torch.save, another
 region, another release of the same format)::
 
-    {"format": 4, "components": [{dataset, version, digest, weight}, …],
+    {"format": 5, "components": [{dataset, version, digest, weight}, …],
      "order": {seed-independent knobs that fix the global order},
      "seed", "epoch",
      "remaining": what was left of the epoch when this stretch of it began
@@ -39,9 +39,11 @@ __all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4
-# 3: ranks split each lane on their own (still resumed, elastically: see resume_from);
+FORMAT = 5
+# 4: blocks permuted at random, not interleaved (resumed in that order: see Resume);
+# 3: that and ranks splitting each lane on their own (resumed elastically, likewise);
 # 2: windows of equal size per shard; 1: before batch-level shuffling (both refused).
+PERMUTED_BLOCKS_FORMAT = 4
 PER_LANE_FORMAT = 3
 
 
@@ -54,6 +56,9 @@ class Resume:
     remaining: Remaining | None
     cursor: int
     elastic: bool
+    # False for a state saved before format 5: its epoch is read in the order it was
+    # saved in (blocks permuted, not interleaved), so that it resumes exactly.
+    interleave: bool = True
 
 
 def make_state(
@@ -65,10 +70,11 @@ def make_state(
     remaining: Remaining | None,
     layout: dict[str, Any],
     batches: int,
+    interleave: bool = True,
 ) -> dict[str, Any]:
-    """A state dict (see the module docstring)."""
+    """A state dict (see the module docstring); ``interleave=False`` for an older order's."""
     state: dict[str, Any] = {
-        "format": FORMAT,
+        "format": FORMAT if interleave else PERMUTED_BLOCKS_FORMAT,
         "components": [dict(c) for c in components],
         "order": dict(order),
         "seed": seed,
@@ -122,14 +128,16 @@ def resume_from(
     quietly (as before) made ``EdgeDataset(seed=10)`` read seed 9's epochs,
     this one and every later one.
     """
-    if not isinstance(state, dict) or state.get("format") not in (FORMAT, PER_LANE_FORMAT):
+    known = (FORMAT, PERMUTED_BLOCKS_FORMAT, PER_LANE_FORMAT)
+    if not isinstance(state, dict) or state.get("format") not in known:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise StateMismatch(
-            f"not an EdgeDataset state dict of format {FORMAT} or {PER_LANE_FORMAT} (got "
+            f"not an EdgeDataset state dict of format {', '.join(map(str, known))} (got "
             f"format {found!r}): states of format 1 (before batch-level shuffling) and 2 "
             "(before windows were aligned with chunks) describe another order and cannot be "
             "resumed exactly; start the epoch again with set_epoch(epoch)"
         )
+    interleave = state["format"] == FORMAT
     theirs = state.get("components", [])
     keys = [(c["dataset"], c["version"], c["digest"]) for c in theirs]
     ours = [(c["dataset"], c["version"], c["digest"]) for c in components]
@@ -166,7 +174,7 @@ def resume_from(
             f"with seed={state['seed']!r} to resume it (or start a new run with set_epoch)"
         )
     seed, epoch = int(state["seed"]), int(state["epoch"])
-    lengths = lane_lengths(seed, epoch)
+    lengths = lane_lengths(seed, epoch)  # the same in either order of blocks
     try:
         remaining = (
             None if state["remaining"] is None else Remaining.from_json(state["remaining"], lengths)
@@ -188,11 +196,11 @@ def resume_from(
         return Resume(seed, epoch + 1, None, 0, elastic=False)
     same = all(state[k] == layout[k] for k in ("world_size", "batch_size", "drop_last"))
     if same and not per_lane:
-        return Resume(seed, epoch, remaining, batches, elastic=False)
+        return Resume(seed, epoch, remaining, batches, elastic=False, interleave=interleave)
     left = start.after(
         state["world_size"], batch_size, state["drop_last"], batches, per_lane=per_lane
     )
-    return Resume(seed, epoch, left, 0, elastic=True)
+    return Resume(seed, epoch, left, 0, elastic=True, interleave=interleave)
 
 
 def _batch_count(state: dict[str, Any], start: Remaining, batch_size: int, per_lane: bool) -> int:

@@ -78,6 +78,7 @@ class EpochOrder:
         shuffle_windows: int = 16,
         shuffle: bool = True,
         remaining: Remaining | None = None,
+        interleave: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..world_size-1, got {rank=} {world_size=}")
@@ -93,6 +94,7 @@ class EpochOrder:
             lanes=lanes,
             shuffle_windows=shuffle_windows,
             shuffle=shuffle,
+            interleave=interleave,
         )
         self.lane_lengths = [lane.length for lane in self.order.lanes]
         self.remaining = remaining or Remaining.whole(self.lane_lengths)

@@ -339,7 +339,9 @@ class Pipeline:
         self._edges = EdgeChunks(limit=4 * len(order.order.lanes) * order.order.per_lane + 8)
         futures: dict[int, Future[_Loaded]] = {}
         refs: collections.Counter[int] = collections.Counter()
-        frontier: dict[int, int] = {}  # per lane: where the last planned batch starts
+        # Per lane: where the last planned batch ends. A lane's batches come in order, so
+        # a window none of them uses any more, with no sample at or past this, is done.
+        frontier: dict[int, int] = {}
         idle: set[int] = set()  # loaded windows no planned batch uses (yet)
         planned: collections.deque[Batch] = collections.deque()
         numbers = iter(self.numbers)
@@ -355,7 +357,7 @@ class Pipeline:
                 return
             batch = order.batch(number)
             for span in batch.spans:
-                frontier[span.lane] = max(frontier.get(span.lane, span.lo), span.lo)
+                frontier[span.lane] = max(frontier.get(span.lane, span.hi), span.hi)
             for piece in batch.pieces:
                 window = piece.window
                 refs[window] += 1

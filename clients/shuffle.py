@@ -36,10 +36,17 @@ is :mod:`edgecache.clients.partition`.
    where streams meet are read at the same time.
 4. **Blocks.** A lane's sequence is a series of *blocks*: block ``b`` takes
    the next few rows (``rows_per_stream``) of every stream of the lane and
-   permutes them. Consecutive samples, hence every batch, are drawn from all
-   ``shuffle_windows`` streams of the lane — from far-apart places in the
-   data — while each stream has only one window (two where it moves on)
-   open at a time: memory is about ``lanes * shuffle_windows`` windows.
+   interleaves them: each stream's rows keep their order and are spread evenly
+   over the block, and the streams take turns in a random order (every stream's
+   rows of a window are already a random choice of it). Consecutive samples,
+   hence every batch, are drawn from all ``shuffle_windows`` streams of the
+   lane in proportion — from far-apart places in the data — while each stream
+   has only one window open at a time, two only across the one place where it
+   moves on: memory is about ``lanes * shuffle_windows`` windows. (A block
+   permuted at random, as before state format 5, put a window's last rows
+   anywhere in the block: every stream held two windows for the whole block,
+   and the streams of a version whose windows are equal move on in the same
+   block, so the windows held doubled at every move.)
 
 With ``shuffle=False`` nothing is permuted and each lane has one stream: a
 lane reads its part of the data in order.
@@ -283,15 +290,17 @@ class Lane:
         seed: int,
         epoch: int,
         shuffle: bool,
+        interleave: bool = True,
     ) -> None:
         self.index = index
+        self.interleave = interleave
         self.starts, self.lengths = starts.astype(np.int64), lengths.astype(np.int64)
         self.backward = backward.astype(bool)
         self.length = int(self.lengths.sum())
         longest = int(self.lengths.max(initial=0))
         self.blocks = -(-longest // rows_per_stream) if longest else 0
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 
     def block_start(self, block: int | np.ndarray) -> int | np.ndarray:
         """Lane position where block ``block`` starts (``blocks`` gives the lane's length)."""
@@ -310,6 +319,15 @@ class Lane:
 
     def block(self, b: int) -> np.ndarray:
         """Epoch positions of block ``b``, in lane order."""
+        return self._block(b)[0]
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block ``b``'s epoch positions in lane order, where each row of it lands, and ``lo``.
+
+        The second array gives, for the block's rows taken stream by stream (each
+        stream's in reading order), its offset in the block; ``lo`` is each stream's
+        first row in it (reading order).
+        """
         cached = self._cache.get(b)
         if cached is not None:
             self._cache.move_to_end(b)
@@ -322,12 +340,32 @@ class Lane:
         index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - lo, counts)
         back = self.backward[streams]
         positions = self.starts[streams] + np.where(back, self.lengths[streams] - 1 - index, index)
+        lands = np.arange(len(positions))
         if self.shuffle:
-            positions = rng(self.seed, self.epoch, "block", self.index, b).permutation(positions)
-        self._cache[b] = positions
+            generator = rng(self.seed, self.epoch, "block", self.index, b)
+            if self.interleave:
+                # Each stream's rows are spread evenly over the block, in reading order,
+                # the streams taking turns in a random order: every stretch of the block
+                # draws from each stream in proportion, and a stream moves from one window
+                # to the next at one place in the block, not all over it (the old window
+                # can be dropped as soon as the lane is read past that place).
+                noise = generator.random(len(positions))
+                key = (index - np.repeat(lo, counts) + noise) / np.repeat(counts, counts)
+                order = np.argsort(key, kind="stable")
+            else:  # the order before state format 5, for resuming such a state
+                order = generator.permutation(len(positions))
+            positions = positions[order]
+            lands[order] = np.arange(len(order))
+        found = self._cache[b] = (positions, lands, lo)
         while len(self._cache) > 8:
             self._cache.popitem(last=False)
-        return positions
+        return found
+
+    def _lane_position(self, b: int, stream: int, row: int) -> int:
+        """Where row ``row`` (reading order) of ``stream``, which block ``b`` holds, lies."""
+        _, lands, lo = self._block(b)
+        before = int((((b + 1) * self.lengths[:stream]) // max(self.blocks, 1) - lo[:stream]).sum())
+        return int(self._block_starts[b]) + int(lands[before + row - int(lo[stream])])
 
     def positions(self, lo: int, hi: int) -> np.ndarray:
         """Epoch positions at lane positions ``[lo, hi)``."""
@@ -344,7 +382,9 @@ class Lane:
         return np.concatenate(parts)
 
     def span(self, stream: int, lo: int, hi: int) -> tuple[int, int]:
-        """Lane positions from the first to the end of the last block holding rows ``[lo, hi)``.
+        """Lane positions from the first holding one of rows ``[lo, hi)`` to just past the last.
+
+        (Of the blocks holding them, in an order whose blocks are permuted at random.)
 
         ``lo`` and ``hi`` count from the first epoch position of the lane's
         ``stream``-th stream (read from its end when it runs backward).
@@ -352,9 +392,17 @@ class Lane:
         length = int(self.lengths[stream])
         if self.backward[stream]:
             lo, hi = length - hi, length - lo
+        if hi <= lo:
+            raise ValueError(f"no rows in [{lo}, {hi}) of stream {stream}")
         first = ((lo + 1) * self.blocks - 1) // length
         last = (hi * self.blocks - 1) // length
-        return int(self._block_starts[first]), int(self._block_starts[last + 1])
+        if self.shuffle and not self.interleave:  # rows anywhere in their blocks
+            return int(self._block_starts[first]), int(self._block_starts[last + 1])
+        # Interleaved (or not shuffled), a stream's rows keep their reading order.
+        return (
+            self._lane_position(first, stream, lo),
+            self._lane_position(last, stream, hi - 1) + 1,
+        )
 
 
 def streams_per_lane(windows: int, lanes: int, shuffle_windows: int, shuffle: bool) -> int:
@@ -383,6 +431,7 @@ class GlobalOrder:
         lanes: int,
         shuffle_windows: int,
         shuffle: bool = True,
+        interleave: bool = True,
     ) -> None:
         if lanes < 1 or shuffle_windows < 1:
             raise ValueError(f"{lanes=} and {shuffle_windows=} must be positive")
@@ -425,6 +474,7 @@ class GlobalOrder:
                 seed=seed,
                 epoch=epoch,
                 shuffle=shuffle,
+                interleave=interleave,
             )
             for lane in range(lanes)
         ]
@@ -434,10 +484,10 @@ class GlobalOrder:
         self._ends: dict[tuple[int, int, int], list[int]] | None = None
 
     def unit_span(self, unit: int) -> tuple[int, int, int]:
-        """(lane, first, end) of the blocks that hold samples of ``unit``.
+        """(lane, first, end): lane positions ``[first, end)`` hold every sample of ``unit``.
 
-        Lane positions ``[first, end)`` run from the start of the first such
-        block to the end of the last; no other lane position holds one.
+        ``first`` holds its first sample and ``end - 1`` its last (other streams'
+        samples lie between them); no other lane position holds one.
         """
         stream = int(self.unit_stream[unit])
         lane = self.lanes[stream % self.lane_count]

@@ -122,7 +122,9 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
 
     consumed = []
     for rank in range(2):
-        order = make(rank).epoch_order()
+        old = make(rank)
+        old._permuted = (old.seed, old.epoch)  # format 3 also permuted blocks at random
+        order = old.epoch_order()
         order.ranks = RankBatches(order.remaining, 2, rank, 10, False, per_lane=True)
         for n in range(5):
             consumed += [s * ROWS + r for _, s, r in order.sample_ids(order.batch(n))]
@@ -133,6 +135,43 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
         ds.load_state_dict(state)
         rest += [x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]]
     assert sorted(consumed + [int(x) for x in rest]) == list(range(TOTAL))
+
+
+def test_a_state_saved_before_blocks_were_interleaved_resumes_exactly(node: LocalNode) -> None:
+    # States of format 4 were saved by a dataset whose blocks were permuted at random:
+    # the same batch cursor meant other samples within a block. Their epoch is read in
+    # that order, every sample once, at the same and at another world size; a state
+    # saved from it says format 4 again; the next epoch is interleaved.
+    def make(rank: int, world_size: int = 2) -> EdgeDataset:
+        return EdgeDataset(
+            "tokens@1", endpoints=node.address, batch_size=10, rank=rank, world_size=world_size
+        )
+
+    consumed = []
+    for rank in range(2):
+        old = make(rank)
+        old._permuted = (old.seed, old.epoch)
+        order = old.epoch_order()
+        for n in range(5):
+            consumed += [s * ROWS + r for _, s, r in order.sample_ids(order.batch(n))]
+    new = make(0).epoch_order()
+    assert consumed[:10] != [s * ROWS + r for _, s, r in new.sample_ids(new.batch(0))]
+    state = {**make(0).state_dict(batches=5), "format": 4}
+    for world_size in (2, 3):
+        rest = []
+        for rank in range(world_size):
+            ds = make(rank, world_size)
+            ds.load_state_dict(state)
+            if rank == 0 and world_size == 2:
+                assert ds.state_dict(batches=1)["format"] == 4
+            rest += [
+                x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]
+            ]
+        assert sorted(consumed + [int(x) for x in rest]) == list(range(TOTAL)), world_size
+    ds = make(0)
+    ds.load_state_dict(state)
+    list(ds)
+    assert ds.epoch == 1 and ds.state_dict(batches=0)["format"] == 5
 
 
 @pytest.mark.parametrize(
@@ -225,3 +264,28 @@ def test_a_numeric_column_with_nulls_names_the_version_and_the_fix(
     assert "nullable@1" in notes + str(raised.value)  # from a worker: in its message
     good = EdgeDataset("nullable@1", endpoints=node.address, batch_size=10, columns=["idx"])
     assert sorted(int(x) for b in good for x in b["idx"]) == list(range(100))
+
+
+def test_streams_moving_to_their_next_windows_do_not_double_what_is_held(node: LocalNode) -> None:
+    # Every stream of a version with windows of one size moves to its next window at
+    # the same point of the epoch. With blocks permuted at random each held two
+    # windows for the whole block, so the decoded windows held peaked at twice the
+    # budget; interleaved, one lane's streams at most hold two at a time.
+    ds = EdgeDataset(
+        "tokens@1",
+        endpoints=node.address,
+        batch_size=10,
+        lanes=4,
+        shuffle_windows=4,
+        window_bytes=200,
+        prefetch_bytes=0,
+    )
+    labels = [int(x) for b in ds for x in b["label"]]
+    assert sorted(labels) == list(range(TOTAL))
+    order, stats = ds.epoch_order(0), ds.stats()["last_pipeline"]
+    windows = order.order.windows
+    assert order.order.per_lane == 4 and len(windows) >= 128
+    largest = (
+        float(stats["window_budget_bytes"]) / (4 * 4) * windows.rows.max() / windows.rows.mean()
+    )
+    assert stats["held_peak_bytes"] <= stats["window_budget_bytes"] + 4 * largest
