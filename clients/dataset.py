@@ -358,8 +358,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         ragged: variable-length lists of numbers as ``"padded"`` (default: ``[B,
             longest]`` plus ``<name>_lengths``) or ``"packed"`` (a ``Packed``).
         prefetch_bytes: the most decoded bytes read ahead beyond the windows in use;
-            the read-ahead starts at two windows and grows while the consumer waits.
-            Per rank: DataLoader workers share it.
+            the read-ahead starts at two windows and grows while the consumer waits
+            (and reading is not the limit). Per rank: DataLoader workers share it.
+            32 MiB read as fast as 128 MiB on loopback, with less memory (see
+            docs/dataset.md "Read-ahead and memory").
         threads: fetch/decode threads per rank (DataLoader workers share them, at
             least one each).
         window_bytes: bytes of consecutive rows read and shuffled as one window
@@ -402,7 +404,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         pin_memory: bool | str = "auto",
         binary: BinaryForm = "packed",
         ragged: RaggedForm = "padded",
-        prefetch_bytes: int = 128 << 20,
+        prefetch_bytes: int = 32 << 20,
         threads: int = 2,
         window_bytes: int | None = None,
         shuffle_windows: int = 16,
