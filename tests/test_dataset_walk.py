@@ -289,3 +289,33 @@ def test_streams_moving_to_their_next_windows_do_not_double_what_is_held(node: L
         float(stats["window_budget_bytes"]) / (4 * 4) * windows.rows.max() / windows.rows.mean()
     )
     assert stats["held_peak_bytes"] <= stats["window_budget_bytes"] + 4 * largest
+
+
+def test_persistent_workers_read_a_format_4_state_loaded_after_they_started_in_its_order(
+    node: LocalNode,
+) -> None:
+    # The state reaches persistent workers through shared memory, not the pickled
+    # dataset: the order it was saved in must travel with it.
+    def make() -> EdgeDataset:
+        return EdgeDataset("tokens@1", endpoints=node.address, batch_size=10)
+
+    old = make()
+    old._permuted = (old.seed, 0)
+    order = old.epoch_order(0)
+    expected = [
+        sorted(s * ROWS + r for _, s, r in order.sample_ids(order.batch(n)))
+        for n in range(5, order.batch_count)
+    ]
+    ds = make()
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True
+    )
+    assert sum(len(b["label"]) for b in loader) == TOTAL  # the workers run, then wait
+    ds.load_state_dict({**make().state_dict(batches=5), "format": 4})
+    assert [sorted(int(x) for x in b["label"]) for b in loader] == expected
+    following = make().epoch_order(1)  # the next epoch is in today's order
+    assert [sorted(int(x) for x in b["label"]) for b in loader] == [
+        sorted(s * ROWS + r for _, s, r in following.sample_ids(following.batch(n)))
+        for n in range(following.batch_count)
+    ]
+    assert ds.state_dict(batches=0)["format"] == 5
