@@ -708,6 +708,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             self._restart_broken_pass()  # resuming means where it was put, as in workers
         if epoch != self.epoch:
             self.epoch, self._cursor, self._remaining = epoch, 0, None
+            self._permuted = None  # an old state's order was for its epoch only
         self._publish_position()
 
     def _publish_position(self) -> None:

@@ -97,6 +97,9 @@ class EpochOrder:
             interleave=interleave,
         )
         self.lane_lengths = [lane.length for lane in self.order.lanes]
+        for lane in self.order.lanes:  # a batch's blocks, and the next batch's, stay kept
+            block_rows = max(1, lane.length // max(lane.blocks, 1))
+            lane.cache_blocks = max(8, 4 + 2 * (batch_size // block_rows))
         self.remaining = remaining or Remaining.whole(self.lane_lengths)
         self.ranks = RankBatches(self.remaining, world_size, rank, batch_size, drop_last)
 

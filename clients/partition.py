@@ -32,6 +32,7 @@ starts, less what ranks consumed when a run is resumed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -307,6 +308,25 @@ class RankBatches:
         return [
             Span(lane, a, b) for lane, lo, hi in pieces for a, b in _slice(self.parts[lane], lo, hi)
         ]
+
+    def reached(self, number: int) -> list[float]:
+        """Lane positions where canonical batches from ``number`` on first read each lane.
+
+        ``inf`` for a lane they read no more of. A lane's part is read front to back
+        across canonical batches, so no batch from ``number`` on reads a position of
+        that lane before this: whoever reads them (a worker, a rank's later batch).
+        """
+        out: list[float] = []
+        for part, length, used in zip(self.parts, self.lengths, self.consumed(number), strict=True):
+            if used >= length:
+                out.append(math.inf)
+                continue
+            for a, b in part:
+                if used < b - a:
+                    out.append(a + used)
+                    break
+                used -= b - a
+        return out
 
     def consumed(self, steps: int) -> list[int]:
         """Samples of each lane part used by the first ``steps`` canonical batches."""

@@ -10,10 +10,13 @@ The assembler plans batches in canonical order (which window positions each
 holds, :meth:`EpochOrder.batch`) and submits the windows they need to the
 fetch threads in order of first need, planning further ahead while the
 decoded bytes held stay under the windows open at once plus a read-ahead
-that adapts to the consumer (see :class:`Pipeline`). A window is dropped once its
-lane has moved past the last block that holds any of its rows (no later
-batch can need it) and every planned batch using it was built: at any time a
-pipeline holds about one window per stream it reads, plus the read-ahead.
+that adapts to the consumer (see :class:`Pipeline`). A window is dropped once
+every planned batch using it was built and no later batch of this pipeline can
+need it: the canonical batches still to come read each lane from a known place
+on (:meth:`RankBatches.reached`), and all of the window's samples lie before it
+(the part another worker's lane or another rank reads is theirs). At any time a
+pipeline holds about one window per stream it reads, two for the streams of a
+lane where they move on, plus the read-ahead.
 
 Stopping early (a ``break``, ``close()``, garbage collection, a DataLoader
 worker's exit) cancels the reads and joins every thread before it returns:
@@ -345,13 +348,14 @@ class Pipeline:
         idle: set[int] = set()  # loaded windows no planned batch uses (yet)
         planned: collections.deque[Batch] = collections.deque()
         numbers = iter(self.numbers)
+        upcoming = next(numbers, None)  # the next batch to plan
         more = True
         held = 0.0
         building: collections.deque[Future[tuple[int, dict[str, object]]]] = collections.deque()
 
         def plan() -> None:
-            nonlocal more, held
-            number = next(numbers, None)
+            nonlocal more, held, upcoming
+            number, upcoming = upcoming, next(numbers, None)
             if number is None:
                 more = False
                 return
@@ -383,11 +387,20 @@ class Pipeline:
             return False
 
         def release() -> None:
-            """Drop windows that no planned or later batch can use."""
+            """Drop windows that no planned or later batch can use.
+
+            A later batch of this pipeline reads each lane from where the canonical
+            batches from the next one on start reading it: a window whose samples all
+            lie before that, in every lane holding some, is done here (the part of it
+            another worker's lane or another rank reads is theirs to read).
+            """
             nonlocal held
+            if not idle:
+                return
+            reached = order.ranks.reached(upcoming) if upcoming is not None else None
             for window in list(idle):
                 spans = order.order.window_spans(window)
-                if not more or all(frontier.get(lane, -1) >= end for lane, end in spans):
+                if reached is None or all(end <= reached[lane] for lane, end in spans):
                     idle.discard(window)
                     del futures[window]
                     held -= self._window_bytes(window)

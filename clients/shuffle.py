@@ -25,7 +25,9 @@ is :mod:`edgecache.clients.partition`.
    ``p(1-p)/per_lane`` (all or nothing with one window per batch).
 3. **Streams and lanes.** From a window chosen at random each epoch (and
    around), the sequence is cut into ``lanes * shuffle_windows`` *streams* of
-   about equal length (cut at window edges, so no window is read twice; fewer
+   equal length (inside a window where need be: both streams read it, at the
+   same time, so one reader decodes it once, but two DataLoader workers whose
+   lanes the streams are each decode it; fewer
    streams when there are fewer than ``MIN_STREAM_WINDOWS`` windows for each,
    :func:`streams_per_lane`: small versions get less mixing, not reads that
    cannot spread over the epoch or that ranks share; a version of 10 windows
@@ -294,6 +296,9 @@ class Lane:
     ) -> None:
         self.index = index
         self.interleave = interleave
+        # Blocks kept worked out: a batch's spans and positions need the blocks it
+        # covers, which :class:`EpochOrder` raises for batches of many blocks.
+        self.cache_blocks = 8
         self.starts, self.lengths = starts.astype(np.int64), lengths.astype(np.int64)
         self.backward = backward.astype(bool)
         self.length = int(self.lengths.sum())
@@ -349,7 +354,8 @@ class Lane:
                 # draws from each stream in proportion, and a stream moves from one window
                 # to the next at one place in the block, not all over it (the old window
                 # can be dropped as soon as the lane is read past that place).
-                noise = generator.random(len(positions))
+                # From the raw bit stream, which numpy keeps stable across releases.
+                noise = (generator.bit_generator.random_raw(len(positions)) >> 11) * 2.0**-53
                 key = (index - np.repeat(lo, counts) + noise) / np.repeat(counts, counts)
                 order = np.argsort(key, kind="stable")
             else:  # the order before state format 5, for resuming such a state
@@ -357,7 +363,7 @@ class Lane:
             positions = positions[order]
             lands[order] = np.arange(len(order))
         found = self._cache[b] = (positions, lands, lo)
-        while len(self._cache) > 8:
+        while len(self._cache) > self.cache_blocks:
             self._cache.popitem(last=False)
         return found
 

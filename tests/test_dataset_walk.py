@@ -172,6 +172,11 @@ def test_a_state_saved_before_blocks_were_interleaved_resumes_exactly(node: Loca
     ds.load_state_dict(state)
     list(ds)
     assert ds.epoch == 1 and ds.state_dict(batches=0)["format"] == 5
+    ds.set_epoch(0)  # epoch 0 again, from its start: today's order, as in a fresh process
+    fresh = make(0).epoch_order(0)
+    assert ds.epoch_order(0).sample_ids(ds.epoch_order(0).batch(0)) == fresh.sample_ids(
+        fresh.batch(0)
+    )
 
 
 @pytest.mark.parametrize(
@@ -319,3 +324,53 @@ def test_persistent_workers_read_a_format_4_state_loaded_after_they_started_in_i
         for n in range(following.batch_count)
     ]
     assert ds.state_dict(batches=0)["format"] == 5
+
+
+class _WithStats(torch.utils.data.IterableDataset):
+    """Each DataLoader worker's batches, then its pipeline's stats (workers keep their own)."""
+
+    def __init__(self, ds: EdgeDataset) -> None:
+        self.ds = ds
+
+    def __iter__(self):  # noqa: ANN204
+        for batch in self.ds:
+            yield {"label": batch["label"]}
+        info = torch.utils.data.get_worker_info()
+        yield {"worker": info.id, **self.ds.stats()["last_pipeline"]}
+
+
+@pytest.mark.parametrize("window_bytes", [200, 1500])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_workers_drop_windows_no_later_batch_of_theirs_reads_and_read_none_twice(
+    node: LocalNode, window_bytes: int, world_size: int
+) -> None:
+    # Where two streams meet, the window between them is read by the two workers
+    # whose lanes they are; each kept it all epoch (the other lane's frontier never
+    # moved there), so a worker held up to twice its budget (1500: 25,432 bytes of
+    # windows against 11,968). Dropped once none of its later batches reads it, and
+    # no window is read twice.
+    ds = EdgeDataset(
+        "tokens@1",
+        endpoints=node.address,
+        batch_size=10,
+        lanes=4,
+        shuffle_windows=4,
+        window_bytes=window_bytes,
+        prefetch_bytes=0,
+        rank=0,
+        world_size=world_size,
+    )
+    got = list(torch.utils.data.DataLoader(_WithStats(ds), batch_size=None, num_workers=2))
+    order = ds.epoch_order(0)
+    assert order.order.per_lane == 4
+    labels = [int(x) for item in got if "label" in item for x in item["label"]]
+    assert len(labels) == len(set(labels)) == order.samples
+    stats = {item["worker"]: item for item in got if "worker" in item}
+    windows = order.order.windows
+    largest = stats[0]["window_budget_bytes"] / 8 * windows.rows.max() / windows.rows.mean()
+    for worker in (0, 1):
+        read = {p.window for n in order.batches_for(worker, 2) for p in order.batch(n).pieces}
+        assert stats[worker]["windows_read"] == len(read), worker
+        if world_size == 1:  # a rank's edge holds a window or two more
+            held, budget = stats[worker]["held_peak_bytes"], stats[worker]["window_budget_bytes"]
+            assert held <= budget + 4 * largest + 1, (worker, held, budget)

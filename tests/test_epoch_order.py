@@ -322,3 +322,22 @@ def test_every_stretch_of_a_block_draws_from_its_streams_in_proportion(cfg: dict
                 seen = np.cumsum(streams == stream)
                 expected = np.arange(1, len(positions) + 1) * count / len(positions)
                 assert np.all(np.abs(seen - expected) <= 2), (b, stream)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=configs, drop_last=st.booleans())
+def test_reached_is_where_the_batches_from_there_on_first_read_each_lane(
+    cfg: dict, drop_last: bool
+) -> None:
+    # The pipeline drops a window whose samples all lie before this in every lane
+    # holding some: a later batch reading one of them would read the window again.
+    ranks = order_of(cfg, drop_last=drop_last).ranks
+    spans = [ranks.batch(n) for n in range(ranks.batch_count)]
+    for number in range(ranks.batch_count + 1):
+        reached = ranks.reached(number)
+        for lane in range(len(ranks.parts)):
+            later = [s.lo for batch in spans[number:] for s in batch if s.lane == lane]
+            if later:
+                assert reached[lane] == min(later), (number, lane)
+            else:  # only samples drop_last leaves out may be left (held, never read)
+                assert reached[lane] == float("inf") or drop_last, (number, lane)
