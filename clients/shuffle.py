@@ -327,11 +327,11 @@ class Lane:
         return self._block(b)[0]
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Block ``b``'s epoch positions in lane order, where each row of it lands, and ``lo``.
+        """Block ``b``'s epoch positions in lane order, where each row of it lands, and ``base``.
 
         The second array gives, for the block's rows taken stream by stream (each
-        stream's in reading order), its offset in the block; ``lo`` is each stream's
-        first row in it (reading order).
+        stream's in reading order), its offset in the block; row ``r`` (reading order)
+        of stream ``s`` is entry ``base[s] + r`` of it.
         """
         cached = self._cache.get(b)
         if cached is not None:
@@ -362,16 +362,15 @@ class Lane:
                 order = generator.permutation(len(positions))
             positions = positions[order]
             lands[order] = np.arange(len(order))
-        found = self._cache[b] = (positions, lands, lo)
+        found = self._cache[b] = (positions, lands, np.cumsum(counts) - counts - lo)
         while len(self._cache) > self.cache_blocks:
             self._cache.popitem(last=False)
         return found
 
     def _lane_position(self, b: int, stream: int, row: int) -> int:
         """Where row ``row`` (reading order) of ``stream``, which block ``b`` holds, lies."""
-        _, lands, lo = self._block(b)
-        before = int((((b + 1) * self.lengths[:stream]) // max(self.blocks, 1) - lo[:stream]).sum())
-        return int(self._block_starts[b]) + int(lands[before + row - int(lo[stream])])
+        _, lands, base = self._block(b)
+        return int(self._block_starts[b]) + int(lands[int(base[stream]) + row])
 
     def positions(self, lo: int, hi: int) -> np.ndarray:
         """Epoch positions at lane positions ``[lo, hi)``."""
