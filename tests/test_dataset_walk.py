@@ -271,20 +271,26 @@ def test_a_numeric_column_with_nulls_names_the_version_and_the_fix(
     assert sorted(int(x) for b in good for x in b["idx"]) == list(range(100))
 
 
-def test_streams_moving_to_their_next_windows_do_not_double_what_is_held(node: LocalNode) -> None:
-    # Every stream of a version with windows of one size moves to its next window at
-    # the same point of the epoch. With blocks permuted at random each held two
-    # windows for the whole block, so the decoded windows held peaked at twice the
-    # budget; interleaved, one lane's streams at most hold two at a time.
-    ds = EdgeDataset(
+def small_windows(node: LocalNode, window_bytes: int, **options: int) -> EdgeDataset:
+    """tokens@1 in windows of ``window_bytes``: 4 lanes of 4 streams, no read-ahead."""
+    return EdgeDataset(
         "tokens@1",
         endpoints=node.address,
         batch_size=10,
         lanes=4,
         shuffle_windows=4,
-        window_bytes=200,
+        window_bytes=window_bytes,
         prefetch_bytes=0,
+        **options,
     )
+
+
+def test_streams_moving_to_their_next_windows_do_not_double_what_is_held(node: LocalNode) -> None:
+    # Every stream of a version with windows of one size moves to its next window at
+    # the same point of the epoch. With blocks permuted at random each held two
+    # windows for the whole block, so the decoded windows held peaked at twice the
+    # budget; interleaved, one lane's streams at most hold two at a time.
+    ds = small_windows(node, 200)
     labels = [int(x) for b in ds for x in b["label"]]
     assert sorted(labels) == list(range(TOTAL))
     order, stats = ds.epoch_order(0), ds.stats()["last_pipeline"]
@@ -349,17 +355,7 @@ def test_workers_drop_windows_no_later_batch_of_theirs_reads_and_read_none_twice
     # moved there), so a worker held up to twice its budget (1500: 25,432 bytes of
     # windows against 11,968). Dropped once none of its later batches reads it, and
     # no window is read twice.
-    ds = EdgeDataset(
-        "tokens@1",
-        endpoints=node.address,
-        batch_size=10,
-        lanes=4,
-        shuffle_windows=4,
-        window_bytes=window_bytes,
-        prefetch_bytes=0,
-        rank=0,
-        world_size=world_size,
-    )
+    ds = small_windows(node, window_bytes, rank=0, world_size=world_size)
     got = list(torch.utils.data.DataLoader(_WithStats(ds), batch_size=None, num_workers=2))
     order = ds.epoch_order(0)
     assert order.order.per_lane == 4
