@@ -4,6 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from edgecache.cache import rendezvous
+
+
+class _Server(Protocol):
+    @property
+    def address(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Server)
+
+
+def ranked_first(
+    make: Callable[[], S], other: str, *, dataset: str = "tokens", version: int = 1, shard: int = 0
+) -> S:
+    """A server from ``make`` that rendezvous asks before ``other`` for a shard.
+
+    Peers are asked in rendezvous order per shard and a server's port is the OS's
+    choice, so a test that needs its faulty peer asked first draws ports until one
+    ranks first. The losers stay open until then: a port closed at once may be
+    handed out again by the next bind and lose again, every time (CI saw 64 in a row).
+    """
+    losers: list[S] = []
+    try:
+        for _ in range(64):
+            server = make()
+            first = rendezvous.rank([server.address, other], dataset, version, shard)[0]
+            if first == server.address:
+                return server
+            losers.append(server)
+        raise AssertionError(f"none of 64 ports ranked first for shard {shard}")
+    finally:
+        for server in losers:
+            server.close()
 
 
 class FaultyProxy:

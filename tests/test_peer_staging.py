@@ -13,9 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from edgeutil import publish, read_shard_table, shard_table, stub, write_parquet_shards
-from tcpproxy import FaultyProxy
+from tcpproxy import FaultyProxy, ranked_first
 
-from edgecache.cache import rendezvous
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
 
@@ -73,24 +72,11 @@ def test_copy_from_a_peer_never_touches_origin(site) -> None:
     assert again.shards_skipped == SHARDS and again.peer_bytes_done == 0
 
 
-def proxy_ranked_first(target: str, other: str) -> FaultyProxy:
-    """A proxy to ``target`` that rendezvous ranks before ``other`` for shard 0.
-
-    Peers are asked in rendezvous order per shard, and the proxy's port is random:
-    otherwise one run in sixteen asked ``other`` first for all four shards and the
-    proxy never carried a byte.
-    """
-    for _ in range(64):
-        proxy = FaultyProxy(target)
-        if rendezvous.rank([proxy.address, other], "tokens", 1, 0)[0] == proxy.address:
-            return proxy
-        proxy.close()
-    raise AssertionError("no proxy port ranked first in 64 tries")
-
-
 def test_a_peer_cut_mid_shard_is_resumed_on_the_next_peer(site) -> None:
     _, nodes = site
-    proxy = proxy_ranked_first(nodes["eu-1"].address, nodes["eu-2"].address)
+    # Peers are asked in rendezvous order per shard: otherwise one run in sixteen asked
+    # eu-2 first for all four shards and the proxy never carried a byte.
+    proxy = ranked_first(lambda: FaultyProxy(nodes["eu-1"].address), nodes["eu-2"].address)
     (held,) = [v for v in status(nodes["eu-1"].address).versions if v.dataset == "tokens"]
     try:
         proxy.cut_after(held.stored_bytes // SHARDS // 2)  # inside the first shard it sends

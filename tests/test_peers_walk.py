@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 from edgeutil import publish, stub, write_parquet_shards
-from tcpproxy import FaultyProxy
+from tcpproxy import FaultyProxy, ranked_first
 from tlsutil import make_pki
 
 from edgecache.cache import rendezvous
@@ -119,16 +119,6 @@ def notes_for(progress: edge_pb2.StageProgress, shard: int) -> list[str]:
     return [note for note in progress.notes if note.startswith(f"shard {shard}:")]
 
 
-def proxy_ranked_first(target: str, other: str, shard: int = 0) -> FaultyProxy:
-    """A proxy to ``target`` that rendezvous asks before ``other`` for ``shard``."""
-    for _ in range(64):
-        proxy = FaultyProxy(target)
-        if rendezvous.rank([proxy.address, other], "tokens", 1, shard)[0] == proxy.address:
-            return proxy
-        proxy.close()
-    raise AssertionError("no proxy port ranked first in 64 tries")
-
-
 def stored_size(node: NodeServer) -> int:
     return sum(v.stored_bytes for v in status(node.address).versions if v.dataset == "tokens")
 
@@ -187,7 +177,7 @@ def test_a_peer_that_hangs_mid_shard_is_left_for_the_next_within_seconds(
     site: Site, tmp_path: Path
 ) -> None:
     one, two = site.eu
-    proxy = proxy_ranked_first(one.address, two.address)
+    proxy = ranked_first(lambda: FaultyProxy(one.address), two.address)
     try:
         proxy.stall_after(stored_size(one) // SHARDS // 2)
         with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
@@ -249,13 +239,8 @@ def test_a_peer_dripping_chunks_is_left_for_the_next_once_below_the_rate_floor(
     monkeypatch.setattr(peer_copy, "MIN_PEER_RATE", 512 << 10)
     chunk_counts = [len(frames(one.address, shard)) for shard in range(SHARDS)]
     assert min(chunk_counts) >= 6, chunk_counts  # a drip of 3 s a chunk: 15 s or more a shard
-    for _ in range(64):  # a port that rendezvous asks before the healthy peer for shard 0
-        drip = DripPeer(one.address, gap=3.0)
-        if rendezvous.rank([drip.address, two.address], "tokens", 1, 0)[0] == drip.address:
-            break
-        drip.close()
-    else:
-        raise AssertionError("no drip port ranked first in 64 tries")
+    # a port that rendezvous asks before the healthy peer for shard 0
+    drip = ranked_first(lambda: DripPeer(one.address, gap=3.0), two.address)
     try:
         first = [
             s
@@ -307,7 +292,7 @@ def test_a_peer_killed_mid_shard_is_left_for_the_next(site: Site, tmp_path: Path
     proxy: FaultyProxy | None = None
     try:
         assert stage(victim.address, []).shards_done == SHARDS
-        proxy = proxy_ranked_first(victim.address, two.address)
+        proxy = ranked_first(lambda: FaultyProxy(victim.address), two.address)
         proxy.stall_after(stored_size(two) // SHARDS // 2)
         with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
             result: list[edge_pb2.StageProgress] = []
