@@ -14,13 +14,15 @@ import re
 
 import grpc
 
-__all__ = ["SINK_PART", "smaller_part", "too_large", "too_many_streams"]
+__all__ = ["AT_MAX_STREAMS", "SINK_PART", "smaller_part", "too_large", "too_many_streams"]
 
 SINK_PART = 512 << 10  # each upload message, unless the node's max_request_bytes is less
-# gRPC's words when a node refuses a message over its max_request_bytes (the limit last)
-# and a call over its max_streams.
+# gRPC's words when a node refuses a message over its max_request_bytes (the limit last).
 _TOO_LARGE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
-_TOO_MANY = "Concurrent RPC limit"
+# A node's words when it refuses a call over its max_streams (edge/call_limits.py), and
+# gRPC's, which nodes before it let refuse such calls.
+AT_MAX_STREAMS = "at its max_streams (concurrent calls)"
+_TOO_MANY = (AT_MAX_STREAMS, "Concurrent RPC limit")
 _FRAMING = 6  # a SinkChunk's bytes beyond its data: the field's tag and length varint
 _LEAST_PART = 256  # fits the least max_request_bytes (1 KiB) with room for framing
 
@@ -32,7 +34,8 @@ def too_large(exc: grpc.RpcError) -> bool:
 
 def too_many_streams(exc: grpc.RpcError) -> bool:
     """Whether a call was refused for the node's ``max_streams`` (concurrent calls)."""
-    return _TOO_MANY in (exc.details() or "")
+    details = exc.details() or ""
+    return any(words in details for words in _TOO_MANY)
 
 
 def smaller_part(part: int, exc: grpc.RpcError) -> int | None:

@@ -185,7 +185,10 @@ class NodeConfig(BaseModel):
         1 << 20, ge=1 << 10, le=64 << 20, description="Larger requests are refused unparsed"
     )
     max_streams: int = Field(
-        256, ge=1, le=65536, description="Concurrent RPCs; beyond them RESOURCE_EXHAUSTED"
+        256,
+        ge=1,
+        le=65536,
+        description="Concurrent calls, health Check aside; beyond them RESOURCE_EXHAUSTED",
     )
     preprocess_threads: int | None = Field(
         None,

@@ -36,15 +36,10 @@ from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.storage import s3
+from edgecache.edge.call_limits import CallLimit, OpenStreamLimit, open_stream_limit
 from edgecache.edge.config import NodeConfig, read_pem, split_hostport
 from edgecache.edge.node import EdgeNode
-from edgecache.edge.service import (
-    SERVICE_NAME,
-    EdgeCacheService,
-    OpenStreamLimit,
-    TokenAuthInterceptor,
-    open_stream_limit,
-)
+from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
 
 __all__ = ["CHANNEL_OPTIONS", "NodeServer", "exposure", "running_node", "serve_forever"]
 
@@ -311,10 +306,11 @@ class NodeServer:
                         "--metrics-listen: "
                         + _bind_failure(config.metrics_listen, "--metrics-listen", exc)
                     ) from exc
-            # Token-free Watch and reflection streams get a small share of max_streams of
-            # their own, so callers without a token cannot hold every slot (see OpenStreamLimit).
+            # max_streams, and the small share of it token-free Watch and reflection
+            # streams may hold (edge/call_limits.py says why not maximum_concurrent_rpcs).
             interceptors: list[aio.ServerInterceptor] = [
-                OpenStreamLimit(open_stream_limit(config.max_streams))
+                CallLimit(config.max_streams),
+                OpenStreamLimit(open_stream_limit(config.max_streams)),
             ]
             if admin_token or read_token:
                 interceptors.append(TokenAuthInterceptor(admin_token, read_token))
@@ -326,9 +322,6 @@ class NodeServer:
                     *_SERVER_OPTIONS,
                     ("grpc.max_receive_message_length", config.max_request_bytes),
                 ],
-                # Each stream holds a chunk in gRPC's buffers: a cap on streams is a cap
-                # on that memory. Beyond it callers get RESOURCE_EXHAUSTED and retry.
-                maximum_concurrent_rpcs=config.max_streams,
             )
             server.add_generic_rpc_handlers((EdgeCacheService(node).generic_handler(),))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -58,7 +57,6 @@ from edgecache.v1 import edge_pb2, manifest_pb2
 __all__ = [
     "SERVICE_NAME",
     "EdgeCacheService",
-    "OpenStreamLimit",
     "TokenAuthInterceptor",
     "status_for",
 ]
@@ -671,107 +669,6 @@ def _message_class(full_name: str) -> Any:
         if full_name.startswith(module.DESCRIPTOR.package + ".") and hasattr(module, name):
             return getattr(module, name)
     raise LookupError(full_name)
-
-
-# The long-lived streams anyone may open without a token: health Watch and reflection.
-OPEN_STREAM_METHODS = frozenset(
-    {
-        "/grpc.health.v1.Health/Watch",
-        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-    }
-)
-
-
-def open_stream_limit(max_streams: int) -> int:
-    """How many token-free streams (OPEN_STREAM_METHODS) may be open at once.
-
-    An eighth of ``max_streams``, between 1 and 16: a load balancer or two
-    watching health, and a grpcurl session, fit; the rest of ``max_streams``
-    always stays for callers with a token.
-    """
-    return max(1, min(16, max_streams // 8))
-
-
-class OpenStreamLimit(aio.ServerInterceptor):
-    """Refuse token-free long-lived streams beyond ``limit`` at once (RESOURCE_EXHAUSTED).
-
-    Every RPC counts against the server's ``maximum_concurrent_rpcs``
-    (``max_streams``), and health Watch and reflection streams need no token
-    and stay open as long as the caller likes: without a cap of their own,
-    anyone who reaches the port could hold every slot and leave readers with
-    RESOURCE_EXHAUSTED. The count is kept where the call runs (not when it
-    arrives), so it is released however the stream ends. Unary health Check
-    is not counted: it ends at once.
-    """
-
-    def __init__(self, limit: int, methods: frozenset[str] = OPEN_STREAM_METHODS) -> None:
-        self.limit = limit
-        self.open = 0  # such streams running now (one event loop: no lock needed)
-        self._methods = methods
-
-    def _refusal(self, method: str) -> str:
-        return (
-            f"{method.rsplit('/', 1)[-1]} refused: {self.open} token-free health Watch and "
-            f"reflection streams are open on this port, its limit of {self.limit} (they share "
-            "max_streams with reads); poll grpc.health.v1.Health/Check instead, or watch "
-            "health on the node's probe port (--probe-listen), which has no such limit"
-        )
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        """Count a token-free stream while it runs, or refuse it beyond the limit."""
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method not in self._methods or not handler.response_streaming:
-            return handler
-        # grpc's stubs type behaviours as synchronous; on an aio server they are async.
-        behavior: Callable[..., Any] | None = (
-            handler.stream_stream if handler.request_streaming else handler.unary_stream
-        )
-        if behavior is None:
-            return handler
-
-        async def admit(context: aio.ServicerContext) -> None:
-            if self.open >= self.limit:
-                log.warning("%s", self._refusal(method))
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._refusal(method))
-            self.open += 1
-
-        # gRPC runs an async generator by iterating it and a coroutine (health Watch, which
-        # writes with context.write) by awaiting it: keep the behaviour's own kind.
-        if inspect.isasyncgenfunction(behavior):
-
-            async def counted(request: Any, context: aio.ServicerContext) -> Any:
-                await admit(context)
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                finally:
-                    self.open -= 1
-
-        else:
-
-            async def counted(request: Any, context: aio.ServicerContext) -> Any:  # type: ignore[misc]
-                await admit(context)
-                try:
-                    return await behavior(request, context)
-                finally:
-                    self.open -= 1
-
-        make = (
-            grpc.stream_stream_rpc_method_handler
-            if handler.request_streaming
-            else grpc.unary_stream_rpc_method_handler
-        )
-        return make(
-            counted,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):

@@ -8,6 +8,7 @@ no rows, too large), and records the metadata a staging node sends it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -30,12 +31,14 @@ from typer.testing import CliRunner
 
 from edgecache.cache.frame import Codec, pack_frame, read_header
 from edgecache.cache.registry import Registry
+from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.wire import encode_chunk
+from edgecache.clients.channels import health_pings
 from edgecache.clients.cli import app
+from edgecache.edge.call_limits import open_stream_limit
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.peers import copy_byte_limit
 from edgecache.edge.server import exposure, running_node
-from edgecache.edge.service import open_stream_limit
 from edgecache.v1 import edge_pb2
 
 ROWS = 500
@@ -118,6 +121,53 @@ def test_token_free_watch_streams_cannot_take_the_readers_slots(site, tmp_path: 
                 assert time.monotonic() < deadline, "the Watch slots were never released"
                 time.sleep(0.05)
         assert "edgecache.v1.EdgeCache" in names
+
+
+def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting(
+    site, tmp_path: Path
+) -> None:
+    """gRPC's maximum_concurrent_rpcs counted health Check too: a node serving max_streams
+    calls failed every health check, so readers probing it and `edgecache status` called a
+    busy node unreachable, and the refusal ("Concurrent RPC limit exceeded!") named nothing
+    to change. Every other call is still refused at the limit, and a slot comes back."""
+    _, registry = site
+    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
+        client = stub(node.address)
+        release = threading.Event()
+
+        def held_open() -> Iterator[edge_pb2.SinkChunk]:
+            yield edge_pb2.SinkChunk(data=b"x")
+            release.wait(30)
+
+        uploads = [client.Sink.future(held_open(), timeout=60) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 10
+            while True:  # until both uploads run on the node
+                try:
+                    client.Status(edge_pb2.StatusRequest(), timeout=5)
+                except grpc.RpcError as exc:
+                    refused = exc
+                    break
+                assert time.monotonic() < deadline, "two open Sink calls never filled max_streams"
+                time.sleep(0.05)
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert too_many_streams(refused), refused.details()
+            assert "2 of 2" in refused.details() and "$EDGECACHE_MAX_STREAMS" in refused.details()
+            read = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+            error = rpc_error(lambda: client.ReadShard(read, timeout=5))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Health checks answer, and the clients' probe sees a reachable node.
+            with grpc.insecure_channel(node.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                pings = health_pings(channel, pings=3)
+                assert pings.lost == 0 and pings.rtt_ms is not None, pings.error
+        finally:
+            release.set()
+        assert all(upload.result(timeout=30).bytes == 1 for upload in uploads)
+        assert sum(c.rows for c in client.ReadShard(read, timeout=30)) == ROWS
 
 
 # --- 2 and 3. a hostile peer --------------------------------------------------------------

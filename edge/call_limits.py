@@ -1,0 +1,174 @@
+"""How many calls a node runs at once: ``max_streams``, and the share token-free streams may hold.
+
+Each running call holds a chunk or a request in gRPC's buffers, so a cap on
+calls is a cap on that memory: beyond ``max_streams`` a call is refused with
+RESOURCE_EXHAUSTED, and readers fail over or retry. The cap is counted here,
+not with gRPC's ``maximum_concurrent_rpcs``, for two reasons. gRPC's counts
+every call, health ``Check`` too: a node busy serving ``max_streams`` reads
+failed its health checks, so readers probing it and ``edgecache status``
+called a busy node unreachable. And gRPC refuses in its own words
+("Concurrent RPC limit exceeded!"), which say nothing of the setting to change.
+Unary health ``Check`` is never counted: it holds nothing and ends at once.
+
+Health ``Watch`` and reflection streams need no token and stay open as long as
+their caller likes, so they get a small share of their own
+(:class:`OpenStreamLimit`): anyone who reaches the port could otherwise hold
+every slot and leave readers with RESOURCE_EXHAUSTED.
+
+Counts are kept where the call runs (one event loop: no lock), not when it
+arrives, so a slot is given back however the call ends.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from edgecache.cache.sink_sizing import AT_MAX_STREAMS
+
+__all__ = [
+    "HEALTH_CHECK",
+    "OPEN_STREAM_METHODS",
+    "CallLimit",
+    "OpenStreamLimit",
+    "open_stream_limit",
+]
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# The long-lived streams anyone may open without a token: health Watch and reflection.
+OPEN_STREAM_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
+# Where a call's behaviour sits in a handler, and how to build one, by
+# (request_streaming, response_streaming).
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def open_stream_limit(max_streams: int) -> int:
+    """How many token-free streams (OPEN_STREAM_METHODS) may be open at once.
+
+    An eighth of ``max_streams``, between 1 and 16: a load balancer or two
+    watching health, and a grpcurl session, fit; the rest of ``max_streams``
+    always stays for callers with a token.
+    """
+    return max(1, min(16, max_streams // 8))
+
+
+class _Counted(aio.ServerInterceptor):
+    """Runs the calls it counts only while fewer than ``limit`` of them run."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0  # counted calls running now
+
+    def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        """Whether calls of ``method`` count against the limit."""
+        raise NotImplementedError
+
+    def _refusal(self, method: str) -> str:
+        """What a refused caller reads: what is full, and what to do."""
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """The handler, its behaviour counted while it runs (refused beyond the limit)."""
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not self._counts(method, handler):
+            return handler
+        attribute, make = _KINDS[(handler.request_streaming, handler.response_streaming)]
+        # grpc's stubs type behaviours as synchronous; on an aio server they are async.
+        behavior: Callable[..., Any] | None = getattr(handler, attribute)
+        if behavior is None:
+            return handler
+
+        async def admit(context: aio.ServicerContext) -> None:
+            if self.open >= self.limit:
+                message = self._refusal(method)
+                log.warning("%s", message)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            self.open += 1
+
+        # gRPC iterates an async generator and awaits a coroutine (health Watch writes
+        # with context.write): keep the behaviour's own kind.
+        if inspect.isasyncgenfunction(behavior):
+
+            async def counted(request: Any, context: aio.ServicerContext) -> Any:
+                await admit(context)
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                finally:
+                    self.open -= 1
+
+        else:
+
+            async def counted(request: Any, context: aio.ServicerContext) -> Any:  # type: ignore[misc]
+                await admit(context)
+                try:
+                    return await behavior(request, context)
+                finally:
+                    self.open -= 1
+
+        return make(
+            counted,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class CallLimit(_Counted):
+    """``max_streams``: every call but unary health ``Check``, refused beyond it.
+
+    The refusal names the setting, so that a person reading a reader's error
+    (or a peer's ``doctor`` report) knows what to raise.
+    """
+
+    def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return method != HEALTH_CHECK
+
+    def _refusal(self, method: str) -> str:
+        return (
+            f"{method.rsplit('/', 1)[-1]} refused: this node is {AT_MAX_STREAMS}, "
+            f"{self.open} of {self.limit} running. Readers retry and fail over to other nodes; "
+            "if this node has memory to spare, raise max_streams ($EDGECACHE_MAX_STREAMS or "
+            "its config file), or add a replica to the region"
+        )
+
+
+class OpenStreamLimit(_Counted):
+    """Token-free long-lived streams (OPEN_STREAM_METHODS), refused beyond ``limit``."""
+
+    def __init__(self, limit: int, methods: frozenset[str] = OPEN_STREAM_METHODS) -> None:
+        super().__init__(limit)
+        self._methods = methods
+
+    def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return method in self._methods and handler.response_streaming
+
+    def _refusal(self, method: str) -> str:
+        return (
+            f"{method.rsplit('/', 1)[-1]} refused: {self.open} token-free health Watch and "
+            f"reflection streams are open on this port, its limit of {self.limit} (they share "
+            "max_streams with reads); poll grpc.health.v1.Health/Check instead, or watch "
+            "health on the node's probe port (--probe-listen), which has no such limit"
+        )
