@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +35,7 @@ from edgecache.cache.sink_sizing import AT_MAX_STREAMS
 
 __all__ = [
     "HEALTH_CHECK",
+    "LOG_EVERY",
     "OPEN_STREAM_METHODS",
     "CallLimit",
     "OpenStreamLimit",
@@ -42,6 +45,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+LOG_EVERY = 10.0  # seconds between warnings of refusals, per limit
 # The long-lived streams anyone may open without a token: health Watch and reflection.
 OPEN_STREAM_METHODS = frozenset(
     {
@@ -71,11 +75,32 @@ def open_stream_limit(max_streams: int) -> int:
 
 
 class _Counted(aio.ServerInterceptor):
-    """Runs the calls it counts only while fewer than ``limit`` of them run."""
+    """Runs the calls it counts only while fewer than ``limit`` of them run.
 
-    def __init__(self, limit: int) -> None:
+    ``refused`` is told of each refusal (the node's counter of them). The log
+    says so at most every LOG_EVERY seconds, with how many went unsaid: a node
+    at its limit refuses calls as fast as readers retry them.
+    """
+
+    def __init__(self, limit: int, refused: Callable[[], object] | None = None) -> None:
         self.limit = limit
         self.open = 0  # counted calls running now
+        self.refused = 0  # calls refused so far
+        self._on_refusal = refused
+        self._logged_at = -math.inf
+        self._unlogged = 0  # refusals since the last one logged
+
+    def _refuse(self, message: str) -> None:
+        self.refused += 1
+        if self._on_refusal is not None:
+            self._on_refusal()
+        now = time.monotonic()
+        if now - self._logged_at < LOG_EVERY:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more refused since the last such warning)"
+        log.warning("%s%s", message, more if self._unlogged else "")
+        self._logged_at, self._unlogged = now, 0
 
     def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
         """Whether calls of ``method`` count against the limit."""
@@ -104,7 +129,7 @@ class _Counted(aio.ServerInterceptor):
         async def admit(context: aio.ServicerContext) -> None:
             if self.open >= self.limit:
                 message = self._refusal(method)
-                log.warning("%s", message)
+                self._refuse(message)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             self.open += 1
 
@@ -158,8 +183,13 @@ class CallLimit(_Counted):
 class OpenStreamLimit(_Counted):
     """Token-free long-lived streams (OPEN_STREAM_METHODS), refused beyond ``limit``."""
 
-    def __init__(self, limit: int, methods: frozenset[str] = OPEN_STREAM_METHODS) -> None:
-        super().__init__(limit)
+    def __init__(
+        self,
+        limit: int,
+        refused: Callable[[], object] | None = None,
+        methods: frozenset[str] = OPEN_STREAM_METHODS,
+    ) -> None:
+        super().__init__(limit, refused)
         self._methods = methods
 
     def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:

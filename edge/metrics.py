@@ -78,6 +78,16 @@ class NodeMetrics:
             "edgecache_registry_retries_total",
             "Registry requests retried (manifests and version lists)",
         ).labels(**labels)
+        refused_calls = counter(
+            "edgecache_refused_calls_total",
+            "Calls refused RESOURCE_EXHAUSTED at a limit on calls running at once: max_streams, "
+            "or open_streams (the token-free health Watch and reflection streams' share of it)",
+            ("limit",),
+        )
+        self.refused_calls = {
+            limit: refused_calls.labels(**labels, limit=limit)
+            for limit in ("max_streams", "open_streams")
+        }
         self._staged = counter(
             "edgecache_staged_shards_total", "Shards handled by staging, by result", ("result",)
         )

@@ -309,8 +309,11 @@ class NodeServer:
             # max_streams, and the small share of it token-free Watch and reflection
             # streams may hold (edge/call_limits.py says why not maximum_concurrent_rpcs).
             interceptors: list[aio.ServerInterceptor] = [
-                CallLimit(config.max_streams),
-                OpenStreamLimit(open_stream_limit(config.max_streams)),
+                CallLimit(config.max_streams, node.metrics.refused_calls["max_streams"].inc),
+                OpenStreamLimit(
+                    open_stream_limit(config.max_streams),
+                    node.metrics.refused_calls["open_streams"].inc,
+                ),
             ]
             if admin_token or read_token:
                 interceptors.append(TokenAuthInterceptor(admin_token, read_token))

@@ -7,6 +7,7 @@ no rows, too large), and records the metadata a staging node sends it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -35,7 +36,8 @@ from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.wire import encode_chunk
 from edgecache.clients.channels import health_pings
 from edgecache.clients.cli import app
-from edgecache.edge.call_limits import open_stream_limit
+from edgecache.clients.dataset import EdgeDataset
+from edgecache.edge import call_limits
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.peers import copy_byte_limit
 from edgecache.edge.server import exposure, running_node
@@ -73,7 +75,7 @@ def test_token_free_watch_streams_cannot_take_the_readers_slots(site, tmp_path: 
     max_streams of them (no token needed) left every reader RESOURCE_EXHAUSTED."""
     root, registry = site
     settings = node_settings(tmp_path, registry, read_token_file=root / "read", max_streams=16)
-    limit = open_stream_limit(16)
+    limit = call_limits.open_stream_limit(16)
     assert limit == 2
     with running_node(settings) as node:
         channel = grpc.insecure_channel(node.address)
@@ -123,6 +125,33 @@ def test_token_free_watch_streams_cannot_take_the_readers_slots(site, tmp_path: 
         assert "edgecache.v1.EdgeCache" in names
 
 
+@contextlib.contextmanager
+def slots_held(address: str, calls: int) -> Iterator[threading.Event]:
+    """``calls`` Sink uploads held open on a node until the event is set (or the block ends)."""
+    client = stub(address)
+    release = threading.Event()
+
+    def held_open() -> Iterator[edge_pb2.SinkChunk]:
+        yield edge_pb2.SinkChunk(data=b"x")
+        release.wait(30)
+
+    uploads = [client.Sink.future(held_open(), timeout=60) for _ in range(calls)]
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # until every upload runs on the node: a call then is refused
+            try:
+                client.Status(edge_pb2.StatusRequest(), timeout=5)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                break
+            assert time.monotonic() < deadline, f"{calls} open Sink calls never filled max_streams"
+            time.sleep(0.05)
+        yield release
+    finally:
+        release.set()
+        assert all(upload.result(timeout=30).bytes == 1 for upload in uploads)
+
+
 def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting(
     site, tmp_path: Path
 ) -> None:
@@ -133,27 +162,12 @@ def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting
     _, registry = site
     with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
         client = stub(node.address)
-        release = threading.Event()
-
-        def held_open() -> Iterator[edge_pb2.SinkChunk]:
-            yield edge_pb2.SinkChunk(data=b"x")
-            release.wait(30)
-
-        uploads = [client.Sink.future(held_open(), timeout=60) for _ in range(2)]
-        try:
-            deadline = time.monotonic() + 10
-            while True:  # until both uploads run on the node
-                try:
-                    client.Status(edge_pb2.StatusRequest(), timeout=5)
-                except grpc.RpcError as exc:
-                    refused = exc
-                    break
-                assert time.monotonic() < deadline, "two open Sink calls never filled max_streams"
-                time.sleep(0.05)
+        read = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+        with slots_held(node.address, 2):
+            refused = rpc_error(lambda: client.Status(edge_pb2.StatusRequest(), timeout=5))
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert too_many_streams(refused), refused.details()
             assert "2 of 2" in refused.details() and "$EDGECACHE_MAX_STREAMS" in refused.details()
-            read = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
             error = rpc_error(lambda: client.ReadShard(read, timeout=5))
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             # Health checks answer, and the clients' probe sees a reachable node.
@@ -164,10 +178,44 @@ def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 pings = health_pings(channel, pings=3)
                 assert pings.lost == 0 and pings.rtt_ms is not None, pings.error
-        finally:
-            release.set()
-        assert all(upload.result(timeout=30).bytes == 1 for upload in uploads)
         assert sum(c.rows for c in client.ReadShard(read, timeout=30)) == ROWS
+        assert node.node is not None
+        counted = node.node.metrics.value("edgecache_refused_calls_total", limit="max_streams")
+        assert counted >= 3  # the helper's Status, and the two above
+
+
+def test_refusals_at_the_limit_are_logged_at_most_every_few_seconds_with_a_count(
+    site, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node at its limit refuses calls as fast as readers retry: one warning per refusal
+    would flood its log, so it says the first and then how many went unsaid."""
+    _, registry = site
+    caplog.set_level(logging.WARNING, logger=call_limits.__name__)
+    with running_node(node_settings(tmp_path, registry, max_streams=1)) as node:
+        client = stub(node.address)
+        with slots_held(node.address, 1):
+            for _ in range(5):
+                rpc_error(lambda: client.Status(edge_pb2.StatusRequest(), timeout=5))
+            monkeypatch.setattr(call_limits, "LOG_EVERY", 0.0)
+            rpc_error(lambda: client.Status(edge_pb2.StatusRequest(), timeout=5))
+    said = [r.getMessage() for r in caplog.records if r.name == call_limits.__name__]
+    assert len(said) == 2, said  # the helper's first refusal, then the last with the count
+    assert "at its max_streams" in said[0] and "more refused" not in said[0]
+    assert said[1].endswith("(5 more refused since the last such warning)"), said[1]
+
+
+def test_a_reader_starting_beside_a_busy_node_waits_for_a_slot(site, tmp_path: Path) -> None:
+    """A node at its max_streams refused EdgeDataset's GetManifest and the dataset failed at
+    once with that refusal (which says readers retry), so a job started beside busy ones
+    crashed. It is asked again until a slot frees, and the epoch reads every row."""
+    _, registry = site
+    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
+        with slots_held(node.address, 2) as release:
+            threading.Timer(1.0, release.set).start()
+            began = time.monotonic()
+            ds = EdgeDataset("tokens@1", endpoints=node.address, batch_size=100)
+            assert time.monotonic() - began >= 0.9  # it waited for the slot
+        assert sorted(int(x) for batch in ds for x in batch["label"]) == list(range(2 * ROWS))
 
 
 # --- 2 and 3. a hostile peer --------------------------------------------------------------
