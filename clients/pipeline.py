@@ -49,8 +49,11 @@ __all__ = ["Pipeline"]
 
 _DONE = object()
 # Windows after the one being read that one gRPC stream goes on to deliver (parked in
-# between): one request per CONTINUED_WINDOWS + 1 windows of a forward stream.
-CONTINUED_WINDOWS = 3
+# between): one request per CONTINUED_WINDOWS + 1 windows of a forward stream. One: the
+# windows a request asks for beyond the next wait in HTTP/2 buffers long before they are
+# read. With 3, bench.peers' loader held 30-70 MB more at the same speed (tokens and
+# images over gRPC, 0 and 2 workers, three runs each).
+CONTINUED_WINDOWS = 1
 _CLOSED = object()
 
 
