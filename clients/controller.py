@@ -655,10 +655,13 @@ class Controller:
             del self.state.down_since[address]
         for report in reports:
             labels = self._node_labels(report)
-            self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
+            # A node at its max_streams answered its health checks: up, and busy. Its
+            # state is unknown this round, so the round plans around it all the same.
+            up = report.status is not None or report.busy
+            self.metrics.node_up.labels(**labels).set(1 if up else 0)
             name = self._node_name(report.address)
             since = self.state.down_since.get(report.address)
-            if report.status is None:
+            if not up:
                 _remove_series(self.metrics.node_rtt, labels)
                 if since is None:
                     self.state.down_since[report.address] = _iso(self.clock()) or ""

@@ -21,6 +21,7 @@ arrives, so a slot is given back however the call ends.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -140,8 +141,11 @@ class _Counted(aio.ServerInterceptor):
             async def counted(request: Any, context: aio.ServicerContext) -> Any:
                 await admit(context)
                 try:
-                    async for response in behavior(request, context):
-                        yield response
+                    # Closed with this one: a reader that leaves ends the behaviour's own
+                    # cleanup now (ReadShard's gate and gauges), not when it is collected.
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
                 finally:
                     self.open -= 1
 

@@ -8,7 +8,9 @@ no rows, too large), and records the metadata a staging node sends it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +39,8 @@ from edgecache.cache.wire import encode_chunk
 from edgecache.clients.channels import health_pings
 from edgecache.clients.cli import app
 from edgecache.clients.dataset import EdgeDataset
+from edgecache.clients.ops import Outage, gather_status
+from edgecache.clients.topology import Topology
 from edgecache.edge import call_limits
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.peers import copy_byte_limit
@@ -182,6 +186,30 @@ def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting
         assert node.node is not None
         counted = node.node.metrics.value("edgecache_refused_calls_total", limit="max_streams")
         assert counted >= 3  # the helper's Status, and the two above
+
+
+def test_status_lists_a_node_at_max_streams_as_busy_not_down(site, tmp_path: Path) -> None:
+    """With its health checks answered, a node at its limit still had its Status refused,
+    and `edgecache status` called it down (exit 1), as `plan` and the controller did. It
+    is asked again while a slot may free, and listed busy if none does (exit 0)."""
+    _, registry = site
+    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n")
+        topology = Topology(registry=registry, regions={"eu": {"nodes": [node.address]}})
+        with slots_held(node.address, 2):
+            (report,) = gather_status(topology, timeout=1.0, pings=1)
+            assert report.busy and report.healthy and report.status is None
+            assert math.isfinite(report.rtt_ms) and "at its max_streams" in report.error
+            assert "at their max_streams" in Outage("eu", (report,), 1).message()
+            result = CliRunner().invoke(app, ["status", "--config", str(config), "--json"])
+            assert result.exit_code == 0, result.output
+            (listed,) = json.loads(result.stdout)
+            assert listed["busy"] and listed["rtt_ms"] is not None, listed
+        with slots_held(node.address, 2) as release:  # a slot frees while it is asked
+            threading.Timer(0.5, release.set).start()
+            (report,) = gather_status(topology, timeout=3.0, pings=1)
+            assert report.status is not None and not report.busy, report.error
 
 
 def test_refusals_at_the_limit_are_logged_at_most_every_few_seconds_with_a_count(
