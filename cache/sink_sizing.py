@@ -14,7 +14,14 @@ import re
 
 import grpc
 
-__all__ = ["AT_MAX_STREAMS", "SINK_PART", "smaller_part", "too_large", "too_many_streams"]
+__all__ = [
+    "AT_MAX_STREAMS",
+    "SINK_PART",
+    "at_max_streams",
+    "smaller_part",
+    "too_large",
+    "too_many_streams",
+]
 
 SINK_PART = 512 << 10  # each upload message, unless the node's max_request_bytes is less
 # gRPC's words when a node refuses a message over its max_request_bytes (the limit last).
@@ -34,7 +41,11 @@ def too_large(exc: grpc.RpcError) -> bool:
 
 def too_many_streams(exc: grpc.RpcError) -> bool:
     """Whether a call was refused for the node's ``max_streams`` (concurrent calls)."""
-    details = exc.details() or ""
+    return at_max_streams(exc.details() or "")
+
+
+def at_max_streams(details: str) -> bool:
+    """Whether a refusal's text says the node is at its ``max_streams``."""
     return any(words in details for words in _TOO_MANY)
 
 

@@ -32,6 +32,7 @@ from edgecache.cache.errors import (
     NodeUnavailable,
     VersionNotFound,
 )
+from edgecache.cache.sink_sizing import at_max_streams
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
 from edgecache.v1 import edge_pb2_grpc
 
@@ -312,6 +313,8 @@ def explain(exc: grpc.RpcError) -> str:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     raw = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
     hint = _own_connection_hint(code, raw) or _HINTS.get(code)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and at_max_streams(raw):
+        hint = _BUSY_HINT  # not full: busy (the node's message names max_streams)
     return _with_hint(f"{code.name}: {_plain(raw)}", hint)
 
 
@@ -403,11 +406,14 @@ _HINTS = {
     grpc.StatusCode.PERMISSION_DENIED: "the node knows this caller but does not allow the "
     "call: use its admin token for admin calls (--token-file or $EDGECACHE_TOKEN_FILE)",
     grpc.StatusCode.NOT_FOUND: "list what is published with: edgecache versions NAME",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "the node is full or at its stream limit: free room "
-    "(edgecache evict), raise --capacity, or retry later",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the node is full: free room (edgecache evict), "
+    "raise --capacity, or retry later",
     grpc.StatusCode.INTERNAL: "the node failed; see its log",
     grpc.StatusCode.UNKNOWN: "the node failed; see its log",
 }
+
+
+_BUSY_HINT = "the node is busy: retry later, or raise its max_streams"
 
 
 def node_error(exc: grpc.RpcError, *, endpoint: str, what: str) -> EdgeCacheError:

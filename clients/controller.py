@@ -655,13 +655,10 @@ class Controller:
             del self.state.down_since[address]
         for report in reports:
             labels = self._node_labels(report)
-            # A node at its max_streams answered its health checks: up, and busy. Its
-            # state is unknown this round, so the round plans around it all the same.
-            up = report.status is not None or report.busy
-            self.metrics.node_up.labels(**labels).set(1 if up else 0)
+            self.metrics.node_up.labels(**labels).set(0 if report.status is None else 1)
             name = self._node_name(report.address)
             since = self.state.down_since.get(report.address)
-            if not up:
+            if report.status is None:
                 _remove_series(self.metrics.node_rtt, labels)
                 if since is None:
                     self.state.down_since[report.address] = _iso(self.clock()) or ""

@@ -37,7 +37,6 @@ from edgecache.cache.errors import (
     ShardNotCached,
 )
 from edgecache.cache.manifest import manifest_from_bytes
-from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.clients import fork_safety, local_stores, rendezvous
@@ -360,42 +359,24 @@ class NodePool:
         """A unary call on the best gRPC endpoint, failing over to the others.
 
         ``what`` names the subject (``tokens@3``) in error messages. A node
-        that is unreachable or too slow is skipped; one at its ``max_streams`` is
-        busy, not down: skipped too, and asked again for up to ``retry_timeout``
-        (a job starting beside busy ones waits for a slot instead of failing at
-        once). Any other refusal is the answer (another node would give the same)
-        and is raised as the
+        that is unreachable or too slow is skipped; any other refusal is the
+        answer (another node would give the same) and is raised as the
         matching :class:`~edgecache.cache.errors.EdgeCacheError` by
         :func:`~edgecache.clients.channels.node_error`, never as ``grpc.RpcError``.
         """
         label = f"{method} {what}".strip()
         errors: dict[str, str] = {}
-        deadline = time.monotonic() + self.retry_timeout
-        attempt = 0
-        while True:
-            busy = False  # a node refused for its max_streams: it answers once a slot frees
-            for endpoint in [e for e in self.ranked() if not e.local]:
-                try:
-                    return getattr(self.stub(endpoint), method)(
-                        request, timeout=30, metadata=self._metadata
-                    )
-                except grpc.RpcError as exc:
-                    at_limit = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
-                        too_many_streams(exc)
-                    )
-                    if at_limit or exc.code() in _UNREACHED:
-                        errors[endpoint.text] = describe(exc)
-                        self.stats[endpoint.text].last_error = errors[endpoint.text]
-                        busy |= at_limit
-                        continue
-                    raise node_error(exc, endpoint=endpoint.text, what=label) from exc
-            # Nodes that are down were retried by gRPC already (the channels' retry
-            # policy); a node at its max_streams is asked again until retry_timeout.
-            if not busy or time.monotonic() > deadline:
-                break
-            if self._stop.wait(min(0.1 * 2**attempt, 2.0)):
-                break  # the pool closes
-            attempt += 1
+        for endpoint in [e for e in self.ranked() if not e.local]:
+            try:
+                return getattr(self.stub(endpoint), method)(
+                    request, timeout=30, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    errors[endpoint.text] = describe(exc)
+                    self.stats[endpoint.text].last_error = errors[endpoint.text]
+                    continue
+                raise node_error(exc, endpoint=endpoint.text, what=label) from exc
         raise AllNodesFailed(_all_failed(label, errors or {"(none)": "no gRPC endpoint"}))
 
     # ------------------------------------------------------------ streaming
@@ -663,7 +644,6 @@ class NodePool:
 
 
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION
-_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _span(rows: ShardRange) -> tuple[int, int]:

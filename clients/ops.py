@@ -38,7 +38,6 @@ from edgecache.cache.errors import (
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
 from edgecache.cache.registry import Registry
-from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.storage import Stores
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import (
@@ -119,30 +118,6 @@ class NodeReport:
     # Serving, but it refused this call's credentials: not down (a retry will not help,
     # a token will), though nothing of its state is known either.
     refused: bool = False
-    # Serving, but at its max_streams for as long as this call waited: not down, busy
-    # (its state is unknown; a later call, or a higher max_streams, gets it).
-    busy: bool = False
-
-
-def _status_when_free(
-    stub: edge_pb2_grpc.EdgeCacheStub, token: str | None, timeout: float
-) -> edge_pb2.NodeStatus:
-    """A node's Status, asked again while the node is at its max_streams, for up to ``timeout``.
-
-    A node at its limit still answers health checks; its slots free as reads end,
-    so a status round waits a little for one instead of calling the node down.
-    """
-    deadline = time.monotonic() + timeout
-    pause = 0.05
-    while True:
-        try:
-            return stub.Status(edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token))
-        except grpc.RpcError as exc:
-            at_limit = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and too_many_streams(exc)
-            if not at_limit or time.monotonic() + pause > deadline:
-                raise
-        time.sleep(pause)
-        pause = min(pause * 2, 0.5)
 
 
 def gather_status(
@@ -168,10 +143,11 @@ def gather_status(
             if checks.rtt_ms is None:
                 return NodeReport(region, address, False, error=checks.error)
             try:
-                status = _status_when_free(stub, token, timeout)
+                status = stub.Status(
+                    edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token)
+                )
             except grpc.RpcError as exc:
-                busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and too_many_streams(exc)
-                if not busy and exc.code() not in (
+                if exc.code() not in (
                     grpc.StatusCode.UNAUTHENTICATED,
                     grpc.StatusCode.PERMISSION_DENIED,
                 ):
@@ -182,8 +158,7 @@ def gather_status(
                     checks.serving,
                     checks.rtt_ms,
                     error=describe(exc),
-                    refused=not busy,
-                    busy=busy,
+                    refused=True,
                 )
             return NodeReport(region, address, checks.serving, checks.rtt_ms, status)
         except grpc.RpcError as exc:
@@ -359,12 +334,6 @@ class Outage:
     def message(self) -> str:
         """Which nodes did not answer, and what to check: one line for an operator."""
         nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in self.down)
-        if all(r.busy for r in self.down):
-            return (
-                f"region {self.region}'s nodes serve but are at their max_streams, too busy to "
-                f"report their state: {nodes}; try again when they are less busy, or raise "
-                "their max_streams"
-            )
         if self.refused:
             return (
                 f"region {self.region}'s nodes serve but refused this command's credentials: "

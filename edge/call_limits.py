@@ -4,11 +4,13 @@ Each running call holds a chunk or a request in gRPC's buffers, so a cap on
 calls is a cap on that memory: beyond ``max_streams`` a call is refused with
 RESOURCE_EXHAUSTED, and readers fail over or retry. The cap is counted here,
 not with gRPC's ``maximum_concurrent_rpcs``, for two reasons. gRPC's counts
-every call, health ``Check`` too: a node busy serving ``max_streams`` reads
-failed its health checks, so readers probing it and ``edgecache status``
-called a busy node unreachable. And gRPC refuses in its own words
-("Concurrent RPC limit exceeded!"), which say nothing of the setting to change.
-Unary health ``Check`` is never counted: it holds nothing and ends at once.
+every call, health ``Check`` and ``Status`` too: a node busy serving
+``max_streams`` reads failed its health checks and its status, so readers
+probing it, ``edgecache status``, ``plan`` and the controller called a busy
+node down, and a job starting beside busy ones failed to fetch its manifest.
+And gRPC refuses in its own words ("Concurrent RPC limit exceeded!"), which
+say nothing of the setting to change. Short unary calls that hold no chunk
+(UNCOUNTED_METHODS) are never counted.
 
 Health ``Watch`` and reflection streams need no token and stay open as long as
 their caller likes, so they get a small share of their own
@@ -33,11 +35,13 @@ import grpc
 from grpc import aio
 
 from edgecache.cache.sink_sizing import AT_MAX_STREAMS
+from edgecache.v1 import edge_pb2
 
 __all__ = [
     "HEALTH_CHECK",
     "LOG_EVERY",
     "OPEN_STREAM_METHODS",
+    "UNCOUNTED_METHODS",
     "CallLimit",
     "OpenStreamLimit",
     "open_stream_limit",
@@ -46,6 +50,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+_EDGE = "/" + edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name
+# Calls max_streams does not count: unary answers from memory or the cache's index in
+# milliseconds, holding no chunk. A node busy with reads still says it is up (health),
+# what it holds (Status: edgecache status, plan, the controller) and what a version is
+# (ResolveVersion, GetManifest: a job starting beside busy ones), instead of being taken
+# for a node that is down.
+UNCOUNTED_METHODS = frozenset(
+    {HEALTH_CHECK, f"{_EDGE}/Status", f"{_EDGE}/ResolveVersion", f"{_EDGE}/GetManifest"}
+)
 LOG_EVERY = 10.0  # seconds between warnings of refusals, per limit
 # The long-lived streams anyone may open without a token: health Watch and reflection.
 OPEN_STREAM_METHODS = frozenset(
@@ -166,14 +179,14 @@ class _Counted(aio.ServerInterceptor):
 
 
 class CallLimit(_Counted):
-    """``max_streams``: every call but unary health ``Check``, refused beyond it.
+    """``max_streams``: every call but UNCOUNTED_METHODS, refused beyond it.
 
     The refusal names the setting, so that a person reading a reader's error
     (or a peer's ``doctor`` report) knows what to raise.
     """
 
     def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
-        return method != HEALTH_CHECK
+        return method not in UNCOUNTED_METHODS
 
     def _refusal(self, method: str) -> str:
         return (

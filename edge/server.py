@@ -306,17 +306,20 @@ class NodeServer:
                         "--metrics-listen: "
                         + _bind_failure(config.metrics_listen, "--metrics-listen", exc)
                     ) from exc
-            # max_streams, and the small share of it token-free Watch and reflection
-            # streams may hold (edge/call_limits.py says why not maximum_concurrent_rpcs).
-            interceptors: list[aio.ServerInterceptor] = [
+            # Tokens first: a call refused for its token never takes a slot, and says so
+            # whatever the load. Then max_streams, and the small share of it token-free
+            # Watch and reflection streams may hold (edge/call_limits.py says why not
+            # gRPC's maximum_concurrent_rpcs).
+            interceptors: list[aio.ServerInterceptor] = []
+            if admin_token or read_token:
+                interceptors.append(TokenAuthInterceptor(admin_token, read_token))
+            interceptors += [
                 CallLimit(config.max_streams, node.metrics.refused_calls["max_streams"].inc),
                 OpenStreamLimit(
                     open_stream_limit(config.max_streams),
                     node.metrics.refused_calls["open_streams"].inc,
                 ),
             ]
-            if admin_token or read_token:
-                interceptors.append(TokenAuthInterceptor(admin_token, read_token))
             server = aio.server(
                 interceptors=interceptors,
                 # Requests are small (names and numbers): refuse anything bigger than

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,11 +35,9 @@ from edgecache.cache.frame import Codec, pack_frame, read_header
 from edgecache.cache.registry import Registry
 from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.wire import encode_chunk
-from edgecache.clients.channels import health_pings
+from edgecache.clients.channels import health_pings, node_error
 from edgecache.clients.cli import app
 from edgecache.clients.dataset import EdgeDataset
-from edgecache.clients.ops import Outage, gather_status
-from edgecache.clients.topology import Topology
 from edgecache.edge import call_limits
 from edgecache.edge.config import NodeConfig
 from edgecache.edge.peers import copy_byte_limit
@@ -129,8 +126,13 @@ def test_token_free_watch_streams_cannot_take_the_readers_slots(site, tmp_path: 
         assert "edgecache.v1.EdgeCache" in names
 
 
+SHARD_0 = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+
+
 @contextlib.contextmanager
-def slots_held(address: str, calls: int) -> Iterator[threading.Event]:
+def slots_held(
+    address: str, calls: int, metadata: tuple[tuple[str, str], ...] | None = None
+) -> Iterator[threading.Event]:
     """``calls`` Sink uploads held open on a node until the event is set (or the block ends)."""
     client = stub(address)
     release = threading.Event()
@@ -139,12 +141,12 @@ def slots_held(address: str, calls: int) -> Iterator[threading.Event]:
         yield edge_pb2.SinkChunk(data=b"x")
         release.wait(30)
 
-    uploads = [client.Sink.future(held_open(), timeout=60) for _ in range(calls)]
+    uploads = [client.Sink.future(held_open(), timeout=60, metadata=metadata) for _ in range(calls)]
     try:
         deadline = time.monotonic() + 10
-        while True:  # until every upload runs on the node: a call then is refused
+        while True:  # until every upload runs on the node: a read then is refused
             try:
-                client.Status(edge_pb2.StatusRequest(), timeout=5)
+                list(client.ReadShard(SHARD_0, timeout=5, metadata=metadata))
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
                 break
@@ -156,25 +158,28 @@ def slots_held(address: str, calls: int) -> Iterator[threading.Event]:
         assert all(upload.result(timeout=30).bytes == 1 for upload in uploads)
 
 
-def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting(
+def test_a_node_at_max_streams_answers_health_status_and_manifests_and_names_the_setting(
     site, tmp_path: Path
 ) -> None:
-    """gRPC's maximum_concurrent_rpcs counted health Check too: a node serving max_streams
-    calls failed every health check, so readers probing it and `edgecache status` called a
-    busy node unreachable, and the refusal ("Concurrent RPC limit exceeded!") named nothing
-    to change. Every other call is still refused at the limit, and a slot comes back."""
+    """gRPC's maximum_concurrent_rpcs counted every call: a node serving max_streams calls
+    failed its health checks and its Status, so readers' probes, `edgecache status`, `plan`
+    and the controller called a busy node down, and a job starting beside busy ones failed
+    to fetch its manifest; the refusal ("Concurrent RPC limit exceeded!") named nothing to
+    change. Streams are still refused at the limit, and a slot comes back."""
     _, registry = site
     with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
         client = stub(node.address)
-        read = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n")
         with slots_held(node.address, 2):
-            refused = rpc_error(lambda: client.Status(edge_pb2.StatusRequest(), timeout=5))
+            refused = rpc_error(lambda: client.ReadShard(SHARD_0, timeout=5))
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert too_many_streams(refused), refused.details()
             assert "2 of 2" in refused.details() and "$EDGECACHE_MAX_STREAMS" in refused.details()
-            error = rpc_error(lambda: client.ReadShard(read, timeout=5))
-            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            # Health checks answer, and the clients' probe sees a reachable node.
+            explained = str(node_error(refused, endpoint=node.address, what="ReadShard"))
+            assert "raise its max_streams" in explained and "evict" not in explained, explained
+            # Health, Status and the manifest calls answer; the clients' probe and
+            # `edgecache status` see a node that serves.
             with grpc.insecure_channel(node.address) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=5
@@ -182,34 +187,41 @@ def test_a_node_at_max_streams_still_answers_health_checks_and_names_the_setting
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 pings = health_pings(channel, pings=3)
                 assert pings.lost == 0 and pings.rtt_ms is not None, pings.error
-        assert sum(c.rows for c in client.ReadShard(read, timeout=30)) == ROWS
-        assert node.node is not None
-        counted = node.node.metrics.value("edgecache_refused_calls_total", limit="max_streams")
-        assert counted >= 3  # the helper's Status, and the two above
-
-
-def test_status_lists_a_node_at_max_streams_as_busy_not_down(site, tmp_path: Path) -> None:
-    """With its health checks answered, a node at its limit still had its Status refused,
-    and `edgecache status` called it down (exit 1), as `plan` and the controller did. It
-    is asked again while a slot may free, and listed busy if none does (exit 0)."""
-    _, registry = site
-    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
-        config = tmp_path / "edgecache.yaml"
-        config.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n")
-        topology = Topology(registry=registry, regions={"eu": {"nodes": [node.address]}})
-        with slots_held(node.address, 2):
-            (report,) = gather_status(topology, timeout=1.0, pings=1)
-            assert report.busy and report.healthy and report.status is None
-            assert math.isfinite(report.rtt_ms) and "at its max_streams" in report.error
-            assert "at their max_streams" in Outage("eu", (report,), 1).message()
+            assert client.Status(edge_pb2.StatusRequest(), timeout=5).node_id
+            request = edge_pb2.GetManifestRequest(dataset="tokens", version=1)
+            assert client.GetManifest(request, timeout=5).dataset == "tokens"
             result = CliRunner().invoke(app, ["status", "--config", str(config), "--json"])
             assert result.exit_code == 0, result.output
             (listed,) = json.loads(result.stdout)
-            assert listed["busy"] and listed["rtt_ms"] is not None, listed
-        with slots_held(node.address, 2) as release:  # a slot frees while it is asked
-            threading.Timer(0.5, release.set).start()
-            (report,) = gather_status(topology, timeout=3.0, pings=1)
-            assert report.status is not None and not report.busy, report.error
+            assert listed["healthy"] and listed["node_id"], listed
+        assert sum(c.rows for c in client.ReadShard(SHARD_0, timeout=30)) == ROWS
+        assert node.node is not None
+        counted = node.node.metrics.value("edgecache_refused_calls_total", limit="max_streams")
+        assert counted >= 2  # the helper's read, and the one above
+
+
+def test_a_reader_starting_beside_a_busy_node_reads_once_a_slot_frees(site, tmp_path: Path) -> None:
+    """The manifest is answered at the limit (it failed the dataset at once before), and
+    the reads refused while the node is busy are asked again until slots free."""
+    _, registry = site
+    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
+        with slots_held(node.address, 2) as release:
+            ds = EdgeDataset("tokens@1", endpoints=node.address, batch_size=100)
+            threading.Timer(1.0, release.set).start()
+            labels = sorted(int(x) for batch in ds for x in batch["label"])
+        assert labels == list(range(2 * ROWS))
+
+
+def test_a_wrong_token_is_told_so_by_a_busy_node(site, tmp_path: Path) -> None:
+    """Calls were counted before their token was checked: at the limit a wrong token got
+    RESOURCE_EXHAUSTED (try later) instead of UNAUTHENTICATED (fix the token)."""
+    root, registry = site
+    settings = node_settings(tmp_path, registry, read_token_file=root / "read", max_streams=1)
+    with running_node(settings) as node:
+        with slots_held(node.address, 1, metadata=READER):
+            wrong = (("authorization", "Bearer not-the-token"),)
+            error = rpc_error(lambda: stub(node.address).ReadShard(SHARD_0, metadata=wrong))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
 
 
 def test_refusals_at_the_limit_are_logged_at_most_every_few_seconds_with_a_count(
@@ -223,27 +235,13 @@ def test_refusals_at_the_limit_are_logged_at_most_every_few_seconds_with_a_count
         client = stub(node.address)
         with slots_held(node.address, 1):
             for _ in range(5):
-                rpc_error(lambda: client.Status(edge_pb2.StatusRequest(), timeout=5))
+                rpc_error(lambda: client.ReadShard(SHARD_0, timeout=5))
             monkeypatch.setattr(call_limits, "LOG_EVERY", 0.0)
-            rpc_error(lambda: client.Status(edge_pb2.StatusRequest(), timeout=5))
+            rpc_error(lambda: client.ReadShard(SHARD_0, timeout=5))
     said = [r.getMessage() for r in caplog.records if r.name == call_limits.__name__]
     assert len(said) == 2, said  # the helper's first refusal, then the last with the count
     assert "at its max_streams" in said[0] and "more refused" not in said[0]
     assert said[1].endswith("(5 more refused since the last such warning)"), said[1]
-
-
-def test_a_reader_starting_beside_a_busy_node_waits_for_a_slot(site, tmp_path: Path) -> None:
-    """A node at its max_streams refused EdgeDataset's GetManifest and the dataset failed at
-    once with that refusal (which says readers retry), so a job started beside busy ones
-    crashed. It is asked again until a slot frees, and the epoch reads every row."""
-    _, registry = site
-    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
-        with slots_held(node.address, 2) as release:
-            threading.Timer(1.0, release.set).start()
-            began = time.monotonic()
-            ds = EdgeDataset("tokens@1", endpoints=node.address, batch_size=100)
-            assert time.monotonic() - began >= 0.9  # it waited for the slot
-        assert sorted(int(x) for batch in ds for x in batch["label"]) == list(range(2 * ROWS))
 
 
 # --- 2 and 3. a hostile peer --------------------------------------------------------------

@@ -50,8 +50,8 @@ file. These settings have no flag (default in parentheses):
                        may use)
   max_request_bytes    larger requests are refused unparsed, 1KiB-64MiB
                        (1MiB)
-  max_streams          concurrent calls (health Check aside), 1-65536;
-                       beyond them callers get RESOURCE_EXHAUSTED (256)
+  max_streams          concurrent calls (health, Status and manifests
+                       aside), 1-65536; beyond them RESOURCE_EXHAUSTED (256)
   preprocess_threads   threads that parse, transform and compress shards,
                        1-256 (the cores this process may run on)
   grace_seconds        SIGTERM drain time for streams, in seconds (10)
@@ -152,9 +152,8 @@ def status(
 ) -> None:
     """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio.
 
-    Exit codes: 0 every node answered (one at its max_streams answers its health
-    checks: listed as busy, its state unknown); 1 a node is down (listed); 2 bad
-    input (the topology file, or a token a node refused or needs: --token-file).
+    Exit codes: 0 every node answered; 1 a node is down (listed); 2 bad input
+    (the topology file, or a token a node refused or needs: --token-file).
     """
     from edgecache.clients.ops import gather_status
 
@@ -171,8 +170,7 @@ def status(
                         "node_id": r.status.node_id if r.status else None,
                         "healthy": r.healthy,
                         "refused": r.refused,  # serving, but not to this token
-                        "busy": r.busy,  # serving, but at its max_streams: state unknown
-                        "rtt_ms": json_ms(r.rtt_ms) if r.status is not None or r.busy else None,
+                        "rtt_ms": None if r.status is None else json_ms(r.rtt_ms),
                         "error": r.error or None,  # null when up, as evict's
                         "capacity_bytes": r.status.capacity_bytes if r.status else None,
                         "used_bytes": r.status.used_bytes if r.status else None,
@@ -204,15 +202,8 @@ def status(
         rows = []
         for r in reports:
             if r.status is None:
-                health = (
-                    "[yellow]refused the token[/yellow]"
-                    if r.refused
-                    else "[yellow]busy[/yellow]"
-                    if r.busy
-                    else "[red]down[/red]"
-                )
-                rtt = f"{r.rtt_ms:.2f} ms" if r.busy else ""
-                rows.append([r.region, r.address, health, rtt, "", "", "", ""])
+                health = "[yellow]refused the token[/yellow]" if r.refused else "[red]down[/red]"
+                rows.append([r.region, r.address, health, "", "", "", "", ""])
                 continue
             s = r.status
             lookups = s.hits + s.misses
@@ -255,12 +246,6 @@ def status(
                     "--token-file (or $EDGECACHE_TOKEN_FILE)",
                     to_stderr=True,
                 )
-            elif r.busy:
-                line(
-                    f"[yellow]{r.region} {r.address} serves, but is too busy to report its "
-                    f"state:[/yellow] {r.error}",
-                    to_stderr=True,
-                )
             elif r.status is None:
                 line(f"[red]{r.region} {r.address} is down:[/red] {r.error}", to_stderr=True)
             elif r.status.disk_full:
@@ -271,7 +256,7 @@ def status(
                     "evict NAME@N)",
                     to_stderr=True,
                 )
-    if any(r.status is None and not r.refused and not r.busy for r in reports):
+    if any(r.status is None and not r.refused for r in reports):
         raise exit_with(ExitCode.FAILED)
     if any(r.refused for r in reports):
         raise exit_with(ExitCode.BAD_INPUT)  # the token to pass, not a node to wait for
