@@ -552,6 +552,8 @@ ALERT_TESTS: list[dict] = [
             series("edgecache_controller_tasks", 'state="late"', "1x10"),
             series("edgecache_staged_shards_total", f'{NODE}, result="failed"', "0 1 2 3"),
             series("edgecache_corrupt_chunks_total", NODE, "0 1 1 1"),
+            # One refusal a second at max_streams from minute 2 on.
+            series("edgecache_refused_calls_total", f'{NODE}, limit="max_streams"', "0 0 0+60x20"),
             series("edgecache_cache_disk_full", NODE, "0 0 1x10"),
             series("edgecache_controller_leader", CTL, "1x20"),
             series("edgecache_controller_last_tick_timestamp_seconds", CTL, "0+60x20"),
@@ -566,6 +568,8 @@ ALERT_TESTS: list[dict] = [
             quiet("5m", "EdgecacheCacheDiskFull"),
             fires("8m", "EdgecacheCacheDiskFull", "critical", **N1),
             fires("3m", "EdgecacheCorruptChunks", "warning", **N1),
+            quiet("11m", "EdgecacheNodeAtMaxStreams"),  # not yet 10 min of it
+            fires("14m", "EdgecacheNodeAtMaxStreams", "warning", **N1),
             quiet("15m", "EdgecacheControllerStalled"),  # failing rounds still tick
             fires("16m", "EdgecacheControllerRoundsFailing", "critical", **C1),
             fires("6m", "EdgecacheScheduleInvalid", "warning", **C1),
@@ -581,9 +585,12 @@ ALERT_TESTS: list[dict] = [
             series("edgecache_cache_used_bytes", NODE, "100x40"),
             series("edgecache_cache_pinned_bytes", NODE, "40x40"),
             series("edgecache_cache_capacity_bytes", NODE, "100x40"),
+            # A refusal now and then (a burst of readers starting): no alert.
+            series("edgecache_refused_calls_total", f'{NODE}, limit="max_streams"', "0+3x40"),
         ],
         "alert_rule_test": [
             quiet("25m", "EdgecacheReadsFailing"),
+            quiet("25m", "EdgecacheNodeAtMaxStreams"),
             quiet("35m", "EdgecacheCacheFull"),
         ],
     },
