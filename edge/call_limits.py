@@ -9,8 +9,9 @@ every call, health ``Check`` and ``Status`` too: a node busy serving
 probing it, ``edgecache status``, ``plan`` and the controller called a busy
 node down, and a job starting beside busy ones failed to fetch its manifest.
 And gRPC refuses in its own words ("Concurrent RPC limit exceeded!"), which
-say nothing of the setting to change. Short unary calls that hold no chunk
-(UNCOUNTED_METHODS) are never counted.
+say nothing of the setting to change. Health ``Check`` and ``Status`` are
+never counted (UNCOUNTED_METHODS); the manifest calls (MANIFEST_METHODS) are
+counted in a pool of their own.
 
 Health ``Watch`` and reflection streams need no token and stay open as long as
 their caller likes, so they get a small share of their own
@@ -40,6 +41,7 @@ from edgecache.v1 import edge_pb2
 __all__ = [
     "HEALTH_CHECK",
     "LOG_EVERY",
+    "MANIFEST_METHODS",
     "OPEN_STREAM_METHODS",
     "UNCOUNTED_METHODS",
     "CallLimit",
@@ -51,14 +53,14 @@ log = logging.getLogger(__name__)
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _EDGE = "/" + edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].full_name
-# Calls max_streams does not count: unary answers from memory or the cache's index in
-# milliseconds, holding no chunk. A node busy with reads still says it is up (health),
-# what it holds (Status: edgecache status, plan, the controller) and what a version is
-# (ResolveVersion, GetManifest: a job starting beside busy ones), instead of being taken
-# for a node that is down.
-UNCOUNTED_METHODS = frozenset(
-    {HEALTH_CHECK, f"{_EDGE}/Status", f"{_EDGE}/ResolveVersion", f"{_EDGE}/GetManifest"}
-)
+# Calls no limit counts: unary answers from memory and the cache's index, holding no
+# chunk. A node busy with reads still says it is up (health) and what it holds (Status:
+# edgecache status, plan, the controller), instead of being taken for a node that is down.
+UNCOUNTED_METHODS = frozenset({HEALTH_CHECK, f"{_EDGE}/Status"})
+# What a version is: a job starting beside busy ones must get it, so these have a pool of
+# max_streams of their own instead of the streams'; a pool all the same, since a version
+# the node has not seen (or "latest") is a round trip to the registry.
+MANIFEST_METHODS = frozenset({f"{_EDGE}/ResolveVersion", f"{_EDGE}/GetManifest"})
 LOG_EVERY = 10.0  # seconds between warnings of refusals, per limit
 # The long-lived streams anyone may open without a token: health Watch and reflection.
 OPEN_STREAM_METHODS = frozenset(
@@ -179,14 +181,27 @@ class _Counted(aio.ServerInterceptor):
 
 
 class CallLimit(_Counted):
-    """``max_streams``: every call but UNCOUNTED_METHODS, refused beyond it.
+    """``max_streams`` calls at once, refused beyond it.
 
+    Counts ``methods``, or without them every call but UNCOUNTED_METHODS and
+    MANIFEST_METHODS (which a second CallLimit counts, with those methods).
     The refusal names the setting, so that a person reading a reader's error
     (or a peer's ``doctor`` report) knows what to raise.
     """
 
+    def __init__(
+        self,
+        limit: int,
+        refused: Callable[[], object] | None = None,
+        methods: frozenset[str] | None = None,
+    ) -> None:
+        super().__init__(limit, refused)
+        self._methods = methods
+
     def _counts(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
-        return method not in UNCOUNTED_METHODS
+        if self._methods is not None:
+            return method in self._methods
+        return method not in UNCOUNTED_METHODS and method not in MANIFEST_METHODS
 
     def _refusal(self, method: str) -> str:
         return (

@@ -188,8 +188,8 @@ class NodeConfig(BaseModel):
         256,
         ge=1,
         le=65536,
-        description="Concurrent calls (health, Status and manifests aside); beyond them "
-        "RESOURCE_EXHAUSTED",
+        description="Concurrent calls (health and Status aside, manifests apart); beyond "
+        "them RESOURCE_EXHAUSTED",
     )
     preprocess_threads: int | None = Field(
         None,

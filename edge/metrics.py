@@ -81,12 +81,13 @@ class NodeMetrics:
         refused_calls = counter(
             "edgecache_refused_calls_total",
             "Calls refused RESOURCE_EXHAUSTED at a limit on calls running at once: max_streams, "
-            "or open_streams (the token-free health Watch and reflection streams' share of it)",
+            "open_streams (the token-free health Watch and reflection streams' share of it) or "
+            "manifest_calls (ResolveVersion and GetManifest, a pool of max_streams of their own)",
             ("limit",),
         )
         self.refused_calls = {
             limit: refused_calls.labels(**labels, limit=limit)
-            for limit in ("max_streams", "open_streams")
+            for limit in ("max_streams", "open_streams", "manifest_calls")
         }
         self._staged = counter(
             "edgecache_staged_shards_total", "Shards handled by staging, by result", ("result",)

@@ -36,7 +36,12 @@ from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.storage import s3
-from edgecache.edge.call_limits import CallLimit, OpenStreamLimit, open_stream_limit
+from edgecache.edge.call_limits import (
+    MANIFEST_METHODS,
+    CallLimit,
+    OpenStreamLimit,
+    open_stream_limit,
+)
 from edgecache.edge.config import NodeConfig, read_pem, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
@@ -315,6 +320,11 @@ class NodeServer:
                 interceptors.append(TokenAuthInterceptor(admin_token, read_token))
             interceptors += [
                 CallLimit(config.max_streams, node.metrics.refused_calls["max_streams"].inc),
+                CallLimit(
+                    config.max_streams,
+                    node.metrics.refused_calls["manifest_calls"].inc,
+                    methods=MANIFEST_METHODS,
+                ),
                 OpenStreamLimit(
                     open_stream_limit(config.max_streams),
                     node.metrics.refused_calls["open_streams"].inc,

@@ -133,7 +133,12 @@ SHARD_0 = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
 def slots_held(
     address: str, calls: int, metadata: tuple[tuple[str, str], ...] | None = None
 ) -> Iterator[threading.Event]:
-    """``calls`` Sink uploads held open on a node until the event is set (or the block ends)."""
+    """``calls`` Sink uploads held open on a node until the event is set (or the block ends).
+
+    A probe is refused once the uploads hold every slot. The probe is a read the
+    node refuses at once when admitted (no dataset named), and an upload refused
+    while a probe held a slot is started again.
+    """
     client = stub(address)
     release = threading.Event()
 
@@ -141,21 +146,30 @@ def slots_held(
         yield edge_pb2.SinkChunk(data=b"x")
         release.wait(30)
 
-    uploads = [client.Sink.future(held_open(), timeout=60, metadata=metadata) for _ in range(calls)]
+    def upload() -> grpc.Future:
+        return client.Sink.future(held_open(), timeout=60, metadata=metadata)
+
+    uploads = [upload() for _ in range(calls)]
+    probe = edge_pb2.ReadShardRequest(dataset="", version=1, shard=0)
     try:
         deadline = time.monotonic() + 10
-        while True:  # until every upload runs on the node: a read then is refused
+        while True:  # until every upload runs on the node: a probe then is refused
+            for i, started in enumerate(uploads):
+                if started.done():  # refused while a probe held a slot
+                    assert started.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    uploads[i] = upload()
             try:
-                list(client.ReadShard(SHARD_0, timeout=5, metadata=metadata))
+                list(client.ReadShard(probe, timeout=5, metadata=metadata))
             except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                break
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
             assert time.monotonic() < deadline, f"{calls} open Sink calls never filled max_streams"
             time.sleep(0.05)
         yield release
     finally:
         release.set()
-        assert all(upload.result(timeout=30).bytes == 1 for upload in uploads)
+        assert all(started.result(timeout=30).bytes == 1 for started in uploads)
 
 
 def test_a_node_at_max_streams_answers_health_status_and_manifests_and_names_the_setting(
@@ -200,6 +214,44 @@ def test_a_node_at_max_streams_answers_health_status_and_manifests_and_names_the
         assert counted >= 2  # the helper's read, and the one above
 
 
+def test_which_calls_each_limit_counts() -> None:
+    """Streams and long calls take max_streams; health Check and Status no slot at all; the
+    manifest calls (which may reach the registry) a pool of their own."""
+    edge = "/edgecache.v1.EdgeCache"
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+    streams = call_limits.CallLimit(4)
+    manifests = call_limits.CallLimit(4, methods=call_limits.MANIFEST_METHODS)
+    counted = {
+        method: (streams._counts(method, handler), manifests._counts(method, handler))
+        for method in (
+            f"{edge}/ReadShard",
+            f"{edge}/Stage",
+            f"{edge}/Sink",
+            f"{edge}/Diagnose",
+            f"{edge}/Evict",
+            f"{edge}/Status",
+            f"{edge}/GetManifest",
+            f"{edge}/ResolveVersion",
+            "/grpc.health.v1.Health/Check",
+            "/grpc.health.v1.Health/Watch",
+        )
+    }
+    assert counted == {
+        f"{edge}/ReadShard": (True, False),
+        f"{edge}/Stage": (True, False),
+        f"{edge}/Sink": (True, False),
+        f"{edge}/Diagnose": (True, False),
+        f"{edge}/Evict": (True, False),
+        f"{edge}/Status": (False, False),
+        f"{edge}/GetManifest": (False, True),
+        f"{edge}/ResolveVersion": (False, True),
+        "/grpc.health.v1.Health/Check": (False, False),
+        "/grpc.health.v1.Health/Watch": (True, False),
+    }
+    names = set(edge_pb2.DESCRIPTOR.services_by_name["EdgeCache"].methods_by_name)
+    assert {m.rsplit("/", 1)[1] for m in counted if m.startswith(edge)} <= names
+
+
 def test_a_reader_starting_beside_a_busy_node_reads_once_a_slot_frees(site, tmp_path: Path) -> None:
     """The manifest is answered at the limit (it failed the dataset at once before), and
     the reads refused while the node is busy are asked again until slots free."""
@@ -238,10 +290,15 @@ def test_refusals_at_the_limit_are_logged_at_most_every_few_seconds_with_a_count
                 rpc_error(lambda: client.ReadShard(SHARD_0, timeout=5))
             monkeypatch.setattr(call_limits, "LOG_EVERY", 0.0)
             rpc_error(lambda: client.ReadShard(SHARD_0, timeout=5))
+            assert node.node is not None
+            refused = node.node.metrics.value("edgecache_refused_calls_total", limit="max_streams")
     said = [r.getMessage() for r in caplog.records if r.name == call_limits.__name__]
     assert len(said) == 2, said  # the helper's first refusal, then the last with the count
     assert "at its max_streams" in said[0] and "more refused" not in said[0]
-    assert said[1].endswith("(5 more refused since the last such warning)"), said[1]
+    # The five above, the helper's probe, and any upload it had to start again.
+    unsaid = int(refused) - 2
+    assert unsaid >= 5, refused
+    assert said[1].endswith(f"({unsaid} more refused since the last such warning)"), said[1]
 
 
 # --- 2 and 3. a hostile peer --------------------------------------------------------------

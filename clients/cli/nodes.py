@@ -50,8 +50,8 @@ file. These settings have no flag (default in parentheses):
                        may use)
   max_request_bytes    larger requests are refused unparsed, 1KiB-64MiB
                        (1MiB)
-  max_streams          concurrent calls (health, Status and manifests
-                       aside), 1-65536; beyond them RESOURCE_EXHAUSTED (256)
+  max_streams          concurrent calls (health and Status aside, manifests
+                       apart), 1-65536; beyond them RESOURCE_EXHAUSTED (256)
   preprocess_threads   threads that parse, transform and compress shards,
                        1-256 (the cores this process may run on)
   grace_seconds        SIGTERM drain time for streams, in seconds (10)
