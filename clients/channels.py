@@ -312,9 +312,8 @@ def explain(exc: grpc.RpcError) -> str:
     """
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     raw = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
-    hint = _own_connection_hint(code, raw) or _HINTS.get(code)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and at_max_streams(raw):
-        hint = _BUSY_HINT  # not full: busy (the node's message names max_streams)
+    busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and at_max_streams(raw)  # not full
+    hint = _own_connection_hint(code, raw) or (_BUSY_HINT if busy else _HINTS.get(code))
     return _with_hint(f"{code.name}: {_plain(raw)}", hint)
 
 

@@ -101,13 +101,11 @@ class _Counted(aio.ServerInterceptor):
     def __init__(self, limit: int, refused: Callable[[], object] | None = None) -> None:
         self.limit = limit
         self.open = 0  # counted calls running now
-        self.refused = 0  # calls refused so far
         self._on_refusal = refused
         self._logged_at = -math.inf
         self._unlogged = 0  # refusals since the last one logged
 
     def _refuse(self, message: str) -> None:
-        self.refused += 1
         if self._on_refusal is not None:
             self._on_refusal()
         now = time.monotonic()
