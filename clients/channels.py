@@ -65,7 +65,9 @@ _RETRY_POLICY = json.dumps(
                     "initialBackoff": "0.1s",
                     "maxBackoff": "2s",
                     "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
+                    # RESOURCE_EXHAUSTED: a node's pool of manifest calls is full
+                    # (edge/call_limits.py), which frees in milliseconds.
+                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
                 },
             }
         ]

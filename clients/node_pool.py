@@ -37,6 +37,7 @@ from edgecache.cache.errors import (
     ShardNotCached,
 )
 from edgecache.cache.manifest import manifest_from_bytes
+from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.store import CacheStore
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.clients import fork_safety, local_stores, rendezvous
@@ -359,7 +360,8 @@ class NodePool:
         """A unary call on the best gRPC endpoint, failing over to the others.
 
         ``what`` names the subject (``tokens@3``) in error messages. A node
-        that is unreachable or too slow is skipped; any other refusal is the
+        that is unreachable, too slow or at its ``max_streams`` (asked again by
+        the channel's retry policy first) is skipped; any other refusal is the
         answer (another node would give the same) and is raised as the
         matching :class:`~edgecache.cache.errors.EdgeCacheError` by
         :func:`~edgecache.clients.channels.node_error`, never as ``grpc.RpcError``.
@@ -372,7 +374,11 @@ class NodePool:
                     request, timeout=30, metadata=self._metadata
                 )
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and too_many_streams(exc)
+                if busy or exc.code() in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
                     errors[endpoint.text] = describe(exc)
                     self.stats[endpoint.text].last_error = errors[endpoint.text]
                     continue

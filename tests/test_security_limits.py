@@ -27,13 +27,13 @@ from edgeutil import (
     stub,
     write_parquet_shards,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from typer.testing import CliRunner
 
 from edgecache.cache.frame import Codec, pack_frame, read_header
 from edgecache.cache.registry import Registry
-from edgecache.cache.sink_sizing import too_many_streams
+from edgecache.cache.sink_sizing import AT_MAX_STREAMS, too_many_streams
 from edgecache.cache.wire import encode_chunk
 from edgecache.clients.channels import health_pings, node_error
 from edgecache.clients.cli import app
@@ -262,6 +262,47 @@ def test_a_reader_starting_beside_a_busy_node_reads_once_a_slot_frees(site, tmp_
             threading.Timer(1.0, release.set).start()
             labels = sorted(int(x) for batch in ds for x in batch["label"])
         assert labels == list(range(2 * ROWS))
+
+
+def test_a_node_whose_manifest_calls_are_full_is_asked_again_then_passed_over(
+    site, tmp_path: Path
+) -> None:
+    """A refusal at the limit says readers retry and fail over; for the manifest calls they
+    did neither: the dataset failed at once with the first node's RESOURCE_EXHAUSTED. A
+    stand-in node (health SERVING, every manifest call refused as a full node refuses it)
+    is listed first, so it is asked first."""
+    _, registry = site
+    asked: list[str] = []
+
+    def full(request: object, context: grpc.ServicerContext) -> None:
+        asked.append(type(request).__name__)
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"GetManifest refused: this node is {AT_MAX_STREAMS}, 2 of 2 running",
+        )
+
+    busy = grpc.server(futures.ThreadPoolExecutor(4))
+    unary = {
+        name: grpc.unary_unary_rpc_method_handler(full, request_deserializer=kind.FromString)
+        for name, kind in (
+            ("GetManifest", edge_pb2.GetManifestRequest),
+            ("ResolveVersion", edge_pb2.ResolveVersionRequest),
+        )
+    }
+    busy.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("edgecache.v1.EdgeCache", unary),)
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), busy)
+    port = busy.add_insecure_port("127.0.0.1:0")
+    busy.start()
+    try:
+        with running_node(node_settings(tmp_path, registry)) as node:
+            endpoints = [f"127.0.0.1:{port}", node.address]
+            ds = EdgeDataset("tokens@1", endpoints=endpoints, batch_size=100)
+            assert ds.version == "tokens@1"
+            assert len(asked) >= 2, asked  # asked again before it was passed over
+    finally:
+        busy.stop(0)
 
 
 def test_a_wrong_token_is_told_so_by_a_busy_node(site, tmp_path: Path) -> None:
