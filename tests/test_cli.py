@@ -193,7 +193,13 @@ def test_demo_completes_and_prints_its_summary() -> None:
         assert text in result.output
 
 
-def test_warm_interrupted_then_resumed(site) -> None:
+def test_warm_interrupted_then_resumed(site, tmp_path: Path) -> None:
+    """Ctrl-C at warm's first progress event leaves the version not ready; warm again finishes.
+
+    The node has a staging rate cap of its own (4 s for the version), so it
+    cannot have staged every shard before the client reads that first event, however
+    loaded the machine (40 uncapped shards on the shared node were staged before it once).
+    """
     import threading
 
     from edgeutil import publish
@@ -202,20 +208,37 @@ def test_warm_interrupted_then_resumed(site) -> None:
     from edgecache.clients.topology import load_topology
 
     root, _ = site
-    write_parquet_shards(root / "more", 40, rows=3000)
-    manifest = publish(f"file://{root}/registry", f"file://{root}/more", "more")
-    topology = load_topology(root / "edgecache.yaml")
-    nodes = topology.regions["us-east"].nodes
-    stop = threading.Event()
-    first = WarmItem("us-east", "more@1", nodes, 1)
-    warm([first], on_progress=lambda item: stop.set(), stop=stop)  # "Ctrl-C" at the first event
-    assert not first.done
-    ok, _ = ready(gather_status(topology), "us-east", manifest)
-    assert not ok
-    again = WarmItem("us-east", "more@1", nodes, 1)
-    warm([again])
-    assert again.done and not again.failures
-    assert ready(gather_status(topology), "us-east", manifest)[0]
+    write_parquet_shards(tmp_path / "more", 8, rows=3000)
+    manifest = publish(f"file://{root}/registry", f"file://{tmp_path}/more", "more")
+    source = sum(s.source_size for s in manifest.shards)
+    # half a second a shard at the cap, 4 s the version: one shard takes far longer
+    # than the client takes to read an event and cancel
+    node = start_local_node(
+        "us-east",
+        tmp_path / "cache",
+        f"file://{root}/registry",
+        extra_args=["--staging-rate", f"{max(source // 4, 1)}B/s"],
+        env={"EDGECACHE_STAGING_CONCURRENCY": "1"},
+    )
+    try:
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: file://{root}/registry\n"
+            f"regions:\n  us-east:\n    nodes: ['{node.address}']\n"
+        )
+        topology = load_topology(tmp_path / "edgecache.yaml")
+        nodes = topology.regions["us-east"].nodes
+        stop = threading.Event()
+        first = WarmItem("us-east", "more@1", nodes, 1)
+        warm([first], on_progress=lambda item: stop.set(), stop=stop)  # "Ctrl-C" at once
+        assert not first.done
+        ok, _ = ready(gather_status(topology), "us-east", manifest)
+        assert not ok
+        again = WarmItem("us-east", "more@1", nodes, 1)
+        warm([again])
+        assert again.done and not again.failures, again.failures
+        assert ready(gather_status(topology), "us-east", manifest)[0]
+    finally:
+        node.stop()
 
 
 def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> None:
