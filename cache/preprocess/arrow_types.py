@@ -12,7 +12,11 @@ __all__ = [
     "binary_column",
     "check_param_names",
     "parse_type",
+    "param_names",
+    "param_pairs",
+    "quote_name",
     "split_params",
+    "unquote",
     "type_label",
     "type_name",
 ]
@@ -83,15 +87,72 @@ def _struct(spec: str, inner: str) -> pa.DataType:
 
 
 def split_params(value: str) -> list[str]:
-    """Split on commas outside <...>, [...] and (...), so nested and decimal types stay whole."""
-    parts, depth, start = [], 0, 0
+    """Split on commas outside <...>, [...], (...) and double quotes.
+
+    Brackets keep nested and decimal types whole (``cast=x=list<int32>,y=decimal128(9, 2)``);
+    quotes keep a column name whole whatever it holds (``select="Income, USD",age``:
+    :func:`param_names` and :func:`param_pairs` take the quotes off). Parts keep their quotes.
+    """
+    parts, depth, start, quoted = [], 0, 0, False
     for i, char in enumerate(value):
-        depth += (char in "<[(") - (char in ">])")
-        if char == "," and depth == 0:
-            parts.append(value[start:i])
-            start = i + 1
+        if char == '"':
+            quoted = not quoted  # "" inside quotes closes and reopens: a quote, kept
+        elif not quoted:
+            depth += (char in "<[(") - (char in ">])")
+            if char == "," and depth == 0:
+                parts.append(value[start:i])
+                start = i + 1
     parts.append(value[start:])
     return [p.strip() for p in parts if p.strip()]
+
+
+_PLAIN = re.compile(r'[^,="<>\[\]()]+')
+
+
+def quote_name(name: str) -> str:
+    """``name`` as a param writes it, so that :func:`param_names` gives it back.
+
+    In double quotes when it holds , = " < > [ ] ( ) or starts or ends with a space
+    (which params strip); ``""`` stands for a quote inside them.
+    """
+    if _PLAIN.fullmatch(name) and name == name.strip():
+        return name
+    return '"' + name.replace('"', '""') + '"'
+
+
+def unquote(text: str) -> str:
+    """A name as :func:`quote_name` wrote it, quotes taken off (a plain name: stripped)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        return text[1:-1].replace('""', '"')
+    return text
+
+
+def param_names(value: str) -> list[str]:
+    """``select=a,"b,c"``-style lists: the names, quotes taken off."""
+    return [unquote(part) for part in split_params(value)]
+
+
+def param_pairs(value: str) -> list[tuple[str, str, bool]]:
+    """``rename=a=x,"b=c"=y``-style lists: (name, value, whether an ``=`` was there).
+
+    The split is at the first ``=`` outside quotes; both sides lose their quotes,
+    so a value that is a name (rename) may be quoted too. A type (cast) has none.
+    """
+    pairs = []
+    for part in split_params(value):
+        quoted, cut = False, -1
+        for i, char in enumerate(part):
+            if char == '"':
+                quoted = not quoted
+            elif char == "=" and not quoted:
+                cut = i
+                break
+        if cut < 0:
+            pairs.append((unquote(part), "", False))
+        else:
+            pairs.append((unquote(part[:cut]), unquote(part[cut + 1 :]), True))
+    return pairs
 
 
 def check_param_names(transform: str, params: Iterable[str], allowed: Sequence[str]) -> None:

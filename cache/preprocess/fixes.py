@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
-from edgecache.cache.preprocess.arrow_types import type_name
+from edgecache.cache.preprocess.arrow_types import quote_name, type_name
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
@@ -116,11 +116,7 @@ def _shared_columns(schema: pa.Schema, first: pa.Schema, fmt: pb.SourceFormat.Va
     """
     theirs = {f.name: f.type for f in schema}
     shared = [f.name for f in first if f.name in theirs]
-    if (
-        not shared
-        or any(not first.field(n).type.equals(theirs[n]) for n in shared)
-        or any("," in n or n != n.strip() or set(n) & set("<>[]()") for n in shared)
-    ):
+    if not shared or any(not first.field(n).type.equals(theirs[n]) for n in shared):
         return ""
     left = sorted(set(first.names) ^ set(schema.names))
     why = f"leaving out {', '.join(left)}" if left else "in one order"
@@ -129,7 +125,7 @@ def _shared_columns(schema: pa.Schema, first: pa.Schema, fmt: pb.SourceFormat.Va
         if fmt == pb.SOURCE_FORMAT_WEBDATASET and left
         else ""
     )
-    select = shlex.quote(f"select={','.join(shared)}")
+    select = shlex.quote("select=" + ",".join(quote_name(n) for n in shared))
     return (
         f"{wds}; to publish the columns both have ({why}), publish with --transform columns "
         f"--param {select}"
@@ -171,10 +167,11 @@ def schema_mismatch(
             common = pa.string()  # a CSV cell reads as text whatever it holds
         if common is None or pa.types.is_null(common):
             return text
-        typed.append(f"{mine.name}={type_name(common)}")
+        typed.append(f"{quote_name(mine.name)}={type_name(common)}")
     if not typed:
         return text
     pairs = ",".join(typed)
-    quoted = pairs if all(ch not in pairs for ch in "<>() ") else f"'{pairs}'"
-    how = f"--column-types {quoted}" if read_as else f"--transform columns --param 'cast={pairs}'"
+    quoted = pairs if all(ch not in pairs for ch in "<>() \"'") else shlex.quote(pairs)
+    cast = f"'cast={pairs}'" if "'" not in pairs else shlex.quote(f"cast={pairs}")
+    how = f"--column-types {quoted}" if read_as else f"--transform columns --param {cast}"
     return f"{text}; give the columns one type: publish with {how}"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from edgecache.cache.preprocess.arrow_types import split_params
+from edgecache.cache.preprocess.arrow_types import param_names, param_pairs, quote_name
 from edgecache.cache.preprocess.compressed import compression_of
 
 __all__ = [
@@ -131,12 +131,8 @@ def carried(
     if name == "identity":
         origin = {n: n for n in result.names}
     elif name == "columns":
-        chosen = split_params(params.get("select", ""))
-        renamed = {}
-        for pair in split_params(params.get("rename", "")):
-            old, eq, new = (s.strip() for s in pair.partition("="))
-            if eq:
-                renamed[old] = new
+        chosen = param_names(params.get("select", ""))
+        renamed = {old: new for old, new, eq in param_pairs(params.get("rename", "")) if eq}
         origin = {renamed.get(n, n): n for n in (chosen or source.names)}
     else:
         origin = {
@@ -174,7 +170,7 @@ def _select_advice(others: Sequence[str], nulled: Sequence[str]) -> str:
     """
     if not others:
         return ""
-    select = "select=" + ",".join(others)
+    select = "select=" + ",".join(quote_name(n) for n in others)
     if len(select) <= _SELECT_CHARS:
         return f"of the version (--transform columns --param {shlex.quote(select)}) or "
     but = ", ".join(repr(n) for n in nulled)

@@ -12,7 +12,8 @@ node parses the same way, and refuses to guess where guessing goes wrong:
   header unless a cell of it is a number or empty, which is refused with what
   to pass instead);
 * ``column_names``: ``a,b,c`` (given without ``header``: the first row is data;
-  with ``header=true``: the file's header is replaced);
+  with ``header=true``: the file's header is replaced); a name holding a comma
+  or ``=`` in double quotes, ``"x, y",z``, here and in ``column_types``;
 * ``delimiter``: one character, or ``comma``, ``tab``, ``space``,
   ``semicolon``, ``pipe``, or ``whitespace`` (runs of spaces and tabs, as in
   aligned text tables); without it, a file that parses as one column while
@@ -38,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from edgecache.cache.errors import MalformedShard
-from edgecache.cache.preprocess.arrow_types import parse_type, split_params
+from edgecache.cache.preprocess.arrow_types import param_names, param_pairs, parse_type, quote_name
 from edgecache.cache.preprocess.arrow_types import type_name as spelled
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import COLUMN_FIX
@@ -76,8 +77,9 @@ _NAMES = {
 }
 
 
-def _split_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+def _cast_param(name: str, kind: pa.DataType) -> str:
+    """``cast=NAME=TYPE`` as a shell takes it, the name quoted as params quote names."""
+    return shlex.quote(f"cast={quote_name(name)}={spelled(kind)}")
 
 
 def _type_pairs(
@@ -85,8 +87,7 @@ def _type_pairs(
 ) -> dict[str, pa.DataType]:
     """``a=int32,b=string`` parsed; nested types only where ``fmt`` holds them (JSON Lines)."""
     out: dict[str, pa.DataType] = {}
-    for part in split_params(text):
-        name, eq, type_name = (s.strip() for s in part.partition("="))
+    for name, type_name, eq in param_pairs(text):
         if not eq or not name or not type_name or name in out:
             raise ValueError(
                 f"column_types={text!r}: expected unique NAME=TYPE pairs, "
@@ -105,7 +106,7 @@ def _type_pairs(
             raise ValueError(
                 f"column_types {name}={type_name}: the JSON Lines reader cannot read a value as "
                 f"{spelled(bad)}; use list<T> for a JSON array (cast it afterwards with "
-                f"--transform columns --param 'cast={name}={spelled(kind)}')"
+                f"--transform columns --param {_cast_param(name, kind)})"
             )
         out[name] = kind
     return out
@@ -129,7 +130,7 @@ def _canonical_types(text: str, fmt: pb.SourceFormat.ValueType) -> str:
     Types are spelled as publish prints the schema (``float32``, not pyarrow's
     ``float``), so what is echoed is what is used.
     """
-    return ",".join(f"{k}={spelled(v)}" for k, v in _type_pairs(text, fmt).items())
+    return ",".join(f"{quote_name(k)}={spelled(v)}" for k, v in _type_pairs(text, fmt).items())
 
 
 def column_types(options: Mapping[str, str]) -> dict[str, pa.DataType]:
@@ -189,10 +190,10 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
         if value != "auto":
             out["header"] = value
     if "column_names" in opts:
-        names = _split_list(opts["column_names"])
+        names = param_names(opts["column_names"])
         if not names or len(set(names)) != len(names):
             raise ValueError(f"column_names={opts['column_names']!r}: give unique names, a,b,c")
-        out["column_names"] = ",".join(names)
+        out["column_names"] = ",".join(quote_name(n) for n in names)
     if "delimiter" in opts:
         raw = opts["delimiter"]
         value = DELIMITERS.get(raw.strip().lower(), raw)
@@ -454,7 +455,7 @@ def _not_utf8(buf: pa.Buffer, names: list[str], source: str) -> MalformedShard:
         end = data.find(b"\n", exc.start)
         shown = data[start : end if end >= 0 else len(data)][:80]
         where = f" (line {line}: {shown!r}, byte 0x{data[exc.start]:02x})"
-    typed = ",".join(f"{name}=binary" for name in names[:4])
+    typed = shlex.quote(",".join(f"{quote_name(name)}=binary" for name in names[:4]))
     return MalformedShard(
         f"{source} is not UTF-8 text{where}, so column{'s' if len(names) > 1 else ''} "
         f"{', '.join(names[:4])} would be read as bytes, not strings. Convert the file to UTF-8 "
@@ -639,7 +640,7 @@ def read_csv(
     """
     delimiter = options.get("delimiter", ",")
     skip = int(options.get("skip_rows", "0"))
-    names = _split_list(options.get("column_names", ""))
+    names = param_names(options.get("column_names", ""))
     header = options.get("header", "auto")
     if delimiter == "whitespace":
         buf = pa.py_buffer(_single_spaced(memoryview(buf).tobytes()))

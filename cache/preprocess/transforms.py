@@ -25,7 +25,12 @@ from typing import Protocol
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard, UnknownTransform
-from edgecache.cache.preprocess.arrow_types import check_param_names, parse_type, split_params
+from edgecache.cache.preprocess.arrow_types import (
+    check_param_names,
+    param_names,
+    param_pairs,
+    parse_type,
+)
 from edgecache.cache.preprocess.casts import lossless_cast
 from edgecache.cache.preprocess.fixes import MissingColumn
 from edgecache.cache.preprocess.formats import ARROW_ERRORS
@@ -61,15 +66,14 @@ TransformFactory = Callable[[dict[str, str]], Transform]
 _registered: dict[str, TransformFactory] = {}
 
 
-_split = split_params
-
-
 def _pairs(key: str, value: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for part in _split(value):
-        old, eq, new = (s.strip() for s in part.partition("="))
+    for old, new, eq in param_pairs(value):
         if not eq or not old or not new or old in out:
-            raise ValueError(f"columns param {key}={value!r}: expected unique 'name=value' pairs")
+            raise ValueError(
+                f"columns param {key}={value!r}: expected unique 'name=value' pairs (a name "
+                'holding , = or a quote in double quotes: "a,b"=c)'
+            )
         out[old] = new
     return out
 
@@ -103,7 +107,7 @@ def column_index(batch: pa.RecordBatch, name: str, why: str) -> int:
 
 def _columns(params: dict[str, str]) -> Transform:
     check_param_names("columns", params, ("select", "rename", "cast"))
-    select = _split(params.get("select", ""))
+    select = param_names(params.get("select", ""))
     if len(set(select)) != len(select):
         raise ValueError(f"columns param select={params['select']!r} names a column twice")
     rename = _pairs("rename", params.get("rename", ""))
