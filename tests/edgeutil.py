@@ -147,3 +147,17 @@ def streaming_module() -> ModuleType:
     import streaming
 
     return streaming
+
+
+def publish_cli(tmp_path: Path, source: Path, *args: str) -> tuple[int, str]:
+    """``edgecache publish SOURCE ARGS`` into a registry under ``tmp_path``: (exit code, output)."""
+    from typer.testing import CliRunner
+
+    from edgecache.clients.cli import app
+
+    result = CliRunner().invoke(
+        app,
+        ["publish", str(source), "--registry", str(tmp_path / "reg"), *args],
+        env={"COLUMNS": "400"},
+    )
+    return result.exit_code, result.output

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from edgeutil import publish_cli as publish
 from typer.testing import CliRunner
 
 from edgecache.cache.manifest import preprocess_spec
@@ -19,15 +20,6 @@ from edgecache.clients.cli import app
 
 runner = CliRunner()
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "preprocessing.md"
-
-
-def publish(tmp_path: Path, source: Path, *args: str) -> tuple[int, str]:
-    result = runner.invoke(
-        app,
-        ["publish", str(source), "--registry", str(tmp_path / "reg"), *args],
-        env={"COLUMNS": "400"},
-    )
-    return result.exit_code, result.output
 
 
 def _nulled_table() -> pa.Table:

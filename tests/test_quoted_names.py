@@ -13,14 +13,11 @@ import shlex
 from pathlib import Path
 
 import pytest
+from edgeutil import publish_cli as publish
 from hypothesis import given
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 from edgecache.cache.preprocess.arrow_types import param_names, param_pairs, quote_name
-from edgecache.clients.cli import app
-
-runner = CliRunner()
 
 
 @given(st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6))
@@ -43,13 +40,10 @@ def test_types_keep_their_brackets_beside_quoted_names() -> None:
     assert pairs == [("a,b", "fixed_size_list<int32, 4>", True), ("c", "decimal128(9, 2)", True)]
 
 
-def publish(tmp_path: Path, source: Path, *args: str) -> tuple[int, str]:
-    result = runner.invoke(
-        app,
-        ["publish", str(source), "--registry", str(tmp_path / "reg"), *args],
-        env={"COLUMNS": "400"},
-    )
-    return result.exit_code, result.output
+def columns(code: int, out: str) -> list[tuple[str, str]]:
+    """The (name, type) of each column of a ``publish --json`` that succeeded."""
+    assert code == 0, out
+    return [(c["name"], c["type"]) for c in json.loads(out)["schema"]]
 
 
 @pytest.fixture
@@ -61,27 +55,18 @@ def csv_dir(tmp_path: Path) -> Path:
 
 
 def test_a_name_with_a_comma_is_selected_renamed_and_cast(tmp_path: Path, csv_dir: Path) -> None:
-    code, out = publish(
+    params = [
+        'select="a=b","Income, USD"',
+        'rename="Income, USD"=income,"a=b"="tag, text"',
+        "cast=income=float32",
+    ]
+    published = publish(
         tmp_path,
         csv_dir,
-        "--dataset",
-        "q",
-        "--transform",
-        "columns",
-        "--param",
-        'select="a=b","Income, USD"',
-        "--param",
-        'rename="Income, USD"=income,"a=b"="tag, text"',
-        "--param",
-        "cast=income=float32",
-        "--json",
+        *("--dataset", "q", "--transform", "columns", "--json"),
+        *(arg for param in params for arg in ("--param", param)),
     )
-    assert code == 0, out
-    columns = json.loads(out)["schema"]
-    assert [(c["name"], c["type"]) for c in columns] == [
-        ("tag, text", "string"),
-        ("income", "float"),
-    ]
+    assert columns(*published) == [("tag, text", "string"), ("income", "float")]
 
 
 def test_the_null_advice_quotes_such_names_and_its_command_works(
@@ -94,7 +79,7 @@ def test_the_null_advice_quotes_such_names_and_its_command_works(
     said = " ".join(out.split())
     assert """--param 'select=id,"a=b"'""" in said, out
     advice = said.split("--transform columns --param ", 1)[1].split(")")[0]
-    code, out = publish(
+    pasted = publish(
         tmp_path,
         csv_dir,
         "--dataset",
@@ -105,25 +90,15 @@ def test_the_null_advice_quotes_such_names_and_its_command_works(
         *shlex.split(advice),
         "--json",
     )
-    assert code == 0, out
-    assert [c["name"] for c in json.loads(out)["schema"]] == ["id", "a=b"]
+    assert [name for name, _ in columns(*pasted)] == ["id", "a=b"]
 
 
 def test_column_names_with_commas_name_a_headerless_csv(tmp_path: Path) -> None:
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "x.csv").write_text("1,2\n3,4\n")
-    code, out = publish(
-        tmp_path,
-        raw,
-        "--dataset",
-        "h",
-        "--column-names",
-        '"x, y",z',
-        "--column-types",
-        '"x, y"=int16',
-        "--json",
+    names, types = '"x, y",z', '"x, y"=int16'
+    published = publish(
+        tmp_path, raw, "--dataset", "h", "--column-names", names, "--column-types", types, "--json"
     )
-    assert code == 0, out
-    columns = json.loads(out)["schema"]
-    assert [(c["name"], c["type"]) for c in columns] == [("x, y", "int16"), ("z", "int64")]
+    assert columns(*published) == [("x, y", "int16"), ("z", "int64")]
