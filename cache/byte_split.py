@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from edgecache.cache import recycled
 from edgecache.cache.errors import ChunkCorrupt
 
 __all__ = [
@@ -243,9 +244,8 @@ def join(data: pa.Buffer, regions: Sequence[Region], raw_len: int) -> pa.Buffer:
     """Undo :func:`split`: the ``raw_len`` bytes of stream, in a new buffer."""
     if not regions:
         return data
-    out = pa.allocate_buffer(raw_len)
+    dst, out = recycled.buffers.allocate(raw_len)
     src = np.frombuffer(data, np.uint8)
-    dst = np.frombuffer(out, np.uint8)
     done = at = 0
     for r in regions:
         gap = r.offset - done

@@ -38,7 +38,7 @@ from typing import Literal
 import pyarrow as pa
 import zstandard
 
-from edgecache.cache import byte_split
+from edgecache.cache import byte_split, recycled
 from edgecache.cache.errors import ChunkCorrupt, EmptyShard, SchemaMismatch
 from edgecache.cache.frame import Buffer, Codec, pack_frame, payload_view, read_header, verify_frame
 from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES, fixed_row_bytes, rows_per_window
@@ -337,19 +337,20 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def _decompress(payload: Buffer, raw_len: int) -> Buffer:
     """The first zstd frame of ``payload``, which declares ``raw_len`` bytes, decompressed.
 
-    The output goes into a buffer from Arrow's memory pool rather than a fresh
-    ``bytes``: the batch decoded from it points into it (zero-copy), and the
-    pool reuses the memory once no batch does, where every ``bytes`` of a few
-    MiB was a new mapping, page-faulted in and unmapped again. One ``readinto``
-    of exactly ``raw_len`` bytes takes zstd's single-pass path over the first
-    frame, as ``decompress`` does: a frame that decodes to more or fewer bytes
-    than it declares raises ZstdError, anything after the frame is ignored.
+    The output goes into a recycled decode buffer (:mod:`edgecache.cache.recycled`)
+    rather than a fresh ``bytes``: the batch decoded from it points into it
+    (zero-copy), and the memory is handed to the next decode once no batch
+    does, where every ``bytes`` of a few MiB was a new mapping, page-faulted
+    in and unmapped again. One ``readinto`` of exactly ``raw_len`` bytes takes
+    zstd's single-pass path over the first frame, as ``decompress`` does: a
+    frame that decodes to more or fewer bytes than it declares raises
+    ZstdError, anything after the frame is ignored.
     """
     if raw_len == 0:
         return _decompressor().decompress(payload)
-    out = pa.allocate_buffer(raw_len)
+    target, out = recycled.buffers.allocate(raw_len)
     with _decompressor().stream_reader(payload) as reader:
-        filled = reader.readinto(out)
+        filled = reader.readinto(target)
     return out if filled == raw_len else memoryview(out)[:filled]
 
 

@@ -60,6 +60,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
+from edgecache.cache import recycled
 from edgecache.cache.codec import MIN_CHUNK_BYTES
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
@@ -658,11 +659,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """Stop this process's reads, then close its channels, stores and threads.
 
         Iterators still live end: the next batch asked of one raises ValueError.
-        Iterating again opens everything anew.
+        Iterating again opens everything anew. The process's idle decode buffers
+        (:mod:`edgecache.cache.recycled`, kept for the next epoch) go back to the
+        system.
         """
         if self._open is not None and self._pid == os.getpid():
             self._finalizer()
         self._open = None
+        recycled.buffers.release()
 
     def __enter__(self) -> EdgeDataset:
         return self
