@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchproc import marked, namespaces, run_marked
+from benchproc import left_behind, marked, namespaces, run_marked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def test_schedule_smoke(tmp_path: Path) -> None:
         100,
     )
     assert code == 0, log[-4000:]
-    assert namespaces() <= before, f"namespaces left behind: {namespaces() - before}"
+    assert not left_behind(before), f"namespaces left behind: {left_behind(before)}"
     assert not marked(marker), "processes of the benchmark outlived it"
 
     doc = json.loads(out.read_text())

@@ -16,7 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from benchproc import marked, namespaces, run_marked
+from benchproc import left_behind, marked, namespaces, run_marked
 
 
 def test_wan_smoke(tmp_path: Path) -> None:
@@ -30,7 +30,7 @@ def test_wan_smoke(tmp_path: Path) -> None:
         120,
     )
     assert code == 0, log[-4000:]
-    assert namespaces() <= before, f"namespaces left behind: {namespaces() - before}"
+    assert not left_behind(before), f"namespaces left behind: {left_behind(before)}"
     assert not marked(marker), "processes of the benchmark outlived it"
 
     doc = json.loads(out.read_text())
