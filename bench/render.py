@@ -522,7 +522,30 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   EdgeDataset `lanes × shuffle_windows` decoded windows (one chunk each, since windows
   lie on the chunk grid) plus the read-ahead. `edgecache-lmdb-lowmem` is the trade
   taken the other way (docs/dataset.md). Uncompressed versions are LMDB views, not
-  anonymous memory."""
+  anonymous memory.
+- **Memory since stop 29** (blocks interleave their streams, windows are dropped as
+  soon as their lane is read past them, 32 MiB read-ahead): an A/B on an Intel 2-core
+  machine, `python -m bench.peers --tokens-mib 1024 --images-mib 512 --systems
+  litdata,edgecache-lmdb,edgecache-grpc --workers 0,2`, stop 28's code against this
+  one (two runs): tokens `num_workers=0` over `lmdb://` 511 → 448-454 MB (2.74x →
+  2.40-2.44x LitData's), over gRPC 638 → 549-581 MB (3.42x → 2.94-3.12x); images over
+  gRPC 596 → 399-421 MB at `num_workers=0`, 891 → 821-824 MB at 2; the rest unchanged,
+  and the same speeds. The rows above are stop 24's.
+- **Memory since stop 30** (a parked gRPC stream is asked for one window ahead, not
+  three): the same command once more, 2026-12-03: tokens over gRPC 521 MB at
+  `num_workers=0` (2.80x LitData's 186), 917 at 2 workers (1.71x of 537); images over
+  gRPC 359 MB at `num_workers=0` (1.54x), 725 at 2 (1.09x); `lmdb://` unchanged (446
+  and 852 MB). Three alternating runs of each setting, gRPC alone: tokens 508-516
+  against 537-584 MB at `num_workers=0`, at the same or better speed (docs/dataset.md,
+  "Read-ahead and memory").
+- **Memory since stop 31** (decode buffers recycled, `edgecache.cache.recycled`): two
+  alternating runs of each side, `python -m bench.peers --tokens-mib 1024 --images-mib
+  256 --systems edgecache-lmdb,edgecache-grpc,litdata --workers 0,2 --repeat 2`,
+  2026-12-03: tokens over `lmdb://` 416-423 MB against 448 at `num_workers=0` (2.2x
+  LitData's 186-188; 109-116k samples/s against 117-119k), 800-802 against 852 at 2
+  workers (1.49x of 537; 132-140k against 143-144k); over gRPC 482-504 against 509-525
+  (76-78k against 72-79k) and 867-877 against 918-927 (84-90k against 84k); images
+  unchanged (their chunks are stored uncompressed: LMDB views, no decode buffer)."""
 
 
 def _section_training(data: dict) -> str:
