@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from edgecache.cache import recycled
 from edgecache.cache.codec import CodecOptions, decode_chunk, encode_shard
-from edgecache.cache.recycled import SMALL, RecycledBuffers, size_class
+from edgecache.cache.recycled import LARGE, SMALL, RecycledBuffers, size_class
 
 MIB = 1 << 20
 
@@ -112,6 +114,42 @@ def test_release_gives_idle_buffers_back() -> None:
     assert pool.release() == 4 * size_class(2 * MIB) and pool.idle_bytes() == 0
 
 
+def test_buffers_freed_by_the_cycle_collector_inside_the_pool_do_not_hang_it() -> None:
+    """Buffers held by reference cycles (a batch in a traceback, a Future) are freed by
+    the cycle collector, which runs at any allocation, the pool's own under its lock
+    too: a finaliser that took the lock waited for its own thread (found in review)."""
+    pool = RecycledBuffers(keep_bytes=8 * MIB)
+    gc.set_threshold(10)  # collect often, as a busy process does
+    try:
+        for i in range(3000):
+            _, buffer = pool.allocate((1 + i % 4) * MIB // 2 + 4096)
+            holder = {"buffer": buffer}
+            holder["self"] = holder  # cyclic garbage holding the buffer
+            del buffer, holder
+    finally:
+        gc.set_threshold(700, 10, 10)
+    gc.collect()
+    assert pool.idle_bytes() <= max(8 * MIB, pool.live_peak) and pool.live == 0
+
+
+def test_a_script_that_exits_while_threads_decode_exits_cleanly(tmp_path) -> None:
+    """A daemon thread freeing buffers as the interpreter exits: code run from Arrow's
+    destructor then was cut short inside C++, an abort (exit 134) in 4 of 10 runs."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import threading, time\n"
+        "from edgecache.cache import recycled\n"
+        "def work():\n"
+        "    while True:\n"
+        "        a, b = recycled.buffers.allocate(3 << 20); del a, b\n"
+        "threading.Thread(target=work, daemon=True).start()\n"
+        "time.sleep(0.2)\n"
+    )
+    for _ in range(6):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
 def _allocate_in_child(queue: multiprocessing.Queue) -> None:
     array, buffer = recycled.buffers.allocate(2 * MIB)
     array[:] = 5
@@ -130,3 +168,30 @@ def test_a_child_forked_while_the_lock_is_held_can_still_allocate() -> None:
     child.join(timeout=20)
     assert child.exitcode == 0
     assert queue.get(timeout=5) == b"\x05" * 4
+
+
+def _count_in_child(inherited: list, queue: multiprocessing.Queue) -> None:
+    _, mine = recycled.buffers.allocate(8 * MIB)
+    inherited.clear()  # the parent's buffer, dropped in the child
+    queue.put(recycled.buffers.idle_bytes() + recycled.buffers.live)
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="fork only")
+def test_a_forked_child_counts_only_its_own_buffers() -> None:
+    """A buffer inherited from the parent and dropped in the child was subtracted from
+    the child's own count (found in review): its live buffer read as 0."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    inherited = [recycled.buffers.allocate(8 * MIB)[1]]
+    child = context.Process(target=_count_in_child, args=(inherited, queue))
+    child.start()
+    child.join(timeout=20)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == size_class(8 * MIB)
+
+
+def test_buffers_larger_than_any_chunk_are_not_kept() -> None:
+    """A damaged header claiming a huge chunk must not become the process's peak."""
+    pool = RecycledBuffers()
+    array, buffer = pool.allocate(LARGE + 1)
+    assert len(buffer) == LARGE + 1 and pool.live == 0 == pool.live_peak
