@@ -541,10 +541,10 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
 - **Memory since stop 31** (decode buffers recycled, `edgecache.cache.recycled`): two
   alternating runs of each side, `python -m bench.peers --tokens-mib 1024 --images-mib
   256 --systems edgecache-lmdb,edgecache-grpc,litdata --workers 0,2 --repeat 2`,
-  2026-12-03: tokens over `lmdb://` 416-423 MB against 448 at `num_workers=0` (2.2x
-  LitData's 186-188; 109-116k samples/s against 117-119k), 800-802 against 852 at 2
-  workers (1.49x of 537; 132-140k against 143-144k); over gRPC 482-504 against 509-525
-  (76-78k against 72-79k) and 867-877 against 918-927 (84-90k against 84k); images
+  2026-12-03: tokens over `lmdb://` 412 MB against 448-450 at `num_workers=0` (2.2x
+  LitData's 186; 115-120k samples/s against 117-119k), 802-810 against 852 at 2
+  workers (1.49-1.51x of 537; 133-150k against 139-140k); over gRPC 478 against 515-516
+  (75-83k against 75-76k) and 868-870 against 914-925 (82-97k against 86k); images
   unchanged (their chunks are stored uncompressed: LMDB views, no decode buffer)."""
 
 
