@@ -122,6 +122,7 @@ class RecycledBuffers:
             self.live += size
             self.live_peak = max(self.live_peak, self.live)
         del dropped
+        fresh = array is None
         if array is None:
             try:
                 array = _fresh(size)
@@ -129,10 +130,9 @@ class RecycledBuffers:
                 with self._lock:
                     self.live -= size
                 raise
-            with self._lock:
-                self.fresh += 1
         lease = _Lease(array)
         with self._lock:
+            self.fresh += fresh
             self._out.append((weakref.ref(lease), array))
         return array[:nbytes], pa.foreign_buffer(array.ctypes.data, nbytes, base=lease)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -86,6 +86,22 @@ def _struct(spec: str, inner: str) -> pa.DataType:
     return pa.struct(fields)
 
 
+def _cuts(value: str, sep: str, *, brackets: bool = True) -> Iterator[int]:
+    """Where ``sep`` stands in ``value`` outside double quotes.
+
+    With ``brackets``, outside <...>, [...] and (...) too (types hold commas).
+    """
+    depth, quoted = 0, False
+    for i, char in enumerate(value):
+        if char == '"':
+            quoted = not quoted  # "" inside quotes closes and reopens: a quote, kept
+        elif not quoted:
+            if brackets:
+                depth += (char in "<[(") - (char in ">])")
+            if char == sep and depth == 0:
+                yield i
+
+
 def split_params(value: str) -> list[str]:
     """Split on commas outside <...>, [...], (...) and double quotes.
 
@@ -93,17 +109,10 @@ def split_params(value: str) -> list[str]:
     quotes keep a column name whole whatever it holds (``select="Income, USD",age``:
     :func:`param_names` and :func:`param_pairs` take the quotes off). Parts keep their quotes.
     """
-    parts, depth, start, quoted = [], 0, 0, False
-    for i, char in enumerate(value):
-        if char == '"':
-            quoted = not quoted  # "" inside quotes closes and reopens: a quote, kept
-        elif not quoted:
-            depth += (char in "<[(") - (char in ">])")
-            if char == "," and depth == 0:
-                parts.append(value[start:i])
-                start = i + 1
-    parts.append(value[start:])
-    return [p.strip() for p in parts if p.strip()]
+    ends = [*_cuts(value, ","), len(value)]
+    starts = [0, *(end + 1 for end in ends[:-1])]
+    parts = (value[start:end].strip() for start, end in zip(starts, ends, strict=True))
+    return [part for part in parts if part]
 
 
 _PLAIN = re.compile(r'[^,="<>\[\]()]+')
@@ -141,14 +150,8 @@ def param_pairs(value: str) -> list[tuple[str, str, bool]]:
     """
     pairs = []
     for part in split_params(value):
-        quoted, cut = False, -1
-        for i, char in enumerate(part):
-            if char == '"':
-                quoted = not quoted
-            elif char == "=" and not quoted:
-                cut = i
-                break
-        if cut < 0:
+        cut = next(_cuts(part, "=", brackets=False), None)
+        if cut is None:
             pairs.append((unquote(part), "", False))
         else:
             pairs.append((unquote(part[:cut]), unquote(part[cut + 1 :]), True))
