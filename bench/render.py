@@ -509,11 +509,16 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   could carry on to the next: fewer calls), larger HTTP/2 frames and a fixed 16 MiB
   window, a shorter GIL switch interval.
 - **Local fast path, images**: the loop waits ~85 % of the epoch for the pipeline,
-  whose threads use ~1.2 cores in all: fetching windows (LMDB, checksum, decode)
-  ~0.27 CPU-s/GB, building batches ~0.33 (the row copies ~0.15 of it), planning and
-  gathering ~0.2, mostly Python holding the GIL. Copying rows with the GIL released
-  (one `torch.cat` per gather) ran no faster. Two workers split that work over two
-  processes (1.7x `num_workers=0` here).
+  whose threads use ~1.1 cores in all: fetching windows (LMDB, checksum, decode)
+  ~0.2-0.3 CPU-s/GB, building batches ~0.2 (the row copies ~0.15 of it), planning and
+  gathering ~0.2, mostly Python holding the GIL. The assembler thread is the critical
+  path: every torch or numpy call that drops the GIL (a tensor view, a small `np.take`)
+  can wait out a switch interval (5 ms) to take it back while a fetch thread runs
+  Python; beside a busy Python thread a torch slice-and-view measured ~0.75 ms against
+  3 us alone. Copying rows with the GIL released once per batch (`torch.cat`) ran 10-15 %
+  faster than with it held only with torch's intra-op threads at 1 (at 2 the copy's
+  OpenMP team doubled its CPU and the epoch ran 40 % slower). Two workers split that work over two processes (1.5-1.7x
+  `num_workers=0` here).
 - **Local fast path, tokens**: the default chunk codec (byte-split + zstd-1) costs the
   decompression of every window; staged uncompressed (`edgecache-lmdb-none`, same data)
   the fast path reads LMDB views at memory speed, far ahead of LitData.
@@ -545,7 +550,15 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   LitData's 186; 115-120k samples/s against 117-119k), 802-810 against 852 at 2
   workers (1.49-1.51x of 537; 133-150k against 139-140k); over gRPC 478 against 515-516
   (75-83k against 75-76k) and 868-870 against 914-925 (82-97k against 86k); images
-  unchanged (their chunks are stored uncompressed: LMDB views, no decode buffer)."""
+  unchanged (their chunks are stored uncompressed: LMDB views, no decode buffer).
+- **Since stop 32** (batches built on the assembler thread alone; the two build threads
+  only contended for the GIL once the row copies held it): two alternating runs of each
+  side, `python -m bench.peers --tokens-mib 1024 --images-mib 512 --systems
+  edgecache-lmdb,edgecache-grpc,litdata --workers 0,2 --repeat 2`, 2026-12-03: images
+  over `lmdb://` at `num_workers=0` 13.3-14.8k samples/s against 11.4-12.7k (0.73-0.82
+  CPU-s/GB against 0.88-0.97), tokens 120-123k against 113-115k, over gRPC 78-82k
+  against 76-78k; images over gRPC and every 2-worker figure the same within noise
+  (workers ran one fetch thread each and no build threads already)."""
 
 
 def _section_training(data: dict) -> str:
