@@ -149,12 +149,41 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     marker = item.get_closest_marker("timeout")
     limit = marker.args[0] if marker and marker.args else item.config.getini("timeout")
     if not limit or not _STDERR:
-        return (yield)
+        try:
+            return (yield)
+        finally:
+            _stop_controllers_left_running(item.nodeid)
     faulthandler.dump_traceback_later(float(limit) + BACKSTOP, exit=True, file=_STDERR[0])
     try:
         return (yield)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        _stop_controllers_left_running(item.nodeid)
+
+
+def _stop_controllers_left_running(nodeid: str) -> None:
+    """Close the in-process controllers whose staging threads outlived the test that ran them.
+
+    A controller's task thread sits in a node's Stage stream until its controller is
+    closed. Left running, it kept gRPC busy at every later fork in this worker process:
+    the fork guard named it at each DataLoader in the tests after, and one of their
+    workers aborted in its first gRPC call. The controller is found through the thread's
+    target (its bound ``_run_task``), closed, and the test that left it named.
+    """
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        controller = getattr(target, "__self__", None)
+        if getattr(target, "__name__", "") != "_run_task" or controller is None:
+            continue
+        controller.close()
+        thread.join(timeout=10)
+        if _STDERR:
+            os.write(
+                _STDERR[0],
+                f"\ncontroller left running by {nodeid}: its task thread {thread.name!r} "
+                f"was {'still alive after closing it' if thread.is_alive() else 'stopped'}; "
+                "close every Controller a test makes (try/finally)\n".encode(),
+            )
 
 
 @pytest.fixture
