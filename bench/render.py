@@ -517,8 +517,8 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   Python; beside a busy Python thread a torch slice-and-view measured ~0.75 ms against
   3 us alone. Copying rows with the GIL released once per batch (`torch.cat`) ran 10-15 %
   faster than with it held only with torch's intra-op threads at 1 (at 2 the copy's
-  OpenMP team doubled its CPU and the epoch ran 40 % slower). Two workers split that work over two processes (1.5-1.7x
-  `num_workers=0` here).
+  OpenMP team doubled its CPU and the epoch ran 40 % slower). Two workers split that
+  work over two processes (1.5-1.7x `num_workers=0` here).
 - **Local fast path, tokens**: the default chunk codec (byte-split + zstd-1) costs the
   decompression of every window; staged uncompressed (`edgecache-lmdb-none`, same data)
   the fast path reads LMDB views at memory speed, far ahead of LitData.
