@@ -33,6 +33,7 @@ changed); Python-list columns give ``None``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -299,6 +300,47 @@ def _copy_ranges(ranges: _Ranges, out: np.ndarray) -> None:
     np.take(ranges.source, index, out=out[:total], mode="clip")
 
 
+_NOT_WRITABLE = "The given NumPy array is not writable"
+
+
+def _copy_all(parts: Sequence[_Ranges], out: np.ndarray) -> None:
+    """Every part's rows, one part after the other, into ``out`` (as long as their total).
+
+    Large byte values (images, documents) are copied by one ``torch.cat`` per batch where
+    torch's intra-op pool is one thread (DataLoader workers set it so): the GIL is dropped
+    once for the whole batch, so the process's fetch threads run Python meanwhile (+11-15 %
+    images samples/s at ``num_workers=0`` with one intra-op thread, measured on 2 cores).
+    With more threads, torch splits the copy over an OpenMP team that doubles its CPU
+    (40 % slower epochs here), so the rows are copied with the GIL held instead
+    (:func:`_copy_ranges`).
+    """
+    import torch
+
+    total = sum(int(p.lengths.sum()) for p in parts)
+    rows = sum(len(p.lengths) for p in parts)
+    if (
+        out.dtype == np.uint8
+        and total >= 512 * rows > 0
+        and all(p.source.dtype == np.uint8 for p in parts)
+        and torch.get_num_threads() == 1
+    ):
+        with warnings.catch_warnings():
+            # Values read from LMDB are read-only memory, which torch warns must not be
+            # written through a tensor. These tensors are only the copy's sources.
+            warnings.filterwarnings("ignore", _NOT_WRITABLE, UserWarning)
+            pieces = [
+                torch.from_numpy(p.source[start : start + length])
+                for p in parts
+                for start, length in zip(p.starts.tolist(), p.lengths.tolist(), strict=True)
+            ]
+        torch.cat(pieces, out=torch.from_numpy(out[:total]))
+        return
+    position = 0
+    for part in parts:
+        _copy_ranges(part, out[position:])
+        position += int(part.lengths.sum())
+
+
 def assemble(
     gathers: Sequence[Gather],
     kinds: Sequence[ColumnKind],
@@ -396,9 +438,9 @@ def assemble(
                 n = len(part.lengths)
                 np.cumsum(part.lengths, out=bounds[row + 1 : row + n + 1])
                 bounds[row + 1 : row + n + 1] += position
-                _copy_ranges(part, values[position:])
                 position += int(part.lengths.sum())
                 row += n
+            _copy_all(ranges[kind.name], values[:position])
             out[kind.name] = Packed(
                 block.tensor(at, length, dtype, (extent,)),  # type: ignore[arg-type]
                 block.tensor(oat, olen, torch.int64, (size + 1,)),

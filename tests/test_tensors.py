@@ -173,3 +173,43 @@ def test_a_padded_list_whose_lengths_name_a_column_is_refused() -> None:
         with_forms(column_kinds(schema, None))
     assert with_forms(column_kinds(schema, None), ragged="packed")  # no lengths column then
     assert with_forms(column_kinds(schema, ["toks"]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.filterwarnings("error")
+def test_large_byte_values_copy_alike_whatever_torch_threads(threads: int) -> None:
+    # Rows of >= 512 bytes on average take one torch.cat per batch where torch has one
+    # intra-op thread (DataLoader workers), the per-row copy otherwise: same bytes both ways.
+    rng = np.random.default_rng(threads)
+    schema = pa.schema([("image", pa.binary()), ("text", pa.string())])
+
+    def images(start: int, rows: int) -> pa.RecordBatch:
+        sizes = rng.integers(0, 4096, rows)
+        blobs = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in sizes]
+        offsets = np.cumsum([0, *map(len, blobs)], dtype=np.int32)
+        # Read-only value bytes, as LMDB's views are (torch warns on non-writable arrays).
+        data = pa.py_buffer(memoryview(b"".join(blobs)))
+        image = pa.Array.from_buffers(pa.binary(), rows, [None, pa.py_buffer(offsets), data])
+        return pa.record_batch(
+            [image, pa.array([f"t{start + i}" for i in range(rows)])], schema=schema
+        )
+
+    a, b = images(0, 12), images(12, 9).slice(1)
+    gathers = [Gather(a, np.array([11, 0, 5, 5])), Gather(b, np.array([7, 2]))]
+    expected = [a.column(0)[r].as_py() for r in (11, 0, 5, 5)]
+    expected += [b.column(0)[r].as_py() for r in (7, 2)]
+    kinds = column_kinds(schema, None)
+    assert not a.column(0).buffers()[2].is_mutable
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        memory = ReusedMemory()
+        for _ in range(2):  # reused memory: the second batch overwrites the first's bytes
+            batch = assemble(gathers, kinds, memory=memory)
+            image = batch["image"]
+            assert isinstance(image, Packed) and list(image) == expected
+            assert image.offsets.tolist() == np.cumsum([0, *map(len, expected)]).tolist()
+            assert batch["text"] == ["t11", "t0", "t5", "t5", "t20", "t15"]
+            del batch, image
+    finally:
+        torch.set_num_threads(before)
