@@ -558,7 +558,16 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   over `lmdb://` at `num_workers=0` 13.3-14.8k samples/s against 11.4-12.7k (0.73-0.82
   CPU-s/GB against 0.88-0.97), tokens 120-123k against 113-115k, over gRPC 78-82k
   against 76-78k; images over gRPC and every 2-worker figure the same within noise
-  (workers ran one fetch thread each and no build threads already)."""
+  (workers ran one fetch thread each and no build threads already).
+- **Since stop 33** (large byte values, 512 bytes a row or more on average, copied by one
+  `torch.cat` per batch where torch has one intra-op thread, as in DataLoader workers:
+  the GIL is dropped once a batch instead of held row by row; with more threads the
+  row-by-row copy stays, since torch's OpenMP team doubled the copy's CPU): two
+  alternating runs of each side, `OMP_NUM_THREADS=1 python -m bench.peers --tokens-mib 1
+  --images-mib 512 --systems edgecache-lmdb,edgecache-grpc --workers 0,2 --repeat 2`,
+  2026-12-03: images over `lmdb://` at `num_workers=0` 12.9-13.8k samples/s against
+  10.2-11.9k; over gRPC and at 2 workers the same within this machine's noise (two
+  more runs of each side without the setting: every figure the same within noise)."""
 
 
 def _section_training(data: dict) -> str:
