@@ -412,6 +412,14 @@ def _section_planner(data: dict) -> str:
     )
 
 
+def _rounds(data: dict) -> str:
+    """How many interleaved passes the peers ran (one, in runs from before the option)."""
+    rounds = data.get("settings", {}).get("rounds", 1)
+    if rounds <= 1:
+        return ""
+    return f"; every configuration ran in {rounds} interleaved passes, its fastest kept"
+
+
 def _section_peers(data: dict, picture: Path | None) -> str:
     from bench.peers.printing import MEMORY_COLUMNS, SCALING_COLUMNS, memory_rows, scaling_rows
 
@@ -461,9 +469,10 @@ def _section_peers(data: dict, picture: Path | None) -> str:
             "process: one epoch through a `torch.utils.data.DataLoader`, every batch checked "
             "(count and label sum). Peers read their own format from local disk (their best "
             "case); edgecache reads a warm node over gRPC on loopback, or the node's LMDB "
-            "directly (`lmdb://`). Short epochs are repeated and the fastest kept. Peak RSS "
-            "sums the loader and its workers (pages shared after fork are counted per "
-            "process, the same for every system).",
+            "directly (`lmdb://`). Short epochs are repeated and the fastest kept"
+            + _rounds(data)
+            + ". Peak RSS sums the loader and its workers (pages shared after fork are "
+            "counted per process, the same for every system).",
             f"![samples/s per system]({picture.parent.name}/{picture.name})" if picture else "",
             _md_table(
                 [
