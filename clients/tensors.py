@@ -274,13 +274,18 @@ def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
     return _Ranges(source, starts, lengths)
 
 
+# Bytes per row, on average, from which rows are copied whole (memcpy-sized) rather than
+# gathered through an index array.
+_LARGE_VALUE = 512
+
+
 def _copy_ranges(ranges: _Ranges, out: np.ndarray) -> None:
     """Each row's values, one after the other, into ``out`` (as long as their total)."""
     lengths = ranges.lengths
     total = int(lengths.sum())
     if not total:
         return
-    if total >= 512 * len(lengths):  # large values: one memcpy each beats an index array
+    if total >= _LARGE_VALUE * len(lengths):  # one memcpy each beats an index array
         # memoryview slice assignment copies with the GIL held. numpy drops the GIL
         # around each copy and must take it back after, and with the pipeline's other
         # threads running Python each take-back can wait out a switch interval: two
@@ -304,7 +309,7 @@ _NOT_WRITABLE = "The given NumPy array is not writable"
 
 
 def _copy_all(parts: Sequence[_Ranges], out: np.ndarray) -> None:
-    """Every part's rows, one part after the other, into ``out`` (as long as their total).
+    """Every part's rows, one part after the other, into ``out`` (exactly their total long).
 
     Large byte values (images, documents) are copied by one ``torch.cat`` per batch where
     torch's intra-op pool is one thread (DataLoader workers set it so): the GIL is dropped
@@ -316,11 +321,11 @@ def _copy_all(parts: Sequence[_Ranges], out: np.ndarray) -> None:
     """
     import torch
 
-    total = sum(int(p.lengths.sum()) for p in parts)
+    total = len(out)
     rows = sum(len(p.lengths) for p in parts)
     if (
         out.dtype == np.uint8
-        and total >= 512 * rows > 0
+        and total >= _LARGE_VALUE * rows > 0
         and all(p.source.dtype == np.uint8 for p in parts)
         and torch.get_num_threads() == 1
     ):
@@ -333,7 +338,7 @@ def _copy_all(parts: Sequence[_Ranges], out: np.ndarray) -> None:
                 for p in parts
                 for start, length in zip(p.starts.tolist(), p.lengths.tolist(), strict=True)
             ]
-        torch.cat(pieces, out=torch.from_numpy(out[:total]))
+        torch.cat(pieces, out=torch.from_numpy(out))
         return
     position = 0
     for part in parts:
