@@ -106,3 +106,14 @@ def test_peers_smoke(tmp_path: Path) -> None:
     assert all(m["ratio"] > 0 and m["speed_ratio"] > 0 for m in memory.values())
     kinds = {c["kind"] for c in doc["checks"]}
     assert kinds == {">=", "<="} and all(c["value"] > 0 for c in doc["checks"])
+
+
+def test_two_rounds_by_default_and_none_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.peers.runner import parse
+
+    assert parse([]).rounds == 2
+    assert parse(["--smoke"]).rounds == 1
+    with pytest.raises(SystemExit) as exited:
+        parse(["--rounds", "0"])
+    assert exited.value.code == 2

@@ -402,6 +402,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.tokens_mib = args.images_mib = SMOKE_MIB
         args.in_process = True
         args.repeat = args.rounds = 1
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.workers = [int(w) for w in args.workers.split(",")]
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
