@@ -453,8 +453,15 @@ async def serve_forever(config: NodeConfig) -> None:
 
 
 @contextlib.contextmanager
-def running_node(config: NodeConfig) -> Iterator[NodeServer]:
-    """A node on its own event loop in a background thread; stops when the block ends."""
+def running_node(config: NodeConfig, *, grace: float | None = 1.0) -> Iterator[NodeServer]:
+    """A node on its own event loop in a background thread; stops when the block ends.
+
+    The stop is a drain of ``grace`` seconds: open streams and shard fetches under
+    way get that long to finish. One second by default, since a block that ends is a
+    program (a test, a script) done with its node, not a rolling restart whose
+    readers fail over; ``None`` drains for the config's ``grace_seconds``, as SIGTERM
+    does for ``edgecache serve``.
+    """
     loop = asyncio.new_event_loop()
     server = NodeServer(config)
     ready = threading.Event()
@@ -481,7 +488,8 @@ def running_node(config: NodeConfig) -> Iterator[NodeServer]:
     try:
         yield server
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(grace=1.0), loop).result(timeout=60)
+        drain = config.grace_seconds if grace is None else grace
+        asyncio.run_coroutine_threadsafe(server.stop(drain), loop).result(timeout=drain + 60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         loop.close()

@@ -862,7 +862,9 @@ def test_a_drain_lets_a_running_shard_fetch_commit_whole(tmp_path: Path) -> None
     pq.write_table(table, tmp_path / "origin" / "part-0.parquet")
     registry = f"file://{tmp_path}/registry"
     publish(registry, f"file://{tmp_path}/origin", "slow", compression_level=19)
-    with running_node(config(tmp_path, registry, grace_seconds=60)) as node:
+    # The drain the config sets (as SIGTERM), not running_node's short default: the
+    # fetch takes a second or more at zstd-19, longer on a slow or busy machine.
+    with running_node(config(tmp_path, registry, grace_seconds=60), grace=None) as node:
         # A read-through miss whose reader goes away: the fetch goes on without it.
         call = stub(node.address).ReadShard(
             edge_pb2.ReadShardRequest(dataset="slow", version=1, shard=0)
