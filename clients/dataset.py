@@ -342,7 +342,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         endpoints: ``host:port``, ``grpcs://host:port`` or ``lmdb:///cache/dir`` entries
             (one endpoint may be given as a plain string).
         config / region: read the endpoints from a topology file (edgecache.yaml)
-            instead; the region's nodes come first, other regions' after them.
+            instead of ``endpoints`` (not beside them); the region's nodes come first,
+            other regions' after them.
         batch_size: samples per batch; ``None`` yields one sample at a time (a
             :class:`Sample`, which `DataLoader(batch_size=k)` batches as ``k`` would).
         columns: columns to read, each once (one may be given as a plain string;
@@ -381,7 +382,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         component_column: also yield this column: each sample's component index
             (into :attr:`components`); a non-empty string.
         token: bearer token for nodes that require one for reads.
-        stall_timeout: seconds without a chunk before a stream is abandoned.
+        stall_timeout: seconds without a chunk before a stream that has started
+            delivering is abandoned (its first chunk may take up to 120 s: a miss
+            fetches and preprocesses the shard from origin first).
         retry_timeout: seconds without progress on any node before giving up.
         metrics_port: serve this process's reading metrics (``edgecache_client_*``)
             for Prometheus on this port (0: any free port, see :attr:`metrics_port`);
@@ -446,6 +449,16 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.rows = parse_rows(rows)
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
+        if endpoints is not None and (config is not None or region is not None):
+            # Given both, endpoints were used as they stand: the region's nodes neither came
+            # first nor served as its replicas, and nothing said the topology went unread.
+            ignored = [k for k, v in (("config", config), ("region", region)) if v is not None]
+            raise InvalidEndpoint(
+                f"pass endpoints=[...] or config= (with region=), not both: "
+                f"{' and '.join(ignored)} would go unused beside endpoints; drop endpoints= to "
+                "read the region's nodes from the topology file, or drop "
+                f"{' and '.join(k + '=' for k in ignored)}"
+            )
         replicas: list[str] = []
         if endpoints is not None:
             # One endpoint given as a string is one endpoint, not a list of characters.

@@ -234,6 +234,9 @@ class WarmOutcome:
     deferred: list[Deferred] = field(default_factory=list)
     pin_failures: list[str] = field(default_factory=list)
     pins_failed: set[tuple[str, VersionKey]] = field(default_factory=set)  # (region, version)
+    # Evictions a node failed (not the guard's refusals, which are deferrals): a failure
+    # like a stage's, so warm exits 1, where a deferral waits for the plan's time.
+    evict_failures: list[str] = field(default_factory=list)
     # (region, version) the region's nodes hold whole once the plan was carried out (or,
     # rehearsed, would): a pin on any other holds no data yet (its staging deferred or failed).
     held: set[tuple[str, VersionKey]] = field(default_factory=set)
@@ -244,12 +247,19 @@ class WarmOutcome:
         return [r for r in self.runs if r.state == "failed"]
 
 
-def _deferred_note(task: StageTask, blocked: str) -> str:
+def _deferred_note(task: StageTask, blocked: str, *, failed: bool = False) -> str:
     """Why a task waits, and when to act: warm acts now, the plan starts the task later.
 
     The task needs the room of an eviction refused now, so it can only run
-    once the job in the way is done: the plan's start says when that is.
+    once the job in the way is done: the plan's start says when that is. An
+    eviction a node failed is not waited out: it is retried once the node is
+    mended, so the note says that instead.
     """
+    if failed:
+        return (
+            f"needs room: {blocked}; run warm again once that node answers (its status and "
+            "logs say why it failed), or let `edgecache controller` retry it"
+        )
     start = f"{task.start.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
     return (
         f"needs room: {blocked}; the plan starts it at {start}: run warm again then, or let "
@@ -682,6 +692,7 @@ class PlanExecutor:
                 (e.at, 0, e) for e in region_plan.evictions
             ] + [(t.start, 1, t) for t in region_plan.tasks]
             blocked: str | None = None
+            evict_failed = False  # blocked by a node's failure, not by the guard
             for _, _, step in sorted(steps, key=lambda s: (s[0], s[1])):
                 if self.stop.is_set():
                     return
@@ -701,14 +712,18 @@ class PlanExecutor:
                                 mine.pin_failures.append(problem)
                                 mine.pins_failed.add((region, step.version))
                     else:
-                        blocked = evicted.problem
-                        mine.deferred.append(Deferred(region, f"evict {spec}", blocked))
+                        blocked, evict_failed = evicted.problem, bool(evicted.errors)
+                        if evict_failed:  # a node failed it: no waiting fixes that
+                            mine.evict_failures.extend(evicted.errors)
+                        else:
+                            mine.deferred.append(Deferred(region, f"evict {spec}", blocked))
                     continue
                 pin_until = max(ends[j] for j in step.jobs if j in ends)
                 run = self.make_run(step, manifests, pin_until)
                 mine.runs.append(run)
                 if blocked is not None:
-                    run.state, run.note = "deferred", _deferred_note(step, blocked)
+                    note = _deferred_note(step, blocked, failed=evict_failed)
+                    run.state, run.note = "deferred", note
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
                     continue
@@ -730,6 +745,7 @@ class PlanExecutor:
             outcome.evicted += region_outcome.evicted
             outcome.deferred += region_outcome.deferred
             outcome.pin_failures += region_outcome.pin_failures
+            outcome.evict_failures += region_outcome.evict_failures
             outcome.pins_failed |= region_outcome.pins_failed
             outcome.held |= region_outcome.held
         return outcome

@@ -8,6 +8,7 @@ speeds in the topology are in simulated bytes per second.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -424,3 +425,71 @@ def test_a_registry_gone_under_a_running_controller_is_not_created_again(site) -
         assert not (root / "registry").exists()
     finally:
         node.stop()
+
+
+def test_warm_counts_an_eviction_a_node_failed_as_a_failure(capsys) -> None:  # noqa: ANN001
+    """A node's error on Evict was filed as a deferral, beside the guard's refusals: warm
+    said 'run warm again then' at the plan's start and exited 0 with nothing staged."""
+    from edgecache.cache.planner import Eviction, Plan, RegionPlan, StageTask
+    from edgecache.clients.cli.context import ExitCode
+    from edgecache.clients.cli.staging import (
+        _exit_code,
+        _report_failures,
+        _report_json,
+        _ScheduleWork,
+        _Warmed,
+    )
+    from edgecache.clients.executor import Evicted, PlanExecutor, Released, WarmOutcome
+    from edgecache.clients.topology import Schedule, ScheduledJob, Topology
+
+    failure = "evicting pq@1 on 127.0.0.1:1: INTERNAL: mdb_del: Input/output error"
+
+    class EvictFails(PlanExecutor):
+        """The node's Evict answers an error (fault injection at the node call only)."""
+
+        def _evict_nodes(self, eviction: Eviction) -> Evicted:
+            return Evicted(errors=(failure,))
+
+    topology = Topology.model_validate(
+        {"registry": "file:///nowhere", "regions": {"a": {"nodes": ["127.0.0.1:1"]}}}
+    )
+    now = datetime.now(UTC)
+    later = now + timedelta(hours=1)
+    plan = Plan(
+        {
+            "a": RegionPlan(
+                tasks=[StageTask("a", ("pq", 2), 1, "origin", now, now, later, ("job",))],
+                evictions=[Eviction("a", ("pq", 1), 1, now, None, "the room pq@2 needs")],
+            )
+        },
+        [],
+        {},
+        {},
+    )
+    schedule = Schedule(jobs=[ScheduledJob(name="job", region="a", start=later, datasets=["pq@2"])])
+    from edgecache.v1 import manifest_pb2
+
+    manifests = {"pq@2": manifest_pb2.Manifest(dataset="pq", version=2)}
+    outcome = EvictFails(topology).warm(plan, schedule, manifests, reports=[])
+    assert outcome.evict_failures == [failure]
+    assert [d.what for d in outcome.deferred] == ["stage pq@2"]  # the eviction is not one
+    (run,) = outcome.runs  # the stage behind it waits, and says for what
+    assert run.state == "deferred" and "once that node answers" in run.note, run.note
+    work = _ScheduleWork(schedule, plan, manifests, now, {}, released=Released())
+    warmed = _Warmed(rows=[], failed=[], work=work, outcome=outcome)
+    assert _exit_code(warmed) is ExitCode.FAILED
+    _report_failures(warmed)
+    assert f"evict failed: {failure}" in capsys.readouterr().err
+    _report_json(warmed, dry_run=False)
+    assert json.loads(capsys.readouterr().out)["evict_failures"] == [failure]
+    # A pin of a job gone from the schedule that a node failed to release was a warning
+    # in the text report only, left out of --json, with exit 0.
+    stuck = "releasing pq@1 on 127.0.0.1:1: UNAVAILABLE: Connection refused"
+    released = Released(problems=[stuck])
+    work = _ScheduleWork(schedule, plan, manifests, now, {}, released=released)
+    warmed = _Warmed(rows=[], failed=[], work=work, outcome=WarmOutcome())
+    assert _exit_code(warmed) is ExitCode.FAILED
+    _report_failures(warmed)
+    assert f"release failed: {stuck}" in capsys.readouterr().err
+    _report_json(warmed, dry_run=False)
+    assert json.loads(capsys.readouterr().out)["release_failures"] == [stuck]

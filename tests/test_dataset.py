@@ -556,3 +556,17 @@ def test_edge_chunks_decode_once_for_both_reads() -> None:
         edges.decode(("d", 1, 0, 1000 + 20 * i, 20, i), 20, 10, lambda: batch)
     assert len(edges._entries) == 2  # at most ``limit`` kept
     assert edges.take("d", 1, 0, 100, 100, 200) is None  # dropped with its entry
+
+
+def test_endpoints_beside_a_topology_are_refused(tmp_path: Path) -> None:
+    """endpoints= with config= or region= read the endpoints as given and said nothing:
+    the region's nodes did not come first nor serve as its replicas."""
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text("registry: file:///unused\nregions:\n  eu:\n    nodes: [a:1]\n")
+    for extra, named in (
+        ({"region": "eu"}, r"region would go unused.*or drop region="),
+        ({"config": topology}, r"config would go unused.*or drop config="),
+        ({"config": topology, "region": "eu"}, r"config and region would go unused"),
+    ):
+        with pytest.raises(InvalidEndpoint, match=named):
+            EdgeDataset("tokens@1", endpoints=["127.0.0.1:1"], **extra)  # type: ignore[arg-type]

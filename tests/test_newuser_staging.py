@@ -3,6 +3,7 @@ cache, warm NAME@N with a node down, and ready --wait's last round."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -149,6 +150,15 @@ def test_warm_one_version_with_a_node_down_fails_as_the_schedule_form_does(
             assert code == 1, (extra, out, err)
             assert nodes[1].address in err and "r1" in err, (extra, err)
         assert "1 of 1 item(s) staged" in out, out  # staged on the node that answers
+        # --json says which region was degraded too: its item reads "done" for the nodes
+        # that answered, and the unreachable list was left out for a single version.
+        for extra in (["--dry-run"], []):
+            code, out, err = edgecache(
+                "warm", "big@1", "--region", "r1", *extra, "--json", "--config", str(config)
+            )
+            assert code == 1, (extra, out, err)
+            (down,) = json.loads(out)["unreachable"]
+            assert down["region"] == "r1" and nodes[1].address in down["reason"], (extra, down)
     finally:
         for node in nodes:
             node.stop()

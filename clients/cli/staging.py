@@ -457,11 +457,11 @@ def warm(
     (run warm again later, or let the controller run the schedule). --dry-run
     goes through the same steps without touching a node, so it shows the same
     evictions, stages and deferrals. Exit codes: 0 done; 3 a job cannot be met
-    (the rest is done); 1 a transfer or node failed, or a node of a region the
-    schedule uses (or of NAME@N's --region) does not answer, even when the
-    others staged its share; 2 bad input; 130 interrupted (run it again to
-    resume). --dry-run exits as the real run would before it moves data: 3, 1
-    for an unreachable node, else 0.
+    (the rest is done); 1 a transfer, an eviction, a pin or a pin's release
+    failed on a node, or a node of a region the schedule uses (or of NAME@N's
+    --region) does not answer, even when the others staged its share; 2 bad
+    input; 130 interrupted (run it again to resume). --dry-run exits as the
+    real run would before it moves data: 3, 1 for an unreachable node, else 0.
     """
     options = Options(config, token_file)
     with reporting():
@@ -484,7 +484,7 @@ def warm(
     else:
         single_down = _region_down(topology, work.region, token)
         if dry_run:
-            _report_single_rehearsal(work, as_json)
+            _report_single_rehearsal(work, as_json, single_down)
             rehearsed = _Warmed(rows=[], failed=[], down=single_down)
             _report_failures(rehearsed)
             if (code := _exit_code(rehearsed)) is not ExitCode.OK:
@@ -634,10 +634,11 @@ def report_infeasible(plan: Plan) -> list[Infeasible]:
     return reasons
 
 
-def _report_single_rehearsal(item: WarmItem, as_json: bool) -> None:
+def _report_single_rehearsal(item: WarmItem, as_json: bool, down: dict[str, ops.Outage]) -> None:
     """A single version's dry run: it has no plan to rehearse, so say what would be staged."""
     if as_json:
-        print(json.dumps({"dry_run": True, "items": [_row(item, "would stage")]}))
+        rows = [_row(item, "would stage")]
+        print(json.dumps({"dry_run": True, "items": rows, "unreachable": _unreachable(down)}))
     else:
         console.print(
             f"would stage {item.spec} into {item.region} "
@@ -766,6 +767,8 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             if (name, v) not in outcome.pins_failed
         ]
         out["pin_failures"] = outcome.pin_failures
+        out["evict_failures"] = outcome.evict_failures
+        out["release_failures"] = work.released.problems
         out["released"] = [
             {
                 "region": pin.region,
@@ -776,10 +779,15 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
             for pin in work.released.released
         ]
         out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
-        out["unreachable"] = [
-            {"region": r, "reason": outage.message()} for r, outage in work.down.items()
-        ]
+    # A single version's degraded region too: its items read "done" for the nodes that
+    # answered, and only this says which did not (and why the exit is 1).
+    out["unreachable"] = _unreachable(_down(warmed))
     print(json.dumps(out))
+
+
+def _unreachable(down: dict[str, ops.Outage]) -> list[dict[str, str]]:
+    """``--json``'s unreachable regions, each with what its outage message says."""
+    return [{"region": r, "reason": outage.message()} for r, outage in down.items()]
 
 
 def _report_text(warmed: _Warmed, dry_run: bool) -> None:
@@ -823,8 +831,6 @@ def _print_plan_steps(
             f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): no job of "
             "the schedule reads it there any more"
         )
-    for problem in released.problems:
-        warning(f"{problem}; the pin stays, and the next warm of this schedule releases it")
     for e, freed in outcome.evicted:
         console.print(
             f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
@@ -888,6 +894,15 @@ def _report_failures(warmed: _Warmed) -> None:
             f"[red]failed:[/red] {item.spec} in {item.region}: " + "; ".join(item.failures),
             soft_wrap=True,
         )
+    for failure in warmed.outcome.evict_failures:
+        err_console.print(f"[red]evict failed:[/red] {failure}", soft_wrap=True)
+    if warmed.work is not None:
+        for problem in warmed.work.released.problems:
+            err_console.print(
+                f"[red]release failed:[/red] {problem}; the pin stays, and the next warm of "
+                "this schedule releases it",
+                soft_wrap=True,
+            )
     for outage in _down(warmed).values():
         error(outage.message())
 
@@ -900,7 +915,9 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
     refused the credentials are bad input (2), as for ``plan`` and ``status``.
     """
     down = _down(warmed)
-    if warmed.failed or warmed.outcome.pin_failures:
+    outcome = warmed.outcome
+    released = warmed.work.released.problems if warmed.work is not None else []
+    if warmed.failed or outcome.pin_failures or outcome.evict_failures or released:
         return ExitCode.FAILED
     if down:
         return _outage_exit(down)
