@@ -9,7 +9,9 @@ jobs outside the plan (``RegionState.pinned``) before that pin runs out.
 Per region, jobs are taken in order of start time (then priority, then
 name). Each version a job reads must be resident by the job's start. A
 version not yet resident becomes a staging task on the region's origin link
-(or from a peer region that holds it, when that link is faster); tasks on
+(or from a peer region that will hold it in time: no origin egress, so a peer
+wins whenever it makes the deadline; when nothing does, the earliest finish
+wins); tasks on
 one link run one after another in deadline order (earliest deadline first,
 which meets every deadline that any order could). Room is made by evicting
 versions whose next use is furthest away, among those no job needs between

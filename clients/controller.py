@@ -754,6 +754,7 @@ class Controller:
                 failures += self._unpin_dropped(plan, reports, seen)
                 for failure in failures:
                     log.warning("%s", failure)
+                self.metrics.pin_failures.inc(len(failures))
                 self._failed(*failures)
             self._evict_due(plan, schedule, manifests, now)
             self._keep_lease()
@@ -852,9 +853,11 @@ class Controller:
                 freed, problem = evicted.freed, evicted.problem
                 if problem:
                     log.warning("%s: %s", region, problem)
-                    self.metrics.evictions_refused.inc()
                     if evicted.errors:  # not the guard's refusal: a node failed
+                        self.metrics.evictions_failed.inc()
                         self._failed(f"{region}: {problem}")
+                    else:
+                        self.metrics.evictions_refused.inc()
                 else:
                     log.info(
                         "%s: evicted %s (%d bytes): %s",

@@ -84,6 +84,18 @@ class ControllerMetrics:
             "Planned evictions refused because a job reads (or is about to read) the version",
             registry=r,
         )
+        self.evictions_failed = Counter(
+            "edgecache_controller_evictions_failed_total",
+            "Planned evictions a node failed or could not be asked (down); the next round "
+            "tries again while the plan still has them",
+            registry=r,
+        )
+        self.pin_failures = Counter(
+            "edgecache_controller_pin_failures_total",
+            "Pins, and releases of pins the plan no longer keeps, that a node failed; each "
+            "round's attempt counts, and the next round tries again",
+            registry=r,
+        )
         self.task_failures = Counter(
             "edgecache_controller_task_failures_total",
             "Staging runs that failed (each is retried with backoff while the plan needs it)",

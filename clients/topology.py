@@ -107,8 +107,22 @@ class ScheduledJob(BaseModel):
     start: AwareDatetime
     datasets: list[str] = Field(min_length=1)
     priority: Literal["low", "normal", "high"] = "normal"
-    epochs: int = Field(1, ge=1)
+    # Not a setting: a job reads for its duration whatever its epochs. Accepted only to
+    # refuse it at its own line, saying what to write (see _no_epochs).
+    epochs: Any = Field(None, exclude=True)
     duration: timedelta = timedelta(hours=24)
+
+    @field_validator("epochs")
+    @classmethod
+    def _no_epochs(cls, value: Any) -> None:
+        # Read and ignored before: pins and the eviction guard end at start + duration
+        # (24 h by default), so epochs: 3 with no duration let a 3-day job's data go.
+        if value is not None:
+            raise ValueError(
+                "epochs is not used: a job reads from its start for its duration (24h "
+                "unless given), so write how long it reads instead, e.g. duration: 72h"
+            )
+        return None
 
     @field_validator("start", mode="before")
     @classmethod

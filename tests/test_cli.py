@@ -67,6 +67,7 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     assert planned["infeasible"][0]["job"] == "train-missing"
     code, out = cli(root, "plan", str(schedule), "--explain")
     assert code == 3 and "cannot be met" in out and "tokens@1" in out
+    assert "eu-west: tokens@1 from origin: origin: no peer region holds it in time" in out, out
     code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
     assert code == 1 and "0/3 shards" in out
     code, out = cli(root, "warm", str(schedule))

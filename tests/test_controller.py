@@ -493,3 +493,44 @@ def test_warm_counts_an_eviction_a_node_failed_as_a_failure(capsys) -> None:  # 
     assert f"release failed: {stuck}" in capsys.readouterr().err
     _report_json(warmed, dry_run=False)
     assert json.loads(capsys.readouterr().out)["release_failures"] == [stuck]
+
+
+def test_node_failures_to_evict_and_pin_are_counted_apart_from_refusals(site) -> None:
+    """A node's Evict error was counted as edgecache_controller_evictions_refused_total
+    (documented as the guard protecting a job), and pin failures reached only the log."""
+    from edgecache.cache.planner import Eviction
+    from edgecache.clients.executor import Evicted
+
+    root, registry = site
+    eu = start_local_node("eu", root / "cache-eu", registry, capacity="300KB")
+    try:
+        # Room for two versions, both held: c's job needs kept's room now.
+        for name in ("kept", "b"):
+            list(stub(eu.address).Stage(edge_pb2.StageRequest(dataset=name, version=1)))
+        jobs = (job("uses-b", "eu", T0, 1.5, "b@1"), job("uses-c", "eu", T0, 1, "c@1"))
+        one_region(root, registry, eu, *jobs)
+        clock = Clock(T0 - timedelta(minutes=1))
+        controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+        failure = f"evicting kept@1 on {eu.address}: INTERNAL: mdb_del: Input/output error"
+        pin_failure = f"pinning b@1 on {eu.address}: UNAVAILABLE: Connection reset"
+
+        # Fault injection at the node calls only (a node failing Evict and Pin); the
+        # controller's decisions and its accounting are the real code.
+        def evict_fails(eviction: Eviction) -> Evicted:
+            return Evicted(errors=(failure,))
+
+        controller.executor._evict_nodes = evict_fails  # type: ignore[method-assign]
+        controller.executor.pin = lambda plan, seen=None: [pin_failure]  # type: ignore[method-assign]
+        try:
+            plan = controller.tick()
+            controller.wait_idle()
+            assert plan is not None and plan.regions["eu"].evictions, plan
+            metrics = controller.metrics
+            assert metrics.evictions_failed._value.get() == 1
+            assert metrics.evictions_refused._value.get() == 0
+            assert metrics.pin_failures._value.get() == 1
+            assert f"eu: {failure}" in controller.failures and pin_failure in controller.failures
+        finally:
+            controller.close()
+    finally:
+        eu.stop()

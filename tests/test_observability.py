@@ -560,8 +560,13 @@ ALERT_TESTS: list[dict] = [
             series("edgecache_controller_ticks_total", CTL, "5x20"),  # no round succeeds
             series("edgecache_controller_tick_errors_total", CTL, "0+1x20"),
             series("edgecache_controller_schedule_valid", CTL, "0x20"),
+            # A node failing the plan's evictions at every round from minute 2 on.
+            series("edgecache_controller_evictions_failed_total", CTL, "0 0 0+1x30"),
+            series("edgecache_controller_pin_failures_total", CTL, "0x32"),
         ],
         "alert_rule_test": [
+            quiet("12m", "EdgecacheControllerNodeActionsFailing"),  # not yet 15 min of it
+            fires("20m", "EdgecacheControllerNodeActionsFailing", "warning", **C1),
             fires("4m", "EdgecacheJobStartedWithoutData", "critical"),
             fires("6m", "EdgecacheStagingLate", "warning"),
             fires("3m", "EdgecacheStagingFailed", "warning", **EU),
@@ -604,11 +609,15 @@ ALERT_TESTS: list[dict] = [
             series("edgecache_controller_last_tick_timestamp_seconds", CTL, "0+60x20"),
             series("edgecache_controller_ticks_total", CTL, "0+1x20"),
             series("edgecache_controller_tick_errors_total", CTL, "0+1x20"),
+            # Failures long ago (the counters hold, nothing new): no alert.
+            series("edgecache_controller_evictions_failed_total", CTL, "3x30"),
+            series("edgecache_controller_pin_failures_total", CTL, "2x30"),
         ],
         "alert_rule_test": [
             quiet("16m", "EdgecacheControllerStalled"),
             quiet("16m", "EdgecacheControllerRoundsFailing"),
             quiet("16m", "EdgecacheScheduleInvalid"),
+            quiet("25m", "EdgecacheControllerNodeActionsFailing"),
         ],
     },
 ]

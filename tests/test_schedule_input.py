@@ -91,6 +91,39 @@ def test_a_duration_without_a_unit_is_refused(tmp_path: Path, duration: str) -> 
     assert "no unit" in message and "6h" in message, message
 
 
+def test_epochs_is_refused_at_its_line_pointing_at_duration(tmp_path: Path) -> None:
+    """epochs: 3 was read and ignored: pins and evictions ended at start + duration."""
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("jobs:\n" + JOB.format(name="a") + "    epochs: 3\n")
+    with pytest.raises(ConfigFileError) as caught:
+        load_schedule(schedule)
+    message = str(caught.value)
+    assert message.startswith(f"{schedule}:6: jobs.0.epochs: epochs is not used"), message
+    assert "duration: 72h" in message, message
+
+
+def test_plan_explain_gives_the_planners_reason_for_each_source(capsys) -> None:  # noqa: ANN001
+    """--explain said a peer was chosen for being "faster than its origin link"; the planner
+    takes a peer that holds the version in time whatever its speed (no origin egress)."""
+    from edgecache.cache.planner import Plan, RegionPlan, StageTask
+    from edgecache.clients.cli.staging import _print_plan
+
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    hour = timedelta(hours=1)
+    tasks = [
+        StageTask("eu", ("a", 1), 1, "us", now, now + hour, now + 2 * hour, ("j",)),
+        StageTask("eu", ("b", 1), 1, "origin", now, now + hour, now + 2 * hour, ("j",)),
+        StageTask("eu", ("c", 1), 1, "origin", now, now + 3 * hour, now + 2 * hour, ("j",)),
+    ]
+    plan = Plan({"eu": RegionPlan(tasks=tasks)}, [], {}, {})
+    _print_plan(plan, True, unseen=set(), reported=set())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "eu: a@1 from us: a peer region holds it in time: no origin egress" in out, out
+    assert "eu: b@1 from origin: origin: no peer region holds it in time" in out, out
+    assert "eu: c@1 from origin: late from any source: the one that finishes first" in out, out
+    assert "faster" not in out, out
+
+
 def test_a_duration_with_a_unit_is_still_read(tmp_path: Path) -> None:
     schedule = tmp_path / "schedule.yaml"
     schedule.write_text("jobs:\n" + JOB.format(name="a") + "    duration: 6h\n")

@@ -405,11 +405,15 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[
     if explain:
         for name, rp in result.regions.items():
             for t in rp.tasks:
-                why = (
-                    "faster than its origin link"
-                    if t.source != "origin"
-                    else "origin (no faster peer holds it in time)"
-                )
+                # The planner's rule (cache/planner.py): a peer that holds the version in
+                # time costs no origin egress and wins whenever it makes the deadline,
+                # however slow its link; when no source makes it, the earliest finish.
+                if t.finish > t.deadline:
+                    why = "late from any source: the one that finishes first"
+                elif t.source != "origin":
+                    why = "a peer region holds it in time: no origin egress"
+                else:
+                    why = "origin: no peer region holds it in time"
                 line(f"{name}: {t.spec} from {t.source}: {why}")
     for (job, link), size in sorted(result.transfers.items()):
         cost = f", egress ${result.cost[job]:.2f}" if job in result.cost else ""
