@@ -185,8 +185,8 @@ class NodeMetrics:
         )
         self.disk_full = gauge(
             "edgecache_cache_disk_full",
-            "1 while the cache's disk is full (its last write found no room on the volume), "
-            "0 once a shard fits again",
+            "1 while the cache's disk is full (its last write found no room on the volume, "
+            "and it has no more free space since, nor an eviction freed pages), else 0",
         )
         self.disk_full_errors = counter(
             "edgecache_cache_disk_full_errors_total",

@@ -235,6 +235,10 @@ class EdgeNode:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._disk_full = False  # the last write found the cache's disk full
         self._free_when_full = 0  # the volume's free bytes then (see _still_full)
+        # Asked at each scrape: an operator who frees room sees the gauge (and the alert
+        # on it) clear at once, not at the next shard write, which a node whose reads
+        # all hit its cache may never make.
+        self.metrics.disk_full.set_function(lambda: float(self.disk_full_now()))
         self._pid = os.getpid()
 
     def _fit_capacity(self) -> None:
@@ -608,7 +612,6 @@ class EdgeNode:
             self._free_when_full = self._free_bytes()
             if not self._disk_full:
                 self._disk_full = True
-                self.metrics.disk_full.set(1)
                 log.warning(
                     "cache disk full: %s. Staging and read-through misses fail with "
                     "RESOURCE_EXHAUSTED until there is room; cached shards are still served",
@@ -622,6 +625,15 @@ class EdgeNode:
         except OSError:
             return 0
 
+    def disk_full_now(self) -> bool:
+        """Whether the disk is as full as when a write last failed for room.
+
+        Clears without a write: once the volume has more free space than then,
+        or an eviction freed pages LMDB reuses, there is room to try again.
+        Thread-safe (the metrics server's scrape thread asks it).
+        """
+        return self._disk_full and self._free_bytes() <= self._free_when_full
+
     def _still_full(self, key: ShardKey) -> DiskFull | None:
         """The error for a shard not worth fetching: the disk is as full as when a write failed.
 
@@ -629,11 +641,9 @@ class EdgeNode:
         origin bandwidth and CPU on every shard of a Stage; once the volume has
         more free space than then (or an eviction freed pages), fetches resume.
         """
-        if not self._disk_full:
+        if not self.disk_full_now():
             return None
         free = self._free_bytes()
-        if free > self._free_when_full:
-            return None
         self.metrics.disk_full_errors.inc()
         return self.store.disk_full(
             f"{key}: not fetched, the disk under {self.store.path} is still full",
@@ -690,7 +700,6 @@ class EdgeNode:
         self._count_evictions()
         if self._disk_full:
             self._disk_full = False
-            self.metrics.disk_full.set(0)
             log.warning("cache disk under %s has room again: %s was stored", self.store.path, key)
         return info
 
@@ -1104,6 +1113,15 @@ class EdgeNode:
             if start_row:
                 start_chunk = bisect.bisect_right(firsts, start_row) - 1
             stop = bisect.bisect_left(firsts, end_row) if end_row else info.chunk_count
+            if not start_row and end_row and start_chunk >= stop:
+                # start_chunk begins at or past end_row: the stream would end OK having
+                # sent nothing, and a reader would take the shard's rows for none.
+                raise IndexError(
+                    f"{key}: start_chunk {start_chunk} begins at row "
+                    f"{firsts[min(start_chunk, info.chunk_count)]}, at or past end_row "
+                    f"{end_row}: no row to send; ask for start_row instead of start_chunk, or "
+                    "an end_row past the chunk's first row"
+                )
             try:
                 index = start_chunk
                 damaged = 0  # damaged chunks found since the last chunk served
@@ -1370,7 +1388,7 @@ class EdgeNode:
             staged_peer_bytes=int(value("edgecache_staged_bytes_total", source="peer")),
             staging_bytes_per_second=self.staging_rate.bytes_per_second(),
             staging_cpu_seconds_per_gb=self.staging_rate.cpu_seconds_per_gb(),
-            disk_full=self._disk_full,
+            disk_full=self.disk_full_now(),
             disk_free_bytes=self._free_bytes(),
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),

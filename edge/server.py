@@ -298,6 +298,9 @@ class NodeServer:
             # the demo) outlive a failed start and may try again on the same ports.
             if config.probe_listen:
                 # Kubernetes gRPC probes speak neither TLS nor tokens: health only, plaintext.
+                # grpc's servicer starts out SERVING for "": not until --listen serves.
+                for name in ("", SERVICE_NAME):
+                    await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
                 self._probe = aio.server(options=[_NO_PORT_SHARING])
                 health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe)
                 self.probe_port = _bind(self._probe, config.probe_listen, "--probe-listen")

@@ -209,6 +209,15 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
                 "INVALID_ARGUMENT",
                 "past the end",
             ),
+            (  # a start chunk past the end row: the stream ended OK with no row
+                lambda: c.ReadShard(
+                    edge_pb2.ReadShardRequest(
+                        dataset="tokens", version=1, shard=0, start_chunk=1, end_row=1
+                    )
+                ),
+                "INVALID_ARGUMENT",
+                "no row to send",
+            ),
             (
                 lambda: c.ReadShard(
                     edge_pb2.ReadShardRequest(dataset="tokens", version=0, shard=0)

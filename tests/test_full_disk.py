@@ -146,6 +146,10 @@ def test_stage_and_read_through_on_a_full_disk(
         assert "disk full" in shown.output and "edgecache evict" in shown.output, shown.output
 
         filler.unlink()  # space freed: the same Stage works, no restart
+        # Said at once, before any write (a node whose reads all hit may make none): the
+        # gauge and Status cleared only when a shard was next stored.
+        assert node.metrics.value("edgecache_cache_disk_full") == 0
+        assert not node.status().disk_full
         last = list(client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))[-1]
         assert last.finished and last.shards_done == 6 and last.shards_failed == 0
         assert read_shard_table(client, "tokens", 1, missing).equals(tables[missing])
