@@ -145,6 +145,14 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self._reads = Counter(
+            "edgecache_reads_total",
+            "ReadShard calls by how they ended: ok, not_cached (a cached_only read of a "
+            "shard not held here), or the status code they ended with, errors after the "
+            "first chunk included (a mid-stream refetch that failed, a chunk damaged again)",
+            [*labels, "result"],
+            registry=self.registry,
+        )
         self._per_chunk = Histogram(
             "edgecache_read_chunk_seconds",
             "ReadShard: time between consecutive chunks of a stream (includes the reader's pace)",
@@ -159,8 +167,8 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 14400),
         )
-        for histogram in (self._first_chunk, self._stage):  # exported from the start
-            histogram.labels(**labels, result="ok")
+        for metric in (self._first_chunk, self._stage, self._reads):  # exported from the start
+            metric.labels(**labels, result="ok")
         self.evicted_shards = counter(
             "edgecache_cache_evicted_shards_total",
             "Shards the cache evicted for space (least recently used, unpinned)",
@@ -202,6 +210,10 @@ class NodeMetrics:
         copy asking the shard's owner first), kept apart from the failures alerts count.
         """
         self._first_chunk.labels(**self._labels, result=result).observe(seconds)
+
+    def read_ended(self, result: str) -> None:
+        """A ReadShard ended (``result`` as for :meth:`first_chunk`), once per call."""
+        self._reads.labels(**self._labels, result=result).inc()
 
     def next_chunk(self, seconds: float) -> None:
         """The gap before a stream's next chunk."""

@@ -381,12 +381,14 @@ class EdgeCacheService:
                         f"{key} is not cached on {node.node_id} and cached_only was asked"
                     )
         except Exception as exc:  # refused before a stream began: still a read's result
-            node.metrics.first_chunk(
-                time.monotonic() - began, _read_result(exc, request.cached_only)
-            )
+            result = _read_result(exc, request.cached_only)
+            node.metrics.first_chunk(time.monotonic() - began, result)
+            node.metrics.read_ended(result)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            node.metrics.first_chunk(time.monotonic() - began, _abandoned(context))
+            result = _abandoned(context)
+            node.metrics.first_chunk(time.monotonic() - began, result)
+            node.metrics.read_ended(result)
             raise
         node.metrics.active_streams.inc()
         # Staging yields to training reads. A cached_only read is another node's staging
@@ -413,17 +415,24 @@ class EdgeCacheService:
                     node.metrics.next_chunk(now - last)
                 yield encoded
                 last = time.monotonic()
+            node.metrics.read_ended("ok")
         except Exception as exc:
+            # After the first chunk too: a stream that fails midway (its refetch failed, a
+            # chunk was damaged again) is a failed read, which the first-chunk histogram,
+            # recorded at the first chunk as ok, cannot say.
+            result = _read_result(exc, request.cached_only)
             if first:
-                result = _read_result(exc, request.cached_only)
                 node.metrics.first_chunk(time.monotonic() - began, result)
+            node.metrics.read_ended(result)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # The reader left (or its deadline passed) before its first chunk, typically
             # while a miss was fetched: the slowest reads, which were missing from the
             # first-chunk histogram (BaseExceptions: ``except Exception`` let them by).
+            result = _abandoned(context)
             if first:
-                node.metrics.first_chunk(time.monotonic() - began, _abandoned(context))
+                node.metrics.first_chunk(time.monotonic() - began, result)
+            node.metrics.read_ended(result)
             raise
         finally:
             if training:

@@ -138,7 +138,7 @@ def test_reads_failing_ignores_not_cached_and_caller_deadlines(tmp_path: Path) -
     node = 'region="eu-west", node="n1"'
 
     def count(result: str) -> dict:
-        name = f'edgecache_read_first_chunk_seconds_count{{{node}, result="{result}"}}'
+        name = f'edgecache_reads_total{{{node}, result="{result}"}}'
         return {"series": name, "values": "0+10x30"}
 
     quiet = [{"eval_time": "25m", "alertname": "EdgecacheReadsFailing", "exp_alerts": []}]

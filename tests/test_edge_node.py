@@ -766,6 +766,10 @@ def test_read_and_stage_latency_histograms_by_result(tmp_path: Path) -> None:
         assert (
             m.value("edgecache_read_first_chunk_seconds_count", result="FAILED_PRECONDITION") == 0
         )
+        # Every read counted once by how it ended, beside the first-chunk histogram.
+        for result, count in (("ok", 1), ("INVALID_ARGUMENT", 1), ("NOT_FOUND", 1)):
+            assert m.value("edgecache_reads_total", result=result) == count, result
+        assert m.value("edgecache_reads_total", result="not_cached") == 1
 
 
 def test_a_peer_copy_does_not_slow_this_nodes_staging(tmp_path: Path, file_setup) -> None:
@@ -810,6 +814,37 @@ def test_a_chunk_damaged_again_after_a_refetch_ends_the_read(tmp_path: Path, fil
         error = code_of(lambda: list(client.ReadShard(request, timeout=10)))
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert "damaged again" in (error.details() or ""), error.details()
+
+
+def test_a_read_that_fails_after_its_first_chunk_is_counted_as_failed(
+    tmp_path: Path, file_setup
+) -> None:
+    """Reads were counted by their first chunk alone: one that failed midway (a chunk
+    damaged again after a refetch) stood as ok, and the failing-reads alert missed it."""
+    from edgecache.cache.errors import ChunkCorrupt
+
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry)) as node:
+        assert node.node is not None
+        client = stub(node.address)
+        assert read_shard_table(client, "tokens", 1, 0).equals(tables[0])
+        (info,) = [i for i in node.node.store.shards("tokens", 1) if i.key.shard == 0]
+        assert info.chunk_count >= 2, "a one-chunk shard cannot fail after its first chunk"
+        real = node.node.encoded_chunk
+
+        def damaged_after_the_first(key: object, index: int, first_row: int) -> bytes:
+            if index == 0:
+                return real(key, index, first_row)  # type: ignore[arg-type]
+            raise ChunkCorrupt("chunk checksum mismatch (a test)")
+
+        node.node.encoded_chunk = damaged_after_the_first  # type: ignore[method-assign]
+        request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+        error = code_of(lambda: list(client.ReadShard(request, timeout=10)))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        m = node.node.metrics
+        assert m.value("edgecache_read_first_chunk_seconds_count", result="ok") == 2
+        assert m.value("edgecache_reads_total", result="ok") == 1  # the first read only
+        assert m.value("edgecache_reads_total", result="UNAVAILABLE") == 1
 
 
 @pytest.mark.parametrize("field", ["chunk_count", "chunk_rows"])

@@ -500,7 +500,7 @@ EU = {"region": "eu-west"}
 N1 = {"region": "eu-west", "node": "n1"}
 C1 = {"job": "edgecache-controller", "instance": "controller:9091"}
 FIRST_CHUNK = "edgecache_read_first_chunk_seconds_bucket"
-FIRST_CHUNK_COUNT = "edgecache_read_first_chunk_seconds_count"
+READS = "edgecache_reads_total"  # each ReadShard once, by how it ended
 # promtool unit tests: each alert fires on series shaped like the live ones (the test checks
 # their label names against /metrics), and stays quiet where it should. One step a minute.
 ALERT_TESTS: list[dict] = [
@@ -519,8 +519,8 @@ ALERT_TESTS: list[dict] = [
             series("edgecache_cache_pinned_bytes", NODE, "95x40"),
             series("edgecache_cache_capacity_bytes", NODE, "100x40"),
             # Half the reads fail on the node's side (origin lost an object).
-            series(FIRST_CHUNK_COUNT, f'{NODE}, result="ok"', "0+10x30"),
-            series(FIRST_CHUNK_COUNT, f'{NODE}, result="FAILED_PRECONDITION"', "0+10x30"),
+            series(READS, f'{NODE}, result="ok"', "0+10x30"),
+            series(READS, f'{NODE}, result="FAILED_PRECONDITION"', "0+10x30"),
             series(
                 "edgecache_controller_node_up",
                 'region="eu-west", node="n1", address="n1:7070"',
@@ -584,9 +584,9 @@ ALERT_TESTS: list[dict] = [
         # A healthy node: reads its clients cancel or ask wrongly are no failing reads, and
         # an LRU cache at its capacity with little pinned is no full cache.
         "input_series": [
-            series(FIRST_CHUNK_COUNT, f'{NODE}, result="ok"', "0+10x30"),
-            series(FIRST_CHUNK_COUNT, f'{NODE}, result="CANCELLED"', "0+10x30"),
-            series(FIRST_CHUNK_COUNT, f'{NODE}, result="NOT_FOUND"', "0+10x30"),
+            series(READS, f'{NODE}, result="ok"', "0+10x30"),
+            series(READS, f'{NODE}, result="CANCELLED"', "0+10x30"),
+            series(READS, f'{NODE}, result="NOT_FOUND"', "0+10x30"),
             series("edgecache_cache_used_bytes", NODE, "100x40"),
             series("edgecache_cache_pinned_bytes", NODE, "40x40"),
             series("edgecache_cache_capacity_bytes", NODE, "100x40"),
