@@ -299,14 +299,15 @@ class CacheStore(ClosingContext):
         raw_key = key.encode()
         with self._write_lock:
             for attempt in (1, 2):
+                touched: dict[bytes, int] = {}
                 try:
                     with env.begin(write=True) as txn:
-                        self._flush_access(txn)
+                        touched = self._flush_access(txn)
                         old = self._shard_record(txn, raw_key)
                         if old is not None:
                             self._delete_shard(txn, raw_key, old)
                         extra = 0 if attempt == 1 else size  # room for B-tree/freelist pages
-                        self._make_room(txn, size + extra, key)
+                        evicted = self._make_room(txn, size + extra, key)
                         chunks = self._dbs[b"chunks"]
                         for index, frame in enumerate(frames):
                             txn.put(chunk_key(raw_key, index), frame, db=chunks)
@@ -314,8 +315,11 @@ class CacheStore(ClosingContext):
                         txn.put(raw_key, now.to_bytes(8, "big"), db=self._dbs[b"access"])
                         self._add_to_version(txn, key, size, +1)
                         self._add_used(txn, size)
+                    self._count_evicted(evicted)  # committed: they happened
                     break
                 except lmdb.MapFullError as exc:
+                    # Aborted whole: its evictions did not happen, its access times not saved.
+                    self._touch_again(touched)
                     if attempt == 2:
                         raise CacheFull(
                             f"{key}: the LMDB map of {self.path} is full even after evicting; "
@@ -324,7 +328,11 @@ class CacheStore(ClosingContext):
                         ) from exc
                 except lmdb.Error as exc:
                     # The transaction is gone whole: nothing of the shard is visible.
+                    self._touch_again(touched)
                     raise self._write_failed(str(key), size, exc) from exc
+                except BaseException:  # CacheFull from _make_room, an interrupt: aborted too
+                    self._touch_again(touched)
+                    raise
         return self._info(key, record, now)
 
     def passing_info(self, key: ShardKey, frames: Sequence[Buffer]) -> ShardInfo:
@@ -432,7 +440,9 @@ class CacheStore(ClosingContext):
         with self._writing("fitting the cache to its capacity") as txn:
             used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=self._dbs[b"meta"]), "big")
             candidates, pinned = self._eviction_candidates(txn)
-            shards, freed = self._evict_lru(txn, candidates, used - self.capacity_bytes)
+            evicted = self._evict_lru(txn, candidates, used - self.capacity_bytes)
+        self._count_evicted(evicted)  # committed: they happened
+        shards, freed = len(evicted), sum(b for _, b in evicted)
         held = tuple(
             VersionInfo(d, v, r.shard_count, r.stored_bytes, ns_to_datetime(r.pinned_until_ns))
             for (d, v), r in ((parse_version_key(k), r) for k, r in sorted(pinned.items()))
@@ -472,25 +482,38 @@ class CacheStore(ClosingContext):
         txn: lmdb.Transaction,
         candidates: list[tuple[int, bytes, store_pb2.StoredShard]],
         shortfall: int,
-    ) -> tuple[int, int]:
-        """Evict ``candidates`` in order until ``shortfall`` bytes are freed: (shards, bytes)."""
-        shards = freed = 0
+    ) -> list[tuple[bytes, int]]:
+        """Evict ``candidates`` in order until ``shortfall`` bytes are freed: (key, bytes) each.
+
+        Counted and logged by the caller once the transaction commits
+        (:meth:`_count_evicted`): an aborted one evicted nothing, and the shards it
+        named are still cached.
+        """
+        evicted: list[tuple[bytes, int]] = []
+        freed = 0
         for _, raw_key, record in candidates:
             if freed >= shortfall:
                 break
             freed += self._delete_shard(txn, raw_key, record)
-            shards += 1
-            self._evicted_shards += 1
-            self._evicted_bytes += record.stored_bytes
-            log.info("evicted %s (%s) for space", parse_shard_key(raw_key), record.stored_bytes)
-        return shards, freed
+            evicted.append((raw_key, record.stored_bytes))
+        return evicted
 
-    def _make_room(self, txn: lmdb.Transaction, need: int, for_key: ShardKey) -> None:
+    def _count_evicted(self, evicted: list[tuple[bytes, int]]) -> None:
+        """Count and log the evictions of a committed transaction."""
+        for raw_key, stored in evicted:
+            self._evicted_shards += 1
+            self._evicted_bytes += stored
+            log.info("evicted %s (%s) for space", parse_shard_key(raw_key), stored)
+
+    def _make_room(
+        self, txn: lmdb.Transaction, need: int, for_key: ShardKey
+    ) -> list[tuple[bytes, int]]:
+        """Evict for ``need`` bytes within ``txn``; the evictions, to count once it commits."""
         meta = self._dbs[b"meta"]
         used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=meta), "big")
         shortfall = used + need - self.capacity_bytes
         if shortfall <= 0:
-            return
+            return []
         candidates, pinned = self._eviction_candidates(txn)
         available = sum(c[2].stored_bytes for c in candidates)
         if available < shortfall:
@@ -509,7 +532,7 @@ class CacheStore(ClosingContext):
                 f"(short by {format_bytes(shortfall - available)}); pinned: {pins or 'nothing'}. "
                 "Unpin or evict a version, or raise --capacity"
             )
-        self._evict_lru(txn, candidates, shortfall)
+        return self._evict_lru(txn, candidates, shortfall)
 
     def _delete_shard(
         self, txn: lmdb.Transaction, raw_key: bytes, record: store_pb2.StoredShard
@@ -540,12 +563,23 @@ class CacheStore(ClosingContext):
         used = int.from_bytes(txn.get(b"used", b"\0" * 8, db=meta), "big") + delta
         txn.put(b"used", used.to_bytes(8, "big"), db=meta)
 
-    def _flush_access(self, txn: lmdb.Transaction) -> None:
+    def _flush_access(self, txn: lmdb.Transaction) -> dict[bytes, int]:
+        """Write the reads' access times into ``txn``; those taken, for :meth:`_touch_again`."""
         touched, self._touched = self._touched, {}
         access_db, shards_db = self._dbs[b"access"], self._dbs[b"shards"]
         for raw_key, ns in touched.items():
             if txn.get(raw_key, db=shards_db) is not None:  # not evicted meanwhile
                 txn.put(raw_key, ns.to_bytes(8, "big"), db=access_db)
+        return touched
+
+    def _touch_again(self, touched: dict[bytes, int]) -> None:
+        """Keep access times a transaction that aborted took (a read since is newer: kept).
+
+        Dropped, they left the LRU ordering recently read shards as if unread,
+        and the next write evicted them first.
+        """
+        for raw_key, ns in touched.items():
+            self._touched.setdefault(raw_key, ns)
 
     # ----------------------------------------------------------------- reads
 

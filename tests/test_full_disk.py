@@ -331,3 +331,29 @@ def test_a_file_rewritten_on_a_full_disk_keeps_its_old_content(disk: Path) -> No
         asyncio.run(rewrite())
     assert target.read_bytes() == old
     assert not [p.name for p in disk.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_write_the_full_disk_refused_evicted_nothing_and_kept_the_reads_order(
+    disk: Path,
+) -> None:
+    """The evictions of a write whose commit failed were counted (and logged) though the
+    shards stayed, and the access times it carried were lost: the shard just read went
+    first at the next eviction."""
+    from edgecache.cache.errors import DiskFull
+
+    frames = shard_frames(rows=4000, chunk_bytes=256 << 10)
+    size = sum(map(len, frames))
+    with CacheStore(disk / "c", capacity_bytes=int(size * 4.2), sync=False) as store:
+        for shard in range(4):
+            store.put_shard(ShardKey("a", 1, shard), frames)
+        store.get_chunk(ShardKey("a", 1, 0), 0)  # the oldest write, read last
+        filler = fill(disk)
+        with pytest.raises(DiskFull):
+            store.put_shard(ShardKey("b", 1, 0), frames)  # would evict one: aborted
+        assert store.stats.evicted_shards == 0 and store.stats.evicted_bytes == 0
+        assert [i.key.shard for i in store.shards("a", 1)] == [0, 1, 2, 3]
+        filler.unlink()
+        store.put_shard(ShardKey("b", 1, 0), frames)
+        assert store.stats.evicted_shards == 1
+        # The least recently used went: shard 1, not shard 0, which was read.
+        assert [i.key.shard for i in store.shards("a", 1)] == [0, 2, 3]
