@@ -469,6 +469,7 @@ class EdgeCacheService:
         )
         started = time.monotonic()
         failures: list[tuple[int, str, grpc.StatusCode]] = []
+        skipped: set[int] = set()  # shards counted skipped (done already), in case revoked
         async for outcome in self.node.stage(
             manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
         ):
@@ -479,6 +480,8 @@ class EdgeCacheService:
                 progress.shards_failed += 1
                 if outcome.revoked:  # counted as done before it was evicted
                     progress.shards_done -= 1
+                    if outcome.shard in skipped:  # skipped counts a subset of done
+                        progress.shards_skipped -= 1
                 progress.failures.add(shard=outcome.shard, message=why, code=code.name)
                 failures.append((outcome.shard, why, code))
             else:
@@ -489,6 +492,7 @@ class EdgeCacheService:
                     pass  # copied from a peer: peer_bytes_done
                 else:  # resident already, or fetched by another request this one waited on
                     progress.shards_skipped += 1
+                    skipped.add(outcome.shard)
             progress.bytes_per_second = progress.bytes_done / max(time.monotonic() - started, 1e-9)
             yield progress
         progress.finished = True

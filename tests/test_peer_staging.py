@@ -197,3 +197,29 @@ def test_a_stage_that_does_not_fit_says_so_instead_of_reporting_success(tmp_path
         assert "does not fit in this node's capacity" in failed.value.details()
     finally:
         node.stop()
+
+
+def test_a_revoked_shard_that_was_skipped_leaves_skipped_a_part_of_done(tmp_path: Path) -> None:
+    """A shard held already (skipped) and then evicted by the stage's later shards was taken
+    out of shards_done but not of shards_skipped: skipped could exceed done."""
+    import grpc
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "big", 3, rows=500)
+    publish(registry, f"file://{tmp_path}/big", "big")
+    shard = stored_bytes(registry, "big", tmp_path / "scratch") // 3
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity=str(shard * 5 // 2))
+    try:
+        client = stub(node.address)
+        request = edge_pb2.ReadShardRequest(dataset="big", version=1, shard=0)
+        assert list(client.ReadShard(request))  # held before the stage: skipped by it
+        seen = []
+        with pytest.raises(grpc.RpcError) as failed:
+            for progress in client.Stage(edge_pb2.StageRequest(dataset="big", version=1)):
+                seen.append(progress)
+        assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        last = seen[-1]
+        assert last.finished and [f.shard for f in last.failures] == [0], last
+        assert (last.shards_done, last.shards_skipped, last.shards_failed) == (2, 0, 1), last
+    finally:
+        node.stop()
