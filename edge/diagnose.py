@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
-from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.errors import EdgeCacheError, ManifestError, ObjectNotFound
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.cache.storage import ObjectStore, Stores
 from edgecache.edge.peers import Peers, check_peer, refuses_configuration, rpc_status
@@ -316,8 +316,15 @@ async def diagnose_registry(
     else:
         try:
             report.rtt_ms, _ = await _rtt(store, manifest_url)
-        except EdgeCacheError as exc:  # e.g. a registry moved since the version was staged
-            report.note = f"no round trip: cannot read {manifest_url} ({exc})"
+        except ObjectNotFound as exc:
+            # Said as a note, the path read "ok" in the doctor's table with exit 0, though
+            # the node cannot find in its registry a version it holds.
+            raise ManifestError(
+                f"this node's registry {registry} has no {manifest_url}, the manifest of a "
+                "version the node holds: its registry setting names another registry than "
+                "the one it staged from (moved?), or the version was removed from it; check "
+                f"the node's registry setting ({exc})"
+            ) from exc
     if (rate := await _upload(report, store, registry, endpoint, seconds, streams)) is not None:
         report.bytes_per_second = rate
     return report

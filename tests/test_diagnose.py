@@ -130,6 +130,14 @@ def test_an_s3_registry_and_a_file_origin_each_measured_through_its_own_store(
         assert registry.bytes_per_second > 0, registry
         port = node.metrics_port
         assert _metric(port, "edgecache_origin_retries_total") == 0
+        # A registry without the manifest of a version the node holds (the node pointed at
+        # another registry, or the version removed): a note under an "ok" path before.
+        client = boto3.client("s3", endpoint_url=s3_endpoint, **_boto_kwargs())
+        client.delete_object(Bucket=bucket, Key="_edgecache/tokens/versions/1.json")
+        with pytest.raises(grpc.RpcError) as lost:
+            _diagnose(node.address, "registry")
+        assert lost.value.code() == grpc.StatusCode.FAILED_PRECONDITION, lost.value
+        assert "has no" in lost.value.details() and "registry setting" in lost.value.details()
     assert not [k for k in _keys(s3_endpoint, bucket) if "_diagnostics" in k]
 
 
