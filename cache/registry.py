@@ -811,8 +811,20 @@ class Registry:
             preprocess=spec,
             shards=shards,
         )
-        if if_changed and (same := await self.same_content(dataset, manifest.digest)):
-            return same
+        if if_changed:
+            # Asked before anything is written, so an answer it cannot give fails the
+            # publish: skipping an unreadable version wrote a copy of the content it held.
+            unread: list[int] = []
+            if same := await self.same_content(dataset, manifest.digest, skipped=unread):
+                return same
+            if unread:
+                listed = ", ".join(f"{dataset}@{n}" for n in unread)
+                raise OriginError(
+                    f"--if-changed cannot tell whether {dataset} holds this content already: "
+                    f"the manifest of {listed} could not be read (edgecache versions {dataset} "
+                    "says why). Nothing was published; restore that manifest and publish "
+                    "again, or publish without --if-changed to write a new version regardless"
+                )
         return await self.commit(manifest)
 
     async def same_content(

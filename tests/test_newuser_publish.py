@@ -80,6 +80,15 @@ def test_an_unreadable_earlier_manifest_does_not_fail_a_written_version(tmp_path
     (said,) = [w for w in done["warnings"] if "could not read the manifest" in w]
     assert "tok@1" in said and "tok@2" not in said, said
     assert sorted(p.name for p in versions.iterdir()) == ["1.json", "2.json", "3.json"]
+    # --if-changed asks before writing: not knowing, it publishes nothing (it skipped the
+    # unreadable versions and wrote a copy of the content they may hold).
+    (versions / "3.json").write_text("{not a manifest either")
+    code, out = cli(tmp_path, "publish", str(raw), "--dataset", "tok", "--if-changed")
+    assert code == 1, out
+    text = " ".join(out.split())
+    assert "cannot tell whether tok holds this content" in text and "tok@1, tok@3" in text, out
+    assert "without --if-changed" in text, out
+    assert sorted(p.name for p in versions.iterdir()) == ["1.json", "2.json", "3.json"]
 
 
 def test_a_folder_of_images_is_told_how_to_pack_them(tmp_path: Path) -> None:

@@ -342,7 +342,8 @@ def publish(
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object, a --level out of
     range or with --compression none, a --chunk-size out of range); 1 failed (a
-    registry that cannot be written is named, with what to do).
+    registry that cannot be written is named, with what to do; with --if-changed, an
+    earlier version whose manifest cannot be read to compare: nothing is published).
     """
     from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
