@@ -89,6 +89,15 @@ def test_an_unreadable_earlier_manifest_does_not_fail_a_written_version(tmp_path
     assert "cannot tell whether tok holds this content" in text and "tok@1, tok@3" in text, out
     assert "without --if-changed" in text, out
     assert sorted(p.name for p in versions.iterdir()) == ["1.json", "2.json", "3.json"]
+    # versions, where that message sends the user, lists what it can read and names the
+    # rest (it listed nothing, exit 2, at the first damaged manifest).
+    code, out = cli(tmp_path, "versions", "tok", "--json")
+    assert code == 1, out
+    listed = json.loads(next(x for x in out.splitlines() if x.startswith("[")))
+    assert [(e["version"], "error" in e) for e in listed] == [(1, True), (2, False), (3, True)]
+    code, out = cli(tmp_path, "versions", "tok")
+    assert code == 1 and "tok@1: its manifest cannot be read" in out, out
+    assert "tok@3: its manifest cannot be read" in out and "256.0 KiB" in out, out
 
 
 def test_a_folder_of_images_is_told_how_to_pack_them(tmp_path: Path) -> None:

@@ -133,6 +133,11 @@ def test_bad_params_and_decoder_pin() -> None:
         load_transform("images", {"size": "8", "fit": "stretch"})
     with pytest.raises(ValueError, match="install pillow==0.0.1"):
         load_transform("images", {"size": "8", "decoder": "pillow-0.0.1"})
+    # The syntax its own message once gave (height=H,width=W) is one --param: say so.
+    with pytest.raises(ValueError, match="each param as its own --param"):
+        load_transform("images", {"height": "224,width=160"})
+    with pytest.raises(ValueError, match="--param height=H --param width=W"):
+        load_transform("images", {"size": "8", "height": "8"})
     with pytest.raises(MalformedShard, match="say which column"):
         run(pa.RecordBatch.from_pydict({"a": pa.array([b"x"]), "b": pa.array([b"y"])}), size="8")
 

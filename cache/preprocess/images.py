@@ -13,7 +13,8 @@ Params (``--param K=V``):
   a field of a struct column by its path, ``image.bytes``: Hugging Face's
   ``Image()`` feature is ``struct<bytes: binary, path: string>`` in Parquet;
   the pixels then replace the whole struct column (``image``);
-* ``size=N`` or ``height=H,width=W`` (both required one way or the other);
+* ``size=N`` or ``height=H`` and ``width=W`` (each its own ``--param``; one way or
+  the other);
 * ``fit``: ``crop`` (default: scale so the image covers H×W, keep the centre)
   or ``pad`` (scale so it fits inside, centre it on ``fill``, default 0);
 * ``channels``: ``rgb`` (default) or ``gray``;
@@ -93,6 +94,13 @@ class ImageSpec:
         """Read params; ValueError naming the bad one and what is allowed."""
         check_param_names("images", params, _PARAMS)
 
+        for name in ("size", "height", "width"):
+            if "=" in params.get(name, ""):  # height=224,width=160 in one --param
+                raise ValueError(
+                    f"images param {name}={params[name]!r}: give each param as its own "
+                    "--param, e.g. --param height=224 --param width=160"
+                )
+
         def side(name: str, text: str) -> int:
             if not text.strip().isdigit() or not 1 <= int(text) <= _MAX_SIDE:
                 raise ValueError(f"images param {name}={text!r}: expected 1..{_MAX_SIDE} pixels")
@@ -100,7 +108,10 @@ class ImageSpec:
 
         if "size" in params:
             if "height" in params or "width" in params:
-                raise ValueError("images: give size=N or height=H,width=W, not both")
+                raise ValueError(
+                    "images: give size=N (--param size=N) or height and width "
+                    "(--param height=H --param width=W), not both"
+                )
             height = width = side("size", params["size"])
         elif "height" in params and "width" in params:
             height, width = side("height", params["height"]), side("width", params["width"])

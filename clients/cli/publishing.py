@@ -5,15 +5,29 @@ from __future__ import annotations
 import json
 from datetime import UTC
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from edgecache.cache.errors import ConfigFileError
 from edgecache.clients.cli.app import app
-from edgecache.clients.cli.context import ConfigOption, JsonOption, Options, reporting
-from edgecache.clients.cli.render import Column, format_bytes, json_time, line, table, warning
+from edgecache.clients.cli.context import (
+    ConfigOption,
+    ExitCode,
+    JsonOption,
+    Options,
+    reporting,
+)
+from edgecache.clients.cli.render import (
+    Column,
+    error,
+    format_bytes,
+    json_time,
+    line,
+    table,
+    warning,
+)
 
 if TYPE_CHECKING:
     from edgecache.v1 import manifest_pb2 as pb
@@ -480,12 +494,15 @@ def versions(
 
     Exit codes: 0 listed; 2 bad input (no such dataset, a registry that does not
     exist or holds nothing, an unsupported URL scheme); 1 failed (the registry
-    could not be read).
+    could not be read, or a version's manifest could not: the others are listed,
+    and it is named with why).
     """
+    from edgecache.cache.errors import EdgeCacheError
     from edgecache.cache.manifest import summarize
     from edgecache.cache.names import parse_spec
     from edgecache.cache.registry import Registry
 
+    damaged: list[tuple[int, str]] = []  # (version, why its manifest cannot be read)
     with reporting():
         url = _registry_url(registry, Options(config))
         # tok@1 used to be refused as an invalid dataset name: it names one version.
@@ -495,30 +512,38 @@ def versions(
 
         async def listing(reg: Registry) -> tuple[str, list[tuple[pb.DatasetVersion, pb.Manifest]]]:
             if one:
-                manifests = [await reg.resolve(spec)]
-            else:
-                manifests = [await reg.manifest(dataset, n) for n in await reg.published(dataset)]
+                return reg.url, [(summarize(m), m) for m in [await reg.resolve(spec)]]
+            # One damaged manifest ended the listing with nothing shown, though publish's
+            # own warning about it sends the user here to look.
+            manifests = []
+            for number in await reg.published(dataset):
+                try:
+                    manifests.append(await reg.manifest(dataset, number))
+                except EdgeCacheError as exc:
+                    damaged.append((number, str(exc)))
             return reg.url, [(summarize(m), m) for m in manifests]
 
         where, found = Registry.run(url, listing)  # where: as its errors name it
+    for number, why in damaged:
+        error(f"{dataset}@{number}: its manifest cannot be read: {why}")
     if as_json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "version": v.version,
-                        "digest": v.digest,
-                        "shards": v.shard_count,
-                        "rows": v.row_count,
-                        "source_bytes": v.source_bytes,
-                        "created_at": json_time(v.created_at.ToDatetime(tzinfo=UTC)),
-                        "schema": schema_json(m.arrow_schema),
-                        **preparation_json(m),
-                    }
-                    for v, m in found
-                ]
-            )
-        )
+        listed: list[dict[str, Any]] = [
+            {
+                "version": v.version,
+                "digest": v.digest,
+                "shards": v.shard_count,
+                "rows": v.row_count,
+                "source_bytes": v.source_bytes,
+                "created_at": json_time(v.created_at.ToDatetime(tzinfo=UTC)),
+                "schema": schema_json(m.arrow_schema),
+                **preparation_json(m),
+            }
+            for v, m in found
+        ]
+        listed += [{"version": n, "error": why} for n, why in damaged]
+        print(json.dumps(sorted(listed, key=lambda entry: entry["version"])))
+        if damaged:
+            raise typer.Exit(int(ExitCode.FAILED))
         return
     table(
         f"{dataset}@{found[0][0].version} in {where}" if one else f"{dataset} in {where}",
@@ -546,3 +571,5 @@ def versions(
             for v, m in found
         ],
     )
+    if damaged:  # the others are listed; the damaged ones were said above
+        raise typer.Exit(int(ExitCode.FAILED))
