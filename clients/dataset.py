@@ -471,8 +471,24 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if not all(e.local for e in self.endpoints):
             fork_safety.watch(self)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        if pin_memory not in (True, False, "auto"):
-            raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
+        if token is not None and not (isinstance(token, str) and token and token == token.strip()):
+            # A Path or bytes went out as its repr ("Bearer PosixPath(...)") and came back as
+            # a refused token whose hint said to pass token=. The value is not echoed.
+            raise ValueError(
+                f"token must be the token's text, a non-empty str without surrounding "
+                f"whitespace (got a {type(token).__name__}"
+                + (" with surrounding whitespace" if isinstance(token, str) and token else "")
+                + "): e.g. token=Path('read.token').read_text().strip()"
+            )
+        # 0, 1 and np.False_ passed an `in (True, False, "auto")` test (0 == False) and then
+        # failed the `is False` ones below: pin_memory=0 pinned on a CUDA host.
+        if not (isinstance(pin_memory, str) and pin_memory == "auto"):
+            try:
+                pin_memory = _boolean("pin_memory", pin_memory)
+            except ValueError:
+                raise ValueError(
+                    f"pin_memory must be True, False or 'auto', got {pin_memory!r}"
+                ) from None
         self.batch_size, self.drop_last = batch_size, drop_last
         self.shuffle, self.seed = shuffle, seed
         self.lanes, self.shuffle_windows = lanes, shuffle_windows

@@ -212,7 +212,14 @@ def port_from_environment() -> int | None:
         port = int(base)
     except ValueError:
         raise ValueError(f"${PORT_VARIABLE} must be a port number, got {base!r}") from None
-    return port + int(os.environ.get("LOCAL_RANK", "0")) if port else 0
+    rank = os.environ.get("LOCAL_RANK", "0")
+    try:
+        local = int(rank)
+    except ValueError:
+        raise ValueError(
+            f"$LOCAL_RANK must be a number (${PORT_VARIABLE} adds it to its port), got {rank!r}"
+        ) from None
+    return port + local if port else 0
 
 
 def serve(port: int, host: str = "0.0.0.0") -> int:  # noqa: S104 - Prometheus scrapes from afar
@@ -220,9 +227,20 @@ def serve(port: int, host: str = "0.0.0.0") -> int:  # noqa: S104 - Prometheus s
 
     Once per process and port: every EdgeDataset of the process is on it.
     """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"the client metrics port must be 0..65535, got {port}")
     with _SERVE_LOCK:
         bound = _SERVERS.get(port)
         if bound is None:
-            server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+            try:
+                server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+            except OSError as exc:
+                # Most often one metrics_port given to every rank of a host (torchrun): the
+                # first took it. Said as the setting to change, not a bare Errno 98.
+                raise ValueError(
+                    f"cannot serve client metrics on port {port} ({exc.strerror or exc}): "
+                    f"give each process of a host its own port: ${PORT_VARIABLE} (it adds "
+                    "$LOCAL_RANK) instead of metrics_port=, or metrics_port=0 for any free one"
+                ) from exc
             bound = _SERVERS[port] = int(server.server_port)
         return bound

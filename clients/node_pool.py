@@ -545,6 +545,15 @@ class NodePool:
                     )
                     if isinstance(exc, ChunkCorrupt):
                         if corrupt_retries == 0:
+                            if endpoint.local:  # read-only here: the damaged shard stays
+                                raise ChunkCorrupt(
+                                    f"{exc}; this process reads {endpoint.text} read-only, "
+                                    "so the damaged shard stays there and every epoch meets "
+                                    "it: have the cache's node stage it again (edgecache "
+                                    "evict NAME@N --region R, then edgecache warm NAME@N "
+                                    "--region R), or list a node's host:port after it so "
+                                    "reads fall back to the node"
+                                ) from exc
                             raise
                         corrupt_retries -= 1
                 if next_row < row_end:

@@ -418,8 +418,9 @@ def test_topology_errors_come_from_the_one_loader(cluster, tmp_path: Path) -> No
     ds = EdgeDataset("tokens@1", config=good, **SMALL)  # no region: every node, file order
     assert [e.text for e in ds.endpoints] == [nodes[1].address, nodes[0].address]
     # One endpoint as a plain string is one endpoint, not a list of characters.
-    single = EdgeDataset("tokens@1", endpoints=nodes[0].address, **SMALL)
+    single = EdgeDataset("tokens@1", endpoints=nodes[0].address, pin_memory=np.False_, **SMALL)
     assert [e.text for e in single.endpoints] == [nodes[0].address]
+    assert single.pin_memory_setting is False  # numpy's False is False
     assert len(read_epoch(single, 0)) == TOTAL
 
 
@@ -570,3 +571,20 @@ def test_endpoints_beside_a_topology_are_refused(tmp_path: Path) -> None:
     ):
         with pytest.raises(InvalidEndpoint, match=named):
             EdgeDataset("tokens@1", endpoints=["127.0.0.1:1"], **extra)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pin_memory", [0, 1, "yes", None])
+def test_pin_memory_takes_booleans_and_auto_only(pin_memory: object) -> None:
+    """pin_memory=0 passed the check (0 == False), then failed every `is False` test after
+    it: it pinned on a CUDA host, the opposite of what was asked."""
+    with pytest.raises(ValueError, match="pin_memory must be True, False or 'auto'"):
+        EdgeDataset("tokens@1", endpoints=["127.0.0.1:1"], pin_memory=pin_memory)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("token", [Path("read.token"), b"s3cret", "", " s3cret\n"])
+def test_a_token_that_is_not_its_text_is_refused_without_echoing_it(token: object) -> None:
+    """A Path or bytes token was sent as its printed form and refused by the node, whose
+    hint said to pass token=, which the user had done."""
+    with pytest.raises(ValueError, match="token must be the token's text") as refused:
+        EdgeDataset("tokens@1", endpoints=["127.0.0.1:1"], token=token)  # type: ignore[arg-type]
+    assert "s3cret" not in str(refused.value)

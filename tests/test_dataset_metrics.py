@@ -180,3 +180,24 @@ def test_the_port_comes_from_the_environment_per_local_rank(
     monkeypatch.setenv("EDGECACHE_CLIENT_METRICS_PORT", "not-a-port")
     with pytest.raises(ValueError, match="EDGECACHE_CLIENT_METRICS_PORT"):
         EdgeDataset("tokens@1", endpoints=[node.address], **SMALL)
+
+
+def test_a_metrics_port_mistake_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port in use was a bare 'Errno 98' from the constructor (one metrics_port given to
+    every rank of a host), 70000 an OverflowError, a bad $LOCAL_RANK a bare int() error."""
+
+    from edgecache.clients.dataset_metrics import PORT_VARIABLE, port_from_environment, serve
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))  # noqa: S104 - where serve() binds
+        taken.listen()
+        with pytest.raises(ValueError, match=rf"port {taken.getsockname()[1]}.*\${PORT_VARIABLE}"):
+            serve(taken.getsockname()[1])
+    with pytest.raises(ValueError, match="0..65535"):
+        serve(70000)
+    monkeypatch.setenv(PORT_VARIABLE, "9400")
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match=r"\$LOCAL_RANK must be a number"):
+        port_from_environment()
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert port_from_environment() == 9403

@@ -525,3 +525,31 @@ def test_a_cancel_at_the_clients_deadline_counts_as_the_deadline(
     from edgecache.edge.service import _abandoned
 
     assert _abandoned(_Left(left)) == result  # type: ignore[arg-type]
+
+
+def test_a_damaged_chunk_in_a_read_only_lmdb_cache_says_how_to_mend_it(
+    tmp_path: Path, registry: str
+) -> None:
+    """Read through lmdb:// (read-only in the training process) a damaged shard is never
+    dropped, so every epoch met it: the error said only the checksum, and the log that it
+    would retry for 30 s."""
+    from storeutil import flip_on_disk
+
+    from edgecache.cache.errors import ChunkCorrupt
+    from edgecache.clients import EdgeDataset
+
+    with running_node(node_settings(tmp_path, registry)) as node:
+        assert _stage(node.address).shards_done == 2
+    with CacheStore(tmp_path / "cache", readonly=True) as store:
+        [info, _] = store.shards("tokens", 1)
+        frame = store.get_chunk(info.key, 1)
+    flip_on_disk(tmp_path / "cache", frame, 24)  # a checksum bit of a middle chunk
+    ds = EdgeDataset("tokens@1", endpoints=[f"lmdb://{tmp_path / 'cache'}"], batch_size=100)
+    try:
+        with pytest.raises(ChunkCorrupt) as damaged:
+            for _ in ds:
+                pass
+    finally:
+        ds.close()
+    said = " ".join(str(damaged.value).split())
+    assert "read-only" in said and "edgecache evict" in said and "warm" in said, said
