@@ -290,7 +290,9 @@ class Sample(dict):  # type: ignore[type-arg]
 
     def __init__(self, values: Mapping[str, Any], forms: Mapping[str, str]) -> None:
         super().__init__(values)
-        self.forms = forms  # column -> "ragged" (padded), "packed" or "list"
+        # column -> "ragged" (padded), "packed" (a numeric list), "binary" or "string"
+        # (packed bytes or text), or "list" (kept as Python objects)
+        self.forms = forms
 
 
 def _packed(name: str, items: Sequence[Any]) -> Packed:
@@ -303,6 +305,25 @@ def _packed(name: str, items: Sequence[Any]) -> Packed:
     return Packed(torch.cat([t.cpu() for t in items]), offsets, "list")
 
 
+def _packed_bytes(name: str, items: Sequence[Any], kind: str) -> Packed:
+    """Per-sample ``bytes`` (``kind="binary"``) or ``str`` (``"string"``) as one ``Packed``."""
+    if kind == "string":
+        if not all(isinstance(t, str) for t in items):
+            raise TypeError(f"column {name!r}: expected each sample's value as a str")
+        raw = [t.encode() for t in items]
+    else:
+        if not all(isinstance(t, (bytes, bytearray, memoryview)) for t in items):
+            raise TypeError(f"column {name!r}: expected each sample's value as bytes")
+        raw = [bytes(t) for t in items]
+    offsets = torch.zeros(len(raw) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor([len(r) for r in raw], dtype=torch.int64), 0, out=offsets[1:])
+    joined = bytearray(b"".join(raw))
+    values = (
+        torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    )
+    return Packed(values, offsets, kind)  # type: ignore[arg-type]
+
+
 def collate_samples(
     batch: Sequence[Mapping[str, Any]], *, collate_fn_map: dict[Any, Any] | None = None
 ) -> dict[str, Any]:
@@ -310,7 +331,8 @@ def collate_samples(
 
     Variable-length lists of numbers become ``[B, longest]`` zero-padded
     (``ragged="padded"``, their ``<name>_lengths`` stacked beside them) or a
-    ``Packed`` (``ragged="packed"``); Python-object columns stay a list; every
+    ``Packed`` (``ragged="packed"``); bytes and strings a ``Packed`` again
+    (``binary="packed"``, the default); Python-object columns stay a list; every
     other column is collated as ``default_collate`` does. ``default_collate``
     calls this for a batch of samples; a custom ``collate_fn`` may call it too.
     """
@@ -325,6 +347,8 @@ def collate_samples(
             out[key] = _packed(key, items).padded()[0]
         elif form == "packed":
             out[key] = _packed(key, items)
+        elif form in ("binary", "string"):
+            out[key] = _packed_bytes(key, items, form)
         else:
             out[key] = collate(items, collate_fn_map=collate_fn_map or default_collate_fn_map)
     return out
@@ -945,9 +969,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         readers.add(pipeline)
         tally, counted_wait = readers.tally, 0.0
         forms = {
-            k.name: k.kind
+            # Packed bytes and strings by their item, so collate_samples packs them again
+            # (binary='packed': a batch of samples was a list of bytes, unlike a batch).
+            k.name: k.item if k.kind == "packed" and k.item in ("binary", "string") else k.kind
             for k in self.kinds
-            if k.kind in ("ragged", "list") or (k.kind == "packed" and k.item == "list")
+            if k.kind in ("ragged", "list", "packed")
         }
         try:
             for size, batch in pipeline:
@@ -1070,6 +1096,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         ``load_state_dict`` or, without one, since the epoch began (a resumed run
         counts from 0 again, whether the resume was elastic or not). Under DDP every
         rank steps in lockstep, so rank 0's state resumes every rank, at any world size.
+
+        With ``batch_size=None`` the dataset yields samples, so ``batches`` counts
+        samples: pass steps × the DataLoader's batch size, at a step count that is a
+        multiple of ``num_workers`` (each worker batches its own samples, so only then
+        have all workers given equal shares, and what was read is a prefix of the
+        epoch's order); at other steps no count resumes exactly.
         """
         self._follow_workers()
         seed, epoch, cursor, remaining = self.seed, self.epoch, self._cursor, self._remaining

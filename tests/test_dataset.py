@@ -588,3 +588,27 @@ def test_a_token_that_is_not_its_text_is_refused_without_echoing_it(token: objec
     with pytest.raises(ValueError, match="token must be the token's text") as refused:
         EdgeDataset("tokens@1", endpoints=["127.0.0.1:1"], token=token)  # type: ignore[arg-type]
     assert "s3cret" not in str(refused.value)
+
+
+def test_one_sample_mode_resumes_exactly_from_samples_at_a_multiple_of_the_workers(
+    cluster,
+) -> None:
+    """As docs/dataset.md says: with batch_size=None, state_dict(batches=) counts samples,
+    steps × the loader's batch size, saved at a step count that is a multiple of the
+    workers (every worker then gave an equal share: a prefix of the epoch's order)."""
+    _, nodes = cluster
+    kwargs = {"window_bytes": SMALL["window_bytes"], "batch_size": None, "seed": 5}
+    ds = EdgeDataset("tokens@1", endpoints=[nodes[0].address], **kwargs)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)
+    read = []
+    for step, batch in enumerate(loader, 1):
+        read += batch["label"].tolist()
+        if step == 4:
+            break
+    state = ds.state_dict(batches=4 * 8)
+    ds.close()
+    resumed = EdgeDataset("tokens@1", endpoints=[nodes[0].address], **kwargs)
+    resumed.load_state_dict(state)
+    rest = labels(torch.utils.data.DataLoader(resumed, batch_size=8, num_workers=2))
+    resumed.close()
+    assert sorted(read + rest) == list(range(TOTAL))  # each sample once

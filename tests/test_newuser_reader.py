@@ -78,6 +78,41 @@ def test_one_sample_mode_batches_ragged_columns_in_a_dataloader(node: LocalNode)
         ds.close()
 
 
+def test_one_sample_mode_packs_bytes_and_strings_again_in_a_dataloader(tmp_path: Path) -> None:
+    """batch_size=None in DataLoader(batch_size=8): bytes and string columns came out as
+    lists (each sample pickled from a worker), where EdgeDataset(batch_size=8) gives the
+    documented default, a Packed; binary='list' keeps lists."""
+    from edgecache.clients.packed import Packed
+
+    (tmp_path / "origin").mkdir()
+    rows = np.arange(60)
+    blobs = [bytes([r % 251]) * (r % 7) for r in rows.tolist()]  # empty ones too
+    texts = [f"doc {r} é" * (r % 3) for r in rows.tolist()]
+    pq.write_table(
+        pa.table({"blob": pa.array(blobs, pa.binary()), "text": texts, "row": rows}),
+        tmp_path / "origin" / "part-0.parquet",
+    )
+    url = f"file://{tmp_path}/registry"
+    publish(url, f"file://{tmp_path}/origin", "docs")
+    node = start_local_node("eu", tmp_path / "cache", url)
+    try:
+        for binary in ("packed", "list"):
+            ds = EdgeDataset("docs@1", endpoints=[node.address], batch_size=None, binary=binary)
+            for workers in (0, 2):
+                seen = []
+                for batch in torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers):
+                    for name in ("blob", "text"):
+                        column = batch[name]
+                        assert isinstance(column, Packed if binary == "packed" else list), column
+                    want = [(blobs[r], texts[r]) for r in batch["row"].tolist()]
+                    assert list(zip(batch["blob"], batch["text"], strict=True)) == want
+                    seen += batch["row"].tolist()
+                assert sorted(seen) == rows.tolist()
+            ds.close()
+    finally:
+        node.stop()
+
+
 @pytest.mark.parametrize(
     "start", ["2026-12-02T25:00:00Z", "2026-02-30T01:00:00Z", "2026-12-02T10:00:00+25:00"]
 )
