@@ -333,6 +333,29 @@ def test_a_webdataset_error_is_the_readers_once_not_the_transforms() -> None:
     assert message.count("fix or remove the object") == 1
 
 
+def test_a_text_member_that_is_not_utf8_is_refused_at_publish_naming_the_sample(
+    tmp_path: Path,
+) -> None:
+    """Only integer members were checked at publish: a .txt member in Latin-1 published,
+    then every node failed the shard at staging with an error naming no sample."""
+    members = [("k1.txt", b"fine"), ("k1.cls", b"1")]
+    members += [("k2.txt", "caf\xe9".encode("latin-1")), ("k2.cls", b"2")]
+    message = " ".join(_publish_error(tmp_path, "wds", {"s-0.tar": tar_archive(members)}).split())
+    assert "sample 'k2'" in message and "k2.txt is not UTF-8 text" in message, message
+    assert "(.bin)" in message, message
+    # A version published before the check: the reader names the sample too.
+    spec = pb.PreprocessSpec(transform="identity")
+    with pytest.raises(MalformedShard, match="sample 'k2'"):
+        list(
+            preprocess(
+                tar_archive(members),
+                fmt=pb.SOURCE_FORMAT_WEBDATASET,
+                source="s3://b/s-0.tar",
+                spec=spec,
+            )
+        )
+
+
 def test_a_param_that_does_not_fit_the_data_says_to_fix_the_param(tmp_path: Path) -> None:
     rows = b'{"text": "hello", "n": 1}\n'
     wrong_type = _publish_error(

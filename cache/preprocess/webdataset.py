@@ -40,6 +40,7 @@ member is decoded.
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import re
@@ -128,6 +129,16 @@ def _not_integer(source: str, key: str, ext: str, value: memoryview) -> Malforme
         f"{key}.{ext}); WebDataset reads a .{kind} member as an integer{decode}, and WebDataset "
         f"sources take no --column-types: to keep such values as text, name the members "
         f".{text} (a string column {text!r}); else {FIX}"
+    )
+
+
+def _not_text(source: str, key: str, ext: str, exc: UnicodeDecodeError) -> MalformedShard:
+    """The error for a text-typed member that is not UTF-8, naming it and what to do."""
+    return MalformedShard(
+        f"{source}: sample {key!r}: member {key}.{ext} is not UTF-8 text ({exc.reason} at "
+        f"byte {exc.start}); WebDataset reads a .{_kind(ext)} member as text: re-encode it as "
+        f"UTF-8, or name such members with a binary extension (.bin) to keep their bytes; "
+        f"else {FIX}"
     )
 
 
@@ -220,6 +231,13 @@ def tar_schema(
             kind = ext if earlier else _kind(ext)
             if kind in INT_EXTENSIONS and _integer(value) is None:
                 raise _not_integer(source, key, ext, value)
+            if kind in TEXT_EXTENSIONS:
+                # Refused here, naming the sample: unchecked, the version published and
+                # every node then failed the shard at staging, naming no sample.
+                try:
+                    codecs.decode(value, "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise _not_text(source, key, ext, exc) from None
     if not count:
         raise MalformedShard(f"{source}: the tar archive holds no samples (key.ext members); {FIX}")
     columns = [_field(e, earlier) for e in sorted(extensions)]
@@ -244,6 +262,12 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
         try:
             columns.append(binary_column(values, string=field.type == pa.string()))
         except (ValueError, pa.ArrowInvalid) as exc:
+            # A version published before publish checked text members: name the sample.
+            for (key, _), value in zip(samples, values, strict=True):
+                try:
+                    codecs.decode(value or b"", "utf-8")
+                except UnicodeDecodeError as bad:
+                    raise _not_text(source, key, field.name, bad) from exc
             raise MalformedShard(
                 f"{source}: a .{field.name} member is not UTF-8 text ({exc}); {FIX}"
             ) from exc
