@@ -283,7 +283,10 @@ def _read_text(
                 read_options=pa_json.ReadOptions(**opts),
                 parse_options=parse,
             )
-            if types:  # typed fields come first from explicit_schema: back to the data's order
+            # Typed fields come first from explicit_schema: back to the data's order, which
+            # publish records. A second parse of the whole object, so only there: a node
+            # (strict=False) conforms each batch to the recorded schema by name.
+            if types and strict:
                 found = pa_json.read_json(
                     pa.BufferReader(buf), read_options=pa_json.ReadOptions(**opts)
                 ).column_names
