@@ -106,6 +106,10 @@ class CacheStore(ClosingContext):
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
+        # Drop a shard whose chunk fails its check as the chunk is read, so the next read
+        # is a miss. An edge node turns this off and drops it on its writer thread: done
+        # here, the write (waiting on the writer lock a put holds) ran on its event loop.
+        self.drop_corrupt = True
         self._pid = os.getpid()
         self._write_lock = threading.Lock()
         self._counter_lock = threading.Lock()
@@ -677,7 +681,7 @@ class CacheStore(ClosingContext):
     def _corrupt_chunk(self, key: ShardKey) -> None:
         with self._counter_lock:
             self._corrupt += 1
-        if not self.readonly:
+        if not self.readonly and self.drop_corrupt:
             freed = self.drop_shard(key)
             log.warning("dropped corrupt shard %s (%d bytes); it will be refetched", key, freed)
 

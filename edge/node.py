@@ -59,6 +59,7 @@ from edgecache.cache.errors import (
     OriginChanged,
     OriginError,
     ShardNotCached,
+    StoreError,
     VersionNotFound,
 )
 from edgecache.cache.frame import Buffer
@@ -182,6 +183,7 @@ class EdgeNode:
         self.store = store or CacheStore(
             config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
         )
+        self.store.drop_corrupt = False  # dropped off the event loop (_drop_damaged)
         self.metrics = NodeMetrics(config.region, self.node_id)
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
         # Read at scrape time: a restart on a full cache, a corrupt shard dropped or an LRU
@@ -894,7 +896,10 @@ class EdgeNode:
         except DiskFull:
             raise
         except CacheFull as exc:
-            info = self.store.passing_info(key, frames)
+            # Verifies every frame (a whole shard's hashing): off the event loop.
+            info = await asyncio.get_running_loop().run_in_executor(
+                self._cpu, self.store.passing_info, key, frames
+            )
             log.warning(
                 "%s not cached (%d chunks): served to the reads joined to its fetch, if any; "
                 "a Stage asking for it fails: %s",
@@ -998,7 +1003,14 @@ class EdgeNode:
                 finally:
                     self.count_retries()
                 try:
-                    found = load_transform(spec.transform or "identity", spec.params, resources)
+                    # Off the event loop: a tokenizer of megabytes is hashed and parsed.
+                    found = await asyncio.get_running_loop().run_in_executor(
+                        self._cpu,
+                        load_transform,
+                        spec.transform or "identity",
+                        spec.params,
+                        resources,
+                    )
                 except ValueError as exc:  # e.g. another Pillow than the version was made with
                     raise MalformedShard(
                         f"{manifest.dataset}@{manifest.version}: transform "
@@ -1020,6 +1032,21 @@ class EdgeNode:
                 encoded.skipped,
                 "; ".join(encoded.notes[:3]),
             )
+
+    async def _drop_damaged(self, key: ShardKey, why: str) -> None:
+        """Drop a damaged shard on the writer thread, so the next read fetches it again.
+
+        Not on the event loop: the drop waits on the writer lock, which a shard's put
+        (every chunk, its evictions, an fsync) holds for a while.
+        """
+        try:
+            freed = await self._write(self.store.drop_shard, key)
+        except StoreError as exc:  # a full disk, say: reads still refetch it through
+            log.warning("%s is damaged (%s) and could not be dropped: %s", key, why, exc)
+            return
+        log.warning(
+            "%s is damaged (%s): dropped it (%d bytes); it will be refetched", key, why, freed
+        )
 
     def encoded_chunk(self, key: ShardKey, index: int, first_row: int) -> bytes:
         """One chunk as wire bytes, in its own short read transaction (verified)."""
@@ -1087,8 +1114,7 @@ class EdgeNode:
                 # The record itself is damaged: the stream is planned from it (how many chunks,
                 # where each starts), so a short count would end the stream early with OK.
                 self.metrics.corrupt_chunks.inc()
-                self.store.drop_shard(key)
-                log.warning("%s: the shard's record is damaged (%s); dropped it", key, damage)
+                await self._drop_damaged(key, f"the shard's record is damaged ({damage})")
                 if cached_only:
                     raise ChunkCorrupt(
                         f"{key}'s record here is damaged ({damage}); not fetched again for a "
@@ -1139,6 +1165,7 @@ class EdgeNode:
                         if isinstance(exc, ChunkCorrupt):
                             self.metrics.corrupt_chunks.inc()
                             damaged += 1
+                            await self._drop_damaged(key, f"chunk {index}: {exc}")
                         if cached_only:
                             raise type(exc)(
                                 f"{key} chunk {index} is no longer here ({exc}); not fetched again "

@@ -135,7 +135,11 @@ class StagingGate:
             self._running += 1
         wait = self._bucket.debit(nbytes) if self._bucket else 0.0
         if wait:
-            await asyncio.sleep(wait)
+            try:
+                await asyncio.sleep(wait)
+            except BaseException:  # cancelled while waiting: the caller will not release
+                await asyncio.shield(self.release())
+                raise
 
     async def release(self) -> None:
         """Give a staging slot back."""

@@ -71,6 +71,24 @@ def test_gate_holds_staging_back_to_its_byte_rate() -> None:
     assert asyncio.run(scenario()) >= 0.45
 
 
+def test_a_fetch_cancelled_during_the_rate_wait_gives_its_slot_back() -> None:
+    """The slot was taken before the rate wait and given back only by the caller, which a
+    cancellation during the wait never reached: one slot lost for good each time."""
+
+    async def scenario() -> int:
+        gate = StagingGate(rate=1_000_000, concurrency=2)  # 1 MB/s
+        await gate.acquire(1_000_000)  # the bucket's burst
+        await gate.release()
+        waiting = asyncio.ensure_future(gate.acquire(1_000_000))  # waits about a second
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return gate._running
+
+    assert asyncio.run(scenario()) == 0
+
+
 def test_settings_precedence_and_errors(tmp_path: Path) -> None:
     file = tmp_path / "node.yaml"
     file.write_text(
