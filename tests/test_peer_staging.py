@@ -180,16 +180,21 @@ def test_a_pin_keeps_a_resident_version_from_the_lru(tmp_path: Path) -> None:
         node.stop()
 
 
+def _room_for_two_of_three(tmp_path: Path) -> LocalNode:
+    """A node with room for two of the three shards of ``big@1``, unpinned."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "big", 3, rows=500)
+    publish(registry, f"file://{tmp_path}/big", "big")
+    shard = stored_bytes(registry, "big", tmp_path / "scratch") // 3
+    return start_local_node("eu", tmp_path / "cache", registry, capacity=str(shard * 5 // 2))
+
+
 def test_a_stage_that_does_not_fit_says_so_instead_of_reporting_success(tmp_path: Path) -> None:
     # Room for two of three shards and no pin: the LRU takes the stage's own first shard
     # for its third. The stage must not end "6/6 done"; it names the shard and the fix.
     import grpc
 
-    registry = f"file://{tmp_path}/registry"
-    write_parquet_shards(tmp_path / "big", 3, rows=500)
-    publish(registry, f"file://{tmp_path}/big", "big")
-    shard = stored_bytes(registry, "big", tmp_path / "scratch") // 3
-    node = start_local_node("eu", tmp_path / "cache", registry, capacity=str(shard * 5 // 2))
+    node = _room_for_two_of_three(tmp_path)
     try:
         with pytest.raises(grpc.RpcError) as failed:
             list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="big", version=1)))
@@ -204,11 +209,7 @@ def test_a_revoked_shard_that_was_skipped_leaves_skipped_a_part_of_done(tmp_path
     out of shards_done but not of shards_skipped: skipped could exceed done."""
     import grpc
 
-    registry = f"file://{tmp_path}/registry"
-    write_parquet_shards(tmp_path / "big", 3, rows=500)
-    publish(registry, f"file://{tmp_path}/big", "big")
-    shard = stored_bytes(registry, "big", tmp_path / "scratch") // 3
-    node = start_local_node("eu", tmp_path / "cache", registry, capacity=str(shard * 5 // 2))
+    node = _room_for_two_of_three(tmp_path)
     try:
         client = stub(node.address)
         request = edge_pb2.ReadShardRequest(dataset="big", version=1, shard=0)
