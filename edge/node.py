@@ -233,7 +233,9 @@ class EdgeNode:
             threads, thread_name_prefix="preprocess-staging-part", initializer=lower_priority
         )
         self._transforms: dict[str, Transform] = {}  # by manifest digest
-        self._transform_lock = asyncio.Lock()
+        # One per version (by digest): a version whose files (a tokenizer) come slowly from
+        # its origin held up, behind one node-wide lock, the first fetch of every other.
+        self._transform_locks: dict[str, asyncio.Lock] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._disk_full = False  # the last write found the cache's disk full
         self._free_when_full = 0  # the volume's free bytes then (see _still_full)
@@ -992,7 +994,7 @@ class EdgeNode:
         found = self._transforms.get(manifest.digest)
         if found is not None:
             return found
-        async with self._transform_lock:
+        async with self._transform_locks.setdefault(manifest.digest, asyncio.Lock()):
             found = self._transforms.get(manifest.digest)
             if found is None:
                 spec = manifest.preprocess

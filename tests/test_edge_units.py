@@ -285,3 +285,44 @@ def test_a_stage_reports_a_failure_no_retry_mends_whatever_order_shards_fail_in(
     else:
         assert code.name not in retryable  # e.g. origin lost an object: a retry fails again
         assert (shard, code) == next((f[0], f[2]) for f in order if f[2].name not in retryable)
+
+
+def test_a_version_whose_files_come_slowly_does_not_hold_up_another_versions_transform(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transforms were built under one node-wide lock: while one version's tokenizer was
+    read from its origin, every other version's first fetch waited for it."""
+    import edgecache.edge.node as node_module
+    from edgecache.edge.node import EdgeNode
+    from edgecache.v1 import manifest_pb2
+
+    slow_origin = asyncio.Event()
+
+    async def fetch_resources(stores, source_url, spec):  # noqa: ANN001, ANN202
+        if source_url == "file:///slow/":  # the origin whose files take their time
+            await slow_origin.wait()
+        return {}
+
+    monkeypatch.setattr(node_module, "fetch_resources", fetch_resources)
+
+    async def scenario() -> bool:
+        node = EdgeNode(
+            NodeConfig(
+                region="eu", cache_dir=tmp_path / "c", registry="file:///r", capacity="64MiB"
+            )
+        )
+        try:
+            slow = manifest_pb2.Manifest(dataset="a", version=1, digest="sha256:a")
+            slow.source_url = "file:///slow/"
+            quick = manifest_pb2.Manifest(dataset="b", version=1, digest="sha256:b")
+            quick.source_url = "file:///quick/"
+            waiting = asyncio.ensure_future(node._transform(slow))
+            await asyncio.sleep(0.05)
+            built = await asyncio.wait_for(node._transform(quick), timeout=10)
+            slow_origin.set()
+            await waiting
+            return built is not None and not waiting.cancelled()
+        finally:
+            await node.close()
+
+    assert asyncio.run(scenario())
