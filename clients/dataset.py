@@ -51,7 +51,7 @@ import pickle
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -299,10 +299,14 @@ def _packed(name: str, items: Sequence[Any]) -> Packed:
     """Per-sample 1-D tensors of one list column as one ``Packed`` (a batch's form)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in items):
         raise TypeError(f"column {name!r}: expected each sample's value as a 1-D tensor")
-    lengths = torch.tensor([len(t) for t in items], dtype=torch.int64)
+    return Packed(torch.cat([t.cpu() for t in items]), _offsets(items), "list")
+
+
+def _offsets(items: Sequence[Sized]) -> torch.Tensor:
+    """``[0, len(items[0]), ...]`` running sums: where each item starts in a ``Packed``."""
     offsets = torch.zeros(len(items) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return Packed(torch.cat([t.cpu() for t in items]), offsets, "list")
+    torch.cumsum(torch.tensor([len(t) for t in items], dtype=torch.int64), 0, out=offsets[1:])
+    return offsets
 
 
 def _packed_bytes(name: str, items: Sequence[Any], kind: str) -> Packed:
@@ -315,13 +319,11 @@ def _packed_bytes(name: str, items: Sequence[Any], kind: str) -> Packed:
         if not all(isinstance(t, (bytes, bytearray, memoryview)) for t in items):
             raise TypeError(f"column {name!r}: expected each sample's value as bytes")
         raw = [bytes(t) for t in items]
-    offsets = torch.zeros(len(raw) + 1, dtype=torch.int64)
-    torch.cumsum(torch.tensor([len(r) for r in raw], dtype=torch.int64), 0, out=offsets[1:])
     joined = bytearray(b"".join(raw))
     values = (
         torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
     )
-    return Packed(values, offsets, kind)  # type: ignore[arg-type]
+    return Packed(values, _offsets(raw), kind)  # type: ignore[arg-type]
 
 
 def collate_samples(

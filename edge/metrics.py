@@ -211,8 +211,14 @@ class NodeMetrics:
         """
         self._first_chunk.labels(**self._labels, result=result).observe(seconds)
 
-    def read_ended(self, result: str) -> None:
-        """A ReadShard ended (``result`` as for :meth:`first_chunk`), once per call."""
+    def read_ended(self, result: str, *, before_first_chunk: float | None = None) -> None:
+        """A ReadShard ended (``result`` as for :meth:`first_chunk`), once per call.
+
+        ``before_first_chunk``: the seconds it ran, when it ended without a chunk
+        (a refusal, an error, a reader that left), recorded as its first chunk's.
+        """
+        if before_first_chunk is not None:
+            self.first_chunk(before_first_chunk, result)
         self._reads.labels(**self._labels, result=result).inc()
 
     def next_chunk(self, seconds: float) -> None:

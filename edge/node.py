@@ -645,9 +645,11 @@ class EdgeNode:
         origin bandwidth and CPU on every shard of a Stage; once the volume has
         more free space than then (or an eviction freed pages), fetches resume.
         """
-        if not self.disk_full_now():
+        if not self._disk_full:
             return None
         free = self._free_bytes()
+        if free > self._free_when_full:  # as disk_full_now(), with the figure said below
+            return None
         self.metrics.disk_full_errors.inc()
         return self.store.disk_full(
             f"{key}: not fetched, the disk under {self.store.path} is still full",

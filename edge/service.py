@@ -381,14 +381,14 @@ class EdgeCacheService:
                         f"{key} is not cached on {node.node_id} and cached_only was asked"
                     )
         except Exception as exc:  # refused before a stream began: still a read's result
-            result = _read_result(exc, request.cached_only)
-            node.metrics.first_chunk(time.monotonic() - began, result)
-            node.metrics.read_ended(result)
+            node.metrics.read_ended(
+                _read_result(exc, request.cached_only), before_first_chunk=time.monotonic() - began
+            )
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            result = _abandoned(context)
-            node.metrics.first_chunk(time.monotonic() - began, result)
-            node.metrics.read_ended(result)
+            node.metrics.read_ended(
+                _abandoned(context), before_first_chunk=time.monotonic() - began
+            )
             raise
         node.metrics.active_streams.inc()
         # Staging yields to training reads. A cached_only read is another node's staging
@@ -420,19 +420,17 @@ class EdgeCacheService:
             # After the first chunk too: a stream that fails midway (its refetch failed, a
             # chunk was damaged again) is a failed read, which the first-chunk histogram,
             # recorded at the first chunk as ok, cannot say.
-            result = _read_result(exc, request.cached_only)
-            if first:
-                node.metrics.first_chunk(time.monotonic() - began, result)
-            node.metrics.read_ended(result)
+            unsent = time.monotonic() - began if first else None
+            node.metrics.read_ended(
+                _read_result(exc, request.cached_only), before_first_chunk=unsent
+            )
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # The reader left (or its deadline passed) before its first chunk, typically
             # while a miss was fetched: the slowest reads, which were missing from the
             # first-chunk histogram (BaseExceptions: ``except Exception`` let them by).
-            result = _abandoned(context)
-            if first:
-                node.metrics.first_chunk(time.monotonic() - began, result)
-            node.metrics.read_ended(result)
+            unsent = time.monotonic() - began if first else None
+            node.metrics.read_ended(_abandoned(context), before_first_chunk=unsent)
             raise
         finally:
             if training:

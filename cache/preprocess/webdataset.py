@@ -132,6 +132,14 @@ def _not_integer(source: str, key: str, ext: str, value: memoryview) -> Malforme
     )
 
 
+def _check_text(source: str, key: str, ext: str, value: memoryview | bytes | None) -> None:
+    """Raise :class:`MalformedShard` naming the sample unless a text member is UTF-8."""
+    try:
+        codecs.decode(value or b"", "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_text(source, key, ext, exc) from None
+
+
 def _not_text(source: str, key: str, ext: str, exc: UnicodeDecodeError) -> MalformedShard:
     """The error for a text-typed member that is not UTF-8, naming it and what to do."""
     return MalformedShard(
@@ -234,10 +242,7 @@ def tar_schema(
             if kind in TEXT_EXTENSIONS:
                 # Refused here, naming the sample: unchecked, the version published and
                 # every node then failed the shard at staging, naming no sample.
-                try:
-                    codecs.decode(value, "utf-8")
-                except UnicodeDecodeError as exc:
-                    raise _not_text(source, key, ext, exc) from None
+                _check_text(source, key, ext, value)
     if not count:
         raise MalformedShard(f"{source}: the tar archive holds no samples (key.ext members); {FIX}")
     columns = [_field(e, earlier) for e in sorted(extensions)]
@@ -264,10 +269,7 @@ def _batch(samples: list[Sample], schema: pa.Schema, source: str) -> pa.RecordBa
         except (ValueError, pa.ArrowInvalid) as exc:
             # A version published before publish checked text members: name the sample.
             for (key, _), value in zip(samples, values, strict=True):
-                try:
-                    codecs.decode(value or b"", "utf-8")
-                except UnicodeDecodeError as bad:
-                    raise _not_text(source, key, field.name, bad) from exc
+                _check_text(source, key, field.name, value)
             raise MalformedShard(
                 f"{source}: a .{field.name} member is not UTF-8 text ({exc}); {FIX}"
             ) from exc

@@ -17,6 +17,7 @@ from edgecache.clients.cli.context import (
     ExitCode,
     JsonOption,
     Options,
+    exit_with,
     reporting,
 )
 from edgecache.clients.cli.render import (
@@ -542,34 +543,32 @@ def versions(
         ]
         listed += [{"version": n, "error": why} for n, why in damaged]
         print(json.dumps(sorted(listed, key=lambda entry: entry["version"])))
-        if damaged:
-            raise typer.Exit(int(ExitCode.FAILED))
-        return
-    table(
-        f"{dataset}@{found[0][0].version} in {where}" if one else f"{dataset} in {where}",
-        [
-            Column("version", ident=True, right=True),
-            Column("digest", ident=True),
-            Column("shards", right=True),
-            Column("rows", right=True),
-            Column("source", right=True),
-            Column("created", ident=True),
-            Column("prepared", wrap=True),
-            Column("schema"),
-        ],
-        [
+    else:
+        table(
+            f"{dataset}@{found[0][0].version} in {where}" if one else f"{dataset} in {where}",
             [
-                str(v.version),
-                v.digest,
-                str(v.shard_count),
-                f"{v.row_count:,}",
-                format_bytes(v.source_bytes),
-                v.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
-                "\n".join(escape(each) for each in preparation_lines(m)),
-                "\n".join(escape(each) for each in schema_lines(m.arrow_schema)),
-            ]
-            for v, m in found
-        ],
-    )
+                Column("version", ident=True, right=True),
+                Column("digest", ident=True),
+                Column("shards", right=True),
+                Column("rows", right=True),
+                Column("source", right=True),
+                Column("created", ident=True),
+                Column("prepared", wrap=True),
+                Column("schema"),
+            ],
+            [
+                [
+                    str(v.version),
+                    v.digest,
+                    str(v.shard_count),
+                    f"{v.row_count:,}",
+                    format_bytes(v.source_bytes),
+                    v.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                    "\n".join(escape(each) for each in preparation_lines(m)),
+                    "\n".join(escape(each) for each in schema_lines(m.arrow_schema)),
+                ]
+                for v, m in found
+            ],
+        )
     if damaged:  # the others are listed; the damaged ones were said above
-        raise typer.Exit(int(ExitCode.FAILED))
+        raise exit_with(ExitCode.FAILED)

@@ -900,13 +900,12 @@ def _report_failures(warmed: _Warmed) -> None:
         )
     for failure in warmed.outcome.evict_failures:
         err_console.print(f"[red]evict failed:[/red] {failure}", soft_wrap=True)
-    if warmed.work is not None:
-        for problem in warmed.work.released.problems:
-            err_console.print(
-                f"[red]release failed:[/red] {problem}; the pin stays, and the next warm of "
-                "this schedule releases it",
-                soft_wrap=True,
-            )
+    for problem in _release_failures(warmed):
+        err_console.print(
+            f"[red]release failed:[/red] {problem}; the pin stays, and the next warm of "
+            "this schedule releases it",
+            soft_wrap=True,
+        )
     for outage in _down(warmed).values():
         error(outage.message())
 
@@ -920,14 +919,18 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
     """
     down = _down(warmed)
     outcome = warmed.outcome
-    released = warmed.work.released.problems if warmed.work is not None else []
-    if warmed.failed or outcome.pin_failures or outcome.evict_failures or released:
+    if warmed.failed or outcome.pin_failures or outcome.evict_failures or _release_failures(warmed):
         return ExitCode.FAILED
     if down:
         return _outage_exit(down)
     if warmed.work is not None and warmed.work.plan.infeasible:
         return ExitCode.CANNOT_BE_MET
     return ExitCode.OK
+
+
+def _release_failures(warmed: _Warmed) -> list[str]:
+    """Why releases of pins the schedule no longer needs failed (a single version has none)."""
+    return warmed.work.released.problems if warmed.work is not None else []
 
 
 def _down(warmed: _Warmed) -> dict[str, ops.Outage]:
