@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.storage import s3
+from edgecache.edge.allocator import keep_message_buffers
 from edgecache.edge.call_limits import (
     MANIFEST_METHODS,
     CallLimit,
@@ -433,6 +434,7 @@ async def serve_forever(config: NodeConfig) -> None:
     # A node process serves only its own metrics: each counter's `_created` series (its
     # start time, which process_start_time_seconds gives once) would double the counters.
     prometheus_client.disable_created_metrics()
+    keep_message_buffers()
     server = NodeServer(config)
     await server.start()
     stop = asyncio.Event()
