@@ -126,13 +126,23 @@ class _Share:
     at once wait for memory instead of growing the node without limit.
     """
 
-    __slots__ = ("done", "kept", "readers", "staging")
+    __slots__ = ("done", "kept", "readers", "staging", "wanted")
 
     def __init__(self, *, staging: bool) -> None:
         self.staging = staging  # started by a Stage (see ensure_shard)
         self.readers = 0
         self.done = False
         self.kept: Kept | None = None
+        # Set once a training read waits for a Stage's fetch: from then on the fetch
+        # is that read's miss (see EdgeNode.ensure_shard).
+        self.wanted = asyncio.Event()
+
+    def join(self) -> bool:
+        """One more reader waits for the fetch; True if it is the first of a Stage's."""
+        self.readers += 1
+        first = self.staging and not self.wanted.is_set()
+        self.wanted.set()
+        return first
 
     def leave(self) -> None:
         """One reader is done with the fetch's frames (or failed before it had them)."""
@@ -742,14 +752,20 @@ class EdgeNode:
                 return info, None
             task = self._inflight.get(key)
             if task is None:
+                share = _Share(staging=staging)
                 fetch = self._fetch(
-                    manifest, key, staging=staging, peers=peers, peers_only=peers_only
+                    manifest,
+                    key,
+                    staging=staging,
+                    peers=peers,
+                    peers_only=peers_only,
+                    wanted=share.wanted,
                 )
                 if not staging:  # staging is bounded by its own workers and gate
                     fetch = self._bounded(fetch)
                 task = asyncio.create_task(fetch)
                 self._inflight[key] = task
-                self._shares[key] = _Share(staging=staging)
+                self._shares[key] = share
                 task.add_done_callback(functools.partial(self._fetch_done, key))
             share = self._shares[key]
             if staging:
@@ -757,7 +773,10 @@ class EdgeNode:
                 if fetched.refused is not None:  # the cache cannot keep it: a Stage fails
                     raise fetched.refused
                 return fetched.info, fetched
-            share.readers += 1
+            if share.join():
+                # A job reads what a Stage is still bringing in (a warm that ran late): the
+                # read must not queue behind staging's rate and slots (StagingGate).
+                log.info("a read waits for %s: its staging fetch goes ahead as a read's", key)
             try:
                 fetched = await asyncio.shield(task)
             except CacheFull as exc:
@@ -802,6 +821,7 @@ class EdgeNode:
         staging: bool,
         peers: Sequence[str] = (),
         peers_only: bool = False,
+        wanted: asyncio.Event | None = None,
     ) -> Fetched:
         if (full := self._still_full(key)) is not None:
             raise full
@@ -859,7 +879,7 @@ class EdgeNode:
                     key,
                     Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes), passed, refused),
                 )
-        fetched = await self._fetch_origin(manifest, key, staging=staging)
+        fetched = await self._fetch_origin(manifest, key, staging=staging, wanted=wanted)
         return self._keep_memory(key, dataclasses.replace(fetched, notes=notes))
 
     def _keep_memory(self, key: ShardKey, fetched: Fetched) -> Fetched:
@@ -914,21 +934,35 @@ class EdgeNode:
             return info, tuple(frames), exc
 
     async def _fetch_origin(
-        self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
+        self,
+        manifest: manifest_pb2.Manifest,
+        key: ShardKey,
+        *,
+        staging: bool,
+        wanted: asyncio.Event | None = None,
     ) -> Fetched:
         shard = manifest.shards[key.shard]
         async with self.fetch_memory.hold(shard.source_size):
-            return await self._fetch_origin_held(manifest, key, staging=staging)
+            return await self._fetch_origin_held(manifest, key, staging=staging, wanted=wanted)
 
     async def _fetch_origin_held(
-        self, manifest: manifest_pb2.Manifest, key: ShardKey, *, staging: bool
+        self,
+        manifest: manifest_pb2.Manifest,
+        key: ShardKey,
+        *,
+        staging: bool,
+        wanted: asyncio.Event | None = None,
     ) -> Fetched:
-        """:meth:`_fetch_origin` once its memory is reserved: fetch, encode, commit."""
+        """:meth:`_fetch_origin` once its memory is reserved: fetch, encode, commit.
+
+        A staging fetch goes through the staging gate until ``wanted`` is set (a
+        training read joined it): then its remaining origin requests skip the
+        gate's queue and it preprocesses at a read's priority.
+        """
         shard = manifest.shards[key.shard]
         url = manifest.source_url + shard.source_key
         expect = ObjectInfo(url=url, size=shard.source_size, etag=shard.source_etag)
-        if staging:
-            await self.gate.acquire(shard.source_size)
+        held = await self.gate.acquire(shard.source_size, unless=wanted) if staging else False
         try:
             log.info("fetching %s for %s", url, key)
             self.metrics.origin_fetches.inc()
@@ -936,7 +970,7 @@ class EdgeNode:
             store = self.stores.for_url(url)
             # Staging's parts go to origin oldest fetch first (see StagingGate).
             slot = (
-                functools.partial(self.gate.request, order=next(self._staging_order))
+                functools.partial(self.gate.request, order=next(self._staging_order), unless=wanted)
                 if staging
                 else None
             )
@@ -950,20 +984,21 @@ class EdgeNode:
             if staging:
                 self.metrics.staged_bytes["origin"].inc(len(data))
         finally:
-            if staging:
+            if held:
                 await self.gate.release()
         transform = await self._transform(manifest)
         loop = asyncio.get_running_loop()
+        background = staging and not (wanted is not None and wanted.is_set())
         with self.metrics.preprocess_seconds.time():
             encoded = await loop.run_in_executor(
-                self._cpu_staging if staging else self._cpu,
+                self._cpu_staging if background else self._cpu,
                 encode_raw_shard,
                 data,
                 manifest,
                 shard,
                 url,
                 transform,
-                self._parts_staging if staging else self._parts,
+                self._parts_staging if background else self._parts,
             )
         size = len(data)
         del data

@@ -15,6 +15,7 @@ import heapq
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 __all__ = ["StagingGate", "TokenBucket"]
 
@@ -128,8 +129,42 @@ class StagingGate:
         self._wakers.add(task)
         task.add_done_callback(self._wakers.discard)
 
-    async def acquire(self, nbytes: int) -> None:
-        """Wait for a staging slot and for ``nbytes`` of rate budget."""
+    async def acquire(self, nbytes: int, *, unless: asyncio.Event | None = None) -> bool:
+        """Wait for a staging slot and for ``nbytes`` of rate budget; True once held.
+
+        ``unless`` set first (a training read now waits for this fetch: see
+        ``EdgeNode.ensure_shard``) ends the wait with False and nothing held: the
+        fetch is a read's from then on, and a read's miss does not queue behind
+        staging's limits. Only a True asks for :meth:`release`.
+        """
+        if unless is None:
+            await self._acquire(nbytes)
+            return True
+        if unless.is_set():
+            return False
+        acquiring = asyncio.ensure_future(self._acquire(nbytes))
+        wanted = asyncio.ensure_future(unless.wait())
+        try:
+            await asyncio.wait({acquiring, wanted}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: whatever was acquired meanwhile goes back
+            await asyncio.shield(self._abandon(acquiring))
+            raise
+        finally:
+            wanted.cancel()
+        if not unless.is_set():
+            acquiring.result()  # an error of the wait is the caller's
+            return True
+        await self._abandon(acquiring)
+        return False
+
+    async def _abandon(self, acquiring: asyncio.Future[None]) -> None:
+        """Stop an :meth:`_acquire` no one waits for; a slot it got meanwhile goes back."""
+        acquiring.cancel()
+        await asyncio.wait({acquiring})
+        if not acquiring.cancelled() and acquiring.exception() is None:
+            await self.release()
+
+    async def _acquire(self, nbytes: int) -> None:
         async with self._fetch_free:
             await self._fetch_free.wait_for(lambda: self._running < self._limit())
             self._running += 1
@@ -159,23 +194,48 @@ class StagingGate:
                 granted.set_result(None)
 
     @contextlib.asynccontextmanager
-    async def request(self, order: int = 0) -> AsyncIterator[None]:
-        """Hold one of staging's origin-request slots (a store's ``slot``), by ``order``."""
-        if self._waiting or self._requests >= self._request_limit():
-            granted = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (order, next(self._arrivals), granted))
-            self._grant()  # room may be free: then the lowest order goes, maybe this one
-            try:
-                await granted
-            except asyncio.CancelledError:
-                if granted.done() and not granted.cancelled():  # granted, then cancelled
-                    self._requests -= 1
-                    self._grant()
-                raise
-        else:
-            self._requests += 1
+    async def request(
+        self, order: int = 0, *, unless: asyncio.Event | None = None
+    ) -> AsyncIterator[None]:
+        """Hold one of staging's origin-request slots (a store's ``slot``), by ``order``.
+
+        ``unless`` set (a training read now waits for the fetch these requests
+        are part of) lets the request go at once, holding no slot, as a read's
+        miss would: the parts still queued stop waiting, those not yet asked for
+        never wait.
+        """
+        held = await self._request_slot(order, unless)
         try:
             yield
         finally:
-            self._requests -= 1
-            self._grant()
+            if held:
+                self._requests -= 1
+                self._grant()
+
+    async def _request_slot(self, order: int, unless: asyncio.Event | None) -> bool:
+        """Wait for a request slot: True once held, False if ``unless`` was set first."""
+        if unless is not None and unless.is_set():
+            return False
+        if not self._waiting and self._requests < self._request_limit():
+            self._requests += 1
+            return True
+        granted = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (order, next(self._arrivals), granted))
+        self._grant()  # room may be free: then the lowest order goes, maybe this one
+        wanted = asyncio.ensure_future(unless.wait()) if unless is not None else None
+        waits: set[asyncio.Future[Any]] = {granted} if wanted is None else {granted, wanted}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():  # granted, then cancelled
+                self._requests -= 1
+                self._grant()
+            granted.cancel()  # still queued: _grant passes it over
+            raise
+        finally:
+            if wanted is not None:
+                wanted.cancel()
+        if granted.done():  # granted (if a read wanted it at the same time, held all the same)
+            return True
+        granted.cancel()  # still queued: _grant passes it over
+        return False

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from s3server import make_bucket, put_object, upload_dir
 
+from edgecache.cache.codec import decode_chunk
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.registry import Registry
 from edgecache.edge.config import NodeConfig
@@ -982,3 +983,31 @@ def test_evictions_for_space_are_counted_in_metrics(tmp_path: Path, file_setup) 
         evicted = metric(node.node, "edgecache_cache_evicted_bytes_total")
     assert stats.evicted_shards > 0
     assert (shards, evicted) == (stats.evicted_shards, stats.evicted_bytes)
+
+
+def test_a_read_of_a_shard_a_stage_is_fetching_goes_ahead_of_the_staging_limits(
+    tmp_path: Path, file_setup
+) -> None:
+    """A job reading what a warm was still staging joined the Stage's fetch and waited out
+    staging's rate budget with it (at --staging-rate 1B/s, for days)."""
+    registry, tables = file_setup
+    with running_node(config(tmp_path, registry, staging_rate=1)) as node:
+        c = stub(node.address)
+        stage = c.Stage(edge_pb2.StageRequest(dataset="tokens", version=1, shards=[0]))
+        deadline = time.monotonic() + 10
+        while not node.node._inflight and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert node.node._inflight, "the Stage's fetch never started"  # type: ignore[union-attr]
+        assert node.node.gate._running == 1  # type: ignore[union-attr]  # it waits on the rate
+        # The whole shard, within a deadline a rate-bound fetch of it could never meet.
+        chunks = c.ReadShard(
+            edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0), timeout=60
+        )
+        table = pa.Table.from_batches([decode_chunk(chunk.frame) for chunk in chunks])
+        assert table.column("label").to_pylist() == tables[0].column("label").to_pylist()
+        # The Stage's fetch was the one served: it ends with its shard done, and the
+        # staging slot it waited for is back.
+        events = list(stage)
+        assert events[-1].finished and events[-1].shards_done == 1
+        assert not events[-1].shards_failed
+        assert node.node.gate._running == 0  # type: ignore[union-attr]

@@ -89,6 +89,59 @@ def test_a_fetch_cancelled_during_the_rate_wait_gives_its_slot_back() -> None:
     assert asyncio.run(scenario()) == 0
 
 
+def test_a_wanted_fetch_stops_waiting_for_the_rate_and_holds_no_slot() -> None:
+    """A training read that joins a Stage's fetch sets ``unless``: the fetch's wait for
+    staging's budget ends with nothing held, so nothing is released for it either."""
+
+    async def scenario() -> tuple[bool, int, bool, int]:
+        gate = StagingGate(rate=1, concurrency=2)  # 1 byte/s: a 1 MB fetch waits for days
+        wanted = asyncio.Event()
+        waiting = asyncio.ensure_future(gate.acquire(1_000_000, unless=wanted))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and gate._running == 1
+        wanted.set()
+        held = await asyncio.wait_for(waiting, 5)
+        running_after = gate._running
+        # Set before the call: no wait at all, no slot taken.
+        held_again = await asyncio.wait_for(gate.acquire(1_000_000, unless=wanted), 5)
+        return held, running_after, held_again, gate._running
+
+    assert asyncio.run(scenario()) == (False, 0, False, 0)
+
+
+def test_a_wanted_fetchs_queued_requests_go_without_a_slot() -> None:
+    async def scenario() -> tuple[list[str], int, int]:
+        gate = StagingGate(rate=None, concurrency=4)
+        await gate.read_started()  # one staging request at a time
+        wanted = asyncio.Event()
+        order: list[str] = []
+        release_first = asyncio.Event()
+
+        async def part(name: str, n: int, unless: asyncio.Event | None) -> None:
+            async with gate.request(order=n, unless=unless):
+                order.append(name)
+                if name == "other-0":
+                    await release_first.wait()
+
+        first = asyncio.ensure_future(part("other-0", 0, None))  # holds the only slot
+        await asyncio.sleep(0.01)
+        queued = [asyncio.ensure_future(part(f"wanted-{i}", 1, wanted)) for i in range(3)]
+        later = asyncio.ensure_future(part("other-2", 2, None))
+        await asyncio.sleep(0.05)
+        assert order == ["other-0"]  # everyone else queues behind the slot
+        wanted.set()
+        await asyncio.wait_for(asyncio.gather(*queued), 5)
+        held_while_first_runs = gate._requests
+        release_first.set()
+        await asyncio.wait_for(asyncio.gather(first, later), 5)
+        await gate.read_finished()
+        return order, held_while_first_runs, gate._requests
+
+    order, held, after = asyncio.run(scenario())
+    assert order == ["other-0", "wanted-0", "wanted-1", "wanted-2", "other-2"]
+    assert held == 1 and after == 0  # the wanted parts took no slot; all were given back
+
+
 def test_settings_precedence_and_errors(tmp_path: Path) -> None:
     file = tmp_path / "node.yaml"
     file.write_text(
