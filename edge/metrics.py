@@ -59,6 +59,11 @@ class NodeMetrics:
             "Read-through misses served without caching them (pins fill the cache, or the shard "
             "is larger than it): each read of such a shard goes to origin again",
         ).labels(**labels)
+        self.staging_taken_over = counter(
+            "edgecache_staging_taken_over_total",
+            "Staging fetches a training read came to wait for, which then went ahead as its "
+            "miss (the read came before the warm had staged the shard)",
+        ).labels(**labels)
         self.origin_bytes = counter(
             "edgecache_origin_bytes_total", "Bytes fetched from origin"
         ).labels(**labels)

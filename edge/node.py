@@ -777,6 +777,7 @@ class EdgeNode:
                 # A job reads what a Stage is still bringing in (a warm that ran late): the
                 # read must not queue behind staging's rate and slots (StagingGate).
                 log.info("a read waits for %s: its staging fetch goes ahead as a read's", key)
+                self.metrics.staging_taken_over.inc()
             try:
                 fetched = await asyncio.shield(task)
             except CacheFull as exc:

@@ -1011,3 +1011,4 @@ def test_a_read_of_a_shard_a_stage_is_fetching_goes_ahead_of_the_staging_limits(
         assert events[-1].finished and events[-1].shards_done == 1
         assert not events[-1].shards_failed
         assert node.node.gate._running == 0  # type: ignore[union-attr]
+        assert metric(node.node, "edgecache_staging_taken_over_total") == 1  # type: ignore[arg-type]
