@@ -621,7 +621,19 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   --images-mib 512 --systems edgecache-lmdb,edgecache-grpc --workers 0,2 --repeat 2`,
   2026-12-03: images over `lmdb://` at `num_workers=0` 12.9-13.8k samples/s against
   10.2-11.9k; over gRPC and at 2 workers the same within this machine's noise (two
-  more runs of each side without the setting: every figure the same within noise)."""
+  more runs of each side without the setting: every figure the same within noise).
+- **Since stop 35** (`edgecache serve` keeps chunk-sized buffers in glibc's heap,
+  `edge/allocator.py`: every message the node built or gRPC copied was a fresh
+  mapping, faulted in and zeroed by the kernel page by page, then unmapped): one run of
+  each side, `python -m bench.peers --tokens-mib 0 --images-mib 512 --systems
+  edgecache-grpc --workers 0,2 --rounds 1 --repeat 6 --budget 15`, 2026-12-03: the
+  node's CPU per GB of images served 0.89 against 1.83 (`num_workers=0`), 1.14
+  against 2.27 (2 workers); images over gRPC 540 against 436 MB/s and 448 against 355;
+  the node's peak anonymous memory 902 against 976 MB. A 1 GiB epoch then took 1.9 s
+  with 1.8 CPU-s in the client (per-thread clocks: its Python threads about three
+  quarters, grpcio's own the rest) and ~1.0 in the node (its event loop nearly all):
+  the two cores ~25 % idle, so what remains is latency between the threads as much as
+  CPU; twice or three times the fetch threads (`threads=4`, `6`) read no faster."""
 
 
 def _section_training(data: dict) -> str:
