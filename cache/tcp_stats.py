@@ -6,8 +6,18 @@ The sender's kernel knows them (``tcp_info``: ``segs_out``, ``retrans``), so
 whoever *sends* measures: the doctor for its upload to a node, a node for its
 upload to a peer or to origin. Neither gRPC nor aiobotocore hands out their
 sockets, so the counters are read from ``ss -ti`` (iproute2) for every
-established connection to the peer, before and after a test; the difference
-is the test's. Shared by nodes and clients, so it lives here.
+connection to the peer, before, during and after a test; the difference is
+the test's. Shared by nodes and clients, so it lives here.
+
+A connection's counters die with it (a socket in TIME-WAIT keeps none), and
+some servers close the connection after every request (moto's does, sending
+``Connection: close``; many proxies do when busy): read only before and after,
+such an upload counted nothing, since none of its connections was open at the
+end. :class:`Watch` therefore reads every ``WATCH_EVERY`` seconds while the
+test runs and keeps each connection's last counters; a connection that opens
+and closes between two readings is missed, and what one sent after its last
+reading too, so on such a server the loss is measured on a sample of the
+test's segments, which is what a ratio needs.
 
 Not every retransmission is a loss. A sender whose ACKs are late (a busy
 receiver, a CPU-starved loopback peer) fires tail-loss probes and early
@@ -24,9 +34,22 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 from dataclasses import dataclass
+from types import TracebackType
 
-__all__ = ["SocketCounters", "TcpDelta", "available", "counters_to", "delta", "parse_ss"]
+__all__ = [
+    "WATCH_EVERY",
+    "SocketCounters",
+    "TcpDelta",
+    "Watch",
+    "available",
+    "counters_to",
+    "delta",
+    "parse_ss",
+]
+
+WATCH_EVERY = 0.1  # seconds between a Watch's readings: an ``ss`` costs a few ms of CPU
 
 _SEGS_OUT = re.compile(r"\bsegs_out:(\d+)")
 _RETRANS = re.compile(r"\bretrans:\d+/(\d+)")
@@ -87,22 +110,38 @@ def _addresses(target: str) -> set[tuple[str, int]]:
     return {_normal(f"[{info[4][0]}]:{port}") for info in infos} | {(host, port)}
 
 
-def counters_to(target: str) -> dict[tuple[str, str], SocketCounters]:
-    """Per established connection to ``target`` (``host:port``): its counters now."""
+def counters_to(
+    target: str, wanted: set[tuple[str, int]] | None = None
+) -> dict[tuple[str, str], SocketCounters]:
+    """Per connection to ``target`` (``host:port``): its counters now.
+
+    Every state but listening is read: a connection closing (FIN-WAIT, CLOSE-WAIT,
+    LAST-ACK) still has its counters, and an upload's last segments are in them.
+    ``wanted`` is ``target``'s addresses when the caller resolved them already.
+    """
     if not available():
         return {}
-    wanted = _addresses(target)
     out = subprocess.run(
-        ["ss", "-tinH", "state", "established"], capture_output=True, text=True, timeout=10
+        ["ss", "-tinH", "state", "connected"], capture_output=True, text=True, timeout=10
     ).stdout
-    return parse_ss(out, wanted)
+    return parse_ss(out, _addresses(target) if wanted is None else wanted)
 
 
 def parse_ss(out: str, wanted: set[tuple[str, int]]) -> dict[tuple[str, str], SocketCounters]:
-    """``ss -tinH`` output → the counters of each connection whose peer is in ``wanted``."""
+    """``ss -tinH`` output → the counters of each connection whose peer is in ``wanted``.
+
+    Each socket is a line of addresses and, indented below it, a line of counters
+    (blank for one in TIME-WAIT, which keeps none).
+    """
     found: dict[tuple[str, str], SocketCounters] = {}
-    lines = out.splitlines()
-    for head, detail in zip(lines[::2], lines[1::2], strict=False):
+    pairs: list[tuple[str, str]] = []
+    for line in out.splitlines():
+        if line[:1].isspace():
+            if pairs and not pairs[-1][1]:
+                pairs[-1] = (pairs[-1][0], line)
+        elif line.strip():
+            pairs.append((line, ""))
+    for head, detail in pairs:
         fields = head.split()
         if len(fields) < 4:
             continue
@@ -134,3 +173,69 @@ def delta(
         lost = (now.retransmitted - then.retransmitted) - (now.spurious - then.spurious)
         retrans += max(lost, 0)
     return TcpDelta(sent, retrans)
+
+
+def _latest(
+    seen: dict[tuple[str, str], SocketCounters], reading: dict[tuple[str, str], SocketCounters]
+) -> None:
+    """Fold a reading into ``seen``: counters only grow, so each connection keeps its highest.
+
+    A connection in TIME-WAIT reads as zeros, and must not undo what it was seen to send.
+    """
+    for key, now in reading.items():
+        then = seen.get(key)
+        if then is None:
+            seen[key] = now
+        else:
+            seen[key] = SocketCounters(
+                max(then.segments_out, now.segments_out),
+                max(then.retransmitted, now.retransmitted),
+                max(then.spurious, now.spurious),
+            )
+
+
+class Watch:
+    """The counters of the connections to ``target`` over a test, closed ones included.
+
+    Use as ``with Watch(target) as watch: ...`` around the test, then
+    :meth:`delta`. Readings run on a thread of their own (``ss`` is a subprocess),
+    so an event loop in the test goes on meanwhile.
+    """
+
+    def __init__(self, target: str, every: float = WATCH_EVERY) -> None:
+        self._target = target
+        self._every = every
+        self._wanted = _addresses(target)
+        self._before: dict[tuple[str, str], SocketCounters] = {}
+        self._seen: dict[tuple[str, str], SocketCounters] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> dict[tuple[str, str], SocketCounters]:
+        return counters_to(self._target, self._wanted)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            _latest(self._seen, self._read())
+
+    def __enter__(self) -> Watch:
+        self._before = self._read()
+        if available():
+            self._thread = threading.Thread(target=self._run, name="tcp-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        _latest(self._seen, self._read())
+
+    def delta(self) -> TcpDelta:
+        """What the connections to ``target`` sent and lost while watched."""
+        return delta(self._before, self._seen)

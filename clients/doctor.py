@@ -178,14 +178,14 @@ def _upload(
             errors.append(exc)
 
     target = parse_endpoint(check.node).target
-    before = tcp_stats.counters_to(target)
-    started = time.monotonic()
-    threads = [threading.Thread(target=one) for _ in range(streams)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.monotonic() - started
+    with tcp_stats.Watch(target) as watch:
+        started = time.monotonic()
+        threads = [threading.Thread(target=one) for _ in range(streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.monotonic() - started
     if errors and not moved:
         check.problems.append(f"upload test refused: {_limit_named(errors[0])}")
         return
@@ -200,7 +200,7 @@ def _upload(
             f"{len(moved)} of {streams} upload streams were accepted, and the upload "
             f"measured on them; the others were refused: {why}"
         )
-    change = tcp_stats.delta(before, tcp_stats.counters_to(target))
+    change = watch.delta()
     check.streams = len(moved)
     check.upload_mb_s = sum(moved) / elapsed / 1e6 if elapsed else None
     check.segments_sent, check.segments_retransmitted = change.segments_out, change.retransmitted

@@ -237,9 +237,10 @@ async def _upload(
         await store.put(url, payload)
         return len(payload)
 
-    before = tcp_stats.counters_to(endpoint)
+    watch = tcp_stats.Watch(endpoint)
     try:
-        moved, elapsed = await _for(seconds, streams, write)
+        with watch:
+            moved, elapsed = await _for(seconds, streams, write)
     except EdgeCacheError as exc:
         why = f"this node cannot write scratch objects to {base} ({exc})"
         _add_note(report, f"no loss figure: {why}")
@@ -250,7 +251,7 @@ async def _upload(
                 await store.delete(url)
             except EdgeCacheError:
                 log.warning("could not delete diagnostic object %s", url)
-    change = tcp_stats.delta(before, tcp_stats.counters_to(endpoint))
+    change = watch.delta()  # the upload's alone: the deletes are small requests
     report.segments_sent, report.segments_retransmitted = change.segments_out, change.retransmitted
     if not tcp_stats.available():
         _add_note(report, "no loss figure: `ss` (iproute2) is not installed on the node")
@@ -413,10 +414,10 @@ async def _test_peer(
         return int(reply.bytes)
 
     target = peer.split("://", 1)[-1]
-    before = tcp_stats.counters_to(target)
-    started = time.monotonic()
-    results = await asyncio.gather(*(stream() for _ in range(streams)), return_exceptions=True)
-    elapsed = time.monotonic() - started
+    with tcp_stats.Watch(target) as watch:
+        started = time.monotonic()
+        results = await asyncio.gather(*(stream() for _ in range(streams)), return_exceptions=True)
+        elapsed = time.monotonic() - started
     accepted = sum(isinstance(r, int) for r in results)
     refused: tuple[str, str] | None = None  # a refused stream's status: (code name, details)
     for result in results:
@@ -446,7 +447,7 @@ async def _test_peer(
             "Sink takes in one call, before the time was up: measured on what they sent",
         )
     moved = sum(r for r in results if isinstance(r, int))
-    change = tcp_stats.delta(before, tcp_stats.counters_to(target))
+    change = watch.delta()
     report.bytes_per_second = moved / elapsed if elapsed else 0.0
     report.segments_sent, report.segments_retransmitted = change.segments_out, change.retransmitted
     if not tcp_stats.available():

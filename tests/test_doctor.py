@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -93,7 +95,8 @@ def test_nodes_measure_their_paths_to_origin_and_to_peers(s3_endpoint: str, tmp_
         assert registry_path["rtt_ms"] and registry_path["segments_sent"] > 0, registry_path
         assert not registry_path["problems"], registry_path
         us_registry = paths[("us", "registry")]  # holds nothing: no manifest to time, an upload
-        assert us_registry["segments_sent"] > 0 and "stage a version" in us_registry["note"]
+        assert us_registry["segments_sent"] > 0, us_registry
+        assert "stage a version" in us_registry["note"], us_registry
         peer = paths[("eu", nodes["us"].address)]
         assert peer["rtt_ms"] and peer["mb_s"] and peer["segments_sent"] > 0, peer
         assert peer["kind"] == "peer"
@@ -280,3 +283,68 @@ def test_retransmissions_the_receiver_dsacked_are_not_loss() -> None:
         SS.format(segs=500, retrans=3, dsack=0).replace(" dsack_dups:0", ""), wanted
     )
     assert tcp_stats.delta({}, plain).retransmitted == 3
+
+
+def test_ss_output_with_states_and_time_wait_sockets_is_read_per_socket() -> None:
+    # Read in every connected state, ss prints a State column, and a socket in TIME-WAIT
+    # has a blank line of counters: each socket keeps its own line, whatever its state.
+    from edgecache.cache import tcp_stats
+
+    out = (
+        "ESTAB 0 0 127.0.0.1:35176 127.0.0.1:43933\n"
+        "\t bbr segs_out:120 retrans:0/1 snd_wnd:95232\n"
+        "TIME-WAIT 0 0 127.0.0.1:35180 127.0.0.1:43933\n"
+        "\t \n"
+        "FIN-WAIT-1 0 9000 127.0.0.1:35190 127.0.0.1:43933\n"
+        "\t cubic segs_out:40 retrans:0/0\n"
+    )
+    found = tcp_stats.parse_ss(out, {("127.0.0.1", 43933)})
+    assert found == {
+        ("127.0.0.1:35176", "127.0.0.1:43933"): tcp_stats.SocketCounters(120, 1),
+        ("127.0.0.1:35180", "127.0.0.1:43933"): tcp_stats.SocketCounters(0, 0),
+        ("127.0.0.1:35190", "127.0.0.1:43933"): tcp_stats.SocketCounters(40, 0),
+    }
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_an_upload_to_a_server_that_closes_each_connection_is_counted() -> None:
+    # moto closes the connection after every request (Connection: close). Read before
+    # and after an upload, none of its connections was open at the end and the upload
+    # counted 0 segments: the doctor's registry path in CI read 0. A Watch reads while
+    # the upload runs and keeps the counters of the connections that closed since.
+    import threading
+
+    from edgecache.cache import tcp_stats
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:  # a slow reader, as a busy server is: each request takes a while
+                got = 0
+                while got < 1 << 20 and (data := conn.recv(64 << 10)):
+                    got += len(data)
+                    time.sleep(0.01)
+                conn.sendall(b"ok")
+
+    threading.Thread(target=serve, daemon=True).start()
+    target = f"127.0.0.1:{port}"
+    before = tcp_stats.counters_to(target)
+    try:
+        with tcp_stats.Watch(target, every=0.02) as watch:
+            for _ in range(4):  # a request per connection, each closed after its reply
+                with socket.create_connection(("127.0.0.1", port)) as client:
+                    client.sendall(os.urandom(1 << 20))
+                    assert client.recv(2) == b"ok"
+    finally:
+        server.close()
+    # What the old reading saw: no connection left, nothing sent.
+    assert tcp_stats.delta(before, tcp_stats.counters_to(target)).segments_out == 0
+    change = watch.delta()
+    assert change.segments_out > 0, change
+    assert change.retransmitted == 0, change
