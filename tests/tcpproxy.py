@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import socket
 import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -20,28 +22,43 @@ class _Server(Protocol):
 S = TypeVar("S", bound=_Server)
 
 
-def ranked_first(
-    make: Callable[[], S], other: str, *, dataset: str = "tokens", version: int = 1, shard: int = 0
-) -> S:
-    """A server from ``make`` that rendezvous asks before ``other`` for a shard.
+# Ports under the kernel's ephemeral range (32768-60999 by default): nothing is handed
+# them by a bind to port 0 or an outgoing connection, so one chosen here is free unless
+# another test chose it too, and then the bind says so.
+_CHOSEN_PORTS = range(20000, 32768)
 
-    Peers are asked in rendezvous order per shard and a server's port is the OS's
-    choice, so a test that needs its faulty peer asked first draws ports until one
-    ranks first. The losers stay open until then: a port closed at once may be
-    handed out again by the next bind and lose again, every time (CI saw 64 in a row).
+
+def ranked_first(
+    make: Callable[[int], S],
+    other: str,
+    *,
+    dataset: str = "tokens",
+    version: int = 1,
+    shard: int = 0,
+) -> S:
+    """A server from ``make(port)`` that rendezvous asks before ``other`` for a shard.
+
+    Peers are asked in rendezvous order per shard, so a test that needs its faulty
+    peer asked first needs a port that ranks before ``other``'s. Drawing the OS's
+    ports until one did failed now and then: against some addresses barely one port
+    in a hundred ranks first (CI's ``other`` let 134 of 10,000 win, so 64 draws all
+    lost two times in five). The ports that win are computed instead, and the first
+    of them that binds is used; ``make`` raises OSError for a port already taken.
     """
-    losers: list[S] = []
-    try:
-        for _ in range(64):
-            server = make()
-            first = rendezvous.rank([server.address, other], dataset, version, shard)[0]
-            if first == server.address:
-                return server
-            losers.append(server)
-        raise AssertionError(f"none of 64 ports ranked first for shard {shard}")
-    finally:
-        for server in losers:
-            server.close()
+    start = random.randrange(len(_CHOSEN_PORTS))  # tests in parallel start apart
+    taken = 0
+    for i in range(len(_CHOSEN_PORTS)):
+        port = _CHOSEN_PORTS[(start + i) % len(_CHOSEN_PORTS)]
+        address = f"127.0.0.1:{port}"
+        if rendezvous.rank([address, other], dataset, version, shard)[0] != address:
+            continue
+        try:
+            return make(port)
+        except OSError:
+            taken += 1
+            if taken == 64:
+                break
+    raise AssertionError(f"no free port on 127.0.0.1 ranks before {other} for shard {shard}")
 
 
 class FaultyProxy:
@@ -53,9 +70,11 @@ class FaultyProxy:
     the load on the host (loopback RTTs of two nodes tie, and which is read first
     was a coin toss)."""
 
-    def __init__(self, target: str, *, latency: float = 0.0) -> None:
-        host, _, port = target.rpartition(":")
-        self._target = (host, int(port))
+    def __init__(self, target: str, *, latency: float = 0.0, port: int = 0) -> None:
+        # Bound here, in the caller's thread, so a port already taken raises OSError here.
+        self._socket = socket.create_server(("127.0.0.1", port))
+        host, _, target_port = target.rpartition(":")
+        self._target = (host, int(target_port))
         self._latency = latency
         self._blackholed = threading.Event()
         self._corrupt_at: int | None = None
@@ -66,7 +85,7 @@ class FaultyProxy:
         self._writers: list[asyncio.StreamWriter] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self.port = 0
+        self.port = self._socket.getsockname()[1]
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -103,8 +122,7 @@ class FaultyProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
+        self._loop.run_until_complete(asyncio.start_server(self._handle, sock=self._socket))
         self._ready.set()
         self._loop.run_forever()
 

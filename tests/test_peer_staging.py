@@ -76,7 +76,9 @@ def test_a_peer_cut_mid_shard_is_resumed_on_the_next_peer(site) -> None:
     _, nodes = site
     # Peers are asked in rendezvous order per shard: otherwise one run in sixteen asked
     # eu-2 first for all four shards and the proxy never carried a byte.
-    proxy = ranked_first(lambda: FaultyProxy(nodes["eu-1"].address), nodes["eu-2"].address)
+    proxy = ranked_first(
+        lambda port: FaultyProxy(nodes["eu-1"].address, port=port), nodes["eu-2"].address
+    )
     (held,) = [v for v in status(nodes["eu-1"].address).versions if v.dataset == "tokens"]
     try:
         proxy.cut_after(held.stored_bytes // SHARDS // 2)  # inside the first shard it sends

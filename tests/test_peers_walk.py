@@ -130,9 +130,19 @@ class DripPeer:
     stays healthy: only the chunks come slowly, each well within STALL_SECONDS.
     """
 
-    def __init__(self, target: str, gap: float) -> None:
+    def __init__(self, target: str, gap: float, port: int = 0) -> None:
         self.gap = gap
         self.sent = 0
+        # gRPC sets SO_REUSEPORT by default, and a second server would then share a port
+        # already in use instead of being refused it: off, a taken port raises here.
+        self._server = grpc.server(ThreadPoolExecutor(16), options=[("grpc.so_reuseport", 0)])
+        try:
+            bound = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        except RuntimeError as exc:  # grpcio: "Failed to bind to address ..."
+            raise OSError(f"127.0.0.1:{port} is taken: {exc}") from exc
+        if not bound:
+            raise OSError(f"127.0.0.1:{port} is taken")
+        self.address = f"127.0.0.1:{bound}"
         self._channel = grpc.insecure_channel(
             target, options=[("grpc.max_receive_message_length", 256 << 20)]
         )
@@ -147,9 +157,7 @@ class DripPeer:
                 )
             },
         )
-        self._server = grpc.server(ThreadPoolExecutor(16))
         self._server.add_generic_rpc_handlers((handler,))
-        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 
     def _serve(
@@ -177,7 +185,7 @@ def test_a_peer_that_hangs_mid_shard_is_left_for_the_next_within_seconds(
     site: Site, tmp_path: Path
 ) -> None:
     one, two = site.eu
-    proxy = ranked_first(lambda: FaultyProxy(one.address), two.address)
+    proxy = ranked_first(lambda port: FaultyProxy(one.address, port=port), two.address)
     try:
         proxy.stall_after(stored_size(one) // SHARDS // 2)
         with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
@@ -240,7 +248,7 @@ def test_a_peer_dripping_chunks_is_left_for_the_next_once_below_the_rate_floor(
     chunk_counts = [len(frames(one.address, shard)) for shard in range(SHARDS)]
     assert min(chunk_counts) >= 6, chunk_counts  # a drip of 3 s a chunk: 15 s or more a shard
     # a port that rendezvous asks before the healthy peer for shard 0
-    drip = ranked_first(lambda: DripPeer(one.address, gap=3.0), two.address)
+    drip = ranked_first(lambda port: DripPeer(one.address, gap=3.0, port=port), two.address)
     try:
         first = [
             s
@@ -292,7 +300,7 @@ def test_a_peer_killed_mid_shard_is_left_for_the_next(site: Site, tmp_path: Path
     proxy: FaultyProxy | None = None
     try:
         assert stage(victim.address, []).shards_done == SHARDS
-        proxy = ranked_first(lambda: FaultyProxy(victim.address), two.address)
+        proxy = ranked_first(lambda port: FaultyProxy(victim.address, port=port), two.address)
         proxy.stall_after(stored_size(two) // SHARDS // 2)
         with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
             result: list[edge_pb2.StageProgress] = []
@@ -591,3 +599,17 @@ def test_a_peer_with_a_damaged_chunk_does_not_fetch_the_shard_for_us(
             assert status(us.address).origin_bytes == shard_one
             assert_same_as(us.address, site.eu[0].address)
         assert status(peer.address).origin_bytes == 0, "the peer fetched it from its origin"
+
+
+def test_a_faulty_peer_is_ranked_first_even_against_an_address_few_ports_beat() -> None:
+    # CI's healthy peer was 127.0.0.1:37067, which only 134 of 10,000 ports outrank for
+    # shard 0: drawing the OS's ports, 64 draws all lost and two tests failed. The
+    # helper now picks a winning port and binds it.
+    other = "127.0.0.1:37067"
+    proxy = ranked_first(lambda port: FaultyProxy("127.0.0.1:9", port=port), other)
+    try:
+        assert rendezvous.rank([proxy.address, other], "tokens", 1, 0)[0] == proxy.address
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5):
+            pass  # it listens where it says
+    finally:
+        proxy.close()
