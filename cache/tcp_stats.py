@@ -110,21 +110,23 @@ def _addresses(target: str) -> set[tuple[str, int]]:
     return {_normal(f"[{info[4][0]}]:{port}") for info in infos} | {(host, port)}
 
 
-def counters_to(
-    target: str, wanted: set[tuple[str, int]] | None = None
-) -> dict[tuple[str, str], SocketCounters]:
-    """Per connection to ``target`` (``host:port``): its counters now.
+def counters_to(target: str) -> dict[tuple[str, str], SocketCounters]:
+    """Per connection to ``target`` (``host:port``): its counters now."""
+    return _counters(_addresses(target))
+
+
+def _counters(wanted: set[tuple[str, int]]) -> dict[tuple[str, str], SocketCounters]:
+    """Per connection to one of the ``wanted`` addresses: its counters now.
 
     Every state but listening is read: a connection closing (FIN-WAIT, CLOSE-WAIT,
     LAST-ACK) still has its counters, and an upload's last segments are in them.
-    ``wanted`` is ``target``'s addresses when the caller resolved them already.
     """
     if not available():
         return {}
     out = subprocess.run(
         ["ss", "-tinH", "state", "connected"], capture_output=True, text=True, timeout=10
     ).stdout
-    return parse_ss(out, _addresses(target) if wanted is None else wanted)
+    return parse_ss(out, wanted)
 
 
 def parse_ss(out: str, wanted: set[tuple[str, int]]) -> dict[tuple[str, str], SocketCounters]:
@@ -203,16 +205,15 @@ class Watch:
     """
 
     def __init__(self, target: str, every: float = WATCH_EVERY) -> None:
-        self._target = target
         self._every = every
-        self._wanted = _addresses(target)
+        self._wanted = _addresses(target)  # resolved once, not at every reading
         self._before: dict[tuple[str, str], SocketCounters] = {}
         self._seen: dict[tuple[str, str], SocketCounters] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _read(self) -> dict[tuple[str, str], SocketCounters]:
-        return counters_to(self._target, self._wanted)
+        return _counters(self._wanted)
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
