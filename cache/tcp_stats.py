@@ -217,7 +217,11 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
-            _latest(self._seen, self._read())
+            try:
+                reading = self._read()
+            except (OSError, subprocess.SubprocessError):
+                continue  # one missed reading loses nothing: the next keeps the highest
+            _latest(self._seen, reading)
 
     def __enter__(self) -> Watch:
         self._before = self._read()
