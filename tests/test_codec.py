@@ -1,4 +1,7 @@
+import importlib
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +49,27 @@ def test_byte_split_stores_token_ids_smaller_than_plain_zstd() -> None:
     }
     assert sizes["byte-split-zstd"] < 0.85 * sizes["zstd"]
     assert CodecOptions().compression == "byte-split-zstd"  # the default for new versions
+
+
+def test_byte_split_keeps_the_repeats_of_real_text() -> None:
+    """Token ids of real text repeat phrases; splitting their bytes must not lose those matches.
+
+    The standard library's sources through a BPE trained here (bench.datasets.text_tokens).
+    With a zstd match table of 2^11 entries, tuned on independent Zipf ids, the split
+    chunks of these stored ~1 % more than plain zstd-1's (10 % at 32 MiB); with 2^13, 2 % less.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        datasets = importlib.import_module("bench.datasets")
+    finally:
+        sys.path.pop(0)
+    batches = datasets.text_tokens(4 << 20, vocabulary=8192)
+    schema = batches[0].schema
+    sizes = {
+        c: sum(map(len, encode_shard(batches, schema, CodecOptions(compression=c))))  # type: ignore[arg-type]
+        for c in ("byte-split-zstd", "zstd")
+    }
+    assert sizes["byte-split-zstd"] <= sizes["zstd"], sizes
 
 
 def test_chunks_are_bounded() -> None:
