@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TOKENS_PER_SAMPLE = 2048
 IMAGE_BYTES = 100 << 10
@@ -34,6 +38,26 @@ def tokens(total_bytes: int, *, seed: int = 0, batch_rows: int = 1024) -> list[p
     return out
 
 
+def bpe(texts: list[str], vocabulary: int) -> Tokenizer:
+    """A byte-level BPE of ``vocabulary`` ids trained on ``texts``: no download, any byte.
+
+    Its first ids are the special tokens ``<pad>``, ``<unk>`` and ``</s>`` (what
+    bench.text gives the ``tokens`` transform as ``eos``).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocabulary,
+        special_tokens=["<pad>", "<unk>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
 def text_tokens(
     total_bytes: int, *, vocabulary: int = TEXT_VOCABULARY, batch_rows: int = 1024
 ) -> list[pa.RecordBatch]:
@@ -49,8 +73,6 @@ def text_tokens(
     ``total_bytes``: a repeated corpus would give the compressor matches no real
     corpus has.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     want_chars = total_bytes  # ~4 characters per token, 4 bytes per id
     texts: list[str] = []
     chars = 0
@@ -63,14 +85,7 @@ def text_tokens(
         chars += len(text)
         if chars >= want_chars:
             break
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocabulary,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer = bpe(texts, vocabulary)
     ids = np.concatenate([np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch(texts)])
     rows = min(len(ids) // TOKENS_PER_SAMPLE, max(total_bytes // (TOKENS_PER_SAMPLE * 4), 1))
     out = []

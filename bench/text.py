@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench import report
+from bench import datasets, report
 from edgecache.cache.preprocess import ShardContext, load_transform, preprocess
 from edgecache.edge.config import usable_cores
 from edgecache.v1 import manifest_pb2 as pb
@@ -51,13 +51,8 @@ def corpus(mib: int) -> list[str]:
 
 
 def train(docs: list[str]) -> bytes:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<pad>", "<unk>", "</s>"])
-    tok.train_from_iterator(docs, trainer)
-    return tok.to_str().encode()
+    """The tokenizer file the transform is given: a BPE of 8,192 ids trained on ``docs``."""
+    return datasets.bpe(docs, 8192).to_str().encode()
 
 
 def run(mib: int, repeat: int, console: Console) -> dict:
