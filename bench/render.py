@@ -854,7 +854,13 @@ def _section_text(data: dict) -> str:
             _md_table(["", "text MB/s", "tokens/s"], rows),
             f"The transform (tokenise, pack into 2048-token rows, record document starts) runs at "
             f"{data['transform_pool_vs_bare']}× bare `encode_batch_fast` with its parts pool "
-            f"({data['transform_no_pool_vs_bare']}× without).",
+            f"({data['transform_no_pool_vs_bare']}× on one thread)"
+            + (
+                f"; with the tokenizers library's own thread pool off, as a node runs it, "
+                f"{data['library_pool_off_vs_on']}× as fast as with it on."
+                if "library_pool_off_vs_on" in data
+                else "."
+            ),
         ]
     )
 

@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
+from edgecache.cache.preprocess.text import tokenise_on_callers_threads
 from edgecache.cache.storage import s3
 from edgecache.edge.allocator import keep_message_buffers
 from edgecache.edge.call_limits import (
@@ -435,6 +436,7 @@ async def serve_forever(config: NodeConfig) -> None:
     # start time, which process_start_time_seconds gives once) would double the counters.
     prometheus_client.disable_created_metrics()
     keep_message_buffers()
+    tokenise_on_callers_threads()
     server = NodeServer(config)
     await server.start()
     stop = asyncio.Event()

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -197,3 +200,61 @@ def test_publish_and_node_with_tokenizer_in_origin(tmp_path: Path, tokenizer_jso
     with running_node(config.model_copy(update={"cache_dir": tmp_path / "c2"})) as node:
         with pytest.raises(Exception, match="changed after publishing"):
             read_shard_table(stub(node.address), "docs", 1, 0)
+
+
+ACCOUNTING = """
+import json, os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from edgecache.cache.preprocess import ShardContext, preprocess
+from edgecache.cache.preprocess.context import MeteredPool
+from edgecache.cache.preprocess.text import tokenise_on_callers_threads
+from edgecache.v1 import manifest_pb2 as pb
+
+mode, tok_path, data_path = sys.argv[1:]
+if mode == "node":
+    assert tokenise_on_callers_threads(), "TOKENIZERS_PARALLELISM was set already"
+else:  # what nodes did before: the library's own thread pool on
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+spec = pb.PreprocessSpec(transform="tokens", params={"tokenizer": "tok.json"})
+resources = {"tok.json": open(tok_path, "rb").read()}
+data = open(data_path, "rb").read()
+with ThreadPoolExecutor(2) as threads:
+    metered = MeteredPool(threads)
+    process, caller = time.process_time(), time.thread_time()
+    rows = sum(
+        b.num_rows
+        for b in preprocess(data, fmt=pb.SOURCE_FORMAT_JSONL, source="s3://b/docs.jsonl",
+                            spec=spec, resources=resources, context=ShardContext(), pool=metered)
+    )
+    counted = time.thread_time() - caller + metered.cpu_seconds
+    total = time.process_time() - process
+print(json.dumps({"rows": rows, "counted": counted, "total": total}))
+"""
+
+
+def test_a_node_counts_the_cpu_its_tokenising_takes(tmp_path: Path, tokenizer_json: bytes) -> None:
+    """The node's staging rate comes from its threads' CPU clocks; tokenising must show there.
+
+    With the tokenizers library's own thread pool on, its threads did the work and the
+    clocks of the node's threads missed most of it (run here as "pool-on": the check
+    below fails for it), so the planner was promised a rate the node did not have.
+    """
+    tok, data = tmp_path / "tok.json", tmp_path / "docs.jsonl"
+    tok.write_bytes(tokenizer_json)
+    data.write_bytes(jsonl(documents() * 40))  # ~2 MB: about a CPU-second of tokenising
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    figures = {}
+    for mode in ("node", "pool-on"):
+        proc = subprocess.run(
+            [sys.executable, "-c", ACCOUNTING, mode, str(tok), str(data)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        figures[mode] = json.loads(proc.stdout)
+    node, before = figures["node"], figures["pool-on"]
+    assert node["rows"] == before["rows"] > 0
+    assert node["counted"] >= 0.8 * node["total"], figures
+    assert before["counted"] < 0.6 * before["total"], figures  # the measurement can tell

@@ -30,15 +30,19 @@ Params:
 Rows never span shards, so a node packs each shard alone and the packing is
 the same on every node. Tokenising runs on the node's preprocessing threads,
 one slice of documents (about 64 Ki characters) per task, with
-``encode_batch_fast`` (no character offsets; it releases the GIL and uses the
-tokenizer's own Rust thread pool as well, unless ``TOKENIZERS_PARALLELISM=false``:
-``bench.text`` measures both). Publishing a version with this transform
-tokenises every object once to count its rows.
+``encode_batch_fast`` (no character offsets; it releases the GIL). A node
+process turns the tokenizers library's own Rust thread pool off
+(:func:`tokenise_on_callers_threads`): that pool's threads are not the node's,
+so their CPU escaped the per-shard CPU the node's staging rate is computed
+from, and beside the node's threads they were slower, not faster
+(``bench.text``). Publishing a version with this transform tokenises every
+object once to count its rows.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +54,7 @@ from edgecache.cache.preprocess.arrow_types import check_param_names
 from edgecache.cache.preprocess.context import shard_context
 from edgecache.cache.preprocess.fixes import MissingColumn, ParamMismatch
 
-__all__ = ["TokensSpec", "tokens_transform"]
+__all__ = ["TokensSpec", "tokenise_on_callers_threads", "tokens_transform"]
 
 _PARAMS = ("tokenizer", "tokenizer_sha256", "column", "seq_len", "eos", "bos", "dtype",
            "remainder", "pad_id")  # fmt: skip
@@ -61,6 +65,29 @@ _DTYPES: dict[str, type[np.integer[Any]]] = {
     "int64": np.int64,
 }
 _TASK_CHARS = 64 << 10  # text per task handed to a preprocessing thread
+_PARALLELISM = "TOKENIZERS_PARALLELISM"  # read by tokenizers at every call
+
+
+def tokenise_on_callers_threads() -> bool:
+    """Turn the tokenizers library's Rust thread pool off in this process, unless set.
+
+    For a node process (``edgecache serve``), never a library import: the
+    variable is the process owner's. With the pool on, ``encode_batch_fast``
+    hands a call's documents to threads of the library's own, so the node's
+    thread CPU clocks, which its staging rate is computed from, missed nearly
+    all the tokenising, and the planner was promised a rate the node did not
+    have. Off, each call runs on the preprocessing thread that made it, niced
+    like the rest of staging, and the node's threads share the cores:
+    ``python -m bench.text`` on 2 cores, 16 MiB of text, the transform with
+    its parts pool read 8.1 MB/s with the library's pool off against 6.2 with
+    it on (two pools contending for two cores), as fast as a bare
+    ``encode_batch_fast`` with the pool on (8.3). An operator who sets the
+    variable keeps their value. True when this call turned it off.
+    """
+    if _PARALLELISM in os.environ:
+        return False
+    os.environ[_PARALLELISM] = "false"
+    return True
 
 
 @dataclass(frozen=True, slots=True)
