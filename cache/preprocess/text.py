@@ -79,8 +79,8 @@ def tokenise_on_callers_threads() -> bool:
     have. Off, each call runs on the preprocessing thread that made it, niced
     like the rest of staging, and the node's threads share the cores:
     ``python -m bench.text`` on 2 cores, 16 MiB of text, the transform with
-    its parts pool read 8.1 MB/s with the library's pool off against 6.2 with
-    it on (two pools contending for two cores), as fast as a bare
+    its parts pool read 7.8 MB/s with the library's pool off against 6.4 with
+    it on (two pools contending for two cores), 0.94x a bare
     ``encode_batch_fast`` with the pool on (8.3). An operator who sets the
     variable keeps their value. True when this call turned it off.
     """
