@@ -285,7 +285,7 @@ def main() -> None:
     )
     table = ratio_table(title, results, ("data", "measure", "baseline"))
     console.print(table)
-    first = {r["data"]: r for r in reversed(results)}
+    first = {r["data"]: r for r in results}  # every row of a dataset carries its ratios
     console.print(
         "compression ratio, plain zstd-1 / byte-split zstd-1: "
         + ", ".join(

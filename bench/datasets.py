@@ -25,17 +25,19 @@ def tokens(total_bytes: int, *, seed: int = 0, batch_rows: int = 1024) -> list[p
     for start in range(0, rows, batch_rows):
         n = min(batch_rows, rows - start)
         ids = (rng.zipf(1.2, size=n * TOKENS_PER_SAMPLE) % 50_000).astype(np.int32)
-        out.append(
-            pa.record_batch(
-                {
-                    "input_ids": pa.FixedSizeListArray.from_arrays(
-                        pa.array(ids), TOKENS_PER_SAMPLE
-                    ),
-                    "label": pa.array(np.arange(start, start + n, dtype=np.int64)),
-                }
-            )
-        )
+        out.append(_token_batch(ids, start))
     return out
+
+
+def _token_batch(ids: np.ndarray, first_label: int) -> pa.RecordBatch:
+    """Rows of 2048 ids from ``ids`` (a whole number of rows), labelled from ``first_label``."""
+    n = len(ids) // TOKENS_PER_SAMPLE
+    return pa.record_batch(
+        {
+            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids), TOKENS_PER_SAMPLE),
+            "label": pa.array(np.arange(first_label, first_label + n, dtype=np.int64)),
+        }
+    )
 
 
 def bpe(texts: list[str], vocabulary: int) -> Tokenizer:
@@ -91,16 +93,8 @@ def text_tokens(
     out = []
     for start in range(0, rows, batch_rows):
         n = min(batch_rows, rows - start)
-        values = ids[start * TOKENS_PER_SAMPLE : (start + n) * TOKENS_PER_SAMPLE]
         out.append(
-            pa.record_batch(
-                {
-                    "input_ids": pa.FixedSizeListArray.from_arrays(
-                        pa.array(values), TOKENS_PER_SAMPLE
-                    ),
-                    "label": pa.array(np.arange(start, start + n, dtype=np.int64)),
-                }
-            )
+            _token_batch(ids[start * TOKENS_PER_SAMPLE : (start + n) * TOKENS_PER_SAMPLE], start)
         )
     return out
 

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -49,22 +49,32 @@ SHARD_MIB = 32
 TOKENS = 2048
 
 
+SHARD_ROWS = (SHARD_MIB << 20) // (TOKENS * 4)
+
+
+def write_parquet_shards(root: Path, tables: Iterable[pa.Table]) -> int:
+    """Each table as one zstd Parquet shard under ``root``, in order; how many."""
+    root.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for count, table in enumerate(tables, 1):
+        pq.write_table(table, root / f"part-{count - 1:05d}.parquet", compression="zstd")
+    return count
+
+
 def write_shards(root: Path, total_mib: int) -> int:
     """Parquet token shards (2048 int32 per sample, Zipf ids) of ~SHARD_MIB raw each."""
-    root.mkdir(parents=True, exist_ok=True)
-    rows = (SHARD_MIB << 20) // (TOKENS * 4)
-    count = max(total_mib // SHARD_MIB, 1)
     rng = np.random.default_rng(0)
-    for i in range(count):
-        ids = (rng.zipf(1.2, size=rows * TOKENS) % 50_000).astype(np.int32)
-        table = pa.table(
+
+    def shard(i: int) -> pa.Table:
+        ids = (rng.zipf(1.2, size=SHARD_ROWS * TOKENS) % 50_000).astype(np.int32)
+        return pa.table(
             {
                 "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids), TOKENS),
-                "label": pa.array(np.arange(i * rows, (i + 1) * rows, dtype=np.int64)),
+                "label": pa.array(np.arange(i * SHARD_ROWS, (i + 1) * SHARD_ROWS, dtype=np.int64)),
             }
         )
-        pq.write_table(table, root / f"part-{i:05d}.parquet", compression="zstd")
-    return count
+
+    return write_parquet_shards(root, (shard(i) for i in range(max(total_mib // SHARD_MIB, 1))))
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:

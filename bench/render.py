@@ -271,13 +271,11 @@ def _command(name: str, data: dict) -> str:
 
 
 def _section_store(data: dict) -> str:
-    ratios = {  # each dataset's first row carries its ratios
+    ratios = {  # every row of a dataset carries the same ratios
         r["data"]: (r["compression_ratio"], r.get("byte_split_compression_ratio"))
-        for r in reversed(data["results"])
+        for r in data["results"]
     }
-    stored = ", ".join(
-        f"{name} {plain}× / {split}×" for name, (plain, split) in reversed(ratios.items())
-    )
+    stored = ", ".join(f"{name} {plain}× / {split}×" for name, (plain, split) in ratios.items())
     return "\n\n".join(
         [
             "## Codec and store",

@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from bench import datasets, report
-from bench.edge_node import SHARD_MIB, TESTS, s3_gets, spawn, write_shards
+from bench.edge_node import SHARD_ROWS, TESTS, s3_gets, spawn, write_parquet_shards, write_shards
 from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, decode_chunk
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.preprocess import load_transform
@@ -95,7 +95,14 @@ def _before(data: bytes, schema: pa.Schema) -> None:
     encoder.finish()
 
 
-def cpu_per_gb(origin: Path, registry: str, repeat: int, console: Console) -> tuple[dict, dict]:
+def cpu_per_gb(
+    origin: Path,
+    registry: str,
+    repeat: int,
+    console: Console,
+    *,
+    source_label: str = "token Parquet",
+) -> tuple[dict, dict]:
     """(a), and the frames the node's pipeline made with each codec, for (d)."""
     console.log("(a) CPU per GB: the pipeline before issue 17 and the node's, in process")
     manifests = {
@@ -153,7 +160,7 @@ def cpu_per_gb(origin: Path, registry: str, repeat: int, console: Console) -> tu
                 runs[name].append(_cpu(fn))
     per_gb = {name: min(r) / source * 1e9 for name, r in runs.items()}
     return {
-        "measure": f"preprocess CPU-s per GB of source (token Parquet → {DEFAULT}-1 chunks)",
+        "measure": f"preprocess CPU-s per GB of source ({source_label} → {DEFAULT}-1 chunks)",
         "clock": "process CPU time (all threads)",
         "source_mb": round(source / 1e6, 1),
         "shards": len(shards),
@@ -345,15 +352,6 @@ def moto(workdir: Path, origin: Path, repeat: int, console: Console) -> list[dic
     return rows
 
 
-def write_text_shards(root: Path, mib: int) -> None:
-    """Parquet shards of real text's token ids, written as write_shards writes the Zipf ids."""
-    root.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_batches(datasets.text_tokens(mib << 20))
-    rows = (SHARD_MIB << 20) // (table.schema.field("input_ids").type.list_size * 4)
-    for i, start in enumerate(range(0, table.num_rows, rows)):
-        pq.write_table(table.slice(start, rows), root / f"part-{i:05d}.parquet", compression="zstd")
-
-
 def text_cpu_per_gb(workdir: Path, mib: int, repeat: int, console: Console) -> dict:
     """(a) once more on the ids of real text, reported beside the target's Zipf ids.
 
@@ -363,13 +361,15 @@ def text_cpu_per_gb(workdir: Path, mib: int, repeat: int, console: Console) -> d
     """
     console.log(f"(a) on real text: {mib} MiB of the standard library's token ids")
     origin = workdir / "origin-text"
-    write_text_shards(origin, mib)
+    table = pa.Table.from_batches(datasets.text_tokens(mib << 20))
+    # Shards as large as the Zipf ones (write_shards), their rows in order.
+    starts = range(0, table.num_rows, SHARD_ROWS)
+    write_parquet_shards(origin, (table.slice(start, SHARD_ROWS) for start in starts))
     registry = f"file://{workdir}/registry-text"
     for compression in DATASETS:
         if compression != "none":
             publish(registry, f"file://{origin}", compression)
-    cpu, _ = cpu_per_gb(origin, registry, repeat, console)
-    cpu["measure"] = cpu["measure"].replace("token Parquet", "real text's token Parquet")
+    cpu, _ = cpu_per_gb(origin, registry, repeat, console, source_label="real text's token Parquet")
     return cpu
 
 
