@@ -306,7 +306,15 @@ STORE_SINCE = """\
   against plain zstd-1's 4.32× (10 % more bytes) and at 4.36× with 2^13; their
   byte-split encode 1.57-1.68× plain zstd-1's speed either way, decode 1.43× against
   1.32-1.36×. The Zipf tokens: 3.25× against 3.26×, encode 2.49-2.53× plain zstd-1's
-  speed against 2.66-2.81×, decode the same within noise (1.70-1.80×)."""
+  speed against 2.66-2.81×, decode the same within noise (1.70-1.80×).
+- **Since stop 38** (a mostly-zero byte stream stored sparse: a bitmap of its non-zero
+  bytes, then those bytes; codec 3): `python -m bench.codec_store --mib 64 --repeat 3`,
+  2026-12-04: the Zipf tokens stored at 3.44× (3.25× before), their byte-split encode
+  3.23× plain zstd-1's speed (2.49-2.53× before), decode 1.44× (1.70-1.80× before:
+  putting the zeros back, numpy's `flatnonzero` and a scatter, costs more than zstd saves
+  on the smaller stream); text-tokens and images unchanged (no stream sparse enough).
+  Per 4 MiB token chunk, thread CPU, best of 25: encode 5.0 → 3.0-3.3 ms, decode 2.1 →
+  2.3 ms, stored 0.307 → 0.290 of the Arrow bytes."""
 
 
 def _section_edge(data: dict) -> str:
@@ -800,8 +808,28 @@ def _section_staging(data: dict) -> str:
             f"compression) where plain zstd-1 stores {decode['zstd_stored_mb']} MB "
             f"({decode['zstd_compression']}×).",
             _ratio_md({"results": data["moto"]}),
+            STAGING_SINCE,
         ]
     )
+
+
+STAGING_SINCE = """\
+- **Since stop 37** (`bench.staging` measures (a) once more on real text's token ids, no
+  target): `python -m bench.staging --repeat 3 --json`, 2026-12-04: on the Zipf ids
+  14.59 → 8.75 CPU-s/GB, **1.67×** (Parquet decode 4.22); on 20.5 MB of Parquet of real
+  text's ids (the standard library's sources through a 32,000-id BPE) 12.5 → 10.82,
+  **1.16×** (Parquet decode 5.29; plain zstd-1 finds the phrases real text repeats, so
+  the pipeline before issue 17 was cheaper there); 2 vs 1 core 1.66×; moto 0.61×.
+- **Since stop 38** (sparse byte streams, codec 3: the ids' second byte, mostly zeros,
+  stored as a bitmap and its non-zero bytes): `python -m bench.staging --repeat 3
+  --json`, 2026-12-04: 18.22 → 9.97 CPU-s/GB, **1.83×** (Parquet decode 7.75 that run, a
+  slow one: ceiling 2.35×); moto **0.70×** (177 against 252 MB/s; plain zstd-1 0.42×,
+  uncompressed chunks 0.85×); 2 vs 1 core 1.56×; real text's ids 14.81 → 11.69, 1.27×
+  (no stream of theirs is sparse). An in-process A/B of (a) (`bench.staging.cpu_per_gb`
+  on the same 93.2 MB, `byte_split.SPARSE_SHARE` set to -1 for the dense side,
+  interleaved, two passes of best-of-3 each): the node's pipeline 10.05 and 10.09
+  CPU-s/GB dense, 8.18 and 8.20 sparse (**19 % less**); against the same passes'
+  pipeline before issue 17 (18.5-21.9), 2.11-2.18× dense and **2.26-2.36×** sparse."""
 
 
 def _section_gpu(data: dict) -> str:

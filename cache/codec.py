@@ -311,7 +311,12 @@ def _encode_chunk(
             split, regions = byte_split.split(raw, spans)
             compressor = _compressor(options.level, split=True)
             payload = byte_split.pack_regions(regions) + compressor.compress(split)
-            frame = pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=rows, raw_len=raw.size)
+            codec = (
+                Codec.BYTE_SPLIT_SPARSE_ZSTD
+                if byte_split.has_sparse(regions)
+                else Codec.BYTE_SPLIT_ZSTD
+            )
+            frame = pack_frame(payload, codec=codec, rows=rows, raw_len=raw.size)
         else:  # nothing worth splitting (e.g. encoded images): a plain zstd frame, as cheap
             payload = _compressor(options.level).compress(raw)
             frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
@@ -359,6 +364,21 @@ def _decompress(payload: Buffer, raw_len: int) -> Buffer:
     with _decompressor().stream_reader(payload) as reader:
         filled = reader.readinto(target)
     return out if filled == raw_len else memoryview(out)[:filled]
+
+
+def _declared(payload: memoryview, least: int, most: int) -> int:
+    """The size a zstd frame declares, refused outside [least, most] before any allocation."""
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as exc:
+        raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
+    if not least <= declared <= most:
+        raise ChunkCorrupt(
+            f"zstd payload declares {'no size' if declared < 0 else f'{declared} bytes'}, "
+            f"its regions table {least} to {most}; the entry is damaged — drop it and fetch "
+            "the shard again"
+        )
+    return declared
 
 
 def _unzstd(payload: memoryview, raw_len: int) -> Buffer:
@@ -409,9 +429,13 @@ def decode_chunk(
     raw: Buffer
     if header.codec is Codec.ZSTD:
         raw = _unzstd(payload, header.raw_len)
-    elif header.codec is Codec.BYTE_SPLIT_ZSTD:
-        regions, table = byte_split.unpack_regions(payload, header.raw_len)
-        split = _unzstd(payload[table:], byte_split.stored_length(regions, header.raw_len))
+    elif header.codec in (Codec.BYTE_SPLIT_ZSTD, Codec.BYTE_SPLIT_SPARSE_ZSTD):
+        sparse = header.codec is Codec.BYTE_SPLIT_SPARSE_ZSTD
+        regions, table = byte_split.unpack_regions(payload, header.raw_len, sparse=sparse)
+        least, most = byte_split.stored_bounds(regions, header.raw_len)
+        # Sparse streams' length is their data's: checked against the table's bounds.
+        length = _declared(payload[table:], least, most) if sparse else most
+        split = _unzstd(payload[table:], length)
         raw = (
             byte_split.join(split, regions, header.raw_len)
             if regions and isinstance(split, pa.Buffer)  # else short: the check below fails

@@ -41,6 +41,12 @@ def buffers_with_spans(draw: st.DrawFn) -> tuple[pa.Buffer, list[byte_split.Span
         for k in draw(st.sets(st.integers(0, width - 1))):  # make these streams constant
             value = draw(st.sampled_from([0, 0xFF, draw(st.integers(0, 255))]))
             data[offset + k : offset + count * width : width] = bytes([value]) * count
+        for k in draw(st.sets(st.integers(0, width - 1))):  # and these mostly zeros
+            keep = draw(st.lists(st.booleans(), min_size=count, max_size=count))
+            stream = data[offset + k : offset + count * width : width]
+            data[offset + k : offset + count * width : width] = bytes(
+                b if kept and b else 0 for b, kept in zip(stream, keep, strict=True)
+            )
         spans.append((offset, count * width, width))
         at = offset + count * width
     return pa.py_buffer(bytes(data)), spans
@@ -51,7 +57,9 @@ def buffers_with_spans(draw: st.DrawFn) -> tuple[pa.Buffer, list[byte_split.Span
 def test_join_undoes_split_for_any_spans(case: tuple[pa.Buffer, list[byte_split.Span]]) -> None:
     data, spans = case
     split, regions = byte_split.split(data, spans)
-    assert split.size == byte_split.stored_length(regions, data.size)
+    sparse = byte_split.has_sparse(regions)
+    dense = byte_split.stored_length(regions, data.size)
+    assert split.size < dense if sparse else split.size == dense
     assert byte_split.join(split, regions, data.size).to_pybytes() == data.to_pybytes()
     raw = np.frombuffer(data, np.uint8)
     for r in regions:  # constant streams are exactly those holding one value
@@ -61,8 +69,17 @@ def test_join_undoes_split_for_any_spans(case: tuple[pa.Buffer, list[byte_split.
             assert bool(r.constant >> k & 1) == constant
             if constant:
                 assert (r.values >> 8 * k) & 0xFF == elements[0, k]
+            share = np.count_nonzero(elements[:, k]) / len(elements)
+            stored_sparse = byte_split.MIN_SPARSE_SHARE <= share <= byte_split.SPARSE_SHARE and (
+                len(elements) + 7
+            ) // 8 + share * len(elements) < len(elements)
+            assert bool(r.sparse >> k & 1) == (stored_sparse and not constant)
     table = byte_split.pack_regions(regions)
-    assert byte_split.unpack_regions(memoryview(table), data.size) == (regions, len(table))
+    unpacked = byte_split.unpack_regions(memoryview(table), data.size, sparse=sparse)
+    assert unpacked == (regions, len(table))
+    if sparse:  # every byte of a sparse stream's data is needed: one fewer is refused
+        with pytest.raises(ChunkCorrupt, match="damaged"):
+            byte_split.join(split.slice(0, split.size - 1), regions, data.size)
 
 
 def test_token_ids_and_labels_are_split_and_nothing_else() -> None:
@@ -80,7 +97,41 @@ def test_token_ids_and_labels_are_split_and_nothing_else() -> None:
     by_width = {r.width: r for r in regions}
     assert by_width[4].constant == 0b1100  # ids < 50,000: the two high byte streams are 0
     assert by_width[8].constant == 0b11111100 and by_width[8].values == 0  # labels 0..499
-    assert split.size == byte_split.stored_length(regions, stream.size)
+    # Ids under 256 are most of them, so their second byte is stored sparse; the low
+    # byte is not (share ~1), and neither is the labels' second (244 of 500 are >= 256).
+    assert by_width[4].sparse == 0b10 and by_width[8].sparse == 0b10
+    assert split.size < byte_split.stored_length(regions, stream.size)
+
+
+def test_zipf_ids_second_byte_is_stored_sparse_smaller_and_decodes() -> None:
+    """The case sparse streams are for: a chunk of token ids, framed so old readers refuse it."""
+    batch = token_batch(2000, seed=3)
+    frame = encode_shard([batch], TOKEN_SCHEMA)[0]
+    assert read_header(frame).codec is Codec.BYTE_SPLIT_SPARSE_ZSTD
+    assert decode_chunk(frame, TOKEN_SCHEMA).equals(batch)
+    dense = _dense_frame(batch)
+    assert read_header(dense).codec is Codec.BYTE_SPLIT_ZSTD
+    assert decode_chunk(dense, TOKEN_SCHEMA).equals(batch)
+    assert len(frame) < 0.97 * len(dense)  # ~5 % smaller: the second byte stream ~15 %
+
+
+def _dense_frame(batch: pa.RecordBatch) -> bytes:
+    """The frame an earlier release wrote for ``batch``: no stream sparse."""
+    raw = _stream(batch)
+    _, regions = byte_split.split(raw, byte_split.spans_of(raw))
+    dense = [r._replace(sparse=0) for r in regions]  # split picks sparse streams itself
+    src = np.frombuffer(raw, np.uint8)
+    parts, done = [], 0
+    for r in dense:
+        parts.append(src[done : r.offset].tobytes())
+        elements = src[r.offset : r.offset + r.length].reshape(-1, r.width)
+        parts += [elements[:, k].tobytes() for k in range(r.width) if not r.constant >> k & 1]
+        done = r.offset + r.length
+    parts.append(src[done:].tobytes())
+    data = pa.py_buffer(b"".join(parts))
+    assert byte_split.join(data, dense, raw.size).equals(raw)
+    payload = byte_split.pack_regions(dense) + zstandard.compress(data.to_pybytes(), 1)
+    return pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=batch.num_rows, raw_len=raw.size)
 
 
 def test_layouts_it_does_not_know_are_left_whole() -> None:
@@ -115,12 +166,31 @@ def _table(*entries: tuple[int, int, int, int, int]) -> bytes:
     return struct.pack("<I", len(entries)) + b"".join(struct.pack("<QQBBQ", *e) for e in entries)
 
 
-def _forged(table: bytes, batch: pa.RecordBatch | None = None) -> bytes:
+def _forged(table: bytes, *, codec: Codec = Codec.BYTE_SPLIT_ZSTD) -> bytes:
     """A frame with a valid checksum whose regions table is ``table``."""
-    raw = _stream(batch or token_batch(50)).to_pybytes()
+    raw = _stream(token_batch(50)).to_pybytes()
     payload = table + zstandard.ZstdCompressor(level=1).compress(raw)
-    rows = (batch or token_batch(50)).num_rows
-    return pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=rows, raw_len=len(raw))
+    return pack_frame(payload, codec=codec, rows=50, raw_len=len(raw))
+
+
+def _sparse_table(*entries: tuple[int, int, int, int, int, int]) -> bytes:
+    return struct.pack("<I", len(entries)) + b"".join(struct.pack("<QQBBQB", *e) for e in entries)
+
+
+@pytest.mark.parametrize(
+    ("table", "why"),
+    [
+        (_sparse_table((64, 16, 4, 0, 0, 0b10000)), "sparse"),  # a stream beyond the width
+        (_sparse_table((64, 16, 4, 0b0010, 0, 0b0010)), "sparse"),  # a constant one
+        (_sparse_table((64, 16, 4, 0, 0, 0b0010)), "regions table"),  # sizes that disagree
+        (_table((64, 16, 4, 0, 0)), "damaged"),  # a dense entry read as a sparse one
+    ],
+)
+def test_a_damaged_sparse_table_is_refused(table: bytes, why: str) -> None:
+    frame = _forged(table, codec=Codec.BYTE_SPLIT_SPARSE_ZSTD)
+    for verify in (True, False):
+        with pytest.raises(ChunkCorrupt, match=why):
+            decode_chunk(frame, TOKEN_SCHEMA, verify=verify)
 
 
 @pytest.mark.parametrize(
@@ -149,15 +219,16 @@ def test_a_damaged_regions_table_is_refused_before_decompressing(table: bytes, w
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(table=st.binary(max_size=80), seed=st.integers(0, 2**32 - 1))
-def test_any_regions_table_decodes_or_is_corrupt(table: bytes, seed: int) -> None:
+@given(table=st.binary(max_size=80), seed=st.integers(0, 2**32 - 1), sparse=st.booleans())
+def test_any_regions_table_decodes_or_is_corrupt(table: bytes, seed: int, sparse: bool) -> None:
     """Checksummed frames with arbitrary tables (a buggy or hostile writer) never crash a reader."""
     rng = np.random.default_rng(seed)
     if table and rng.random() < 0.5:  # often a plausible count, to reach the entries' checks
-        count = min(len(table) // 26, int(rng.integers(0, 4)))
+        count = min(len(table) // (27 if sparse else 26), int(rng.integers(0, 4)))
         table = struct.pack("<I", count) + table[4:]
+    codec = Codec.BYTE_SPLIT_SPARSE_ZSTD if sparse else Codec.BYTE_SPLIT_ZSTD
     try:
-        batch = decode_chunk(_forged(table), TOKEN_SCHEMA)
+        batch = decode_chunk(_forged(table, codec=codec), TOKEN_SCHEMA)
     except ChunkCorrupt:
         return
     assert batch.num_rows == 50  # decoded: rows and schema were checked like any chunk's
@@ -166,20 +237,22 @@ def test_any_regions_table_decodes_or_is_corrupt(table: bytes, seed: int) -> Non
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(position=st.integers(0, 10**9), bit=st.integers(0, 7), verify=st.booleans())
 def test_a_flipped_bit_anywhere_is_caught(position: int, bit: int, verify: bool) -> None:
-    frame = encode_shard([token_batch(300, seed=5)], TOKEN_SCHEMA)[0]
-    assert read_header(frame).codec is Codec.BYTE_SPLIT_ZSTD
-    damaged = bytearray(frame)
-    damaged[position % len(frame)] ^= 1 << bit
-    if verify:
-        with pytest.raises(ChunkCorrupt):
-            decode_chunk(bytes(damaged), TOKEN_SCHEMA)
-        return
-    # Without the checksum a flip inside the zstd data may decode to other values, but the
-    # codec never lets it through as anything other than a valid batch or ChunkCorrupt.
-    try:
-        decode_chunk(bytes(damaged), TOKEN_SCHEMA, verify=False)
-    except ChunkCorrupt:
-        pass
+    sparse = encode_shard([token_batch(300, seed=5)], TOKEN_SCHEMA)[0]
+    assert read_header(sparse).codec is Codec.BYTE_SPLIT_SPARSE_ZSTD
+    dense = _dense_frame(token_batch(300, seed=5))
+    for frame in (sparse, dense):
+        damaged = bytearray(frame)
+        damaged[position % len(frame)] ^= 1 << bit
+        if verify:
+            with pytest.raises(ChunkCorrupt):
+                decode_chunk(bytes(damaged), TOKEN_SCHEMA)
+            continue
+        # Without the checksum a flip inside the zstd data may decode to other values, but
+        # the codec never lets it through as anything other than a valid batch or ChunkCorrupt.
+        try:
+            decode_chunk(bytes(damaged), TOKEN_SCHEMA, verify=False)
+        except ChunkCorrupt:
+            pass
 
 
 def test_a_payload_shorter_than_a_count_is_corrupt() -> None:
@@ -200,10 +273,20 @@ def test_frames_of_every_codec_decode_side_by_side() -> None:
     )
     old_none = pack_frame(raw, codec=Codec.NONE, rows=200, raw_len=len(raw))
     new = encode_shard([batch], TOKEN_SCHEMA)[0]
-    assert (Codec.NONE, Codec.ZSTD, Codec.BYTE_SPLIT_ZSTD) == (0, 1, 2)  # stored values
+    stored = (Codec.NONE, Codec.ZSTD, Codec.BYTE_SPLIT_ZSTD, Codec.BYTE_SPLIT_SPARSE_ZSTD)
+    assert stored == (0, 1, 2, 3)  # stored values
     # Encoding a version that names plain zstd still writes exactly the old frames.
     assert encode_shard([batch], TOKEN_SCHEMA, CodecOptions(compression="zstd"))[0] == old_zstd
-    for frame in (old_zstd, old_none, new):
+    for frame in (old_zstd, old_none, _dense_frame(batch), new):
         assert decode_chunk(frame, TOKEN_SCHEMA).equals(batch)
     payload = payload_view(new, read_header(new))
     assert len(new) - HEADER_SIZE == len(payload) < len(old_zstd) - HEADER_SIZE
+
+
+def test_a_codec_from_a_newer_edgecache_says_to_upgrade() -> None:
+    """A reader older than the writer must say what to do, not only that the entry is bad."""
+    frame = pack_frame(b"\x00" * 16, codec=Codec.NONE, rows=1, raw_len=16)
+    newer = bytearray(frame)
+    newer[3] = int(max(Codec)) + 1  # the codec byte, after the magic and the format
+    with pytest.raises(ChunkCorrupt, match=r"newer than this edgecache reads \(codecs 0-3\)"):
+        read_header(bytes(newer))

@@ -28,7 +28,8 @@ def roundtrip(frames: list[bytes], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_batches([decode_chunk(f, schema) for f in frames], schema=schema)
 
 
-CODECS = {"byte-split-zstd": Codec.BYTE_SPLIT_ZSTD, "zstd": Codec.ZSTD, "none": Codec.NONE}
+# Zipf ids' second byte is mostly zeros: byte-split stores it sparse (a frame of its own codec).
+CODECS = {"byte-split-zstd": Codec.BYTE_SPLIT_SPARSE_ZSTD, "zstd": Codec.ZSTD, "none": Codec.NONE}
 
 
 @pytest.mark.parametrize("compression", sorted(CODECS))

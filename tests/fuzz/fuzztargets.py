@@ -243,8 +243,11 @@ def raw_payload(frame: bytes) -> bytes:
     """The Arrow IPC stream inside a valid frame, decompressed (and joined)."""
     header = read_header(frame)
     payload = bytes(payload_view(frame, header))
-    if header.codec is Codec.BYTE_SPLIT_ZSTD:
-        regions, table = byte_split.unpack_regions(memoryview(payload), header.raw_len)
+    if header.codec in (Codec.BYTE_SPLIT_ZSTD, Codec.BYTE_SPLIT_SPARSE_ZSTD):
+        sparse = header.codec is Codec.BYTE_SPLIT_SPARSE_ZSTD
+        regions, table = byte_split.unpack_regions(
+            memoryview(payload), header.raw_len, sparse=sparse
+        )
         split = pa.py_buffer(zstandard.decompress(payload[table:]))
         return byte_split.join(split, regions, header.raw_len).to_pybytes()
     return zstandard.decompress(payload) if header.codec is Codec.ZSTD else payload
