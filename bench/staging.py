@@ -12,8 +12,9 @@ one run:
     before issue 17 (``ParquetFile.iter_batches`` + serial plain zstd-1
     chunks) and by the node's pipeline now (``edge.preprocessing.encode_raw_shard``:
     ``ParquetFile.read``, chunks encoded on a parts pool, the default codec); beside
-    them the node's pipeline with plain zstd-1, and decoding the Parquet
-    alone (the floor no chunk codec can go under). Process CPU time (every
+    them the node's pipeline with no byte stream stored sparse (what sparse
+    streams save), with plain zstd-1, and decoding the Parquet alone (the
+    floor no chunk codec can go under). Process CPU time (every
     thread, Arrow's own included: ``iter_batches`` decodes on Arrow's
     threads, which a thread clock misses), best of ``--repeat``,
     interleaved. Target: halved. Then the same once more on the ids of real
@@ -57,6 +58,7 @@ from rich.console import Console
 
 from bench import datasets, report
 from bench.edge_node import SHARD_ROWS, TESTS, s3_gets, spawn, write_parquet_shards, write_shards
+from edgecache.cache import byte_split
 from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, decode_chunk
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.preprocess import load_transform
@@ -115,7 +117,13 @@ def cpu_per_gb(
     source = sum(len(d) for _, d in shards)
     transform = load_transform("identity", {})
     frames: dict[str, list[bytes]] = {}
-    runs: dict[str, list[float]] = {"before": [], "after": [], "after_zstd": [], "parquet": []}
+    runs: dict[str, list[float]] = {
+        "before": [],
+        "after": [],
+        "after_dense": [],
+        "after_zstd": [],
+        "parquet": [],
+    }
     with ThreadPoolExecutor(usable_cores()) as parts:
 
         def node(compression: str) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -148,6 +156,7 @@ def cpu_per_gb(
         work = {
             "before": lambda: [_before(data, schema) for _, data in shards],
             "after": after,
+            "after_dense": lambda: _dense_streams(after),
             "after_zstd": after_zstd,
             "parquet": parquet_alone,
         }
@@ -166,6 +175,7 @@ def cpu_per_gb(
         "shards": len(shards),
         "before_cpu_s_per_gb": round(per_gb["before"], 2),
         "after_cpu_s_per_gb": round(per_gb["after"], 2),
+        "after_dense_cpu_s_per_gb": round(per_gb["after_dense"], 2),
         "after_zstd_cpu_s_per_gb": round(per_gb["after_zstd"], 2),
         "parquet_decode_cpu_s_per_gb": round(per_gb["parquet"], 2),
         "before_cpu_s_per_shard": round(min(runs["before"]) / len(shards), 3),
@@ -177,6 +187,16 @@ def cpu_per_gb(
         "ceiling": round(per_gb["before"] / per_gb["parquet"], 2),
         "target": 2.0,
     }, frames
+
+
+def _dense_streams(work: Callable[[], None]) -> None:
+    """``work`` with no byte stream stored sparse: what sparse streams save, in the same run."""
+    share = byte_split.SPARSE_SHARE
+    byte_split.SPARSE_SHARE = -1.0  # no stream has a negative share of non-zero bytes
+    try:
+        work()
+    finally:
+        byte_split.SPARSE_SHARE = share
 
 
 def decode_speed(frames: dict[str, list[bytes]], repeat: int, console: Console) -> dict:
@@ -411,7 +431,8 @@ def show(results: dict, console: Console) -> None:
         f"{cpu['clock']}: before {cpu['before_cpu_s_per_gb']} CPU-s/GB "
         f"({cpu['before_cpu_s_per_shard']} per shard), after {cpu['after_cpu_s_per_gb']} "
         f"({cpu['after_cpu_s_per_shard']}): {cpu['reduction']}x less "
-        f"{_met(cpu['reduction'], cpu['target'])}. Same pipeline with plain zstd-1: "
+        f"{_met(cpu['reduction'], cpu['target'])}. Same pipeline with no stream sparse: "
+        f"{cpu['after_dense_cpu_s_per_gb']}; with plain zstd-1: "
         f"{cpu['after_zstd_cpu_s_per_gb']}; Parquet decode alone: "
         f"{cpu['parquet_decode_cpu_s_per_gb']} (no codec can beat {cpu['ceiling']}x); "
         f"the chunk codec's own CPU {cpu['codec_reduction']}x less than plain zstd-1's"
