@@ -842,7 +842,8 @@ STAGING_SINCE = """\
   2026-12-04 17:05: 16.37 → 7.78 CPU-s/GB, **2.1×** (target 2: met this run; Parquet
   decode 4.72); the same pipeline with no stream sparse 9.22 (sparse streams save 16 %);
   moto **0.70×**; 2 vs 1 core 1.49×; real text 1.27× (sparse streams unused there: 10.74
-  against 10.54, noise)."""
+  against 10.54, noise). Two more runs (`--repeat 2`): 2.34× and 2.18×, moto 0.74× and
+  0.86×, 2 vs 1 core 1.45× and 1.51×."""
 
 
 def _section_gpu(data: dict) -> str:
