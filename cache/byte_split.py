@@ -61,10 +61,10 @@ from edgecache.cache.errors import ChunkCorrupt
 __all__ = [
     "Region",
     "Span",
+    "has_sparse",
     "join",
     "pack_regions",
     "spans_of",
-    "has_sparse",
     "split",
     "stored_bounds",
     "stored_length",

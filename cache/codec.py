@@ -366,35 +366,27 @@ def _decompress(payload: Buffer, raw_len: int) -> Buffer:
     return out if filled == raw_len else memoryview(out)[:filled]
 
 
-def _declared(payload: memoryview, least: int, most: int) -> int:
-    """The size a zstd frame declares, refused outside [least, most] before any allocation."""
-    try:
-        declared = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError as exc:
-        raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
-    if not least <= declared <= most:
-        raise ChunkCorrupt(
-            f"zstd payload declares {'no size' if declared < 0 else f'{declared} bytes'}, "
-            f"its regions table {least} to {most}; the entry is damaged — drop it and fetch "
-            "the shard again"
-        )
-    return declared
+def _unzstd(payload: memoryview, raw_len: int, *, at_least: int | None = None) -> Buffer:
+    """A chunk's zstd frame decompressed, checked against the header's ``raw_len`` first.
 
-
-def _unzstd(payload: memoryview, raw_len: int) -> Buffer:
-    """A chunk's zstd frame decompressed, checked against the header's ``raw_len`` first."""
+    ``at_least``: the frame may declare any size from it to ``raw_len`` (split data
+    with sparse streams, whose size is their data's); otherwise exactly ``raw_len``.
+    """
     # zstd allocates what its own frame header declares, not max_output_size:
     # check that against ours first, so a lying frame cannot make us allocate.
     try:
         declared = zstandard.frame_content_size(payload)
     except zstandard.ZstdError as exc:
         raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
-    if declared != raw_len:
+    least = raw_len if at_least is None else at_least
+    if not least <= declared <= raw_len:
+        expects = f"{raw_len}" if least == raw_len else f"{least} to {raw_len}"
         raise ChunkCorrupt(
             f"zstd payload declares {'no size' if declared < 0 else f'{declared} bytes'}, "
-            f"the frame expects {raw_len}; the entry is damaged — drop it and fetch the "
+            f"the frame expects {expects}; the entry is damaged — drop it and fetch the "
             "shard again"
         )
+    raw_len = declared  # what to allocate: the declared size, now known to be in bounds
     if raw_len > (len(payload) // 3 + 1) * _ZSTD_BLOCK_MAX:
         # Each zstd block takes at least a 3-byte header and yields at most 128 KiB:
         # a header claiming more than that is a lie; refuse it before allocating.
@@ -432,10 +424,8 @@ def decode_chunk(
     elif header.codec in (Codec.BYTE_SPLIT_ZSTD, Codec.BYTE_SPLIT_SPARSE_ZSTD):
         sparse = header.codec is Codec.BYTE_SPLIT_SPARSE_ZSTD
         regions, table = byte_split.unpack_regions(payload, header.raw_len, sparse=sparse)
-        least, most = byte_split.stored_bounds(regions, header.raw_len)
-        # Sparse streams' length is their data's: checked against the table's bounds.
-        length = _declared(payload[table:], least, most) if sparse else most
-        split = _unzstd(payload[table:], length)
+        least, most = byte_split.stored_bounds(regions, header.raw_len)  # equal unless sparse
+        split = _unzstd(payload[table:], most, at_least=least)
         raw = (
             byte_split.join(split, regions, header.raw_len)
             if regions and isinstance(split, pa.Buffer)  # else short: the check below fails
