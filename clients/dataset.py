@@ -949,7 +949,13 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             numbers,
             readers.pool,
             [
-                ReadTarget(m.dataset, m.version, m.digest, s)
+                ReadTarget(
+                    m.dataset,
+                    m.version,
+                    m.digest,
+                    s,
+                    compressed=m.preprocess.compression != pb.COMPRESSION_NONE,
+                )
                 for m, s in zip(self.manifests, self.schemas, strict=True)
             ],
             self.kinds,
@@ -1039,6 +1045,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 "fetch_wait_seconds": pipeline.fetch_wait_seconds,
                 "fetch_busy_seconds": pipeline.fetch_busy_seconds,
                 "windows_read": pipeline.windows_read,
+                "windows_inline": pipeline.windows_inline,
                 "window_chunks": pipeline.window_chunks,
             }
 
@@ -1187,7 +1194,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         waited for and spent on reads, and how many chunks its windows were
         decoded from (``window_chunks`` above
         ``windows_read`` means windows straddle chunks: see
-        :mod:`edgecache.cache.row_grid`).
+        :mod:`edgecache.cache.row_grid`); ``windows_inline`` of its windows were
+        read from a local cache on the assembling thread, not on a fetch thread
+        (:meth:`~edgecache.clients.pipeline.Pipeline._submit` says why).
         """
         pool = self._open.pool if self._open is not None else None
         endpoints = {text: asdict(s) for text, s in pool.stats.items()} if pool else {}

@@ -36,6 +36,7 @@ from edgecache.cache.errors import (
     NodeUnavailable,
     ShardNotCached,
 )
+from edgecache.cache.keys import ShardKey
 from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.sink_sizing import too_many_streams
 from edgecache.cache.store import CacheStore
@@ -183,6 +184,20 @@ class NodePool:
                     response_deserializer=parse_chunk,
                 )
             return reader
+
+    def reads_locally(self, shard: tuple[str, int, int]) -> bool:
+        """Whether a read of ``shard`` goes first to a local cache that holds it.
+
+        Such a read has nothing to wait for: the pipeline does it on its
+        assembling thread rather than on a fetch thread.
+        """
+        first = self.ranked(shard)[0]
+        if not first.local:
+            return False
+        try:
+            return self.store(first).contains(ShardKey(*shard))
+        except Exception:  # noqa: BLE001 - the read itself says what is wrong, and fails over
+            return False
 
     def local_digest(self, endpoint: Endpoint, dataset: str, version: int) -> str | None:
         """The digest of the manifest a local cache keeps for a version (None: it keeps none).

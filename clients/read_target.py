@@ -26,6 +26,9 @@ class ReadTarget:
     version: int
     digest: str
     schema: pa.Schema | None = None
+    # Whether its chunks are stored compressed: decoding them is then real work that
+    # drops the GIL (zstd), worth a thread of its own (Pipeline._submit).
+    compressed: bool = True
 
     def rows(self, shard: int, row_start: int, row_end: int) -> ShardRange:
         """Rows ``[row_start, row_end)`` of shard ``shard`` of this version."""

@@ -197,6 +197,7 @@ def test_each_window_of_fixed_width_rows_is_one_chunk(cluster, local: bool) -> N
     pipeline = ds.stats()["last_pipeline"]
     assert pipeline["windows_read"] > SHARDS  # several windows per shard
     assert pipeline["window_chunks"] == pipeline["windows_read"]
+    assert pipeline["windows_inline"] == 0  # zstd chunks: decoded on fetch threads
 
 
 def test_windows_of_variable_width_rows_are_chunks_too(cluster) -> None:

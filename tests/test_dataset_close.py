@@ -90,8 +90,15 @@ def test_closing_while_a_window_waits_for_its_neighbour_does_not_deadlock() -> N
     gate, stop = threading.Event(), threading.Event()
     executor = ThreadPoolExecutor(1)
     pipeline = SimpleNamespace(
-        order=SimpleNamespace(order=SimpleNamespace(neighbours=lambda w: [w - 1])),
+        order=SimpleNamespace(
+            order=SimpleNamespace(
+                neighbours=lambda w: [w - 1], windows=SimpleNamespace(component=[0, 0])
+            )
+        ),
+        targets=[SimpleNamespace(compressed=True)],
         _continuation=lambda window: None,
+        _shard=lambda window: ("d", 1, 0),
+        pool=SimpleNamespace(reads_locally=lambda shard: False),  # a node's windows
         _executor=executor,
         _load=lambda window, extend_to: window,
         _stop=stop,

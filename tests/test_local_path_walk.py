@@ -300,6 +300,31 @@ def test_evicted_mid_epoch_fails_over_to_grpc_exactly(node: Node, workers: int) 
     assert got == expected
 
 
+def test_a_local_caches_windows_are_read_by_the_thread_that_builds_batches(node: Node) -> None:
+    """lmdb:// windows are read on the assembling thread when a batch needs them (nothing
+    to wait for there; Pipeline._submit says why); shards the cache does not hold go to
+    the node listed after it, read ahead on fetch threads, and the epoch is the same."""
+    expected = clean_batches(node.node.address)
+    ds = EdgeDataset(
+        "tokens@1",
+        endpoints=[f"lmdb://{node.cache}", node.node.address],
+        **SMALL,  # type: ignore[arg-type]
+    )
+    try:
+        assert [labels(b) for b in torch.utils.data.DataLoader(ds, batch_size=None)] == expected
+        pipeline = ds.stats()["last_pipeline"]
+        assert pipeline["windows_inline"] == pipeline["windows_read"] > SHARDS
+        evict(node.node, "tokens")
+        ds.set_epoch(0)
+        assert [labels(b) for b in torch.utils.data.DataLoader(ds, batch_size=None)] == expected
+        pipeline = ds.stats()["last_pipeline"]
+        # The first windows went to the node, which fetched their shards into the cache on
+        # the miss: windows after that one may find their shard local again.
+        assert pipeline["windows_inline"] < pipeline["windows_read"]
+    finally:
+        ds.close()
+
+
 def make_store_of_format(path: Path, found: bytes) -> None:
     env = lmdb.open(str(path), max_dbs=8)
     meta = env.open_db(b"meta")
