@@ -43,7 +43,7 @@ from edgecache.clients.edge_chunks import EdgeChunks
 from edgecache.clients.epoch_order import Batch, EpochOrder, runs
 from edgecache.clients.node_pool import NodePool
 from edgecache.clients.read_target import ReadTarget
-from edgecache.clients.tensors import ColumnKind, Gather, assemble, fixed_views
+from edgecache.clients.tensors import ColumnKind, Gather, RowTable, assemble, chunk_views
 
 __all__ = ["Pipeline"]
 
@@ -66,7 +66,7 @@ class _Loaded:
     """A window's decoded chunks, and where each position of its order is among them."""
 
     batches: list[pa.RecordBatch]
-    views: list[dict[str, np.ndarray]]  # numpy views of each chunk's fixed columns
+    views: list[dict[str, np.ndarray | RowTable]]  # what gathers reuse of each chunk
     chunk: np.ndarray  # per position of the window's order: its chunk (index into batches)
     offset: np.ndarray  # and its row within that chunk
 
@@ -320,7 +320,7 @@ class Pipeline:
         needed[int(windows.take_from[window]) : int(windows.take_to[window])] = True
         if np.any(needed & ((chunk < 0) | (offset >= sizes[np.maximum(chunk, 0)]))):
             raise IndexError(f"{rows}: the chunks read do not cover the window's rows")
-        views = [fixed_views(b, self.kinds) for b in batches]
+        views = [chunk_views(b, self.kinds) for b in batches]
         return _Loaded(batches, views, chunk, offset)
 
     def _run(self) -> None:

@@ -49,9 +49,11 @@ __all__ = [
     "ColumnKind",
     "Gather",
     "RaggedForm",
+    "RowTable",
     "assemble",
+    "chunk_views",
     "column_kinds",
-    "fixed_views",
+    "row_table",
     "with_forms",
 ]
 
@@ -157,20 +159,32 @@ def with_forms(
 class Gather:
     """Rows ``rows`` (offsets within ``batch``) of one decoded chunk.
 
-    ``views`` may hold the chunk's fixed columns as numpy views already (see
-    :func:`fixed_views`; a chunk is gathered from by many batches), and
+    ``views`` may hold what every gather from the chunk reuses (see
+    :func:`chunk_views`; a chunk is gathered from by many batches), and
     ``checked`` says the rows were checked to be within the chunk.
     """
 
     batch: pa.RecordBatch
     rows: np.ndarray
-    views: Mapping[str, np.ndarray] | None = None
+    views: Mapping[str, np.ndarray | RowTable] | None = None
     checked: bool = False
 
 
-def fixed_views(batch: pa.RecordBatch, kinds: Sequence[ColumnKind]) -> dict[str, np.ndarray]:
-    """Numpy views of ``batch``'s fixed columns, ``[rows, *shape]`` each, for :class:`Gather`."""
-    return {k.name: _values(batch.column(k.name), k) for k in kinds if k.kind == "fixed"}
+def chunk_views(
+    batch: pa.RecordBatch, kinds: Sequence[ColumnKind]
+) -> dict[str, np.ndarray | RowTable]:
+    """What every :class:`Gather` from a decoded chunk reuses, worked out once.
+
+    Numpy views of its fixed columns (``[rows, *shape]``), and the
+    :class:`RowTable` of each variable-length one.
+    """
+    views: dict[str, np.ndarray | RowTable] = {}
+    for k in kinds:
+        if k.kind == "fixed":
+            views[k.name] = _values(batch.column(k.name), k)
+        elif k.kind in ("ragged", "packed"):
+            views[k.name] = row_table(batch.column(k.name), k)
+    return views
 
 
 def _values(column: pa.Array, kind: ColumnKind) -> np.ndarray:
@@ -217,10 +231,44 @@ class _Ranges:
     source: np.ndarray  # the chunk column's values, flat
     starts: np.ndarray  # int64, per row
     lengths: np.ndarray  # int64, per row
+    total: int  # the sum of lengths
 
 
-def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
-    """The values of ``rows`` of a binary, string or list-of-numbers column, without copying."""
+@dataclass(frozen=True, slots=True)
+class RowTable:
+    """Where each row of a chunk's variable-length column lies among its flat values (views).
+
+    Worked out once per decoded chunk (:func:`chunk_views`), not for each batch
+    that gathers rows from it: a batch gathers from a dozen chunks, and this
+    was a dozen numpy and pyarrow calls per chunk and batch.
+    """
+
+    source: np.ndarray  # the column's values, flat
+    bounds: np.ndarray  # where row i's values start (bounds[i]) and end (bounds[i + 1])
+    index: np.ndarray | None = None  # dictionary columns: each row's dictionary entry
+
+    def ranges(self, rows: np.ndarray) -> _Ranges:
+        """The values of ``rows``, without copying them."""
+        at = rows if self.index is None else self.index[rows].astype(np.int64)
+        starts = self.bounds[at].astype(np.int64)
+        lengths = self.bounds[at + 1] - starts
+        return _Ranges(self.source, starts, lengths, int(lengths.sum()))
+
+
+def _flat(buffer: pa.Buffer | None) -> np.ndarray:
+    return np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.empty(0, np.uint8)
+
+
+def _no_nulls(column: pa.Array, kind: ColumnKind) -> None:
+    if column.null_count:
+        raise ValueError(
+            f"column {kind.name!r} has nulls, which a packed column cannot hold; read it "
+            "with binary='list' (None for each null) or fill them in preprocessing"
+        )
+
+
+def row_table(column: pa.Array, kind: ColumnKind) -> RowTable:
+    """Where the values of each row of a binary, string or list-of-numbers column lie."""
     if kind.item == "list":
         if column.null_count:  # read as an empty list, it was a sample quietly changed
             raise ValueError(
@@ -228,50 +276,43 @@ def _ranges(column: pa.Array, rows: np.ndarray, kind: ColumnKind) -> _Ranges:
                 "cannot hold; leave it out (columns=[...] without it) or publish a version "
                 "with the nulls filled in (an empty list, say)"
             )
-        offsets = np.asarray(column.offsets)  # sliced with the array; values are not
-        source = column.values.to_numpy(zero_copy_only=False)
         if column.values.null_count:
             raise ValueError(
                 f"column {kind.name!r} has null list entries; tensors cannot hold them"
             )
-    elif pa.types.is_fixed_size_binary(column.type):
-        if column.null_count:
-            raise ValueError(
-                f"column {kind.name!r} has nulls, which a packed column cannot hold; read it "
-                "with binary='list' (None for each null) or fill them in preprocessing"
-            )
+        # offsets are sliced with the array; values are not
+        return RowTable(column.values.to_numpy(zero_copy_only=False), np.asarray(column.offsets))
+    _no_nulls(column, kind)
+    if pa.types.is_fixed_size_binary(column.type):
         width = column.type.byte_width
-        data = column.buffers()[1]
-        source = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
-        starts = (column.offset + rows.astype(np.int64)) * width
-        return _Ranges(source, starts, np.full(len(rows), width, dtype=np.int64))
-    else:
+        bounds = (column.offset + np.arange(len(column) + 1, dtype=np.int64)) * width
+        return RowTable(_flat(column.buffers()[1]), bounds)
+    index = None
+    if pa.types.is_dictionary(column.type):  # the values through the indices
+        index = column.indices.to_numpy(zero_copy_only=False)
+        column = column.dictionary
         if column.null_count:
             raise ValueError(
-                f"column {kind.name!r} has nulls, which a packed column cannot hold; read it "
-                "with binary='list' (None for each null) or fill them in preprocessing"
+                f"column {kind.name!r} has nulls in its dictionary, which a packed column "
+                "cannot hold; read it with binary='list'"
             )
-        if pa.types.is_dictionary(column.type):  # the values through the indices
-            rows = column.indices.to_numpy(zero_copy_only=False)[rows].astype(np.int64)
-            column = column.dictionary
-            if column.null_count:
-                raise ValueError(
-                    f"column {kind.name!r} has nulls in its dictionary, which a packed column "
-                    "cannot hold; read it with binary='list'"
-                )
-        width = (
-            np.int64
-            if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type)
-            else np.int32
-        )
-        offsets = np.frombuffer(column.buffers()[1], dtype=width)[
-            column.offset : column.offset + len(column) + 1
-        ]
-        data = column.buffers()[2]
-        source = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
-    starts = offsets[rows].astype(np.int64)
-    lengths = offsets[rows + 1].astype(np.int64) - starts
-    return _Ranges(source, starts, lengths)
+    width = (
+        np.int64
+        if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type)
+        else np.int32
+    )
+    bounds = np.frombuffer(column.buffers()[1], dtype=width)[
+        column.offset : column.offset + len(column) + 1
+    ]
+    return RowTable(_flat(column.buffers()[2]), bounds, index)
+
+
+def _ranges(gather: Gather, kind: ColumnKind) -> _Ranges:
+    """The values of a gather's rows of a variable-length column, from its chunk's table."""
+    table = gather.views.get(kind.name) if gather.views is not None else None
+    if not isinstance(table, RowTable):
+        table = row_table(gather.batch.column(kind.name), kind)
+    return table.ranges(gather.rows)
 
 
 # Bytes per row, on average, from which rows are copied whole (memcpy-sized) rather than
@@ -281,8 +322,7 @@ _LARGE_VALUE = 512
 
 def _copy_ranges(ranges: _Ranges, out: np.ndarray) -> None:
     """Each row's values, one after the other, into ``out`` (as long as their total)."""
-    lengths = ranges.lengths
-    total = int(lengths.sum())
+    lengths, total = ranges.lengths, ranges.total
     if not total:
         return
     if total >= _LARGE_VALUE * len(lengths):  # one memcpy each beats an index array
@@ -343,7 +383,7 @@ def _copy_all(parts: Sequence[_Ranges], out: np.ndarray) -> None:
     position = 0
     for part in parts:
         _copy_ranges(part, out[position:])
-        position += int(part.lengths.sum())
+        position += part.total
 
 
 def assemble(
@@ -375,15 +415,14 @@ def assemble(
             sizes.append(size * math.prod(kind.shape) * itemsize)
             plans.append((kind, 0))
         elif kind.kind in ("ragged", "packed"):
-            parts = [_ranges(g.batch.column(kind.name), g.rows, kind) for g in gathers]
+            parts = [_ranges(g, kind) for g in gathers]
             ranges[kind.name] = parts
-            lengths = [p.lengths for p in parts]
             if kind.kind == "ragged":
-                longest = max((int(x.max()) for x in lengths if len(x)), default=0)
+                longest = max((int(p.lengths.max()) for p in parts if len(p.lengths)), default=0)
                 sizes += [size * longest * itemsize, size * 8]
                 plans.append((kind, longest))
             else:
-                total = sum(int(x.sum()) for x in lengths)
+                total = sum(p.total for p in parts)
                 sizes += [total * itemsize, (size + 1) * 8]
                 plans.append((kind, total))
         else:
@@ -403,10 +442,12 @@ def assemble(
             target = area[at : at + length].view(npdtype).reshape((size, *kind.shape))
             row = 0
             for g in gathers:
-                if g.views is not None and kind.name in g.views:
-                    source = g.views[kind.name]
-                else:
-                    source = _values(g.batch.column(kind.name), kind)
+                view = g.views.get(kind.name) if g.views is not None else None
+                source = (
+                    view
+                    if isinstance(view, np.ndarray)
+                    else _values(g.batch.column(kind.name), kind)
+                )
                 # mode="clip" writes straight into ``out``; the default ("raise") gathers
                 # into a temporary and copies it over (2-3x slower). Clipping never
                 # happens: every row was checked to be in range above.
@@ -422,7 +463,7 @@ def assemble(
             for part in ranges[kind.name]:
                 n = len(part.lengths)
                 all_lengths[row : row + n] = part.lengths
-                total = int(part.lengths.sum())
+                total = part.total
                 if total:
                     flat = np.empty(total, dtype=kind.dtype)
                     _copy_ranges(part, flat)
@@ -443,7 +484,7 @@ def assemble(
                 n = len(part.lengths)
                 np.cumsum(part.lengths, out=bounds[row + 1 : row + n + 1])
                 bounds[row + 1 : row + n + 1] += position
-                position += int(part.lengths.sum())
+                position += part.total
                 row += n
             _copy_all(ranges[kind.name], values[:position])
             out[kind.name] = Packed(
