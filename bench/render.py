@@ -600,7 +600,11 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   3 us alone. Copying rows with the GIL released once per batch (`torch.cat`) ran 10-15 %
   faster than with it held only with torch's intra-op threads at 1 (at 2 the copy's
   OpenMP team doubled its CPU and the epoch ran 40 % slower). Two workers split that
-  work over two processes (1.5-1.7x `num_workers=0` here).
+  work over two processes (1.5-1.7x `num_workers=0` here). Since stop 39 the windows
+  of uncompressed chunks in a local cache are read on the assembler thread itself,
+  when a batch first needs them (no fetch thread to hand the GIL to and back:
+  1.2-1.3x at `num_workers=0`); zstd chunks stay on the fetch threads, whose
+  decompression runs beside the assembler with the GIL dropped.
 - **Local fast path, tokens**: the default chunk codec (byte-split + zstd-1) costs the
   decompression of every window; staged uncompressed (`edgecache-lmdb-none`, same data)
   the fast path reads LMDB views at memory speed, far ahead of LitData.
@@ -673,7 +677,22 @@ variants of this version, on the same 2-core machine, 512 MiB of each dataset):
   that thread showed 70 µs per `Tensor.view` and 60 µs per `np.arange`, each a drop
   and retake of the GIL behind the fetch threads' Python. One fetch thread instead of
   two read no faster within noise. What would reach the target here is a compiled
-  gather-and-copy that drops the GIL once per batch."""
+  gather-and-copy that drops the GIL once per batch.
+- **Since stop 39** (windows of uncompressed chunks in a local cache read on the
+  assembling thread when a batch first needs them, not on fetch threads; where each
+  row of a chunk's variable-length column lies worked out once per chunk, not per
+  batch): `python -m bench.peers --tokens-mib 0 --images-mib 1024 --systems
+  edgecache-lmdb,edgecache-grpc,litdata --workers 0,2 --repeat 3 --rounds 2`,
+  2026-12-04: images over `lmdb://` 15.7k samples/s at `num_workers=0` and 26.1k at 2
+  workers: **0.80x** LitData's best (32.5k, `num_workers=0`, same run), where stop 36's
+  full run gave 0.64x; over gRPC 5.4k, 0.39x the bare stream (0.36x before). An
+  in-process A/B on one staged 1 GiB (alternating processes, 4-5 epochs each, the old
+  side with the local check forced off): 15-20k against 13-18k samples/s at
+  `num_workers=0` (medians about 1.2x), 9.5-13.4k against 8.4-12.2k in a noisier
+  spell; the row tables alone: 2 % less CPU per epoch (medians of 16 epochs, 0.77
+  against 0.785 CPU-s), no change in samples/s beyond the noise. Tokens (zstd chunks)
+  stay on the fetch threads: read inline they ran 20 % slower (85-103k against
+  97-124k samples/s), their decompression no longer beside the assembler."""
 
 
 def _section_training(data: dict) -> str:
