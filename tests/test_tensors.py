@@ -6,10 +6,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgecache.clients.batch_memory import ReusedMemory
 from edgecache.clients.packed import Packed
-from edgecache.clients.tensors import Gather, assemble, column_kinds, with_forms
+from edgecache.clients.tensors import Gather, assemble, chunk_views, column_kinds, with_forms
 
 SCHEMA = pa.schema(
     [
@@ -213,3 +215,73 @@ def test_large_byte_values_copy_alike_whatever_torch_threads(threads: int) -> No
             del batch, image
     finally:
         torch.set_num_threads(before)
+
+
+_VARIABLE = [
+    pa.binary(),
+    pa.large_binary(),
+    pa.string(),
+    pa.large_string(),
+    pa.binary(3),
+    pa.dictionary(pa.int16(), pa.string()),
+    pa.list_(pa.int64()),
+    pa.large_list(pa.int16()),
+]
+
+
+def _values_of(kind: pa.DataType, draw: st.DrawFn, rows: int) -> pa.Array:
+    if pa.types.is_fixed_size_binary(kind):
+        return pa.array([draw(st.binary(min_size=3, max_size=3)) for _ in range(rows)], kind)
+    if pa.types.is_dictionary(kind):
+        words = draw(st.lists(st.text(max_size=4), min_size=1, max_size=5))
+        picks = [draw(st.sampled_from(words)) for _ in range(rows)]
+        return pa.array(picks, pa.string()).dictionary_encode().cast(kind)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        lists = st.lists(st.integers(-100, 100), max_size=4)
+        return pa.array([draw(lists) for _ in range(rows)], kind)
+    item = (
+        st.text(max_size=6)
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        else st.binary(max_size=6)
+    )
+    return pa.array([draw(item) for _ in range(rows)], kind)
+
+
+@st.composite
+def _gathers(draw: st.DrawFn) -> tuple[pa.DataType, list[tuple[pa.RecordBatch, list[int]]]]:
+    kind = draw(st.sampled_from(_VARIABLE))
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        rows = draw(st.integers(1, 12))
+        batch = pa.record_batch([_values_of(kind, draw, rows)], names=["v"])
+        skip = draw(st.integers(0, rows - 1))  # a sliced chunk: offsets start mid-buffer
+        batch = batch.slice(skip)
+        picked = draw(st.lists(st.integers(0, batch.num_rows - 1), min_size=1, max_size=6))
+        parts.append((batch, picked))
+    return kind, parts
+
+
+@settings(max_examples=150, deadline=None)
+@given(_gathers(), st.sampled_from(["padded", "packed"]))
+def test_a_chunks_row_table_gathers_what_its_column_holds(
+    case: tuple[pa.DataType, list[tuple[pa.RecordBatch, list[int]]]], ragged: str
+) -> None:
+    """Gathers through each chunk's views (RowTable, worked out once per chunk, as the
+    pipeline does) and straight from the column give the rows' own values."""
+    _, parts = case
+    kinds = with_forms(column_kinds(parts[0][0].schema, None), ragged=ragged)  # type: ignore[arg-type]
+    expected = [batch.column(0)[r].as_py() for batch, rows in parts for r in rows]
+    for with_views in (False, True):
+        gathers = [
+            Gather(b, np.array(rows), chunk_views(b, kinds) if with_views else None)
+            for b, rows in parts
+        ]
+        got = assemble(gathers, kinds)["v"]
+        if isinstance(got, Packed) and got.kind == "list":
+            got = [got.view(i).tolist() for i in range(len(expected))]
+        elif isinstance(got, torch.Tensor):  # padded lists
+            lengths = assemble(gathers, kinds)["v_lengths"].tolist()
+            got = [row[:n] for row, n in zip(got.tolist(), lengths, strict=True)]
+        else:
+            got = list(got)
+        assert got == expected
