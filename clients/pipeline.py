@@ -80,15 +80,13 @@ class _Inline:
     __slots__ = ("_read", "_loaded")
 
     def __init__(self, read: Callable[[], _Loaded]) -> None:
-        self._read: Callable[[], _Loaded] | None = read
+        self._read = read
         self._loaded: _Loaded | None = None
 
     def load(self) -> _Loaded:
-        """The window, read now if it was not yet."""
+        """The window, read now if it was not yet (a read that failed is tried again)."""
         if self._loaded is None:
-            assert self._read is not None
-            read, self._read = self._read, None
-            self._loaded = read()
+            self._loaded = self._read()
         return self._loaded
 
 

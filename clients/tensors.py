@@ -53,7 +53,6 @@ __all__ = [
     "assemble",
     "chunk_views",
     "column_kinds",
-    "row_table",
     "with_forms",
 ]
 
@@ -183,7 +182,7 @@ def chunk_views(
         if k.kind == "fixed":
             views[k.name] = _values(batch.column(k.name), k)
         elif k.kind in ("ragged", "packed"):
-            views[k.name] = row_table(batch.column(k.name), k)
+            views[k.name] = _row_table(batch.column(k.name), k)
     return views
 
 
@@ -267,7 +266,7 @@ def _no_nulls(column: pa.Array, kind: ColumnKind) -> None:
         )
 
 
-def row_table(column: pa.Array, kind: ColumnKind) -> RowTable:
+def _row_table(column: pa.Array, kind: ColumnKind) -> RowTable:
     """Where the values of each row of a binary, string or list-of-numbers column lie."""
     if kind.item == "list":
         if column.null_count:  # read as an empty list, it was a sample quietly changed
@@ -311,7 +310,7 @@ def _ranges(gather: Gather, kind: ColumnKind) -> _Ranges:
     """The values of a gather's rows of a variable-length column, from its chunk's table."""
     table = gather.views.get(kind.name) if gather.views is not None else None
     if not isinstance(table, RowTable):
-        table = row_table(gather.batch.column(kind.name), kind)
+        table = _row_table(gather.batch.column(kind.name), kind)
     return table.ranges(gather.rows)
 
 
