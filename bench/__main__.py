@@ -124,6 +124,9 @@ def run_suite(suite: Suite, scale: float, out: Path, console: Console) -> dict |
     data = json.loads(target.read_text())
     data["_wall_seconds"] = round(seconds, 1)
     data["_scale"] = scale
+    # Sections of docs/benchmarks.md come from runs of different days (one suite can be
+    # run again alone): each says when its figures were measured.
+    data["_date"] = time.strftime("%Y-%m-%d")
     target.write_text(json.dumps(data, indent=2))
     console.print(f"{suite.name}: done in {seconds:.0f} s")
     return data

@@ -264,9 +264,10 @@ def _versions_line(data: dict) -> str:
 
 
 def _command(name: str, data: dict) -> str:
+    when = f", {data['_date']}" if data.get("_date") else ""
     return (
         f"`python -m bench --only {name}` (scale {data.get('_scale', 1.0):g}, "
-        f"{data.get('_wall_seconds', '?')} s)"
+        f"{data.get('_wall_seconds', '?')} s{when})"
     )
 
 
