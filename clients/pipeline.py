@@ -8,15 +8,16 @@ process through a shared ring (:mod:`edgecache.clients.batch_memory`).
 
 The assembler plans batches in canonical order (which window positions each
 holds, :meth:`EpochOrder.batch`) and submits the windows they need to the
-fetch threads in order of first need, planning further ahead while the
-decoded bytes held stay under the windows open at once plus a read-ahead
-that adapts to the consumer (see :class:`Pipeline`). A window is dropped once
-every planned batch using it was built and no later batch of this pipeline can
-need it: the canonical batches still to come read each lane from a known place
-on (:meth:`RankBatches.reached`), and all of the window's samples lie before it
-(the part another worker's lane or another rank reads is theirs). At any time a
-pipeline holds about one window per stream it reads, two for the streams of a
-lane where they move on, plus the read-ahead.
+fetch threads in order of first need (a local cache's uncompressed windows it
+reads itself, when first needed: see :meth:`Pipeline._submit`), planning
+further ahead while the decoded bytes held stay under the windows open at once
+plus a read-ahead that adapts to the consumer (see :class:`Pipeline`). A
+window is dropped once every planned batch using it was built and no later
+batch of this pipeline can need it: the canonical batches still to come read
+each lane from a known place on (:meth:`RankBatches.reached`), and all of the
+window's samples lie before it (the part another worker's lane or another rank
+reads is theirs). At any time a pipeline holds about one window per stream it
+reads, two for the streams of a lane where they move on, plus the read-ahead.
 
 Stopping early (a ``break``, ``close()``, garbage collection, a DataLoader
 worker's exit) cancels the reads and joins every thread before it returns:
