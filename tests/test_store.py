@@ -27,7 +27,7 @@ from edgecache.cache.errors import (
     WriterLocked,
 )
 from edgecache.cache.keys import ShardKey
-from edgecache.cache.store import CacheStore
+from edgecache.cache.store import REAP_EVERY, CacheStore
 
 K = ShardKey("tokens", 1, 0)
 FUTURE = datetime.now(UTC) + timedelta(days=1)
@@ -286,7 +286,29 @@ def test_exported_view_keeps_its_snapshot_alive(store: CacheStore) -> None:
     assert held.to_pybytes() == frames[0]  # still the old, intact snapshot
     del held
     store.put_shard(ShardKey("other", 1, 1), shard_frames(seed=9))
-    store.read_shard(ShardKey("other", 1, 1)).close()  # reaps the lingering transaction
+    # Reads reap lingering transactions once every REAP_EVERY reads: this one goes within
+    # that many, and with it the old snapshot.
+    for _ in range(REAP_EVERY + 1):
+        store.read_shard(ShardKey("other", 1, 1)).close()
+    assert store._lingering == []
+
+
+def test_lingering_transactions_are_reaped_every_few_reads(store: CacheStore) -> None:
+    """A reader holding views of many windows keeps a transaction lingering for each: reads
+    reap those no longer in use once every REAP_EVERY reads, so they never pile up, and a
+    freed one stays open for at most that many more reads."""
+    store.put_shard(K, shard_frames())
+    held = []
+    for _ in range(3 * REAP_EVERY):
+        with store.read_shard(K) as reader:
+            held.append(pa.py_buffer(reader.chunk(0)))  # exported: its transaction lingers
+    assert len(store._lingering) == len(held)  # all in use: none can go
+    del held[:-2]
+    for _ in range(REAP_EVERY):
+        store.read_shard(K).close()
+    assert len(store._lingering) == 2  # the two still in use
+    del held
+    store.close()  # reaps the rest: nothing left open
     assert store._lingering == []
 
 
