@@ -647,6 +647,8 @@ class CacheStore(ClosingContext):
 
         Counts a hit, or a miss and raises :class:`ShardNotCached`.
         """
+        # Unlocked: reads on two threads may lose a count or both reap, which only moves
+        # the next reap by a read (the reap itself takes the lock).
         self._reads_to_reap -= 1
         if self._reads_to_reap <= 0:
             self._reap_lingering()
