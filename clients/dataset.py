@@ -62,7 +62,13 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from edgecache.cache import recycled
 from edgecache.cache.codec import MIN_CHUNK_BYTES
-from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint
+from edgecache.cache.errors import (
+    AllNodesFailed,
+    EdgeCacheError,
+    InvalidEndpoint,
+    ManifestError,
+    VersionNotFound,
+)
 from edgecache.cache.manifest import manifest_from_bytes, manifest_schema
 from edgecache.cache.names import VersionSpec
 from edgecache.cache.row_grid import row_bytes, rows_per_window, version_chunk_bytes
@@ -751,12 +757,41 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         return [manifest_from_bytes(raw, source="manifest from rank 0") for raw in box[0]]
 
     def _fetch(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
-        if all(e.local for e in self.endpoints):  # each store is closed again at once
-            return [local_manifest(self.endpoints, s.dataset, s.version) for s in specs]
+        local = [e for e in self.endpoints if e.local]
+        if len(local) == len(self.endpoints):  # each store is closed again at once
+            return [local_manifest(local, s.dataset, s.version) for s in specs]
         # The pool stays open for reading. (Closing its gRPC channels just before a
         # DataLoader forks its workers made a worker hang opening its own channel.)
         pool = self.pool()
-        return [fetch_manifest(pool, s.dataset, s.version) for s in specs]
+        return [self._fetch_one(pool, local, s) for s in specs]
+
+    def _fetch_one(
+        self, pool: NodePool, local: Sequence[Endpoint], spec: VersionSpec
+    ) -> pb.Manifest:
+        """A version's manifest from the nodes; from a local cache when no node answers.
+
+        A node is asked first: it resolves ``@latest`` from the registry and holds
+        the registry's copy. But with every node unreachable, a job whose data is
+        all in a local cache (``lmdb://`` first, its node listed as the fallback)
+        must still start: its reads never needed the node.
+        """
+        try:
+            return fetch_manifest(pool, spec.dataset, spec.version)
+        except AllNodesFailed as exc:
+            if not local:
+                raise
+            try:
+                manifest = local_manifest(local, spec.dataset, spec.version)
+            except (VersionNotFound, ManifestError) as missing:
+                exc.add_note(f"nor could a local cache give it: {missing}")
+                raise exc from None
+            log.warning(
+                "no node answered for %s@%s (%s); its manifest came from a local cache",
+                manifest.dataset,
+                manifest.version,
+                "; ".join(x.strip() for x in str(exc).splitlines() if x.startswith("  ")),
+            )
+            return manifest
 
     # ------------------------------------------------------------ iteration
 
@@ -829,8 +864,32 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         ):
             self._origin = (self.seed, self.epoch, 0, None)  # the next epoch (set at the end)
             self._position.moved(generation, self.epoch)
+        elif finished is None:
+            self._after_other_workers(generation)
         self.seed, self.epoch, self._cursor, self._remaining = self._origin
         self._position.started(generation)
+
+    def _after_other_workers(self, generation: int) -> None:
+        """A worker with no pass of its own read to its end: where earlier workers left the epochs.
+
+        Workers that are not persistent are new copies of the training process's
+        dataset every pass, which only ``set_epoch`` and ``load_state_dict`` move:
+        without this, a loop that did not call ``set_epoch`` read epoch 0's order
+        again every pass with workers, where ``num_workers=0`` and persistent
+        workers went on. Since the training process last put the dataset, earlier
+        workers may have gone on by themselves (the start of the epoch they moved
+        to, also after a pass of it broken off), and the last pass's workers may
+        all have read it to its end (then the epoch after it, for every worker of
+        this pass alike, and the training process follows: :meth:`_follow_workers`).
+        """
+        seed, epoch = self._origin[0], self._origin[1]
+        moved = self._position.moved_to()
+        if moved is not None and moved[0] == generation and moved[1] > epoch:
+            self._origin = (seed, moved[1], 0, None)
+        read = self._position.epoch_read_since(generation)
+        if read is not None and read > self._origin[1]:
+            self._origin = (seed, read, 0, None)
+            self._position.moved(generation, read)
 
     def _follow_workers(self) -> None:
         """In the training process: the epoch persistent workers went on to by themselves.
@@ -1020,7 +1079,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 self._finished_stretch = stretch
             else:
                 self._finished_pass = self._passes
-                self._position.finished(worker.id, worker.seed - worker.id, self._passes)
+                self._position.finished(
+                    worker.id,
+                    worker.seed - worker.id,
+                    self._passes,
+                    workers=worker.num_workers,
+                    generation=self._position_seen,
+                    next_epoch=self.epoch,
+                )
         except (EdgeCacheError, ValueError) as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
             # and code) and traceback stay; the version is added as context (also to

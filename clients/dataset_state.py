@@ -246,6 +246,11 @@ class SharedPosition:
         # [1] the generation under which a worker last started a pass (+1; 0: never);
         # then per worker, the (loader, pass) it last read to its end.
         self._workers = torch.zeros(2 + 2 * self.WORKERS, dtype=torch.int64).share_memory_()
+        # The last pass a worker read to its end: [loader, workers, pass, generation, the
+        # epoch after it]. Fresh workers (not persistent: new ones every pass) have no
+        # pass of their own to go by; this tells them the previous loader's workers all
+        # finished the epoch. Every worker of a pass writes the same values.
+        self._last_pass = torch.zeros(5, dtype=torch.int64).share_memory_()
 
     @property
     def generation(self) -> int:
@@ -273,11 +278,40 @@ class SharedPosition:
 
     # ------------------------------------------------ what the workers did by themselves
 
-    def finished(self, worker: int, loader: int, serial: int) -> None:
-        """Worker ``worker`` of DataLoader ``loader`` read pass ``serial`` to its end."""
+    def finished(
+        self,
+        worker: int,
+        loader: int,
+        serial: int,
+        *,
+        workers: int,
+        generation: int,
+        next_epoch: int,
+    ) -> None:
+        """Worker ``worker`` (of ``workers``) of DataLoader ``loader`` read pass ``serial`` whole.
+
+        The pass began from the position of ``generation``; the epoch after it is
+        ``next_epoch``.
+        """
         if worker < self.WORKERS:
             self._workers[2 + 2 * worker + 1] = serial
             self._workers[2 + 2 * worker] = loader
+        self._last_pass.copy_(
+            torch.tensor([loader, workers, serial, generation, next_epoch], dtype=torch.int64)
+        )
+
+    def epoch_read_since(self, generation: int) -> int | None:
+        """The epoch after the last pass all workers read to its end, if begun at ``generation``.
+
+        None when no such pass: none ended since the training process last put
+        the dataset (a new position since), or some worker of it stopped short (a
+        ``break``). Read by a worker at a pass's start, when the last pass's workers
+        have all answered the DataLoader, so it is whole.
+        """
+        loader, workers, serial, began, next_epoch = (int(x) for x in self._last_pass.tolist())
+        if workers <= 0 or began != generation:
+            return None
+        return next_epoch if self.all_finished(workers, loader, serial) else None
 
     def all_finished(self, workers: int, loader: int, serial: int) -> bool:
         """Whether every worker of ``loader`` read pass ``serial`` to its end.

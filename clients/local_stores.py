@@ -29,7 +29,7 @@ from edgecache.cache.store import CacheStore
 from edgecache.clients.endpoints import Endpoint
 from edgecache.v1 import manifest_pb2 as pb
 
-__all__ = ["acquire", "check", "release"]
+__all__ = ["acquire", "check", "damaged_manifest", "release", "restage_advice"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,21 @@ def restage_advice(name: str, endpoint: str) -> str:
     return (
         f"Stage it on that node again (edgecache warm {name} --region <its region>), "
         f"or list the node's gRPC endpoint after {endpoint} so reads continue through it"
+    )
+
+
+def damaged_manifest(name: str, path: str) -> str:
+    """Why a local cache's copy of a version's manifest is passed over, and what to do.
+
+    The registry's copy is intact (a reader checks the cache's against its own
+    digest), so publishing again is not the fix: that would make a new version.
+    """
+    return (
+        f"the manifest of {name} kept in the cache at {path} is damaged (it does not "
+        "parse, or its digest does not match its content), so that cache is not read "
+        f"for {name}. Its node takes the registry's intact copy when it stages the "
+        f"version again: edgecache evict {name} --region <its region>, then edgecache "
+        f"warm {name} --region <its region>"
     )
 
 

@@ -33,6 +33,7 @@ from edgecache.cache.errors import (
     CacheDirError,
     ChunkCorrupt,
     InvalidEndpoint,
+    ManifestError,
     NodeUnavailable,
     ShardNotCached,
 )
@@ -210,7 +211,13 @@ class NodePool:
             if key in self._local_digests:
                 return self._local_digests[key]
         raw = self.store(endpoint).get_manifest(dataset, version)
-        digest = None if raw is None else manifest_from_bytes(raw, source=endpoint.text).digest
+        try:
+            digest = None if raw is None else manifest_from_bytes(raw, source=endpoint.text).digest
+        except ManifestError as exc:
+            # Which rows the cache holds cannot be told: read them elsewhere, as for a
+            # shard it lacks (the next endpoint; asked again next read, not remembered).
+            name = f"{dataset}@{version}"
+            raise ShardNotCached(local_stores.damaged_manifest(name, endpoint.target)) from exc
         with self._channel_lock:
             self._local_digests[key] = digest
         return digest

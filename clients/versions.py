@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from edgecache.cache.errors import VersionNotFound
+from edgecache.cache.errors import ManifestError, VersionNotFound
 from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.clients import local_stores
 from edgecache.clients.endpoints import Endpoint
@@ -57,6 +57,7 @@ def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | N
     process holds it): an LMDB environment must not be open in a process that
     forks DataLoader workers which open it again.
     """
+    damaged: list[str] = []
     for endpoint in endpoints:
         store = local_stores.acquire(endpoint.target)
         try:
@@ -68,12 +69,21 @@ def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | N
             raw = store.get_manifest(dataset, wanted) if wanted else None
         finally:
             local_stores.release(store)
-        if raw is not None:
-            if version is None:
-                log.warning(
-                    "resolved %s@latest from the local cache only: %s@%s", dataset, dataset, wanted
-                )
-            return manifest_from_bytes(raw, source=f"{endpoint.text} manifest")
+        if raw is None:
+            continue
+        try:
+            manifest = manifest_from_bytes(raw, source=f"{endpoint.text} manifest")
+        except ManifestError:  # this cache's copy only: another may keep it whole
+            damaged.append(local_stores.damaged_manifest(f"{dataset}@{wanted}", endpoint.target))
+            log.warning("%s", damaged[-1])
+            continue
+        if version is None:
+            log.warning(
+                "resolved %s@latest from the local cache only: %s@%s", dataset, dataset, wanted
+            )
+        return manifest
+    if damaged:
+        raise ManifestError("; ".join(damaged))
     raise VersionNotFound(
         f"{dataset}@{version or 'latest'} is in none of the local caches "
         f"{[e.target for e in endpoints]}; stage it first (edgecache warm)"

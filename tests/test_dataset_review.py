@@ -220,6 +220,101 @@ def test_persistent_workers_moving_on_by_themselves_move_the_state(cluster) -> N
     ds.close()
 
 
+def test_workers_that_are_not_persistent_go_on_to_the_next_epoch(cluster) -> None:
+    # Fresh workers (a new copy of the training process's dataset every pass) read
+    # epoch 0's order again every pass when the loop did not call set_epoch, where
+    # num_workers=0 and persistent workers went on to epoch 1, 2, ...
+    reference = {e: epoch_batches(cluster, e) for e in range(4)}
+    ds = make(cluster)
+    dl = loader(ds, 2)
+    assert [labels(b) for b in dl] == reference[0]
+    it = iter(dl)
+    got = [labels(next(it)) for _ in range(5)]
+    assert got == reference[1][:5]
+    assert (ds.state_dict(batches=5)["epoch"], len(ds)) == (1, 84)
+    del it  # broken off: the next pass reads epoch 1 again, whole, where it began
+    assert [labels(b) for b in dl] == reference[1]
+    assert [labels(b) for b in loader(ds, 3)] == reference[2]  # another loader too
+    # A break near the end (some workers read their share to its end, others not):
+    # the next pass is that epoch whole, never half one epoch, half the next.
+    for i, _ in enumerate(dl):
+        if i + 1 == 81:
+            break
+    assert [labels(b) for b in dl] in (reference[3], epoch_batches(cluster, 4))
+    # set_epoch still says which epoch a pass reads, whatever workers did before.
+    ds.set_epoch(1)
+    assert [labels(b) for b in dl] == reference[1]
+    ds.set_epoch(1)
+    assert [labels(b) for b in loader(ds)] == reference[1]
+    ds.close()
+
+
+# ------------------------------------------------ a local cache beside its node
+
+
+def test_a_local_cache_serves_a_job_whose_node_listed_with_it_is_down(cluster, caplog) -> None:
+    # lmdb:// first and its node after it, as docs/dataset.md recommends: with the node
+    # down the dataset could not be built ("GetManifest failed on every endpoint"),
+    # though every row was in the local cache.
+    dead = f"127.0.0.1:{free_port()}"
+    reference = epoch_batches(cluster, 0)
+    for endpoints in ([*lmdb(cluster), dead], [dead, *lmdb(cluster)]):
+        with caplog.at_level(logging.WARNING, logger="edgecache.clients.dataset"):
+            ds = EdgeDataset("tokens@1", endpoints=endpoints, retry_timeout=5, **SMALL)  # type: ignore[arg-type]
+        assert "its manifest came from a local cache" in caplog.text
+        assert [labels(b) for b in loader(ds)] == reference
+        ds.close()
+    # What neither the nodes nor a local cache holds: the nodes' failure, and why the
+    # local caches could not stand in.
+    with pytest.raises(Exception, match="failed on every endpoint") as info:
+        EdgeDataset("nope@1", endpoints=[*lmdb(cluster), dead], retry_timeout=5, **SMALL)  # type: ignore[arg-type]
+    assert any("nor could a local cache give it" in n for n in info.value.__notes__)
+
+
+def _damaged_copy(cluster, tmp_path: Path) -> str:
+    """A copy of the node's cache whose tokens@1 manifest record has one bit flipped."""
+    import lmdb as lmdb_module
+
+    from edgecache.cache.keys import version_key
+    from edgecache.cache.store_files import DBS
+
+    copy = tmp_path / "damaged"
+    copy.mkdir()
+    with lmdb_module.open(
+        str(cluster[0] / "cache"), readonly=True, lock=False, max_dbs=len(DBS) + 2
+    ) as env:
+        env.copy(str(copy))
+    env = lmdb_module.open(str(copy), max_dbs=len(DBS) + 2)
+    manifests = env.open_db(b"manifests")
+    with env.begin(write=True) as txn:
+        record = bytearray(txn.get(version_key("tokens", 1), db=manifests))
+        record[len(record) // 2] ^= 0x01
+        txn.put(version_key("tokens", 1), bytes(record), db=manifests)
+    env.close()
+    return f"lmdb://{copy}"
+
+
+def test_a_local_caches_damaged_manifest_sends_reads_to_the_next_endpoint(
+    cluster, tmp_path: Path, caplog
+) -> None:
+    # A flipped bit in one cache's copy of the manifest ended the run ("republish it",
+    # which the registry's intact copy does not need), though a node was listed after it.
+    damaged = _damaged_copy(cluster, tmp_path)
+    reference = epoch_batches(cluster, 0)
+    with caplog.at_level(logging.WARNING):
+        for endpoints in ([cluster[1].address, damaged], [damaged, *lmdb(cluster)]):
+            ds = EdgeDataset("tokens@1", endpoints=endpoints, **SMALL)  # type: ignore[arg-type]
+            assert [labels(b) for b in loader(ds)] == reference
+            ds.close()
+    assert "is damaged" in caplog.text and "edgecache evict tokens@1" in caplog.text
+    assert "republish" not in caplog.text
+    # Alone, it says what is wrong and how to mend it.
+    from edgecache.cache.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="damaged.*edgecache warm tokens@1"):
+        EdgeDataset("tokens@1", endpoints=[damaged], **SMALL)  # type: ignore[arg-type]
+
+
 # ------------------------------------------------ DDP, arguments and errors
 
 
