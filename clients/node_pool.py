@@ -519,6 +519,7 @@ class NodePool:
             ranking = self.ranked(rows.shard_id)
             for place, endpoint in enumerate(ranking):
                 passed_over = False  # a local cache without the rows, others after it
+                corrupt = False  # it failed on a damaged chunk (read once more, no longer)
                 if next_row >= row_end or stop.is_set():
                     return  # done (the stream broke after the last row we needed), or stopped
                 try:
@@ -553,6 +554,9 @@ class NodePool:
                     if self._closed:
                         raise self._closed_error(endpoint) from exc
                     errors[endpoint.text] = self._failover_reason(endpoint, rest, exc)
+                    # Not the exception itself: its traceback holds this frame, and the
+                    # cycle kept a finished read's generator (and its LMDB reader) alive.
+                    corrupt = isinstance(exc, ChunkCorrupt)
                     refused = isinstance(exc, grpc.RpcError) and exc.code() == _REFUSED
                     if refused:
                         refusals.append((endpoint, exc))  # type: ignore[arg-type]
@@ -609,7 +613,14 @@ class NodePool:
                         rows.shard,
                         endpoint.text,
                         errors.get(endpoint.text),
-                        _next_step(ranking, place, next_row, self.retry_timeout, final=final),
+                        _next_step(
+                            ranking,
+                            place,
+                            next_row,
+                            self.retry_timeout,
+                            final=final,
+                            corrupt=corrupt,
+                        ),
                     )
             if refusals and not progressed and settled == len(self.endpoints):
                 node, answer = refusals[0]
@@ -701,13 +712,22 @@ _FAILOVER_CODES = frozenset(
 
 
 def _next_step(
-    ranking: Sequence[Endpoint], place: int, row: int, retry_timeout: float, *, final: bool
+    ranking: Sequence[Endpoint],
+    place: int,
+    row: int,
+    retry_timeout: float,
+    *,
+    final: bool,
+    corrupt: bool = False,
 ) -> str:
     """What a read does after ``ranking[place]`` failed at ``row`` (for the log).
 
     ``final``: every endpoint answered for good (refused the rows, or is a cache
-    without them), so the read fails now instead of retrying.
+    without them), so the read fails now instead of retrying. ``corrupt``: it
+    failed on a damaged chunk, which is read once more, not for ``retry_timeout``.
     """
+    if corrupt and place + 1 == len(ranking):
+        return f"reading it once more from row {row}: a second damaged read ends it"
     if final:
         if len(ranking) == 1:
             return "no other endpoint, and a refusal is its answer: the read fails now"

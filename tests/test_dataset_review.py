@@ -271,25 +271,30 @@ def test_a_local_cache_serves_a_job_whose_node_listed_with_it_is_down(cluster, c
     assert any("nor could a local cache give it" in n for n in info.value.__notes__)
 
 
-def _damaged_copy(cluster, tmp_path: Path) -> str:
-    """A copy of the node's cache whose tokens@1 manifest record has one bit flipped."""
+def _damaged_copy(cluster, tmp_path: Path, db: bytes = b"manifests", key: bytes = b"") -> str:
+    """A copy of the node's cache with one bit flipped in one record (tokens@1's manifest)."""
     import lmdb as lmdb_module
 
     from edgecache.cache.keys import version_key
     from edgecache.cache.store_files import DBS
 
-    copy = tmp_path / "damaged"
+    copy = tmp_path / f"damaged-{db.decode()}"
     copy.mkdir()
-    with lmdb_module.open(
-        str(cluster[0] / "cache"), readonly=True, lock=False, max_dbs=len(DBS) + 2
-    ) as env:
-        env.copy(str(copy))
+    # A consistent snapshot (the node may be writing), taken in another process: this
+    # one may hold the cache open already, and LMDB refuses a second open.
+    snapshot = (
+        "import lmdb, sys; lmdb.open(sys.argv[1], readonly=True, max_dbs=16).copy(sys.argv[2])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", snapshot, str(cluster[0] / "cache"), str(copy)], check=True
+    )
     env = lmdb_module.open(str(copy), max_dbs=len(DBS) + 2)
-    manifests = env.open_db(b"manifests")
+    table = env.open_db(db)
+    key = key or version_key("tokens", 1)
     with env.begin(write=True) as txn:
-        record = bytearray(txn.get(version_key("tokens", 1), db=manifests))
+        record = bytearray(txn.get(key, db=table))
         record[len(record) // 2] ^= 0x01
-        txn.put(version_key("tokens", 1), bytes(record), db=manifests)
+        txn.put(key, bytes(record), db=table)
     env.close()
     return f"lmdb://{copy}"
 
@@ -313,6 +318,27 @@ def test_a_local_caches_damaged_manifest_sends_reads_to_the_next_endpoint(
 
     with pytest.raises(ManifestError, match="damaged.*edgecache warm tokens@1"):
         EdgeDataset("tokens@1", endpoints=[damaged], **SMALL)  # type: ignore[arg-type]
+
+
+def test_a_damaged_chunk_in_a_local_cache_alone_fails_at_once_saying_so(
+    cluster, tmp_path: Path, caplog
+) -> None:
+    # The log promised "no other endpoint: retrying it from row 312 for up to 30 s",
+    # and ChunkCorrupt came 0.2 s later: a damaged chunk is read once more, no longer.
+    from edgecache.cache.errors import ChunkCorrupt
+    from edgecache.cache.keys import ShardKey, chunk_key
+
+    damaged = _damaged_copy(
+        cluster, tmp_path, b"chunks", chunk_key(ShardKey("tokens", 1, 2).encode(), 1)
+    )
+    with caplog.at_level(logging.WARNING), pytest.raises(ChunkCorrupt, match="read-only"):
+        for _ in loader(EdgeDataset("tokens@1", endpoints=[damaged], **SMALL)):  # type: ignore[arg-type]
+            pass
+    assert "reading it once more" in caplog.text and "for up to" not in caplog.text
+    # With the node after it, the epoch is whole: the damaged chunk's rows from the node.
+    ds = EdgeDataset("tokens@1", endpoints=[damaged, cluster[1].address], **SMALL)  # type: ignore[arg-type]
+    assert [labels(b) for b in loader(ds)] == epoch_batches(cluster, 0)
+    ds.close()
 
 
 # ------------------------------------------------ DDP, arguments and errors
