@@ -111,6 +111,54 @@ def _shares(components: Sequence[dict[str, Any]], samples: object) -> list[int] 
     return allocate([float(w) for w in weights], samples)  # type: ignore[arg-type]
 
 
+_DERIVED = frozenset({"samples_per_epoch", "window_rows"})  # worked out from other knobs
+
+# A state's fields and what each must be: a state edited by hand or carried in another
+# format failed later with a bare KeyError, TypeError or IndexError, or resumed
+# nonsense (a negative batch count, rank 5 of 1).
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "components": (list,),
+    "order": (dict,),
+    "seed": (int,),
+    "epoch": (int,),
+    "remaining": (list, type(None)),
+    "world_size": (int,),
+    "rank": (int,),
+    "batch_size": (int, type(None)),
+    "drop_last": (bool,),
+    "batches": (int,),
+}
+
+
+def _check_fields(state: dict[str, Any]) -> None:
+    """StateMismatch naming the first field of ``state`` that is missing or out of range."""
+    for name, kinds in _FIELDS.items():
+        if name not in state:
+            raise StateMismatch(
+                f"the state has no {name!r}: not a whole EdgeDataset state dict (save one with "
+                "state_dict() and load it unchanged)"
+            )
+        value = state[name]
+        integer = kinds[0] is int
+        if not isinstance(value, kinds) or (integer and isinstance(value, bool)):
+            raise StateMismatch(
+                f"the state's {name!r} is {value!r}, not {' or '.join(_KIND[k] for k in kinds)}"
+            )
+    least = {"epoch": 0, "batches": 0, "world_size": 1, "rank": 0, "batch_size": 1}
+    for name, minimum in least.items():
+        if state[name] is not None and state[name] < minimum:
+            raise StateMismatch(f"the state's {name!r} is {state[name]}, less than {minimum}")
+    if state["rank"] >= state["world_size"]:
+        raise StateMismatch(
+            f"the state's 'rank' {state['rank']} is not one of its 'world_size' "
+            f"{state['world_size']} ranks"
+        )
+
+
+_KIND = {list: "a list", dict: "a dict", int: "an integer", bool: "True or False"}
+_KIND[type(None)] = "None"
+
+
 def resume_from(
     state: object,
     *,
@@ -137,6 +185,7 @@ def resume_from(
             "(before windows were aligned with chunks) describe another order and cannot be "
             "resumed exactly; start the epoch again with set_epoch(epoch)"
         )
+    _check_fields(state)
     interleave = state["format"] == FORMAT
     theirs = state.get("components", [])
     keys = [(c["dataset"], c["version"], c["digest"]) for c in theirs]
@@ -160,7 +209,9 @@ def resume_from(
             f"the state's mixture weights {[c.get('weight') for c in theirs]} differ from this "
             f"dataset's {[c.get('weight') for c in components]}; use the same weights to resume"
         )
-    for key, mine in order.items():
+    # The knobs a user sets before those derived from them: a state of another rows= split
+    # named samples_per_epoch, which the user never set, as the difference.
+    for key, mine in sorted(order.items(), key=lambda item: item[0] in _DERIVED):
         if state["order"].get(key) != mine:
             saved = state["order"].get(key)
             raise StateMismatch(
@@ -189,7 +240,14 @@ def resume_from(
     start = remaining or Remaining.whole(lengths)
     # batch_size=None reads one sample at a time: batches of one (as the epoch's order).
     batch_size = state["batch_size"] or 1
-    if batches >= _batch_count(state, start, batch_size, per_lane):
+    count = _batch_count(state, start, batch_size, per_lane)
+    if batches > count:
+        raise StateMismatch(
+            f"{_names(components)}: the state's batches={batches} is more than the "
+            f"{count} batches of its stretch of epoch {epoch}: not a state this dataset saved "
+            "(with workers, state_dict(batches=steps) takes the steps since the last resume)"
+        )
+    if batches == count:
         # The whole stretch was consumed (a checkpoint after an epoch's last step, with
         # workers): the next epoch, from its start, as a state saved at num_workers=0 says.
         # Resumed as it stands, it was an empty epoch: len() 0 and a pass of nothing.

@@ -159,8 +159,19 @@ def parse_rows(rows: object) -> tuple[float, float] | tuple[int, int] | None:
             raise ValueError(f"rows=({a}, {b}): row numbers must satisfy 0 <= start <= end")
         return (int(a), int(b))
     if all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (a, b)):
+        # A float makes both fractions; an integer beside it other than 0 or 1 was meant
+        # as a row number ((1, 1.0) read as "none", (0.0, 6000) refused as a fraction).
+        mixed = [x for x in (a, b) if isinstance(x, numbers.Integral) and x not in (0, 1)]
+        if mixed:
+            raise ValueError(
+                f"rows=({a}, {b}) mixes a fraction and a row number ({mixed[0]}): give two "
+                "fractions (rows=(0.0, 0.9)) or two integer row numbers (rows=(0, 10800))"
+            )
         if not 0.0 <= a <= b <= 1.0:
-            raise ValueError(f"rows=({a}, {b}): fractions must satisfy 0 <= start <= end <= 1")
+            raise ValueError(
+                f"rows=({a}, {b}): a float makes both fractions; fractions must satisfy "
+                "0 <= start <= end <= 1 (or give two integer row numbers)"
+            )
         return (float(a), float(b))
     raise ValueError(f"rows must be two fractions or two row numbers, got {rows!r}")
 

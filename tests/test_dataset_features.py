@@ -21,6 +21,7 @@ from edgeutil import publish, stub, write_parquet_shards
 
 from edgecache.cache.errors import StateMismatch, VersionNotFound
 from edgecache.clients import EdgeDataset
+from edgecache.clients.mixture import parse_rows
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
 
@@ -269,6 +270,12 @@ def test_row_splits_never_overlap_and_are_stable(cluster, kind: str, workers: in
     assert {x for _, x in read(rows, 0)} == set(range(100, 250))
     with pytest.raises(ValueError, match="fractions must satisfy"):
         EdgeDataset("tokens@1", endpoints=eps, rows=(0.5, 0.2))
+    # A fraction beside a row number was read as two fractions: (0.0, 6000) was refused
+    # as a bad fraction, without saying why 6000 was one.
+    for mixed in ((0.0, 6000), (100, 0.5)):
+        with pytest.raises(ValueError, match="mixes a fraction and a row number"):
+            EdgeDataset("tokens@1", endpoints=eps, rows=mixed)
+    assert parse_rows((0, 0.5)) == (0.0, 0.5) and parse_rows((0.5, 1)) == (0.5, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -341,6 +341,35 @@ def test_a_damaged_chunk_in_a_local_cache_alone_fails_at_once_saying_so(
     ds.close()
 
 
+def test_a_malformed_state_is_refused_when_loaded_naming_its_field(cluster) -> None:
+    # Edited or truncated states loaded, then failed with a bare KeyError, TypeError or
+    # IndexError (batches=-3: "batch -3 of 84") or resumed nonsense (rank 5 of 1).
+    from edgecache.cache.errors import StateMismatch
+
+    ds = make(cluster)
+    good = ds.state_dict()
+    cases = {
+        "batches": -3,
+        "epoch": -1,
+        "rank": 5,
+        "batch_size": "64",
+        "drop_last": 1,
+        "seed": 1.5,
+    }
+    for field, value in cases.items():
+        with pytest.raises(StateMismatch, match=repr(field)):
+            make(cluster).load_state_dict({**good, field: value})
+    with pytest.raises(StateMismatch, match="no 'remaining'"):
+        make(cluster).load_state_dict({k: v for k, v in good.items() if k != "remaining"})
+    with pytest.raises(StateMismatch, match="more than the 84 batches"):
+        make(cluster).load_state_dict({**good, "batches": 10**6})
+    # The setting the user changed is named, not one worked out from it.
+    split = make(cluster, rows=(0.0, 0.9)).state_dict()
+    with pytest.raises(StateMismatch, match=r"saved with rows=\[0\.0, 0\.9\]"):
+        make(cluster).load_state_dict(split)
+    make(cluster).load_state_dict({**good, "batches": 84})  # the whole epoch: the next one
+
+
 # ------------------------------------------------ DDP, arguments and errors
 
 
