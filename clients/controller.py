@@ -75,6 +75,7 @@ from edgecache.clients.ops import (
     region_outages,
     status_call_timeout,
     unreachable_regions,
+    warm_readers,
 )
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
@@ -775,11 +776,17 @@ class Controller:
         A cancelled job's versions would otherwise stay pinned until its old
         end, holding room the LRU and the next plans need. Only a pin the node
         still has as placed is released (someone may have pinned it since),
-        and nothing in a region with a node down (the plan there is partial).
+        nothing in a region with a node down (the plan there is partial), and
+        nothing a job in warm's record still reads there: warm's pin of a
+        version the controller's jobs read too is the same pin, counted here
+        as placed, and releasing it would let the node evict what warm's job
+        needs (``edgecache evict`` refuses for that job). It stays in the
+        record, to be released once neither needs it.
         """
         down = set(region_outages(reports))
         region_of = {n: r for r, cfg in self.topology.regions.items() for n in cfg.nodes}
         failures = []
+        warm_reads: set[tuple[str, str]] | None = None  # read once, if a pin is to go
         for key, until in sorted(self.state.pins.items()):
             node, _, spec = key.partition(" ")
             region = region_of.get(node)
@@ -792,6 +799,10 @@ class Controller:
                 continue  # still kept (re-placed below if its time changed)
             have = seen.pins.get((node, version))
             if have is not None and abs((have - datetime.fromisoformat(until)).total_seconds()) < 1:
+                if warm_reads is None:
+                    warm_reads = self._warm_reads()
+                if warm_reads is None or (region, spec) in warm_reads:
+                    continue  # a job warm recorded reads it (or may: unreadable): keep it
                 unpinned = self.executor.unpin(node, version)
                 if not unpinned.released:
                     if unpinned.problem:
@@ -806,6 +817,18 @@ class Controller:
                 for version, pin_until in region_plan.pins.items():
                     self.state.pins[f"{node} {_spec(version)}"] = _iso(pin_until) or ""
         return failures
+
+    def _warm_reads(self) -> set[tuple[str, str]] | None:
+        """(region, name@N) that jobs in warm's record read; None when it cannot be read.
+
+        Unread, every pin is kept this round: releasing one warm's job needs
+        costs that job its data, keeping it a round costs nothing.
+        """
+        try:
+            return warm_readers(self.topology.registry, self.clock())
+        except OriginError as exc:
+            log.warning("cannot read warm's record, so no pin is released this round: %s", exc)
+            return None
 
     def _read_schedule(self) -> Schedule:
         """The schedule file as it reads now, or the last good one while an edit is broken.

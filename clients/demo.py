@@ -41,7 +41,14 @@ from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
 from edgecache.clients.executor import PlanExecutor, TaskRun, WarmOutcome
 from edgecache.clients.node_client import LocalNode, read_shard, start_local_node
-from edgecache.clients.ops import gather_status, make_plan
+from edgecache.clients.ops import (
+    NodeReport,
+    dropped_warm_pins,
+    gather_status,
+    make_plan,
+    record_warmed_jobs,
+    schedule_owner,
+)
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
@@ -224,6 +231,42 @@ def _sample_files(workdir: Path, nodes: dict[str, LocalNode]) -> tuple[Topology,
     )
     topology = load_topology(workdir / "edgecache.yaml")
     return topology, load_schedule(workdir / "schedule.yaml", topology)
+
+
+def _record_as_warm(
+    executor: PlanExecutor,
+    workdir: Path,
+    schedule: Schedule,
+    plan: Plan,
+    manifests: dict[str, pb.Manifest],
+    reports: list[NodeReport],
+    now: datetime,
+    say: Callable[[str], None],
+) -> None:
+    """Record the sample schedule's jobs and pins as ``edgecache warm`` does, and release its own.
+
+    ``evict`` then names the job a pin is for, and its advice works: remove
+    the job from the demo's schedule.yaml and run ``edgecache warm`` on it, and
+    warm releases the pin. Unrecorded, the pins were nobody's to release but
+    ``evict --force``'s. The pins an earlier demo in the same ``--workdir``
+    placed for a version no longer planned are released first, as warm would.
+    """
+    owner = schedule_owner(workdir / "schedule.yaml")
+    released = executor.release(dropped_warm_pins(executor.topology, owner, plan, now), reports)
+    for pin in released.released:
+        say(
+            f"warm: {pin.region}: released the pin of {pin.version} on {pin.node}, an earlier "
+            "demo's: no job of the schedule reads it there any more"
+        )
+    record_warmed_jobs(
+        executor.topology,
+        schedule,
+        manifests,
+        now,
+        owner=owner,
+        plan=plan,
+        unreleased=released.kept,
+    )
 
 
 def _utc(moment: datetime, fmt: str = "%H:%M:%S") -> str:
@@ -425,7 +468,8 @@ def run_demo(
                 # Its own two nodes, on this host: a longer health-check budget than
                 # status's 3 s, which a busy 2-core CI host once exceeded for an idle node.
                 reports = gather_status(topology, timeout=15.0)
-                plan_result, manifests = make_plan(topology, schedule, reports=reports)
+                now = datetime.now(UTC)
+                plan_result, manifests = make_plan(topology, schedule, now=now, reports=reports)
                 plan_lines = _plan_lines(plan_result)
                 for line in plan_lines:
                     say(f"plan: {line}")
@@ -439,10 +483,12 @@ def run_demo(
                         )
                     progress.update(bar, completed=run.item.bytes_done)
 
-                started = time.perf_counter()
-                outcome = PlanExecutor(topology, on_progress=show).warm(
-                    plan_result, schedule, manifests
+                executor = PlanExecutor(topology, on_progress=show)
+                _record_as_warm(
+                    executor, workdir, schedule, plan_result, manifests, reports, now, say
                 )
+                started = time.perf_counter()
+                outcome = executor.warm(plan_result, schedule, manifests)
                 stage_seconds = time.perf_counter() - started
                 failures = (
                     [f for r in outcome.failed for f in r.item.failures]

@@ -63,6 +63,7 @@ __all__ = [
     "local_registry",
     "record_warmed_jobs",
     "dropped_warm_pins",
+    "warm_readers",
     "schedule_owner",
     "WarmPin",
     "Readiness",
@@ -1135,6 +1136,19 @@ def dropped_warm_pins(topology: Topology, owner: str, plan: Plan, now: datetime)
     return dropped
 
 
+def warm_readers(registry: str, now: datetime) -> set[tuple[str, str]]:
+    """(region, name@N) of every version a job in warm's record, of any schedule, reads.
+
+    Jobs that have ended are left out. The controller releases a pin only
+    when no such job needs it: warm and the controller pin a version a job
+    of both reads at the same time, so the controller took warm's pin for
+    its own, and its next schedule released what warm's jobs still read.
+    A record origin will not give is :class:`OriginError`, raised.
+    """
+    jobs, _ = _warm_record(registry)
+    return {(job.region, spec) for job in jobs if job.end > now for spec in job.versions}
+
+
 def _warmed_jobs_url(registry: str) -> str:
     return f"{registry.rstrip('/')}/{WARMED_JOBS}"
 
@@ -1275,15 +1289,20 @@ def _pinned_message(
         and job.region in held_until
         and now < job.end <= held_until[job.region] + timedelta(seconds=1)
     ]
-    reads = (
-        f"read by {', '.join(_job_times(job, now) for job in readers)}"
-        if readers
-        else "kept for a scheduled job (neither warm nor the controller recorded which: "
-        "`edgecache plan SCHEDULE` lists the jobs that read it)"
-    )
+    pinned = f"{spec} is pinned on {nodes} until {until:%Y-%m-%d %H:%M} UTC"
+    if not readers:
+        # Nothing names its job, so no warm run or controller round will release it: the
+        # advice to edit a schedule and run warm again did nothing, --force is the way.
+        return (
+            f"{pinned}, kept for a scheduled job, but neither warm nor the controller recorded "
+            "which (`edgecache plan SCHEDULE` lists the jobs that read it), so neither will "
+            "release the pin before it runs out; evicting it would leave that job without its "
+            "data. If no job needs it any more, pass --force"
+        )
+    reads = ", ".join(_job_times(job, now) for job in readers)
     return (
-        f"{spec} is pinned on {nodes} until {until:%Y-%m-%d %H:%M} UTC, {reads}; evicting it "
-        f"would leave that job without its data. {_how_to_release(readers)}, or pass --force"
+        f"{pinned}, read by {reads}; evicting it would leave that job without its data. "
+        f"{_how_to_release(readers)}"
     )
 
 
@@ -1292,7 +1311,8 @@ def _how_to_release(readers: list[PinnedJob]) -> str:
 
     Editing the schedule alone changes nothing on the nodes: warm releases
     the pins it placed when it runs that schedule file again, the controller
-    on its next round.
+    on its next round. A warm record older than the pins it keeps names no
+    pin to release: only ``--force`` frees it before it runs out.
     """
     schedules = sorted({job.schedule for job in readers if job.by == "warm" and job.schedule})
     steps = [
@@ -1304,12 +1324,12 @@ def _how_to_release(readers: list[PinnedJob]) -> str:
         steps.append(
             "remove the job from the controller's schedule (its next round releases the pin)"
         )
-    if not steps:
-        steps.append(
-            "remove the job from its schedule and run `edgecache warm SCHEDULE` again, or let "
-            "the controller run it (each releases the pins it placed for jobs no longer there)"
+    if not steps:  # only jobs an older warm recorded, with no schedule file and no pins
+        return (
+            "An older warm recorded the job without its pins, so no warm run releases this "
+            "one: once no job needs it, pass --force"
         )
-    text = "; ".join(steps)
+    text = "; ".join(steps) + ", or pass --force"
     return text[0].upper() + text[1:]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -229,8 +230,9 @@ class Schedule(BaseModel):
     @field_validator("jobs")
     @classmethod
     def _unique(cls, value: list[ScheduledJob]) -> list[ScheduledJob]:
-        # Reported at the second job's own name (jobs.N.name), so the error's line is
-        # that job's, not the top of the list.
+        # Reported at the second job's own name (jobs.N.name). A file's duplicates are
+        # named by load_schedule's own check, with the first one's line, beside any other
+        # error; this one is for schedules built in code.
         seen: dict[str, int] = {}
         problems = []
         for index, job in enumerate(value):
@@ -240,7 +242,7 @@ class Schedule(BaseModel):
                         type=PydanticCustomError(
                             "duplicate_name",
                             "job name '{name}' appears twice; names must be unique "
-                            "(the first is jobs.{first}",
+                            "(the first is jobs.{first})",
                             {"name": job.name, "first": seen[job.name]},
                         ),
                         loc=(index, "name"),
@@ -337,12 +339,21 @@ _SHAPES = {
 }
 
 
-def _load(path: Path, model: type[BaseModel], what: str) -> Any:
-    """The validated model of a YAML file (see :func:`_load_with_tree`)."""
-    return _load_with_tree(path, model, what)[0]
+# A check of a file's data as read, before (and whatever) the model says of it: the
+# problems that span fields, each as (where, as the model's fields name it; what is wrong).
+_Check = Callable[[dict[Any, Any], yaml.Node], list[tuple[tuple[Any, ...], str]]]
 
 
-def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any, yaml.Node | None]:
+def _load_with_tree(
+    path: Path, model: type[BaseModel], what: str, check: _Check | None = None
+) -> tuple[Any, yaml.Node | None]:
+    """The validated model of a YAML file, and its node tree (for lines).
+
+    Every problem of the file is reported at once, each with its line, in the
+    file's order: the model's field errors and ``check``'s problems that span
+    fields (a duplicate name, an unknown region), which the model alone only
+    reached once every field was right, one fix and one run at a time.
+    """
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -379,27 +390,34 @@ def _load_with_tree(path: Path, model: type[BaseModel], what: str) -> tuple[Any,
         if data is None:  # an empty file, or only comments
             raise ConfigFileError(f"{path} is empty: a {what} is {shape} (see docs/operations.md)")
         raise ConfigFileError(f"{path}: the {what} must be {shape} (see docs/operations.md)")
+    problems = check(data, tree) if check is not None else []
+    result, invalid = None, None
     try:
-        return model.model_validate(data), tree
+        result = model.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        invalid = exc
         for error in exc.errors():
+            if error["type"] == "duplicate_name":
+                continue  # ``check`` names it, even beside other errors
             loc = tuple(p for p in error["loc"] if not str(p).startswith("function-after"))
-            line = _line(tree, loc)
-            field = ".".join(str(p) for p in loc) or "(top level)"
             # A validator's own message is the whole story: pydantic's "Value error, "
             # before it is noise.
             message = error["msg"].removeprefix("Value error, ")
             if error["type"] == "extra_forbidden":
                 message += _did_you_mean(model, loc)
-            if error["type"] == "duplicate_name":
-                first = _line(tree, ("jobs", error["ctx"]["first"], "name"))
-                message += f", line {first})"
-            problems.append(f"{path}:{line}: {field}: {message}")
-        # One error, one problem a line: the first after "error:", the others indented
-        # under it (as every multi-line error is): flush left, they read in a log as lines
-        # of some other output.
-        raise ConfigFileError("\n  ".join(problems)) from exc
+            problems.append((loc, message))
+    if not problems:
+        return result, tree
+    lines = [(_line(tree, loc) or 0, ".".join(map(str, loc)), message) for loc, message in problems]
+    # One error, one problem a line: the first after "error:", the others indented under it
+    # (as every multi-line error is): flush left, they read in a log as lines of some other
+    # output. In the file's order, so the first to fix comes first.
+    raise ConfigFileError(
+        "\n  ".join(
+            f"{path}:{line}: {field or '(top level)'}: {message}"
+            for line, field, message in sorted(lines, key=lambda problem: problem[0])
+        )
+    ) from invalid
 
 
 def _yaml_problem(path: Path, exc: yaml.YAMLError) -> str:
@@ -450,37 +468,119 @@ def find_topology(path: str | os.PathLike[str] | None = None) -> Path:
     )
 
 
+def _topology_problems(data: dict[Any, Any], tree: yaml.Node) -> list[tuple[tuple[Any, ...], str]]:
+    """What the topology's fields cannot say alone: a node listed twice, a peer that is no region.
+
+    A node written twice (in one region or in two) was asked twice and
+    counted twice: ``status`` listed it twice, ``plan`` doubled what it holds
+    and its capacity. A region cannot be its own peer: it holds what it
+    holds, there is no link to stage over.
+    """
+    regions = data.get("regions")
+    if not isinstance(regions, dict):
+        return []  # the model says what is wrong with it
+    problems = []
+    first: dict[str, tuple[Any, int]] = {}  # host:port → (region, index) where first listed
+    for name, region in regions.items():
+        if not isinstance(region, dict):
+            continue
+        nodes = region.get("nodes")
+        for index, address in enumerate(nodes if isinstance(nodes, list) else []):
+            try:
+                target = parse_endpoint(address).target
+            except InvalidEndpoint:
+                continue  # the field's own check says so
+            if target not in first:
+                first[target] = (name, index)
+                continue
+            where, at = first[target]
+            line = _line(tree, ("regions", where, "nodes", at))
+            problems.append(
+                (
+                    ("regions", name, "nodes", index),
+                    f"node {address!r} is listed twice (first as regions.{where}.nodes.{at}, "
+                    f"line {line}): status and plan would count it, its capacity and what it "
+                    "holds twice; remove one",
+                )
+            )
+        peers = region.get("peers")
+        for peer in peers if isinstance(peers, dict) else []:
+            if peer == name:
+                why = (
+                    f"region {name} is listed as its own peer; a region holds what it holds, "
+                    "with no link to stage over: remove it from its peers"
+                )
+            elif peer not in regions:
+                close = difflib.get_close_matches(str(peer), [str(r) for r in regions], n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "add the region or remove it"
+                why = (
+                    f"peer {peer!r} is not a region of the file "
+                    f"({', '.join(map(str, regions))}): {hint}"
+                )
+            else:
+                continue
+            problems.append((("regions", name, "peers", peer), why))
+    return problems
+
+
 def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
     """Read and validate the topology file."""
     found = find_topology(path)
-    topology: Topology = _load(found, Topology, "topology")
+    topology: Topology = _load_with_tree(found, Topology, "topology", _topology_problems)[0]
     # A relative registry path (plain or file://) is relative to the file that names
     # it, as in any config file, not to wherever a command happens to run.
     prefix = "file://" if topology.registry.startswith("file://") else ""
     path = topology.registry.removeprefix(prefix)
     if "://" not in path and not os.path.isabs(path):
         topology.registry = prefix + str((found.parent / path).resolve())
-    for name, region in topology.regions.items():
-        for peer in region.peers:
-            if peer not in topology.regions:
-                raise ConfigFileError(
-                    f"{found}: region {name}: peer {peer!r} is not a region of the file"
-                )
     return topology
+
+
+def _job_problems(
+    data: dict[Any, Any], tree: yaml.Node, topology: Topology | None
+) -> list[tuple[tuple[Any, ...], str]]:
+    """What the jobs' fields cannot say alone: a name used twice, a region not in ``topology``.
+
+    Read from the file as written, so they are reported beside the field
+    errors of any job, not only once every field is right.
+    """
+    jobs = data.get("jobs")
+    if not isinstance(jobs, list):
+        return []  # the model says what is wrong with it
+    problems = []
+    seen: dict[str, int] = {}
+    for index, job in enumerate(jobs):
+        if not isinstance(job, dict):
+            continue
+        name, region = job.get("name"), job.get("region")
+        if isinstance(name, str) and name in seen:
+            line = _line(tree, ("jobs", seen[name], "name"))
+            problems.append(
+                (
+                    ("jobs", index, "name"),
+                    f"job name {name!r} appears twice; names must be unique (the first is "
+                    f"jobs.{seen[name]}, line {line})",
+                )
+            )
+        elif isinstance(name, str):
+            seen[name] = index
+        if topology is not None and isinstance(region, str) and region not in topology.regions:
+            who = f"job {name!r}" if isinstance(name, str) else "the job"
+            problems.append(
+                (
+                    ("jobs", index, "region"),
+                    f"{who} runs in region {region!r}, which the topology does not have "
+                    f"({', '.join(sorted(topology.regions))})",
+                )
+            )
+    return problems
 
 
 def load_schedule(path: str | os.PathLike[str], topology: Topology | None = None) -> Schedule:
     """Read and validate a schedule; with a topology, regions must exist in it."""
-    schedule, tree = _load_with_tree(Path(path), Schedule, "schedule")
-    if topology is not None:
-        for index, job in enumerate(schedule.jobs):
-            if job.region not in topology.regions:
-                line = _line(tree, ("jobs", index, "region"))
-                raise ConfigFileError(
-                    f"{path}:{line}: jobs.{index}.region: job {job.name!r} runs in region "
-                    f"{job.region!r}, which the topology does not have "
-                    f"({', '.join(sorted(topology.regions))})"
-                )
+    schedule, _ = _load_with_tree(
+        Path(path), Schedule, "schedule", lambda data, tree: _job_problems(data, tree, topology)
+    )
     return schedule  # type: ignore[no-any-return]
 
 

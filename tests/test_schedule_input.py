@@ -25,11 +25,11 @@ JOB = "  - name: {name}\n    region: eu\n    start: 2026-12-01T08:00:00Z\n    da
 
 
 def _topology(root: Path) -> Path:
-    # Nodes on a port nothing listens on: the commands below must refuse before dialling.
+    # Nodes on ports nothing listens on: the commands below must refuse before dialling.
     config = root / "edgecache.yaml"
     config.write_text(
         f"registry: file://{root}/registry\n"
-        "regions:\n  eu:\n    nodes: ['127.0.0.1:9']\n  us:\n    nodes: ['127.0.0.1:9']\n"
+        "regions:\n  eu:\n    nodes: ['127.0.0.1:9']\n  us:\n    nodes: ['127.0.0.1:10']\n"
     )
     return config
 

@@ -122,6 +122,7 @@ def controller(
 
     from edgecache.clients.cli.staging import parse_at, report_infeasible
     from edgecache.clients.controller import Controller, SimulatedClock
+    from edgecache.clients.topology import load_schedule
 
     logging.basicConfig(
         level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -169,6 +170,12 @@ def controller(
         running.stop.set()
 
     try:
+        if once:
+            # Bad input is said before anything is announced: "running bad.yaml once" on
+            # stdout, then its error, read as a round that ran. (A controller that keeps
+            # running waits for the file to validate, rereading it every round.)
+            with reporting():
+                load_schedule(schedule, running.topology)
         if metrics_listen:
             with reporting():
                 bound = _serve_metrics(running, metrics_listen, interval)
