@@ -19,12 +19,13 @@ out of order cannot set it back to an older N.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TypeVar
@@ -34,6 +35,7 @@ import pyarrow as pa
 
 from edgecache.cache.codec import CodecOptions
 from edgecache.cache.errors import (
+    EdgeCacheError,
     MalformedShard,
     ManifestError,
     ObjectExists,
@@ -57,7 +59,7 @@ from edgecache.cache.preprocess import (
 from edgecache.cache.preprocess.arrow_types import type_label
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import ParamMismatch, columns_text, schema_mismatch
-from edgecache.cache.preprocess.formats import KIND_NAMES
+from edgecache.cache.preprocess.formats import FORMATS, KIND_NAMES
 from edgecache.cache.preprocess.mds import (
     LITDATA_ADVICE,
     MdsColumns,
@@ -192,6 +194,40 @@ def _local_path(url: str) -> str | None:
     return url[len("file://") :] if url.startswith("file://") else None
 
 
+# Where each location a message may name is set, so the message says what to check.
+_WHERE = {
+    "registry": "--registry (or registry: in the topology file)",
+    "source": "the source URL",
+}
+
+
+def _unreachable_text(what: str, url: str, exc: BaseException) -> str:
+    """``cannot reach registry URL: why; check …``: an error that names whom it could not reach.
+
+    ``exc`` may be the store's :class:`OriginError`, whose own words are kept, or the raw
+    OS error under it; ``what`` is ``registry`` or ``source``.
+    """
+    why = exc.__cause__ if isinstance(exc, OriginError) and exc.__cause__ else exc
+    return f"cannot reach {what} {url}: {why}; check {_WHERE[what]} and the network"
+
+
+@contextlib.contextmanager
+def _reaching(what: str, url: str) -> Iterator[None]:
+    """Name the location in an OS error a store let out raw, as :class:`OriginError` (exit 1).
+
+    fsspec filesystems that connect when opened (``ftp://``, ``sftp://``) raise the
+    socket's own error before any request, and ``[Errno -2] Name or service not known``
+    alone named neither the registry (or source) nor what to check. Edgecache's own
+    errors (an object not found, a version taken) pass as they are.
+    """
+    try:
+        yield
+    except EdgeCacheError:
+        raise
+    except OSError as exc:
+        raise OriginError(_unreachable_text(what, url, exc)) from exc
+
+
 def resource_url(source_url: str, ref: str) -> str:
     """Where a transform's file lives: a URL as given, or a key under the source prefix.
 
@@ -292,7 +328,8 @@ class Registry:
 
     async def datasets(self) -> list[str]:
         """Every dataset with at least one version."""
-        found = await self._store(self.url).list(self.url + "/")
+        with _reaching("registry", self.url):
+            found = await self._store(self.url).list(self.url + "/")
         names = set()
         for obj in found:
             parts = obj.url[len(self.url) + 1 :].split("/")
@@ -304,7 +341,9 @@ class Registry:
         """Published version numbers of a dataset, ascending."""
         prefix = f"{self.url}/{validate_name(dataset)}/versions/"
         numbers = []
-        for obj in await self._store(prefix).list(prefix):
+        with _reaching("registry", self.url):
+            found = await self._store(prefix).list(prefix)
+        for obj in found:
             name = obj.url.rsplit("/", 1)[-1]
             if name.endswith(".json") and name[:-5].isdigit():
                 numbers.append(int(name[:-5]))
@@ -339,6 +378,14 @@ class Registry:
                 "check the name, or publish it (edgecache publish)"
             )
         local = _local_path(self.url)
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+            return VersionNotFound(
+                f"the registry {self.url} is a file, not a directory, so dataset {dataset!r} "
+                "has no versions there; check the registry URL (--registry, or registry: in "
+                "the topology file): a local registry is a directory"
+            )
+        if local is None:
+            await self._readable(dataset)
         state = "does not exist" if local and not os.path.isdir(local) else "holds no datasets"
         return VersionNotFound(
             f"the registry {self.url} {state}, so dataset {dataset!r} has no versions there; "
@@ -346,11 +393,29 @@ class Registry:
             "publish a version there (edgecache publish creates the registry)"
         )
 
+    async def _readable(self, dataset: str) -> None:
+        """Raise :class:`OriginError` (exit 1) when the registry cannot be reached at all.
+
+        Some filesystems list an unreachable location as an empty one (fsspec's HTTP
+        one asks ``exists``, which answers False for a host that does not resolve):
+        then "holds no datasets" (exit 2, publish there) blamed the registry's
+        contents for the network. Reading the dataset's ``latest`` pointer tells
+        them apart: absent (:class:`ObjectNotFound`) in a registry that answers.
+        """
+        pointer = f"{self.url}/{dataset}/latest"
+        try:
+            await self._store(pointer).get(pointer)
+        except ObjectNotFound:
+            return
+        except OSError as exc:  # the store's OriginError, or a raw one (see _reaching)
+            raise OriginError(_unreachable_text("registry", self.url, exc)) from exc
+
     async def manifest(self, dataset: str, version: int) -> pb.Manifest:
         """Read and verify one version's manifest."""
         url = self.version_url(dataset, version)
         try:
-            text = await self._store(url).get(url)
+            with _reaching("registry", self.url):
+                text = await self._store(url).get(url)
         except ObjectNotFound as exc:
             known = await self.published(dataset)  # none: says what the registry holds
             raise VersionNotFound(
@@ -459,7 +524,8 @@ class Registry:
                 return folder + "/", None, name
             return url + "/", None, None
         try:
-            info = await self._store(url).head(url)
+            with _reaching("source", url):
+                info = await self._store(url).head(url)
         except OriginError:  # none there; or refused (reads granted under the prefix alone)
             if _is_glob(name):
                 return folder + "/", None, name
@@ -517,7 +583,9 @@ class Registry:
     ) -> list[SourceObject]:
         """Every object under ``prefix`` that may be a shard; refused if there is none."""
         found, unselected = [], []
-        for info in await self._store(prefix).list(prefix):
+        with _reaching("source", prefix):
+            infos = await self._store(prefix).list(prefix)
+        for info in infos:
             if not info.url.startswith(prefix):  # a key must rebuild the URL: prefix + key
                 raise ValueError(
                     f"the store lists {info.url} under {prefix}; give the source as the store "
@@ -750,10 +818,12 @@ class Registry:
         spec.source_options.clear()
         spec.source_options.update(options)
         limit = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
+        named = _named_format(objects)  # what the names say, when --format says otherwise
+        misnamed = named if named not in (None, fmt) else None
 
         async def one(obj: SourceObject) -> Description:
             async with limit:
-                return await self._describe(obj, fmt, spec, transform)
+                return await self._describe(obj, fmt, spec, transform, misnamed)
 
         described = await asyncio.gather(*(one(obj) for obj in objects))
         empty = [o.info.url for o, d in zip(objects, described, strict=True) if not d.rows]
@@ -877,7 +947,14 @@ class Registry:
         fmt: pb.SourceFormat.ValueType,
         spec: pb.PreprocessSpec,
         transform: Transform,
+        named: pb.SourceFormat.ValueType | None = None,
     ) -> Description:
+        """What ``obj`` holds once preprocessed: its schema and rows.
+
+        ``named``: the format every object's name says, when ``fmt`` (``--format``)
+        is another; an object that does not read as ``fmt`` is then refused
+        saying so, not with the parser's error on its bytes.
+        """
         info = obj.info
         store = self._store(info.url)
         keeps = keeps_rows(spec.transform, spec.params)
@@ -886,13 +963,18 @@ class Registry:
             empty = pa.RecordBatch.from_pylist([], schema=columns.schema())
             return Description(transform(empty).schema, obj.rows, None)
         data = None
-        if fmt == pb.SOURCE_FORMAT_PARQUET and keeps and info.size > 12:
-            data = await _parquet_footer(store, info)  # rows kept: the footer says all
-        if data is None:
-            data = await store.get(info.url, expect=info)
-        return await asyncio.to_thread(
-            survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
-        )
+        try:
+            if fmt == pb.SOURCE_FORMAT_PARQUET and keeps and info.size > 12:
+                data = await _parquet_footer(store, info)  # rows kept: the footer says all
+            if data is None:
+                data = await store.get(info.url, expect=info)
+            return await asyncio.to_thread(
+                survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
+            )
+        except MalformedShard as exc:
+            if named is None:
+                raise
+            raise MalformedShard(_named_otherwise(obj, named, fmt)) from exc
 
 
 # Files kept beside shards that are no shard of them: a tokenizer (docs/preprocessing.md
@@ -911,6 +993,37 @@ _SIDECARS = frozenset(
         "metadata.json",
     }
 )
+
+
+def _named_format(objects: Sequence[SourceObject]) -> pb.SourceFormat.ValueType | None:
+    """The one format the objects' names all say, or None (no telling, or names that differ).
+
+    All of them: a stray file among the shards (a wids index beside tars) is that
+    file's problem, which the reader names, not a sign that ``--format`` is wrong.
+    """
+    named = {format_from_key(o.key) for o in objects}
+    return named.pop() if len(named) == 1 else None
+
+
+def _named_otherwise(
+    obj: SourceObject, named: pb.SourceFormat.ValueType, given: pb.SourceFormat.ValueType
+) -> str:
+    """Why an object ``--format`` says is of one format, named as another, did not read.
+
+    The parser's own error quoted the object's first bytes (Parquet's binary as a
+    CSV row); the names said what it was, and that is the likelier fix.
+    """
+
+    def flag(kind: pb.SourceFormat.ValueType) -> str:  # its first name, as --help gives it
+        return next(name for name, each in FORMATS.items() if each == kind)
+
+    name = obj.key.rsplit("/", 1)[-1]
+    return (
+        f"{obj.info.url} does not read as {KIND_NAMES[given]}: its name, {name}, says "
+        f"{KIND_NAMES[named]}, and --format says {flag(given)}; drop --format to read the "
+        f"objects as their names say (or pass --format {flag(named)}), or, if it really is "
+        f"{KIND_NAMES[given]}, rename it"
+    )
 
 
 def _sidecar(obj: SourceObject, described: Description, fmt: pb.SourceFormat.ValueType) -> bool:

@@ -2,8 +2,9 @@
 
 ``python3 -m edgecache.clients.healthcheck [HOST:PORT] [--config FILE] [--timeout S]``
 exits 0 when the node answers the standard gRPC health check with SERVING, 1
-when it does not (or does not answer), 2 for a bad address. Docker runs it
-every 10 s for the life of every node: through the whole ``edgecache`` CLI
+when it does not (or does not answer), 2 for a bad address or a ``--timeout``
+that is not more than 0. Docker runs it every 10 s for the life of every
+node: through the whole ``edgecache`` CLI
 (typer, rich, every command module) each run took 0.5 CPU-s and 130 MB, about
 5 % of a core held by health checks alone; this imports grpc and the health
 stubs only (~0.1 s, 40 MB). ``edgecache healthcheck`` runs the same check.
@@ -12,12 +13,13 @@ stubs only (~0.1 s, 40 MB). ``edgecache healthcheck`` runs the same check.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["check", "main", "probe_address", "target"]
+__all__ = ["check", "check_timeout", "main", "probe_address", "target"]
 
 DEFAULT_PROBE = "127.0.0.1:7071"
 
@@ -65,6 +67,22 @@ def target(address: str | None, config: Path | None = None) -> str:
     return found
 
 
+def check_timeout(timeout: float) -> float:
+    """``--timeout`` as given, when it is seconds > 0; ValueError naming the option if not.
+
+    gRPC takes a deadline of 0 or less as already past and reports
+    DEADLINE_EXCEEDED, which read as a node that does not answer (exit 1: a
+    Docker HEALTHCHECK then marks a healthy node unhealthy) rather than a typo
+    in the check itself (exit 2).
+    """
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(
+            f"--timeout {timeout:g}: give the seconds to wait for the node's answer, "
+            "more than 0 (e.g. --timeout 3, the default)"
+        )
+    return timeout
+
+
 def check(address: str, timeout: float) -> tuple[bool, str]:
     """(serving, what to print) for the node at ``address``.
 
@@ -107,14 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"probe_listen, {DEFAULT_PROBE}]",
     )
     parser.add_argument("--config", type=Path, help="the node's settings file")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait [3]")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait, > 0 [3]")
     args = parser.parse_args(argv)
     try:
+        timeout = check_timeout(args.timeout)
         address = target(args.address, args.config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    serving, said = check(address, args.timeout)
+    serving, said = check(address, timeout)
     print(said, file=sys.stdout if serving else sys.stderr)
     return 0 if serving else 1
 

@@ -84,7 +84,7 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     # held / total, as the table shows it, so a partly staged version can be spotted
     assert eu["versions"][0]["shards"] == eu["versions"][0]["total_shards"] == 3
     code, out = cli(root, "warm", "tokens@1", "--region", "us-east", "--dry-run")
-    assert code == 0 and "would stage tokens@1 into us-east" in out
+    assert code == 0 and "us-east: would stage tokens@1 (" in out and ") from origin" in out
     code, out = cli(root, "evict", "tokens@1", "--region", "eu-west")
     assert code == 2 and "pinned" in out and "--force" in out  # train-eu still needs it
     code, out = cli(root, "evict", "tokens@1", "--region", "us-east", "--json")

@@ -23,7 +23,7 @@ __all__ = [
 
 _PRIMITIVES = (
     "int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 float double bool "
-    "string utf8 large_string binary large_binary date32 timestamp[unit] decimal128(P, S)"
+    "string utf8 large_string binary large_binary date32 timestamp[unit] decimal128(P,S)"
 )
 _LIST = re.compile(r"(large_list|list|fixed_size_list)\s*<(.*)>\s*(?:\[\s*(\d+)\s*\])?", re.S)
 _FIELD_NAME = re.compile(r"^\s*\w+\s*:\s*")  # pyarrow prints list<item: int32>

@@ -8,11 +8,12 @@ can rely on the codes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -29,8 +30,11 @@ __all__ = [
     "Options",
     "TokenOption",
     "exit_with",
+    "flowing",
     "reporting",
 ]
+
+F = TypeVar("F", bound=Callable[..., object])
 
 
 class ExitCode(IntEnum):
@@ -118,6 +122,21 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     if isinstance(exc, CacheDirError | WriterLocked):
         return ExitCode.BAD_INPUT
     return ExitCode.FAILED
+
+
+def flowing(command: F) -> F:
+    """Join each paragraph of a command's docstring into one line, for ``--help`` to wrap.
+
+    typer prints the paragraphs after the first with the docstring's own line
+    breaks, and rich wraps each of those lines again to the terminal: a line
+    that did not fit broke in two mid-sentence ("with --if-changed, an" then
+    "earlier version"), and one broken early in the source stayed short ("1
+    failed:"). As one line per paragraph, rich wraps it to whatever width
+    there is. Paragraphs stay apart (a blank line between them).
+    """
+    text = inspect.cleandoc(command.__doc__ or "")
+    command.__doc__ = "\n\n".join(" ".join(part.split()) for part in text.split("\n\n"))
+    return command
 
 
 def exit_with(code: ExitCode) -> typer.Exit:

@@ -485,17 +485,19 @@ def healthcheck(
     config: Annotated[
         Path | None, typer.Option(help="The node's settings file (for its probe_listen).")
     ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 3.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait, more than 0.")] = 3.0,
 ) -> None:
     """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker).
 
     With no address it asks this host's node on its own configured probe port,
     so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN. Exit codes: 0
-    SERVING; 1 not serving or not answering; 2 bad input (the address).
+    SERVING; 1 not serving or not answering; 2 bad input (the address, or a
+    --timeout that is not more than 0: never blamed on the node).
     """
-    from edgecache.clients.healthcheck import check, target
+    from edgecache.clients.healthcheck import check, check_timeout, target
 
     with reporting():
+        timeout = check_timeout(timeout)
         address = target(address, config)
     serving, said = check(address, timeout)
     (console if serving else err_console).print(said, soft_wrap=True, markup=False, highlight=False)

@@ -18,6 +18,7 @@ from edgecache.clients.cli.context import (
     JsonOption,
     Options,
     exit_with,
+    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import (
@@ -221,6 +222,7 @@ def _chunk_size(text: str) -> int:
 
 
 @app.command()
+@flowing
 def publish(
     source_url: Annotated[
         str,
@@ -354,11 +356,13 @@ def publish(
     Objects may be gzip/zstd/bz2/xz-compressed (part-0.csv.gz, docs.jsonl.zst).
     Hive-style key=value folders (year=2024/month=02/part-0.parquet) become columns.
     --include/--exclude choose objects under the prefix by pattern (a split, no README).
+
     Exit codes: 0 published (or, with --if-changed, the same content found);
     2 bad input (no objects, mixed formats, an unreadable object, a --level out of
     range or with --compression none, a --chunk-size out of range); 1 failed (a
-    registry that cannot be written is named, with what to do; with --if-changed, an
-    earlier version whose manifest cannot be read to compare: nothing is published).
+    registry or source that cannot be reached, or a registry that cannot be
+    written, is named, with what to do; with --if-changed, an earlier version
+    whose manifest cannot be read to compare: nothing is published).
     """
     from edgecache.cache.codec import COMPRESSIONS
     from edgecache.cache.manifest import preprocess_spec
@@ -482,6 +486,7 @@ def publish(
 
 
 @app.command()
+@flowing
 def versions(
     dataset: Annotated[
         str,
@@ -494,9 +499,9 @@ def versions(
     """List a dataset's published versions; NAME@N or NAME@latest shows that one alone.
 
     Exit codes: 0 listed; 2 bad input (no such dataset, a registry that does not
-    exist or holds nothing, an unsupported URL scheme); 1 failed (the registry
-    could not be read, or a version's manifest could not: the others are listed,
-    and it is named with why).
+    exist, is a file or holds nothing, an unsupported URL scheme); 1 failed (the
+    registry could not be reached or read, or a version's manifest could not:
+    the others are listed, and it is named with why).
     """
     from edgecache.cache.errors import EdgeCacheError
     from edgecache.cache.manifest import summarize

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +26,7 @@ from edgecache.clients.cli.context import (
     Options,
     TokenOption,
     exit_with,
+    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import (
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 
 
 @app.command()
+@flowing
 def plan(
     schedule: Annotated[Path, typer.Argument(help="Schedule file (YAML).")],
     config: ConfigOption = None,
@@ -171,19 +173,34 @@ def parse_at(at: str | None, option: str = "--at") -> datetime | None:
 
     Given with an offset (``09:30+05:00``) it is converted: the plan's times, shown and
     in ``--json``, are UTC whatever zone the option was written in, as the schedule's are.
+    A suggestion in the error is one this function accepts: ``2026-12-06`` used to be
+    told to add ``Z``, and ``2026-12-06Z`` was then "not a time" (a date takes no zone).
     """
     if at is None:
         return None
-    example = "2026-12-01T08:00:00Z"
     try:
         when = datetime.fromisoformat(at)
     except ValueError:
+        bare = _naive(at.removesuffix("Z").removesuffix("z"))
+        example = f"{bare.isoformat()}Z" if bare else "2026-12-01T08:00:00Z"
         raise ValueError(
             f"{option} {at!r} is not a time: give ISO 8601 with a time zone, e.g. {example}"
         ) from None
     if when.tzinfo is None:
-        raise ValueError(f"{option} {at!r} needs a time zone, e.g. {at}Z")
+        raise ValueError(
+            f"{option} {at!r} needs a time zone: {when.isoformat()}Z for UTC, or an offset, "
+            f"e.g. {when.isoformat()}+02:00"
+        )
     return when.astimezone(UTC)
+
+
+def _naive(text: str) -> datetime | None:
+    """``text`` as a time without a zone (a date alone is its midnight), or None if it is not."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return when if when.tzinfo is None else None
 
 
 def _print_status(views: list[JobView], as_json: bool) -> None:
@@ -438,6 +455,7 @@ def _print_pins(region: str, pins: dict[VersionKey, datetime]) -> None:
 
 
 @app.command()
+@flowing
 def warm(
     target: Annotated[str, typer.Argument(help="A schedule file, or NAME@N with --region.")],
     region: Annotated[str | None, typer.Option(help="Region to warm NAME@N in.")] = None,
@@ -470,7 +488,7 @@ def warm(
     options = Options(config, token_file)
     with reporting():
         topology, token = options.topology, options.token
-        work: _ScheduleWork | WarmItem
+        work: _ScheduleWork | tuple[WarmItem, pb.Manifest]
         if Path(target).exists():
             if region is not None:
                 raise ValueError(
@@ -482,21 +500,22 @@ def warm(
             raise FileNotFoundError(f"no such schedule file: {target}")
         else:
             work = _single_item(topology, target, region, token)
-    single_down: dict[str, ops.Outage] = {}
     if isinstance(work, _ScheduleWork):
         report_infeasible(work.plan)
+        warmed = _carry_out(work, topology, token, dry_run=dry_run, quiet=as_json)
     else:
-        single_down = _region_down(topology, work.region, token)
-        if dry_run:
-            _report_single_rehearsal(work, as_json, single_down)
-            rehearsed = _Warmed(rows=[], failed=[], down=single_down)
-            _report_failures(rehearsed)
-            if (code := _exit_code(rehearsed)) is not ExitCode.OK:
-                raise exit_with(code)
-            return
-    warmed = _carry_out(work, topology, token, dry_run=dry_run, quiet=as_json)
-    if single_down:
-        warmed = replace(warmed, down=single_down)
+        item, manifest = work
+        # ``warm NAME@N --region R`` with a node of R down staged the silent node's share
+        # on the others and exited 0, where the schedule form exits 1 ("region R is
+        # degraded"): readers look for that share on the silent node. The same rule holds
+        # here: staged on the nodes that answer, failing naming the others.
+        reports = ops.gather_status(topology, token=token, regions={item.region})
+        warmed = (
+            _rehearse_single(item, manifest, reports)
+            if dry_run
+            else _carry_out(item, topology, token, dry_run=False, quiet=as_json)
+        )
+        warmed = replace(warmed, down=ops.region_outages(reports))
     if as_json:
         _report_json(warmed, dry_run)
     else:
@@ -552,7 +571,7 @@ class _Warmed:
     failed: list[WarmItem]
     work: _ScheduleWork | None = None
     outcome: WarmOutcome = field(default_factory=WarmOutcome)
-    # A single version's region, when some of its nodes did not answer (see _region_down).
+    # A single version's region, when some of its nodes did not answer (see warm).
     down: dict[str, ops.Outage] = field(default_factory=dict)
 
 
@@ -598,8 +617,10 @@ def _plan_schedule(
     return _ScheduleWork(schedule, plan, manifests, now, down, owner, released, reports)
 
 
-def _single_item(topology: Topology, spec: str, region: str | None, token: str | None) -> WarmItem:
-    """``NAME@N --region R`` as one item to stage, all of it from origin.
+def _single_item(
+    topology: Topology, spec: str, region: str | None, token: str | None
+) -> tuple[WarmItem, pb.Manifest]:
+    """``NAME@N --region R`` as one item to stage, all of it from origin, and its manifest.
 
     The region is checked before the registry is asked, so a typo in it is
     reported as such rather than hidden behind a registry error; a version
@@ -616,7 +637,7 @@ def _single_item(topology: Topology, spec: str, region: str | None, token: str |
     too_large = ops.version_too_large(topology, region, manifest, token=token)
     if too_large is not None:
         raise ValueError(too_large)
-    return ops.warm_item_for_version(topology, region, manifest)
+    return ops.warm_item_for_version(topology, region, manifest), manifest
 
 
 def report_infeasible(plan: Plan) -> list[Infeasible]:
@@ -638,16 +659,17 @@ def report_infeasible(plan: Plan) -> list[Infeasible]:
     return reasons
 
 
-def _report_single_rehearsal(item: WarmItem, as_json: bool, down: dict[str, ops.Outage]) -> None:
-    """A single version's dry run: it has no plan to rehearse, so say what would be staged."""
-    if as_json:
-        rows = [_row(item, "would stage")]
-        print(json.dumps({"dry_run": True, "items": rows, "unreachable": _unreachable(down)}))
-    else:
-        console.print(
-            f"would stage {item.spec} into {item.region} "
-            f"({format_bytes(item.bytes_total)}) on {', '.join(item.nodes)}"
-        )
+def _rehearse_single(
+    item: WarmItem, manifest: pb.Manifest, reports: list[ops.NodeReport]
+) -> _Warmed:
+    """A single version's dry run: staged, or ``held`` when the region holds it already.
+
+    It has no plan to rehearse; what the region's nodes that answer hold decides,
+    as it decides for the real run, whose nodes skip the shards they hold (and then
+    say nothing moved). The dry run said "would stage" a version held whole.
+    """
+    held, _ = ops.ready(reports, item.region, manifest)
+    return _Warmed(rows=[_row(item, "held" if held else "would stage")], failed=[])
 
 
 def _carry_out(
@@ -795,20 +817,29 @@ def _unreachable(down: dict[str, ops.Outage]) -> list[dict[str, str]]:
 
 
 def _report_text(warmed: _Warmed, dry_run: bool) -> None:
-    """What was done (or would be), the items' notes, then a count a person can check."""
-    if warmed.work is not None:
-        _print_plan_steps(
-            warmed.work.plan, warmed.outcome, warmed.rows, dry_run, warmed.work.released
-        )
+    """What was done (or would be), the items' notes, then a count a person can check.
+
+    A single version has no plan, but its stage is said in the same line as a
+    plan's: the region, the version ``NAME`` resolved to, and what moved.
+    """
+    work = warmed.work
+    sizes = _source_sizes(work.manifests.values()) if work is not None else {}
+    if work is not None:
+        _print_plan_steps(work.plan, warmed.outcome, warmed.rows, dry_run, work.released, sizes)
+    else:
+        _print_stages(warmed.rows, dry_run, sizes)
     for row in warmed.rows:
         for note in row["notes"]:
             err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
+    said = _sizes_said(_staged_rows(warmed.rows, dry_run))
     if dry_run:
         staged = sum(1 for row in warmed.rows if row["state"] != "deferred")
-        console.print(f"warm --dry-run: {staged} of {len(warmed.rows)} item(s) would be staged")
+        console.print(
+            f"warm --dry-run: {staged} of {len(warmed.rows)} item(s) would be staged{said}"
+        )
     else:
         staged = sum(1 for row in warmed.rows if row["done"])
-        console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged")
+        console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged{said}")
 
 
 def _print_plan_steps(
@@ -817,6 +848,7 @@ def _print_plan_steps(
     rows: list[dict[str, Any]],
     dry_run: bool,
     released: Released | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> None:
     """A plan's evictions, stages, pins and deferrals, in the words of a real run or a rehearsal.
 
@@ -825,9 +857,7 @@ def _print_plan_steps(
     where and what it pinned (progress bars are gone from a pipe or a log). A
     failed stage is said on stderr instead; a pin that failed is not claimed.
     """
-    evicted, staged, pinned = (
-        ("would evict", "would stage", "would pin") if dry_run else ("evicted", "staged", "pinned")
-    )
+    evicted, pinned = ("would evict", "would pin") if dry_run else ("evicted", "pinned")
     released = released or Released()
     for pin in released.released:
         console.print(
@@ -840,12 +870,7 @@ def _print_plan_steps(
             f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
             f"({format_bytes(freed)}): {e.reason}"
         )
-    for row in rows:
-        if row["state"] == ("would stage" if dry_run else "done"):
-            console.print(
-                f"{row['region']}: {staged} {row['version']} ({_moved(row, dry_run)}) "
-                f"from {row['from']}"
-            )
+    _print_stages(rows, dry_run, sizes or {})
     for name, rp in plan.regions.items():
         for v, until in sorted(rp.pins.items()):
             if (name, v) not in outcome.pins_failed:
@@ -862,17 +887,61 @@ def _print_plan_steps(
         err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
 
 
-def _moved(row: dict[str, Any], dry_run: bool) -> str:
-    """A stage's size as warm says it: the bytes the nodes moved; a dry run, the plan's estimate.
+def _print_stages(rows: list[dict[str, Any]], dry_run: bool, sizes: dict[str, int]) -> None:
+    """``REGION: staged NAME@N (SIZE) from SOURCE``, a line per item staged (or that would be)."""
+    staged = "would stage" if dry_run else "staged"
+    for row in _staged_rows(rows, dry_run):
+        console.print(
+            f"{row['region']}: {staged} {row['version']} ({_moved(row, dry_run, sizes)}) "
+            f"from {row['from']}"
+        )
 
-    Origin bytes are the source's (before preprocessing), peer bytes the
-    stored chunks copied: what the nodes' ``staged_*_bytes`` counters add.
+
+def _staged_rows(rows: list[dict[str, Any]], dry_run: bool) -> list[dict[str, Any]]:
+    """The items a stage line is said for: staged (or that would be, held ones included)."""
+    return [
+        row
+        for row in rows
+        if (row["state"] in ("would stage", "held") if dry_run else row["state"] == "done")
+    ]
+
+
+def _source_sizes(manifests: Iterable[pb.Manifest]) -> dict[str, int]:
+    """``name@N`` → the version's source bytes (what origin stages fetch), from its manifest."""
+    return {f"{m.dataset}@{m.version}": sum(s.source_size for s in m.shards) for m in manifests}
+
+
+def _moved(row: dict[str, Any], dry_run: bool, sizes: dict[str, int]) -> str:
+    """A stage's size as warm says it: what the nodes move, the same in a dry run as after.
+
+    The nodes count (their ``staged_*_bytes``) a stage from origin in source
+    bytes (before preprocessing) and a copy from a peer in the stored chunks'
+    bytes. A real run says what they moved; its dry run what they would: the
+    version's source bytes from origin (``sizes``: its manifest's; a single
+    version's planned bytes are those already), the plan's stored estimate
+    from a peer. The dry run used to give the plan's stored estimate for an
+    origin stage too: 4.8 KiB where the real run then said 7.2 KiB.
     """
     if dry_run:
-        return format_bytes(int(row["planned_bytes"]))
+        if row["state"] == "held":
+            return "nothing to move: its shards are held already"
+        if row["source"] == "peer":
+            return format_bytes(int(row["planned_bytes"]))
+        return format_bytes(sizes.get(row["version"], int(row["planned_bytes"])))
     if not row["bytes"]:
         return "nothing moved: its shards were held already"
     return format_bytes(int(row["bytes"]))
+
+
+# What a stage line's size counts, by where the stage fetches from (see _moved).
+_SIZES = {"origin": "source bytes from origin", "peer": "stored bytes from a peer"}
+
+
+def _sizes_said(rows: list[dict[str, Any]]) -> str:
+    """``; sizes are …``: which bytes the sized stage lines of ``rows`` count, said once."""
+    kinds = {row["source"] for row in rows if row["state"] == "would stage" or row["bytes"]}
+    said = [text for kind, text in _SIZES.items() if kind in kinds]
+    return f"; sizes are {' and '.join(said)}" if said else ""
 
 
 def _not_staged(outcome: WarmOutcome, region: str, version: VersionKey) -> str:
@@ -936,18 +1005,6 @@ def _release_failures(warmed: _Warmed) -> list[str]:
 def _down(warmed: _Warmed) -> dict[str, ops.Outage]:
     """Unreachable or degraded regions of the schedule, or of a single version's region."""
     return warmed.work.down if warmed.work is not None else warmed.down
-
-
-def _region_down(topology: Topology, region: str, token: str | None) -> dict[str, ops.Outage]:
-    """``region`` → its outage, when some of its nodes do not answer now; else empty.
-
-    ``warm NAME@N --region R`` with a node of R down staged the silent node's
-    share on the others and exited 0, where the schedule form, in the same state,
-    exits 1 ("region R is degraded"): readers look for that share on the silent
-    node, which does not have it. The same rule holds here: the version is
-    staged on the nodes that answer, and the command fails naming the others.
-    """
-    return ops.region_outages(ops.gather_status(topology, token=token, regions={region}))
 
 
 def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
@@ -1040,36 +1097,52 @@ def _row(
     }
 
 
+READY_WAIT = 3600.0  # seconds ready --wait waits without --timeout
+
+
 @app.command()
+@flowing
 def ready(
     spec: Annotated[str, typer.Argument(help="NAME@N")],
     region: Annotated[str, typer.Option(help="Region the job runs in.")],
     config: ConfigOption = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until ready.")] = False,
     timeout: Annotated[
-        float, typer.Option(min=0.0, help="Seconds to wait at most (with --wait).")
-    ] = 3600.0,
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Seconds to wait at most (default 3600); needs --wait: refused without it.",
+            show_default=False,
+        ),
+    ] = None,
     token_file: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Exit 0 only when every shard of the version is staged in the region.
 
     Gate a job's launch on it. The nodes are always asked at least once (so
-    --timeout 0 checks once); with --wait each round's calls end by the
-    deadline, so the wait does not overrun --timeout. Exit codes: 0 ready; 1 not
+    --wait --timeout 0 checks once); with --wait each round's calls end by the
+    deadline, so the wait does not overrun --timeout. --timeout without --wait
+    is refused: a single check has no wait to bound. Exit codes: 0 ready; 1 not
     ready (or --wait timed out, which it says); 2 bad input (a negative
-    --timeout among them).
+    --timeout, or --timeout without --wait, among them).
     """
     from edgecache.cache.registry import Registry
     from edgecache.clients.ops import wait_ready
 
     options = Options(config, token_file)
     with reporting():
+        if timeout is not None and not wait:
+            # It used to be taken and ignored: the check ran once, whatever it said.
+            raise ValueError(
+                f"--timeout needs --wait: add --wait to wait up to {timeout:g} s for the "
+                "version, or drop --timeout to check once"
+            )
+        if wait and timeout is None:
+            timeout = READY_WAIT
         topology = options.topology
         manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
-        readiness = wait_ready(
-            topology, manifest, region, token=options.token, timeout=timeout if wait else None
-        )
+        readiness = wait_ready(topology, manifest, region, token=options.token, timeout=timeout)
     if as_json:
         print(
             json.dumps(

@@ -1,0 +1,242 @@
+"""The ops CLI's answers to bad input and unreachable places: the right exit, the right culprit.
+
+A reviewer's list: an unreachable registry said to hold nothing (exit 2), a
+raw socket error naming no registry, a file taken for a missing registry,
+``ready --timeout`` ignored without ``--wait``, ``healthcheck --timeout 0``
+blaming a healthy node, ``--at`` suggesting a form it refused, ``warm``
+saying "would stage" a version held whole and sizes a dry run and its real
+run counted differently, and help and error texts that read badly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import node_settings, write_parquet_shards
+from typer.testing import CliRunner
+
+from edgecache.cache.preprocess.arrow_types import parse_type
+from edgecache.clients import healthcheck
+from edgecache.clients.cli import app
+from edgecache.clients.cli.render import format_bytes
+from edgecache.clients.cli.staging import parse_at
+from edgecache.edge.server import running_node
+
+runner = CliRunner()
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args), env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def test_an_unreachable_http_registry_is_a_failure_naming_it_not_an_empty_one(
+    closed_port: int,
+) -> None:
+    """fsspec's HTTP listing answers "nothing there" for a host it cannot reach."""
+    url = f"http://127.0.0.1:{closed_port}/reg"
+    code, out = cli("versions", "t-x", "--registry", url)
+    assert code == 1, out
+    assert f"cannot reach registry {url}:" in out and "check --registry" in out, out
+    assert "holds no datasets" not in out, out
+
+
+@pytest.mark.parametrize("command", ["versions", "publish"])
+def test_a_raw_socket_error_names_the_registry_and_what_to_check(
+    command: str, closed_port: int, tmp_path: Path
+) -> None:
+    """An FTP filesystem connects when opened: its error said only "[Errno …] …"."""
+    url = f"ftp://127.0.0.1:{closed_port}/reg"
+    if command == "versions":
+        code, out = cli("versions", "t-pq", "--registry", url)
+    else:
+        write_parquet_shards(tmp_path / "raw", 1, rows=10)
+        code, out = cli("publish", str(tmp_path / "raw"), "--dataset", "t-x", "--registry", url)
+    assert code == 1, out
+    assert out.startswith(f"error: cannot reach registry {url}: [Errno"), out
+    assert "check --registry (or registry: in the topology file) and the network" in out, out
+
+
+def test_an_unreachable_source_is_named_as_the_source(closed_port: int, tmp_path: Path) -> None:
+    url = f"ftp://127.0.0.1:{closed_port}/raw"
+    code, out = cli("publish", url, "--dataset", "t-x", "--registry", str(tmp_path / "reg"))
+    assert code == 1 and f"cannot reach source {url}" in out and "the source URL" in out, out
+
+
+def test_a_registry_that_is_a_file_is_said_to_be_one(tmp_path: Path) -> None:
+    (tmp_path / "registry").write_text("not a registry")
+    code, out = cli("versions", "t-x", "--registry", str(tmp_path / "registry"))
+    assert code == 2, out
+    assert "is a file, not a directory" in out and "does not exist" not in out, out
+
+
+# ------------------------------------------------------------------ options
+
+
+def test_ready_refuses_a_timeout_without_wait() -> None:
+    """--timeout without --wait was taken and ignored: the check ran once."""
+    code, out = cli("ready", "t-x@1", "--region", "eu", "--timeout", "3")
+    assert code == 2 and "--timeout needs --wait" in out, out
+    code, out = cli("ready", "--help")
+    assert "needs --wait" in " ".join(out.replace("│", " ").split()), out
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+def test_healthcheck_refuses_a_timeout_that_is_no_wait(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC took it for a deadline already past: DEADLINE_EXCEEDED, a healthy node blamed."""
+    code, out = cli("healthcheck", "127.0.0.1:7071", "--timeout", timeout)
+    assert code == 2 and f"--timeout {timeout}" in out and "more than 0" in out, out
+    assert "DEADLINE_EXCEEDED" not in out, out
+    # The image's HEALTHCHECK runs the module: the same check, the same exit.
+    assert healthcheck.main(["127.0.0.1:7071", "--timeout", timeout]) == 2
+    err = capsys.readouterr().err
+    assert f"--timeout {timeout}" in err and "DEADLINE_EXCEEDED" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("given", "suggestion"),
+    [
+        ("2026-12-06", "2026-12-06T00:00:00Z"),
+        ("2026-12-06Z", "2026-12-06T00:00:00Z"),  # a date takes no zone in fromisoformat
+        ("2026-12-06T09:30", "2026-12-06T09:30:00Z"),
+        ("2026-12-06T09:30:15.5", "2026-12-06T09:30:15.500000Z"),
+        ("2026-12-06T25:00Z", None),
+        ("soon", None),
+    ],
+)
+def test_every_time_parse_at_suggests_is_one_it_accepts(given: str, suggestion: str | None) -> None:
+    """2026-12-06 was told to add Z; 2026-12-06Z was then "not a time"."""
+    with pytest.raises(ValueError, match="--at") as caught:
+        parse_at(given)
+    said = str(caught.value)
+    advice = said.replace(repr(given), "")  # what it suggests, not what it was given
+    suggested = re.findall(r"\d{4}-\d\d-\d\dT[\d:.]+(?:Z|[+-]\d\d:\d\d)", advice)
+    assert suggested, said
+    for each in suggested:
+        assert parse_at(each) is not None, each
+    assert suggestion is None or suggestion in suggested, said
+
+
+# ------------------------------------------------------------------ texts
+
+
+def test_the_known_arrow_types_read_as_a_list() -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_type("int99")
+    assert ",," not in str(caught.value) and "decimal128(P,S)" in str(caught.value)
+
+
+@pytest.mark.parametrize("command", ["publish", "plan"])
+def test_help_paragraphs_wrap_at_the_terminal_not_mid_sentence(command: str) -> None:
+    """The docstring's own line breaks were kept: "…with --if-changed, an" / "earlier"."""
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    lines = result.output.splitlines()
+    start = next(i for i, text in enumerate(lines) if text.strip().startswith("Exit codes:"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    paragraph = [text.rstrip() for text in lines[start:end]]
+    assert len(paragraph) > 1, paragraph
+    # Every line but the last is filled to the width: no line ends a sentence early.
+    assert all(len(text) > 60 for text in paragraph[:-1]), paragraph
+
+
+def test_a_format_the_names_contradict_is_said_so_not_as_bytes(tmp_path: Path) -> None:
+    """Parquet read as CSV dumped the file's binary into the parse error."""
+    write_parquet_shards(tmp_path / "raw", 2, rows=50)
+    code, out = cli(
+        "publish", str(tmp_path / "raw"), "--dataset", "t-x", "--format", "csv",
+        "--registry", str(tmp_path / "reg"),
+    )  # fmt: skip
+    assert code == 2, out
+    assert "says Parquet, and --format says csv" in out and "--format parquet" in out, out
+    assert "parse error" not in out and "\ufffd" not in out, out
+
+
+# ------------------------------------------------------------------ warm
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A registry with pq@1 and more@1 (other data), a node of region eu; the topology file."""
+    root = tmp_path_factory.mktemp("warm")
+    registry = f"file://{root}/registry"
+    for name, rows in (("pq", 200), ("more", 300)):
+        write_parquet_shards(root / name, 3, rows=rows)
+        code, out = cli("publish", str(root / name), "--dataset", name, "--registry", registry)
+        assert code == 0, out
+    with running_node(node_settings(root, registry)) as node:
+        config = root / "topology.yaml"
+        config.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n")
+        yield config
+
+
+def source_size(config: Path, name: str) -> str:
+    """The source bytes of a dataset's files, as warm prints a size."""
+    return format_bytes(sum(p.stat().st_size for p in (config.parent / name).iterdir()))
+
+
+def test_warm_one_version_says_what_it_staged_and_its_dry_run_what_is_held(site: Path) -> None:
+    """The real run said a count alone (not pq@1, not the bytes); its dry run "would stage"
+    a version held whole."""
+    config = f"--config={site}"
+    size = source_size(site, "pq")
+    code, out = cli("evict", "pq@1", "--region", "eu", "--force", config)
+    assert code == 0, out
+    code, out = cli("warm", "pq", "--region", "eu", "--dry-run", config)
+    assert code == 0, out
+    assert f"eu: would stage pq@1 ({size}) from origin" in out, out
+    code, out = cli("warm", "pq", "--region", "eu", config)
+    assert code == 0, out
+    assert f"eu: staged pq@1 ({size}) from origin" in out, out  # what NAME resolved to
+    assert "sizes are source bytes from origin" in out, out
+    code, out = cli("warm", "pq", "--region", "eu", "--dry-run", config)
+    assert code == 0 and "eu: would stage pq@1 (nothing to move: its shards are held" in out, out
+    code, out = cli("warm", "pq@1", "--region", "eu", "--dry-run", "--json", config)
+    assert code == 0 and json.loads(out)["items"][0]["state"] == "held", out
+    code, out = cli("warm", "pq", "--region", "eu", config)
+    assert code == 0 and "eu: staged pq@1 (nothing moved: its shards were held already)" in out
+
+
+def test_a_dry_run_and_its_real_run_say_the_same_size(site: Path) -> None:
+    """The dry run gave the plan's estimate of stored bytes (from what the region holds:
+    pq@1's ratio), the real run the source bytes the node fetched."""
+    config = f"--config={site}"
+    code, out = cli("warm", "pq", "--region", "eu", config)  # held: the plan's ratio
+    assert code == 0, out
+    start = datetime.now(UTC) + timedelta(hours=2)
+    schedule = site.parent / "schedule.yaml"
+    schedule.write_text(
+        f"jobs:\n  - name: j\n    region: eu\n    start: '{start.isoformat()}'\n"
+        "    duration: 1h\n    datasets: [more@1]\n"
+    )
+    code, planned = cli("plan", str(schedule), "--json", config)
+    assert code == 0, planned
+    (task,) = json.loads(planned)["regions"]["eu"]["tasks"]
+    size = source_size(site, "more")
+    assert format_bytes(task["bytes"]) != size  # the premise: the estimate is not it
+    code, dry = cli("warm", str(schedule), "--dry-run", config)
+    assert code == 0, dry
+    code, real = cli("warm", str(schedule), config)
+    assert code == 0, real
+    assert f"eu: would stage more@1 ({size}) from origin" in dry, dry
+    assert f"eu: staged more@1 ({size}) from origin" in real, real
+    for out in (dry, real):
+        assert "sizes are source bytes from origin" in out, out
