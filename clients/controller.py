@@ -726,6 +726,11 @@ class Controller:
                     datetime.fromtimestamp(other.expires, UTC).isoformat(timespec="seconds"),
                 )
             self._standing_by_for = other.holder
+            # A standby's round (the lease checked, found held) is a round: without it,
+            # /healthz failed a standby after 90 s and its liveness probe restarted it
+            # in a loop, and one failed lease check raised "every round failed".
+            self.metrics.ticks.inc()
+            self.metrics.last_tick.set(time.time())
             return None
         if self._standing_by_for is not None:
             log.info("took the lease from controller %s; acting", self._standing_by_for)

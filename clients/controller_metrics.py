@@ -107,7 +107,11 @@ class ControllerMetrics:
             "leaves the controller running on the last good schedule",
             registry=r,
         )
-        self.ticks = Counter("edgecache_controller_ticks_total", "Planning rounds", registry=r)
+        self.ticks = Counter(
+            "edgecache_controller_ticks_total",
+            "Rounds: planning rounds while leading, lease checks while standing by",
+            registry=r,
+        )
         self.tick_errors = Counter(
             "edgecache_controller_tick_errors_total", "Rounds that failed", registry=r
         )

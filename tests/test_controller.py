@@ -166,6 +166,12 @@ def test_a_second_controller_stands_by(site) -> None:
             assert first.tick() is not None
             assert second.tick() is None  # refused: the first holds the lease
             assert second.metrics.leader._value.get() == 0
+            # Standing by is a round: /healthz stays healthy (it failed a standby after
+            # 90 s, and its liveness probe restarted it in a loop), and the round counts.
+            second.metrics.last_tick.set(time.time() - 3600)
+            assert second.health(30) is not None
+            assert second.tick() is None and second.health(30) is None
+            assert second.metrics.ticks._value.get() == 2
             first.wait_idle()
             first.close()  # gives the lease up
             assert second.tick() is not None
