@@ -9,6 +9,7 @@ front; an error names its source and field and says what is expected.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import posixpath
 import socket
@@ -40,6 +41,8 @@ __all__ = [
     "cgroup_cpu_limit",
     "usable_cores",
 ]
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "EDGECACHE_"
 
@@ -364,6 +367,34 @@ def _shown(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
+# EDGECACHE_* variables other parts of edgecache read (clients, the controller, the CLI's
+# shared options): a node's environment may carry them without meaning a node setting.
+OTHER_TOOLS_ENV = frozenset(
+    {
+        "EDGECACHE_CONFIG",  # a client's topology file
+        "EDGECACHE_TLS_CA",  # a client's CA (a node's, for its peers: EDGECACHE_PEER_TLS_CA)
+        "EDGECACHE_TOKEN_FILE",  # the CLI's bearer token file
+        "EDGECACHE_CLIENT_METRICS_PORT",  # EdgeDataset's metrics
+        "EDGECACHE_SHARED_BATCHES",  # EdgeDataset's DataLoader workers
+        "EDGECACHE_SCHEDULE",  # edgecache controller
+        "EDGECACHE_CONTROLLER_METRICS_LISTEN",  # edgecache controller
+    }
+)
+
+
+def _say_unknown_variable(key: str) -> None:
+    """Warn of an EDGECACHE_* variable no setting has: a misspelt one was silently ignored.
+
+    ``EDGECACHE_TLS_CERTIFICATE`` left a node serving plaintext with nothing said.
+    A warning, not a refusal: a container's environment may hold variables meant for
+    other tools of a newer edgecache.
+    """
+    names = [ENV_PREFIX + name.upper() for name in NodeConfig.model_fields]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    hint = f"did you mean {close[0]}?" if close else "see edgecache serve --help for the settings"
+    log.warning("%s is not a setting of edgecache serve and is ignored; %s", key, hint)
+
+
 def load_node_config(
     config_file: Path | None = None,
     flags: Mapping[str, Any] | None = None,
@@ -392,6 +423,8 @@ def load_node_config(
             if name in fields:
                 merged[name] = value
                 source[name] = f"${key}"
+            elif key not in OTHER_TOOLS_ENV:
+                _say_unknown_variable(key)
     for key, value in (flags or {}).items():
         if value is not None:
             merged[key] = value

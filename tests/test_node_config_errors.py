@@ -370,3 +370,24 @@ def test_the_drain_log_gives_a_fractional_grace_period(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 0, err
     assert "signal received: draining for up to 0.5 s" in err, err
+
+
+def test_a_misspelt_variable_is_said_not_silently_ignored(caplog) -> None:
+    # EDGECACHE_TLS_CERTIFICATE (for EDGECACHE_TLS_CERT) was dropped without a word,
+    # leaving the node serving plaintext; variables other edgecache tools read are quiet.
+    environ = {
+        "EDGECACHE_TLS_CERTIFICATE": "/etc/tls/tls.crt",
+        "EDGECACHE_PEER_TLSCA": "/etc/tls/ca.crt",
+        "EDGECACHE_TLS_CA": "/etc/tls/ca.crt",
+        "EDGECACHE_CONFIG": "/etc/edgecache.yaml",
+        "EDGECACHE_CAPACITY": "2GiB",
+    }
+    with caplog.at_level("WARNING", logger="edgecache.edge.config"):
+        config = load_node_config(None, dict(REQUIRED), environ)
+    assert config.capacity == 2 << 30 and config.tls_cert is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert (
+        "EDGECACHE_TLS_CERTIFICATE" in warned[0] and "did you mean EDGECACHE_TLS_CERT?" in warned[0]
+    )
+    assert "did you mean EDGECACHE_PEER_TLS_CA?" in warned[1]
