@@ -35,7 +35,6 @@ import pyarrow as pa
 
 from edgecache.cache.codec import CodecOptions
 from edgecache.cache.errors import (
-    EdgeCacheError,
     MalformedShard,
     ManifestError,
     ObjectExists,
@@ -79,6 +78,7 @@ from edgecache.cache.preprocess.partitions import (
 from edgecache.cache.preprocess.pipeline import Description, survey
 from edgecache.cache.preprocess.source_options import delimiter_for_names
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
+from edgecache.cache.storage.base import unreachable
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
@@ -201,30 +201,31 @@ _WHERE = {
 }
 
 
-def _unreachable_text(what: str, url: str, exc: BaseException) -> str:
+def _unreachable_text(what: str, url: str, exc: OriginError) -> str:
     """``cannot reach registry URL: why; check …``: an error that names whom it could not reach.
 
-    ``exc`` may be the store's :class:`OriginError`, whose own words are kept, or the raw
-    OS error under it; ``what`` is ``registry`` or ``source``.
+    ``exc`` is the store's, raised from the socket's error (the ``why``); ``what``
+    is ``registry`` or ``source``.
     """
-    why = exc.__cause__ if isinstance(exc, OriginError) and exc.__cause__ else exc
-    return f"cannot reach {what} {url}: {why}; check {_WHERE[what]} and the network"
+    why = exc.__cause__
+    said = str(why) or type(why).__name__  # a timeout says nothing: TimeoutError
+    return f"cannot reach {what} {url}: {said}; check {_WHERE[what]} and the network"
 
 
 @contextlib.contextmanager
 def _reaching(what: str, url: str) -> Iterator[None]:
-    """Name the location in an OS error a store let out raw, as :class:`OriginError` (exit 1).
+    """Say which location did not answer, and where it is set, for a store that could not reach it.
 
-    fsspec filesystems that connect when opened (``ftp://``, ``sftp://``) raise the
-    socket's own error before any request, and ``[Errno -2] Name or service not known``
-    alone named neither the registry (or source) nor what to check. Edgecache's own
-    errors (an object not found, a version taken) pass as they are.
+    The store names a URL deep in the registry (or source) and says to check "the
+    URL": the person running the command needs to hear it is the registry (or
+    source) they gave, and which option gives it. Every other error passes as it
+    is (an object not found, a refusal, a version taken).
     """
     try:
         yield
-    except EdgeCacheError:
-        raise
-    except OSError as exc:
+    except OriginError as exc:
+        if not unreachable(exc):
+            raise
         raise OriginError(_unreachable_text(what, url, exc)) from exc
 
 
@@ -384,31 +385,12 @@ class Registry:
                 "has no versions there; check the registry URL (--registry, or registry: in "
                 "the topology file): a local registry is a directory"
             )
-        if local is None:
-            await self._readable(dataset)
         state = "does not exist" if local and not os.path.isdir(local) else "holds no datasets"
         return VersionNotFound(
             f"the registry {self.url} {state}, so dataset {dataset!r} has no versions there; "
             "check the registry URL (--registry, or registry: in the topology file), or "
             "publish a version there (edgecache publish creates the registry)"
         )
-
-    async def _readable(self, dataset: str) -> None:
-        """Raise :class:`OriginError` (exit 1) when the registry cannot be reached at all.
-
-        Some filesystems list an unreachable location as an empty one (fsspec's HTTP
-        one asks ``exists``, which answers False for a host that does not resolve):
-        then "holds no datasets" (exit 2, publish there) blamed the registry's
-        contents for the network. Reading the dataset's ``latest`` pointer tells
-        them apart: absent (:class:`ObjectNotFound`) in a registry that answers.
-        """
-        pointer = f"{self.url}/{dataset}/latest"
-        try:
-            await self._store(pointer).get(pointer)
-        except ObjectNotFound:
-            return
-        except OSError as exc:  # the store's OriginError, or a raw one (see _reaching)
-            raise OriginError(_unreachable_text("registry", self.url, exc)) from exc
 
     async def manifest(self, dataset: str, version: int) -> pb.Manifest:
         """Read and verify one version's manifest."""

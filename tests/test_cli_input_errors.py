@@ -18,12 +18,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import typer
 from edgeutil import node_settings, write_parquet_shards
+from rich.cells import cell_len
 from typer.testing import CliRunner
 
 from edgecache.cache.preprocess.arrow_types import parse_type
 from edgecache.clients import healthcheck
 from edgecache.clients.cli import app
+from edgecache.clients.cli.context import flowing
 from edgecache.clients.cli.render import format_bytes
 from edgecache.clients.cli.staging import parse_at
 from edgecache.edge.server import running_node
@@ -145,17 +148,81 @@ def test_the_known_arrow_types_read_as_a_list() -> None:
     assert ",," not in str(caught.value) and "decimal128(P,S)" in str(caught.value)
 
 
-@pytest.mark.parametrize("command", ["publish", "plan"])
-def test_help_paragraphs_wrap_at_the_terminal_not_mid_sentence(command: str) -> None:
-    """The docstring's own line breaks were kept: "…with --if-changed, an" / "earlier"."""
-    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+# Every command, and the root ("").
+COMMANDS = ["", *sorted(typer.main.get_command(app).commands)]  # type: ignore[attr-defined]
+_ITEM = re.compile(r"\s*(?:[-*•]|\d+[.)])\s")
+
+
+def help_paragraphs(cli_app: typer.Typer, args: list[str], columns: int) -> list[list[str]]:
+    """The paragraphs of a ``--help`` above its boxes (options, commands), as printed."""
+    result = runner.invoke(cli_app, args, env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    start = next(i for i, text in enumerate(lines) if text.strip().startswith("Exit codes:"))
-    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
-    paragraph = [text.rstrip() for text in lines[start:end]]
-    assert len(paragraph) > 1, paragraph
-    # Every line but the last is filled to the width: no line ends a sentence early.
-    assert all(len(text) > 60 for text in paragraph[:-1]), paragraph
+    start = next(i for i, text in enumerate(lines) if text.strip().startswith("Usage:")) + 1
+    end = next(i for i, text in enumerate(lines) if text.lstrip().startswith("╭"))
+    paragraphs: list[list[str]] = [[]]
+    for text in lines[start:end]:
+        if text.strip():
+            paragraphs[-1].append(text.rstrip())
+        elif paragraphs[-1]:
+            paragraphs.append([])
+    return [p for p in paragraphs if p]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_paragraphs_wrap_at_the_terminal_not_mid_sentence(command: str, columns: int) -> None:
+    """The docstring's own line breaks were kept: "…with --if-changed, an" / "earlier".
+
+    Each line of a paragraph but its last is full: the next line's first word
+    would not have fitted on it (the help body is indented one column, and
+    rich keeps one free at the right). A list item or an indented block may
+    start a line wherever.
+    """
+    args = [command, "--help"] if command else ["--help"]
+    paragraphs = help_paragraphs(app, args, columns)
+    assert len(paragraphs) > 1, paragraphs  # a summary, then what the command says
+    for paragraph in paragraphs:
+        for text, after in zip(paragraph, paragraph[1:], strict=False):
+            if _ITEM.match(after[1:]) or after[1:2].isspace():
+                continue
+            assert cell_len(text.strip()) <= columns - 2, paragraph
+            fitted = cell_len(text.strip()) + 1 + cell_len(after.split()[0])
+            assert fitted > columns - 2, f"{text!r} broke early, before {after.split()[0]!r}"
+
+
+def test_flowing_keeps_a_docstrings_lists_and_blocks_as_lines() -> None:
+    """Only prose joins: an item starts its line, a wrapped item joins it, a block stays."""
+    one = typer.Typer()
+
+    @one.command()
+    @flowing
+    def cmd() -> None:
+        """Do a thing.
+
+        What it says, over two lines of
+        the source. Exit codes:
+        - 0 done, an item long enough that
+          its source wraps
+        - 1 failed; --force is
+        --force. then prose
+        2. numbered
+
+            edgecache cmd --flag
+            edgecache cmd
+        """
+
+    paragraphs = help_paragraphs(one, ["--help"], 120)
+    assert paragraphs[1:] == [
+        [
+            " What it says, over two lines of the source. Exit codes:",
+            " - 0 done, an item long enough that its source wraps",
+            " - 1 failed; --force is",
+            " --force. then prose",
+            " 2. numbered",
+        ],
+        ["     edgecache cmd --flag", "     edgecache cmd"],
+    ], paragraphs
 
 
 def test_a_format_the_names_contradict_is_said_so_not_as_bytes(tmp_path: Path) -> None:

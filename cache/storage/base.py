@@ -6,18 +6,31 @@ import base64
 import contextlib
 import hashlib
 import re
+import socket
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from edgecache.cache.errors import ObjectNotFound, OriginChanged
+from edgecache.cache.errors import ObjectNotFound, OriginChanged, OriginError
 
-__all__ = ["ObjectInfo", "ObjectStore", "RetryStats", "Slot", "changed", "no_slot", "verify"]
+__all__ = [
+    "UNANSWERED",
+    "ObjectInfo",
+    "ObjectStore",
+    "RetryStats",
+    "Slot",
+    "changed",
+    "no_slot",
+    "unreachable",
+    "verify",
+]
 
 Slot = Callable[[], AbstractAsyncContextManager[object]]
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
+# The socket's errors when nothing answered: refused or reset, no such host, timed out.
+UNANSWERED = (ConnectionError, socket.gaierror, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +111,17 @@ class ObjectStore(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+
+def unreachable(exc: OriginError) -> bool:
+    """Whether a store's error says nothing answered at the URL, not that something refused.
+
+    Stores raise such an :class:`OriginError` from the socket's own error (see
+    :data:`UNANSWERED`), so a caller that knows where the URL came from can say
+    which setting to check (``--registry``) and that the network is suspect,
+    where "not found" or "refused" would send a person to the data instead.
+    """
+    return isinstance(exc.__cause__, UNANSWERED)
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,12 @@
 """Every URL scheme but ``s3://`` (``file://``, ``memory://``, ``gs://``, …), through fsspec.
 
-Where a backend has no ETag, ``size-mtime`` stands in for one.
+Where a backend has no ETag, ``size-mtime`` stands in for one. fsspec's own
+errors do not tell a location that never answered from one that holds
+nothing (its HTTP ``exists`` and ``info`` answer "not there" for a host they
+could not reach; a filesystem that connects when opened, ``ftp://``, raises the
+socket's error raw; an HTTP 5xx is aiohttp's, not an ``OSError``): every failure
+leaves this store as :class:`ObjectNotFound` only when the location answered
+that nothing is there, else as :class:`OriginError` naming the URL.
 """
 
 from __future__ import annotations
@@ -11,12 +17,20 @@ import os
 import secrets
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import fsspec
 
-from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginError
-from edgecache.cache.storage.base import ObjectInfo, ObjectStore, RetryStats, Slot, changed, no_slot
+from edgecache.cache.errors import ObjectExists, ObjectNotFound, OriginError, causes
+from edgecache.cache.storage.base import (
+    UNANSWERED,
+    ObjectInfo,
+    ObjectStore,
+    RetryStats,
+    Slot,
+    changed,
+    no_slot,
+)
 
 __all__ = ["FsspecStore"]
 
@@ -31,10 +45,13 @@ class FsspecStore(ObjectStore):
 
     @staticmethod
     def _fs(url: str) -> tuple[Any, str]:
+        """The filesystem and path for ``url``; some filesystems connect here (``ftp://``)."""
         try:
             return fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as exc:
             raise OriginError(f"cannot open {url}: {exc}") from exc
+        except OSError as exc:
+            _raise_for(url, exc)
 
     @staticmethod
     def _info(url: str, raw: dict[str, Any]) -> ObjectInfo:
@@ -50,12 +67,10 @@ class FsspecStore(ObjectStore):
         self.stats.requests += 1
         try:
             return await asyncio.to_thread(fn)
-        except FileNotFoundError as exc:
-            raise ObjectNotFound(f"no object at {url}") from exc
         except FileExistsError as exc:
             raise ObjectExists(f"{url} already exists") from exc
-        except OSError as exc:
-            raise OriginError(f"origin request for {url} failed: {exc}") from exc
+        except Exception as exc:
+            _raise_for(url, exc)
 
     async def head(self, url: str) -> ObjectInfo:
         """The object's info; a directory counts as absent."""
@@ -70,18 +85,39 @@ class FsspecStore(ObjectStore):
         return self._info(url, await self._run(url, info))
 
     async def list(self, prefix_url: str) -> list[ObjectInfo]:
-        """Every file under the prefix (none if it does not exist)."""
+        """Every file under the prefix: none if nothing is there, an error if it cannot be read.
+
+        fsspec's ``find`` leaves out what it could not list and, like ``exists``,
+        answers "nothing" for a host it could not reach: an unreachable registry
+        was one that "holds no datasets" (exit 2, publish there). So when it finds
+        nothing, the prefix is listed once more, and only an error that says
+        nothing is there (see :func:`_raise_for`) makes the answer "none".
+        """
         fs, path = self._fs(prefix_url)
         protocol = prefix_url.split("://", 1)[0] if "://" in prefix_url else "file"
 
         def find() -> dict[str, dict[str, Any]]:
-            if not fs.exists(path):
+            found: dict[str, dict[str, Any]] = fs.find(path, detail=True)
+            if not found:
+                try:
+                    fs.ls(path, detail=False)
+                except (FileNotFoundError, NotADirectoryError) as exc:  # under a file: none
+                    if exc.__cause__ is not None and _status(exc.__cause__) not in _GONE:
+                        raise
                 return {}
-            return fs.find(path, detail=True)
+            # HTTP listings are links: their sizes are None until each is asked (HEAD).
+            return {
+                name: raw if raw.get("size") is not None else fs.info(name)
+                for name, raw in found.items()
+            }
 
         found = await self._run(prefix_url, find)
         return sorted(
-            (self._info(f"{protocol}://{name}", raw) for name, raw in found.items()),
+            # Most filesystems name paths without their protocol; HTTP's are whole URLs.
+            (
+                self._info(name if "://" in name else f"{protocol}://{name}", raw)
+                for name, raw in found.items()
+            ),
             key=lambda o: o.url,
         )
 
@@ -176,6 +212,66 @@ class FsspecStore(ObjectStore):
                 fs.rm_file(path)
 
         await self._run(url, remove)
+
+
+def _raise_for(url: str, exc: Exception) -> NoReturn:
+    """Raise this store's error for what fsspec raised on ``url``; one no origin's as it is.
+
+    Absent (:class:`ObjectNotFound`) only when the location answered so: a
+    missing file, an HTTP 404 or 410. Nothing answering (a connection refused
+    or reset, a name that does not resolve, a timeout) is :class:`OriginError`
+    raised from the socket's own error, as :func:`.base.unreachable` reads it.
+    An HTTP 401 or 403 is one raised from a ``PermissionError``: a refusal no
+    retry changes, as a node's status mapping reads it; another HTTP status
+    names itself. fsspec's HTTP ``info`` raises ``FileNotFoundError`` from
+    whatever failed, so that is what is read.
+    """
+    import aiohttp  # fsspec's HTTP filesystem's: always there (aiobotocore needs it too)
+
+    seen = exc.__cause__ if isinstance(exc, FileNotFoundError) and exc.__cause__ else exc
+    if (status := _status(seen)) is not None:
+        said = f"HTTP {status} {getattr(seen, 'message', '')}".strip()
+        if status in _GONE:
+            raise ObjectNotFound(f"no object at {url} ({said})") from exc
+        if status in (401, 403):
+            raise OriginError(
+                f"origin refused access to {url} ({said}): check the credentials and that "
+                "this URL may be read"
+            ) from _refused(seen)
+        advice = (
+            "the server failed: try again later, or ask whoever runs it"
+            if status >= 500
+            else "check the URL"
+        )
+        raise OriginError(f"origin request for {url} failed ({said}): {advice}") from seen
+    unanswered = next((c for c in causes(seen, itself=True) if isinstance(c, UNANSWERED)), None)
+    if unanswered is not None or isinstance(seen, aiohttp.ClientConnectionError):
+        why = unanswered or seen
+        raise OriginError(
+            f"cannot reach {url}: {str(why) or type(why).__name__}; check the URL and the network"
+        ) from why
+    if isinstance(exc, FileNotFoundError):
+        raise ObjectNotFound(f"no object at {url}") from exc
+    if isinstance(exc, OSError):
+        raise OriginError(f"origin request for {url} failed: {exc}") from exc
+    raise exc
+
+
+_GONE = (404, 410)  # HTTP statuses that say nothing is there
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status of aiohttp's error for a response (fsspec's HTTP one raises it)."""
+    import aiohttp
+
+    return exc.status if isinstance(exc, aiohttp.ClientResponseError) else None
+
+
+def _refused(exc: BaseException) -> PermissionError:
+    """A ``PermissionError`` caused by ``exc``, for an HTTP 401/403 read as a refusal."""
+    refused = PermissionError(str(exc))
+    refused.__cause__ = exc
+    return refused
 
 
 def _is_local(fs: Any) -> bool:

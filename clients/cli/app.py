@@ -8,31 +8,26 @@ from typing import Any, NoReturn
 
 import typer
 
+from edgecache.clients.cli.context import flowing
+
 __all__ = ["EXIT_CLOSED_STDOUT", "app", "main"]
 
-app = typer.Typer(
-    name="edgecache",
-    help="Stage training data into regional caches next to the GPUs.\n\n"
-    "Exit codes: 0 ok; 1 failed (a node, a transfer, the origin: retrying may help); "
-    "2 bad input (options, files, names: it will not); 3 a scheduled job cannot be met; "
-    "130 interrupted by Ctrl-C (run it again to resume); 141 the output was closed "
-    "(| head), quietly. Every command's --help says which it uses; docs/operations.md "
-    "has a section per command.",
-    no_args_is_help=True,
-    add_completion=False,
-)
+app = typer.Typer(name="edgecache", no_args_is_help=True, add_completion=False)
 
 # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s `yes`, killed by SIGPIPE.
 EXIT_CLOSED_STDOUT = 141
 
 
 @app.callback()
+@flowing
 def _root() -> None:
     """Stage training data into regional caches next to the GPUs.
 
-    Exit codes: 0 ok; 1 failed (a node, a transfer, the origin); 2 bad input
-    (options, files, names); 3 a scheduled job cannot be met; 130 interrupted;
-    141 the output was closed (a pipe into head), quietly.
+    Exit codes: 0 ok; 1 failed (a node, a transfer, the origin: retrying may
+    help); 2 bad input (options, files, names: it will not); 3 a scheduled job
+    cannot be met; 130 interrupted by Ctrl-C (run it again to resume); 141 the
+    output was closed (| head), quietly. Every command's --help says which it
+    uses; docs/operations.md has a section per command.
     """
 
 

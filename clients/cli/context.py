@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -132,11 +133,37 @@ def flowing(command: F) -> F:
     that did not fit broke in two mid-sentence ("with --if-changed, an" then
     "earlier version"), and one broken early in the source stayed short ("1
     failed:"). As one line per paragraph, rich wraps it to whatever width
-    there is. Paragraphs stay apart (a blank line between them).
+    there is. Paragraphs stay apart (a blank line between them), and so do
+    the lines of a list or a block (see :func:`_flowed`).
     """
     text = inspect.cleandoc(command.__doc__ or "")
-    command.__doc__ = "\n\n".join(" ".join(part.split()) for part in text.split("\n\n"))
+    command.__doc__ = "\n\n".join(_flowed(part) for part in text.split("\n\n"))
     return command
+
+
+# A list item: "- ", "* ", "• ", "1. " or "1) ", maybe indented.
+_ITEM = re.compile(r"\s*(?:[-*•]|\d+[.)])\s+")
+
+
+def _flowed(paragraph: str) -> str:
+    """One paragraph as the lines ``--help`` prints: prose joined, lists and blocks kept.
+
+    A list item starts a line of its own, and the lines indented to its text
+    (a wrapped item) join it; other indented lines (a table, a command to
+    run) stay as written. Only prose joins prose: ``--force.`` at the start
+    of a line is a sentence going on, not an item.
+    """
+    lines: list[str] = []
+    joins: int | None = 0  # the indent of a line that continues the last; None: nothing does
+    for line in paragraph.splitlines():
+        indent = len(line) - len(line.lstrip())
+        item = _ITEM.match(line)
+        if lines and item is None and indent == joins:
+            lines[-1] += " " + line.strip()
+            continue
+        lines.append(line.rstrip())
+        joins = item.end() if item else (0 if indent == 0 else None)
+    return "\n".join(lines)
 
 
 def exit_with(code: ExitCode) -> typer.Exit:

@@ -22,6 +22,7 @@ from edgecache.clients.cli.context import (
     Options,
     TokenOption,
     exit_with,
+    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import console, err_console, error
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 
 @app.command()
+@flowing
 def controller(
     schedule: Annotated[
         Path,
