@@ -19,7 +19,6 @@ from edgecache.edge.config import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-CLIENT_ONLY_ENV = {"EDGECACHE_TLS_CA", "EDGECACHE_CONFIG"}
 BUILD_ONLY_ENV = {"EDGECACHE_BASE_IMAGE"}  # compose's build argument for the base image
 K8S_VERSION = "1.30.0"
 
@@ -32,12 +31,232 @@ def env_names(text: str) -> set[str]:
     return set(re.findall(r"\bEDGECACHE_[A-Z_]+", text))
 
 
-def test_every_edgecache_variable_is_a_node_setting() -> None:
-    fields = {f"EDGECACHE_{name.upper()}" for name in NodeConfig.model_fields}
+def node_env() -> set[str]:
+    """The variables `edgecache serve` reads: EDGECACHE_<setting> for each NodeConfig field."""
+    return {f"EDGECACHE_{name.upper()}" for name in NodeConfig.model_fields}
+
+
+def controller_env() -> set[str]:
+    """The variables `edgecache controller` reads: its options' ``envvar``s, the ones their
+    help names as read in code (--config: ``$EDGECACHE_CONFIG``), and the TLS variables of
+    the channels it dials grpcs:// nodes through (clients/channels.py)."""
+    import inspect
+
+    from typer.main import get_command
+
+    from edgecache.clients import channels
+    from edgecache.clients.cli import app
+
+    command = get_command(app).commands["controller"]  # type: ignore[attr-defined]
+    names: set[str] = set()
+    for param in command.params:
+        envvar = param.envvar
+        names |= {envvar} if isinstance(envvar, str) else set(envvar or ())
+        names |= set(re.findall(r"\$(EDGECACHE_[A-Z_]+)", getattr(param, "help", None) or ""))
+    names |= set(re.findall(r"\b(EDGECACHE_TLS_[A-Z]+)\b", inspect.getsource(channels)))
+    return names
+
+
+def container_env(container: dict) -> set[str]:
+    return {e["name"] for e in container.get("env", []) if e["name"].startswith("EDGECACHE_")}
+
+
+def compose_env(service: dict) -> set[str]:
+    env = service.get("environment") or {}
+    names = env if isinstance(env, dict) else [e.split("=", 1)[0] for e in env]
+    return {n for n in names if n.startswith("EDGECACHE_")}
+
+
+def compose_process(service: dict) -> str:
+    """What a compose service runs: a node (the image's entrypoint, `edgecache serve`),
+    the controller, or something else."""
+    entrypoint = service.get("entrypoint") or []
+    if service.get("image", "").startswith("edgecache-node:") and not entrypoint:
+        return "node"
+    return "controller" if entrypoint[:2] == ["edgecache", "controller"] else "other"
+
+
+def test_each_process_gets_only_its_own_variables() -> None:
+    """Every EDGECACHE_* variable given to a process is one that process reads: the node's
+    (NodeConfig) in the StatefulSet, the compose nodes and the image; the controller's
+    (its command's options) in its Deployment and compose services. A client's
+    EDGECACHE_TLS_CA on a node, or a node setting on the controller, is ignored there."""
+    node, controller = node_env(), controller_env()
+    # The sets tell the processes apart (else this test could not fail where it should).
+    assert "EDGECACHE_TLS_CA" not in node and "EDGECACHE_PEER_TLS_CA" in node
+    assert "EDGECACHE_TLS_CA" in controller and "EDGECACHE_PEER_TLS_CA" not in controller
+    assert {"EDGECACHE_SCHEDULE", "EDGECACHE_CONFIG", "EDGECACHE_TOKEN_FILE"} <= controller
+    for overlay in ("eu-west", "us-east"):
+        for obj in render_overlay(overlay):
+            if obj["kind"] == "StatefulSet":
+                for container in obj["spec"]["template"]["spec"]["containers"]:
+                    assert container_env(container) <= node, container_env(container) - node
+    for obj in render(DEPLOY / "k8s" / "controller"):
+        if obj["kind"] == "Deployment":
+            (container,) = obj["spec"]["template"]["spec"]["containers"]
+            assert container["command"][:2] == ["edgecache", "controller"]
+            assert container_env(container) <= controller, container_env(container) - controller
+    for obj in docs(DEPLOY / "k8s" / "optional" / "node-tuning-daemonset.yaml"):
+        assert "EDGECACHE_" not in json.dumps(obj)
+    seen = {"node": 0, "controller": 0}
+    for path in DEPLOY.glob("compose*.yaml"):
+        for name, service in yaml.safe_load(path.read_text())["services"].items():
+            process = compose_process(service)
+            given = compose_env(service)
+            if process == "other":
+                assert not given, (path.name, name, given)
+                continue
+            seen[process] += 1
+            allowed = node if process == "node" else controller
+            assert given <= allowed, (path.name, name, given - allowed)
+    assert seen["node"] >= 6 and seen["controller"] >= 2, seen  # three nodes a file
+    # The image's ENV is the node's (its entrypoint is `edgecache serve`).
+    dockerfile = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    image_env = {
+        name
+        for line in re.findall(r"^ENV (.*)$", dockerfile, re.M)
+        for name in re.findall(r"\b(EDGECACHE_[A-Z_]+)=", line)
+    }
+    assert image_env and image_env <= node, image_env - node
+    # Anything else that names a variable (comments, build arguments) names a real one.
+    known = node | controller | BUILD_ONLY_ENV
     paths = [DEPLOY / "Dockerfile", *DEPLOY.glob("compose*.yaml"), *DEPLOY.glob("k8s/**/*.yaml")]
     for path in paths:
-        unknown = env_names(path.read_text()) - fields - CLIENT_ONLY_ENV - BUILD_ONLY_ENV
+        unknown = env_names(path.read_text()) - known
         assert not unknown, f"{path}: {unknown}"
+
+
+def _ports(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
+def check_ports_by_name(objects: list[dict]) -> int:
+    """Every Service's targetPort is a port its pods' containers declare (by name or
+    number), every ServiceMonitor's ``port`` a port of a Service it selects, every probe's
+    port a declared one, and the pod's prometheus.io/port annotation its metrics port.
+    Returns how many references were checked."""
+    pods = [
+        (o["spec"]["template"]["metadata"]["labels"], o["spec"]["template"])
+        for o in objects
+        if o["kind"] in ("StatefulSet", "Deployment")
+    ]
+    services = [o for o in objects if o["kind"] == "Service"]
+    checked = 0
+    for service in services:
+        selected = [t for labels, t in pods if _selects(service["spec"]["selector"], labels)]
+        assert selected, service["metadata"]["name"]
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for template in selected:
+                declared = {
+                    k: v for c in template["spec"]["containers"] for k, v in _ports(c).items()
+                }
+                ok = target in declared if isinstance(target, str) else target in declared.values()
+                assert ok, (service["metadata"]["name"], port, declared)
+                checked += 1
+    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        names = {
+            p["name"]
+            for s in services
+            if _selects(selector, s["metadata"].get("labels", {}))
+            for p in s["spec"]["ports"]
+        }
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in names, (monitor["metadata"]["name"], endpoint, names)
+            checked += 1
+    for _, template in pods:
+        for container in template["spec"]["containers"]:
+            declared = _ports(container)
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                for how in ("grpc", "httpGet", "tcpSocket"):
+                    port = container.get(probe, {}).get(how, {}).get("port")
+                    if port is not None:
+                        assert port in declared or port in declared.values(), (probe, port)
+                        checked += 1
+        annotated = template["metadata"].get("annotations", {}).get("prometheus.io/port")
+        if annotated:
+            ports = {k: v for c in template["spec"]["containers"] for k, v in _ports(c).items()}
+            assert int(annotated) == ports["metrics"], (annotated, ports)
+    return checked
+
+
+def test_services_monitors_and_probes_name_the_containers_ports(tmp_path: Path) -> None:
+    from test_deploy_review import _uncommented
+
+    for target, component in (
+        ("overlays/eu-west", "../../base/monitoring"),
+        ("overlays/us-east", "../../base/monitoring"),
+        ("controller", "monitoring"),
+    ):
+        objects = _uncommented(tmp_path / target.replace("/", "-"), target, component)
+        assert {"Service", "ServiceMonitor"} <= {o["kind"] for o in objects}, target
+        assert check_ports_by_name(objects) >= 4, target
+
+
+def listen_addresses(command: list[str], env: dict) -> list[tuple[str, str]]:
+    """(where, HOST:PORT) of every address a process is told to listen on: the *_LISTEN
+    variables and the ``--…-listen ADDRESS`` (or ``=ADDRESS``) flags of its command."""
+    found = [(k, str(v)) for k, v in env.items() if k.endswith("_LISTEN")]
+    words = [str(w) for w in command]
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if flag.startswith("--") and flag.endswith("-listen"):
+            found.append((flag, value or words[i + 1]))
+    return found
+
+
+def test_every_listen_address_binds_where_intended() -> None:
+    """On the host's network (compose.host.yaml) every address a process listens on is
+    127.0.0.1 (flags such as the controller's --metrics-listen too, not only variables);
+    on compose's bridge network a listening port is published on 127.0.0.1 only, if at
+    all; in a pod it is the pod's address (0.0.0.0, never loopback: Services, probes and
+    Prometheus reach the pod IP) on a port the container declares."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    image_env = dict(
+        re.findall(
+            r"\b(EDGECACHE_[A-Z_]+)=(\S+)", " ".join(re.findall(r"^ENV (.*)$", dockerfile, re.M))
+        )
+    )
+    assert "EDGECACHE_METRICS_LISTEN" in image_env, image_env
+    checked = 0
+    for path in DEPLOY.glob("compose*.yaml"):
+        for name, service in yaml.safe_load(path.read_text())["services"].items():
+            command = [*(service.get("entrypoint") or []), *(service.get("command") or [])]
+            if isinstance(service.get("command"), str):
+                continue  # a shell line (seed): runs the CLI, which listens nowhere
+            env = service.get("environment") or {}
+            if compose_process(service) == "node":  # what the image sets, unless overridden
+                env = {**image_env, **env}
+            addresses = listen_addresses(command, env)
+            for where, address in addresses:
+                host, port = address.rsplit(":", 1)
+                if service.get("network_mode") == "host":
+                    assert host == "127.0.0.1", (path.name, name, where, address)
+                else:
+                    published = [str(p) for p in service.get("ports", [])]
+                    reach = [p for p in published if p.rsplit(":", 1)[1] == port]
+                    assert all(p.startswith("127.0.0.1:") for p in reach), (name, reach)
+                checked += 1
+    objects = [*render_overlay("eu-west"), *render(DEPLOY / "k8s" / "controller")]
+    for obj in objects:
+        if obj["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+            command = [*container.get("command", []), *container.get("args", [])]
+            addresses = listen_addresses(command, env)
+            assert addresses, obj["metadata"]["name"]
+            for where, address in addresses:
+                host, port = address.rsplit(":", 1)
+                assert host == "0.0.0.0", (obj["metadata"]["name"], where, address)
+                assert int(port) in _ports(container).values(), (where, address)
+                checked += 1
+    assert checked >= 20, checked
 
 
 def test_dockerfile_shape() -> None:
@@ -172,6 +391,51 @@ def test_kubernetes_manifests() -> None:
     assert tuning["kind"] == "DaemonSet" and "bbr" in json.dumps(tuning)
 
 
+def _tuning_script() -> str:
+    (daemonset,) = docs(DEPLOY / "k8s" / "optional" / "node-tuning-daemonset.yaml")
+    (init,) = daemonset["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][:2] == ["sh", "-c"] and len(init["command"]) == 3, init["command"]
+    return init["command"][2]
+
+
+def _run_tuning(tmp_path: Path, fake_sysctl: str) -> subprocess.CompletedProcess:
+    """The DaemonSet's script under sh, with a stand-in ``sysctl`` first on PATH."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "sysctl").write_text("#!/bin/sh\n" + fake_sysctl)
+    (bin_dir / "sysctl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return subprocess.run(
+        ["sh", "-c", _tuning_script()], capture_output=True, text=True, env=env, timeout=30
+    )
+
+
+def test_node_tuning_fails_where_a_setting_does_not_take(tmp_path: Path) -> None:
+    """A host without tcp_bbr: a failed sysctl, or one that leaves another algorithm in
+    place, fails the init container (and so the pod) instead of passing as tuned."""
+    script = _tuning_script()
+    lines = [line.strip() for line in script.splitlines() if line.strip()]
+    assert re.fullmatch(r"set -e\w*", lines[0]) and "u" in lines[0], lines[0]
+    assert "sysctl -n net.ipv4.tcp_congestion_control" in script
+    # Every setting is written: a stand-in that accepts all of them and reads back bbr.
+    ok = _run_tuning(tmp_path, 'case "$1" in -n) echo bbr ;; esac\n')
+    assert ok.returncode == 0, ok.stderr
+    # A write refused (no tcp_bbr module: "Invalid argument"), nothing after it runs.
+    refused = _run_tuning(
+        tmp_path,
+        'case "$*" in *tcp_congestion_control=bbr*) echo "sysctl: Invalid argument" >&2;'
+        " exit 1 ;; -n*) echo bbr ;; esac\n"
+        f'echo "$*" >> {tmp_path}/written\n',
+    )
+    assert refused.returncode != 0
+    assert "rmem_max" not in (tmp_path / "written").read_text()
+    # A write that "succeeds" but leaves cubic in place: the check says so.
+    ignored = _run_tuning(tmp_path, 'case "$1" in -n) echo cubic ;; esac\n')
+    assert ignored.returncode != 0 and "cubic, not bbr" in ignored.stderr, ignored.stderr
+
+
 def test_topology_and_schedule_files_are_valid() -> None:
     controller = DEPLOY / "k8s" / "controller"
     for path in (DEPLOY / "compose" / "edgecache.yaml", controller / "edgecache.yaml"):
@@ -181,6 +445,42 @@ def test_topology_and_schedule_files_are_valid() -> None:
     compose = DEPLOY / "compose"
     load_schedule(compose / "schedule.yaml", load_topology(compose / "edgecache.yaml"))
     load_schedule(compose / "schedule.host.yaml", load_topology(compose / "edgecache.host.yaml"))
+
+
+def test_the_topology_names_every_replica_as_training_jobs_must() -> None:
+    """Replicas split a version's shards by rendezvous hashing of each node's exact address
+    string, and a replica that does not own a shard fetches it from origin: training jobs
+    read through the topology (EdgeDataset(config=…, region=…)), never the client Service.
+    The controller's topology lists each overlay's replicas by their stable headless names,
+    and deploy/README.md spells them as it does."""
+    topology = load_topology(DEPLOY / "k8s" / "controller" / "edgecache.yaml")
+    readme = (DEPLOY / "README.md").read_text()
+    for overlay in ("eu-west", "us-east"):
+        objects = render_overlay(overlay)
+        (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+        (headless,) = [o for o in objects if o.get("spec", {}).get("clusterIP") == "None"]
+        namespace = sts["metadata"]["namespace"]
+        assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        port = _ports(container)["grpc"]
+        expected = [
+            f"grpcs://{sts['metadata']['name']}-{i}.{headless['metadata']['name']}"
+            f".{namespace}.svc.cluster.local:{port}"
+            for i in range(sts["spec"]["replicas"])
+        ]
+        assert [str(n) for n in topology.regions[overlay].nodes] == expected, overlay
+    example = re.search(
+        r"`(edgecache-0\.edgecache-headless\.[^`]+)`\s+without its `grpcs://`", readme
+    )
+    assert (
+        example
+        and f"grpcs://{example[1]}"
+        in (DEPLOY / "k8s" / "controller" / "edgecache.yaml").read_text()
+    )
+    client = (DEPLOY / "k8s" / "base" / "services.yaml").read_text()
+    assert "any replica serves any" not in client and "NOT for training jobs" in client
+    section = readme.split("### Training jobs read from the replicas", 1)[1].split("\n## ", 1)[0]
+    assert 'config="' in section and "region=" in section
 
 
 def test_compose_stack_and_dashboards() -> None:
@@ -219,6 +519,54 @@ def test_compose_stack_and_dashboards() -> None:
                 assert (DEPLOY / source).exists(), source
             else:
                 assert source in named, source
+
+
+def test_compose_nodes_bound_their_memory_and_the_readme_tells_them_apart() -> None:
+    """Three nodes on one host: each sets its fetch memory (unset, each takes half the
+    host's RAM). The README's compose paragraph says what differs from Kubernetes: /tmp
+    (a tmpfs there, an emptyDir on disk in the StatefulSet) and the drain time."""
+    from edgecache.cache.units import parse_size
+
+    for path in DEPLOY.glob("compose*.yaml"):
+        nodes = {
+            name: svc
+            for name, svc in yaml.safe_load(path.read_text())["services"].items()
+            if compose_process(svc) == "node"
+        }
+        assert len(nodes) == 3, (path.name, nodes)
+        for name, svc in nodes.items():
+            fetch = svc["environment"].get("EDGECACHE_FETCH_MEMORY")
+            assert fetch or svc.get("mem_limit"), (path.name, name)
+            assert parse_size(fetch) <= 2 << 30, (path.name, name, fetch)
+    (sts,) = docs(DEPLOY / "k8s" / "base" / "statefulset.yaml")
+    pod = sts["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    (tmp,) = [v for v in pod["volumes"] if v["name"] == "tmp"]
+    assert "medium" not in tmp["emptyDir"]  # on the host's disk, not a tmpfs
+    readme = (DEPLOY / "README.md").read_text()
+    section = readme.split("## One machine, several regions", 1)[1].split("### Host network", 1)[0]
+    section = " ".join(section.split())
+    assert "read-only root and a tmpfs `/tmp`" not in section  # "as in Kubernetes": it is not
+    assert "unlike it, their `/tmp` is a tmpfs (in Kubernetes an `emptyDir`" in section
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    grace = compose["eu-west-1"]["environment"].get("EDGECACHE_GRACE_SECONDS")
+    grace = grace or NodeConfig.model_fields["grace_seconds"].default
+    assert f"they drain for {float(grace):g} s" in section, grace
+    assert f"the StatefulSet sets {float(env['EDGECACHE_GRACE_SECONDS']):g} s" in section
+
+
+def test_pdb_of_a_one_replica_region_is_documented() -> None:
+    """maxUnavailable: 1 lets a drain take a one-replica region's only node: the README says
+    so for each such overlay, and the PDB's comment too."""
+    readme = (DEPLOY / "README.md").read_text()
+    section = " ".join(readme.split("## Several regions", 1)[1].split("\n## ", 1)[0].split())
+    for overlay in ("eu-west", "us-east"):
+        objects = render_overlay(overlay)
+        (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+        (pdb,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+        if sts["spec"]["replicas"] <= pdb["spec"]["maxUnavailable"]:
+            assert f"as `{overlay}` is" in section and "its only node" in section, overlay
+    assert "only" in (DEPLOY / "k8s" / "base" / "pdb.yaml").read_text()
 
 
 def _client_metrics(tmp_path: Path, address: str) -> str:
@@ -311,6 +659,34 @@ def test_dashboard_metrics_exist_on_a_live_node(tmp_path: Path) -> None:
         "data wait",
     ):
         assert topic in titles, topic
+
+
+def test_origin_errors_alert_says_it_counts_per_shard_not_per_request() -> None:
+    """edgecache_origin_retries_total counts retried requests (each ranged part of a shard
+    too), edgecache_origin_fetches_total whole shards: their ratio is retries per shard
+    fetched, whose meaning as a request error rate depends on the shards' size. The alert,
+    its PrometheusRule copy, the README and the dashboard name it that way."""
+    alerts = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    (rule,) = [
+        r for g in alerts["groups"] for r in g["rules"] if r["alert"] == "EdgecacheOriginErrors"
+    ]
+    expr = " ".join(rule["expr"].split())
+    numerator, denominator = expr.split(" / ", 1)
+    assert "edgecache_origin_retries_total" in numerator, expr
+    assert "edgecache_origin_fetches_total" in denominator, expr
+    threshold = float(re.search(r"> ([0-9.]+)$", expr)[1])
+    annotations = rule["annotations"]
+    assert "per shard fetched" in annotations["summary"], annotations["summary"]
+    assert "humanizePercentage" not in annotations["summary"]  # a count per shard, not a share
+    description = " ".join(annotations["description"].split())
+    assert f"over {threshold} retried requests per shard fetched" in description
+    assert "not per request" in description
+    readme = (DEPLOY / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `EdgecacheOriginErrors`")]
+    assert f"above {threshold} per shard fetched" in row and "not per request" in row, row
+    dashboard = json.loads((DEPLOY / "grafana" / "edgecache.json").read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Origin errors")]
+    assert "per shard fetched" in panel["title"] and f"above {threshold}" in panel["title"]
 
 
 def kubectl() -> str:
@@ -411,16 +787,20 @@ def render(kustomization: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def check_steps_in_order(steps: list[str], namespace: str, target: str, tmp_path: Path) -> None:
+def check_steps_in_order(
+    steps: list[str], namespace: str, target: str, tmp_path: Path, secrets: dict[str, set[str]]
+) -> dict[str, set[str]]:
     """Kubectl steps as far as no cluster allows: the namespace exists before anything is
     created in it, every secret is created in it (`-n`) with the names and keys the
-    manifests mount, and `apply -k` names a kustomization that renders."""
+    manifests mount (``secrets``: the keys each must hold at least), and `apply -k` names a
+    kustomization that renders. Returns the keys of each Secret the steps create."""
     import shlex
 
     rendered = json.dumps(render(ROOT / target))
     mounted = set(re.findall(r'"secretName": "([^"]+)"', rendered))
     mounted |= set(re.findall(r'"secretRef": \{"name": "([^"]+)"', rendered))
-    assert mounted == {"edgecache-tokens", "edgecache-tls", "edgecache-origin-credentials"}
+    assert mounted == set(secrets), (target, mounted)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for path in ("admin.token", "read.token", "tls.crt", "tls.key", "ca.crt"):
         (tmp_path / path).write_text("x\n")
     namespace_created, created = False, {}
@@ -452,18 +832,56 @@ def check_steps_in_order(steps: list[str], namespace: str, target: str, tmp_path
             assert args[3] == target, step
         else:
             raise AssertionError(f"a step this test does not know how to check: {step!r}")
-    assert created["edgecache-tokens"] == {"admin", "read"}
-    assert created["edgecache-tls"] == {"tls.crt", "tls.key", "ca.crt"}
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= created["edgecache-origin-credentials"]
+    for name, keys in secrets.items():
+        assert keys <= created[name], (name, created[name])
     assert steps[-1] == f"kubectl apply -k {target}", steps
+    return created
+
+
+def mounted_secret_keys(pod: dict, created: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The keys of each Secret volume that land in the pod's containers, by volume name:
+    a volume's ``items`` where it lists them, else every key the Secret was created with."""
+    found = {}
+    for volume in pod["volumes"]:
+        if "secret" in volume:
+            secret = volume["secret"]
+            items = secret.get("items")
+            keys = {i["key"] for i in items} if items else created[secret["secretName"]]
+            found[volume["name"]] = keys
+    return found
+
+
+NODE_SECRETS = {
+    "edgecache-tokens": {"admin", "read"},
+    "edgecache-tls": {"tls.crt", "tls.key", "ca.crt"},  # the nodes serve TLS: their key
+    "edgecache-origin-credentials": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"},
+}
+CONTROLLER_SECRETS = {
+    "edgecache-tokens": {"admin"},
+    "edgecache-ca": {"ca.crt"},  # a client of the nodes: their CA, never their key
+    "edgecache-origin-credentials": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"},
+}
 
 
 def test_readme_kubernetes_steps_run_in_order(tmp_path: Path) -> None:
     steps = kubernetes_steps("Kubernetes, one region")
     assert steps[0].startswith("docker build -f deploy/Dockerfile"), steps
-    check_steps_in_order(steps[1:], "edgecache-eu-west", "deploy/k8s/overlays/eu-west", tmp_path)
+    target = "deploy/k8s/overlays/eu-west"
+    created = check_steps_in_order(steps[1:], "edgecache-eu-west", target, tmp_path, NODE_SECRETS)
+    (sts,) = [o for o in render(ROOT / target) if o["kind"] == "StatefulSet"]
+    keys = mounted_secret_keys(sts["spec"]["template"]["spec"], created)
+    assert "tls.key" in keys["tls"]  # a node presents its certificate
     steps = kubernetes_steps("The controller")
-    check_steps_in_order(steps, "edgecache-control", "deploy/k8s/controller", tmp_path)
+    target = "deploy/k8s/controller"
+    created = check_steps_in_order(
+        steps, "edgecache-control", target, tmp_path / "c", CONTROLLER_SECRETS
+    )
+    # No private key reaches the controller: not created in its namespace, not mounted.
+    assert not [k for keys in created.values() for k in keys if k.endswith(".key")], created
+    (deployment,) = [o for o in render(ROOT / target) if o["kind"] == "Deployment"]
+    keys = mounted_secret_keys(deployment["spec"]["template"]["spec"], created)
+    assert not [k for ks in keys.values() for k in ks if k.endswith(".key")], keys
+    assert keys["ca"] == {"ca.crt"}, keys
 
 
 def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path) -> None:

@@ -78,12 +78,50 @@ def test_cgroup_v1_no_quota_and_v2(tmp_path: Path) -> None:
     assert cgroup_cpu_limit(_tree(tmp_path / "v2max", {"cpu.max": "max 100000"})) is None
 
 
+def _heap_bound(env: dict[str, str | None]) -> int:
+    """deploy/README.md's bound on a node's heap (Sizing): fetch memory, two chunks per
+    stream, ~200 MiB, and what each malloc arena may keep free that the others cannot use."""
+    from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
+    from edgecache.edge.allocator import TRIM_THRESHOLD
+    from edgecache.edge.config import NodeConfig
+
+    streams = int(
+        env.get("EDGECACHE_MAX_STREAMS") or NodeConfig.model_fields["max_streams"].default
+    )
+    arenas = int(env["MALLOC_ARENA_MAX"] or 0)
+    assert arenas >= 1, "MALLOC_ARENA_MAX unset: glibc makes 8 arenas per host CPU"
+    return (
+        parse_size(env["EDGECACHE_FETCH_MEMORY"])
+        + streams * 2 * DEFAULT_CHUNK_BYTES
+        + (200 << 20)
+        + arenas * TRIM_THRESHOLD
+    )
+
+
 def test_statefulset_sets_memory_and_threads_to_match_its_limits() -> None:
+    """The memory limit holds the LMDB page cache too (file pages the map faults in are
+    charged to the pod's cgroup): the request covers the heap the node keeps resident, the
+    limit that heap plus room for hot chunks, and fetch memory is set, not half the limit."""
     sts = yaml.safe_load((K8S / "base" / "statefulset.yaml").read_text())
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    limits = container["resources"]["limits"]
-    assert parse_size(env["EDGECACHE_FETCH_MEMORY"]) * 2 == parse_size(limits["memory"] + "B")
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    limit = parse_size(limits["memory"] + "B")
+    request = parse_size(requests["memory"] + "B")
+    heap = _heap_bound(env)
+    assert request >= heap, (request, heap)  # else a busy node sits above its request
+    assert limit - heap >= 4 * GiB, (limit, heap)  # page cache for hot chunks
+    assert parse_size(env["EDGECACHE_FETCH_MEMORY"]) < limit // 2  # not the default's half
+    # The image sets the same arena cap, and the README states what the manifest holds.
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert f"MALLOC_ARENA_MAX={env['MALLOC_ARENA_MAX']} " in dockerfile
+    readme = (DEPLOY / "README.md").read_text().split("## Sizing", 1)[1].split("\n## ", 1)[0]
+    readme = " ".join(readme.split())
+    assert f"`MALLOC_ARENA_MAX={env['MALLOC_ARENA_MAX']}`" in readme
+    assert f"the base asks {request // GiB} GiB" in readme
+    assert f"the base: {limit // GiB} GiB" in readme
+    assert f"(the base: {parse_size(env['EDGECACHE_FETCH_MEMORY']) // GiB} GiB)" in readme
+    assert "charged to the pod's memory cgroup" in readme and "not in the container's" not in readme
     cpu = limits["cpu"]
     cores = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
     assert int(env["EDGECACHE_PREPROCESS_THREADS"]) == max(1, round(cores))
@@ -285,9 +323,14 @@ def test_images_are_set_by_kustomize_and_the_region_patched_by_name() -> None:
 
 
 def test_tls_secret_is_optional_so_pods_start_without_tls() -> None:
-    for path in (K8S / "base" / "statefulset.yaml", K8S / "controller" / "deployment.yaml"):
+    """The nodes' certificate and key (edgecache-tls) and the controller's CA alone
+    (edgecache-ca): both optional, so pods start where TLS is not set up."""
+    for path, volume in (
+        (K8S / "base" / "statefulset.yaml", "tls"),
+        (K8S / "controller" / "deployment.yaml", "ca"),
+    ):
         spec = yaml.safe_load(path.read_text())["spec"]["template"]["spec"]
-        (tls,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        (tls,) = [v for v in spec["volumes"] if v["name"] == volume]
         assert tls["secret"]["optional"] is True, path
 
 
