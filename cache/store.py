@@ -37,7 +37,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lmdb
@@ -74,7 +74,7 @@ from edgecache.cache.store_records import (
 from edgecache.cache.units import format_bytes
 from edgecache.v1 import store_pb2
 
-__all__ = ["CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
+__all__ = ["PIN_LATEST", "CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,25 @@ _CLOSE_WAIT_S = 10.0  # how long close() waits for readers in other threads to f
 # views are free stays open for at most that many more reads (an LMDB reader slot and its
 # snapshot held a little longer), for one pass over the list per REAP_EVERY reads.
 REAP_EVERY = 8
+
+
+# A pin is kept as int64 Unix nanoseconds: from the epoch (0 is "no pin") to 2262-04-11.
+PIN_LATEST = datetime.fromtimestamp((2**63 - 1) // 10**9, UTC)
+
+
+def _pin_ns(until: datetime) -> int:
+    """``until`` as the store records a pin, or a ValueError naming the range it may take.
+
+    Outside it the record's int64 overflowed ("Value out of range", naming nothing),
+    or a time before 1970 was stored negative.
+    """
+    seconds = until.timestamp()
+    if not 0 <= seconds <= PIN_LATEST.timestamp():
+        raise ValueError(
+            f"a pin until {until.isoformat()} is outside what the cache records: from "
+            f"1970-01-01T00:00:00Z to {PIN_LATEST:%Y-%m-%dT%H:%M:%SZ}"
+        )
+    return min(int(seconds * 1e9), 2**63 - 1)
 
 
 class CacheStore(ClosingContext):
@@ -410,9 +429,9 @@ class CacheStore(ClosingContext):
         if until is not None and until.tzinfo is None:
             name = "extend_pin" if extend else "pin_version"
             raise ValueError(f"{name} needs a timezone-aware datetime (e.g. UTC)")
+        until_ns = 0 if until is None else _pin_ns(until)
         with self._writing(f"the pin of {dataset}@{version}") as txn:
             record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
-            until_ns = 0 if until is None else int(until.timestamp() * 1e9)
             record.pinned_until_ns = max(record.pinned_until_ns, until_ns) if extend else until_ns
             if record.shard_count == 0 and record.pinned_until_ns == 0:
                 txn.delete(vkey, db=self._dbs[b"versions"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import posixpath
 import socket
@@ -23,6 +24,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -104,6 +106,16 @@ def read_pem(path: Path | str, setting: str) -> bytes:
     return data
 
 
+# The settings a node cannot start without, and what each holds (for the message when
+# one is given empty: "EDGECACHE_CACHE_DIR=" put the cache in the current directory).
+_REQUIRED = {
+    "region": "the region this node serves, e.g. eu-west",
+    "cache_dir": "the directory of the LMDB cache (a persistent volume)",
+    "registry": "the registry URL, e.g. s3://bucket/_edgecache or file:///srv/registry",
+}
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})  # noqa: S104 - hosts that mean every address
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -150,9 +162,9 @@ class NodeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    region: str = Field(min_length=1, description="Region this node serves, e.g. eu-west")
+    region: str = Field(description="Region this node serves, e.g. eu-west")
     cache_dir: Path = Field(description="Directory of the LMDB cache (a persistent volume)")
-    registry: str = Field(min_length=1, description="Registry URL, e.g. s3://bucket/_edgecache")
+    registry: str = Field(description="Registry URL, e.g. s3://bucket/_edgecache")
     listen: str = Field("127.0.0.1:7070", description="gRPC HOST:PORT (port 0 picks one)")
     capacity: int | None = Field(None, description="Cache capacity, e.g. 500GiB")
     metrics_listen: str | None = Field(None, description="Prometheus HOST:PORT")
@@ -185,7 +197,9 @@ class NodeConfig(BaseModel):
         "memory this process may use]",
     )
     max_request_bytes: int = Field(
-        1 << 20, ge=1 << 10, le=64 << 20, description="Larger requests are refused unparsed"
+        1 << 20,
+        description="Larger requests are refused unparsed, 1KiB-64MiB (gRPC's own "
+        "RESOURCE_EXHAUSTED 'Received message larger than max')",
     )
     max_streams: int = Field(
         256,
@@ -201,7 +215,7 @@ class NodeConfig(BaseModel):
         description="Threads that parse, transform and compress shards [the cores this "
         "process may run on]",
     )
-    grace_seconds: float = Field(10.0, ge=0, description="SIGTERM drain time for streams")
+    grace_seconds: float = Field(10.0, description="SIGTERM drain time for streams")
     node_id: str | None = Field(
         None, description="Name in logs and metrics [hostname:port, unique per node on a host]"
     )
@@ -211,6 +225,74 @@ class NodeConfig(BaseModel):
         description="Comma-separated URL prefixes versions may be read from "
         "[every s3:// bucket, and the registry's own scheme]",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_unset(cls, data: Any) -> Any:
+        """An empty value (``EDGECACHE_TLS_CERT=``, ``capacity:`` in YAML) is not set.
+
+        One rule for every setting: an empty optional one takes its default, and
+        an empty required one is refused naming it (:meth:`_required`). Without
+        it, an empty path became ``Path('.')`` (the cache in the current
+        directory, a token file that is a directory, a certificate "without its
+        key"), an empty size meant unset and an empty address was an error.
+        """
+        if not isinstance(data, dict):
+            return data
+        return {
+            name: value
+            for name, value in data.items()
+            if name in _REQUIRED or not (value is None or value == "")
+        }
+
+    @field_validator("region", "cache_dir", "registry", mode="before")
+    @classmethod
+    def _required(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse a required setting given empty (or blank), naming what it should hold."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(
+                f"{'is empty' if value in (None, '') else 'holds only spaces'}, and the node "
+                f"needs it: give {_REQUIRED[str(info.field_name)]}"
+            )
+        return value
+
+    @field_validator("node_id")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        """A node id of spaces only names nothing (it is a label of every metric)."""
+        if value is not None and not value.strip():
+            raise ValueError(
+                "holds only spaces: give a name unique per node on a host, or leave it unset "
+                "for hostname:port"
+            )
+        return value
+
+    @field_validator("max_request_bytes", mode="before")
+    @classmethod
+    def _request_bytes(cls, value: Any) -> Any:
+        """A size as ``capacity`` takes it (``2MiB``, ``1KiB``, a number), 1KiB to 64MiB."""
+        size = parse_size(value)
+        if not 1 << 10 <= size <= 64 << 20:
+            raise ValueError(
+                f"{_shown(value)} is outside 1KiB-64MiB (requests are names and numbers; "
+                "the default, 1MiB, fits any)"
+            )
+        return size
+
+    @field_validator("grace_seconds", mode="before")
+    @classmethod
+    def _grace(cls, value: Any) -> Any:
+        """A finite number of seconds, at least 0: ``.inf`` would drain forever."""
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(
+                f"{_shown(value)} is not a drain time: give a finite number of seconds, at "
+                "least 0 (fractions count), e.g. 10"
+            )
+        return seconds
 
     @field_validator("capacity", mode="before")
     @classmethod
@@ -301,6 +383,33 @@ class NodeConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> NodeConfig:
+        """Refuse two of ``listen``, ``metrics_listen`` and ``probe_listen`` on one port.
+
+        The second bind fails, and was reported as "in use: another process listens
+        there", sending the operator after a process that does not exist. A wildcard
+        host (``0.0.0.0``, ``::``) takes the port on every address; port 0 is
+        picked apart at bind.
+        """
+        seen: dict[tuple[str, int], str] = {}
+        for name in ("listen", "metrics_listen", "probe_listen"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            host, port = split_hostport(value)
+            if not port:
+                continue
+            for (other_host, other_port), other in seen.items():
+                if port == other_port and (host == other_host or {host, other_host} & _WILDCARDS):
+                    raise ValueError(
+                        f"{setting_name(other)} {getattr(self, other)} and "
+                        f"{setting_name(name)} {value} are the same port: each needs a port "
+                        "of its own (or port 0, picked at bind)"
+                    )
+            seen[(host, port)] = name
+        return self
+
     def origin_prefixes(self) -> tuple[str, ...]:
         """The URL prefixes this node reads versions from: ``origins``, else the default.
 
@@ -331,17 +440,38 @@ class NodeConfig(BaseModel):
         return f"{socket.gethostname()}:{port or self.cache_dir.absolute()}"
 
     def read_token(self, which: str) -> str | None:
-        """The token from ``token_file`` or ``read_token_file``, stripped; never logged."""
+        """The token from ``token_file``, ``read_token_file`` or ``peer_token_file``, stripped.
+
+        Never logged. Read and checked when the node starts, so a file no client
+        could present stops the node there (exit 2), naming its setting.
+        """
         path = getattr(self, which)
         if path is None:
             return None
+        flag = setting_name(which)
         try:
-            token = Path(path).read_text().strip()
+            data = Path(path).read_bytes()
         except OSError as exc:
-            raise ConfigError(f"cannot read {which} {path}: {exc.strerror}") from exc
+            raise ConfigError(f"cannot read {flag} {path}: {exc.strerror}") from exc
+        token = data.strip()
         if not token:
-            raise ConfigError(f"{which} {path} is empty; put the token in it")
-        return token
+            raise ConfigError(f"{flag} {path} is empty; put the token in it")
+        # Clients send the token as an HTTP/2 header value: gRPC refuses anything else there
+        # on the client's side ("Invalid metadata"), so every call would fail with no word
+        # of this file. One line of printable ASCII (spaces inside are allowed there).
+        if (bad := next((b for b in token if not 0x20 <= b <= 0x7E), None)) is not None:
+            if bad in b"\r\n":
+                what = "more than one line"
+            elif bad > 0x7E:
+                what = "a non-ASCII character"
+            else:
+                what = f"the control character {bad:#04x}"
+            raise ConfigError(
+                f"{flag} {path} holds {what}: a token is one line of printable ASCII "
+                "(letters, digits, punctuation; e.g. from openssl rand -hex 32), since "
+                "clients send it as a header and could not present this one"
+            )
+        return token.decode("ascii")
 
 
 def origin_allowed(url: str, prefixes: tuple[str, ...]) -> bool:
@@ -382,6 +512,14 @@ OTHER_TOOLS_ENV = frozenset(
 )
 
 
+# Options of edgecache serve that are flags only (read before the settings are): their
+# variables are named as such, not as misspellings of a setting.
+FLAG_ONLY_ENV = {
+    "EDGECACHE_LOG_LEVEL": "the log level is set only with serve's --log-level flag (in a "
+    "container, add it to the command); gRPC's own lines follow GRPC_VERBOSITY",
+}
+
+
 def _say_unknown_variable(key: str) -> None:
     """Warn of an EDGECACHE_* variable no setting has: a misspelt one was silently ignored.
 
@@ -389,6 +527,9 @@ def _say_unknown_variable(key: str) -> None:
     A warning, not a refusal: a container's environment may hold variables meant for
     other tools of a newer edgecache.
     """
+    if key in FLAG_ONLY_ENV:
+        log.warning("%s is ignored: %s", key, FLAG_ONLY_ENV[key])
+        return
     names = [ENV_PREFIX + name.upper() for name in NodeConfig.model_fields]
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
     hint = f"did you mean {close[0]}?" if close else "see edgecache serve --help for the settings"

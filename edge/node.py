@@ -80,7 +80,7 @@ from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard,
 from edgecache.edge.staging_gate import StagingGate
 from edgecache.v1 import edge_pb2, manifest_pb2
 
-__all__ = ["EdgeNode", "Fetched", "StagedShard", "StagingGate"]
+__all__ = ["EdgeNode", "Fetched", "NodeDraining", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -159,6 +159,16 @@ class _Share:
             self.kept.release()
 
 
+class NodeDraining(EdgeCacheError):
+    """The node is shutting down (SIGTERM): staging starts no more shards.
+
+    Raised by :meth:`EdgeNode.stage` once the shards it had started are done
+    (committed whole or failed), so its caller learns which were staged and
+    stages the rest elsewhere, or here after the restart; and by a staging
+    fetch still waiting for its turn at the staging gate, which never starts.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class StagedShard:
     """What staging did with one shard: fetched it, found it cached, or failed."""
@@ -208,6 +218,8 @@ class EdgeNode:
         self._fit_capacity()
         self.gate = StagingGate(config.staging_rate, config.staging_concurrency)
         self.started = time.monotonic()
+        # Set by drain() (SIGTERM): staging starts no new shard fetches from then on.
+        self._draining = asyncio.Event()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         # Stored bytes a shard needed when the cache refused it for room (_still_no_room).
         self._refused_size: dict[ShardKey, int] = {}
@@ -312,6 +324,24 @@ class EdgeNode:
         except Exception:  # noqa: BLE001 - closed while scraped: the last value read
             pass
         return self._last_pinned
+
+    def drain(self) -> None:
+        """Start no new staging fetches: the node is shutting down (SIGTERM).
+
+        Called as the drain begins, before the grace period: shards a Stage has not
+        started would otherwise keep starting until the deadline and be dropped
+        there half fetched, and the grace time is the running fetches' to commit in.
+        Stages end once their running shards are done (:class:`NodeDraining`).
+        Read-through misses are not stopped: a reader waits for each.
+        """
+        if not self._draining.is_set():
+            self._draining.set()
+            log.info("draining: staging starts no new shards; the ones under way may commit")
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called: the node is shutting down."""
+        return self._draining.is_set()
 
     async def finish_fetches(self, timeout: float) -> int:
         """Give the shard fetches under way up to ``timeout`` seconds to commit whole.
@@ -787,6 +817,11 @@ class EdgeNode:
                 # A Stage's fetch, refused before fetching while pins leave too little
                 # room: a reader's miss is fetched anyway (served without caching it).
                 continue
+            except NodeDraining:
+                # A Stage's fetch given up at the staging gate for a drain before this
+                # reader joined it: a read is served through the drain, so fetch it.
+                share.leave()
+                continue
             except BaseException:
                 share.leave()
                 raise
@@ -963,7 +998,7 @@ class EdgeNode:
         shard = manifest.shards[key.shard]
         url = manifest.source_url + shard.source_key
         expect = ObjectInfo(url=url, size=shard.source_size, etag=shard.source_etag)
-        held = await self.gate.acquire(shard.source_size, unless=wanted) if staging else False
+        held = await self._staging_turn(shard.source_size, wanted) if staging else False
         try:
             log.info("fetching %s for %s", url, key)
             self.metrics.origin_fetches.inc()
@@ -1008,6 +1043,33 @@ class EdgeNode:
         if not passed:
             log.info("cached %s from %s (%d chunks)", key, url, info.chunk_count)
         return Fetched(info, "origin", size, (), passed, refused)
+
+    async def _staging_turn(self, nbytes: int, wanted: asyncio.Event | None) -> bool:
+        """The staging gate's :meth:`~StagingGate.acquire`, given up when the node drains.
+
+        A staging fetch may wait here for long (its rate budget, other shards'
+        slots): once the node drains it never starts (:class:`NodeDraining`), so
+        the grace period goes to the fetches already running. A fetch a training
+        read waits for (``wanted``) is a read's, and goes on.
+        """
+        if self._draining.is_set() and not (wanted is not None and wanted.is_set()):
+            raise NodeDraining("the node is shutting down: this staging fetch was not started")
+        acquiring = asyncio.ensure_future(self.gate.acquire(nbytes, unless=wanted))
+        draining = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({acquiring, draining}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (close): the gate takes back what it gave
+            acquiring.cancel()
+            raise
+        finally:
+            draining.cancel()
+        if acquiring.done() and (not self._draining.is_set() or (wanted and wanted.is_set())):
+            return acquiring.result()
+        acquiring.cancel()  # StagingGate.acquire gives back a slot it took when cancelled
+        await asyncio.wait({acquiring})
+        if not acquiring.cancelled() and acquiring.exception() is None and acquiring.result():
+            await self.gate.release()
+        raise NodeDraining("the node is shutting down: this staging fetch was not started")
 
     def count_retries(self) -> None:
         """Add the retries made since the last count to the retry counters.
@@ -1271,7 +1333,9 @@ class EdgeNode:
 
         ``shards`` as for :meth:`staging_targets`; from ``peers`` when given (see
         :meth:`ensure_shard`). A shard that fails is reported with its exception
-        and does not stop the others.
+        and does not stop the others. Once the node drains (:meth:`drain`) no
+        shard starts; those running finish and are yielded, and then
+        :class:`NodeDraining` ends the stage (the caller counts what was staged).
         """
         wanted = self.staging_targets(manifest, shards)
         if pin_until is not None:  # at least until then: a longer pin already placed stays
@@ -1279,10 +1343,17 @@ class EdgeNode:
         todo: asyncio.Queue[int] = asyncio.Queue()
         for shard in wanted:  # key order: sequential LMDB writes, predictable progress
             todo.put_nowait(shard)
-        results: asyncio.Queue[StagedShard] = asyncio.Queue()
+        # Each worker's outcomes, then None as it ends: a drain leaves shards unstarted.
+        results: asyncio.Queue[StagedShard | None] = asyncio.Queue()
 
         async def worker() -> None:
-            while not todo.empty():
+            try:
+                await work()
+            finally:
+                results.put_nowait(None)
+
+        async def work() -> None:
+            while not todo.empty() and not self._draining.is_set():
                 shard = todo.get_nowait()
                 size = manifest.shards[shard].source_size
                 # Another Stage (or a read) already fetching it: that one stores it, and
@@ -1292,6 +1363,8 @@ class EdgeNode:
                     _, fetched = await self.ensure_shard(
                         manifest, shard, staging=True, peers=peers, peers_only=peers_only
                     )
+                except NodeDraining:
+                    return  # never started: reported as not started when the stage ends
                 except EdgeCacheError as exc:
                     await results.put(StagedShard(shard, size, error=exc))
                 except Exception as exc:  # noqa: BLE001 - reported per shard, never crashes the node
@@ -1324,8 +1397,15 @@ class EdgeNode:
         ]
         try:
             done: list[int] = []
-            for _ in wanted:
+            received, running = 0, len(workers)
+            while received < len(wanted):
                 outcome = await results.get()
+                if outcome is None:  # a worker ended: all its outcomes came before this
+                    running -= 1
+                    if running:
+                        continue
+                    break  # every worker stopped for a drain: the rest never started
+                received += 1
                 # "staged" once per shard stored: a stage that joined another's fetch of
                 # it did not store it (it reports it fetched all the same).
                 stored = outcome.fetched and not outcome.joined
@@ -1352,6 +1432,10 @@ class EdgeNode:
                         ),
                         revoked=True,
                     )
+            if received < len(wanted):
+                raise NodeDraining(
+                    f"node {self.node_id} is shutting down (SIGTERM) and starts no more shards"
+                )
         finally:
             self.metrics.staging_active.dec()
             for task in workers:

@@ -4,11 +4,13 @@
 demo start nodes in-process with :class:`NodeServer` (on the caller's loop)
 or :func:`running_node` (on a loop in a background thread).
 
-Lifecycle: on SIGTERM/SIGINT health flips to NOT_SERVING (so load balancers
-and probes stop sending work), the server stops accepting calls, in-flight
-streams get ``grace_seconds`` to finish, staging stops starting new shards,
-and the store closes. Shards are committed whole or not at all, so a
-restarted node serves everything it had committed and nothing partial.
+Lifecycle: on SIGTERM/SIGINT staging stops starting new shards (a Stage
+ends UNAVAILABLE once the shards it had started are committed, naming those
+staged), health flips to NOT_SERVING (so load balancers and probes stop
+sending work), the server stops accepting calls, in-flight streams and shard
+fetches get ``grace_seconds`` to finish, and the store closes. Shards are
+committed whole or not at all, so a restarted node serves everything it had
+committed and nothing partial.
 """
 
 from __future__ import annotations
@@ -48,7 +50,15 @@ from edgecache.edge.config import NodeConfig, read_pem, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
 
-__all__ = ["CHANNEL_OPTIONS", "NodeServer", "exposure", "running_node", "serve_forever"]
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "NodeServer",
+    "dial_address",
+    "exposure",
+    "host_port",
+    "running_node",
+    "serve_forever",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +91,7 @@ def exposure(config: NodeConfig, port: int | None = None) -> list[str]:
     ``port``: the port bound, named in place of ``--listen``'s 0 (port picked at bind).
     """
     host, asked = split_hostport(config.listen)
-    listen = config.listen if port is None or asked else f"{host}:{port}"
+    listen = config.listen if port is None or asked else host_port(host, port)
     try:
         if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return []
@@ -275,9 +285,9 @@ class NodeServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` clients dial."""
+        """``host:port`` clients dial (``[::1]:7070`` for IPv6: see :func:`dial_address`)."""
         host, _ = split_hostport(self.config.listen)
-        return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+        return dial_address(host, self.port)
 
     async def start(self) -> None:
         """Open the cache, bind the ports and start serving."""
@@ -382,6 +392,11 @@ class NodeServer:
         """Drain and stop: NOT_SERVING, no new calls, in-flight ones get ``grace`` seconds."""
         grace = self.config.grace_seconds if grace is None else grace
         deadline = time.monotonic() + grace
+        if self.node is not None:
+            # Before anything awaits: no staging fetch starts once the drain has begun,
+            # so the grace period is the running ones' to commit in, and each Stage
+            # ends (UNAVAILABLE, naming what it staged) once its running shards are done.
+            self.node.drain()
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
@@ -408,6 +423,28 @@ class NodeServer:
         if self.node is not None and self.metrics_port:
             self.node.metrics.shutdown()
         log.info("edge node stopped")
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC parses it: an IPv6 host in brackets (``[::1]:7070``).
+
+    ``::1:7070`` is no address gRPC can dial ("Misformatted domain name"), and
+    scripts dial the last word of the ``serving on`` line.
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def dial_address(host: str, port: int) -> str:
+    """Where a client on this host reaches a server bound to ``host``: a wildcard is loopback.
+
+    ``0.0.0.0`` (or no host) is dialled as ``127.0.0.1`` and ``::`` as ``[::1]``:
+    neither is an address to connect to.
+    """
+    if host in ("0.0.0.0", ""):  # noqa: S104 - a bound wildcard, named to be replaced
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return host_port(host, port)
 
 
 def missing_registry(registry: str) -> str | None:
@@ -446,14 +483,15 @@ async def serve_forever(config: NodeConfig) -> None:
     # The address to dial comes last (scripts take the line's last word); a wildcard host is
     # said as bound first, so the line does not read as loopback-only.
     host, _ = split_hostport(config.listen)
-    bound = f"{host}:{server.port}, dial " if host in ("0.0.0.0", "::", "") else ""  # noqa: S104
+    wildcard = host in ("0.0.0.0", "::", "")  # noqa: S104
+    bound = f"{host_port(host, server.port)}, dial " if wildcard else ""
     print(f"serving on {bound}{server.address}", flush=True)
     if server.metrics_port:
         host, _ = split_hostport(config.metrics_listen or "")
-        print(f"metrics on {host}:{server.metrics_port}", flush=True)
+        print(f"metrics on {host_port(host, server.metrics_port)}", flush=True)
     if server.probe_port:  # chosen at bind with port 0: said, or found only with ss
         host, _ = split_hostport(config.probe_listen or "")
-        print(f"health probe on {host}:{server.probe_port}", flush=True)
+        print(f"health probe on {host_port(host, server.probe_port)}", flush=True)
     await stop.wait()
     log.info("signal received: draining for up to %g s", config.grace_seconds)  # 0.5 is 0.5
     await server.stop()

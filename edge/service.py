@@ -15,11 +15,12 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
 from edgecache.cache.errors import (
@@ -41,6 +42,7 @@ from edgecache.cache.errors import (
     VersionNotFound,
     causes,
 )
+from edgecache.cache.store import PIN_LATEST
 from edgecache.edge.diagnose import (
     SINK_BYTES,
     SINK_SECONDS,
@@ -50,7 +52,7 @@ from edgecache.edge.diagnose import (
     diagnose_registry,
     diagnose_seconds,
 )
-from edgecache.edge.node import EdgeNode
+from edgecache.edge.node import EdgeNode, NodeDraining, StagedShard
 from edgecache.edge.peers import PeerCopyFailed, check_peer
 from edgecache.v1 import edge_pb2, manifest_pb2
 
@@ -121,6 +123,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         case PeerCopyFailed() | PeerPathFailed():
             # A peer could not be reached, broke off, timed out or was too slow: this node
             # works and the message names the peer; asking again may work.
+            return grpc.StatusCode.UNAVAILABLE, message
+        case NodeDraining():
+            # The node is going away (SIGTERM): another node, or this one once it is
+            # back, does the work; retrying is right.
             return grpc.StatusCode.UNAVAILABLE, message
         case InvalidName() | IndexError():
             return grpc.StatusCode.INVALID_ARGUMENT, message
@@ -459,7 +465,7 @@ class EdgeCacheService:
     async def _stage(self, request: edge_pb2.StageRequest) -> AsyncIterator[edge_pb2.StageProgress]:
         _check_peers(request)
         manifest = await self.node.manifest(request.dataset, request.version)
-        pin = request.pin_until.ToDatetime(tzinfo=UTC) if request.HasField("pin_until") else None
+        pin = _pin_time(request.pin_until, "pin_until") if request.HasField("pin_until") else None
         wanted = self.node.staging_targets(manifest, list(request.shards))
         progress = edge_pb2.StageProgress(
             shards_total=len(wanted),
@@ -468,31 +474,15 @@ class EdgeCacheService:
         started = time.monotonic()
         failures: list[tuple[int, str, grpc.StatusCode]] = []
         skipped: set[int] = set()  # shards counted skipped (done already), in case revoked
-        async for outcome in self.node.stage(
-            manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
-        ):
-            progress.notes.extend(outcome.notes)
-            progress.peer_bytes_done += outcome.peer_bytes
-            if outcome.error is not None:
-                code, why = status_for(outcome.error)  # why: the error and what to do
-                progress.shards_failed += 1
-                if outcome.revoked:  # counted as done before it was evicted
-                    progress.shards_done -= 1
-                    if outcome.shard in skipped:  # skipped counts a subset of done
-                        progress.shards_skipped -= 1
-                progress.failures.add(shard=outcome.shard, message=why, code=code.name)
-                failures.append((outcome.shard, why, code))
-            else:
-                progress.shards_done += 1
-                if outcome.fetched and not outcome.joined and outcome.source == "origin":
-                    progress.bytes_done += outcome.source_bytes
-                elif outcome.fetched and not outcome.joined:
-                    pass  # copied from a peer: peer_bytes_done
-                else:  # resident already, or fetched by another request this one waited on
-                    progress.shards_skipped += 1
-                    skipped.add(outcome.shard)
-            progress.bytes_per_second = progress.bytes_done / max(time.monotonic() - started, 1e-9)
-            yield progress
+        staged: set[int] = set()  # shards this call reports staged (done), in case revoked
+        try:
+            async for outcome in self.node.stage(
+                manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
+            ):
+                self._count(outcome, progress, failures, skipped, staged, started)
+                yield progress
+        except NodeDraining as exc:
+            raise _drained(exc, manifest, progress, failures, staged) from exc
         progress.finished = True
         yield progress
         if failures:
@@ -503,6 +493,40 @@ class EdgeCacheService:
                 f"{manifest.dataset}@{manifest.version} failed; shard {shard}: {error}",
                 code=code,
             )
+
+    @staticmethod
+    def _count(
+        outcome: StagedShard,
+        progress: edge_pb2.StageProgress,
+        failures: list[tuple[int, str, grpc.StatusCode]],
+        skipped: set[int],
+        staged: set[int],
+        started: float,
+    ) -> None:
+        """Add one shard's outcome to a Stage's progress (and its failures)."""
+        progress.notes.extend(outcome.notes)
+        progress.peer_bytes_done += outcome.peer_bytes
+        if outcome.error is not None:
+            code, why = status_for(outcome.error)  # why: the error and what to do
+            progress.shards_failed += 1
+            if outcome.revoked:  # counted as done before it was evicted
+                progress.shards_done -= 1
+                staged.discard(outcome.shard)
+                if outcome.shard in skipped:  # skipped counts a subset of done
+                    progress.shards_skipped -= 1
+            progress.failures.add(shard=outcome.shard, message=why, code=code.name)
+            failures.append((outcome.shard, why, code))
+        else:
+            progress.shards_done += 1
+            staged.add(outcome.shard)
+            if outcome.fetched and not outcome.joined and outcome.source == "origin":
+                progress.bytes_done += outcome.source_bytes
+            elif outcome.fetched and not outcome.joined:
+                pass  # copied from a peer: peer_bytes_done
+            else:  # resident already, or fetched by another request this one waited on
+                progress.shards_skipped += 1
+                skipped.add(outcome.shard)
+        progress.bytes_per_second = progress.bytes_done / max(time.monotonic() - started, 1e-9)
 
     @_unary
     async def Evict(  # noqa: N802
@@ -518,7 +542,7 @@ class EdgeCacheService:
         self, request: edge_pb2.PinRequest, context: aio.ServicerContext
     ) -> edge_pb2.PinResponse:
         """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
-        until = request.until.ToDatetime(tzinfo=UTC) if request.HasField("until") else None
+        until = _pin_time(request.until, "until") if request.HasField("until") else None
         self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
         await self.node.pin(request.dataset, request.version, until)
         return edge_pb2.PinResponse()
@@ -601,6 +625,35 @@ class EdgeCacheService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+def _pin_time(stamp: Timestamp, field: str) -> datetime:
+    """A request's pin time, or ``ValueError`` (INVALID_ARGUMENT) naming ``field`` and the range.
+
+    The cache keeps a pin as int64 nanoseconds since 1970: a later time failed
+    with a bare "Value out of range: 9300000000000000000", and one before 1970
+    was stored negative. Refused, not clamped to the limit: a caller that asked
+    for the year 9999 meant "for ever", which no pin says, and should be told.
+    A time in the past is accepted (the controller rehearses on a simulated clock).
+    """
+    latest = PIN_LATEST.timestamp()
+    if stamp.seconds < 0:
+        raise ValueError(
+            f"{field} (seconds={stamp.seconds}) is before 1970-01-01T00:00:00Z, the earliest "
+            f"time a pin can hold: pin until a later time"
+            + (", or leave until unset to unpin" if field == "until" else "")
+        )
+    if stamp.seconds + stamp.nanos / 1e9 > latest:
+        try:
+            shown = stamp.ToDatetime(tzinfo=UTC).isoformat()
+        except (ValueError, OverflowError):
+            shown = f"seconds={stamp.seconds}"
+        raise ValueError(
+            f"{field} {shown} is later than {PIN_LATEST:%Y-%m-%dT%H:%M:%SZ}, the latest "
+            "time a pin can hold (the cache keeps it in nanoseconds since 1970, as an int64): "
+            "pin until an earlier time and renew the pin when it nears"
+        )
+    return stamp.ToDatetime(tzinfo=UTC)
+
+
 def _check_peers(request: edge_pb2.StageRequest) -> None:
     """``ValueError`` (INVALID_ARGUMENT) for a Stage's peers no shard could come from.
 
@@ -664,6 +717,47 @@ def stage_failure(
     shard's own code stays in the progress's ``failures``.
     """
     return next((f for f in failures if f[2] not in _RETRYABLE), failures[0])
+
+
+def _drained(
+    exc: NodeDraining,
+    manifest: manifest_pb2.Manifest,
+    progress: edge_pb2.StageProgress,
+    failures: Sequence[tuple[int, str, grpc.StatusCode]],
+    staged: set[int],
+) -> _StageIncomplete:
+    """A Stage cut short by the node's drain (SIGTERM): what is staged, what to do next.
+
+    UNAVAILABLE, so callers retry (elsewhere, or here after the restart) and the
+    shards staged are skipped then; unless a shard failed in a way no retry mends,
+    whose code then speaks for the stage as :func:`stage_failure` says. The
+    shards staged are named, since only committed shards are ever reported done.
+    """
+    spec = f"{manifest.dataset}@{manifest.version}"
+    left = progress.shards_total - progress.shards_done - progress.shards_failed
+    message = (
+        f"{exc}; {progress.shards_done} of {progress.shards_total} shards of {spec} are "
+        f"staged here ({_shard_list(staged)}, committed whole), {progress.shards_failed} "
+        f"failed and {left} were not started: stage {spec} again, on another node of the "
+        "region or on this one once it is back (the staged shards are skipped)"
+    )
+    code = grpc.StatusCode.UNAVAILABLE
+    if failures:
+        shard, error, failed = stage_failure(failures)
+        message += f"; shard {shard} failed: {error}"
+        if failed not in _RETRYABLE:
+            code = failed
+    return _StageIncomplete(message, code=code)
+
+
+def _shard_list(shards: set[int], most: int = 20) -> str:
+    """``shards 0, 1, 4`` (the first ``most``, then how many more), or ``none``."""
+    if not shards:
+        return "none"
+    ordered = sorted(shards)
+    shown = ", ".join(map(str, ordered[:most]))
+    more = f" and {len(ordered) - most} more" if len(ordered) > most else ""
+    return f"shard{'s' if len(ordered) > 1 else ''} {shown}{more}"
 
 
 class _StageIncomplete(EdgeCacheError):
