@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import socket
 import sys
 import threading
 import weakref
@@ -184,6 +185,14 @@ def _stop_controllers_left_running(nodeid: str) -> None:
                 f"was {'still alive after closing it' if thread.is_alive() else 'stopped'}; "
                 "close every Controller a test makes (try/finally)\n".encode(),
             )
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -37,14 +36,6 @@ runner = CliRunner()
 def cli(*args: str) -> tuple[int, str]:
     result = runner.invoke(app, list(args), env={"COLUMNS": "200"})
     return result.exit_code, result.output
-
-
-@pytest.fixture
-def closed_port() -> int:
-    """A loopback port nothing listens on: connections to it are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------ the registry

@@ -15,7 +15,6 @@ import asyncio
 import http.server
 import json
 import os
-import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -48,14 +47,6 @@ def failure(op: str, url: str) -> OriginError:
 def cli(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
     return result.exit_code, result.output
-
-
-@pytest.fixture
-def closed_port() -> int:
-    """A loopback port nothing listens on: connections to it are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
