@@ -96,10 +96,10 @@ def _pin_ns(until: datetime) -> int:
     or a time before 1970 was stored negative.
     """
     seconds = until.timestamp()
-    if not 0 <= seconds <= PIN_LATEST.timestamp():
+    if not 1 <= seconds <= PIN_LATEST.timestamp():  # 0 is "no pin": it would unpin
         raise ValueError(
             f"a pin until {until.isoformat()} is outside what the cache records: from "
-            f"1970-01-01T00:00:00Z to {PIN_LATEST:%Y-%m-%dT%H:%M:%SZ}"
+            f"1970-01-01T00:00:01Z to {PIN_LATEST:%Y-%m-%dT%H:%M:%SZ}"
         )
     return min(int(seconds * 1e9), 2**63 - 1)
 

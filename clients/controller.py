@@ -792,6 +792,7 @@ class Controller:
         region_of = {n: r for r, cfg in self.topology.regions.items() for n in cfg.nodes}
         failures = []
         warm_reads: set[tuple[str, str]] | None = None  # read once, if a pin is to go
+        warm_read = False  # whether it was tried (None after a try: it could not be read)
         for key, until in sorted(self.state.pins.items()):
             node, _, spec = key.partition(" ")
             region = region_of.get(node)
@@ -804,8 +805,8 @@ class Controller:
                 continue  # still kept (re-placed below if its time changed)
             have = seen.pins.get((node, version))
             if have is not None and abs((have - datetime.fromisoformat(until)).total_seconds()) < 1:
-                if warm_reads is None:
-                    warm_reads = self._warm_reads()
+                if not warm_read:  # once a round, read or not: each read retries origin
+                    warm_reads, warm_read = self._warm_reads(), True
                 if warm_reads is None or (region, spec) in warm_reads:
                     continue  # a job warm recorded reads it (or may: unreadable): keep it
                 unpinned = self.executor.unpin(node, version)
@@ -831,7 +832,7 @@ class Controller:
         """
         try:
             return warm_readers(self.topology.registry, self.clock())
-        except OriginError as exc:
+        except (OriginError, TypeError, ValueError) as exc:  # unreadable, or edited by hand
             log.warning("cannot read warm's record, so no pin is released this round: %s", exc)
             return None
 

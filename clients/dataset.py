@@ -64,6 +64,7 @@ from edgecache.cache import recycled
 from edgecache.cache.codec import MIN_CHUNK_BYTES
 from edgecache.cache.errors import (
     AllNodesFailed,
+    CacheDirError,
     EdgeCacheError,
     InvalidEndpoint,
     ManifestError,
@@ -782,7 +783,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 raise
             try:
                 manifest = local_manifest(local, spec.dataset, spec.version)
-            except (VersionNotFound, ManifestError) as missing:
+            except (VersionNotFound, ManifestError, CacheDirError) as missing:
                 exc.add_note(f"nor could a local cache give it: {missing}")
                 raise exc from None
             log.warning(

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from edgecache.cache.errors import StateMismatch
@@ -116,17 +118,19 @@ _DERIVED = frozenset({"samples_per_epoch", "window_rows"})  # worked out from ot
 # A state's fields and what each must be: a state edited by hand or carried in another
 # format failed later with a bare KeyError, TypeError or IndexError, or resumed
 # nonsense (a negative batch count, rank 5 of 1).
+# Abstract types: a state kept in a config library's containers (OmegaConf's) or with
+# numpy integers loads as it did before these checks.
 _FIELDS: dict[str, tuple[type, ...]] = {
-    "components": (list,),
-    "order": (dict,),
-    "seed": (int,),
-    "epoch": (int,),
-    "remaining": (list, type(None)),
-    "world_size": (int,),
-    "rank": (int,),
-    "batch_size": (int, type(None)),
-    "drop_last": (bool,),
-    "batches": (int,),
+    "components": (Sequence,),
+    "order": (Mapping,),
+    "seed": (numbers.Integral,),
+    "epoch": (numbers.Integral,),
+    "remaining": (Sequence, type(None)),
+    "world_size": (numbers.Integral,),
+    "rank": (numbers.Integral,),
+    "batch_size": (numbers.Integral, type(None)),
+    "drop_last": (bool, np.bool_),
+    "batches": (numbers.Integral,),
 }
 
 
@@ -139,11 +143,11 @@ def _check_fields(state: dict[str, Any]) -> None:
                 "state_dict() and load it unchanged)"
             )
         value = state[name]
-        integer = kinds[0] is int
-        if not isinstance(value, kinds) or (integer and isinstance(value, bool)):
-            raise StateMismatch(
-                f"the state's {name!r} is {value!r}, not {' or '.join(_KIND[k] for k in kinds)}"
-            )
+        integer = kinds[0] is numbers.Integral
+        text = isinstance(value, (str, bytes))  # a Sequence, but no list of anything
+        if not isinstance(value, kinds) or text or (integer and isinstance(value, bool)):
+            wanted = " or ".join(dict.fromkeys(_KIND[k] for k in kinds))
+            raise StateMismatch(f"the state's {name!r} is {value!r}, not {wanted}")
     least = {"epoch": 0, "batches": 0, "world_size": 1, "rank": 0, "batch_size": 1}
     for name, minimum in least.items():
         if state[name] is not None and state[name] < minimum:
@@ -155,8 +159,14 @@ def _check_fields(state: dict[str, Any]) -> None:
         )
 
 
-_KIND = {list: "a list", dict: "a dict", int: "an integer", bool: "True or False"}
-_KIND[type(None)] = "None"
+_KIND: dict[type, str] = {
+    Sequence: "a list",
+    Mapping: "a dict",
+    numbers.Integral: "an integer",
+    bool: "True or False",
+    np.bool_: "True or False",
+    type(None): "None",
+}
 
 
 def resume_from(

@@ -160,7 +160,8 @@ def parse_rows(rows: object) -> tuple[float, float] | tuple[int, int] | None:
         return (int(a), int(b))
     if all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (a, b)):
         # A float makes both fractions; an integer beside it other than 0 or 1 was meant
-        # as a row number ((1, 1.0) read as "none", (0.0, 6000) refused as a fraction).
+        # as a row number ((0.0, 6000) was refused as a bad fraction, saying nothing of it).
+        # 0 and 1 are fractions too: (0, 0.5) is the first half, (1, 1.0) an empty split.
         mixed = [x for x in (a, b) if isinstance(x, numbers.Integral) and x not in (0, 1)]
         if mixed:
             raise ValueError(

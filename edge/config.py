@@ -562,12 +562,16 @@ def load_node_config(
         if key.startswith(ENV_PREFIX):
             name = key[len(ENV_PREFIX) :].lower()
             if name in fields:
+                if value == "" and name in merged:
+                    continue  # empty is "not set": the file's value stands, as for flags
                 merged[name] = value
                 source[name] = f"${key}"
             elif key not in OTHER_TOOLS_ENV:
                 _say_unknown_variable(key)
     for key, value in (flags or {}).items():
-        if value is not None:
+        # None: not given; "" (an empty --tls-cert "") is "not set" as in the environment,
+        # so it never wipes out a value the file or a variable gave.
+        if value is not None and not (value == "" and key in merged):
             merged[key] = value
             source[key] = "--" + key.replace("_", "-")
     try:

@@ -1060,6 +1060,10 @@ class EdgeNode:
             await asyncio.wait({acquiring, draining}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (close): the gate takes back what it gave
             acquiring.cancel()
+            if acquiring.done() and not acquiring.cancelled():
+                if acquiring.exception() is None and acquiring.result():
+                    # It took a slot in the same turn as the cancel: give it back.
+                    asyncio.ensure_future(self.gate.release())
             raise
         finally:
             draining.cancel()
@@ -1433,6 +1437,11 @@ class EdgeNode:
                         revoked=True,
                     )
             if received < len(wanted):
+                if not self._draining.is_set():  # workers gone for another reason: a bug
+                    raise RuntimeError(
+                        f"staging {manifest.dataset}@{manifest.version} ended with "
+                        f"{len(wanted) - received} shards unaccounted for"
+                    )
                 raise NodeDraining(
                     f"node {self.node_id} is shutting down (SIGTERM) and starts no more shards"
                 )

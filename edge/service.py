@@ -635,9 +635,9 @@ def _pin_time(stamp: Timestamp, field: str) -> datetime:
     A time in the past is accepted (the controller rehearses on a simulated clock).
     """
     latest = PIN_LATEST.timestamp()
-    if stamp.seconds < 0:
+    if stamp.seconds < 1:  # 0 is how the cache says "no pin": it would unpin, silently
         raise ValueError(
-            f"{field} (seconds={stamp.seconds}) is before 1970-01-01T00:00:00Z, the earliest "
+            f"{field} (seconds={stamp.seconds}) is before 1970-01-01T00:00:01Z, the earliest "
             f"time a pin can hold: pin until a later time"
             + (", or leave until unset to unpin" if field == "until" else "")
         )

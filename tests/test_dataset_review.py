@@ -368,6 +368,8 @@ def test_a_malformed_state_is_refused_when_loaded_naming_its_field(cluster) -> N
     with pytest.raises(StateMismatch, match=r"saved with rows=\[0\.0, 0\.9\]"):
         make(cluster).load_state_dict(split)
     make(cluster).load_state_dict({**good, "batches": 84})  # the whole epoch: the next one
+    # numpy integers (a state kept by numpy code) load as plain ones did.
+    make(cluster).load_state_dict({**good, "epoch": np.int64(0), "batches": np.int64(3)})
 
 
 # ------------------------------------------------ DDP, arguments and errors

@@ -241,6 +241,27 @@ def test_an_empty_cache_dir_is_refused_not_the_current_directory(tmp_path: Path)
     assert not list(tmp_path.glob("*.mdb"))  # no cache was made where it ran
 
 
+def test_an_empty_cache_dir_flag_is_refused_not_the_current_directory(tmp_path: Path) -> None:
+    # typer made --cache-dir "" into Path('.'), which no check could tell from a real ".".
+    err = _refusal(tmp_path, {}, "--cache-dir", "")
+    assert "--cache-dir: is empty, and the node needs it" in err, err
+    assert not list(tmp_path.glob("*.mdb"))
+
+
+def test_an_empty_variable_or_flag_leaves_the_files_value_standing(tmp_path: Path) -> None:
+    # Empty means "not set": EDGECACHE_TOKEN_FILE= beside the file's token_file dropped
+    # it, and the node started without auth, saying nothing.
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret\n")
+    config = tmp_path / "node.yaml"
+    config.write_text(f"token_file: {token}\ncapacity: 1GiB\ngrace_seconds: 30\n")
+    empty = {"EDGECACHE_TOKEN_FILE": "", "EDGECACHE_CAPACITY": "", "EDGECACHE_GRACE_SECONDS": ""}
+    for env, flags in ((empty, {}), ({}, {"token_file": ""})):
+        settings = load_node_config(config, {**REQUIRED, **flags}, {**_env({}), **env})
+        assert settings.token_file == token and settings.capacity == 1 << 30
+        assert settings.grace_seconds == 30
+
+
 @pytest.mark.parametrize("name", ["region", "registry"])
 def test_an_empty_or_blank_required_setting_is_refused_naming_it(name: str) -> None:
     for value in ("", "  "):
@@ -372,7 +393,8 @@ def test_max_request_bytes_is_a_size_and_takes_effect(tmp_path: Path) -> None:
     [
         (9_300_000_000, "is later than 2262-04-11T23:47:16Z, the latest time a pin can hold"),
         (253_402_300_799, "until 9999-12-31T23:59:59+00:00 is later than 2262-04-11"),
-        (-5, "(seconds=-5) is before 1970-01-01T00:00:00Z"),
+        (-5, "(seconds=-5) is before 1970-01-01T00:00:01Z"),
+        (0, "(seconds=0) is before 1970-01-01T00:00:01Z"),  # 0 would have unpinned it
     ],
 )
 def test_a_pin_time_the_cache_cannot_hold_is_refused_naming_field_and_limit(

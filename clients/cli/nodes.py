@@ -71,7 +71,7 @@ file. These settings have no flag (default in parentheses):
 @flowing
 def serve(
     region: Annotated[str | None, typer.Option(help="Region this node serves.")] = None,
-    cache_dir: Annotated[Path | None, typer.Option(help="LMDB cache directory.")] = None,
+    cache_dir: Annotated[str | None, typer.Option(help="LMDB cache directory.")] = None,
     listen: Annotated[str | None, typer.Option(help="gRPC HOST:PORT [127.0.0.1:7070].")] = None,
     registry: Annotated[str | None, typer.Option(help="Registry URL (s3://…, file://…).")] = None,
     capacity: Annotated[
@@ -85,17 +85,17 @@ def serve(
     probe_listen: Annotated[
         str | None, typer.Option(help="Plaintext health-only HOST:PORT for probes.")
     ] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="Server key (PEM).")] = None,
+    tls_cert: Annotated[str | None, typer.Option(help="Server certificate (PEM).")] = None,
+    tls_key: Annotated[str | None, typer.Option(help="Server key (PEM).")] = None,
     tls_client_ca: Annotated[
-        Path | None, typer.Option(help="CA for client certificates (mutual TLS).")
+        str | None, typer.Option(help="CA for client certificates (mutual TLS).")
     ] = None,
     token_file: Annotated[
-        Path | None,
+        str | None,
         typer.Option(help="Admin bearer token: required for Stage, Evict, Pin, Diagnose."),
     ] = None,
     read_token_file: Annotated[
-        Path | None, typer.Option(help="Bearer token required for reads.")
+        str | None, typer.Option(help="Bearer token required for reads.")
     ] = None,
     staging_rate: Annotated[
         str | None,
@@ -127,6 +127,8 @@ def serve(
     logging.basicConfig(
         level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Paths come as text (typer made an empty --cache-dir "" into Path('.'): the cache in
+    # the working directory); load_node_config refuses empty ones and makes them Paths.
     flags = {
         "region": region,
         "cache_dir": cache_dir,
