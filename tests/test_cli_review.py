@@ -178,3 +178,28 @@ def test_a_refused_token_is_bad_input_whatever_a_region_no_job_uses_says(
     assert "region us is" not in result.output, result.output  # no job there: no error
     if command == "plan":  # nor the plan's "(see below)" for an error that is not printed
         assert "region us: not planned: no node answers (no job" in result.output, result.output
+
+
+def test_warm_one_version_refused_its_token_is_bad_input_and_a_folder_is_no_schedule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``warm NAME@N --region R`` without the admin token exited 1 (retry) where the schedule
+    form exits 2; and ``warm tokens`` beside a folder named tokens (the one just published
+    from) read the folder as a schedule ("cannot read schedule tokens: Is a directory")."""
+    from edgeutil import publish, write_parquet_shards
+
+    write_parquet_shards(tmp_path / "tokens", 1, rows=50)
+    publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/tokens", "tokens")
+    (tmp_path / "admin").write_text("adm1n\n")
+    monkeypatch.chdir(tmp_path)  # ./tokens is a folder here
+    with running_node(_config(tmp_path, token_file=str(tmp_path / "admin"))) as node:
+        config = ["--config", str(_topology(tmp_path, node.address))]
+        refused = CliRunner().invoke(app, ["warm", "tokens@1", "--region", "eu", *config])
+        assert refused.exit_code == 2, refused.output
+        assert "UNAUTHENTICATED" in refused.output, refused.output
+        token = ["--token-file", str(tmp_path / "admin")]
+        dry = CliRunner().invoke(
+            app, ["warm", "tokens", "--region", "eu", "--dry-run", *config, *token]
+        )
+        assert dry.exit_code == 0, dry.output
+        assert "tokens@1" in dry.output and "schedule" not in dry.output, dry.output

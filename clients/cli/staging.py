@@ -489,7 +489,9 @@ def warm(
     with reporting():
         topology, token = options.topology, options.token
         work: _ScheduleWork | tuple[WarmItem, pb.Manifest]
-        if Path(target).exists():
+        # A file only: a folder named as the dataset (the one just published from,
+        # `publish ./mine --dataset mine`) made `warm mine` read a folder as a schedule.
+        if Path(target).is_file():
             if region is not None:
                 raise ValueError(
                     f"--region is for warm NAME@N; a schedule names its own regions "
@@ -833,9 +835,11 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
             err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
     said = _sizes_said(_staged_rows(warmed.rows, dry_run))
     if dry_run:
-        staged = sum(1 for row in warmed.rows if row["state"] != "deferred")
+        staged = sum(1 for row in warmed.rows if row["state"] not in ("deferred", "held"))
+        held = sum(1 for row in warmed.rows if row["state"] == "held")
+        kept = f" ({held} held already)" if held else ""  # "1 of 1 would be staged" said it moves
         console.print(
-            f"warm --dry-run: {staged} of {len(warmed.rows)} item(s) would be staged{said}"
+            f"warm --dry-run: {staged} of {len(warmed.rows)} item(s) would be staged{kept}{said}"
         )
     else:
         staged = sum(1 for row in warmed.rows if row["done"])
@@ -988,6 +992,8 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
     """
     down = _down(warmed)
     outcome = warmed.outcome
+    if _credentials_refused(warmed):
+        return ExitCode.BAD_INPUT  # as the schedule form, whose status check finds it first
     if warmed.failed or outcome.pin_failures or outcome.evict_failures or _release_failures(warmed):
         return ExitCode.FAILED
     if down:
@@ -995,6 +1001,23 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
     if warmed.work is not None and warmed.work.plan.infeasible:
         return ExitCode.CANNOT_BE_MET
     return ExitCode.OK
+
+
+def _credentials_refused(warmed: _Warmed) -> bool:
+    """Every failure is a node refusing this command's token (none given, or the read one).
+
+    ``warm NAME@N --region R`` goes straight to the stage, so a node that wants the admin
+    token fails the stage itself, where the schedule form's status check had found it
+    and exited 2: the same bad input, the same code. The executor keeps failures as
+    text, which carries the node's status code.
+    """
+    outcome = warmed.outcome
+    refusals = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+    failures = [
+        *(f for item in warmed.failed for f in item.failures),
+        *map(str, [*outcome.pin_failures, *outcome.evict_failures, *_release_failures(warmed)]),
+    ]
+    return bool(failures) and all(any(r in f for r in refusals) for f in failures)
 
 
 def _release_failures(warmed: _Warmed) -> list[str]:
