@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import typer
 
@@ -12,14 +13,32 @@ from edgecache.clients.cli.context import flowing
 
 __all__ = ["EXIT_CLOSED_STDOUT", "app", "main"]
 
-app = typer.Typer(name="edgecache", no_args_is_help=True, add_completion=False)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _FlowingTyper(typer.Typer):
+    """typer's application, every command's help (and the root's) flowed by :func:`flowing`.
+
+    Here, once, rather than a decorator on each command: a command added later
+    wraps its help at the terminal too, without anyone remembering to ask.
+    """
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:  # type: ignore[override]
+        register = super().command(*args, **kwargs)
+        return lambda function: register(flowing(function))
+
+    def callback(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:  # type: ignore[override]
+        register = super().callback(*args, **kwargs)
+        return lambda function: register(flowing(function))
+
+
+app = _FlowingTyper(name="edgecache", no_args_is_help=True, add_completion=False)
 
 # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s `yes`, killed by SIGPIPE.
 EXIT_CLOSED_STDOUT = 141
 
 
 @app.callback()
-@flowing
 def _root() -> None:
     """Stage training data into regional caches next to the GPUs.
 

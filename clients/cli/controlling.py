@@ -22,7 +22,6 @@ from edgecache.clients.cli.context import (
     Options,
     TokenOption,
     exit_with,
-    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import console, err_console, error
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 
 
 @app.command()
-@flowing
 def controller(
     schedule: Annotated[
         Path,

@@ -20,12 +20,11 @@ from edgecache.clients.cli.publishing import Compression
 
 if TYPE_CHECKING:
     from edgecache.clients.demo import DemoResult
-from edgecache.clients.cli.context import ExitCode, exit_with, flowing, reporting
+from edgecache.clients.cli.context import ExitCode, exit_with, reporting
 from edgecache.clients.cli.render import Column, error, format_bytes, line, progress, table
 
 
 @app.command()
-@flowing
 def demo(
     size_mib: Annotated[
         int, typer.Option("--size-mib", min=1, help="Dataset size to generate.")

@@ -19,7 +19,6 @@ from edgecache.clients.cli.context import (
     Options,
     TokenOption,
     exit_with,
-    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import (
@@ -68,7 +67,6 @@ file. These settings have no flag (default in parentheses):
 
 
 @app.command(epilog=_SERVE_EPILOG)
-@flowing
 def serve(
     region: Annotated[str | None, typer.Option(help="Region this node serves.")] = None,
     cache_dir: Annotated[str | None, typer.Option(help="LMDB cache directory.")] = None,
@@ -151,7 +149,6 @@ def serve(
 
 
 @app.command()
-@flowing
 def status(
     config: ConfigOption = None, token_file: TokenOption = None, as_json: JsonOption = False
 ) -> None:
@@ -288,7 +285,6 @@ def _resident(v: edge_pb2.ResidentVersion) -> str:
 
 
 @app.command()
-@flowing
 def evict(
     spec: Annotated[str, typer.Argument(help="NAME@N")],
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
@@ -340,7 +336,6 @@ def evict(
 
 
 @app.command()
-@flowing
 def doctor(
     config: ConfigOption = None,
     region: Annotated[str | None, typer.Option(help="The region this host is in.")] = None,
@@ -481,7 +476,6 @@ def doctor(
 
 
 @app.command()
-@flowing
 def healthcheck(
     address: Annotated[
         str | None,

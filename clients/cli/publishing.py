@@ -18,7 +18,6 @@ from edgecache.clients.cli.context import (
     JsonOption,
     Options,
     exit_with,
-    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import (
@@ -222,7 +221,6 @@ def _chunk_size(text: str) -> int:
 
 
 @app.command()
-@flowing
 def publish(
     source_url: Annotated[
         str,
@@ -486,7 +484,6 @@ def publish(
 
 
 @app.command()
-@flowing
 def versions(
     dataset: Annotated[
         str,

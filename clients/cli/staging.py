@@ -26,7 +26,6 @@ from edgecache.clients.cli.context import (
     Options,
     TokenOption,
     exit_with,
-    flowing,
     reporting,
 )
 from edgecache.clients.cli.render import (
@@ -59,7 +58,6 @@ if TYPE_CHECKING:
 
 
 @app.command()
-@flowing
 def plan(
     schedule: Annotated[Path, typer.Argument(help="Schedule file (YAML).")],
     config: ConfigOption = None,
@@ -455,7 +453,6 @@ def _print_pins(region: str, pins: dict[VersionKey, datetime]) -> None:
 
 
 @app.command()
-@flowing
 def warm(
     target: Annotated[str, typer.Argument(help="A schedule file, or NAME@N with --region.")],
     region: Annotated[str | None, typer.Option(help="Region to warm NAME@N in.")] = None,
@@ -1124,7 +1121,6 @@ READY_WAIT = 3600.0  # seconds ready --wait waits without --timeout
 
 
 @app.command()
-@flowing
 def ready(
     spec: Annotated[str, typer.Argument(help="NAME@N")],
     region: Annotated[str, typer.Option(help="Region the job runs in.")],
