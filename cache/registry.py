@@ -506,9 +506,9 @@ class Registry:
                 return folder + "/", None, name
             return url + "/", None, None
         try:
-            with _reaching("source", url):
-                info = await self._store(url).head(url)
-        except OriginError:  # none there; or refused (reads granted under the prefix alone)
+            info = await self._store(url).head(url)
+        except OriginError:  # none there; refused (reads granted under the prefix alone);
+            # or unreachable, which the listing below says naming the source (_reaching)
             if _is_glob(name):
                 return folder + "/", None, name
             return url + "/", None, None  # the listing then says what is wrong, as it did

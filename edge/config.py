@@ -294,11 +294,11 @@ class NodeConfig(BaseModel):
             )
         return seconds
 
+    # The size and rate validators see only values given: an empty one (None, "") never
+    # reaches them (_empty_is_unset drops it, so the setting takes its default).
     @field_validator("capacity", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
-        if value is None or value == "":
-            return None
         size = parse_size(value)  # a ValueError (not a TypeError) for a list, true, …
         if size < 1:
             raise ValueError(
@@ -311,8 +311,6 @@ class NodeConfig(BaseModel):
     @field_validator("fetch_memory", mode="before")
     @classmethod
     def _fetch_memory(cls, value: Any) -> Any:
-        if value is None or value == "":
-            return None
         size = parse_size(value)
         if size < 64 << 20:
             raise ValueError(
@@ -324,8 +322,6 @@ class NodeConfig(BaseModel):
     @field_validator("staging_rate", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
-        if value is None or value == "":
-            return None
         rate = parse_rate(value)  # a ValueError (not a TypeError) for a list, true, …
         if rate < 1:  # 0, 7bit/s, 0.5B/s: no token bucket can run below 1 byte/s
             raise ValueError(
