@@ -44,12 +44,12 @@ def parse_endpoint(text: str) -> Endpoint:
         raise InvalidEndpoint(
             f"{text!r}: unknown scheme {scheme!r}; use host:port, grpcs://host:port or lmdb:///path"
         )
-    parts = urlsplit(f"//{rest}")
-    try:
+    try:  # urlsplit refuses a bracketed host that is no IP ("[*a]") with a bare ValueError
+        parts = urlsplit(f"//{rest}")
         port = parts.port
     except ValueError:
-        port = None
-    if not parts.hostname or port is None or parts.path not in ("", "/"):
+        parts, port = None, None
+    if parts is None or not parts.hostname or port is None or parts.path not in ("", "/"):
         raise InvalidEndpoint(f"{text!r} is not host:port (e.g. eu-1.internal:7070)")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return Endpoint(raw, scheme, f"{host}:{port}")

@@ -173,6 +173,13 @@ def test_a_self_peer_and_an_unknown_peer_are_refused_at_their_lines(tmp_path: Pa
     assert "not a region of the file" in unknown and "did you mean 'eu-west'?" in unknown
 
 
+def test_a_node_address_with_a_bracketed_non_ip_is_refused_not_a_crash(tmp_path: Path) -> None:
+    # The fuzzer's "127.0.0.1:7070 &a [*a]": urlsplit's own ValueError escaped the
+    # duplicate-node check as a traceback.
+    message = _topology_error(tmp_path, "  local:\n    nodes: ['127.0.0.1:7070 &a [*a]']\n")
+    assert "is not host:port" in message, message
+
+
 def test_every_problem_of_a_schedule_is_said_at_once(tmp_path: Path) -> None:
     config = tmp_path / "edgecache.yaml"
     config.write_text(f"registry: file://{tmp_path}\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n")
