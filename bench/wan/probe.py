@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 
 CHUNK = 256 << 10
+START_GRACE_S = 20.0  # how long streams may take to start delivering before bulk gives up
 
 
 def serve(host: str, port: int) -> None:
@@ -81,7 +82,10 @@ def rtt(host: str, port: int, count: int = 20) -> dict[str, float]:
 
 
 def bulk(host: str, port: int, streams: int, seconds: float, warmup: float) -> dict[str, object]:
-    """Bytes per second over ``streams`` parallel connections, after ``warmup`` seconds."""
+    """Bytes per second over ``streams`` parallel connections, counted for ``seconds``.
+
+    Counting starts after ``warmup`` seconds and once every stream has delivered.
+    """
     counts = [0] * streams
     stop = threading.Event()
     timeline: list[tuple[float, int]] = []
@@ -101,16 +105,28 @@ def bulk(host: str, port: int, streams: int, seconds: float, warmup: float) -> d
     started = time.perf_counter()
     for t in threads:
         t.start()
+    # The counted stretch starts after the warm-up *and* once every stream has
+    # delivered: on a loaded host connecting can outlast a short warm-up, and a
+    # stretch that starts before the bytes flow measures the connecting, not the link
+    # (a 0.3 s smoke stretch once counted no byte at all).
     mark = None
-    while (now := time.perf_counter() - started) < warmup + seconds:
+    give_up = warmup + seconds + START_GRACE_S
+    while (now := time.perf_counter() - started) < give_up:
         total = sum(counts)
         timeline.append((round(now, 2), total))
-        if mark is None and now >= warmup:
+        if mark is None and now >= warmup and all(counts):
             mark = (now, total)
+        if mark is not None and now - mark[0] >= seconds:
+            break
         time.sleep(0.1)
     end = (time.perf_counter() - started, sum(counts))
     stop.set()
-    assert mark is not None
+    if mark is None:
+        silent = sum(1 for c in counts if not c)
+        raise RuntimeError(
+            f"{silent} of {streams} bulk streams to {host}:{port} received nothing in "
+            f"{give_up:.0f} s: the link or its server is down"
+        )
     rate = (end[1] - mark[1]) / (end[0] - mark[0])
     return {
         "streams": streams,
