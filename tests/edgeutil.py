@@ -106,6 +106,40 @@ def serve_args(root: Path) -> list[str]:
     ]
 
 
+def serve_process(
+    args: list[str], env: dict[str, str], log: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """``edgecache serve ARGS`` as a subprocess, once it says where it serves: (process, address).
+
+    Its stderr goes to ``log``, whose text a node that did not start is reported with.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgecache.clients.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("serving on "):
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"node did not start: {line!r} {log.read_text()}")
+    return proc, line.split()[-1]
+
+
+def stop_process(proc: subprocess.Popen[str], timeout: float = 60) -> int:
+    """SIGTERM (the way Kubernetes stops a pod) and its exit code; killed if it hangs."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def node_fields(root: Path, **flags: object) -> dict[str, object]:
     """NodeConfig's fields for a node with its cache and registry under ``root``, any port."""
     return {

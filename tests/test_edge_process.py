@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from edgeutil import publish, read_shard_table, stub, write_parquet_shards
+from edgeutil import publish, read_shard_table, serve_process, stub, write_parquet_shards
 from s3server import make_bucket, s3_env, upload_dir
 from tlsutil import make_pki
 
@@ -22,7 +22,7 @@ from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 def start_node(
     tmp_path: Path, registry: str, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen[str], str]:
     environ = {
         **os.environ,
         **(env or {}),
@@ -31,30 +31,8 @@ def start_node(
         "EDGECACHE_CACHE_DIR": str(tmp_path / "cache"),
         "EDGECACHE_REGISTRY": registry,
     }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edgecache.clients.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--capacity",
-            "256MiB",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environ,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("serving on "):
-        proc.kill()
-        raise AssertionError(
-            f"node did not start: {line!r} {proc.stderr.read() if proc.stderr else ''}"
-        )
-    return proc, line.split()[-1]
+    args = ["--listen", "127.0.0.1:0", "--capacity", "256MiB"]
+    return serve_process(args, environ, tmp_path / f"node-{uuid.uuid4().hex[:8]}.log")
 
 
 def test_sigterm_drains_streams_and_restart_serves_committed(tmp_path: Path) -> None:

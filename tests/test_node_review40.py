@@ -21,7 +21,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from edgeutil import node_fields, publish, stub, write_parquet_shards
+from edgeutil import (
+    node_fields,
+    publish,
+    serve_process,
+    stop_process,
+    stub,
+    write_parquet_shards,
+)
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from edgecache.cache.codec import decode_chunk
@@ -45,37 +52,18 @@ def _node(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None
 ) -> tuple[subprocess.Popen[str], str]:
     """``edgecache serve`` as a subprocess on a free loopback port: (process, address)."""
-    environ = {**os.environ, "EDGECACHE_SYNC": "false", **(env or {})}
-    proc = subprocess.Popen(
+    return serve_process(
         [
-            *(sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "eu"),
-            *("--cache-dir", str(tmp_path / "cache"), "--registry", f"file://{tmp_path}/registry"),
+            *("--region", "eu", "--cache-dir", str(tmp_path / "cache")),
+            *("--registry", f"file://{tmp_path}/registry"),
             *("--listen", "127.0.0.1:0", "--capacity", "256MiB", *args),
         ],
-        stdout=subprocess.PIPE,
-        stderr=(log or tmp_path / "node.log").open("w"),
-        text=True,
-        env=environ,
+        {**os.environ, "EDGECACHE_SYNC": "false", **(env or {})},
+        log or tmp_path / "node.log",
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("serving on "):
-        proc.kill()
-        proc.wait()
-        raise AssertionError(
-            f"node did not start: {line!r} {(log or tmp_path / 'node.log').read_text()}"
-        )
-    return proc, line.split()[-1]
 
 
-def _stop(proc: subprocess.Popen[str]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+_stop = stop_process
 
 
 def _cached_rows(address: str, dataset: str, shard: int) -> int | None:
