@@ -79,6 +79,46 @@ def test_truncated_compressed_object_names_itself() -> None:
         read(packed[: len(packed) // 2], CSV)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    frames=st.lists(
+        st.tuples(
+            st.one_of(
+                st.binary(max_size=3000), st.builds(lambda n: b"a" * n, st.integers(0, 5000))
+            ),
+            st.booleans(),  # a content checksum
+            st.integers(1, 19),  # level
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    skippable=st.booleans(),
+    data=st.data(),
+)
+def test_a_zstd_object_cut_anywhere_but_between_frames_is_refused(
+    frames: list[tuple[bytes, bool, int]], skippable: bool, data: st.DataObject
+) -> None:
+    """zstd's stream reader ends quietly where its input ends: a .csv.zst cut in half
+    published half its rows. Any cut inside a frame is now refused; a cut between
+    frames leaves whole frames, which is all the object can say."""
+    parts = [
+        zstandard.ZstdCompressor(level=level, write_checksum=check).compress(payload)
+        for payload, check, level in frames
+    ]
+    if skippable:  # pzstd and seekable-zstd write these; they carry no data
+        parts.insert(1, (0x184D2A5E).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"skip!")
+    whole = b"".join(parts)
+    out, kind = decompress(whole, "x")
+    assert (bytes(out), kind) == (b"".join(p for p, _, _ in frames), "zstd")
+    boundaries = {sum(len(p) for p in parts[:i]) for i in range(len(parts) + 1)}
+    cut = data.draw(st.integers(4, len(whole) - 1))
+    if cut in boundaries:
+        decompress(whole[:cut], "x")  # whole frames: nothing to tell
+    else:
+        with pytest.raises(MalformedShard, match=r"x is zstd-compressed but truncated: it ends"):
+            decompress(whole[:cut], "x")
+
+
 def test_text_that_starts_like_bz2_is_not_taken_for_it() -> None:
     assert compression_of(b"BZh,col\n1,2\n") is None
     assert read(b"BZh,col\n1,2\n", CSV).column_names == ["BZh", "col"]

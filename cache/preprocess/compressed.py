@@ -136,6 +136,51 @@ class _XzReader:
                 return chunk
 
 
+_SKIPPABLE_MAGIC = 0x184D2A50  # its low 4 bits are free
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def _zstd_cut_short(data: memoryview) -> str | None:
+    """Why ``data`` is not whole zstd frames to its last byte, or None when it is.
+
+    zstandard's stream reader ends quietly where the input ends, mid-frame or
+    not: a ``.csv.zst`` cut in half published half its rows, the last one cut
+    mid-value. Walking the frames' block headers costs nothing beside decoding
+    and finds the cut (the RFC 8878 layout: a header, blocks of 3-byte headers,
+    a 4-byte checksum when the header says so; skippable frames carry a size).
+    """
+    pos, end = 0, len(data)
+    while pos < end:
+        if end - pos < 8:
+            return f"it ends {end - pos} byte(s) into a frame header"
+        magic = int.from_bytes(data[pos : pos + 4], "little")
+        if magic & 0xFFFFFFF0 == _SKIPPABLE_MAGIC:
+            pos += 8 + int.from_bytes(data[pos + 4 : pos + 8], "little")
+            if pos > end:
+                return "it ends inside a skippable frame"
+            continue
+        if magic != _ZSTD_MAGIC:
+            return None  # not a frame: the decoder names it ("Unknown frame descriptor")
+        checksum = data[pos + 4] & 0x04  # the frame header descriptor's Content_Checksum_flag
+        try:
+            pos += zstandard.frame_header_size(bytes(data[pos : pos + 18]))
+        except zstandard.ZstdError:
+            return "it ends inside a frame header"
+        last = False
+        while not last:
+            if pos + 3 > end:
+                return "it ends between two blocks of a frame"
+            header = int.from_bytes(data[pos : pos + 3], "little")
+            last, kind, size = bool(header & 1), (header >> 1) & 3, header >> 3
+            pos += 3 + (1 if kind == 1 else size)
+            if pos > end:
+                return "it ends inside a block"
+        pos += 4 if checksum else 0
+        if pos > end:
+            return "it ends inside a frame's checksum"
+    return None
+
+
 def _reader(data: bytes | memoryview, kind: str) -> _Reader:
     if kind == "zstd":
         return zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
@@ -166,6 +211,11 @@ def decompress(data: bytes | memoryview, source: str) -> tuple[bytes | memoryvie
     limit = _inflation_limit(len(data))
     try:
         if kind == "zstd":
+            if (short := _zstd_cut_short(memoryview(data))) is not None:
+                raise MalformedShard(
+                    f"{source} is zstd-compressed but truncated: {short} "
+                    f"({len(data):,} bytes); {FIX}"
+                )
             declared = zstandard.frame_content_size(bytes(memoryview(data)[:18]))
             if declared > limit:
                 raise _too_big(source, kind, f"its frame declares {declared:,} bytes", limit)
