@@ -950,13 +950,26 @@ class Registry:
                 data = await _parquet_footer(store, info)  # rows kept: the footer says all
             if data is None:
                 data = await store.get(info.url, expect=info)
-            return await asyncio.to_thread(
+            described = await asyncio.to_thread(
                 survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
             )
         except MalformedShard as exc:
             if named is None:
                 raise
             raise MalformedShard(_named_otherwise(obj, named, fmt)) from exc
+        first = described.schema.names[0] if described.schema.names else ""
+        if named == pb.SOURCE_FORMAT_JSONL and fmt == pb.SOURCE_FORMAT_CSV and first[:1] == "{":
+            # JSON Lines parse as CSV (commas split each object): no error to catch, and
+            # pieces of JSON would be published as columns.
+            raise MalformedShard(
+                _named_otherwise(
+                    obj,
+                    named,
+                    fmt,
+                    f"reads as CSV only as pieces of JSON (a column named {first[:30]!r})",
+                )
+            )
+        return described
 
 
 # Files kept beside shards that are no shard of them: a tokenizer (docs/preprocessing.md
@@ -988,7 +1001,10 @@ def _named_format(objects: Sequence[SourceObject]) -> pb.SourceFormat.ValueType 
 
 
 def _named_otherwise(
-    obj: SourceObject, named: pb.SourceFormat.ValueType, given: pb.SourceFormat.ValueType
+    obj: SourceObject,
+    named: pb.SourceFormat.ValueType,
+    given: pb.SourceFormat.ValueType,
+    how: str | None = None,
 ) -> str:
     """Why an object ``--format`` says is of one format, named as another, did not read.
 
@@ -1001,7 +1017,7 @@ def _named_otherwise(
 
     name = obj.key.rsplit("/", 1)[-1]
     return (
-        f"{obj.info.url} does not read as {KIND_NAMES[given]}: its name, {name}, says "
+        f"{obj.info.url} {how or f'does not read as {KIND_NAMES[given]}'}: its name, {name}, says "
         f"{KIND_NAMES[named]}, and --format says {flag(given)}; drop --format to read the "
         f"objects as their names say (or pass --format {flag(named)}), or, if it really is "
         f"{KIND_NAMES[given]}, rename it"

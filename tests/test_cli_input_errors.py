@@ -228,6 +228,24 @@ def test_a_format_the_names_contradict_is_said_so_not_as_bytes(tmp_path: Path) -
     assert "parse error" not in out and "\ufffd" not in out, out
 
 
+def test_json_lines_published_as_csv_are_refused_not_cut_into_columns(tmp_path: Path) -> None:
+    """Review 41: --format csv on docs.jsonl parsed (commas split each object) and published
+    columns named '{"id": 0' and ' "text": "doc 0"}', exit 0."""
+    (tmp_path / "raw").mkdir()
+    lines = "".join(f'{{"id": {i}, "text": "doc {i}"}}\n' for i in range(3))
+    (tmp_path / "raw" / "docs.jsonl").write_text(lines)
+    code, out = cli(
+        "publish", str(tmp_path / "raw"), "--dataset", "docs", "--format", "csv",
+        "--registry", str(tmp_path / "reg"),
+    )  # fmt: skip
+    assert code == 2, out
+    assert "only as pieces of JSON" in out and "--format jsonl" in out, out
+    code, out = cli(
+        "publish", str(tmp_path / "raw"), "--dataset", "docs", "--registry", str(tmp_path / "reg")
+    )
+    assert code == 0 and "id: int64" in out and "text: string" in out, out
+
+
 # ------------------------------------------------------------------ warm
 
 

@@ -124,6 +124,9 @@ def test_skip_policy_drops_and_counts() -> None:
     table, context = run(batch_of(images), size="16", on_error="skip")
     assert table.column("label").to_pylist() == [0, 3]
     assert context.skipped == 2 and "sample 1" in context.notes[0]
+    # Pillow's reason named its in-memory file ("<_io.BytesIO object at 0x7f…>").
+    assert "not an image Pillow can read" in context.notes[0], context.notes
+    assert "object at 0x" not in " ".join(context.notes)
 
 
 def test_bad_params_and_decoder_pin() -> None:

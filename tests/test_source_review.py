@@ -199,6 +199,15 @@ def test_a_comment_that_parses_as_the_header_is_refused_with_skip_rows() -> None
     assert read(b"#,name\n1,a\n2,b\n", CSV).column_names == ["#", "name"]
 
 
+def test_column_names_of_another_count_than_the_values_are_named_so() -> None:
+    """Review 41: two names for three values said only 'Row #2: Expected 2 columns, got 3'."""
+    data = b"p,q,r\n1,2,3\n4,5,6\n"
+    message = refused(data, CSV, header="true", column_names="a,b")
+    assert "--column-names gives 2 names (a, b), but its rows hold 3 values" in message
+    assert "hold 3 values" in refused(data, CSV, header="true", column_names="a,b,c,d")
+    assert read(data, CSV, header="true", column_names="a,b,c").column_names == ["a", "b", "c"]
+
+
 # ---------------------------------------------------------------- 6: nested JSON Lines types
 
 

@@ -39,6 +39,7 @@ Alpha is dropped; 16-bit grayscale is scaled to 8 bits (Pillow alone would clip 
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -132,9 +133,10 @@ class ImageSpec:
         wanted = params.get("decoder")
         if wanted and wanted != decoder_version():
             raise ValueError(
-                f"this version's images were decoded with {wanted}, but this node has "
-                f"{decoder_version()}: install {wanted.replace('-', '==', 1)} so every node "
-                "produces the same pixels"
+                f"this version's images are decoded with {wanted}, but Pillow here is "
+                f"{decoder_version()}: install {wanted.replace('-', '==', 1)} on every node "
+                "so each produces the same pixels (publish records the decoder itself: leave "
+                "the decoder param out when publishing)"
             )
         return cls(
             column=params.get("column") or None,
@@ -213,8 +215,24 @@ def _decode_many(
         try:
             out[start + i] = _decode(value, spec)
         except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for bad data
-            failures.append((start + i, f"{type(exc).__name__}: {exc}"))
+            failures.append((start + i, _reason(exc)))
     return failures
+
+
+def _reason(exc: Exception) -> str:
+    """Why an image did not decode, without the in-memory object Pillow names.
+
+    Pillow says "cannot identify image file <_io.BytesIO object at 0x7f…>": the
+    address tells the reader nothing, the formats it does read do.
+    """
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image Pillow can read (JPEG, PNG, WebP, GIF, BMP, TIFF, …)"
+    return f"{type(exc).__name__}: {_OBJECT_ADDRESS.sub('', str(exc)).strip()}"
+
+
+_OBJECT_ADDRESS = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-f]+>")
 
 
 class _Images:

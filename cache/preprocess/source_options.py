@@ -718,6 +718,15 @@ def read_csv(
             convert_options=convert,
         )
     except pa.ArrowInvalid as exc:
+        first_row = skip + (1 if has_header else 0)
+        widths = {len(row) for row in _first_rows(head, split, first_row, 20) if row}
+        if names and "columns, got" in str(exc) and len(names) not in widths and widths:
+            raise MalformedShard(
+                f"{source}: --column-names gives {len(names)} name"
+                f"{'s' if len(names) != 1 else ''} ({', '.join(names)[:80]}), but its rows "
+                f"hold {' or '.join(str(w) for w in sorted(widths))} values: name every column "
+                f"({exc})"
+            ) from exc
         if "columns, got" in str(exc) and (prose := _leading_prose(head, split, skip)):
             count = len(prose)
             raise MalformedShard(
