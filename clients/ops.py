@@ -418,30 +418,57 @@ def _resident(reports: list[NodeReport]) -> Iterator[tuple[NodeReport, edge_pb2.
 def holdings(
     reports: list[NodeReport], manifests: dict[str, pb.Manifest]
 ) -> dict[str, dict[VersionKey, Holding]]:
-    """Region → version → what its nodes hold of it; replicas split shards, so they add up."""
+    """Region → version → what its answering nodes hold of it where readers look for it.
+
+    Replicas split a version's shards (rendezvous hashing among the nodes that
+    answer): each node's share counts, as :func:`ready` counts it, so a node
+    back from an outage, whose share the others staged meanwhile, makes the
+    version incomplete again and plan and warm stage the share (before, the
+    union of the nodes' shards counted: "nothing to stage" while ``ready``
+    said 0/3). Shards a node holds beyond its share (staged while another was
+    down) are duplicates: the stored bytes count each shard once, at the
+    nodes' bytes per shard, not once per copy. A version whose shard count is
+    known from neither a manifest nor a node counts its shards' union.
+    """
     shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
     out: dict[str, dict[VersionKey, Holding]] = {}
+    alive: dict[str, list[str]] = {}
     for report in reports:
         if report.status is not None:
             out.setdefault(report.region, {})  # a node that answers holding nothing: a region
+            alive.setdefault(report.region, []).append(report.address)
+    per_node: dict[tuple[str, VersionKey], dict[str, int]] = {}
     for report, v in _resident(reports):
-        holding = out[report.region].setdefault((v.dataset, v.version), Holding())
+        key = (v.dataset, v.version)
+        holding = out[report.region].setdefault(key, Holding())
         holding.shards += v.shard_count
         holding.stored_bytes += v.stored_bytes
-    for region in out.values():
-        for key, holding in region.items():
-            total = shard_counts.get(key) or next(
-                (
-                    v.total_shards
-                    for r in reports
-                    if r.status is not None
-                    for v in r.status.versions
-                    if (v.dataset, v.version) == key and v.total_shards
-                ),
-                holding.shards,
-            )
+        per_node.setdefault((report.region, key), {})[report.address] = v.shard_count
+        if v.total_shards and key not in shard_counts:
+            shard_counts[key] = v.total_shards
+    for region, versions in out.items():
+        nodes = alive[region]
+        for key, holding in versions.items():
+            total = shard_counts.get(key)
+            if total is None:
+                holding.complete = True  # nothing says how many: what is held is all there is
+                continue
+            copies, held = holding.shards, per_node.get((region, key), {})
+            if len(nodes) > 1:
+                holding.shards = sum(
+                    min(held.get(node, 0), _share(nodes, node, key, total)) for node in nodes
+                )
+            else:
+                holding.shards = min(copies, total)
+            if copies > holding.shards:
+                holding.stored_bytes = holding.stored_bytes * holding.shards // copies
             holding.complete = holding.shards >= total
     return out
+
+
+def _share(nodes: Sequence[str], node: str, key: VersionKey, total: int) -> int:
+    """How many of a version's ``total`` shards ``node`` owns among ``nodes`` (rendezvous)."""
+    return len(rendezvous.owned_shards(list(nodes), node, key[0], key[1], total))
 
 
 def complete_versions(
@@ -783,16 +810,9 @@ def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tupl
     missing = []
     for report in alive:
         held = _held(report, manifest)
+        key = (manifest.dataset, manifest.version)
         wanted = (
-            len(
-                rendezvous.owned_shards(
-                    [n.address for n in alive],
-                    report.address,
-                    manifest.dataset,
-                    manifest.version,
-                    total,
-                )
-            )
+            _share([n.address for n in alive], report.address, key, total)
             if len(alive) > 1
             else total
         )
