@@ -243,10 +243,24 @@ def make_plan(
             own[(job.region, version)] = max(own.get((job.region, version), job.end), job.end)
     pinned = foreign_pins(reports, own, now)
     regions = {}
+    short_disks: dict[str, str] = {}  # region → its nodes whose disk leaves less than capacity
     for name, config in topology.regions.items():
         alive = [r.status for r in reports if r.region == name and r.status is not None]
-        # Replicas split shards (rendezvous hashing): their capacities add up.
-        capacity = sum(status.capacity_bytes for status in alive)
+        # Replicas split shards (rendezvous hashing): their capacities add up, each
+        # bounded by the room its cache's disk has left.
+        capacity = sum(_room(status) for status in alive)
+        disk_bound = [
+            r
+            for r in reports
+            if r.region == name and r.status and _room(r.status) < r.status.capacity_bytes
+        ]
+        if disk_bound:
+            short_disks[name] = "; ".join(
+                f"the cache's disk on {r.address} has {format_bytes(r.status.disk_free_bytes)} "
+                f"free{' (full)' if r.status.disk_full else ''}"
+                for r in disk_bound
+                if r.status is not None
+            )
         measured = [s.origin_bytes_per_second for s in alive if s.origin_bytes_per_second]
         # Replicas split shards, so their staging rates add up; one that has not staged yet
         # counts as the average of those that have.
@@ -274,7 +288,32 @@ def make_plan(
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    result.infeasible[:] = [
+        replace(
+            row,
+            reason=f"{row.reason} ({short_disks[row.region]}: the room counted is what the "
+            "disk holds, not --capacity; free space on the volume or give the cache a larger one)",
+        )
+        if row.region in short_disks and "capacity" in row.reason
+        else row
+        for row in result.infeasible
+    ]
     return result, manifests
+
+
+def _room(status: edge_pb2.NodeStatus) -> int:
+    """What a node's cache can hold: its capacity, or less where its disk has less left.
+
+    A cache of ``--capacity 64MiB`` on a 6 MiB volume was planned as 64 MiB: the
+    plan said the job was met, and every warm and controller round failed
+    RESOURCE_EXHAUSTED. Evicting frees pages inside the LMDB file for new
+    chunks, so the bound is what is held plus what the disk has free. A node
+    that reports no free bytes and no full disk (a release before it said)
+    is taken at its capacity.
+    """
+    if not status.disk_free_bytes and not status.disk_full:
+        return status.capacity_bytes
+    return min(status.capacity_bytes, status.used_bytes + status.disk_free_bytes)
 
 
 def foreign_pins(

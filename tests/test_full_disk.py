@@ -357,3 +357,37 @@ def test_a_write_the_full_disk_refused_evicted_nothing_and_kept_the_reads_order(
         assert store.stats.evicted_shards == 1
         # The least recently used went: shard 1, not shard 0, which was read.
         assert [i.key.shard for i in store.shards("a", 1)] == [0, 2, 3]
+
+
+def test_the_plan_counts_the_room_the_disk_has_not_the_capacity(tmp_path: Path, disk: Path) -> None:
+    """Review 41: a cache of capacity 1 GiB on a nearly full volume was planned as 1 GiB:
+    the plan said the job was met, and every warm and controller round failed
+    RESOURCE_EXHAUSTED. The plan now counts what the disk has left and says why."""
+    from datetime import UTC, datetime, timedelta
+
+    from edgecache.clients.ops import make_plan
+    from edgecache.clients.topology import load_schedule, load_topology
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 2, rows=20_000)
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(node_config(disk, registry)) as server:
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{server.address}']\n"
+        )
+        schedule = tmp_path / "s.yaml"
+        start = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        schedule.write_text(
+            f"jobs:\n  - name: train\n    region: eu\n    start: '{start}'\n"
+            "    duration: 1h\n    datasets: [tokens@1]\n"
+        )
+        topology = load_topology(config)
+        result, _ = make_plan(topology, load_schedule(schedule, topology))
+        assert not result.infeasible, result.infeasible  # room on the disk: met
+        fill(disk, leave=64 << 10)
+        result, _ = make_plan(topology, load_schedule(schedule, topology))
+        (row,) = result.infeasible
+        assert "capacity (64.0 KiB)" in row.reason, row  # what the disk leaves
+        assert f"the cache's disk on {server.address} has" in row.reason, row
+        assert "not --capacity" in row.reason, row
