@@ -389,9 +389,10 @@ class PlanExecutor:
 
         Only a pin the node still has as placed is released: one gone, or set
         to another time since (someone pinned it again), is not warm's any
-        more, and its record is dropped. A pin on a node that did not answer,
-        or whose release failed, is kept for the next run. ``dry_run`` releases
-        nothing and lists what would be.
+        more, and its record is dropped. A pin with ``shorten_to`` is set to that
+        time instead (a job another record holds reads the version until then). A
+        pin on a node that did not answer, or whose release failed, is kept for the
+        next run. ``dry_run`` releases nothing and lists what would be.
         """
         seen = self._see(reports)
         out = Released()
@@ -404,6 +405,14 @@ class PlanExecutor:
                 continue
             if dry_run:
                 out.released.append(pin)
+                continue
+            if pin.shorten_to is not None:  # another record's job still reads it until then
+                problem = self._pin_node(pin.node, pin.key, pin.shorten_to)
+                if problem is None:
+                    out.released.append(pin)
+                else:
+                    out.kept.append(pin)
+                    out.problems.append(problem)
                 continue
             unpinned = self.unpin(pin.node, pin.key)
             if unpinned.released:

@@ -392,20 +392,24 @@ class Outage:
 
 
 def without_pins(reports: Sequence[NodeReport], pins: Sequence[WarmPin]) -> list[NodeReport]:
-    """``reports`` as they would read once ``pins`` are released: copies, those pins unset.
+    """``reports`` as they would read once ``pins`` are released (or shortened): copies.
 
     ``warm --dry-run`` plans on this, so it shows what the real run, which
     releases the pins first and then asks the nodes again, carries out.
     """
-    gone = {(pin.node, pin.key) for pin in pins}
+    gone = {(pin.node, pin.key): pin.shorten_to for pin in pins}
     out = []
     for report in reports:
         if report.status is not None and any(node == report.address for node, _ in gone):
             status = edge_pb2.NodeStatus()
             status.CopyFrom(report.status)
             for v in status.versions:
-                if (report.address, (v.dataset, v.version)) in gone:
-                    v.ClearField("pinned_until")
+                key = (report.address, (v.dataset, v.version))
+                if key in gone:
+                    if (shorter := gone[key]) is not None:
+                        v.pinned_until.FromDatetime(shorter.astimezone(UTC).replace(tzinfo=None))
+                    else:
+                        v.ClearField("pinned_until")
             report = replace(report, status=status)
         out.append(report)
     return out
@@ -1055,6 +1059,9 @@ class WarmPin:
     region: str
     version: str  # name@N
     until: datetime
+    # Set by dropped_warm_pins: not released but shortened to this time, because a job
+    # another record holds still reads the version there until then (see there).
+    shorten_to: datetime | None = None
 
     @property
     def key(self) -> VersionKey:
@@ -1170,8 +1177,14 @@ def dropped_warm_pins(topology: Topology, owner: str, plan: Plan, now: datetime)
     Their job was removed from the schedule (or moved, or reads another
     version now): warm releases them, as the controller releases its own. A
     pin still needed by a job another schedule's warm or the controller
-    recorded (same region, same version, not ended) is left to that record,
-    and so is not returned. A record that cannot be read gives nothing.
+    recorded (same region, same version, not ended) is left to that record:
+    not returned when it ends by that job's end, and returned with
+    ``shorten_to`` (that job's end) when it outlasts it. A node keeps one pin
+    time per version, the longest asked for; left as it was, a pin of this
+    schedule's longer job outlived every job once the other record's job
+    went too, since that record's release found another time on the node
+    than the one it placed, and only ``evict --force`` freed the room. A
+    record that cannot be read gives nothing.
     """
     try:
         jobs, pins = _warm_record(topology.registry)
@@ -1186,12 +1199,15 @@ def dropped_warm_pins(topology: Topology, owner: str, plan: Plan, now: datetime)
         region_plan = plan.regions.get(pin.region)
         if region_plan is not None and pin.key in region_plan.pins:
             continue  # still kept (re-pinned by this run if its time changed)
-        if any(
-            job.region == pin.region and pin.version in job.versions and job.end > now
+        readers = [
+            job.end
             for job in others
-        ):
-            continue
-        dropped.append(pin)
+            if job.region == pin.region and pin.version in job.versions and job.end > now
+        ]
+        if not readers:
+            dropped.append(pin)
+        elif pin.until - max(readers) > timedelta(seconds=1):
+            dropped.append(replace(pin, shorten_to=max(readers)))
     return dropped
 
 

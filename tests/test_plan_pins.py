@@ -216,3 +216,45 @@ def test_the_planner_evicts_around_a_pin_or_after_it_runs_out() -> None:
     assert not result.infeasible, result.infeasible
     (eviction,) = result.regions["eu"].evictions
     assert eviction.version == ("ds", 1) and eviction.at >= NOW + timedelta(hours=1), eviction
+
+
+def test_a_pin_two_schedules_share_is_shortened_then_released_as_their_jobs_go(small) -> None:
+    """Review 41: warm of schedule "a" (job until +7 h) then of "b" (job until +3 h) on one
+    version; a node keeps one pin time, the longest. Emptying "a" released nothing (b
+    still reads it) and dropped a's record of the 7 h pin; emptying "b" found 7 h on the
+    node, not the 3 h it recorded, and released nothing: pinned for hours for no job, and
+    only evict --force freed it. Warm also said "pinned until +3 h" of a 7 h pin."""
+    root, node = small
+    now = datetime.now(UTC)
+    config = ["--config", str(root / "small.yaml")]
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=6), "pq@2"))
+    b = schedule(root, "b", ("short", "small", now + timedelta(hours=2), "pq@2"))
+
+    def pinned_until() -> datetime | None:
+        held = resident(node, "pq", 2)
+        return held.pinned_until.ToDatetime(tzinfo=UTC) if held.HasField("pinned_until") else None
+
+    def near(when: datetime | None, expected: datetime) -> bool:
+        return when is not None and abs(when - expected) < timedelta(seconds=2)
+
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and near(pinned_until(), now + timedelta(hours=7)), (out, err)
+    code, out, err = edgecache("warm", str(b), "--json", *config)
+    assert code == 0, (out, err)
+    (pin,) = json.loads(out)["pins"]
+    assert pin["held_until"] is not None and near(
+        datetime.fromisoformat(pin["held_until"]), now + timedelta(hours=7)
+    ), pin
+    code, out, err = edgecache("warm", str(b), *config)
+    assert "its nodes keep it until" in out, out
+    # "a" goes: the pin is shortened to b's job's end, not kept for a's.
+    a.write_text("jobs: []\n")
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0, (out, err)
+    assert "shortened the pin of pq@2" in out, out
+    assert near(pinned_until(), now + timedelta(hours=3)), pinned_until()
+    # "b" goes too: nothing reads it, the pin is released.
+    b.write_text("jobs: []\n")
+    code, out, err = edgecache("warm", str(b), *config)
+    assert code == 0 and "released the pin of pq@2" in out, (out, err)
+    assert pinned_until() is None

@@ -7,7 +7,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -778,6 +778,7 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
         out["deferred"] = [
             {"region": d.region, "what": d.what, "reason": d.reason} for d in outcome.deferred
         ]
+        longer = _pinned_longer(work)
         out["pins"] = [
             {
                 "region": name,
@@ -786,6 +787,9 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
                 # False: pinned, but the region holds none of it (its staging deferred or
                 # failed); the pin keeps room for it, not data.
                 "staged": (name, v) in outcome.held,
+                # Set when the nodes keep it longer already (a job of another schedule or
+                # the controller's): a Pin would only shorten it, so none was sent.
+                "held_until": json_time(longer[(name, v)]) if (name, v) in longer else None,
             }
             for name, rp in work.plan.regions.items()
             for v, until in sorted(rp.pins.items())
@@ -800,6 +804,9 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
                 "node": pin.node,
                 "version": pin.version,
                 "until": json_time(pin.until),
+                # Set when the pin was shortened to this time, not released (a job another
+                # record holds still reads the version there).
+                "shortened_to": json_time(pin.shorten_to) if pin.shorten_to else None,
             }
             for pin in work.released.released
         ]
@@ -824,7 +831,10 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
     work = warmed.work
     sizes = _source_sizes(work.manifests.values()) if work is not None else {}
     if work is not None:
-        _print_plan_steps(work.plan, warmed.outcome, warmed.rows, dry_run, work.released, sizes)
+        _print_plan_steps(
+            work.plan, warmed.outcome, warmed.rows, dry_run, work.released, sizes,
+            _pinned_longer(work),
+        )  # fmt: skip
     else:
         _print_stages(warmed.rows, dry_run, sizes)
     for row in warmed.rows:
@@ -843,6 +853,28 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
         console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged{said}")
 
 
+def _pinned_longer(work: _ScheduleWork) -> dict[tuple[str, VersionKey], datetime]:
+    """(region, version) → the pin its nodes keep, of the plan's pins they keep longer.
+
+    A node keeps one pin time per version, the longest asked for: warm sends no
+    Pin that would shorten another schedule's, and said "pinned until" its own
+    job's end all the same, which is not what the node keeps.
+    """
+    out: dict[tuple[str, VersionKey], datetime] = {}
+    for name, rp in work.plan.regions.items():
+        for v, until in rp.pins.items():
+            kept = [
+                version.pinned_until.ToDatetime(tzinfo=UTC)
+                for report in work.reports
+                if report.region == name and report.status is not None
+                for version in report.status.versions
+                if (version.dataset, version.version) == v and version.HasField("pinned_until")
+            ]
+            if kept and max(kept) - until > timedelta(seconds=1):
+                out[(name, v)] = max(kept)
+    return out
+
+
 def _print_plan_steps(
     plan: Plan,
     outcome: WarmOutcome,
@@ -850,6 +882,7 @@ def _print_plan_steps(
     dry_run: bool,
     released: Released | None = None,
     sizes: dict[str, int] | None = None,
+    longer: dict[tuple[str, VersionKey], datetime] | None = None,
 ) -> None:
     """A plan's evictions, stages, pins and deferrals, in the words of a real run or a rehearsal.
 
@@ -861,6 +894,14 @@ def _print_plan_steps(
     evicted, pinned = ("would evict", "would pin") if dry_run else ("evicted", "pinned")
     released = released or Released()
     for pin in released.released:
+        if pin.shorten_to is not None:
+            console.print(
+                f"{pin.region}: {'would shorten' if dry_run else 'shortened'} the pin of "
+                f"{pin.version} on {pin.node} from {pin.until:%Y-%m-%d %H:%M} to "
+                f"{pin.shorten_to:%Y-%m-%d %H:%M}: no job of the schedule reads it there any "
+                "more, and a job another schedule or the controller recorded reads it until then"
+            )
+            continue
         console.print(
             f"{pin.region}: {'would release' if dry_run else 'released'} the pin of "
             f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): no job of "
@@ -875,8 +916,15 @@ def _print_plan_steps(
     for name, rp in plan.regions.items():
         for v, until in sorted(rp.pins.items()):
             if (name, v) not in outcome.pins_failed:
+                held = (longer or {}).get((name, v))
                 console.print(
                     f"{name}: {pinned} {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}"
+                    + (
+                        f" (its nodes keep it until {held:%Y-%m-%d %H:%M} already, for a job "
+                        "another schedule or the controller recorded)"
+                        if held is not None
+                        else ""
+                    )
                     + _not_staged(outcome, name, v)
                 )
     deferred = "would defer" if dry_run else "deferred"
