@@ -282,6 +282,75 @@ def _portable(exc: Exception) -> Exception:
     return EdgeCacheError(f"{type(exc).__name__}: {exc}")
 
 
+def _by_rank(values: Sequence[Any]) -> str:
+    """``rank 0: 5, rank 1: 6``: each value with the ranks that hold it (a few named)."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(repr(value), []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        named = ", ".join(map(str, ranks[:4])) + (
+            f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+        )
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {named}: {text}")
+    return ("; " if any(len(r) > 1 for r in groups.values()) else ", ").join(parts)
+
+
+def _differing_order(every: Sequence[dict[str, Any]], manifests: Sequence[pb.Manifest]) -> str:
+    """What differs across ranks among the settings the global order depends on ('' if none).
+
+    ``every``: each rank's settings as given (see ``EdgeDataset.__init__``), in rank
+    order. Settings that come to the same order are the same: ``window_bytes=None``
+    and the chunk size give the same windows, ``samples_per_epoch=None`` and the
+    rows' count the same epoch, weights 0.7 / 0.3 and 7 / 3 the same shares.
+    """
+
+    def windows(window_bytes: int | None) -> list[int]:
+        sizes = [window_bytes or version_chunk_bytes(m) for m in manifests]
+        return [
+            rows_per_window(row_bytes(m, manifest_schema(m)), size)
+            for m, size in zip(manifests, sizes, strict=True)
+        ]
+
+    def epoch_samples(given: int | None, rows: Any) -> int:
+        cut = None if rows is None else tuple(rows)
+        return given or sum(
+            e.rows for m in manifests for e in split_extents([s.row_count for s in m.shards], cut)
+        )
+
+    def shares(settings: dict[str, Any]) -> list[int] | None:
+        weights = settings["weights"]
+        total = epoch_samples(settings["samples_per_epoch"], settings["rows"])
+        return None if weights is None else allocate(weights, total)
+
+    same_as: dict[str, Any] = {
+        "window_bytes": lambda s: windows(s["window_bytes"]),
+        "samples_per_epoch": lambda s: epoch_samples(s["samples_per_epoch"], s["rows"]),
+        "weights": shares,
+    }
+    said = []
+    for key in every[0]:
+        values = [s[key] for s in every]
+        if all(v == values[0] for v in values):
+            continue
+        derived = same_as.get(key)
+        if derived is not None and all(derived(s) == derived(every[0]) for s in every):
+            continue
+        what = "dataset spec" if key == "spec" else key
+        hint = (
+            "; seed per-rank augmentation elsewhere (each rank reads its own share of one "
+            "shuffled order already)"
+            if key == "seed"
+            else ": each rank reads its share of one global order, which depends on it"
+        )
+        said.append(
+            f"{key} {'differ' if key in ('weights', 'rows') else 'differs'} across ranks "
+            f"({_by_rank(values)}): every rank must build "
+            f"EdgeDataset with the same {what}{hint}"
+        )
+    return "\n".join(said)
+
+
 class Sample(dict):  # type: ignore[type-arg]
     """One sample (``batch_size=None``): a dict that knows its variable-length columns.
 
@@ -535,7 +604,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         }
         self._open: Readers | None = None
         self._pid = os.getpid()
-        self.epoch = 0
+        self._epoch = 0
         self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
         self._remaining: Remaining | None = None  # None: the whole epoch is left
         self._orders: dict[tuple[int, int, bool], EpochOrder] = {}
@@ -544,7 +613,20 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
         self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
         self._last_pipeline: dict[str, float] = {}
-        self.manifests = self._resolve(mixture.specs)
+        self.manifests = self._resolve(
+            mixture.specs,
+            {
+                "spec": [str(v) for v in mixture.specs],
+                "weights": None if mixture.single else list(mixture.weights),
+                "seed": seed,
+                "shuffle": shuffle,
+                "shuffle_windows": shuffle_windows,
+                "lanes": lanes,
+                "window_bytes": window_bytes,
+                "rows": None if self.rows is None else list(self.rows),
+                "samples_per_epoch": samples_per_epoch,
+            },
+        )
         local_stores.check(self.endpoints, self.manifests)  # lmdb:// paths: once, here
         self.manifest = self.manifests[0]
         self.schemas = [manifest_schema(m) for m in self.manifests]
@@ -606,10 +688,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._position_seen = 0  # the generation this copy wrote or took last
         self._own_position = True  # False while a pass runs: broken off, it is stale
         self._passes = 0  # passes this copy began in a DataLoader worker
-        self._finished_pass: int | None = None  # the last of them, if read to its end
-        # Batches of the stretch the last pass here read to its end (num_workers=0), until
-        # the next pass: state_dict(batches=that) then means the finished epoch.
+        # Batches of the stretch the last pass read to its end (here, or by DataLoader
+        # workers), until the next pass: state_dict(batches=that) means the finished epoch.
         self._finished_stretch: int | None = None
+        # Where that pass began, when workers read it: the loop may still be taking its
+        # last batches (read ahead), so fewer steps count from there (state_dict).
+        self._finished_from: tuple[int, int, int, Remaining | None] | None = None
+        # The workers' pass (and whether it was read whole) the training process followed.
+        self._followed: tuple[Any, ...] | None = None
         self._said_uncounted = False  # the state_dict() warning, once
         self._publish_position()
         self._warn_about_order()
@@ -623,7 +709,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         whatever ``shuffle_windows`` said, and a rank with no sample yielding no
         batch (DDP then waits for it forever).
         """
-        order = self._order(self.seed, self.epoch, None)
+        order = self._order(self.seed, self._epoch, None)
         if order.samples == 0:
             warnings.warn(
                 f"{self.version}: rank {self.rank} of {self.world_size} gets no sample of the "
@@ -645,7 +731,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         return GlobalOrder(
             components,
             seed=self.seed,
-            epoch=self.epoch,
+            epoch=self._epoch,
             lanes=self.lanes,
             shuffle_windows=self.shuffle_windows,
             shuffle=self.shuffle,
@@ -736,7 +822,14 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _resolve(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
+    def _resolve(self, specs: Sequence[VersionSpec], settings: dict[str, Any]) -> list[pb.Manifest]:
+        """The versions' manifests; under torch.distributed, rank 0's, for every rank.
+
+        There every rank also checks that all ranks asked for the same global order
+        (``settings``, :func:`_differing_order`): a rank's share is cut from one order
+        that every rank computes alike, and ranks built with ``seed=base + rank`` read
+        shares of different orders, some samples twice and others never, silently.
+        """
         dist = _distributed()
         if dist is None:
             return self._fetch(specs)
@@ -755,7 +848,13 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if isinstance(box[0], BaseException):
             box[0].add_note("raised on rank 0, which resolves the versions for every rank")
             raise box[0]
-        return [manifest_from_bytes(raw, source="manifest from rank 0") for raw in box[0]]
+        manifests = [manifest_from_bytes(raw, source="manifest from rank 0") for raw in box[0]]
+        every: list[Any] = [None] * dist[1]
+        torch.distributed.all_gather_object(every, settings)  # small: a few numbers a rank
+        differing = _differing_order(every, manifests)
+        if differing:
+            raise ValueError(differing)  # on every rank alike: each saw every rank's
+        return manifests
 
     def _fetch(self, specs: Sequence[VersionSpec]) -> list[pb.Manifest]:
         local = [e for e in self.endpoints if e.local]
@@ -796,13 +895,30 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     # ------------------------------------------------------------ iteration
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass reads (or the one being read).
+
+        It moves on when a pass reads it to its end, with or without DataLoader
+        workers (the training process follows theirs: :meth:`_follow_workers`), and
+        with :meth:`set_epoch` and :meth:`load_state_dict`.
+        """
+        self._follow_workers()
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)  # as set_epoch: DataLoader workers take it too
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (new order); resets the cursor unless resuming it."""
         epoch = _integer("epoch", epoch, minimum=0)
-        if not self._own_position and get_worker_info() is None:
-            self._restart_broken_pass()  # resuming means where it was put, as in workers
-        if epoch != self.epoch:
-            self.epoch, self._cursor, self._remaining = epoch, 0, None
+        if get_worker_info() is None:
+            self._follow_workers()  # the epoch the last pass with workers left it at
+            if not self._own_position:
+                self._restart_broken_pass()  # resuming means where it was put, as in workers
+        if epoch != self._epoch:
+            self._epoch, self._cursor, self._remaining = epoch, 0, None
             self._permuted = None  # an old state's order was for its epoch only
         self._publish_position()
 
@@ -813,16 +929,16 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         DataLoader workers; in a worker (torchdata's StatefulDataLoader loads states
         there) the worker's own call is newer than anything written before it.
         """
-        self._origin = (self.seed, self.epoch, self._cursor, self._remaining)
-        self._finished_pass = self._finished_stretch = None
+        self._origin = self._put = (self.seed, self._epoch, self._cursor, self._remaining)
+        self._finished_stretch = self._finished_from = self._followed = None
         if get_worker_info() is None:
             self._position_seen = self._position.write(
                 {
                     "seed": self.seed,
-                    "epoch": self.epoch,
+                    "epoch": self._epoch,
                     "cursor": self._cursor,
                     "remaining": None if self._remaining is None else self._remaining.to_json(),
-                    "permuted": self._permuted == (self.seed, self.epoch),
+                    "permuted": self._permuted == (self.seed, self._epoch),
                 }
             )
         else:
@@ -833,16 +949,17 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         """In a DataLoader worker, at a pass's start: where the training process put the dataset.
 
         That is where it was put by ``set_epoch`` or ``load_state_dict`` in the training
-        process, when either ran there since this copy last looked; else where this
-        copy's last pass began, as a fresh worker would start, never where it had read
-        ahead to. Only when *every* worker read the last pass to its end do they go on
-        to the next epoch by themselves, all together: a worker cannot see the loop, and
-        after a ``break`` near the epoch's end some had read their share to its end and
-        others not (the next pass was half one epoch, half the next). The training
-        process learns of the move through the same shared memory (:meth:`_follow_workers`).
+        process (or where its last pass without workers ended), when it was put there
+        since this copy last looked; then wherever the passes of workers since then
+        left it (:meth:`_after_other_workers`): the start of the next epoch once every
+        worker of a pass read it to its end, else where the last pass began, as a fresh
+        worker would start, never where this copy had read ahead to. A worker cannot see
+        the loop, and after a ``break`` near the epoch's end some had read their share
+        to its end and others not (the next pass was half one epoch, half the next). The
+        training process learns of it through the same shared memory
+        (:meth:`_follow_workers`).
         """
         generation, position = self._position.read()
-        finished, self._finished_pass = self._finished_pass, None
         self._passes += 1
         if generation != self._position_seen:
             self._position_seen = generation
@@ -860,52 +977,69 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                         remaining, self._order(seed, epoch, None).lane_lengths
                     ),
                 )
-        elif finished is not None and self._position.all_finished(
-            worker.num_workers, worker.seed - worker.id, finished
-        ):
-            self._origin = (self.seed, self.epoch, 0, None)  # the next epoch (set at the end)
-            self._position.moved(generation, self.epoch)
-        elif finished is None:
-            self._after_other_workers(generation)
-        self.seed, self.epoch, self._cursor, self._remaining = self._origin
-        self._position.started(generation)
+        self._after_other_workers(generation)
+        self.seed, self._epoch, self._cursor, self._remaining = self._origin
+        self._position.started(generation, self._epoch, worker.seed - worker.id, self._passes)
 
     def _after_other_workers(self, generation: int) -> None:
-        """A worker with no pass of its own read to its end: where earlier workers left the epochs.
+        """Where the passes of workers since the position of ``generation`` left the epochs.
 
         Workers that are not persistent are new copies of the training process's
-        dataset every pass, which only ``set_epoch`` and ``load_state_dict`` move:
-        without this, a loop that did not call ``set_epoch`` read epoch 0's order
-        again every pass with workers, where ``num_workers=0`` and persistent
-        workers went on. Since the training process last put the dataset, earlier
-        workers may have gone on by themselves (the start of the epoch they moved
-        to, also after a pass of it broken off), and the last pass's workers may
-        all have read it to its end (then the epoch after it, for every worker of
-        this pass alike, and the training process follows: :meth:`_follow_workers`).
+        dataset every pass, which only ``set_epoch``, ``load_state_dict`` and a pass
+        without workers move; persistent ones keep their own, which saw none of the
+        passes of other loaders. Without this, a loop that did not call ``set_epoch``
+        read epoch 0's order again every pass with fresh workers, and a persistent
+        loader after another loader's passes read its own last epoch again. Passes only
+        move on: the last pass's workers all read it to its end (then the epoch after
+        it, for every worker of this pass alike), or it was broken off (then the epoch
+        it began, whole, also when it began one the workers had moved to by
+        themselves). The training process follows: :meth:`_follow_workers`.
         """
-        seed, epoch = self._origin[0], self._origin[1]
-        moved = self._position.moved_to()
-        if moved is not None and moved[0] == generation and moved[1] > epoch:
-            self._origin = (seed, moved[1], 0, None)
+        seed = self._origin[0]
+        last = self._position.last_started(generation)
+        if last is not None and last[0] > self._origin[1]:
+            self._origin = (seed, last[0], 0, None)
         read = self._position.epoch_read_since(generation)
         if read is not None and read > self._origin[1]:
             self._origin = (seed, read, 0, None)
-            self._position.moved(generation, read)
 
     def _follow_workers(self) -> None:
-        """In the training process: the epoch persistent workers went on to by themselves.
+        """In the training process: the epoch passes with DataLoader workers went on to.
 
-        Without it, ``state_dict()`` in their second pass said the first epoch and a
-        checkpoint resumed its order. Nothing is written for the workers: they are there.
+        Workers move on by themselves (:meth:`_after_other_workers`); the training
+        process, whose copy they never report to, follows them here. Without it,
+        ``state_dict()`` in their second pass said the first epoch and a checkpoint
+        resumed its order, and a pass without workers after an epoch read to its end
+        with workers read that epoch again. Once every worker of the last pass read it
+        to its end, the dataset is at the next epoch's start, as after a pass without
+        workers; ``state_dict(batches=steps)`` with fewer steps than that pass had still
+        counts them in it (the loop may be taking the batches the workers read ahead).
+        Nothing is written for the workers: they are there.
         """
         if get_worker_info() is not None:
             return
-        moved = self._position.moved_to()
-        if moved is None or moved[0] != self._position_seen or moved[1] <= self._origin[1]:
+        generation = self._position_seen
+        last = self._position.last_started(generation)
+        if last is None:
             return
-        self._origin = (self._origin[0], moved[1], 0, None)
-        self.seed, self.epoch, self._cursor, self._remaining = self._origin
-        self._own_position, self._finished_stretch = True, None
+        epoch, loader, serial = last
+        read = self._position.pass_read(generation, loader, serial)
+        if read != epoch + 1:
+            read = None  # not that pass's end (a loader's seed that came round again)
+        if (last, read) == self._followed:
+            return  # nothing new since: what this process did after it stands
+        self._followed = (last, read)
+        put = self._put
+        began = put if epoch <= put[1] else (put[0], epoch, 0, None)
+        if read is None:
+            self._origin, self._finished_from, self._finished_stretch = began, None, None
+        else:
+            self._origin = (began[0], read, 0, None)
+            self._finished_from = began
+            order = self._order(began[0], began[1], began[3])
+            self._finished_stretch = order.batch_count - began[2]
+        self.seed, self._epoch, self._cursor, self._remaining = self._origin
+        self._own_position = True
 
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
         interleave = self._permuted != (seed, epoch)
@@ -935,8 +1069,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         For the current epoch after a resume, only what was left of it.
         """
         self._follow_workers()
-        if epoch is None or epoch == self.epoch:
-            return self._order(self.seed, self.epoch, self._remaining)
+        if epoch is None or epoch == self._epoch:
+            return self._order(self.seed, self._epoch, self._remaining)
         return self._order(self.seed, epoch, None)
 
     plan = epoch_order  # the method's earlier name, kept for existing callers
@@ -955,7 +1089,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
 
     def _restart_broken_pass(self) -> None:
         """Back to where the dataset was put (construction, set_epoch, a load, an epoch's end)."""
-        self.seed, self.epoch, self._cursor, self._remaining = self._origin
+        self.seed, self._epoch, self._cursor, self._remaining = self._origin
         self._own_position = True
 
     def _pin(self, in_worker: bool) -> bool:
@@ -992,13 +1126,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         if worker is not None:
             self._take_position(worker)
-        elif not self._own_position:
-            # The last pass here was broken off (a break, a failure): start where the
-            # dataset was put, as DataLoader workers do, not where that pass stopped. Its
-            # progress stayed in state_dict() until now, for a checkpoint after the break.
-            self._restart_broken_pass()
+        else:
+            self._follow_workers()  # after a pass with workers: where they left the epochs
+            if not self._own_position:
+                # The last pass here was broken off (a break, a failure): start where the
+                # dataset was put, as DataLoader workers do, not where that pass stopped.
+                # Its progress stayed in state_dict() until now, for a checkpoint after it.
+                self._restart_broken_pass()
         self._own_position = False  # until this pass reads to the epoch's end
-        self._finished_stretch = None
+        self._finished_stretch = self._finished_from = None
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
@@ -1074,19 +1210,18 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             # DataLoader worker goes on to it only if every worker read to its end
             # (_take_position): it says so, and keeps where this pass began till then.
             stretch = order.batch_count - self._origin[2]
-            self.epoch, self._cursor, self._remaining = self.epoch + 1, 0, None
+            self._epoch, self._cursor, self._remaining = self._epoch + 1, 0, None
             if worker is None:
                 self._publish_position()
                 self._finished_stretch = stretch
             else:
-                self._finished_pass = self._passes
                 self._position.finished(
                     worker.id,
                     worker.seed - worker.id,
                     self._passes,
                     workers=worker.num_workers,
                     generation=self._position_seen,
-                    next_epoch=self.epoch,
+                    next_epoch=self._epoch,
                 )
         except (EdgeCacheError, ValueError) as exc:
             # The same object, re-raised: its class, attributes (a NodeError's endpoint
@@ -1180,7 +1315,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         epoch's order); at other steps no count resumes exactly.
         """
         self._follow_workers()
-        seed, epoch, cursor, remaining = self.seed, self.epoch, self._cursor, self._remaining
+        seed, epoch, cursor, remaining = self.seed, self._epoch, self._cursor, self._remaining
         if batches is not None:
             batches = _integer("batches", batches, minimum=0)
             # Counted from where the dataset was put: a resume at the same layout keeps
@@ -1188,7 +1323,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             # batches between the two checkpoints again).
             seed, epoch, cursor, remaining = self._origin
             if batches == self._finished_stretch:
-                batches = 0  # this process read that epoch to its end: the next one's start
+                batches = 0  # that epoch was read to its end: the next one's start
+            elif self._finished_from is not None and batches < (self._finished_stretch or 0):
+                # Workers read the last pass to its end, but the loop took fewer steps:
+                # it is still taking the batches they read ahead (or broke off there).
+                seed, epoch, cursor, remaining = self._finished_from
             total = self._order(seed, epoch, remaining).batch_count - cursor
             if batches > total:
                 raise ValueError(
@@ -1245,7 +1384,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 self.batch_size,
                 resume.remaining.samples if resume.remaining else 0,
             )
-        self.seed, self.epoch = resume.seed, resume.epoch
+        self.seed, self._epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
         self._permuted = None if resume.interleave else (resume.seed, resume.epoch)
         self._publish_position()

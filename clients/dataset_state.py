@@ -293,10 +293,15 @@ class SharedPosition:
     never reach: after a pass broken off (a ``break``, every node down) it went
     on from wherever it had read ahead, losing the batches the loop never saw,
     whatever epoch or checkpoint the loop asked for. The training process writes
-    its position here on every such call; a worker takes it when it changed, or
-    when its own last pass did not end at the epoch's end.
+    its position here on every such call; a worker takes it when it changed.
 
-    Shared memory (two torch tensors) crosses ``fork`` as it is and ``spawn``
+    Since that position, the workers of every pass (any loader, persistent or
+    not) record where they began and whether each read its share to its end:
+    the next pass, with workers or without, goes on from there (the next epoch
+    once every worker of the last pass read it whole), as one process reading
+    every pass would.
+
+    Shared memory (torch tensors) crosses ``fork`` as it is and ``spawn``
     through torch's pickling of shared tensors. A single writer (the training
     process) and a generation number written last make a torn read detectable.
     """
@@ -309,11 +314,13 @@ class SharedPosition:
         # way and 2 × generation once it is done, so a reader can tell a torn copy.
         self._header = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._blob = torch.zeros(self.CAPACITY, dtype=torch.uint8).share_memory_()
-        # Written by the workers, read by the workers and the training process:
-        # [0] the generation and epoch persistent workers moved to by themselves (packed),
-        # [1] the generation under which a worker last started a pass (+1; 0: never);
-        # then per worker, the (loader, pass) it last read to its end.
-        self._workers = torch.zeros(2 + 2 * self.WORKERS, dtype=torch.int64).share_memory_()
+        # Written by the workers, read by the workers and the training process: per
+        # worker, the (loader, pass) it last read to its end.
+        self._workers = torch.zeros(2 * self.WORKERS, dtype=torch.int64).share_memory_()
+        # The last pass a worker began: [generation + 1 (0: none), the epoch it began,
+        # loader, pass]. Every worker of a pass writes the same values: the epoch the
+        # workers are in, which the training process follows (EdgeDataset._follow_workers).
+        self._start = torch.zeros(4, dtype=torch.int64).share_memory_()
         # The last pass a worker read to its end: [loader, workers, pass, generation, the
         # epoch after it]. Fresh workers (not persistent: new ones every pass) have no
         # pass of their own to go by; this tells them the previous loader's workers all
@@ -362,8 +369,8 @@ class SharedPosition:
         ``next_epoch``.
         """
         if worker < self.WORKERS:
-            self._workers[2 + 2 * worker + 1] = serial
-            self._workers[2 + 2 * worker] = loader
+            self._workers[2 * worker + 1] = serial
+            self._workers[2 * worker] = loader
         self._last_pass.copy_(
             torch.tensor([loader, workers, serial, generation, next_epoch], dtype=torch.int64)
         )
@@ -381,6 +388,18 @@ class SharedPosition:
             return None
         return next_epoch if self.all_finished(workers, loader, serial) else None
 
+    def pass_read(self, generation: int, loader: int, serial: int) -> int | None:
+        """The epoch after pass ``serial`` of ``loader`` if every worker read it to its end.
+
+        For the training process, which cannot tell when a pass ends: None while that
+        pass runs, or when it was broken off, or when it is not the last one a worker
+        finished (begun at ``generation``).
+        """
+        last = [int(x) for x in self._last_pass.tolist()]
+        if last[0] != loader or last[2] != serial or last[3] != generation:
+            return None
+        return self.epoch_read_since(generation)
+
     def all_finished(self, workers: int, loader: int, serial: int) -> bool:
         """Whether every worker of ``loader`` read pass ``serial`` to its end.
 
@@ -391,26 +410,29 @@ class SharedPosition:
         """
         if workers > self.WORKERS:
             return False
-        marks = self._workers[2 : 2 + 2 * workers].view(workers, 2)
+        marks = self._workers[: 2 * workers].view(workers, 2)
         return bool(((marks[:, 0] == loader) & (marks[:, 1] == serial)).all())
 
-    def moved(self, generation: int, epoch: int) -> None:
-        """The workers began ``epoch`` by themselves (the last one read to its end)."""
-        if 0 <= epoch < 1 << 32:
-            self._workers[0] = (generation << 32) | epoch  # one store: never torn
+    def started(self, generation: int, epoch: int, loader: int, serial: int) -> None:
+        """A worker began pass ``serial`` of ``loader``, of ``epoch``, from ``generation``."""
+        self._start.copy_(torch.tensor([generation + 1, epoch, loader, serial], dtype=torch.int64))
 
-    def moved_to(self) -> tuple[int, int] | None:
-        """(generation, epoch) the workers last moved to by themselves, if they did."""
-        packed = int(self._workers[0])
-        return None if packed == 0 else (packed >> 32, packed & 0xFFFFFFFF)
+    def last_started(self, generation: int) -> tuple[int, int, int] | None:
+        """(epoch, loader, pass) of the last pass a worker began from ``generation``, if any.
 
-    def started(self, generation: int) -> None:
-        """A worker began a pass from the position of ``generation``."""
-        self._workers[1] = generation + 1
+        Its epoch is where the workers are since that position: passes only move on
+        from it (to the next epoch once one was read whole by every worker).
+        """
+        while True:  # the workers of a pass starting write the same values: read it whole
+            first = self._start.tolist()
+            if self._start.tolist() == first:
+                break
+        began, epoch, loader, serial = (int(x) for x in first)
+        return None if began != generation + 1 else (epoch, loader, serial)
 
     def started_since(self, generation: int) -> bool:
         """Whether a worker began a pass since the position of ``generation`` was written."""
-        return int(self._workers[1]) == generation + 1
+        return self.last_started(generation) is not None
 
     def read(self) -> tuple[int, dict[str, Any] | None]:
         """(generation, position); position None when none was written or it did not fit."""
