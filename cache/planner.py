@@ -15,10 +15,12 @@ wins); tasks on
 one link run one after another in deadline order (earliest deadline first,
 which meets every deadline that any order could). Room is made by evicting
 versions whose next use is furthest away, among those no job needs between
-the task's start and the job's end. What cannot be met is reported with the
-reason: the version does not exist, the region is too small even after
-evicting everything not needed sooner, or the link is too slow before the
-start time.
+the task's start and the job's end, at the first time there is room (a job
+ending or a foreign pin running out may make it): the controller re-plans
+every round and acts then, so the plan shows then. What cannot be met is
+reported with the reason: the version does not exist, the region is too
+small even after evicting everything not needed sooner, or the link is too
+slow before the start time.
 
 Sizes come in two kinds (:class:`VersionSize`): the bytes a version takes in
 a cache once stored (Arrow, compressed), which fill capacity and cross a peer
@@ -59,6 +61,9 @@ __all__ = [
 
 PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 VersionKey = tuple[str, int]
+# A resident version as room: (version, bytes, from when it may go (None: at any time),
+# when a job next reads it (None: no later job does)).
+_Freed = tuple[VersionKey, int, datetime | None, datetime | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,11 +335,6 @@ def _plan_region(
         starts[version] = [s for s, _ in intervals]
         reach[version] = list(itertools.accumulate((e for _, e in intervals), max))
 
-    def next_use(version: VersionKey, after: datetime) -> datetime | None:
-        times = starts.get(version, [])
-        i = bisect.bisect_right(times, after)
-        return times[i] if i < len(times) else None
-
     def last_end(version: VersionKey, until: datetime) -> datetime:
         """The latest end of the jobs reading ``version`` that start by ``until``."""
         i = bisect.bisect_right(starts.get(version, []), until) - 1
@@ -345,6 +345,28 @@ def _plan_region(
         i = bisect.bisect_right(starts.get(version, []), hi) - 1
         return i >= 0 and reach[version][i] >= lo
 
+    def room_frees(hi: datetime) -> list[_Freed]:
+        """Per resident version: from when it may be evicted for a job ending at ``hi``.
+
+        That is the first instant after the last job reading it (of those that
+        start by ``hi``) ends, or when its foreign pin runs out, whichever is
+        later (None: at any time): exactly when "a job reads it in [then, hi],
+        or the region's nodes pin it then for a job outside the plan" turns
+        false. So room only grows with time, and only at these instants. With
+        its bytes and its next use after ``hi``.
+        """
+        out: list[_Freed] = []
+        pinned, bisect_right, none = state.pinned, bisect.bisect_right, ()
+        for version, held in resident.items():
+            times = starts.get(version, none)
+            i = bisect_right(times, hi)
+            free = reach[version][i - 1] + _AFTER if i else None
+            until = pinned.get(version)
+            if until is not None and (free is None or until > free):
+                free = until
+            out.append((version, held, free, times[i] if i < len(times) else None))
+        return out
+
     resident: dict[VersionKey, int] = dict(state.resident)
     partial: dict[VersionKey, int] = {v: b for v, b in state.partial.items() if v not in resident}
     used = sum(resident.values()) + sum(partial.values())
@@ -352,6 +374,11 @@ def _plan_region(
     cursor = now  # tasks and evictions happen in time order
     task_of: dict[VersionKey, int] = {}  # version → index of its task in out.tasks
     for job in jobs:
+        # This job's versions that found no room: (spec, bytes missing, bytes kept, in use,
+        # when), reported once the job's total need is known; what they would have taken
+        # (owed), and what the job lacks for all of its versions (need).
+        unroomed: list[tuple[str, int, int, list[VersionKey], datetime]] = []
+        owed = need = 0
         for version in job.versions:
             spec = f"{version[0]}@{version[1]}"
             sized = sizes.get(version)
@@ -437,44 +464,42 @@ def _plan_region(
                 # Late, but the job still reads it after it arrives: stage it anyway (the
                 # job reads through to origin until then), and say it is late.
             # Make room. Best: evict only versions no job needs again, now or, failing
-            # that, just in time (later, more jobs have finished). Otherwise Belady: what
-            # is needed furthest ahead, to be staged again for its job. Never what a job
-            # reads between this task's start and this job's end.
+            # that, as soon as waiting makes room (later, more jobs have finished and
+            # more pins have run out), at the latest just in time. Otherwise Belady:
+            # what is needed furthest ahead, to be staged again for its job, again as
+            # soon as there is room. Never what a job reads between this task's start
+            # and this job's end. The controller re-plans every round and acts as soon
+            # as the room exists, so the plan shows that earliest time, not the latest.
             shortfall = used + size - partial.get(version, 0) - state.capacity_bytes
             victims: list[tuple[VersionKey, datetime | None]] = []
+            late = job.start - duration - _margin(duration)
+            frees = room_frees(job.end) if shortfall > 0 or owed else []
+            if owed:
+                # Versions of this job that found no room count as placed: what would
+                # this one lack if they were there too (what the job as a whole needs)?
+                _, room = _room_time(frees, shortfall + owed, begin, late, spare_needed=False)
+                need = max(need, shortfall + owed - room)
             if shortfall > 0:
-                late = job.start - duration - _margin(duration)
-                attempts = [(begin, True)] + ([(late, True)] if late > begin else [])
-                attempts += [(begin, False)] + ([(late, False)] if late > begin else [])
-                freed = 0
-                for when, spare_needed in attempts:
-                    victims, freed = _victims(
-                        resident,
-                        shortfall,
-                        when,
-                        job.end,
-                        lambda v, lo, hi: in_use(v, lo, hi) or _pinned_at(state, v, lo),
-                        next_use,
-                        now,
-                        spare_needed,
-                    )
-                    if freed >= shortfall:
+                when = None
+                for spare_needed in (True, False):
+                    when, room = _room_time(frees, shortfall, begin, late, spare_needed)
+                    if when is not None:
+                        victims, _ = _victims(frees, shortfall, when, now, spare_needed)
                         if when != begin:
                             begin, finish = when, when + duration
                         break
-                if freed < shortfall:
-                    result.infeasible.append(
-                        Infeasible(
-                            job.name,
-                            state.name,
+                if when is None:
+                    need = max(need, shortfall + owed - room)
+                    owed += size - partial.get(version, 0)
+                    unroomed.append(
+                        (
                             spec,
-                            _no_room(
-                                state, job, spec, size - held_now, shortfall - freed,
-                                used - freed, [v for v in resident if in_use(v, begin, job.end)],
-                                last_end, begin,
-                            ),
+                            size - held_now,
+                            used - room,
+                            [v for v in resident if in_use(v, begin, job.end)],
+                            begin,
                         )
-                    )  # fmt: skip
+                    )
                     continue
             for victim, victim_next in victims:
                 victim_size = resident.pop(victim)
@@ -521,34 +546,34 @@ def _plan_region(
                 result.cost[job.name] = (
                     result.cost.get(job.name, 0.0) + moved / 1e9 * state.egress_price_per_gb
                 )
+        if unroomed:
+            # One fix for the whole job: the capacity all its versions need together,
+            # and a start after what holds back every one of them (if each has one).
+            blocked = [
+                _in_the_way(state, job, in_the_way, when, last_end)
+                for *_, in_the_way, when in unroomed
+            ]
+            afters = [after for _, after in blocked if after is not None]
+            after = max(afters) if len(afters) == len(blocked) else None
+            for (spec, missing, kept, *_), (named, _) in zip(unroomed, blocked, strict=True):
+                reason = _no_room(state, job, missing, need, kept, named, after)
+                result.infeasible.append(Infeasible(job.name, state.name, spec, reason))
     return out
 
 
-def _pinned_at(state: RegionState, version: VersionKey, when: datetime) -> bool:
-    """Whether the region's nodes pin ``version`` at ``when`` for a job outside the plan."""
-    until = state.pinned.get(version)
-    return until is not None and until > when
-
-
-def _no_room(
+def _in_the_way(
     state: RegionState,
     job: Job,
-    spec: str,
-    missing: int,
-    short: int,
-    kept: int,
     in_use: list[VersionKey],
-    last_end: Callable[[VersionKey, datetime], datetime],
     begin: datetime,
-) -> str:
-    """Why ``spec`` does not fit for ``job``, and what to change: capacity, or the start.
+    last_end: Callable[[VersionKey, datetime], datetime],
+) -> tuple[list[str], datetime | None]:
+    """What keeps a version of ``job`` from fitting at ``begin``, and when it is all free.
 
-    ``missing`` is what the region lacks of the version (a partly held one
-    needs only the rest), ``short`` what is still missing after every allowed
-    eviction, ``kept`` the bytes held then. What stays in the way is named:
-    other jobs' versions in use (the job's own are what it needs, not what to
-    evict) and versions pinned for jobs outside the plan; the start to move
-    to is when the last of them is free.
+    Named: other jobs' versions in use (the job's own are what it needs, not
+    what to evict) and versions pinned for jobs outside the plan. The time is
+    when the last of them is free (None: nothing is in the way, or the job
+    runs already and cannot be started later).
     """
     own = set(job.versions)
     others = sorted(v for v in in_use if v not in own)
@@ -561,16 +586,95 @@ def _no_room(
             "pinned for jobs outside this schedule: "
             + ", ".join(f"{d}@{v} until {_utc(until)}" for (d, v), until in pinned[:5])
         )
-    fix = f"add at least {format_bytes(short)} to {state.name}"
     frees = [last_end(v, job.end) for v in others] + [until for _, until in pinned]
     if frees and job.start > begin:  # a job already running cannot be started later
-        fix += f", or start {job.name} after {_utc(max(frees))}"
+        return held, max(frees)
+    return held, None
+
+
+def _no_room(
+    state: RegionState,
+    job: Job,
+    missing: int,
+    short: int,
+    kept: int,
+    held: list[str],
+    after: datetime | None,
+) -> str:
+    """Why a version does not fit for ``job``, and what to change: capacity, or the start.
+
+    ``missing`` is what the region lacks of the version (a partly held one
+    needs only the rest), ``kept`` the bytes held after every allowed
+    eviction, ``held`` what stays in the way (:func:`_in_the_way`). ``short``
+    is what ``job`` lacks for all of its versions together, the same on each
+    of their rows (one version's own shortfall, with the job's others that
+    did not fit left out, let that one in and the next plan asked for more),
+    rounded up, so adding the amount said is enough; ``after`` is when what
+    is in the way of every one of them is free.
+    """
+    fix = f"add at least {_at_least(short)} to {state.name}"
+    if after is not None:
+        fix += f", or start {job.name} after {_utc(after)}"
+    if len(job.versions) > 1:
+        fix = f"to meet it, for all of {job.name}'s versions: {fix}"
+    else:
+        fix = f"to meet it: {fix}"
     free = max(state.capacity_bytes - kept, 0)
     return (
         f"not enough capacity: needs {format_bytes(missing)}, only {format_bytes(free)} "
-        f"free even after evicting everything not needed sooner; {'; '.join(held)}; "
-        f"to meet it: {fix}"
+        f"free even after evicting everything not needed sooner; {'; '.join(held)}; {fix}"
     )
+
+
+def _at_least(n: int) -> str:
+    """``n`` bytes as :func:`format_bytes` writes them, but rounded up, never down.
+
+    Advice to add "at least 614.4 KiB" must be enough when taken literally.
+    """
+    unit = 1
+    while n >= unit * 1024 and unit < 1024**4:
+        unit *= 1024
+    if unit == 1:
+        return format_bytes(n)
+    tenths = -(-n * 10 // unit)  # ceil
+    return format_bytes(tenths * unit / 10)
+
+
+def _room_time(
+    frees: Iterable[_Freed],
+    shortfall: int,
+    begin: datetime,
+    late: datetime,
+    spare_needed: bool,
+) -> tuple[datetime | None, int]:
+    """The earliest time from ``begin`` to ``late`` at which evictions free ``shortfall``.
+
+    Tried: ``begin``, then the instants in (``begin``, ``late``] at which room
+    frees up (a job reading a resident version ends, a foreign pin runs out:
+    ``frees``, from ``room_frees`` in :func:`_plan_region`), earliest first,
+    each once. Room only grows with time, so the first that has enough is the
+    time the controller, re-planning every round, will act at. With
+    ``spare_needed``, only versions no later job needs count. Returns that
+    time (None: none has room) and the bytes evictable then (or by the last
+    time tried).
+    """
+    ready = 0
+    coming: list[tuple[datetime, int]] = []  # freed later, inside (begin, late]
+    for _, held, free, following in frees:
+        if spare_needed and following is not None:
+            continue
+        if free is None or free <= begin:
+            ready += held
+        elif free <= late:
+            coming.append((free, held))
+    if ready >= shortfall:
+        return begin, ready
+    coming.sort()
+    for when, held in coming:
+        ready += held
+        if ready >= shortfall:
+            return when, ready
+    return None, ready
 
 
 def _late_reason(
@@ -629,6 +733,12 @@ def _utc(when: datetime, *, ceil: bool = False) -> str:
     return f"{when:%Y-%m-%d %H:%M}"
 
 
+# The first instant after a job ends: the planner counts a job as reading its versions
+# up to and including its end, and the controller drops a job once its end has come, so
+# room a job's end frees is there from this much after it (shown as the end itself).
+_AFTER = timedelta(microseconds=1)
+
+
 def _margin(duration: timedelta) -> timedelta:
     """Slack left before a job's start when a task starts as late as it can.
 
@@ -640,25 +750,21 @@ def _margin(duration: timedelta) -> timedelta:
 
 
 def _victims(
-    resident: Mapping[VersionKey, int],
+    frees: Iterable[_Freed],
     shortfall: int,
-    begin: datetime,
-    until: datetime,
-    in_use: Callable[[VersionKey, datetime, datetime], bool],
-    next_use: Callable[[VersionKey, datetime], datetime | None],
+    when: datetime,
     now: datetime,
     spare_needed: bool = False,
 ) -> tuple[list[tuple[VersionKey, datetime | None]], int]:
-    """Belady: evictable versions, never-needed first, then needed furthest ahead.
+    """Belady: versions evictable at ``when``, never-needed first, then needed furthest ahead.
 
     With ``spare_needed``, only versions no later job needs (none has to be
     staged again).
     """
     candidates = []
-    for held, held_size in resident.items():
-        if in_use(held, begin, until):
+    for held, held_size, free, following in frees:
+        if free is not None and free > when:
             continue
-        following = next_use(held, until)
         if spare_needed and following is not None:
             continue
         key = (following is not None, -(following or now).timestamp(), -held_size, held)

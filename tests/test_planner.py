@@ -111,9 +111,11 @@ def test_belady_evicts_what_is_needed_furthest_ahead() -> None:
     result = plan(jobs, {"eu": region}, sizes, now=NOW)
     first, second = result.regions["eu"].evictions
     assert first.version == v2 and "furthest ahead" in first.reason  # not LRU's pick (a)
-    # b comes back just in time for its job, once a (never needed again) can go
-    assert second.version == v1 and second.reason == "not needed again"
-    assert second.at >= NOW + 4 * hour
+    # b comes back as soon as a version never needed again can go: c, when needs-c ends
+    # (a's job ends later); the controller re-plans every round and acts then
+    assert second.version == v3 and second.reason == "not needed again"
+    assert second.at == NOW + 2 * hour + timedelta(microseconds=1)
+    assert result.regions["eu"].tasks[-1].start == second.at
     assert not result.infeasible
 
 
