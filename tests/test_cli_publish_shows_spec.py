@@ -146,3 +146,28 @@ def test_a_closed_pipe_ends_the_command_quietly_with_141(
     assert head.startswith((b"wide in ", b"[{", b"w2@1  sha256:")), head
     assert err == b""
     assert proc.returncode == 141
+
+
+def test_column_names_that_would_read_as_something_else_are_quoted(tmp_path: Path) -> None:
+    """A header cell "a, b" printed bare read as two columns in `name: type` lines; names
+    are shown as params write them (select=, cast=), and the param takes them back."""
+    registry = f"file://{tmp_path}/reg"
+    src = tmp_path / "odd"
+    src.mkdir()
+    (src / "part.csv").write_text('"a, b",x=1," lead",plain,"say ""hi"""\n1,2,3,4,5\n')
+    out = cli("publish", str(src), "--dataset", "odd", "--registry", registry)
+    assert out.splitlines()[-5:] == [
+        '  "a, b": int64',
+        '  "x=1": int64',
+        '  " lead": int64',
+        "  plain: int64",
+        '  "say ""hi""": int64',
+    ], out
+    table = cli("versions", "odd", "--registry", registry)
+    assert '"a, b": int64' in table and "plain: int64" in table, table
+    # What is shown is what a param takes: select the quoted names back by copying them.
+    picked = cli(
+        *("publish", str(src), "--dataset", "picked", "--registry", registry),
+        *("--transform", "columns", "--param", 'select="a, b"," lead"'),
+    )
+    assert picked.splitlines()[-2:] == ['  "a, b": int64', '  " lead": int64'], picked

@@ -74,10 +74,11 @@ def schema_lines(schema_bytes: bytes) -> list[str]:
     """``name: type`` per column of a manifest's schema, types as a person reads them."""
     import pyarrow as pa
 
-    from edgecache.cache.preprocess.arrow_types import type_label
+    from edgecache.cache.preprocess.arrow_types import quote_name, type_label
 
     schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
-    return [f"{field.name}: {type_label(field.type)}" for field in schema]
+    # Names quoted as params write them (select=, cast=): "a, b" is one column, not two.
+    return [f"{_visible(quote_name(f.name))}: {type_label(f.type)}" for f in schema]
 
 
 def schema_json(schema_bytes: bytes) -> list[dict[str, object]]:
