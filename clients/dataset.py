@@ -302,7 +302,9 @@ def _differing_order(every: Sequence[dict[str, Any]], manifests: Sequence[pb.Man
     ``every``: each rank's settings as given (see ``EdgeDataset.__init__``), in rank
     order. Settings that come to the same order are the same: ``window_bytes=None``
     and the chunk size give the same windows, ``samples_per_epoch=None`` and the
-    rows' count the same epoch, weights 0.7 / 0.3 and 7 / 3 the same shares.
+    rows' count the same epoch, weights 0.7 / 0.3 and 7 / 3 the same shares, a
+    fraction and the row it falls on the same split; without ``shuffle`` on any
+    rank, ``seed`` and ``shuffle_windows`` choose nothing and are not compared.
     """
 
     def windows(window_bytes: int | None) -> list[int]:
@@ -323,13 +325,23 @@ def _differing_order(every: Sequence[dict[str, Any]], manifests: Sequence[pb.Man
         total = epoch_samples(settings["samples_per_epoch"], settings["rows"])
         return None if weights is None else allocate(weights, total)
 
+    def kept(rows: Any) -> list[Any]:
+        cut = None if rows is None else tuple(rows)
+        return [split_extents([s.row_count for s in m.shards], cut) for m in manifests]
+
     same_as: dict[str, Any] = {
         "window_bytes": lambda s: windows(s["window_bytes"]),
         "samples_per_epoch": lambda s: epoch_samples(s["samples_per_epoch"], s["rows"]),
         "weights": shares,
+        "rows": lambda s: kept(s["rows"]),  # (0.5, 1.0) and (500, 1000) of 1,000 rows
     }
+    # Without shuffling, the seed and the windows a batch mixes choose nothing: ranks
+    # seeded per rank (for their own augmentation) read one order all the same.
+    unused = {"seed", "shuffle_windows"} if not any(s["shuffle"] for s in every) else set()
     said = []
     for key in every[0]:
+        if key in unused:
+            continue
         values = [s[key] for s in every]
         if all(v == values[0] for v in values):
             continue

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import rank_order_child
 import torch
 import torch.multiprocessing as torch_mp
 from edgeutil import publish, stub, write_parquet_shards
@@ -236,46 +237,10 @@ def test_a_checkpoint_while_the_loop_takes_what_workers_read_ahead(cache, refere
 # ------------------------------------------------ order settings across ranks
 
 
-SCENARIOS: list[tuple[str, dict[str, object], dict[str, object]]] = [
-    # name, rank 0's settings, rank 1's (None: both the same, reading together)
-    ("seed", {"seed": 5}, {"seed": 6}),
-    ("shuffle_windows", {"shuffle_windows": 4}, {"shuffle_windows": 8}),
-    ("rows", {"rows": (0.0, 0.5)}, {"rows": (0.0, 0.6)}),
-    ("lanes", {"lanes": 4}, {"lanes": 2}),
-    ("window_bytes", {"window_bytes": 24 << 10}, {"window_bytes": 48 << 10}),
-    ("samples_per_epoch", {}, {"samples_per_epoch": 1000}),
-    ("same", {"seed": 5}, {"seed": 5}),
-    # Spelled differently, the same order: the default window (the chunk size) named.
-    ("same windows", {"window_bytes": None}, {"window_bytes": 64 << 10}),
-]
-
-
-def _rank(rank: int, init: str, cache: str, out: str) -> None:
-    """One gloo rank: build a dataset per scenario, report what each raised or read."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    report: dict[str, object] = {}
-    try:
-        for name, first, second in SCENARIOS:
-            kwargs = {"batch_size": 50, "seed": 5, **(first if rank == 0 else second)}
-            try:
-                ds = EdgeDataset("tokens@1", endpoints=[cache], **kwargs)  # type: ignore[arg-type]
-            except ValueError as exc:
-                report[name] = {"raised": str(exc)}
-                continue
-            assert (ds.rank, ds.world_size) == (rank, 2)
-            report[name] = {"labels": [x for b in ds for x in labels(b)]}
-    finally:
-        Path(out.format(rank=rank)).write_text(json.dumps(report))
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def test_order_settings_that_differ_across_ranks_raise_on_every_rank(cache, tmp_path) -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
     out = str(tmp_path / "rank{rank}.json")
-    torch_mp.spawn(_rank, args=(init, cache, out), nprocs=2, join=True)
+    torch_mp.spawn(rank_order_child.run, args=(init, cache, out), nprocs=2, join=True)
     reports = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(2)]
     values = {
         "seed": "rank 0: 5, rank 1: 6",
@@ -292,10 +257,13 @@ def test_order_settings_that_differ_across_ranks_raise_on_every_rank(cache, tmp_
         assert f"({said})" in messages[0], messages[0]
         assert "every rank must build EdgeDataset with the same" in messages[0]
     assert "seed per-rank augmentation elsewhere" in reports[0]["seed"]["raised"]
-    for name in ("same", "same windows"):
+    for name, rows in (("same", TOTAL), ("same windows", TOTAL), ("same rows", TOTAL // 2)):
         # The same order on both ranks: the epoch read exactly once between them.
         read_by = [r[name]["labels"] for r in reports]
-        assert sorted(read_by[0] + read_by[1]) == list(range(TOTAL)), name
+        assert sorted(read_by[0] + read_by[1]) == list(range(rows)), name
+    # Unshuffled, per-rank seeds: the ranks share one order, each reading its own share.
+    read_by = [r["unshuffled"]["labels"] for r in reports]
+    assert sorted(read_by[0] + read_by[1]) == list(range(TOTAL))
 
 
 def test_settings_spelled_differently_for_the_same_order_are_the_same(cache) -> None:

@@ -313,7 +313,9 @@ def test_reader_options_that_do_not_match_the_file_are_named_as_the_likely_fix(
         source_options={"column_names": "x,y,z,w"},
     )
     assert "Expected 4 columns, got 3" in names
-    assert "if the reader options (column_names='x,y,z,w') do not match the file" in names
+    # The option is what to fix, and the message says so with both counts.
+    assert "--column-names gives 4 names (x, y, z, w), but its rows hold 3 values" in names
+    assert "fix or remove the object" not in names
     # Without options, the object is what to fix.
     plain = _publish_error(tmp_path, "plain", {"a.csv": b"x,y\n1,2\n3\n"})
     assert plain.endswith("fix or remove the object and publish a new version")
