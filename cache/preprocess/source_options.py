@@ -345,11 +345,15 @@ def _check_header_names(text: bytes, delimiter: str, skip: int, source: str) -> 
 
 
 def _comment_lines(lines: list[str]) -> int:
-    """How many of ``lines`` (from the first) are ``#`` comments."""
+    """How many of ``lines`` (from the first) are ``#`` comments, blank lines among them.
+
+    Blank lines count (0 if there is no comment): ``--skip-rows`` counts every line
+    of the file, blank or not, so advice to skip the comments must count them too.
+    """
     count = 0
-    while count < len(lines) and lines[count].lstrip().startswith("#"):
+    while count < len(lines) and (not lines[count].strip() or lines[count].lstrip()[0] == "#"):
         count += 1
-    return count
+    return count if any(line.strip() for line in lines[:count]) else 0
 
 
 def _check_comment_lines(text: bytes, delimiter: str, skip: int, source: str) -> None:
@@ -371,9 +375,10 @@ def _check_comment_lines(text: bytes, delimiter: str, skip: int, source: str) ->
         return
     if any(_is_number(cell) for row in rows[1:] for cell in row):
         lines_ = f"{count} lines" if count > 1 else "line"
+        blank = " or blank" if any(not line.strip() for line in lines[:count]) else ""
         raise MalformedShard(
             f"{source}: its first {lines_} ({lines[0][:60]!r}) {'are' if count > 1 else 'is a'} "
-            f"comment{'s' if count > 1 else ''}, and the line after "
+            f"comment{'s' if count > 1 else ''}{blank}, and the line after "
             f"({lines[count][:60]!r}) names the columns: publish with --skip-rows {skip + count}"
         )
 
@@ -390,16 +395,11 @@ def _check_one_column(
     """
     if table.num_columns != 1:
         return
-    lines = [
-        line
-        for line in text[: 1 << 16].decode("utf-8", errors="replace").splitlines()[skip : skip + 20]
-        if line.strip()
-    ]
-    comments = _comment_lines(lines)
-    if comments < len(lines):  # a title or note above the table has no separators
-        lines = lines[comments:]
-    else:
-        comments = 0
+    raw = text[: 1 << 16].decode("utf-8", errors="replace").splitlines()[skip : skip + 20]
+    comments = _comment_lines(raw)  # a title or note above the table has no separators
+    lines = [line for line in raw[comments:] if line.strip()]
+    if not lines:
+        lines, comments = [line for line in raw if line.strip()], 0
     if not lines:
         return
     parsed = f"{source} parsed as one column ({table.column_names[0][:60]!r}), but"
