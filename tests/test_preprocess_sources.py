@@ -115,8 +115,28 @@ def test_a_zstd_object_cut_anywhere_but_between_frames_is_refused(
     if cut in boundaries:
         decompress(whole[:cut], "x")  # whole frames: nothing to tell
     else:
-        with pytest.raises(MalformedShard, match=r"x is zstd-compressed but truncated: it ends"):
+        with pytest.raises(
+            MalformedShard, match=r"x is zstd-compressed but truncated: (it ends|\d+ byte)"
+        ):
             decompress(whole[:cut], "x")
+
+
+def test_a_zstd_cut_is_said_where_it_is() -> None:
+    """Cut inside the frame header, inside a block's header, or after whole frames: each
+    said as what it is (a cut inside the header was 'between two blocks')."""
+    payload = b"x,y\n" + b"1,2\n" * 50_000  # 200 kB: a 4-byte content size, a 9-byte header
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(payload)
+    header = zstandard.frame_header_size(frame[:18])
+    said = {}
+    for cut in (header - 1, header, header + 1):
+        with pytest.raises(MalformedShard) as info:
+            decompress(frame[:cut], "x")
+        said[cut - header] = str(info.value)
+    assert "it ends inside a frame header" in said[-1], said
+    assert "it ends before a frame's last block" in said[0], said
+    assert "it ends inside a block header" in said[1], said
+    with pytest.raises(MalformedShard, match=r"1 byte\(s\) follow its last whole frame"):
+        decompress(frame + b"\n", "x")
 
 
 def test_text_that_starts_like_bz2_is_not_taken_for_it() -> None:

@@ -152,7 +152,10 @@ def _zstd_cut_short(data: memoryview) -> str | None:
     pos, end = 0, len(data)
     while pos < end:
         if end - pos < 8:
-            return f"it ends {end - pos} byte(s) into a frame header"
+            return (
+                f"{end - pos} byte(s) follow its last whole frame: a frame cut short in its "
+                "header, or data that is not zstd after it"
+            )
         magic = int.from_bytes(data[pos : pos + 4], "little")
         if magic & 0xFFFFFFF0 == _SKIPPABLE_MAGIC:
             pos += 8 + int.from_bytes(data[pos + 4 : pos + 8], "little")
@@ -166,10 +169,16 @@ def _zstd_cut_short(data: memoryview) -> str | None:
             pos += zstandard.frame_header_size(bytes(data[pos : pos + 18]))
         except zstandard.ZstdError:
             return "it ends inside a frame header"
+        if pos > end:
+            return "it ends inside a frame header"
         last = False
         while not last:
             if pos + 3 > end:
-                return "it ends between two blocks of a frame"
+                return (
+                    "it ends before a frame's last block"
+                    if pos == end
+                    else "it ends inside a block header"
+                )
             header = int.from_bytes(data[pos : pos + 3], "little")
             last, kind, size = bool(header & 1), (header >> 1) & 3, header >> 3
             pos += 3 + (1 if kind == 1 else size)
