@@ -53,7 +53,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -107,6 +107,9 @@ from edgecache.clients.tensors import BinaryForm, RaggedForm, with_forms
 from edgecache.clients.topology import nodes_nearest_first
 from edgecache.clients.versions import fetch_manifest, local_manifest, select_columns
 from edgecache.v1 import manifest_pb2 as pb
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["EdgeDataset", "Sample", "collate_samples"]
 
@@ -296,6 +299,38 @@ def _by_rank(values: Sequence[Any]) -> str:
     return ("; " if any(len(r) > 1 for r in groups.values()) else ", ").join(parts)
 
 
+def _check_component_column(
+    name: str, kinds: Sequence[Any], schemas: Sequence[pa.Schema], components: Sequence[str]
+) -> None:
+    """Refuse a ``component_column`` that is a column of the batches or of a component.
+
+    A name a component holds, though the mixture leaves it out (not every component
+    has it), read as that data ("label") while it held component indices.
+    """
+    batch = {k.name for k in kinds} | {f"{k.name}_lengths" for k in kinds if k.kind == "ragged"}
+    if name in batch:
+        raise ValueError(
+            f"component_column {name!r} names a column of the batches: choose another name"
+        )
+    holders = [c for c, schema in zip(components, schemas, strict=True) if name in schema.names]
+    if holders:
+        raise ValueError(
+            f"component_column {name!r} names a column of {', '.join(holders)} that the "
+            "batches leave out (columns=, or not every component has it); it would read "
+            "as that data: choose another name"
+        )
+
+
+def kept_rows(manifests: Sequence[pb.Manifest], rows: Sequence[float] | None) -> list[Any]:
+    """The rows a ``rows=`` value keeps of each version: what fixes the order.
+
+    ``(0.5, 1.0)`` and ``(10000, 20000)`` of 20,000 rows are one split, for the
+    ranks' check and for resuming a state alike.
+    """
+    cut = None if rows is None else tuple(rows)
+    return [split_extents([s.row_count for s in m.shards], cut) for m in manifests]
+
+
 def _differing_order(every: Sequence[dict[str, Any]], manifests: Sequence[pb.Manifest]) -> str:
     """What differs across ranks among the settings the global order depends on ('' if none).
 
@@ -325,15 +360,11 @@ def _differing_order(every: Sequence[dict[str, Any]], manifests: Sequence[pb.Man
         total = epoch_samples(settings["samples_per_epoch"], settings["rows"])
         return None if weights is None else allocate(weights, total)
 
-    def kept(rows: Any) -> list[Any]:
-        cut = None if rows is None else tuple(rows)
-        return [split_extents([s.row_count for s in m.shards], cut) for m in manifests]
-
     same_as: dict[str, Any] = {
         "window_bytes": lambda s: windows(s["window_bytes"]),
         "samples_per_epoch": lambda s: epoch_samples(s["samples_per_epoch"], s["rows"]),
         "weights": shares,
-        "rows": lambda s: kept(s["rows"]),  # (0.5, 1.0) and (500, 1000) of 1,000 rows
+        "rows": lambda s: kept_rows(manifests, s["rows"]),
     }
     # Without shuffling, the seed and the windows a batch mixes choose nothing: ranks
     # seeded per rank (for their own augmentation) read one order all the same.
@@ -653,10 +684,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             ragged=ragged,
         )
         self.columns = [k.name for k in self.kinds]
-        if component_column is not None and component_column in {
-            c for k in self.kinds for c in (k.name, f"{k.name}_lengths")
-        }:
-            raise ValueError(f"component_column {component_column!r} names a data column")
+        if component_column is not None:
+            _check_component_column(component_column, self.kinds, self.schemas, self.components)
         self.component_column = component_column
         self._row_bytes = [
             row_bytes(m, s) for m, s in zip(self.manifests, self.schemas, strict=True)
@@ -1386,6 +1415,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             layout=layout,
             lane_lengths=lambda seed, epoch: self._order(seed, epoch, None).lane_lengths,
             seed=self.seed,
+            same={"rows": lambda rows: kept_rows(self.manifests, rows)},
+            knob={"window_rows": f"window_bytes={self.window_bytes or 'None (the chunk size)'}"},
         )
         if resume.elastic:
             log.info(

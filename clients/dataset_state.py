@@ -113,6 +113,14 @@ def _shares(components: Sequence[dict[str, Any]], samples: object) -> list[int] 
     return allocate([float(w) for w in weights], samples)  # type: ignore[arg-type]
 
 
+def _same(fixes: Any, saved: object, mine: object) -> bool:
+    """Whether two values of a knob fix the same order (a saved value that fails: not)."""
+    try:
+        return bool(fixes(saved) == fixes(mine))
+    except (TypeError, ValueError):
+        return False
+
+
 _DERIVED = frozenset({"samples_per_epoch", "window_rows"})  # worked out from other knobs
 
 # A state's fields and what each must be: a state edited by hand or carried in another
@@ -177,6 +185,8 @@ def resume_from(
     layout: dict[str, Any],
     lane_lengths: Any,
     seed: int | None = None,
+    same: Mapping[str, Any] | None = None,
+    knob: Mapping[str, str] | None = None,
 ) -> Resume:
     """Check ``state`` against this dataset and say where to resume; StateMismatch if it cannot.
 
@@ -184,7 +194,10 @@ def resume_from(
     its intervals. ``seed``, the dataset's own, must be the state's: the seed
     fixes the order like the knobs do, and taking the state's in its place
     quietly (as before) made ``EdgeDataset(seed=10)`` read seed 9's epochs,
-    this one and every later one.
+    this one and every later one. ``same[key]`` maps a knob's value to what
+    fixes the order (``rows=(0.5, 1.0)`` and ``(10000, 20000)`` of 20,000 rows
+    keep the same rows); ``knob[key]`` names the setting the user gave for a
+    derived one (``window_rows`` comes from ``window_bytes``).
     """
     known = (FORMAT, PERMUTED_BLOCKS_FORMAT, PER_LANE_FORMAT)
     if not isinstance(state, dict) or state.get("format") not in known:
@@ -221,13 +234,21 @@ def resume_from(
         )
     # The knobs a user sets before those derived from them: a state of another rows= split
     # named samples_per_epoch, which the user never set, as the difference.
+    same, knob = same or {}, knob or {}
     for key, mine in sorted(order.items(), key=lambda item: item[0] in _DERIVED):
-        if state["order"].get(key) != mine:
-            saved = state["order"].get(key)
+        saved = state["order"].get(key)
+        if saved == mine or (key in same and _same(same[key], saved, mine)):
+            continue
+        if key in knob:  # derived: say it in the words of what the user set
             raise StateMismatch(
                 f"{_names(components)}: the state was saved with {key}={saved!r}, this "
-                f"dataset has {mine!r}; the epoch's order depends on it, use the same value"
+                f"dataset's {knob[key]} gives {mine!r}; the epoch's order depends on it: "
+                f"create EdgeDataset with the {knob[key].split('=')[0]} the run was saved with"
             )
+        raise StateMismatch(
+            f"{_names(components)}: the state was saved with {key}={saved!r}, this "
+            f"dataset has {mine!r}; the epoch's order depends on it, use the same value"
+        )
     if seed is not None and int(state["seed"]) != seed:
         raise StateMismatch(
             f"{_names(components)}: the state was saved with seed={state['seed']!r}, this "

@@ -319,7 +319,12 @@ class Pipeline:
         needed[int(windows.take_from[window]) : int(windows.take_to[window])] = True
         if np.any(needed & ((chunk < 0) | (offset >= sizes[np.maximum(chunk, 0)]))):
             raise IndexError(f"{rows}: the chunks read do not cover the window's rows")
-        views = [chunk_views(b, self.kinds) for b in batches]
+        try:
+            views = [chunk_views(b, self.kinds) for b in batches]
+        except ValueError as exc:  # a null: in a mixture, name the version that holds it
+            if len(exc.args) == 1 and isinstance(exc.args[0], str):
+                exc.args = (f"{rows.target} shard {rows.shard}: {exc.args[0]}",)
+            raise
         return _Loaded(batches, views, chunk, offset)
 
     def _run(self) -> None:
