@@ -12,7 +12,8 @@ The planner decides; this module does what it decided, for ``edgecache warm``
   holds the plan's promise to the jobs in between), nor one a node pins for
   a job outside the schedule (another schedule's warm or controller), as
   ``edgecache evict`` refuses to. A pin is never cut short either: a node
-  pinning a version longer than the plan keeps that pin.
+  pinning a version longer than the plan keeps that pin (``warm`` shortens
+  a longer pin its own record placed beforehand, with :meth:`~PlanExecutor.release`).
 * **Staging.** Each task stages on the region's nodes that answer (each
   node its own shards among them: a node down leaves its share to the
   others), from the source the plan chose: origin, or a peer region's nodes,
@@ -340,6 +341,8 @@ class PlanExecutor:
                     have = seen.pins.get((node, version))
                     # Pinned as planned, or longer (for another schedule's job: Pin sets
                     # the time, and a shorter one would let the node drop what it needs).
+                    # A longer pin warm's own record placed was shortened before, by
+                    # release (dropped_warm_pins' shorten_to), when nothing else needs it.
                     if node in calls.down or (have is not None and have > until - _SAME_PIN):
                         continue
                     problem = self._pin_node(node, version, until)
@@ -385,14 +388,16 @@ class PlanExecutor:
     def release(
         self, pins: Sequence[WarmPin], reports: Sequence[NodeReport], *, dry_run: bool = False
     ) -> Released:
-        """Release pins an earlier warm placed for jobs no longer scheduled (``dropped_warm_pins``).
+        """Release pins an earlier warm placed that its plan keeps no more (``dropped_warm_pins``).
 
         Only a pin the node still has as placed is released: one gone, or set
         to another time since (someone pinned it again), is not warm's any
         more, and its record is dropped. A pin with ``shorten_to`` is set to that
-        time instead (a job another record holds reads the version until then). A
-        pin on a node that did not answer, or whose release failed, is kept for the
-        next run. ``dry_run`` releases nothing and lists what would be.
+        time instead (the schedule's own job, moved earlier, or a job another
+        record holds reads the version until then): Pin sets the time a node
+        keeps, shorter or not. A pin on a node that did not answer, or whose
+        release failed, is kept for the next run. ``dry_run`` releases nothing
+        and lists what would be.
         """
         seen = self._see(reports)
         out = Released()
@@ -406,7 +411,7 @@ class PlanExecutor:
             if dry_run:
                 out.released.append(pin)
                 continue
-            if pin.shorten_to is not None:  # another record's job still reads it until then
+            if pin.shorten_to is not None:  # a job still reads it there, until then
                 problem = self._pin_node(pin.node, pin.key, pin.shorten_to)
                 if problem is None:
                     out.released.append(pin)

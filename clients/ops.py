@@ -63,6 +63,7 @@ __all__ = [
     "local_registry",
     "record_warmed_jobs",
     "dropped_warm_pins",
+    "other_readers",
     "warm_readers",
     "schedule_owner",
     "WarmPin",
@@ -243,31 +244,53 @@ def make_plan(
             own[(job.region, version)] = max(own.get((job.region, version), job.end), job.end)
     pinned = foreign_pins(reports, own, now)
     regions = {}
-    short_disks: dict[str, str] = {}  # region → its nodes whose disk leaves less than capacity
+    short_room: dict[str, list[str]] = {}  # region → why its room is less than its capacity
     for name, config in topology.regions.items():
         alive = [r.status for r in reports if r.region == name and r.status is not None]
+        held_here = held.get(name, {})
+        # The room the nodes use is every copy they store (their used_bytes): a version held
+        # whole takes all its copies, and evicting it frees them. Of a version held in part,
+        # staging fetches what the nodes' shares lack (its bytes counted once, which is what
+        # the plan counts as held); copies beyond the shares stay on their nodes until it is
+        # evicted, room the region does not have.
+        resident = {v: h.used_bytes for v, h in held_here.items() if h.complete}
+        partial = {v: h.stored_bytes for v, h in held_here.items() if not h.complete}
+        extra = {v: h.used_bytes - h.stored_bytes for v, h in held_here.items() if not h.complete}
+        extra = {v: b for v, b in extra.items() if b > 0}
         # Replicas split shards (rendezvous hashing): their capacities add up, each
         # bounded by the room its cache's disk has left.
-        capacity = sum(_room(status) for status in alive)
+        capacity = max(sum(_room(status) for status in alive) - sum(extra.values()), 0)
         disk_bound = [
             r
             for r in reports
             if r.region == name and r.status and _room(r.status) < r.status.capacity_bytes
         ]
         if disk_bound:
-            short_disks[name] = "; ".join(
-                f"the cache's disk on {r.address} has {format_bytes(r.status.disk_free_bytes)} "
-                f"free{' (full)' if r.status.disk_full else ''}"
-                for r in disk_bound
-                if r.status is not None
+            short_room.setdefault(name, []).append(
+                "; ".join(
+                    f"the cache's disk on {r.address} has "
+                    f"{format_bytes(r.status.disk_free_bytes)} "
+                    f"free{' (full)' if r.status.disk_full else ''}"
+                    for r in disk_bound
+                    if r.status is not None
+                )
+                + ": the room counted is what the disk holds, not --capacity; free space on "
+                "the volume or give the cache a larger one"
+            )
+        if extra:
+            short_room.setdefault(name, []).append(
+                "; ".join(
+                    f"its nodes hold {format_bytes(b)} of {v[0]}@{v[1]} beyond their shares "
+                    f"(copies staged while a replica was down), room only evicting "
+                    f"{v[0]}@{v[1]} frees"
+                    for v, b in sorted(extra.items())
+                )
             )
         measured = [s.origin_bytes_per_second for s in alive if s.origin_bytes_per_second]
         # Replicas split shards, so their staging rates add up; one that has not staged yet
         # counts as the average of those that have.
         rates = [s.staging_bytes_per_second for s in alive if s.staging_bytes_per_second]
         staging_rate = sum(rates) / len(rates) * len(alive) if rates else None
-        resident = {v: h.stored_bytes for v, h in held.get(name, {}).items() if h.complete}
-        partial = {v: h.stored_bytes for v, h in held.get(name, {}).items() if not h.complete}
         outage = outages.get(name)
         regions[name] = RegionState(
             name=name,
@@ -289,12 +312,8 @@ def make_plan(
     ]
     result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
     result.infeasible[:] = [
-        replace(
-            row,
-            reason=f"{row.reason} ({short_disks[row.region]}: the room counted is what the "
-            "disk holds, not --capacity; free space on the volume or give the cache a larger one)",
-        )
-        if row.region in short_disks and "capacity" in row.reason
+        replace(row, reason=f"{row.reason} ({'; '.join(short_room[row.region])})")
+        if row.region in short_room and "capacity" in row.reason
         else row
         for row in result.infeasible
     ]
@@ -442,11 +461,18 @@ def unreachable_regions(
 
 @dataclass
 class Holding:
-    """How much of one version a region's nodes hold between them."""
+    """How much of one version a region's nodes hold between them.
+
+    ``stored_bytes`` counts each shard once (the version's size, as readers
+    find it); ``used_bytes`` counts every copy, a shard a node holds beyond its
+    share included: the room the version takes on the nodes (their
+    ``used_bytes``), which evicting it frees.
+    """
 
     shards: int = 0
     stored_bytes: int = 0
     complete: bool = False
+    used_bytes: int = 0
 
 
 def _resident(reports: list[NodeReport]) -> Iterator[tuple[NodeReport, edge_pb2.ResidentVersion]]:
@@ -470,8 +496,11 @@ def holdings(
     union of the nodes' shards counted: "nothing to stage" while ``ready``
     said 0/3). Shards a node holds beyond its share (staged while another was
     down) are duplicates: the stored bytes count each shard once, at the
-    nodes' bytes per shard, not once per copy. A version whose shard count is
-    known from neither a manifest nor a node counts its shards' union.
+    nodes' bytes per shard, not once per copy, while the used bytes count
+    every copy, since the node still stores them (the room the plan has: a
+    region whose used bytes counted each shard once was planned with room
+    its nodes did not have). A version whose shard count is known from
+    neither a manifest nor a node counts its shards' union.
     """
     shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
     out: dict[str, dict[VersionKey, Holding]] = {}
@@ -486,6 +515,7 @@ def holdings(
         holding = out[report.region].setdefault(key, Holding())
         holding.shards += v.shard_count
         holding.stored_bytes += v.stored_bytes
+        holding.used_bytes += v.stored_bytes
         per_node.setdefault((report.region, key), {})[report.address] = v.shard_count
         if v.total_shards and key not in shard_counts:
             shard_counts[key] = v.total_shards
@@ -1171,44 +1201,73 @@ def record_warmed_jobs(
     asyncio.run(write())
 
 
-def dropped_warm_pins(topology: Topology, owner: str, plan: Plan, now: datetime) -> list[WarmPin]:
-    """The pins an earlier warm of schedule ``owner`` placed that its plan keeps no more.
+def dropped_warm_pins(
+    topology: Topology,
+    owner: str,
+    plan: Plan,
+    now: datetime,
+    *,
+    readers: dict[tuple[str, str], datetime] | None = None,
+) -> list[WarmPin]:
+    """The pins an earlier warm of schedule ``owner`` placed that its plan no longer keeps so.
 
     Their job was removed from the schedule (or moved, or reads another
     version now): warm releases them, as the controller releases its own. A
     pin still needed by a job another schedule's warm or the controller
     recorded (same region, same version, not ended) is left to that record:
     not returned when it ends by that job's end, and returned with
-    ``shorten_to`` (that job's end) when it outlasts it. A node keeps one pin
-    time per version, the longest asked for; left as it was, a pin of this
-    schedule's longer job outlived every job once the other record's job
-    went too, since that record's release found another time on the node
-    than the one it placed, and only ``evict --force`` freed the room. A
-    record that cannot be read gives nothing.
+    ``shorten_to`` (that job's end) when it outlasts it. A pin the plan still
+    keeps, but to an earlier time (the schedule moved its job's end earlier),
+    is returned with ``shorten_to`` the plan's time, or the other record's
+    job's end when that is later. A node keeps one pin time per version, and
+    warm's Pin never shortens one (it may be another schedule's): left as it
+    was, such a pin outlived every job, since a later release found another
+    time on the node than the one recorded, and only ``evict --force`` freed
+    the room. ``readers`` is :func:`other_readers` for ``owner``, when the
+    caller has it. A record that cannot be read gives nothing.
     """
     try:
-        jobs, pins = _warm_record(topology.registry)
+        _, pins = _warm_record(topology.registry)
     except OriginError as exc:
         _unreadable_record(_warmed_jobs_url(topology.registry), exc)
         return []
-    others = [job for job in pinned_jobs(topology) if job.by != "warm" or job.schedule != owner]
+    if readers is None:
+        readers = other_readers(topology, owner, now)
     dropped = []
     for pin in pins:
         if pin.schedule != owner or pin.until <= now:
             continue
         region_plan = plan.regions.get(pin.region)
-        if region_plan is not None and pin.key in region_plan.pins:
-            continue  # still kept (re-pinned by this run if its time changed)
-        readers = [
-            job.end
-            for job in others
-            if job.region == pin.region and pin.version in job.versions and job.end > now
+        needed = [
+            until
+            for until in (
+                region_plan.pins.get(pin.key) if region_plan is not None else None,
+                readers.get((pin.region, pin.version)),
+            )
+            if until is not None
         ]
-        if not readers:
+        if not needed:
             dropped.append(pin)
-        elif pin.until - max(readers) > timedelta(seconds=1):
-            dropped.append(replace(pin, shorten_to=max(readers)))
+        elif pin.until - max(needed) > timedelta(seconds=1):
+            dropped.append(replace(pin, shorten_to=max(needed)))
     return dropped
+
+
+def other_readers(topology: Topology, owner: str, now: datetime) -> dict[tuple[str, str], datetime]:
+    """(region, name@N) → the end of the last job reading it there that others recorded.
+
+    Others: the controller, and warm runs of schedules other than ``owner``;
+    jobs that have ended are left out. A pin on a node that lasts longer than
+    ``owner``'s plan keeps it is theirs only when one of these jobs ends then
+    (:func:`pinned_jobs`, whose records that cannot be read are left out).
+    """
+    out: dict[tuple[str, str], datetime] = {}
+    for job in pinned_jobs(topology):
+        if job.end <= now or (job.by == "warm" and job.schedule == owner):
+            continue
+        for spec in job.versions:
+            out[(job.region, spec)] = max(out.get((job.region, spec), job.end), job.end)
+    return out
 
 
 def warm_readers(registry: str, now: datetime) -> set[tuple[str, str]]:

@@ -555,6 +555,9 @@ class _ScheduleWork:
     # The status the plan was made on: a rehearsal decides on it (the pins a dry run
     # would release are gone from it); a real run asks the nodes again.
     reports: list[ops.NodeReport] = field(default_factory=list)
+    # (region, name@N) → the end of the last job another schedule's warm or the controller
+    # recorded reading it there (ops.other_readers): who a longer pin on a node is for.
+    readers: dict[tuple[str, str], datetime] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -591,7 +594,8 @@ def _plan_schedule(
     reports = ops.gather_status(topology, token=token)
     plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
     released = Released()
-    if dropped := ops.dropped_warm_pins(topology, owner, plan, now):
+    readers = ops.other_readers(topology, owner, now)
+    if dropped := ops.dropped_warm_pins(topology, owner, plan, now, readers=readers):
         # Released before the plan is carried out, so their room is the plan's: planned
         # again on what the nodes pin once they are gone.
         executor = PlanExecutor(topology, token=token)
@@ -613,7 +617,7 @@ def _plan_schedule(
             "now as well (pins, evictions and staging are idempotent, so nothing is "
             "done twice, but its timing is not the controller's)"
         )
-    return _ScheduleWork(schedule, plan, manifests, now, down, owner, released, reports)
+    return _ScheduleWork(schedule, plan, manifests, now, down, owner, released, reports, readers)
 
 
 def _single_item(
@@ -787,9 +791,10 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
                 # False: pinned, but the region holds none of it (its staging deferred or
                 # failed); the pin keeps room for it, not data.
                 "staged": (name, v) in outcome.held,
-                # Set when the nodes keep it longer already (a job of another schedule or
-                # the controller's): a Pin would only shorten it, so none was sent.
-                "held_until": json_time(longer[(name, v)]) if (name, v) in longer else None,
+                # Set when the nodes keep it longer (for a job another schedule or the
+                # controller recorded, or a pin no record explains): warm sends no Pin that
+                # would shorten it. Its own longer pins it shortens (`released`).
+                "held_until": json_time(longer[(name, v)][0]) if (name, v) in longer else None,
             }
             for name, rp in work.plan.regions.items()
             for v, until in sorted(rp.pins.items())
@@ -853,14 +858,18 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
         console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged{said}")
 
 
-def _pinned_longer(work: _ScheduleWork) -> dict[tuple[str, VersionKey], datetime]:
-    """(region, version) → the pin its nodes keep, of the plan's pins they keep longer.
+def _pinned_longer(work: _ScheduleWork) -> dict[tuple[str, VersionKey], tuple[datetime, str]]:
+    """(region, version) → the pin its nodes keep and whose, of the plan's pins they keep longer.
 
     A node keeps one pin time per version, the longest asked for: warm sends no
     Pin that would shorten another schedule's, and said "pinned until" its own
-    job's end all the same, which is not what the node keeps.
+    job's end all the same, which is not what the node keeps. The longer pin is
+    said to be for another schedule's or the controller's job only when their
+    records have one that ends then (``work.readers``); this schedule's own
+    earlier pin is shortened by the release before (``dropped_warm_pins``), and
+    one left longer is said as such.
     """
-    out: dict[tuple[str, VersionKey], datetime] = {}
+    out: dict[tuple[str, VersionKey], tuple[datetime, str]] = {}
     for name, rp in work.plan.regions.items():
         for v, until in rp.pins.items():
             kept = [
@@ -870,8 +879,20 @@ def _pinned_longer(work: _ScheduleWork) -> dict[tuple[str, VersionKey], datetime
                 for version in report.status.versions
                 if (version.dataset, version.version) == v and version.HasField("pinned_until")
             ]
-            if kept and max(kept) - until > timedelta(seconds=1):
-                out[(name, v)] = max(kept)
+            if not kept or max(kept) - until <= timedelta(seconds=1):
+                continue
+            held = max(kept)
+            other = work.readers.get((name, f"{v[0]}@{v[1]}"))
+            if other is not None and other >= held - timedelta(seconds=1):
+                whose = "already, for a job another schedule or the controller recorded"
+            elif any(pin.region == name and pin.key == v for pin in work.released.kept):
+                whose = (
+                    "still, this schedule's earlier pin, not shortened (the release failure "
+                    "says why; the next warm shortens it)"
+                )
+            else:
+                whose = "already, a pin no job of warm's or the controller's records needs"
+            out[(name, v)] = (held, whose)
     return out
 
 
@@ -882,7 +903,7 @@ def _print_plan_steps(
     dry_run: bool,
     released: Released | None = None,
     sizes: dict[str, int] | None = None,
-    longer: dict[tuple[str, VersionKey], datetime] | None = None,
+    longer: dict[tuple[str, VersionKey], tuple[datetime, str]] | None = None,
 ) -> None:
     """A plan's evictions, stages, pins and deferrals, in the words of a real run or a rehearsal.
 
@@ -898,8 +919,7 @@ def _print_plan_steps(
             console.print(
                 f"{pin.region}: {'would shorten' if dry_run else 'shortened'} the pin of "
                 f"{pin.version} on {pin.node} from {pin.until:%Y-%m-%d %H:%M} to "
-                f"{pin.shorten_to:%Y-%m-%d %H:%M}: no job of the schedule reads it there any "
-                "more, and a job another schedule or the controller recorded reads it until then"
+                f"{pin.shorten_to:%Y-%m-%d %H:%M}: {_why_shorter(plan, pin, pin.shorten_to)}"
             )
             continue
         console.print(
@@ -920,8 +940,7 @@ def _print_plan_steps(
                 console.print(
                     f"{name}: {pinned} {v[0]}@{v[1]} until {until:%Y-%m-%d %H:%M}"
                     + (
-                        f" (its nodes keep it until {held:%Y-%m-%d %H:%M} already, for a job "
-                        "another schedule or the controller recorded)"
+                        f" (its nodes keep it until {held[0]:%Y-%m-%d %H:%M} {held[1]})"
                         if held is not None
                         else ""
                     )
@@ -934,6 +953,21 @@ def _print_plan_steps(
         )
     for failure in outcome.pin_failures:
         err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
+
+
+def _why_shorter(plan: Plan, pin: ops.WarmPin, to: datetime) -> str:
+    """Why a pin of the schedule's was shortened (``to``: its ``shorten_to``), not released."""
+    region_plan = plan.regions.get(pin.region)
+    planned = region_plan.pins.get(pin.key) if region_plan is not None else None
+    others = "a job another schedule or the controller recorded reads it until then"
+    if planned is None:
+        return f"no job of the schedule reads it there any more, and {others}"
+    if to - planned <= timedelta(seconds=1):
+        return "the schedule's last job that reads it there now ends then (moved earlier)"
+    return (
+        f"the schedule's last job that reads it there now ends at {planned:%Y-%m-%d %H:%M}, "
+        f"and {others}"
+    )
 
 
 def _print_stages(rows: list[dict[str, Any]], dry_run: bool, sizes: dict[str, int]) -> None:

@@ -1,0 +1,137 @@
+"""Warm shortens its own pin when its schedule moves a job's end earlier, against a real node.
+
+A node keeps one pin time per version, and warm sends no Pin that would
+shorten a longer one (it may be another schedule's). Its own stale pin was
+treated the same: the schedule moved its job from +7 h to +3 h, warm said
+"its nodes keep it until +7 h already, for a job another schedule or the
+controller recorded" (no record had one), recorded +3 h, and once the
+schedule was emptied found +7 h on the node, not its +3 h, and released
+nothing: the version stayed pinned for no job until +7 h (review 41).
+
+Region ``small`` of ``test_plan_pins``: one node on loopback, real LMDB, a
+file:// registry, pq@2 staged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from edgeutil import edgecache, stub
+from test_plan_defects import published, resident, schedule, topology_file
+
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.v1 import edge_pb2
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
+    """Region ``small`` of this test alone, as in ``test_plan_pins``: pq@2 staged, no pins."""
+    registry = published(tmp_path)
+    node = start_local_node("small", tmp_path / "cache-small", registry, capacity="50KiB")
+    try:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="pq", version=2)))
+        topology_file(tmp_path / "small.yaml", registry, small=node.address)
+        yield tmp_path, node
+    finally:
+        node.stop()
+
+
+def pinned_until(node: LocalNode) -> datetime | None:
+    held = resident(node, "pq", 2)
+    return held.pinned_until.ToDatetime(tzinfo=UTC) if held.HasField("pinned_until") else None
+
+
+def near(when: datetime | None, expected: datetime) -> bool:
+    return when is not None and abs(when - expected) < timedelta(seconds=2)
+
+
+def said(text: str) -> str:
+    """Output as one line: the CLI wraps at 80 columns."""
+    return " ".join(text.split())
+
+
+def test_a_schedule_that_moves_its_job_earlier_shortens_its_own_pin(small) -> None:
+    root, node = small
+    now = datetime.now(UTC)
+    config = ["--config", str(root / "small.yaml")]
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=6), "pq@2"))
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and near(pinned_until(node), now + timedelta(hours=7)), (out, err)
+    # The job moves: it ends at +3 h now. A dry run says it would shorten, and touches nothing.
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
+    code, out, err = edgecache("warm", str(a), "--dry-run", *config)
+    assert code == 0 and "would shorten the pin of pq@2" in said(out), (out, err)
+    assert near(pinned_until(node), now + timedelta(hours=7))
+    code, out, err = edgecache("warm", str(a), "--json", *config)
+    assert code == 0, (out, err)
+    done = json.loads(out)
+    (released,) = done["released"]
+    assert near(datetime.fromisoformat(released["shortened_to"]), now + timedelta(hours=3))
+    (pin,) = done["pins"]
+    assert pin["held_until"] is None, pin  # the node keeps what the plan says
+    assert near(pinned_until(node), now + timedelta(hours=3)), pinned_until(node)
+    # Said as what it is, not as another schedule's job, on a run with nothing to shorten too.
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and "another schedule" not in said(out), out
+    assert f"pinned pq@2 until {now + timedelta(hours=3):%Y-%m-%d %H:%M}" in said(out), out
+    # The schedule is emptied: the pin is released, not left to its old end.
+    a.write_text("jobs: []\n")
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and "released the pin of pq@2" in said(out), (out, err)
+    assert pinned_until(node) is None
+
+
+def test_the_own_pin_is_shortened_only_to_what_another_schedules_job_needs(small) -> None:
+    """a (+7 h) and b (+5 h) read pq@2; a moves to +3 h: the pin goes to b's +5 h, not a's
+    +3 h. Then b goes: back to a's +3 h. Then a goes: released."""
+    root, node = small
+    now = datetime.now(UTC)
+    config = ["--config", str(root / "small.yaml")]
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=6), "pq@2"))
+    b = schedule(root, "b", ("mid", "small", now + timedelta(hours=4), "pq@2"))
+    for path in (a, b):
+        code, out, err = edgecache("warm", str(path), *config)
+        assert code == 0, (out, err)
+    assert near(pinned_until(node), now + timedelta(hours=7))
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0, (out, err)
+    text = said(out)
+    assert "shortened the pin of pq@2" in text and "now ends at" in text, text
+    assert "a job another schedule or the controller recorded reads it until then" in text
+    assert near(pinned_until(node), now + timedelta(hours=5)), pinned_until(node)
+    code, out, err = edgecache("warm", str(a), "--json", *config)
+    assert code == 0, (out, err)
+    (pin,) = json.loads(out)["pins"]
+    assert near(datetime.fromisoformat(pin["held_until"]), now + timedelta(hours=5)), pin
+    b.write_text("jobs: []\n")
+    code, out, err = edgecache("warm", str(b), *config)
+    assert code == 0 and "shortened the pin of pq@2" in said(out), (out, err)
+    assert near(pinned_until(node), now + timedelta(hours=3)), pinned_until(node)
+    a.write_text("jobs: []\n")
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and "released the pin of pq@2" in said(out), (out, err)
+    assert pinned_until(node) is None
+
+
+def test_a_longer_pin_no_record_explains_is_kept_and_not_called_another_schedules(
+    small,
+) -> None:
+    """Pinned to +9 h by a bare Pin call (no warm, no controller): warm keeps it, and says
+    so without naming a schedule or the controller as its owner."""
+    root, node = small
+    now = datetime.now(UTC)
+    request = edge_pb2.PinRequest(dataset="pq", version=2)
+    request.until.FromDatetime((now + timedelta(hours=9)).replace(tzinfo=None))
+    stub(node.address).Pin(request)
+    a = schedule(root, "a", ("job", "small", now + timedelta(hours=2), "pq@2"))
+    code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
+    assert code == 0, (out, err)
+    text = said(out)
+    assert "its nodes keep it until" in text and "no job of warm's or the controller's" in text
+    assert "another schedule" not in text, text
+    assert near(pinned_until(node), now + timedelta(hours=9))
