@@ -793,6 +793,14 @@ class Controller:
         failures = []
         warm_reads: set[tuple[str, str]] | None = None  # read once, if a pin is to go
         warm_read = False  # whether it was tried (None after a try: it could not be read)
+        unshortened: dict[str, str] = {}  # pins to shorten next round: the record keeps them
+
+        def warm_reads_it(region: str | None, spec: str) -> bool:
+            nonlocal warm_reads, warm_read
+            if not warm_read:  # once a round, read or not: each read retries origin
+                warm_reads, warm_read = self._warm_reads(), True
+            return warm_reads is None or (region, spec) in warm_reads
+
         for key, until in sorted(self.state.pins.items()):
             node, _, spec = key.partition(" ")
             region = region_of.get(node)
@@ -801,13 +809,34 @@ class Controller:
             region_plan = plan.regions.get(region) if region else None
             if region is not None and (region in down or region_plan is None):
                 continue  # nothing known there this round: keep the pin and its record
-            if region_plan is not None and version in region_plan.pins:
-                continue  # still kept (re-placed below if its time changed)
             have = seen.pins.get((node, version))
-            if have is not None and abs((have - datetime.fromisoformat(until)).total_seconds()) < 1:
-                if not warm_read:  # once a round, read or not: each read retries origin
-                    warm_reads, warm_read = self._warm_reads(), True
-                if warm_reads is None or (region, spec) in warm_reads:
+            recorded = datetime.fromisoformat(until) if until else None
+            placed = (
+                have is not None
+                and recorded is not None
+                and abs((have - recorded).total_seconds()) < 1
+            )
+            if region_plan is not None and version in region_plan.pins:
+                # Still kept, re-placed below if its time changed; but Pin never cuts a
+                # longer pin short (it may be someone else's), so the controller's own,
+                # for a job that now ends sooner, is shortened here: left, it outlived the
+                # job, and the record's new time then failed to match the node's.
+                sooner = region_plan.pins[version]
+                if placed and recorded is not None and recorded - sooner > timedelta(seconds=1):
+                    if warm_reads_it(region, spec):
+                        continue  # a job warm recorded may read it until then: keep it
+                    problem = self.executor.shorten(node, version, sooner)
+                    if problem:
+                        failures.append(problem)
+                        unshortened[key] = until
+                    else:
+                        log.info(
+                            "%s: shortened the pin of %s on %s to %s: its job ends then",
+                            region, spec, node, _iso(sooner),
+                        )  # fmt: skip
+                continue
+            if placed:
+                if warm_reads_it(region, spec):
                     continue  # a job warm recorded reads it (or may: unreadable): keep it
                 unpinned = self.executor.unpin(node, version)
                 if not unpinned.released:
@@ -822,6 +851,7 @@ class Controller:
             for node in self.topology.regions[region].nodes:
                 for version, pin_until in region_plan.pins.items():
                     self.state.pins[f"{node} {_spec(version)}"] = _iso(pin_until) or ""
+        self.state.pins.update(unshortened)  # the node's time, to match and try again
         return failures
 
     def _warm_reads(self) -> set[tuple[str, str]] | None:

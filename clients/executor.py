@@ -367,6 +367,17 @@ class PlanExecutor:
                 return problem
         return None
 
+    def shorten(self, node: str, version: VersionKey, until: datetime) -> str | None:
+        """Set ``version``'s pin on ``node`` to an earlier ``until``; why not, or None.
+
+        For the caller's own pin only (its job now ends sooner): :meth:`pin` never
+        cuts a longer pin short, since it may be another schedule's. A node held
+        as down is not called (None: nothing said, the caller keeps its record).
+        """
+        if node in self.calls.down:
+            return f"{node} is down this round: its pin of {version[0]}@{version[1]} stays"
+        return self._pin_node(node, version, until)
+
     def unpin(self, node: str, version: VersionKey) -> Unpinned:
         """Remove ``version``'s pin on ``node`` (an unset time): whether it did, or why not.
 

@@ -264,6 +264,28 @@ def test_a_job_removed_from_the_schedule_releases_the_pins_placed_for_it(site) -
         controller.close()
 
 
+def test_a_job_moved_to_end_sooner_has_its_pin_shortened_then_released(site) -> None:
+    """Pin never cuts a longer pin short (it may be someone else's): the controller's own pin
+    for a job that now ends sooner stayed at the old end, and the record's new time then
+    did not match the node's, so cancelling the job released nothing."""
+    root, _, node = site
+    schedule(root, job("j", "eu", T0 + HOUR, 6, "a@1"))
+    clock = Clock(T0)
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert pins_on(node) == {"a@1": T0 + 7 * HOUR}
+        schedule(root, job("j", "eu", T0 + HOUR, 2, "a@1"))  # j now ends at +3 h
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 3 * HOUR}
+        schedule(root)  # j is cancelled
+        controller.tick()
+        assert pins_on(node) == {}
+    finally:
+        controller.close()
+
+
 # ------------------------------------------------------- a node that never answers
 
 
