@@ -20,7 +20,9 @@ ending or a foreign pin running out may make it): the controller re-plans
 every round and acts then, so the plan shows then. What cannot be met is
 reported with the reason: the version does not exist, the region is too
 small even after evicting everything not needed sooner, or the link is too
-slow before the start time.
+slow before the start time. Capacity advice is what a job as a whole lacks,
+counted so that adding it is enough whatever the jobs before it then do with
+the room (:class:`_Lacks`).
 
 Sizes come in two kinds (:class:`VersionSize`): the bytes a version takes in
 a cache once stored (Arrow, compressed), which fill capacity and cross a peer
@@ -369,16 +371,17 @@ def _plan_region(
 
     resident: dict[VersionKey, int] = dict(state.resident)
     partial: dict[VersionKey, int] = {v: b for v, b in state.partial.items() if v not in resident}
+    lacks = _Lacks(state, jobs, sizes, dict(partial), ready_at)
     used = sum(resident.values()) + sum(partial.values())
     link_free = now  # the origin link is busy until then
     cursor = now  # tasks and evictions happen in time order
     task_of: dict[VersionKey, int] = {}  # version → index of its task in out.tasks
-    for job in jobs:
+    for position, job in enumerate(jobs):
         # This job's versions that found no room: (spec, bytes missing, bytes kept, in use,
-        # when), reported once the job's total need is known; what they would have taken
-        # (owed), and what the job lacks for all of its versions (need).
+        # when), and those larger than the region: (spec, bytes), reported once what the
+        # job lacks as a whole is known.
         unroomed: list[tuple[str, int, int, list[VersionKey], datetime]] = []
-        owed = need = 0
+        too_big: list[tuple[str, int]] = []
         for version in job.versions:
             spec = f"{version[0]}@{version[1]}"
             sized = sizes.get(version)
@@ -442,17 +445,7 @@ def _plan_region(
             duration = timedelta(seconds=moved / bandwidth)
             finish = begin + duration
             if size > state.capacity_bytes:
-                result.infeasible.append(
-                    Infeasible(
-                        job.name,
-                        state.name,
-                        spec,
-                        f"{spec} ({format_bytes(size)} once stored) is larger than the "
-                        f"region's capacity ({format_bytes(state.capacity_bytes)}); to meet "
-                        f"it: add at least {format_bytes(size - state.capacity_bytes)} to "
-                        f"{state.name}",
-                    )
-                )
+                too_big.append((spec, size))
                 continue
             too_slow: Infeasible | None = None
             if finish > job.start:
@@ -473,13 +466,8 @@ def _plan_region(
             shortfall = used + size - partial.get(version, 0) - state.capacity_bytes
             victims: list[tuple[VersionKey, datetime | None]] = []
             late = job.start - duration - _margin(duration)
-            frees = room_frees(job.end) if shortfall > 0 or owed else []
-            if owed:
-                # Versions of this job that found no room count as placed: what would
-                # this one lack if they were there too (what the job as a whole needs)?
-                _, room = _room_time(frees, shortfall + owed, begin, late, spare_needed=False)
-                need = max(need, shortfall + owed - room)
             if shortfall > 0:
+                frees = room_frees(job.end)
                 when = None
                 for spare_needed in (True, False):
                     when, room = _room_time(frees, shortfall, begin, late, spare_needed)
@@ -489,8 +477,6 @@ def _plan_region(
                             begin, finish = when, when + duration
                         break
                 if when is None:
-                    need = max(need, shortfall + owed - room)
-                    owed += size - partial.get(version, 0)
                     unroomed.append(
                         (
                             spec,
@@ -546,19 +532,134 @@ def _plan_region(
                 result.cost[job.name] = (
                     result.cost.get(job.name, 0.0) + moved / 1e9 * state.egress_price_per_gb
                 )
-        if unroomed:
-            # One fix for the whole job: the capacity all its versions need together,
-            # and a start after what holds back every one of them (if each has one).
+        if too_big or unroomed:
+            # One fix for the whole job: the capacity all its versions need together with
+            # what may be held and in use with them, and a start after what holds back
+            # every one that found no room (if each has one).
+            short = lacks(position)
+            for spec, size in too_big:
+                reason = (
+                    f"{spec} ({format_bytes(size)} once stored) is larger than the region's "
+                    f"capacity ({format_bytes(state.capacity_bytes)}); "
+                    f"{_to_meet(state, job, short)}"
+                )
+                result.infeasible.append(Infeasible(job.name, state.name, spec, reason))
             blocked = [
                 _in_the_way(state, job, in_the_way, when, last_end)
                 for *_, in_the_way, when in unroomed
             ]
             afters = [after for _, after in blocked if after is not None]
-            after = max(afters) if len(afters) == len(blocked) else None
+            after = max(afters) if afters and len(afters) == len(blocked) else None
             for (spec, missing, kept, *_), (named, _) in zip(unroomed, blocked, strict=True):
-                reason = _no_room(state, job, missing, need, kept, named, after)
+                reason = _no_room(state, job, missing, short, kept, named, after)
                 result.infeasible.append(Infeasible(job.name, state.name, spec, reason))
     return out
+
+
+class _Lacks:
+    """What a region lacks for a job as a whole: the bytes to add so that all of it fits.
+
+    All that may have to be held at once while the job's versions are staged
+    and read, less the capacity: the job's versions, each whole (one larger
+    than the region too), the bytes of partly held versions (no eviction frees
+    them), and every version a job reads (of the jobs that start by this one's
+    end) at some time from ``lo`` to this job's end, or that a foreign pin holds
+    after ``lo``, provided it can be held then at all: the region holds it now,
+    or a job planned before this one reads it (met or not). ``lo`` is the job's
+    start less the slowest transfer any of its versions could get, with that
+    transfer's margin: room for a version is looked for until its start less
+    its transfer and margin (``late``), never earlier than ``lo``.
+
+    Enough, whatever the jobs planned before this one do with the extra room
+    (stage what did not fit before, keep what they evicted before): when one
+    of this job's versions looks for room, what the region holds is held now
+    or was staged for one of those jobs, and what of it no eviction may take
+    by ``late`` is counted here, so the room is there. Adding what this plan
+    left the job short was not enough for that reason: the extra room let an
+    earlier job that had not fit stage more, or let a version stay that a
+    later job reads while this one runs, and the next plan asked for more. It
+    can be more than the least that would do (what is counted may be gone
+    before it is in the way), never less. The count is over the jobs whose
+    times meet this one's, so it stays fast.
+    """
+
+    def __init__(
+        self,
+        state: RegionState,
+        jobs: list[Job],
+        sizes: Mapping[VersionKey, VersionSize],
+        partial: Mapping[VersionKey, int],
+        ready_at: Mapping[tuple[str, VersionKey], datetime],
+    ) -> None:
+        self.state, self.jobs, self.sizes, self.partial = state, jobs, sizes, partial
+        self.ready_at = ready_at
+        self.starts: list[datetime] = []  # jobs are in start order
+        self.reach: list[datetime] = []  # the latest end of jobs[: i + 1]
+        self.first: dict[VersionKey, int] = {}  # version → the first job reading it
+        self.bytes: dict[VersionKey, int] = {}  # version → the most it can take
+
+    def __call__(self, position: int) -> int:
+        """The bytes to add for ``self.jobs[position]``.
+
+        More than zero for a job that did not fit: what it could not evict is
+        counted here.
+        """
+        state, jobs, sizes, first = self.state, self.jobs, self.sizes, self.first
+        if not self.starts:  # built once, for the first job that does not fit
+            self.starts = [job.start for job in jobs]
+            self.reach = list(itertools.accumulate((job.end for job in jobs), max))
+            for i, job in enumerate(jobs):
+                for version in job.versions:
+                    first.setdefault(version, i)
+        job = jobs[position]
+        own = {v for v in job.versions if v in sizes}
+        lo = job.start - max((self._slowest(v, job) for v in own), default=timedelta(0))
+        # Read from lo to the job's end (by jobs that start by then), or pinned then.
+        kept = {v for v, until in state.pinned.items() if until > lo}
+        i = bisect.bisect_right(self.starts, job.end) - 1
+        reach = self.reach
+        while i >= 0 and reach[i] >= lo:
+            if jobs[i].end >= lo:
+                kept.update(jobs[i].versions)
+            i -= 1
+        # ... and could be held by then: held now, or read by a job planned before this one.
+        resident = state.resident
+        kept = {
+            v
+            for v in kept - own
+            if v in resident or (v in sizes and first.get(v, position) < position)
+        }
+        total = sum(held for v, held in self.partial.items() if v not in own and v not in kept)
+        bytes_of = self.bytes
+        for version in own | kept:
+            size = bytes_of.get(version)
+            if size is None:
+                sized = sizes.get(version)
+                size = bytes_of[version] = max(
+                    sized.stored if sized else 0,
+                    resident.get(version, 0),
+                    self.partial.get(version, 0),
+                )
+            total += size
+        return total - state.capacity_bytes
+
+    def _slowest(self, version: VersionKey, job: Job) -> timedelta:
+        """The longest a transfer of ``version`` for ``job`` could take, with its margin.
+
+        Room for the version is looked for until the job's start less that.
+        """
+        state, sized = self.state, self.sizes[version]
+        held = min(self.partial.get(version, 0), sized.stored)
+        seconds = []
+        if state.origin_rate > 0:
+            moved = sized.source - sized.source * held // max(sized.stored, 1)
+            seconds.append(moved / state.origin_rate)
+        for peer, bandwidth in state.peer_bandwidth.items():
+            ready = self.ready_at.get((peer, version))
+            if ready is not None and ready <= job.start and bandwidth > 0:
+                seconds.append((sized.stored - held) / bandwidth)
+        duration = timedelta(seconds=max(seconds, default=0.0))
+        return duration + _margin(duration)
 
 
 def _in_the_way(
@@ -606,24 +707,32 @@ def _no_room(
     ``missing`` is what the region lacks of the version (a partly held one
     needs only the rest), ``kept`` the bytes held after every allowed
     eviction, ``held`` what stays in the way (:func:`_in_the_way`). ``short``
-    is what ``job`` lacks for all of its versions together, the same on each
-    of their rows (one version's own shortfall, with the job's others that
-    did not fit left out, let that one in and the next plan asked for more),
-    rounded up, so adding the amount said is enough; ``after`` is when what
-    is in the way of every one of them is free.
+    is what the region lacks for ``job`` as a whole (:class:`_Lacks`): its
+    versions, the one too big for the region included, with every version
+    that may be held and in use beside them, whatever the jobs planned before
+    it in the region stage once the capacity is larger (with the extra room
+    they stage what did not fit before and keep what they evicted). Adding it,
+    rounded up, is enough for every one of the job's versions, so each of
+    their rows says the same; it can be more than the least that would do,
+    never less. ``after`` is when what is in the way of every one of them is
+    free.
     """
-    fix = f"add at least {_at_least(short)} to {state.name}"
+    fix = _to_meet(state, job, short)
     if after is not None:
         fix += f", or start {job.name} after {_utc(after)}"
-    if len(job.versions) > 1:
-        fix = f"to meet it, for all of {job.name}'s versions: {fix}"
-    else:
-        fix = f"to meet it: {fix}"
     free = max(state.capacity_bytes - kept, 0)
     return (
         f"not enough capacity: needs {format_bytes(missing)}, only {format_bytes(free)} "
         f"free even after evicting everything not needed sooner; {'; '.join(held)}; {fix}"
     )
+
+
+def _to_meet(state: RegionState, job: Job, short: int) -> str:
+    """The capacity advice of a row: the bytes ``job`` as a whole lacks (:class:`_Lacks`)."""
+    fix = f"add at least {_at_least(short)} to {state.name}"
+    if len(job.versions) > 1:
+        return f"to meet it, for all of {job.name}'s versions: {fix}"
+    return f"to meet it: {fix}"
 
 
 def _at_least(n: int) -> str:
@@ -734,8 +843,11 @@ def _utc(when: datetime, *, ceil: bool = False) -> str:
 
 
 # The first instant after a job ends: the planner counts a job as reading its versions
-# up to and including its end, and the controller drops a job once its end has come, so
-# room a job's end frees is there from this much after it (shown as the end itself).
+# up to and including its end (nothing it reads is evicted at its end itself), so room a
+# job's end frees is there from this much after it. The plan's table and its reasons
+# write times to the minute, where this reads as the end; `plan --json` writes the
+# instant exactly, `…:00.000001+00:00`. The controller drops a job once its end has come
+# and so acts at the end itself, this much sooner.
 _AFTER = timedelta(microseconds=1)
 
 
