@@ -327,7 +327,7 @@ def kept_rows(manifests: Sequence[pb.Manifest], rows: Sequence[float] | None) ->
     ``(0.5, 1.0)`` and ``(10000, 20000)`` of 20,000 rows are one split, for the
     ranks' check and for resuming a state alike.
     """
-    cut = None if rows is None else tuple(rows)
+    cut = None if rows is None else (rows[0], rows[1])
     return [split_extents([s.row_count for s in m.shards], cut) for m in manifests]
 
 
@@ -1415,7 +1415,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             layout=layout,
             lane_lengths=lambda seed, epoch: self._order(seed, epoch, None).lane_lengths,
             seed=self.seed,
-            same={"rows": lambda rows: kept_rows(self.manifests, rows)},
+            fixes={"rows": lambda rows: kept_rows(self.manifests, rows)},
             knob={"window_rows": f"window_bytes={self.window_bytes or 'None (the chunk size)'}"},
         )
         if resume.elastic:

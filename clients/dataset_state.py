@@ -117,7 +117,7 @@ def _same(fixes: Any, saved: object, mine: object) -> bool:
     """Whether two values of a knob fix the same order (a saved value that fails: not)."""
     try:
         return bool(fixes(saved) == fixes(mine))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError):
         return False
 
 
@@ -185,7 +185,7 @@ def resume_from(
     layout: dict[str, Any],
     lane_lengths: Any,
     seed: int | None = None,
-    same: Mapping[str, Any] | None = None,
+    fixes: Mapping[str, Any] | None = None,
     knob: Mapping[str, str] | None = None,
 ) -> Resume:
     """Check ``state`` against this dataset and say where to resume; StateMismatch if it cannot.
@@ -194,7 +194,7 @@ def resume_from(
     its intervals. ``seed``, the dataset's own, must be the state's: the seed
     fixes the order like the knobs do, and taking the state's in its place
     quietly (as before) made ``EdgeDataset(seed=10)`` read seed 9's epochs,
-    this one and every later one. ``same[key]`` maps a knob's value to what
+    this one and every later one. ``fixes[key]`` maps a knob's value to what
     fixes the order (``rows=(0.5, 1.0)`` and ``(10000, 20000)`` of 20,000 rows
     keep the same rows); ``knob[key]`` names the setting the user gave for a
     derived one (``window_rows`` comes from ``window_bytes``).
@@ -234,10 +234,10 @@ def resume_from(
         )
     # The knobs a user sets before those derived from them: a state of another rows= split
     # named samples_per_epoch, which the user never set, as the difference.
-    same, knob = same or {}, knob or {}
+    fixes, knob = fixes or {}, knob or {}
     for key, mine in sorted(order.items(), key=lambda item: item[0] in _DERIVED):
         saved = state["order"].get(key)
-        if saved == mine or (key in same and _same(same[key], saved, mine)):
+        if saved == mine or (key in fixes and _same(fixes[key], saved, mine)):
             continue
         if key in knob:  # derived: say it in the words of what the user set
             raise StateMismatch(
