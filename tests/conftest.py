@@ -222,6 +222,29 @@ def eu(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
         node.stop()
 
 
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
+    """Region ``small`` of one test alone: pq@2 staged, room for one version, no pins.
+
+    The plan, pin and warm tests share it (``test_plan_defects`` has the registry
+    and topology helpers; each test gets its own registry, so any order passes).
+    """
+    from edgeutil import stub
+    from test_plan_defects import published, topology_file
+
+    from edgecache.clients.node_client import start_local_node
+    from edgecache.v1 import edge_pb2
+
+    registry = published(tmp_path)
+    node = start_local_node("small", tmp_path / "cache-small", registry, capacity="50KiB")
+    try:
+        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="pq", version=2)))
+        topology_file(tmp_path / "small.yaml", registry, small=node.address)
+        yield tmp_path, node
+    finally:
+        node.stop()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's S3 server on loopback, with this process's AWS settings pointed at it."""

@@ -70,19 +70,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[
     tiny.stop()
 
 
-@pytest.fixture
-def small(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
-    """Region ``small`` of this test alone: pq@2 staged, room for one version, no pins."""
-    registry = published(tmp_path)
-    node = start_local_node("small", tmp_path / "cache-small", registry, capacity="50KiB")
-    try:
-        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="pq", version=2)))
-        topology_file(tmp_path / "small.yaml", registry, small=node.address)
-        yield tmp_path, node
-    finally:
-        node.stop()
-
-
 def resident(node: LocalNode, dataset: str, version: int) -> edge_pb2.ResidentVersion:
     """What ``node`` says of one version, found by name (pins without data are listed too)."""
     (found,) = [v for v in status(node).versions if (v.dataset, v.version) == (dataset, version)]

@@ -11,37 +11,22 @@ nor ``warm``, nor the executor (the controller's) may take it, as
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pytest
 from edgeutil import edgecache, publish, stub, write_parquet_shards
-from test_plan_defects import published, resident, schedule, status, topology_file
+from test_plan_defects import resident, schedule, status, topology_file
 
 from edgecache.cache.planner import Eviction, Job, Plan, RegionPlan, RegionState, plan
 from edgecache.cache.registry import Registry
 from edgecache.clients.executor import PlanExecutor
-from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.node_client import start_local_node
 from edgecache.clients.ops import make_plan
 from edgecache.clients.topology import load_schedule, load_topology
 from edgecache.v1 import edge_pb2
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 GiB = 2**30
-
-
-@pytest.fixture
-def small(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
-    """Region ``small`` of this test alone: pq@2 staged, room for one version, no pins."""
-    registry = published(tmp_path)
-    node = start_local_node("small", tmp_path / "cache-small", registry, capacity="50KiB")
-    try:
-        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="pq", version=2)))
-        topology_file(tmp_path / "small.yaml", registry, small=node.address)
-        yield tmp_path, node
-    finally:
-        node.stop()
 
 
 def pinned_by_another_schedule(root: Path, now: datetime) -> datetime:

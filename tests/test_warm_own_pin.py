@@ -15,29 +15,13 @@ file:// registry, pq@2 staged.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
-import pytest
 from edgeutil import edgecache, stub
-from test_plan_defects import published, resident, schedule, topology_file
+from test_plan_defects import resident, schedule
 
-from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.node_client import LocalNode
 from edgecache.v1 import edge_pb2
-
-
-@pytest.fixture
-def small(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
-    """Region ``small`` of this test alone, as in ``test_plan_pins``: pq@2 staged, no pins."""
-    registry = published(tmp_path)
-    node = start_local_node("small", tmp_path / "cache-small", registry, capacity="50KiB")
-    try:
-        list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="pq", version=2)))
-        topology_file(tmp_path / "small.yaml", registry, small=node.address)
-        yield tmp_path, node
-    finally:
-        node.stop()
 
 
 def pinned_until(node: LocalNode) -> datetime | None:
