@@ -43,6 +43,17 @@ def doctor(config: Path, *args: str, command: list[str] | None = None, env=None)
     return json.loads(out.stdout)
 
 
+def assert_sound(path: dict) -> None:
+    """No problem on a loopback path, but a loss the doctor measured.
+
+    Loopback loses nothing on its own; a host this loaded (the suite on both cores) can
+    drop segments at a full socket buffer, which the doctor counts and says as a loss: a
+    measurement, not a false report. Anything else is a defect.
+    """
+    measured = path.get("segments_retransmitted", 0) > 0
+    assert all(measured and p.startswith("loss ") for p in path["problems"]), path
+
+
 def test_nodes_measure_their_paths_to_origin_and_to_peers(s3_endpoint: str, tmp_path: Path) -> None:
     bucket = f"doc-{uuid.uuid4().hex[:10]}"
     make_bucket(s3_endpoint, bucket)
@@ -93,7 +104,7 @@ def test_nodes_measure_their_paths_to_origin_and_to_peers(s3_endpoint: str, tmp_
         registry_path = paths[("eu", "registry")]
         assert registry_path["kind"] == "registry" and origin["kind"] == "origin"
         assert registry_path["rtt_ms"] and registry_path["segments_sent"] > 0, registry_path
-        assert not registry_path["problems"], registry_path
+        assert_sound(registry_path)
         us_registry = paths[("us", "registry")]  # holds nothing: no manifest to time, an upload
         assert us_registry["segments_sent"] > 0, us_registry
         assert "stage a version" in us_registry["note"], us_registry
@@ -164,7 +175,7 @@ def test_a_diagnose_that_fails_for_another_reason_than_the_token_says_that_reaso
             ("us", "registry"),
         }, set(paths)
         # The node measured what it could: nothing held yet, a registry on its own disk.
-        assert not paths[("eu", "origin")]["problems"], paths[("eu", "origin")]
+        assert_sound(paths[("eu", "origin")])
         assert "local filesystem" in paths[("eu", "registry")]["note"], paths[("eu", "registry")]
         # Its peer is down: the node says so (UNAVAILABLE, naming the peer), not the token.
         (peer,) = paths[("eu", gone)]["problems"]
