@@ -53,19 +53,21 @@ def fetch_manifest(pool: NodePool, dataset: str, version: int | None) -> pb.Mani
 def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | None) -> pb.Manifest:
     """The manifest from the first local cache (``lmdb://``) that keeps the version's.
 
+    ``version`` None (``@latest``): the newest version any of the caches keeps.
+
     Each store is given back before returning (and closed if no reader of this
     process holds it): an LMDB environment must not be open in a process that
     forks DataLoader workers which open it again.
     """
     damaged: list[str] = []
+    # @latest: the newest version any of the caches keeps a manifest of, evicted ones too:
+    # as a node would, it resolves to what is newest (the first cache's newest could be
+    # older than another's), and reading it then says the data must be staged again
+    # (ShardNotCached), never "unknown".
+    wanted = version or max((_newest(e, dataset) for e in endpoints), default=0) or None
     for endpoint in endpoints:
         store = local_stores.acquire(endpoint.target)
         try:
-            # The newest version whose manifest the cache keeps, evicted ones too: as a
-            # node would, it resolves to what is newest, and reading it then says the
-            # data must be staged again (ShardNotCached), never "unknown".
-            numbers = store.manifest_versions(dataset)
-            wanted = version or (numbers[-1] if numbers else None)
             raw = store.get_manifest(dataset, wanted) if wanted else None
         finally:
             local_stores.release(store)
@@ -88,6 +90,16 @@ def local_manifest(endpoints: Sequence[Endpoint], dataset: str, version: int | N
         f"{dataset}@{version or 'latest'} is in none of the local caches "
         f"{[e.target for e in endpoints]}; stage it first (edgecache warm)"
     )
+
+
+def _newest(endpoint: Endpoint, dataset: str) -> int:
+    """The newest version of ``dataset`` a local cache keeps a manifest of (0: none)."""
+    store = local_stores.acquire(endpoint.target)
+    try:
+        numbers = store.manifest_versions(dataset)
+    finally:
+        local_stores.release(store)
+    return numbers[-1] if numbers else 0
 
 
 def select_columns(

@@ -111,3 +111,28 @@ def test_component_column_may_not_name_a_column_a_component_has(cache: str) -> N
     assert set(batch) == {"input_ids", "input_ids_lengths"}
     assert batch["input_ids_lengths"].tolist() == [0] * 50
     ds.close()
+
+
+def test_latest_over_local_caches_is_the_newest_any_of_them_keeps(tmp_path) -> None:
+    """lmdb:// endpoints only: @latest was the newest version of the first cache that kept
+    the dataset, d@1 here, though the second keeps d@2."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=200)
+    for _ in range(2):
+        publish(registry, f"file://{tmp_path}/origin", "d")
+    for version in (1, 2):
+        node = start_local_node("eu", tmp_path / f"cache{version}", registry)
+        try:
+            for _ in stub(node.address).Stage(edge_pb2.StageRequest(dataset="d", version=version)):
+                pass
+        finally:
+            node.stop()
+    caches = [f"lmdb://{tmp_path}/cache1", f"lmdb://{tmp_path}/cache2"]
+    ds = EdgeDataset("d", endpoints=caches, batch_size=50)
+    assert ds.components == ["d@2"]
+    assert sum(len(b["label"]) for b in ds) == 200  # read from the second cache
+    ds.close()
+    # Named, a version comes from the first cache that keeps it, as before.
+    one = EdgeDataset("d@1", endpoints=caches, batch_size=50)
+    assert one.components == ["d@1"]
+    one.close()
