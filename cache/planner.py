@@ -579,8 +579,10 @@ class _Lacks:
     earlier job that had not fit stage more, or let a version stay that a
     later job reads while this one runs, and the next plan asked for more. It
     can be more than the least that would do (what is counted may be gone
-    before it is in the way), never less. The count is over the jobs whose
-    times meet this one's, so it stays fast.
+    before it is in the way), never less. The count walks back over the jobs
+    planned before this one while their reach (the latest end so far) meets
+    this one's times: few jobs usually, all earlier ones behind a job that runs
+    for long (4,000 jobs that cannot fit behind one ten-year job: 0.6 s).
     """
 
     def __init__(

@@ -824,7 +824,10 @@ class Controller:
                 sooner = region_plan.pins[version]
                 if placed and recorded is not None and recorded - sooner > timedelta(seconds=1):
                     if warm_reads_it(region, spec):
-                        continue  # a job warm recorded may read it until then: keep it
+                        # A job warm recorded may read it until then: keep the pin, and the
+                        # node's time in the record, to match (and release) it later.
+                        unshortened[key] = until
+                        continue
                     problem = self.executor.shorten(node, version, sooner)
                     if problem:
                         failures.append(problem)

@@ -117,7 +117,7 @@ def _same(fixes: Any, saved: object, mine: object) -> bool:
     """Whether two values of a knob fix the same order (a saved value that fails: not)."""
     try:
         return bool(fixes(saved) == fixes(mine))
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, KeyError):
         return False
 
 

@@ -372,7 +372,8 @@ class PlanExecutor:
 
         For the caller's own pin only (its job now ends sooner): :meth:`pin` never
         cuts a longer pin short, since it may be another schedule's. A node held
-        as down is not called (None: nothing said, the caller keeps its record).
+        as down this round is not called again: that is said, as a failure to
+        shorten, and the caller keeps the node's time in its record to try again.
         """
         if node in self.calls.down:
             return f"{node} is down this round: its pin of {version[0]}@{version[1]} stays"

@@ -286,6 +286,35 @@ def test_a_job_moved_to_end_sooner_has_its_pin_shortened_then_released(site) -> 
         controller.close()
 
 
+def test_a_shortening_held_back_for_warms_job_keeps_the_nodes_time_in_the_record(
+    site, monkeypatch
+) -> None:
+    """The controller keeps its longer pin while a job warm recorded reads the version; its
+    record took the plan's sooner time all the same, no longer matched the node's, and the
+    pin was never released once both jobs were gone. What warm's record says is given
+    through ``_warm_reads`` (warm runs on the real clock; this controller's is set by hand)."""
+    root, _, node = site
+    schedule(root, job("j", "eu", T0 + HOUR, 6, "a@1"))
+    clock = Clock(T0)
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        controller.tick()
+        controller.wait_idle()
+        monkeypatch.setattr(controller, "_warm_reads", lambda: {("eu", "a@1")})
+        schedule(root, job("j", "eu", T0 + HOUR, 2, "a@1"))  # j now ends at +3 h
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 7 * HOUR}  # kept: warm's job may need it
+        monkeypatch.setattr(controller, "_warm_reads", set)  # warm's job is over
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 3 * HOUR}  # now shortened to j's end
+        schedule(root)
+        clock.now = T0 + 2 * HOUR
+        controller.tick()
+        assert pins_on(node) == {}
+    finally:
+        controller.close()
+
+
 # ------------------------------------------------------- a node that never answers
 
 

@@ -136,3 +136,16 @@ def test_latest_over_local_caches_is_the_newest_any_of_them_keeps(tmp_path) -> N
     one = EdgeDataset("d@1", endpoints=caches, batch_size=50)
     assert one.components == ["d@1"]
     one.close()
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [[0, TOTAL // 2, 7], {"lo": 0, "hi": TOTAL // 2}, ["0", str(TOTAL // 2)], [True, TOTAL]],
+)
+def test_a_malformed_rows_in_a_state_is_a_mismatch(cache: str, saved: object) -> None:
+    """Three values, a mapping, text or a bool where rows= has two numbers: refused as a
+    mismatch (three values were cut to two and resumed, a mapping raised KeyError)."""
+    state = make(cache, rows=(0, TOTAL // 2)).state_dict()
+    state["order"]["rows"] = saved
+    with pytest.raises(StateMismatch, match=r"the state was saved with rows="):
+        make(cache, rows=(0, TOTAL // 2)).load_state_dict(state)
