@@ -131,17 +131,28 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
         finally:
             release(store)
     alone = bool(local) and len(local) == len(endpoints)
+    # Every version none of the caches holds a shard of, at once (a mixture's second was
+    # said only once the first was staged again and the dataset built again).
+    empty = [
+        f"{m.dataset}@{m.version}"
+        for m in manifests
+        if alone and not any(held.get((m.dataset, m.version), {}).values())
+    ]
+    if empty:
+        where = ", ".join(str(paths[e.text]) for e in local)
+        state = f"the cache at {where} holds" if len(local) == 1 else f"none of {where} holds"
+        advice = " ".join(restage_advice(name, local[-1].text) for name in empty[:1])
+        if len(empty) > 1:
+            advice += "; the same for " + ", ".join(empty[1:])
+        raise ShardNotCached(
+            f"{state} no shard of {', '.join(empty)}, only "
+            f"{'its manifest' if len(empty) == 1 else 'their manifests'}: "
+            f"{EVICTED_OR_NOT_STAGED}. {advice}"
+        )
     for manifest in manifests:
         name = f"{manifest.dataset}@{manifest.version}"
         counts = held.get((manifest.dataset, manifest.version), {})
         total = len(manifest.shards)
-        if alone and not any(counts.values()):
-            where = ", ".join(str(paths[e.text]) for e in local)
-            state = f"the cache at {where} holds" if len(local) == 1 else f"none of {where} holds"
-            raise ShardNotCached(
-                f"{state} no shard of {name}, only its manifest: {EVICTED_OR_NOT_STAGED}. "
-                + restage_advice(name, local[-1].text)
-            )
         if alone:
             # Nothing reads the missing shards: require_shards refuses the version
             # (or reads a split the caches hold), so "read elsewhere" would be false.
@@ -186,18 +197,27 @@ def require_shards(
             release(store)
     where = ", ".join(paths)
     state = f"the cache at {where} holds" if len(paths) == 1 else f"{where} hold"
-    for have, m, shards in zip(found, manifests, needed, strict=True):
-        lacking = len(shards - have)
-        if lacking:
-            name = f"{m.dataset}@{m.version}"
-            raise ShardNotCached(
-                f"{state} {len(shards) - lacking} of the {len(shards)} shards of {name} "
-                f"this dataset reads: the other {lacking} are in none of them, and nothing "
-                "fetches into a cache read directly (a read of one would end the epoch). "
-                f"Stage the version there and let it finish (edgecache warm {name} --region "
-                f"<its region>), or list the node's gRPC endpoint after {local[-1].text} so "
-                "reads fetch them through it"
-            )
+    # Every version that lacks shards, at once: a mixture's second incomplete component
+    # was said only once the first was staged and the dataset built again.
+    short = [
+        (f"{m.dataset}@{m.version}", len(shards - have), len(shards))
+        for have, m, shards in zip(found, manifests, needed, strict=True)
+        if shards - have
+    ]
+    if short:
+        counts = "; ".join(
+            f"{total - lacking} of the {total} shards of {name} this dataset reads "
+            f"(the other {lacking} are in none of them)"
+            for name, lacking, total in short
+        )
+        them = "it" if len(short) == 1 else "them"
+        warm = "; ".join(f"edgecache warm {name} --region <its region>" for name, _, _ in short)
+        raise ShardNotCached(
+            f"{state} {counts}, and nothing fetches into a cache read directly (a read of "
+            f"one would end the epoch). Stage {them} there and let {them} finish ({warm}), "
+            f"or list the node's gRPC endpoint after {local[-1].text} so reads fetch them "
+            "through it"
+        )
 
 
 def _open_beside_inherited(key: str) -> CacheStore:

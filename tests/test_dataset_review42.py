@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from edgeutil import publish, stub, write_parquet_shards
 
-from edgecache.cache.errors import StateMismatch
+from edgecache.cache.errors import ShardNotCached, StateMismatch
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import start_local_node
 from edgecache.v1 import edge_pb2
@@ -149,3 +149,25 @@ def test_a_malformed_rows_in_a_state_is_a_mismatch(cache: str, saved: object) ->
     state["order"]["rows"] = saved
     with pytest.raises(StateMismatch, match=r"the state was saved with rows="):
         make(cache, rows=(0, TOTAL // 2)).load_state_dict(state)
+
+
+def test_every_component_a_local_cache_lacks_is_named_at_once(tmp_path) -> None:
+    """lmdb:// alone, a mixture whose two components were evicted: the error named the first
+    only, and the second came up once the first was staged again."""
+    registry = f"file://{tmp_path}/registry"
+    for name in ("web", "code"):
+        write_parquet_shards(tmp_path / name, 1, rows=200)
+        publish(registry, f"file://{tmp_path}/{name}", name)
+    node = start_local_node("eu", tmp_path / "cache", registry)
+    try:
+        for name in ("web", "code"):
+            for _ in stub(node.address).Stage(edge_pb2.StageRequest(dataset=name, version=1)):
+                pass
+            stub(node.address).Evict(edge_pb2.EvictRequest(dataset=name, version=1), timeout=30)
+    finally:
+        node.stop()
+    with pytest.raises(ShardNotCached) as raised:
+        make(f"lmdb://{tmp_path}/cache", {"web@1": 0.5, "code@1": 0.5})
+    message = str(raised.value)
+    assert "holds no shard of web@1, code@1, only their manifests" in message, message
+    assert "edgecache warm web@1 --region" in message and "the same for code@1" in message
