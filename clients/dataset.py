@@ -321,27 +321,15 @@ def _check_component_column(
         )
 
 
-def kept_rows(manifests: Sequence[pb.Manifest], rows: Sequence[float] | None) -> list[Any]:
+def kept_rows(manifests: Sequence[pb.Manifest], rows: object) -> list[Any]:
     """The rows a ``rows=`` value keeps of each version: what fixes the order.
 
     ``(0.5, 1.0)`` and ``(10000, 20000)`` of 20,000 rows are one split, for the
-    ranks' check and for resuming a state alike.
+    ranks' check and for resuming a state alike. A value ``rows=`` would refuse
+    (a state may hold anything) raises ValueError, as :func:`parse_rows` does.
     """
-    if rows is not None and not _two_numbers(rows):
-        raise ValueError(f"rows={rows!r} is not two row numbers or two fractions")
-    cut = None if rows is None else (rows[0], rows[1])
+    cut = parse_rows(rows)
     return [split_extents([s.row_count for s in m.shards], cut) for m in manifests]
-
-
-def _two_numbers(rows: object) -> bool:
-    """Whether ``rows`` is two numbers of one kind, as ``rows=`` is (a state may hold any)."""
-    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)) or len(rows) != 2:
-        return False
-    if any(isinstance(x, bool) for x in rows):
-        return False
-    return all(isinstance(x, numbers.Integral) for x in rows) or all(
-        isinstance(x, float) for x in rows
-    )
 
 
 def _differing_order(every: Sequence[dict[str, Any]], manifests: Sequence[pb.Manifest]) -> str:
