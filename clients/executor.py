@@ -424,7 +424,7 @@ class PlanExecutor:
                 out.released.append(pin)
                 continue
             if pin.shorten_to is not None:  # a job still reads it there, until then
-                problem = self._pin_node(pin.node, pin.key, pin.shorten_to)
+                problem = self.shorten(pin.node, pin.key, pin.shorten_to)
                 if problem is None:
                     out.released.append(pin)
                 else:
