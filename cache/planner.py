@@ -415,7 +415,7 @@ def _plan_region(
             origin_begin = max(cursor, link_free)
             options = []  # (misses the deadline, from origin, finish, source, bw, bytes, begin)
             if state.origin_rate > 0:
-                moved = sized.source - sized.source * held_now // max(size, 1)
+                moved = _origin_bytes(sized, held_now)
                 finish = origin_begin + timedelta(seconds=moved / state.origin_rate)
                 options.append(
                     (finish > job.start, True, finish, "origin", state.origin_rate, moved,
@@ -654,7 +654,7 @@ class _Lacks:
         held = min(self.partial.get(version, 0), sized.stored)
         seconds = []
         if state.origin_rate > 0:
-            moved = sized.source - sized.source * held // max(sized.stored, 1)
+            moved = _origin_bytes(sized, held)
             seconds.append(moved / state.origin_rate)
         for peer, bandwidth in state.peer_bandwidth.items():
             ready = self.ready_at.get((peer, version))
@@ -662,6 +662,14 @@ class _Lacks:
                 seconds.append((sized.stored - held) / bandwidth)
         duration = timedelta(seconds=max(seconds, default=0.0))
         return duration + _margin(duration)
+
+
+def _origin_bytes(sized: VersionSize, held: int) -> int:
+    """The source bytes origin sends for a version of which ``held`` stored bytes are held.
+
+    Origin sends source bytes (a peer stored ones): the share not held yet, of them.
+    """
+    return sized.source - sized.source * held // max(sized.stored, 1)
 
 
 def _in_the_way(
