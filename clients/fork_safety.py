@@ -14,20 +14,45 @@ that neither finished nor was closed) keeps gRPC busy, and the fork skips the
 handlers too. The node pools registered here (:func:`watch_calls`) say how many
 calls they hold open; finishing or closing the iterator ends them.
 
-The poller is recognised by its thread's name (grpcio's ``_poll_wrapper``), which
-is grpcio's implementation, not its API: if a release renames it, the warning
-stays silent and nothing else changes.
+Any other thread of the process inside a short gRPC call at the fork (a user's
+own client, a channel being torn down) is worse: gRPC's fork handling in the
+forking process itself can abort it (``ares_resolver.cc ... Check failed:
+channel_ != nullptr``) and its workers segfault, with no EdgeDataset stream
+open at all (tests/test_fork_safety.py reproduces it in a few seconds). Before
+each fork the process waits, up to :data:`CALL_WAIT_S`, for such calls to end
+(:func:`wait_for_grpc_calls`); a thread still inside then (a stream waiting for
+its next message) is not waited for again.
+
+The poller is recognised by its thread's name (grpcio's ``_poll_wrapper``) and a
+call by its frames in grpcio's ``grpc/_channel.py``: grpcio's implementation, not
+its API. If a release renames them, the warning stays silent and forks are not
+delayed; nothing else changes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
+import time
 import weakref
+from types import FrameType
 from typing import Protocol
 
-__all__ = ["grpc_aio_running", "watch", "watch_calls"]
+__all__ = [
+    "grpc_aio_running",
+    "threads_in_grpc_calls",
+    "wait_for_grpc_calls",
+    "watch",
+    "watch_calls",
+]
+
+# How long a fork waits for other threads' gRPC calls to end. Unary calls and channel
+# teardown take milliseconds; a thread still inside after this is in a stream.
+CALL_WAIT_S = 1.0
+_CHANNEL_CODE = os.path.join("grpc", "_channel.py")
+_LONG_CALLS: set[int] = set()  # threads a fork waited out: streams, not waited for again
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +82,50 @@ def grpc_aio_running() -> bool:
     return any("_poll_wrapper" in thread.name for thread in threading.enumerate())
 
 
+def threads_in_grpc_calls() -> dict[int, list[str]]:
+    """Other threads now inside a call of gRPC's sync API: thread id → its frames, innermost first.
+
+    Recognised by a frame in grpcio's ``grpc/_channel.py`` (a unary call, a stream's
+    next message, a channel's close or ``__del__``).
+    """
+    inside: dict[int, list[str]] = {}
+    frames = sys._current_frames()
+    me = threading.get_ident()
+    for ident, frame in frames.items():
+        if ident == me:
+            continue
+        names: list[str] = []
+        walked: FrameType | None = frame
+        while walked is not None and len(names) < 40:
+            names.append(f"{walked.f_code.co_name}@{os.path.basename(walked.f_code.co_filename)}")
+            if walked.f_code.co_filename.endswith(_CHANNEL_CODE):
+                inside[ident] = names
+            walked = walked.f_back
+    del frames  # a thread's frames held here would keep its locals alive
+    return inside
+
+
+def wait_for_grpc_calls(limit_s: float = CALL_WAIT_S) -> dict[int, list[str]]:
+    """Wait up to ``limit_s`` for other threads to leave gRPC; those still inside.
+
+    Threads a wait ran out on (streams waiting for a message) are not waited for at
+    later forks: a DataLoader forking eight workers would otherwise wait eight times.
+    """
+    deadline = time.monotonic() + limit_s
+    while True:
+        inside = threads_in_grpc_calls()
+        waiting = set(inside) - _LONG_CALLS
+        if not waiting:
+            return inside
+        if time.monotonic() >= deadline:
+            _LONG_CALLS.update(waiting)
+            return inside
+        time.sleep(0.002)  # without the GIL: the calls go on
+
+
 def _before_fork() -> None:
+    wait_for_grpc_calls()
+    _LONG_CALLS.intersection_update(t.ident for t in threading.enumerate())
     if os.getpid() in _WARNED:
         return
     calls = sum(pool.calls_in_flight() for pool in list(_POOLS))

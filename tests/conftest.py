@@ -6,8 +6,10 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import pytest
 # lock (collecting a dataset closes its pool, which joins a prober that may wait on it).
 import edgecache.clients.node_pool  # noqa: F401  # isort: skip
 from edgecache.cache.store import CacheStore
-from edgecache.clients.fork_safety import grpc_aio_running
+from edgecache.clients.fork_safety import grpc_aio_running, wait_for_grpc_calls
 from edgecache.clients.node_client import LocalNode
 
 # pytest-timeout's alarm (timeout in pyproject.toml) raises in the main thread, so it
@@ -30,6 +32,7 @@ from edgecache.clients.node_client import LocalNode
 # no GIL needed) prints every thread's stack to the real stderr and ends the run.
 BACKSTOP = 120.0
 _STDERR: list[int] = []
+_CRASH: list[int] = []  # where fatal errors and the backstop write (see _crash_file)
 
 
 _RUNNING: list[str] = []  # the test running now, for the fork guard's message
@@ -39,7 +42,30 @@ _RUNNING: list[str] = []  # the test running now, for the fork guard's message
 _LOADER_ITERATORS: weakref.WeakSet[object] = weakref.WeakSet()
 
 
+# Where each xdist worker's fatal-error and hang reports go (EDGECACHE_TEST_CRASH_DIR, made
+# by the controller): a worker's own stderr reaches CI's log only in the middle of the
+# progress dots, which a shortened log cuts, and "worker 'gw1' crashed" then says nothing.
+CRASH_DIR_ENV = "EDGECACHE_TEST_CRASH_DIR"
+_CRASHED: list[str] = []  # worker ids the controller saw crash
+
+
+def _crash_file(config: pytest.Config) -> int:
+    """The file descriptor this process's crash and hang stacks are written to.
+
+    An xdist worker writes to a file of its own, which the controller prints after the
+    summary (:func:`pytest_unconfigure`); a run without workers writes to the terminal.
+    """
+    workerinput = getattr(config, "workerinput", None)
+    folder = os.environ.get(CRASH_DIR_ENV)
+    if workerinput is None or not folder:
+        return _STDERR[0]
+    name = f"crash-{workerinput['workerid']}-{os.getpid()}.txt"
+    return os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", None) is None and CRASH_DIR_ENV not in os.environ:
+        os.environ[CRASH_DIR_ENV] = tempfile.mkdtemp(prefix="edgecache-test-crash-")
     # pytest-xdist's workers run with COLUMNS=80 in their environment. rich's consoles fix
     # their width from COLUMNS when they are made (when the CLI is imported, after this), so
     # a test that gives the CLI another width (CliRunner's env=) would get it in a plain run
@@ -47,6 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("COLUMNS", None)
     # Capture is suspended while plugins configure: this is the terminal's stderr.
     _STDERR.append(os.dup(sys.stderr.fileno()))
+    # A segfault or abort prints every thread's stack there (pytest's own faulthandler
+    # plugin is off in pyproject.toml: it would write to the worker's stderr instead).
+    _CRASH.append(_crash_file(config))
+    faulthandler.enable(file=_CRASH[0], all_threads=True)
     from torch.utils.data import dataloader
 
     workers_iter = dataloader._MultiProcessingDataLoaderIter
@@ -66,6 +96,52 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     finally:
         _shut_down_loaders()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note the workers the controller saw die (xdist reports them as a test's failure)."""
+    found = re.search(r"worker '(\w+)' crashed", str(report.longrepr or ""))
+    if found and found.group(1) not in _CRASHED:
+        _CRASHED.append(found.group(1))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After the summary, print what each dead worker wrote as it died (or that it wrote nothing).
+
+    Printed last so that a log that keeps only its tail still shows it.
+    """
+    folder = os.environ.get(CRASH_DIR_ENV)
+    if getattr(config, "workerinput", None) is not None or not folder or not _CRASHED:
+        return
+    out = [f"\n{len(_CRASHED)} test worker(s) died: {', '.join(_CRASHED)}"]
+    for worker in _CRASHED:
+        files = sorted(Path(folder).glob(f"crash-{worker}-*.txt"))
+        text = "\n".join(_stacks(f.read_text(errors="replace")) for f in files).strip()
+        if text:
+            out.append(f"--- what {worker} wrote as it died ({', '.join(map(str, files))}):")
+            out.append(text)
+        else:
+            out.append(
+                f"--- {worker} wrote nothing as it died: killed by a signal faulthandler cannot "
+                "catch (SIGKILL: the OOM killer, a timeout's kill -9?)"
+            )
+    os.write(_STDERR[0] if _STDERR else 2, ("\n".join(out) + "\n").encode())
+
+
+# Frames of the test harness (pytest, pluggy, xdist, execnet): the same in every stack.
+_HARNESS = re.compile(r"site-packages/(_pytest|pluggy|xdist|execnet)/|File \"<string>\"")
+
+
+def _stacks(dump: str) -> str:
+    """A faulthandler dump shortened for a log: harness frames left out, the thread that
+    died (or the main thread, for a hang) last, where a log's tail keeps it."""
+    blocks = [b for b in re.split(r"\n\s*\n", dump.strip()) if b.strip()]
+    kept: list[tuple[bool, str]] = []
+    for block in blocks:
+        lines = [line for line in block.splitlines() if not _HARNESS.search(line)]
+        if len(lines) > 1 or (lines and "Fatal Python error" in lines[0]):
+            kept.append(("Current thread" in lines[0] or "<module>" in block, "\n".join(lines)))
+    return "\n\n".join(text for _, text in sorted(kept, key=lambda k: k[0]))
 
 
 def _shut_down_loaders() -> None:
@@ -106,34 +182,24 @@ def _before_fork() -> None:
 
 
 def _report_calls_in_flight() -> None:
-    """Name the threads inside a sync gRPC call when this process forks.
+    """Name the threads still inside a sync gRPC call when this process forks.
 
     gRPC core skips its fork handlers while any thread is in a call (a stream a
     test left open, a probe), and a DataLoader worker forked then may abort in
-    its first call (ev_epoll1 "Check failed"): seen once in three CI runs, with
-    no culprit named. Frames are named by code object only (no source lines):
-    this runs inside every fork and must stay cheap.
+    its first call (ev_epoll1 "Check failed"), or this process in the fork. The
+    product's fork hook waits for short calls to end
+    (:func:`~edgecache.clients.fork_safety.wait_for_grpc_calls`, run here first
+    so that only what it could not wait out is named).
     """
     if not _STDERR:
         return
-    frames = sys._current_frames()
-    # This frame is among them: held in its own locals it would be a cycle, keeping every
-    # caller's frame (a test's DataLoader iterator, say) alive until the next collection.
-    del frames[threading.get_ident()]
-    for ident, frame in frames.items():
-        names: list[str] = []
-        walked: object = frame
-        while walked is not None and len(names) < 40:
-            code = walked.f_code  # type: ignore[attr-defined]
-            names.append(f"{code.co_name}@{os.path.basename(code.co_filename)}")
-            walked = walked.f_back  # type: ignore[attr-defined]
-        if any(name.endswith("@_channel.py") for name in names):
-            where = _RUNNING[-1] if _RUNNING else "outside a test"
-            os.write(
-                _STDERR[0],
-                f"\nfork guard: thread {_thread_name(ident)!r} is inside a gRPC call at a "
-                f"fork ({where}): {' < '.join(names)}\n".encode(),
-            )
+    for ident, names in wait_for_grpc_calls().items():
+        where = _RUNNING[-1] if _RUNNING else "outside a test"
+        os.write(
+            _STDERR[0],
+            f"\nfork guard: thread {_thread_name(ident)!r} is inside a gRPC call at a "
+            f"fork ({where}): {' < '.join(names)}\n".encode(),
+        )
 
 
 def _thread_name(ident: int) -> str:
@@ -154,7 +220,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
             return (yield)
         finally:
             _stop_controllers_left_running(item.nodeid)
-    faulthandler.dump_traceback_later(float(limit) + BACKSTOP, exit=True, file=_STDERR[0])
+    faulthandler.dump_traceback_later(float(limit) + BACKSTOP, exit=True, file=_CRASH[0])
     try:
         return (yield)
     finally:

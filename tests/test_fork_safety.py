@@ -55,3 +55,63 @@ def test_a_fork_with_an_iterator_left_open_is_warned_once(tmp_path: Path, iterat
     assert said.count(OPEN_STREAMS) == 1, said  # two forks, one warning
     line = next(line for line in said.splitlines() if OPEN_STREAMS in line)
     assert "it.close()" in line and "multiprocessing_context='forkserver'" in line, line
+
+
+def test_workers_start_beside_a_thread_making_grpc_calls(tmp_path: Path) -> None:
+    """A thread of the training process calls gRPC every 20 ms while loaders fork workers.
+
+    Forked inside one of its calls, gRPC's fork handling aborted this process
+    (``ev_epoll1_linux.cc ... Check failed``, ``ares_resolver.cc ... Check failed``) or
+    a worker segfaulted, within a few forks here, though the workers read
+    ``lmdb://`` and never touch gRPC (``nowait`` below shows it). Each fork now waits
+    for the call in flight to end.
+    """
+    done = subprocess.run(
+        [sys.executable, str(HERE / "busy_grpc_fork_child.py"), str(tmp_path), "40", "wait"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
+    )
+    assert done.returncode == 0 and "passes 40" in done.stdout, done.stderr[-3000:]
+    assert "skipping fork() handlers" not in done.stderr
+
+
+def test_a_fork_waits_out_a_long_call_once(tmp_path: Path) -> None:
+    """A stream waiting for its next message outlasts any wait: the next fork does not wait."""
+    import socket
+    import threading
+    import time
+
+    import grpc
+
+    from edgecache.clients import fork_safety
+
+    with socket.socket() as silent:  # accepts, never speaks HTTP/2: the call just waits
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        channel = grpc.insecure_channel(f"127.0.0.1:{silent.getsockname()[1]}")
+        call = channel.unary_unary("/x.Y/Z")
+        caller = threading.Thread(target=_call, args=(call,), daemon=True)
+        caller.start()
+        deadline = time.monotonic() + 5
+        while caller.ident not in fork_safety.threads_in_grpc_calls():
+            assert time.monotonic() < deadline, "the call never started"
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert caller.ident in fork_safety.wait_for_grpc_calls(0.3)
+        assert time.monotonic() - started >= 0.3
+        started = time.monotonic()
+        assert caller.ident in fork_safety.wait_for_grpc_calls(0.3)
+        assert time.monotonic() - started < 0.1  # waited out once: not again
+        channel.close()
+        caller.join(timeout=5)
+
+
+def _call(call: object) -> None:
+    import grpc
+
+    try:
+        call(b"", timeout=10)  # type: ignore[operator]
+    except grpc.RpcError:
+        pass
