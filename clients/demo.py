@@ -39,7 +39,7 @@ from edgecache.cache.planner import Plan
 from edgecache.cache.registry import Registry
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
-from edgecache.clients.executor import PlanExecutor, TaskRun, WarmOutcome
+from edgecache.clients.executor import PlanExecutor, TaskRun, WarmOutcome, release_line
 from edgecache.clients.node_client import LocalNode, read_shard, start_local_node
 from edgecache.clients.ops import (
     NodeReport,
@@ -253,11 +253,8 @@ def _record_as_warm(
     """
     owner = schedule_owner(workdir / "schedule.yaml")
     released = executor.release(dropped_warm_pins(executor.topology, owner, plan, now), reports)
-    for pin in released.released:
-        say(
-            f"warm: {pin.region}: released the pin of {pin.version} on {pin.node}, an earlier "
-            "demo's: no job of the schedule reads it there any more"
-        )
+    for pin in released.released:  # an earlier demo's, in this --workdir
+        say(f"warm: {release_line(pin, plan)}")
     record_warmed_jobs(
         executor.topology,
         schedule,

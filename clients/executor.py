@@ -65,6 +65,7 @@ __all__ = [
     "Unpinned",
     "WarmOutcome",
     "eviction_blocker",
+    "release_line",
 ]
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,39 @@ class Released:
     released: list[WarmPin] = field(default_factory=list)
     kept: list[WarmPin] = field(default_factory=list)  # not released yet: the next run tries
     problems: list[str] = field(default_factory=list)  # why a release failed
+
+
+def release_line(pin: WarmPin, plan: Plan, *, dry_run: bool = False, who: str = "") -> str:
+    """What :meth:`PlanExecutor.release` did with ``pin`` (or would), as warm and the demo say it.
+
+    A pin with ``shorten_to`` was set to that time, not released: saying
+    "released" of it sent an operator looking for a pin the node still keeps.
+    ``who`` names the one that acts (``plan`` says what warm would do).
+    """
+    region = f"{pin.region}: {who} " if who else f"{pin.region}: "
+    if pin.shorten_to is None:
+        return (
+            f"{region}{'would release' if dry_run else 'released'} the pin of "
+            f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): no job of "
+            "the schedule reads it there any more"
+        )
+    region_plan = plan.regions.get(pin.region)
+    planned = region_plan.pins.get(pin.key) if region_plan is not None else None
+    others = "a job another schedule or the controller recorded reads it until then"
+    if planned is None:
+        why = f"no job of the schedule reads it there any more, and {others}"
+    elif pin.shorten_to - planned <= _SAME_PIN:
+        why = "the schedule's last job that reads it there now ends then (moved earlier)"
+    else:
+        why = (
+            f"the schedule's last job that reads it there now ends at "
+            f"{planned:%Y-%m-%d %H:%M}, and {others}"
+        )
+    return (
+        f"{region}{'would shorten' if dry_run else 'shortened'} the pin of "
+        f"{pin.version} on {pin.node} from {pin.until:%Y-%m-%d %H:%M} to "
+        f"{pin.shorten_to:%Y-%m-%d %H:%M}: {why}"
+    )
 
 
 @dataclass

@@ -215,3 +215,31 @@ def test_controller_once_refuses_a_bad_schedule_before_announcing_a_run(tmp_path
     )
     assert code == 2 and out == "", (out, err)
     assert f"{schedule}:3: jobs.0.region" in err and f"{schedule}:4: jobs.0.start" in err, err
+
+
+def test_warm_and_the_demo_say_a_shortened_pin_as_shortened_not_released() -> None:
+    """The demo said "released" of every pin it let go, a shortened one too (the node kept it)."""
+    from edgecache.cache.planner import Plan, RegionPlan
+    from edgecache.clients.executor import release_line
+
+    until = datetime(2026, 12, 5, 12, tzinfo=UTC)
+    pin = ops.WarmPin("/s.yaml", "10.0.0.1:7070", "eu", "b@1", until)
+    pins = {("b", 1): until - timedelta(hours=2)}
+    plan = Plan(regions={"eu": RegionPlan(pins=pins)}, infeasible=[], transfers={}, cost={})
+    assert release_line(pin, plan) == (
+        "eu: released the pin of b@1 on 10.0.0.1:7070 (until 2026-12-05 12:00): no job of the "
+        "schedule reads it there any more"
+    )
+    assert release_line(pin, plan, dry_run=True).startswith("eu: would release the pin of b@1")
+    moved = ops.WarmPin(**{**pin.__dict__, "shorten_to": until - timedelta(hours=2)})
+    line = release_line(moved, plan)
+    assert "released" not in line, line
+    assert line == (
+        "eu: shortened the pin of b@1 on 10.0.0.1:7070 from 2026-12-05 12:00 to 2026-12-05 "
+        "10:00: the schedule's last job that reads it there now ends then (moved earlier)"
+    )
+    other = ops.WarmPin(**{**pin.__dict__, "shorten_to": until - timedelta(hours=1)})
+    assert "now ends at 2026-12-05 10:00, and a job another schedule" in release_line(other, plan)
+    assert "no job of the schedule reads it there any more, and a job another" in release_line(
+        other, Plan(regions={}, infeasible=[], transfers={}, cost={})
+    )

@@ -119,3 +119,40 @@ def test_a_longer_pin_no_record_explains_is_kept_and_not_called_another_schedule
     assert "its nodes keep it until" in text and "no job of warm's or the controller's" in text
     assert "another schedule" not in text, text
     assert near(pinned_until(node), now + timedelta(hours=9))
+
+
+def test_plan_plans_on_the_pins_as_warm_leaves_its_own(small) -> None:
+    """plan made its own stale +7 h pin someone else's: a job reading pq@1 after the moved
+    job (room for one version) could not be met, though warm, which shortens the pin first,
+    then met it. plan now plans as warm acts, and says it would shorten the pin."""
+    root, node = small
+    now = datetime.now(UTC)
+    config = ["--config", str(root / "small.yaml")]
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=6), "pq@2"))
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and near(pinned_until(node), now + timedelta(hours=7)), (out, err)
+    moved = now + timedelta(minutes=10)
+    a = schedule(
+        root,
+        "a",
+        ("long", "small", moved, "pq@2"),
+        ("next", "small", now + timedelta(hours=3), "pq@1"),
+    )
+    code, out, err = edgecache("plan", str(a), *config)
+    text = said(out)
+    assert code == 0, (out, err)
+    assert "small: warm would shorten the pin of pq@2" in text, text
+    assert f"to {moved + timedelta(hours=1):%Y-%m-%d %H:%M}" in text, text
+    assert "evict" in text and "pq@1" in text, text
+    code, out, err = edgecache("plan", str(a), "--json", *config)
+    assert code == 0, (out, err)
+    planned = json.loads(out)
+    (released,) = planned["released"]
+    assert near(datetime.fromisoformat(released["shortened_to"]), moved + timedelta(hours=1))
+    assert [t["version"] for t in planned["regions"]["small"]["tasks"]] == ["pq@1"]
+    assert near(pinned_until(node), now + timedelta(hours=7))  # plan changes nothing
+    # warm rehearses the same: pq@1 is staged once the shortened pin has run out.
+    code, out, err = edgecache("warm", str(a), "--dry-run", *config)
+    assert code == 0, (out, err)
+    assert "would shorten the pin of pq@2" in said(out), out
+    assert "pq@1" in said(err) and "the plan starts it at" in said(err), err

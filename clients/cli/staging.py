@@ -47,6 +47,7 @@ from edgecache.clients.executor import (
     Released,
     TaskRun,
     WarmOutcome,
+    release_line,
 )
 from edgecache.clients.ops import WarmItem
 from edgecache.clients.plan_status import JobView
@@ -93,9 +94,12 @@ def plan(
     start, finish, deadline, jobs), regions.R.evictions (version, bytes, at,
     next_use, reason), regions.R.pins (version, until), infeasible (job,
     region, version, reason, unreachable), transfers (job, link, bytes) and
-    cost (job → egress price); with --status, one object per job instead.
+    cost (job → egress price), released (region, node, version, until,
+    shortened_to: the pins an earlier warm of this schedule placed that warm
+    lets go of, or shortens, before it acts; the plan is made as if it had);
+    with --status, one object per job instead.
     """
-    from edgecache.clients.ops import gather_status, make_plan, unreachable_regions
+    from edgecache.clients.ops import gather_status, unreachable_regions
     from edgecache.clients.topology import load_schedule
 
     options = Options(config, token_file)
@@ -104,7 +108,12 @@ def plan(
         now = parse_at(at) or datetime.now(UTC)
         reports = gather_status(options.topology, token=options.token)
         jobs, state = started_as_recorded(options.topology, jobs, now, always=show_status)
-        result, manifests = make_plan(options.topology, jobs, now=now, reports=reports)
+        # Planned as warm carries it out: on the pins as warm leaves them once it has let
+        # go of those its earlier run placed for jobs since moved or removed.
+        owner = ops.schedule_owner(schedule)
+        result, manifests, released, reports, _ = _plan_releasing_own_pins(
+            options.topology, options.token, jobs, owner, now, reports, dry_run=True
+        )
         if show_status:
             from edgecache.clients.controller import lease_holder
             from edgecache.clients.plan_status import job_views
@@ -125,8 +134,13 @@ def plan(
     if show_status:
         _print_status(views, as_json)
     elif as_json:
-        print(json.dumps(_plan_json(result), indent=2))
+        print(json.dumps({**_plan_json(result), "released": _released_json(released)}, indent=2))
     else:
+        for pin in released.released:
+            console.print(
+                release_line(pin, result, dry_run=True, who="warm")
+                + " (an earlier warm of this schedule placed it; planned as warm leaves it)"
+            )
         _print_plan(result, explain, unseen=_unseen_regions(reports), reported=set(down))
     for outage in down.values():
         error(outage.message())
@@ -592,23 +606,8 @@ def _plan_schedule(
     schedule, _ = started_as_recorded(topology, load_schedule(path, topology), now)
     owner = ops.schedule_owner(path)
     reports = ops.gather_status(topology, token=token)
-    plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
-    released = Released()
-    readers = ops.other_readers(topology, owner, now)
-    if dropped := ops.dropped_warm_pins(topology, owner, plan, now, readers=readers):
-        # Released before the plan is carried out, so their room is the plan's: planned
-        # again on what the nodes pin once they are gone.
-        executor = PlanExecutor(topology, token=token)
-        released = executor.release(dropped, reports, dry_run=dry_run)
-        if released.released:
-            # A dry run plans (and rehearses) on the pins as the release would leave
-            # them, so it shows the evictions and stages the real run then carries out.
-            reports = (
-                ops.without_pins(reports, released.released)
-                if dry_run
-                else ops.gather_status(topology, token=token)
-            )
-            plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
+    mine = _plan_releasing_own_pins(topology, token, schedule, owner, now, reports, dry_run=dry_run)
+    plan, manifests, released, reports, readers = mine
     down = ops.unreachable_regions(reports, schedule, now)
     holder = lease_holder(topology.registry)
     if holder is not None and not dry_run:
@@ -618,6 +617,43 @@ def _plan_schedule(
             "done twice, but its timing is not the controller's)"
         )
     return _ScheduleWork(schedule, plan, manifests, now, down, owner, released, reports, readers)
+
+
+def _plan_releasing_own_pins(
+    topology: Topology,
+    token: str | None,
+    schedule: Schedule,
+    owner: str,
+    now: datetime,
+    reports: list[ops.NodeReport],
+    *,
+    dry_run: bool,
+) -> tuple[
+    Plan, dict[str, pb.Manifest], Released, list[ops.NodeReport], dict[tuple[str, str], datetime]
+]:
+    """The schedule's plan once the pins its earlier warm placed and no longer needs are let go.
+
+    Warm releases (or shortens) them before it carries the plan out, so their room
+    is the plan's: planned again on what the nodes pin once they are gone. A dry
+    run, and ``plan``, release nothing and plan on the pins as the release would
+    leave them, so they show what the real warm then does; planned on the pins as
+    they stand, ``plan`` called the schedule's own stale longer pin another's and
+    planned around it. Returns the plan, its manifests, what was (or would be)
+    released, the reports planned on, and :func:`ops.other_readers` for ``owner``.
+    """
+    plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
+    released = Released()
+    readers = ops.other_readers(topology, owner, now)
+    if dropped := ops.dropped_warm_pins(topology, owner, plan, now, readers=readers):
+        released = PlanExecutor(topology, token=token).release(dropped, reports, dry_run=dry_run)
+        if released.released:
+            reports = (
+                ops.without_pins(reports, released.released)
+                if dry_run
+                else ops.gather_status(topology, token=token)
+            )
+            plan, manifests = ops.make_plan(topology, schedule, now=now, reports=reports)
+    return plan, manifests, released, reports, readers
 
 
 def _single_item(
@@ -803,23 +839,28 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
         out["pin_failures"] = outcome.pin_failures
         out["evict_failures"] = outcome.evict_failures
         out["release_failures"] = work.released.problems
-        out["released"] = [
-            {
-                "region": pin.region,
-                "node": pin.node,
-                "version": pin.version,
-                "until": json_time(pin.until),
-                # Set when the pin was shortened to this time, not released (a job another
-                # record holds still reads the version there).
-                "shortened_to": json_time(pin.shorten_to) if pin.shorten_to else None,
-            }
-            for pin in work.released.released
-        ]
+        out["released"] = _released_json(work.released)
         out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
     # A single version's degraded region too: its items read "done" for the nodes that
     # answered, and only this says which did not (and why the exit is 1).
     out["unreachable"] = _unreachable(_down(warmed))
     print(json.dumps(out))
+
+
+def _released_json(released: Released) -> list[dict[str, object]]:
+    """The pins of an earlier warm of the schedule let go (or that would be), for ``--json``."""
+    return [
+        {
+            "region": pin.region,
+            "node": pin.node,
+            "version": pin.version,
+            "until": json_time(pin.until),
+            # Set when the pin was shortened to this time, not released (the schedule's job
+            # now ends then, or a job another record holds still reads the version there).
+            "shortened_to": json_time(pin.shorten_to) if pin.shorten_to else None,
+        }
+        for pin in released.released
+    ]
 
 
 def _unreachable(down: dict[str, ops.Outage]) -> list[dict[str, str]]:
@@ -915,18 +956,7 @@ def _print_plan_steps(
     evicted, pinned = ("would evict", "would pin") if dry_run else ("evicted", "pinned")
     released = released or Released()
     for pin in released.released:
-        if pin.shorten_to is not None:
-            console.print(
-                f"{pin.region}: {'would shorten' if dry_run else 'shortened'} the pin of "
-                f"{pin.version} on {pin.node} from {pin.until:%Y-%m-%d %H:%M} to "
-                f"{pin.shorten_to:%Y-%m-%d %H:%M}: {_why_shorter(plan, pin, pin.shorten_to)}"
-            )
-            continue
-        console.print(
-            f"{pin.region}: {'would release' if dry_run else 'released'} the pin of "
-            f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): no job of "
-            "the schedule reads it there any more"
-        )
+        console.print(release_line(pin, plan, dry_run=dry_run))
     for e, freed in outcome.evicted:
         console.print(
             f"{e.region}: {evicted} {e.version[0]}@{e.version[1]} "
@@ -953,21 +983,6 @@ def _print_plan_steps(
         )
     for failure in outcome.pin_failures:
         err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
-
-
-def _why_shorter(plan: Plan, pin: ops.WarmPin, to: datetime) -> str:
-    """Why a pin of the schedule's was shortened (``to``: its ``shorten_to``), not released."""
-    region_plan = plan.regions.get(pin.region)
-    planned = region_plan.pins.get(pin.key) if region_plan is not None else None
-    others = "a job another schedule or the controller recorded reads it until then"
-    if planned is None:
-        return f"no job of the schedule reads it there any more, and {others}"
-    if to - planned <= timedelta(seconds=1):
-        return "the schedule's last job that reads it there now ends then (moved earlier)"
-    return (
-        f"the schedule's last job that reads it there now ends at {planned:%Y-%m-%d %H:%M}, "
-        f"and {others}"
-    )
 
 
 def _print_stages(rows: list[dict[str, Any]], dry_run: bool, sizes: dict[str, int]) -> None:
