@@ -785,21 +785,39 @@ class Controller:
         nothing a job in warm's record still reads there: warm's pin of a
         version the controller's jobs read too is the same pin, counted here
         as placed, and releasing it would let the node evict what warm's job
-        needs (``edgecache evict`` refuses for that job). It stays in the
-        record, to be released once neither needs it.
+        needs (``edgecache evict`` refuses for that job). It is shortened to
+        the end of the last such job (warm's record gives it) when that comes
+        before the pin's, and stays in the record, to be released once neither
+        needs it.
         """
         down = set(region_outages(reports))
         region_of = {n: r for r, cfg in self.topology.regions.items() for n in cfg.nodes}
         failures = []
-        warm_reads: set[tuple[str, str]] | None = None  # read once, if a pin is to go
+        warm_reads: dict[tuple[str, str], datetime] | None = None  # read once, if a pin is to go
         warm_read = False  # whether it was tried (None after a try: it could not be read)
         unshortened: dict[str, str] = {}  # pins to shorten next round: the record keeps them
 
-        def warm_reads_it(region: str | None, spec: str) -> bool:
+        def warm_needs(region: str | None, spec: str) -> datetime | None:
+            """Until when a job in warm's record reads it there (the far future: unknown)."""
             nonlocal warm_reads, warm_read
             if not warm_read:  # once a round, read or not: each read retries origin
                 warm_reads, warm_read = self._warm_reads(), True
-            return warm_reads is None or (region, spec) in warm_reads
+            if warm_reads is None:
+                return datetime.max.replace(tzinfo=UTC)
+            return warm_reads.get((region or "", spec))
+
+        def shorten(node: str, version: VersionKey, key: str, to: datetime, why: str) -> None:
+            """Set this controller's pin to ``to``; the record keeps the node's time."""
+            problem = self.executor.shorten(node, version, to)
+            if problem:
+                failures.append(problem)
+                unshortened[key] = self.state.pins[key]
+                return
+            unshortened[key] = _iso(to) or ""
+            log.info(
+                "%s: shortened the pin of %s on %s to %s: %s",
+                region_of.get(node), key.partition(" ")[2], node, _iso(to), why,
+            )  # fmt: skip
 
         for key, until in sorted(self.state.pins.items()):
             node, _, spec = key.partition(" ")
@@ -823,24 +841,28 @@ class Controller:
                 # job, and the record's new time then failed to match the node's.
                 sooner = region_plan.pins[version]
                 if placed and recorded is not None and recorded - sooner > timedelta(seconds=1):
-                    if warm_reads_it(region, spec):
-                        # A job warm recorded may read it until then: keep the pin, and the
-                        # node's time in the record, to match (and release) it later.
+                    # No sooner than a job warm recorded reads it there (kept whole when
+                    # warm's record cannot be read); the record keeps the node's time, to
+                    # match (and release) it later.
+                    warm_end = warm_needs(region, spec)
+                    to = sooner if warm_end is None else max(sooner, warm_end)
+                    if recorded - to <= timedelta(seconds=1):
                         unshortened[key] = until
-                        continue
-                    problem = self.executor.shorten(node, version, sooner)
-                    if problem:
-                        failures.append(problem)
-                        unshortened[key] = until
+                    elif to == sooner:
+                        shorten(node, version, key, to, "its job ends then")
                     else:
-                        log.info(
-                            "%s: shortened the pin of %s on %s to %s: its job ends then",
-                            region, spec, node, _iso(sooner),
-                        )  # fmt: skip
+                        shorten(node, version, key, to, "a job warm recorded reads it until then")
                 continue
             if placed:
-                if warm_reads_it(region, spec):
-                    continue  # a job warm recorded reads it (or may: unreadable): keep it
+                warm_end = warm_needs(region, spec)
+                if warm_end is not None:
+                    # A job warm recorded reads it (or may: unreadable): kept for it, to
+                    # its end, not to this controller's cancelled job's.
+                    if recorded is not None and recorded - warm_end > timedelta(seconds=1):
+                        shorten(
+                            node, version, key, warm_end, "a job warm recorded reads it until then"
+                        )
+                    continue
                 unpinned = self.executor.unpin(node, version)
                 if not unpinned.released:
                     if unpinned.problem:
@@ -857,8 +879,8 @@ class Controller:
         self.state.pins.update(unshortened)  # the node's time, to match and try again
         return failures
 
-    def _warm_reads(self) -> set[tuple[str, str]] | None:
-        """(region, name@N) that jobs in warm's record read; None when it cannot be read.
+    def _warm_reads(self) -> dict[tuple[str, str], datetime] | None:
+        """(region, name@N) → until when jobs in warm's record read it; None when unreadable.
 
         Unread, every pin is kept this round: releasing one warm's job needs
         costs that job its data, keeping it a round costs nothing.

@@ -1270,17 +1270,23 @@ def other_readers(topology: Topology, owner: str, now: datetime) -> dict[tuple[s
     return out
 
 
-def warm_readers(registry: str, now: datetime) -> set[tuple[str, str]]:
-    """(region, name@N) of every version a job in warm's record, of any schedule, reads.
+def warm_readers(registry: str, now: datetime) -> dict[tuple[str, str], datetime]:
+    """(region, name@N) → the end of the last job in warm's record (any schedule) reading it.
 
     Jobs that have ended are left out. The controller releases a pin only
-    when no such job needs it: warm and the controller pin a version a job
-    of both reads at the same time, so the controller took warm's pin for
-    its own, and its next schedule released what warm's jobs still read.
-    A record origin will not give is :class:`OriginError`, raised.
+    when no such job needs it, and shortens its own no further than their end:
+    warm and the controller pin a version a job of both reads at the same
+    time, so the controller took warm's pin for its own, and its next schedule
+    released what warm's jobs still read. A record origin will not give is
+    :class:`OriginError`, raised.
     """
     jobs, _ = _warm_record(registry)
-    return {(job.region, spec) for job in jobs if job.end > now for spec in job.versions}
+    out: dict[tuple[str, str], datetime] = {}
+    for job in jobs:
+        if job.end > now:
+            for spec in job.versions:
+                out[(job.region, spec)] = max(out.get((job.region, spec), job.end), job.end)
+    return out
 
 
 def _warmed_jobs_url(registry: str) -> str:

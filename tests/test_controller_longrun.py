@@ -300,15 +300,46 @@ def test_a_shortening_held_back_for_warms_job_keeps_the_nodes_time_in_the_record
     try:
         controller.tick()
         controller.wait_idle()
-        monkeypatch.setattr(controller, "_warm_reads", lambda: {("eu", "a@1")})
+        monkeypatch.setattr(controller, "_warm_reads", lambda: {("eu", "a@1"): T0 + 9 * HOUR})
         schedule(root, job("j", "eu", T0 + HOUR, 2, "a@1"))  # j now ends at +3 h
         controller.tick()
-        assert pins_on(node) == {"a@1": T0 + 7 * HOUR}  # kept: warm's job may need it
-        monkeypatch.setattr(controller, "_warm_reads", set)  # warm's job is over
+        assert pins_on(node) == {"a@1": T0 + 7 * HOUR}  # kept: warm's job reads it longer
+        monkeypatch.setattr(controller, "_warm_reads", lambda: {("eu", "a@1"): T0 + 5 * HOUR})
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 5 * HOUR}  # to warm's job's end, not j's
+        monkeypatch.setattr(controller, "_warm_reads", dict)  # warm's job is over
         controller.tick()
         assert pins_on(node) == {"a@1": T0 + 3 * HOUR}  # now shortened to j's end
         schedule(root)
         clock.now = T0 + 2 * HOUR
+        controller.tick()
+        assert pins_on(node) == {}
+    finally:
+        controller.close()
+
+
+def test_a_cancelled_jobs_pin_that_warms_job_reads_is_cut_to_warms_end(site, monkeypatch) -> None:
+    """The controller's job is cancelled while a job warm recorded reads the version until
+    +4 h: the pin is kept for warm's job, to its end, not to the cancelled job's +7 h; once
+    warm's job is over it is released. Unreadable, warm's record keeps the pin whole."""
+    root, _, node = site
+    schedule(root, job("j", "eu", T0 + HOUR, 6, "a@1"))
+    clock = Clock(T0)
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert pins_on(node) == {"a@1": T0 + 7 * HOUR}
+        schedule(root)  # j is cancelled
+        monkeypatch.setattr(controller, "_warm_reads", lambda: None)  # unreadable
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 7 * HOUR}
+        monkeypatch.setattr(controller, "_warm_reads", lambda: {("eu", "a@1"): T0 + 4 * HOUR})
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 4 * HOUR}
+        controller.tick()  # the record matches the node's time: nothing more to do
+        assert pins_on(node) == {"a@1": T0 + 4 * HOUR}
+        monkeypatch.setattr(controller, "_warm_reads", dict)
         controller.tick()
         assert pins_on(node) == {}
     finally:
