@@ -90,10 +90,11 @@ def threads_in_grpc_calls() -> dict[int, list[str]]:
     """
     inside: dict[int, list[str]] = {}
     frames = sys._current_frames()
-    me = threading.get_ident()
+    # This thread's frame must not stay referenced from here: held by a local of its own
+    # it is a cycle that keeps every caller alive until a collection (a DataLoader
+    # iterator forking its workers: ``del it`` then stopped none, and each join waited).
+    del frames[threading.get_ident()]
     for ident, frame in frames.items():
-        if ident == me:
-            continue
         names: list[str] = []
         walked: FrameType | None = frame
         while walked is not None and len(names) < 40:
@@ -101,7 +102,7 @@ def threads_in_grpc_calls() -> dict[int, list[str]]:
             if walked.f_code.co_filename.endswith(_CHANNEL_CODE):
                 inside[ident] = names
             walked = walked.f_back
-    del frames  # a thread's frames held here would keep its locals alive
+    del frames
     return inside
 
 

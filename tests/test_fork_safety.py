@@ -115,3 +115,30 @@ def _call(call: object) -> None:
         call(b"", timeout=10)  # type: ignore[operator]
     except grpc.RpcError:
         pass
+
+
+def test_looking_for_grpc_calls_keeps_no_caller_alive() -> None:
+    """The look runs inside every fork: a DataLoader iterator forking its workers is a caller.
+
+    Its own frame kept in a local of its own (the last frame walked) was a cycle that held
+    every caller until a garbage collection: ``del it`` then stopped no worker, and
+    tests/test_failover_workers.py waited out each worker's join.
+    """
+    import gc
+    import weakref
+
+    from edgecache.clients import fork_safety
+
+    class Held:
+        pass
+
+    def caller() -> weakref.ref[Held]:
+        held = Held()
+        fork_safety.wait_for_grpc_calls(0.0)
+        return weakref.ref(held)
+
+    gc.disable()
+    try:
+        assert caller()() is None
+    finally:
+        gc.enable()
