@@ -21,7 +21,7 @@ channel_ != nullptr``) and its workers segfault, with no EdgeDataset stream
 open at all (tests/test_fork_safety.py reproduces it in a few seconds). Before
 each fork the process waits, up to :data:`CALL_WAIT_S`, for such calls to end
 (:func:`wait_for_grpc_calls`); a thread still inside then (a stream waiting for
-its next message) is not waited for again.
+its next message) is not waited for at the forks of the next ten seconds.
 
 The poller is recognised by its thread's name (grpcio's ``_poll_wrapper``) and a
 call by its frames in grpcio's ``grpc/_channel.py``: grpcio's implementation, not
@@ -52,7 +52,12 @@ __all__ = [
 # teardown take milliseconds; a thread still inside after this is in a stream.
 CALL_WAIT_S = 1.0
 _CHANNEL_CODE = os.path.join("grpc", "_channel.py")
-_LONG_CALLS: set[int] = set()  # threads a fork waited out: streams, not waited for again
+# Threads a fork waited out (a stream waiting for its next message) → when: not waited
+# for again at the forks of the next LONG_CALL_GRACE_S (a DataLoader starting its
+# workers forks several times in a row), then waited for again (a short call the same
+# thread, or a new thread given its id, makes later is not exempt for good).
+LONG_CALL_GRACE_S = 10.0
+_LONG_CALLS: dict[int, float] = {}
 
 log = logging.getLogger(__name__)
 
@@ -109,24 +114,28 @@ def threads_in_grpc_calls() -> dict[int, list[str]]:
 def wait_for_grpc_calls(limit_s: float = CALL_WAIT_S) -> dict[int, list[str]]:
     """Wait up to ``limit_s`` for other threads to leave gRPC; those still inside.
 
-    Threads a wait ran out on (streams waiting for a message) are not waited for at
-    later forks: a DataLoader forking eight workers would otherwise wait eight times.
+    A thread a wait ran out on (a stream waiting for its next message) is not
+    waited for at the forks of the next :data:`LONG_CALL_GRACE_S`: a DataLoader
+    forking eight workers would otherwise wait eight times.
     """
-    deadline = time.monotonic() + limit_s
+    now = time.monotonic()
+    for ident, since in list(_LONG_CALLS.items()):
+        if now - since > LONG_CALL_GRACE_S:
+            del _LONG_CALLS[ident]
+    deadline = now + limit_s
     while True:
         inside = threads_in_grpc_calls()
-        waiting = set(inside) - _LONG_CALLS
+        waiting = set(inside) - set(_LONG_CALLS)
         if not waiting:
             return inside
         if time.monotonic() >= deadline:
-            _LONG_CALLS.update(waiting)
+            _LONG_CALLS.update(dict.fromkeys(waiting, time.monotonic()))
             return inside
         time.sleep(0.002)  # without the GIL: the calls go on
 
 
 def _before_fork() -> None:
-    wait_for_grpc_calls()
-    _LONG_CALLS.intersection_update(t.ident for t in threading.enumerate())
+    wait_for_grpc_calls()  # again, at once, after node_pool's fork guard (see there)
     if os.getpid() in _WARNED:
         return
     calls = sum(pool.calls_in_flight() for pool in list(_POOLS))

@@ -70,6 +70,10 @@ os.register_at_fork(
     after_in_parent=_FORK_GUARD.release,
     after_in_child=_FORK_GUARD.release,
 )
+# Registered after the guard, so it runs before it ("before" hooks run last-registered
+# first): a fork waits for other threads' gRPC calls to end (fork_safety) while the
+# watchdog can still cancel a stalled stream, which takes the guard.
+os.register_at_fork(before=fork_safety.wait_for_grpc_calls)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import faulthandler
 import gc
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,11 +44,14 @@ _RUNNING: list[str] = []  # the test running now, for the fork guard's message
 _LOADER_ITERATORS: weakref.WeakSet[object] = weakref.WeakSet()
 
 
-# Where each xdist worker's fatal-error and hang reports go (EDGECACHE_TEST_CRASH_DIR, made
-# by the controller): a worker's own stderr reaches CI's log only in the middle of the
-# progress dots, which a shortened log cuts, and "worker 'gw1' crashed" then says nothing.
-CRASH_DIR_ENV = "EDGECACHE_TEST_CRASH_DIR"
-_CRASHED: list[str] = []  # worker ids the controller saw crash
+# Where each xdist worker's fatal-error and hang reports go (a folder the controller makes
+# and hands to its workers): a worker's own stderr reaches CI's log only in the middle of
+# the progress dots, which a shortened log cuts, and "worker 'gw1' crashed" then says
+# nothing. Handed over in the worker's input, not the environment, so a pytest run inside
+# a test (tests/test_crash_report.py) keeps its own.
+CRASH_DIR_KEY = "edgecache_crash_dir"
+_CRASH_DIR: list[str] = []  # the controller's folder, made when its first worker starts
+_CRASHED: list[str] = []  # worker ids the controller saw die
 
 
 def _crash_file(config: pytest.Config) -> int:
@@ -55,17 +60,31 @@ def _crash_file(config: pytest.Config) -> int:
     An xdist worker writes to a file of its own, which the controller prints after the
     summary (:func:`pytest_unconfigure`); a run without workers writes to the terminal.
     """
-    workerinput = getattr(config, "workerinput", None)
-    folder = os.environ.get(CRASH_DIR_ENV)
-    if workerinput is None or not folder:
+    workerinput = getattr(config, "workerinput", None) or {}
+    folder = workerinput.get(CRASH_DIR_KEY)
+    if not folder:
         return _STDERR[0]
     name = f"crash-{workerinput['workerid']}-{os.getpid()}.txt"
     return os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Give each xdist worker the folder its crash stacks go to (made for the first one)."""
+    if not _CRASH_DIR:
+        _CRASH_DIR.append(tempfile.mkdtemp(prefix="edgecache-test-crash-"))
+    node.workerinput[CRASH_DIR_KEY] = _CRASH_DIR[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """A worker that died, also outside a test (collection, teardown), is reported."""
+    worker = node.workerinput.get("workerid") if error else None
+    if worker and worker not in _CRASHED:
+        _CRASHED.append(worker)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if getattr(config, "workerinput", None) is None and CRASH_DIR_ENV not in os.environ:
-        os.environ[CRASH_DIR_ENV] = tempfile.mkdtemp(prefix="edgecache-test-crash-")
     # pytest-xdist's workers run with COLUMNS=80 in their environment. rich's consoles fix
     # their width from COLUMNS when they are made (when the CLI is imported, after this), so
     # a test that gives the CLI another width (CliRunner's env=) would get it in a plain run
@@ -110,8 +129,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
     Printed last so that a log that keeps only its tail still shows it.
     """
-    folder = os.environ.get(CRASH_DIR_ENV)
-    if getattr(config, "workerinput", None) is not None or not folder or not _CRASHED:
+    if getattr(config, "workerinput", None) is not None or not _CRASH_DIR:
+        return
+    folder = _CRASH_DIR[0]
+    if not _CRASHED:
+        shutil.rmtree(folder, ignore_errors=True)
         return
     out = [f"\n{len(_CRASHED)} test worker(s) died: {', '.join(_CRASHED)}"]
     for worker in _CRASHED:
@@ -136,11 +158,13 @@ def _stacks(dump: str) -> str:
     """A faulthandler dump shortened for a log: harness frames left out, the thread that
     died (or the main thread, for a hang) last, where a log's tail keeps it."""
     blocks = [b for b in re.split(r"\n\s*\n", dump.strip()) if b.strip()]
-    kept: list[tuple[bool, str]] = []
+    kept: list[tuple[int, str]] = []
     for block in blocks:
         lines = [line for line in block.splitlines() if not _HARNESS.search(line)]
         if len(lines) > 1 or (lines and "Fatal Python error" in lines[0]):
-            kept.append(("Current thread" in lines[0] or "<module>" in block, "\n".join(lines)))
+            # Last: the thread that died; before it, the main thread (all a hang's dump has).
+            rank = 2 if "Current thread" in lines[0] else 1 if "<module>" in block else 0
+            kept.append((rank, "\n".join(lines)))
     return "\n\n".join(text for _, text in sorted(kept, key=lambda k: k[0]))
 
 
