@@ -87,7 +87,14 @@ from edgecache.clients.dataset_metrics import (
     serve,
 )
 from edgecache.clients.dataset_readers import Readers, merge
-from edgecache.clients.dataset_state import SharedPosition, make_state, resume_from
+from edgecache.clients.dataset_state import (
+    FORMAT,
+    PERMUTED_BLOCKS_FORMAT,
+    SIDE_BY_SIDE_FORMAT,
+    SharedPosition,
+    make_state,
+    resume_from,
+)
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
 from edgecache.clients.epoch_order import Component, EpochOrder, Remaining
 from edgecache.clients.mixture import (
@@ -651,9 +658,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._epoch = 0
         self._cursor = 0  # canonical batches yielded in this stretch of the epoch (this process)
         self._remaining: Remaining | None = None  # None: the whole epoch is left
-        self._orders: dict[tuple[int, int, bool], EpochOrder] = {}
-        # (seed, epoch) resumed from a state saved before format 5: read in its order.
-        self._permuted: tuple[int, int] | None = None
+        self._orders: dict[tuple[int, int, bool, bool], EpochOrder] = {}
+        # (seed, epoch, format) resumed from a state saved before format 6: that epoch is
+        # read in the order of the state's format (see _order_style).
+        self._old_order: tuple[int, int, int] | None = None
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
         self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
         self._last_pipeline: dict[str, float] = {}
@@ -961,7 +969,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 self._restart_broken_pass()  # resuming means where it was put, as in workers
         if epoch != self._epoch:
             self._epoch, self._cursor, self._remaining = epoch, 0, None
-            self._permuted = None  # an old state's order was for its epoch only
+            self._old_order = None  # an old state's order was for its epoch only
         self._publish_position()
 
     def _publish_position(self) -> None:
@@ -980,7 +988,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     "epoch": self._epoch,
                     "cursor": self._cursor,
                     "remaining": None if self._remaining is None else self._remaining.to_json(),
-                    "permuted": self._permuted == (self.seed, self._epoch),
+                    "old_format": self._old_format(self.seed, self._epoch),
                 }
             )
         else:
@@ -1008,7 +1016,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             if position is not None:  # None: too large for shared memory (logged there)
                 seed, epoch = int(position["seed"]), int(position["epoch"])
                 remaining = position["remaining"]
-                self._permuted = (seed, epoch) if position.get("permuted") else None
+                old = position.get("old_format")
+                self._old_order = (seed, epoch, int(old)) if old else None
                 self._origin = (
                     seed,
                     epoch,
@@ -1083,9 +1092,23 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.seed, self._epoch, self._cursor, self._remaining = self._origin
         self._own_position = True
 
+    def _old_format(self, seed: int, epoch: int) -> int | None:
+        """The format of the older state whose order this epoch is read in; None: the newest."""
+        old = self._old_order
+        return old[2] if old is not None and old[:2] == (seed, epoch) else None
+
+    def _order_style(self, seed: int, epoch: int) -> tuple[bool, bool]:
+        """(interleave, passes_in_turn) of the epoch's order: an old state's epoch keeps its own.
+
+        Blocks interleave their streams since state format 5, a component's passes in one
+        epoch are read in turn since format 6 (:func:`~edgecache.clients.shuffle._keys`).
+        """
+        form = self._old_format(seed, epoch) or FORMAT
+        return form >= SIDE_BY_SIDE_FORMAT, form >= FORMAT
+
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
-        interleave = self._permuted != (seed, epoch)
-        key = (seed, epoch, interleave)
+        interleave, in_turn = self._order_style(seed, epoch)
+        key = (seed, epoch, interleave, in_turn)
         order = self._orders.get(key)
         if order is None or order.remaining != (remaining or Remaining.whole(order.lane_lengths)):
             order = EpochOrder(
@@ -1101,6 +1124,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 shuffle=self.shuffle,
                 remaining=remaining,
                 interleave=interleave,
+                passes_in_turn=in_turn,
             )
             self._orders = {key: order}  # one epoch at a time
         return order
@@ -1389,7 +1413,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             remaining=remaining,
             layout=layout,
             batches=cursor,
-            interleave=self._permuted != (seed, epoch),
+            interleave=self._order_style(seed, epoch)[0],
+            passes_in_turn=self._order_style(seed, epoch)[1],
         )
 
     def _say_uncounted(self) -> None:
@@ -1430,7 +1455,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             )
         self.seed, self._epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
-        self._permuted = None if resume.interleave else (resume.seed, resume.epoch)
+        old = PERMUTED_BLOCKS_FORMAT if not resume.interleave else SIDE_BY_SIDE_FORMAT
+        self._old_order = None if resume.passes_in_turn else (resume.seed, resume.epoch, old)
         self._publish_position()
 
     # ---------------------------------------------------------------- stats

@@ -3,7 +3,7 @@
 A state is a small dict of plain values (portable: JSON, torch.save, another
 region, another release of the same format)::
 
-    {"format": 5, "components": [{dataset, version, digest, weight}, …],
+    {"format": 6, "components": [{dataset, version, digest, weight}, …],
      "order": {seed-independent knobs that fix the global order},
      "seed", "epoch",
      "remaining": what was left of the epoch when this stretch of it began
@@ -41,10 +41,12 @@ __all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 5
-# 4: blocks permuted at random, not interleaved (resumed in that order: see Resume);
+FORMAT = 6
+# 5: a component's passes in an epoch read side by side, not in turn (resumed in that
+# order: see Resume); 4: that, and blocks permuted at random, not interleaved (likewise);
 # 3: that and ranks splitting each lane on their own (resumed elastically, likewise);
 # 2: windows of equal size per shard; 1: before batch-level shuffling (both refused).
+SIDE_BY_SIDE_FORMAT = 5
 PERMUTED_BLOCKS_FORMAT = 4
 PER_LANE_FORMAT = 3
 
@@ -61,6 +63,9 @@ class Resume:
     # False for a state saved before format 5: its epoch is read in the order it was
     # saved in (blocks permuted, not interleaved), so that it resumes exactly.
     interleave: bool = True
+    # False for a state saved before format 6: its epoch reads a component's passes side
+    # by side, as it was saved in (shuffle._keys).
+    passes_in_turn: bool = True
 
 
 def make_state(
@@ -73,10 +78,19 @@ def make_state(
     layout: dict[str, Any],
     batches: int,
     interleave: bool = True,
+    passes_in_turn: bool = True,
 ) -> dict[str, Any]:
-    """A state dict (see the module docstring); ``interleave=False`` for an older order's."""
+    """A state dict (see the module docstring), of the format of the order it is read in.
+
+    ``interleave=False`` (format 4) or ``passes_in_turn=False`` (format 5) for an
+    epoch resumed from an older state, read in that state's order.
+    """
+    if not interleave:
+        form = PERMUTED_BLOCKS_FORMAT
+    else:
+        form = FORMAT if passes_in_turn else SIDE_BY_SIDE_FORMAT
     state: dict[str, Any] = {
-        "format": FORMAT if interleave else PERMUTED_BLOCKS_FORMAT,
+        "format": form,
         "components": [dict(c) for c in components],
         "order": dict(order),
         "seed": seed,
@@ -199,7 +213,7 @@ def resume_from(
     keep the same rows); ``knob[key]`` names the setting the user gave for a
     derived one (``window_rows`` comes from ``window_bytes``).
     """
-    known = (FORMAT, PERMUTED_BLOCKS_FORMAT, PER_LANE_FORMAT)
+    known = (FORMAT, SIDE_BY_SIDE_FORMAT, PERMUTED_BLOCKS_FORMAT, PER_LANE_FORMAT)
     if not isinstance(state, dict) or state.get("format") not in known:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise StateMismatch(
@@ -209,7 +223,8 @@ def resume_from(
             "resumed exactly; start the epoch again with set_epoch(epoch)"
         )
     _check_fields(state)
-    interleave = state["format"] == FORMAT
+    interleave = state["format"] in (FORMAT, SIDE_BY_SIDE_FORMAT)
+    in_turn = state["format"] == FORMAT
     theirs = state.get("components", [])
     keys = [(c["dataset"], c["version"], c["digest"]) for c in theirs]
     ours = [(c["dataset"], c["version"], c["digest"]) for c in components]
@@ -285,11 +300,11 @@ def resume_from(
         return Resume(seed, epoch + 1, None, 0, elastic=False)
     same = all(state[k] == layout[k] for k in ("world_size", "batch_size", "drop_last"))
     if same and not per_lane:
-        return Resume(seed, epoch, remaining, batches, elastic=False, interleave=interleave)
+        return Resume(seed, epoch, remaining, batches, False, interleave, in_turn)
     left = start.after(
         state["world_size"], batch_size, state["drop_last"], batches, per_lane=per_lane
     )
-    return Resume(seed, epoch, left, 0, elastic=True, interleave=interleave)
+    return Resume(seed, epoch, left, 0, True, interleave, in_turn)
 
 
 def _batch_count(state: dict[str, Any], start: Remaining, batch_size: int, per_lane: bool) -> int:

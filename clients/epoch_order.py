@@ -79,6 +79,7 @@ class EpochOrder:
         shuffle: bool = True,
         remaining: Remaining | None = None,
         interleave: bool = True,
+        passes_in_turn: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..world_size-1, got {rank=} {world_size=}")
@@ -95,6 +96,7 @@ class EpochOrder:
             shuffle_windows=shuffle_windows,
             shuffle=shuffle,
             interleave=interleave,
+            passes_in_turn=passes_in_turn,
         )
         self.lane_lengths = [lane.length for lane in self.order.lanes]
         for lane in self.order.lanes:  # a batch's blocks, and the next batch's, stay kept

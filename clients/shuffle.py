@@ -18,6 +18,9 @@ is :mod:`edgecache.clients.partition`.
 2. **The epoch sequence.** Epoch ``e`` takes samples ``[e*n, (e+1)*n)`` of
    the component's endless sequence of passes (``n`` its samples per epoch:
    all its rows, or its share of a mixture, :mod:`edgecache.clients.mixture`).
+   When the epoch holds parts of two or more passes of a component, each part
+   is spread over every stream at its own stretch of each (:func:`_keys`), so
+   the streams read the passes in turn, not side by side (state format 6).
    Mixture components are interleaved window by window in proportion, so a
    stretch of many windows holds each component at its weight; a batch, which
    draws from ``per_lane`` windows, holds each in whole windows' worth: a
@@ -240,19 +243,46 @@ def _concat(parts: Sequence[Units]) -> Units:
     return Units({n: np.concatenate([getattr(p, n) for p in parts]) for n in _UNIT_COLUMNS})
 
 
-def _interleave(parts: Sequence[Units], samples: Sequence[int]) -> Units:
+def _keys(units: Units, n: int, streams: int, passes_in_turn: bool) -> np.ndarray:
+    """Where each unit of a component goes in the epoch sequence, as a fraction of it.
+
+    The middle of its span as a fraction of the component's epoch samples. When the
+    epoch holds parts of two or more passes of the component (over-weighted, or the
+    epoch where its next pass starts) and ``passes_in_turn``, each part is spread over
+    every stream instead, at the part's own stretch of each stream: the ``k``-th
+    ``streams``-th of a part (in its canonical order) goes to stream ``k``, from the
+    part's share of the epoch before it on. Streams are read side by side, so the
+    passes are then read one after another, and a row's second pass comes a pass
+    later; cut one after the other, the passes were read at the same time (stream
+    ``s`` the start of one pass while stream ``s + streams/2`` read the same windows
+    of the next): a row came twice in a few batches, or in one.
+    """
+    size = units.take_to - units.take_from
+    middle = units.start + size / 2
+    if not passes_in_turn or len(units) == 0 or units.pass_[0] == units.pass_[-1]:
+        return middle / max(n, 1)
+    first = np.concatenate(([0], np.flatnonzero(np.diff(units.pass_)) + 1))  # each part
+    part = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(units))))
+    part_start = units.start[first]
+    part_len = np.append(part_start[1:], n) - part_start
+    u = (middle - part_start[part]) / part_len[part] * streams  # stream + place in it
+    stream = np.floor(u)
+    return (stream + (part_start[part] + (u - stream) * part_len[part]) / n) / streams
+
+
+def _interleave(
+    parts: Sequence[Units], samples: Sequence[int], streams: int, passes_in_turn: bool
+) -> Units:
     """Components' units merged so each stretch of the sequence holds each at its share.
 
-    Each unit is placed at the middle of its span as a fraction of its
-    component's epoch samples; ties go to the earlier component.
+    Each unit is placed where :func:`_keys` puts it; ties go to the earlier component.
     """
-    if len(parts) == 1:
+    keys = [
+        _keys(units, n, streams, passes_in_turn) for units, n in zip(parts, samples, strict=True)
+    ]
+    if len(parts) == 1 and np.all(np.diff(keys[0]) >= 0):
         return parts[0]
-    keys, owners = [], []
-    for index, (units, n) in enumerate(zip(parts, samples, strict=True)):
-        size = units.take_to - units.take_from
-        keys.append((units.start + size / 2) / max(n, 1))
-        owners.append(np.full(len(units), index))
+    owners = [np.full(len(units), index) for index, units in enumerate(parts)]
     merged = _concat(parts)
     order = np.lexsort((np.concatenate(owners), np.concatenate(keys)))
     return merged.select(order)
@@ -437,6 +467,7 @@ class GlobalOrder:
         shuffle_windows: int,
         shuffle: bool = True,
         interleave: bool = True,
+        passes_in_turn: bool = True,
     ) -> None:
         if lanes < 1 or shuffle_windows < 1:
             raise ValueError(f"{lanes=} and {shuffle_windows=} must be positive")
@@ -444,15 +475,18 @@ class GlobalOrder:
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
         self.lane_count = lanes
         parts = [component_epoch(c, i, seed, epoch, shuffle) for i, c in enumerate(self.components)]
-        merged = _interleave(parts, [c.samples for c in self.components])
+        # At least MIN_STREAM_WINDOWS windows a stream: reads stay spread over the
+        # epoch, and ranks (which take a stretch of every stream) rarely share one.
+        windows = sum(len(p) for p in parts)
+        self.per_lane = streams_per_lane(windows, lanes, shuffle_windows, shuffle)
+        streams = lanes * self.per_lane
+        # (Without shuffle, a lane reads its part of the data in order, passes as they come.)
+        in_turn = passes_in_turn and shuffle
+        merged = _interleave(parts, [c.samples for c in self.components], streams, in_turn)
         self.total = int((merged.take_to - merged.take_from).sum())
         if shuffle and len(merged):  # where the streams are cut changes every epoch
             phase = int(rng(seed, epoch, "phase").integers(len(merged)))
             merged = merged.select(np.roll(np.arange(len(merged)), -phase))
-        # At least MIN_STREAM_WINDOWS windows a stream: reads stay spread over the
-        # epoch, and ranks (which take a stretch of every stream) rarely share one.
-        self.per_lane = streams_per_lane(len(merged), lanes, shuffle_windows, shuffle)
-        streams = lanes * self.per_lane
         # Streams of equal length. A window cut in two by a stream end is read once
         # for both streams: they read it at the same time (see ``backward`` below).
         # Cut inside windows, streams move to their next window at different times,

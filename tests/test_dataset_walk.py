@@ -124,7 +124,7 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
     consumed = []
     for rank in range(2):
         old = make(rank)
-        old._permuted = (old.seed, old.epoch)  # format 3 also permuted blocks at random
+        old._old_order = (old.seed, old.epoch, 4)  # format 3 also permuted blocks at random
         order = old.epoch_order()
         order.ranks = RankBatches(order.remaining, 2, rank, 10, False, per_lane=True)
         for n in range(5):
@@ -151,7 +151,7 @@ def test_a_state_saved_before_blocks_were_interleaved_resumes_exactly(node: Loca
     consumed = []
     for rank in range(2):
         old = make(rank)
-        old._permuted = (old.seed, old.epoch)
+        old._old_order = (old.seed, old.epoch, 4)
         order = old.epoch_order()
         for n in range(5):
             consumed += [s * ROWS + r for _, s, r in order.sample_ids(order.batch(n))]
@@ -172,12 +172,54 @@ def test_a_state_saved_before_blocks_were_interleaved_resumes_exactly(node: Loca
     ds = make(0)
     ds.load_state_dict(state)
     list(ds)
-    assert ds.epoch == 1 and ds.state_dict(batches=0)["format"] == 5
+    assert ds.epoch == 1 and ds.state_dict(batches=0)["format"] == 6
     ds.set_epoch(0)  # epoch 0 again, from its start: today's order, as in a fresh process
     fresh = make(0).epoch_order(0)
     assert ds.epoch_order(0).sample_ids(ds.epoch_order(0).batch(0)) == fresh.sample_ids(
         fresh.batch(0)
     )
+
+
+def test_a_format_5_state_of_an_epoch_read_twice_resumes_in_its_order(node: LocalNode) -> None:
+    # Format 5 states read a component's two passes of an epoch side by side; format 6
+    # reads them in turn (another order of the same samples). A format 5 state resumes
+    # its epoch in its own order, each row exactly twice, at the same and at another
+    # world size; a state saved from it says format 5 again; the next epoch is in turn.
+    def make(rank: int, world_size: int = 2) -> EdgeDataset:
+        return EdgeDataset(
+            "tokens@1",
+            endpoints=node.address,
+            batch_size=10,
+            rank=rank,
+            world_size=world_size,
+            samples_per_epoch=2 * TOTAL,
+        )
+
+    consumed = []
+    for rank in range(2):
+        old = make(rank)
+        old._old_order = (old.seed, old.epoch, 5)
+        order = old.epoch_order()
+        for n in range(5):
+            consumed += [s * ROWS + r for _, s, r in order.sample_ids(order.batch(n))]
+    new = make(0).epoch_order()
+    assert consumed[:10] != [s * ROWS + r for _, s, r in new.sample_ids(new.batch(0))]
+    state = {**make(0).state_dict(batches=5), "format": 5}
+    for world_size in (2, 3):
+        rest = []
+        for rank in range(world_size):
+            ds = make(rank, world_size)
+            ds.load_state_dict(state)
+            if rank == 0 and world_size == 2:
+                assert ds.state_dict(batches=1)["format"] == 5
+            rest += [
+                x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]
+            ]
+        assert sorted(consumed + [int(x) for x in rest]) == sorted(list(range(TOTAL)) * 2)
+    ds = make(0)
+    ds.load_state_dict(state)
+    list(ds)
+    assert ds.epoch == 1 and ds.state_dict(batches=0)["format"] == 6
 
 
 @pytest.mark.parametrize(
@@ -338,7 +380,7 @@ def test_persistent_workers_read_a_format_4_state_loaded_after_they_started_in_i
         return EdgeDataset("tokens@1", endpoints=node.address, batch_size=10)
 
     old = make()
-    old._permuted = (old.seed, 0)
+    old._old_order = (old.seed, 0, 4)
     order = old.epoch_order(0)
     expected = [
         sorted(s * ROWS + r for _, s, r in order.sample_ids(order.batch(n)))
@@ -356,7 +398,7 @@ def test_persistent_workers_read_a_format_4_state_loaded_after_they_started_in_i
         sorted(s * ROWS + r for _, s, r in following.sample_ids(following.batch(n)))
         for n in range(following.batch_count)
     ]
-    assert ds.state_dict(batches=0)["format"] == 5
+    assert ds.state_dict(batches=0)["format"] == 6
 
 
 class _WithStats(torch.utils.data.IterableDataset):

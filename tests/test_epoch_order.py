@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from edgecache.clients.epoch_order import Component, EpochOrder, Extent, Remaining
@@ -341,3 +341,68 @@ def test_reached_is_where_the_batches_from_there_on_first_read_each_lane(
                 assert reached[lane] == min(later), (number, lane)
             else:  # only samples drop_last leaves out may be left (held, never read)
                 assert reached[lane] == float("inf") or drop_last, (number, lane)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shards=st.integers(4, 8),
+    rows=st.integers(500, 1500),
+    window_rows=st.integers(8, 64),
+    seed=st.integers(0, 2**32),
+    epoch=st.integers(0, 3),
+    lanes=st.integers(2, 5),
+    shuffle_windows=st.integers(1, 16),
+    batch_size=st.integers(8, 128),
+)
+def test_a_component_read_twice_an_epoch_never_repeats_a_row_in_a_batch(
+    shards: int,
+    rows: int,
+    window_rows: int,
+    seed: int,
+    epoch: int,
+    lanes: int,
+    shuffle_windows: int,
+    batch_size: int,
+) -> None:
+    """Two passes in one epoch are read one after the other, each over every stream.
+
+    Cut one after the other and read side by side, stream ``s`` read the start of one
+    pass while stream ``s + streams/2`` read the same windows of the next: every batch
+    of 256 held dozens of rows twice. Now a row's copies lie in one stretch of the data,
+    read by one stream or two neighbours, which are in different lanes (a batch is one
+    lane's), and the copies come apart by most of the epoch.
+    """
+    comp = component([rows] * shards, window_rows, samples=2 * rows * shards)
+    order = EpochOrder(
+        [comp],
+        seed=seed,
+        epoch=epoch,
+        batch_size=batch_size,
+        lanes=lanes,
+        shuffle_windows=shuffle_windows,
+    )
+    # A batch that is a good part of its lane holds stretches of both passes anyway.
+    assume(batch_size * 16 <= min(order.lane_lengths))
+    seen: Counter = Counter()
+    where: dict[tuple[int, int], list[int]] = {}
+    position = 0
+    for n in range(order.batch_count):
+        batch = [(s, r) for _, s, r in order.sample_ids(order.batch(n))]
+        assert len(set(batch)) == len(batch), n
+        seen.update(batch)
+        for key in batch:
+            where.setdefault(key, []).append(position)
+            position += 1
+    assert set(seen.values()) == {2}  # every row twice, as its weight asks
+    gaps = np.array([b - a for a, b in where.values()])
+    assert np.median(gaps) > position / 8, np.median(gaps)
+    old = EpochOrder(
+        [comp],
+        seed=seed,
+        epoch=epoch,
+        batch_size=batch_size,
+        lanes=lanes,
+        shuffle_windows=shuffle_windows,
+        passes_in_turn=False,  # a state saved before format 6 resumes in this order
+    )
+    assert old.batch_count == order.batch_count
