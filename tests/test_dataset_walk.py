@@ -138,37 +138,48 @@ def test_a_state_saved_before_the_balanced_split_resumes_exactly(node: LocalNode
     assert sorted(consumed + [int(x) for x in rest]) == list(range(TOTAL))
 
 
-def test_a_state_saved_before_blocks_were_interleaved_resumes_exactly(node: LocalNode) -> None:
+@pytest.mark.parametrize("form", [4, 5])
+def test_a_state_of_an_older_order_resumes_exactly_in_it(node: LocalNode, form: int) -> None:
     # States of format 4 were saved by a dataset whose blocks were permuted at random:
-    # the same batch cursor meant other samples within a block. Their epoch is read in
-    # that order, every sample once, at the same and at another world size; a state
-    # saved from it says format 4 again; the next epoch is interleaved.
+    # the same batch cursor meant other samples within a block. Format 5 read a
+    # component's two passes of an epoch side by side, format 6 reads them in turn
+    # (here: samples_per_epoch twice the rows). Either epoch is read in its own order,
+    # every sample as often as before, at the same and at another world size; a state
+    # saved from it says its format again; the next epoch is in today's order.
+    passes = 1 if form == 4 else 2
+
     def make(rank: int, world_size: int = 2) -> EdgeDataset:
         return EdgeDataset(
-            "tokens@1", endpoints=node.address, batch_size=10, rank=rank, world_size=world_size
+            "tokens@1",
+            endpoints=node.address,
+            batch_size=10,
+            rank=rank,
+            world_size=world_size,
+            samples_per_epoch=passes * TOTAL,
         )
 
     consumed = []
     for rank in range(2):
         old = make(rank)
-        old._old_order = (old.seed, old.epoch, 4)
+        old._old_order = (old.seed, old.epoch, form)
         order = old.epoch_order()
         for n in range(5):
             consumed += [s * ROWS + r for _, s, r in order.sample_ids(order.batch(n))]
     new = make(0).epoch_order()
     assert consumed[:10] != [s * ROWS + r for _, s, r in new.sample_ids(new.batch(0))]
-    state = {**make(0).state_dict(batches=5), "format": 4}
+    state = {**make(0).state_dict(batches=5), "format": form}
     for world_size in (2, 3):
         rest = []
         for rank in range(world_size):
             ds = make(rank, world_size)
             ds.load_state_dict(state)
             if rank == 0 and world_size == 2:
-                assert ds.state_dict(batches=1)["format"] == 4
+                assert ds.state_dict(batches=1)["format"] == form
             rest += [
                 x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]
             ]
-        assert sorted(consumed + [int(x) for x in rest]) == list(range(TOTAL)), world_size
+        everything = sorted(list(range(TOTAL)) * passes)
+        assert sorted(consumed + [int(x) for x in rest]) == everything, world_size
     ds = make(0)
     ds.load_state_dict(state)
     list(ds)
@@ -178,48 +189,6 @@ def test_a_state_saved_before_blocks_were_interleaved_resumes_exactly(node: Loca
     assert ds.epoch_order(0).sample_ids(ds.epoch_order(0).batch(0)) == fresh.sample_ids(
         fresh.batch(0)
     )
-
-
-def test_a_format_5_state_of_an_epoch_read_twice_resumes_in_its_order(node: LocalNode) -> None:
-    # Format 5 states read a component's two passes of an epoch side by side; format 6
-    # reads them in turn (another order of the same samples). A format 5 state resumes
-    # its epoch in its own order, each row exactly twice, at the same and at another
-    # world size; a state saved from it says format 5 again; the next epoch is in turn.
-    def make(rank: int, world_size: int = 2) -> EdgeDataset:
-        return EdgeDataset(
-            "tokens@1",
-            endpoints=node.address,
-            batch_size=10,
-            rank=rank,
-            world_size=world_size,
-            samples_per_epoch=2 * TOTAL,
-        )
-
-    consumed = []
-    for rank in range(2):
-        old = make(rank)
-        old._old_order = (old.seed, old.epoch, 5)
-        order = old.epoch_order()
-        for n in range(5):
-            consumed += [s * ROWS + r for _, s, r in order.sample_ids(order.batch(n))]
-    new = make(0).epoch_order()
-    assert consumed[:10] != [s * ROWS + r for _, s, r in new.sample_ids(new.batch(0))]
-    state = {**make(0).state_dict(batches=5), "format": 5}
-    for world_size in (2, 3):
-        rest = []
-        for rank in range(world_size):
-            ds = make(rank, world_size)
-            ds.load_state_dict(state)
-            if rank == 0 and world_size == 2:
-                assert ds.state_dict(batches=1)["format"] == 5
-            rest += [
-                x for b in torch.utils.data.DataLoader(ds, batch_size=None) for x in b["label"]
-            ]
-        assert sorted(consumed + [int(x) for x in rest]) == sorted(list(range(TOTAL)) * 2)
-    ds = make(0)
-    ds.load_state_dict(state)
-    list(ds)
-    assert ds.epoch == 1 and ds.state_dict(batches=0)["format"] == 6
 
 
 @pytest.mark.parametrize(

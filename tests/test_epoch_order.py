@@ -373,14 +373,8 @@ def test_a_component_read_twice_an_epoch_never_repeats_a_row_in_a_batch(
     lane's), and the copies come apart by most of the epoch.
     """
     comp = component([rows] * shards, window_rows, samples=2 * rows * shards)
-    order = EpochOrder(
-        [comp],
-        seed=seed,
-        epoch=epoch,
-        batch_size=batch_size,
-        lanes=lanes,
-        shuffle_windows=shuffle_windows,
-    )
+    shape = {"seed": seed, "epoch": epoch, "batch_size": batch_size, "lanes": lanes}
+    order = EpochOrder([comp], **shape, shuffle_windows=shuffle_windows)
     # A batch that is a good part of its lane holds stretches of both passes anyway.
     assume(batch_size * 16 <= min(order.lane_lengths))
     seen: Counter = Counter()
@@ -396,13 +390,6 @@ def test_a_component_read_twice_an_epoch_never_repeats_a_row_in_a_batch(
     assert set(seen.values()) == {2}  # every row twice, as its weight asks
     gaps = np.array([b - a for a, b in where.values()])
     assert np.median(gaps) > position / 8, np.median(gaps)
-    old = EpochOrder(
-        [comp],
-        seed=seed,
-        epoch=epoch,
-        batch_size=batch_size,
-        lanes=lanes,
-        shuffle_windows=shuffle_windows,
-        passes_in_turn=False,  # a state saved before format 6 resumes in this order
-    )
+    # A state saved before format 6 resumes in the order of before: the same batches.
+    old = EpochOrder([comp], **shape, shuffle_windows=shuffle_windows, passes_in_turn=False)
     assert old.batch_count == order.batch_count
