@@ -344,6 +344,9 @@ def _iso(when: datetime | None) -> str | None:
     return None if when is None else when.astimezone(UTC).isoformat()
 
 
+_WARM_READS_IT = "a job warm recorded reads it until then"  # why a pin is kept that long
+
+
 def _spec(version: VersionKey) -> str:
     return f"{version[0]}@{version[1]}"
 
@@ -848,10 +851,9 @@ class Controller:
                     to = sooner if warm_end is None else max(sooner, warm_end)
                     if recorded - to <= timedelta(seconds=1):
                         unshortened[key] = until
-                    elif to == sooner:
-                        shorten(node, version, key, to, "its job ends then")
                     else:
-                        shorten(node, version, key, to, "a job warm recorded reads it until then")
+                        why = "its job ends then" if to == sooner else _WARM_READS_IT
+                        shorten(node, version, key, to, why)
                 continue
             if placed:
                 warm_end = warm_needs(region, spec)
@@ -859,9 +861,7 @@ class Controller:
                     # A job warm recorded reads it (or may: unreadable): kept for it, to
                     # its end, not to this controller's cancelled job's.
                     if recorded is not None and recorded - warm_end > timedelta(seconds=1):
-                        shorten(
-                            node, version, key, warm_end, "a job warm recorded reads it until then"
-                        )
+                        shorten(node, version, key, warm_end, _WARM_READS_IT)
                     continue
                 unpinned = self.executor.unpin(node, version)
                 if not unpinned.released:

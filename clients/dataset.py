@@ -89,10 +89,9 @@ from edgecache.clients.dataset_metrics import (
 from edgecache.clients.dataset_readers import Readers, merge
 from edgecache.clients.dataset_state import (
     FORMAT,
-    PERMUTED_BLOCKS_FORMAT,
-    SIDE_BY_SIDE_FORMAT,
     SharedPosition,
     make_state,
+    order_style,
     resume_from,
 )
 from edgecache.clients.endpoints import Endpoint, parse_endpoint
@@ -660,7 +659,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._remaining: Remaining | None = None  # None: the whole epoch is left
         self._orders: dict[tuple[int, int, bool, bool], EpochOrder] = {}
         # (seed, epoch, format) resumed from a state saved before format 6: that epoch is
-        # read in the order of the state's format (see _order_style).
+        # read in the order of the state's format (dataset_state.order_style).
         self._old_order: tuple[int, int, int] | None = None
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
         self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
@@ -1097,17 +1096,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         old = self._old_order
         return old[2] if old is not None and old[:2] == (seed, epoch) else None
 
-    def _order_style(self, seed: int, epoch: int) -> tuple[bool, bool]:
-        """(interleave, passes_in_turn) of the epoch's order: an old state's epoch keeps its own.
-
-        Blocks interleave their streams since state format 5, a component's passes in one
-        epoch are read in turn since format 6 (:func:`~edgecache.clients.shuffle._keys`).
-        """
-        form = self._old_format(seed, epoch) or FORMAT
-        return form >= SIDE_BY_SIDE_FORMAT, form >= FORMAT
-
     def _order(self, seed: int, epoch: int, remaining: Remaining | None) -> EpochOrder:
-        interleave, in_turn = self._order_style(seed, epoch)
+        interleave, in_turn = order_style(self._old_format(seed, epoch) or FORMAT)
         key = (seed, epoch, interleave, in_turn)
         order = self._orders.get(key)
         if order is None or order.remaining != (remaining or Remaining.whole(order.lane_lengths)):
@@ -1413,8 +1403,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             remaining=remaining,
             layout=layout,
             batches=cursor,
-            interleave=self._order_style(seed, epoch)[0],
-            passes_in_turn=self._order_style(seed, epoch)[1],
+            order_format=self._old_format(seed, epoch) or FORMAT,
         )
 
     def _say_uncounted(self) -> None:
@@ -1455,8 +1444,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
             )
         self.seed, self._epoch = resume.seed, resume.epoch
         self._remaining, self._cursor = resume.remaining, resume.cursor
-        old = PERMUTED_BLOCKS_FORMAT if not resume.interleave else SIDE_BY_SIDE_FORMAT
-        self._old_order = None if resume.passes_in_turn else (resume.seed, resume.epoch, old)
+        old = resume.order_format
+        self._old_order = None if old == FORMAT else (resume.seed, resume.epoch, old)
         self._publish_position()
 
     # ---------------------------------------------------------------- stats

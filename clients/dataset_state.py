@@ -37,7 +37,7 @@ from edgecache.cache.errors import StateMismatch
 from edgecache.clients.mixture import allocate
 from edgecache.clients.partition import RankBatches, Remaining
 
-__all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "resume_from"]
+__all__ = ["FORMAT", "Resume", "SharedPosition", "make_state", "order_style", "resume_from"]
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,19 @@ class Resume:
     remaining: Remaining | None
     cursor: int
     elastic: bool
-    # False for a state saved before format 5: its epoch is read in the order it was
-    # saved in (blocks permuted, not interleaved), so that it resumes exactly.
-    interleave: bool = True
-    # False for a state saved before format 6: its epoch reads a component's passes side
-    # by side, as it was saved in (shuffle._keys).
-    passes_in_turn: bool = True
+    # The format whose order the epoch is read in: a state saved before format 6 keeps
+    # the order it was saved in (format 3's is format 4's), so that it resumes exactly.
+    order_format: int = FORMAT
+
+
+def order_style(order_format: int) -> tuple[bool, bool]:
+    """(interleave, passes_in_turn) of the epoch order of states of ``order_format``.
+
+    Blocks interleave their streams since format 5 (permuted at random before); a
+    component's passes in one epoch are read in turn since format 6 (side by side
+    before, :func:`~edgecache.clients.shuffle._keys`).
+    """
+    return order_format >= SIDE_BY_SIDE_FORMAT, order_format >= FORMAT
 
 
 def make_state(
@@ -77,20 +84,14 @@ def make_state(
     remaining: Remaining | None,
     layout: dict[str, Any],
     batches: int,
-    interleave: bool = True,
-    passes_in_turn: bool = True,
+    order_format: int = FORMAT,
 ) -> dict[str, Any]:
     """A state dict (see the module docstring), of the format of the order it is read in.
 
-    ``interleave=False`` (format 4) or ``passes_in_turn=False`` (format 5) for an
-    epoch resumed from an older state, read in that state's order.
+    ``order_format`` 4 or 5 for an epoch resumed from an older state, read in its order.
     """
-    if not interleave:
-        form = PERMUTED_BLOCKS_FORMAT
-    else:
-        form = FORMAT if passes_in_turn else SIDE_BY_SIDE_FORMAT
     state: dict[str, Any] = {
-        "format": form,
+        "format": order_format,
         "components": [dict(c) for c in components],
         "order": dict(order),
         "seed": seed,
@@ -223,8 +224,7 @@ def resume_from(
             "resumed exactly; start the epoch again with set_epoch(epoch)"
         )
     _check_fields(state)
-    interleave = state["format"] in (FORMAT, SIDE_BY_SIDE_FORMAT)
-    in_turn = state["format"] == FORMAT
+    order_format = max(int(state["format"]), PERMUTED_BLOCKS_FORMAT)
     theirs = state.get("components", [])
     keys = [(c["dataset"], c["version"], c["digest"]) for c in theirs]
     ours = [(c["dataset"], c["version"], c["digest"]) for c in components]
@@ -300,11 +300,11 @@ def resume_from(
         return Resume(seed, epoch + 1, None, 0, elastic=False)
     same = all(state[k] == layout[k] for k in ("world_size", "batch_size", "drop_last"))
     if same and not per_lane:
-        return Resume(seed, epoch, remaining, batches, False, interleave, in_turn)
+        return Resume(seed, epoch, remaining, batches, False, order_format)
     left = start.after(
         state["world_size"], batch_size, state["drop_last"], batches, per_lane=per_lane
     )
-    return Resume(seed, epoch, left, 0, True, interleave, in_turn)
+    return Resume(seed, epoch, left, 0, True, order_format)
 
 
 def _batch_count(state: dict[str, Any], start: Remaining, batch_size: int, per_lane: bool) -> int:

@@ -20,8 +20,10 @@ forking process itself can abort it (``ares_resolver.cc ... Check failed:
 channel_ != nullptr``) and its workers segfault, with no EdgeDataset stream
 open at all (tests/test_fork_safety.py reproduces it in a few seconds). Before
 each fork the process waits, up to :data:`CALL_WAIT_S`, for such calls to end
-(:func:`wait_for_grpc_calls`); a thread still inside then (a stream waiting for
-its next message) is not waited for at the forks of the next ten seconds.
+(:func:`wait_for_grpc_calls`, registered by ``node_pool``, which imports this
+module, so that it runs before that module's fork guard is taken); a thread
+still inside then (a stream waiting for its next message) is not waited for at
+the forks of the next ten seconds.
 
 The poller is recognised by its thread's name (grpcio's ``_poll_wrapper``) and a
 call by its frames in grpcio's ``grpc/_channel.py``: grpcio's implementation, not
@@ -135,7 +137,6 @@ def wait_for_grpc_calls(limit_s: float = CALL_WAIT_S) -> dict[int, list[str]]:
 
 
 def _before_fork() -> None:
-    wait_for_grpc_calls()  # again, at once, after node_pool's fork guard (see there)
     if os.getpid() in _WARNED:
         return
     calls = sum(pool.calls_in_flight() for pool in list(_POOLS))
