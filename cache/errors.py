@@ -13,6 +13,7 @@ caller would naturally catch, so ``except KeyError`` still works::
     ├── VersionNotFound (KeyError)             no such dataset or version in the registry
     ├── VersionExists                          another publisher took that version number first
     ├── VersionPinned (ValueError)             an eviction refused: a scheduled job reads it
+    ├── PinChanged                             a conditional pin change found another time held
     ├── MalformedShard (ValueError)            a raw shard cannot be parsed; names object and row
     ├── UnknownTransform (ValueError)          no built-in or entry-point transform of that name
     ├── ObjectExists (FileExistsError)         a create-only write found the object already there
@@ -44,6 +45,7 @@ Messages say what to do next, because they end up in front of operators.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 
 __all__ = [
     "AccessDenied",
@@ -69,6 +71,7 @@ __all__ = [
     "ManifestError",
     "OriginChanged",
     "OriginError",
+    "PinChanged",
     "ReadOnlyStore",
     "SchemaMismatch",
     "ShardNotCached",
@@ -126,6 +129,19 @@ class VersionExists(EdgeCacheError):
 
 class VersionPinned(EdgeCacheError, ValueError):
     """An eviction was refused: the version is pinned for a scheduled job (--force overrides)."""
+
+
+class PinChanged(EdgeCacheError):
+    """A pin was to change only if still held until a time, and another time is held.
+
+    Someone pinned the version again since the caller placed or last saw its
+    pin (another tool, another schedule): the pin is theirs too, so it stays.
+    ``held`` is the time the node holds (None: not pinned).
+    """
+
+    def __init__(self, message: str, held: datetime | None) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 class MalformedShard(EdgeCacheError, ValueError):

@@ -47,6 +47,7 @@ from edgecache.cache.errors import (
     CacheFull,
     DiskFull,
     EmptyShard,
+    PinChanged,
     ReadOnlyStore,
     ShardNotCached,
     ShardTooLarge,
@@ -408,12 +409,22 @@ class CacheStore(ClosingContext):
             except lmdb.Error as exc:
                 raise self._write_failed(what, need, exc) from exc
 
-    def pin_version(self, dataset: str, version: int, until: datetime | None) -> None:
+    def pin_version(
+        self,
+        dataset: str,
+        version: int,
+        until: datetime | None,
+        *,
+        if_until: datetime | None = None,
+    ) -> None:
         """Keep a version from being evicted for space until ``until`` (None unpins).
 
-        A version may be pinned before any of its shards arrive.
+        A version may be pinned before any of its shards arrive. With
+        ``if_until``, only a pin held until that time (within a second) is
+        changed; any other is :class:`PinChanged`, in the same transaction, so a
+        tool releasing its own pin never cuts one that someone lengthened since.
         """
-        self._pin(dataset, version, until, extend=False)
+        self._pin(dataset, version, until, extend=False, if_until=if_until)
 
     def extend_pin(self, dataset: str, version: int, until: datetime) -> None:
         """Pin a version until at least ``until``: a later pin it has already stays.
@@ -423,15 +434,33 @@ class CacheStore(ClosingContext):
         """
         self._pin(dataset, version, until, extend=True)
 
-    def _pin(self, dataset: str, version: int, until: datetime | None, *, extend: bool) -> None:
+    def _pin(
+        self,
+        dataset: str,
+        version: int,
+        until: datetime | None,
+        *,
+        extend: bool,
+        if_until: datetime | None = None,
+    ) -> None:
         ShardKey(dataset, version, 0).validated()
         vkey = version_key(dataset, version)
-        if until is not None and until.tzinfo is None:
-            name = "extend_pin" if extend else "pin_version"
-            raise ValueError(f"{name} needs a timezone-aware datetime (e.g. UTC)")
+        for given in (until, if_until):
+            if given is not None and given.tzinfo is None:
+                name = "extend_pin" if extend else "pin_version"
+                raise ValueError(f"{name} needs a timezone-aware datetime (e.g. UTC)")
         until_ns = 0 if until is None else _pin_ns(until)
         with self._writing(f"the pin of {dataset}@{version}") as txn:
             record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
+            if if_until is not None and abs(record.pinned_until_ns - _pin_ns(if_until)) >= 10**9:
+                held = ns_to_datetime(record.pinned_until_ns) if record.pinned_until_ns else None
+                raise PinChanged(
+                    f"the pin of {dataset}@{version} is "
+                    + (f"until {held.isoformat()}" if held else "gone")
+                    + f", not until {if_until.isoformat()}: someone pinned it since, "
+                    "so it was left as it is",
+                    held,
+                )
             record.pinned_until_ns = max(record.pinned_until_ns, until_ns) if extend else until_ns
             if record.shard_count == 0 and record.pinned_until_ns == 0:
                 txn.delete(vkey, db=self._dbs[b"versions"])

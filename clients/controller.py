@@ -809,11 +809,21 @@ class Controller:
                 return datetime.max.replace(tzinfo=UTC)
             return warm_reads.get((region or "", spec))
 
-        def shorten(node: str, version: VersionKey, key: str, to: datetime, why: str) -> None:
-            """Set this controller's pin to ``to``; the record keeps the node's time."""
-            problem = self.executor.shorten(node, version, to)
-            if problem:
-                failures.append(problem)
+        def shorten(
+            node: str, version: VersionKey, key: str, placed: datetime, to: datetime, why: str
+        ) -> None:
+            """Set this controller's pin, placed until ``placed``, to ``to``.
+
+            The record keeps the node's time where it failed (to match and try
+            again), and the new one where it did; a pin someone lengthened since
+            is left as it is and is theirs: the record follows the plan again.
+            """
+            done = self.executor.shorten(node, version, to, placed=placed)
+            if done.taken:
+                return
+            if not done.released:
+                if done.problem:
+                    failures.append(done.problem)
                 unshortened[key] = self.state.pins[key]
                 return
             unshortened[key] = _iso(to) or ""
@@ -853,22 +863,25 @@ class Controller:
                         unshortened[key] = until
                     else:
                         why = "its job ends then" if to == sooner else _WARM_READS_IT
-                        shorten(node, version, key, to, why)
+                        shorten(node, version, key, recorded, to, why)
                 continue
-            if placed:
+            if placed and recorded is not None:
                 warm_end = warm_needs(region, spec)
                 if warm_end is not None:
                     # A job warm recorded reads it (or may: unreadable): kept for it, to
                     # its end, not to this controller's cancelled job's.
-                    if recorded is not None and recorded - warm_end > timedelta(seconds=1):
-                        shorten(node, version, key, warm_end, _WARM_READS_IT)
+                    if recorded - warm_end > timedelta(seconds=1):
+                        shorten(node, version, key, recorded, warm_end, _WARM_READS_IT)
                     continue
-                unpinned = self.executor.unpin(node, version)
-                if not unpinned.released:
+                unpinned = self.executor.unpin(node, version, placed=recorded)
+                if unpinned.taken:  # someone pinned it since: theirs, and no longer ours
+                    log.info("%s: left the pin of %s on %s: pinned again since", region, spec, node)
+                elif unpinned.released:
+                    log.info("%s: unpinned %s on %s: no scheduled job reads it", region, spec, node)
+                else:
                     if unpinned.problem:
                         failures.append(unpinned.problem)
                     continue  # try again next round (a node down this round: not called)
-                log.info("%s: unpinned %s on %s: no scheduled job reads it", region, spec, node)
             del self.state.pins[key]
         for region, region_plan in plan.regions.items():
             if region in down:

@@ -59,10 +59,10 @@ __all__ = [
     "Evicted",
     "NodeCalls",
     "NodesSeen",
+    "PinReleased",
     "PlanExecutor",
     "Released",
     "TaskRun",
-    "Unpinned",
     "WarmOutcome",
     "eviction_blocker",
     "release_line",
@@ -161,16 +161,19 @@ class NodeCalls:
 
 
 @dataclass(frozen=True)
-class Unpinned:
-    """What :meth:`PlanExecutor.unpin` did: released the pin, failed, or not tried.
+class PinReleased:
+    """What :meth:`PlanExecutor.shorten` or :meth:`~PlanExecutor.unpin` did with a caller's pin.
 
-    Failed: ``problem`` says why. Not tried (neither released nor a problem): the
-    node is down this round, so it was not called; nothing to report, the next
-    round tries again.
+    Done, failed (``problem`` says why), taken, or not tried. Taken: the node
+    holds the pin until another time than the one the caller placed, so
+    someone pinned it since, and it was left as it is (the caller's record of
+    it is stale: drop it). Not tried (nothing set): the node is down this
+    round, so it was not called; nothing to report, the next round tries again.
     """
 
     released: bool = False
     problem: str | None = None
+    taken: bool = False
 
 
 @dataclass
@@ -401,35 +404,59 @@ class PlanExecutor:
                 return problem
         return None
 
-    def shorten(self, node: str, version: VersionKey, until: datetime) -> str | None:
-        """Set ``version``'s pin on ``node`` to an earlier ``until``; why not, or None.
+    def shorten(
+        self, node: str, version: VersionKey, until: datetime, *, placed: datetime
+    ) -> PinReleased:
+        """Set the caller's pin of ``version`` on ``node``, placed until ``placed``, to ``until``.
 
         For the caller's own pin only (its job now ends sooner): :meth:`pin` never
-        cuts a longer pin short, since it may be another schedule's. A node held
+        cuts a longer pin short, since it may be another schedule's. The node
+        changes it only while it still holds ``placed`` (Pin's ``if_until``), in
+        the same transaction: a pin someone lengthened since, even between the
+        caller's status read and this call, is theirs too and stays. A node held
         as down this round is not called again: that is said, as a failure to
         shorten, and the caller keeps the node's time in its record to try again.
         """
         if node in self.calls.down:
-            return f"{node} is down this round: its pin of {version[0]}@{version[1]} stays"
-        return self._pin_node(node, version, until)
+            return PinReleased(
+                problem=f"{node} is down this round: its pin of {version[0]}@{version[1]} stays"
+            )
+        return self._release_pin(node, version, until, placed, "shortening")
 
-    def unpin(self, node: str, version: VersionKey) -> Unpinned:
-        """Remove ``version``'s pin on ``node`` (an unset time): whether it did, or why not.
+    def unpin(self, node: str, version: VersionKey, *, placed: datetime) -> PinReleased:
+        """Remove the caller's pin of ``version`` on ``node``, placed until ``placed``.
 
-        A node :attr:`calls` holds as down is not called, as :meth:`pin` skips
-        it: its outage is already this round's failure, and another call would
-        only cost another timeout. Nothing is reported; the pin stays, for the
-        next round to release.
+        Only while the node still holds ``placed``, as :meth:`shorten`. A node
+        :attr:`calls` holds as down is not called, as :meth:`pin` skips it: its
+        outage is already this round's failure, and another call would only cost
+        another timeout. Nothing is reported; the pin stays, for the next round
+        to release.
         """
         if node in self.calls.down:
-            return Unpinned()
+            return PinReleased()
+        return self._release_pin(node, version, None, placed, "unpinning")
+
+    def _release_pin(
+        self,
+        node: str,
+        version: VersionKey,
+        until: datetime | None,
+        placed: datetime,
+        doing: str,
+    ) -> PinReleased:
+        """One conditional Pin call (``if_until=placed``) setting ``until`` (None: unpin)."""
         request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
-        what = f"unpinning {version[0]}@{version[1]}"
+        if until is not None:
+            request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
+        request.if_until.FromDatetime(placed.astimezone(UTC).replace(tzinfo=None))
         try:
-            self._node_call(node, what, lambda stub: stub.Pin, request)
+            self._node_call(node, f"{doing} {version[0]}@{version[1]}", lambda s: s.Pin, request)
         except _NotDone as failure:
-            return Unpinned(problem=str(failure))
-        return Unpinned(released=True)
+            if failure.code == grpc.StatusCode.ABORTED:
+                log.info("%s", failure)  # names the node, the pin and the time it holds
+                return PinReleased(taken=True)
+            return PinReleased(problem=str(failure))
+        return PinReleased(released=True)
 
     def release(
         self, pins: Sequence[WarmPin], reports: Sequence[NodeReport], *, dry_run: bool = False
@@ -458,20 +485,15 @@ class PlanExecutor:
                 out.released.append(pin)
                 continue
             if pin.shorten_to is not None:  # a job still reads it there, until then
-                problem = self.shorten(pin.node, pin.key, pin.shorten_to)
-                if problem is None:
-                    out.released.append(pin)
-                else:
-                    out.kept.append(pin)
-                    out.problems.append(problem)
-                continue
-            unpinned = self.unpin(pin.node, pin.key)
-            if unpinned.released:
+                done = self.shorten(pin.node, pin.key, pin.shorten_to, placed=pin.until)
+            else:
+                done = self.unpin(pin.node, pin.key, placed=pin.until)
+            if done.released:
                 out.released.append(pin)
-                continue
-            out.kept.append(pin)
-            if unpinned.problem:
-                out.problems.append(unpinned.problem)
+            elif not done.taken:  # taken: pinned again since, not warm's any more
+                out.kept.append(pin)
+                if done.problem:
+                    out.problems.append(done.problem)
         return out
 
     def _see(self, reports: Sequence[NodeReport]) -> NodesSeen:

@@ -1452,9 +1452,20 @@ class EdgeNode:
 
     # -------------------------------------------------------------- admin
 
-    async def pin(self, dataset: str, version: int, until: datetime | None) -> None:
-        """Keep a version from the LRU until ``until`` (None: unpin), resident or not yet."""
-        await self._write(self.store.pin_version, dataset, version, until)
+    async def pin(
+        self,
+        dataset: str,
+        version: int,
+        until: datetime | None,
+        if_until: datetime | None = None,
+    ) -> None:
+        """Keep a version from the LRU until ``until`` (None: unpin), resident or not yet.
+
+        ``if_until``: only if it is pinned until then (``CacheStore.pin_version``).
+        """
+        await self._write(
+            functools.partial(self.store.pin_version, if_until=if_until), dataset, version, until
+        )
 
     async def evict(self, dataset: str, version: int) -> int:
         """Remove a version's shards and pin; returns the bytes freed.

@@ -35,6 +35,7 @@ from edgecache.cache.errors import (
     ObjectNotFound,
     OriginChanged,
     OriginError,
+    PinChanged,
     SchemaMismatch,
     ShardNotCached,
     StoreError,
@@ -135,6 +136,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         case CacheFull():
             return grpc.StatusCode.RESOURCE_EXHAUSTED, message
         case OriginChanged() | MalformedShard() | UnknownTransform() | ManifestError():
+            return grpc.StatusCode.FAILED_PRECONDITION, message
+        case PinChanged():
+            # A conditional Pin (if_until) found another time held: gRPC's code for a
+            # failed test-and-set, after which the caller reads the state again.
+            return grpc.StatusCode.ABORTED, message
             return grpc.StatusCode.FAILED_PRECONDITION, message
         case ObjectNotFound() if _s3_code(exc) == "NoSuchBucket":
             # The publisher listed this bucket: most often this node asks another endpoint.
@@ -543,8 +549,9 @@ class EdgeCacheService:
     ) -> edge_pb2.PinResponse:
         """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
         until = _pin_time(request.until, "until") if request.HasField("until") else None
+        if_until = _pin_time(request.if_until, "if_until") if request.HasField("if_until") else None
         self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
-        await self.node.pin(request.dataset, request.version, until)
+        await self.node.pin(request.dataset, request.version, until, if_until)
         return edge_pb2.PinResponse()
 
     async def Sink(  # noqa: N802

@@ -1,0 +1,143 @@
+"""A pin is shortened or released only if it is still the one its tool placed.
+
+warm and the controller read the nodes' pins, decide that a pin they placed
+is theirs to shorten or remove, and then call Pin. Someone who lengthened the
+pin in between (another schedule's warm, an operator) lost it: Pin set the
+time as given. Pin's ``if_until`` makes the check and the change one LMDB
+transaction on the node; a pin held until another time answers ABORTED and
+stays as it is. Real nodes on loopback, a real LMDB store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from edgeutil import pins_on, publish, stub, write_parquet_shards
+
+from edgecache.cache.errors import PinChanged
+from edgecache.cache.store import CacheStore
+from edgecache.clients import ops
+from edgecache.clients.controller import Controller
+from edgecache.clients.executor import PlanExecutor
+from edgecache.clients.node_client import LocalNode, start_local_node
+from edgecache.clients.ops import WarmPin
+from edgecache.clients.topology import load_topology
+from edgecache.v1 import edge_pb2
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+HOUR = timedelta(hours=1)
+
+
+def _pin_request(until: datetime | None, if_until: datetime | None) -> edge_pb2.PinRequest:
+    request = edge_pb2.PinRequest(dataset="a", version=1)
+    if until is not None:
+        request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
+    if if_until is not None:
+        request.if_until.FromDatetime(if_until.astimezone(UTC).replace(tzinfo=None))
+    return request
+
+
+@pytest.fixture
+def eu(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
+    """Version a@1 in a file:// registry; one node in region eu, with a topology file."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin" / "a", 2, rows=200)
+    publish(registry, f"file://{tmp_path}/origin/a", "a")
+    node = start_local_node("eu", tmp_path / "cache-eu", registry)
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+    )
+    try:
+        yield tmp_path, node
+    finally:
+        node.stop()
+
+
+def test_the_store_changes_a_pin_only_while_it_holds_the_expected_time(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cache", capacity_bytes=1 << 30)
+    try:
+        store.pin_version("a", 1, T0 + 2 * HOUR)
+        with pytest.raises(PinChanged, match=r"is until 2026-12-01T10:00:00\+00:00") as caught:
+            store.pin_version("a", 1, T0 + HOUR, if_until=T0 + 5 * HOUR)
+        assert caught.value.held == T0 + 2 * HOUR
+        assert [v.pinned_until for v in store.versions()] == [T0 + 2 * HOUR]  # unchanged
+        # Within a second of the time held: the caller's record of it (ISO text) matches.
+        store.pin_version("a", 1, T0 + HOUR, if_until=T0 + 2 * HOUR + timedelta(seconds=0.4))
+        assert [v.pinned_until for v in store.versions()] == [T0 + HOUR]
+        store.pin_version("a", 1, None, if_until=T0 + HOUR)
+        assert store.versions() == []
+        with pytest.raises(PinChanged, match="is gone") as caught:  # nothing to release
+            store.pin_version("a", 1, None, if_until=T0 + HOUR)
+        assert caught.value.held is None
+    finally:
+        store.close()
+
+
+def test_a_conditional_pin_of_another_time_is_aborted_and_says_the_time_held(eu) -> None:
+    _, node = eu
+    client = stub(node.address)
+    client.Pin(_pin_request(T0 + 9 * HOUR, None))  # someone lengthened it to +9 h
+    with pytest.raises(grpc.RpcError) as caught:
+        client.Pin(_pin_request(None, T0 + 3 * HOUR))  # a tool that placed +3 h unpins
+    assert caught.value.code() == grpc.StatusCode.ABORTED
+    assert "until 2026-12-01T17:00:00+00:00, not until 2026-12-01T11:00:00+00:00" in str(
+        caught.value.details()
+    )
+    assert pins_on(node) == {"a@1": T0 + 9 * HOUR}
+    client.Pin(_pin_request(T0 + 4 * HOUR, T0 + 9 * HOUR))  # the time held: changed
+    assert pins_on(node) == {"a@1": T0 + 4 * HOUR}
+
+
+def test_warms_release_leaves_a_pin_lengthened_after_its_status_read(eu) -> None:
+    """The status warm releases by says its pin is as placed; the pin is lengthened before the
+    release's call. Before ``if_until`` the release cut the new pin (unpin, or shorten)."""
+    root, node = eu
+    executor = PlanExecutor(load_topology(root / "edgecache.yaml"))
+    mine = WarmPin(str(root / "schedule.yaml"), node.address, "eu", "a@1", T0 + 3 * HOUR)
+    for shorten_to in (None, T0 + 2 * HOUR):
+        stub(node.address).Pin(_pin_request(T0 + 3 * HOUR, None))  # as warm placed it
+        reports = ops.gather_status(executor.topology)  # warm reads: its pin, as placed
+        stub(node.address).Pin(_pin_request(T0 + 9 * HOUR, None))  # another tool, meanwhile
+        pin = WarmPin(mine.schedule, mine.node, mine.region, mine.version, mine.until, shorten_to)
+        released = executor.release([pin], reports)
+        assert pins_on(node) == {"a@1": T0 + 9 * HOUR}
+        # Not warm's any more: neither released nor kept to try again; no failure either.
+        assert (released.released, released.kept, released.problems) == ([], [], [])
+    # Unchanged since its status read, the release goes through (the condition holds).
+    stub(node.address).Pin(_pin_request(T0 + 3 * HOUR, None))
+    released = executor.release([mine], ops.gather_status(executor.topology))
+    assert released.released == [mine] and pins_on(node) == {}
+
+
+def test_the_controller_leaves_a_pin_lengthened_during_its_round(eu, monkeypatch) -> None:
+    """A job is cancelled; between the round's status read and the controller's unpin, another
+    tool lengthens the pin. The pin stays, and the controller's record lets it go (it is
+    someone else's now), so the next round does not try again."""
+    root, node = eu
+    (root / "schedule.yaml").write_text(
+        "jobs:\n  - name: j\n    region: eu\n"
+        f"    start: '{(T0 + HOUR).isoformat()}'\n    duration: 2h\n    datasets: [a@1]\n"
+    )
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=lambda: T0)
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert pins_on(node) == {"a@1": T0 + 3 * HOUR}
+        monkeypatch.setattr(controller, "_warm_reads", dict)  # no warm record here
+        real_unpin = controller.executor.unpin
+
+        def lengthened_first(node_address: str, version, *, placed: datetime):  # type: ignore[no-untyped-def]
+            stub(node_address).Pin(_pin_request(T0 + 9 * HOUR, None))
+            return real_unpin(node_address, version, placed=placed)
+
+        monkeypatch.setattr(controller.executor, "unpin", lengthened_first)
+        (root / "schedule.yaml").write_text("jobs: []\n")
+        controller.tick()
+        assert pins_on(node) == {"a@1": T0 + 9 * HOUR}
+        assert controller.state.pins == {}
+    finally:
+        controller.close()
