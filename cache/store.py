@@ -467,12 +467,34 @@ class CacheStore(ClosingContext):
             else:
                 txn.put(vkey, record.SerializeToString(), db=self._dbs[b"versions"])
 
-    def evict_version(self, dataset: str, version: int) -> int:
-        """Remove every shard of a version and its pin; return the bytes freed."""
+    def evict_version(
+        self, dataset: str, version: int, *, unless_pinned_after: datetime | None = None
+    ) -> int:
+        """Remove every shard of a version and its pin; return the bytes freed.
+
+        With ``unless_pinned_after``, a version pinned past that time (by more
+        than a second) is :class:`PinChanged` and nothing is removed: the
+        caller's check that no one else's pin keeps it, made on an earlier
+        read, is made again inside the eviction's transaction.
+        """
         ShardKey(dataset, version, 0).validated()
         vkey = version_key(dataset, version)
+        if unless_pinned_after is not None and unless_pinned_after.tzinfo is None:
+            raise ValueError("evict_version needs a timezone-aware datetime (e.g. UTC)")
         freed = 0
         with self._writing(f"evicting {dataset}@{version}") as txn:
+            pinned = self._version_record(txn, vkey)
+            if (
+                unless_pinned_after is not None
+                and pinned is not None
+                and pinned.pinned_until_ns > _pin_ns(unless_pinned_after) + 10**9
+            ):
+                held = ns_to_datetime(pinned.pinned_until_ns)
+                raise PinChanged(
+                    f"{dataset}@{version} is pinned until {held.isoformat()}, past "
+                    f"{unless_pinned_after.isoformat()}: someone pinned it since; not evicted",
+                    held,
+                )
             for raw_key, record in list(self._iter_shard_records(txn, vkey)):
                 freed += self._delete_shard(txn, raw_key, record)
             txn.delete(vkey, db=self._dbs[b"versions"])

@@ -548,7 +548,10 @@ class PlanExecutor:
         )
         if blocker is not None:
             return Evicted(refused=f"not evicting {spec}: {blocker}")
-        done = self._evict_nodes(eviction)
+        # What the guard allowed, the node checks again in the eviction's transaction: a
+        # pin another tool placed since the round's status read makes it refuse.
+        own = self._own_end(eviction, schedule, manifests, now)
+        done = self._evict_nodes(eviction, unless_pinned_after=max(own or now, now))
         # Tasks of other regions that would copy it from here stage from origin instead.
         # Dropping the region's record left a task already waiting on it (the plan evicts
         # here at the moment another region copies from here) to wait out
@@ -577,17 +580,7 @@ class PlanExecutor:
             pins = dict(
                 NodesSeen.of(gather_status(self.topology, token=self.token, regions={region})).pins
             )
-        ours = [
-            job.end
-            for job in schedule.jobs
-            if job.region == region and job.end > now
-            and any(
-                (m.dataset, m.version) == version
-                for spec in job.datasets
-                if (m := manifests.get(spec)) is not None
-            )
-        ]  # fmt: skip
-        own = max(ours, default=None)
+        own = self._own_end(eviction, schedule, manifests, now)
         for node in self.topology.regions[region].nodes:
             until = pins.get((node, version))
             if until is None or until <= now or (own is not None and until <= own + _SAME_PIN):
@@ -600,7 +593,30 @@ class PlanExecutor:
             )
         return None
 
-    def _evict_nodes(self, eviction: Eviction) -> Evicted:
+    @staticmethod
+    def _own_end(
+        eviction: Eviction,
+        schedule: Schedule,
+        manifests: Mapping[str, pb.Manifest],
+        now: datetime,
+    ) -> datetime | None:
+        """The end of the last job of ``schedule`` in the region that reads the version.
+
+        A pin up to then is the schedule's own (what :meth:`pin` places).
+        """
+        ours = [
+            job.end
+            for job in schedule.jobs
+            if job.region == eviction.region and job.end > now
+            and any(
+                (m.dataset, m.version) == eviction.version
+                for spec in job.datasets
+                if (m := manifests.get(spec)) is not None
+            )
+        ]  # fmt: skip
+        return max(ours, default=None)
+
+    def _evict_nodes(self, eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
         """Ask every node of the eviction's region to drop the version.
 
         A node :attr:`calls` holds as down is not asked: it is named in the errors,
@@ -612,6 +628,9 @@ class PlanExecutor:
         what = f"evicting {eviction.version[0]}@{eviction.version[1]}"
         freed, errors = 0, []
         request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
+        request.unless_pinned_after.FromDatetime(
+            unless_pinned_after.astimezone(UTC).replace(tzinfo=None)
+        )
         for node in region_nodes(self.topology, eviction.region)[eviction.region]:
             if node in self.calls.down:
                 errors.append(f"{what} on {node}: not tried, the node is not answering")

@@ -1039,6 +1039,8 @@ def evict(
         except VersionNotFound:
             raise unknown from None
     request = edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version)
+    if not force:  # a pin placed since the status read above: the node refuses (ABORTED)
+        request.unless_pinned_after.FromDatetime(now.astimezone(UTC).replace(tzinfo=None))
     results, not_found = [], 0
     for name, nodes in regions.items():
         for node in nodes:

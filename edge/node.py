@@ -1467,16 +1467,23 @@ class EdgeNode:
             functools.partial(self.store.pin_version, if_until=if_until), dataset, version, until
         )
 
-    async def evict(self, dataset: str, version: int) -> int:
+    async def evict(
+        self, dataset: str, version: int, unless_pinned_after: datetime | None = None
+    ) -> int:
         """Remove a version's shards and pin; returns the bytes freed.
 
         A version this node knows nothing of and the registry does not publish
         is :class:`VersionNotFound` (most often a typo), not "0 bytes freed";
         a published version that is simply not held here frees 0 bytes.
+        ``unless_pinned_after``: see ``CacheStore.evict_version``.
         """
         if not self._knows(dataset, version):
             await self._check_published(dataset, version)
-        freed = await self._write(self.store.evict_version, dataset, version)
+        freed = await self._write(
+            functools.partial(self.store.evict_version, unless_pinned_after=unless_pinned_after),
+            dataset,
+            version,
+        )
         if freed:
             self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
         changed = self._changed.get((dataset, version))

@@ -138,8 +138,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         case OriginChanged() | MalformedShard() | UnknownTransform() | ManifestError():
             return grpc.StatusCode.FAILED_PRECONDITION, message
         case PinChanged():
-            # A conditional Pin (if_until) found another time held: gRPC's code for a
-            # failed test-and-set, after which the caller reads the state again.
+            # A conditional Pin (if_until) or Evict (unless_pinned_after) found another
+            # pin than the caller's status read: gRPC's code for a failed test-and-set,
+            # after which the caller reads the state again.
             return grpc.StatusCode.ABORTED, message
             return grpc.StatusCode.FAILED_PRECONDITION, message
         case ObjectNotFound() if _s3_code(exc) == "NoSuchBucket":
@@ -538,9 +539,14 @@ class EdgeCacheService:
     async def Evict(  # noqa: N802
         self, request: edge_pb2.EvictRequest, context: aio.ServicerContext
     ) -> edge_pb2.EvictResponse:
-        """Drop a version's shards and pin from this node."""
+        """Drop a version's shards and pin from this node (unless pinned past a time)."""
+        unless = (
+            _pin_time(request.unless_pinned_after, "unless_pinned_after")
+            if request.HasField("unless_pinned_after")
+            else None
+        )
         return edge_pb2.EvictResponse(
-            bytes_freed=await self.node.evict(request.dataset, request.version)
+            bytes_freed=await self.node.evict(request.dataset, request.version, unless)
         )
 
     @_unary

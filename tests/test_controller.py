@@ -350,7 +350,7 @@ def test_a_region_that_failed_to_stage_is_a_peer_source_again_once_it_holds_it()
     class Offline(PlanExecutor):
         """Evictions ask no node (there is none here); everything else is the real code."""
 
-        def _evict_nodes(self, eviction: Eviction) -> Evicted:
+        def _evict_nodes(self, eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
             return Evicted(eviction.bytes)
 
     topology = Topology.model_validate(
@@ -453,7 +453,7 @@ def test_warm_counts_an_eviction_a_node_failed_as_a_failure(capsys) -> None:  # 
     class EvictFails(PlanExecutor):
         """The node's Evict answers an error (fault injection at the node call only)."""
 
-        def _evict_nodes(self, eviction: Eviction) -> Evicted:
+        def _evict_nodes(self, eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
             return Evicted(errors=(failure,))
 
     topology = Topology.model_validate(
@@ -522,7 +522,7 @@ def test_node_failures_to_evict_and_pin_are_counted_apart_from_refusals(site) ->
 
         # Fault injection at the node calls only (a node failing Evict and Pin); the
         # controller's decisions and its accounting are the real code.
-        def evict_fails(eviction: Eviction) -> Evicted:
+        def evict_fails(eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
             return Evicted(errors=(failure,))
 
         controller.executor._evict_nodes = evict_fails  # type: ignore[method-assign]

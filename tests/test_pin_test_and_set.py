@@ -1,11 +1,14 @@
-"""A pin is shortened or released only if it is still the one its tool placed.
+"""A pin is shortened or released, and a version evicted, only if no one pinned it since.
 
 warm and the controller read the nodes' pins, decide that a pin they placed
 is theirs to shorten or remove, and then call Pin. Someone who lengthened the
 pin in between (another schedule's warm, an operator) lost it: Pin set the
 time as given. Pin's ``if_until`` makes the check and the change one LMDB
 transaction on the node; a pin held until another time answers ABORTED and
-stays as it is. Real nodes on loopback, a real LMDB store.
+stays as it is. An eviction the plan's guard allowed on the round's status
+read (no one else's pin) wiped a pin placed after that read, and the data of
+the job it was placed for: Evict's ``unless_pinned_after`` checks again in
+the eviction's transaction. Real nodes on loopback, a real LMDB store.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import pytest
 from edgeutil import pins_on, publish, stub, write_parquet_shards
 
 from edgecache.cache.errors import PinChanged
+from edgecache.cache.planner import Eviction
 from edgecache.cache.store import CacheStore
 from edgecache.clients import ops
 from edgecache.clients.controller import Controller
 from edgecache.clients.executor import PlanExecutor
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.clients.ops import WarmPin
-from edgecache.clients.topology import load_topology
+from edgecache.clients.topology import Schedule, load_topology
 from edgecache.v1 import edge_pb2
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
@@ -141,3 +145,36 @@ def test_the_controller_leaves_a_pin_lengthened_during_its_round(eu, monkeypatch
         assert controller.state.pins == {}
     finally:
         controller.close()
+
+
+def test_the_store_evicts_only_a_version_not_pinned_past_the_time_given(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cache", capacity_bytes=1 << 30)
+    try:
+        store.pin_version("a", 1, T0 + 5 * HOUR)
+        with pytest.raises(PinChanged, match=r"pinned until 2026-12-01T13:00:00\+00:00, past"):
+            store.evict_version("a", 1, unless_pinned_after=T0 + 2 * HOUR)
+        assert [v.pinned_until for v in store.versions()] == [T0 + 5 * HOUR]
+        store.evict_version("a", 1, unless_pinned_after=T0 + 5 * HOUR)  # its own pin: evicted
+        assert store.versions() == []
+    finally:
+        store.close()
+
+
+def test_a_planned_eviction_leaves_a_version_pinned_after_the_rounds_status_read(eu) -> None:
+    root, node = eu
+    client = stub(node.address)
+    list(client.Stage(edge_pb2.StageRequest(dataset="a", version=1)))
+    executor = PlanExecutor(load_topology(root / "edgecache.yaml"))
+    now = executor.clock()
+    eviction = Eviction("eu", ("a", 1), 1, now, None, "needed furthest ahead")
+    executor._see(ops.gather_status(executor.topology))  # the round's read: a@1 unpinned
+    client.Pin(_pin_request(now + 9 * HOUR, None))  # another schedule's warm, meanwhile
+    evicted = executor.evict(eviction, Schedule(jobs=[]), {})
+    (error,) = evicted.errors
+    assert evicted.freed == 0 and error.endswith("someone pinned it since; not evicted")
+    assert error.startswith(f"evicting a@1 on {node.address}: ABORTED: a@1 is pinned until")
+    assert [v.shard_count for v in client.Status(edge_pb2.StatusRequest()).versions] == [2]
+    client.Pin(_pin_request(None, None))  # unpinned: the same eviction goes through
+    executor._see(ops.gather_status(executor.topology))
+    assert executor.evict(eviction, Schedule(jobs=[]), {}).freed > 0
+    assert list(client.Status(edge_pb2.StatusRequest()).versions) == []

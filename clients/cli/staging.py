@@ -1166,7 +1166,7 @@ class Rehearsal(PlanExecutor):
         """Set nothing; a pin cannot fail in a rehearsal."""
         return []
 
-    def _evict_nodes(self, eviction: Eviction) -> Evicted:
+    def _evict_nodes(self, eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
         """Ask no node; the plan's bytes are what the eviction would free."""
         return Evicted(eviction.bytes)
 
