@@ -498,6 +498,8 @@ class CacheStore(ClosingContext):
             for raw_key, record in list(self._iter_shard_records(txn, vkey)):
                 freed += self._delete_shard(txn, raw_key, record)
             txn.delete(vkey, db=self._dbs[b"versions"])
+        if freed:
+            self._release_freed_pages()
         return freed
 
     def drop_shard(self, key: ShardKey) -> int:
@@ -505,7 +507,25 @@ class CacheStore(ClosingContext):
         raw_key = key.validated().encode()
         with self._writing(f"dropping {key}") as txn:
             record = self._shard_record(txn, raw_key)
-            return 0 if record is None else self._delete_shard(txn, raw_key, record)
+            freed = 0 if record is None else self._delete_shard(txn, raw_key, record)
+        if freed:
+            self._release_freed_pages()
+        return freed
+
+    def _release_freed_pages(self) -> None:
+        """Commit one small write after a removal, so its freed pages can hold the next write.
+
+        LMDB hands a transaction's freed pages out again only after a later
+        transaction has committed (readers of the previous snapshot may still
+        use them), and a write that fails for room commits nothing. On a full
+        disk every write after an eviction failed for room, with the room
+        there, on a node that held nothing. Best effort: on a disk too full
+        even for this, the next write tries as before.
+        """
+        with contextlib.suppress(StoreError), self._writing("counting removals") as txn:
+            meta = self._dbs[b"meta"]
+            count = int.from_bytes(txn.get(b"removals", b"\0" * 8, db=meta), "big") + 1
+            txn.put(b"removals", count.to_bytes(8, "big"), db=meta)
 
     def fit_capacity(self) -> Fitted:
         """Evict until the cache is within its capacity, as a write short of room would.

@@ -391,3 +391,34 @@ def test_the_plan_counts_the_room_the_disk_has_not_the_capacity(tmp_path: Path, 
         assert "capacity (64.0 KiB)" in row.reason, row  # what the disk leaves
         assert f"the cache's disk on {server.address} has" in row.reason, row
         assert "not --capacity" in row.reason, row
+
+
+def test_an_eviction_on_a_full_disk_makes_room_for_the_next_stage(
+    tmp_path: Path, disk: Path
+) -> None:
+    """The cache itself filled the disk; the operator evicts, as the error says, and stages
+    again. LMDB reuses a transaction's freed pages only two commits later, and a write that
+    fails commits nothing: every later write failed for room, on a node holding nothing,
+    until a restart and some unrelated writes (a user's report)."""
+    write_parquet_shards(tmp_path / "origin", 6, rows=20000)  # ~1.3 MiB a shard
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "tokens")
+    with running_node(node_config(disk, registry)) as server:
+        node, client = server.node, stub(server.address)
+        assert node is not None
+        fill(disk, leave=6 << 20)  # room for about four shards, and the map's own pages
+        code, details = status_of(
+            lambda: client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1))
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        first = len(list(node.store.shards("tokens", 1)))
+        assert 0 < first < 6, first
+        freed = client.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1)).bytes_freed
+        assert freed > 0 and list(node.store.shards("tokens", 1)) == []
+        for _ in range(2):  # as many as fitted before, each time
+            code, details = status_of(
+                lambda: client.Stage(edge_pb2.StageRequest(dataset="tokens", version=1))
+            )
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            assert len(list(node.store.shards("tokens", 1))) >= first, details
+            client.Evict(edge_pb2.EvictRequest(dataset="tokens", version=1))
