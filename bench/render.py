@@ -482,6 +482,14 @@ def _section_planner(data: dict) -> str:
             _md_table(["jobs", "seconds", "µs/job", "µs/action", "tasks", "evictions"], rows),
             f"Time per job at 10k ÷ at 1k: {data['per_job_time_10k_over_1k']}× (1.0 = "
             "linear): with the versions fixed, more jobs churn the caches harder.",
+            *(
+                f"{r['jobs']:,} jobs: origin sends {r['origin_tb']} TB, against "
+                f"{r['one_order_origin_tb']} TB with the regions planned in one order only "
+                f"(no reorder try; {r['one_order_seconds']} s, the plan with its try "
+                f"{r['reorder_time_ratio']}× that, same run)."
+                for r in data["results"]
+                if "origin_tb" in r
+            ),
         ]
     )
 

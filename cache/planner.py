@@ -189,6 +189,12 @@ class Plan:
         return not any(i.job == job for i in self.infeasible)
 
 
+# Other orders of the regions a plan tries (see plan): each costs up to a whole plan
+# again. bench.planner: one try takes 10k jobs x 20 regions from 0.69 to 1.39 s and
+# cuts origin egress 8.5 %; a second found nothing more there, at 1.9 s.
+MAX_REORDERS = 1
+
+
 def _order_key(job: Job) -> tuple[datetime, int, str]:
     return (job.start, -PRIORITIES.get(job.priority, 1), job.name)
 
@@ -246,13 +252,6 @@ def plan(
             continue
         by_region[job.region].append(job)
 
-    # Who holds what, when: for peer sourcing. Filled region by region in name order,
-    # so it is deterministic; a peer counts once its own task has finished.
-    ready_at: dict[tuple[str, VersionKey], datetime] = {}
-    for name, state in regions.items():
-        for version in state.resident:
-            ready_at[(name, version)] = now
-    result = Plan(regions={}, infeasible=infeasible, transfers={}, cost={})
     # Regions whose jobs start first are planned first: they fetch a version from origin,
     # and regions that need it later can copy it from them, whatever their names.
     never = datetime.max.replace(tzinfo=now.tzinfo)
@@ -260,14 +259,90 @@ def plan(
     def first_need(name: str) -> tuple[datetime, str]:
         return min((job.start for job in by_region.get(name, [])), default=never), name
 
-    for name in sorted(regions, key=first_need):
-        result.regions[name] = _plan_region(
-            regions[name], by_region.get(name, []), sized, now, ready_at, result, why_missing
-        )
-    result.regions = dict(sorted(result.regions.items()))
-    result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
-    _drop_unstaged_pins(result, regions)
-    return result
+    def plan_in(order: Sequence[str], reuse: Mapping[str, Plan]) -> tuple[Plan, dict[str, Plan]]:
+        """The plan with regions planned in ``order``, each copying from those before it.
+
+        With each region's own part (its plan, unmet versions, transfers, cost), so
+        that another order sharing a first stretch of regions reuses their parts:
+        a region's plan depends only on the regions planned before it.
+        """
+        # Who holds what, when: for peer sourcing; a peer counts once its own task finished.
+        ready_at: dict[tuple[str, VersionKey], datetime] = {}
+        for name, state in regions.items():
+            for version in state.resident:
+                ready_at[(name, version)] = now
+        parts: dict[str, Plan] = {}
+        for name in order:
+            part = reuse.get(name)
+            if part is None:
+                part = Plan(regions={}, infeasible=[], transfers={}, cost={})
+                part.regions[name] = _plan_region(
+                    regions[name], by_region.get(name, []), sized, now, ready_at, part, why_missing
+                )
+            else:  # what _plan_region recorded for it: its first task of each version
+                for task in part.regions[name].tasks:
+                    ready_at.setdefault((name, task.version), task.finish)
+            parts[name] = part
+        result = Plan(regions={}, infeasible=list(infeasible), transfers={}, cost={})
+        for part in parts.values():
+            result.regions.update(part.regions)
+            result.infeasible.extend(part.infeasible)
+            result.transfers.update(part.transfers)  # (job, link): a job is in one region
+            result.cost.update(part.cost)
+        result.regions = dict(sorted(result.regions.items()))
+        result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
+        _drop_unstaged_pins(result, regions)
+        return result, parts
+
+    # A region planned first cannot copy from one planned after it: when that one fetches
+    # the same version from origin and its copy would be ready in time for the first
+    # (its job starts later, but it stages early), both paid origin egress where one
+    # would do. Such a later region is tried just before the earlier one, and the plan
+    # that meets the most jobs at the least origin egress is kept (the first on a tie).
+    # The largest saving is tried (MAX_REORDERS: how many); the regions before the
+    # earlier one keep their plans.
+    order = sorted(regions, key=first_need)
+    best, parts = plan_in(order, {})
+    for ahead, behind in _reorders(best, order, regions)[:MAX_REORDERS]:
+        i = order.index(ahead)
+        moved = [*order[:i], behind, *(r for r in order[i:] if r != behind)]
+        candidate, _ = plan_in(moved, {name: parts[name] for name in order[:i]})
+        if _plan_score(candidate) < _plan_score(best):
+            best = candidate
+    return best
+
+
+def _reorders(
+    result: Plan, order: Sequence[str], regions: Mapping[str, RegionState]
+) -> list[tuple[str, str]]:
+    """(region, later region) pairs where the first could copy what both fetch from origin.
+
+    The later region's origin copy is ready, and sent over the first one's peer link
+    from it, before the first one's job starts. Largest saving first.
+    """
+    place = {name: i for i, name in enumerate(order)}
+    fetches: dict[VersionKey, list[StageTask]] = defaultdict(list)
+    for region_plan in result.regions.values():
+        for task in region_plan.tasks:
+            if task.source == "origin":
+                fetches[task.version].append(task)
+    found: dict[tuple[str, str], int] = defaultdict(int)
+    for tasks in fetches.values():
+        for early in tasks:
+            links = regions[early.region].peer_bandwidth
+            for late in tasks:
+                bandwidth = links.get(late.region, 0.0)
+                if place[late.region] <= place[early.region] or bandwidth <= 0:
+                    continue
+                if late.finish + timedelta(seconds=early.bytes / bandwidth) <= early.deadline:
+                    found[(early.region, late.region)] += early.bytes
+    return sorted(found, key=lambda pair: (-found[pair], pair))
+
+
+def _plan_score(result: Plan) -> tuple[int, int, float]:
+    """Lower is better: the versions jobs lack, then the bytes origin sends, then the cost."""
+    egress = sum(size for (_, link), size in result.transfers.items() if link.startswith("origin→"))
+    return len(result.infeasible), egress, sum(result.cost.values())
 
 
 def _drop_unstaged_pins(result: Plan, regions: Mapping[str, RegionState]) -> None:

@@ -946,7 +946,12 @@ class Controller:
                     if key in self._runs:
                         continue  # being staged right now: the plan is behind; next tick
                 self._keep_lease()
-                evicted = self.executor.evict(eviction, schedule, manifests)
+                evicted = self.executor.evict(
+                    eviction,
+                    schedule,
+                    manifests,
+                    planned_pin=region_plan.pins.get(eviction.version),
+                )
                 freed, problem = evicted.freed, evicted.problem
                 if problem:
                     log.warning("%s: %s", region, problem)

@@ -539,8 +539,14 @@ class PlanExecutor:
         eviction: Eviction,
         schedule: Schedule,
         manifests: Mapping[str, pb.Manifest],
+        *,
+        planned_pin: datetime | None = None,
     ) -> Evicted:
-        """Carry out one eviction on every node of its region, unless the guard refuses it."""
+        """Carry out one eviction on every node of its region, unless the guard refuses it.
+
+        ``planned_pin``: the plan's own pin of the version in the region (it pins
+        for a later job what it evicts now), which the eviction may drop.
+        """
         spec = f"{eviction.version[0]}@{eviction.version[1]}"
         now = self.clock()
         blocker = eviction_blocker(eviction, schedule, manifests, now) or self._pinned_elsewhere(
@@ -551,7 +557,8 @@ class PlanExecutor:
         # What the guard allowed, the node checks again in the eviction's transaction: a
         # pin another tool placed since the round's status read makes it refuse.
         own = self._own_end(eviction, schedule, manifests, now)
-        done = self._evict_nodes(eviction, unless_pinned_after=max(own or now, now))
+        limit = max(t for t in (own, planned_pin, now) if t is not None)
+        done = self._evict_nodes(eviction, unless_pinned_after=limit)
         # Tasks of other regions that would copy it from here stage from origin instead.
         # Dropping the region's record left a task already waiting on it (the plan evicts
         # here at the moment another region copies from here) to wait out
@@ -799,7 +806,9 @@ class PlanExecutor:
                     return
                 if isinstance(step, Eviction):
                     spec = f"{step.version[0]}@{step.version[1]}"
-                    evicted = self.evict(step, schedule, manifests)
+                    evicted = self.evict(
+                        step, schedule, manifests, planned_pin=region_plan.pins.get(step.version)
+                    )
                     if evicted.problem is None:
                         mine.evicted.append((step, evicted.freed))
                         mine.held.discard((region, step.version))

@@ -307,3 +307,34 @@ def test_an_unreachable_region_gets_nothing_planned_and_says_why(scenario, down)
     assert all(i.reason == why for i in result.infeasible if i.region == name)
     # The outage is marked as the cause, so callers say it once without matching its text.
     assert all(i.unreachable == (i.region == name) for i in result.infeasible)
+
+
+def test_a_region_whose_job_starts_first_copies_from_one_that_holds_it_in_time() -> None:
+    # us's job starts first (+23 h), eu's an hour later; only us has a peer link (from
+    # eu). Planned by first need, us fetched from origin before eu was planned, and eu
+    # then fetched it from origin too (it has no peer link): origin egress twice. eu's
+    # copy is ready hours before us needs it, so us copies from eu: origin sends it once.
+    v = ("a", 1)
+    regions = {
+        "eu": RegionState("eu", 100 * GB, 1e8),
+        "us": RegionState("us", 100 * GB, 1e8, peer_bandwidth={"eu": 1e9}),
+    }
+    hour = timedelta(hours=1)
+    jobs = [
+        Job("eval-us", "us", NOW + 23 * hour, NOW + 24 * hour, (v,)),
+        Job("train-eu", "eu", NOW + 24 * hour, NOW + 30 * hour, (v,)),
+    ]
+    result = plan(jobs, regions, {v: 10 * GB}, now=NOW)
+    assert not result.infeasible
+    assert [t.source for t in result.regions["eu"].tasks] == ["origin"]
+    assert [t.source for t in result.regions["us"].tasks] == ["eu"]
+    assert result.transfers == {("train-eu", "origin→eu"): 10 * GB, ("eval-us", "eu→us"): 10 * GB}
+    # Where eu's copy would come too late for us (1,000 s over eu's origin link, us's job
+    # at +10 min), us fetches from origin itself, over its faster link.
+    regions["us"] = RegionState("us", 1000 * GB, 1e9, peer_bandwidth={"eu": 1e9})
+    regions["eu"] = RegionState("eu", 1000 * GB, 1e8)
+    soon = [Job("eval-us", "us", NOW + hour / 6, NOW + 2 * hour, (v,)), jobs[1]]
+    result = plan(soon, regions, {v: 100 * GB}, now=NOW)
+    assert not result.infeasible
+    assert [t.source for t in result.regions["us"].tasks] == ["origin"]
+    assert [t.source for t in result.regions["eu"].tasks] == ["origin"]

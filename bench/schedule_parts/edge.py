@@ -439,9 +439,9 @@ class Bench:
         evictions: list[dict[str, Any]] = []
         evict = controller.executor.evict
 
-        def observed_evict(eviction: Any, sched: Any, manifests: Any) -> Evicted:
+        def observed_evict(eviction: Any, sched: Any, manifests: Any, **how: Any) -> Evicted:
             at = day.hours()
-            evicted = evict(eviction, sched, manifests)
+            evicted = evict(eviction, sched, manifests, **how)
             evictions.append(
                 {
                     "at_h": round(at, 5),
