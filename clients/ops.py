@@ -27,6 +27,7 @@ import grpc
 
 from edgecache.cache import rendezvous
 from edgecache.cache.errors import (
+    AccessDenied,
     InvalidEndpoint,
     InvalidName,
     ManifestError,
@@ -951,14 +952,17 @@ def version_too_large(
 ) -> str | None:
     """Why ``manifest``'s version can never fit in ``region``, or None when it can.
 
-    Sized as ``plan`` sizes it (stored bytes, held or estimated from what the
-    region's nodes hold) against the capacity of the nodes that answer. Staging
+    Sized as ``plan`` sizes it (stored bytes, held by some region or estimated
+    from what the regions hold) against the capacity of the region's nodes that
+    answer. Staging
     such a version would only make each node evict its cache to make room,
     then fail, so ``warm NAME@N`` asks this first and refuses, as ``plan``
     does. With no node answering nothing is known: staging reports that.
     """
-    reports = gather_status(topology, token=token, regions={region})
-    alive = [r.status for r in reports if r.status is not None]
+    # Every region's holdings size it (another region may hold it whole: its stored bytes
+    # exactly, as plan sizes it); the region's own nodes give the capacity.
+    reports = gather_status(topology, token=token)
+    alive = [r.status for r in reports if r.region == region and r.status is not None]
     if not alive:
         return None
     spec = f"{manifest.dataset}@{manifest.version}"
@@ -986,6 +990,7 @@ class EvictResult:
     node: str
     bytes_freed: int = 0
     error: str = ""
+    refused: bool = False  # the node refused the credentials: --token-file, not a retry
 
 
 def evict(
@@ -1054,7 +1059,7 @@ def evict(
                         not_found += 1  # nothing of it held there: nothing to free
                     else:
                         error = node_error(exc, endpoint=node, what=f"evicting {spec}")
-                        result.error = str(error)
+                        result.error, result.refused = str(error), isinstance(error, AccessDenied)
             results.append(result)
     if results and not_found == len(results):
         raise unknown

@@ -89,7 +89,13 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     assert code == 2 and "pinned" in out and "--force" in out  # train-eu still needs it
     code, out = cli(root, "evict", "tokens@1", "--region", "us-east", "--json")
     assert code == 0 and json.loads(out) == [
-        {"region": "us-east", "node": nodes["us-east"].address, "bytes_freed": 0, "error": None}
+        {
+            "region": "us-east",
+            "node": nodes["us-east"].address,
+            "bytes_freed": 0,
+            "error": None,
+            "refused": False,
+        }
     ]
     code, out = cli(root, "evict", "tokens@1", "--region", "eu-west", "--force", "--json")
     assert code == 0, out

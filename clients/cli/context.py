@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,23 @@ class LogLevel(StrEnum):
     INFO = "INFO"
     WARNING = "WARNING"
     ERROR = "ERROR"
+
+
+# Libraries that log at INFO what is news only when debugging: botocore and aiobotocore
+# say "Found credentials in environment variables" for every S3 client they make, and a
+# controller makes clients every round (thousands of lines a day).
+_CHATTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec")
+
+
+def configure_logging(level: LogLevel) -> None:
+    """Log lines with time, level and logger for a long-running command (serve, controller).
+
+    The chatty libraries above speak at WARNING and above unless ``level`` is DEBUG.
+    """
+    logging.basicConfig(level=level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != LogLevel.DEBUG:
+        for name in _CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 LogLevelOption = Annotated[

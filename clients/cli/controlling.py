@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import signal
@@ -21,6 +20,7 @@ from edgecache.clients.cli.context import (
     LogLevelOption,
     Options,
     TokenOption,
+    configure_logging,
     exit_with,
     reporting,
 )
@@ -124,9 +124,7 @@ def controller(
     from edgecache.clients.controller import Controller, SimulatedClock
     from edgecache.clients.topology import load_schedule
 
-    logging.basicConfig(
-        level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level)
     prometheus_client.disable_created_metrics()  # its own process: no `_created` per counter
     options = Options(config, token_file)
     with reporting():

@@ -18,6 +18,7 @@ from edgecache.clients.cli.context import (
     LogLevelOption,
     Options,
     TokenOption,
+    configure_logging,
     exit_with,
     reporting,
 )
@@ -117,14 +118,11 @@ def serve(
     in use).
     """
     import asyncio
-    import logging
 
     from edgecache.edge.config import load_node_config
     from edgecache.edge.server import serve_forever
 
-    logging.basicConfig(
-        level=log_level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level)
     # Paths come as text (typer made an empty --cache-dir "" into Path('.'): the cache in
     # the working directory); load_node_config refuses empty ones and makes them Paths.
     flags = {
@@ -299,7 +297,8 @@ def evict(
 
     Refuses a version pinned for a scheduled job (it names the job) unless
     --force. Exit codes: 0 evicted (or nothing held); 2 bad input (an unknown
-    version or region, a pinned version); 1 a node failed.
+    version or region, a pinned version, a token the nodes refuse); 1 a node
+    failed.
     """
     from edgecache.clients import ops
 
@@ -315,6 +314,7 @@ def evict(
                         "node": r.node,
                         "bytes_freed": r.bytes_freed,
                         "error": r.error or None,
+                        "refused": r.refused,
                     }
                     for r in results
                 ]
@@ -331,8 +331,10 @@ def evict(
                 console.print(
                     f"{result.region} {result.node}: freed {format_bytes(result.bytes_freed)}"
                 )
-    if any(result.error for result in results):
-        raise exit_with(ExitCode.FAILED)
+    failed = [result for result in results if result.error]
+    if failed:  # credentials every failed node refused: --token-file, not a retry
+        refused = all(result.refused for result in failed)
+        raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
 
 
 @app.command()
