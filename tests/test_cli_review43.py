@@ -135,3 +135,29 @@ def test_warm_one_version_sizes_it_by_what_another_region_holds_as_plan_does(
     finally:
         eu.stop()
         us.stop()
+
+
+def test_warm_names_a_job_that_has_ended_as_plan_does(tmp_path: Path) -> None:
+    """A start a year off (the usual typo): plan warned, warm said "0 of 0 item(s) staged"
+    and exited 0 without a word about the job."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    publish(registry, f"file://{tmp_path}/origin", "t")
+    node = start_local_node("eu", tmp_path / "cache", registry)
+    try:
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        start = (datetime.now(UTC) - timedelta(days=365)).replace(microsecond=0)
+        schedule = tmp_path / "schedule.yaml"
+        schedule.write_text(
+            f"jobs:\n  - name: old\n    region: eu\n    start: '{start.isoformat()}'\n"
+            "    datasets: [t@1]\n"
+        )
+        for command in ("plan", "warm"):
+            code, out, err = edgecache(command, str(schedule), "--config", str(topology))
+            assert code == 0, (command, out, err)
+            assert "old ended at" in err and "check its start" in err, (command, err)
+    finally:
+        node.stop()

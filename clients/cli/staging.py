@@ -604,6 +604,7 @@ def _plan_schedule(
 
     now = datetime.now(UTC)
     schedule, _ = started_as_recorded(topology, load_schedule(path, topology), now)
+    _say_ended(schedule, now)  # as plan: "0 of 0 item(s) staged" alone said nothing of why
     owner = ops.schedule_owner(path)
     reports = ops.gather_status(topology, token=token)
     mine = _plan_releasing_own_pins(topology, token, schedule, owner, now, reports, dry_run=dry_run)
