@@ -12,10 +12,11 @@ import re
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -43,24 +44,27 @@ __all__ = [
 ]
 
 
+def _address(address: str) -> str:
+    parse_endpoint(address)
+    return address
+
+
+def _spec(spec: str) -> str:
+    parse_spec(spec)
+    return spec
+
+
 class RegionConfig(BaseModel):
     """One region: its nodes and, optionally, its links."""
 
     model_config = ConfigDict(extra="forbid")
 
-    nodes: list[str] = Field(min_length=1)
+    # Each address checked on its own (here, not when a command first dials it), so every
+    # typo is reported with the file and its line like every other mistake in the file.
+    nodes: list[Annotated[str, AfterValidator(_address)]] = Field(min_length=1)
     origin_bandwidth: float | None = None  # bytes/s; written like 10Gbit/s
     peers: dict[str, float] = Field(default_factory=dict)  # region → bytes/s
     egress_price_per_gb: float = Field(0.0, ge=0)
-
-    @field_validator("nodes")
-    @classmethod
-    def _addresses(cls, value: list[str]) -> list[str]:
-        # Checked here, not when a command first dials them, so a typo is reported
-        # with the file and line like every other mistake in the file.
-        for address in value:
-            parse_endpoint(address)
-        return value
 
     @field_validator("origin_bandwidth", mode="before")
     @classmethod
@@ -106,7 +110,7 @@ class ScheduledJob(BaseModel):
     name: str = Field(min_length=1)
     region: str
     start: AwareDatetime
-    datasets: list[str] = Field(min_length=1)
+    datasets: list[Annotated[str, AfterValidator(_spec)]] = Field(min_length=1)  # each at its line
     priority: Literal["low", "normal", "high"] = "normal"
     # Not a setting: a job reads for its duration whatever its epochs. Accepted only to
     # refuse it at its own line, saying what to write (see _no_epochs).
@@ -169,13 +173,6 @@ class ScheduledJob(BaseModel):
     def _one(cls, value: Any) -> Any:
         # 'datasets: tokens@1' reads as plainly as '[tokens@1]': take it as that list.
         return [value] if isinstance(value, str) else value
-
-    @field_validator("datasets")
-    @classmethod
-    def _specs(cls, value: list[str]) -> list[str]:
-        for spec in value:
-            parse_spec(spec)
-        return value
 
     @field_validator("duration", mode="before")
     @classmethod
@@ -274,8 +271,13 @@ class _StrictLoader(_BASE_LOADER):  # type: ignore[valid-type, misc]
 
     PyYAML keeps the last value of a repeated key without a word, so a second
     ``jobs:`` would drop the first block's jobs. A merge (``<<``) may still
-    override keys it brings in: that is what it is for.
+    override keys it brings in: that is what it is for. The repeats are kept in
+    :attr:`duplicates`, to be reported with the file's other problems.
     """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[_DuplicateKey] = []
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
@@ -287,7 +289,8 @@ class _StrictLoader(_BASE_LOADER):  # type: ignore[valid-type, misc]
                 line = key_node.start_mark.line + 1
                 try:
                     if key in seen:
-                        raise _DuplicateKey(key, seen[key], line)
+                        # Collected, not raised: the file's other problems are said with it.
+                        self.duplicates.append(_DuplicateKey(key, seen[key], line))
                     seen[key] = line
                 except TypeError:
                     continue  # an unhashable key: the base constructor says so
@@ -317,8 +320,9 @@ def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     line = node.start_mark.line + 1 if node is not None else None
     for part in loc:
         if isinstance(node, yaml.MappingNode):
-            found = next((v for k, v in node.value if k.value == str(part)), None)
-            key = next((k for k, _ in node.value if k.value == str(part)), None)
+            # The last of a repeated key: its value is the one the data holds.
+            found = next((v for k, v in reversed(node.value) if k.value == str(part)), None)
+            key = next((k for k, _ in reversed(node.value) if k.value == str(part)), None)
             if found is None:
                 return line
             line, node = (key or found).start_mark.line + 1, found
@@ -367,11 +371,6 @@ def _load_with_tree(
         # One parse: the node tree gives line numbers for errors, the data is built from it.
         tree = loader.get_single_node()
         data = None if tree is None else loader.construct_document(tree)
-    except _DuplicateKey as exc:
-        raise ConfigFileError(
-            f"{path}:{exc.second}: key {exc.key!r} appears twice in one mapping (first at "
-            f"line {exc.first}); YAML would keep only the last: merge them or remove one"
-        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigFileError(_yaml_problem(path, exc)) from exc
     except RecursionError as exc:
@@ -385,6 +384,16 @@ def _load_with_tree(
         ) from exc
     finally:
         loader.dispose()
+    # (line, field, message): a repeated key's own line, with no field path to name.
+    repeated: list[tuple[int, str | None, str]] = [
+        (
+            dup.second,
+            None,
+            f"key {dup.key!r} appears twice in one mapping (first at line {dup.first}); YAML "
+            "would keep only the last: merge them or remove one",
+        )
+        for dup in loader.duplicates
+    ]
     if not isinstance(data, dict):
         shape = _SHAPES.get(what, "a mapping")
         if data is None:  # an empty file, or only comments
@@ -406,15 +415,18 @@ def _load_with_tree(
             if error["type"] == "extra_forbidden":
                 message += _did_you_mean(model, loc)
             problems.append((loc, message))
-    if not problems:
+    if not problems and not repeated:
         return result, tree
-    lines = [(_line(tree, loc) or 0, ".".join(map(str, loc)), message) for loc, message in problems]
+    lines: list[tuple[int, str | None, str]] = [
+        (_line(tree, loc) or 0, ".".join(map(str, loc)), message) for loc, message in problems
+    ]
+    lines += repeated
     # One error, one problem a line: the first after "error:", the others indented under it
     # (as every multi-line error is): flush left, they read in a log as lines of some other
     # output. In the file's order, so the first to fix comes first.
     raise ConfigFileError(
         "\n  ".join(
-            f"{path}:{line}: {field or '(top level)'}: {message}"
+            f"{path}:{line}: " + ("" if field is None else f"{field or '(top level)'}: ") + message
             for line, field, message in sorted(lines, key=lambda problem: problem[0])
         )
     ) from invalid

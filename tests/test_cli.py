@@ -134,7 +134,7 @@ def test_bad_files_give_clear_errors(site, tmp_path: Path) -> None:
     topology.write_text("registry: file:///x\nregions:\n  eu-west:\n    nodes: [nothostport]\n")
     result = runner.invoke(app, ["status", "--config", str(topology)])
     assert result.exit_code == 2
-    assert "typo.yaml:4: regions.eu-west.nodes: 'nothostport' is not host:port" in result.output
+    assert "typo.yaml:4: regions.eu-west.nodes.0: 'nothostport' is not host:port" in result.output
     code, out = cli(root, "publish", f"file://{tmp_path}/empty", "--dataset", "e")
     assert code == 2 and "no objects under" in out
     (tmp_path / "mixed").mkdir()

@@ -161,3 +161,50 @@ def test_warm_names_a_job_that_has_ended_as_plan_does(tmp_path: Path) -> None:
             assert "old ended at" in err and "check its start" in err, (command, err)
     finally:
         node.stop()
+
+
+def _problems(path: Path, load: str) -> list[str]:
+    """The lines of the ConfigFileError that loading ``path`` raises, one per problem."""
+    import pytest
+
+    from edgecache.cache.errors import ConfigFileError
+    from edgecache.clients import topology
+
+    with pytest.raises(ConfigFileError) as caught:
+        if load == "topology":
+            topology.load_topology(path)
+        else:
+            topology.load_schedule(path, topology.load_topology(path.parent / "edgecache.yaml"))
+    return [line.strip() for line in str(caught.value).splitlines()]
+
+
+def test_every_bad_address_and_spec_and_a_repeated_key_are_said_with_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A list's first bad entry hid the others, and a key written twice hid every other
+    problem of the file; docs/operations.md says every problem is reported in one run."""
+    (tmp_path / "edgecache.yaml").write_text(
+        "registry: /tmp/r\nregions:\n"
+        "  eu: {nodes: ['a:1', '127.0.0.1:99999', nohost]}\n"
+        "  us: {nodes: ['b:1']}\n"
+        "  us: {nodes: ['c:1'], peers: {mars: 1Gbit/s}}\n"
+    )
+    problems = _problems(tmp_path / "edgecache.yaml", "topology")
+    assert len(problems) == 4, problems
+    assert "edgecache.yaml:3: regions.eu.nodes.1: '127.0.0.1:99999'" in problems[0], problems
+    assert "edgecache.yaml:3: regions.eu.nodes.2: 'nohost'" in problems[1], problems
+    line5 = " ".join(problems[2:])  # both at line 5
+    assert "edgecache.yaml:5: key 'us' appears twice in one mapping (first at line 4)" in line5
+    assert "edgecache.yaml:5: regions.us.peers.mars: peer 'mars'" in line5, problems
+    (tmp_path / "edgecache.yaml").write_text("registry: /tmp/r\nregions:\n  eu: {nodes: ['a:1']}\n")
+    (tmp_path / "schedule.yaml").write_text(
+        "jobs:\n  - name: a\n    region: eu\n    start: 2026-12-06T08:00:00Z\n"
+        "    start: 2026-12-06T09:00:00Z\n    datasets: [t@0, 't@-1']\n    duration: 6\n"
+    )
+    problems = _problems(tmp_path / "schedule.yaml", "schedule")
+    assert [p.split(": ")[0].rsplit(":", 1)[1] for p in problems] == ["5", "6", "6", "7"], problems
+    assert "key 'start' appears twice" in problems[0], problems
+    line6 = " ".join(problems[1:3])
+    assert "jobs.0.datasets.0: invalid version in 't@0'" in line6, problems
+    assert "jobs.0.datasets.1: invalid version in 't@-1'" in line6, problems
+    assert "jobs.0.duration: 6 has no unit" in problems[3], problems
