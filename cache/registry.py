@@ -209,7 +209,10 @@ def _unreachable_text(what: str, url: str, exc: OriginError) -> str:
     """
     why = exc.__cause__
     said = str(why) or type(why).__name__  # a timeout says nothing: TimeoutError
-    return f"cannot reach {what} {url}: {said}; check {_WHERE[what]} and the network"
+    where = _WHERE[what]
+    if url.startswith("s3://"):  # asked at the endpoint boto is given, not at the URL's host
+        where += ", AWS_ENDPOINT_URL (the S3 endpoint asked)"
+    return f"cannot reach {what} {url}: {said}; check {where} and the network"
 
 
 @contextlib.contextmanager

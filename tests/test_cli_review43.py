@@ -208,3 +208,38 @@ def test_every_bad_address_and_spec_and_a_repeated_key_are_said_with_the_rest(
     assert "jobs.0.datasets.0: invalid version in 't@0'" in line6, problems
     assert "jobs.0.datasets.1: invalid version in 't@-1'" in line6, problems
     assert "jobs.0.duration: 6 has no unit" in problems[3], problems
+
+
+def test_publish_to_an_s3_registry_nobody_answers_names_the_registry(tmp_path: Path) -> None:
+    """It said "origin for s3://…/versions/ is unreachable" of the registry: the registry
+    it was given is what did not answer, and --registry the setting that names it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    write_parquet_shards(tmp_path / "raw", 1, rows=10)
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_MAX_ATTEMPTS": "1",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "COLUMNS": "200",
+    }
+    args = ["publish", str(tmp_path / "raw"), "--dataset", "a", "--registry", "s3://b/_ec"]
+    done = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: cannot reach registry s3://b/_ec: "), done.stderr
+    assert "check --registry (or registry: in the topology file), AWS_ENDPOINT_URL" in " ".join(
+        done.stderr.split()
+    ), done.stderr

@@ -368,10 +368,14 @@ class S3Store(ObjectStore):
                     ) from exc
                 raise OriginError(f"origin request for {url} failed: {exc}") from exc
             except EndpointConnectionError as exc:
+                # Nothing answered: from a ConnectionError (base.UNANSWERED), so a caller
+                # that knows the URL is the registry's says so, and which setting names it.
+                unanswered = ConnectionError(str(exc))
+                unanswered.__cause__ = exc
                 raise OriginError(
                     f"origin for {url} is unreachable ({exc}); check AWS_ENDPOINT_URL and the "
                     "network"
-                ) from exc
+                ) from unanswered
             except (
                 ResponseStreamingError,
                 IncompleteReadError,  # a truncated body
