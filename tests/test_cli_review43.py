@@ -89,6 +89,10 @@ def test_evict_with_a_token_the_nodes_refuse_exits_2_as_status_and_warm_do(
         assert "PERMISSION_DENIED" in err, err
         code, out, err = edgecache("evict", "t@1", "--force", "--json", *config)
         assert code == 2 and json.loads(out)[0]["refused"] is True, (out, err)
+        # status without a token: refused, exit 2, the advice said once (it was said twice).
+        code, out, err = edgecache("status", "--config", str(topology))
+        assert code == 2 and "refused this command's credentials" in err, (out, err)
+        assert " ".join(err.split()).count("--token-file") == 1, err
         admin = ["--config", str(topology), "--token-file", str(tmp_path / "admin.token")]
         code, out, err = edgecache("evict", "t@1", "--force", *admin)
         assert code == 0, (out, err)

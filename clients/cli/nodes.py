@@ -241,9 +241,9 @@ def status(
         for r in reports:
             if r.refused:
                 line(
+                    # The error ends with the advice (which token, passed how): said once.
                     f"[yellow]{r.region} {r.address} serves, but refused this command's "
-                    f"credentials:[/yellow] {r.error}; pass the node's read token with "
-                    "--token-file (or $EDGECACHE_TOKEN_FILE)",
+                    f"credentials:[/yellow] {r.error}",
                     to_stderr=True,
                 )
             elif r.status is None:
