@@ -289,6 +289,8 @@ def test_warm_one_version_says_what_it_staged_and_its_dry_run_what_is_held(site:
     assert code == 0 and json.loads(out)["items"][0]["state"] == "held", out
     code, out = cli("warm", "pq", "--region", "eu", config)
     assert code == 0 and "eu: staged pq@1 (nothing moved: its shards were held already)" in out
+    # Counted as its dry run counts it: it said "1 of 1 item(s) staged".
+    assert "warm: 0 of 1 item(s) staged (1 held already)" in out, out
 
 
 def test_a_dry_run_and_its_real_run_say_the_same_size(site: Path) -> None:

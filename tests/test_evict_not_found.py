@@ -86,6 +86,7 @@ def test_evict_counts_a_node_that_holds_nothing_of_it_as_zero_bytes(pair: Pair) 
         "node": pair.other,
         "bytes_freed": 0,
         "error": None,
+        "refused": False,
     }
     assert _held(pair.holder) == []
     # Gone everywhere now, and not published: bad input, said once with what to run.

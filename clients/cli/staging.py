@@ -896,8 +896,12 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
             f"warm --dry-run: {staged} of {len(warmed.rows)} item(s) would be staged{kept}{said}"
         )
     else:
-        staged = sum(1 for row in warmed.rows if row["done"])
-        console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged{said}")
+        # A stage that moved nothing found the version held whole: counted as the dry run
+        # counts it ("1 of 1 staged" there against "0 of 1 would be staged (1 held)").
+        held = sum(1 for row in warmed.rows if row["done"] and not row["bytes"])
+        staged = sum(1 for row in warmed.rows if row["done"]) - held
+        kept = f" ({held} held already)" if held else ""
+        console.print(f"warm: {staged} of {len(warmed.rows)} item(s) staged{kept}{said}")
 
 
 def _pinned_longer(work: _ScheduleWork) -> dict[tuple[str, VersionKey], tuple[datetime, str]]:
