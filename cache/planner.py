@@ -44,7 +44,7 @@ import bisect
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from edgecache.cache.units import format_bytes
@@ -190,8 +190,9 @@ class Plan:
 
 
 # Other orders of the regions a plan tries (see plan): each costs up to a whole plan
-# again. bench.planner: one try takes 10k jobs x 20 regions from 0.69 to 1.39 s and
-# cuts origin egress 8.5 %; a second found nothing more there, at 1.9 s.
+# again. bench.planner (10k jobs x 20 regions, a random mesh of peer links): one try
+# takes the plan from 0.81 to 1.45 s and cuts origin egress 0.6 %; where two regions
+# read one version, as in most real sites, it halves it (tests/test_planner.py).
 MAX_REORDERS = 1
 
 
@@ -266,23 +267,39 @@ def plan(
         that another order sharing a first stretch of regions reuses their parts:
         a region's plan depends only on the regions planned before it.
         """
-        # Who holds what, when: for peer sourcing; a peer counts once its own task finished.
-        ready_at: dict[tuple[str, VersionKey], datetime] = {}
-        for name, state in regions.items():
-            for version in state.resident:
-                ready_at[(name, version)] = now
+        # Who holds what, when: for peer sourcing. A region planned after another copies
+        # from it only while it holds the version (from its task's finish, or now, to its
+        # eviction); regions not planned yet hold what they hold now, to no known end.
+        holds: _Holds = {
+            (name, version): [(now, never)]
+            for name, state in regions.items()
+            for version in state.resident
+        }
+        # A copy from a region planned later, out of what it holds now: that region keeps
+        # the version until the copy ends (as it keeps a pin), or the copy would have
+        # no source. (region, version) → the last such copy's end.
+        reserved: dict[tuple[str, VersionKey], datetime] = {}
         parts: dict[str, Plan] = {}
         for name in order:
             part = reuse.get(name)
             if part is None:
+                state = regions[name]
+                kept = {v: until for (r, v), until in reserved.items() if r == name}
+                if kept:
+                    pinned = {
+                        v: max(state.pinned.get(v, until), until) for v, until in kept.items()
+                    }
+                    state = replace(state, pinned={**state.pinned, **pinned})
                 part = Plan(regions={}, infeasible=[], transfers={}, cost={})
                 part.regions[name] = _plan_region(
-                    regions[name], by_region.get(name, []), sized, now, ready_at, part, why_missing
+                    state, by_region.get(name, []), sized, now, holds, part, why_missing
                 )
-            else:  # what _plan_region recorded for it: its first task of each version
-                for task in part.regions[name].tasks:
-                    ready_at.setdefault((name, task.version), task.finish)
+            holds.update(_holds_of(regions[name], part.regions[name], now))
             parts[name] = part
+            for task in part.regions[name].tasks:
+                if task.source != "origin" and task.source not in parts:
+                    key = (task.source, task.version)
+                    reserved[key] = max(reserved.get(key, task.finish), task.finish)
         result = Plan(regions={}, infeasible=list(infeasible), transfers={}, cost={})
         for part in parts.values():
             result.regions.update(part.regions)
@@ -303,13 +320,63 @@ def plan(
     # earlier one keep their plans.
     order = sorted(regions, key=first_need)
     best, parts = plan_in(order, {})
-    for ahead, behind in _reorders(best, order, regions)[:MAX_REORDERS]:
+    tries = _reorders(best, order, regions)[:MAX_REORDERS] if MAX_REORDERS else []
+    for ahead, behind in tries:
         i = order.index(ahead)
         moved = [*order[:i], behind, *(r for r in order[i:] if r != behind)]
         candidate, _ = plan_in(moved, {name: parts[name] for name in order[:i]})
         if _plan_score(candidate) < _plan_score(best):
             best = candidate
     return best
+
+
+# (region, version) → the spans of time a region holds a version: [(from, until)].
+_Holds = dict[tuple[str, VersionKey], list[tuple[datetime, datetime]]]
+
+
+def _holds_of(state: RegionState, region_plan: RegionPlan, now: datetime) -> _Holds:
+    """When ``region_plan`` has its region hold each version, span by span.
+
+    From now (held already) or a task's finish, to the first eviction of it
+    after that (the far future if none): a peer copy must end within a span.
+    """
+    never = datetime.max.replace(tzinfo=now.tzinfo)
+    starts: dict[VersionKey, list[datetime]] = defaultdict(list)
+    for version in state.resident:
+        starts[version].append(now)
+    for task in region_plan.tasks:
+        starts[task.version].append(task.finish)
+    ends: dict[VersionKey, list[datetime]] = defaultdict(list)
+    for eviction in region_plan.evictions:
+        ends[eviction.version].append(eviction.at)
+    out: _Holds = {}
+    for version, froms in starts.items():
+        untils = sorted(ends.get(version, ()))
+        spans = []
+        for start in sorted(froms):
+            i = bisect.bisect_left(untils, start)
+            spans.append((start, untils[i] if i < len(untils) else never))
+        out[(state.name, version)] = spans
+    return out
+
+
+def _holding(
+    spans: Iterable[tuple[datetime, datetime]],
+    need: datetime,
+    cursor: datetime,
+    latest: datetime,
+    copying: timedelta,
+) -> datetime | None:
+    """When a peer holding ``spans`` has the version for a copy, or None.
+
+    The start of the first span that begins by ``need`` and lasts until the copy
+    ends, begun as soon as it may or as late as ``latest`` (waiting for room).
+    """
+    for start, end in spans:
+        begin = max(cursor, start)
+        if start <= need and end >= max(begin, latest) + copying:
+            return start
+    return None
 
 
 def _reorders(
@@ -326,6 +393,12 @@ def _reorders(
         for task in region_plan.tasks:
             if task.source == "origin":
                 fetches[task.version].append(task)
+    evicted: dict[tuple[str, VersionKey], list[datetime]] = defaultdict(list)
+    for name, region_plan in result.regions.items():
+        for eviction in region_plan.evictions:
+            evicted[(name, eviction.version)].append(eviction.at)
+    for times in evicted.values():
+        times.sort()
     found: dict[tuple[str, str], int] = defaultdict(int)
     for tasks in fetches.values():
         for early in tasks:
@@ -334,7 +407,11 @@ def _reorders(
                 bandwidth = links.get(late.region, 0.0)
                 if place[late.region] <= place[early.region] or bandwidth <= 0:
                     continue
-                if late.finish + timedelta(seconds=early.bytes / bandwidth) <= early.deadline:
+                copied = late.finish + timedelta(seconds=early.bytes / bandwidth)
+                times = evicted.get((late.region, late.version), [])
+                i = bisect.bisect_left(times, late.finish)
+                gone = i < len(times) and times[i] < copied  # evicted before the copy ends
+                if copied <= early.deadline and not gone:
                     found[(early.region, late.region)] += early.bytes
     return sorted(found, key=lambda pair: (-found[pair], pair))
 
@@ -390,7 +467,7 @@ def _plan_region(
     jobs: list[Job],
     sizes: Mapping[VersionKey, VersionSize],
     now: datetime,
-    ready_at: dict[tuple[str, VersionKey], datetime],
+    holds: _Holds,
     result: Plan,
     why_missing: Mapping[str, str],
 ) -> RegionPlan:
@@ -446,7 +523,7 @@ def _plan_region(
 
     resident: dict[VersionKey, int] = dict(state.resident)
     partial: dict[VersionKey, int] = {v: b for v, b in state.partial.items() if v not in resident}
-    lacks = _Lacks(state, jobs, sizes, dict(partial), ready_at)
+    lacks = _Lacks(state, jobs, sizes, dict(partial), holds)
     used = sum(resident.values()) + sum(partial.values())
     link_free = now  # the origin link is busy until then
     cursor = now  # tasks and evictions happen in time order
@@ -497,12 +574,19 @@ def _plan_region(
                      origin_begin)
                 )  # fmt: skip
             for peer, peer_bw in sorted(state.peer_bandwidth.items()):
-                held = ready_at.get((peer, version))
-                if held is None or held > job.start or peer_bw <= 0:
+                if peer_bw <= 0:
+                    continue
+                moved = size - held_now
+                copying = timedelta(seconds=moved / peer_bw)
+                # The peer must hold it until the copy ends, even one that waits for room
+                # here until the latest it may begin (see "Make room" below).
+                latest = job.start - copying - _margin(copying)
+                spans = holds.get((peer, version), ())
+                held = _holding(spans, job.start, cursor, latest, copying)
+                if held is None:
                     continue
                 peer_begin = max(cursor, held)
-                moved = size - held_now
-                finish = peer_begin + timedelta(seconds=moved / peer_bw)
+                finish = peer_begin + copying
                 options.append(
                     (finish > job.start, False, finish, peer, peer_bw, moved, peer_begin)
                 )
@@ -600,7 +684,6 @@ def _plan_region(
             task_of[version] = len(out.tasks) - 1
             resident[version] = size
             used += size - partial.pop(version, 0)
-            ready_at.setdefault((state.name, version), finish)
             link = f"{source}→{state.name}"
             result.transfers[(job.name, link)] = result.transfers.get((job.name, link), 0) + moved
             if source == "origin" and state.egress_price_per_gb:
@@ -666,10 +749,10 @@ class _Lacks:
         jobs: list[Job],
         sizes: Mapping[VersionKey, VersionSize],
         partial: Mapping[VersionKey, int],
-        ready_at: Mapping[tuple[str, VersionKey], datetime],
+        holds: _Holds,
     ) -> None:
         self.state, self.jobs, self.sizes, self.partial = state, jobs, sizes, partial
-        self.ready_at = ready_at
+        self.holds = holds
         self.starts: list[datetime] = []  # jobs are in start order
         self.reach: list[datetime] = []  # the latest end of jobs[: i + 1]
         self.first: dict[VersionKey, int] = {}  # version → the first job reading it
@@ -732,8 +815,8 @@ class _Lacks:
             moved = _origin_bytes(sized, held)
             seconds.append(moved / state.origin_rate)
         for peer, bandwidth in state.peer_bandwidth.items():
-            ready = self.ready_at.get((peer, version))
-            if ready is not None and ready <= job.start and bandwidth > 0:
+            spans = self.holds.get((peer, version), ())
+            if bandwidth > 0 and any(start <= job.start for start, _ in spans):
                 seconds.append((sized.stored - held) / bandwidth)
         duration = timedelta(seconds=max(seconds, default=0.0))
         return duration + _margin(duration)

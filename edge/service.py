@@ -142,7 +142,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             # pin than the caller's status read: gRPC's code for a failed test-and-set,
             # after which the caller reads the state again.
             return grpc.StatusCode.ABORTED, message
-            return grpc.StatusCode.FAILED_PRECONDITION, message
         case ObjectNotFound() if _s3_code(exc) == "NoSuchBucket":
             # The publisher listed this bucket: most often this node asks another endpoint.
             return (

@@ -94,6 +94,25 @@ def test_plan_invariants(scenario) -> None:  # noqa: ANN001
                     assert version not in region_plan.pins, (job, version)
                 else:
                     assert region_plan.pins[version] >= job.end, (job, version)
+    # 5. a copy from a peer region runs while that region holds the version: it arrived
+    #    there (held from the outset, or staged) by the copy's start, and is not evicted
+    #    there before the copy ends
+    for region_plan in result.regions.values():
+        for task in (t for t in region_plan.tasks if t.source != "origin"):
+            source = result.regions[task.source]
+            arrivals = [
+                t.finish
+                for t in source.tasks
+                if t.version == task.version and t.finish <= task.start
+            ]
+            arrivals += [NOW] if task.version in regions[task.source].resident else []
+            assert arrivals, task
+            gone = [
+                e
+                for e in source.evictions
+                if e.version == task.version and max(arrivals) <= e.at < task.finish
+            ]
+            assert not gone, (task, gone)
 
 
 def test_belady_evicts_what_is_needed_furthest_ahead() -> None:
@@ -338,3 +357,32 @@ def test_a_region_whose_job_starts_first_copies_from_one_that_holds_it_in_time()
     assert not result.infeasible
     assert [t.source for t in result.regions["us"].tasks] == ["origin"]
     assert [t.source for t in result.regions["eu"].tasks] == ["origin"]
+
+
+def test_a_peer_is_a_source_only_while_it_holds_the_version() -> None:
+    # b stages v for b1 (3-10 h) and evicts it at 15 h for w; a needs v at 20 h. a cannot
+    # copy from b then: a plan that said "a: v from b" made a copy from a region that had
+    # evicted it (and counted it as origin egress saved). Planned in either order.
+    x, v, w = ("x", 1), ("v", 1), ("w", 1)
+    hour = timedelta(hours=1)
+    regions = {
+        "a": RegionState("a", 10 * GB, 1e8, peer_bandwidth={"b": 1e9}),
+        "b": RegionState("b", 10 * GB, 1e8),
+    }
+    jobs = [
+        Job("a1", "a", NOW + hour, NOW + 14 * hour, (x,)),
+        Job("a2", "a", NOW + 20 * hour, NOW + 21 * hour, (v,)),
+        Job("b1", "b", NOW + 3 * hour, NOW + 10 * hour, (v,)),
+        Job("b2", "b", NOW + 15 * hour, NOW + 16 * hour, (w,)),
+    ]
+    result = plan(jobs, regions, {x: 10 * GB, v: 10 * GB, w: 10 * GB}, now=NOW)
+    (evicted,) = [e for e in result.regions["b"].evictions if e.version == v]
+    for task in result.regions["a"].tasks:
+        if task.version == v and task.source == "b":
+            assert task.finish <= evicted.at, (task, evicted)
+    assert [t.source for t in result.regions["a"].tasks if t.version == v] == ["origin"]
+    # With room for both, b keeps v, and a copies it from b.
+    regions["b"] = RegionState("b", 20 * GB, 1e8)
+    result = plan(jobs, regions, {x: 10 * GB, v: 10 * GB, w: 10 * GB}, now=NOW)
+    assert not result.regions["b"].evictions
+    assert [t.source for t in result.regions["a"].tasks if t.version == v] == ["b"]
