@@ -542,6 +542,8 @@ class CacheStore(ClosingContext):
             evicted = self._evict_lru(txn, candidates, used - self.capacity_bytes)
         self._count_evicted(evicted)  # committed: they happened
         shards, freed = len(evicted), sum(b for _, b in evicted)
+        if freed:
+            self._release_freed_pages()
         held = tuple(
             VersionInfo(d, v, r.shard_count, r.stored_bytes, ns_to_datetime(r.pinned_until_ns))
             for (d, v), r in ((parse_version_key(k), r) for k, r in sorted(pinned.items()))

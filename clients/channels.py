@@ -402,6 +402,9 @@ _HINTS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "the node did not answer in time; check its load "
     "and the path to it (edgecache doctor)",
     grpc.StatusCode.CANCELLED: "the call was cancelled; run it again",
+    # A Pin or Evict conditioned on the status read earlier (if_until, unless_pinned_after).
+    grpc.StatusCode.ABORTED: "it changed on the node since this command read its status; run "
+    "the command again to decide on what the node holds now",
     grpc.StatusCode.UNAUTHENTICATED: "pass the node's bearer token with --token-file "
     "(or $EDGECACHE_TOKEN_FILE; token= for EdgeDataset)",
     grpc.StatusCode.PERMISSION_DENIED: "the node knows this caller but does not allow the "

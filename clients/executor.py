@@ -254,7 +254,9 @@ class Evicted:
     """What one eviction came to: bytes freed, or the guard's refusal, or nodes' errors."""
 
     freed: int = 0
-    refused: str | None = None  # "not evicting NAME@N: job … reads it"; no node was asked
+    # "not evicting NAME@N: job … reads it" (no node was asked), or a node found it pinned
+    # since the plan's status read (Evict's unless_pinned_after: ABORTED)
+    refused: str | None = None
     errors: tuple[str, ...] = ()
 
     @property
@@ -388,8 +390,12 @@ class PlanExecutor:
         return failures
 
     def _pin_node(self, node: str, version: VersionKey, until: datetime) -> str | None:
-        """Pin ``version`` on ``node`` until ``until``; why not, or None when it did."""
-        request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+        """Pin ``version`` on ``node`` until at least ``until``; why not, or None when it did.
+
+        Pin's ``extend``: the node keeps a later pin it holds, so one someone placed
+        after the status read this decision came from is not cut back.
+        """
+        request = edge_pb2.PinRequest(dataset=version[0], version=version[1], extend=True)
         request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
         try:
             self._node_call(node, f"pinning {version[0]}@{version[1]}", lambda s: s.Pin, request)
@@ -633,7 +639,7 @@ class PlanExecutor:
         nothing to free there, which is what the eviction asked for.
         """
         what = f"evicting {eviction.version[0]}@{eviction.version[1]}"
-        freed, errors = 0, []
+        freed, errors, pinned = 0, [], []
         request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
         request.unless_pinned_after.FromDatetime(
             unless_pinned_after.astimezone(UTC).replace(tzinfo=None)
@@ -645,9 +651,15 @@ class PlanExecutor:
             try:
                 freed += self._node_call(node, what, lambda stub: stub.Evict, request).bytes_freed
             except _NotDone as failure:
-                if failure.code != grpc.StatusCode.NOT_FOUND:
+                if failure.code == grpc.StatusCode.ABORTED:
+                    # Pinned there since the round's status read: the guard's refusal, made
+                    # by the node (no node failed); the next plan sees the pin.
+                    pinned.append(str(failure))
+                elif failure.code != grpc.StatusCode.NOT_FOUND:
                     errors.append(str(failure))
-        return Evicted(freed, errors=tuple(errors))
+        spec = f"{eviction.version[0]}@{eviction.version[1]}"
+        refused = f"not evicting {spec}: {'; '.join(pinned)}" if pinned else None
+        return Evicted(freed, refused=refused, errors=tuple(errors))
 
     # --------------------------------------------------------------- staging
 

@@ -991,6 +991,7 @@ class EvictResult:
     bytes_freed: int = 0
     error: str = ""
     refused: bool = False  # the node refused the credentials: --token-file, not a retry
+    pinned: bool = False  # pinned there since the status read (ABORTED): not evicted
 
 
 def evict(
@@ -1060,6 +1061,7 @@ def evict(
                     else:
                         error = node_error(exc, endpoint=node, what=f"evicting {spec}")
                         result.error, result.refused = str(error), isinstance(error, AccessDenied)
+                        result.pinned = exc.code() == grpc.StatusCode.ABORTED
             results.append(result)
     if results and not_found == len(results):
         raise unknown

@@ -1467,6 +1467,10 @@ class EdgeNode:
             functools.partial(self.store.pin_version, if_until=if_until), dataset, version, until
         )
 
+    async def extend_pin(self, dataset: str, version: int, until: datetime) -> None:
+        """Pin a version until at least ``until``: a later pin it holds stays."""
+        await self._write(self.store.extend_pin, dataset, version, until)
+
     async def evict(
         self, dataset: str, version: int, unless_pinned_after: datetime | None = None
     ) -> int:

@@ -555,8 +555,13 @@ class EdgeCacheService:
         """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
         until = _pin_time(request.until, "until") if request.HasField("until") else None
         if_until = _pin_time(request.if_until, "if_until") if request.HasField("if_until") else None
+        if request.extend and (until is None or if_until is not None):
+            raise ValueError("extend needs until, and does not go with if_until")
         self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
-        await self.node.pin(request.dataset, request.version, until, if_until)
+        if request.extend and until is not None:
+            await self.node.extend_pin(request.dataset, request.version, until)
+        else:
+            await self.node.pin(request.dataset, request.version, until, if_until)
         return edge_pb2.PinResponse()
 
     async def Sink(  # noqa: N802

@@ -95,6 +95,7 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
             "bytes_freed": 0,
             "error": None,
             "refused": False,
+            "pinned": False,
         }
     ]
     code, out = cli(root, "evict", "tokens@1", "--region", "eu-west", "--force", "--json")

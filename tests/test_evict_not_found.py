@@ -87,6 +87,7 @@ def test_evict_counts_a_node_that_holds_nothing_of_it_as_zero_bytes(pair: Pair) 
         "bytes_freed": 0,
         "error": None,
         "refused": False,
+        "pinned": False,
     }
     assert _held(pair.holder) == []
     # Gone everywhere now, and not published: bad input, said once with what to run.

@@ -22,7 +22,7 @@ import pytest
 from edgeutil import pins_on, publish, stub, write_parquet_shards
 
 from edgecache.cache.errors import PinChanged
-from edgecache.cache.planner import Eviction
+from edgecache.cache.planner import Eviction, Plan, RegionPlan
 from edgecache.cache.store import CacheStore
 from edgecache.clients import ops
 from edgecache.clients.controller import Controller
@@ -170,11 +170,56 @@ def test_a_planned_eviction_leaves_a_version_pinned_after_the_rounds_status_read
     executor._see(ops.gather_status(executor.topology))  # the round's read: a@1 unpinned
     client.Pin(_pin_request(now + 9 * HOUR, None))  # another schedule's warm, meanwhile
     evicted = executor.evict(eviction, Schedule(jobs=[]), {})
-    (error,) = evicted.errors
-    assert evicted.freed == 0 and error.endswith("someone pinned it since; not evicted")
-    assert error.startswith(f"evicting a@1 on {node.address}: ABORTED: a@1 is pinned until")
+    # The guard's refusal, made by the node: not a node failure (warm defers, the
+    # controller counts it refused, and the next plan sees the pin).
+    assert evicted.freed == 0 and evicted.errors == (), evicted
+    refused = evicted.refused or ""
+    assert refused.startswith(f"not evicting a@1: evicting a@1 on {node.address}: ABORTED"), refused
+    assert "someone pinned it since; not evicted" in refused, refused
     assert [v.shard_count for v in client.Status(edge_pb2.StatusRequest()).versions] == [2]
     client.Pin(_pin_request(None, None))  # unpinned: the same eviction goes through
     executor._see(ops.gather_status(executor.topology))
     assert executor.evict(eviction, Schedule(jobs=[]), {}).freed > 0
     assert list(client.Status(edge_pb2.StatusRequest()).versions) == []
+
+
+def test_a_pin_placed_after_the_status_read_is_not_cut_back_by_the_plans_pin(eu) -> None:
+    """warm and the controller pin what their plan keeps, after reading the nodes' status;
+    Pin set the time as given, so a longer pin placed in between was cut to the plan's."""
+    root, node = eu
+    executor = PlanExecutor(load_topology(root / "edgecache.yaml"))
+    seen = executor._see(ops.gather_status(executor.topology))  # a@1 unpinned
+    stub(node.address).Pin(_pin_request(T0 + 9 * HOUR, None))  # another tool, meanwhile
+    plan = Plan(
+        regions={"eu": RegionPlan(pins={("a", 1): T0 + 3 * HOUR})},
+        infeasible=[],
+        transfers={},
+        cost={},
+    )
+    assert executor.pin(plan, seen) == []
+    assert pins_on(node) == {"a@1": T0 + 9 * HOUR}
+    assert executor._pin_region("eu", ("a", 1), T0 + 2 * HOUR) is None  # re-pin after evicting
+    assert pins_on(node) == {"a@1": T0 + 9 * HOUR}
+    executor.pin(replace_pins(plan, T0 + 12 * HOUR), seen)  # longer: lengthened
+    assert pins_on(node) == {"a@1": T0 + 12 * HOUR}
+
+
+def replace_pins(plan: Plan, until: datetime) -> Plan:
+    return Plan(
+        regions={"eu": RegionPlan(pins={("a", 1): until})}, infeasible=[], transfers={}, cost={}
+    )
+
+
+def test_edgecache_evict_of_a_version_pinned_after_its_status_read_exits_2(eu, monkeypatch) -> None:
+    """The node refuses (ABORTED) and the CLI said "a node failed" (exit 1): it is a pinned
+    version, found by the node instead of by evict's own check, and retrying will not help."""
+    root, node = eu
+    topology = load_topology(root / "edgecache.yaml")
+    list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="a", version=1)))
+    stale = ops.gather_status(topology)  # what evict reads: a@1 unpinned
+    stub(node.address).Pin(_pin_request(datetime.now(UTC) + 9 * HOUR, None))
+    monkeypatch.setattr(ops, "gather_status", lambda *args, **kwargs: stale)
+    (result,) = ops.evict(topology, "a@1")
+    assert result.pinned and not result.refused and result.bytes_freed == 0, result
+    assert "ABORTED" in result.error and "run the command again" in result.error, result.error
+    assert [v.shard_count for v in stub(node.address).Status(edge_pb2.StatusRequest()).versions]

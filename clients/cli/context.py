@@ -70,9 +70,10 @@ def configure_logging(level: LogLevel) -> None:
     The chatty libraries above speak at WARNING and above unless ``level`` is DEBUG.
     """
     logging.basicConfig(level=level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level != LogLevel.DEBUG:
+    if level != LogLevel.DEBUG:  # never below the level asked: ERROR hides their warnings too
+        quiet = max(logging.WARNING, logging.getLevelNamesMapping()[level.value])
         for name in _CHATTY_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
+            logging.getLogger(name).setLevel(quiet)
 
 
 LogLevelOption = Annotated[

@@ -297,8 +297,8 @@ def evict(
 
     Refuses a version pinned for a scheduled job (it names the job) unless
     --force. Exit codes: 0 evicted (or nothing held); 2 bad input (an unknown
-    version or region, a pinned version, a token the nodes refuse); 1 a node
-    failed.
+    version or region, a pinned version — also one pinned while this ran —, a
+    token the nodes refuse); 1 a node failed.
     """
     from edgecache.clients import ops
 
@@ -315,6 +315,7 @@ def evict(
                         "bytes_freed": r.bytes_freed,
                         "error": r.error or None,
                         "refused": r.refused,
+                        "pinned": r.pinned,
                     }
                     for r in results
                 ]
@@ -332,8 +333,8 @@ def evict(
                     f"{result.region} {result.node}: freed {format_bytes(result.bytes_freed)}"
                 )
     failed = [result for result in results if result.error]
-    if failed:  # credentials every failed node refused: --token-file, not a retry
-        refused = all(result.refused for result in failed)
+    if failed:  # credentials refused, or a pin placed since: bad input, as a pin found first
+        refused = all(result.refused or result.pinned for result in failed)
         raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
 
 
