@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -1426,8 +1427,15 @@ def _pinned_message(
     region is unrelated, and one that runs past the pin no longer holds it
     (its pin was released or replaced since the record was written).
     """
-    until = max(when for _, _, when in pins)
-    nodes = ", ".join(sorted({node for _, node, _ in pins}))
+    # Each node's own end (a node keeps one time per version; two nodes may differ):
+    # one time for all of them named the latest, and the other node's was hours sooner.
+    ends: dict[datetime, set[str]] = defaultdict(set)
+    for _, node, when in pins:
+        ends[when.replace(second=0, microsecond=0)].add(node)
+    said = "; ".join(
+        f"on {', '.join(sorted(nodes))} until {when:%Y-%m-%d %H:%M} UTC"
+        for when, nodes in sorted(ends.items())
+    )
     held_until: dict[str, datetime] = {}
     for region, _, when in pins:
         held_until[region] = max(held_until.get(region, when), when)
@@ -1438,7 +1446,7 @@ def _pinned_message(
         and job.region in held_until
         and now < job.end <= held_until[job.region] + timedelta(seconds=1)
     ]
-    pinned = f"{spec} is pinned on {nodes} until {until:%Y-%m-%d %H:%M} UTC"
+    pinned = f"{spec} is pinned {said}"
     if not readers:
         # Nothing names its job, so no warm run or controller round will release it: the
         # advice to edit a schedule and run warm again did nothing, --force is the way.

@@ -247,3 +247,38 @@ def test_publish_to_an_s3_registry_nobody_answers_names_the_registry(tmp_path: P
     assert "check --registry (or registry: in the topology file), AWS_ENDPOINT_URL" in " ".join(
         done.stderr.split()
     ), done.stderr
+
+
+def test_an_evict_refusal_gives_each_nodes_own_pin_end(tmp_path: Path) -> None:
+    """Two nodes of a region pinned a version to different times; the refusal said one time
+    for both (the later), and the other node's pin ended hours sooner."""
+    import pytest
+    from edgeutil import stub
+
+    from edgecache.cache.errors import VersionPinned
+    from edgecache.clients import ops
+    from edgecache.clients.topology import load_topology
+    from edgecache.v1 import edge_pb2
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    publish(registry, f"file://{tmp_path}/origin", "t")
+    nodes = [start_local_node("eu", tmp_path / f"cache-{i}", registry) for i in range(2)]
+    try:
+        soon = (datetime.now(UTC) + timedelta(hours=2)).replace(second=0, microsecond=0)
+        for node, until in zip(nodes, (soon, soon + timedelta(hours=5)), strict=True):
+            request = edge_pb2.PinRequest(dataset="t", version=1)
+            request.until.FromDatetime(until.replace(tzinfo=None))
+            stub(node.address).Pin(request)
+        topology = tmp_path / "edgecache.yaml"
+        addresses = ", ".join(f"'{n.address}'" for n in nodes)
+        topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{addresses}]\n")
+        with pytest.raises(VersionPinned) as caught:
+            ops.evict(load_topology(topology), "t@1")
+        said = str(caught.value)
+        assert f"on {nodes[0].address} until {soon:%Y-%m-%d %H:%M} UTC; " in said, said
+        later = soon + timedelta(hours=5)
+        assert f"on {nodes[1].address} until {later:%Y-%m-%d %H:%M} UTC" in said, said
+    finally:
+        for node in nodes:
+            node.stop()
