@@ -500,7 +500,7 @@ def _plan_region(
         return i >= 0 and reach[version][i] >= lo
 
     def room_frees(hi: datetime) -> list[_Freed]:
-        """Per resident version: from when it may be evicted for a job ending at ``hi``.
+        """Per version held (whole or in part): from when it may go for a job ending at ``hi``.
 
         That is the first instant after the last job reading it (of those that
         start by ``hi``) ends, or when its foreign pin runs out, whichever is
@@ -511,7 +511,9 @@ def _plan_region(
         """
         out: list[_Freed] = []
         pinned, bisect_right, none = state.pinned, bisect.bisect_right, ()
-        for version, held in resident.items():
+        # A version held in part (a stage cut short) fills the cache too, and goes the same
+        # way: it was never evicted, and a job that needed its room could not be met.
+        for version, held in itertools.chain(resident.items(), partial.items()):
             times = starts.get(version, none)
             i = bisect_right(times, hi)
             free = reach[version][i - 1] + _AFTER if i else None
@@ -647,7 +649,7 @@ def _plan_region(
                     )
                     continue
             for victim, victim_next in victims:
-                victim_size = resident.pop(victim)
+                victim_size = resident.pop(victim) if victim in resident else partial.pop(victim)
                 used -= victim_size
                 out.evictions.append(
                     Eviction(
@@ -719,8 +721,8 @@ class _Lacks:
 
     All that may have to be held at once while the job's versions are staged
     and read, less the capacity: the job's versions, each whole (one larger
-    than the region too), the bytes of partly held versions (no eviction frees
-    them), and every version a job reads (of the jobs that start by this one's
+    than the region too), the bytes of partly held versions read or pinned
+    then, and every version a job reads (of the jobs that start by this one's
     end) at some time from ``lo`` to this job's end, or that a foreign pin holds
     after ``lo``, provided it can be held then at all: the region holds it now,
     or a job planned before this one reads it (met or not). ``lo`` is the job's
@@ -783,13 +785,19 @@ class _Lacks:
                 kept.update(jobs[i].versions)
             i -= 1
         # ... and could be held by then: held now, or read by a job planned before this one.
-        resident = state.resident
+        resident, window = state.resident, kept
         kept = {
             v
             for v in kept - own
             if v in resident or (v in sizes and first.get(v, position) < position)
         }
-        total = sum(held for v, held in self.partial.items() if v not in own and v not in kept)
+        # What is held in part goes for room like the rest (room_frees), unless read or
+        # pinned then: its bytes stay.
+        total = sum(
+            held
+            for v, held in self.partial.items()
+            if v in window and v not in own and v not in kept
+        )
         bytes_of = self.bytes
         for version in own | kept:
             size = bytes_of.get(version)

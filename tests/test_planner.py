@@ -386,3 +386,23 @@ def test_a_peer_is_a_source_only_while_it_holds_the_version() -> None:
     result = plan(jobs, regions, {x: 10 * GB, v: 10 * GB, w: 10 * GB}, now=NOW)
     assert not result.regions["b"].evictions
     assert [t.source for t in result.regions["a"].tasks if t.version == v] == ["b"]
+
+
+def test_a_version_held_in_part_is_evicted_for_room_like_a_whole_one() -> None:
+    # A stage cut short left 6 GB of b, which no job reads; a job needs 8 GB of c in a
+    # 10 GB region. The partial version was never a candidate: "cannot be met".
+    b, c = ("b", 1), ("c", 1)
+    region = RegionState("eu", 10 * GB, 1e9, partial={b: 6 * GB})
+    hour = timedelta(hours=1)
+    jobs = [Job("j", "eu", NOW + hour, NOW + 2 * hour, (c,))]
+    result = plan(jobs, {"eu": region}, {b: 12 * GB, c: 8 * GB}, now=NOW)
+    assert not result.infeasible, result.infeasible
+    (eviction,) = result.regions["eu"].evictions
+    assert (eviction.version, eviction.bytes, eviction.next_use) == (b, 6 * GB, None)
+    assert [t.version for t in result.regions["eu"].tasks] == [c]
+    # A job that reads it later: kept, and only the rest fetched, when there is room.
+    region = RegionState("eu", 20 * GB, 1e9, partial={b: 6 * GB})
+    later = [*jobs, Job("k", "eu", NOW + 3 * hour, NOW + 4 * hour, (b,))]
+    result = plan(later, {"eu": region}, {b: 12 * GB, c: 8 * GB}, now=NOW)
+    assert not result.infeasible and not result.regions["eu"].evictions
+    assert result.transfers[("k", "origin→eu")] == 6 * GB

@@ -398,11 +398,14 @@ def _added(reason: str) -> int:
 
 def test_a_version_larger_than_the_region_counts_toward_its_jobs_advice() -> None:
     """big (12 MiB) cannot fit in 10 MiB; small (6 MiB) did not fit beside old's 6 MiB held
-    in part. Both rows said "add at least 2.0 MiB"; at 12 MiB the next plan asked for 12.0
-    more. The job needs 12 + 6 + 6 = 24 MiB: 14 more, on both rows."""
+    in part, which a job reads while J runs. Both rows said "add at least 2.0 MiB"; at 12
+    MiB the next plan asked for 12.0 more. The job needs 12 + 6 + 6 = 24 MiB: 14 more, on
+    both rows. With no job reading old, it is evicted for room like a version held whole
+    (stop 43): 12 + 6 = 18 MiB, 8 more, on big's row alone."""
     big, small, old = ("big", 1), ("small", 1), ("old", 1)
-    sizes = {big: 12 * MiB, small: 6 * MiB}
+    sizes = {big: 12 * MiB, small: 6 * MiB, old: 9 * MiB}
     job = Job("J", "eu", NOW + 60 * MINUTE, NOW + 120 * MINUTE, (big, small))
+    reads_old = Job("K", "eu", NOW + 90 * MINUTE, NOW + 100 * MINUTE, (old,))
 
     def region(capacity: int) -> dict[str, RegionState]:
         state = RegionState(
@@ -410,12 +413,16 @@ def test_a_version_larger_than_the_region_counts_toward_its_jobs_advice() -> Non
         )
         return {"eu": state}
 
-    rows = _capacity_rows(plan([job], region(10 * MiB), sizes, now=NOW), "J")
-    assert [row.version for row in rows] == ["big@1", "small@1"], rows
-    assert "is larger than the region's capacity" in rows[0].reason
-    assert {_added(row.reason) for row in rows} == {14 * MiB}, rows
-    assert not plan([job], region(24 * MiB), sizes, now=NOW).infeasible
-    assert _capacity_rows(plan([job], region(24 * MiB - 1), sizes, now=NOW), "J")
+    for jobs, rows_expected, least in (
+        ([job, reads_old], ["big@1", "small@1"], 24 * MiB),
+        ([job], ["big@1"], 18 * MiB),
+    ):
+        rows = _capacity_rows(plan(jobs, region(10 * MiB), sizes, now=NOW), "J")
+        assert [row.version for row in rows] == rows_expected, rows
+        assert "is larger than the region's capacity" in rows[0].reason
+        assert {_added(row.reason) for row in rows} == {least - 10 * MiB}, rows
+        assert not _capacity_rows(plan(jobs, region(least), sizes, now=NOW), "J")
+        assert _capacity_rows(plan(jobs, region(least - 1), sizes, now=NOW), "J")
 
 
 def test_advice_counts_what_an_earlier_job_that_did_not_fit_will_hold_then() -> None:
