@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -38,7 +38,15 @@ from edgecache.cache.errors import (
     VersionPinned,
 )
 from edgecache.cache.names import parse_spec
-from edgecache.cache.planner import Job, Plan, RegionState, VersionKey, VersionSize, plan
+from edgecache.cache.planner import (
+    Infeasible,
+    Job,
+    Plan,
+    RegionState,
+    VersionKey,
+    VersionSize,
+    plan,
+)
 from edgecache.cache.registry import Registry
 from edgecache.cache.storage import Stores
 from edgecache.cache.units import format_bytes
@@ -313,6 +321,8 @@ def make_plan(
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    result.infeasible += _share_rows(topology, reports, jobs, manifests, sizes, held, result)
+    result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     result.infeasible[:] = [
         replace(row, reason=f"{row.reason} ({'; '.join(short_room[row.region])})")
         if row.region in short_room and "capacity" in row.reason
@@ -320,6 +330,87 @@ def make_plan(
         for row in result.infeasible
     ]
     return result, manifests
+
+
+def _share_rows(
+    topology: Topology,
+    reports: list[NodeReport],
+    jobs: Sequence[Job],
+    manifests: Mapping[str, pb.Manifest],
+    sizes: Mapping[VersionKey, VersionSize],
+    held: Mapping[str, Mapping[VersionKey, Holding]],
+    result: Plan,
+) -> list[Infeasible]:
+    """Rows for the jobs whose versions, not held yet, no node split lets their region hold.
+
+    The plan counts a region's capacity as one pool (:func:`share_overflow` says
+    why that is not enough); a job is checked with all its versions at once.
+    """
+    by_key = {(m.dataset, m.version): m for m in manifests.values()}
+    unmet = {(row.job, row.version) for row in result.infeasible}
+    rows = []
+    for job in jobs:
+        if job.region not in topology.regions:
+            continue
+        whole = {v for v, h in held.get(job.region, {}).items() if h.complete}
+        staged = [by_key[v] for v in job.versions if v not in whole and v in by_key]
+        why = share_overflow(topology, reports, job.region, staged, sizes) if staged else None
+        if why is None:
+            continue
+        for m in staged:
+            spec = f"{m.dataset}@{m.version}"
+            if (job.name, spec) not in unmet:
+                rows.append(Infeasible(job.name, job.region, spec, why))
+    return rows
+
+
+def share_overflow(
+    topology: Topology,
+    reports: list[NodeReport],
+    region: str,
+    manifests: Sequence[pb.Manifest],
+    sizes: Mapping[VersionKey, VersionSize],
+) -> str | None:
+    """Why the region's nodes cannot hold these versions at once, node by node; or None.
+
+    Replicas split a version's shards by rendezvous hashing over the nodes that
+    answer, and each node keeps its share in its own cache: the capacities add
+    up only as far as the shares are even. Two versions of four large shards
+    in a region of two 2.5 MiB nodes (3.5 MiB in all, in 5 MiB) put all four on
+    one node: plan and its dry run said they fit, and every warm failed there
+    RESOURCE_EXHAUSTED. A share's bytes are the version's stored bytes in the
+    proportion of its shards' source bytes.
+    """
+    alive = {
+        r.address: _room(r.status) for r in reports if r.region == region and r.status is not None
+    }
+    nodes = [node for node in topology.regions[region].nodes if node in alive]
+    if len(nodes) < 2:
+        return None  # one node holds everything: the plan's capacity is its own
+    share = dict.fromkeys(nodes, 0)
+    owned = dict.fromkeys(nodes, 0)
+    for manifest in manifests:
+        key = (manifest.dataset, manifest.version)
+        stored, source = sizes[key].stored, sum(s.source_size for s in manifest.shards)
+        for index, shard in enumerate(manifest.shards):
+            node = rendezvous.owner(nodes, manifest.dataset, manifest.version, index)
+            part = shard.source_size / source if source else 1 / len(manifest.shards)
+            share[node] += math.ceil(stored * part)
+            owned[node] += 1
+    over = [node for node in nodes if share[node] > alive[node]]
+    if not over:
+        return None
+    node = max(over, key=lambda n: share[n] - alive[n])
+    specs = ", ".join(f"{m.dataset}@{m.version}" for m in manifests)
+    shards = sum(len(m.shards) for m in manifests)
+    return (
+        f"{node}'s share of {specs} ({owned[node]} of {shards} shards, "
+        f"{format_bytes(share[node])}) is more than its cache holds "
+        f"({format_bytes(alive[node])}): replicas split a version's shards by hash and each "
+        f"keeps its own share, so the region's capacities add up only as far as the shares "
+        f"are even; give {node} at least {format_bytes(share[node] - alive[node])} more "
+        "(its --capacity), or publish the version with more, smaller shards"
+    )
 
 
 def _room(status: edge_pb2.NodeStatus) -> int:
@@ -974,7 +1065,12 @@ def version_too_large(
     size = version_sizes(known, held, others=others)[(manifest.dataset, manifest.version)]
     capacity = sum(status.capacity_bytes for status in alive)
     if size.stored <= capacity:
-        return None
+        whole = held.get(region, {}).get((manifest.dataset, manifest.version))
+        if whole is not None and whole.complete:
+            return None
+        sizes = {(manifest.dataset, manifest.version): size}
+        why = share_overflow(topology, reports, region, [manifest], sizes)
+        return None if why is None else f"{spec} cannot be held in region {region}: {why}"
     return (
         f"{spec} ({format_bytes(size.stored)} once stored) is larger than region {region}'s "
         f"whole capacity ({format_bytes(capacity)}), so nothing was staged or evicted; give "

@@ -282,3 +282,41 @@ def test_an_evict_refusal_gives_each_nodes_own_pin_end(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_shard_larger_than_each_nodes_cache_is_not_planned_as_fitting_their_sum(
+    tmp_path: Path,
+) -> None:
+    """Replicas split a version's shards and each keeps its share: a 1.3 MiB shard in a
+    region of two 1 MiB nodes fits their sum, never a node. plan and warm's dry run said it
+    would be staged; every warm then failed RESOURCE_EXHAUSTED on the node."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=20000)  # one shard
+    publish(registry, f"file://{tmp_path}/origin", "t")
+    # Nothing held anywhere: the plan sizes it by its source bytes. Each node gets 70 % of
+    # that: the pair holds 140 %, a node never the whole shard.
+    source = sum(f.stat().st_size for f in (tmp_path / "origin").rglob("*") if f.is_file())
+    capacity = str(int(source * 0.7))
+    nodes = [
+        start_local_node("eu", tmp_path / f"cache-{i}", registry, capacity=capacity)
+        for i in range(2)
+    ]
+    try:
+        topology = tmp_path / "edgecache.yaml"
+        addresses = ", ".join(f"'{n.address}'" for n in nodes)
+        topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{addresses}]\n")
+        start = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        schedule = tmp_path / "schedule.yaml"
+        schedule.write_text(
+            f"jobs:\n  - name: j\n    region: eu\n    start: '{start}'\n    datasets: [t@1]\n"
+        )
+        config = ["--config", str(topology)]
+        code, out, err = edgecache("plan", str(schedule), *config)
+        said = " ".join((out + err).split())
+        assert code == 3 and "share of t@1 (1 of 1 shards," in said, (out, err)
+        assert "is more than its cache holds" in said and "add at least" not in said, said
+        code, out, err = edgecache("warm", "t@1", "--region", "eu", "--dry-run", *config)
+        assert code == 2 and "t@1 cannot be held in region eu:" in " ".join(err.split()), err
+    finally:
+        for node in nodes:
+            node.stop()
