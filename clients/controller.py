@@ -877,7 +877,11 @@ class Controller:
                 if unpinned.taken:  # someone pinned it since: theirs, and no longer ours
                     log.info("%s: left the pin of %s on %s: pinned again since", region, spec, node)
                 elif unpinned.released:
-                    log.info("%s: unpinned %s on %s: no scheduled job reads it", region, spec, node)
+                    log.info(
+                        "%s: unpinned %s on %s: the plan keeps it for no job (none reads it, "
+                        "or the one that does cannot be met: see plan)",
+                        region, spec, node,
+                    )  # fmt: skip
                 else:
                     if unpinned.problem:
                         failures.append(unpinned.problem)

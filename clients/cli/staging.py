@@ -1059,8 +1059,10 @@ def _not_staged(outcome: WarmOutcome, region: str, version: VersionKey) -> str:
         if "failed" in states
         else "nothing of it held"
     )
-    # The same words in a dry run: its lines are the real run's, in another tense.
-    return f", not staged: {why} (the pin holds no data yet)"
+    # The same words in a dry run: its lines are the real run's, in another tense. A stage
+    # that failed may have left some shards (a node of two held one of two shards).
+    holds = "only what of it was staged" if why == "its staging failed" else "no data yet"
+    return f", not staged: {why} (the pin holds {holds})"
 
 
 def _report_failures(warmed: _Warmed) -> None:
