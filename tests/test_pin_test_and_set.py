@@ -61,24 +61,30 @@ def eu(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
         node.stop()
 
 
-def test_the_store_changes_a_pin_only_while_it_holds_the_expected_time(tmp_path: Path) -> None:
-    store = CacheStore(tmp_path / "cache", capacity_bytes=1 << 30)
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CacheStore]:
+    """A real LMDB store of its own (no node)."""
+    opened = CacheStore(tmp_path / "cache", capacity_bytes=1 << 30)
     try:
-        store.pin_version("a", 1, T0 + 2 * HOUR)
-        with pytest.raises(PinChanged, match=r"is until 2026-12-01T10:00:00\+00:00") as caught:
-            store.pin_version("a", 1, T0 + HOUR, if_until=T0 + 5 * HOUR)
-        assert caught.value.held == T0 + 2 * HOUR
-        assert [v.pinned_until for v in store.versions()] == [T0 + 2 * HOUR]  # unchanged
-        # Within a second of the time held: the caller's record of it (ISO text) matches.
-        store.pin_version("a", 1, T0 + HOUR, if_until=T0 + 2 * HOUR + timedelta(seconds=0.4))
-        assert [v.pinned_until for v in store.versions()] == [T0 + HOUR]
-        store.pin_version("a", 1, None, if_until=T0 + HOUR)
-        assert store.versions() == []
-        with pytest.raises(PinChanged, match="is gone") as caught:  # nothing to release
-            store.pin_version("a", 1, None, if_until=T0 + HOUR)
-        assert caught.value.held is None
+        yield opened
     finally:
-        store.close()
+        opened.close()
+
+
+def test_the_store_changes_a_pin_only_while_it_holds_the_expected_time(store: CacheStore) -> None:
+    store.pin_version("a", 1, T0 + 2 * HOUR)
+    with pytest.raises(PinChanged, match=r"is until 2026-12-01T10:00:00\+00:00") as caught:
+        store.pin_version("a", 1, T0 + HOUR, if_until=T0 + 5 * HOUR)
+    assert caught.value.held == T0 + 2 * HOUR
+    assert [v.pinned_until for v in store.versions()] == [T0 + 2 * HOUR]  # unchanged
+    # Within a second of the time held: the caller's record of it (ISO text) matches.
+    store.pin_version("a", 1, T0 + HOUR, if_until=T0 + 2 * HOUR + timedelta(seconds=0.4))
+    assert [v.pinned_until for v in store.versions()] == [T0 + HOUR]
+    store.pin_version("a", 1, None, if_until=T0 + HOUR)
+    assert store.versions() == []
+    with pytest.raises(PinChanged, match="is gone") as caught:  # nothing to release
+        store.pin_version("a", 1, None, if_until=T0 + HOUR)
+    assert caught.value.held is None
 
 
 def test_a_conditional_pin_of_another_time_is_aborted_and_says_the_time_held(eu) -> None:
@@ -147,17 +153,13 @@ def test_the_controller_leaves_a_pin_lengthened_during_its_round(eu, monkeypatch
         controller.close()
 
 
-def test_the_store_evicts_only_a_version_not_pinned_past_the_time_given(tmp_path: Path) -> None:
-    store = CacheStore(tmp_path / "cache", capacity_bytes=1 << 30)
-    try:
-        store.pin_version("a", 1, T0 + 5 * HOUR)
-        with pytest.raises(PinChanged, match=r"pinned until 2026-12-01T13:00:00\+00:00, past"):
-            store.evict_version("a", 1, unless_pinned_after=T0 + 2 * HOUR)
-        assert [v.pinned_until for v in store.versions()] == [T0 + 5 * HOUR]
-        store.evict_version("a", 1, unless_pinned_after=T0 + 5 * HOUR)  # its own pin: evicted
-        assert store.versions() == []
-    finally:
-        store.close()
+def test_the_store_evicts_only_a_version_not_pinned_past_the_time_given(store: CacheStore) -> None:
+    store.pin_version("a", 1, T0 + 5 * HOUR)
+    with pytest.raises(PinChanged, match=r"pinned until 2026-12-01T13:00:00\+00:00, past"):
+        store.evict_version("a", 1, unless_pinned_after=T0 + 2 * HOUR)
+    assert [v.pinned_until for v in store.versions()] == [T0 + 5 * HOUR]
+    store.evict_version("a", 1, unless_pinned_after=T0 + 5 * HOUR)  # its own pin: evicted
+    assert store.versions() == []
 
 
 def test_a_planned_eviction_leaves_a_version_pinned_after_the_rounds_status_read(eu) -> None:
