@@ -534,7 +534,11 @@ def _plan_region(
         # This job's versions that found no room: (spec, bytes missing, bytes kept, in use,
         # when), and those larger than the region: (spec, bytes), reported once what the
         # job lacks as a whole is known.
-        unroomed: list[tuple[str, int, int, list[VersionKey], datetime]] = []
+        # ... with the bytes of what is held then (what is in the way, by version) and the
+        # transfer's lead (its duration and margin), for the earliest start that would fit.
+        unroomed: list[
+            tuple[str, int, int, list[VersionKey], datetime, dict[VersionKey, int], timedelta]
+        ] = []
         too_big: list[tuple[str, int]] = []
         for version in job.versions:
             spec = f"{version[0]}@{version[1]}"
@@ -638,13 +642,16 @@ def _plan_region(
                             begin, finish = when, when + duration
                         break
                 if when is None:
+                    in_way = [v for v in resident if in_use(v, begin, job.end)]
                     unroomed.append(
                         (
                             spec,
                             size - held_now,
                             used - room,
-                            [v for v in resident if in_use(v, begin, job.end)],
+                            in_way,
                             begin,
+                            {v: resident[v] for v in (*in_way, *state.pinned) if v in resident},
+                            duration + _margin(duration),
                         )
                     )
                     continue
@@ -705,8 +712,17 @@ def _plan_region(
                 )
                 result.infeasible.append(Infeasible(job.name, state.name, spec, reason))
             blocked = [
-                _in_the_way(state, job, in_the_way, when, last_end)
-                for *_, in_the_way, when in unroomed
+                _in_the_way(
+                    state,
+                    job,
+                    in_the_way,
+                    when,
+                    last_end,
+                    held_then,
+                    missing - max(state.capacity_bytes - kept, 0),
+                    lead,
+                )
+                for _, missing, kept, in_the_way, when, held_then, lead in unroomed
             ]
             afters = [after for _, after in blocked if after is not None]
             after = max(afters) if afters and len(afters) == len(blocked) else None
@@ -844,29 +860,43 @@ def _in_the_way(
     in_use: list[VersionKey],
     begin: datetime,
     last_end: Callable[[VersionKey, datetime], datetime],
+    held: Mapping[VersionKey, int],
+    short: int,
+    lead: timedelta,
 ) -> tuple[list[str], datetime | None]:
-    """What keeps a version of ``job`` from fitting at ``begin``, and when it is all free.
+    """What keeps a version of ``job`` from fitting at ``begin``, and the earliest start that would.
 
     Named: other jobs' versions in use (the job's own are what it needs, not
     what to evict) and versions pinned for jobs outside the plan. The time is
-    when the last of them is free (None: nothing is in the way, or the job
-    runs already and cannot be started later).
+    when enough of them (``held``: their bytes) is free for the ``short`` bytes
+    the version lacks, plus ``lead`` (its transfer and margin) to stage it
+    then; None: nothing is in the way, or the job runs already and cannot be
+    started later. It was when the last of them is free, with no lead: a start
+    hours late, and one that still had no time to stage.
     """
     own = set(job.versions)
     others = sorted(v for v in in_use if v not in own)
     pinned = sorted(
         (v, until) for v, until in state.pinned.items() if v not in own and until > begin
     )
-    held = [f"in use then: {', '.join(f'{d}@{v}' for d, v in others[:5]) or 'nothing'}"]
+    named = [f"in use then: {', '.join(f'{d}@{v}' for d, v in others[:5]) or 'nothing'}"]
     if pinned:
-        held.append(
+        named.append(
             "pinned for jobs outside this schedule: "
             + ", ".join(f"{d}@{v} until {_utc(until)}" for (d, v), until in pinned[:5])
         )
-    frees = [last_end(v, job.end) for v in others] + [until for _, until in pinned]
-    if frees and job.start > begin:  # a job already running cannot be started later
-        return held, max(frees)
-    return held, None
+    frees = sorted(
+        [(last_end(v, job.end), held.get(v, 0)) for v in others]
+        + [(until, held.get(v, 0)) for v, until in pinned]
+    )
+    if not frees or job.start <= begin:  # a job already running cannot be started later
+        return named, None
+    freed = 0
+    for when, size in frees:
+        freed += size
+        if freed >= short:
+            return named, when + lead
+    return named, frees[-1][0] + lead
 
 
 def _no_room(
@@ -895,7 +925,7 @@ def _no_room(
     """
     fix = _to_meet(state, job, short)
     if after is not None:
-        fix += f", or start {job.name} after {_utc(after)}"
+        fix += f", or start {job.name} at {_utc(after, ceil=True)} or later"
     free = max(state.capacity_bytes - kept, 0)
     return (
         f"not enough capacity: needs {format_bytes(missing)}, only {format_bytes(free)} "

@@ -374,7 +374,7 @@ def test_a_one_version_job_keeps_its_plain_advice() -> None:
     sizes = {("ds", 1): 6 * GB, ("ds", 2): 6 * GB}
     state = RegionState("eu", capacity_bytes=10 * GB, origin_bandwidth=1e9)
     (row,) = plan([first, second], {"eu": state}, sizes, now=NOW).infeasible
-    assert "to meet it: add at least 1.9 GiB to eu, or start second after" in row.reason, row
+    assert "to meet it: add at least 1.9 GiB to eu, or start second at" in row.reason, row
     assert "for all of" not in row.reason
 
 
