@@ -90,6 +90,11 @@ REAP_EVERY = 8
 PIN_LATEST = datetime.fromtimestamp((2**63 - 1) // 10**9, UTC)
 
 
+# Pins this close are the same pin: callers keep the times they placed in records of
+# their own (ISO text, a status report's Timestamp) and ask about them later.
+_SAME_PIN_NS = 10**9
+
+
 def _pin_ns(until: datetime) -> int:
     """``until`` as the store records a pin, or a ValueError naming the range it may take.
 
@@ -452,7 +457,10 @@ class CacheStore(ClosingContext):
         until_ns = 0 if until is None else _pin_ns(until)
         with self._writing(f"the pin of {dataset}@{version}") as txn:
             record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
-            if if_until is not None and abs(record.pinned_until_ns - _pin_ns(if_until)) >= 10**9:
+            if (
+                if_until is not None
+                and abs(record.pinned_until_ns - _pin_ns(if_until)) >= _SAME_PIN_NS
+            ):
                 held = ns_to_datetime(record.pinned_until_ns) if record.pinned_until_ns else None
                 raise PinChanged(
                     f"the pin of {dataset}@{version} is "
@@ -487,7 +495,7 @@ class CacheStore(ClosingContext):
             if (
                 unless_pinned_after is not None
                 and pinned is not None
-                and pinned.pinned_until_ns > _pin_ns(unless_pinned_after) + 10**9
+                and pinned.pinned_until_ns > _pin_ns(unless_pinned_after) + _SAME_PIN_NS
             ):
                 held = ns_to_datetime(pinned.pinned_until_ns)
                 raise PinChanged(

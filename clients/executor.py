@@ -396,7 +396,7 @@ class PlanExecutor:
         after the status read this decision came from is not cut back.
         """
         request = edge_pb2.PinRequest(dataset=version[0], version=version[1], extend=True)
-        request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
+        request.until.FromDatetime(until)  # an aware time: protobuf turns it into UTC
         try:
             self._node_call(node, f"pinning {version[0]}@{version[1]}", lambda s: s.Pin, request)
         except _NotDone as failure:
@@ -453,8 +453,8 @@ class PlanExecutor:
         """One conditional Pin call (``if_until=placed``) setting ``until`` (None: unpin)."""
         request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
         if until is not None:
-            request.until.FromDatetime(until.astimezone(UTC).replace(tzinfo=None))
-        request.if_until.FromDatetime(placed.astimezone(UTC).replace(tzinfo=None))
+            request.until.FromDatetime(until)
+        request.if_until.FromDatetime(placed)
         try:
             self._node_call(node, f"{doing} {version[0]}@{version[1]}", lambda s: s.Pin, request)
         except _NotDone as failure:
@@ -555,14 +555,14 @@ class PlanExecutor:
         """
         spec = f"{eviction.version[0]}@{eviction.version[1]}"
         now = self.clock()
+        own = self._own_end(eviction, schedule, manifests, now)
         blocker = eviction_blocker(eviction, schedule, manifests, now) or self._pinned_elsewhere(
-            eviction, schedule, manifests, now
+            eviction, own, now
         )
         if blocker is not None:
             return Evicted(refused=f"not evicting {spec}: {blocker}")
         # What the guard allowed, the node checks again in the eviction's transaction: a
         # pin another tool placed since the round's status read makes it refuse.
-        own = self._own_end(eviction, schedule, manifests, now)
         limit = max(t for t in (own, planned_pin, now) if t is not None)
         done = self._evict_nodes(eviction, unless_pinned_after=limit)
         # Tasks of other regions that would copy it from here stage from origin instead.
@@ -573,19 +573,16 @@ class PlanExecutor:
         return done
 
     def _pinned_elsewhere(
-        self,
-        eviction: Eviction,
-        schedule: Schedule,
-        manifests: Mapping[str, pb.Manifest],
-        now: datetime,
+        self, eviction: Eviction, own: datetime | None, now: datetime
     ) -> str | None:
-        """The pin of a job outside ``schedule`` that keeps the version on a node, or None.
+        """The pin of a job outside the schedule that keeps the version on a node, or None.
 
         The pins are those the round's status found (before this plan pinned
         anything), else the region's nodes are asked now. A pin is the
-        schedule's own when it lasts no longer than the last of its jobs in the
-        region that read the version (what :meth:`pin` places); a longer one,
-        or one on a version no such job reads, was placed for someone else.
+        schedule's own when it lasts no longer than ``own``, the end of the last
+        of its jobs in the region that read the version (:meth:`_own_end`; what
+        :meth:`pin` places); a longer one, or one on a version no such job
+        reads, was placed for someone else.
         """
         region, version = eviction.region, eviction.version
         pins = self._pins_seen
@@ -593,7 +590,6 @@ class PlanExecutor:
             pins = dict(
                 NodesSeen.of(gather_status(self.topology, token=self.token, regions={region})).pins
             )
-        own = self._own_end(eviction, schedule, manifests, now)
         for node in self.topology.regions[region].nodes:
             until = pins.get((node, version))
             if until is None or until <= now or (own is not None and until <= own + _SAME_PIN):
@@ -641,9 +637,7 @@ class PlanExecutor:
         what = f"evicting {eviction.version[0]}@{eviction.version[1]}"
         freed, errors, pinned = 0, [], []
         request = edge_pb2.EvictRequest(dataset=eviction.version[0], version=eviction.version[1])
-        request.unless_pinned_after.FromDatetime(
-            unless_pinned_after.astimezone(UTC).replace(tzinfo=None)
-        )
+        request.unless_pinned_after.FromDatetime(unless_pinned_after)
         for node in region_nodes(self.topology, eviction.region)[eviction.region]:
             if node in self.calls.down:
                 errors.append(f"{what} on {node}: not tried, the node is not answering")

@@ -1143,7 +1143,7 @@ def evict(
             raise unknown from None
     request = edge_pb2.EvictRequest(dataset=parsed.dataset, version=parsed.version)
     if not force:  # a pin placed since the status read above: the node refuses (ABORTED)
-        request.unless_pinned_after.FromDatetime(now.astimezone(UTC).replace(tzinfo=None))
+        request.unless_pinned_after.FromDatetime(now)  # aware: protobuf turns it into UTC
     results, not_found = [], 0
     for name, nodes in regions.items():
         for node in nodes:

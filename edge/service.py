@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
@@ -471,7 +471,7 @@ class EdgeCacheService:
     async def _stage(self, request: edge_pb2.StageRequest) -> AsyncIterator[edge_pb2.StageProgress]:
         _check_peers(request)
         manifest = await self.node.manifest(request.dataset, request.version)
-        pin = _pin_time(request.pin_until, "pin_until") if request.HasField("pin_until") else None
+        pin = _pin_time(request, "pin_until")
         wanted = self.node.staging_targets(manifest, list(request.shards))
         progress = edge_pb2.StageProgress(
             shards_total=len(wanted),
@@ -539,11 +539,7 @@ class EdgeCacheService:
         self, request: edge_pb2.EvictRequest, context: aio.ServicerContext
     ) -> edge_pb2.EvictResponse:
         """Drop a version's shards and pin from this node (unless pinned past a time)."""
-        unless = (
-            _pin_time(request.unless_pinned_after, "unless_pinned_after")
-            if request.HasField("unless_pinned_after")
-            else None
-        )
+        unless = _pin_time(request, "unless_pinned_after")
         return edge_pb2.EvictResponse(
             bytes_freed=await self.node.evict(request.dataset, request.version, unless)
         )
@@ -553,8 +549,7 @@ class EdgeCacheService:
         self, request: edge_pb2.PinRequest, context: aio.ServicerContext
     ) -> edge_pb2.PinResponse:
         """Keep a version from eviction until a time (unset: unpin), cached or not yet."""
-        until = _pin_time(request.until, "until") if request.HasField("until") else None
-        if_until = _pin_time(request.if_until, "if_until") if request.HasField("if_until") else None
+        until, if_until = _pin_time(request, "until"), _pin_time(request, "if_until")
         if request.extend and (until is None or if_until is not None):
             raise ValueError("extend needs until, and does not go with if_until")
         self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
@@ -642,15 +637,19 @@ class EdgeCacheService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-def _pin_time(stamp: Timestamp, field: str) -> datetime:
-    """A request's pin time, or ``ValueError`` (INVALID_ARGUMENT) naming ``field`` and the range.
+def _pin_time(request: Message, field: str) -> datetime | None:
+    """A request's pin time in ``field`` (None when unset), or ``ValueError`` naming the range.
 
     The cache keeps a pin as int64 nanoseconds since 1970: a later time failed
     with a bare "Value out of range: 9300000000000000000", and one before 1970
     was stored negative. Refused, not clamped to the limit: a caller that asked
     for the year 9999 meant "for ever", which no pin says, and should be told.
     A time in the past is accepted (the controller rehearses on a simulated clock).
+    ``ValueError`` is INVALID_ARGUMENT.
     """
+    if not request.HasField(field):
+        return None
+    stamp: Timestamp = getattr(request, field)
     latest = PIN_LATEST.timestamp()
     if stamp.seconds < 1:  # 0 is how the cache says "no pin": it would unpin, silently
         raise ValueError(
