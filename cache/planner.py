@@ -4,7 +4,10 @@ Pure and deterministic: the same inputs give the same plan. It knows the
 future, so it evicts what is needed furthest ahead or never (Belady), not
 what was used least recently, and it never evicts a version that a job
 reads between that job's start and end, nor one the region's nodes pin for
-jobs outside the plan (``RegionState.pinned``) before that pin runs out.
+jobs outside the plan (``RegionState.pinned``) before that pin runs out. A
+version so pinned that is not held yet keeps its room until then too
+(``RegionState.reserved``): the schedule that pinned it stages it before its
+job, and this plan must not fill that room.
 
 Per region, jobs are taken in order of start time (then priority, then
 name). Each version a job reads must be resident by the job's start. A
@@ -46,6 +49,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 from edgecache.cache.units import format_bytes
 
@@ -110,6 +114,12 @@ class RegionState:
     # version → until when the region's nodes pin it for jobs this plan does not know
     # (another schedule's): no eviction before then, whatever this plan would gain by it.
     pinned: Mapping[VersionKey, datetime] = field(default_factory=dict)
+    # Of those, versions not held whole: version → the stored bytes they still lack. The
+    # schedule that pinned them stages them before its job (a stage deferred for room, or
+    # not begun yet); this plan keeps that room free until the pin runs out. Counting only
+    # what is held let a second tool stage into it, and the first schedule's job could
+    # not be met.
+    reserved: Mapping[VersionKey, int] = field(default_factory=dict)
 
     @property
     def origin_rate(self) -> float:
@@ -513,7 +523,8 @@ def _plan_region(
         pinned, bisect_right, none = state.pinned, bisect.bisect_right, ()
         # A version held in part (a stage cut short) fills the cache too, and goes the same
         # way: it was never evicted, and a job that needed its room could not be met.
-        for version, held in itertools.chain(resident.items(), partial.items()):
+        # Room kept for another schedule's pinned version goes when its pin runs out.
+        for version, held in itertools.chain(resident.items(), partial.items(), reserved.items()):
             times = starts.get(version, none)
             i = bisect_right(times, hi)
             free = reach[version][i - 1] + _AFTER if i else None
@@ -525,20 +536,19 @@ def _plan_region(
 
     resident: dict[VersionKey, int] = dict(state.resident)
     partial: dict[VersionKey, int] = {v: b for v, b in state.partial.items() if v not in resident}
-    lacks = _Lacks(state, jobs, sizes, dict(partial), holds)
-    used = sum(resident.values()) + sum(partial.values())
+    # A version a job here reads is staged by this plan (then held): no room kept twice.
+    reserved = {
+        v: b for v, b in state.reserved.items() if b > 0 and v not in resident and v not in uses
+    }
+    lacks = _Lacks(state, jobs, sizes, dict(partial), holds, reserved)
+    used = sum(resident.values()) + sum(partial.values()) + sum(reserved.values())
     link_free = now  # the origin link is busy until then
     cursor = now  # tasks and evictions happen in time order
     task_of: dict[VersionKey, int] = {}  # version → index of its task in out.tasks
     for position, job in enumerate(jobs):
-        # This job's versions that found no room: (spec, bytes missing, bytes kept, in use,
-        # when), and those larger than the region: (spec, bytes), reported once what the
-        # job lacks as a whole is known.
-        # ... with the bytes of what is held then (what is in the way, by version) and the
-        # transfer's lead (its duration and margin), for the earliest start that would fit.
-        unroomed: list[
-            tuple[str, int, int, list[VersionKey], datetime, dict[VersionKey, int], timedelta]
-        ] = []
+        # This job's versions that found no room, and those larger than the region: (spec,
+        # bytes), reported once what the job lacks as a whole is known.
+        unroomed: list[_Unroomed] = []
         too_big: list[tuple[str, int]] = []
         for version in job.versions:
             spec = f"{version[0]}@{version[1]}"
@@ -643,19 +653,28 @@ def _plan_region(
                         break
                 if when is None:
                     in_way = [v for v in resident if in_use(v, begin, job.end)]
+                    own_held = sum(resident.get(v, 0) + partial.get(v, 0) for v in job.versions)
                     unroomed.append(
-                        (
+                        _Unroomed(
                             spec,
-                            size - held_now,
-                            used - room,
-                            in_way,
-                            begin,
-                            {v: resident[v] for v in (*in_way, *state.pinned) if v in resident},
-                            duration + _margin(duration),
+                            missing=size - held_now,
+                            kept=used - room,
+                            others_kept=used - room - own_held,
+                            in_way=in_way,
+                            begin=begin,
+                            held_then={
+                                v: resident.get(v) or reserved.get(v, 0)
+                                for v in (*in_way, *state.pinned)
+                                if v in resident or v in reserved
+                            },
+                            lead=duration + _margin(duration),
                         )
                     )
                     continue
             for victim, victim_next in victims:
+                if victim in reserved:  # its pin has run out by then: nothing to evict
+                    used -= reserved.pop(victim)
+                    continue
                 victim_size = resident.pop(victim) if victim in resident else partial.pop(victim)
                 used -= victim_size
                 out.evictions.append(
@@ -711,25 +730,45 @@ def _plan_region(
                     f"{_to_meet(state, job, short)}"
                 )
                 result.infeasible.append(Infeasible(job.name, state.name, spec, reason))
-            blocked = [
-                _in_the_way(
+            # What is in the way of each version, named on its row; and one start for the
+            # job as a whole: all its versions need room then, those staged now too (a
+            # start that made room for one left the next without: the job did not fit).
+            named = [
+                _in_the_way(state, job, u.in_way, u.begin, last_end, u.held_then, 0, u.lead)[0]
+                for u in unroomed
+            ]
+            after = None
+            if unroomed and not too_big:
+                everything = sum(
+                    sizes[v].stored if v in sizes else 0 for v in dict.fromkeys(job.versions)
+                )
+                _, after = _in_the_way(
                     state,
                     job,
-                    in_the_way,
-                    when,
+                    sorted({v for u in unroomed for v in u.in_way}),
+                    min(u.begin for u in unroomed),
                     last_end,
-                    held_then,
-                    missing - max(state.capacity_bytes - kept, 0),
-                    lead,
+                    {v: b for u in unroomed for v, b in u.held_then.items()},
+                    everything + max(u.others_kept for u in unroomed) - state.capacity_bytes,
+                    max(u.lead for u in unroomed),
                 )
-                for _, missing, kept, in_the_way, when, held_then, lead in unroomed
-            ]
-            afters = [after for _, after in blocked if after is not None]
-            after = max(afters) if afters and len(afters) == len(blocked) else None
-            for (spec, missing, kept, *_), (named, _) in zip(unroomed, blocked, strict=True):
-                reason = _no_room(state, job, missing, short, kept, named, after)
-                result.infeasible.append(Infeasible(job.name, state.name, spec, reason))
+            for u, names in zip(unroomed, named, strict=True):
+                reason = _no_room(state, job, u.missing, short, u.kept, names, after)
+                result.infeasible.append(Infeasible(job.name, state.name, u.spec, reason))
     return out
+
+
+class _Unroomed(NamedTuple):
+    """A version of a job that found no room, as it stood then: for the job's row and advice."""
+
+    spec: str
+    missing: int  # the bytes of it not held
+    kept: int  # the region's bytes held after every eviction allowed by its latest start
+    others_kept: int  # ... of them, those not the job's own versions
+    in_way: list[VersionKey]  # other jobs' versions in use then
+    begin: datetime  # when its transfer would begin
+    held_then: dict[VersionKey, int]  # bytes of what is in the way, by version
+    lead: timedelta  # its transfer and margin
 
 
 class _Lacks:
@@ -741,7 +780,8 @@ class _Lacks:
     then, and every version a job reads (of the jobs that start by this one's
     end) at some time from ``lo`` to this job's end, or that a foreign pin holds
     after ``lo``, provided it can be held then at all: the region holds it now,
-    or a job planned before this one reads it (met or not). ``lo`` is the job's
+    a foreign pin keeps room for it (``RegionState.reserved``), or a job planned
+    before this one reads it (met or not). ``lo`` is the job's
     start less the slowest transfer any of its versions could get, with that
     transfer's margin: room for a version is looked for until its start less
     its transfer and margin (``late``), never earlier than ``lo``.
@@ -768,9 +808,10 @@ class _Lacks:
         sizes: Mapping[VersionKey, VersionSize],
         partial: Mapping[VersionKey, int],
         holds: _Holds,
+        reserved: Mapping[VersionKey, int],
     ) -> None:
         self.state, self.jobs, self.sizes, self.partial = state, jobs, sizes, partial
-        self.holds = holds
+        self.holds, self.reserved = holds, reserved
         self.starts: list[datetime] = []  # jobs are in start order
         self.reach: list[datetime] = []  # the latest end of jobs[: i + 1]
         self.first: dict[VersionKey, int] = {}  # version → the first job reading it
@@ -801,11 +842,11 @@ class _Lacks:
                 kept.update(jobs[i].versions)
             i -= 1
         # ... and could be held by then: held now, or read by a job planned before this one.
-        resident, window = state.resident, kept
+        resident, reserved, window = state.resident, self.reserved, kept
         kept = {
             v
             for v in kept - own
-            if v in resident or (v in sizes and first.get(v, position) < position)
+            if v in resident or v in reserved or (v in sizes and first.get(v, position) < position)
         }
         # What is held in part goes for room like the rest (room_frees), unless read or
         # pinned then: its bytes stay.
@@ -822,7 +863,7 @@ class _Lacks:
                 size = bytes_of[version] = max(
                     sized.stored if sized else 0,
                     resident.get(version, 0),
-                    self.partial.get(version, 0),
+                    self.partial.get(version, 0) + reserved.get(version, 0),
                 )
             total += size
         return total - state.capacity_bytes
@@ -869,21 +910,31 @@ def _in_the_way(
     Named: other jobs' versions in use (the job's own are what it needs, not
     what to evict) and versions pinned for jobs outside the plan. The time is
     when enough of them (``held``: their bytes) is free for the ``short`` bytes
-    the version lacks, plus ``lead`` (its transfer and margin) to stage it
-    then; None: nothing is in the way, or the job runs already and cannot be
-    started later. It was when the last of them is free, with no lead: a start
-    hours late, and one that still had no time to stage.
+    the job lacks, plus ``lead`` (its transfer and margin) to stage it then;
+    None: nothing is in the way, or not enough of it (the job's own other
+    versions fill the rest), or the job runs already and cannot be started
+    later. It was when the last of them is free, with no lead: a start hours
+    late, and one that still had no time to stage. Only what is still held
+    when the version's room is last looked for (the start less ``lead``) is in
+    the way: what is free by then is room the plan counted already (counted
+    twice, it made the advice a start at which the job still did not fit).
     """
-    own = set(job.versions)
-    others = sorted(v for v in in_use if v not in own)
+    own, late = set(job.versions), job.start - lead
+    others = sorted(v for v in in_use if v not in own and last_end(v, job.end) >= late)
     pinned = sorted(
-        (v, until) for v, until in state.pinned.items() if v not in own and until > begin
+        (v, until)
+        for v, until in state.pinned.items()
+        if v not in own and until > begin and until > late
     )
     named = [f"in use then: {', '.join(f'{d}@{v}' for d, v in others[:5]) or 'nothing'}"]
     if pinned:
         named.append(
             "pinned for jobs outside this schedule: "
-            + ", ".join(f"{d}@{v} until {_utc(until)}" for (d, v), until in pinned[:5])
+            + ", ".join(
+                f"{d}@{v} until {_utc(until)}"
+                + (" (not staged yet: its room is kept)" if (d, v) in state.reserved else "")
+                for (d, v), until in pinned[:5]
+            )
         )
     frees = sorted(
         [(last_end(v, job.end), held.get(v, 0)) for v in others]
@@ -896,7 +947,7 @@ def _in_the_way(
         freed += size
         if freed >= short:
             return named, when + lead
-    return named, frees[-1][0] + lead
+    return named, None  # not enough even once all of it is free: no start helps
 
 
 def _no_room(

@@ -194,10 +194,24 @@ def release_line(pin: WarmPin, plan: Plan, *, dry_run: bool = False, who: str = 
     """
     region = f"{pin.region}: {who} " if who else f"{pin.region}: "
     if pin.shorten_to is None:
+        unmet = sorted(
+            {
+                row.job
+                for row in plan.infeasible
+                if (row.region, row.version) == (pin.region, pin.version)
+            }
+        )
+        why = (
+            # Still read, but not to be staged (the plan drops such a pin: a reader's
+            # fetches through it would be kept with no room for the rest).
+            f"{', '.join(unmet)}, which reads it, cannot be met there: the plan does not "
+            "stage it, and keeps no pin for it"
+            if unmet
+            else "no job of the schedule reads it there any more"
+        )
         return (
             f"{region}{'would release' if dry_run else 'released'} the pin of "
-            f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): no job of "
-            "the schedule reads it there any more"
+            f"{pin.version} on {pin.node} (until {pin.until:%Y-%m-%d %H:%M}): {why}"
         )
     region_plan = plan.regions.get(pin.region)
     planned = region_plan.pins.get(pin.key) if region_plan is not None else None

@@ -224,6 +224,9 @@ def make_plan(
     specs = {spec for job in current for spec in job.datasets}
 
     held_keys = {(v.dataset, v.version) for _, v in _resident(reports)}
+    # A pinned version not held (yet) may be another schedule's, whose room the plan keeps:
+    # its manifest sizes it.
+    held_keys |= {key for key, _ in _pins(reports, now)}
 
     async def resolve(
         reg: Registry,
@@ -253,6 +256,7 @@ def make_plan(
         for version in job.versions:
             own[(job.region, version)] = max(own.get((job.region, version), job.end), job.end)
     pinned = foreign_pins(reports, own, now)
+    reserved = _reserved_room(pinned, held, manifests, others)
     regions = {}
     short_room: dict[str, list[str]] = {}  # region → why its room is less than its capacity
     for name, config in topology.regions.items():
@@ -316,6 +320,7 @@ def make_plan(
             # on the nodes that did (and the command fails all the same, naming the rest).
             unreachable=outage.message() if outage is not None and outage.unreachable else "",
             pinned=pinned.get(name, {}),
+            reserved=reserved.get(name, {}),
         )
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
@@ -426,6 +431,50 @@ def _room(status: edge_pb2.NodeStatus) -> int:
     if not status.disk_free_bytes and not status.disk_full:
         return status.capacity_bytes
     return min(status.capacity_bytes, status.used_bytes + status.disk_free_bytes)
+
+
+def _pins(reports: list[NodeReport], now: datetime) -> Iterator[tuple[VersionKey, datetime]]:
+    """Each pin an answering node holds that has not run out: (version, until)."""
+    for report in reports:
+        if report.status is None:
+            continue
+        for v in report.status.versions:
+            if v.HasField("pinned_until"):
+                until = v.pinned_until.ToDatetime(tzinfo=UTC)
+                if until > now:
+                    yield (v.dataset, v.version), until
+
+
+def _reserved_room(
+    pinned: dict[str, dict[VersionKey, datetime]],
+    held: dict[str, dict[VersionKey, Holding]],
+    manifests: dict[str, pb.Manifest],
+    others: dict[str, pb.Manifest],
+) -> dict[str, dict[VersionKey, int]]:
+    """Region → version → the stored bytes another schedule's pinned version still lacks there.
+
+    Warm pins every version a job reads, and stages one that does not fit yet
+    later (deferred until a job ends); the controller stages it in its time.
+    Until then the pin holds no data, and a plan counting only what is held
+    gave its room to another schedule, whose job then could not be met. A
+    version whose manifest is gone cannot be staged, so it keeps no room.
+    """
+    by_key = {(m.dataset, m.version): m for m in [*others.values(), *manifests.values()]}
+    lacking = {
+        (region, key)
+        for region, versions in pinned.items()
+        for key in versions
+        if key in by_key and not (held.get(region, {}).get(key) or Holding()).complete
+    }
+    wanted = {f"{d}@{v}": by_key[(d, v)] for _, (d, v) in lacking}
+    sizes = version_sizes(wanted, held, others={**others, **manifests})
+    out: dict[str, dict[VersionKey, int]] = {}
+    for region, key in lacking:
+        have = held.get(region, {}).get(key)
+        rest = sizes[key].stored - (have.stored_bytes if have is not None else 0)
+        if rest > 0:
+            out.setdefault(region, {})[key] = rest
+    return out
 
 
 def foreign_pins(
@@ -669,7 +718,7 @@ async def held_manifests(
             return None
         except ManifestError as exc:
             log.warning(
-                "%s@%d, held by a node, is left out of the size estimates: its manifest "
+                "%s@%d, held or pinned by a node, is left out of the size estimates: its manifest "
                 "cannot be read (%s)",
                 dataset,
                 version,

@@ -494,10 +494,10 @@ def test_a_held_version_whose_manifest_cannot_be_read_is_skipped_with_a_warning(
             result, _ = make_plan(topology, load_schedule(path, topology))
         assert not result.infeasible, result.infeasible
         assert [task.spec for task in result.regions["eu"].tasks] == ["pq@2"]
-        assert "pq@1, held by a node, is left out of the size estimates" in caplog.text
+        assert "pq@1, held or pinned by a node, is left out of the size estimates" in caplog.text
         code, out, err = edgecache("plan", str(path), "--config", str(config))
         assert code == 0 and "pq@2" in out, (out, err)
-        assert "pq@1, held by a node, is left out" in err, err
+        assert "pq@1, held or pinned by a node, is left out" in err, err
     finally:
         node.stop()
 
