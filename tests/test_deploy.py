@@ -961,3 +961,51 @@ def test_image_entrypoint_and_healthcheck_run_outside_a_container(tmp_path: Path
         text=True,
     )
     assert refused.returncode == 1
+
+
+def test_every_regions_nodes_read_the_registry_the_controllers_topology_names() -> None:
+    """The registry was a value in the base StatefulSet that no overlay or step set: a
+    region's nodes stayed on the example's registry while the topology named the site's,
+    answered health checks and status, and failed every stage (NOT_FOUND). It is set once,
+    in base/site.env (a ConfigMap every overlay's StatefulSet reads), beside the origins."""
+    site = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "k8s" / "base" / "site.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert set(site) <= node_env() and {"EDGECACHE_REGISTRY", "EDGECACHE_ORIGINS"} <= set(site)
+    topology = load_topology(DEPLOY / "k8s" / "controller" / "edgecache.yaml")
+    assert site["EDGECACHE_REGISTRY"] == topology.registry
+    assert topology.registry.startswith(site["EDGECACHE_ORIGINS"])
+    for overlay in ("eu-west", "us-east"):
+        objects = render_overlay(overlay)
+        (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+        assert config["data"] == site, overlay
+        (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        assert {"configMapRef": {"name": config["metadata"]["name"]}} in container["envFrom"]
+        # Nothing in the StatefulSet overrides it (env wins over envFrom).
+        assert not container_env(container) & set(site), overlay
+
+
+def test_the_operators_monitoring_scrapes_training_processes_as_prometheus_yml_does(
+    tmp_path: Path,
+) -> None:
+    """Training pods were scraped only by prometheus.yml's job: with the Operator, the alert
+    on training waits and the dashboard's training row stayed empty. The PodMonitor keeps
+    the same ports (named ec-rank-N) with the same relabelling."""
+    from test_deploy_review import _uncommented
+
+    objects = _uncommented(tmp_path / "controller", "controller", "monitoring")
+    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (keep,) = [r for r in endpoint["relabelings"] if r.get("action") == "keep"]
+    job = next(
+        j
+        for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+        if j["job_name"] == "edgecache-training"
+    )
+    (kept,) = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    assert keep["sourceLabels"] == kept["source_labels"] and keep["regex"] == kept["regex"]
+    assert re.fullmatch(keep["regex"], "ec-rank-3") and not re.fullmatch(keep["regex"], "grpc")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
