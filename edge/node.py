@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -220,6 +221,9 @@ class EdgeNode:
         self.started = time.monotonic()
         # Set by drain() (SIGTERM): staging starts no new shard fetches from then on.
         self._draining = asyncio.Event()
+        # Set as the node closes: shard work still on the pools' threads stops at its next
+        # batch (cancelling its task does not stop the thread, and close() waits for it).
+        self._closing = threading.Event()
         self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         # Stored bytes a shard needed when the cache refused it for room (_still_no_room).
         self._refused_size: dict[ShardKey, int] = {}
@@ -361,6 +365,7 @@ class EdgeNode:
 
     async def close(self) -> None:
         """Stop background work and close the cache; committed shards stay."""
+        self._closing.set()
         for task in list(self._inflight.values()) + list(self._manifest_checks.values()):
             task.cancel()
         for pool in (self._cpu, self._cpu_staging, self._parts, self._parts_staging):
@@ -1035,6 +1040,7 @@ class EdgeNode:
                 url,
                 transform,
                 self._parts_staging if background else self._parts,
+                self._closing,
             )
         size = len(data)
         del data

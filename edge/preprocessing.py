@@ -28,7 +28,18 @@ from edgecache.cache.preprocess.context import MeteredPool
 from edgecache.cache.row_grid import chunk_rows
 from edgecache.v1 import manifest_pb2
 
-__all__ = ["STAGING_NICE", "Encoded", "StagingRate", "encode_raw_shard", "lower_priority"]
+__all__ = [
+    "STAGING_NICE",
+    "Encoded",
+    "ShardAbandoned",
+    "StagingRate",
+    "encode_raw_shard",
+    "lower_priority",
+]
+
+
+class ShardAbandoned(Exception):
+    """A shard's preprocessing given up because the node is closing (see encode_raw_shard)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +59,16 @@ def encode_raw_shard(
     url: str,
     transform: Transform,
     parts: Executor,
+    abandon: threading.Event | None = None,
 ) -> Encoded:
-    """Parse, transform and encode one raw shard (runs on a shard pool; its parts on ``parts``)."""
+    """Parse, transform and encode one raw shard (runs on a shard pool; its parts on ``parts``).
+
+    ``abandon`` set (the node closing after its grace period) ends the work at
+    the next batch with :class:`ShardAbandoned`: a shard's work runs on a pool
+    thread that cancelling its task does not stop, and the node's exit waited
+    for it, past the grace period and a pod's termination period (a large
+    shard at a high zstd level: a minute).
+    """
     started = time.thread_time()
     metered = MeteredPool(parts)
     schema = manifest_schema(manifest)
@@ -82,6 +101,11 @@ def encode_raw_shard(
         pool=metered,
         key=shard.source_key,  # its Hive partition values, when the version records them
     ):
+        if abandon is not None and abandon.is_set():
+            raise ShardAbandoned(
+                f"{manifest.dataset}@{manifest.version} shard from {url}: abandoned, the node "
+                "is shutting down (nothing of it is kept)"
+            )
         frames.extend(encoder.add(batch))
     frames.extend(encoder.finish())
     if encoder.rows != shard.row_count:

@@ -399,6 +399,11 @@ class NodeServer:
             self.node.drain()
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
+            # Calls still running when the grace period ends are cancelled, and grpc logs
+            # each at ERROR with a CancelledError traceback ("Exception not handled by
+            # _handle_exceptions"): every SIGTERM during a long Stage looked like a crash.
+            # What was dropped is said once, below.
+            logging.getLogger("grpc._cython.cygrpc").addFilter(_cancelled_at_stop)
             await self._server.stop(grace)
         if self._probe is not None:
             await self._probe.stop(0)
@@ -423,6 +428,12 @@ class NodeServer:
         if self.node is not None and self.metrics_port:
             self.node.metrics.shutdown()
         log.info("edge node stopped")
+
+
+def _cancelled_at_stop(record: logging.LogRecord) -> bool:
+    """False for grpc's record of a call cancelled as the server stops (see NodeServer.stop)."""
+    info = record.exc_info
+    return not (info and isinstance(info[1], asyncio.CancelledError))
 
 
 def host_port(host: str, port: int) -> str:
