@@ -5,12 +5,20 @@ capacity grows with its replicas. Every shard has one owner, the node with
 the highest hash of (node, dataset, version, shard); adding or removing a node
 moves only the shards it gains or loses. ``edgecache warm`` stages each shard
 on its owner only, and EdgeDataset asks the owner first among equally near
-nodes. Nodes are named as in the topology file, so both sides agree.
+nodes.
+
+A node is hashed by its name: the id it reports (``Status.node_id``, the
+``node_id`` setting), given in ``names`` (address → id), so that every side
+agrees however it dials the node. Hashed by the address as dialled, a reader
+on the host (``localhost:7072``) and the warm inside a compose network
+(``eu-west-2:7070``) split the shards differently, and the reader's misses
+went to origin and were cached twice. An address ``names`` lacks (a node
+that did not answer) stands for itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import xxhash
 
@@ -21,20 +29,46 @@ def _score(node: str, dataset: str, version: int, shard: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{node}|{dataset}@{version}/{shard}".encode())
 
 
-def rank(nodes: Sequence[str], dataset: str, version: int, shard: int) -> list[str]:
-    """``nodes`` from most to least preferred for one shard."""
-    return sorted(nodes, key=lambda n: (-_score(n, dataset, version, shard), n))
+def rank(
+    nodes: Sequence[str],
+    dataset: str,
+    version: int,
+    shard: int,
+    *,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """``nodes`` from most to least preferred for one shard (hashed by their ``names``)."""
+    named = names or {}
+
+    def key(node: str) -> tuple[int, str, str]:
+        name = named.get(node, node)
+        return -_score(name, dataset, version, shard), name, node
+
+    return sorted(nodes, key=key)
 
 
-def owner(nodes: Sequence[str], dataset: str, version: int, shard: int) -> str:
+def owner(
+    nodes: Sequence[str],
+    dataset: str,
+    version: int,
+    shard: int,
+    *,
+    names: Mapping[str, str] | None = None,
+) -> str:
     """The node that holds the shard."""
     if not nodes:
         raise ValueError("no nodes to choose an owner from")
-    return rank(nodes, dataset, version, shard)[0]
+    return rank(nodes, dataset, version, shard, names=names)[0]
 
 
 def owned_shards(
-    nodes: Sequence[str], node: str, dataset: str, version: int, shards: int
+    nodes: Sequence[str],
+    node: str,
+    dataset: str,
+    version: int,
+    shards: int,
+    *,
+    names: Mapping[str, str] | None = None,
 ) -> list[int]:
     """The shards of a version that ``node`` owns among ``nodes``."""
-    return [s for s in range(shards) if owner(nodes, dataset, version, s) == node]
+    return [s for s in range(shards) if owner(nodes, dataset, version, s, names=names) == node]

@@ -48,6 +48,7 @@ from edgecache.clients.ops import (
     complete_versions,
     gather_status,
     region_nodes,
+    replica_names,
     stage_item,
 )
 from edgecache.clients.topology import Schedule, Topology
@@ -102,6 +103,8 @@ class NodesSeen:
 
     down: frozenset[str] = frozenset()
     pins: Mapping[tuple[str, VersionKey], datetime] = field(default_factory=dict)
+    # address → the id each answering node reports: what replicas split shards by
+    names: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, reports: Sequence[NodeReport]) -> NodesSeen:
@@ -115,7 +118,7 @@ class NodesSeen:
                 if v.HasField("pinned_until"):
                     until = v.pinned_until.ToDatetime(tzinfo=UTC)
                     pins[(report.address, (v.dataset, v.version))] = until
-        return cls(frozenset(down), pins)
+        return cls(frozenset(down), pins, replica_names(reports))
 
 
 @dataclass
@@ -368,6 +371,9 @@ class PlanExecutor:
         # (node, version) → pin, as the round's status found them before this plan
         # pinned anything: what the eviction guard reads for other schedules' pins.
         self._pins_seen: dict[tuple[str, VersionKey], datetime] | None = None
+        # address → node id, from the status rounds seen (NodesSeen.names): staging splits
+        # a version's shards by them
+        self._names: dict[str, str] = {}
 
     # ------------------------------------------------------------------ pins
 
@@ -386,6 +392,7 @@ class PlanExecutor:
         """:meth:`pin`, each failure with its (region, version), for those who report pins."""
         seen = self._see(gather_status(self.topology, token=self.token)) if seen is None else seen
         self._pins_seen = dict(seen.pins)
+        self._names.update(seen.names)
         calls = self.calls
         failures = []
         for region, region_plan in plan.regions.items():
@@ -521,6 +528,7 @@ class PlanExecutor:
         seen = NodesSeen.of(reports)
         self.calls.down |= seen.down
         self._pins_seen = dict(seen.pins)
+        self._names.update(seen.names)
         return seen
 
     def _node_call(
@@ -696,6 +704,7 @@ class PlanExecutor:
             shard_count=len(manifest.shards),
             peers=peers,
             down=[node for node in nodes if node in self.calls.down],
+            names={node: self._names[node] for node in nodes if node in self._names},
         )
         return TaskRun(task, item)
 

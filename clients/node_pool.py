@@ -15,6 +15,7 @@ cancels a stream that delivers nothing for ``stall_timeout`` seconds.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -84,6 +85,11 @@ class EndpointStats:
     bytes: int = 0
     failures: int = 0
     last_error: str = ""
+    # What the node says it is (Status, asked once it answers a probe): its id, which
+    # replicas split shards by, and its region, which tells replicas apart among
+    # endpoints given as a plain list. Empty until known.
+    node_id: str = ""
+    region: str = ""
 
 
 class NodePool:
@@ -311,9 +317,49 @@ class NodePool:
                     self.stats[endpoint.text].last_error = "not serving (draining?)"
                     break
                 samples.append((time.perf_counter() - started) * 1e3)
-            self.stats[endpoint.text].rtt_ms = (
-                statistics.median(samples) if len(samples) == pings else math.inf
-            )
+            stats = self.stats[endpoint.text]
+            stats.rtt_ms = statistics.median(samples) if len(samples) == pings else math.inf
+            if not stats.node_id and stats.rtt_ms < math.inf:
+                self._identify(endpoint, stats)
+
+    def _identify(self, endpoint: Endpoint, stats: EndpointStats) -> None:
+        """Ask a node that answers what it is (its id and region), once.
+
+        Replicas split shards by the ids their nodes report, as warm stages
+        them, not by the address each side dials (``localhost:7072`` from the
+        host, ``eu-west-2:7070`` inside a compose network). A node that cannot
+        say (an old node, a refused token) is ranked by its address.
+        """
+        try:
+            stub = self.stub(endpoint)
+            with _FORK_GUARD:  # a fork waits for this call to end (see above)
+                status = stub.Status(edge_pb2.StatusRequest(), timeout=2.0, metadata=self._metadata)
+        except (grpc.RpcError, NodeUnavailable):
+            return
+        stats.node_id, stats.region = status.node_id, status.region
+
+    def _replica_names(self, group: Sequence[str]) -> dict[str, str]:
+        """Endpoint → the id ``group``'s nodes split shards by (unknown or shared: none)."""
+        ids = {text: self.stats[text].node_id for text in group if self.stats[text].node_id}
+        counts = collections.Counter(ids.values())
+        return {text: node_id for text, node_id in ids.items() if counts[node_id] == 1}
+
+    def _learned_replicas(self, near: float) -> set[str]:
+        """Endpoints given as a list (no topology): the nearest node's region's nodes.
+
+        Without a topology nothing said which endpoints split shards: every
+        read went to the nearest node, and the shards it does not own it read
+        through from origin and cached again. The nodes say their region.
+        """
+        nearest = [
+            e.text for e in self.endpoints if not e.local and self.stats[e.text].rtt_ms <= near
+        ]
+        regions = {self.stats[t].region for t in nearest if self.stats[t].region}
+        if len(regions) != 1:
+            return set()
+        (region,) = regions
+        same = {e.text for e in self.endpoints if self.stats[e.text].region == region}
+        return same if len(same) > 1 else set()
 
     def _reprobe(self, interval: float) -> None:
         """Re-rank the nodes every ``interval`` while the pool reads; an idle one is quiet.
@@ -355,15 +401,16 @@ class NodePool:
         best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
         near = best * 1.25 + 0.5
         grouped: set[str] = set()  # own-region nodes: ranked by shard ownership, not by RTT
-        if self.replicas:
+        replicas = self.replicas or self._learned_replicas(near)
+        if replicas:
             same_region = max(near, best + REPLICA_SLACK_MS)
             group = [
                 e.text
                 for e in self.endpoints
-                if e.text in self.replicas and self.stats[e.text].rtt_ms <= same_region
+                if e.text in replicas and self.stats[e.text].rtt_ms <= same_region
             ]
             if shard is not None:
-                group = rendezvous.rank(group, *shard)
+                group = rendezvous.rank(group, *shard, names=self._replica_names(group))
             order = {text: i for i, text in enumerate(group)} | {
                 e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
             }

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -392,13 +392,14 @@ def share_overflow(
     nodes = [node for node in topology.regions[region].nodes if node in alive]
     if len(nodes) < 2:
         return None  # one node holds everything: the plan's capacity is its own
+    names = replica_names(reports)
     share = dict.fromkeys(nodes, 0)
     owned = dict.fromkeys(nodes, 0)
     for manifest in manifests:
         key = (manifest.dataset, manifest.version)
         stored, source = sizes[key].stored, sum(s.source_size for s in manifest.shards)
         for index, shard in enumerate(manifest.shards):
-            node = rendezvous.owner(nodes, manifest.dataset, manifest.version, index)
+            node = rendezvous.owner(nodes, manifest.dataset, manifest.version, index, names=names)
             part = shard.source_size / source if source else 1 / len(manifest.shards)
             share[node] += math.ceil(stored * part)
             owned[node] += 1
@@ -645,6 +646,7 @@ def holdings(
     neither a manifest nor a node counts its shards' union.
     """
     shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
+    names = replica_names(reports)
     out: dict[str, dict[VersionKey, Holding]] = {}
     alive: dict[str, list[str]] = {}
     for report in reports:
@@ -671,7 +673,7 @@ def holdings(
             copies, held = holding.shards, per_node.get((region, key), {})
             if len(nodes) > 1:
                 holding.shards = sum(
-                    min(held.get(node, 0), _share(nodes, node, key, total)) for node in nodes
+                    min(held.get(node, 0), _share(nodes, node, key, total, names)) for node in nodes
                 )
             else:
                 holding.shards = min(copies, total)
@@ -681,9 +683,46 @@ def holdings(
     return out
 
 
-def _share(nodes: Sequence[str], node: str, key: VersionKey, total: int) -> int:
+def _share(
+    nodes: Sequence[str], node: str, key: VersionKey, total: int, names: Mapping[str, str]
+) -> int:
     """How many of a version's ``total`` shards ``node`` owns among ``nodes`` (rendezvous)."""
-    return len(rendezvous.owned_shards(list(nodes), node, key[0], key[1], total))
+    return len(rendezvous.owned_shards(list(nodes), node, key[0], key[1], total, names=names))
+
+
+def replica_names(reports: Iterable[NodeReport]) -> dict[str, str]:
+    """Address → the name its node splits shards by: the id it reports (``Status.node_id``).
+
+    Readers rank replicas by the same ids (:mod:`~edgecache.cache.rendezvous`),
+    whatever address each side dials. A node that did not answer has none
+    (its address stands for it: it is down, and the others hold its share).
+    """
+    by_region: dict[str, dict[str, str]] = defaultdict(dict)
+    for report in reports:
+        if report.status is not None and report.status.node_id:
+            by_region[report.region][report.address] = report.status.node_id
+    return {a: n for ids in by_region.values() for a, n in unique_names(ids).items()}
+
+
+def unique_names(ids: Mapping[str, str]) -> dict[str, str]:
+    """``ids`` (address → id, one region's) less the ids more than one node reports.
+
+    Two nodes reporting one id would claim the same shards and leave others to
+    no one: those split by address instead, and the clash is logged.
+    """
+    nodes: dict[str, list[str]] = defaultdict(list)
+    for address, node_id in ids.items():
+        nodes[node_id].append(address)
+    for node_id, addresses in nodes.items():
+        if len(addresses) > 1:
+            log.warning(
+                "nodes %s all report node id %r: give each a node_id of its own (--node-id, "
+                "EDGECACHE_NODE_ID); until then they split shards by the address each is "
+                "dialled at, which readers dialling other addresses do not share",
+                ", ".join(sorted(addresses)),
+                node_id,
+            )
+    return {a: n for a, n in ids.items() if len(nodes[n]) == 1}
 
 
 def complete_versions(
@@ -788,6 +827,9 @@ class WarmItem:
     # Nodes of ``nodes`` known not to answer (the round's status): never called; the
     # nodes that answer split the version between them instead (see stage_item).
     down: list[str] = field(default_factory=list)
+    # Address → the node's id, which replicas split shards by (replica_names); a node
+    # missing here is asked for it before its share is worked out (stage_item).
+    names: dict[str, str] = field(default_factory=dict)
     bytes_done: int = 0  # progress, as a share of bytes_total
     origin_bytes: int = 0  # what the nodes said they fetched from origin (source bytes)
     peer_bytes: int = 0  # what the nodes said they copied from peers (stored bytes)
@@ -810,9 +852,36 @@ def _shares(item: WarmItem, nodes: Sequence[str]) -> dict[str, list[int]]:
     """Node → the shards it owns among ``nodes`` (rendezvous hashing, as readers rank them)."""
     dataset, version = parse_spec(item.spec)
     return {
-        node: rendezvous.owned_shards(nodes, node, dataset, version or 0, item.shard_count)
+        node: rendezvous.owned_shards(
+            nodes, node, dataset, version or 0, item.shard_count, names=item.names
+        )
         for node in nodes
     }
+
+
+def _learn_names(item: WarmItem, token: str | None) -> None:
+    """Ask the item's nodes whose ids it lacks for them (one Status call each).
+
+    A node that does not answer keeps its address as its name: it is down,
+    its share goes to the others, and readers, who rank only nodes that
+    answer, look for its shards where the others' ranking puts them.
+    """
+    ids = dict(item.names)
+    for node in item.nodes:
+        if node in ids or node in item.down:
+            continue
+        channel = open_channel(node)
+        try:
+            status = edge_pb2_grpc.EdgeCacheStub(channel).Status(
+                edge_pb2.StatusRequest(), timeout=5.0, metadata=bearer(token)
+            )
+        except grpc.RpcError:
+            continue
+        finally:
+            channel.close()
+        if status.node_id:
+            ids[node] = status.node_id
+    item.names = unique_names(ids)
 
 
 def _silent(address: str) -> str | None:
@@ -857,6 +926,8 @@ def stage_item(
     request = edge_pb2.StageRequest(dataset=dataset, version=version or 0, peers=item.peers)
     if item.pin_until is not None:
         request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
+    if _split(item):
+        _learn_names(item, token)  # the ids shards are split by, as readers rank them
     live = [node for node in item.nodes if node not in item.down]
     lost = {node: "" for node in item.nodes if node in item.down}  # node → why, if known
     asked: dict[str, set[int]] = {}  # node → the shards it staged (split items)
@@ -1023,11 +1094,12 @@ def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tupl
     if not alive:
         return False, f"{spec} is not ready in {region}: " + "; ".join(silent)
     missing = []
+    names = replica_names(alive)
     for report in alive:
         held = _held(report, manifest)
         key = (manifest.dataset, manifest.version)
         wanted = (
-            _share([n.address for n in alive], report.address, key, total)
+            _share([n.address for n in alive], report.address, key, total, names)
             if len(alive) > 1
             else total
         )

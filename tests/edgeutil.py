@@ -55,6 +55,11 @@ def stub(address: str) -> edge_pb2_grpc.EdgeCacheStub:
     return edge_pb2_grpc.EdgeCacheStub(channel)
 
 
+def node_ids(*addresses: str) -> dict[str, str]:
+    """Address → the id each live node reports: what replicas split shards by."""
+    return {a: stub(a).Status(edge_pb2.StatusRequest()).node_id for a in addresses}
+
+
 def read_shard_table(
     client: edge_pb2_grpc.EdgeCacheStub, dataset: str, version: int, shard: int, start: int = 0
 ) -> pa.Table:

@@ -284,7 +284,7 @@ def test_publish_and_versions_against_s3(s3_endpoint: str, tmp_path: Path) -> No
 
 def test_replicas_split_shards_by_rendezvous_hashing(tmp_path: Path) -> None:
     import torch
-    from edgeutil import publish
+    from edgeutil import node_ids, publish
 
     from edgecache.clients import EdgeDataset
     from edgecache.clients.ops import gather_status, ready
@@ -306,7 +306,8 @@ def test_replicas_split_shards_by_rendezvous_hashing(tmp_path: Path) -> None:
         reports = gather_status(load_topology(config))
         held = {r.address: r.status.versions[0].shard_count for r in reports if r.status.versions}
         for address in addresses:  # each replica holds exactly the shards it owns
-            assert held.get(address, 0) == len(owned_shards(addresses, address, "split", 1, 8))
+            owned = owned_shards(addresses, address, "split", 1, 8, names=node_ids(*addresses))
+            assert held.get(address, 0) == len(owned)
         assert ready(reports, "eu-west", manifest)[0]
         ds = EdgeDataset("split@1", config=config, region="eu-west", batch_size=64)
         labels = [

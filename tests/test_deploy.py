@@ -448,11 +448,12 @@ def test_topology_and_schedule_files_are_valid() -> None:
 
 
 def test_the_topology_names_every_replica_as_training_jobs_must() -> None:
-    """Replicas split a version's shards by rendezvous hashing of each node's exact address
-    string, and a replica that does not own a shard fetches it from origin: training jobs
-    read through the topology (EdgeDataset(config=…, region=…)), never the client Service.
-    The controller's topology lists each overlay's replicas by their stable headless names,
-    and deploy/README.md spells them as it does."""
+    """Replicas split a version's shards by rendezvous hashing of the ids they report, and a
+    replica that does not own a shard fetches it from origin: training jobs read through the
+    topology (EdgeDataset(config=…, region=…)), never the client Service. The controller's
+    topology lists each overlay's replicas by their stable headless names, and each replica's
+    id is its pod's name: one of its own, the same after a restart (a new id would move its
+    shards)."""
     topology = load_topology(DEPLOY / "k8s" / "controller" / "edgecache.yaml")
     readme = (DEPLOY / "README.md").read_text()
     for overlay in ("eu-west", "us-east"):
@@ -469,14 +470,8 @@ def test_the_topology_names_every_replica_as_training_jobs_must() -> None:
             for i in range(sts["spec"]["replicas"])
         ]
         assert [str(n) for n in topology.regions[overlay].nodes] == expected, overlay
-    example = re.search(
-        r"`(edgecache-0\.edgecache-headless\.[^`]+)`\s+without its `grpcs://`", readme
-    )
-    assert (
-        example
-        and f"grpcs://{example[1]}"
-        in (DEPLOY / "k8s" / "controller" / "edgecache.yaml").read_text()
-    )
+        (node_id,) = [e for e in container["env"] if e["name"] == "EDGECACHE_NODE_ID"]
+        assert node_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, node_id
     client = (DEPLOY / "k8s" / "base" / "services.yaml").read_text()
     assert "any replica serves any" not in client and "NOT for training jobs" in client
     section = readme.split("### Training jobs read from the replicas", 1)[1].split("\n## ", 1)[0]

@@ -243,12 +243,16 @@ def test_a_noisy_probe_does_not_take_a_replica_out_of_its_shards(node) -> None:
     endpoints = [parse_endpoint(node.address), parse_endpoint(other)]
     pool = NodePool(endpoints, replicas=[node.address, other], probe_interval=3600)
     try:
+        pool.probe()
         replicas = [node.address, other]
+        # Shards are split by the id the node reports (the other one says none: its address).
+        names = {node.address: connect(node.address).Status(edge_pb2.StatusRequest()).node_id}
+        assert pool.stats[node.address].node_id == names[node.address] != node.address
         for noisy in (5.1, 1.34 + 9.9):
             pool.stats[node.address].rtt_ms, pool.stats[other].rtt_ms = 1.34, noisy
             for shard in range(8):
                 key = ("tokens", 1, shard)
-                owner = rank(replicas, *key)[0]
+                owner = rank(replicas, *key, names=names)[0]
                 assert pool.ranked(key)[0].text == owner, (noisy, shard)
         # Far slower than a replica of the same region can be: read from the near one.
         pool.stats[other].rtt_ms = 1.34 + 30

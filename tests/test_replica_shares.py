@@ -16,7 +16,7 @@ import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from edgeutil import edgecache, publish, stub, write_parquet_shards
+from edgeutil import edgecache, node_ids, publish, stub, write_parquet_shards
 from test_plan_defects import schedule
 
 from edgecache.cache import rendezvous
@@ -117,10 +117,12 @@ def test_copies_a_replica_keeps_beyond_its_share_count_in_the_room_the_plan_has(
         # shard counted once, ds@1 and ds@2 fit (2 x size); with the copies they do not.
         capacity = size + size // 10
         first = start_local_node("ap", tmp_path / "cache-1", registry, capacity=str(capacity))
-        for _ in range(200):  # a second replica that owns 2 to 4 of the 6 shards
-            second_address = f"127.0.0.1:{_free_port()}"
-            nodes = [first.address, second_address]
-            share = rendezvous.owned_shards(nodes, second_address, "ds", 1, SHARDS)
+        second_address = f"127.0.0.1:{_free_port()}"
+        nodes = [first.address, second_address]
+        names = node_ids(first.address)
+        for i in range(200):  # a second replica that owns 2 to 4 of the 6 shards (by its id)
+            names[second_address] = f"ap-2-{i}"
+            share = rendezvous.owned_shards(nodes, second_address, "ds", 1, SHARDS, names=names)
             if 2 <= len(share) <= 4:
                 break
         second = start_local_node(
@@ -128,7 +130,7 @@ def test_copies_a_replica_keeps_beyond_its_share_count_in_the_room_the_plan_has(
             tmp_path / "cache-2",
             registry,
             capacity=str(capacity),
-            extra_args=["--listen", second_address],
+            extra_args=["--listen", second_address, "--node-id", names[second_address]],
         )
         config = tmp_path / "edgecache.yaml"
         config.write_text(

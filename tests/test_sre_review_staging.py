@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from edgeutil import edgecache, node_settings, publish, stub, write_parquet_shards
+from edgeutil import edgecache, node_ids, node_settings, publish, stub, write_parquet_shards
 
 from edgecache.cache import rendezvous
 from edgecache.cache.planner import StageTask
@@ -58,9 +58,10 @@ def _candidates() -> Iterator[tuple[str, int]]:
 
 def dead_owner(live: list[str], *, owns: bool = True) -> str:
     """A silent address owning some (``owns=False``: none) of a@1's shards beside ``live``."""
+    names = node_ids(*live)  # the live nodes are hashed by their ids, the silent one by address
     for host, port in _candidates():
         dead = f"{host}:{port}"
-        mine = rendezvous.owned_shards([*live, dead], dead, "a", 1, SHARDS)
+        mine = rendezvous.owned_shards([*live, dead], dead, "a", 1, SHARDS, names=names)
         if bool(mine) == owns and len(mine) < SHARDS and silent(host, port):
             return dead
     raise AssertionError("no silent address with the wanted share")
@@ -118,8 +119,10 @@ def two_live(tmp_path: Path, published: tuple[str, pb.Manifest]) -> Iterator[lis
 
 def assert_split_over(live: list[str]) -> None:
     """Every shard of a@1 sits on its owner among ``live``: where readers ask first."""
+    names = node_ids(*live)
     for address in live:
-        assert held(address) == len(rendezvous.owned_shards(live, address, "a", 1, SHARDS)), address
+        owned = rendezvous.owned_shards(live, address, "a", 1, SHARDS, names=names)
+        assert held(address) == len(owned), address
     assert sum(held(address) for address in live) == SHARDS
 
 
@@ -137,7 +140,9 @@ def test_warm_stages_a_down_nodes_share_on_the_nodes_that_answer(
     assert "degraded" in err and dead in err, err
     (item,) = json.loads(out)["items"]
     assert item["done"] and item["state"] == "done" and not item["failures"], item
-    share = len(rendezvous.owned_shards([*two_live, dead], dead, "a", 1, SHARDS))
+    share = len(
+        rendezvous.owned_shards([*two_live, dead], dead, "a", 1, SHARDS, names=node_ids(*two_live))
+    )
     (note,) = [n for n in item["notes"] if dead in n]
     assert f"its share ({share} of {SHARDS} shards) was staged on" in note, note
     assert_split_over(two_live)
@@ -191,7 +196,9 @@ def test_ready_counts_the_shards_the_nodes_that_answer_hold(
         assert "a@1 is staged in eu" in out and f"{dead} unreachable" in out, out
         # One that owns shards the live node lacks: not ready, and both are named.
         other = dead_owner([node.address])
-        mine = rendezvous.owned_shards([node.address, other], node.address, "a", 1, SHARDS)
+        mine = rendezvous.owned_shards(
+            [node.address, other], node.address, "a", 1, SHARDS, names=node_ids(node.address)
+        )
         write_topology(tmp_path, registry, eu=[node.address, other])
         evicted = stub(node.address).Evict(edge_pb2.EvictRequest(dataset="a", version=1))
         assert evicted.bytes_freed > 0

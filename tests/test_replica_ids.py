@@ -1,0 +1,100 @@
+"""Replicas split shards by the ids their nodes report, whatever address each side dials.
+
+Shard ownership hashed the address as dialled: warm inside a compose network
+(``eu-west-2:7070``) and a reader on the host (``localhost:7072``) split the
+shards differently, and every shard the reader looked for on a non-owner was
+read through from origin and cached twice; ``ready`` through the host's names
+said a staged version was not. And a reader given ``endpoints=[...]`` (the
+README's example) knew of no replicas at all: every read went to the nearest
+node, half of a two-replica region's shards through to origin. Real nodes on
+loopback, warm through one set of names, reads and ``ready`` through another.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from edgeutil import edgecache, publish, stub, write_parquet_shards
+
+from edgecache.clients import EdgeDataset
+from edgecache.clients.node_client import start_local_node
+from edgecache.clients.ops import unique_names
+from edgecache.v1 import edge_pb2
+
+SHARDS = 8
+ROWS = 300
+
+
+def _misses(addresses: list[str]) -> int:
+    return sum(stub(a).Status(edge_pb2.StatusRequest()).misses for a in addresses)
+
+
+@pytest.fixture
+def staged(tmp_path: Path):  # noqa: ANN201
+    """Two replicas of eu-west, split@1 warmed through 127.0.0.1 addresses."""
+    write_parquet_shards(tmp_path / "origin", SHARDS, rows=ROWS)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "split")
+    nodes = [
+        start_local_node(
+            "eu-west", tmp_path / f"cache-{i}", registry, extra_args=["--node-id", f"eu-west-{i}"]
+        )
+        for i in range(2)
+    ]
+    try:
+        addresses = [n.address for n in nodes]
+        config = tmp_path / "edgecache.yaml"
+        config.write_text(f"registry: {registry}\nregions:\n  eu-west:\n    nodes: {addresses}\n")
+        code, out, err = edgecache(
+            "warm", "split@1", "--region", "eu-west", "--config", str(config)
+        )
+        assert code == 0, (out, err)
+        held = [stub(a).Status(edge_pb2.StatusRequest()).versions[0].shard_count for a in addresses]
+        assert sum(held) == SHARDS and all(held), held  # split between them
+        # The same nodes as the host would name them: other strings, the same nodes.
+        others = [a.replace("127.0.0.1", "localhost") for a in addresses]
+        yield tmp_path, registry, addresses, others
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _labels(ds: EdgeDataset) -> list[int]:
+    loader = torch.utils.data.DataLoader(ds, batch_size=None)
+    return sorted(int(x) for batch in loader for x in batch["label"])
+
+
+def test_a_reader_dialling_other_names_reads_every_shard_from_its_owner(staged) -> None:  # noqa: ANN001
+    root, registry, addresses, others = staged
+    config = root / "host.yaml"
+    config.write_text(f"registry: {registry}\nregions:\n  eu-west:\n    nodes: {others}\n")
+    before = _misses(addresses)
+    ds = EdgeDataset("split@1", config=config, region="eu-west", batch_size=64)
+    assert _labels(ds) == list(range(SHARDS * ROWS))
+    assert _misses(addresses) == before  # no shard read through to origin
+    code, out, err = edgecache("ready", "split@1", "--region", "eu-west", "--config", str(config))
+    assert code == 0, (out, err)
+
+
+def test_endpoints_given_as_a_list_are_told_apart_by_the_region_their_nodes_report(
+    staged,  # noqa: ANN001
+) -> None:
+    """EdgeDataset(endpoints=[...]), as the README reads from a region of two replicas."""
+    _, _, addresses, others = staged
+    before = _misses(addresses)
+    ds = EdgeDataset("split@1", endpoints=others, batch_size=64)
+    assert _labels(ds) == list(range(SHARDS * ROWS))
+    assert _misses(addresses) == before  # each shard from the replica that holds it
+
+
+def test_nodes_reporting_one_id_split_by_address_and_say_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        names = unique_names({"a:1": "n", "b:1": "n", "c:1": "m"})
+    assert names == {"c:1": "m"}
+    assert "nodes a:1, b:1 all report node id 'n'" in caplog.text
+    assert "--node-id" in caplog.text
