@@ -18,11 +18,15 @@ that did not answer) stands for itself.
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import xxhash
 
-__all__ = ["owner", "owned_shards", "rank"]
+__all__ = ["owner", "owned_shards", "rank", "unique_names"]
+
+log = logging.getLogger(__name__)
 
 
 def _score(node: str, dataset: str, version: int, shard: int) -> int:
@@ -72,3 +76,24 @@ def owned_shards(
 ) -> list[int]:
     """The shards of a version that ``node`` owns among ``nodes``."""
     return [s for s in range(shards) if owner(nodes, dataset, version, s, names=names) == node]
+
+
+def unique_names(ids: Mapping[str, str]) -> dict[str, str]:
+    """``ids`` (address → the id its node reports, one region's) less ids several report.
+
+    Two nodes reporting one id would claim the same shards and leave others to
+    no one: those split by address instead, and the clash is logged.
+    """
+    nodes: dict[str, list[str]] = defaultdict(list)
+    for address, node_id in ids.items():
+        nodes[node_id].append(address)
+    for node_id, addresses in nodes.items():
+        if len(addresses) > 1:
+            log.warning(
+                "nodes %s all report node id %r: give each a node_id of its own (--node-id, "
+                "EDGECACHE_NODE_ID); until then they split shards by the address each is "
+                "dialled at, which readers dialling other addresses do not share",
+                ", ".join(sorted(addresses)),
+                node_id,
+            )
+    return {a: n for a, n in ids.items() if len(nodes[n]) == 1}

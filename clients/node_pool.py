@@ -15,7 +15,6 @@ cancels a stream that delivers nothing for ``stall_timeout`` seconds.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -112,6 +111,7 @@ class NodePool:
         self.endpoints = list(endpoints)
         self.replicas = set(replicas)  # the own region's nodes: they split shards
         self.stats = {e.text: EndpointStats() for e in self.endpoints}
+        self._names: dict[str, str] = {}  # endpoint → its node's id (see _learn_names)
         # Per shard, the nodes that refused it (FAILED_PRECONDITION): healthy, so not
         # marked down, but asked after the others for that shard from then on.
         self._refused: dict[tuple[str, int, int], set[str]] = {}
@@ -319,10 +319,10 @@ class NodePool:
                 samples.append((time.perf_counter() - started) * 1e3)
             stats = self.stats[endpoint.text]
             stats.rtt_ms = statistics.median(samples) if len(samples) == pings else math.inf
-            if not stats.node_id and stats.rtt_ms < math.inf:
-                self._identify(endpoint, stats)
+            if not stats.node_id and stats.rtt_ms < math.inf and self._identify(endpoint, stats):
+                self._learn_names()
 
-    def _identify(self, endpoint: Endpoint, stats: EndpointStats) -> None:
+    def _identify(self, endpoint: Endpoint, stats: EndpointStats) -> bool:
         """Ask a node that answers what it is (its id and region), once.
 
         Replicas split shards by the ids their nodes report, as warm stages
@@ -335,14 +335,21 @@ class NodePool:
             with _FORK_GUARD:  # a fork waits for this call to end (see above)
                 status = stub.Status(edge_pb2.StatusRequest(), timeout=2.0, metadata=self._metadata)
         except (grpc.RpcError, NodeUnavailable):
-            return
+            return False
         stats.node_id, stats.region = status.node_id, status.region
+        return True
 
-    def _replica_names(self, group: Sequence[str]) -> dict[str, str]:
-        """Endpoint → the id ``group``'s nodes split shards by (unknown or shared: none)."""
-        ids = {text: self.stats[text].node_id for text in group if self.stats[text].node_id}
-        counts = collections.Counter(ids.values())
-        return {text: node_id for text, node_id in ids.items() if counts[node_id] == 1}
+    def _learn_names(self) -> None:
+        """Endpoint → the id its node splits shards by, per region (unknown or shared: none)."""
+        by_region: dict[str, dict[str, str]] = {}
+        for text, stats in self.stats.items():
+            if stats.node_id:
+                by_region.setdefault(stats.region, {})[text] = stats.node_id
+        self._names = {
+            text: node_id
+            for ids in by_region.values()
+            for text, node_id in rendezvous.unique_names(ids).items()
+        }
 
     def _learned_replicas(self, near: float) -> set[str]:
         """Endpoints given as a list (no topology): the nearest node's region's nodes.
@@ -410,7 +417,7 @@ class NodePool:
                 if e.text in replicas and self.stats[e.text].rtt_ms <= same_region
             ]
             if shard is not None:
-                group = rendezvous.rank(group, *shard, names=self._replica_names(group))
+                group = rendezvous.rank(group, *shard, names=self._names)
             order = {text: i for i, text in enumerate(group)} | {
                 e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
             }

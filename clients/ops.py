@@ -701,28 +701,7 @@ def replica_names(reports: Iterable[NodeReport]) -> dict[str, str]:
     for report in reports:
         if report.status is not None and report.status.node_id:
             by_region[report.region][report.address] = report.status.node_id
-    return {a: n for ids in by_region.values() for a, n in unique_names(ids).items()}
-
-
-def unique_names(ids: Mapping[str, str]) -> dict[str, str]:
-    """``ids`` (address → id, one region's) less the ids more than one node reports.
-
-    Two nodes reporting one id would claim the same shards and leave others to
-    no one: those split by address instead, and the clash is logged.
-    """
-    nodes: dict[str, list[str]] = defaultdict(list)
-    for address, node_id in ids.items():
-        nodes[node_id].append(address)
-    for node_id, addresses in nodes.items():
-        if len(addresses) > 1:
-            log.warning(
-                "nodes %s all report node id %r: give each a node_id of its own (--node-id, "
-                "EDGECACHE_NODE_ID); until then they split shards by the address each is "
-                "dialled at, which readers dialling other addresses do not share",
-                ", ".join(sorted(addresses)),
-                node_id,
-            )
-    return {a: n for a, n in ids.items() if len(nodes[n]) == 1}
+    return {a: n for ids in by_region.values() for a, n in rendezvous.unique_names(ids).items()}
 
 
 def complete_versions(
@@ -881,7 +860,7 @@ def _learn_names(item: WarmItem, token: str | None) -> None:
             channel.close()
         if status.node_id:
             ids[node] = status.node_id
-    item.names = unique_names(ids)
+    item.names = rendezvous.unique_names(ids)
 
 
 def _silent(address: str) -> str | None:

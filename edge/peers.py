@@ -46,6 +46,10 @@ from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.edge.config import NodeConfig, read_pem
 from edgecache.v1 import edge_pb2, manifest_pb2
 
+STATUS_METHOD = "/edgecache.v1.EdgeCache/Status"
+NAME_TIMEOUT = 5.0  # seconds a peer's Status may take when it is asked for its id
+NAME_RETRY_SECONDS = 60.0  # a peer that could not say its id is asked again after this
+
 __all__ = [
     "PeerCopy",
     "PeerCopyFailed",
@@ -201,6 +205,10 @@ class Peers:
                 self._token_from = named
                 break
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # Peer → the id it reports (Status), which its region's replicas split shards by;
+        # and when a peer that could not say was last asked (asked again after a while).
+        self._ids: dict[str, str] = {}
+        self._unnamed: dict[str, float] = {}
         # Read now, not at the first grpcs:// peer: a missing file stops the node at start
         # with its setting named, instead of failing a Stage later with a bare OSError.
         self._tls_files = (
@@ -292,7 +300,8 @@ class Peers:
         copy = _Copy(manifest, shard)
         reasons: list[str] = []  # what went wrong with each peer, in the order asked
         refused: list[str] = []  # the peers that refused this node's configuration
-        asked = rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard)
+        names = await self._names(peers)
+        asked = rendezvous.rank(list(peers), manifest.dataset, manifest.version, shard, names=names)
         # So far every peer asked answered that it lacks the shard; and every one either
         # lacks it or refused this node for its configuration (none failed in a way a
         # retry may get past: unreachable, broke off, too slow, bad chunks).
@@ -375,6 +384,43 @@ class Peers:
         if received:  # it sent chunks: the connection itself (TLS or not) was right
             return None
         return _tls_hint(peer, details)
+
+    async def _names(self, peers: Sequence[str]) -> dict[str, str]:
+        """Peer → the id it reports: the owner of a shard is asked first, as staged there.
+
+        Ranked by the addresses this node was given, half of a two-replica
+        region's shards were asked of the replica that does not hold them first
+        (a refused call each, and a note on every warm). Each peer is asked once;
+        one that cannot say (down, an old node) keeps its address, and is asked
+        again after :data:`NAME_RETRY_SECONDS`.
+        """
+        loop = asyncio.get_running_loop()
+
+        async def ask(peer: str) -> None:
+            try:
+                async with self.channel(peer) as channel:
+                    status = await channel.unary_unary(
+                        STATUS_METHOD,
+                        request_serializer=edge_pb2.StatusRequest.SerializeToString,
+                        response_deserializer=edge_pb2.NodeStatus.FromString,
+                    )(edge_pb2.StatusRequest(), metadata=self._metadata, timeout=NAME_TIMEOUT)
+            except (grpc.RpcError, ValueError):
+                status = None
+            if status is not None and status.node_id:
+                self._ids[peer] = status.node_id
+            else:
+                self._unnamed[peer] = loop.time()
+
+        now = loop.time()
+        unknown = [
+            p
+            for p in peers
+            if p not in self._ids
+            and now - self._unnamed.get(p, -NAME_RETRY_SECONDS) >= NAME_RETRY_SECONDS
+        ]
+        if unknown:
+            await asyncio.gather(*(ask(p) for p in unknown))
+        return rendezvous.unique_names({p: self._ids[p] for p in peers if p in self._ids})
 
     async def _stream(self, peer: str, copy: _Copy) -> None:
         """Append the peer's verified chunks to ``copy``, from the first one it lacks."""

@@ -6,7 +6,7 @@ import asyncio
 import random
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
 from edgecache.cache import rendezvous
@@ -35,6 +35,7 @@ def ranked_first(
     dataset: str = "tokens",
     version: int = 1,
     shard: int = 0,
+    names: Mapping[str, str] | None = None,
 ) -> S:
     """A server from ``make(port)`` that rendezvous asks before ``other`` for a shard.
 
@@ -44,13 +45,16 @@ def ranked_first(
     in a hundred ranks first (CI's ``other`` let 134 of 10,000 win, so 64 draws all
     lost two times in five). The ports that win are computed instead, and the first
     of them that binds is used; ``make`` raises OSError for a port already taken.
+    ``names`` are the ids the staging node learns from the peers' Status (replicas
+    split shards by them): a server that answers no Status is ranked by its address.
+    A TCP proxy forwards Status and is ranked as the node behind it, whatever its port.
     """
     start = random.randrange(len(_CHOSEN_PORTS))  # tests in parallel start apart
     taken = 0
     for i in range(len(_CHOSEN_PORTS)):
         port = _CHOSEN_PORTS[(start + i) % len(_CHOSEN_PORTS)]
         address = f"127.0.0.1:{port}"
-        if rendezvous.rank([address, other], dataset, version, shard)[0] != address:
+        if rendezvous.rank([address, other], dataset, version, shard, names=names)[0] != address:
             continue
         try:
             return make(port)

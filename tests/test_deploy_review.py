@@ -269,7 +269,7 @@ def _uncommented(tmp_path: Path, target: str, *components: str) -> list[dict]:
 
 
 def test_operator_kinds_are_opt_in_components(tmp_path: Path) -> None:
-    operator = {"ServiceMonitor", "PrometheusRule"}
+    operator = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
     for target in (K8S / "overlays" / "eu-west", K8S / "controller"):
         assert not operator & {o["kind"] for o in render(target)}, target
     nodes = _uncommented(tmp_path / "nodes", "overlays/eu-west", "../../base/monitoring")

@@ -27,8 +27,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[
     write_parquet_shards(root / "origin", SHARDS)
     registry = f"file://{root}/registry"
     publish(registry, f"file://{root}/origin", "tokens")
+    # Named by id (what peers are ranked by): eu-1's ranks first for shards 1-3 against
+    # eu-2's, so a proxy in front of eu-1 carries bytes of the first shard it is asked.
     nodes = {
-        name: start_local_node(name.split("-")[0], root / f"cache-{name}", registry)
+        name: start_local_node(
+            name.split("-")[0], root / f"cache-{name}", registry, extra_args=["--node-id", name]
+        )
         for name in ("eu-1", "eu-2", "us-1", "us-2", "ap-1")
     }
     for name in ("eu-1", "eu-2"):  # two full copies in eu

@@ -51,7 +51,10 @@ class Site:
         self.registry = f"file://{root}/registry"
         write_parquet_shards(root / "origin", SHARDS)
         self.manifest = publish(self.registry, f"file://{root}/origin", "tokens")
-        self.eu = [stack.enter_context(running_node(self.config(f"eu-{i}"))) for i in (1, 2)]
+        # Peers are asked in rendezvous order of the ids the nodes report: eu-2's comes
+        # before eu-1's for shard 0, so the faulty peer of a test, put in front of
+        # self.eu[0], is asked first for shard 0.
+        self.eu = [stack.enter_context(running_node(self.config(n))) for n in ("eu-2", "eu-1")]
         for node in self.eu:
             last = stage(node.address, [])
             assert last.shards_done == SHARDS, last
@@ -63,6 +66,7 @@ class Site:
             "registry": self.registry,
             "listen": "127.0.0.1:0",
             "sync": False,
+            "node_id": name,
             **more,
         }
         return NodeConfig(**settings)  # type: ignore[arg-type]
@@ -248,12 +252,17 @@ def test_a_peer_dripping_chunks_is_left_for_the_next_once_below_the_rate_floor(
     chunk_counts = [len(frames(one.address, shard)) for shard in range(SHARDS)]
     assert min(chunk_counts) >= 6, chunk_counts  # a drip of 3 s a chunk: 15 s or more a shard
     # a port that rendezvous asks before the healthy peer for shard 0
-    drip = ranked_first(lambda port: DripPeer(one.address, gap=3.0, port=port), two.address)
+    # (a gRPC server of its own that answers no Status: ranked by its address)
+    names = {two.address: "eu-1"}
+    drip = ranked_first(
+        lambda port: DripPeer(one.address, gap=3.0, port=port), two.address, names=names
+    )
     try:
         first = [
             s
             for s in range(SHARDS)
-            if rendezvous.rank([drip.address, two.address], "tokens", 1, s)[0] == drip.address
+            if rendezvous.rank([drip.address, two.address], "tokens", 1, s, names=names)[0]
+            == drip.address
         ]
         assert 0 in first
         with running_node(site.config("us-1", cache_dir=tmp_path / "us")) as us:
@@ -296,7 +305,10 @@ def test_a_peer_dripping_chunks_is_left_for_the_next_once_below_the_rate_floor(
 
 def test_a_peer_killed_mid_shard_is_left_for_the_next(site: Site, tmp_path: Path) -> None:
     _, two = site.eu
-    victim = start_local_node("eu", tmp_path / "victim", site.registry)
+    # Its id ranks before eu-1's (the other peer's) for shard 0.
+    victim = start_local_node(
+        "eu", tmp_path / "victim", site.registry, extra_args=["--node-id", "eu-victim"]
+    )
     proxy: FaultyProxy | None = None
     try:
         assert stage(victim.address, []).shards_done == SHARDS

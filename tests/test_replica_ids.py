@@ -19,9 +19,9 @@ import pytest
 import torch
 from edgeutil import edgecache, publish, stub, write_parquet_shards
 
+from edgecache.cache.rendezvous import unique_names
 from edgecache.clients import EdgeDataset
 from edgecache.clients.node_client import start_local_node
-from edgecache.clients.ops import unique_names
 from edgecache.v1 import edge_pb2
 
 SHARDS = 8
