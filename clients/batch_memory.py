@@ -38,7 +38,9 @@ import ctypes
 import itertools
 import mmap
 import os
+import resource
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -76,17 +78,28 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 class Block:
-    """One batch's memory: ``data`` (uint8), carved into column tensors by :meth:`tensor`."""
+    """One batch's memory: ``data`` (uint8), carved into column tensors by :meth:`tensor`.
 
-    __slots__ = ("_wrap", "data")
+    With ``source`` (the numpy array ``data`` is made of), each column is a
+    tensor of its own over its bytes (no copy), holding the array alive
+    through a memoryview: sharing one storage, a batch could not be saved
+    (``torch.save`` refuses views of one storage as different dtypes), and a
+    column saved alone wrote the whole block. Pinned blocks keep one storage:
+    torch's pinned allocator tracks a ``non_blocking`` copy by the storage it
+    allocated, and a block reused before the copy ends would be overwritten.
+    """
+
+    __slots__ = ("_memory", "_wrap", "data")
 
     def __init__(
         self,
         data: torch.Tensor,
         wrap: Callable[[torch.Tensor, int, int, torch.dtype, tuple[int, ...]], torch.Tensor]
         | None = None,
+        source: np.ndarray | None = None,
     ) -> None:
         self.data, self._wrap = data, wrap
+        self._memory = source.data if source is not None else None
 
     def array(self) -> np.ndarray:
         """The block as a writable numpy array (no copy), to fill."""
@@ -96,8 +109,19 @@ class Block:
         self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
     ) -> torch.Tensor:
         """The column at ``offset``: ``nbytes`` viewed as ``dtype`` of ``shape`` (no copy)."""
-        view = self.data[offset : offset + nbytes].view(dtype).view(shape)
+        if self._memory is not None:
+            view = _column(self._memory, offset, nbytes, dtype, shape)
+        else:
+            view = self.data[offset : offset + nbytes].view(dtype).view(shape)
         return self._wrap(view, offset, nbytes, dtype, shape) if self._wrap else view
+
+
+def _column(
+    memory: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor of its own over ``memory[offset:offset + nbytes]`` (which keeps it alive)."""
+    part = np.frombuffer(memory[offset : offset + nbytes], dtype=np.uint8)
+    return torch.from_numpy(part).view(dtype).view(shape)
 
 
 class BatchMemory(Protocol):
@@ -116,7 +140,10 @@ class FreshMemory:
 
     def allocate(self, nbytes: int) -> Block:
         """A fresh block."""
-        return Block(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
+        if self.pin_memory:
+            return Block(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        array = np.empty(nbytes, dtype=np.uint8)
+        return Block(torch.from_numpy(array), source=array)
 
 
 class PinnedMemory(FreshMemory):
@@ -153,7 +180,7 @@ class ReusedMemory:
             buffer = np.empty(_capacity(nbytes), dtype=np.uint8)
         view = buffer[:nbytes]  # a new array object whose base is the buffer
         weakref.finalize(view, self._release, buffer)
-        return Block(torch.from_numpy(view))
+        return Block(torch.from_numpy(view), source=view)
 
     def _release(self, buffer: np.ndarray) -> None:
         with self._lock:
@@ -177,8 +204,14 @@ class _Region:
 
     def __init__(self, size: int, serial: int) -> None:
         self.fd = os.memfd_create(f"edgecache-batch-{serial}", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self.map = mmap.mmap(self.fd, size)
+        try:
+            os.ftruncate(self.fd, size)
+            # Not mmap.mmap, which keeps a duplicate descriptor open: two per slot, and a
+            # worker ran out of them (EMFILE) with half the slots the limit allows.
+            self.map = _mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.size, self.serial = size, serial
 
     def close(self) -> None:
@@ -196,13 +229,15 @@ class _SlotRef:
     (what the worker read for this batch, for the client metrics).
     """
 
-    __slots__ = ("extra", "fields")
+    __slots__ = ("extra", "fields", "sent")
 
     def __init__(self, *fields: int) -> None:
         self.fields = fields
         self.extra: Any = None
+        self.sent = False  # pickled: the main process releases the slot from then on
 
     def __reduce__(self) -> tuple[Any, ...]:
+        self.sent = True
         return (_open_slot, (*self.fields, self.extra))
 
 
@@ -241,9 +276,14 @@ class SharedMemory:
         self.pid = os.getpid()
         self._serials = itertools.count(1)
         self._flags_region = _Region(mmap.PAGESIZE, next(self._serials))
-        self._flags = np.frombuffer(self._flags_region.map, dtype=np.uint8)
+        self._flags = self._flags_region.map
         self._slots: list[_Region] = []
         self._lock = threading.Lock()
+        # Each slot holds a descriptor open: at most a quarter of this process's limit.
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        unlimited = soft == resource.RLIM_INFINITY
+        self.max_slots = _MAX_SLOTS if unlimited else min(_MAX_SLOTS, max(16, soft // 4))
+        self._warned = False
 
     def allocate(self, nbytes: int) -> Block:
         """A block in a free slot of the ring (a new or larger slot when none fits)."""
@@ -263,7 +303,14 @@ class SharedMemory:
                 region.size,
                 nbytes,
             )
-        data = torch.from_numpy(np.frombuffer(region.map, dtype=np.uint8, count=nbytes))
+            array = region.map[:nbytes]  # a new array: its finalizer is this batch's, here
+            # A batch dropped in this worker (a collate_fn or a wrapping dataset made new
+            # tensors of it) never reached the main process, whose finalizer alone freed
+            # the slot: the ring grew by a slot per batch until the worker ran out of
+            # memory or descriptors. Its slot is freed here once no tensor of it is left,
+            # unless it was sent.
+            weakref.finalize(array, self._dropped, ref, slot)
+        data = torch.from_numpy(array)
 
         def wrap(
             view: torch.Tensor, offset: int, size: int, dtype: torch.dtype, shape: tuple[int, ...]
@@ -274,23 +321,51 @@ class SharedMemory:
 
         return Block(data, wrap)
 
+    def _dropped(self, ref: _SlotRef, slot: int) -> None:
+        """The worker's last tensor of a batch is gone: free its slot if it was never sent."""
+        if not ref.sent:
+            self._flags[slot] = 0
+
     def _take(self, nbytes: int) -> int | None:
         used = len(self._slots)
         free = np.flatnonzero(self._flags[:used] == 0).tolist()
         fits = [i for i in free if self._slots[i].size >= nbytes]
-        if fits:
-            slot = fits[0]
-        elif free:  # a free slot too small for this batch: give it a larger region
-            slot = free[0]
-            self._slots[slot].close()
-            self._slots[slot] = _Region(_capacity(nbytes), next(self._serials))
-        elif used < _MAX_SLOTS:
-            slot = used
-            self._slots.append(_Region(_capacity(nbytes), next(self._serials)))
-        else:
+        try:
+            if fits:
+                slot = fits[0]
+            elif free:  # a free slot too small for this batch: give it a larger region
+                slot = free[0]
+                region = _Region(_capacity(nbytes), next(self._serials))
+                self._slots[slot].close()
+                self._slots[slot] = region
+            elif used < self.max_slots:
+                slot = used
+                self._slots.append(_Region(_capacity(nbytes), next(self._serials)))
+            else:
+                self._full(None)
+                return None
+        except OSError as exc:  # out of descriptors or memory: torch's transport instead
+            self._full(exc)
             return None
         self._flags[slot] = 1
         return slot
+
+    def _full(self, exc: OSError | None) -> None:
+        """Say once why this worker's batches go through torch's transport from now on."""
+        if self._warned:
+            return
+        self._warned = True
+        held = int(self._flags[: len(self._slots)].sum())
+        cause = f" ({exc.strerror})" if exc is not None else ""
+        warnings.warn(
+            f"edgecache: {held} batches of this DataLoader worker are still held by the "
+            f"training process{cause}: a tensor kept from a batch (a label, an id) keeps "
+            "the whole batch's memory. Its batches go through torch's shared memory from "
+            "now on, slower. Keep a .clone() of what you keep from a batch (or set "
+            "EDGECACHE_SHARED_BATCHES=0)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     @property
     def slots(self) -> int:
@@ -420,7 +495,7 @@ def _open_slot(
     size: int,
     nbytes: int,
     extra: Any = None,
-) -> torch.Tensor:
+) -> memoryview:
     """A batch's block, in the main process: released to the worker when its tensors die."""
     if extra is not None:
         for callback in _ARRIVALS:
@@ -433,11 +508,13 @@ def _open_slot(
             _MAPS[pid].pop(old, None)
     data = _map(pid, fd, serial, size)[:nbytes]  # a new array: its finalizer is this batch's
     weakref.finalize(data, _release, flags, slot)
-    return torch.from_numpy(data)
+    # Each column a tensor of its own that keeps ``data`` alive (see Block): a numpy
+    # slice of it would name the region as its base, and the slot would be freed early.
+    return data.data
 
 
 def _rebuild_column(
-    base: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+    base: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """One column of a batch, a view of its block (see :func:`_open_slot`)."""
-    return base[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+    """One column of a batch, over its bytes in the block (see :func:`_open_slot`)."""
+    return _column(base, offset, nbytes, getattr(torch, dtype), shape)

@@ -731,9 +731,10 @@ class NodePool:
         stats = self.stats[endpoint.text]
         if isinstance(exc, (ShardNotCached, CacheDirError)):  # not here: try the others
             return str(exc)
-        if isinstance(exc, ChunkCorrupt):
+        if isinstance(exc, ChunkCorrupt):  # counted and said, as any failure (stats())
             stats.failures += 1
-            return str(exc)
+            stats.last_error = str(exc)
+            return stats.last_error
         if isinstance(exc, grpc.RpcError) and exc.code() == _REFUSED:
             # The node is up and answered: it cannot serve these rows as things are
             # (its origin refuses it), which another node may.

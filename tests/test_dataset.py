@@ -365,6 +365,8 @@ def test_corrupted_bytes_in_transit_are_never_delivered(cluster) -> None:
         assert read_epoch(ds, 0) == full
         endpoints = ds.stats()["endpoints"]
         assert endpoints[proxy.address]["failures"] + endpoints[other.address]["failures"] >= 1
+        # Each failure is said too (a damaged chunk's was counted with last_error left '').
+        assert all(e["last_error"] for e in endpoints.values() if e["failures"]), endpoints
     finally:
         proxy.close()
         other.close()
