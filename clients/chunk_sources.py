@@ -184,9 +184,13 @@ def not_in_cache(store: CacheStore, endpoint: Endpoint, rows: ShardRange) -> str
         if (v.dataset, v.version) == (target.dataset, target.version)
     )
     if held:
+        # A region's replicas split a version's shards: a replica's cache lacks the others'
+        # by design, and "evicted" sent an operator to stage what was staged already.
         state = (
-            f"holds {held} shards of {target} but not shard {rows.shard}: its node evicted "
-            "it (for space, or corrupt) or has not staged it yet"
+            f"holds {held} shards of {target} but not shard {rows.shard}: another replica of "
+            "its node's region owns that shard (replicas split a version's shards; reads of it "
+            "go on at the next endpoint), or its node evicted it (for space, or corrupt) or has "
+            "not staged it yet"
         )
     else:
         state = f"holds no shard of {target}: {EVICTED_OR_NOT_STAGED}"

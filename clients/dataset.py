@@ -726,7 +726,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 self.components, extents, self.window_rows, shares, strict=True
             )
         ]
-        self._counters = ClientCounters(self.rank, self.version, [e.text for e in self.endpoints])
+        self._counters = ClientCounters(
+            self.rank, self._metrics_label(), [e.text for e in self.endpoints]
+        )
         self._metrics_key = register(self._counters)
         port = metrics_port if metrics_port is not None else port_from_environment()
         self.metrics_port: int | None = None if port is None else serve(port)
@@ -1484,6 +1486,17 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         state.pop("_finalizer", None)
         return state
 
+    def _metrics_label(self) -> str:
+        """The ``dataset`` label of this dataset's metrics: the version, and its split.
+
+        A training split and its evaluation split of one version (``rows=``)
+        were one series: evaluation's waits counted as the training loop's.
+        """
+        if self.rows is None:
+            return self.version
+        start, end = self.rows
+        return f"{self.version} rows {start}:{end}"
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._counters = ClientCounters(self.rank, self.version, [])
+        self._counters = ClientCounters(self.rank, self._metrics_label(), [])

@@ -201,3 +201,25 @@ def test_a_metrics_port_mistake_names_the_setting(monkeypatch: pytest.MonkeyPatc
         port_from_environment()
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert port_from_environment() == 9403
+
+
+def test_a_training_split_and_its_evaluation_split_are_series_of_their_own(
+    node: LocalNode,
+) -> None:
+    """rows=(0.0, 0.9) and rows=(0.9, 1.0) of one version were one series: evaluation's
+    samples and waits counted as the training loop's."""
+    train = EdgeDataset(
+        "tokens@1", endpoints=[node.address], metrics_port=0, rows=(0.0, 0.9), **SMALL
+    )
+    val = EdgeDataset("tokens@1", endpoints=[node.address], rows=(0.9, 1.0), **SMALL)
+    before = scrape(train.metrics_port)  # type: ignore[arg-type]
+    got = {name: sum(len(b["label"]) for b in ds) for name, ds in (("train", train), ("val", val))}
+    metrics = scrape(train.metrics_port)  # type: ignore[arg-type]
+    for name, label in (("train", "tokens@1 rows 0.0:0.9"), ("val", "tokens@1 rows 0.9:1.0")):
+        samples = counted(
+            metrics, before, "edgecache_client_samples_total", rank="0", dataset=label
+        )
+        assert samples == got[name], (name, samples, got)
+    assert got["train"] + got["val"] == TOTAL
+    train.close()
+    val.close()

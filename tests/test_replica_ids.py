@@ -98,3 +98,17 @@ def test_nodes_reporting_one_id_split_by_address_and_say_so(
     assert names == {"c:1": "m"}
     assert "nodes a:1, b:1 all report node id 'n'" in caplog.text
     assert "--node-id" in caplog.text
+
+
+def test_a_replicas_local_cache_lacking_the_others_shards_says_so_not_evicted(
+    staged,  # noqa: ANN001
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica's cache read as lmdb:// lacks the other replica's shards by design; the
+    warning said its node "evicted it … Stage it on that node again", which did nothing."""
+    root, _, addresses, _ = staged
+    ds = EdgeDataset("split@1", endpoints=[f"lmdb://{root / 'cache-0'}", *addresses], batch_size=64)
+    with caplog.at_level(logging.WARNING):
+        assert _labels(ds) == list(range(SHARDS * ROWS))
+    said = [r.getMessage() for r in caplog.records if "but not shard" in r.getMessage()]
+    assert said and "another replica of its node's region owns that shard" in said[0], said
