@@ -523,8 +523,11 @@ def _plan_region(
         pinned, bisect_right, none = state.pinned, bisect.bisect_right, ()
         # A version held in part (a stage cut short) fills the cache too, and goes the same
         # way: it was never evicted, and a job that needed its room could not be met.
-        # Room kept for another schedule's pinned version goes when its pin runs out.
-        for version, held in itertools.chain(resident.items(), partial.items(), reserved.items()):
+        # Room kept for another schedule's pinned version goes when its pin runs out; one
+        # held in part is one entry, its held bytes and the room kept for the rest.
+        kept_only = ((v, b) for v, b in reserved.items() if v not in partial)
+        with_kept = ((v, b + reserved.get(v, 0)) for v, b in partial.items())
+        for version, held in itertools.chain(resident.items(), with_kept, kept_only):
             times = starts.get(version, none)
             i = bisect_right(times, hi)
             free = reach[version][i - 1] + _AFTER if i else None
@@ -663,18 +666,19 @@ def _plan_region(
                             in_way=in_way,
                             begin=begin,
                             held_then={
-                                v: resident.get(v) or reserved.get(v, 0)
+                                v: resident.get(v, 0) + partial.get(v, 0) + reserved.get(v, 0)
                                 for v in (*in_way, *state.pinned)
-                                if v in resident or v in reserved
+                                if v in resident or v in partial or v in reserved
                             },
                             lead=duration + _margin(duration),
                         )
                     )
                     continue
             for victim, victim_next in victims:
-                if victim in reserved:  # its pin has run out by then: nothing to evict
-                    used -= reserved.pop(victim)
-                    continue
+                # The room kept for it goes with it (its pin has run out by then).
+                used -= reserved.pop(victim, 0)
+                if victim not in resident and victim not in partial:
+                    continue  # it held no data: nothing to evict
                 victim_size = resident.pop(victim) if victim in resident else partial.pop(victim)
                 used -= victim_size
                 out.evictions.append(

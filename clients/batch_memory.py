@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 __all__ = [
     "ALIGN",
@@ -116,6 +117,16 @@ class Block:
         return self._wrap(view, offset, nbytes, dtype, shape) if self._wrap else view
 
 
+def _split(array: np.ndarray) -> np.ndarray | None:
+    """``array`` where a batch's columns get storages of their own: not in a DataLoader worker.
+
+    There torch's transport sends a batch (with ``EDGECACHE_SHARED_BATCHES=0``)
+    as one shared-memory segment and descriptor per storage: one per batch, not
+    one per column.
+    """
+    return array if get_worker_info() is None else None
+
+
 def _column(
     memory: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
@@ -143,7 +154,7 @@ class FreshMemory:
         if self.pin_memory:
             return Block(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         array = np.empty(nbytes, dtype=np.uint8)
-        return Block(torch.from_numpy(array), source=array)
+        return Block(torch.from_numpy(array), source=_split(array))
 
 
 class PinnedMemory(FreshMemory):
@@ -180,7 +191,7 @@ class ReusedMemory:
             buffer = np.empty(_capacity(nbytes), dtype=np.uint8)
         view = buffer[:nbytes]  # a new array object whose base is the buffer
         weakref.finalize(view, self._release, buffer)
-        return Block(torch.from_numpy(view), source=view)
+        return Block(torch.from_numpy(view), source=_split(view))
 
     def _release(self, buffer: np.ndarray) -> None:
         with self._lock:
@@ -229,16 +240,36 @@ class _SlotRef:
     (what the worker read for this batch, for the client metrics).
     """
 
-    __slots__ = ("extra", "fields", "sent")
+    __slots__ = ("__weakref__", "extra", "fields", "held")
 
     def __init__(self, *fields: int) -> None:
         self.fields = fields
         self.extra: Any = None
-        self.sent = False  # pickled: the main process releases the slot from then on
+        self.held: _Held | None = None  # in a worker: who still holds the batch's slot there
 
     def __reduce__(self) -> tuple[Any, ...]:
-        self.sent = True
+        if self.held is not None:
+            self.held.sent = True  # the main process releases the slot from now on
         return (_open_slot, (*self.fields, self.extra))
+
+
+class _Held:
+    """What keeps a worker's batch slot taken there: its memory, and its columns' reference.
+
+    The slot is freed in the worker once both are gone, unless the batch was
+    sent (then the main process frees it). Its memory alone is not enough: a
+    plain view of a column (``x.view(B, -1)`` in a ``collate_fn``) is sent by
+    torch's transport, which moves the view's storage into new shared memory
+    while the batch is being pickled; the memory died mid-send, the slot was
+    freed, and the worker put its next batch in the slot the main process was
+    about to map for this one.
+    """
+
+    __slots__ = ("alive", "sent")
+
+    def __init__(self) -> None:
+        self.alive = 2  # the batch's memory, and its _SlotRef
+        self.sent = False
 
 
 def attach(batch: dict[str, Any], extra: Any) -> bool:
@@ -278,7 +309,9 @@ class SharedMemory:
         self._flags_region = _Region(mmap.PAGESIZE, next(self._serials))
         self._flags = self._flags_region.map
         self._slots: list[_Region] = []
-        self._lock = threading.Lock()
+        # Reentrant: a finalizer that frees a slot (_dropped) may run in a garbage
+        # collection that allocate() itself set off, on this thread, holding the lock.
+        self._lock = threading.RLock()
         # Each slot holds a descriptor open: at most a quarter of this process's limit.
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         unlimited = soft == resource.RLIM_INFINITY
@@ -290,7 +323,8 @@ class SharedMemory:
         with self._lock:
             slot = self._take(nbytes)
             if slot is None:  # thousands of batches held by the trainer: torch's way
-                return FreshMemory().allocate(nbytes)
+                # One storage for the batch: torch's transport sends a segment per storage.
+                return Block(torch.empty(nbytes, dtype=torch.uint8))
             region = self._slots[slot]
             flags = self._flags_region
             ref = _SlotRef(
@@ -307,9 +341,11 @@ class SharedMemory:
             # A batch dropped in this worker (a collate_fn or a wrapping dataset made new
             # tensors of it) never reached the main process, whose finalizer alone freed
             # the slot: the ring grew by a slot per batch until the worker ran out of
-            # memory or descriptors. Its slot is freed here once no tensor of it is left,
-            # unless it was sent.
-            weakref.finalize(array, self._dropped, ref, slot)
+            # memory or descriptors. Its slot is freed here once neither its memory nor a
+            # column of it is left, unless it was sent (see _Held).
+            held = ref.held = _Held()
+            weakref.finalize(array, self._dropped, held, slot)
+            weakref.finalize(ref, self._dropped, held, slot)
         data = torch.from_numpy(array)
 
         def wrap(
@@ -321,10 +357,15 @@ class SharedMemory:
 
         return Block(data, wrap)
 
-    def _dropped(self, ref: _SlotRef, slot: int) -> None:
-        """The worker's last tensor of a batch is gone: free its slot if it was never sent."""
-        if not ref.sent:
-            self._flags[slot] = 0
+    def _dropped(self, held: _Held, slot: int) -> None:
+        """Free a batch's slot once its memory and its columns' reference are gone here.
+
+        Unless it was sent: then the main process frees it.
+        """
+        with self._lock:
+            held.alive -= 1
+            if held.alive == 0 and not held.sent:
+                self._flags[slot] = 0
 
     def _take(self, nbytes: int) -> int | None:
         used = len(self._slots)
@@ -433,7 +474,10 @@ def _mmap(fd: int, size: int) -> np.ndarray:
     if address in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     memory = (ctypes.c_uint8 * size).from_address(address)
-    weakref.finalize(memory, _libc.munmap, address, size)
+    unmap = weakref.finalize(memory, _libc.munmap, address, size)
+    # Not at exit: a thread still reading a batch then (DataLoader's pin-memory thread of a
+    # loop left with break) crashed the process (SIGSEGV) as it ended.
+    unmap.atexit = False
     return np.frombuffer(memory, dtype=np.uint8)  # type: ignore[call-overload]
 
 

@@ -89,6 +89,7 @@ class EndpointStats:
     # endpoints given as a plain list. Empty until known.
     node_id: str = ""
     region: str = ""
+    identified: bool = False  # Status answered (an old node answers with no id: not asked again)
 
 
 class NodePool:
@@ -319,7 +320,7 @@ class NodePool:
                 samples.append((time.perf_counter() - started) * 1e3)
             stats = self.stats[endpoint.text]
             stats.rtt_ms = statistics.median(samples) if len(samples) == pings else math.inf
-            if not stats.node_id and stats.rtt_ms < math.inf and self._identify(endpoint, stats):
+            if not stats.identified and stats.rtt_ms < math.inf and self._identify(endpoint, stats):
                 self._learn_names()
 
     def _identify(self, endpoint: Endpoint, stats: EndpointStats) -> bool:
@@ -336,7 +337,7 @@ class NodePool:
                 status = stub.Status(edge_pb2.StatusRequest(), timeout=2.0, metadata=self._metadata)
         except (grpc.RpcError, NodeUnavailable):
             return False
-        stats.node_id, stats.region = status.node_id, status.region
+        stats.node_id, stats.region, stats.identified = status.node_id, status.region, True
         return True
 
     def _learn_names(self) -> None:
@@ -361,10 +362,10 @@ class NodePool:
         nearest = [
             e.text for e in self.endpoints if not e.local and self.stats[e.text].rtt_ms <= near
         ]
-        regions = {self.stats[t].region for t in nearest if self.stats[t].region}
-        if len(regions) != 1:
+        # Nodes of several regions equally near (one host): the first given, as RTT ties go.
+        region = next((self.stats[t].region for t in nearest if self.stats[t].region), "")
+        if not region:
             return set()
-        (region,) = regions
         same = {e.text for e in self.endpoints if self.stats[e.text].region == region}
         return same if len(same) > 1 else set()
 

@@ -854,7 +854,14 @@ def _learn_names(item: WarmItem, token: str | None) -> None:
             status = edge_pb2_grpc.EdgeCacheStub(channel).Status(
                 edge_pb2.StatusRequest(), timeout=5.0, metadata=bearer(token)
             )
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            # Split by its address here, while readers that learn its id look for its
+            # shards by that: said, so a run once it answers can put them right.
+            item.notes.append(
+                f"{node} did not say its node id ({describe(exc)}): its shards were split "
+                "by its address, where readers that learn its id may not look; run warm again "
+                "once it answers"
+            )
             continue
         finally:
             channel.close()

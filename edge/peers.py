@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 from collections import OrderedDict
@@ -209,6 +210,7 @@ class Peers:
         # and when a peer that could not say was last asked (asked again after a while).
         self._ids: dict[str, str] = {}
         self._unnamed: dict[str, float] = {}
+        self._asking: dict[str, asyncio.Task[None]] = {}  # one question a peer at a time
         # Read now, not at the first grpcs:// peer: a missing file stops the node at start
         # with its setting named, instead of failing a Stage later with a bare OSError.
         self._tls_files = (
@@ -285,6 +287,8 @@ class Peers:
 
     async def close(self) -> None:
         """Close every channel."""
+        for task in list(self._asking.values()):
+            task.cancel()
         for channel in [*self._channels.values(), *self._retired]:
             await channel.close(None)
         self._channels.clear()
@@ -418,9 +422,18 @@ class Peers:
             if p not in self._ids
             and now - self._unnamed.get(p, -NAME_RETRY_SECONDS) >= NAME_RETRY_SECONDS
         ]
-        if unknown:
-            await asyncio.gather(*(ask(p) for p in unknown))
+        for peer in unknown:  # shards copied at once share the question
+            if peer not in self._asking:
+                task = asyncio.ensure_future(ask(peer))
+                self._asking[peer] = task
+                task.add_done_callback(functools.partial(self._asked, peer))
+        waiting = [self._asking[p] for p in unknown if p in self._asking]
+        if waiting:
+            await asyncio.gather(*(asyncio.shield(t) for t in waiting))
         return rendezvous.unique_names({p: self._ids[p] for p in peers if p in self._ids})
+
+    def _asked(self, peer: str, _: asyncio.Future[None]) -> None:
+        self._asking.pop(peer, None)
 
     async def _stream(self, peer: str, copy: _Copy) -> None:
         """Append the peer's verified chunks to ``copy``, from the first one it lacks."""

@@ -20,8 +20,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +127,58 @@ def test_a_ring_whose_batches_are_all_held_falls_back_and_says_why() -> None:
         warnings.simplefilter("error")  # said once
         ring.allocate(1024)
     del held
+
+
+class _Reshaping(torch.utils.data.IterableDataset):
+    """Batches in a worker's ring with one column a plain view (what a collate_fn makes)."""
+
+    def __iter__(self):  # noqa: ANN204
+        from edgecache.clients.batch_memory import shared_memory
+
+        ring = shared_memory()
+        assert ring is not None
+        size = 1 << 16
+        for i in range(40):
+            block = ring.allocate(2 * size)
+            block.array()[:] = i
+            x = block.tensor(0, size, torch.uint8, (size,))
+            y = block.tensor(size, size, torch.uint8, (size,))
+            yield {"x": x.view(256, -1), "y": y, "i": i}
+
+
+def test_a_batch_with_a_plain_view_of_a_column_keeps_its_slot_until_the_trainer_drops_it() -> None:
+    """torch's transport sends a plain view by moving its storage to new shared memory while
+    the batch is pickled: the batch's memory died mid-send, the worker freed the slot and
+    put its next batch there, under the trainer's (review of 241d824: 40 of 40 corrupted)."""
+    kept: list[dict] = []
+    loader = DataLoader(_Reshaping(), batch_size=None, num_workers=1, prefetch_factor=2)
+    for batch in loader:
+        kept = [*kept[-2:], batch]
+        for old in kept:  # the batches the trainer still holds keep their bytes
+            assert old["y"].min() == old["y"].max() == old["i"], old["i"]
+            assert old["x"].min() == old["x"].max() == old["i"], old["i"]
+
+
+def test_a_process_ending_while_a_thread_reads_a_batch_exits_cleanly(tmp_path: Path) -> None:
+    """The ring's memory was unmapped at interpreter exit, referenced or not: a thread still
+    reading a batch then (a pin-memory thread) crashed the process as it ended (SIGSEGV)."""
+    script = tmp_path / "reader.py"
+    script.write_text(
+        "import os, threading, torch\n"
+        "from edgecache.clients.batch_memory import _mmap\n"
+        "fd = os.memfd_create('x'); os.ftruncate(fd, 1 << 24)\n"
+        "a = torch.from_numpy(_mmap(fd, 1 << 24)).numpy()\n"
+        "started = threading.Event()\n"
+        "def reader():\n"
+        "    started.set()\n"
+        "    while True:\n"
+        "        a.sum()\n"
+        "threading.Thread(target=reader, daemon=True).start()\n"
+        "started.wait()\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("workers", [0, 2])

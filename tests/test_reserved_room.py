@@ -212,3 +212,25 @@ def test_a_pin_dropped_because_its_job_cannot_be_met_says_so() -> None:
     ), line
     elsewhere = Plan(regions={}, infeasible=[replace(unmet, region="r2")], transfers={}, cost={})
     assert release_line(pin, elsewhere).endswith("no job of the schedule reads it there any more")
+
+
+def test_a_pinned_version_held_in_part_is_evicted_with_the_room_kept_for_the_rest() -> None:
+    """b@1 held in part (4 MiB) with room kept for its last 1 MiB: made room by popping the
+    kept room alone, the plan evicted nothing and staged c@1 beside b@1's 4 MiB, 12 MiB in
+    10 (found by the review of 92fc79d)."""
+    b, c = ("b", 1), ("c", 1)
+    state = RegionState(
+        "r1",
+        capacity_bytes=10 * MiB,
+        origin_bandwidth=100e6,
+        partial={b: 4 * MiB},
+        pinned={b: NOW + 5 * MINUTE},
+        reserved={b: 1 * MiB},
+    )
+    job = Job("c-job", "r1", NOW + 30 * MINUTE, NOW + 60 * MINUTE, (c,))
+    result = plan([job], {"r1": state}, {b: 5 * MiB, c: 8 * MiB}, now=NOW)
+    assert result.feasible("c-job"), result.infeasible
+    (eviction,) = result.regions["r1"].evictions
+    (task,) = result.regions["r1"].tasks
+    assert eviction.version == b and eviction.bytes == 4 * MiB
+    assert eviction.at <= task.start and eviction.at >= NOW + 5 * MINUTE  # after its pin
