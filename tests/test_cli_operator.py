@@ -180,8 +180,14 @@ def test_nodes_on_one_host_have_their_own_ids_and_keep_totals_after_a_restart(si
     ids = [n["node_id"] for n in json.loads(out)]
     assert len(set(ids)) == 2, ids
     # A restarted node still knows a version's size (its kept manifest), so it says 3/3.
+    # tokens@1 as the module's other tests publish it (xdist may run this one elsewhere).
+    code, out, err = edgecache(
+        "publish", f"file://{root}/origin", "--dataset", "tokens", "--if-changed", *cfg(root)
+    )
+    assert code == 0, (out, err)
     eu = nodes["eu-west"]
-    edgecache("warm", "tokens@1", "--region", "eu-west", *cfg(root))
+    code, out, err = edgecache("warm", "tokens@1", "--region", "eu-west", *cfg(root))
+    assert code == 0, (out, err)
     eu.stop()
     nodes["eu-west"] = restarted = start_local_node(
         "eu-west", root / "cache-eu-west", f"file://{root}/registry", capacity="1GiB"

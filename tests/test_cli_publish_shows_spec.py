@@ -67,6 +67,7 @@ def test_publish_and_versions_show_format_reader_options_transform_and_codec(
         "column_names": "x,b",
         "delimiter": "\t",
         "header": "false",
+        "null_values": "",  # as recorded: every CSV version records its null texts
     }
     assert published["transform"] == "identity" and published["params"] == {}
     assert (published["compression"], published["compression_level"]) == ("zstd", 3)
@@ -86,7 +87,12 @@ def test_publish_and_versions_show_format_reader_options_transform_and_codec(
         "schema": first["schema"],
         "source_url": f"file://{semicolons}/",
         "format": "csv",
-        "source_options": {"column_names": "a,b", "delimiter": ";", "header": "false"},
+        "source_options": {
+            "column_names": "a,b",
+            "delimiter": ";",
+            "header": "false",
+            "null_values": "",
+        },
         "transform": "columns",
         "params": {"rename": "a=x"},
         "compression": "byte-split-zstd",

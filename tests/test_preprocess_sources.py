@@ -257,7 +257,7 @@ def test_tsv_objects_are_read_tab_separated(tmp_path: Path) -> None:
         gzip.compress(b"name\tnote, remark\nRome\tciao, bella\n")
     )
     manifest = publish(tmp_path, tmp_path / "src", "tsv")
-    assert dict(manifest.preprocess.source_options) == {"delimiter": "\t"}  # recorded: shown
+    assert dict(manifest.preprocess.source_options) == {"delimiter": "\t", "null_values": ""}
     data = (tmp_path / "src" / "x.tsv").read_bytes()
     table = pa.Table.from_batches(
         list(preprocess(data, fmt=CSV, source="x.tsv", spec=manifest.preprocess, schema=None))
@@ -265,7 +265,7 @@ def test_tsv_objects_are_read_tab_separated(tmp_path: Path) -> None:
     assert table.to_pydict() == {"name": ["Paris"], "note, remark": ["hello, world"]}
     # An explicit delimiter wins; a prefix mixing .tsv with .csv implies none and is refused.
     manifest = publish(tmp_path, tmp_path / "src", "tsv2", source_options={"delimiter": ","})
-    assert dict(manifest.preprocess.source_options) == {"delimiter": ","}
+    assert dict(manifest.preprocess.source_options) == {"delimiter": ",", "null_values": ""}
     (tmp_path / "src" / "z.csv").write_bytes(b"name,note\nOslo,hei\n")
     with pytest.raises(ValueError, match="mixes tab-separated .tsv objects.*pass --delimiter"):
         publish(tmp_path, tmp_path / "src", "tsv3")
@@ -366,7 +366,8 @@ def test_bad_options_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="take no reader options"):
         canonical_options(pb.SOURCE_FORMAT_PARQUET, {"delimiter": ","})
     assert canonical_options(CSV, {"delimiter": "tab", "header": "auto", "skip_rows": "0"}) == {
-        "delimiter": "\t"
+        "delimiter": "\t",
+        "null_values": "",  # recorded on every CSV version (test_csv_null_values.py)
     }
     with pytest.raises(MalformedShard, match=r"column_types names nope, but"):
         read(b"a,b\n1,2\n", CSV, column_types="nope=int8")
@@ -377,7 +378,7 @@ def test_publish_records_options_and_nodes_parse_alike(tmp_path: Path) -> None:
     shutil.copy(SKLEARN_DATA / "iris.csv", tmp_path / "src")
     options = {"skip_rows": "1", "header": "false", "column_names": "a,b,c,d,target"}
     manifest = publish(tmp_path, tmp_path / "src", "iris", source_options=options)
-    assert dict(manifest.preprocess.source_options) == options
+    assert dict(manifest.preprocess.source_options) == {**options, "null_values": ""}
     assert manifest.shards[0].row_count == 150
     data = (tmp_path / "src" / "iris.csv").read_bytes()
     batches = list(

@@ -146,7 +146,10 @@ def test_csv_integers_past_int64_are_refused_naming_column_and_line(tmp_path: Pa
     with pytest.raises(MalformedShard, match="id=uint64"):
         publish(tmp_path, {"a.csv": data}, "big")
     manifest = publish(tmp_path, {"a.csv": data}, "big2", column_types="id=uint64")
-    assert dict(manifest.preprocess.source_options) == {"column_types": "id=uint64"}
+    assert dict(manifest.preprocess.source_options) == {
+        "column_types": "id=uint64",
+        "null_values": "",
+    }
     assert read(data, CSV, column_types="id=uint64").column("id").to_pylist() == [
         1,
         12345678901234567890,
@@ -246,7 +249,8 @@ def test_json_lines_takes_list_and_struct_types() -> None:
 def test_types_are_recorded_as_publish_prints_them() -> None:
     """column_types=f0=float was echoed where float32 is what is used."""
     assert canonical_options(CSV, {"column_types": "f0=float,f1=double"}) == {
-        "column_types": "f0=float32,f1=float64"
+        "column_types": "f0=float32,f1=float64",
+        "null_values": "",
     }
     for text in ("float16", "list<double>", "struct<a: list<float>, b: string>", "decimal(20,2)"):
         kind = parse_type(text)

@@ -61,6 +61,8 @@ def options_fix(options: Mapping[str, str]) -> str:
     Without options the object is at fault (:data:`FIX`); with them, options
     that do not match the file (a column count, rows to skip) are as likely.
     """
+    # Recorded on every CSV version, empty by default: not an option anyone gave.
+    options = {k: v for k, v in options.items() if (k, v) != ("null_values", "")}
     if not options:
         return FIX
     given = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))

@@ -21,7 +21,12 @@ node parses the same way, and refuses to guess where guessing goes wrong:
 * ``skip_rows``: rows to drop before the header (or the first data row);
 * ``column_types``: ``a=int32,b=string`` (Arrow type names, see
   :func:`~edgecache.cache.preprocess.arrow_types.parse_type`), applied to the
-  final column names.
+  final column names;
+* ``null_values``: ``NA,N/A``: cell texts that read as null, besides an empty
+  unquoted cell (the only null without it). pyarrow's own list (``NA``,
+  ``null``, ``N/A``, ``nan``, …) read Namibia's country code, a text column of
+  notes and every ``nan`` as nulls, silently: every version records its list,
+  and one recorded without (published before) is read by pyarrow's, as it was.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ __all__ = [
     "read_csv",
 ]
 
-CSV_OPTIONS = ("header", "column_names", "delimiter", "skip_rows", "column_types")
+CSV_OPTIONS = ("header", "column_names", "delimiter", "skip_rows", "column_types", "null_values")
 DELIMITERS: Mapping[str, str] = MappingProxyType(
     {
         "comma": ",",
@@ -165,6 +170,9 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
     opts = {str(k).strip(): str(v) for k, v in options.items()}
     if fmt == pb.SOURCE_FORMAT_WEBDATASET:
         return _webdataset_options(opts)
+    if fmt == pb.SOURCE_FORMAT_CSV:
+        # Recorded on every CSV version, the empty list too: see null_values above.
+        opts.setdefault("null_values", "")
     if not opts:
         return {}
     if fmt == pb.SOURCE_FORMAT_JSONL and set(opts) <= {"column_types"}:
@@ -213,6 +221,9 @@ def canonical_options(fmt: pb.SourceFormat.ValueType, options: Mapping[str, str]
     if "column_types" in opts:
         if typed := _canonical_types(opts["column_types"], fmt):
             out["column_types"] = typed
+    if "null_values" in opts:
+        texts = param_names(opts["null_values"]) if opts["null_values"].strip() else []
+        out["null_values"] = ",".join(quote_name(t) for t in dict.fromkeys(t for t in texts if t))
     return out
 
 
@@ -705,9 +716,12 @@ def read_csv(
     else:
         read.update(skip_rows=skip)
     types = column_types(options)
-    # An empty unquoted field is null and "" is an empty string, as pyarrow writes them.
+    # An empty unquoted field is null and "" is an empty string, as pyarrow writes them;
+    # other texts only as the version records (a version without the option: pyarrow's).
+    recorded = options.get("null_values")
+    nulls = {} if recorded is None else {"null_values": ["", *param_names(recorded)]}
     convert = pa_csv.ConvertOptions(
-        strings_can_be_null=True, quoted_strings_can_be_null=False, column_types=types
+        strings_can_be_null=True, quoted_strings_can_be_null=False, column_types=types, **nulls
     )
     parse = pa_csv.ParseOptions(delimiter=split)
     try:

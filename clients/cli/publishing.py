@@ -129,6 +129,8 @@ def preparation_lines(manifest: pb.Manifest) -> list[str]:
     options = dict(spec.source_options)
     if manifest.source_format == pb.SOURCE_FORMAT_MDS:
         options.pop("columns", None)
+    if options.get("null_values") == "":  # the default every CSV version records
+        del options["null_values"]
     if "delimiter" in options:
         named = {char: name for name, char in DELIMITERS.items()}
         options["delimiter"] = named.get(options["delimiter"], options["delimiter"])
@@ -288,6 +290,14 @@ def publish(
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
+    null_values: Annotated[
+        str | None,
+        typer.Option(
+            help="CSV: cell texts that read as null besides an empty cell, NA,N/A (default: "
+            "none; NA, null and nan are then text, or NaN in a float column).",
+            rich_help_panel=CSV_HELP,
+        ),
+    ] = None,
     include: Annotated[
         list[str] | None,
         typer.Option(
@@ -393,6 +403,7 @@ def publish(
             "delimiter": delimiter,
             "skip_rows": None if skip_rows is None else str(skip_rows),
             "column_types": column_types,
+            "null_values": null_values,
         }
         spec.source_options.update({k: v for k, v in reader.items() if v is not None})
         if partitioning is Partitioning.NONE:  # hive, the default, is not recorded as given

@@ -1,0 +1,72 @@
+"""CSV cells that read as null: an empty unquoted cell, and the texts the version records.
+
+pyarrow's default list made ``NA`` (Namibia's country code), ``null``, ``N/A``,
+``NULL`` and ``nan`` nulls, silently: a text column of notes was published as
+type ``null`` with every value lost, and a float ``nan`` became a null that
+EdgeDataset then refused. Every CSV version now records its ``null_values``
+(none but the empty cell by default, ``--null-values NA,N/A`` for more); a
+version recorded without them (published before) is read as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow as pa
+from typer.testing import CliRunner
+
+from edgecache.cache.preprocess import canonical_options, read_source
+from edgecache.cache.registry import Registry
+from edgecache.clients.cli.app import app
+from edgecache.v1 import manifest_pb2 as pb
+
+CSV = pb.SOURCE_FORMAT_CSV
+DATA = b'id,country,note,x,n,s\n1,NA,null,nan,,""\n2,DE,N/A,1.5,3,a\n3,FR,NULL,2.5,4,\n'
+
+
+def _read(options: dict[str, str]) -> pa.Table:
+    batches = read_source(DATA, fmt=CSV, source="file:///x.csv", options=options)
+    return pa.Table.from_batches(list(batches))
+
+
+def test_texts_stay_text_and_only_an_empty_cell_is_null() -> None:
+    table = _read(canonical_options(CSV, {}))
+    assert table.column("country").to_pylist() == ["NA", "DE", "FR"]
+    assert table.column("note").type == pa.string()
+    assert table.column("note").to_pylist() == ["null", "N/A", "NULL"]
+    x = table.column("x").to_pylist()
+    assert math.isnan(x[0]) and x[1:] == [1.5, 2.5]  # NaN, not a null
+    assert table.column("n").to_pylist() == [None, 3, 4]  # the empty cell
+    assert table.column("s").to_pylist() == ["", "a", None]  # "" is an empty string
+
+
+def test_the_texts_given_read_as_null() -> None:
+    options = canonical_options(CSV, {"null_values": "NA, N/A"})
+    assert options["null_values"] == "NA,N/A"
+    table = _read(options)
+    assert table.column("country").to_pylist() == [None, "DE", "FR"]
+    assert table.column("note").to_pylist() == ["null", None, "NULL"]
+
+
+def test_a_version_recorded_without_them_reads_as_it_was_published() -> None:
+    table = _read({})  # an older version's spec: pyarrow's list, as its schema says
+    assert table.column("country").to_pylist() == [None, "DE", "FR"]
+    assert table.column("note").type == pa.null()
+
+
+def test_publish_records_them_and_takes_the_flag(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part-0.csv").write_bytes(DATA)
+    registry = f"file://{tmp_path}/registry"
+    runner = CliRunner()
+    for flags, recorded in (([], ""), (["--null-values", "NA,N/A"], "NA,N/A")):
+        done = runner.invoke(
+            app,
+            ["publish", str(tmp_path / "src"), "--dataset", "c", "--registry", registry, *flags],
+        )
+        assert done.exit_code == 0, done.output
+        manifest = Registry.run(registry, lambda reg: reg.resolve("c@latest"))
+        assert manifest.preprocess.source_options["null_values"] == recorded
+        schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
+        assert schema.field("note").type == pa.string()
