@@ -29,6 +29,7 @@ __all__ = [
 
 Slot = Callable[[], AbstractAsyncContextManager[object]]
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
+_LOCAL_TAG = re.compile(r"\d+-\d+")  # size-mtime: a local file's tag before its ctime was in it
 # The socket's errors when nothing answered: refused or reset, no such host, timed out.
 UNANSWERED = (ConnectionError, socket.gaierror, TimeoutError)
 
@@ -44,8 +45,18 @@ class ObjectInfo:
     crc32: str | None = None  # base64 full-object CRC32 (what SDKs upload with by default)
 
     def same_content(self, other: ObjectInfo) -> bool:
-        """Whether ``other`` describes the same bytes (ETag and size agree)."""
-        return self.etag == other.etag and self.size == other.size
+        """Whether ``other`` describes the same bytes (ETag and size agree).
+
+        A version published before local files' tags named their change time
+        recorded ``size-mtime``: the ``size-mtime-ctime`` of the same file now
+        agrees with it (its content is checked as far as that version can be).
+        """
+        if self.size != other.size:
+            return False
+        if self.etag == other.etag:
+            return True
+        short, long = sorted((self.etag, other.etag), key=len)
+        return _LOCAL_TAG.fullmatch(short) is not None and long.startswith(short + "-")
 
 
 @dataclass

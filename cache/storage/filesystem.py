@@ -37,6 +37,13 @@ __all__ = ["FsspecStore"]
 T = TypeVar("T")
 
 
+def _ns(stamp: object) -> int:
+    """A time fsspec reports (seconds, or a datetime) in nanoseconds."""
+    if isinstance(stamp, datetime):
+        stamp = stamp.timestamp()
+    return int(float(stamp or 0) * 1e9)  # type: ignore[arg-type]
+
+
 class FsspecStore(ObjectStore):
     """Any fsspec filesystem; blocking calls run in worker threads."""
 
@@ -58,9 +65,13 @@ class FsspecStore(ObjectStore):
         etag = raw.get("ETag") or raw.get("etag") or raw.get("md5Hash")
         if not etag:
             mtime = raw.get("mtime") or raw.get("LastModified") or raw.get("created") or 0
-            if isinstance(mtime, datetime):
-                mtime = mtime.timestamp()
-            etag = f"{raw['size']}-{int(float(mtime) * 1e9)}"
+            etag = f"{raw['size']}-{_ns(mtime)}"
+            # A local file's inode change time (fsspec's "created"): rewritten with its
+            # size and mtime kept (cp -p, rsync -a, tar x restore mtimes), a file kept
+            # its size-mtime tag and was served as the published version. A rewrite, and
+            # setting the mtime back, move the change time; nothing sets it back.
+            if raw.get("mtime") and raw.get("created"):
+                etag += f"-{_ns(raw['created'])}"
         return ObjectInfo(url=url, size=int(raw["size"]), etag=str(etag).strip('"'))
 
     async def _run(self, url: str, fn: Callable[[], T]) -> T:
