@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -158,6 +159,10 @@ def _is_glob(name: str) -> bool:
     return any(c in _GLOB for c in name)
 
 
+# An object store's scheme written with one slash or none (s3:/bucket, gs:bucket).
+_SCHEME_TYPO = re.compile(r"(s3|gs|gcs|az|abfs|abfss|hf|http|https|ftp|sftp|memory):/?(?!/)")
+
+
 def location_url(location: str, what: str) -> str:
     """The URL of a registry or source as the object stores name what they list.
 
@@ -170,6 +175,17 @@ def location_url(location: str, what: str) -> str:
     location in that message.
     """
     scheme, sep, rest = location.partition("://")
+    if not sep and location.startswith("file:/"):  # RFC 8089's file:/abs/path
+        rest = location.removeprefix("file:")
+        return "file://" + os.path.abspath(rest) + ("/" if rest.endswith("/") else "")
+    if not sep and (typo := _SCHEME_TYPO.match(location)):
+        # s3:/bucket or s3:bucket: read as a local directory named "s3:", then "no
+        # objects under file:///here/s3:/bucket", which hid the missing slash.
+        raise ValueError(
+            f"{what} {location!r} looks like a URL ({typo[1]}://) missing a slash: "
+            f"write {typo[1]}://{location[typo.end() :]} (or ./{location} for a local "
+            "directory of that name)"
+        )
     if not sep:
         return "file://" + os.path.abspath(location) + ("/" if location.endswith("/") else "")
     if scheme == "file":

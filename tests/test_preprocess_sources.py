@@ -367,7 +367,7 @@ def test_bad_options_are_refused_by_name() -> None:
         canonical_options(pb.SOURCE_FORMAT_PARQUET, {"delimiter": ","})
     assert canonical_options(CSV, {"delimiter": "tab", "header": "auto", "skip_rows": "0"}) == {
         "delimiter": "\t",
-        "null_values": "",  # recorded on every CSV version (test_csv_null_values.py)
+        "null_values": "",  # recorded on every CSV version (test_publish_review44.py)
     }
     with pytest.raises(MalformedShard, match=r"column_types names nope, but"):
         read(b"a,b\n1,2\n", CSV, column_types="nope=int8")

@@ -98,7 +98,14 @@ def columns_text(schema: pa.Schema) -> str:
 
 
 def _common_type(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
-    """The type both columns read as without losing a value (pyarrow's promotion), or None."""
+    """The type both columns read as without losing a value (pyarrow's promotion), or None.
+
+    A dictionary column (pandas' ``category``) reads as its values' type: beside
+    plain strings it was "must agree" with no cast to give.
+    """
+    one, other = (t.value_type if pa.types.is_dictionary(t) else t for t in (one, other))
+    if one.equals(other):
+        return one
     try:
         merged = pa.unify_schemas(
             [pa.schema([("c", one)]), pa.schema([("c", other)])], promote_options="permissive"

@@ -1,4 +1,6 @@
-"""CSV cells that read as null: an empty unquoted cell, and the texts the version records.
+"""Publishing real-world sources (stop 44, found by a helper publishing its own data).
+
+CSV cells that read as null: an empty unquoted cell, and the texts the version records.
 
 pyarrow's default list made ``NA`` (Namibia's country code), ``null``, ``N/A``,
 ``NULL`` and ``nan`` nulls, silently: a text column of notes was published as
@@ -6,6 +8,8 @@ type ``null`` with every value lost, and a float ``nan`` became a null that
 EdgeDataset then refused. Every CSV version now records its ``null_values``
 (none but the empty cell by default, ``--null-values NA,N/A`` for more); a
 version recorded without them (published before) is read as it was.
+
+A dictionary column beside plain strings is told the cast that publishes it.
 """
 
 from __future__ import annotations
@@ -70,3 +74,46 @@ def test_publish_records_them_and_takes_the_flag(tmp_path: Path) -> None:
         assert manifest.preprocess.source_options["null_values"] == recorded
         schema = pa.ipc.read_schema(pa.py_buffer(manifest.arrow_schema))
         assert schema.field("note").type == pa.string()
+
+
+def test_a_dictionary_column_beside_plain_strings_is_told_the_cast(tmp_path: Path) -> None:
+    """pandas' category column in one file, plain strings in the next: refused with no fix
+    ('all objects of a version must agree'), though a cast to string publishes it."""
+    import pyarrow.parquet as pq
+
+    (tmp_path / "src").mkdir()
+    categories = pa.array(["a", "b"]).dictionary_encode()
+    pq.write_table(pa.table({"id": [1, 2], "c": categories}), tmp_path / "src" / "part-0.parquet")
+    pq.write_table(pa.table({"id": [3, 4], "c": ["c", "d"]}), tmp_path / "src" / "part-1.parquet")
+    registry = f"file://{tmp_path}/registry"
+    refused = CliRunner().invoke(
+        app, ["publish", str(tmp_path / "src"), "--dataset", "d", "--registry", registry]
+    )
+    assert refused.exit_code == 2, refused.output
+    assert "--transform columns --param 'cast=c=string'" in " ".join(refused.output.split())
+    done = CliRunner().invoke(
+        app,
+        ["publish", str(tmp_path / "src"), "--dataset", "d", "--registry", registry]
+        + ["--transform", "columns", "--param", "cast=c=string"],
+    )
+    assert done.exit_code == 0, done.output
+
+
+def test_a_file_url_with_one_slash_is_the_file_and_a_one_slash_s3_url_is_refused(
+    tmp_path: Path,
+) -> None:
+    """file:/abs/path (RFC 8089) read as a relative directory "file:"; s3:/bucket likewise,
+    "no objects under file:///here/s3:/bucket" hiding the missing slash."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part-0.csv").write_bytes(DATA)
+    registry = f"file://{tmp_path}/registry"
+    runner = CliRunner()
+    done = runner.invoke(
+        app, ["publish", f"file:{tmp_path}/src", "--dataset", "f", "--registry", registry]
+    )
+    assert done.exit_code == 0, done.output
+    typo = runner.invoke(
+        app, ["publish", "s3:/bucket/raw", "--dataset", "f", "--registry", registry]
+    )
+    assert typo.exit_code == 2, typo.output
+    assert "write s3://bucket/raw" in " ".join(typo.output.split()), typo.output
