@@ -14,6 +14,7 @@ A dictionary column beside plain strings is told the cast that publishes it.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -117,3 +118,24 @@ def test_a_file_url_with_one_slash_is_the_file_and_a_one_slash_s3_url_is_refused
     )
     assert typo.exit_code == 2, typo.output
     assert "write s3://bucket/raw" in " ".join(typo.output.split()), typo.output
+
+
+def test_nulls_in_text_and_variable_lists_are_warned_at_publish(tmp_path: Path) -> None:
+    """A null string (a packed column by default) and a null list of numbers (padded by
+    default) published silently, and the first read of each raised ValueError."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part-0.jsonl").write_text(
+        '{"id": 1, "name": "a", "ids": [1, 2]}\n{"id": 2, "name": null, "ids": null}\n'
+        '{"id": 3, "name": "c", "ids": [3, null]}\n'
+    )
+    registry = f"file://{tmp_path}/registry"
+    done = CliRunner().invoke(
+        app,
+        ["publish", str(tmp_path / "src"), "--dataset", "j", "--registry", registry, "--json"],
+    )
+    assert done.exit_code == 0, done.output
+    printed = json.loads(done.output)
+    assert {(n["column"], n["count"]) for n in printed["nulls"]} == {("name", 1), ("ids", 2)}
+    said = " ".join(printed["warnings"])
+    assert "packed column (binary='packed', the default)" in said, said
+    assert "pads it into a tensor (ragged='padded', the default)" in said, said

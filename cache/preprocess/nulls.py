@@ -1,9 +1,10 @@
 """Nulls in the columns a reader turns into tensors, found at publish rather than mid-epoch.
 
 EdgeDataset makes a tensor of every number or boolean column (and of fixed-size
-lists of them, nested too), and a tensor has no null: a null there raises
-ValueError when the batch holding it is assembled, which can be hours into
-training. Publish can tell beforehand, at no extra read:
+lists of them, nested too), a ``Packed`` of binary and string columns and a
+padded tensor of variable-length lists of numbers, by default, and none of
+them holds a null: a null there raises ValueError when the batch holding it
+is assembled, which can be hours into training. Publish can tell beforehand, at no extra read:
 
 * a Parquet object read from its footer alone has each column chunk's
   ``null_count`` statistic (:func:`parquet_nulls`); a column without it in any
@@ -41,28 +42,53 @@ __all__ = [
 ]
 
 
-def tensor_type(kind: pa.DataType) -> bool:
-    """Whether a column of ``kind`` becomes a tensor in EdgeDataset (and so holds no null).
-
-    Numbers and booleans, and fixed-size lists of them (nested too): the columns
-    :func:`edgecache.clients.tensors.column_kinds` reads as ``fixed``.
-    """
+def _number(kind: pa.DataType) -> bool:
     while pa.types.is_fixed_size_list(kind):
         kind = kind.value_type
     return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
 
 
+def _bytes(kind: pa.DataType) -> bool:
+    """Binary and strings (dictionary-encoded too): a ``Packed`` by default, no null."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return (
+        pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_fixed_size_binary(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+    )
+
+
+def _ragged(kind: pa.DataType) -> bool:
+    """Variable-length lists of numbers or booleans: padded tensors by default, no null."""
+    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _number(kind.value_type)
+
+
+def tensor_type(kind: pa.DataType) -> bool:
+    """Whether EdgeDataset's default form of a ``kind`` column holds no null.
+
+    Numbers and booleans, and fixed-size lists of them (nested too): the columns
+    :func:`edgecache.clients.tensors.column_kinds` reads as ``fixed``; binary and
+    strings (a ``Packed``, ``binary="packed"``); variable-length lists of numbers
+    (padded, ``ragged="padded"``). Counting the first alone, publish said nothing
+    of the others, whose first null raised ValueError mid-epoch all the same.
+    """
+    return _number(kind) or _bytes(kind) or _ragged(kind)
+
+
 def _array_nulls(column: pa.Array) -> int:
-    """Null values in a tensor column: null rows, and null items of fixed-size lists."""
+    """Null values in such a column: null rows, and null items of its lists."""
     count = column.null_count
-    while pa.types.is_fixed_size_list(column.type):
+    while pa.types.is_fixed_size_list(column.type) or _ragged(column.type):
         column = column.flatten()  # the items of the rows that are not null
         count += column.null_count
     return count
 
 
 def batch_nulls(batch: pa.RecordBatch) -> dict[str, int]:
-    """Each tensor column's null values in ``batch`` (columns without any left out)."""
+    """Each such column's null values in ``batch`` (columns without any left out)."""
     out: dict[str, int] = {}
     for field, column in zip(batch.schema, batch.columns, strict=True):
         if tensor_type(field.type) and (count := _array_nulls(column)):
@@ -100,7 +126,8 @@ def parquet_nulls(data: bytes | memoryview, schema: pa.Schema) -> dict[str, int]
     leaf = 0
     for field, width in zip(schema, widths, strict=True):
         first, leaf = leaf, leaf + width
-        if width != 1:
+        # A list's leaf counts its empty lists as nulls too: not judged from the footer.
+        if width != 1 or pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
             continue
         total = 0
         for group in range(meta.num_row_groups):
@@ -180,6 +207,24 @@ def _select_advice(others: Sequence[str], nulled: Sequence[str]) -> str:
     )
 
 
+def _form(kind: str) -> str:
+    """What EdgeDataset makes of a column of type ``kind`` (as NullCount spells it)."""
+    if kind.startswith(("list<", "large_list<")):
+        return "EdgeDataset pads it into a tensor (ragged='padded', the default)"
+    if "string" in kind or "binary" in kind:
+        return "EdgeDataset reads it as a packed column (binary='packed', the default)"
+    return "EdgeDataset makes a tensor of it"
+
+
+def _other_form(kind: str) -> str:
+    """The reader's form of such a column that keeps nulls, where there is one."""
+    if kind.startswith(("list<", "large_list<")):
+        return ""
+    if "string" in kind or "binary" in kind:
+        return "read it with binary='list' (None for each null), "
+    return ""
+
+
 def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[str]:
     """One warning per column with nulls: where, how many, why it matters, what to do.
 
@@ -197,9 +242,10 @@ def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[st
         objects = f"{len(counts)} object{'s' if len(counts) != 1 else ''}"
         out.append(
             f"column {column!r} ({counts[0].kind}) holds {total:,} null"
-            f"{'s' if total != 1 else ''} in {objects} ({listed}{more}); EdgeDataset makes "
-            "a tensor of it, which holds no null, so the batch holding one raises ValueError "
-            "mid-epoch. Fill the nulls at the source and publish again, or leave the column "
-            f"out {version}of the reader (EdgeDataset columns=[...] without it)"
+            f"{'s' if total != 1 else ''} in {objects} ({listed}{more}); "
+            f"{_form(counts[0].kind)}, which holds no null, so the batch holding one raises "
+            "ValueError mid-epoch. Fill the nulls at the source and publish again, "
+            f"{_other_form(counts[0].kind)}or leave the column out {version}of the reader "
+            "(EdgeDataset columns=[...] without it)"
         )
     return out
