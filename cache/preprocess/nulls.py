@@ -207,22 +207,19 @@ def _select_advice(others: Sequence[str], nulled: Sequence[str]) -> str:
     )
 
 
-def _form(kind: str) -> str:
-    """What EdgeDataset makes of a column of type ``kind`` (as NullCount spells it)."""
-    if kind.startswith(("list<", "large_list<")):
-        return "EdgeDataset pads it into a tensor (ragged='padded', the default)"
-    if "string" in kind or "binary" in kind:
-        return "EdgeDataset reads it as a packed column (binary='packed', the default)"
-    return "EdgeDataset makes a tensor of it"
+def _forms(kind: str) -> tuple[str, str]:
+    """What EdgeDataset makes of a ``kind`` column (as NullCount spells it), and a keeping form.
 
-
-def _other_form(kind: str) -> str:
-    """The reader's form of such a column that keeps nulls, where there is one."""
+    The second is the reader's form of such a column that keeps nulls, where there is one.
+    """
     if kind.startswith(("list<", "large_list<")):
-        return ""
+        return "EdgeDataset pads it into a tensor (ragged='padded', the default)", ""
     if "string" in kind or "binary" in kind:
-        return "read it with binary='list' (None for each null), "
-    return ""
+        return (
+            "EdgeDataset reads it as a packed column (binary='packed', the default)",
+            "read it with binary='list' (None for each null), ",
+        )
+    return "EdgeDataset makes a tensor of it", ""
 
 
 def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[str]:
@@ -240,12 +237,13 @@ def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[st
         listed = ", ".join(f"{c.url}: {c.count:,}" for c in counts[:3])
         more = f" and {len(counts) - 3} more" if counts[3:] else ""
         objects = f"{len(counts)} object{'s' if len(counts) != 1 else ''}"
+        form, keeps = _forms(counts[0].kind)
         out.append(
             f"column {column!r} ({counts[0].kind}) holds {total:,} null"
             f"{'s' if total != 1 else ''} in {objects} ({listed}{more}); "
-            f"{_form(counts[0].kind)}, which holds no null, so the batch holding one raises "
+            f"{form}, which holds no null, so the batch holding one raises "
             "ValueError mid-epoch. Fill the nulls at the source and publish again, "
-            f"{_other_form(counts[0].kind)}or leave the column out {version}of the reader "
+            f"{keeps}or leave the column out {version}of the reader "
             "(EdgeDataset columns=[...] without it)"
         )
     return out
