@@ -139,3 +139,28 @@ def test_nulls_in_text_and_variable_lists_are_warned_at_publish(tmp_path: Path) 
     said = " ".join(printed["warnings"])
     assert "packed column (binary='packed', the default)" in said, said
     assert "pads it into a tensor (ragged='padded', the default)" in said, said
+
+
+def test_a_webdataset_key_that_is_not_utf8_is_refused_at_publish_naming_it(
+    tmp_path: Path,
+) -> None:
+    """A Latin-1 member name published, and every node failed the shard ("surrogates not
+    allowed"), naming no member."""
+    import io
+    import tarfile
+
+    (tmp_path / "src").mkdir()
+    with tarfile.open(
+        tmp_path / "src" / "a.tar", "w", format=tarfile.GNU_FORMAT, encoding="latin-1"
+    ) as tar:
+        for name, data in (("caf\u00e9.txt", b"one"), ("plain.txt", b"two")):
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    refused = CliRunner().invoke(
+        app,
+        ["publish", str(tmp_path / "src"), "--dataset", "w", "--registry", f"file://{tmp_path}/r"],
+    )
+    assert refused.exit_code == 2, refused.output
+    said = " ".join(refused.output.split())
+    assert "b'caf\\xe9' is not UTF-8" in said and "convmv" in said, said

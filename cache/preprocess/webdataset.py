@@ -219,6 +219,23 @@ def _samples(data: memoryview, source: str, earlier: bool = False) -> Iterator[S
         yield key, fields
 
 
+def _check_key(source: str, key: str) -> None:
+    """Refuse a sample key that is not UTF-8 text, naming it (the ``__key__`` column is text).
+
+    tarfile reads such a member name with surrogate escapes: it published, and
+    every node then failed the shard ("surrogates not allowed"), naming no member.
+    """
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = key.encode("utf-8", "surrogateescape")
+        raise MalformedShard(
+            f"{source}: the sample key {raw!r} is not UTF-8 (a member name written in another "
+            "encoding, such as Latin-1), and keys are text; rename the members to UTF-8 (e.g. "
+            "convmv -f latin1 -t utf8 on the files) and pack the tar again"
+        ) from None
+
+
 def tar_schema(
     data: bytes | memoryview, source: str, rules: str = MEMBER_RULES
 ) -> tuple[pa.Schema, int]:
@@ -233,6 +250,7 @@ def tar_schema(
     extensions: set[str] = set()
     count = 0
     for key, fields in _samples(memoryview(data), source, earlier):
+        _check_key(source, key)
         extensions.update(fields)
         count += 1
         for ext, value in fields.items():
