@@ -66,15 +66,33 @@ def test_workers_start_beside_a_thread_making_grpc_calls(tmp_path: Path) -> None
     ``lmdb://`` and never touch gRPC (``nowait`` below shows it). Each fork now waits
     for the call in flight to end.
     """
-    done = subprocess.run(
-        [sys.executable, str(HERE / "busy_grpc_fork_child.py"), str(tmp_path), "40", "wait"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
-    )
-    assert done.returncode == 0 and "passes 40" in done.stdout, done.stderr[-3000:]
-    assert "skipping fork() handlers" not in done.stderr
+    # The wait cannot close the window between its end and the fork (a thread not ours may
+    # enter gRPC in it: docs/dataset.md), and under load one run in about six here lost a
+    # worker that way (the code before stop 44 as often). A regression of the wait loses
+    # every run; the race, one now and then: a second run tells them apart.
+    for attempt in range(2):
+        try:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / "busy_grpc_fork_child.py"),
+                    str(tmp_path / str(attempt)),
+                    "40",
+                    "wait",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, "PYTHONPATH": str(HERE)},
+            )
+        except subprocess.TimeoutExpired as exc:  # a worker forked in the window hung
+            failure = f"timed out: {exc.stderr!r}"[-3000:]
+            continue
+        clean = "skipping fork() handlers" not in done.stderr  # gRPC forked mid-call
+        if done.returncode == 0 and "passes 40" in done.stdout and clean:
+            return
+        failure = done.stderr[-3000:]
+    raise AssertionError(failure)
 
 
 def test_a_fork_waits_out_a_long_call_once(tmp_path: Path, monkeypatch) -> None:
