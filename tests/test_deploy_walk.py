@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from edgecache.cache.rendezvous import owned_shards
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 ORIGIN_SCRIPT = DEPLOY / "compose" / "s3-origin.py"
@@ -353,7 +355,11 @@ def test_the_whole_stack_restarts_with_its_caches_and_registry_consistent(
                                 "--config", config, "--json").stdout)  # fmt: skip
         assert second["version"] == "tokens@2", second
         status = cli("status", "--config", config).stdout
-        assert "tokens@1 (2/4" in status, status  # eu-west's caches survived, split 2 + 2
+        # eu-west's caches survived, split between its replicas by the ids they report
+        # (EDGECACHE_NODE_ID in compose.host.yaml)
+        for node_id in ("eu-west-1", "eu-west-2"):
+            share = owned_shards(["eu-west-1", "eu-west-2"], node_id, "tokens", 1, 4)
+            assert f"tokens@1 ({len(share)}/4" in status, (node_id, status)
         assert sorted(read_all("tokens@1", "eu-west")) == list(range(8000))
         assert sorted(read_all("tokens@2", "us-east")) == list(range(3000))
 
