@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import xxhash
 
-__all__ = ["owner", "owned_shards", "rank", "unique_names"]
+__all__ = ["owner", "owned_shards", "rank", "region_names", "unique_names"]
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +97,17 @@ def unique_names(ids: Mapping[str, str]) -> dict[str, str]:
                 node_id,
             )
     return {a: n for a, n in ids.items() if len(nodes[n]) == 1}
+
+
+def region_names(reported: Iterable[tuple[str, str, str]]) -> dict[str, str]:
+    """Address → the id it splits shards by, from (region, address, id) as nodes report them.
+
+    Each region's ids are made unique apart (:func:`unique_names`): staging
+    (from a status round) and readers (from each node's Status) both take them
+    so, and agree. An empty id (an old node) is left out: its address stands.
+    """
+    by_region: dict[str, dict[str, str]] = defaultdict(dict)
+    for region, address, node_id in reported:
+        if node_id:
+            by_region[region][address] = node_id
+    return {a: n for ids in by_region.values() for a, n in unique_names(ids).items()}

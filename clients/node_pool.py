@@ -342,15 +342,9 @@ class NodePool:
 
     def _learn_names(self) -> None:
         """Endpoint → the id its node splits shards by, per region (unknown or shared: none)."""
-        by_region: dict[str, dict[str, str]] = {}
-        for text, stats in self.stats.items():
-            if stats.node_id:
-                by_region.setdefault(stats.region, {})[text] = stats.node_id
-        self._names = {
-            text: node_id
-            for ids in by_region.values()
-            for text, node_id in rendezvous.unique_names(ids).items()
-        }
+        self._names = rendezvous.region_names(
+            (stats.region, text, stats.node_id) for text, stats in self.stats.items()
+        )
 
     def _learned_replicas(self, near: float) -> set[str]:
         """Endpoints given as a list (no topology): the nearest node's region's nodes.

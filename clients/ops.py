@@ -697,11 +697,9 @@ def replica_names(reports: Iterable[NodeReport]) -> dict[str, str]:
     whatever address each side dials. A node that did not answer has none
     (its address stands for it: it is down, and the others hold its share).
     """
-    by_region: dict[str, dict[str, str]] = defaultdict(dict)
-    for report in reports:
-        if report.status is not None and report.status.node_id:
-            by_region[report.region][report.address] = report.status.node_id
-    return {a: n for ids in by_region.values() for a, n in rendezvous.unique_names(ids).items()}
+    return rendezvous.region_names(
+        (r.region, r.address, r.status.node_id) for r in reports if r.status is not None
+    )
 
 
 def complete_versions(

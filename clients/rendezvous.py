@@ -5,6 +5,6 @@ another region, so it lives in ``cache``; this module keeps the client-side
 import path.
 """
 
-from edgecache.cache.rendezvous import owned_shards, owner, rank, unique_names
+from edgecache.cache.rendezvous import owned_shards, owner, rank, region_names, unique_names
 
-__all__ = ["owned_shards", "owner", "rank", "unique_names"]
+__all__ = ["owned_shards", "owner", "rank", "region_names", "unique_names"]

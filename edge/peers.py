@@ -45,9 +45,8 @@ from edgecache.cache.frame import verify_frame
 from edgecache.cache.preprocess import limits
 from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
 from edgecache.edge.config import NodeConfig, read_pem
-from edgecache.v1 import edge_pb2, manifest_pb2
+from edgecache.v1 import edge_pb2, edge_pb2_grpc, manifest_pb2
 
-STATUS_METHOD = "/edgecache.v1.EdgeCache/Status"
 NAME_TIMEOUT = 5.0  # seconds a peer's Status may take when it is asked for its id
 NAME_RETRY_SECONDS = 60.0  # a peer that could not say its id is asked again after this
 
@@ -403,11 +402,9 @@ class Peers:
         async def ask(peer: str) -> None:
             try:
                 async with self.channel(peer) as channel:
-                    status = await channel.unary_unary(
-                        STATUS_METHOD,
-                        request_serializer=edge_pb2.StatusRequest.SerializeToString,
-                        response_deserializer=edge_pb2.NodeStatus.FromString,
-                    )(edge_pb2.StatusRequest(), metadata=self._metadata, timeout=NAME_TIMEOUT)
+                    status = await edge_pb2_grpc.EdgeCacheStub(channel).Status(
+                        edge_pb2.StatusRequest(), metadata=self._metadata, timeout=NAME_TIMEOUT
+                    )
             except (grpc.RpcError, ValueError):
                 status = None
             if status is not None and status.node_id:
