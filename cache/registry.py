@@ -1295,14 +1295,14 @@ def _loose_images(prefix: str, keys: list[str]) -> str:
     failed on each file; a tar whose members are named ``KEY.EXT`` is a WebDataset
     shard of one sample per image (cache.preprocess.webdataset), whose column the
     images transform decodes. Mixed extensions are renamed to one (``.img``): the
-    transform decodes the bytes whatever their format.
+    transform decodes the bytes whatever their format (``_member_renames``).
     """
     exts = sorted({_pattern_of(k)[2:].lower() for k in keys})
     local = _local_path(prefix)
     where = local.rstrip("/") if local else "a local copy of it"
     out = f"{local.rstrip('/')}-wds" if local else "OUT"
     column = exts[0] if len(exts) == 1 else "img"
-    rename = "" if len(exts) == 1 else f" --transform 's/[.][^.]*$/.{column}/'"
+    rename = _member_renames(keys, column)
     return (
         f"the objects under {prefix} are image files ({', '.join(keys[:3])}"
         f"{', …' if keys[3:] else ''}: {len(keys)} {', '.join(exts)}), which no format reads "
@@ -1312,6 +1312,27 @@ def _loose_images(prefix: str, keys: list[str]) -> str:
         f"images --param column={column} --param size=N (or store the bytes in a Parquet "
         "binary column: see docs/preprocessing.md, images)"
     )
+
+
+def _member_renames(keys: list[str], column: str) -> str:
+    """GNU tar's ``--transform`` that names every image ``KEY.{column}``, with one dot.
+
+    A WebDataset key ends at the member's first dot, so ``2024.01.05.jpg`` would be
+    key ``2024`` with a column ``01.05.jpg``, and the advice would lead back to the
+    same refusal: dots in a name become ``_``. Several kinds of image become one
+    column, ``img``, the original extension kept in the key (``x_png.img``) so that
+    ``x.jpg`` and ``x.png`` stay two samples; one kind spelled otherwise (``.JPG``)
+    is renamed to the column the transform decodes.
+    """
+    names = [k.rsplit("/", 1)[-1] for k in keys]
+    spelled = {n.rsplit(".", 1)[-1] for n in names}
+    if len({s.lower() for s in spelled}) > 1:
+        steps = ["s/[.]/_/g", f"s/$/.{column}/"]
+    else:
+        steps = [] if spelled == {column} else [f"s/[.][^.]*$/.{column}/"]
+        if any(n.count(".") > 1 for n in names):
+            steps += ["s/[.]/_/g", f"s/_{column}$/.{column}/"]
+    return f" --transform '{';'.join(steps)}'" if steps else ""
 
 
 def _mixed_formats(prefix: str, found: list[SourceObject]) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -119,6 +120,45 @@ def test_a_folder_of_images_is_told_how_to_pack_them(tmp_path: Path) -> None:
     assert code == 0, out
     assert "(1 shard, 6 rows)" in out, out
     assert "img: uint8[4,4,3]" in out, out
+
+
+@pytest.mark.parametrize(
+    ("names", "column", "rows"),
+    [
+        (["2024.01.05.jpg", "2024.01.06.jpg", "scan.v2.final.jpg"], "jpg", 3),
+        (["a.JPG", "b.jpg", "c.v1.JPG"], "jpg", 3),
+        (["x.1.jpg", "x.1.png", "y.png"], "img", 3),  # one stem, two kinds: two samples
+    ],
+)
+def test_the_image_folder_advice_works_for_any_name(
+    tmp_path: Path, names: list[str], column: str, rows: int
+) -> None:
+    """A WebDataset key ends at the first dot: names with several dots, or with
+    extensions spelled otherwise, are renamed by the advice's tar command."""
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for name in names:
+        (imgs / name).write_bytes(_image("PNG" if name.endswith("png") else "JPEG"))
+    args = ("--transform", "images", "--param", "size=4")
+    code, out = cli(tmp_path, "publish", str(imgs), "--dataset", "imgs", *args)
+    assert code == 2, out
+    flat = " ".join(out.split())
+    command = re.search(r"e\.g\. (.+?), then publish (\S+) with .*?--param column=(\w+)", flat)
+    assert command and command.group(3) == column, out
+    subprocess.run(["bash", "-c", command.group(1)], check=True)
+    code, out = cli(
+        tmp_path,
+        "publish",
+        command.group(2),
+        "--dataset",
+        "imgs",
+        *args,
+        "--param",
+        f"column={column}",
+    )
+    assert code == 0, out
+    assert f"(1 shard, {rows} rows)" in out, out
+    assert f"{column}: uint8[4,4,3]" in out, out
 
 
 def test_a_tokenizer_beside_jsonl_is_named_briefly_with_exclude(tmp_path: Path) -> None:
