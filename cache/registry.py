@@ -29,7 +29,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import fsspec
 import pyarrow as pa
@@ -744,6 +744,7 @@ class Registry:
         include: Sequence[str] = (),
         exclude: Sequence[str] = (),
         nulls: list[NullCount] | None = None,
+        dropped: list[Dropped] | None = None,
     ) -> pb.Manifest:
         """Snapshot a prefix of raw shards as the next version of ``dataset``.
 
@@ -773,6 +774,12 @@ class Registry:
         when given (the CLI warns), else logged as warnings. They come from what
         is read anyway (:mod:`~edgecache.cache.preprocess.nulls`): a Parquet
         footer's statistics, or the object read whole; none are recorded.
+
+        Samples the transform drops (``images`` with ``on_error=skip``: publish
+        decodes every image to count the rows) are appended to ``dropped`` per
+        object when given, else logged as a warning (:func:`dropped_text`): the
+        version is published without them, and nobody should learn that from a
+        row count alone.
         """
         validate_name(dataset)
         codec = CodecOptions.from_spec(spec)  # a level or chunk size no node could encode
@@ -865,7 +872,7 @@ class Registry:
                 source_size=obj.info.size,
                 row_count=rows,
             )
-            for i, (obj, (_, rows, _)) in enumerate(zip(objects, described, strict=True))
+            for i, (obj, rows) in enumerate(zip(objects, (d.rows for d in described), strict=True))
         ]
         found = _null_counts(objects, described, schema)
         if nulls is not None:
@@ -873,6 +880,15 @@ class Registry:
         else:
             for text in null_warnings(found, own):
                 log.warning("%s", text)
+        gone = [
+            Dropped(o.info.url, d.skipped, d.notes)
+            for o, d in zip(objects, described, strict=True)
+            if d.skipped
+        ]
+        if dropped is not None:
+            dropped.extend(gone)
+        elif gone:
+            log.warning("%s", dropped_text(gone, sum(d.rows for d in described)))
         manifest = build_manifest(
             dataset=dataset,
             version=1,
@@ -1259,6 +1275,33 @@ def _no_rows(urls: list[str], transform: str, keeps: bool) -> str:
         f"({cause}); every shard of a version needs at least one row: leave such objects out "
         "with --exclude PATTERN (matched against keys under the source prefix; or move them "
         "out of it), or change the options that drop their rows, and publish again"
+    )
+
+
+class Dropped(NamedTuple):
+    """Samples of one object that the transform dropped at publish, with the first few named."""
+
+    url: str
+    count: int
+    notes: tuple[str, ...]
+
+
+def dropped_text(dropped: Sequence[Dropped], kept: int) -> str:
+    """The warning for samples ``on_error=skip`` dropped: how many, which, and what then.
+
+    Publish decodes every image to count the rows that remain, so it knows: a
+    version that silently lost a tenth of its images looked like any other.
+    """
+    count = sum(d.count for d in dropped)
+    notes = [n for d in dropped for n in d.notes][:3]
+    more = f"; and {count - len(notes)} more" if count > len(notes) else ""
+    objects = len(dropped)
+    return (
+        f"{count:,} sample{'s' if count != 1 else ''} of {kept + count:,} "
+        f"{'are' if count != 1 else 'is'} left out of the version (on_error=skip), in "
+        f"{objects} object{'s' if objects != 1 else ''}: {'; '.join(notes)}{more}; fix or "
+        "remove those samples and publish again to keep them, or pass --param on_error=fail to "
+        "refuse such a source"
     )
 
 

@@ -234,3 +234,13 @@ def test_webdataset_samples_without_the_images_column_are_refused(tmp_path: Path
         tmp_path, "publish", str(raw), "--dataset", "w", *args, "--param", "on_error=skip"
     )
     assert code == 0 and "(1 shard, 2 rows)" in out, out
+    flat = " ".join(out.split())
+    assert "2 samples of 4 are left out of the version (on_error=skip)" in flat, out
+    assert "(key 's0')" in flat and "(key 's2')" in flat, out
+    code, out = cli(
+        tmp_path, "publish", str(raw), "--dataset", "w", *args, "--param", "on_error=skip",
+        "--json",
+    )  # fmt: skip
+    shown = json.loads(out)
+    assert [d["count"] for d in shown["dropped"]] == [2], out
+    assert shown["dropped"][0]["object"].endswith("shard-0.tar"), out

@@ -21,7 +21,7 @@ Params (``--param K=V``):
 * ``filter``: ``bilinear`` (default), ``bicubic``, ``lanczos``, ``box``, ``nearest``;
 * ``on_error``: ``fail`` (default: the shard fails, naming the object and the
   sample) or ``skip`` (the sample is dropped and counted; publish then decodes
-  every image once to count the rows that remain);
+  every image once to count the rows that remain, and warns of those dropped);
 * ``output``: the output column's name (default: ``column``, replaced);
 * ``decoder``: recorded by publish (``pillow-13.0.0``): a node with another
   Pillow refuses, because another decoder may produce other pixels, and the

@@ -217,6 +217,8 @@ class Description(NamedTuple):
     schema: pa.Schema
     rows: int
     nulls: dict[str, int] | None
+    skipped: int = 0  # samples the transform dropped (images' on_error=skip)
+    notes: tuple[str, ...] = ()  # the first of them, named, and why
 
 
 def describe(
@@ -298,7 +300,8 @@ def survey(
         found, rows = found or out.schema, rows + out.num_rows
         for name, count in batch_nulls(out).items():
             tally[name] = tally.get(name, 0) + count
-    return Description(found or schema_of_nothing(), rows, tally)
+    schema = found or schema_of_nothing()
+    return Description(schema, rows, tally, context.skipped, tuple(context.notes))
 
 
 def _every_sample_has_its_image(

@@ -378,7 +378,7 @@ def publish(
     from edgecache.cache.preprocess import format_from_name
     from edgecache.cache.preprocess.nulls import NullCount, null_warnings
     from edgecache.cache.preprocess.partitions import partition_fields
-    from edgecache.cache.registry import Registry, unread_text
+    from edgecache.cache.registry import Dropped, Registry, dropped_text, unread_text
     from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES
 
     with reporting():
@@ -411,6 +411,7 @@ def publish(
         source_format = format_from_name(fmt) if fmt else None
 
         nulls: list[NullCount] = []
+        dropped: list[Dropped] = []
         found: list[str] = []  # warnings, said after the version line
 
         async def go(reg: Registry) -> tuple[pb.Manifest, pb.Manifest | None, bool, int]:
@@ -424,6 +425,7 @@ def publish(
                 include=include or (),
                 exclude=exclude or (),
                 nulls=nulls,
+                dropped=dropped,
             )
             if done.version in before:  # --if-changed found it unchanged
                 return done, None, True, max(before)
@@ -447,6 +449,8 @@ def publish(
     folders = {f.name for f in partition_fields(manifest.preprocess.source_options)}
     own = [str(f["name"]) for f in schema_json(manifest.arrow_schema) if f["name"] not in folders]
     found[:0] = null_warnings(nulls, own)  # a select= of the data's columns, no partition's
+    if dropped:
+        found.insert(0, dropped_text(dropped, rows))
     if same is not None and not reused:
         found.append(
             f"{name} has the same content as {same.dataset}@{same.version} (same digest): "
@@ -477,6 +481,10 @@ def publish(
                     "nulls": [
                         {"column": n.column, "type": n.kind, "object": n.url, "count": n.count}
                         for n in nulls
+                    ],
+                    "dropped": [
+                        {"object": d.url, "count": d.count, "samples": list(d.notes)}
+                        for d in dropped
                     ],
                     "warnings": found,
                 }
