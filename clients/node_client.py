@@ -78,6 +78,9 @@ class LocalNode:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+        finally:
+            if self.process.stdout is not None:  # the "serving on" pipe, read once at start
+                self.process.stdout.close()
 
 
 def start_local_node(

@@ -89,7 +89,7 @@ class EndpointStats:
     # endpoints given as a plain list. Empty until known.
     node_id: str = ""
     region: str = ""
-    identified: bool = False  # Status answered (an old node answers with no id: not asked again)
+    identified: bool = False  # Status answered since the node was last seen down
 
 
 class NodePool:
@@ -320,16 +320,21 @@ class NodePool:
                 samples.append((time.perf_counter() - started) * 1e3)
             stats = self.stats[endpoint.text]
             stats.rtt_ms = statistics.median(samples) if len(samples) == pings else math.inf
-            if not stats.identified and stats.rtt_ms < math.inf and self._identify(endpoint, stats):
+            if stats.rtt_ms == math.inf:
+                stats.identified = False  # it may come back as another node: ask again then
+            elif not stats.identified and self._identify(endpoint, stats):
                 self._learn_names()
 
     def _identify(self, endpoint: Endpoint, stats: EndpointStats) -> bool:
-        """Ask a node that answers what it is (its id and region), once.
+        """Ask a node that answers what it is (its id and region), once per time up.
 
         Replicas split shards by the ids their nodes report, as warm stages
         them, not by the address each side dials (``localhost:7072`` from the
         host, ``eu-west-2:7070`` inside a compose network). A node that cannot
-        say (an old node, a refused token) is ranked by its address.
+        say (an old node, a refused token) is ranked by its address. A node seen
+        down (a probe or a read failed) is asked again once it answers: a
+        long-running reader kept a restarted node's old id, and asked it second
+        for the shards it owns under its new one.
         """
         try:
             stub = self.stub(endpoint)
@@ -739,6 +744,7 @@ class NodePool:
             stats.failures += 1
             stats.last_error = describe(exc)
             stats.rtt_ms = math.inf  # until the next probe says otherwise
+            stats.identified = False  # a node back up may be another one (_identify)
             return stats.last_error
         if isinstance(exc, grpc.RpcError):
             raise node_error(exc, endpoint=endpoint.text, what=f"ReadShard {rows}") from exc

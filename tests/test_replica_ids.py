@@ -13,6 +13,8 @@ loopback, warm through one set of names, reads and ``ready`` through another.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ from edgeutil import edgecache, publish, stub, write_parquet_shards
 
 from edgecache.cache.rendezvous import unique_names
 from edgecache.clients import EdgeDataset
+from edgecache.clients.endpoints import parse_endpoint
 from edgecache.clients.node_client import start_local_node
+from edgecache.clients.node_pool import NodePool
 from edgecache.v1 import edge_pb2
 
 SHARDS = 8
@@ -119,3 +123,31 @@ def test_a_replicas_local_cache_lacking_the_others_shards_says_so_not_evicted(
             assert "another replica of its node's region owns that shard" in message, message
         else:
             assert "the others are read from the other endpoints" in message, message
+
+
+def test_a_node_restarted_under_another_id_is_asked_again(tmp_path: Path) -> None:
+    """A long-running reader learnt a node's id once and kept it across the node's restart."""
+    registry = f"file://{tmp_path}/registry"
+    first = start_local_node("eu-west", tmp_path / "c0", registry, extra_args=["--node-id", "old"])
+    address = first.address
+    pool = NodePool([parse_endpoint(address)], probe_interval=3600)
+    try:
+        pool.probe(pings=1)
+        assert pool.stats[address].node_id == "old"
+        first.stop()
+        pool.probe(pings=1)  # down: known to be asked again
+        again = start_local_node(
+            "eu-west", tmp_path / "c1", registry,
+            extra_args=["--node-id", "new", "--listen", address],
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while pool.stats[address].rtt_ms == math.inf and time.monotonic() < deadline:
+                time.sleep(0.2)  # the channel's reconnect backoff, as between reprobes
+                pool.probe(pings=1)
+            assert pool.stats[address].node_id == "new"
+        finally:
+            again.stop()
+    finally:
+        pool.close()
+        first.stop()
