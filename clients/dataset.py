@@ -229,6 +229,11 @@ def _boolean(name: str, value: Any) -> bool:
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def _is_local(text: Any) -> bool:
+    """Whether an endpoint names a local cache (``lmdb://``), which may go beside config=."""
+    return parse_endpoint(text).local
+
+
 def _seconds(name: str, value: Any) -> float:
     """``value`` as a positive float of seconds, or a ValueError naming ``name``."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -494,8 +499,10 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         endpoints: ``host:port``, ``grpcs://host:port`` or ``lmdb:///cache/dir`` entries
             (one endpoint may be given as a plain string).
         config / region: read the endpoints from a topology file (edgecache.yaml)
-            instead of ``endpoints`` (not beside them); the region's nodes come first,
-            other regions' after them.
+            instead of ``endpoints``; the region's nodes come first (its replicas, which
+            split shards), other regions' after them. ``endpoints`` may go beside them
+            only as ``lmdb://`` caches on this host (a node's cache directory), read
+            first: the shards they lack come from the topology's nodes.
         batch_size: samples per batch; ``None`` yields one sample at a time (a
             :class:`Sample`, which `DataLoader(batch_size=k)` batches as ``k`` would).
         columns: columns to read, each once (one may be given as a plain string;
@@ -601,7 +608,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self.rows = parse_rows(rows)
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
-        if endpoints is not None and (config is not None or region is not None):
+        replicas: list[str] = []
+        # One endpoint given as a string is one endpoint, not a list of characters.
+        given = [endpoints] if isinstance(endpoints, str) else list(endpoints or [])
+        both = endpoints is not None and (config is not None or region is not None)
+        if both and not (given and all(_is_local(t) for t in given)):
             # Given both, endpoints were used as they stand: the region's nodes neither came
             # first nor served as its replicas, and nothing said the topology went unread.
             ignored = [k for k, v in (("config", config), ("region", region)) if v is not None]
@@ -609,14 +620,20 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 f"pass endpoints=[...] or config= (with region=), not both: "
                 f"{' and '.join(ignored)} would go unused beside endpoints; drop endpoints= to "
                 "read the region's nodes from the topology file, or drop "
-                f"{' and '.join(k + '=' for k in ignored)}"
+                f"{' and '.join(k + '=' for k in ignored)} (lmdb:// caches alone may be given "
+                "beside config=: they are read first, the topology's nodes after them)"
             )
-        replicas: list[str] = []
-        if endpoints is not None:
-            # One endpoint given as a string is one endpoint, not a list of characters.
-            texts = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if config is None and region is not None:
+            raise InvalidEndpoint(
+                f"region={region!r} names a region of a topology file: pass config= with it"
+            )
+        if config is not None:
+            # The host's own cache first (a node's lmdb:// directory), then the topology:
+            # the shards that cache lacks (another replica's) come from their owners.
+            nodes, replicas = nodes_nearest_first(config, region)
+            texts = given + nodes
         else:
-            texts, replicas = nodes_nearest_first(config, region)  # type: ignore[arg-type]
+            texts = given
         if not texts:
             raise InvalidEndpoint("the endpoint list is empty; give at least one host:port")
         self.endpoints: list[Endpoint] = [parse_endpoint(t) for t in texts]

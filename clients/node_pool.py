@@ -418,8 +418,13 @@ class NodePool:
             ]
             if shard is not None:
                 group = rendezvous.rank(group, *shard, names=self._names)
-            order = {text: i for i, text in enumerate(group)} | {
-                e.text: len(group) + i for i, e in enumerate(self.endpoints) if e.text not in group
+            # Local caches given before the replicas stay before them (a replica's own
+            # lmdb:// directory beside the topology): the shards they hold cost no call,
+            # and those they lack are passed over once (_said_missing).
+            first = next((i for i, e in enumerate(self.endpoints) if e.text in group), 0)
+            head = [e.text for e in self.endpoints[:first] if e.local] + group
+            order = {text: i for i, text in enumerate(head)} | {
+                e.text: len(head) + i for i, e in enumerate(self.endpoints) if e.text not in head
             }
             grouped = set(group)
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from edgeutil import edgecache, publish, stub, write_parquet_shards
 
+from edgecache.cache.errors import InvalidEndpoint
 from edgecache.cache.rendezvous import unique_names
 from edgecache.clients import EdgeDataset
 from edgecache.clients.endpoints import parse_endpoint
@@ -92,6 +93,26 @@ def test_endpoints_given_as_a_list_are_told_apart_by_the_region_their_nodes_repo
     ds = EdgeDataset("split@1", endpoints=others, batch_size=64)
     assert _labels(ds) == list(range(SHARDS * ROWS))
     assert _misses(addresses) == before  # each shard from the replica that holds it
+
+
+def test_a_replicas_local_cache_beside_the_topology_reads_the_rest_from_their_owners(
+    staged,  # noqa: ANN001
+) -> None:
+    """lmdb:// beside config=/region=: the host's node's cache first, the region's routing
+    for the shards it lacks (the other replica's), nothing read through to origin."""
+    root, registry, addresses, _ = staged
+    config = root / "edgecache.yaml"
+    before = _misses(addresses)
+    local = f"lmdb://{root / 'cache-0'}"
+    ds = EdgeDataset("split@1", endpoints=[local], config=config, region="eu-west", batch_size=64)
+    assert _labels(ds) == list(range(SHARDS * ROWS))
+    assert _misses(addresses) == before
+    served = {text: s["bytes"] for text, s in ds.stats()["endpoints"].items()}
+    assert served[local] > 0 and served[addresses[1]] > 0, served  # its own, then the other's
+    with pytest.raises(InvalidEndpoint, match="lmdb:// caches alone may be given"):
+        EdgeDataset("split@1", endpoints=[local, addresses[0]], config=config, region="eu-west")
+    with pytest.raises(InvalidEndpoint, match="pass config= with it"):
+        EdgeDataset("split@1", endpoints=[local], region="eu-west")
 
 
 def test_nodes_reporting_one_id_split_by_address_and_say_so(
