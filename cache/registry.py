@@ -72,6 +72,7 @@ from edgecache.cache.preprocess.partitions import (
     RECORDED,
     hive_partitions,
     partition_fields,
+    partition_nulls,
     partitioning_mode,
     recorded,
     with_partitions,
@@ -875,6 +876,11 @@ class Registry:
             for i, (obj, rows) in enumerate(zip(objects, (d.rows for d in described), strict=True))
         ]
         found = _null_counts(objects, described, schema)
+        # A NAME=__HIVE_DEFAULT_PARTITION__ folder: every row under it null in column NAME.
+        found += partition_nulls(
+            partition_fields(options),
+            [(o.info.url, o.key, d.rows) for o, d in zip(objects, described, strict=True)],
+        )
         if nulls is not None:
             nulls.extend(found)
         else:
@@ -1282,7 +1288,7 @@ class Dropped(NamedTuple):
     """Samples of one object that the transform dropped at publish, with the first few named."""
 
     url: str
-    count: int
+    samples: int
     notes: tuple[str, ...]
 
 
@@ -1292,7 +1298,7 @@ def dropped_text(dropped: Sequence[Dropped], kept: int) -> str:
     Publish decodes every image to count the rows that remain, so it knows: a
     version that silently lost a tenth of its images looked like any other.
     """
-    count = sum(d.count for d in dropped)
+    count = sum(d.samples for d in dropped)
     notes = [n for d in dropped for n in d.notes][:3]
     more = f"; and {count - len(notes)} more" if count > len(notes) else ""
     objects = len(dropped)

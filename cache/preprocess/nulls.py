@@ -8,21 +8,27 @@ is assembled, which can be hours into training. Publish can tell beforehand, at 
 
 * a Parquet object read from its footer alone has each column chunk's
   ``null_count`` statistic (:func:`parquet_nulls`); a column without it in any
-  row group is not judged (the file is not read for it);
+  row group is not judged (the file is not read for it). A variable-length
+  list's ``null_count`` counts its empty lists too, so a list column is judged
+  from the footer's definition-level histograms instead (:func:`_list_nulls`);
 * an object read whole (CSV, JSON Lines, Arrow, or any format under a transform
   that may drop rows) has its batches, counted after the transform
-  (:func:`batch_nulls`).
+  (:func:`batch_nulls`);
+* a Hive partition folder ``NAME=__HIVE_DEFAULT_PARTITION__`` makes every row of
+  the objects under it null in column ``NAME``, from the keys alone
+  (:func:`edgecache.cache.preprocess.partitions.partition_nulls`).
 
 A null is not refused: a transform may fill it, or the reader may leave the column
 out. Publish warns, naming the column, the object and the count.
 
-Counts are of null values: a null row, and each null item inside a fixed-size list
-(Parquet's ``null_count`` of the list's leaf column counts both the same way).
+Counts are of null values: a null row, and each null item inside a list (Parquet's
+``null_count`` of a fixed-size list's leaf column counts both the same way).
 """
 
 from __future__ import annotations
 
 import shlex
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -108,13 +114,14 @@ def _leaves(kind: pa.DataType) -> int:
 
 
 def parquet_nulls(data: bytes | memoryview, schema: pa.Schema) -> dict[str, int]:
-    """Null values per column of a Parquet object, from its footer's statistics alone.
+    """Null values per column of a Parquet object, from its footer alone.
 
     ``data`` is the object, or its footer framed as one (``PAR1`` + footer);
     ``schema`` the Arrow schema the footer gives. Only columns stored as one leaf
-    (numbers, strings, lists of them) are counted, and only when every row group
-    has the statistic: where a writer left it out, nothing is said. A compressed
-    object (``.parquet.gz``) is not judged: its footer is not at hand.
+    (numbers, strings, lists of them) are counted: from the ``null_count``
+    statistic, or for a variable-length list from :func:`_list_nulls`, and only
+    when every row group answers: where a writer left it out, nothing is said. A
+    compressed object (``.parquet.gz``) is not judged: its footer is not at hand.
     """
     if compression_of(memoryview(data)[:10]) is not None:
         return {}
@@ -123,21 +130,217 @@ def parquet_nulls(data: bytes | memoryview, schema: pa.Schema) -> dict[str, int]
     if sum(widths) != meta.num_columns or len(set(schema.names)) != len(schema.names):
         return {}  # not the layout expected: say nothing rather than misname a column
     out: dict[str, int] = {}
+    footer = _Footer(data)
     leaf = 0
     for field, width in zip(schema, widths, strict=True):
         first, leaf = leaf, leaf + width
-        # A list's leaf counts its empty lists as nulls too: not judged from the footer.
-        if width != 1 or pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+        if width != 1:
             continue
-        total = 0
-        for group in range(meta.num_row_groups):
-            stats = meta.row_group(group).column(first).statistics
-            if stats is None or not stats.has_null_count:
-                break
-            total += stats.null_count
-        else:
-            out[field.name] = total
+        counts = [footer.null_count(g, first) for g in range(meta.num_row_groups)]
+        if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+            if counts and all(c == 0 for c in counts):
+                out[field.name] = 0  # no level below the leaf's own: not even an empty list
+                continue
+            if (found := _list_nulls(meta, first, footer)) is not None:
+                out[field.name] = found
+        elif None not in counts:
+            out[field.name] = sum(c for c in counts if c is not None)
     return out
+
+
+def _list_nulls(meta: pq.FileMetaData, leaf: int, footer: _Footer) -> int | None:
+    """Null values of a variable-length list column, stored as Parquet leaf ``leaf``.
+
+    The leaf's ``null_count`` statistic counts every level recorded below the
+    leaf's own: a null list, an empty list and a null item alike (pyarrow writes
+    ``[[1, 2], [], [3]]`` and ``[[1, 2], None, [3]]`` with the same statistics, and
+    the same ``num_values``), so it cannot tell. The column chunk's
+    ``SizeStatistics`` can (Parquet format 2.10; pyarrow writes them by default,
+    but does not show them, so the footer's Thrift is read here): its
+    definition-level histogram counts the entries that stop at each
+    level, and an entry stopping at an optional node is a null there, at a
+    repeated node an empty list. Summed over the levels of optional nodes, it
+    counts null lists and null items, as :func:`_array_nulls` does.
+
+    Why the histograms rather than the column's validity read from a row group:
+    they answer exactly, from the footer publish has fetched already (two small
+    ranged reads), at no extra read. A column whose schema has no optional node
+    (a non-nullable list of non-nullable items) holds no null whatever the
+    statistics say (and a writer may leave such a histogram out). Where a row
+    group lacks the histogram (an older writer) the footer cannot tell, and the
+    column is not judged (None) rather than guessed: a warning for empty lists
+    would be wrong, and the column's data is not at hand here (only the footer).
+    """
+    levels = footer.null_levels(leaf)
+    if levels is None or len(levels) != meta.schema.column(leaf).max_definition_level:
+        return None  # not the schema pyarrow read: say nothing
+    nulls = [level for level, optional in enumerate(levels) if optional]
+    if not nulls:
+        return 0
+    total = 0
+    for group in range(meta.num_row_groups):
+        histogram = footer.definition_levels(group, leaf)
+        if histogram is None or len(histogram) != len(levels) + 1:
+            return None
+        total += sum(histogram[level] for level in nulls)
+    return total
+
+
+class _Footer:
+    """What pyarrow does not show of a Parquet footer: repetitions and level histograms.
+
+    That is each node's repetition along a leaf's path, and each column chunk's
+    ``SizeStatistics.definition_level_histogram``, and the ``null_count``
+    statistics (see :meth:`null_count` for why not pyarrow's). The footer
+    (``FileMetaData``) is Thrift's compact protocol; it is decoded here once, on
+    first use (it is in memory already, and small). Anything it cannot decode is
+    not judged.
+    """
+
+    _REQUIRED, _OPTIONAL = 0, 1  # FieldRepetitionType; 2 is REPEATED
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        raw = memoryview(data)
+        length = int.from_bytes(raw[-8:-4], "little")
+        self._raw = bytes(raw[-8 - length : -8])
+        self._meta: dict[int, object] | None = None
+        self._paths: list[list[int]] | None = None
+
+    def _decoded(self) -> dict[int, object]:
+        if self._meta is None:
+            try:
+                self._meta, _ = _thrift_struct(self._raw, 0, 0)
+            except (IndexError, ValueError, struct.error):
+                self._meta = {}
+        return self._meta
+
+    def null_levels(self, leaf: int) -> list[bool] | None:
+        """For each definition level below the leaf's own, whether stopping there is a null.
+
+        Each optional or repeated node on the leaf's path (the root left out) is one
+        level: stopping at an optional node is a null there, at a repeated node an
+        empty list. None when the schema cannot be read.
+        """
+        if self._paths is None:
+            elements = self._decoded().get(2)
+            self._paths = []
+            if isinstance(elements, list) and elements:
+                try:
+                    self._walk(elements, 1, elements[0].get(5, 0), [])
+                except (AttributeError, IndexError, TypeError, RecursionError):
+                    self._paths = []  # a damaged or hostile schema: not judged
+        if leaf >= len(self._paths):
+            return None
+        return [kind == self._OPTIONAL for kind in self._paths[leaf] if kind != self._REQUIRED]
+
+    def _walk(self, elements: list, at: int, children: int, path: list[int]) -> int:
+        """Record each leaf's path of repetitions under ``children`` nodes from ``at``."""
+        for _ in range(children):
+            node = elements[at]
+            here = [*path, node.get(3, self._REQUIRED)]
+            if node.get(5):  # num_children: a group
+                at = self._walk(elements, at + 1, node[5], here)
+            else:
+                assert self._paths is not None
+                self._paths.append(here)
+                at += 1
+        return at
+
+    def null_count(self, group: int, leaf: int) -> int | None:
+        """A column chunk's ``Statistics.null_count``, if written.
+
+        Read here, not through pyarrow: pyarrow aborts the whole process (a C++
+        exception it does not catch, no Python error) making the metadata of a
+        damaged chunk that its footer reader otherwise accepts (a physical type not
+        the schema's, a level histogram of the wrong size). Reading such an object's
+        data fails later with an error naming it.
+        """
+        try:
+            count = self._decoded()[4][group][1][leaf][3][12][3]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            return None
+        return count if isinstance(count, int) and count >= 0 else None
+
+    def definition_levels(self, group: int, leaf: int) -> list[int] | None:
+        """``SizeStatistics.definition_level_histogram`` of a column chunk, if written."""
+        try:
+            chunk = self._decoded()[4][group][1][leaf]  # type: ignore[index]
+            histogram = chunk[3][16][3]
+        except (KeyError, IndexError, TypeError):
+            return None
+        return histogram if isinstance(histogram, list) else None
+
+
+def _varint(raw: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+def _zigzag(value: int) -> int:
+    return (value >> 1) ^ -(value & 1)
+
+
+_DEPTH = 32  # deeper than any Parquet footer nests: a damaged one, not recursed into
+
+
+def _thrift_value(raw: bytes, at: int, kind: int, depth: int) -> tuple[object, int]:
+    """One compact-protocol value of type ``kind`` at ``at``: ``(value, next offset)``."""
+    if kind in (1, 2):  # a boolean field holds its value in its type
+        return kind == 1, at
+    if kind == 3:
+        return raw[at], at + 1
+    if kind in (4, 5, 6):
+        value, at = _varint(raw, at)
+        return _zigzag(value), at
+    if kind == 7:
+        return struct.unpack_from("<d", raw, at)[0], at + 8
+    if kind == 8:
+        size, at = _varint(raw, at)
+        return raw[at : at + size], at + size
+    if kind in (9, 10):  # list, set
+        head = raw[at]
+        at += 1
+        size, item = head >> 4, head & 0x0F
+        if size == 15:
+            size, at = _varint(raw, at)
+        items: list[object] = []
+        for _ in range(size):
+            if item in (1, 2):  # a boolean item is one byte
+                items.append(raw[at] == 1)
+                at += 1
+            else:
+                each, at = _thrift_value(raw, at, item, depth)
+                items.append(each)
+        return items, at
+    if kind == 12:
+        return _thrift_struct(raw, at, depth + 1)
+    raise ValueError(f"Thrift type {kind} is not in a Parquet footer")
+
+
+def _thrift_struct(raw: bytes, at: int, depth: int) -> tuple[dict[int, object], int]:
+    """A compact-protocol struct at ``at`` as ``{field id: value}``, and the next offset."""
+    if depth > _DEPTH:
+        raise ValueError("Thrift nested too deep")
+    out: dict[int, object] = {}
+    field = 0
+    while True:
+        head = raw[at]
+        at += 1
+        if head == 0:  # stop
+            return out, at
+        kind, delta = head & 0x0F, head >> 4
+        if delta:
+            field += delta
+        else:
+            value, at = _varint(raw, at)
+            field = _zigzag(value)
+        out[field], at = _thrift_value(raw, at, kind, depth)
 
 
 def carried(
@@ -177,12 +380,18 @@ def carried(
 
 @dataclass(frozen=True, slots=True)
 class NullCount:
-    """``count`` null values in tensor column ``column`` (of type ``kind``) of object ``url``."""
+    """``count`` null values in tensor column ``column`` (of type ``kind``) of object ``url``.
+
+    ``folder``: for a Hive partition column, the object's key up to its
+    ``NAME=__HIVE_DEFAULT_PARTITION__`` folder, which makes every row null (the
+    advice then differs: the data has no such column to fill or select out).
+    """
 
     column: str
     kind: str
     url: str
     count: int
+    folder: str = ""
 
 
 _SELECT_CHARS = 300  # a longer select= is said in words: a command must be pasted whole
@@ -226,11 +435,14 @@ def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[st
     """One warning per column with nulls: where, how many, why it matters, what to do.
 
     ``columns``: the version's columns, to spell a ``select=`` that leaves them out.
+    A partition column's nulls (a ``folder`` given) are told their folder and the
+    ways out of it instead: no ``select=`` reaches a column made of folders.
     """
     by_column: dict[str, list[NullCount]] = {}
     for each in found:
         by_column.setdefault(each.column, []).append(each)
-    version = _select_advice([n for n in columns if n not in by_column], list(by_column))
+    in_data = [n for n, counts in by_column.items() if not counts[0].folder]
+    version = _select_advice([n for n in columns if n not in by_column], in_data)
     out = []
     for column, counts in by_column.items():
         total = sum(c.count for c in counts)
@@ -238,12 +450,51 @@ def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[st
         more = f" and {len(counts) - 3} more" if counts[3:] else ""
         objects = f"{len(counts)} object{'s' if len(counts) != 1 else ''}"
         form, keeps = _forms(counts[0].kind)
+        where = _partition_cause(column, counts) if counts[0].folder else ""
+        fix = (
+            _partition_fix(column, counts, keeps)
+            if counts[0].folder
+            else f"Fill the nulls at the source and publish again, {keeps}or leave the "
+            f"column out {version}"
+        )
         out.append(
             f"column {column!r} ({counts[0].kind}) holds {total:,} null"
-            f"{'s' if total != 1 else ''} in {objects} ({listed}{more}); "
+            f"{'s' if total != 1 else ''} in {objects} ({listed}{more}){where}; "
             f"{form}, which holds no null, so the batch holding one raises "
-            "ValueError mid-epoch. Fill the nulls at the source and publish again, "
-            f"{keeps}or leave the column out {version}of the reader "
-            "(EdgeDataset columns=[...] without it)"
+            f"ValueError mid-epoch. {fix}of the reader (EdgeDataset columns=[...] without it)"
         )
     return out
+
+
+def _partition_cause(column: str, counts: Sequence[NullCount]) -> str:
+    """Why a partition column holds nulls: the folder, as its keys spell it."""
+    folder = counts[0].folder.rsplit("/", 1)[-1]
+    return (
+        f": they sit under the folder {folder}, Hive's, Spark's and pyarrow's name for a "
+        f"null {column}, and publish makes a column of each key=value folder"
+    )
+
+
+def _partition_fix(column: str, counts: Sequence[NullCount], keeps: str) -> str:
+    """What to do about a partition column's nulls: name them, leave them out, or the column.
+
+    The data has no such column to fill or to select out (``--transform columns``
+    sees the data's columns; the folders are added after it), so the way out is
+    the folder itself: an ``--exclude`` pattern that matches the objects under
+    it (keys under other folders first need a ``*/`` before it). ``keeps``: the
+    reader's form that keeps nulls, as :func:`_forms` gives it.
+    """
+    folder = counts[0].folder.rsplit("/", 1)[-1]
+    escaped = "".join(f"[{c}]" if c in "*?[" else c for c in folder)
+    patterns = []
+    if any("/" not in c.folder for c in counts):
+        patterns.append(f"{escaped}/*")
+    if any("/" in c.folder for c in counts):
+        patterns.append(f"*/{escaped}/*")
+    exclude = " ".join(f"--exclude {shlex.quote(p)}" for p in patterns)
+    them = "them" if len(counts) != 1 else "it"
+    return (
+        f"Give those objects a {column} at the source (move {them} to a {column}=VALUE "
+        f"folder) and publish again, leave {them} out ({exclude}), publish with "
+        f"--partitioning none to make no column of the folders, {keeps}or leave the column out "
+    )

@@ -10,7 +10,8 @@ At publish the values come from the keys (no extra reads): the ``key=value``
 folders below the source prefix must name the same keys in the same order in
 every object's key, and each key's type is inferred from all its values
 (``int64`` when every value is an integer literal, else ``string``;
-``__HIVE_DEFAULT_PARTITION__`` is null). The result is recorded in the
+``__HIVE_DEFAULT_PARTITION__`` is null, and :func:`partition_nulls` says so at
+publish, as for a null in the data). The result is recorded in the
 version's ``source_options`` as ``hive_partitions=year=int64,month=int64``,
 so every node adds the same columns with the same types, after the
 transform's own, and the version's digest covers them. A version without that
@@ -27,6 +28,8 @@ from urllib.parse import unquote
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
+from edgecache.cache.preprocess.arrow_types import type_label
+from edgecache.cache.preprocess.nulls import NullCount, tensor_type
 
 __all__ = [
     "PARTITIONING",
@@ -34,6 +37,7 @@ __all__ = [
     "add_partitions",
     "hive_partitions",
     "partition_fields",
+    "partition_nulls",
     "partition_values",
     "partition_scalars",
     "partitioning_mode",
@@ -212,6 +216,34 @@ def partition_scalars(fields: Sequence[pa.Field], key: str, source: str) -> list
             out.append(pa.scalar(int(value), field.type))
         else:
             out.append(pa.scalar(value, field.type))
+    return out
+
+
+def partition_nulls(
+    fields: Sequence[pa.Field], objects: Sequence[tuple[str, str, int]]
+) -> list[NullCount]:
+    """The nulls ``__HIVE_DEFAULT_PARTITION__`` folders put in the partition columns.
+
+    ``fields``: the recorded partitions (:func:`partition_fields`); ``objects``:
+    ``(url, key under the source prefix, rows)`` of each object. Every row of an
+    object under ``NAME=__HIVE_DEFAULT_PARTITION__`` is null in column ``NAME``
+    (a node adds a null there, :func:`partition_scalars`), and EdgeDataset makes a
+    tensor of an ``int64`` column and a packed column of a ``string`` one, neither
+    of which holds a null: the same warning as a null in the data's own columns
+    (:mod:`.nulls`), from the keys alone. Each count's ``folder`` is the key up to
+    that folder, to name it. Column by column, then object by object.
+    """
+    out = []
+    for index, field in enumerate(fields):
+        if not tensor_type(field.type):
+            continue
+        for url, key, rows in objects:
+            parts = key.split("/")
+            # Where each key=value folder is in the key, in path order (as partition_values).
+            at = [i for i, part in enumerate(parts[:-1]) if "=" in part]
+            if index < len(at) and unquote(parts[at[index]].partition("=")[2]) == NULL_VALUE:
+                folder = "/".join(parts[: at[index] + 1])
+                out.append(NullCount(field.name, type_label(field.type), url, rows, folder))
     return out
 
 

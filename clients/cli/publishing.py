@@ -483,7 +483,7 @@ def publish(
                         for n in nulls
                     ],
                     "dropped": [
-                        {"object": d.url, "count": d.count, "samples": list(d.notes)}
+                        {"object": d.url, "count": d.samples, "samples": list(d.notes)}
                         for d in dropped
                     ],
                     "warnings": found,
