@@ -9,7 +9,9 @@ segments retransmitted during a multi-stream upload into each node's
 :mod:`edgecache.cache.tcp_stats`); twenty pings could never resolve 0.1 %.
 With ``node_paths`` the nodes measure their own paths to origin (where shard
 data is), to the registry (where manifests are) and to their peer regions'
-nodes (``Diagnose``), so a slow origin link is found where it is.
+nodes (``Diagnose``), so a slow origin link is found where it is. Each
+node's registry (its ``Status``) is checked against the topology's: a node
+that reads another answers everything else normally.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
+from edgecache.cache.registry_match import RegistryMatch, check_registry
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
@@ -50,7 +53,13 @@ class PathCheck:
     segments_sent: int = 0
     segments_retransmitted: int = 0
     loss: float | None = None  # retransmitted / sent during the upload (None: unknown)
+    # The registry the node says it reads (None: it did not say, or did not answer), and
+    # how it compares with the topology's (RegistryMatch's value; None: not asked).
+    registry: str | None = None
+    registry_match: str | None = None
     problems: list[str] = field(default_factory=list)
+    # What may be wrong but need not be (a registry's local path that differs): no failure.
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         """For ``--json``."""
@@ -75,6 +84,7 @@ def check_paths(
             rtt, jitter = result.rtt_ms, result.jitter_ms
             check = PathCheck(region, node, rtt, jitter, result.lost / pings, None)
             if result.samples_ms:
+                _check_registry(check, channel, topology.registry, bearer(token))
                 check.throughput_mb_s = _throughput(channel, throughput_seconds / 2, bearer(token))
                 _upload(check, channel, throughput_seconds / 2, streams, bearer(token))
             channel.close()
@@ -91,6 +101,36 @@ def check_paths(
                 check.problems.append(f"{check.ping_loss:.0%} of health checks failed")
             out.append(check)
     return out
+
+
+def _check_registry(
+    check: PathCheck,
+    channel: grpc.Channel,
+    registry: str,
+    metadata: tuple[tuple[str, str], ...] | None,
+) -> None:
+    """The node's registry (from its ``Status``) against the topology's ``registry``.
+
+    Another object-store URL is a problem: the node answers everything but
+    finds none of the versions published where this topology looks. A
+    ``file://`` path that differs is a warning (the same folder may be mounted
+    at another path where the node runs: :func:`check_registry`). A node that
+    does not say (older than ``NodeStatus.registry``), or refuses ``Status``,
+    is not judged.
+    """
+    try:
+        status = edge_pb2_grpc.EdgeCacheStub(channel).Status(
+            edge_pb2.StatusRequest(), timeout=3, metadata=metadata
+        )
+    except grpc.RpcError:
+        return  # a node that answers health but not Status: its other tests say why
+    found = check_registry(check.node, registry, status.registry)
+    check.registry = found.theirs or None
+    check.registry_match = found.match.value
+    if found.match is RegistryMatch.DIFFERS:
+        check.problems.append(f"another registry: {found.message()}")
+    elif found.match is RegistryMatch.PATH_DIFFERS:
+        check.warnings.append(f"the registry's path differs: {found.message()}")
 
 
 def _surely_above(check: PathCheck | NodePath, limit: float) -> bool:

@@ -105,20 +105,24 @@ class NodesSeen:
     pins: Mapping[tuple[str, VersionKey], datetime] = field(default_factory=dict)
     # address → the id each answering node reports: what replicas split shards by
     names: Mapping[str, str] = field(default_factory=dict)
+    # address → the registry each answering node reads ("" from a node too old to say):
+    # staging refuses a node that reads another than the topology's
+    registries: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, reports: Sequence[NodeReport]) -> NodesSeen:
         """Read ``reports`` (:func:`~edgecache.clients.ops.gather_status`)."""
-        down, pins = set(), {}
+        down, pins, registries = set(), {}, {}
         for report in reports:
             if report.status is None:
                 down.add(report.address)
                 continue
+            registries[report.address] = report.status.registry
             for v in report.status.versions:
                 if v.HasField("pinned_until"):
                     until = v.pinned_until.ToDatetime(tzinfo=UTC)
                     pins[(report.address, (v.dataset, v.version))] = until
-        return cls(frozenset(down), pins, replica_names(reports))
+        return cls(frozenset(down), pins, replica_names(reports), registries)
 
 
 @dataclass
@@ -374,6 +378,9 @@ class PlanExecutor:
         # address → node id, from the status rounds seen (NodesSeen.names): staging splits
         # a version's shards by them
         self._names: dict[str, str] = {}
+        # address → the registry the node reads, from the same rounds (NodesSeen.registries):
+        # staging refuses a node that reads another than the topology's
+        self._registries: dict[str, str] = {}
 
     # ------------------------------------------------------------------ pins
 
@@ -393,6 +400,7 @@ class PlanExecutor:
         seen = self._see(gather_status(self.topology, token=self.token)) if seen is None else seen
         self._pins_seen = dict(seen.pins)
         self._names.update(seen.names)
+        self._registries.update(seen.registries)
         calls = self.calls
         failures = []
         for region, region_plan in plan.regions.items():
@@ -529,6 +537,7 @@ class PlanExecutor:
         self.calls.down |= seen.down
         self._pins_seen = dict(seen.pins)
         self._names.update(seen.names)
+        self._registries.update(seen.registries)
         return seen
 
     def _node_call(
@@ -687,7 +696,9 @@ class PlanExecutor:
         The region's nodes :attr:`calls` holds as down are the item's ``down``:
         never called, the nodes that answer split the whole version between
         them (:func:`~edgecache.clients.ops.stage_item`); the source's down
-        nodes are left out of the peers.
+        nodes are left out of the peers. The item carries the topology's
+        registry and the ones the nodes said they read, so a node that reads
+        another is refused before staging.
         """
         manifest = next(m for m in manifests.values() if (m.dataset, m.version) == task.version)
         peers = [] if task.source == "origin" else list(self.topology.regions[task.source].nodes)
@@ -705,6 +716,8 @@ class PlanExecutor:
             peers=peers,
             down=[node for node in nodes if node in self.calls.down],
             names={node: self._names[node] for node in nodes if node in self._names},
+            registry=self.topology.registry,
+            registries={n: self._registries[n] for n in nodes if n in self._registries},
         )
         return TaskRun(task, item)
 

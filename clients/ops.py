@@ -48,6 +48,7 @@ from edgecache.cache.planner import (
     plan,
 )
 from edgecache.cache.registry import Registry
+from edgecache.cache.registry_match import RegistryMatch, check_registry
 from edgecache.cache.storage import Stores
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import (
@@ -349,7 +350,11 @@ def _share_rows(
     """Rows for the jobs whose versions, not held yet, no node split lets their region hold.
 
     The plan counts a region's capacity as one pool (:func:`share_overflow` says
-    why that is not enough); a job is checked with all its versions at once.
+    why that is not enough). A job is checked with every version the region
+    must hold while it runs: its own and those of the jobs there whose time
+    overlaps it, the ones held already at what each node holds of them. Checked
+    a job at a time, two jobs' versions whose shards hash to one node were each
+    said to fit, and the second one's warm failed RESOURCE_EXHAUSTED there.
     """
     by_key = {(m.dataset, m.version): m for m in manifests.values()}
     unmet = {(row.job, row.version) for row in result.infeasible}
@@ -359,7 +364,24 @@ def _share_rows(
             continue
         whole = {v for v, h in held.get(job.region, {}).items() if h.complete}
         staged = [by_key[v] for v in job.versions if v not in whole and v in by_key]
-        why = share_overflow(topology, reports, job.region, staged, sizes) if staged else None
+        if not staged:
+            continue
+        together = [
+            v
+            for other in jobs
+            if other.region == job.region and other.start < job.end and job.start < other.end
+            for v in other.versions
+            if v in by_key
+        ]
+        needed = list(dict.fromkeys([*((m.dataset, m.version) for m in staged), *together]))
+        why = share_overflow(
+            topology,
+            reports,
+            job.region,
+            [by_key[v] for v in needed if v not in whole],
+            sizes,
+            kept=[v for v in needed if v in whole],
+        )
         if why is None:
             continue
         for m in staged:
@@ -375,6 +397,7 @@ def share_overflow(
     region: str,
     manifests: Sequence[pb.Manifest],
     sizes: Mapping[VersionKey, VersionSize],
+    kept: Sequence[VersionKey] = (),
 ) -> str | None:
     """Why the region's nodes cannot hold these versions at once, node by node; or None.
 
@@ -384,7 +407,8 @@ def share_overflow(
     in a region of two 2.5 MiB nodes (3.5 MiB in all, in 5 MiB) put all four on
     one node: plan and its dry run said they fit, and every warm failed there
     RESOURCE_EXHAUSTED. A share's bytes are the version's stored bytes in the
-    proportion of its shards' source bytes.
+    proportion of its shards' source bytes. ``kept``: versions the region holds
+    whole and keeps meanwhile, counted at what each node holds of them.
     """
     alive = {
         r.address: _room(r.status) for r in reports if r.region == region and r.status is not None
@@ -395,6 +419,10 @@ def share_overflow(
     names = replica_names(reports)
     share = dict.fromkeys(nodes, 0)
     owned = dict.fromkeys(nodes, 0)
+    holds = dict.fromkeys(nodes, 0)  # of the kept versions
+    for report, v in _resident(reports):
+        if report.address in holds and (v.dataset, v.version) in kept:
+            holds[report.address] += v.stored_bytes
     for manifest in manifests:
         key = (manifest.dataset, manifest.version)
         stored, source = sizes[key].stored, sum(s.source_size for s in manifest.shards)
@@ -403,19 +431,26 @@ def share_overflow(
             part = shard.source_size / source if source else 1 / len(manifest.shards)
             share[node] += math.ceil(stored * part)
             owned[node] += 1
-    over = [node for node in nodes if share[node] > alive[node]]
+    over = [node for node in nodes if share[node] + holds[node] > alive[node]]
     if not over:
         return None
-    node = max(over, key=lambda n: share[n] - alive[n])
+    node = max(over, key=lambda n: share[n] + holds[n] - alive[n])
     specs = ", ".join(f"{m.dataset}@{m.version}" for m in manifests)
     shards = sum(len(m.shards) for m in manifests)
+    beside = (
+        f" beside the {format_bytes(holds[node])} it holds of "
+        f"{', '.join(f'{d}@{n}' for d, n in kept)}, kept meanwhile,"
+        if holds[node]
+        else ""
+    )
     return (
         f"{node}'s share of {specs} ({owned[node]} of {shards} shards, "
-        f"{format_bytes(share[node])}) is more than its cache holds "
+        f"{format_bytes(share[node])}){beside} is more than its cache holds "
         f"({format_bytes(alive[node])}): replicas split a version's shards by hash and each "
         f"keeps its own share, so the region's capacities add up only as far as the shares "
-        f"are even; give {node} at least {format_bytes(share[node] - alive[node])} more "
-        "(its --capacity), or publish the version with more, smaller shards"
+        f"are even; give {node} at least "
+        f"{format_bytes(share[node] + holds[node] - alive[node])} more (its --capacity), "
+        "or publish the versions with more, smaller shards"
     )
 
 
@@ -807,6 +842,12 @@ class WarmItem:
     # Address → the node's id, which replicas split shards by (replica_names); a node
     # missing here is asked for it before its share is worked out (stage_item).
     names: dict[str, str] = field(default_factory=dict)
+    # The registry the version was resolved in (the topology's); set, a node that reads
+    # another is not called (check_registry). Empty: nodes are not checked.
+    registry: str = ""
+    # Address → the registry the node says it reads ("" for a node too old to say); a
+    # node missing here is asked before staging, when ``registry`` is set (stage_item).
+    registries: dict[str, str] = field(default_factory=dict)
     bytes_done: int = 0  # progress, as a share of bytes_total
     origin_bytes: int = 0  # what the nodes said they fetched from origin (source bytes)
     peer_bytes: int = 0  # what the nodes said they copied from peers (stored bytes)
@@ -836,16 +877,22 @@ def _shares(item: WarmItem, nodes: Sequence[str]) -> dict[str, list[int]]:
     }
 
 
-def _learn_names(item: WarmItem, token: str | None) -> None:
-    """Ask the item's nodes whose ids it lacks for them (one Status call each).
+def _learn_nodes(item: WarmItem, token: str | None) -> None:
+    """Ask the item's nodes for what it lacks of them (one Status call each, at most).
 
-    A node that does not answer keeps its address as its name: it is down,
-    its share goes to the others, and readers, who rank only nodes that
-    answer, look for its shards where the others' ranking puts them.
+    Their ids, when replicas split the shards by them; their registries, when
+    the item is checked against one. A node that does not answer keeps its
+    address as its name: it is down, its share goes to the others, and
+    readers, who rank only nodes that answer, look for its shards where the
+    others' ranking puts them. Its registry stays unknown (not refused): its
+    Stage call fails its own way.
     """
+    names = _split(item)
     ids = dict(item.names)
     for node in item.nodes:
-        if node in ids or node in item.down:
+        if node in item.down:
+            continue
+        if (not names or node in ids) and (not item.registry or node in item.registries):
             continue
         channel = open_channel(node)
         try:
@@ -853,19 +900,49 @@ def _learn_names(item: WarmItem, token: str | None) -> None:
                 edge_pb2.StatusRequest(), timeout=5.0, metadata=bearer(token)
             )
         except grpc.RpcError as exc:
-            # Split by its address here, while readers that learn its id look for its
-            # shards by that: said, so a run once it answers can put them right.
-            item.notes.append(
-                f"{node} did not say its node id ({describe(exc)}): its shards were split "
-                "by its address, where readers that learn its id may not look; run warm again "
-                "once it answers"
-            )
+            if names and node not in ids:
+                # Split by its address here, while readers that learn its id look for its
+                # shards by that: said, so a run once it answers can put them right.
+                item.notes.append(
+                    f"{node} did not say its node id ({describe(exc)}): its shards were split "
+                    "by its address, where readers that learn its id may not look; run warm "
+                    "again once it answers"
+                )
             continue
         finally:
             channel.close()
         if status.node_id:
             ids[node] = status.node_id
-    item.names = rendezvous.unique_names(ids)
+        item.registries[node] = status.registry
+    if names:
+        item.names = rendezvous.unique_names(ids)
+
+
+def _other_registries(item: WarmItem) -> dict[str, str]:
+    """The item's nodes that read another registry than ``item.registry`` → the refusal.
+
+    Checked before any Stage call: such a node answers health checks and
+    status like the others, and would fail every shard NOT_FOUND (or stage
+    another registry's version of the same name), so it is not called, and
+    the failure names both registries and what to set. A ``file://`` path
+    that differs only earns a note (the same folder may be mounted at another
+    path where the node runs: :func:`~edgecache.cache.registry_match.check_registry`);
+    a node that does not say (an older one) is not judged.
+    """
+    if not item.registry:
+        return {}
+    refused = {}
+    for node in item.nodes:
+        if node in item.down or node not in item.registries:
+            continue
+        check = check_registry(node, item.registry, item.registries[node])
+        if check.refuses:
+            refused[node] = f"not staging {item.spec}: {check.message()}"
+        elif check.match is RegistryMatch.PATH_DIFFERS and (note := check.message()) not in (
+            item.notes
+        ):
+            item.notes.append(note)
+    return refused
 
 
 def _silent(address: str) -> str | None:
@@ -904,15 +981,22 @@ def stage_item(
     share. That is the owner ``EdgeDataset`` asks first while the node is
     down (it ranks the replicas that answer), and a note names the nodes
     whose share moved. A region of one node that is down fails, uncalled.
+
+    With ``item.registry`` set, a node that reads another registry is not
+    called either (:func:`_other_registries`): a failure names both
+    registries, and the nodes that read the right one stage its share.
     """
     stop = stop or threading.Event()
     dataset, version = parse_spec(item.spec)
     request = edge_pb2.StageRequest(dataset=dataset, version=version or 0, peers=item.peers)
     if item.pin_until is not None:
         request.pin_until.FromDatetime(item.pin_until.astimezone(UTC).replace(tzinfo=None))
-    if _split(item):
-        _learn_names(item, token)  # the ids shards are split by, as readers rank them
-    live = [node for node in item.nodes if node not in item.down]
+    _learn_nodes(item, token)  # the ids shards are split by (as readers rank them), registries
+    # A node reading another registry is refused before any Stage call: treated as down
+    # for the split (its share goes where readers look next), and a failure of the item.
+    refused = _other_registries(item)
+    item.failures.extend(why for why in refused.values() if why not in item.failures)
+    live = [node for node in item.nodes if node not in item.down and node not in refused]
     lost = {node: "" for node in item.nodes if node in item.down}  # node → why, if known
     asked: dict[str, set[int]] = {}  # node → the shards it staged (split items)
     finished = 0  # shards staged by the calls before this one
@@ -940,13 +1024,24 @@ def stage_item(
                 break
             else:
                 item.failures.append(outcome[0])
-    if not live:
+    if not live and (lost or not refused):
         nodes = "; ".join(f"{node} ({why or 'no answer'})" for node, why in lost.items())
+        which = "other node" if refused else "node"
         item.failures.append(
-            f"staging {item.spec}: no node of {item.region} answers: {nodes}; check that they "
-            "run and are reachable from here (edgecache status, edgecache doctor), then try again"
+            f"staging {item.spec}: no {which} of {item.region} answers: {nodes}; check that "
+            "they run and are reachable from here (edgecache status, edgecache doctor), then "
+            "try again"
         )
-    elif lost and _split(item):
+    elif live and refused and _split(item):
+        owned = _shares(item, item.nodes)
+        for node in refused:
+            share = len(owned[node])
+            if share:
+                item.notes.append(
+                    f"{node} reads another registry: its share ({share} of "
+                    f"{item.shard_count} shards) was staged on {', '.join(live)}"
+                )
+    if live and lost and _split(item):
         owned = _shares(item, item.nodes)
         for node, why in lost.items():
             share = len(owned[node])
@@ -1126,6 +1221,7 @@ def warm_items_for_plan(
             task.bytes,
             pin_until=max(ends[j] for j in task.jobs),
             shard_count=shard_counts[task.spec],
+            registry=topology.registry,
         )
         for name, region_plan in result.regions.items()
         for task in region_plan.tasks
@@ -1141,6 +1237,7 @@ def warm_item_for_version(topology: Topology, region: str, manifest: pb.Manifest
         nodes,
         sum(s.source_size for s in manifest.shards),
         shard_count=len(manifest.shards),
+        registry=topology.registry,
     )
 
 

@@ -69,6 +69,7 @@ from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.names import LATEST, validate_name
 from edgecache.cache.preprocess import Transform, load_transform, resource_refs
 from edgecache.cache.registry import Registry, fetch_resources, resource_url
+from edgecache.cache.registry_match import registry_key
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.units import format_bytes
@@ -1580,6 +1581,9 @@ class EdgeNode:
             disk_free_bytes=self._free_bytes(),
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
+            # Which registry this node reads, so clients can tell a node set up with another
+            # one; without credentials (any client that may call Status reads it).
+            registry=registry_key(self.registry.url),
         )
         for v in self.store.versions():
             known = self._manifests.get((v.dataset, v.version)) or self._kept_manifest(v)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
@@ -152,14 +153,25 @@ def status(
 ) -> None:
     """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio.
 
-    Exit codes: 0 every node answered; 1 a node is down (listed); 2 bad input
-    (the topology file, or a token a node refused or needs: --token-file).
+    A node that reads another registry than the topology's is flagged (warm
+    refuses to stage on it), without changing the exit code. Exit codes: 0
+    every node answered; 1 a node is down (listed); 2 bad input (the topology
+    file, or a token a node refused or needs: --token-file).
     """
+    from edgecache.cache.registry_match import RegistryMatch, check_registry
     from edgecache.clients.ops import gather_status
 
     options = Options(config, token_file)
     with reporting():
-        reports = gather_status(options.topology, token=options.token)
+        topology = options.topology
+        reports = gather_status(topology, token=options.token)
+    # Each answering node's registry against the topology's: a node set up with another
+    # one answers health and status like the others, and fails every stage NOT_FOUND.
+    registries = {
+        r.address: check_registry(r.address, topology.registry, r.status.registry)
+        for r in reports
+        if r.status is not None
+    }
     if as_json:
         print(
             json.dumps(
@@ -179,6 +191,12 @@ def status(
                         "hits": r.status.hits if r.status else None,
                         "misses": r.status.misses if r.status else None,
                         "bytes_served": r.status.bytes_served if r.status else None,
+                        # The registry the node reads (null: it did not say, or is down),
+                        # and how it compares with the topology's: same, differs,
+                        # path_differs (a file:// path: maybe one folder mounted apart),
+                        # unknown (a node older than the field).
+                        "registry": r.status.registry or None if r.status else None,
+                        "registry_match": registries[r.address].match.value if r.status else None,
                         "versions": [
                             {
                                 "version": f"{v.dataset}@{v.version}",
@@ -207,11 +225,19 @@ def status(
                 continue
             s = r.status
             lookups = s.hits + s.misses
+            match = registries[r.address].match
             rows.append(
                 [
                     r.region,
                     r.address,
-                    "[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]",
+                    ("[green]serving[/green]" if r.healthy else "[yellow]draining[/yellow]")
+                    + (
+                        "\n[red]other registry[/red]"
+                        if match is RegistryMatch.DIFFERS
+                        else "\n[yellow]registry path differs[/yellow]"
+                        if match is RegistryMatch.PATH_DIFFERS
+                        else ""
+                    ),
                     f"{r.rtt_ms:.2f} ms",
                     f"{format_bytes(s.used_bytes)} / {format_bytes(s.capacity_bytes)}"
                     + (
@@ -246,9 +272,25 @@ def status(
                     f"credentials:[/yellow] {r.error}",
                     to_stderr=True,
                 )
-            elif r.status is None:
+                continue
+            if r.status is None:
                 line(f"[red]{r.region} {r.address} is down:[/red] {r.error}", to_stderr=True)
-            elif r.status.disk_full:
+                continue
+            check = registries[r.address]
+            if check.match is RegistryMatch.DIFFERS:
+                # Not a failure of status (the node is up): warm refuses to stage on it,
+                # and doctor fails it.
+                line(
+                    f"[red]{r.region}: another registry:[/red] {escape(check.message())}",
+                    to_stderr=True,
+                )
+            elif check.match is RegistryMatch.PATH_DIFFERS:
+                line(
+                    f"[yellow]{r.region}: the registry's path differs:[/yellow] "
+                    f"{escape(check.message())}",
+                    to_stderr=True,
+                )
+            if r.status.disk_full:
                 line(
                     f"[red]{r.region} {r.address}: its cache's disk is full[/red] "
                     f"({format_bytes(r.status.disk_free_bytes)} free): staging fails until "
@@ -363,8 +405,10 @@ def doctor(
     """Check the network paths to every node (and, with --node-paths, from them) and TCP settings.
 
     Loss is TCP's: segments retransmitted during a multi-stream upload (no
-    figure below 2,000 segments). Exit codes: 0 a clean bill of health; 1 a
-    problem (listed with what would fix it); 2 bad input.
+    figure below 2,000 segments). A node that reads another registry than the
+    topology's is a problem (a file:// path that differs, a warning). Exit
+    codes: 0 a clean bill of health; 1 a problem (listed with what would fix
+    it); 2 bad input.
     """
     from edgecache.clients.doctor import check_host, check_node_paths, check_paths
 
@@ -409,8 +453,9 @@ def doctor(
     def mb_s(value: float | None) -> str:
         return "—" if value is None else f"{value:,.0f} MB/s"
 
-    def verdict(problems: list[str]) -> str:
-        return "[red]" + "; ".join(problems) + "[/red]" if problems else "[green]ok[/green]"
+    def verdict(problems: list[str], warnings: list[str] | None = None) -> str:
+        said = "[red]" + escape("; ".join(problems)) + "[/red]" if problems else "[green]ok[/green]"
+        return said + "".join(f"\n[yellow]{escape(w)}[/yellow]" for w in warnings or [])
 
     table(
         "network paths from this host",
@@ -433,7 +478,7 @@ def doctor(
                 loss(p.loss, p.segments_sent),
                 mb_s(p.throughput_mb_s),
                 mb_s(p.upload_mb_s) + (f" ×{p.streams}" if p.upload_mb_s else ""),
-                verdict(p.problems),
+                verdict(p.problems, p.warnings),
             ]
             for p in paths
         ],

@@ -523,6 +523,9 @@ def warm(
         # degraded"): readers look for that share on the silent node. The same rule holds
         # here: staged on the nodes that answer, failing naming the others.
         reports = ops.gather_status(topology, token=token, regions={item.region})
+        # The registry each node reads, from the same round: one reading another is
+        # refused before staging (ops.stage_item), not asked again.
+        item.registries.update({r.address: r.status.registry for r in reports if r.status})
         warmed = (
             _rehearse_single(item, manifest, reports)
             if dry_run
