@@ -69,7 +69,7 @@ from edgecache.cache.manifest import manifest_from_bytes
 from edgecache.cache.names import LATEST, validate_name
 from edgecache.cache.preprocess import Transform, load_transform, resource_refs
 from edgecache.cache.registry import Registry, fetch_resources, resource_url
-from edgecache.cache.registry_match import registry_key
+from edgecache.cache.registry_match import registry_key, shown_url
 from edgecache.cache.storage import ObjectInfo, Stores
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.units import format_bytes
@@ -202,6 +202,7 @@ class EdgeNode:
         self._registry_retries_counted = 0  # and registry ones in edgecache_registry_retries_total
         # Before the store: a registry URL no store serves fails with nothing to close.
         self.registry = Registry(config.registry, self.registry_stores)
+        self.registry_shown = shown_url(self.registry.url)  # in messages: no credentials
         self.store = store or CacheStore(
             config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
         )
@@ -437,7 +438,7 @@ class EdgeNode:
         if digest != manifest.digest:
             raise OriginChanged(
                 f"{dataset}@{version} has digest {manifest.digest} here and in the registry "
-                f"{self.registry.url}, not the reader's {digest}: the reader resolved it from "
+                f"{self.registry_shown}, not the reader's {digest}: the reader resolved it from "
                 "another registry, or before the version was changed there; resolve the "
                 "version again (a new EdgeDataset) against this node's registry"
             )
@@ -495,7 +496,7 @@ class EdgeNode:
             if isinstance(exc, VersionNotFound):
                 raise
             raise OriginError(
-                f"the registry {self.registry.url} is unreachable and {dataset}@{version} "
+                f"the registry {self.registry_shown} is unreachable and {dataset}@{version} "
                 f"{locally} by this node: {exc}"
             ) from exc
         finally:
@@ -583,7 +584,7 @@ class EdgeNode:
         kept = self._manifests[key]
         spec = f"{key[0]}@{key[1]}"
         raise OriginChanged(
-            f"{spec} was changed in the registry {self.registry.url} after this node cached "
+            f"{spec} was changed in the registry {self.registry_shown} after this node cached "
             f"it: digest {kept.digest} here, {changed.digest} in the registry now. A "
             f"published version must never change (a registry reset or a hand edit?), so "
             f"this node serves neither as {spec}: publish the new content as a new version "

@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.preprocess.text import tokenise_on_callers_threads
+from edgecache.cache.registry_match import shown_url
 from edgecache.cache.storage import s3
 from edgecache.edge.allocator import keep_message_buffers
 from edgecache.edge.call_limits import (
@@ -380,7 +381,7 @@ class NodeServer:
             config.region,
             self.address,
             config.cache_dir,
-            config.registry,
+            shown_url(config.registry),  # without credentials a URL may carry
         )
         for problem in exposure(config, self.port):
             log.warning("%s", problem)

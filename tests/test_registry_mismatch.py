@@ -12,6 +12,7 @@ Stage call. Real nodes on loopback, a registry on moto's S3 server, a
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -228,12 +229,16 @@ def test_a_node_that_does_not_say_its_registry_is_unknown_not_a_mismatch(
         assert held(node.address) == {"d@1": 2}
 
 
-def test_a_node_reports_its_registry_without_credentials(tmp_path: Path) -> None:
+def test_a_node_reports_its_registry_without_credentials(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A registry URL may carry a user:password or a signed query: Status (which any client
-    allowed to read may call) shows neither."""
+    allowed to read may call) shows neither, nor does the node's log."""
     url = "https://reader:s3cret@127.0.0.1:9/_edgecache/?X-Amz-Signature=abc#frag"
-    with running_node(node_settings(tmp_path, url)) as node:
+    with caplog.at_level(logging.INFO), running_node(node_settings(tmp_path, url)) as node:
         said = stub(node.address).Status(edge_pb2.StatusRequest()).registry
+    assert "serving on" in caplog.text and "https://127.0.0.1:9/_edgecache" in caplog.text
+    assert "s3cret" not in caplog.text and "Signature" not in caplog.text, caplog.text
     assert said == "https://127.0.0.1:9/_edgecache", said
     assert "s3cret" not in said and "reader" not in said and "Signature" not in said
 
