@@ -918,7 +918,7 @@ def _learn_nodes(item: WarmItem, token: str | None) -> None:
         item.names = rendezvous.unique_names(ids)
 
 
-def _other_registries(item: WarmItem) -> dict[str, str]:
+def other_registries(item: WarmItem) -> dict[str, str]:
     """The item's nodes that read another registry than ``item.registry`` → the refusal.
 
     Checked before any Stage call: such a node answers health checks and
@@ -983,7 +983,7 @@ def stage_item(
     whose share moved. A region of one node that is down fails, uncalled.
 
     With ``item.registry`` set, a node that reads another registry is not
-    called either (:func:`_other_registries`): a failure names both
+    called either (:func:`other_registries`): a failure names both
     registries, and the nodes that read the right one stage its share.
     """
     stop = stop or threading.Event()
@@ -994,7 +994,7 @@ def stage_item(
     _learn_nodes(item, token)  # the ids shards are split by (as readers rank them), registries
     # A node reading another registry is refused before any Stage call: treated as down
     # for the split (its share goes where readers look next), and a failure of the item.
-    refused = _other_registries(item)
+    refused = other_registries(item)
     item.failures.extend(why for why in refused.values() if why not in item.failures)
     live = [node for node in item.nodes if node not in item.down and node not in refused]
     lost = {node: "" for node in item.nodes if node in item.down}  # node → why, if known

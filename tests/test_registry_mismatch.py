@@ -122,6 +122,10 @@ def test_doctor_fails_a_node_reading_another_registry(site) -> None:
 def test_warm_refuses_a_node_reading_another_registry_before_staging(site) -> None:
     topology, registry, nodes = site
     bucket = registry.split("/")[2]
+    rehearsed = cli(topology, "warm", "d@1", "--region", "eu", "--dry-run", "--json")
+    assert rehearsed.exit_code == 1, rehearsed.output  # as the real run will
+    (row,) = json.loads(rehearsed.stdout)["items"]
+    assert row["failures"][0].startswith(f"not staging d@1: {nodes['wrong']} reads"), row
     result = cli(topology, "warm", "d@1", "--region", "eu", "--json")
     assert result.exit_code == 1, result.output
     (row,) = json.loads(result.stdout)["items"]
@@ -151,6 +155,11 @@ def test_warm_of_a_schedule_refuses_it_too(site) -> None:
     schedule.write_text(
         f"jobs:\n  - name: train\n    region: eu\n    start: '{start}'\n    datasets: [d@1]\n"
     )
+    rehearsed = cli(topology, "warm", str(schedule), "--dry-run", "--json")
+    assert rehearsed.exit_code == 1, rehearsed.output  # as the real run will
+    (row,) = json.loads(rehearsed.stdout)["items"]
+    assert row["failures"][0].startswith(f"not staging d@1: {nodes['wrong']} reads"), row
+    assert held(nodes["right"]) == {}  # a rehearsal: nothing staged
     result = cli(topology, "warm", str(schedule), "--json")
     assert result.exit_code == 1, result.output
     (row,) = json.loads(result.stdout)["items"]

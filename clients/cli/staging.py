@@ -712,6 +712,9 @@ def _rehearse_single(
     say nothing moved). The dry run said "would stage" a version held whole.
     """
     held, _ = ops.ready(reports, item.region, manifest)
+    if not held and (refused := ops.other_registries(item)):
+        item.failures.extend(refused.values())  # as the real run refuses it, uncalled
+        return _Warmed(rows=[_row(item, "failed")], failed=[item])
     return _Warmed(rows=[_row(item, "held" if held else "would stage")], failed=[])
 
 
@@ -1185,7 +1188,17 @@ class Rehearsal(PlanExecutor):
         return super().run(run, peer_wait=peer_wait)
 
     def _stage(self, run: TaskRun) -> TaskRun:
-        """Stage nothing: the run is one that would be staged, and its region holds it."""
+        """Stage nothing: the run is one that would be staged, and its region holds it.
+
+        Unless a node of the region reads another registry: the real run refuses
+        it before any Stage call (:func:`ops.other_registries`), so the rehearsal
+        fails it too, from the registries the plan's status round reported.
+        """
+        if refused := ops.other_registries(run.item):
+            run.item.failures.extend(refused.values())
+            run.state = "failed"
+            self.mark_wont_hold(run.task.region, run.task.version, "a node reads another registry")
+            return run
         run.state = "would stage"
         self.mark_resident(run.task.region, run.task.version)
         return run
