@@ -897,9 +897,15 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         (``settings``, :func:`_differing_order`): a rank's share is cut from one order
         that every rank computes alike, and ranks built with ``seed=base + rank`` read
         shares of different orders, some samples twice and others never, silently.
+
+        Only a dataset split over the process group (its rank and world size the
+        group's) is built collectively. One given another ``rank=``/``world_size=``
+        (an evaluation set on rank 0 alone, ``rank=0, world_size=1``) is its own: its
+        collectives were paired with the other ranks' next one (DDP's all-reduce), and
+        the job hung until the group's timeout.
         """
         dist = _distributed()
-        if dist is None:
+        if dist is None or dist != (self.rank, self.world_size):
             return self._fetch(specs)
         box: list[Any] = [None]
         failure: Exception | None = None

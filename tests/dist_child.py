@@ -4,7 +4,9 @@ Usage: python dist_child.py JOB_JSON
 
 JOB_JSON: init (tcp://…), rank, world, spec (a string or a mapping of weights),
 endpoints, batch, workers, steps (None: to the end), state_in / state_out
-(paths or None), out (path), kwargs (more EdgeDataset arguments).
+(paths or None), out (path), kwargs (more EdgeDataset arguments); optional:
+timeout (the process group's, seconds), solo (rank 0 first reads a dataset of
+its own, rank=0 and world_size=1, while the others wait at a barrier).
 
 The rank and world size come from torch.distributed, the version from rank 0
 (broadcast). With ``steps`` every rank takes that many batches in lockstep (an
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,8 +27,25 @@ import torch.distributed as dist
 from edgecache.clients import EdgeDataset
 
 job = json.loads(sys.argv[1])
-dist.init_process_group("gloo", init_method=job["init"], rank=job["rank"], world_size=job["world"])
+dist.init_process_group(
+    "gloo",
+    init_method=job["init"],
+    rank=job["rank"],
+    world_size=job["world"],
+    timeout=timedelta(seconds=job.get("timeout", 1800)),
+)
 try:
+    if job.get("solo") and job["rank"] == 0:
+        # An evaluation set on rank 0 alone, as training scripts make one: its own
+        # rank and world size, so no collective (the other ranks go on to the barrier).
+        solo = EdgeDataset(
+            job["spec"], endpoints=job["endpoints"], batch_size=job["batch"], rank=0, world_size=1
+        )
+        solo_rows = sum(len(batch["label"]) for batch in solo)
+        with open(job["out"] + ".solo", "w") as f:
+            json.dump({"rows": solo_rows}, f)
+    if job.get("solo"):
+        dist.barrier()  # the next collective every rank makes
     ds = EdgeDataset(
         job["spec"], endpoints=job["endpoints"], batch_size=job["batch"], **job["kwargs"]
     )

@@ -34,14 +34,20 @@ def run_job(
     workers: int = 0,
     steps: int | None = None,
     state_in: Path | None = None,
+    extra: dict | None = None,
     **kwargs: object,
 ) -> list[dict]:
-    """Start ``world`` rank processes, wait for all, return each rank's report."""
+    """Start ``world`` rank processes, wait for all, return each rank's report.
+
+    ``extra``: more of the job's settings (dist_child.py: timeout, solo).
+    """
+    extra = extra or {}
     init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
     for rank in range(world):
         out = tmp / f"{name}-{rank}.json"
         job = {
+            **extra,
             "init": init,
             "rank": rank,
             "world": world,
@@ -128,3 +134,16 @@ def test_mixture_drop_last_elastic_across_processes_over_lmdb(cluster, tmp_path:
     assert abs(len(code) - 1000) <= 2 * 48 * 5 and {x for c, x in seen if c == 0} <= set(
         range(TOTAL)
     )
+
+
+def test_a_dataset_of_rank_0_alone_makes_no_collective(cluster, tmp_path: Path) -> None:
+    """An evaluation set built on rank 0 only (rank=0, world_size=1) under a process group
+    broadcast and gathered on the default group: the other ranks' next collective (a
+    barrier; DDP's all-reduce) was paired with them, and the job hung until the timeout."""
+    reports = run_job(
+        tmp_path, "solo", 2, spec="tokens@1", eps=endpoints(cluster, "grpc"), batch=64,
+        extra={"solo": True, "timeout": 60},
+    )  # fmt: skip
+    solo = json.loads((tmp_path / "solo-0.json.solo").read_text())
+    assert solo["rows"] == TOTAL  # the whole epoch: a dataset of its own
+    assert sum(len(r["samples"]) for r in reports) == TOTAL  # the group's, split as before
