@@ -234,6 +234,19 @@ def resume_from(
             f"dataset reads {_names(components)}), and the order of the components is part of "
             f"the epoch's order: create EdgeDataset with {_spec(theirs)} to resume it"
         )
+    if keys != ours and [k[:2] for k in keys] == [k[:2] for k in ours]:
+        changed = [
+            f"{t['dataset']}@{t['version']}: {t['digest']} in the state, {o['digest']} here"
+            for t, o in zip(theirs, components, strict=True)
+            if t["digest"] != o["digest"]
+        ]
+        raise StateMismatch(
+            f"the state is for other content under the same names ({'; '.join(changed)}): "
+            "the version was resolved from another registry (staging and production, say) "
+            "or one rebuilt since, and its rows are not the state's; read the registry the "
+            "state was saved against (its nodes, or their lmdb:// caches) to resume it, or "
+            "start the epoch again with set_epoch(epoch)"
+        )
     if keys != ours:
         raise StateMismatch(
             f"the state is for {_names(theirs)} but this dataset reads {_names(components)}; "

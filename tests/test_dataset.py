@@ -262,6 +262,13 @@ def test_bad_input_is_refused_clearly(cluster) -> None:
     other = [{**state["components"][0], "version": 2}]
     with pytest.raises(StateMismatch, match="tokens@2 but this dataset reads tokens@1"):
         ds.load_state_dict({**state, "components": other})
+    # The same name@N with other content (another registry's, or one rebuilt): it said
+    # "the state is for tokens@1 but this dataset reads tokens@1".
+    digest = state["components"][0]["digest"]
+    elsewhere = [{**state["components"][0], "digest": "sha256:" + "0" * 64}]
+    with pytest.raises(StateMismatch, match="other content under the same names") as refused:
+        ds.load_state_dict({**state, "components": elsewhere})
+    assert f"tokens@1: sha256:{'0' * 64} in the state, {digest} here" in str(refused.value)
     with pytest.raises(StateMismatch, match="shuffle_windows=3"):
         ds.load_state_dict({**state, "order": {**state["order"], "shuffle_windows": 3}})
     old = {"format": 1, "dataset": "tokens", "version": 1, "batches": 3, "lanes": 8}
