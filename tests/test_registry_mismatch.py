@@ -169,6 +169,13 @@ def test_warm_of_a_schedule_refuses_it_too(site) -> None:
     assert held(nodes["wrong"]) == {} and held(nodes["right"]) == {"d@1": 2}
 
 
+def _one_node(root: Path, registry: str, address: str) -> Path:
+    """A topology of region eu, one node, naming ``registry``."""
+    topology = root / "edgecache.yaml"
+    topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{address}']\n")
+    return topology
+
+
 def test_a_local_registry_at_another_path_is_a_warning_not_a_refusal(tmp_path: Path) -> None:
     """One folder, two paths (as a container's volume would mount it): a file:// path is
     read on each host, so a path that differs may be the same registry. Said, not refused."""
@@ -177,10 +184,7 @@ def test_a_local_registry_at_another_path_is_a_warning_not_a_refusal(tmp_path: P
     publish(f"file://{registry}", f"file://{tmp_path}/origin", "d")
     (tmp_path / "mounted").symlink_to(registry)  # the CLI's view of the same folder
     with running_node(node_settings(tmp_path, f"file://{registry}")) as node:
-        topology = tmp_path / "edgecache.yaml"
-        topology.write_text(
-            f"registry: file://{tmp_path}/mounted\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
+        topology = _one_node(tmp_path, f"file://{tmp_path}/mounted", node.address)
         result = cli(topology, "status", "--json")
         assert result.exit_code == 0, result.output
         (status,) = json.loads(result.stdout)
@@ -219,11 +223,8 @@ def test_a_node_that_does_not_say_its_registry_is_unknown_not_a_mismatch(
 
     monkeypatch.setattr(EdgeNode, "status", older)
     with running_node(node_settings(tmp_path, registry)) as node:
-        topology = tmp_path / "edgecache.yaml"
         # Another spelling than the node's, which it does not say anyway.
-        topology.write_text(
-            f"registry: {tmp_path}/registry/\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
-        )
+        topology = _one_node(tmp_path, f"{tmp_path}/registry/", node.address)
         result = cli(topology, "status", "--json")
         assert result.exit_code == 0, result.output
         (answer,) = json.loads(result.stdout)
