@@ -325,19 +325,29 @@ def as_started(schedule: Schedule, state: ControllerState | None, now: datetime)
     reads left to the LRU and to the plan's evictions. ``state`` is the
     controller's record (:attr:`JobRecord.resolved`); without one, nothing changes.
     """
+    covered = recorded_started(schedule, state, now)
     jobs = []
     for job in schedule.jobs:
-        record = state.jobs.get(job.name) if state is not None else None
-        if (
-            record is not None
-            and record.resolved
-            and job.start <= now
-            and record.start == _iso(job.start)
-        ):
-            datasets = [record.resolved.get(spec, spec) for spec in job.datasets]
+        if state is not None and job.name in covered:
+            resolved = state.jobs[job.name].resolved
+            datasets = [resolved.get(spec, spec) for spec in job.datasets]
             job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
         jobs.append(job)
     return schedule.model_copy(update={"jobs": jobs})
+
+
+def recorded_started(schedule: Schedule, state: ControllerState | None, now: datetime) -> set[str]:
+    """The started jobs whose versions the controller's record holds (for this start)."""
+    if state is None:
+        return set()
+    return {
+        job.name
+        for job in schedule.jobs
+        if job.start <= now
+        and (record := state.jobs.get(job.name)) is not None
+        and record.resolved
+        and record.start == _iso(job.start)
+    }
 
 
 def _iso(when: datetime | None) -> str | None:

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -1595,6 +1595,40 @@ def warm_readers(registry: str, now: datetime) -> dict[tuple[str, str], datetime
             for spec in job.versions:
                 out[(job.region, spec)] = max(out.get((job.region, spec), job.end), job.end)
     return out
+
+
+def warm_started(schedule: Schedule, registry: str, now: datetime, skip: Set[str]) -> Schedule:
+    """The schedule with each started job reading the versions warm pinned for it.
+
+    The controller's record keeps what a job's ``name`` resolved to at its start
+    (:func:`~edgecache.clients.controller.as_started`); warm run alone (from cron,
+    say) had only its own record, which plan and warm did not read: a version
+    published after the job started was staged and pinned for it, and the pin
+    of the one it reads released, for ``evict`` to free under the running job.
+    A started job warm recorded (the same name, region and start) reads the
+    versions recorded for it; ``skip``: jobs the controller's record covers. A
+    record origin will not give is :class:`OriginError`, raised.
+    """
+    if not any(job.start <= now < job.end and job.name not in skip for job in schedule.jobs):
+        return schedule
+    recorded = {(j.name, j.region, j.start): j for j in _warm_record(registry)[0]}
+    jobs = []
+    for job in schedule.jobs:
+        record = recorded.get((job.name, job.region, job.start))
+        if job.start <= now and job.name not in skip and record is not None and record.versions:
+            datasets = [_as_recorded(spec, record.versions) for spec in job.datasets]
+            job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
+        jobs.append(job)
+    return schedule.model_copy(update={"jobs": jobs})
+
+
+def _as_recorded(spec: str, versions: Sequence[str]) -> str:
+    """``spec`` (``name``, ``name@latest``) as the recorded ``name@N``; ``name@N`` as it is."""
+    wanted = parse_spec(spec)
+    if wanted.version is not None:
+        return spec
+    same = [v for v in versions if v.rpartition("@")[0] == wanted.dataset]
+    return max(same, key=lambda v: int(v.rpartition("@")[2])) if same else spec
 
 
 def _warmed_jobs_url(registry: str) -> str:

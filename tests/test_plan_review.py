@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -204,3 +205,28 @@ def test_a_controller_job_of_the_same_name_does_not_hide_the_warm_job_that_pins(
     code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
     assert code == 2 and "read by eval-us (us-east" in err, (out, err)
     assert "neither warm nor the controller recorded" not in err, err
+
+
+def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) -> None:
+    """Without the controller, warm's record was not read: run again after the job started
+    and a new version was published, warm staged and pinned the new one for the job,
+    released the pin of the one it reads ("no job of the schedule reads it"), and evict
+    then freed it under the running job; plan and warm exited 3 ("already started")."""
+    root, node = site
+    schedule = root / "schedule.yaml"
+    start = datetime.now(UTC) + timedelta(seconds=4)
+    schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
+    code, out, err = edgecache(root, "warm", str(schedule))
+    assert code == 0, (out, err)
+    assert "iris@1" in pins_on(node), pins_on(node)
+    time.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()) + 0.5)  # it has started
+    write_parquet_shards(root / "origin-2", 2, rows=150)
+    publish(f"file://{root}/registry", f"file://{root}/origin-2", "iris")  # iris@2
+    for command in ("plan", "warm"):
+        code, out, err = edgecache(root, command, str(schedule))
+        said = " ".join((out + err).split())
+        assert code == 0, (command, out, err)
+        assert "iris@2" not in said and "released" not in said, (command, said)
+    assert "iris@1" in pins_on(node) and "iris@2" not in pins_on(node), pins_on(node)
+    code, out, err = edgecache(root, "evict", "iris@1")
+    assert code != 0 and "train" in " ".join((out + err).split()), (out, err)

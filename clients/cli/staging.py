@@ -165,19 +165,23 @@ def started_as_recorded(
 
     ``name`` and ``name@latest`` are resolved once, when a job starts: the
     controller records what it resolved then, and carries the job out on that
-    version to its end. ``plan``, ``plan --status`` and ``warm`` all read the
-    schedule through this one function, so none of them stages, pins or calls
+    version to its end; warm's record (of jobs it pinned for) serves for the
+    jobs the controller's does not hold (warm run alone). ``plan``, ``plan
+    --status`` and ``warm`` all read the schedule through this one function, so
+    none of them stages, pins or calls
     "cannot be met" a version published after the job started. The
     controller's record is read only when a job is running (or ``always``, for
     ``--status``, which shows it): a schedule of jobs still to come resolves
     as before, whatever the registry's record.
     """
-    from edgecache.clients.controller import as_started, read_state
+    from edgecache.clients.controller import as_started, read_state, recorded_started
 
     if not always and not any(job.start <= now < job.end for job in schedule.jobs):
         return schedule, None
     state = read_state(topology.registry)
-    return as_started(schedule, state, now), state
+    covered = recorded_started(schedule, state, now)
+    started = ops.warm_started(as_started(schedule, state, now), topology.registry, now, covered)
+    return started, state
 
 
 def parse_at(at: str | None, option: str = "--at") -> datetime | None:
