@@ -624,6 +624,32 @@ def region_outages(reports: list[NodeReport]) -> dict[str, Outage]:
     }
 
 
+def lost_outages(
+    items: Iterable[WarmItem], topology: Topology, before: Mapping[str, Outage]
+) -> dict[str, Outage]:
+    """``before`` with the nodes found down while staging ``items`` added to their regions.
+
+    A node that died during a warm had its share staged on the others, as one
+    down at the start, and the region is as degraded (readers look for that
+    share on it once it is back, where it is not): warm exits 1 naming it, as
+    it does for a node down before it began. It exited 0 with a note.
+    """
+    out = dict(before)
+    for item in items:
+        if not item.lost:
+            continue
+        known = {r.address for r in out[item.region].down} if item.region in out else set()
+        added = tuple(
+            NodeReport(item.region, node, healthy=False, error=why or "stopped answering")
+            for node, why in item.lost.items()
+            if node not in known
+        )
+        old = out.get(item.region)
+        nodes = len(topology.regions[item.region].nodes)
+        out[item.region] = Outage(item.region, (*(old.down if old else ()), *added), nodes)
+    return out
+
+
 def unreachable_regions(
     reports: list[NodeReport], schedule: Schedule, now: datetime
 ) -> dict[str, Outage]:
@@ -848,6 +874,9 @@ class WarmItem:
     # Address → the registry the node says it reads ("" for a node too old to say); a
     # node missing here is asked before staging, when ``registry`` is set (stage_item).
     registries: dict[str, str] = field(default_factory=dict)
+    # Address → why: nodes found down while staging (not in ``down`` before it), whose
+    # share went to the others; the region is degraded as if they were down at the start.
+    lost: dict[str, str] = field(default_factory=dict)
     bytes_done: int = 0  # progress, as a share of bytes_total
     origin_bytes: int = 0  # what the nodes said they fetched from origin (source bytes)
     peer_bytes: int = 0  # what the nodes said they copied from peers (stored bytes)
@@ -1041,6 +1070,7 @@ def stage_item(
                     f"{node} reads another registry: its share ({share} of "
                     f"{item.shard_count} shards) was staged on {', '.join(live)}"
                 )
+    item.lost.update({node: why for node, why in lost.items() if node not in item.down})
     if live and lost and _split(item):
         owned = _shares(item, item.nodes)
         for node, why in lost.items():

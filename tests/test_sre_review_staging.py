@@ -333,3 +333,61 @@ def test_warm_reports_the_bytes_the_nodes_moved(tmp_path: Path) -> None:
         moved = stub(node.address).Status(edge_pb2.StatusRequest()).staged_origin_bytes - before
         assert moved > 0 and moved != task["bytes"]  # the premise: the estimate is not it
         assert item["bytes"] == moved and item["planned_bytes"] == task["bytes"], item
+
+
+@pytest.mark.parametrize("form", ["single", "schedule"])
+def test_a_node_that_dies_during_warm_leaves_the_region_degraded_and_warm_exits_1(
+    tmp_path: Path,
+    published: tuple[str, pb.Manifest],
+    two_live: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    form: str,
+) -> None:
+    """A node down when warm began made it exit 1 ("region eu is degraded"); one that died
+    while warm staged had its share staged on the others and warm exited 0 with a note,
+    though readers then look for that share on it once it is back, where it is not."""
+    from typer.testing import CliRunner
+
+    from edgecache.clients import ops
+    from edgecache.clients.cli.app import app
+    from edgecache.clients.node_client import start_local_node
+
+    registry, _ = published
+    names = node_ids(*two_live)
+    doomed_id = next(  # one that owns some of a@1's shards: its Stage call is made
+        f"d{i}"
+        for i in range(100)
+        if rendezvous.owned_shards(
+            [*two_live, "x:1"], "x:1", "a", 1, SHARDS, names={**names, "x:1": f"d{i}"}
+        )
+    )
+    doomed = start_local_node(
+        "eu", tmp_path / "doomed", registry, extra_args=["--node-id", doomed_id]
+    )
+    try:
+        config = write_topology(tmp_path, registry, eu=[*two_live, doomed.address])
+        stage = ops._stage_node
+
+        def first_kills(*args: object, **kwargs: object) -> object:
+            if doomed.process.poll() is None:  # it answered the status round: dies now
+                doomed.process.kill()
+                doomed.process.wait()
+            return stage(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(ops, "_stage_node", first_kills)
+        if form == "single":
+            args = ["warm", "a@1", "--region", "eu"]
+        else:
+            start = datetime.now(UTC) + timedelta(hours=1)
+            args = ["warm", str(write_schedule(tmp_path, "s", ("t", "eu", start, "1h", "a@1")))]
+        result = CliRunner().invoke(
+            app, [*args, "--json", "--config", str(config)], env={"COLUMNS": "200"}
+        )
+        assert result.exit_code == 1, result.output
+        said = " ".join(result.stderr.split())
+        assert "region eu is degraded" in said and doomed.address in said, said
+        (item,) = json.loads(result.stdout)["items"]
+        assert item["done"] and not item["failures"], item  # staged on the other two
+        assert_split_over(two_live)
+    finally:
+        doomed.stop()

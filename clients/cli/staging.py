@@ -535,7 +535,8 @@ def warm(
             if dry_run
             else _carry_out(item, topology, token, dry_run=False, quiet=as_json)
         )
-        warmed = replace(warmed, down=ops.region_outages(reports))
+        down = ops.region_outages(reports)
+        warmed = replace(warmed, down=ops.lost_outages([item], topology, down))
     if as_json:
         _report_json(warmed, dry_run)
     else:
@@ -594,7 +595,8 @@ class _Warmed:
     failed: list[WarmItem]
     work: _ScheduleWork | None = None
     outcome: WarmOutcome = field(default_factory=WarmOutcome)
-    # A single version's region, when some of its nodes did not answer (see warm).
+    # Regions some of whose nodes did not answer, before warm began (a schedule's
+    # work.down, or a single version's region) or while it staged (ops.lost_outages).
     down: dict[str, ops.Outage] = field(default_factory=dict)
 
 
@@ -794,6 +796,7 @@ def _run_plan(
         failed=[run.item for run in outcome.failed],
         work=work,
         outcome=outcome,
+        down=ops.lost_outages([run.item for run in outcome.runs], topology, work.down),
     )
 
 
@@ -1137,8 +1140,8 @@ def _release_failures(warmed: _Warmed) -> list[str]:
 
 
 def _down(warmed: _Warmed) -> dict[str, ops.Outage]:
-    """Unreachable or degraded regions of the schedule, or of a single version's region."""
-    return warmed.work.down if warmed.work is not None else warmed.down
+    """Unreachable or degraded regions: before warm began, or found so while it staged."""
+    return warmed.down
 
 
 def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
