@@ -98,7 +98,8 @@ __all__ = [
     "warm",
     "warm_items_for_plan",
     "warm_item_for_version",
-    "version_too_large",
+    "Unfit",
+    "version_unfit",
     "without_pins",
 ]
 
@@ -1271,43 +1272,93 @@ def warm_item_for_version(topology: Topology, region: str, manifest: pb.Manifest
     )
 
 
-def version_too_large(
+@dataclass(frozen=True)
+class Unfit:
+    """Why a version cannot be staged in a region: for good (too large), or for now (pins)."""
+
+    text: str
+    for_now: bool = False  # the region's pins hold the room: it fits once they end
+
+
+def version_unfit(
     topology: Topology, region: str, manifest: pb.Manifest, *, token: str | None = None
-) -> str | None:
-    """Why ``manifest``'s version can never fit in ``region``, or None when it can.
+) -> Unfit | None:
+    """Why ``manifest``'s version cannot be staged in ``region`` now, or None when it can.
 
     Sized as ``plan`` sizes it (stored bytes, held by some region or estimated
     from what the regions hold) against the capacity of the region's nodes that
-    answer. Staging
-    such a version would only make each node evict its cache to make room,
-    then fail, so ``warm NAME@N`` asks this first and refuses, as ``plan``
-    does. With no node answering nothing is known: staging reports that.
+    answer. Staging such a version would only make each node evict its cache
+    to make room, then fail, so ``warm NAME@N`` (its dry run too) asks this
+    first and refuses, as ``plan`` does. The same holds for the room other
+    versions' pins keep (a pinned version is never evicted): staging evicted
+    the unpinned versions, then failed RESOURCE_EXHAUSTED, where its dry run
+    had said "would stage". With no node answering nothing is known: staging
+    reports that.
     """
     # Every region's holdings size it (another region may hold it whole: its stored bytes
     # exactly, as plan sizes it); the region's own nodes give the capacity.
     reports = gather_status(topology, token=token)
-    alive = [r.status for r in reports if r.region == region and r.status is not None]
+    alive = [r for r in reports if r.region == region and r.status is not None]
     if not alive:
         return None
+    key = (manifest.dataset, manifest.version)
     spec = f"{manifest.dataset}@{manifest.version}"
     known = {spec: manifest}
     held_keys = {(v.dataset, v.version) for _, v in _resident(reports)}
     others = Registry.run(topology.registry, lambda reg: held_manifests(reg, held_keys, known))
     held = holdings(reports, {**others, **known})
-    size = version_sizes(known, held, others=others)[(manifest.dataset, manifest.version)]
-    capacity = sum(status.capacity_bytes for status in alive)
-    if size.stored <= capacity:
-        whole = held.get(region, {}).get((manifest.dataset, manifest.version))
-        if whole is not None and whole.complete:
-            return None
-        sizes = {(manifest.dataset, manifest.version): size}
-        why = share_overflow(topology, reports, region, [manifest], sizes)
-        return None if why is None else f"{spec} cannot be held in region {region}: {why}"
-    return (
-        f"{spec} ({format_bytes(size.stored)} once stored) is larger than region {region}'s "
-        f"whole capacity ({format_bytes(capacity)}), so nothing was staged or evicted; give "
-        f"{region} at least {format_bytes(size.stored - capacity)} more (a larger capacity "
-        "on its nodes, or more nodes: replicas split the shards)"
+    size = version_sizes(known, held, others=others)[key]
+    capacity = sum(r.status.capacity_bytes for r in alive if r.status is not None)
+    if size.stored > capacity:
+        return Unfit(
+            f"{spec} ({format_bytes(size.stored)} once stored) is larger than region "
+            f"{region}'s whole capacity ({format_bytes(capacity)}), so nothing was staged or "
+            f"evicted; give {region} at least {format_bytes(size.stored - capacity)} more (a "
+            "larger capacity on its nodes, or more nodes: replicas split the shards)"
+        )
+    whole = held.get(region, {}).get(key)
+    if whole is not None and whole.complete:
+        return None
+    why = share_overflow(topology, reports, region, [manifest], {key: size})
+    if why is not None:
+        return Unfit(f"{spec} cannot be held in region {region}: {why}")
+    return _pinned_out(alive, region, spec, key, size.stored - (whole.stored_bytes if whole else 0))
+
+
+def _pinned_out(
+    alive: Sequence[NodeReport], region: str, spec: str, key: VersionKey, needed: int
+) -> Unfit | None:
+    """Why the room other versions' pins keep in ``region`` leaves too little for ``needed``."""
+    now = datetime.now(UTC)
+    room = 0
+    pinned: dict[str, tuple[int, datetime]] = {}  # name@N → (stored bytes, until)
+    for report in alive:
+        assert report.status is not None
+        locked = 0
+        for v in report.status.versions:
+            if not v.shard_count or (v.dataset, v.version) == key:
+                continue
+            if v.HasField("pinned_until") and (until := v.pinned_until.ToDatetime(UTC)) > now:
+                locked += v.stored_bytes
+                name = f"{v.dataset}@{v.version}"
+                before = pinned.get(name, (0, until))
+                pinned[name] = (before[0] + v.stored_bytes, max(before[1], until))
+        room += max(0, _room(report.status) - locked)
+    if needed <= room or not pinned:
+        return None
+    listed = ", ".join(
+        f"{name} ({format_bytes(b)}, until {until:%Y-%m-%d %H:%M} UTC)"
+        for name, (b, until) in sorted(pinned.items())
+    )
+    first = min(until for _, until in pinned.values())
+    return Unfit(
+        f"{spec} needs {format_bytes(needed)} in region {region}, which has "
+        f"{format_bytes(room)} left beside what pins keep there ({listed}): a pinned version "
+        "is never evicted to make room, so staging would evict the others and then fail; "
+        f"run warm again once a pin ends (the first at {first:%Y-%m-%d %H:%M} UTC), release "
+        "them (evict NAME@N --force, or the schedule that pinned them), or give the region "
+        "more capacity",
+        for_now=True,
     )
 
 

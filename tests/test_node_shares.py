@@ -86,3 +86,42 @@ def test_two_jobs_at_once_whose_shards_hash_to_one_node_are_not_planned_as_fitti
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_warm_of_a_version_the_pins_leave_no_room_for_fails_before_staging(
+    tmp_path: Path,
+) -> None:
+    """warm NAME@N --dry-run said "would stage" (exit 0) for a version the node's pinned ones
+    left no room for; the real run evicted what was not pinned, then failed RESOURCE_EXHAUSTED.
+    Both now fail up front, naming the pins and what to do; nothing is evicted."""
+    registry = f"file://{tmp_path}/registry"
+    # a and c of one size, b about 2.9 times it: a node of 1.4 times a's source holds a
+    # and c (stored at about 0.4 of their source), and b alone, never a and b.
+    for name, rows in (("a", 8000), ("b", 23000), ("c", 8000)):
+        write_parquet_shards(tmp_path / name, 2, rows=rows)
+        publish(registry, f"file://{tmp_path}/{name}", name)
+    source = sum(f.stat().st_size for f in (tmp_path / "a").rglob("*") if f.is_file())
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity=str(int(source * 1.4)))
+    try:
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        config = ["--config", str(topology)]
+        holder = _schedule(tmp_path / "holder.yaml", [("holder", "a", 24)])
+        code, out, err = edgecache("warm", str(holder), *config)  # stages and pins a@1
+        assert code == 0, (out, err)
+        code, out, err = edgecache("warm", "c@1", "--region", "eu", *config)  # not pinned
+        assert code == 0, (out, err)
+        for dry in (["--dry-run"], []):
+            code, out, err = edgecache("warm", "b@1", "--region", "eu", *dry, *config)
+            said = " ".join(err.split())
+            assert code == 1, (dry, out, err)
+            assert "a@1 (" in said and "a pinned version is never evicted" in said, said
+            assert "run warm again once a pin ends" in said, said
+        code, out, err = edgecache("status", "--json", *config)
+        (status,) = json.loads(out)
+        held = {v["version"] for v in status["versions"]}
+        assert held == {"a@1", "c@1"}, status  # c@1 was not evicted for nothing
+    finally:
+        node.stop()

@@ -673,7 +673,9 @@ def _single_item(
 
     The region is checked before the registry is asked, so a typo in it is
     reported as such rather than hidden behind a registry error; a version
-    larger than the region's whole capacity is refused (bad input, exit 2).
+    larger than the region's whole capacity is refused (bad input, exit 2), one
+    the room other versions' pins keep leaves no room for fails (exit 1), its
+    dry run too.
     """
     from edgecache.cache.registry import Registry
 
@@ -683,9 +685,12 @@ def _single_item(
     manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
     # Refused up front, as plan refuses it: staging it would have each node evict its
     # cache to make room, then fail.
-    too_large = ops.version_too_large(topology, region, manifest, token=token)
-    if too_large is not None:
-        raise ValueError(too_large)
+    unfit = ops.version_unfit(topology, region, manifest, token=token)
+    if unfit is not None and unfit.for_now:  # pins hold the room: a failure, retried later
+        error(unfit.text)
+        raise exit_with(ExitCode.FAILED)
+    if unfit is not None:
+        raise ValueError(unfit.text)
     return ops.warm_item_for_version(topology, region, manifest), manifest
 
 
