@@ -24,7 +24,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import xxhash
 
-__all__ = ["owner", "owned_shards", "rank", "region_names", "unique_names"]
+__all__ = [
+    "owner",
+    "owned_shards",
+    "rank",
+    "region_names",
+    "shared_id_text",
+    "shared_ids",
+    "unique_names",
+]
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +90,35 @@ def unique_names(ids: Mapping[str, str]) -> dict[str, str]:
     """``ids`` (address → the id its node reports, one region's) less ids several report.
 
     Two nodes reporting one id would claim the same shards and leave others to
-    no one: those split by address instead, and the clash is logged.
+    no one: those split by address instead, and the clash is logged, once per
+    process (one warm works out the split several times: it was said thrice).
     """
+    shared = shared_ids(ids)
+    for node_id, addresses in shared.items():
+        if (node_id, tuple(addresses)) not in _said:
+            _said.add((node_id, tuple(addresses)))
+            log.warning("%s", shared_id_text(addresses, node_id))
+    return {a: n for a, n in ids.items() if n not in shared}
+
+
+_said: set[tuple[str, tuple[str, ...]]] = set()  # the clashes logged already
+
+
+def shared_ids(ids: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each id that several of ``ids``' nodes (one region's) report → their addresses, sorted."""
     nodes: dict[str, list[str]] = defaultdict(list)
     for address, node_id in ids.items():
         nodes[node_id].append(address)
-    for node_id, addresses in nodes.items():
-        if len(addresses) > 1:
-            log.warning(
-                "nodes %s all report node id %r: give each a node_id of its own (--node-id, "
-                "EDGECACHE_NODE_ID); until then they split shards by the address each is "
-                "dialled at, which readers dialling other addresses do not share",
-                ", ".join(sorted(addresses)),
-                node_id,
-            )
-    return {a: n for a, n in ids.items() if len(nodes[n]) == 1}
+    return {n: sorted(a) for n, a in nodes.items() if len(a) > 1}
+
+
+def shared_id_text(addresses: Iterable[str], node_id: str) -> str:
+    """What is wrong when several nodes report one id, and what to do."""
+    return (
+        f"nodes {', '.join(sorted(addresses))} all report node id {node_id!r}: give each a "
+        "node_id of its own (--node-id, EDGECACHE_NODE_ID); until then they split shards by "
+        "the address each is dialled at, which readers dialling other addresses do not share"
+    )
 
 
 def region_names(reported: Iterable[tuple[str, str, str]]) -> dict[str, str]:

@@ -634,10 +634,17 @@ class CacheStore(ClosingContext):
                 )
                 for v, r in sorted(pinned.items())
             )
+            # The cache may hold more than its capacity (restarted with a lower --capacity,
+            # its pinned data kept): "only -582.7 KiB is free" said it backwards.
+            free = (
+                f"only {format_bytes(self.capacity_bytes - used)} is free"
+                if used <= self.capacity_bytes
+                else f"the cache holds {format_bytes(used)}, over its capacity of "
+                f"{format_bytes(self.capacity_bytes)},"
+            )
             raise CacheFull(
-                f"{for_key} needs {format_bytes(need)} but only "
-                f"{format_bytes(self.capacity_bytes - used)} "
-                f"is free and {format_bytes(available)} can be evicted "
+                f"{for_key} needs {format_bytes(need)} but {free} and "
+                f"{format_bytes(available)} can be evicted "
                 f"(short by {format_bytes(shortfall - available)}); pinned: {pins or 'nothing'}. "
                 "Unpin or evict a version, or raise --capacity"
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,9 +28,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
 from edgecache.cache.registry_match import RegistryMatch, check_registry
+from edgecache.cache.rendezvous import shared_id_text, shared_ids
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
+from edgecache.clients.ops import NodeReport, state_problems
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
@@ -57,6 +60,7 @@ class PathCheck:
     # how it compares with the topology's (RegistryMatch's value; None: not asked).
     registry: str | None = None
     registry_match: str | None = None
+    node_id: str | None = None  # as the node reports it (None: it did not say)
     problems: list[str] = field(default_factory=list)
     # What may be wrong but need not be (a registry's local path that differs): no failure.
     warnings: list[str] = field(default_factory=list)
@@ -84,7 +88,7 @@ def check_paths(
             rtt, jitter = result.rtt_ms, result.jitter_ms
             check = PathCheck(region, node, rtt, jitter, result.lost / pings, None)
             if result.samples_ms:
-                _check_registry(check, channel, topology.registry, bearer(token))
+                _check_status(check, channel, topology.registry, bearer(token))
                 check.throughput_mb_s = _throughput(channel, throughput_seconds / 2, bearer(token))
                 _upload(check, channel, throughput_seconds / 2, streams, bearer(token))
             channel.close()
@@ -100,16 +104,38 @@ def check_paths(
             elif check.ping_loss > LOSS:
                 check.problems.append(f"{check.ping_loss:.0%} of health checks failed")
             out.append(check)
+    _shared_ids(out)
     return out
 
 
-def _check_registry(
+def _shared_ids(checks: Sequence[PathCheck]) -> None:
+    """A problem for each node of a region reporting a node id another of its nodes reports.
+
+    Replicas split shards by id: two with one id split by address, as readers
+    that dial them by other names do not (rendezvous.unique_names).
+    """
+    by_region: dict[str, dict[str, str]] = {}
+    for check in checks:
+        if check.node_id:
+            by_region.setdefault(check.region, {})[check.node] = check.node_id
+    shared = {
+        address: shared_id_text(addresses, node_id)
+        for ids in by_region.values()
+        for node_id, addresses in shared_ids(ids).items()
+        for address in addresses
+    }
+    for check in checks:
+        if check.node in shared:
+            check.problems.append(shared[check.node])
+
+
+def _check_status(
     check: PathCheck,
     channel: grpc.Channel,
     registry: str,
     metadata: tuple[tuple[str, str], ...] | None,
 ) -> None:
-    """The node's registry (from its ``Status``) against the topology's ``registry``.
+    """Check the node's state (:func:`state_problems`) and its registry against the topology's.
 
     Another object-store URL is a problem: the node answers everything but
     finds none of the versions published where this topology looks. A
@@ -124,6 +150,9 @@ def _check_registry(
         )
     except grpc.RpcError:
         return  # a node that answers health but not Status: its other tests say why
+    check.node_id = status.node_id or None
+    report = NodeReport(check.region, check.node, True, status=status)
+    check.problems += state_problems([report]).get(check.node, [])
     found = check_registry(check.node, registry, status.registry)
     check.registry = found.theirs or None
     check.registry_match = found.match.value

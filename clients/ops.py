@@ -93,6 +93,7 @@ __all__ = [
     "Outage",
     "region_nodes",
     "region_outages",
+    "state_problems",
     "unreachable_regions",
     "wait_ready",
     "warm",
@@ -610,6 +611,45 @@ def without_pins(reports: Sequence[NodeReport], pins: Sequence[WarmPin]) -> list
                         v.ClearField("pinned_until")
             report = replace(report, status=status)
         out.append(report)
+    return out
+
+
+def state_problems(reports: Sequence[NodeReport]) -> dict[str, list[str]]:
+    """Address → what in its node's state makes staging there fail, for ``status`` and ``doctor``.
+
+    Both said nothing of these (exit 0, "ok") while every warm failed or split
+    wrong: a cache holding more than its capacity (a node restarted with a lower
+    ``--capacity``, its pinned versions kept), which refuses every new shard, and
+    nodes of a region reporting one node id (:func:`rendezvous.unique_names`).
+    """
+    out: dict[str, list[str]] = {}
+    for report in reports:
+        status = report.status
+        if status is not None and status.used_bytes > status.capacity_bytes:
+            now = datetime.now(UTC)
+            pins = [
+                f"{v.dataset}@{v.version}"
+                for v in status.versions
+                if v.shard_count
+                and v.HasField("pinned_until")
+                and v.pinned_until.ToDatetime(UTC) > now
+            ]
+            kept = f" by the pins of {', '.join(pins)}" if pins else ""
+            out.setdefault(report.address, []).append(
+                f"it holds {format_bytes(status.used_bytes)}, over its capacity of "
+                f"{format_bytes(status.capacity_bytes)}{kept} (restarted with a lower "
+                "--capacity?): every new shard is refused until it is under it again; "
+                "release those pins (edgecache evict NAME@N --force, or the schedule that "
+                "pinned them) or raise its --capacity"
+            )
+    by_region: dict[str, dict[str, str]] = {}
+    for report in reports:
+        if report.status is not None and report.status.node_id:
+            by_region.setdefault(report.region, {})[report.address] = report.status.node_id
+    for ids in by_region.values():
+        for node_id, addresses in rendezvous.shared_ids(ids).items():
+            for address in addresses:
+                out.setdefault(address, []).append(rendezvous.shared_id_text(addresses, node_id))
     return out
 
 

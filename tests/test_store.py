@@ -120,6 +120,11 @@ def test_reopened_with_less_capacity_fits_lru_first_and_keeps_pins(tmp_path: Pat
         fitted = s.fit_capacity()  # the pinned shard alone is over: it stays, and says so
         assert fitted.held_after == size > s.capacity_bytes
         assert len(s.shards("keep", 1)) == 1 and s.shards("a", 1) == []
+        # A new shard is refused, saying the cache is over its capacity ("only -14.2 KiB
+        # is free", it said).
+        with pytest.raises(CacheFull, match="over its capacity of") as refused:
+            s.put_shard(ShardKey("a", 1, 5), shard_frames(rows=200))
+        assert "is free" not in str(refused.value), refused.value
 
 
 def test_pins_block_eviction_and_are_named(tmp_path: Path) -> None:

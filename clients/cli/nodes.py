@@ -154,11 +154,14 @@ def status(
     """Regions × nodes: health, RTT from here, capacity, used, versions, hit ratio.
 
     A node that reads another registry than the topology's is flagged (warm
-    refuses to stage on it), without changing the exit code. Exit codes: 0
+    refuses to stage on it), and so is one whose state makes staging there
+    fail (its cache over its capacity, a node id another node of its region
+    reports), without changing the exit code. Exit codes: 0
     every node answered; 1 a node is down (listed); 2 bad input (the topology
     file, or a token a node refused or needs: --token-file).
     """
     from edgecache.cache.registry_match import RegistryMatch, check_registry
+    from edgecache.clients import ops
     from edgecache.clients.ops import gather_status
 
     options = Options(config, token_file)
@@ -172,6 +175,7 @@ def status(
         for r in reports
         if r.status is not None
     }
+    problems = ops.state_problems(reports)  # what makes staging there fail (exit 0 still)
     if as_json:
         print(
             json.dumps(
@@ -180,6 +184,7 @@ def status(
                         "region": r.region,
                         "node": r.address,
                         "node_id": r.status.node_id if r.status else None,
+                        "problems": problems.get(r.address, []),
                         "healthy": r.healthy,
                         "refused": r.refused,  # serving, but not to this token
                         "rtt_ms": None if r.status is None else json_ms(r.rtt_ms),
@@ -290,6 +295,8 @@ def status(
                     f"{escape(check.message())}",
                     to_stderr=True,
                 )
+            for problem in problems.get(r.address, []):
+                line(f"[red]{r.region} {r.address}:[/red] {escape(problem)}", to_stderr=True)
             if r.status.disk_full:
                 line(
                     f"[red]{r.region} {r.address}: its cache's disk is full[/red] "

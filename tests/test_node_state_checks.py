@@ -1,0 +1,83 @@
+"""status and doctor say what in a node's state makes staging there fail.
+
+Found operating a site: a node restarted with a ``--capacity`` below the
+versions pinned on it refused every new shard while ``status`` showed
+``1.6 MiB / 1.0 MiB`` (exit 0, no note) and ``doctor`` said "ok"; two nodes of a
+region started with one ``--node-id`` split shards by address where readers
+dialling other names split them otherwise, and only ``warm`` said so (three
+times). Real nodes on loopback, the CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edgeutil import edgecache, publish, write_parquet_shards
+from test_node_shares import _schedule
+
+from edgecache.clients.node_client import start_local_node
+
+
+def _topology(root: Path, registry: str, addresses: list[str]) -> list[str]:
+    path = root / "edgecache.yaml"
+    nodes = ", ".join(f"'{a}'" for a in addresses)
+    path.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{nodes}]\n")
+    return ["--config", str(path)]
+
+
+def test_a_node_over_its_capacity_by_pins_is_flagged(tmp_path: Path) -> None:
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "a", 2, rows=8000)
+    publish(registry, f"file://{tmp_path}/a", "a")
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity="64MiB")
+    try:
+        config = _topology(tmp_path, registry, [node.address])
+        holder = _schedule(tmp_path / "holder.yaml", [("holder", "a", 24)])
+        code, out, err = edgecache("warm", str(holder), *config)  # stages and pins a@1
+        assert code == 0, (out, err)
+    finally:
+        node.stop()
+    node = start_local_node("eu", tmp_path / "cache", registry, capacity="512KiB")
+    try:
+        config = _topology(tmp_path, registry, [node.address])
+        code, out, err = edgecache("status", *config)
+        said = " ".join(err.split())
+        assert code == 0, (out, err)  # the node is up: said, the exit code as before
+        assert "over its capacity of 512.0 KiB by the pins of a@1" in said, said
+        code, out, err = edgecache("status", "--json", *config)
+        (shown,) = json.loads(out)
+        assert any("over its capacity" in p for p in shown["problems"]), shown
+        code, out, err = edgecache("doctor", "--pings", "2", "--seconds", "0.1", "--json", *config)
+        (path,) = json.loads(out)["paths"]
+        assert code == 1 and any("over its capacity" in p for p in path["problems"]), out
+    finally:
+        node.stop()
+
+
+def test_nodes_of_a_region_reporting_one_id_are_flagged(tmp_path: Path) -> None:
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "a", 4, rows=300)
+    publish(registry, f"file://{tmp_path}/a", "a")
+    nodes = [
+        start_local_node("eu", tmp_path / f"c{i}", registry, extra_args=["--node-id", "eu1"])
+        for i in range(2)
+    ]
+    try:
+        config = _topology(tmp_path, registry, [n.address for n in nodes])
+        code, out, err = edgecache("status", *config)
+        said = " ".join(err.split())
+        assert code == 0, (out, err)
+        assert said.count("all report node id 'eu1'") == 2, said  # a line for each node
+        code, out, err = edgecache("doctor", "--pings", "2", "--seconds", "0.1", "--json", *config)
+        assert code == 1, (out, err)
+        flagged = [
+            p for p in json.loads(out)["paths"] if any("node id" in x for x in p["problems"])
+        ]
+        assert len(flagged) == 2, out
+        code, out, err = edgecache("warm", "a@1", "--region", "eu", *config)
+        assert code == 0, (out, err)
+        assert " ".join(err.split()).count("all report node id 'eu1'") == 1, err  # once
+    finally:
+        for node in nodes:
+            node.stop()
