@@ -1823,13 +1823,16 @@ def pinned_jobs(topology: Topology) -> list[PinnedJob]:
     """
     from edgecache.clients.controller import STATE_NAME, read_state  # it builds on ops
 
-    # Keyed by what a job is, not its name alone: warm's schedule and the controller's
-    # may each have a job of one name (the demo's eval-us and yours), and the one that
-    # holds the pin must not be dropped for the other. The same job in both is one.
+    # Keyed by what a job is and who recorded it, not its name alone: warm's schedule and
+    # the controller's may each have a job of one name (the demo's eval-us and yours), and
+    # the one that holds the pin must not be dropped for the other. The same job in both
+    # records is kept twice: each releases the pin only once its own schedule drops the
+    # job, and an eviction refusal that named the controller alone sent the operator
+    # round twice.
     jobs: dict[tuple[object, ...], PinnedJob] = {}
 
     def key(job: PinnedJob) -> tuple[object, ...]:
-        return (job.name, job.region, job.start, job.end, tuple(job.versions))
+        return (job.name, job.region, job.start, job.end, tuple(job.versions), job.by, job.schedule)
 
     try:
         state = read_state(topology.registry)
@@ -1909,7 +1912,7 @@ def _pinned_message(
             "release the pin before it runs out; evicting it would leave that job without its "
             "data. If no job needs it any more, pass --force"
         )
-    reads = ", ".join(_job_times(job, now) for job in readers)
+    reads = ", ".join(dict.fromkeys(_job_times(job, now) for job in readers))  # once each
     return (
         f"{pinned}, read by {reads}; evicting it would leave that job without its data. "
         f"{_how_to_release(readers)}"
@@ -1934,6 +1937,8 @@ def _how_to_release(readers: list[PinnedJob]) -> str:
         steps.append(
             "remove the job from the controller's schedule (its next round releases the pin)"
         )
+    if len(steps) > 1:  # each record that holds the job keeps the pin until it lets go
+        steps[-1] = "and " + steps[-1]
     if not steps:  # only jobs an older warm recorded, with no schedule file and no pins
         return (
             "An older warm recorded the job without its pins, so no warm run releases this "

@@ -243,3 +243,26 @@ def test_warm_and_the_demo_say_a_shortened_pin_as_shortened_not_released() -> No
     assert "no job of the schedule reads it there any more, and a job another" in release_line(
         other, Plan(regions={}, infeasible=[], transfers={}, cost={})
     )
+
+
+def test_an_eviction_refusal_names_every_record_that_holds_the_job(eu) -> None:
+    """The same job in warm's record and the controller's was one entry, the controller's:
+    the refusal said to remove it from the controller's schedule; done, the pin stayed
+    (warm's record still held the job), and only the next refusal named warm's file."""
+    root, registry, node = eu
+    (root / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+    )
+    start = datetime.now(UTC) + timedelta(hours=1)
+    (root / "good.yaml").write_text("jobs:\n" + _job("j1", start, "b@1"))
+    code, out, err = edgecache(
+        "warm", str(root / "good.yaml"), "--config", str(root / "edgecache.yaml")
+    )
+    assert code == 0, (out, err)
+    _run_controller(root, "good.yaml")  # the controller records the same job
+    with pytest.raises(VersionPinned) as refused:
+        ops.evict(load_topology(root / "edgecache.yaml"), "b@1", region="eu")
+    said = " ".join(str(refused.value).split())
+    assert said.count("read by j1 (") == 1 and said.count("j1 (eu,") == 1, said
+    assert f"run `edgecache warm {root / 'good.yaml'}` again" in said, said
+    assert "and remove the job from the controller's schedule" in said, said
