@@ -748,6 +748,7 @@ def holdings(
     neither a manifest nor a node counts its shards' union.
     """
     shard_counts = {(m.dataset, m.version): len(m.shards) for m in manifests.values()}
+    digests = {(m.dataset, m.version): m.digest for m in manifests.values()}
     names = replica_names(reports)
     out: dict[str, dict[VersionKey, Holding]] = {}
     alive: dict[str, list[str]] = {}
@@ -759,9 +760,11 @@ def holdings(
     for report, v in _resident(reports):
         key = (v.dataset, v.version)
         holding = out[report.region].setdefault(key, Holding())
+        holding.used_bytes += v.stored_bytes
+        if not _same_content(v, digests.get(key)):
+            continue  # other content under the name (the node refuses it): room, not data
         holding.shards += v.shard_count
         holding.stored_bytes += v.stored_bytes
-        holding.used_bytes += v.stored_bytes
         per_node.setdefault((report.region, key), {})[report.address] = v.shard_count
         if v.total_shards and key not in shard_counts:
             shard_counts[key] = v.total_shards
@@ -1257,7 +1260,8 @@ def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tupl
             share = " (its share with the others not answering)" if silent else ""
             missing.append(f"{report.address} has {held}/{wanted} shards{share}")
     if missing:
-        return False, f"{spec} is not ready in {region}: " + "; ".join([*missing, *silent])
+        other = _other_content(alive, manifest)
+        return False, f"{spec} is not ready in {region}: " + "; ".join([*missing, *other, *silent])
     if silent:
         return True, (
             f"{spec} is staged in {region}: the nodes that answered hold every shard between "
@@ -1267,15 +1271,46 @@ def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tupl
 
 
 def _held(report: NodeReport, manifest: pb.Manifest) -> int:
+    """The shards of ``manifest``'s version the node holds (none, of other content)."""
     assert report.status is not None
     return next(
         (
             v.shard_count
             for v in report.status.versions
             if (v.dataset, v.version) == (manifest.dataset, manifest.version)
+            and _same_content(v, manifest.digest)
         ),
         0,
     )
+
+
+def _same_content(held: edge_pb2.ResidentVersion, digest: str | None) -> bool:
+    """Whether a node's copy of a version is the registry's (``digest``), as far as known.
+
+    A node keeps the manifest it cached a version under: after a registry reset
+    (or a node moved to another registry) ``name@N`` may name other content
+    there, which the node refuses to serve; ``ready`` and ``status`` said it was
+    staged. A node too old to say its copy's digest, or a version whose manifest
+    is not at hand, is taken as the registry's.
+    """
+    return not held.digest or not digest or held.digest == digest
+
+
+def _other_content(reports: Sequence[NodeReport], manifest: pb.Manifest) -> list[str]:
+    """Each answering node that keeps other content under ``manifest``'s name@N, said."""
+    spec = f"{manifest.dataset}@{manifest.version}"
+    return [
+        f"{r.address} keeps other content under {spec} (digest {v.digest[:19]}…, the "
+        f"registry's is {manifest.digest[:19]}…: the registry was reset or moved since it "
+        f"cached it) and refuses to serve it; evict it there (edgecache evict {spec}, "
+        "--force if pinned) and warm it again"
+        for r in reports
+        if r.status is not None
+        for v in r.status.versions
+        if (v.dataset, v.version) == (manifest.dataset, manifest.version)
+        and v.shard_count
+        and not _same_content(v, manifest.digest)
+    ]
 
 
 def warm_items_for_plan(

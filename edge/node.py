@@ -395,13 +395,22 @@ class EdgeNode:
             raise ValueError(
                 f"version must be 'latest' or a positive integer, got {_clipped(version)}"
             )
-        key = (dataset, number)
+        return await self.manifest_to_pin(dataset, number)
+
+    async def manifest_to_pin(self, dataset: str, version: int) -> manifest_pb2.Manifest:
+        """A version's manifest for a reader to pin: checked against the registry now.
+
+        A job pins what this answers: it must be what the registry holds now, not an
+        older copy kept here (a version rewritten in the registry, or a registry
+        reset under the node, is refused instead). ``GetManifest`` served the kept
+        copy unchecked: a reader pinned the old content's digest, and when this node
+        then refused its shards, read them from a node of the old registry.
+        """
+        key = (dataset, version)
         asked = self._manifest_asked.get(key)
-        manifest = await self.manifest(dataset, number)
+        manifest = await self.manifest(dataset, version)
         if self._manifests.get(key) is not manifest or self._manifest_asked.get(key) != asked:
             return manifest  # just read from the registry
-        # A job pins what this answers: it must be what the registry holds now, not an
-        # older copy kept here (a version rewritten in the registry is refused instead).
         await self._check_now(key, manifest)
         return self._current_manifest(key)
 
@@ -643,7 +652,7 @@ class EdgeNode:
                 "as a new version",
                 dataset,
                 version,
-                self.registry.url,
+                self.registry_shown,
                 kept.digest,
                 current.digest,
             )
@@ -1594,6 +1603,7 @@ class EdgeNode:
                 shard_count=v.shard_count,
                 total_shards=len(known.shards) if known else 0,
                 stored_bytes=v.stored_bytes,
+                digest=known.digest if known else "",
             )
             if v.pinned_until is not None:  # as stored, also when it has run out (see status)
                 entry.pinned_until.FromDatetime(v.pinned_until.astimezone(UTC))

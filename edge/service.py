@@ -374,8 +374,8 @@ class EdgeCacheService:
     async def GetManifest(  # noqa: N802
         self, request: edge_pb2.GetManifestRequest, context: aio.ServicerContext
     ) -> manifest_pb2.Manifest:
-        """The version's manifest, from this node's copy if the registry is away."""
-        return await self.node.manifest(request.dataset, request.version)
+        """The version's manifest, checked against the registry (this node's copy if it is away)."""
+        return await self.node.manifest_to_pin(request.dataset, request.version)
 
     @_streaming
     async def ReadShard(  # noqa: N802

@@ -1,0 +1,59 @@
+"""A node that kept a version from before its registry was reset or moved.
+
+The registry the topology names now holds other content under ``tok@1``; a
+node cached the old ``tok@1`` and was restarted on the new registry, and another
+node still reads the old one. ``ready`` said the version was staged on the first
+node (which refuses to serve it), and a reader pinned the old content's digest
+from that node's ``GetManifest`` (served unchecked), then, refused by it, read
+the old rows from the other node: 2,000 rows of the wrong content, no error.
+Real nodes on loopback, real registries on disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from edgeutil import edgecache, publish, write_parquet_shards
+
+from edgecache.cache.errors import EdgeCacheError
+from edgecache.clients import EdgeDataset
+from edgecache.clients.node_client import start_local_node
+
+
+def test_a_copy_of_other_content_is_not_staged_and_never_read(tmp_path: Path) -> None:
+    old, new = f"file://{tmp_path}/registry-old", f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin-old", 2, rows=300)
+    write_parquet_shards(tmp_path / "origin-new", 2, rows=400)
+    publish(old, f"file://{tmp_path}/origin-old", "tok")
+    publish(new, f"file://{tmp_path}/origin-new", "tok")  # tok@1 again, other content
+    cache = tmp_path / "cache-ap"
+    ap = start_local_node("ap", cache, old, extra_args=["--node-id", "ap-1"])
+    eu = start_local_node("eu", tmp_path / "cache-eu", old, extra_args=["--node-id", "eu-1"])
+    try:
+        both = tmp_path / "old.yaml"
+        both.write_text(
+            f"registry: {old}\nregions:\n  ap:\n    nodes: ['{ap.address}']\n"
+            f"  eu:\n    nodes: ['{eu.address}']\n"
+        )
+        for region in ("ap", "eu"):
+            code, out, err = edgecache("warm", "tok@1", "--region", region, "--config", str(both))
+            assert code == 0, (out, err)
+        ap.stop()
+        ap = start_local_node("ap", cache, new, extra_args=["--node-id", "ap-1"])  # moved
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: {new}\nregions:\n  ap:\n    nodes: ['{ap.address}']\n"
+            f"  eu:\n    nodes: ['{eu.address}']\n"
+        )
+        code, out, err = edgecache("ready", "tok@1", "--region", "ap", "--config", str(topology))
+        said = " ".join((out + err).split())
+        assert code == 1, (out, err)
+        assert f"{ap.address} keeps other content under tok@1" in said, said
+        with pytest.raises(EdgeCacheError, match="was changed in the registry"):
+            ds = EdgeDataset("tok@1", config=topology, region="ap", batch_size=100)
+            rows = sum(len(batch["label"]) for batch in ds)
+            raise AssertionError(f"read {rows} rows of the old content")
+    finally:
+        ap.stop()
+        eu.stop()
