@@ -619,12 +619,20 @@ def state_problems(reports: Sequence[NodeReport]) -> dict[str, list[str]]:
 
     Both said nothing of these (exit 0, "ok") while every warm failed or split
     wrong: a cache holding more than its capacity (a node restarted with a lower
-    ``--capacity``, its pinned versions kept), which refuses every new shard, and
-    nodes of a region reporting one node id (:func:`rendezvous.unique_names`).
+    ``--capacity``, its pinned versions kept), which refuses every new shard,
+    nodes of a region reporting one node id (:func:`rendezvous.unique_names`),
+    and a node started with another ``--region`` than the topology's.
     """
     out: dict[str, list[str]] = {}
     for report in reports:
         status = report.status
+        if status is not None and status.region and status.region != report.region:
+            out.setdefault(report.address, []).append(
+                f"it says it is in region {status.region!r}, the topology puts it in "
+                f"{report.region!r}: readers given endpoints=[...] group replicas by the region "
+                "nodes report, and its metrics carry that one; start it with --region "
+                f"{report.region} (EDGECACHE_REGION), or move it in the topology file"
+            )
         if status is not None and status.used_bytes > status.capacity_bytes:
             now = datetime.now(UTC)
             pins = [

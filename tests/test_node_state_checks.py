@@ -81,3 +81,18 @@ def test_nodes_of_a_region_reporting_one_id_are_flagged(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_node_started_in_another_region_than_the_topologys_is_flagged(tmp_path: Path) -> None:
+    registry = f"file://{tmp_path}/registry"
+    node = start_local_node("us", tmp_path / "cache", registry)  # the topology says eu
+    try:
+        config = _topology(tmp_path, registry, [node.address])
+        code, out, err = edgecache("status", *config)
+        said = " ".join(err.split())
+        assert code == 0 and "it says it is in region 'us', the topology puts it in 'eu'" in said
+        code, out, err = edgecache("doctor", "--pings", "2", "--seconds", "0.1", "--json", *config)
+        (path,) = json.loads(out)["paths"]
+        assert code == 1 and any("--region eu" in p for p in path["problems"]), out
+    finally:
+        node.stop()
