@@ -10,6 +10,7 @@ those settings; and the drain log rounded ``grace_seconds: 0.5`` to ``0 s``.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import ssl
@@ -391,3 +392,19 @@ def test_a_misspelt_variable_is_said_not_silently_ignored(caplog) -> None:
         "EDGECACHE_TLS_CERTIFICATE" in warned[0] and "did you mean EDGECACHE_TLS_CERT?" in warned[0]
     )
     assert "did you mean EDGECACHE_PEER_TLS_CA?" in warned[1]
+
+
+def test_a_capacity_without_a_unit_below_a_mebibyte_is_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--capacity 500` was 500 bytes, silently: every shard was then refused."""
+    from edgecache.edge.config import NodeConfig
+
+    with caplog.at_level(logging.WARNING, logger="edgecache.edge.config"):
+        NodeConfig(**node_fields(tmp_path, capacity="500"))
+    assert "capacity 500 is 500 bytes" in caplog.text and "500MiB" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgecache.edge.config"):
+        NodeConfig(**node_fields(tmp_path, capacity="512KiB"))  # a unit: meant
+        NodeConfig(**node_fields(tmp_path, capacity=str(64 << 20)))  # bytes, large enough
+    assert "without a unit" not in caplog.text
