@@ -100,6 +100,7 @@ T = TypeVar("T")
 # again, in the background, to notice a published version that was changed there.
 MANIFEST_RECHECK_SECONDS = 10.0
 DIGEST_RECHECK_SECONDS = 1.0  # a reader's other digest asks the registry at most this often
+PIN_CHECK_WAIT = 2.0  # a version pinned from a kept copy waits this long for the registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +398,11 @@ class EdgeNode:
             )
         return await self.manifest_to_pin(dataset, number)
 
+    def without_secrets(self, text: str) -> str:
+        """``text`` with the registry's URL (and the objects' under it) shown without secrets."""
+        raw = self.registry.url
+        return text.replace(raw, self.registry_shown) if raw != self.registry_shown else text
+
     async def manifest_to_pin(self, dataset: str, version: int) -> manifest_pb2.Manifest:
         """A version's manifest for a reader to pin: checked against the registry now.
 
@@ -411,7 +417,10 @@ class EdgeNode:
         manifest = await self.manifest(dataset, version)
         if self._manifests.get(key) is not manifest or self._manifest_asked.get(key) != asked:
             return manifest  # just read from the registry
-        await self._check_now(key, manifest)
+        if asked is None or time.monotonic() - asked >= DIGEST_RECHECK_SECONDS:
+            # Many readers starting at once share one read; a registry that does not
+            # answer within PIN_CHECK_WAIT leaves the kept copy served, as while it is away.
+            await self._check_now(key, manifest, wait=PIN_CHECK_WAIT)
         return self._current_manifest(key)
 
     async def manifest_as_read(
@@ -612,10 +621,28 @@ class EdgeNode:
         self._manifest_checks[key] = task
         task.add_done_callback(functools.partial(self._manifest_check_done, key))
 
-    async def _check_now(self, key: tuple[str, int], kept: manifest_pb2.Manifest) -> None:
-        """:meth:`_check_manifest` now: joining the background check if one is running."""
+    async def _check_now(
+        self, key: tuple[str, int], kept: manifest_pb2.Manifest, *, wait: float | None = None
+    ) -> None:
+        """:meth:`_check_manifest` now, shared with any check of the version in flight.
+
+        ``wait``: the longest to wait for it; past that the check goes on in the
+        background and the caller is served the copy kept here.
+        """
         running = self._manifest_checks.get(key)
-        await (asyncio.shield(running) if running else self._check_manifest(key, kept))
+        if running is None:
+            running = asyncio.create_task(self._check_manifest(key, kept))
+            self._manifest_checks[key] = running
+            running.add_done_callback(functools.partial(self._manifest_check_done, key))
+        try:
+            await asyncio.wait_for(asyncio.shield(running), wait)
+        except TimeoutError:
+            log.info(
+                "the registry did not answer within %.0f s for %s@%d: serving the copy kept "
+                "here meanwhile",
+                wait,
+                *key,
+            )
 
     def _manifest_check_done(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
         self._manifest_checks.pop(key, None)

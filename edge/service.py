@@ -311,6 +311,17 @@ def _parser(message_type: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+def _without_secrets(service: Any, message: str) -> str:
+    """``message`` with the node's registry URL as ``Status`` shows it: no credentials.
+
+    The registry's own errors (a version not found, the registry unreachable)
+    name the URL as configured, ``user:password@`` and a signed query included,
+    and a status's details go to any client allowed to call.
+    """
+    node = getattr(service, "node", None)
+    return node.without_secrets(message) if node is not None else message
+
+
 def _unary(
     fn: Callable[[Any, Req, aio.ServicerContext], Awaitable[Any]],
 ) -> Callable[[Any, Req, aio.ServicerContext], Awaitable[Any]]:
@@ -325,7 +336,7 @@ def _unary(
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             code, message = status_for(exc)
             _log_failure(fn.__name__, exc, code)
-        await context.abort(code, message)
+        await context.abort(code, _without_secrets(self, message))
 
     return handler
 
@@ -346,7 +357,7 @@ def _streaming(
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             code, message = status_for(exc)
             _log_failure(fn.__name__, exc, code)
-        await context.abort(code, message)
+        await context.abort(code, _without_secrets(self, message))
 
     return handler
 
@@ -470,7 +481,9 @@ class EdgeCacheService:
 
     async def _stage(self, request: edge_pb2.StageRequest) -> AsyncIterator[edge_pb2.StageProgress]:
         _check_peers(request)
-        manifest = await self.node.manifest(request.dataset, request.version)
+        # Checked against the registry as a reader's pin is: a copy kept from before a
+        # registry reset made Stage say "held already" of the old content.
+        manifest = await self.node.manifest_to_pin(request.dataset, request.version)
         pin = _pin_time(request, "pin_until")
         wanted = self.node.staging_targets(manifest, list(request.shards))
         progress = edge_pb2.StageProgress(

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import grpc
 import pytest
 from edgeutil import node_settings, publish, stub, write_parquet_shards
 from s3server import make_bucket
@@ -247,6 +248,14 @@ def test_a_node_reports_its_registry_without_credentials(
     url = "https://reader:s3cret@127.0.0.1:9/_edgecache/?X-Amz-Signature=abc#frag"
     with caplog.at_level(logging.INFO), running_node(node_settings(tmp_path, url)) as node:
         said = stub(node.address).Status(edge_pb2.StatusRequest()).registry
+    # The registry's own errors, passed on to readers, named it as configured.
+    hidden = "memory://reader:s3cret@host/reg"
+    with running_node(node_settings(tmp_path / "m", hidden)) as node:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(node.address).ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="nope"))
+    details = refused.value.details() or ""
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND, details
+    assert "memory://host/reg" in details and "s3cret" not in details, details
     assert "serving on" in caplog.text and "https://127.0.0.1:9/_edgecache" in caplog.text
     assert "s3cret" not in caplog.text and "Signature" not in caplog.text, caplog.text
     assert said == "https://127.0.0.1:9/_edgecache", said
@@ -258,6 +267,12 @@ def test_registry_spellings_compare_as_one() -> None:
     assert registry_key("/srv/reg") == "file:///srv/reg"
     assert registry_key("s3://b/p/") == registry_key("s3://b/p") == "s3://b/p"
     assert registry_key("S3://b/p") == "s3://b/p"
+    # One store however fsspec is told to reach it: a cache chained in front, an alias of
+    # the protocol, a default port (each refused every node as "another registry").
+    assert registry_key("simplecache::s3://b/p") == registry_key("s3://b/p")
+    assert registry_key("gcs://b/p/") == registry_key("gs://b/p") == "gs://b/p"
+    assert registry_key("https://h:443/r") == registry_key("https://h/r") == "https://h/r"
+    assert registry_key("https://h:8443/r") != registry_key("https://h/r")
     assert shown_url("s3://key:secret@b/p?x=1") == "s3://b/p"
     assert shown_url("simplecache::https://u:p@h/r?t=1") == "simplecache::https://h/r"
     assert shown_url("file:///data/a@b/c?d") == "file:///data/a@b/c?d"  # a path, kept whole

@@ -50,6 +50,11 @@ def test_a_copy_of_other_content_is_not_staged_and_never_read(tmp_path: Path) ->
         said = " ".join((out + err).split())
         assert code == 1, (out, err)
         assert f"{ap.address} keeps other content under tok@1" in said, said
+        # warm stages it there, or says why not: it said "held already" of the old content.
+        code, out, err = edgecache("warm", "tok@1", "--region", "ap", "--config", str(topology))
+        said = " ".join((out + err).split())
+        assert code == 1 and "was changed in the registry" in said, (out, err)
+        assert "held already" not in said, said
         with pytest.raises(EdgeCacheError, match="was changed in the registry"):
             ds = EdgeDataset("tok@1", config=topology, region="ap", batch_size=100)
             rows = sum(len(batch["label"]) for batch in ds)
@@ -57,3 +62,44 @@ def test_a_copy_of_other_content_is_not_staged_and_never_read(tmp_path: Path) ->
     finally:
         ap.stop()
         eu.stop()
+
+
+def test_a_slow_registry_delays_a_pinned_manifest_at_most_a_moment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetManifest checks a kept copy against the registry; one that does not answer made
+    every call wait for it (S3's retries: half a minute, past a reader's deadline), and
+    each of several readers starting at once read it again."""
+    import asyncio
+    import time
+
+    from edgeutil import node_settings, stub
+
+    from edgecache.cache.registry import Registry
+    from edgecache.edge import node as node_module
+    from edgecache.edge.server import running_node
+    from edgecache.v1 import edge_pb2
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 2, rows=100)
+    publish(registry, f"file://{tmp_path}/origin", "tok")
+    read = Registry.manifest
+    reads: list[float] = []
+
+    async def slow(self: Registry, dataset: str, version: int) -> object:
+        reads.append(time.monotonic())
+        if len(reads) > 1:  # the first read keeps the copy; the registry then hangs
+            await asyncio.sleep(8)
+        return await read(self, dataset, version)
+
+    monkeypatch.setattr(Registry, "manifest", slow)
+    monkeypatch.setattr(node_module, "DIGEST_RECHECK_SECONDS", 0.0)  # every call checks
+    with running_node(node_settings(tmp_path, registry)) as node:
+        client = stub(node.address)
+        request = edge_pb2.GetManifestRequest(dataset="tok", version=1)
+        client.GetManifest(request, timeout=10)  # read from the registry: kept
+        for _ in range(3):
+            began = time.monotonic()
+            client.GetManifest(request, timeout=10)  # the kept copy, after PIN_CHECK_WAIT
+            assert time.monotonic() - began < node_module.PIN_CHECK_WAIT + 1.5
+        assert len(reads) == 2, reads  # one check in flight, shared by the later calls
