@@ -57,10 +57,21 @@ def registry_key(url: str) -> str:
         url = location_url(url, "registry")
     except ValueError:  # a scheme this host has no store for: compared as spelled
         pass
-    scheme, sep, rest = shown_url(url).partition("://")
+    # The store a chain ends in is the registry (``simplecache::s3://b/p`` reads s3://b/p).
+    scheme, sep, rest = shown_url(url).rpartition("::")[2].partition("://")
     if not sep:
         return url.rstrip("/") or url
-    return f"{scheme.lower()}://{rest.rstrip('/') or rest[:1]}"
+    scheme = _ALIASES.get(scheme.lower(), scheme.lower())
+    host, slash, path = rest.partition("/")
+    port = _DEFAULT_PORTS.get(scheme)
+    if port and host.endswith(port):
+        host = host[: -len(port)]
+    rest = host + slash + path
+    return f"{scheme}://{rest.rstrip('/') or rest[:1]}"
+
+
+_ALIASES = {"gcs": "gs", "s3a": "s3"}  # fsspec's names for one store
+_DEFAULT_PORTS = {"https": ":443", "http": ":80"}
 
 
 class RegistryMatch(Enum):

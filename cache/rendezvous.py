@@ -19,6 +19,7 @@ that did not answer) stands for itself.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -94,14 +95,21 @@ def unique_names(ids: Mapping[str, str]) -> dict[str, str]:
     process (one warm works out the split several times: it was said thrice).
     """
     shared = shared_ids(ids)
+    now = time.monotonic()
     for node_id, addresses in shared.items():
-        if (node_id, tuple(addresses)) not in _said:
-            _said.add((node_id, tuple(addresses)))
+        said = _said.get((node_id, tuple(addresses)))
+        if said is None or now - said > SAY_AGAIN_SECONDS:
+            if len(_said) > 256:  # a long-running process: forget the old ones
+                _said.clear()
+            _said[(node_id, tuple(addresses))] = now
             log.warning("%s", shared_id_text(addresses, node_id))
     return {a: n for a, n in ids.items() if n not in shared}
 
 
-_said: set[tuple[str, tuple[str, ...]]] = set()  # the clashes logged already
+# Each clash logged, and when: said again after SAY_AGAIN_SECONDS (a controller or a reader
+# runs for days: a clash mended and back is news).
+_said: dict[tuple[str, tuple[str, ...]], float] = {}
+SAY_AGAIN_SECONDS = 600.0
 
 
 def shared_ids(ids: Mapping[str, str]) -> dict[str, list[str]]:

@@ -29,6 +29,7 @@ import grpc
 from edgecache.cache import rendezvous
 from edgecache.cache.errors import (
     AccessDenied,
+    EdgeCacheError,
     InvalidEndpoint,
     InvalidName,
     ManifestError,
@@ -368,12 +369,12 @@ def _share_rows(
         staged = [by_key[v] for v in job.versions if v not in whole and v in by_key]
         if not staged:
             continue
-        together = [
+        together = [  # what the plan holds for the jobs running meanwhile (not what it cannot)
             v
             for other in jobs
             if other.region == job.region and other.start < job.end and job.start < other.end
             for v in other.versions
-            if v in by_key
+            if v in by_key and (other.name, f"{v[0]}@{v[1]}") not in unmet
         ]
         needed = list(dict.fromkeys([*((m.dataset, m.version) for m in staged), *together]))
         why = share_overflow(
@@ -1770,8 +1771,11 @@ def warm_started(schedule: Schedule, registry: str, now: datetime, skip: Set[str
     published after the job started was staged and pinned for it, and the pin
     of the one it reads released, for ``evict`` to free under the running job.
     A started job warm recorded (the same name, region and start) reads the
-    versions recorded for it; ``skip``: jobs the controller's record covers. A
-    record origin will not give is :class:`OriginError`, raised.
+    versions recorded for it, unless a newer one was published before the job
+    started (warm's record is of its last run, which may be hours before the
+    start, when the job's reader resolved ``name``); ``skip``: jobs the
+    controller's record covers. A record origin will not give is
+    :class:`OriginError`, raised.
     """
     if not any(job.start <= now < job.end and job.name not in skip for job in schedule.jobs):
         return schedule
@@ -1780,19 +1784,41 @@ def warm_started(schedule: Schedule, registry: str, now: datetime, skip: Set[str
     for job in schedule.jobs:
         record = recorded.get((job.name, job.region, job.start))
         if job.start <= now and job.name not in skip and record is not None and record.versions:
-            datasets = [_as_recorded(spec, record.versions) for spec in job.datasets]
+            datasets = [
+                _as_recorded(spec, record.versions, job.start, registry) for spec in job.datasets
+            ]
             job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
         jobs.append(job)
     return schedule.model_copy(update={"jobs": jobs})
 
 
-def _as_recorded(spec: str, versions: Sequence[str]) -> str:
-    """``spec`` (``name``, ``name@latest``) as the recorded ``name@N``; ``name@N`` as it is."""
+def _as_recorded(spec: str, versions: Sequence[str], start: datetime, registry: str) -> str:
+    """``spec`` (``name``, ``name@latest``) as the job read it from ``start``; ``name@N`` as is.
+
+    The recorded ``name@N``, unless the registry's newest was published before
+    ``start`` (the job then resolved that one).
+    """
     wanted = parse_spec(spec)
     if wanted.version is not None:
         return spec
     same = [v for v in versions if v.rpartition("@")[0] == wanted.dataset]
-    return max(same, key=lambda v: int(v.rpartition("@")[2])) if same else spec
+    if not same:
+        return spec
+    chosen = max(same, key=lambda v: int(v.rpartition("@")[2]))
+
+    async def newest(reg: Registry) -> pb.Manifest:
+        return await reg.manifest(wanted.dataset, await reg.latest(wanted.dataset))
+
+    try:
+        latest = Registry.run(registry, newest)
+    except EdgeCacheError:
+        return chosen  # the registry cannot say: the record stands
+    if (
+        f"{latest.dataset}@{latest.version}" != chosen
+        and latest.created_at.ToDatetime(UTC) <= start
+    ):
+        return spec  # published before the job started: it read that one
+    return chosen
 
 
 def _warmed_jobs_url(registry: str) -> str:

@@ -125,3 +125,44 @@ def test_warm_of_a_version_the_pins_leave_no_room_for_fails_before_staging(
         assert held == {"a@1", "c@1"}, status  # c@1 was not evicted for nothing
     finally:
         node.stop()
+
+
+def test_a_version_the_plan_cannot_hold_is_not_counted_against_a_job_beside_it() -> None:
+    """The per-node check of jobs running at once counted an overlapping job's version the
+    plan had already found it cannot hold (800 MiB in a region of 200): the job beside it,
+    which fits, was said "cannot be met" for it."""
+    from edgecache.cache.planner import Infeasible, Job, Plan, VersionSize
+    from edgecache.clients.ops import NodeReport, _share_rows
+    from edgecache.clients.topology import RegionConfig, Topology
+    from edgecache.v1 import edge_pb2
+    from edgecache.v1 import manifest_pb2 as pb
+
+    mib = 1 << 20
+    topology = Topology(registry="file:///r", regions={"eu": RegionConfig(nodes=["a:1", "b:1"])})
+    reports = [
+        NodeReport(
+            "eu",
+            n,
+            True,
+            status=edge_pb2.NodeStatus(region="eu", node_id=n, capacity_bytes=100 * mib),
+        )
+        for n in ("a:1", "b:1")
+    ]
+    manifests = {}
+    for name, size in (("small", 10 * mib), ("huge", 200 * mib)):
+        manifest = pb.Manifest(dataset=name, version=1)
+        for _ in range(4):
+            manifest.shards.add(source_size=size)
+        manifests[f"{name}@1"] = manifest
+    sizes = {
+        ("small", 1): VersionSize(stored=40 * mib, source=40 * mib),
+        ("huge", 1): VersionSize(stored=800 * mib, source=800 * mib),
+    }
+    now = datetime.now(UTC)
+    jobs = [
+        Job("a", "eu", now + timedelta(hours=1), now + timedelta(hours=3), (("small", 1),)),
+        Job("b", "eu", now + timedelta(hours=2), now + timedelta(hours=4), (("huge", 1),)),
+    ]
+    unmet = Infeasible("b", "eu", "huge@1", "larger than the region's capacity")
+    result = Plan(regions={}, infeasible=[unmet], transfers={}, cost={})
+    assert _share_rows(topology, reports, jobs, manifests, sizes, {}, result) == []

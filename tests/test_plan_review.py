@@ -230,3 +230,20 @@ def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) ->
     assert "iris@1" in pins_on(node) and "iris@2" not in pins_on(node), pins_on(node)
     code, out, err = edgecache(root, "evict", "iris@1")
     assert code != 0 and "train" in " ".join((out + err).split()), (out, err)
+
+
+def test_a_version_published_between_warm_and_the_start_is_the_one_the_job_reads(site) -> None:
+    """warm's record is of its last run; a version published after it but before the job
+    started is what the job resolved at its start: warm after the start stages and pins it."""
+    root, node = site
+    schedule = root / "schedule.yaml"
+    start = datetime.now(UTC) + timedelta(seconds=4)
+    schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
+    code, out, err = edgecache(root, "warm", str(schedule))  # records iris@1 for the job
+    assert code == 0, (out, err)
+    write_parquet_shards(root / "origin-2", 2, rows=150)
+    publish(f"file://{root}/registry", f"file://{root}/origin-2", "iris")  # before the start
+    time.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()) + 0.5)
+    code, out, err = edgecache(root, "warm", str(schedule))
+    assert code in (0, 3), (out, err)  # started without iris@2 staged: it may say so
+    assert "iris@2" in pins_on(node), (pins_on(node), out, err)

@@ -723,7 +723,7 @@ def _rehearse_single(
     say nothing moved). The dry run said "would stage" a version held whole.
     """
     held, _ = ops.ready(reports, item.region, manifest)
-    if not held and (refused := ops.other_registries(item)):
+    if refused := ops.other_registries(item):  # the real run refuses it, held or not
         item.failures.extend(refused.values())  # as the real run refuses it, uncalled
         return _Warmed(rows=[_row(item, "failed")], failed=[item])
     return _Warmed(rows=[_row(item, "held" if held else "would stage")], failed=[])
