@@ -136,6 +136,7 @@ def test_a_null_partition_folder_is_counted_per_object(tmp_path: Path) -> None:
         ("u1", "year=2023/city=Paris/part-0.parquet", 3),
         ("u2", f"year={NULL}/city=Rome/part-0.parquet", 4),
         ("u3", f"raw/year=2024/city={NULL}/part-0.parquet", 2),
+        ("u4", f"year={NULL}/city=Oslo/empty.parquet", 0),  # no row: no null ("holds 0")
     ]
     assert partition_nulls(fields, objects) == [
         NullCount("year", "int64", "u2", 4, f"year={NULL}"),

@@ -238,6 +238,8 @@ def partition_nulls(
         if not tensor_type(field.type):
             continue
         for url, key, rows in objects:
+            if not rows:
+                continue  # no row, no null (it said "holds 0 nulls")
             parts = key.split("/")
             # Where each key=value folder is in the key, in path order (as partition_values).
             at = [i for i, part in enumerate(parts[:-1]) if "=" in part]
