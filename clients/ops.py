@@ -1251,7 +1251,11 @@ def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tupl
     spec = f"{manifest.dataset}@{manifest.version}"
     alive = [r for r in nodes if r.status is not None]
     silent = [
-        f"{r.address} unreachable ({r.error or 'no answer'})" for r in nodes if r.status is None
+        f"{r.address} serves but refused this command's credentials ({r.error})"
+        if r.refused
+        else f"{r.address} unreachable ({r.error or 'no answer'})"
+        for r in nodes
+        if r.status is None
     ]
     if not alive:
         return False, f"{spec} is not ready in {region}: " + "; ".join(silent)
@@ -2025,6 +2029,8 @@ class Readiness:
     message: str
     timed_out: bool = False
     waited_seconds: float = 0.0
+    # A node serves but refused this command's credentials: bad input, which no wait mends.
+    refused: bool = False
 
 
 def status_call_timeout(budget: float, *, pings: int, longest: float) -> float:
@@ -2058,6 +2064,11 @@ def _any_silent(reports: Sequence[object], region: str) -> bool:
     return any(
         isinstance(r, NodeReport) and r.region == region and r.status is None for r in reports
     )
+
+
+def _refused_in(reports: Sequence[NodeReport], region: str) -> bool:
+    """Whether a node of ``region`` serves but refused this command's credentials."""
+    return any(r.refused for r in reports if r.region == region)
 
 
 def wait_ready(
@@ -2094,16 +2105,21 @@ def wait_ready(
     region_nodes(topology, region)  # an unknown region is an error, not "not ready"
     started = time.monotonic()
 
+    refused = False  # a node of the region refused the credentials, the last round
+
     def check(budget: float) -> tuple[bool, str, bool]:
         """(ready, why, whether the verdict holds: every node answered or had its time)."""
+        nonlocal refused
         call = status_call_timeout(budget, pings=_READY_PINGS, longest=_READY_CALL_SECONDS)
         reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
         ok, message = ready(reports, region, manifest)
+        refused = _refused_in(reports, region)
         return ok, message, call >= _READY_TRUSTED_CALL_SECONDS or not _any_silent(reports, region)
 
     if timeout is None:
         ok, message, _ = check(_READY_CALLS * _READY_CALL_SECONDS)
-        return Readiness(ok, message, waited_seconds=time.monotonic() - started)
+        waited = time.monotonic() - started
+        return Readiness(ok, message, waited_seconds=waited, refused=refused and not ok)
     deadline = started + timeout
     budget = max(timeout, _READY_FIRST_ROUND_SECONDS)
     short = False  # whether the round just asked started with too little room
@@ -2113,6 +2129,8 @@ def wait_ready(
         ok, said, holds = check(budget)
         if ok:
             return Readiness(True, said, waited_seconds=time.monotonic() - started)
+        if refused:  # the token, not the data: waiting would only hide it for an hour
+            return Readiness(False, said, waited_seconds=time.monotonic() - started, refused=True)
         if holds or not message:
             message = said
         took = time.monotonic() - asked

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,23 @@ def test_warm_one_version_refused_its_token_is_bad_input_and_a_folder_is_no_sche
         )
         assert dry.exit_code == 0, dry.output
         assert "tokens@1" in dry.output and "schedule" not in dry.output, dry.output
+
+
+def test_ready_without_the_token_is_bad_input_at_once_not_a_wait(tmp_path: Path) -> None:
+    """ready called a node refusing its token "unreachable", exit 1, and --wait polled it
+    to the timeout (an hour by default): a credentials error no wait mends."""
+    from edgeutil import publish, write_parquet_shards
+
+    (tmp_path / "read").write_text("r3ad\n")
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/origin", "tokens")
+    with running_node(_config(tmp_path, read_token_file=str(tmp_path / "read"))) as node:
+        topology = _topology(tmp_path, node.address)
+        for wait in ([], ["--wait", "--timeout", "60"]):
+            began = time.monotonic()
+            args = ["ready", "tokens@1", "--region", "eu", "--config", str(topology), *wait]
+            result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+            said = " ".join(result.output.split())
+            assert result.exit_code == 2, result.output
+            assert "refused this command's credentials" in said and "unreachable" not in said
+            assert time.monotonic() - began < 20, wait  # not the wait's 60 s

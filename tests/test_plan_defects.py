@@ -402,6 +402,7 @@ class FakeRegion:
         )
         monkeypatch.setattr(ops, "gather_status", self.gather_status)
         monkeypatch.setattr(ops, "ready", self.ready)
+        monkeypatch.setattr(ops, "_refused_in", lambda reports, region: False)  # floats here
 
     def monotonic(self) -> float:
         return self.now

@@ -1276,7 +1276,8 @@ def ready(
     deadline, so the wait does not overrun --timeout. --timeout without --wait
     is refused: a single check has no wait to bound. Exit codes: 0 ready; 1 not
     ready (or --wait timed out, which it says); 2 bad input (a negative
-    --timeout, or --timeout without --wait, among them).
+    --timeout, or --timeout without --wait, among them; a node that refused
+    this command's credentials, at once, without waiting: pass --token-file).
     """
     from edgecache.cache.registry import Registry
     from edgecache.clients.ops import wait_ready
@@ -1309,4 +1310,6 @@ def ready(
         )
     else:
         (console if readiness.ok else err_console).print(readiness.message)
+    if readiness.refused:
+        raise exit_with(ExitCode.BAD_INPUT)  # a token to pass (--token-file), not a wait
     raise exit_with(ExitCode.OK if readiness.ok else ExitCode.FAILED)
