@@ -31,6 +31,7 @@ from pydantic import (
 
 from edgecache.cache.addresses import split_hostport
 from edgecache.cache.errors import ConfigError
+from edgecache.cache.tokens import token_problem
 from edgecache.cache.units import parse_rate, parse_size
 
 __all__ = [
@@ -463,21 +464,8 @@ class NodeConfig(BaseModel):
         token = data.strip()
         if not token:
             raise ConfigError(f"{flag} {path} is empty; put the token in it")
-        # Clients send the token as an HTTP/2 header value: gRPC refuses anything else there
-        # on the client's side ("Invalid metadata"), so every call would fail with no word
-        # of this file. One line of printable ASCII (spaces inside are allowed there).
-        if (bad := next((b for b in token if not 0x20 <= b <= 0x7E), None)) is not None:
-            if bad in b"\r\n":
-                what = "more than one line"
-            elif bad > 0x7E:
-                what = "a non-ASCII character"
-            else:
-                what = f"the control character {bad:#04x}"
-            raise ConfigError(
-                f"{flag} {path} holds {what}: a token is one line of printable ASCII "
-                "(letters, digits, punctuation; e.g. from openssl rand -hex 32), since "
-                "clients send it as a header and could not present this one"
-            )
+        if (why := token_problem(token)) is not None:
+            raise ConfigError(f"{flag} {path} {why}")
         return token.decode("ascii")
 
 

@@ -290,6 +290,19 @@ class NodeServer:
         host, _ = split_hostport(self.config.listen)
         return dial_address(host, self.port)
 
+    @property
+    def serving_on(self) -> str:
+        """Where it listens, as said at start (its stdout line and its log).
+
+        The address to dial comes last (scripts take the line's last word); a
+        wildcard host is said as bound first, so the line does not read as
+        loopback-only.
+        """
+        host, _ = split_hostport(self.config.listen)
+        wildcard = host in ("0.0.0.0", "::", "")  # noqa: S104
+        bound = f"{host_port(host, self.port)}, dial " if wildcard else ""
+        return f"{bound}{self.address}"
+
     async def start(self) -> None:
         """Open the cache, bind the ports and start serving."""
         config = self.config
@@ -297,6 +310,14 @@ class NodeServer:
             config.read_token("token_file"),
             config.read_token("read_token_file"),
         )
+        if admin_token is not None and admin_token == read_token:
+            # The admin token is accepted first: every reader could then warm and evict.
+            raise ConfigError(
+                f"token_file ({config.token_file}) and read_token_file "
+                f"({config.read_token_file}) hold the same token, so every reader would be an "
+                "admin (Stage, Pin, Evict); give readers a token of their own (e.g. openssl "
+                "rand -hex 32 > read.token)"
+            )
         credentials = _credentials(config)  # before the cache opens: a bad file fails fast
         try:
             s3.check_environment()
@@ -379,7 +400,7 @@ class NodeServer:
             "edge node %s of region %s serving on %s (cache %s, registry %s)",
             node.node_id,
             config.region,
-            self.address,
+            self.serving_on,  # as bound: the log of a node open to all read "127.0.0.1"
             config.cache_dir,
             shown_url(config.registry),  # without credentials a URL may carry
         )
@@ -492,12 +513,7 @@ async def serve_forever(config: NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    # The address to dial comes last (scripts take the line's last word); a wildcard host is
-    # said as bound first, so the line does not read as loopback-only.
-    host, _ = split_hostport(config.listen)
-    wildcard = host in ("0.0.0.0", "::", "")  # noqa: S104
-    bound = f"{host_port(host, server.port)}, dial " if wildcard else ""
-    print(f"serving on {bound}{server.address}", flush=True)
+    print(f"serving on {server.serving_on}", flush=True)
     if server.metrics_port:
         host, _ = split_hostport(config.metrics_listen or "")
         print(f"metrics on {host_port(host, server.metrics_port)}", flush=True)

@@ -103,9 +103,10 @@ def test_status_without_the_token_says_the_node_refused_it_not_that_it_is_down(
 ) -> None:
     """A serving node that wanted a token was listed "down: UNAUTHENTICATED", exit 1 (retry)."""
     (tmp_path / "admin").write_text("s3cret\n")
+    (tmp_path / "read").write_text("r3ad\n")
     (tmp_path / "registry").mkdir()
-    admin = str(tmp_path / "admin")
-    with running_node(_config(tmp_path, token_file=admin, read_token_file=admin)) as node:
+    admin, read = str(tmp_path / "admin"), str(tmp_path / "read")
+    with running_node(_config(tmp_path, token_file=admin, read_token_file=read)) as node:
         topology = _topology(tmp_path, node.address)
         env = {"COLUMNS": "200"}
         result = CliRunner().invoke(app, ["status", "--config", str(topology)], env=env)
@@ -224,3 +225,25 @@ def test_ready_without_the_token_is_bad_input_at_once_not_a_wait(tmp_path: Path)
             assert result.exit_code == 2, result.output
             assert "refused this command's credentials" in said and "unreachable" not in said
             assert time.monotonic() - began < 20, wait  # not the wait's 60 s
+
+
+def test_debug_logs_mask_the_credentials_botocore_prints() -> None:
+    """At DEBUG a node logged botocore's request headers: a pod role's session token and the
+    access key id went to log collection."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "from edgecache.clients.cli.context import LogLevel, configure_logging\n"
+        "configure_logging(LogLevel.DEBUG)\n"
+        "log = logging.getLogger('botocore.endpoint')\n"
+        "log.debug('headers=%s', {'X-Amz-Security-Token': b'SESSION-SECRET', 'Authorization':"
+        " b'AWS4-HMAC-SHA256 Credential=AKIADEBUGKEYID000001/20261205/us-east-1/s3'})\n"
+        "log.debug('https://b/x?X-Amz-Security-Token=QUERY-SECRET&X-Amz-Date=1')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "SESSION-SECRET" not in out.stderr and "QUERY-SECRET" not in out.stderr, out.stderr
+    assert "AKIADEBUGKEYID000001" not in out.stderr, out.stderr
+    assert "X-Amz-Security-Token': b'***'" in out.stderr, out.stderr  # said, masked

@@ -12,6 +12,7 @@ blank region) were accepted.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -326,6 +327,43 @@ def test_a_token_no_client_can_present_stops_the_node(
     assert "Traceback" not in err
 
 
+def test_one_token_for_admin_and_reads_stops_the_node(tmp_path: Path) -> None:
+    """The admin token is accepted first: one file for both made every reader an admin."""
+    token = tmp_path / "shared.token"
+    token.write_text("s3cret\n")
+    (tmp_path / "cache").mkdir()
+    err = _refusal(
+        tmp_path, {}, "--cache-dir", str(tmp_path / "cache"),
+        "--token-file", str(token), "--read-token-file", str(token),
+    )  # fmt: skip
+    assert "hold the same token, so every reader would be an admin" in err, err
+    assert "s3cret" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "said"), [("abc\ndef\n", "more than one line"), ("toké", "a non-ASCII character")]
+)
+def test_a_cli_token_file_no_client_can_send_is_bad_input(
+    tmp_path: Path, content: str, said: str
+) -> None:
+    """It was sent anyway: gRPC failed every call "INTERNAL: Invalid metadata", the node was
+    said to be down (exit 1), and ready --wait polled it to its timeout."""
+    from typer.testing import CliRunner
+
+    from edgecache.clients.cli import app
+
+    token = tmp_path / "token"
+    token.write_bytes(content.encode())
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text("registry: file:///unused\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n")
+    result = CliRunner().invoke(
+        app, ["status", "--config", str(topology), "--token-file", str(token)],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"--token-file {token} holds {said}" in " ".join(result.output.split())
+
+
 def test_a_token_with_a_trailing_newline_and_inner_space_is_fine(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret token\n")
@@ -588,3 +626,19 @@ def test_the_proto_says_an_out_of_range_shard_is_invalid_argument() -> None:
     header = " ".join(proto.read_text().split("syntax")[0].replace("//", " ").split())
     assert "NOT_FOUND for an unknown dataset or version;" in header
     assert "INVALID_ARGUMENT for malformed names and out-of-range indexes (a shard" in header
+
+
+def test_the_log_says_a_wildcard_bind_as_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log said "serving on 127.0.0.1:PORT" of a node bound to every interface."""
+    import logging
+
+    from edgeutil import node_settings
+
+    from edgecache.edge.server import running_node
+
+    settings = node_settings(tmp_path, f"file://{tmp_path}/registry", listen="0.0.0.0:0")
+    with caplog.at_level(logging.INFO, logger="edgecache.edge.server"), running_node(settings):
+        pass
+    assert re.search(r"serving on 0\.0\.0\.0:\d+, dial 127\.0\.0\.1:\d+", caplog.text), caplog.text

@@ -20,6 +20,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from edgecache.cache.errors import CacheDirError, EdgeCacheError, VersionNotFound, WriterLocked
+from edgecache.cache.tokens import token_problem
 from edgecache.clients.cli.render import err_console, error
 from edgecache.clients.topology import Topology, load_topology
 
@@ -64,12 +65,37 @@ class LogLevel(StrEnum):
 _CHATTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec")
 
 
+# What botocore's DEBUG lines carry that must not reach a log: a session token (a pod role's
+# STS credentials), an access key id, and a signed query's token.
+_SECRETS = re.compile(
+    r"(?P<k>X-Amz-Security-Token['\"]?\s*[:=]\s*b?['\"]?)[^'\"&\s,}]+"
+    r"|(?P<c>Credential=)[^/,\s'\"]+"
+    r"|\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",
+    re.IGNORECASE,
+)
+
+
+class _Redacting(logging.Filter):
+    """Masks credentials in every record: a node at DEBUG logged botocore's request headers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        masked = _SECRETS.sub(lambda m: (m.group("k") or m.group("c") or "") + "***", text)
+        if masked != text:
+            record.msg, record.args = masked, None
+        return True
+
+
 def configure_logging(level: LogLevel) -> None:
     """Log lines with time, level and logger for a long-running command (serve, controller).
 
-    The chatty libraries above speak at WARNING and above unless ``level`` is DEBUG.
+    The chatty libraries above speak at WARNING and above unless ``level`` is DEBUG;
+    credentials in any line are masked (:class:`_Redacting`).
     """
     logging.basicConfig(level=level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _Redacting) for f in handler.filters):
+            handler.addFilter(_Redacting())
     if level != LogLevel.DEBUG:  # never below the level asked: ERROR hides their warnings too
         quiet = max(logging.WARNING, logging.getLevelNamesMapping()[level.value])
         for name in _CHATTY_LOGGERS:
@@ -121,9 +147,14 @@ class Options:
         if self.token_file is None:
             return None
         try:
-            token = self.token_file.read_text().strip()
+            raw = self.token_file.read_bytes().strip()
         except OSError as exc:
             raise ValueError(f"--token-file {self.token_file}: {exc.strerror}") from None
+        if (why := token_problem(raw)) is not None:
+            # Sent anyway, gRPC failed every call "INTERNAL: Invalid metadata" and the node
+            # was said to be down (exit 1; ready --wait polled it for an hour).
+            raise ValueError(f"--token-file {self.token_file} {why}")
+        token = raw.decode("ascii")
         if not token:
             # Sending no token would only come back from the node as "the token was missing".
             raise ValueError(
