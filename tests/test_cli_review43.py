@@ -96,6 +96,14 @@ def test_evict_with_a_token_the_nodes_refuse_exits_2_as_status_and_warm_do(
         admin = ["--config", str(topology), "--token-file", str(tmp_path / "admin.token")]
         code, out, err = edgecache("evict", "t@1", "--force", *admin)
         assert code == 0, (out, err)
+        # controller --once with the read token: its Pin refused, exit 2 as the others (1).
+        start = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        schedule = tmp_path / "schedule.yaml"
+        schedule.write_text(
+            f"jobs:\n  - name: j\n    region: eu\n    start: '{start}'\n    datasets: [t@1]\n"
+        )
+        code, out, err = edgecache("controller", "--schedule", str(schedule), "--once", *config)
+        assert code == 2 and "PERMISSION_DENIED" in err, (out, err)
     finally:
         node.stop()
 

@@ -195,7 +195,11 @@ def controller(
             for failure in running.failures:
                 error(failure)
             if running.failures and not received:
-                raise exit_with(ExitCode.FAILED)
+                # Every failure a node refusing this token (the read one, where Pin and
+                # Evict need the admin's): bad input, as warm and evict exit for it.
+                refusals = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+                refused = all(any(r in f for r in refusals) for f in running.failures)
+                raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
             if cannot and not received:
                 raise exit_with(ExitCode.CANNOT_BE_MET)
         else:
