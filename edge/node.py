@@ -71,6 +71,7 @@ from edgecache.cache.preprocess import Transform, load_transform, resource_refs
 from edgecache.cache.registry import Registry, fetch_resources, resource_url
 from edgecache.cache.registry_match import registry_key, shown_url
 from edgecache.cache.storage import ObjectInfo, Stores
+from edgecache.cache.storage.base import unreachable
 from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
 from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
@@ -513,8 +514,11 @@ class EdgeNode:
         except OriginError as exc:
             if isinstance(exc, VersionNotFound):
                 raise
+            # Unreachable only when nothing answered: a refusal (403, a missing bucket) is
+            # the registry's answer, and was called "unreachable".
+            state = "is unreachable" if unreachable(exc) else "could not be read"
             raise OriginError(
-                f"the registry {self.registry_shown} is unreachable and {dataset}@{version} "
+                f"the registry {self.registry_shown} {state} and {dataset}@{version} "
                 f"{locally} by this node: {exc}"
             ) from exc
         finally:

@@ -103,3 +103,26 @@ def test_a_slow_registry_delays_a_pinned_manifest_at_most_a_moment(
             client.GetManifest(request, timeout=10)  # the kept copy, after PIN_CHECK_WAIT
             assert time.monotonic() - began < node_module.PIN_CHECK_WAIT + 1.5
         assert len(reads) == 2, reads  # one check in flight, shared by the later calls
+
+
+def test_a_registry_that_refuses_is_not_called_unreachable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry that answered 403 (wrong credentials, a missing bucket) was "unreachable"."""
+    import grpc
+    from edgeutil import node_settings, stub
+
+    from edgecache.cache.errors import OriginError
+    from edgecache.cache.registry import Registry
+    from edgecache.edge.server import running_node
+    from edgecache.v1 import edge_pb2
+
+    async def refused(self: Registry, dataset: str, version: int) -> object:
+        raise OriginError(f"origin refused access to {self.url}/{dataset} (InvalidAccessKeyId)")
+
+    monkeypatch.setattr(Registry, "manifest", refused)
+    with running_node(node_settings(tmp_path, f"file://{tmp_path}/registry")) as node:
+        with pytest.raises(grpc.RpcError) as failed:
+            stub(node.address).GetManifest(edge_pb2.GetManifestRequest(dataset="t", version=1))
+    details = failed.value.details() or ""
+    assert "could not be read" in details and "unreachable" not in details, details
