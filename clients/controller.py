@@ -604,8 +604,8 @@ class Controller:
         self.metrics.leader.set(0 if held else 1)
         return held
 
-    def _keep_lease(self) -> None:
-        """Renew the lease when due, and end the calls that follow inside it.
+    def _keep_lease(self, *, check: bool = False) -> None:
+        """Renew the lease when due (``check``: now), and end the calls that follow inside it.
 
         A round's Pin and Evict calls must end while this controller holds the
         lease: past it another controller may take over, and two would act at
@@ -624,7 +624,7 @@ class Controller:
         round acted on a record that is no longer true.
         """
         since = time.monotonic() - self._renewed_at
-        if since > self.lease.ttl / 3 or self.lease.ttl / 2 - since < RENEW_AHEAD:
+        if check or since > self.lease.ttl / 3 or self.lease.ttl / 2 - since < RENEW_AHEAD:
             before = self.state
             other = self.leader()
             if other is not None:
@@ -716,6 +716,17 @@ class Controller:
         self._exported[report.address] = labels
         return labels
 
+    def _forget_what_the_leader_says(self) -> None:
+        """Drop the node and task series a controller that stands by would leave as they were.
+
+        The leader says them; a standby's last values froze (a node it saw down stayed 0,
+        and the alert on the lowest node_up of all controllers fired until it restarted).
+        """
+        self.metrics.node_up.clear()
+        self.metrics.node_rtt.clear()
+        self._exported.clear()
+        self.metrics.tasks.clear()
+
     def _node_name(self, address: str) -> str:
         """A node as the log names it: its id and address (``eu-west-1 (10.0.0.5:7070)``)."""
         node = self.state.nodes.get(address, address)
@@ -739,6 +750,7 @@ class Controller:
                     datetime.fromtimestamp(other.expires, UTC).isoformat(timespec="seconds"),
                 )
             self._standing_by_for = other.holder
+            self._forget_what_the_leader_says()
             # A standby's round (the lease checked, found held) is a round: without it,
             # /healthz failed a standby after 90 s and its liveness probe restarted it
             # in a loop, and one failed lease check raised "every round failed".
@@ -777,12 +789,17 @@ class Controller:
                 self._failed(*failures)
             self._evict_due(plan, schedule, manifests, now)
             self._keep_lease()
+            # Once more before starting tasks and saving the record: a controller paused
+            # past its lease (a stopped process, a stalled VM) staged and saved over the
+            # new leader's record when it resumed.
+            self._keep_lease(check=True)
+            self._start_due(plan, schedule, manifests, now, looked, region_outages(reports))
+            self._prune(plan, schedule, reports, now)
+            self._update_metrics(now)
+            self._keep_lease(check=True)
         except LeaseLost as lost:
             log.warning("%s; stopping this round and standing by", lost)
             return None
-        self._start_due(plan, schedule, manifests, now, looked, region_outages(reports))
-        self._prune(plan, schedule, reports, now)
-        self._update_metrics(now)
         self._save_state()
         self.metrics.ticks.inc()
         self.metrics.last_tick.set(time.time())

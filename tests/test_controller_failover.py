@@ -165,3 +165,42 @@ def test_a_standby_looking_at_the_nodes_does_not_save_over_the_leaders_record(eu
     finally:
         first.close()
         second.close()
+
+
+def test_a_leader_paused_mid_round_past_its_lease_neither_stages_nor_saves(eu, monkeypatch) -> None:  # noqa: ANN001
+    """Paused after its round's last lease check (a stopped process, a stalled VM), the
+    first controller resumed to save over the record of the one that had taken the lease
+    meanwhile (and to stage, paused before its tasks); a standby's frozen node_up kept an
+    alert firing."""
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 + HOUR, 1, "b@1"))
+    clock = Clock(T0)
+    first = controller(root, clock, lease_ttl=2)
+    second = controller(root, clock, lease_ttl=2)
+    try:
+        update = first._update_metrics
+
+        def pause_then_lose_the_lease(*args: object) -> None:
+            update(*args)  # type: ignore[arg-type]
+            time.sleep(2.2)  # past the lease, after the round's last lease check
+            assert second.tick() is not None  # takes over and saves its record
+            second.wait_idle()
+
+        monkeypatch.setattr(first, "_update_metrics", pause_then_lose_the_lease)
+        assert first.tick() is None  # it found the lease lost before saving
+        assert saved(registry).holder == second.holder  # the new leader's record stands
+        exported = first.metrics.registry.get_sample_value(
+            "edgecache_controller_node_up",
+            {"node": saved(registry).nodes.get(node.address, node.address), "region": "eu",
+             "address": node.address},
+        )  # fmt: skip
+        assert exported is not None  # the first set it in its round, as leader
+        monkeypatch.undo()
+        assert first.tick() is None  # stands by now: its node series go
+        assert not [
+            s for m in first.metrics.registry.collect() if m.name == "edgecache_controller_node_up"
+            for s in m.samples
+        ]  # fmt: skip
+    finally:
+        first.close()
+        second.close()
