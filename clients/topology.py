@@ -166,7 +166,13 @@ class ScheduledJob(BaseModel):
     def _utc(cls, value: datetime) -> datetime:
         # Plans, pins and reasons print times without a zone: all of them are UTC, so a
         # start written with an offset is the same instant in UTC, never shown as written.
-        return value.astimezone(UTC)
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:  # 0001-01-01T00:00:00+23:59: before the first UTC instant
+            raise ValueError(
+                f"{value.isoformat()} is out of the range of times (years 1 to 9999 in UTC); "
+                "give the job's real start"
+            ) from None
 
     @field_validator("datasets", mode="before")
     @classmethod

@@ -307,9 +307,10 @@ class NodeConfig(BaseModel):
                 "unset to size the cache from its disk (the size it had, else 80% of the "
                 "free space)"
             )
-        if size < 1 << 20 and str(value).strip().isdigit():
+        if size < 1 << 20 and isinstance(value, str) and value.strip().isdigit():
             # A number alone is bytes (as scripts pass it): `--capacity 500` made a cache of
-            # 500 bytes, which refused every shard, and nothing said why at the start.
+            # 500 bytes, which refused every shard, and nothing said why at the start. Text
+            # only (a flag, a variable): code passing an int means bytes.
             log.warning(
                 "capacity %s is %s bytes (a number without a unit is bytes), too small for "
                 "most shards; did you mean %sMiB or %sGiB?",

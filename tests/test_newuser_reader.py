@@ -132,6 +132,19 @@ def test_an_impossible_unquoted_start_names_line_and_field(tmp_path: Path, start
     assert load_schedule(path).jobs[0].start == datetime(2026, 12, 2, 10, tzinfo=UTC)
 
 
+@pytest.mark.parametrize("start", ["0001-01-01T00:00:00+23:59", "'0001-01-01T00:00:00+01:00'"])
+def test_a_start_before_the_first_utc_instant_is_refused_at_its_line(
+    tmp_path: Path, start: str
+) -> None:
+    """Found by the schedule fuzzer: converted to UTC it overflowed (OverflowError, a crash)."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        f"jobs:\n  - name: a\n    region: eu\n    start: {start}\n    datasets: [t@1]\n"
+    )
+    with pytest.raises(ConfigFileError, match=r"bad.yaml:4: jobs.0.start: .*out of the range"):
+        load_schedule(path)
+
+
 def test_every_node_refusing_logs_that_the_read_fails_not_a_retry(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
