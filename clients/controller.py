@@ -1301,6 +1301,15 @@ class Controller:
                 record.versions = [_spec(v) for v in reads]
             planned_infeasible = record.infeasible  # the reasons of the last round before
             record.infeasible = reasons.get(job.name, [])
+            if record.infeasible and record.infeasible != planned_infeasible and job.start > now:
+                # Said when it becomes so, not first at the job's start (a version that does
+                # not exist, a region too small): the plan knew rounds before.
+                log.warning(
+                    "job %s (starts %s) cannot be met: %s",
+                    job.name,
+                    f"{job.start:%Y-%m-%d %H:%M} UTC",
+                    "; ".join(record.infeasible),
+                )
             held = complete.get(job.region, set())
             missing = [_spec(v) for v in reads if v not in held] + [
                 s for s in job.datasets if s not in manifests

@@ -114,16 +114,23 @@ def slow_eu(tmp_path: Path) -> Iterator[tuple[Path, str, LocalNode]]:
         node.stop(timeout=1)  # its drain would wait for the crawl: the test is over
 
 
-def test_staging_still_running_at_the_start_is_said_beside_cannot_be_met(slow_eu) -> None:
+def test_staging_still_running_at_the_start_is_said_beside_cannot_be_met(
+    slow_eu, caplog: pytest.LogCaptureFixture
+) -> None:
     """The planner's "cannot be met" (too slow) was recorded alone: the job's record, and
-    plan --status, hid that its staging was running when the job started."""
+    plan --status, hid that its staging was running when the job started. And the
+    long-running controller said it first at the start (its log, rounds after it knew)."""
     root, _, node = slow_eu
     clock = Clock(T0)
     ctl = controller(root, clock)
     try:
-        plan = ctl.tick()
-        assert plan is not None
+        with caplog.at_level(logging.WARNING, logger="edgecache.clients.controller"):
+            plan = ctl.tick()
+            assert plan is not None
+            ctl.tick()  # the same reasons: said once
         assert [i.version for i in plan.infeasible if i.job == "j"] == ["b@1"]  # too slow
+        said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("job j (starts 2026-"), said
         deadline = time.monotonic() + 30
         while ctl.state.tasks.get("eu b@1") is None or ctl.state.tasks["eu b@1"].state != (
             "running"
