@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
 from edgecache.cache.registry_match import RegistryMatch, check_registry
-from edgecache.cache.rendezvous import shared_id_text, shared_ids
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
@@ -81,6 +79,7 @@ def check_paths(
 ) -> list[PathCheck]:
     """Ping every node, read from it, and upload into it on ``streams`` streams."""
     out = []
+    reports: list[NodeReport] = []  # what the nodes that answered Status said
     for region, config in topology.regions.items():
         for node in config.nodes:
             channel = open_channel(parse_endpoint(node))
@@ -88,7 +87,8 @@ def check_paths(
             rtt, jitter = result.rtt_ms, result.jitter_ms
             check = PathCheck(region, node, rtt, jitter, result.lost / pings, None)
             if result.samples_ms:
-                _check_status(check, channel, topology.registry, bearer(token))
+                if report := _check_status(check, channel, topology.registry, bearer(token)):
+                    reports.append(report)
                 check.throughput_mb_s = _throughput(channel, throughput_seconds / 2, bearer(token))
                 _upload(check, channel, throughput_seconds / 2, streams, bearer(token))
             channel.close()
@@ -104,29 +104,11 @@ def check_paths(
             elif check.ping_loss > LOSS:
                 check.problems.append(f"{check.ping_loss:.0%} of health checks failed")
             out.append(check)
-    _shared_ids(out)
+    # Over every node at once: two nodes of a region reporting one id is a problem of both.
+    problems = state_problems(reports)
+    for check in out:
+        check.problems += problems.get(check.node, [])
     return out
-
-
-def _shared_ids(checks: Sequence[PathCheck]) -> None:
-    """A problem for each node of a region reporting a node id another of its nodes reports.
-
-    Replicas split shards by id: two with one id split by address, as readers
-    that dial them by other names do not (rendezvous.unique_names).
-    """
-    by_region: dict[str, dict[str, str]] = {}
-    for check in checks:
-        if check.node_id:
-            by_region.setdefault(check.region, {})[check.node] = check.node_id
-    shared = {
-        address: shared_id_text(addresses, node_id)
-        for ids in by_region.values()
-        for node_id, addresses in shared_ids(ids).items()
-        for address in addresses
-    }
-    for check in checks:
-        if check.node in shared:
-            check.problems.append(shared[check.node])
 
 
 def _check_status(
@@ -134,8 +116,8 @@ def _check_status(
     channel: grpc.Channel,
     registry: str,
     metadata: tuple[tuple[str, str], ...] | None,
-) -> None:
-    """Check the node's state (:func:`state_problems`) and its registry against the topology's.
+) -> NodeReport | None:
+    """Check the node's registry against the topology's; its report, for :func:`state_problems`.
 
     Another object-store URL is a problem: the node answers everything but
     finds none of the versions published where this topology looks. A
@@ -149,10 +131,8 @@ def _check_status(
             edge_pb2.StatusRequest(), timeout=3, metadata=metadata
         )
     except grpc.RpcError:
-        return  # a node that answers health but not Status: its other tests say why
+        return None  # a node that answers health but not Status: its other tests say why
     check.node_id = status.node_id or None
-    report = NodeReport(check.region, check.node, True, status=status)
-    check.problems += state_problems([report]).get(check.node, [])
     found = check_registry(check.node, registry, status.registry)
     check.registry = found.theirs or None
     check.registry_match = found.match.value
@@ -160,6 +140,7 @@ def _check_status(
         check.problems.append(f"another registry: {found.message()}")
     elif found.match is RegistryMatch.PATH_DIFFERS:
         check.warnings.append(f"the registry's path differs: {found.message()}")
+    return NodeReport(check.region, check.node, True, status=status)
 
 
 def _surely_above(check: PathCheck | NodePath, limit: float) -> bool:
