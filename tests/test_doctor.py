@@ -358,4 +358,6 @@ def test_an_upload_to_a_server_that_closes_each_connection_is_counted() -> None:
     assert tcp_stats.delta(before, tcp_stats.counters_to(target)).segments_out == 0
     change = watch.delta()
     assert change.segments_out > 0, change
-    assert change.retransmitted == 0, change
+    # No claim on retransmissions: a loaded CI host's loopback retransmitted one of 120
+    # segments to this deliberately slow reader (a timer fired before its ACK came).
+    assert change.loss is not None, change
