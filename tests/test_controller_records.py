@@ -6,6 +6,7 @@ and registry, the controller in-process on a clock the test moves by hand.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -38,6 +39,19 @@ def views(root: Path, now: datetime) -> dict[str, JobView]:
     return {v.job: v for v in job_views(schedule, plan, manifests, reports, state, now)}
 
 
+def plan_status(root: Path, now: datetime) -> tuple[int, dict[str, str]]:
+    """``edgecache plan --status --json`` at ``now``: its exit code and each job's state."""
+    done = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", "plan", str(root / "schedule.yaml")]
+        + ["--status", "--json", "--config", str(root / "edgecache.yaml")]
+        + ["--at", now.isoformat()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.returncode, {v["job"]: v["state"] for v in json.loads(done.stdout or "[]")}
+
+
 def test_a_late_task_stops_counting_once_done_and_records_go_after_the_retention(
     eu,
 ) -> None:
@@ -68,6 +82,7 @@ def test_a_late_task_stops_counting_once_done_and_records_go_after_the_retention
         assert state is not None and state.jobs == {} and state.tasks == {}
     finally:
         controller.close()
+    assert plan_status(root, clock.now) == (0, {"j": "over"})  # nothing wrong: exit 0
 
 
 def test_a_missed_job_says_why_even_once_its_data_is_there(eu) -> None:
@@ -85,6 +100,10 @@ def test_a_missed_job_says_why_even_once_its_data_is_there(eu) -> None:
     view = views(root, clock.now)["j"]
     assert view.state == "missed" and not view.missing  # staged since, after the start
     assert "b@1" in view.why and "before the start" in view.why, view.why
+    # What the command says, its exit code too: the job started without its data, so it
+    # was not met, though every version is there now and the plan is feasible (it exited
+    # 0, as if all were well).
+    assert plan_status(root, clock.now) == (3, {"j": "missed"})
 
 
 def test_a_reused_task_record_takes_its_current_jobs_deadline(eu) -> None:
@@ -148,6 +167,7 @@ def test_a_missed_job_keeps_its_planned_ready_time_and_names_the_failed_stage(eu
     assert view.state == "missed"
     assert view.planned_ready == task.finish
     assert "staging b@1 failed" in view.why and "part-0000" in view.why, view.why
+    assert plan_status(root, clock.now) == (3, {"j": "missed"})
 
 
 def test_a_registry_that_does_not_answer_is_named_with_what_to_check(tmp_path: Path) -> None:

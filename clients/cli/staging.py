@@ -78,7 +78,9 @@ def plan(
 ) -> None:
     """Show what to stage where, by when, what to evict, and what cannot be met.
 
-    Exit codes: 0 every job can be met; 3 some cannot (listed, with the reason);
+    Exit codes: 0 every job can be met; 3 some cannot (listed, with the reason;
+    with --status also a job that is late or started without its data: state
+    late or missed);
     2 bad input (with --status or a job running, also a registry on a local
     path that does not exist; nodes that serve but refused the token:
     --token-file); 1 failed:
@@ -114,6 +116,7 @@ def plan(
         result, manifests, released, reports, _ = _plan_releasing_own_pins(
             options.topology, options.token, jobs, owner, now, reports, dry_run=True
         )
+        views: list[JobView] = []
         if show_status:
             from edgecache.clients.controller import lease_holder
             from edgecache.clients.plan_status import job_views
@@ -146,8 +149,15 @@ def plan(
         error(outage.message())
     if down:
         raise exit_with(_outage_exit(down))
-    if result.infeasible:
+    if result.infeasible or (show_status and any(v.state in _NOT_MET for v in views)):
         raise exit_with(ExitCode.CANNOT_BE_MET)
+
+
+# The states of ``plan --status`` that exit 3: a job that cannot be met, one whose data is
+# not coming on time (late: planned after its start, or a failed stage nothing retries),
+# and one that started without it. A stage a running controller retries is not among
+# them: it may still be on time (the hint says when it is tried again).
+_NOT_MET = frozenset({"infeasible", "late", "missed"})
 
 
 def _outage_exit(down: dict[str, ops.Outage]) -> ExitCode:
