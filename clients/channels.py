@@ -44,6 +44,7 @@ __all__ = [
     "bearer",
     "client_credentials",
     "connection_hint",
+    "tls_refused",
     "describe",
     "edge_stub",
     "explain",
@@ -349,6 +350,56 @@ def _own_connection_hint(code: grpc.StatusCode, details: str) -> str | None:
     return connection_hint(_plain(details))
 
 
+def tls_refused(exc: grpc.RpcError) -> bool:
+    """Whether this client's own connection failed in TLS for a setting, not for a node away.
+
+    A certificate this client does not trust, one out of date or naming another
+    host, TLS to a node that does not speak it: each fails every try the same
+    way until a setting changes, so a command says so at once (bad input, exit
+    2) instead of calling the node down and waiting for it (``ready --wait``
+    polled it for its whole hour). A connection closed during the handshake
+    ("Socket closed": a node that wants a client certificate, or one that
+    plaintext reached) is not among them: a node stopping or restarting closes
+    it the same way.
+    """
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    raw = (exc.details() if callable(getattr(exc, "details", None)) else "") or ""
+    if code != grpc.StatusCode.UNAVAILABLE or _PEER_FAILURE.search(raw):
+        return False
+    return bool(_OWN_CONNECTION.match(raw)) and _tls_setting_hint(_plain(raw)) is not None
+
+
+# gRPC's words for a handshake that failed for a setting, and what to do about each.
+_TLS_SETTINGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("WRONG_VERSION_NUMBER",),
+        "the node does not speak TLS: use host:port instead of grpcs://, or start the node "
+        "with --tls-cert/--tls-key",
+    ),
+    (
+        ("certificate has expired", "not yet valid"),
+        "the node's certificate is out of date (expired or not valid yet): renew it on the "
+        "node, and check both hosts' clocks",
+    ),
+    (
+        ("CERTIFICATE_VERIFY_FAILED", "Tls handshake failed"),
+        "this client does not trust the node's certificate: set $EDGECACHE_TLS_CA to the "
+        "CA file that signed it",
+    ),
+    (
+        ("Hostname Verification",),
+        "the node's certificate does not name the host in this endpoint: connect by a name "
+        "or address among its subject alternative names, or reissue it for this one",
+    ),
+)
+
+
+def _tls_setting_hint(details: str) -> str | None:
+    return next(
+        (hint for marks, hint in _TLS_SETTINGS if any(mark in details for mark in marks)), None
+    )
+
+
 def connection_hint(details: str) -> str | None:
     """What to do about a connection that failed in TLS, from gRPC's last error; else None.
 
@@ -356,26 +407,8 @@ def connection_hint(details: str) -> str | None:
     the details, where "retry" is the wrong advice: each of these fails the
     same way until a setting on this side (or the node's certificate) changes.
     """
-    if "WRONG_VERSION_NUMBER" in details:
-        return (
-            "the node does not speak TLS: use host:port instead of grpcs://, or start the node "
-            "with --tls-cert/--tls-key"
-        )
-    if "certificate has expired" in details or "not yet valid" in details:
-        return (
-            "the node's certificate is out of date (expired or not valid yet): renew it on the "
-            "node, and check both hosts' clocks"
-        )
-    if "CERTIFICATE_VERIFY_FAILED" in details or "Tls handshake failed" in details:
-        return (
-            "this client does not trust the node's certificate: set $EDGECACHE_TLS_CA to the "
-            "CA file that signed it"
-        )
-    if "Hostname Verification" in details:
-        return (
-            "the node's certificate does not name the host in this endpoint: connect by a name "
-            "or address among its subject alternative names, or reissue it for this one"
-        )
+    if hint := _tls_setting_hint(details):
+        return hint
     if ("Socket closed" in details or "Connection reset" in details) and (
         "Stream removed" not in details  # a stream that was running: the node went away
     ):
@@ -454,6 +487,9 @@ class Pings:
     lost: int = 0
     error: str = ""  # the last failure, or why the node is not serving
     serving: bool = True
+    # The connection failed in TLS for a setting of this client or the node's certificate
+    # (:func:`tls_refused`): not a node away, and no retry mends it.
+    tls_refused: bool = False
 
     @property
     def rtt_ms(self) -> float | None:
@@ -490,6 +526,7 @@ def health_pings(channel: grpc.Channel, pings: int = 5, timeout: float = 2.0) ->
                 if code == grpc.StatusCode.UNAVAILABLE
                 else f"not connected within {timeout:g} s"
             )
+            result.tls_refused = tls_refused(exc)
             return result
     for _ in range(pings):
         started = time.perf_counter()

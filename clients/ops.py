@@ -134,6 +134,15 @@ class NodeReport:
     # Serving, but it refused this call's credentials: not down (a retry will not help,
     # a token will), though nothing of its state is known either.
     refused: bool = False
+    # Refused in TLS (``refused`` too): a CA, a certificate or the scheme to set, not a token.
+    tls_refused: bool = False
+
+    @property
+    def refusal(self) -> str:
+        """How it refused this command, for a message naming the node before it."""
+        if self.tls_refused:
+            return "could not be reached in TLS as this command is set up"
+        return "serves but refused this command's credentials"
 
 
 def gather_status(
@@ -157,7 +166,10 @@ def gather_status(
         try:
             checks = health_pings(channel, pings=pings, timeout=timeout)
             if checks.rtt_ms is None:
-                return NodeReport(region, address, False, error=checks.error)
+                tls = checks.tls_refused  # a setting to change, not a node to wait for
+                return NodeReport(
+                    region, address, False, error=checks.error, refused=tls, tls_refused=tls
+                )
             try:
                 status = stub.Status(
                     edge_pb2.StatusRequest(), timeout=timeout, metadata=bearer(token)
@@ -574,11 +586,18 @@ class Outage:
     def message(self) -> str:
         """Which nodes did not answer, and what to check: one line for an operator."""
         nodes = "; ".join(f"{r.address} ({r.error or 'no answer'})" for r in self.down)
+        if self.refused and all(r.tls_refused for r in self.down):
+            # Each node's error ends with the TLS setting to change: said there, once.
+            return f"region {self.region}'s nodes could not be reached in TLS: {nodes}"
         if self.refused:
             return (
-                f"region {self.region}'s nodes serve but refused this command's credentials: "
-                f"{nodes}; pass the token they take with --token-file (the admin token for "
-                "warm and evict)"
+                f"region {self.region}'s nodes serve but refused this command's credentials "
+                f"(a token, or TLS): {nodes}; pass the token they take with --token-file "
+                "(the admin token for warm and evict), and set TLS as each error says"
+                if any(r.tls_refused for r in self.down)
+                else f"region {self.region}'s nodes serve but refused this command's "
+                f"credentials: {nodes}; pass the token they take with --token-file (the admin "
+                "token for warm and evict)"
             )
         state = (
             "unreachable"
@@ -1251,7 +1270,7 @@ def ready(reports: list[NodeReport], region: str, manifest: pb.Manifest) -> tupl
     spec = f"{manifest.dataset}@{manifest.version}"
     alive = [r for r in nodes if r.status is not None]
     silent = [
-        f"{r.address} serves but refused this command's credentials ({r.error})"
+        f"{r.address} {r.refusal} ({r.error})"
         if r.refused
         else f"{r.address} unreachable ({r.error or 'no answer'})"
         for r in nodes

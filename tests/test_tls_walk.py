@@ -10,9 +10,11 @@ certificate, which scheme) instead of "not connected".
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -210,6 +212,68 @@ def test_status_says_why_tls_failed(
         scheme = "" if case.startswith("plaintext") else "grpcs://"
         error = _status_error(tmp_path, scheme + node.address)
     assert expected in error and "not connected within" not in error, error
+
+
+def _cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """An ``edgecache`` command against the topology ``_topology`` wrote, and its seconds."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}  # the default's
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", *args]
+        + ["--config", str(tmp_path / "edgecache.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("case", ["no CA", "grpcs:// to a node without TLS"])
+def test_a_tls_setting_is_bad_input_at_once_not_a_node_to_wait_for(
+    tmp_path: Path,
+    pki: dict[str, Path],
+    registry: str,
+    tls_env: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    """It was "down" (exit 1), and ``ready --wait``, the launch gate, polled it for an hour.
+
+    Each of these fails every try the same way until a setting changes: exit 2 at once,
+    saying what to set, without gRPC core's own log line of the handshake before it.
+    """
+    if case == "no CA":
+        server = {"tls_cert": pki["server"], "tls_key": pki["server_key"]}
+        advice = "$EDGECACHE_TLS_CA"
+    else:
+        server = {}
+        tls_env.setenv("EDGECACHE_TLS_CA", str(pki["ca"]))
+        advice = "does not speak TLS"
+    with running_node(NodeConfig(**_settings(tmp_path, **server))) as node:
+        _topology(tmp_path, f"grpcs://{node.address}")
+        status, _ = _cli(tmp_path, "status")
+        ready, took = _cli(tmp_path, "ready", "tokens@1", "--region", "eu", "--wait")
+        as_json, _ = _cli(tmp_path, "status", "--json")
+    assert status.returncode == 2, status
+    assert "could not be reached in TLS" in status.stderr and advice in status.stderr, status
+    assert "Handshake failed" not in status.stderr, status.stderr  # gRPC core's INFO line
+    assert ready.returncode == 2 and took < 60, (ready, took)  # the wait is an hour
+    assert advice in ready.stderr, ready.stderr
+    (report,) = json.loads(as_json.stdout)
+    assert report["refused"] and report["tls_refused"], report
+
+
+def test_a_connection_closed_in_the_handshake_is_still_a_node_to_wait_for(
+    tmp_path: Path, pki: dict[str, Path], registry: str, tls_env: pytest.MonkeyPatch
+) -> None:
+    # Plaintext to a TLS node is closed as a node stopping is: gRPC says "Socket closed"
+    # either way, so it stays "down" (exit 1), its advice naming both causes.
+    server = {"tls_cert": pki["server"], "tls_key": pki["server_key"]}
+    with running_node(NodeConfig(**_settings(tmp_path, **server))) as node:
+        _topology(tmp_path, node.address)
+        status, _ = _cli(tmp_path, "status")
+    assert status.returncode == 1 and "is down" in status.stderr, status
+    assert "grpcs://host:port" in status.stderr, status.stderr
 
 
 def test_status_says_when_the_node_does_not_speak_tls(

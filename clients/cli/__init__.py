@@ -9,7 +9,15 @@ options, exit codes, and the one place errors become messages);
 
 from __future__ import annotations
 
-from edgecache.clients.cli.app import app, main
+import os
+
+# gRPC core logs a failed TLS handshake at INFO ("Handshake failed … CERTIFICATE_VERIFY_FAILED"),
+# one line per connection, before the command's own message says the same with what to set.
+# ERROR keeps gRPC's errors, as the node's image does; GRPC_VERBOSITY set by the user wins.
+# Read when gRPC starts (its first channel or server), which none has yet at this import.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from edgecache.clients.cli.app import app, main  # noqa: E402
 
 # Importing a command module registers its commands; --help lists them in this order.
 # isort: off

@@ -158,7 +158,10 @@ def status(
     fail (its cache over its capacity, a node id another node of its region
     reports), without changing the exit code. Exit codes: 0
     every node answered; 1 a node is down (listed); 2 bad input (the topology
-    file, or a token a node refused or needs: --token-file).
+    file, or a token a node refused or needs: --token-file; a node this
+    command cannot reach in TLS as it is set up: a CA it does not trust, an
+    out-of-date certificate, grpcs:// to a node without TLS; the error says
+    what to set).
     """
     from edgecache.cache.registry_match import RegistryMatch, check_registry
     from edgecache.clients import ops
@@ -186,7 +189,10 @@ def status(
                         "node_id": r.status.node_id if r.status else None,
                         "problems": problems.get(r.address, []),
                         "healthy": r.healthy,
-                        "refused": r.refused,  # serving, but not to this token
+                        # Refused this command as it is set up (a token; TLS: tls_refused),
+                        # which no retry mends: exit 2.
+                        "refused": r.refused,
+                        "tls_refused": r.tls_refused,
                         "rtt_ms": None if r.status is None else json_ms(r.rtt_ms),
                         "error": r.error or None,  # null when up, as evict's
                         "capacity_bytes": r.status.capacity_bytes if r.status else None,
@@ -225,7 +231,13 @@ def status(
         rows = []
         for r in reports:
             if r.status is None:
-                health = "[yellow]refused the token[/yellow]" if r.refused else "[red]down[/red]"
+                health = (
+                    "[yellow]TLS refused[/yellow]"
+                    if r.tls_refused
+                    else "[yellow]refused the token[/yellow]"
+                    if r.refused
+                    else "[red]down[/red]"
+                )
                 rows.append([r.region, r.address, health, "", "", "", "", ""])
                 continue
             s = r.status
@@ -273,8 +285,7 @@ def status(
             if r.refused:
                 line(
                     # The error ends with the advice (which token, passed how): said once.
-                    f"[yellow]{r.region} {r.address} serves, but refused this command's "
-                    f"credentials:[/yellow] {r.error}",
+                    f"[yellow]{r.region} {r.address} {r.refusal}:[/yellow] {r.error}",
                     to_stderr=True,
                 )
                 continue
@@ -308,7 +319,7 @@ def status(
     if any(r.status is None and not r.refused for r in reports):
         raise exit_with(ExitCode.FAILED)
     if any(r.refused for r in reports):
-        raise exit_with(ExitCode.BAD_INPUT)  # the token to pass, not a node to wait for
+        raise exit_with(ExitCode.BAD_INPUT)  # a token or TLS to set, not a node to wait for
 
 
 def _ms_rounded(figures: dict[str, object]) -> dict[str, object]:

@@ -1287,7 +1287,8 @@ def ready(
     is refused: a single check has no wait to bound. Exit codes: 0 ready; 1 not
     ready (or --wait timed out, which it says); 2 bad input (a negative
     --timeout, or --timeout without --wait, among them; a node that refused
-    this command's credentials, at once, without waiting: pass --token-file).
+    this command's credentials, at once, without waiting: pass --token-file;
+    or one it cannot reach in TLS as it is set up, which the error names).
     """
     from edgecache.cache.registry import Registry
     from edgecache.clients.ops import wait_ready
@@ -1321,5 +1322,5 @@ def ready(
     else:
         (console if readiness.ok else err_console).print(readiness.message)
     if readiness.refused:
-        raise exit_with(ExitCode.BAD_INPUT)  # a token to pass (--token-file), not a wait
+        raise exit_with(ExitCode.BAD_INPUT)  # a token or TLS to set, not a wait
     raise exit_with(ExitCode.OK if readiness.ok else ExitCode.FAILED)
