@@ -726,6 +726,7 @@ class Controller:
         self.metrics.node_rtt.clear()
         self._exported.clear()
         self.metrics.tasks.clear()
+        self.metrics.jobs_infeasible.set(0)
 
     def _node_name(self, address: str) -> str:
         """A node as the log names it: its id and address (``eu-west-1 (10.0.0.5:7070)``)."""
@@ -1265,6 +1266,9 @@ class Controller:
         for item in plan.infeasible:
             reasons.setdefault(item.job, []).append(infeasible_reason(item))
         down = {region for region, outage in region_outages(reports).items() if outage.unreachable}
+        self.metrics.jobs_infeasible.set(
+            sum(1 for job in schedule.jobs if job.end > now and job.name in reasons)
+        )
         for job in schedule.jobs:
             record = self.state.jobs.get(job.name)
             if job.end <= now:  # over: settle what is known, look no further

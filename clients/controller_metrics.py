@@ -62,6 +62,15 @@ class ControllerMetrics:
             "unknown, and they are not counted as unready",
             registry=r,
         )
+        # A job the plan cannot meet was only a log line until its start (then counted in
+        # jobs_unready_at_start): an alert can fire hours before, while there is time to act.
+        self.jobs_infeasible = Gauge(
+            "edgecache_controller_jobs_infeasible",
+            "Jobs not yet ended that the last round's plan cannot meet (a version not "
+            "published, a region too small, a link too slow for the start); plan --status "
+            "says why",
+            registry=r,
+        )
         staged = Counter(
             "edgecache_controller_staged_bytes_total",
             "Bytes staged by the controller's tasks, by source (origin: source bytes; "

@@ -131,6 +131,8 @@ def test_staging_still_running_at_the_start_is_said_beside_cannot_be_met(
         assert [i.version for i in plan.infeasible if i.job == "j"] == ["b@1"]  # too slow
         said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
         assert len(said) == 1 and said[0].startswith("job j (starts 2026-"), said
+        # And a metric an alert can fire on before the start (it was a log line only).
+        assert ctl.metrics.jobs_infeasible._value.get() == 1
         deadline = time.monotonic() + 30
         while ctl.state.tasks.get("eu b@1") is None or ctl.state.tasks["eu b@1"].state != (
             "running"

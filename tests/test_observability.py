@@ -550,6 +550,7 @@ ALERT_TESTS: list[dict] = [
         "input_series": [
             series("edgecache_controller_jobs_unready_at_start_total", "", "0 0 0 1 1 1"),
             series("edgecache_controller_tasks", 'state="late"', "1x10"),
+            series("edgecache_controller_jobs_infeasible", "", "0 1x10"),  # from minute 1
             series("edgecache_staged_shards_total", f'{NODE}, result="failed"', "0 1 2 3"),
             series("edgecache_corrupt_chunks_total", NODE, "0 1 1 1"),
             # One refusal a second at max_streams from minute 2 on.
@@ -569,6 +570,8 @@ ALERT_TESTS: list[dict] = [
             fires("20m", "EdgecacheControllerNodeActionsFailing", "warning", **C1),
             fires("4m", "EdgecacheJobStartedWithoutData", "critical"),
             fires("6m", "EdgecacheStagingLate", "warning"),
+            quiet("4m", "EdgecacheJobCannotBeMet"),  # not yet 5 min of it
+            fires("7m", "EdgecacheJobCannotBeMet", "warning"),
             fires("3m", "EdgecacheStagingFailed", "warning", **EU),
             quiet("5m", "EdgecacheCacheDiskFull"),
             fires("8m", "EdgecacheCacheDiskFull", "critical", **N1),
