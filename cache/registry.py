@@ -238,15 +238,22 @@ def _reaching(what: str, url: str) -> Iterator[None]:
 
     The store names a URL deep in the registry (or source) and says to check "the
     URL": the person running the command needs to hear it is the registry (or
-    source) they gave, and which option gives it. Every other error passes as it
-    is (an object not found, a refusal, a version taken).
+    source) they gave, and which option gives it. A refusal or another failure of
+    the store is said as the registry's (or source's), not "origin"'s; every other
+    error passes as it is (an object not found, a version taken).
     """
     try:
         yield
     except OriginError as exc:
-        if not unreachable(exc):
-            raise
-        raise OriginError(_unreachable_text(what, url, exc)) from exc
+        if unreachable(exc):
+            raise OriginError(_unreachable_text(what, url, exc)) from exc
+        said = str(exc)
+        if type(exc) is OriginError and said.startswith("origin "):
+            # The store calls whatever it reads "origin": a registry that refused access
+            # was "origin refused access to …", sending the reader to the source's
+            # credentials. The chain is kept, so a refusal still reads as one.
+            raise OriginError(f"{what} {url} {said.removeprefix('origin ')}") from exc
+        raise
 
 
 def resource_url(source_url: str, ref: str) -> str:

@@ -196,8 +196,18 @@ def test_a_registry_answering_5xx_fails_naming_it_without_a_traceback(server: st
     url = f"{server}/503/reg"
     code, out = cli("versions", "ds", "--registry", url)
     assert code == 1, out
-    assert out.startswith(f"error: origin request for {url}/ds/versions/ failed"), out
+    assert out.startswith(f"error: registry {url} request for {url}/ds/versions/ failed"), out
     assert "HTTP 503" in out and "Traceback" not in out, out
+
+
+def test_a_registry_that_refuses_access_is_named_as_the_registry(server: str) -> None:
+    # The store calls what it reads "origin": "origin refused access to …" sent the
+    # reader to the source's credentials for the registry's refusal.
+    url = f"{server}/403/reg"
+    code, out = cli("versions", "ds", "--registry", url)
+    assert code == 1, out
+    assert out.startswith(f"error: registry {url} refused access to {url}/ds/"), out
+    assert "HTTP 403" in out and "origin" not in out, out
 
 
 def test_a_registry_served_over_http_reads_and_one_absent_holds_nothing(server: str) -> None:
