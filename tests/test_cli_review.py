@@ -241,9 +241,14 @@ def test_debug_logs_mask_the_credentials_botocore_prints() -> None:
         "log.debug('headers=%s', {'X-Amz-Security-Token': b'SESSION-SECRET', 'Authorization':"
         " b'AWS4-HMAC-SHA256 Credential=AKIADEBUGKEYID000001/20261205/us-east-1/s3'})\n"
         "log.debug('https://b/x?X-Amz-Security-Token=QUERY-SECRET&X-Amz-Date=1')\n"
+        "logging.getLogger('edgecache.clients.controller').warning("
+        "'cannot read https://ops:URL-SECRET@reg.example:8443/reg: HTTP 503')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "SESSION-SECRET" not in out.stderr and "QUERY-SECRET" not in out.stderr, out.stderr
     assert "AKIADEBUGKEYID000001" not in out.stderr, out.stderr
     assert "X-Amz-Security-Token': b'***'" in out.stderr, out.stderr  # said, masked
+    # A URL's password, in any line at any level (a registry the controller cannot read).
+    assert "URL-SECRET" not in out.stderr, out.stderr
+    assert "https://ops:***@reg.example:8443/reg" in out.stderr, out.stderr

@@ -66,10 +66,13 @@ _CHATTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec")
 
 
 # What botocore's DEBUG lines carry that must not reach a log: a session token (a pod role's
-# STS credentials), an access key id, and a signed query's token.
+# STS credentials), an access key id, and a signed query's token; and the password of a URL
+# (``https://user:password@host/registry``), which any line naming a registry, origin or
+# peer of the topology may hold (the controller names its registry when it cannot read it).
 _SECRETS = re.compile(
     r"(?P<k>X-Amz-Security-Token['\"]?\s*[:=]\s*b?['\"]?)[^'\"&\s,}]+"
     r"|(?P<c>Credential=)[^/,\s'\"]+"
+    r"|(?P<u>\b[a-z][a-z0-9+.-]*://[^/@:\s'\"]*:)[^/@\s'\"]+(?=@)"
     r"|\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",
     re.IGNORECASE,
 )
@@ -80,7 +83,9 @@ class _Redacting(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        masked = _SECRETS.sub(lambda m: (m.group("k") or m.group("c") or "") + "***", text)
+        masked = _SECRETS.sub(
+            lambda m: (m.group("k") or m.group("c") or m.group("u") or "") + "***", text
+        )
         if masked != text:
             record.msg, record.args = masked, None
         return True
