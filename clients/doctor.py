@@ -30,7 +30,7 @@ from edgecache.cache.registry_match import RegistryMatch, check_registry
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
-from edgecache.clients.ops import NodeReport, state_problems
+from edgecache.clients.ops import NodeReport, registry_digests, state_problems
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
@@ -105,7 +105,7 @@ def check_paths(
                 check.problems.append(f"{check.ping_loss:.0%} of health checks failed")
             out.append(check)
     # Over every node at once: two nodes of a region reporting one id is a problem of both.
-    problems = state_problems(reports)
+    problems = state_problems(reports, registry_digests(topology.registry, reports))
     for check in out:
         check.problems += problems.get(check.node, [])
     return out

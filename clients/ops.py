@@ -94,6 +94,7 @@ __all__ = [
     "Outage",
     "region_nodes",
     "region_outages",
+    "registry_digests",
     "state_problems",
     "unreachable_regions",
     "wait_ready",
@@ -634,18 +635,65 @@ def without_pins(reports: Sequence[NodeReport], pins: Sequence[WarmPin]) -> list
     return out
 
 
-def state_problems(reports: Sequence[NodeReport]) -> dict[str, list[str]]:
+def registry_digests(registry: str, reports: Sequence[NodeReport]) -> dict[tuple[str, int], str]:
+    """The registry's digest of each version a node that answered holds, for :func:`state_problems`.
+
+    Read in one pass (the manifests concurrently). A version the registry does
+    not have, or a registry that cannot be read, leaves it out: ``status`` and
+    ``doctor`` still judge the rest of the nodes' state, and say the registry's
+    failure where they read it themselves.
+    """
+    keys = sorted(
+        {
+            (v.dataset, v.version)
+            for r in reports
+            if r.status is not None
+            for v in r.status.versions
+            if v.shard_count and v.digest
+        }
+    )
+    if not keys:
+        return {}
+
+    async def read(reg: Registry) -> dict[tuple[str, int], str]:
+        found = await asyncio.gather(*(reg.manifest(*key) for key in keys), return_exceptions=True)
+        return {
+            key: manifest.digest
+            for key, manifest in zip(keys, found, strict=True)
+            if isinstance(manifest, pb.Manifest) and manifest.digest
+        }
+
+    try:
+        return Registry.run(registry, read)
+    except (EdgeCacheError, OSError, ValueError) as exc:
+        log.debug("the registry's digests were not read: %s", exc)
+        return {}
+
+
+def state_problems(
+    reports: Sequence[NodeReport], digests: Mapping[tuple[str, int], str] | None = None
+) -> dict[str, list[str]]:
     """Address → what in its node's state makes staging there fail, for ``status`` and ``doctor``.
 
     Both said nothing of these (exit 0, "ok") while every warm failed or split
     wrong: a cache holding more than its capacity (a node restarted with a lower
     ``--capacity``, its pinned versions kept), which refuses every new shard,
     nodes of a region reporting one node id (:func:`rendezvous.unique_names`),
-    and a node started with another ``--region`` than the topology's.
+    and a node started with another ``--region`` than the topology's. With the
+    registry's ``digests`` (:func:`registry_digests`), also a copy of other
+    content under a version's name (the registry reset or moved since the node
+    cached it), which the node refuses to serve and ``ready`` counts as missing.
     """
     out: dict[str, list[str]] = {}
     for report in reports:
         status = report.status
+        for held in status.versions if status is not None and digests else ():
+            want = digests.get((held.dataset, held.version)) if digests else None
+            if held.shard_count and not _same_content(held, want):
+                spec = f"{held.dataset}@{held.version}"
+                out.setdefault(report.address, []).append(
+                    f"it {_other_content_text(spec, held.digest, want or '')}"
+                )
         if status is not None and status.region and status.region != report.region:
             out.setdefault(report.address, []).append(
                 f"it says it is in region {status.region!r}, the topology puts it in "
@@ -1328,14 +1376,21 @@ def _same_content(held: edge_pb2.ResidentVersion, digest: str | None) -> bool:
     return not held.digest or not digest or held.digest == digest
 
 
+def _other_content_text(spec: str, held: str, registry: str) -> str:
+    """What a node's copy of other content under ``spec`` is, and what to do (after its name)."""
+    return (
+        f"keeps other content under {spec} (digest {held[:19]}…, the registry's is "
+        f"{registry[:19]}…: the registry was reset or moved since it cached it) and refuses "
+        f"to serve it; evict it there (edgecache evict {spec}, --force if pinned) and warm "
+        "it again"
+    )
+
+
 def _other_content(reports: Sequence[NodeReport], manifest: pb.Manifest) -> list[str]:
     """Each answering node that keeps other content under ``manifest``'s name@N, said."""
     spec = f"{manifest.dataset}@{manifest.version}"
     return [
-        f"{r.address} keeps other content under {spec} (digest {v.digest[:19]}…, the "
-        f"registry's is {manifest.digest[:19]}…: the registry was reset or moved since it "
-        f"cached it) and refuses to serve it; evict it there (edgecache evict {spec}, "
-        "--force if pinned) and warm it again"
+        f"{r.address} {_other_content_text(spec, v.digest, manifest.digest)}"
         for r in reports
         if r.status is not None
         for v in r.status.versions

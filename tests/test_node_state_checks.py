@@ -96,3 +96,37 @@ def test_a_node_started_in_another_region_than_the_topologys_is_flagged(tmp_path
         assert code == 1 and any("--region eu" in p for p in path["problems"]), out
     finally:
         node.stop()
+
+
+def test_a_copy_of_other_content_under_a_versions_name_is_flagged(tmp_path: Path) -> None:
+    # The registry was reset (tok@1 published again with other rows) under a node that had
+    # cached the old tok@1: the node refuses to serve it and ready calls it missing, while
+    # status showed "tok@1 (2/2)" with no note and doctor said ok.
+    old, new = f"file://{tmp_path}/registry-old", f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin-old", 2, rows=300)
+    write_parquet_shards(tmp_path / "origin-new", 2, rows=400)
+    publish(old, f"file://{tmp_path}/origin-old", "tok")
+    publish(new, f"file://{tmp_path}/origin-new", "tok")
+    node = start_local_node("eu", tmp_path / "cache", old)
+    try:
+        code, out, err = edgecache(
+            "warm", "tok@1", "--region", "eu", *_topology(tmp_path, old, [node.address])
+        )
+        assert code == 0, (out, err)
+        config = _topology(tmp_path, old, [node.address])
+        code, out, err = edgecache("status", *config)  # the same content: nothing to say
+        assert code == 0 and "other content" not in err, (out, err)
+    finally:
+        node.stop()
+    node = start_local_node("eu", tmp_path / "cache", new)  # the registry moved under it
+    try:
+        config = _topology(tmp_path, new, [node.address])
+        code, out, err = edgecache("status", *config)
+        said = " ".join(err.split())
+        assert code == 0, (out, err)  # the node is up: said, the exit code as before
+        assert "keeps other content under tok@1" in said and "edgecache evict tok@1" in said
+        code, out, err = edgecache("doctor", "--pings", "2", "--seconds", "0.1", "--json", *config)
+        (path,) = json.loads(out)["paths"]
+        assert code == 1 and any("other content" in p for p in path["problems"]), out
+    finally:
+        node.stop()

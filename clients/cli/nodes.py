@@ -156,7 +156,9 @@ def status(
     A node that reads another registry than the topology's is flagged (warm
     refuses to stage on it), and so is one whose state makes staging there
     fail (its cache over its capacity, a node id another node of its region
-    reports), without changing the exit code. Exit codes: 0
+    reports, a copy of other content under a version's name than the
+    registry's, which it refuses to serve), without changing the exit code.
+    Exit codes: 0
     every node answered; 1 a node is down (listed); 2 bad input (the topology
     file, or a token a node refused or needs: --token-file; a node this
     command cannot reach in TLS as it is set up: a CA it does not trust, an
@@ -178,7 +180,9 @@ def status(
         for r in reports
         if r.status is not None
     }
-    problems = ops.state_problems(reports)  # what makes staging there fail (exit 0 still)
+    # What makes staging or reads there fail (exit 0 still), the registry's digests
+    # included: a copy of other content under a version's name is refused to readers.
+    problems = ops.state_problems(reports, ops.registry_digests(topology.registry, reports))
     if as_json:
         print(
             json.dumps(
