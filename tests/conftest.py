@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # Imported before this module registers its fork hook: "before" hooks run last-registered
 # first, so _before_fork's gc.collect() runs before node_pool's hook takes the pools' fork
@@ -26,6 +27,13 @@ import edgecache.clients.node_pool  # noqa: F401  # isort: skip
 from edgecache.cache.store import CacheStore
 from edgecache.clients.fork_safety import grpc_aio_running, wait_for_grpc_calls
 from edgecache.clients.node_client import LocalNode
+
+# Hypothesis's 200 ms deadline per example and its too_slow health check time the host,
+# not the code: on CI's loaded 2-core machine (two xdist workers) an example that is fine
+# can take longer. Loaded here, before any test module is imported, so every @given test
+# has neither; those that pass their own settings keep what they set.
+settings.register_profile("edgecache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("edgecache")
 
 # pytest-timeout's alarm (timeout in pyproject.toml) raises in the main thread, so it
 # cannot end a test stuck in C: a fork waiting in gRPC's atfork handler for gRPC's

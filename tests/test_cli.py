@@ -178,7 +178,12 @@ def test_doctor_measures_paths_and_host(site) -> None:
     assert all("BDP" not in p for p in report["host"]["problems"]), report["host"]
     for path in report["paths"]:  # loss is TCP's, from the multi-stream upload
         assert path["streams"] == 4 and path["upload_mb_s"] > 0, path
-        assert not [p for p in path["problems"] if "loss" in p or "refused" in p], path
+        assert not [p for p in path["problems"] if "refused" in p], path
+        # A loaded host retransmits on loopback too (a full socket buffer): a loss the
+        # doctor measured is a measurement, not a false report (as tests/test_doctor.py's
+        # assert_sound). A loss said without a retransmission counted is a defect.
+        measured = path["segments_retransmitted"] > 0
+        assert all(measured for p in path["problems"] if p.startswith("loss ")), path
     if report["host"]["problems"]:
         assert any(f.startswith("sysctl -w ") for f in report["host"]["fixes"])
 

@@ -96,8 +96,11 @@ def test_a_controller_that_leads_again_after_a_lapse_carries_on_from_the_record_
     root, registry, node = eu
     one_region(root, registry, node, job("j", "eu", T0, 1, "b@1"))
     clock = Clock(T0 - MINUTE)
-    first = controller(root, clock, lease_ttl=2)
-    second: Controller | None = controller(root, clock, lease_ttl=2)
+    # The second stands by while the first's lease is live, in real time: the first's
+    # round and staging b@1 (wait_idle) must end inside it. 8 s, not 2: a loaded host takes
+    # seconds for that. The pause below then waits for the lease's own expiry.
+    first = controller(root, clock, lease_ttl=8)
+    second: Controller | None = controller(root, clock, lease_ttl=8)
     try:
         assert second is not None
         first.refresh()  # sees j before its start, without acting
@@ -108,7 +111,9 @@ def test_a_controller_that_leads_again_after_a_lapse_carries_on_from_the_record_
         assert saved(registry).jobs["j"].complete_at_start is False
         # The first pauses (no round, no renewal) past its lease; k, starting at 08:25, is
         # added.
-        time.sleep(2.2)
+        lease = first._await(first.lease.current())
+        assert lease is not None and lease.holder == first.holder
+        time.sleep(max(0.0, lease.expires - time.time()) + 0.2)
         one_region(
             root,
             registry,

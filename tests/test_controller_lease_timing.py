@@ -8,6 +8,13 @@ The controller runs in-process on a file:// registry against a real node on
 loopback; the seconds clock its lease is timed on (``time.monotonic`` in the
 controller and the executor) is one the test moves, so where a round's calls
 fall in the lease does not depend on the machine's speed.
+
+The calls themselves are real, and their timeouts are what the lease leaves
+them: at a 2 s lease about 1 s, which a loaded host's node can miss (a failure
+of the round). So the lease, the times the test sets and the controller's
+margins (``MIN_CALL_SECONDS``, ``RENEW_AHEAD``, the status floor) are all
+``SCALE`` times the product's: each call falls where it did in the lease, and
+has ten times as long to be answered.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from edgecache.v1 import edge_pb2
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 HOUR = timedelta(hours=1)
+SCALE = 10  # the lease and every time of it, as a multiple of the product's (see above)
 
 
 class LeaseTime:
@@ -71,8 +79,22 @@ class TimeView:
         return getattr(time, name)
 
 
-def resident_b_and_c(root: Path, registry: str, node: LocalNode) -> Controller:
-    """b@1 and c@1 staged on the node, read by jobs j and k later today; a 2 s lease."""
+def scaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller's margins, ``SCALE`` times the product's, for a lease as scaled."""
+    min_call = executor_module.MIN_CALL_SECONDS * SCALE
+    monkeypatch.setattr(executor_module, "MIN_CALL_SECONDS", min_call)
+    monkeypatch.setattr(controller_module, "MIN_CALL_SECONDS", min_call)
+    renew_ahead = controller_module.RENEW_AHEAD * SCALE
+    monkeypatch.setattr(controller_module, "RENEW_AHEAD", renew_ahead)
+    for name in ("STATUS_FLOOR", "STATUS_TIMEOUT"):
+        monkeypatch.setattr(controller_module, name, getattr(controller_module, name) * SCALE)
+
+
+def resident_b_and_c(
+    root: Path, registry: str, node: LocalNode, lease_ttl: float = 2 * SCALE
+) -> Controller:
+    """b@1 and c@1 staged on the node, read by jobs j and k later today; a 2 s lease,
+    scaled (see the module's docstring)."""
     for name in ("b", "c"):
         list(stub(node.address).Stage(edge_pb2.StageRequest(dataset=name, version=1)))
     one_region(
@@ -82,7 +104,9 @@ def resident_b_and_c(root: Path, registry: str, node: LocalNode) -> Controller:
         job("j", "eu", T0 + 2 * HOUR, 1, "b@1"),
         job("k", "eu", T0 + 4 * HOUR, 1, "c@1"),
     )
-    return Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=2)
+    return Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=lease_ttl
+    )
 
 
 def on_lease_time(monkeypatch: pytest.MonkeyPatch, shared: LeaseTime) -> None:
@@ -98,11 +122,12 @@ def test_calls_late_in_the_window_renew_the_lease_first_instead_of_being_skipped
     eu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, registry, node = eu
+    scaled(monkeypatch)
     ctl = resident_b_and_c(root, registry, node)
     try:
         # Status and planning took 0.55 s of the 2 s lease: 0.45 s is left before the calls'
         # deadline (1 s), too little to begin one, and a third of the lease has not gone.
-        on_lease_time(monkeypatch, LeaseTime(ctl.lease, after_taking=0.55))
+        on_lease_time(monkeypatch, LeaseTime(ctl.lease, after_taking=0.55 * SCALE))
         assert ctl.tick() is not None
         assert ctl.failures == []  # not "this round ran out of time"
         assert pins_on(node) == {"b@1": T0 + 3 * HOUR, "c@1": T0 + 5 * HOUR}
@@ -114,11 +139,13 @@ def test_a_call_that_would_not_fit_after_the_one_before_renews_the_lease_first(
     eu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, registry, node = eu
+    scaled(monkeypatch)
     ctl = resident_b_and_c(root, registry, node)
     try:
         # The round's calls begin at once, and each takes 0.55 s: the first (b@1) leaves
         # 0.45 s for the second (c@1), which must renew the lease before it begins.
-        on_lease_time(monkeypatch, LeaseTime(ctl.lease, after_taking=0.0, per_call=0.55))
+        per_call = 0.55 * SCALE
+        on_lease_time(monkeypatch, LeaseTime(ctl.lease, after_taking=0.0, per_call=per_call))
         assert ctl.tick() is not None
         assert ctl.failures == []
         assert pins_on(node) == {"b@1": T0 + 3 * HOUR, "c@1": T0 + 5 * HOUR}
@@ -126,15 +153,25 @@ def test_a_call_that_would_not_fit_after_the_one_before_renews_the_lease_first(
         ctl.close()
 
 
-def test_a_node_slow_to_answer_on_a_loaded_host_is_not_held_down_under_a_short_lease(eu) -> None:
+def test_a_node_slow_to_answer_on_a_loaded_host_is_not_held_down_under_a_short_lease(
+    eu, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At a 2 s lease each status call had a fifth of half the lease, 0.2 s: a node busy
     staging, or a controller sharing its cores, missed it and the round held a healthy node
     as down. The rule is checked, not raced: a stalled node (SIGSTOP) would make the test
-    depend on how fast this machine resumes it."""
+    depend on how fast this machine resumes it. The round runs scaled (see the module's
+    docstring): its calls then have 10 s, not 1 s, which a loaded host's node may miss."""
     root, registry, node = eu
+    short = resident_b_and_c(root, registry, node, lease_ttl=2)  # the product's own times
+    try:
+        assert short._status_timeout() >= 1.0
+    finally:
+        short.close()
+    scaled(monkeypatch)
     ctl = resident_b_and_c(root, registry, node)
     try:
-        assert ctl._status_timeout() >= 1.0
+        # The floor, not the share (a fifth of half the lease, 2 s scaled): the same rule.
+        assert ctl._status_timeout() >= controller_module.STATUS_FLOOR
         assert ctl.tick() is not None
         assert ctl.state.down_since == {}
         assert ctl.failures == []

@@ -14,18 +14,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import grpc
 import pytest
 from edgeutil import pins_on, publish, stub, write_parquet_shards
 from tcpproxy import FaultyProxy
 
 from edgecache.clients.controller import Controller, read_state
 from edgecache.clients.node_client import LocalNode, start_local_node
-from edgecache.v1 import edge_pb2
+from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 HOUR = timedelta(hours=1)
@@ -47,6 +49,19 @@ def job(name: str, region: str, start: datetime, hours: float, *datasets: str) -
         f"  - name: {name}\n    region: {region}\n    start: '{start.isoformat()}'\n"
         f"    duration: {int(hours * 60)}m\n    datasets: [{', '.join(datasets)}]\n"
     )
+
+
+def wait_answering(node: LocalNode, seconds: float = 30.0) -> None:
+    """Until ``node`` answers a Status call (one resumed by SIGCONT takes a moment)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with grpc.insecure_channel(node.address) as channel:
+                edge_pb2_grpc.EdgeCacheStub(channel).Status(edge_pb2.StatusRequest(), timeout=5)
+            return
+        except grpc.RpcError as exc:
+            assert time.monotonic() < deadline, f"{node.address} never answered again: {exc}"
+            time.sleep(0.1)
 
 
 def versions_on(node: LocalNode) -> dict[str, int]:
@@ -376,6 +391,14 @@ def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, LocalNode, FaultyProxy]]:
         second.stop()
 
 
+# The lease of the rounds timed below, and a bound on such a round that is inside it. The
+# lease is long enough that a loaded host (seconds of its own work per round) stays inside
+# it; the bound still catches a round that overruns its lease (a call not bounded by it,
+# or a blackholed node called again).
+LEASE = 16
+INSIDE_LEASE = 12
+
+
 def timed_tick(controller: Controller) -> float:
     """Seconds one round takes (the caller compares them with the lease)."""
     started = time.monotonic()
@@ -394,11 +417,11 @@ def test_a_blackholed_node_is_not_called_again_and_the_round_ends_inside_the_lea
     root, eu, proxy = two_nodes
     proxy.blackhole()  # accepts TCP, never answers: its status report says down
     controller = Controller(
-        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=8
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=LEASE
     )
     try:
         took = timed_tick(controller)
-        assert took < 6, f"the round took {took:.1f} s of an 8 s lease"
+        assert took < INSIDE_LEASE, f"the round took {took:.1f} s of a {LEASE} s lease"
         assert holds_lease(controller)
         assert pins_on(eu) == dict.fromkeys(
             ("a@1", "b@1", "c@1"), T0 + 2 * HOUR
@@ -414,7 +437,7 @@ def test_a_node_that_stops_answering_mid_round_costs_one_bounded_call(
 ) -> None:
     root, eu, proxy = two_nodes
     controller = Controller(
-        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=8
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=LEASE
     )
     pin = controller.executor.pin
 
@@ -425,7 +448,7 @@ def test_a_node_that_stops_answering_mid_round_costs_one_bounded_call(
     monkeypatch.setattr(controller.executor, "pin", blackhole_then_pin)
     try:
         took = timed_tick(controller)
-        assert took < 7, f"the round took {took:.1f} s of an 8 s lease"
+        assert took < INSIDE_LEASE, f"the round took {took:.1f} s of a {LEASE} s lease"
         assert holds_lease(controller)
         assert pins_on(eu) == dict.fromkeys(("a@1", "b@1", "c@1"), T0 + 2 * HOUR)
         us_failures = [f for f in controller.failures if proxy.address in f]
@@ -440,7 +463,7 @@ def test_a_node_whose_pin_timed_out_is_not_called_again_to_unpin_in_that_round(
 ) -> None:
     root, eu, proxy = two_nodes
     controller = Controller(
-        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=8
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), lease_ttl=LEASE
     )
     called: list[tuple[str, str]] = []
     node_call = controller.executor._node_call
@@ -466,7 +489,7 @@ def test_a_node_whose_pin_timed_out_is_not_called_again_to_unpin_in_that_round(
         called.clear()
         took = timed_tick(controller)
         assert [what for node, what in called if node == proxy.address] == ["pinning a@1"]
-        assert took < 7, f"the round took {took:.1f} s of an 8 s lease"
+        assert took < INSIDE_LEASE, f"the round took {took:.1f} s of a {LEASE} s lease"
         assert holds_lease(controller)
         assert pins_on(eu) == dict.fromkeys(("a@1", "b@1"), T0 + 3 * HOUR)
         us_failures = [f for f in controller.failures if proxy.address in f]
@@ -500,6 +523,10 @@ def test_a_node_going_down_and_coming_back_is_logged_once_each(site, caplog) -> 
                     assert up() == 0
             finally:
                 node.process.send_signal(signal.SIGCONT)
+            # A resumed node first works through what queued while it was stopped, which
+            # takes a loaded host more than the round's 1 s status calls: the rounds below
+            # are for a node that answers again.
+            wait_answering(node)
             for _ in range(2):
                 controller.tick()
                 assert up() == 1
@@ -588,21 +615,60 @@ def test_ctrl_c_exits_130_with_once_and_running_and_sigterm_0(slow_site) -> None
     assert versions_on(node)["big@1"] < 12  # each stop landed mid-version
 
 
+class Lines:
+    """A process's output, read line by line on a thread of its own as it comes."""
+
+    def __init__(self, stream: Iterable[str] | None) -> None:
+        self.lines: list[str] = []
+        self._came = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Iterable[str] | None) -> None:
+        for line in stream or ():
+            with self._came:
+                self.lines.append(line)
+                self._came.notify_all()
+
+    def wait_for(self, text: str, seconds: float) -> bool:
+        """Whether a line with ``text`` came within ``seconds``."""
+        with self._came:
+            return self._came.wait_for(lambda: any(text in x for x in self.lines), seconds)
+
+    def all(self) -> str:
+        """Everything, once the stream ended (the process exited)."""
+        self._thread.join(timeout=30)
+        return "".join(self.lines)
+
+
 def test_a_second_ctrl_c_stops_at_once(two_nodes) -> None:
     root, _, proxy = two_nodes
     proxy.blackhole()  # a round asks it for seconds: a stop waits for the round
-    process = controller_process(root, "--lease-ttl", "60", "--interval", "0.5")
-    try:
-        wait_running(process)
-        time.sleep(0.3)
-        process.send_signal(signal.SIGINT)  # stop after this round
-        time.sleep(0.3)
-        process.send_signal(signal.SIGINT)  # no: now
-        second = time.monotonic()
-        _, err = process.communicate(timeout=60)
-        took = time.monotonic() - second
-    finally:
-        process.kill()
-    assert process.returncode == 130, err
-    assert took < 1.5, f"exited {took:.1f} s after the second Ctrl-C"
-    assert "at once" in err, err
+    for _ in range(3):
+        process = controller_process(root, "--lease-ttl", "60", "--interval", "0.5")
+        try:
+            wait_running(process)
+            _, err = Lines(process.stdout), Lines(process.stderr)  # both read: no pipe fills
+            time.sleep(0.3)
+            process.send_signal(signal.SIGINT)  # stop after this round
+            # The second only once the first was handled: two sent together may reach
+            # Python's handler as one (it then runs once), which a loaded host made likely.
+            assert err.wait_for("stopping (Ctrl-C again", 30), "".join(err.lines)
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)  # no: now
+                second = time.monotonic()
+                process.wait(timeout=60)
+                took = time.monotonic() - second
+                break
+            process.wait(timeout=60)  # the round ended first (3 s; a crawling host): again
+        finally:
+            process.kill()
+    else:
+        raise AssertionError("each time, the round ended before the second Ctrl-C was sent")
+    said = err.all()
+    assert process.returncode == 130, said
+    # What only the second Ctrl-C's stop says ("stop at once" is in the first's line too):
+    # a second Ctrl-C ignored ends the process cleanly after the round, saying "interrupted".
+    assert "stopped at once" in said, said
+    # It exits at once; 5 s, not 1.5, for a loaded host's slow scheduling.
+    assert took < 5, f"exited {took:.1f} s after the second Ctrl-C"

@@ -351,7 +351,9 @@ def test_blackholed_node_is_left_within_seconds(cluster) -> None:
                 preferred.blackhole()
         assert sorted(got) == list(range(TOTAL))
         assert ds.stats()["failovers"] >= 1, ds.stats()
-        assert max(gaps[4:]) < 8.0, gaps  # noticed within seconds, not keepalive's minute
+        # Noticed within seconds, not at retry_timeout (30 s) or keepalive's minute; 20 s,
+        # not 8, leaves a loaded host its slow seconds.
+        assert max(gaps[4:]) < 20.0, gaps
         assert ds.stats()["endpoints"][preferred.address]["failures"] >= 1
     finally:
         proxy.close()

@@ -23,6 +23,16 @@ from edgecache.v1 import edge_pb2
 
 ROUNDS = 25
 CHILD = Path(__file__).with_name("early_stop_child.py")
+# The child, run with torch's wait for each DataLoader worker to exit (5 s, then it is
+# terminated: exit code -15, not 0) at 20 s: a loaded host can take more than 5 s to end a
+# worker, which is not a leak.
+RUN_CHILD = (
+    "import runpy, sys\n"
+    "import torch.utils.data._utils\n"
+    "torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL = 20.0\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +52,15 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, lis
 
 def run_child(endpoints: list[str], cache_dir: Path) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, str(CHILD), json.dumps(endpoints), str(cache_dir), str(ROUNDS)],
+        [
+            sys.executable,
+            "-c",
+            RUN_CHILD,
+            str(CHILD),
+            json.dumps(endpoints),
+            str(cache_dir),
+            str(ROUNDS),
+        ],
         capture_output=True,
         text=True,
         timeout=240,

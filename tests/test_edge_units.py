@@ -76,11 +76,12 @@ def test_a_fetch_cancelled_during_the_rate_wait_gives_its_slot_back() -> None:
     cancellation during the wait never reached: one slot lost for good each time."""
 
     async def scenario() -> int:
-        gate = StagingGate(rate=1_000_000, concurrency=2)  # 1 MB/s
-        await gate.acquire(1_000_000)  # the bucket's burst
-        await gate.release()
-        waiting = asyncio.ensure_future(gate.acquire(1_000_000))  # waits about a second
+        # 1 byte/s: a 1 MB fetch waits for days, so the cancel always lands during the wait
+        # (at 1 MB/s the wait was a second, which a stalled loop on a loaded host outlasted).
+        gate = StagingGate(rate=1, concurrency=2)
+        waiting = asyncio.ensure_future(gate.acquire(1_000_000))
         await asyncio.sleep(0.05)
+        assert not waiting.done() and gate._running == 1  # the slot is held during the wait
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting

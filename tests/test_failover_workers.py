@@ -137,7 +137,9 @@ def test_node_killed_mid_epoch_two_ranks_persistent_workers_exact(nodes) -> None
                 assert got[rank] == expected[(epoch, rank)], f"epoch {epoch} rank {rank}"
             seen = sorted(x for rank in (0, 1) for b in got[rank] for x in b)
             assert seen == list(range(TOTAL)), f"epoch {epoch}: not exact-once"
-            assert slowest < 8.0, f"epoch {epoch}: waited {slowest:.1f} s for a batch"
+            # A dead node waited for costs keepalive's minute (or fails at retry_timeout);
+            # 20 s, not 8, leaves a loaded host its slow seconds.
+            assert slowest < 20.0, f"epoch {epoch}: waited {slowest:.1f} s for a batch"
             if epoch == 0:  # the kill landed while the workers were reading
                 assert sum(ds._counters.failovers for ds in datasets) >= 1
     finally:
@@ -215,7 +217,9 @@ def test_stalled_node_mid_stream_is_left_with_workers(nodes, how: str) -> None:
         got, slowest = read_with_fault(ds, 3, stall)
         assert got == expected
         assert ds._counters.failovers >= 1
-        assert slowest < 8.0, f"waited {slowest:.1f} s for a batch after the stall"
+        # Left within seconds, not at retry_timeout (30 s) or keepalive's minute; 20 s, not
+        # 8, leaves a loaded host its slow seconds.
+        assert slowest < 20.0, f"waited {slowest:.1f} s for a batch after the stall"
         ds.close()
     finally:
         for proxy in proxies:
@@ -300,7 +304,9 @@ def test_all_nodes_dying_mid_epoch_raises_a_clear_error_in_the_loop(nodes) -> No
     closing = time.monotonic()
     del it
     ds.close()
-    assert time.monotonic() - closing < 8
+    # torch joins each of the 2 workers for 5 s before it terminates one, which a loaded
+    # host may need: 20 s, not 8 (a close that hangs is one that never ends).
+    assert time.monotonic() - closing < 20
 
 
 # ------------------------------------------------------------------ stopping early
@@ -326,9 +332,16 @@ def test_break_and_close_after_a_failover_leave_nothing_running(nodes) -> None:
         ds.close()
         for w in workers:
             w.join(timeout=10)
-        assert time.monotonic() - started < 8
+        # torch joins each of the 2 workers for 5 s before it terminates one, which a
+        # loaded host may need: 20 s, not 8 (a close that hangs is one that never ends).
+        assert time.monotonic() - started < 20
         assert not [w.pid for w in workers if w.is_alive()]
-        assert set(edgecache_threads()) <= before
+        # Closed threads end soon after, not at once (slowly on a loaded host); a leaked
+        # one never does.
+        deadline = time.monotonic() + 10
+        while not set(edgecache_threads()) <= before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(edgecache_threads()) <= before, edgecache_threads()
 
 
 # ------------------------------------------------------------------ resume
@@ -458,7 +471,9 @@ def test_node_killed_mid_epoch_the_other_stages_on_demand(tmp_path: Path, regist
         got, slowest = read_with_fault(ds, 3, lambda: first.process.send_signal(signal.SIGKILL))
         assert got == expected
         assert ds._counters.failovers >= 1
-        assert slowest < 10.0, f"waited {slowest:.1f} s for a batch"
+        # A hang is half a minute or more (keepalive's minute); 20 s, not 10, leaves a
+        # loaded host its slow seconds, staging on demand included.
+        assert slowest < 20.0, f"waited {slowest:.1f} s for a batch"
         ds.close()
     finally:
         farther.close()

@@ -214,10 +214,14 @@ def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) ->
     then freed it under the running job; plan and warm exited 3 ("already started")."""
     root, node = site
     schedule = root / "schedule.yaml"
-    start = datetime.now(UTC) + timedelta(seconds=4)
+    # warm must end before the start, and the start is fixed before it runs (warm's record
+    # is keyed by it): 20 s, not 4, since warm is a whole CLI process, which a loaded host
+    # can take many seconds to start. The test sleeps until the start anyway.
+    start = datetime.now(UTC) + timedelta(seconds=20)
     schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
     code, out, err = edgecache(root, "warm", str(schedule))
     assert code == 0, (out, err)
+    assert datetime.now(UTC) < start, "warm ended after the start: the test proves nothing"
     assert "iris@1" in pins_on(node), pins_on(node)
     time.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()) + 0.5)  # it has started
     write_parquet_shards(root / "origin-2", 2, rows=150)
@@ -237,12 +241,16 @@ def test_a_version_published_between_warm_and_the_start_is_the_one_the_job_reads
     started is what the job resolved at its start: warm after the start stages and pins it."""
     root, node = site
     schedule = root / "schedule.yaml"
-    start = datetime.now(UTC) + timedelta(seconds=4)
+    # warm and the publish of iris@2 must both end before the start, which is fixed before
+    # they run (warm's record is keyed by it): 20 s, not 4, for a loaded host. The test
+    # sleeps until the start anyway.
+    start = datetime.now(UTC) + timedelta(seconds=20)
     schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
     code, out, err = edgecache(root, "warm", str(schedule))  # records iris@1 for the job
     assert code == 0, (out, err)
     write_parquet_shards(root / "origin-2", 2, rows=150)
     publish(f"file://{root}/registry", f"file://{root}/origin-2", "iris")  # before the start
+    assert datetime.now(UTC) < start, "iris@2 was published after the start"
     time.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()) + 0.5)
     code, out, err = edgecache(root, "warm", str(schedule))
     assert code in (0, 3), (out, err)  # started without iris@2 staged: it may say so
