@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from edgecache.cache.errors import ObjectExists, ObjectNotFound
 from edgecache.cache.storage import ObjectStore
 
-__all__ = ["Lease", "LeaseRecord"]
+__all__ = ["UNLISTED_HOLDER", "Lease", "LeaseRecord"]
 
 log = logging.getLogger(__name__)
 
 _KEEP = 4  # generations kept behind the newest (for a reader listing mid-write)
+# Who holds a generation written by another that the store does not list yet.
+UNLISTED_HOLDER = "another controller (its lease record is not listed yet)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,20 @@ class Lease:
             self.generation, self.gained = generation, not mine
             return None
         self.generation = None
-        return await self.current()  # someone else wrote that generation first
+        # Someone else wrote that generation first: theirs is in force. A store whose
+        # listing lags its writes (or does not list them) may not show it yet; read as
+        # "nobody", that made every contender that lost the write a holder too.
+        winner = await self.current()
+        if winner is None or winner.generation < generation:
+            log.warning(
+                "the controller's lease generation %d under %s was written by another, but "
+                "the store does not list it (yet): standing by; a store whose listings lag "
+                "its writes for long cannot hold the lease (use S3 or a filesystem)",
+                generation,
+                self.prefix,
+            )
+            return LeaseRecord(UNLISTED_HOLDER, now + self.ttl, generation)
+        return winner
 
     async def release(self) -> None:
         """Give the lease up at once (a released record has expired)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from s3server import make_bucket
 
-from edgecache.cache.lease import Lease
+from edgecache.cache.lease import UNLISTED_HOLDER, Lease
 from edgecache.cache.storage import FsspecStore, S3Store
 
 
@@ -82,5 +82,37 @@ def test_gained_tells_a_lease_taken_anew_from_a_renewal(tmp_path: Path) -> None:
         await a.release()
         assert await a.acquire(now=t + 53) is None and a.gained  # released, taken again
         await store.close()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+class _Unlisting:
+    """A store whose listing shows nothing (an eventually consistent one, before it catches up)."""
+
+    def __init__(self, store: FsspecStore) -> None:
+        self.store = store
+
+    async def list(self, prefix: str) -> list[object]:
+        return []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+def test_a_write_lost_to_a_record_not_listed_yet_is_not_a_lease_held(tmp_path: Path) -> None:
+    # b lost the create-only write of generation 1 to a, but its store did not list a's
+    # record: acquire read that as "nobody holds it" and said b held the lease beside a.
+    store, prefix = stores(tmp_path, None)[0]
+
+    async def scenario() -> None:
+        a = Lease(store, prefix, "a", ttl=10)  # type: ignore[arg-type]
+        b = Lease(_Unlisting(store), prefix, "b", ttl=10)  # type: ignore[arg-type]
+        t = 1_000_000.0
+        assert await a.acquire(now=t) is None  # a holds generation 1
+        held = await b.acquire(now=t + 1)
+        assert held is not None and held.holder == UNLISTED_HOLDER, held
+        assert b.generation is None
+        assert await a.acquire(now=t + 2) is None  # a still holds it, and renews
+        await store.close()
 
     asyncio.run(scenario())
