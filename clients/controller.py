@@ -423,6 +423,10 @@ class Controller:
         self.metrics = metrics or ControllerMetrics()
         self.stop = threading.Event()
         self.executor = PlanExecutor(self.topology, token=token, stop=self.stop, clock=clock)
+        # Set when this controller stops leading (the lease lost, or the process stopping):
+        # the staging runs started under that lease stop with it (TaskRun.stop). They kept
+        # staging beside the new leader's plan, which may evict what they stage.
+        self._term = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._stores = Stores()
         registry = self.topology.registry.rstrip("/")
@@ -558,6 +562,7 @@ class Controller:
     def close(self) -> None:
         """Stop running tasks, give the lease up, close connections."""
         self.stop.set()
+        self._term.set()
         with self._lock:
             threads = [thread for _, thread in self._runs.values()]
         if threads:
@@ -728,6 +733,24 @@ class Controller:
         self.metrics.tasks.clear()
         self.metrics.jobs_infeasible.set(0)
 
+    def _end_term(self, holder: str) -> None:
+        """Stop the staging runs started under the lease just lost; later runs get a new term.
+
+        Each stops between its calls (a node keeps the whole shards it committed) and
+        its record says pending: the new leader's record is the truth from now on, and
+        this one, should it lead again, takes that record up.
+        """
+        with self._lock:
+            running = len(self._runs)
+        if running:
+            log.warning(
+                "stopping %d staging task(s) started under the lease controller %s holds now",
+                running,
+                holder,
+            )
+        self._term.set()
+        self._term = threading.Event()
+
     def _node_name(self, address: str) -> str:
         """A node as the log names it: its id and address (``eu-west-1 (10.0.0.5:7070)``)."""
         node = self.state.nodes.get(address, address)
@@ -752,6 +775,7 @@ class Controller:
                 )
             self._standing_by_for = other.holder
             self._forget_what_the_leader_says()
+            self._end_term(other.holder)
             # A standby's round (the lease checked, found held) is a round: without it,
             # /healthz failed a standby after 90 s and its liveness probe restarted it
             # in a loop, and one failed lease check raised "every round failed".
@@ -800,6 +824,7 @@ class Controller:
             self._keep_lease(check=True)
         except LeaseLost as lost:
             log.warning("%s; stopping this round and standing by", lost)
+            self._end_term(lost.holder)
             return None
         self._save_state()
         self.metrics.ticks.inc()
@@ -1073,6 +1098,7 @@ class Controller:
                     continue  # not due
                 pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)
                 run = self.executor.make_run(task, manifests, pin_until)
+                run.stop = self._term
                 if note:
                     run.note = note
                     run.item.notes.append(note)

@@ -249,6 +249,10 @@ class TaskRun:
     started_at: datetime | None = None
     finished_at: datetime | None = None
     note: str = ""
+    # Stops this run instead of the executor's own stop (whoever sets it sets it when the
+    # executor's would be): a controller ends its runs with the lease they were started
+    # under, since another controller acts on the version from then on.
+    stop: threading.Event | None = None
 
     @property
     def key(self) -> tuple[str, VersionKey]:
@@ -756,7 +760,7 @@ class PlanExecutor:
         source_ready = self._resident_event(task.source, task.version)
         deadline = time.monotonic() + peer_wait
         while not source_ready.wait(0.2):
-            if self.stop.is_set():
+            if (run.stop or self.stop).is_set():
                 return False
             if time.monotonic() > deadline:
                 run.state, run.note = "failed", f"{task.source} never held {task.spec}"
@@ -787,10 +791,10 @@ class PlanExecutor:
         stage_item(
             run.item,
             token=self.token,
-            stop=self.stop,
+            stop=run.stop or self.stop,
             on_progress=lambda item: self.on_progress(run),
         )
-        if self.stop.is_set() and not run.item.done:
+        if (run.stop or self.stop).is_set() and not run.item.done:
             run.state = "pending"
             return run
         run.finished_at = self.clock()

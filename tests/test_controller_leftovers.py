@@ -162,6 +162,33 @@ def test_staging_still_running_at_the_start_is_said_beside_cannot_be_met(
     assert "staging b@1 was still running at the" in " ".join(table.stdout.split()), table.stdout
 
 
+def test_staging_started_under_a_lost_lease_stops_with_it(slow_eu) -> None:
+    """A controller paused past its lease kept its staging threads running beside the new
+    leader's plan (which may evict what they stage) until the versions were done."""
+    root, _, node = slow_eu
+    lease = 3.0
+    first = controller(root, Clock(T0), lease_ttl=lease, holder="first")
+    second = controller(root, Clock(T0), lease_ttl=lease, holder="second")
+    try:
+        assert first.tick() is not None
+        deadline = time.monotonic() + 30
+        while "eu b@1" not in first.state.tasks or first.state.tasks["eu b@1"].state != "running":
+            assert time.monotonic() < deadline, first.state.tasks
+            time.sleep(0.05)
+        time.sleep(lease + 0.5)  # first is paused past its lease: second takes it over
+        assert second.tick() is not None
+        assert first.tick() is None  # first finds the lease lost: it stands by ...
+        deadline = time.monotonic() + 20
+        while first._runs:  # ... and the run it started under that lease stops
+            assert time.monotonic() < deadline, "first's staging went on under second's lease"
+            time.sleep(0.05)
+        assert first.state.tasks["eu b@1"].state == "pending", first.state.tasks
+        assert versions_on(node).get("b@1", 0) < 4  # stopped mid-version, not finished
+    finally:
+        first.close()
+        second.close()
+
+
 # ----------------------------- 3: every line of a schedule error belongs to the error
 
 
