@@ -30,6 +30,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from edgecache.cache.errors import ConfigFileError, InvalidEndpoint
 from edgecache.cache.names import parse_spec
 from edgecache.cache.units import parse_rate
+from edgecache.cache.yaml_strict import StrictLoader
 from edgecache.clients.endpoints import parse_endpoint
 
 __all__ = [
@@ -258,67 +259,7 @@ class Schedule(BaseModel):
         return value
 
 
-# libyaml's parser where PyYAML has it (its wheels do): faster (1.5-4x), and it refuses
-# nesting deeper than 1,000 at once, where the pure-Python scanner is quadratic in the
-# depth (a line of 9,000 "[" took 9 s).
-_BASE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _DuplicateKey(yaml.YAMLError):
-    """A key written twice in one mapping: YAML would keep only the last silently."""
-
-    def __init__(self, key: Any, first: int, second: int) -> None:
-        super().__init__(f"key {key!r} appears twice (lines {first} and {second})")
-        self.key, self.first, self.second = key, first, second
-
-
-class _StrictLoader(_BASE_LOADER):  # type: ignore[valid-type, misc]
-    """The safe loader, refusing a key repeated in one mapping.
-
-    PyYAML keeps the last value of a repeated key without a word, so a second
-    ``jobs:`` would drop the first block's jobs. A merge (``<<``) may still
-    override keys it brings in: that is what it is for. The repeats are kept in
-    :attr:`duplicates`, to be reported with the file's other problems.
-    """
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.duplicates: list[_DuplicateKey] = []
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=deep)
-                line = key_node.start_mark.line + 1
-                try:
-                    if key in seen:
-                        # Collected, not raised: the file's other problems are said with it.
-                        self.duplicates.append(_DuplicateKey(key, seen[key], line))
-                    seen[key] = line
-                except TypeError:
-                    continue  # an unhashable key: the base constructor says so
-        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
-
-    def construct_yaml_timestamp(self, node: yaml.ScalarNode) -> Any:
-        """A timestamp, or its text when it is not a real time (hour 25, February 30).
-
-        PyYAML's resolver takes any ``2026-12-02T25:00:00Z`` for a timestamp and its
-        constructor raises (ValueError: hour must be in 0..23), which only said "not
-        valid YAML" with no line or field. As text, the field's check reports it as
-        for a quoted value: file, line, field, and how to write a time.
-        """
-        try:
-            return super().construct_yaml_timestamp(node)
-        except (ValueError, OverflowError):
-            return self.construct_scalar(node)
-
-
-_StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", _StrictLoader.construct_yaml_timestamp)
-
-_SAFE_LOADER = _StrictLoader
+_SAFE_LOADER = StrictLoader
 
 
 def _line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:

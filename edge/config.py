@@ -33,6 +33,7 @@ from edgecache.cache.addresses import split_hostport
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.tokens import token_problem
 from edgecache.cache.units import parse_rate, parse_size
+from edgecache.cache.yaml_strict import StrictLoader
 
 __all__ = [
     "FLAG_SETTINGS",
@@ -542,11 +543,24 @@ def load_node_config(
     source: dict[str, str] = {}
     if config_file is not None:
         try:
-            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+            loader = StrictLoader(Path(config_file).read_text())
+            try:
+                loaded = loader.get_single_data() or {}
+            finally:
+                loader.dispose()
         except OSError as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
             raise ConfigError(f"{config_file} is not valid YAML: {exc}") from exc
+        if loader.duplicates:
+            # YAML keeps the last copy without a word: a second capacity: overrode the first.
+            raise ConfigError(
+                "; ".join(
+                    f"{config_file}:{dup.second}: {dup.key!r} is set twice (first at line "
+                    f"{dup.first}); YAML would keep only the last: remove one"
+                    for dup in loader.duplicates
+                )
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"{config_file} must hold a mapping of settings")
         for key, value in loaded.items():

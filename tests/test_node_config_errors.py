@@ -408,3 +408,15 @@ def test_a_capacity_without_a_unit_below_a_mebibyte_is_warned(
         NodeConfig(**node_fields(tmp_path, capacity="512KiB"))  # a unit: meant
         NodeConfig(**node_fields(tmp_path, capacity=str(64 << 20)))  # bytes, large enough
     assert "without a unit" not in caplog.text
+
+
+def test_a_setting_written_twice_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    # YAML keeps the last copy without a word: a second capacity: overrode the first.
+    path = tmp_path / "node.yaml"
+    path.write_text("capacity: 1GiB\nregion: eu\ncapacity: 2GiB\n")
+    with pytest.raises(ConfigError) as info:
+        load_node_config(path, {}, {})
+    said = str(info.value)
+    assert f"{path}:3: 'capacity' is set twice (first at line 1)" in said, said
+    path.write_text("capacity: 2GiB\nregion: eu\ncache_dir: /c\nregistry: file:///r\n")
+    assert load_node_config(path, {}, {}).capacity == 2 << 30  # once each: read as before
