@@ -192,22 +192,23 @@ def test_an_unreadable_local_prefix_is_an_error_not_empty(tmp_path: Path) -> Non
 # ------------------------------------------------------------------ through the CLI
 
 
-def test_a_registry_answering_5xx_fails_naming_it_without_a_traceback(server: str) -> None:
-    url = f"{server}/503/reg"
+@pytest.mark.parametrize(
+    ("status", "said"),
+    [
+        (503, "request for {url}/ds/versions/ failed"),
+        # The store calls what it reads "origin": "origin refused access to …" sent the
+        # reader to the source's credentials for the registry's refusal.
+        (403, "refused access to {url}/ds/"),
+    ],
+)
+def test_a_registry_that_fails_or_refuses_is_named_without_a_traceback(
+    server: str, status: int, said: str
+) -> None:
+    url = f"{server}/{status}/reg"
     code, out = cli("versions", "ds", "--registry", url)
     assert code == 1, out
-    assert out.startswith(f"error: registry {url} request for {url}/ds/versions/ failed"), out
-    assert "HTTP 503" in out and "Traceback" not in out, out
-
-
-def test_a_registry_that_refuses_access_is_named_as_the_registry(server: str) -> None:
-    # The store calls what it reads "origin": "origin refused access to …" sent the
-    # reader to the source's credentials for the registry's refusal.
-    url = f"{server}/403/reg"
-    code, out = cli("versions", "ds", "--registry", url)
-    assert code == 1, out
-    assert out.startswith(f"error: registry {url} refused access to {url}/ds/"), out
-    assert "HTTP 403" in out and "origin" not in out, out
+    assert out.startswith(f"error: registry {url} " + said.format(url=url)), out
+    assert f"HTTP {status}" in out and "Traceback" not in out and "origin" not in out, out
 
 
 def test_a_registry_served_over_http_reads_and_one_absent_holds_nothing(server: str) -> None:
