@@ -416,12 +416,23 @@ def _did_you_mean(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
 
 
 def find_topology(path: str | os.PathLike[str] | None = None) -> Path:
-    """``--config``, then ``$EDGECACHE_CONFIG``, then ``./edgecache.yaml``."""
-    for candidate in (path, os.environ.get("EDGECACHE_CONFIG"), "edgecache.yaml"):
-        if candidate:
-            p = Path(candidate)
-            if p.exists() or candidate == path:
-                return p
+    """``--config``, then ``$EDGECACHE_CONFIG``, then ``./edgecache.yaml``.
+
+    A file named by either of the first two is the one used, or an error: a
+    mistyped ``$EDGECACHE_CONFIG`` fell back to the working directory's own
+    ``edgecache.yaml`` (another site's, as often as not) without a word.
+    """
+    if path:
+        return Path(path)
+    if named := os.environ.get("EDGECACHE_CONFIG"):
+        if not Path(named).exists():
+            raise ConfigFileError(
+                f"EDGECACHE_CONFIG names {named}, which does not exist: set it to the topology "
+                "file, or unset it (then --config FILE, or ./edgecache.yaml, is read)"
+            )
+        return Path(named)
+    if Path("edgecache.yaml").exists():
+        return Path("edgecache.yaml")
     raise ConfigFileError(
         "no topology file: pass --config FILE, set EDGECACHE_CONFIG, or create ./edgecache.yaml"
     )

@@ -104,6 +104,27 @@ def test_publish_without_a_topology_names_the_registry_option(tmp_path: Path) ->
     assert out.returncode == 2 and "--registry" in out.stderr, out.stderr
 
 
+def test_a_mistyped_edgecache_config_is_an_error_not_the_folders_own_topology(
+    tmp_path: Path,
+) -> None:
+    # It fell back to ./edgecache.yaml (another site's, here) and acted on it, exit 0.
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: file://{tmp_path}/other-site\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    env = {**NARROW, "EDGECACHE_CONFIG": str(tmp_path / "edgecach.yaml")}
+    out = subprocess.run(
+        [sys.executable, "-m", "edgecache.clients.cli", "versions", "tok"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    said = " ".join(out.stderr.split())
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert f"EDGECACHE_CONFIG names {tmp_path / 'edgecach.yaml'}, which does not exist" in said
+    assert "other-site" not in out.stdout + out.stderr
+
+
 def test_plan_status_and_exit_codes_at_80_columns(site, tmp_path: Path) -> None:
     root, nodes = site
     edgecache("publish", f"file://{root}/origin", "--dataset", "tokens", *cfg(root))
