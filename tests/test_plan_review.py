@@ -156,6 +156,25 @@ def test_warm_of_the_same_schedule_releases_the_pins_of_a_job_removed_from_it(tw
     assert code == 0, (out, err)  # no --force needed
 
 
+def test_warm_that_cannot_write_its_record_pins_nothing_and_fails(site) -> None:
+    """warm warned "could not record the jobs …", pinned anyway and exited 0: the pin then
+    outlived its job (a later warm cannot release what no record names), evict refused it
+    without --force."""
+    root, node = site
+    (root / "registry" / "_warm").write_text("a file where warm's folder goes")
+    path = root / "a.yaml"
+    path.write_text("jobs:\n" + job("jl", datetime.now(UTC) + timedelta(days=1), "iris@1"))
+    code, out, err = edgecache(root, "warm", str(path))
+    said = " ".join(err.split())
+    assert code == 1, (out, err)
+    assert "could not record the jobs warm pins versions for" in said, said
+    assert "nothing was pinned or staged" in said and "make the registry writable" in said
+    assert pins_on(node) == {}, pins_on(node)
+    (root / "registry" / "_warm").unlink()  # writable again: the same run works
+    assert edgecache(root, "warm", str(path))[0] == 0
+    assert "iris@1" in pins_on(node)
+
+
 def test_warm_of_another_schedule_keeps_the_jobs_and_pins_of_the_first(two) -> None:
     """Each warm run owns its schedule file's records: warm of b.yaml leaves a.yaml's job
     and pin alone, and a.yaml dropping a version b.yaml's job reads leaves b's pin."""

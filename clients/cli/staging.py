@@ -1160,10 +1160,14 @@ def _down(warmed: _Warmed) -> dict[str, ops.Outage]:
 
 
 def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
-    """Record the jobs and pins of a warm run; failing that only warns.
+    """Record the jobs and pins of a warm run before it pins; failing that, it does nothing.
 
     ``evict`` names the jobs, and a later warm of the same schedule releases
-    the pins of jobs it no longer has.
+    the pins of jobs it no longer has. Without the record neither can: warm
+    used to warn, pin anyway and exit 0, and a pin whose job then left the
+    schedule held its room to its end, released by nothing short of ``evict
+    --force``. So a record that cannot be written stops the run before any
+    node is touched (exit 1).
     """
     try:
         ops.record_warmed_jobs(
@@ -1176,10 +1180,12 @@ def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
             unreleased=work.released.kept,
         )
     except (EdgeCacheError, OSError) as exc:
-        warning(
-            f"could not record the jobs warm pins versions for ({exc}); evict will not be "
-            "able to name them"
+        error(
+            f"could not record the jobs warm pins versions for ({exc}): nothing was pinned "
+            "or staged, since pins without that record could not be released by a later "
+            "warm nor named by evict; make the registry writable and run warm again"
         )
+        raise exit_with(ExitCode.FAILED) from None
 
 
 # A rehearsal's source regions answer at once (they would stage, or are deferred):
