@@ -86,9 +86,18 @@ def _parse_rate(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise ValueError(f"invalid rate {value!r}: use e.g. 200MB/s, 1GiB/s or 10Gbit/s")
     try:
-        return parse_rate(value)
+        rate = parse_rate(value)
     except OverflowError:
         raise ValueError(f"rate {value!r} is too large to be a rate") from None
+    if rate < 1:
+        # 0 read as "not given": the plan took the measured rate (or 1 Gbit/s) and said
+        # "ready by" seconds from now for a region written as having no link at all.
+        raise ValueError(
+            f"rate {value!r} is under 1 byte/s, which no link is: give the link's rate "
+            "(e.g. 200MB/s), or leave it out (origin_bandwidth: the rate measured, else "
+            "1 Gbit/s; a peer: no link to it)"
+        )
+    return rate
 
 
 class Topology(BaseModel):

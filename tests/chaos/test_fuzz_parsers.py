@@ -610,6 +610,9 @@ JOB_HEAD = "jobs:\n- name: a\n  region: eu\n  datasets: [tokens]\n"
         (load_topology, TOPOLOGY_HEAD + "    peers: {eu: null}\n", "invalid rate"),  # AttrErr.
         (load_topology, TOPOLOGY_HEAD + f"    origin_bandwidth: {'9' * 400}MB/s\n", "too large"),
         (load_topology, TOPOLOGY_HEAD + "    peers: {us: 1GB/s}\n", "is not a region"),  # no path
+        # Rates under 1 byte/s were taken for "not given" (the plan used 1 Gbit/s).
+        (load_topology, TOPOLOGY_HEAD + "    origin_bandwidth: 0\n", ":5: .* under 1 byte/s"),
+        (load_topology, TOPOLOGY_HEAD + "    origin_bandwidth: 7bit/s\n", "under 1 byte/s"),
         (
             load_schedule,
             JOB_HEAD + "  start: 2026-01-01T00:00:00Z\n  duration: 99999999999d\n",
