@@ -109,6 +109,24 @@ RECORD_RETENTION = timedelta(days=1)  # records of a job and its tasks stay this
 UNSEEN_BEFORE_START = "no controller round saw the job before it started"
 
 
+class _Stopping(threading.Event):
+    """The controller's stop: setting it also does ``on_set`` (stops the running term's runs).
+
+    A run carries its term's event (``TaskRun.stop``), which the executor reads instead
+    of its own stop: Ctrl-C set only this one, and ``controller --once`` staged on to
+    the end of every version before it exited.
+    """
+
+    def __init__(self, on_set: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_set = on_set
+
+    def set(self) -> None:
+        """Set it, and stop the runs."""
+        super().set()
+        self._on_set()
+
+
 class LeaseLost(EdgeCacheError):
     """Another controller took the lease during this one's round: the round stops."""
 
@@ -421,12 +439,13 @@ class Controller:
         self.token, self.clock = token, clock
         self.holder = holder or default_holder()
         self.metrics = metrics or ControllerMetrics()
-        self.stop = threading.Event()
-        self.executor = PlanExecutor(self.topology, token=token, stop=self.stop, clock=clock)
         # Set when this controller stops leading (the lease lost, or the process stopping):
         # the staging runs started under that lease stop with it (TaskRun.stop). They kept
         # staging beside the new leader's plan, which may evict what they stage.
         self._term = threading.Event()
+        # Whoever stops the controller (a signal handler, close) stops the runs with it.
+        self.stop = _Stopping(lambda: self._term.set())
+        self.executor = PlanExecutor(self.topology, token=token, stop=self.stop, clock=clock)
         self._loop = asyncio.new_event_loop()
         self._stores = Stores()
         registry = self.topology.registry.rstrip("/")
@@ -561,8 +580,7 @@ class Controller:
 
     def close(self) -> None:
         """Stop running tasks, give the lease up, close connections."""
-        self.stop.set()
-        self._term.set()
+        self.stop.set()  # and the runs' term (_Stopping)
         with self._lock:
             threads = [thread for _, thread in self._runs.values()]
         if threads:
@@ -750,6 +768,8 @@ class Controller:
             )
         self._term.set()
         self._term = threading.Event()
+        if self.stop.is_set():  # stopping meanwhile: the new term is over before it begins
+            self._term.set()
 
     def _node_name(self, address: str) -> str:
         """A node as the log names it: its id and address (``eu-west-1 (10.0.0.5:7070)``)."""
