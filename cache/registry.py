@@ -249,10 +249,15 @@ def _reaching(what: str, url: str) -> Iterator[None]:
             raise OriginError(_unreachable_text(what, url, exc)) from exc
         said = str(exc)
         if type(exc) is OriginError and said.startswith("origin "):
+            from edgecache.cache.registry_match import shown_url  # it imports this module
+
             # The store calls whatever it reads "origin": a registry that refused access
             # was "origin refused access to …", sending the reader to the source's
-            # credentials. The chain is kept, so a refusal still reads as one.
-            raise OriginError(f"{what} {url} {said.removeprefix('origin ')}") from exc
+            # credentials. The chain is kept, so a refusal still reads as one. The URL
+            # (and each under it) is shown without credentials it may carry.
+            shown = shown_url(url)
+            said = said.removeprefix("origin ").replace(url, shown)
+            raise OriginError(f"{what} {shown} {said}") from exc
         raise
 
 

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
-from edgecache.cache.registry_match import RegistryMatch, check_registry
+from edgecache.cache.registry_match import RegistryMatch, check_registry, shown_url
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
@@ -105,10 +105,20 @@ def check_paths(
                 check.problems.append(f"{check.ping_loss:.0%} of health checks failed")
             out.append(check)
     # Over every node at once: two nodes of a region reporting one id is a problem of both.
-    problems = state_problems(reports, registry_digests(topology.registry, reports))
+    digests = registry_digests(topology.registry, reports)
+    problems = state_problems(reports, digests, topology.registry)
     for check in out:
         check.problems += problems.get(check.node, [])
+        if digests is None and check.node in {r.address for r in reports}:
+            check.warnings.append(_NOT_CHECKED.format(registry=shown_url(topology.registry)))
     return out
+
+
+# What doctor and status say when the registry's manifests could not be read in time.
+_NOT_CHECKED = (
+    "the registry {registry} could not be read (in time): the node's copies were not "
+    "checked against it"
+)
 
 
 def _check_status(

@@ -635,19 +635,26 @@ def without_pins(reports: Sequence[NodeReport], pins: Sequence[WarmPin]) -> list
     return out
 
 
-def registry_digests(registry: str, reports: Sequence[NodeReport]) -> dict[tuple[str, int], str]:
+# How long status and doctor wait for the registry's manifests (a registry that accepts
+# connections and never answers held status for aiohttp's 5 minutes, printing nothing).
+DIGESTS_TIMEOUT = 5.0
+
+
+def registry_digests(
+    registry: str, reports: Sequence[NodeReport], timeout: float = DIGESTS_TIMEOUT
+) -> dict[tuple[str, int], str] | None:
     """The registry's digest of each version a node that answered holds, for :func:`state_problems`.
 
-    Read in one pass (the manifests concurrently). A version the registry does
-    not have, or a registry that cannot be read, leaves it out: ``status`` and
-    ``doctor`` still judge the rest of the nodes' state, and say the registry's
-    failure where they read it themselves.
+    Read in one pass (the manifests concurrently), for ``timeout`` seconds at
+    most. A version the registry does not have is left out; None when the
+    registry could not be read (in time): ``status`` and ``doctor`` then say
+    the copies were not checked, and judge the rest of the nodes' state.
     """
     keys = sorted(
         {
             (v.dataset, v.version)
             for r in reports
-            if r.status is not None
+            if r.status is not None and _reads_registry(r, registry)
             for v in r.status.versions
             if v.shard_count and v.digest
         }
@@ -656,7 +663,10 @@ def registry_digests(registry: str, reports: Sequence[NodeReport]) -> dict[tuple
         return {}
 
     async def read(reg: Registry) -> dict[tuple[str, int], str]:
-        found = await asyncio.gather(*(reg.manifest(*key) for key in keys), return_exceptions=True)
+        found = await asyncio.wait_for(
+            asyncio.gather(*(reg.manifest(*key) for key in keys), return_exceptions=True),
+            timeout,
+        )
         return {
             key: manifest.digest
             for key, manifest in zip(keys, found, strict=True)
@@ -665,13 +675,23 @@ def registry_digests(registry: str, reports: Sequence[NodeReport]) -> dict[tuple
 
     try:
         return Registry.run(registry, read)
-    except (EdgeCacheError, OSError, ValueError) as exc:
+    except (EdgeCacheError, OSError, ValueError) as exc:  # TimeoutError is an OSError
         log.debug("the registry's digests were not read: %s", exc)
-        return {}
+        return None
+
+
+def _reads_registry(report: NodeReport, registry: str) -> bool:
+    """Whether a node reads ``registry`` (or does not say: a node older than the field)."""
+    if report.status is None or not report.status.registry:
+        return True
+    match = check_registry(report.address, registry, report.status.registry).match
+    return match in (RegistryMatch.SAME, RegistryMatch.UNKNOWN)
 
 
 def state_problems(
-    reports: Sequence[NodeReport], digests: Mapping[tuple[str, int], str] | None = None
+    reports: Sequence[NodeReport],
+    digests: Mapping[tuple[str, int], str] | None = None,
+    registry: str | None = None,
 ) -> dict[str, list[str]]:
     """Address → what in its node's state makes staging there fail, for ``status`` and ``doctor``.
 
@@ -680,14 +700,20 @@ def state_problems(
     ``--capacity``, its pinned versions kept), which refuses every new shard,
     nodes of a region reporting one node id (:func:`rendezvous.unique_names`),
     and a node started with another ``--region`` than the topology's. With the
-    registry's ``digests`` (:func:`registry_digests`), also a copy of other
-    content under a version's name (the registry reset or moved since the node
-    cached it), which the node refuses to serve and ``ready`` counts as missing.
+    registry's ``digests`` (:func:`registry_digests`, of the topology's
+    ``registry``), also a copy of other content under a version's name (the
+    registry reset or moved since the node cached it), which the node refuses
+    to serve and ``ready`` counts as missing; not for a node that reads
+    another registry (or path), whose copies are its registry's, and which is
+    flagged for that instead.
     """
     out: dict[str, list[str]] = {}
     for report in reports:
         status = report.status
-        for held in status.versions if status is not None and digests else ():
+        # A node of another registry (or path) is said as such: its copies are its
+        # registry's, and evicting them there would throw good data away.
+        judged = bool(digests) and (registry is None or _reads_registry(report, registry))
+        for held in status.versions if status is not None and judged else ():
             want = digests.get((held.dataset, held.version)) if digests else None
             if held.shard_count and not _same_content(held, want):
                 spec = f"{held.dataset}@{held.version}"

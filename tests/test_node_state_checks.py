@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from edgeutil import edgecache, publish, write_parquet_shards
 from test_node_shares import _schedule
 
@@ -130,3 +131,48 @@ def test_a_copy_of_other_content_under_a_versions_name_is_flagged(tmp_path: Path
         assert code == 1 and any("other content" in p for p in path["problems"]), out
     finally:
         node.stop()
+
+
+def test_a_node_of_another_registry_is_not_told_to_evict_its_copies(tmp_path: Path) -> None:
+    # Its copy is its own registry's, which it serves: "keeps other content … evict it" sent
+    # the operator to throw good data away; the registry mismatch is what is said.
+    ours, theirs = f"file://{tmp_path}/registry", f"file://{tmp_path}/registry-b"
+    write_parquet_shards(tmp_path / "origin-a", 2, rows=300)
+    write_parquet_shards(tmp_path / "origin-b", 2, rows=400)
+    publish(ours, f"file://{tmp_path}/origin-a", "tok")
+    publish(theirs, f"file://{tmp_path}/origin-b", "tok")
+    node = start_local_node("eu", tmp_path / "cache", theirs)
+    try:
+        code, out, err = edgecache(
+            "warm", "tok@1", "--region", "eu", *_topology(tmp_path, theirs, [node.address])
+        )
+        assert code == 0, (out, err)
+        code, out, err = edgecache("status", *_topology(tmp_path, ours, [node.address]))
+        said = " ".join(err.split())
+        assert "registry's path differs" in said, said
+        assert "other content" not in said and "evict" not in said, said
+    finally:
+        node.stop()
+
+
+def test_a_registry_that_does_not_answer_holds_status_back_for_seconds_not_minutes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # aiohttp's own timeout is 5 minutes: status printed nothing for 5 min 1 s.
+    import socket
+    import time
+
+    from edgecache.cache.storage import filesystem
+    from edgecache.clients.ops import NodeReport, registry_digests
+    from edgecache.v1 import edge_pb2
+
+    monkeypatch.setattr(filesystem, "HTTP_READ_TIMEOUT", 1.0)  # 30 s by default
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        registry = f"http://127.0.0.1:{silent.getsockname()[1]}/reg"
+        held = edge_pb2.ResidentVersion(dataset="tok", version=1, shard_count=2, digest="d" * 64)
+        status = edge_pb2.NodeStatus(registry=registry, versions=[held])
+        started = time.monotonic()
+        digests = registry_digests(registry, [NodeReport("eu", "n:1", True, 1.0, status)], 1.0)
+        took = time.monotonic() - started
+    assert digests is None, digests  # not read: said so, nothing judged
+    assert took < 10, took

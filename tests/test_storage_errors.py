@@ -217,3 +217,12 @@ def test_a_registry_served_over_http_reads_and_one_absent_holds_nothing(server: 
     assert [v["version"] for v in json.loads(out)] == [1], out
     code, out = cli("versions", "ds", "--registry", f"{server}/404/reg")
     assert code == 2 and "holds no datasets" in out, out
+
+
+def test_a_registry_refusal_shows_its_url_without_credentials(server: str) -> None:
+    # Said twice since the registry is named beside the store's URL under it: both bare.
+    url = f"{server}/403/reg".replace("http://", "http://alice:s3cret@")
+    code, out = cli("versions", "ds", "--registry", url)
+    assert code == 1, out
+    assert "s3cret" not in out and "alice" not in out, out
+    assert out.startswith(f"error: registry {server}/403/reg refused access to {server}/"), out

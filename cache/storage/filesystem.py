@@ -44,6 +44,26 @@ def _ns(stamp: object) -> int:
     return int(float(stamp or 0) * 1e9)  # type: ignore[arg-type]
 
 
+# An HTTP server that accepts a connection and never answers (or stops sending) is given
+# this long, per connect and per read, then the request fails as unreachable. aiohttp's
+# default (fsspec's) was 5 minutes for the whole request: a silent registry held status
+# for 5 min 1 s printing nothing, and any download longer than 5 minutes failed.
+HTTP_CONNECT_TIMEOUT = 10.0
+HTTP_READ_TIMEOUT = 30.0
+
+
+def _options(url: str) -> dict[str, Any]:
+    """The options fsspec is given for ``url``: HTTP's timeouts (``HTTP_READ_TIMEOUT``)."""
+    if not url.lower().startswith(("http://", "https://")):
+        return {}
+    import aiohttp  # fsspec's HTTP filesystem's: always there (aiobotocore needs it too)
+
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=HTTP_CONNECT_TIMEOUT, sock_read=HTTP_READ_TIMEOUT
+    )
+    return {"client_kwargs": {"timeout": timeout}}
+
+
 class FsspecStore(ObjectStore):
     """Any fsspec filesystem; blocking calls run in worker threads."""
 
@@ -54,7 +74,7 @@ class FsspecStore(ObjectStore):
     def _fs(url: str) -> tuple[Any, str]:
         """The filesystem and path for ``url``; some filesystems connect here (``ftp://``)."""
         try:
-            return fsspec.core.url_to_fs(url)
+            return fsspec.core.url_to_fs(url, **_options(url))
         except (ImportError, ValueError) as exc:
             raise OriginError(f"cannot open {url}: {exc}") from exc
         except OSError as exc:

@@ -165,7 +165,7 @@ def status(
     out-of-date certificate, grpcs:// to a node without TLS; the error says
     what to set).
     """
-    from edgecache.cache.registry_match import RegistryMatch, check_registry
+    from edgecache.cache.registry_match import RegistryMatch, check_registry, shown_url
     from edgecache.clients import ops
     from edgecache.clients.ops import gather_status
 
@@ -182,7 +182,8 @@ def status(
     }
     # What makes staging or reads there fail (exit 0 still), the registry's digests
     # included: a copy of other content under a version's name is refused to readers.
-    problems = ops.state_problems(reports, ops.registry_digests(topology.registry, reports))
+    digests = ops.registry_digests(topology.registry, reports)
+    problems = ops.state_problems(reports, digests, topology.registry)
     if as_json:
         print(
             json.dumps(
@@ -320,6 +321,13 @@ def status(
                     "evict NAME@N)",
                     to_stderr=True,
                 )
+    if digests is None:  # not a failure of status: its nodes' table stands
+        line(
+            f"[yellow]note:[/yellow] the registry {escape(shown_url(topology.registry))} "
+            "could not be read (in time): the nodes' copies were not checked against it "
+            "(edgecache versions NAME says why)",
+            to_stderr=True,
+        )
     if any(r.status is None and not r.refused for r in reports):
         raise exit_with(ExitCode.FAILED)
     if any(r.refused for r in reports):
