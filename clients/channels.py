@@ -45,6 +45,7 @@ __all__ = [
     "client_credentials",
     "connection_hint",
     "tls_refused",
+    "tls_setting_in",
     "describe",
     "edge_stub",
     "explain",
@@ -382,7 +383,7 @@ _TLS_SETTINGS: tuple[tuple[tuple[str, ...], str], ...] = (
         "node, and check both hosts' clocks",
     ),
     (
-        ("CERTIFICATE_VERIFY_FAILED", "Tls handshake failed"),
+        ("CERTIFICATE_VERIFY_FAILED",),
         "this client does not trust the node's certificate: set $EDGECACHE_TLS_CA to the "
         "CA file that signed it",
     ),
@@ -392,6 +393,21 @@ _TLS_SETTINGS: tuple[tuple[tuple[str, ...], str], ...] = (
         "or address among its subject alternative names, or reissue it for this one",
     ),
 )
+
+
+# Any other failed handshake: most often the same distrust, said less precisely; but a
+# TLS proxy that fails may say it too, so it is advice only, never "a setting" (tls_refused).
+_TLS_OTHER = (
+    "Tls handshake failed",
+    "the TLS handshake failed: most often this client does not trust the node's "
+    "certificate (set $EDGECACHE_TLS_CA to the CA file that signed it); if it does, check "
+    "what stands between them (a TLS proxy)",
+)
+
+
+def tls_setting_in(text: str) -> bool:
+    """Whether a failure's text says a TLS setting refused it (:func:`tls_refused`'s causes)."""
+    return _tls_setting_hint(text) is not None
 
 
 def _tls_setting_hint(details: str) -> str | None:
@@ -409,6 +425,8 @@ def connection_hint(details: str) -> str | None:
     """
     if hint := _tls_setting_hint(details):
         return hint
+    if _TLS_OTHER[0] in details:
+        return _TLS_OTHER[1]
     if ("Socket closed" in details or "Connection reset" in details) and (
         "Stream removed" not in details  # a stream that was running: the node went away
     ):

@@ -1312,8 +1312,11 @@ class Controller:
         for item in plan.infeasible:
             reasons.setdefault(item.job, []).append(infeasible_reason(item))
         down = {region for region, outage in region_outages(reports).items() if outage.unreachable}
+        # Not for a region that does not answer (its plan is made blind): the node-down
+        # alert says that, with the right advice; this one says a plan that cannot be met.
+        short = {item.job for item in plan.infeasible if not item.unreachable}
         self.metrics.jobs_infeasible.set(
-            sum(1 for job in schedule.jobs if job.end > now and job.name in reasons)
+            sum(1 for job in schedule.jobs if job.end > now and job.name in short)
         )
         for job in schedule.jobs:
             record = self.state.jobs.get(job.name)

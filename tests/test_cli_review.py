@@ -243,6 +243,11 @@ def test_debug_logs_mask_the_credentials_botocore_prints() -> None:
         "log.debug('https://b/x?X-Amz-Security-Token=QUERY-SECRET&X-Amz-Date=1')\n"
         "logging.getLogger('edgecache.clients.controller').warning("
         "'cannot read https://ops:URL-SECRET@reg.example:8443/reg: HTTP 503')\n"
+        "try:\n"
+        "    raise RuntimeError('registry https://ops:TRACE-SECRET@reg.example/reg failed')\n"
+        "except RuntimeError:\n"
+        "    logging.getLogger('edgecache').exception('staging failed')\n"
+        "logging.getLogger('edgecache').warning('https://ops:p@ss-AT-SECRET@reg.example/x')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -251,4 +256,7 @@ def test_debug_logs_mask_the_credentials_botocore_prints() -> None:
     assert "X-Amz-Security-Token': b'***'" in out.stderr, out.stderr  # said, masked
     # A URL's password, in any line at any level (a registry the controller cannot read).
     assert "URL-SECRET" not in out.stderr, out.stderr
+    # In a traceback too (log.exception), and a password holding an unencoded "@".
+    assert "TRACE-SECRET" not in out.stderr and "AT-SECRET" not in out.stderr, out.stderr
+    assert "RuntimeError: registry https://ops:***@reg.example/reg failed" in out.stderr
     assert "https://ops:***@reg.example:8443/reg" in out.stderr, out.stderr

@@ -162,6 +162,30 @@ def test_staging_still_running_at_the_start_is_said_beside_cannot_be_met(
     assert "staging b@1 was still running at the" in " ".join(table.stdout.split()), table.stdout
 
 
+def test_a_region_that_does_not_answer_is_not_a_job_that_cannot_be_met(tmp_path: Path) -> None:
+    # The plan calls its jobs infeasible (it is made blind there), and the gauge counted
+    # them: EdgecacheJobCannotBeMet fired for a down node, saying to publish or add room.
+    import socket
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # nothing listens there once it is closed
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    publish(registry, f"file://{tmp_path}/origin", "b")
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['127.0.0.1:{port}']\n"
+    )
+    (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 2, "b@1"))
+    ctl = controller(tmp_path, Clock(T0))
+    try:
+        plan = ctl.tick()
+        assert plan is not None and [i.unreachable for i in plan.infeasible] == [True]
+        assert ctl.metrics.jobs_infeasible._value.get() == 0
+    finally:
+        ctl.close()
+
+
 def test_staging_started_under_a_lost_lease_stops_with_it(slow_eu) -> None:
     """A controller paused past its lease kept its staging threads running beside the new
     leader's plan (which may evict what they stage) until the versions were done."""

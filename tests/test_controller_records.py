@@ -102,8 +102,10 @@ def test_a_missed_job_says_why_even_once_its_data_is_there(eu) -> None:
     assert "b@1" in view.why and "before the start" in view.why, view.why
     # What the command says, its exit code too: the job started without its data, so it
     # was not met, though every version is there now and the plan is feasible (it exited
-    # 0, as if all were well).
+    # 0, as if all were well). Once it has ended there is nothing left to do: still shown
+    # missed (the record keeps it), no longer exit 3 (an alert gate stayed red for a day).
     assert plan_status(root, clock.now) == (3, {"j": "missed"})
+    assert plan_status(root, T0 + 2 * HOUR) == (0, {"j": "missed"})
 
 
 def test_a_reused_task_record_takes_its_current_jobs_deadline(eu) -> None:

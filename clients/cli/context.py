@@ -72,23 +72,29 @@ _CHATTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec")
 _SECRETS = re.compile(
     r"(?P<k>X-Amz-Security-Token['\"]?\s*[:=]\s*b?['\"]?)[^'\"&\s,}]+"
     r"|(?P<c>Credential=)[^/,\s'\"]+"
-    r"|(?P<u>\b[a-z][a-z0-9+.-]*://[^/@:\s'\"]*:)[^/@\s'\"]+(?=@)"
+    r"|(?P<u>\b[a-z][a-z0-9+.-]*://[^/@:\s'\"]*:)[^/\s'\"]+(?=@[^/@\s'\"]+)"
     r"|\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",
     re.IGNORECASE,
 )
 
 
-class _Redacting(logging.Filter):
-    """Masks credentials in every record: a node at DEBUG logged botocore's request headers."""
+def _masked(text: str) -> str:
+    """``text`` with each credential :data:`_SECRETS` finds replaced by ``***``."""
+    kept = ("k", "c", "u")  # what stays before the secret: a header's name, a URL's user
+    return _SECRETS.sub(lambda m: "".join(m.group(g) or "" for g in kept) + "***", text)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        masked = _SECRETS.sub(
-            lambda m: (m.group("k") or m.group("c") or m.group("u") or "") + "***", text
-        )
-        if masked != text:
-            record.msg, record.args = masked, None
-        return True
+
+class _Redacting(logging.Formatter):
+    """Masks credentials in every line it formats, a traceback's included.
+
+    A node at DEBUG logged botocore's request headers (a session token); an
+    exception's text may carry a URL's password, and ``log.exception`` prints it
+    in the traceback, which a filter on the message does not see.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line, as the usual formatter writes it, with its credentials masked."""
+        return _masked(super().format(record))
 
 
 def configure_logging(level: LogLevel) -> None:
@@ -97,10 +103,11 @@ def configure_logging(level: LogLevel) -> None:
     The chatty libraries above speak at WARNING and above unless ``level`` is DEBUG;
     credentials in any line are masked (:class:`_Redacting`).
     """
-    logging.basicConfig(level=level.value, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.value, format=line)
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, _Redacting) for f in handler.filters):
-            handler.addFilter(_Redacting())
+        if not isinstance(handler.formatter, _Redacting):
+            handler.setFormatter(_Redacting(line))
     if level != LogLevel.DEBUG:  # never below the level asked: ERROR hides their warnings too
         quiet = max(logging.WARNING, logging.getLevelNamesMapping()[level.value])
         for name in _CHATTY_LOGGERS:

@@ -149,14 +149,17 @@ def plan(
         error(outage.message())
     if down:
         raise exit_with(_outage_exit(down))
-    if result.infeasible or (show_status and any(v.state in _NOT_MET for v in views)):
+    if result.infeasible or (
+        show_status and any(v.state in _NOT_MET and not v.ended for v in views)
+    ):
         raise exit_with(ExitCode.CANNOT_BE_MET)
 
 
 # The states of ``plan --status`` that exit 3: a job that cannot be met, one whose data is
 # not coming on time (late: planned after its start, or a failed stage nothing retries),
-# and one that started without it. A stage a running controller retries is not among
-# them: it may still be on time (the hint says when it is tried again).
+# and one that started without it, while it runs (an ended one stays "missed" in the
+# record for --keep-records hours, with nothing left to do). A stage a running controller
+# retries is not among them: it may still be on time (the hint says when it is tried again).
 _NOT_MET = frozenset({"infeasible", "late", "missed"})
 
 
@@ -1133,20 +1136,26 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
 
 
 def _credentials_refused(warmed: _Warmed) -> bool:
-    """Every failure is a node refusing this command's token (none given, or the read one).
+    """Every failure is a node refusing this command's token (none given, or the read one), or TLS.
 
     ``warm NAME@N --region R`` goes straight to the stage, so a node that wants the admin
     token fails the stage itself, where the schedule form's status check had found it
     and exited 2: the same bad input, the same code. The executor keeps failures as
     text, which carries the node's status code.
     """
+    from edgecache.clients.channels import tls_setting_in
+
     outcome = warmed.outcome
     refusals = ("UNAUTHENTICATED", "PERMISSION_DENIED")
     failures = [
         *(f for item in warmed.failed for f in item.failures),
         *map(str, [*outcome.pin_failures, *outcome.evict_failures, *_release_failures(warmed)]),
     ]
-    return bool(failures) and all(any(r in f for r in refusals) for f in failures)
+    # A TLS setting (a CA not trusted, grpcs:// to a node without TLS) refuses as a token
+    # does: exit 2, as status, ready and the schedule form say it.
+    return bool(failures) and all(
+        any(r in f for r in refusals) or tls_setting_in(f) for f in failures
+    )
 
 
 def _release_failures(warmed: _Warmed) -> list[str]:
