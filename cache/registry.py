@@ -612,13 +612,23 @@ class Registry:
                 unselected.append(key)
                 continue
             found.append(SourceObject(info=info, key=key))
+        keys = sorted([*unselected, *(o.key for o in found)])
+        listed = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if keys[5:] else "")
         if not found and unselected:
-            keys = sorted(unselected)
-            listed = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if keys[5:] else "")
             raise ObjectNotFound(
                 f"no object under {prefix} is selected by {select.text()} (patterns match "
                 f"each key relative to the prefix, * and ? also across '/'); the keys there "
                 f"are {listed}"
+            )
+        # Each --include on its own: a typo in one of two was dropped without a word while
+        # the other matched, and the version was published without that split.
+        if found and (
+            idle := [p for p in select.include if not any(fnmatchcase(k, p) for k in keys)]
+        ):
+            raise ObjectNotFound(
+                f"{', '.join(f'--include {p!r}' for p in idle)} selects no object under "
+                f"{prefix} (patterns match each key relative to the prefix, * and ? also "
+                f"across '/'); the keys there are {listed}: correct the pattern or leave it out"
             )
         if not found:
             local = _local_path(prefix)

@@ -245,6 +245,10 @@ def test_patterns_that_select_nothing_are_named(tmp_path: Path, hub: Path) -> No
     assert "train-00000-of-00001.parquet" in str(caught.value)
     with pytest.raises(ObjectNotFound, match=r"--include 'x\*', --exclude '\*\.md'"):
         publish(tmp_path, f"file://{hub}", include=["x*"], exclude=["*.md"])
+    # One of two patterns a typo: it was dropped without a word (the other matched), and
+    # the version published without that split.
+    with pytest.raises(ObjectNotFound, match=r"--include 'data/tset-\*' selects no object"):
+        publish(tmp_path, f"file://{hub}", include=["data/train-*", "data/tset-*"])
 
 
 def test_publish_help_documents_include_and_exclude() -> None:
