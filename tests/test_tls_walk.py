@@ -297,6 +297,25 @@ def test_status_without_the_read_token_says_to_pass_it(
     assert "UNAUTHENTICATED" in error and "--token-file" in error, error
 
 
+def test_doctor_refused_the_token_is_bad_input_as_for_every_command(
+    tmp_path: Path, registry: str, tls_env: pytest.MonkeyPatch
+) -> None:
+    # It exited 1 ("retrying may help"), where status, ready, warm and evict exit 2.
+    (tmp_path / "read.token").write_text(READ_TOKEN)
+    config = NodeConfig(**_settings(tmp_path, read_token_file=tmp_path / "read.token"))
+    with running_node(config) as node:
+        _topology(tmp_path, node.address)
+        refused, _ = _cli(tmp_path, "doctor", "--pings", "2", "--seconds", "0.1", "--json")
+        given, _ = _cli(
+            tmp_path, "doctor", "--pings", "2", "--seconds", "0.1", "--json",
+            "--token-file", str(tmp_path / "read.token"),
+        )  # fmt: skip
+    assert refused.returncode == 2, refused
+    (path,) = json.loads(refused.stdout)["paths"]
+    assert any("UNAUTHENTICATED" in p for p in path["problems"]), path
+    assert given.returncode in (0, 1) and "UNAUTHENTICATED" not in given.stdout, given
+
+
 def test_evict_through_the_wrong_ca_names_the_ca_setting(
     tmp_path: Path, pki: dict[str, Path], registry: str, tls_env: pytest.MonkeyPatch
 ) -> None:

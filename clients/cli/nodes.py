@@ -438,7 +438,8 @@ def doctor(
     figure below 2,000 segments). A node that reads another registry than the
     topology's is a problem (a file:// path that differs, a warning). Exit
     codes: 0 a clean bill of health; 1 a problem (listed with what would fix
-    it); 2 bad input.
+    it); 2 bad input (a node refusing this command's token, none down:
+    --token-file, the admin token for --node-paths).
     """
     from edgecache.clients.doctor import check_host, check_node_paths, check_paths
 
@@ -464,6 +465,13 @@ def doctor(
         )
     bad = any(p.problems for p in paths) or bool(host.problems)
     bad = bad or any(p.problems for p in from_nodes)
+    said = [x for p in [*paths, *from_nodes] for x in p.problems]
+    # A node refusing this command's token (or the read one for Diagnose) is bad input,
+    # as every other command says it, not a failure a retry may mend; a node down wins,
+    # as in status (the host's tuning advice is neither).
+    refused = any("UNAUTHENTICATED" in x or "PERMISSION_DENIED" in x for x in said)
+    down = any(x == "unreachable" for x in said)
+    failed = ExitCode.BAD_INPUT if refused and not down else ExitCode.FAILED
     if as_json:
         print(
             json.dumps(
@@ -475,7 +483,7 @@ def doctor(
                 }
             )
         )
-        raise exit_with(ExitCode.FAILED if bad else ExitCode.OK)
+        raise exit_with(failed if bad else ExitCode.OK)
 
     def loss(value: float | None, sent: int) -> str:
         return "—" if value is None else f"{value:.3%} of {sent:,}"
@@ -550,7 +558,7 @@ def doctor(
         for fix in host.fixes:
             console.print(f"  {fix}")
     if bad:
-        raise exit_with(ExitCode.FAILED)
+        raise exit_with(failed)
 
 
 @app.command()
