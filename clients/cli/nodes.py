@@ -465,7 +465,7 @@ def doctor(
         )
     bad = any(p.problems for p in paths) or bool(host.problems)
     bad = bad or any(p.problems for p in from_nodes)
-    said = [x for p in [*paths, *from_nodes] for x in p.problems]
+    said = [x for p in paths for x in p.problems] + [x for p in from_nodes for x in p.problems]
     # A node refusing this command's token (or the read one for Diagnose) is bad input,
     # as every other command says it, not a failure a retry may mend; a node down wins,
     # as in status (the host's tuning advice is neither).
