@@ -17,7 +17,7 @@ import pytest
 from edgeutil import edgecache, publish, write_parquet_shards
 from test_node_shares import _schedule
 
-from edgecache.clients.node_client import start_local_node
+from edgecache.clients.node_client import LocalNode, start_local_node
 
 
 def _topology(root: Path, registry: str, addresses: list[str]) -> list[str]:
@@ -99,21 +99,32 @@ def test_a_node_started_in_another_region_than_the_topologys_is_flagged(tmp_path
         node.stop()
 
 
+def _two_registries(root: Path) -> tuple[str, str]:
+    """Two registries, each with its own tok@1 (other rows): a registry reset, or another."""
+    first, second = f"file://{root}/registry-old", f"file://{root}/registry"
+    for registry, origin, rows in ((first, "origin-old", 300), (second, "origin-new", 400)):
+        write_parquet_shards(root / origin, 2, rows=rows)
+        publish(registry, f"file://{root}/{origin}", "tok")
+    return first, second
+
+
+def _warmed_from(root: Path, registry: str) -> LocalNode:
+    """A node of region eu reading ``registry``, with its tok@1 staged."""
+    node = start_local_node("eu", root / "cache", registry)
+    code, out, err = edgecache(
+        "warm", "tok@1", "--region", "eu", *_topology(root, registry, [node.address])
+    )
+    assert code == 0, (out, err)
+    return node
+
+
 def test_a_copy_of_other_content_under_a_versions_name_is_flagged(tmp_path: Path) -> None:
     # The registry was reset (tok@1 published again with other rows) under a node that had
     # cached the old tok@1: the node refuses to serve it and ready calls it missing, while
     # status showed "tok@1 (2/2)" with no note and doctor said ok.
-    old, new = f"file://{tmp_path}/registry-old", f"file://{tmp_path}/registry"
-    write_parquet_shards(tmp_path / "origin-old", 2, rows=300)
-    write_parquet_shards(tmp_path / "origin-new", 2, rows=400)
-    publish(old, f"file://{tmp_path}/origin-old", "tok")
-    publish(new, f"file://{tmp_path}/origin-new", "tok")
-    node = start_local_node("eu", tmp_path / "cache", old)
+    old, new = _two_registries(tmp_path)
+    node = _warmed_from(tmp_path, old)
     try:
-        code, out, err = edgecache(
-            "warm", "tok@1", "--region", "eu", *_topology(tmp_path, old, [node.address])
-        )
-        assert code == 0, (out, err)
         config = _topology(tmp_path, old, [node.address])
         code, out, err = edgecache("status", *config)  # the same content: nothing to say
         assert code == 0 and "other content" not in err, (out, err)
@@ -136,17 +147,9 @@ def test_a_copy_of_other_content_under_a_versions_name_is_flagged(tmp_path: Path
 def test_a_node_of_another_registry_is_not_told_to_evict_its_copies(tmp_path: Path) -> None:
     # Its copy is its own registry's, which it serves: "keeps other content … evict it" sent
     # the operator to throw good data away; the registry mismatch is what is said.
-    ours, theirs = f"file://{tmp_path}/registry", f"file://{tmp_path}/registry-b"
-    write_parquet_shards(tmp_path / "origin-a", 2, rows=300)
-    write_parquet_shards(tmp_path / "origin-b", 2, rows=400)
-    publish(ours, f"file://{tmp_path}/origin-a", "tok")
-    publish(theirs, f"file://{tmp_path}/origin-b", "tok")
-    node = start_local_node("eu", tmp_path / "cache", theirs)
+    theirs, ours = _two_registries(tmp_path)
+    node = _warmed_from(tmp_path, theirs)
     try:
-        code, out, err = edgecache(
-            "warm", "tok@1", "--region", "eu", *_topology(tmp_path, theirs, [node.address])
-        )
-        assert code == 0, (out, err)
         code, out, err = edgecache("status", *_topology(tmp_path, ours, [node.address]))
         said = " ".join(err.split())
         assert "registry's path differs" in said, said

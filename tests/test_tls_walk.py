@@ -287,12 +287,16 @@ def test_status_says_when_the_node_does_not_speak_tls(
     assert "does not speak TLS" in error and "host:port" in error, error
 
 
+def _read_token_node(tmp_path: Path) -> NodeConfig:
+    """A plaintext node that takes reads with READ_TOKEN only (in ``tmp_path/read.token``)."""
+    (tmp_path / "read.token").write_text(READ_TOKEN)
+    return NodeConfig(**_settings(tmp_path, read_token_file=tmp_path / "read.token"))
+
+
 def test_status_without_the_read_token_says_to_pass_it(
     tmp_path: Path, registry: str, tls_env: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "read.token").write_text(READ_TOKEN)
-    config = NodeConfig(**_settings(tmp_path, read_token_file=tmp_path / "read.token"))
-    with running_node(config) as node:
+    with running_node(_read_token_node(tmp_path)) as node:
         error = _status_error(tmp_path, node.address)
     assert "UNAUTHENTICATED" in error and "--token-file" in error, error
 
@@ -301,9 +305,7 @@ def test_doctor_refused_the_token_is_bad_input_as_for_every_command(
     tmp_path: Path, registry: str, tls_env: pytest.MonkeyPatch
 ) -> None:
     # It exited 1 ("retrying may help"), where status, ready, warm and evict exit 2.
-    (tmp_path / "read.token").write_text(READ_TOKEN)
-    config = NodeConfig(**_settings(tmp_path, read_token_file=tmp_path / "read.token"))
-    with running_node(config) as node:
+    with running_node(_read_token_node(tmp_path)) as node:
         _topology(tmp_path, node.address)
         refused, _ = _cli(tmp_path, "doctor", "--pings", "2", "--seconds", "0.1", "--json")
         given, _ = _cli(
