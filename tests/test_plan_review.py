@@ -275,9 +275,9 @@ def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) ->
     root, node = site
     schedule = root / "schedule.yaml"
     # warm must end before the start, and the start is fixed before it runs (warm's record
-    # is keyed by it): 20 s, not 4, since warm is a whole CLI process, which a loaded host
+    # is keyed by it): 12 s, not 4, since warm is a whole CLI process, which a loaded host
     # can take many seconds to start. The test sleeps until the start anyway.
-    start = datetime.now(UTC) + timedelta(seconds=20)
+    start = datetime.now(UTC) + timedelta(seconds=12)
     schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
     code, out, err = edgecache(root, "warm", str(schedule))
     assert code == 0, (out, err)
@@ -302,9 +302,9 @@ def test_a_version_published_between_warm_and_the_start_is_the_one_the_job_reads
     root, node = site
     schedule = root / "schedule.yaml"
     # warm and the publish of iris@2 must both end before the start, which is fixed before
-    # they run (warm's record is keyed by it): 20 s, not 4, for a loaded host. The test
+    # they run (warm's record is keyed by it): 12 s, not 4, for a loaded host. The test
     # sleeps until the start anyway.
-    start = datetime.now(UTC) + timedelta(seconds=20)
+    start = datetime.now(UTC) + timedelta(seconds=12)
     schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
     code, out, err = edgecache(root, "warm", str(schedule))  # records iris@1 for the job
     assert code == 0, (out, err)
