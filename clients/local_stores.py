@@ -35,7 +35,11 @@ log = logging.getLogger(__name__)
 
 _OPEN: dict[str, list[object]] = {}  # path → [store, users]
 _INHERITED: dict[str, list[CacheStore]] = {}  # a parent's stores in a forked child: never closed
-_LOCK = threading.Lock()
+# Reentrant: a garbage collection may run a dataset's finalizer inside acquire() (opening a
+# store allocates), and that finalizer gives its own stores back here, in the same thread.
+# With a plain lock the thread waited for itself, and every reader of the process behind
+# it (CI, stop 46: a read hung to pytest's 7-minute timeout).
+_LOCK = threading.RLock()
 
 
 def acquire(path: str | os.PathLike[str]) -> CacheStore:
@@ -255,7 +259,7 @@ def _open_beside_inherited(key: str) -> CacheStore:
 
 def _after_fork_in_child() -> None:
     global _LOCK
-    _LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
+    _LOCK = threading.RLock()  # a thread of the parent may have held it at the fork
     for key, entry in _OPEN.items():
         _INHERITED.setdefault(key, []).append(entry[0])  # type: ignore[arg-type]
     _OPEN.clear()

@@ -171,3 +171,33 @@ def test_an_evaluation_with_workers_mid_epoch_reads_the_same_lmdb_cache(staged) 
     assert sorted(trained) == list(range(int(rows * 0.9)))
     train.close()
     evaluation.close()
+
+
+COLLECTED_UNDER_THE_STORES_LOCK = """
+import gc, sys
+from edgecache.clients import EdgeDataset, local_stores
+
+ds = EdgeDataset("tokens@1", endpoints=[sys.argv[1]], batch_size=100)
+batches = iter(ds)
+next(batches)  # the local store is open, a pipeline running
+with local_stores._LOCK:  # as a fetch thread opening a store holds it when it collects
+    del ds, batches
+    gc.collect()  # the dataset's finalizer runs here, under that lock
+print("collected")
+"""
+
+
+def test_a_dataset_collected_while_its_thread_holds_the_stores_lock_does_not_deadlock(
+    staged,
+) -> None:
+    # CI: a fetch thread opening an LMDB store (local_stores' lock held) allocated, the
+    # collection closed an older dataset right there, and its close waited for that
+    # lock: the whole read hung until pytest's 7-minute timeout.
+    cache, _ = staged
+    done = subprocess.run(
+        [sys.executable, "-c", COLLECTED_UNDER_THE_STORES_LOCK, f"lmdb://{cache}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "collected" in done.stdout, done
