@@ -44,6 +44,7 @@ __all__ = [
     "bearer",
     "client_credentials",
     "connection_hint",
+    "credentials_refused_in",
     "tls_refused",
     "tls_setting_in",
     "describe",
@@ -403,6 +404,16 @@ _TLS_OTHER = (
     "certificate (set $EDGECACHE_TLS_CA to the CA file that signed it); if it does, check "
     "what stands between them (a TLS proxy)",
 )
+
+
+def credentials_refused_in(text: str) -> bool:
+    """Whether a failure's text carries a node's refusal of this caller's token.
+
+    Callers that keep failures as text (warm's items, the controller's round, doctor's
+    checks) tell a setting to fix (exit 2) from a failure to retry (exit 1) by it: the
+    text carries the status code, as :func:`node_error` writes it.
+    """
+    return "UNAUTHENTICATED" in text or "PERMISSION_DENIED" in text
 
 
 def tls_setting_in(text: str) -> bool:

@@ -833,8 +833,7 @@ class Controller:
                 self.metrics.pin_failures.inc(len(failures))
                 self._failed(*failures)
             self._evict_due(plan, schedule, manifests, now)
-            self._keep_lease()
-            # Once more before starting tasks and saving the record: a controller paused
+            # Renewed before starting tasks and saving the record: a controller paused
             # past its lease (a stopped process, a stalled VM) staged and saved over the
             # new leader's record when it resumed.
             self._keep_lease(check=True)

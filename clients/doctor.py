@@ -107,9 +107,10 @@ def check_paths(
     # Over every node at once: two nodes of a region reporting one id is a problem of both.
     digests = registry_digests(topology.registry, reports)
     problems = state_problems(reports, digests, topology.registry)
+    answered = {r.address for r in reports}
     for check in out:
         check.problems += problems.get(check.node, [])
-        if digests is None and check.node in {r.address for r in reports}:
+        if digests is None and check.node in answered:
             check.warnings.append(_NOT_CHECKED.format(registry=shown_url(topology.registry)))
     return out
 

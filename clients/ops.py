@@ -11,6 +11,7 @@ otherwise; never as ``grpc.RpcError``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -591,14 +592,12 @@ class Outage:
             # Each node's error ends with the TLS setting to change: said there, once.
             return f"region {self.region}'s nodes could not be reached in TLS: {nodes}"
         if self.refused:
+            tls = any(r.tls_refused for r in self.down)  # some in TLS, the others a token
             return (
-                f"region {self.region}'s nodes serve but refused this command's credentials "
-                f"(a token, or TLS): {nodes}; pass the token they take with --token-file "
-                "(the admin token for warm and evict), and set TLS as each error says"
-                if any(r.tls_refused for r in self.down)
-                else f"region {self.region}'s nodes serve but refused this command's "
-                f"credentials: {nodes}; pass the token they take with --token-file (the admin "
-                "token for warm and evict)"
+                f"region {self.region}'s nodes serve but refused this command's credentials"
+                f"{' (a token, or TLS)' if tls else ''}: {nodes}; pass the token they take "
+                "with --token-file (the admin token for warm and evict)"
+                + (", and set TLS as each error says" if tls else "")
             )
         state = (
             "unreachable"
@@ -1884,23 +1883,41 @@ def warm_started(schedule: Schedule, registry: str, now: datetime, skip: Set[str
     if not any(job.start <= now < job.end and job.name not in skip for job in schedule.jobs):
         return schedule
     recorded = {(j.name, j.region, j.start): j for j in _warm_record(registry)[0]}
+
+    @functools.cache
+    def newest(dataset: str) -> pb.Manifest | None:
+        """The registry's newest version of ``dataset``, read once a run (None: it cannot say)."""
+
+        async def read(reg: Registry) -> pb.Manifest:
+            return await reg.manifest(dataset, await reg.latest(dataset))
+
+        try:
+            return Registry.run(registry, read)
+        except EdgeCacheError:
+            return None
+
     jobs = []
     for job in schedule.jobs:
         record = recorded.get((job.name, job.region, job.start))
         if job.start <= now and job.name not in skip and record is not None and record.versions:
             datasets = [
-                _as_recorded(spec, record.versions, job.start, registry) for spec in job.datasets
+                _as_recorded(spec, record.versions, job.start, newest) for spec in job.datasets
             ]
             job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
         jobs.append(job)
     return schedule.model_copy(update={"jobs": jobs})
 
 
-def _as_recorded(spec: str, versions: Sequence[str], start: datetime, registry: str) -> str:
+def _as_recorded(
+    spec: str,
+    versions: Sequence[str],
+    start: datetime,
+    newest: Callable[[str], pb.Manifest | None],
+) -> str:
     """``spec`` (``name``, ``name@latest``) as the job read it from ``start``; ``name@N`` as is.
 
-    The recorded ``name@N``, unless the registry's newest was published before
-    ``start`` (the job then resolved that one).
+    The recorded ``name@N``, unless the registry's ``newest`` was published
+    before ``start`` (the job then resolved that one).
     """
     wanted = parse_spec(spec)
     if wanted.version is not None:
@@ -1909,13 +1926,8 @@ def _as_recorded(spec: str, versions: Sequence[str], start: datetime, registry: 
     if not same:
         return spec
     chosen = max(same, key=lambda v: int(v.rpartition("@")[2]))
-
-    async def newest(reg: Registry) -> pb.Manifest:
-        return await reg.manifest(wanted.dataset, await reg.latest(wanted.dataset))
-
-    try:
-        latest = Registry.run(registry, newest)
-    except EdgeCacheError:
+    latest = newest(wanted.dataset)
+    if latest is None:
         return chosen  # the registry cannot say: the record stands
     if (
         f"{latest.dataset}@{latest.version}" != chosen

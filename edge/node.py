@@ -621,9 +621,14 @@ class EdgeNode:
             return
         if asked is not None and time.monotonic() - asked < MANIFEST_RECHECK_SECONDS:
             return
-        task = asyncio.create_task(self._check_manifest(key, self._manifests[key]))
+        self._start_check(key, self._manifests[key])
+
+    def _start_check(self, key: tuple[str, int], kept: manifest_pb2.Manifest) -> asyncio.Task[None]:
+        """Check ``key`` against the registry in a task of its own, the one in flight for it."""
+        task = asyncio.create_task(self._check_manifest(key, kept))
         self._manifest_checks[key] = task
         task.add_done_callback(functools.partial(self._manifest_check_done, key))
+        return task
 
     async def _check_now(
         self, key: tuple[str, int], kept: manifest_pb2.Manifest, *, wait: float | None = None
@@ -633,11 +638,7 @@ class EdgeNode:
         ``wait``: the longest to wait for it; past that the check goes on in the
         background and the caller is served the copy kept here.
         """
-        running = self._manifest_checks.get(key)
-        if running is None:
-            running = asyncio.create_task(self._check_manifest(key, kept))
-            self._manifest_checks[key] = running
-            running.add_done_callback(functools.partial(self._manifest_check_done, key))
+        running = self._manifest_checks.get(key) or self._start_check(key, kept)
         try:
             await asyncio.wait_for(asyncio.shield(running), wait)
         except TimeoutError:

@@ -120,6 +120,7 @@ def controller(
     """
     import prometheus_client
 
+    from edgecache.clients.channels import credentials_refused_in
     from edgecache.clients.cli.staging import parse_at, report_infeasible
     from edgecache.clients.controller import Controller, SimulatedClock
     from edgecache.clients.topology import load_schedule
@@ -197,8 +198,7 @@ def controller(
             if running.failures and not received:
                 # Every failure a node refusing this token (the read one, where Pin and
                 # Evict need the admin's): bad input, as warm and evict exit for it.
-                refusals = ("UNAUTHENTICATED", "PERMISSION_DENIED")
-                refused = all(any(r in f for r in refusals) for f in running.failures)
+                refused = all(map(credentials_refused_in, running.failures))
                 raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
             if cannot and not received:
                 raise exit_with(ExitCode.CANNOT_BE_MET)

@@ -441,6 +441,7 @@ def doctor(
     it); 2 bad input (a node refusing this command's token, none down:
     --token-file, the admin token for --node-paths).
     """
+    from edgecache.clients.channels import credentials_refused_in
     from edgecache.clients.doctor import check_host, check_node_paths, check_paths
 
     options = Options(config, token_file)
@@ -469,7 +470,7 @@ def doctor(
     # A node refusing this command's token (or the read one for Diagnose) is bad input,
     # as every other command says it, not a failure a retry may mend; a node down wins,
     # as in status (the host's tuning advice is neither).
-    refused = any("UNAUTHENTICATED" in x or "PERMISSION_DENIED" in x for x in said)
+    refused = any(map(credentials_refused_in, said))
     down = any(x == "unreachable" for x in said)
     failed = ExitCode.BAD_INPUT if refused and not down else ExitCode.FAILED
     if as_json:

@@ -1176,19 +1176,16 @@ def _credentials_refused(warmed: _Warmed) -> bool:
     and exited 2: the same bad input, the same code. The executor keeps failures as
     text, which carries the node's status code.
     """
-    from edgecache.clients.channels import tls_setting_in
+    from edgecache.clients.channels import credentials_refused_in, tls_setting_in
 
     outcome = warmed.outcome
-    refusals = ("UNAUTHENTICATED", "PERMISSION_DENIED")
     failures = [
         *(f for item in warmed.failed for f in item.failures),
         *map(str, [*outcome.pin_failures, *outcome.evict_failures, *_release_failures(warmed)]),
     ]
     # A TLS setting (a CA not trusted, grpcs:// to a node without TLS) refuses as a token
     # does: exit 2, as status, ready and the schedule form say it.
-    return bool(failures) and all(
-        any(r in f for r in refusals) or tls_setting_in(f) for f in failures
-    )
+    return bool(failures) and all(credentials_refused_in(f) or tls_setting_in(f) for f in failures)
 
 
 def _release_failures(warmed: _Warmed) -> list[str]:
