@@ -661,11 +661,19 @@ def registry_digests(
     if not keys:
         return {}
 
-    async def read(reg: Registry) -> dict[tuple[str, int], str]:
+    async def read(reg: Registry) -> dict[tuple[str, int], str] | None:
         found = await asyncio.wait_for(
             asyncio.gather(*(reg.manifest(*key) for key in keys), return_exceptions=True),
             timeout,
         )
+        # A version the registry does not have is left out; any other failure means the
+        # registry could not be read: an error that came back before the timeout (a read
+        # timing out, a refusal) read as "read, nothing to flag", where the timeout said
+        # "not checked".
+        if failed := [f for f in found if isinstance(f, BaseException)]:
+            if not all(isinstance(f, VersionNotFound) for f in failed):
+                log.debug("the registry's digests were not read: %s", failed[0])
+                return None
         return {
             key: manifest.digest
             for key, manifest in zip(keys, found, strict=True)

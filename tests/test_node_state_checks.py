@@ -179,3 +179,30 @@ def test_a_registry_that_does_not_answer_holds_status_back_for_seconds_not_minut
         took = time.monotonic() - started
     assert digests is None, digests  # not read: said so, nothing judged
     assert took < 10, took
+
+
+def test_a_registry_that_fails_at_once_leaves_the_copies_unchecked_not_judged() -> None:
+    # A failure that came back before the timeout (here: each connection closed at once)
+    # read as "read, nothing to flag" ({}), where a timeout said "not checked" (None).
+    import socket
+    import threading
+
+    from edgecache.clients.ops import NodeReport, registry_digests
+    from edgecache.v1 import edge_pb2
+
+    with socket.create_server(("127.0.0.1", 0)) as closing:
+
+        def hang_up() -> None:
+            while True:
+                try:
+                    conn, _ = closing.accept()
+                except OSError:
+                    return
+                conn.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        registry = f"http://127.0.0.1:{closing.getsockname()[1]}/reg"
+        held = edge_pb2.ResidentVersion(dataset="tok", version=1, shard_count=2, digest="d" * 64)
+        status = edge_pb2.NodeStatus(registry=registry, versions=[held])
+        digests = registry_digests(registry, [NodeReport("eu", "n:1", True, 1.0, status)], 60.0)
+    assert digests is None, digests
