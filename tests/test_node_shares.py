@@ -132,7 +132,8 @@ def test_a_version_the_plan_cannot_hold_is_not_counted_against_a_job_beside_it()
     plan had already found it cannot hold (800 MiB in a region of 200): the job beside it,
     which fits, was said "cannot be met" for it."""
     from edgecache.cache.planner import Infeasible, Job, Plan, VersionSize
-    from edgecache.clients.ops import NodeReport, _share_rows
+    from edgecache.clients.ops import NodeReport
+    from edgecache.clients.ops.planning import _share_rows
     from edgecache.clients.topology import RegionConfig, Topology
     from edgecache.v1 import edge_pb2
     from edgecache.v1 import manifest_pb2 as pb

@@ -220,7 +220,7 @@ def test_edgecache_evict_of_a_version_pinned_after_its_status_read_exits_2(eu, m
     list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="a", version=1)))
     stale = ops.gather_status(topology)  # what evict reads: a@1 unpinned
     stub(node.address).Pin(_pin_request(datetime.now(UTC) + 9 * HOUR, None))
-    monkeypatch.setattr(ops, "gather_status", lambda *args, **kwargs: stale)
+    monkeypatch.setattr(ops.eviction, "gather_status", lambda *args, **kwargs: stale)  # evict's
     (result,) = ops.evict(topology, "a@1")
     assert result.pinned and not result.refused and result.bytes_freed == 0, result
     assert "ABORTED" in result.error and "run the command again" in result.error, result.error

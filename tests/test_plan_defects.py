@@ -394,18 +394,18 @@ class FakeRegion:
         round_seconds: Callable[[float, float], float],
         ready_at: float,
     ) -> None:
-        from edgecache.clients import ops
+        from edgecache.clients.ops import readiness  # wait_ready looks these up there
 
         self.now = 0.0
         self.rounds: list[tuple[float, float]] = []  # (began, ended)
         self.round_seconds = round_seconds
         self.ready_at = ready_at
         monkeypatch.setattr(
-            ops, "time", SimpleNamespace(monotonic=self.monotonic, sleep=self.sleep)
+            readiness, "time", SimpleNamespace(monotonic=self.monotonic, sleep=self.sleep)
         )
-        monkeypatch.setattr(ops, "gather_status", self.gather_status)
-        monkeypatch.setattr(ops, "ready", self.ready)
-        monkeypatch.setattr(ops, "_refused_in", lambda reports, region: False)  # floats here
+        monkeypatch.setattr(readiness, "gather_status", self.gather_status)
+        monkeypatch.setattr(readiness, "ready", self.ready)
+        monkeypatch.setattr(readiness, "_refused_in", lambda reports, region: False)  # floats here
 
     def monotonic(self) -> float:
         return self.now

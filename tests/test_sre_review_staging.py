@@ -348,9 +348,9 @@ def test_a_node_that_dies_during_warm_leaves_the_region_degraded_and_warm_exits_
     though readers then look for that share on it once it is back, where it is not."""
     from typer.testing import CliRunner
 
-    from edgecache.clients import ops
     from edgecache.clients.cli.app import app
     from edgecache.clients.node_client import start_local_node
+    from edgecache.clients.ops import staging  # stage_item looks _stage_node up there
 
     registry, _ = published
     names = node_ids(*two_live)
@@ -366,7 +366,7 @@ def test_a_node_that_dies_during_warm_leaves_the_region_degraded_and_warm_exits_
     )
     try:
         config = write_topology(tmp_path, registry, eu=[*two_live, doomed.address])
-        stage = ops._stage_node
+        stage = staging._stage_node
 
         def first_kills(*args: object, **kwargs: object) -> object:
             if doomed.process.poll() is None:  # it answered the status round: dies now
@@ -374,7 +374,7 @@ def test_a_node_that_dies_during_warm_leaves_the_region_degraded_and_warm_exits_
                 doomed.process.wait()
             return stage(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(ops, "_stage_node", first_kills)
+        monkeypatch.setattr(staging, "_stage_node", first_kills)
         if form == "single":
             args = ["warm", "a@1", "--region", "eu"]
         else:

@@ -1,0 +1,500 @@
+"""Planning a schedule: its versions resolved and sized, and each region's room and pins.
+
+:func:`make_plan` gives :func:`edgecache.cache.planner.plan` what the registry and nodes say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+from edgecache.cache import rendezvous
+from edgecache.cache.errors import ManifestError, VersionNotFound
+from edgecache.cache.planner import (
+    Infeasible,
+    Job,
+    Plan,
+    RegionState,
+    VersionKey,
+    VersionSize,
+    plan,
+)
+from edgecache.cache.registry import Registry
+from edgecache.cache.units import format_bytes
+from edgecache.clients.ops.status import (
+    Holding,
+    NodeReport,
+    _resident,
+    gather_status,
+    holdings,
+    region_outages,
+    replica_names,
+)
+from edgecache.clients.ops.warm_record import WarmPin
+from edgecache.clients.topology import Schedule, Topology
+from edgecache.v1 import edge_pb2
+from edgecache.v1 import manifest_pb2 as pb
+
+# The package's logger, as before the split: log lines still name edgecache.clients.ops.
+log = logging.getLogger(__package__)
+
+
+DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
+
+
+async def resolve_specs(
+    registry: Registry, specs: set[str]
+) -> tuple[dict[str, pb.Manifest], dict[str, str]]:
+    """Manifests of every spec (``latest`` resolved now), and why each other spec does not exist.
+
+    The reason is the registry's own: it names the registry's URL and says
+    whether that exists at all or which versions it holds (a typo in the
+    registry URL made every version "not in the registry", with nothing to
+    say where the plan had looked).
+    """
+    found: dict[str, pb.Manifest] = {}
+    missing: dict[str, str] = {}
+    for spec in sorted(specs):
+        try:
+            found[spec] = await registry.resolve(spec)
+        except VersionNotFound as exc:
+            missing[spec] = str(exc)
+    return found, missing
+
+
+def make_plan(
+    topology: Topology,
+    schedule: Schedule,
+    *,
+    now: datetime | None = None,
+    reports: list[NodeReport] | None = None,
+    token: str | None = None,
+) -> tuple[Plan, dict[str, pb.Manifest]]:
+    """Resolve the schedule against the registry and the nodes, then plan."""
+    now = now or datetime.now(UTC)
+    reports = gather_status(topology, token=token) if reports is None else reports
+    # Jobs that have ended need nothing more: neither staging nor a verdict.
+    current = [job for job in schedule.jobs if job.end > now]
+    specs = {spec for job in current for spec in job.datasets}
+
+    held_keys = {(v.dataset, v.version) for _, v in _resident(reports)}
+    # A pinned version not held (yet) may be another schedule's, whose room the plan keeps:
+    # its manifest sizes it.
+    held_keys |= {key for key, _ in _pins(reports, now)}
+
+    async def resolve(
+        reg: Registry,
+    ) -> tuple[dict[str, pb.Manifest], dict[str, str], dict[str, pb.Manifest]]:
+        found, absent = await resolve_specs(reg, specs)
+        return found, absent, await held_manifests(reg, held_keys, found)
+
+    manifests, missing, others = Registry.run(topology.registry, resolve)
+    held = holdings(reports, {**others, **manifests})
+    sizes = version_sizes(manifests, held, others=others)
+    jobs = [
+        Job(
+            name=job.name,
+            region=job.region,
+            start=job.start,
+            end=job.end,
+            versions=tuple(
+                (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
+            ),
+            priority=job.priority,
+        )
+        for job in current
+    ]
+    outages = region_outages(reports)
+    own: dict[tuple[str, VersionKey], datetime] = {}
+    for job in jobs:
+        for version in job.versions:
+            own[(job.region, version)] = max(own.get((job.region, version), job.end), job.end)
+    pinned = foreign_pins(reports, own, now)
+    reserved = _reserved_room(pinned, held, manifests, others)
+    regions = {}
+    short_room: dict[str, list[str]] = {}  # region → why its room is less than its capacity
+    for name, config in topology.regions.items():
+        alive = [r.status for r in reports if r.region == name and r.status is not None]
+        held_here = held.get(name, {})
+        # The room the nodes use is every copy they store (their used_bytes): a version held
+        # whole takes all its copies, and evicting it frees them. Of a version held in part,
+        # staging fetches what the nodes' shares lack (its bytes counted once, which is what
+        # the plan counts as held); copies beyond the shares stay on their nodes until it is
+        # evicted, room the region does not have.
+        resident = {v: h.used_bytes for v, h in held_here.items() if h.complete}
+        partial = {v: h.stored_bytes for v, h in held_here.items() if not h.complete}
+        extra = {v: h.used_bytes - h.stored_bytes for v, h in held_here.items() if not h.complete}
+        extra = {v: b for v, b in extra.items() if b > 0}
+        # Replicas split shards (rendezvous hashing): their capacities add up, each
+        # bounded by the room its cache's disk has left.
+        capacity = max(sum(_room(status) for status in alive) - sum(extra.values()), 0)
+        disk_bound = [
+            r
+            for r in reports
+            if r.region == name and r.status and _room(r.status) < r.status.capacity_bytes
+        ]
+        if disk_bound:
+            short_room.setdefault(name, []).append(
+                "; ".join(
+                    f"the cache's disk on {r.address} has "
+                    f"{format_bytes(r.status.disk_free_bytes)} "
+                    f"free{' (full)' if r.status.disk_full else ''}"
+                    for r in disk_bound
+                    if r.status is not None
+                )
+                + ": the room counted is what the disk holds, not --capacity; free space on "
+                "the volume or give the cache a larger one"
+            )
+        if extra:
+            short_room.setdefault(name, []).append(
+                "; ".join(
+                    f"its nodes hold {format_bytes(b)} of {v[0]}@{v[1]} beyond their shares "
+                    f"(copies staged while a replica was down), room only evicting "
+                    f"{v[0]}@{v[1]} frees"
+                    for v, b in sorted(extra.items())
+                )
+            )
+        measured = [s.origin_bytes_per_second for s in alive if s.origin_bytes_per_second]
+        # Replicas split shards, so their staging rates add up; one that has not staged yet
+        # counts as the average of those that have.
+        rates = [s.staging_bytes_per_second for s in alive if s.staging_bytes_per_second]
+        staging_rate = sum(rates) / len(rates) * len(alive) if rates else None
+        outage = outages.get(name)
+        regions[name] = RegionState(
+            name=name,
+            capacity_bytes=capacity,
+            origin_bandwidth=config.origin_bandwidth
+            or (min(measured) if measured else DEFAULT_BANDWIDTH),
+            resident=resident,
+            partial=partial,
+            peer_bandwidth=dict(config.peers),
+            egress_price_per_gb=config.egress_price_per_gb,
+            staging_rate=staging_rate,
+            # Nothing can be planned where no node answers; a degraded region is planned
+            # on the nodes that did (and the command fails all the same, naming the rest).
+            unreachable=outage.message() if outage is not None and outage.unreachable else "",
+            pinned=pinned.get(name, {}),
+            reserved=reserved.get(name, {}),
+        )
+    missing_items = [
+        (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
+    ]
+    result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    result.infeasible += _share_rows(topology, reports, jobs, manifests, sizes, held, result)
+    result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
+    result.infeasible[:] = [
+        replace(row, reason=f"{row.reason} ({'; '.join(short_room[row.region])})")
+        if row.region in short_room and "capacity" in row.reason
+        else row
+        for row in result.infeasible
+    ]
+    return result, manifests
+
+
+def _share_rows(
+    topology: Topology,
+    reports: list[NodeReport],
+    jobs: Sequence[Job],
+    manifests: Mapping[str, pb.Manifest],
+    sizes: Mapping[VersionKey, VersionSize],
+    held: Mapping[str, Mapping[VersionKey, Holding]],
+    result: Plan,
+) -> list[Infeasible]:
+    """Rows for the jobs whose versions, not held yet, no node split lets their region hold.
+
+    The plan counts a region's capacity as one pool (:func:`share_overflow` says
+    why that is not enough). A job is checked with every version the region
+    must hold while it runs: its own and those of the jobs there whose time
+    overlaps it, the ones held already at what each node holds of them. Checked
+    a job at a time, two jobs' versions whose shards hash to one node were each
+    said to fit, and the second one's warm failed RESOURCE_EXHAUSTED there.
+    """
+    by_key = {(m.dataset, m.version): m for m in manifests.values()}
+    unmet = {(row.job, row.version) for row in result.infeasible}
+    rows = []
+    for job in jobs:
+        if job.region not in topology.regions:
+            continue
+        whole = {v for v, h in held.get(job.region, {}).items() if h.complete}
+        staged = [by_key[v] for v in job.versions if v not in whole and v in by_key]
+        if not staged:
+            continue
+        together = [  # what the plan holds for the jobs running meanwhile (not what it cannot)
+            v
+            for other in jobs
+            if other.region == job.region and other.start < job.end and job.start < other.end
+            for v in other.versions
+            if v in by_key and (other.name, f"{v[0]}@{v[1]}") not in unmet
+        ]
+        needed = list(dict.fromkeys([*((m.dataset, m.version) for m in staged), *together]))
+        why = share_overflow(
+            topology,
+            reports,
+            job.region,
+            [by_key[v] for v in needed if v not in whole],
+            sizes,
+            kept=[v for v in needed if v in whole],
+        )
+        if why is None:
+            continue
+        for m in staged:
+            spec = f"{m.dataset}@{m.version}"
+            if (job.name, spec) not in unmet:
+                rows.append(Infeasible(job.name, job.region, spec, why))
+    return rows
+
+
+def share_overflow(
+    topology: Topology,
+    reports: list[NodeReport],
+    region: str,
+    manifests: Sequence[pb.Manifest],
+    sizes: Mapping[VersionKey, VersionSize],
+    kept: Sequence[VersionKey] = (),
+) -> str | None:
+    """Why the region's nodes cannot hold these versions at once, node by node; or None.
+
+    Replicas split a version's shards by rendezvous hashing over the nodes that
+    answer, and each node keeps its share in its own cache: the capacities add
+    up only as far as the shares are even. Two versions of four large shards
+    in a region of two 2.5 MiB nodes (3.5 MiB in all, in 5 MiB) put all four on
+    one node: plan and its dry run said they fit, and every warm failed there
+    RESOURCE_EXHAUSTED. A share's bytes are the version's stored bytes in the
+    proportion of its shards' source bytes. ``kept``: versions the region holds
+    whole and keeps meanwhile, counted at what each node holds of them.
+    """
+    alive = {
+        r.address: _room(r.status) for r in reports if r.region == region and r.status is not None
+    }
+    nodes = [node for node in topology.regions[region].nodes if node in alive]
+    if len(nodes) < 2:
+        return None  # one node holds everything: the plan's capacity is its own
+    names = replica_names(reports)
+    share = dict.fromkeys(nodes, 0)
+    owned = dict.fromkeys(nodes, 0)
+    holds = dict.fromkeys(nodes, 0)  # of the kept versions
+    for report, v in _resident(reports):
+        if report.address in holds and (v.dataset, v.version) in kept:
+            holds[report.address] += v.stored_bytes
+    for manifest in manifests:
+        key = (manifest.dataset, manifest.version)
+        stored, source = sizes[key].stored, sum(s.source_size for s in manifest.shards)
+        for index, shard in enumerate(manifest.shards):
+            node = rendezvous.owner(nodes, manifest.dataset, manifest.version, index, names=names)
+            part = shard.source_size / source if source else 1 / len(manifest.shards)
+            share[node] += math.ceil(stored * part)
+            owned[node] += 1
+    over = [node for node in nodes if share[node] + holds[node] > alive[node]]
+    if not over:
+        return None
+    node = max(over, key=lambda n: share[n] + holds[n] - alive[n])
+    specs = ", ".join(f"{m.dataset}@{m.version}" for m in manifests)
+    shards = sum(len(m.shards) for m in manifests)
+    beside = (
+        f" beside the {format_bytes(holds[node])} it holds of "
+        f"{', '.join(f'{d}@{n}' for d, n in kept)}, kept meanwhile,"
+        if holds[node]
+        else ""
+    )
+    return (
+        f"{node}'s share of {specs} ({owned[node]} of {shards} shards, "
+        f"{format_bytes(share[node])}){beside} is more than its cache holds "
+        f"({format_bytes(alive[node])}): replicas split a version's shards by hash and each "
+        f"keeps its own share, so the region's capacities add up only as far as the shares "
+        f"are even; give {node} at least "
+        f"{format_bytes(share[node] + holds[node] - alive[node])} more (its --capacity), "
+        "or publish the versions with more, smaller shards"
+    )
+
+
+def _room(status: edge_pb2.NodeStatus) -> int:
+    """What a node's cache can hold: its capacity, or less where its disk has less left.
+
+    A cache of ``--capacity 64MiB`` on a 6 MiB volume was planned as 64 MiB: the
+    plan said the job was met, and every warm and controller round failed
+    RESOURCE_EXHAUSTED. Evicting frees pages inside the LMDB file for new
+    chunks, so the bound is what is held plus what the disk has free. A node
+    that reports no free bytes and no full disk (a release before it said)
+    is taken at its capacity.
+    """
+    if not status.disk_free_bytes and not status.disk_full:
+        return status.capacity_bytes
+    return min(status.capacity_bytes, status.used_bytes + status.disk_free_bytes)
+
+
+def _pins(reports: list[NodeReport], now: datetime) -> Iterator[tuple[VersionKey, datetime]]:
+    """Each pin an answering node holds that has not run out: (version, until)."""
+    for report in reports:
+        if report.status is None:
+            continue
+        for v in report.status.versions:
+            if v.HasField("pinned_until"):
+                until = v.pinned_until.ToDatetime(tzinfo=UTC)
+                if until > now:
+                    yield (v.dataset, v.version), until
+
+
+def _reserved_room(
+    pinned: dict[str, dict[VersionKey, datetime]],
+    held: dict[str, dict[VersionKey, Holding]],
+    manifests: dict[str, pb.Manifest],
+    others: dict[str, pb.Manifest],
+) -> dict[str, dict[VersionKey, int]]:
+    """Region → version → the stored bytes another schedule's pinned version still lacks there.
+
+    Warm pins every version a job reads, and stages one that does not fit yet
+    later (deferred until a job ends); the controller stages it in its time.
+    Until then the pin holds no data, and a plan counting only what is held
+    gave its room to another schedule, whose job then could not be met. A
+    version whose manifest is gone cannot be staged, so it keeps no room.
+    """
+    by_key = {(m.dataset, m.version): m for m in [*others.values(), *manifests.values()]}
+    lacking = {
+        (region, key)
+        for region, versions in pinned.items()
+        for key in versions
+        if key in by_key and not (held.get(region, {}).get(key) or Holding()).complete
+    }
+    wanted = {f"{d}@{v}": by_key[(d, v)] for _, (d, v) in lacking}
+    sizes = version_sizes(wanted, held, others={**others, **manifests})
+    out: dict[str, dict[VersionKey, int]] = {}
+    for region, key in lacking:
+        have = held.get(region, {}).get(key)
+        rest = sizes[key].stored - (have.stored_bytes if have is not None else 0)
+        if rest > 0:
+            out.setdefault(region, {})[key] = rest
+    return out
+
+
+def foreign_pins(
+    reports: list[NodeReport], own: dict[tuple[str, VersionKey], datetime], now: datetime
+) -> dict[str, dict[VersionKey, datetime]]:
+    """Region → version → until when its nodes pin it for jobs other than ``own``'s.
+
+    ``own`` is (region, version) → the end of the last job of the schedule at
+    hand that reads it there: the pin warm and the controller place for it. A
+    node's pin that has not run out and lasts longer than that (or pins a
+    version the schedule does not read there) is another schedule's, which
+    counts on the version staying: neither the plan nor the executor may evict
+    it before then, as ``edgecache evict`` refuses to.
+    """
+    out: dict[str, dict[VersionKey, datetime]] = {}
+    for report in reports:
+        if report.status is None:
+            continue
+        for v in report.status.versions:
+            if not v.HasField("pinned_until"):
+                continue
+            key, until = (v.dataset, v.version), v.pinned_until.ToDatetime(tzinfo=UTC)
+            ours = own.get((report.region, key))
+            if until <= now or (ours is not None and until <= ours + timedelta(seconds=1)):
+                continue
+            region = out.setdefault(report.region, {})
+            region[key] = max(region.get(key, until), until)
+    return out
+
+
+def without_pins(reports: Sequence[NodeReport], pins: Sequence[WarmPin]) -> list[NodeReport]:
+    """``reports`` as they would read once ``pins`` are released (or shortened): copies.
+
+    ``warm --dry-run`` plans on this, so it shows what the real run, which
+    releases the pins first and then asks the nodes again, carries out.
+    """
+    gone = {(pin.node, pin.key): pin.shorten_to for pin in pins}
+    out = []
+    for report in reports:
+        if report.status is not None and any(node == report.address for node, _ in gone):
+            status = edge_pb2.NodeStatus()
+            status.CopyFrom(report.status)
+            for v in status.versions:
+                key = (report.address, (v.dataset, v.version))
+                if key in gone:
+                    if (shorter := gone[key]) is not None:
+                        v.pinned_until.FromDatetime(shorter.astimezone(UTC).replace(tzinfo=None))
+                    else:
+                        v.ClearField("pinned_until")
+            report = replace(report, status=status)
+        out.append(report)
+    return out
+
+
+async def held_manifests(
+    registry: Registry, held: set[VersionKey], known: dict[str, pb.Manifest]
+) -> dict[str, pb.Manifest]:
+    """Manifests of the versions nodes hold that ``known`` lacks (gone or unreadable: left out).
+
+    A held version's stored bytes against its manifest's source bytes is the
+    stored/source ratio that sizes the versions no node holds yet, so every
+    held version counts, not only those a schedule reads. These serve only
+    that estimate, so one that cannot be had is skipped: a version deleted
+    from the registry silently, one whose manifest cannot be parsed with a
+    warning naming it (left to fail, it would stop every plan, warm and
+    controller round over a version no job reads).
+    """
+    have = {(m.dataset, m.version) for m in known.values()}
+
+    async def one(dataset: str, version: int) -> pb.Manifest | None:
+        try:
+            return await registry.manifest(dataset, version)
+        except VersionNotFound:
+            return None
+        except ManifestError as exc:
+            log.warning(
+                "%s@%d, held or pinned by a node, is left out of the size estimates: its manifest "
+                "cannot be read (%s)",
+                dataset,
+                version,
+                exc,
+            )
+            return None
+
+    found = await asyncio.gather(*(one(d, v) for d, v in sorted(held - have)))
+    return {f"{m.dataset}@{m.version}": m for m in found if m is not None}
+
+
+def version_sizes(
+    manifests: dict[str, pb.Manifest],
+    held: dict[str, dict[VersionKey, Holding]],
+    *,
+    others: dict[str, pb.Manifest] | None = None,
+) -> dict[VersionKey, VersionSize]:
+    """Stored and source bytes of every version in ``manifests``: stored as held, else estimated.
+
+    The estimate scales the source bytes by the stored/source ratio of the
+    dataset's other versions that some region holds whole (same data, same
+    preprocessing, as a rule), else by that ratio over everything held, else
+    1. Preprocessing changes size a lot (Parquet → Arrow grows, JSON text →
+    zstd shrinks), so source bytes alone would misjudge capacity. ``others``
+    are the manifests of held versions that ``manifests`` lacks (versions no
+    job reads): their ratios count too, though they get no size of their own.
+    """
+    source = {
+        (m.dataset, m.version): sum(s.source_size for s in m.shards)
+        for m in [*(others or {}).values(), *manifests.values()]
+    }
+    wanted = {(m.dataset, m.version) for m in manifests.values()}
+    stored: dict[VersionKey, int] = {}
+    for region in held.values():
+        for key, holding in region.items():
+            if holding.complete:
+                stored[key] = max(stored.get(key, 0), holding.stored_bytes)
+    ratios: dict[str, list[float]] = {}
+    for (dataset, version), size in stored.items():
+        if source.get((dataset, version)):
+            ratios.setdefault(dataset, []).append(size / source[(dataset, version)])
+    everything = [r for values in ratios.values() for r in values]
+    overall = sum(everything) / len(everything) if everything else 1.0
+    sizes = {}
+    for key in sorted(wanted):
+        source_bytes = source[key]
+        if key in stored:
+            sizes[key] = VersionSize(stored=stored[key], source=source_bytes)
+            continue
+        known = ratios.get(key[0])
+        ratio = sum(known) / len(known) if known else overall
+        sizes[key] = VersionSize(stored=max(int(source_bytes * ratio), 1), source=source_bytes)
+    return sizes
