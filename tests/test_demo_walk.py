@@ -112,6 +112,21 @@ def test_ctrl_c_in_a_terminal_stops_the_demo_not_its_nodes_first(tmp_path: Path)
     demo reported "region eu-west is unreachable"; now they run in their own
     session, and the demo stops them, says so and exits 130.
     """
+    # The demo runs ~2 s after it names its nodes. On a loaded host this test was once
+    # scheduled too late for that (the demo had ended, exit 0): such a run is tried again;
+    # a Ctrl-C the demo itself missed would miss every time.
+    for attempt in range(3):
+        stderr, late = _ctrl_c_while_the_demo_runs(tmp_path / f"try-{attempt}")
+        if not late:
+            break
+    else:
+        pytest.fail("the demo ended before Ctrl-C reached it, three times")
+    assert "stopped by Ctrl-C" in stderr and "unreachable" not in stderr
+
+
+def _ctrl_c_while_the_demo_runs(tmp_path: Path) -> tuple[str, bool]:
+    """Ctrl-C to the demo's process group once it names its nodes: (stderr, whether it was late)."""
+    tmp_path.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     demo = subprocess.Popen(
         [sys.executable, "-m", "edgecache.clients.cli", "demo", "--size-mib", "2"]
@@ -129,9 +144,10 @@ def test_ctrl_c_in_a_terminal_stops_the_demo_not_its_nodes_first(tmp_path: Path)
                 break
         assert len(_processes_mentioning(str(tmp_path))) == 2
         os.killpg(demo.pid, signal.SIGINT)
-        _, stderr = demo.communicate(timeout=60)
-        assert demo.returncode == 130, stderr
-        assert "stopped by Ctrl-C" in stderr and "unreachable" not in stderr
+        stdout, stderr = demo.communicate(timeout=60)
+        # Late: the demo had ended (exit 0) or was exiting (killed by SIGINT as it did).
+        late = demo.returncode in (0, -signal.SIGINT) and "--keep-nodes" in stdout
+        assert late or demo.returncode == 130, stderr
     finally:
         if demo.poll() is None:
             demo.kill()
@@ -140,6 +156,7 @@ def test_ctrl_c_in_a_terminal_stops_the_demo_not_its_nodes_first(tmp_path: Path)
             os.kill(pid, signal.SIGKILL)
     assert left == []
     assert list(tmp_path.glob("edgecache-demo-*")) == []
+    return stderr, late
 
 
 def test_an_error_is_said_once_with_its_own_exit_code(tmp_path: Path) -> None:
