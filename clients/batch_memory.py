@@ -131,8 +131,12 @@ def _column(
     memory: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """A tensor of its own over ``memory[offset:offset + nbytes]`` (which keeps it alive)."""
-    part = np.frombuffer(memory[offset : offset + nbytes], dtype=np.uint8)
-    return torch.from_numpy(part).view(dtype).view(shape)
+    # One call where numpy's frombuffer, from_numpy and two views took ~20 us a column.
+    if not nbytes:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(
+        memory, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset
+    ).view(shape)
 
 
 class BatchMemory(Protocol):
