@@ -181,7 +181,8 @@ def test_a_padded_list_whose_lengths_name_a_column_is_refused() -> None:
 @pytest.mark.filterwarnings("error")
 def test_large_byte_values_copy_alike_whatever_torch_threads(threads: int) -> None:
     # Rows of >= 512 bytes on average take one torch.cat per batch where torch has one
-    # intra-op thread (DataLoader workers), the per-row copy otherwise: same bytes both ways.
+    # intra-op thread (DataLoader workers), the per-row copy otherwise: same bytes both ways,
+    # and through the chunks' views (the pipeline's gathers: each row's bounds as ints).
     rng = np.random.default_rng(threads)
     schema = pa.schema([("image", pa.binary()), ("text", pa.string())])
 
@@ -197,16 +198,21 @@ def test_large_byte_values_copy_alike_whatever_torch_threads(threads: int) -> No
         )
 
     a, b = images(0, 12), images(12, 9).slice(1)
-    gathers = [Gather(a, np.array([11, 0, 5, 5])), Gather(b, np.array([7, 2]))]
+    kinds = column_kinds(schema, None)
+    views = {"a": chunk_views(a, kinds), "b": chunk_views(b, kinds)}
+    assert all(v["image"].large is not None for v in views.values())  # type: ignore[union-attr]
     expected = [a.column(0)[r].as_py() for r in (11, 0, 5, 5)]
     expected += [b.column(0)[r].as_py() for r in (7, 2)]
-    kinds = column_kinds(schema, None)
     assert not a.column(0).buffers()[2].is_mutable
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         memory = ReusedMemory()
-        for _ in range(2):  # reused memory: the second batch overwrites the first's bytes
+        for with_views in (False, True, False, True):  # reused memory: each overwrites the last
+            gathers = [
+                Gather(a, np.array([11, 0, 5, 5]), views["a"] if with_views else None),
+                Gather(b, np.array([7, 2]), views["b"] if with_views else None),
+            ]
             batch = assemble(gathers, kinds, memory=memory)
             image = batch["image"]
             assert isinstance(image, Packed) and list(image) == expected
