@@ -81,10 +81,10 @@ def test_a_bomb_under_the_absolute_limit_is_refused_by_its_ratio(
     """Each fetch could hold 4 GiB of a few KB of zeros: eight at once (the default fetch and
     staging concurrency) passed a pod's 8 GiB. An object may inflate MAX_INFLATION times its
     size (past a floor), and real data far less: 3-20x."""
-    monkeypatch.setattr(limits, "MIN_INFLATION_LIMIT", 1 * MiB)
+    monkeypatch.setattr(limits, "MIN_INFLATION_LIMIT", 1024)  # bz2 makes this bomb ~100 B
     bomb = COMPRESSORS[kind](b"\n" * (48 * MiB))  # far under the 4 GiB limit, 1000x+
     ratio_limit = limits.MAX_INFLATION * len(bomb)
-    assert ratio_limit < 48 * MiB < limits.MAX_DECOMPRESSED_BYTES
+    assert 1024 < ratio_limit < 48 * MiB < limits.MAX_DECOMPRESSED_BYTES
     error, peak = peak_python_bytes(lambda: decompress(bomb, f"s3://b/docs.jsonl.{kind}"))
     assert isinstance(error, MalformedShard), error
     assert f"{limits.MAX_INFLATION}x its size" in str(error), str(error)
@@ -93,6 +93,22 @@ def test_a_bomb_under_the_absolute_limit_is_refused_by_its_ratio(
     text = Path(json.__file__).read_bytes() * 20
     data, found = decompress(COMPRESSORS[kind](text), f"s3://b/src.txt.{kind}")
     assert found == kind and bytes(data) == text
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_a_small_bomb_is_refused_at_the_floor_and_says_so(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the floor the limit is the floor, not 200x the object: the message said
+    "200x its size" of a 21 KB object (4 MB) while refusing it at 256 MiB."""
+    monkeypatch.setattr(limits, "MIN_INFLATION_LIMIT", 8 * MiB)
+    bomb = COMPRESSORS[kind](b"\n" * (16 * MiB))
+    assert limits.MAX_INFLATION * len(bomb) < 8 * MiB  # the floor is the limit here
+    error, _ = peak_python_bytes(lambda: decompress(bomb, f"s3://b/docs.jsonl.{kind}"))
+    assert isinstance(error, MalformedShard), error
+    said = str(error)
+    assert "more than 8.0 MiB (the most a node expands an object of this size to" in said, said
+    assert "x its size" not in said and "past that" not in said, said
 
 
 def test_a_zstd_frame_declaring_a_huge_size_is_refused_before_decoding(

@@ -70,12 +70,12 @@ _PIECE = 4 << 20  # bytes decompressed per read: small against the limit, large 
 
 
 def _too_big(source: str, kind: str, what: str, limit: int) -> MalformedShard:
-    by_ratio = limit < limits.MAX_DECOMPRESSED_BYTES
-    why = (
-        f"{limits.MAX_INFLATION}x its size, the most a node expands an object of this size to"
-        if by_ratio
-        else "the most a node expands one object to"
-    )
+    if limit >= limits.MAX_DECOMPRESSED_BYTES:
+        why = "the most a node expands one object to"
+    elif limit > limits.MIN_INFLATION_LIMIT:
+        why = f"{limits.MAX_INFLATION}x its size, the most a node expands an object of this size to"
+    else:  # a small object: the floor, not the ratio (200x a 21 KB object is 4 MB)
+        why = "the most a node expands an object of this size to"
     return MalformedShard(
         f"{source} is {kind}-compressed and {what}, more than {format_bytes(limit)} ({why}: "
         f"a decompression bomb, or a shard too large to preprocess whole: split it into "
@@ -97,7 +97,7 @@ def _read_bounded(reader: _Reader, limit: int, source: str, kind: str) -> bytear
     while piece := reader.read(min(_PIECE, limit + 1 - len(out))):
         out += piece
         if len(out) > limit:
-            raise _too_big(source, kind, "inflates past that", limit)
+            raise _too_big(source, kind, "inflates to more", limit)
     return out
 
 

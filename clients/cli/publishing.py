@@ -520,7 +520,7 @@ def versions(
     registry could not be reached or read, or a version's manifest could not:
     the others are listed, and it is named with why).
     """
-    from edgecache.cache.errors import EdgeCacheError
+    from edgecache.cache.errors import EdgeCacheError, ManifestError
     from edgecache.cache.manifest import summarize
     from edgecache.cache.names import parse_spec
     from edgecache.cache.registry import Registry
@@ -535,7 +535,13 @@ def versions(
 
         async def listing(reg: Registry) -> tuple[str, list[tuple[pb.DatasetVersion, pb.Manifest]]]:
             if one:
-                return reg.url, [(summarize(m), m) for m in [await reg.resolve(spec)]]
+                number = spec.version or await reg.latest(dataset)
+                try:
+                    manifest = await reg.manifest(dataset, number)
+                except ManifestError as exc:  # the registry's content: 1, as for a listing
+                    damaged.append((number, str(exc)))
+                    return reg.url, []
+                return reg.url, [(summarize(manifest), manifest)]
             # One damaged manifest ended the listing with nothing shown, though publish's
             # own warning about it sends the user here to look.
             manifests = []
@@ -565,7 +571,7 @@ def versions(
         ]
         listed += [{"version": n, "error": why} for n, why in damaged]
         print(json.dumps(sorted(listed, key=lambda entry: entry["version"])))
-    else:
+    elif found or not one:
         table(
             f"{dataset}@{found[0][0].version} in {where}" if one else f"{dataset} in {where}",
             [
