@@ -318,3 +318,30 @@ def test_a_dry_run_and_its_real_run_say_the_same_size(site: Path) -> None:
     assert f"eu: staged more@1 ({size}) from origin" in real, real
     for out in (dry, real):
         assert "sizes are source bytes from origin" in out, out
+
+
+def test_an_option_of_one_value_given_twice_is_refused_not_the_last_kept(tmp_path: Path) -> None:
+    """click keeps the last of an option given twice without a word: ``--column-types
+    a=int32 --column-types b=int32`` published ``a`` as inferred (int64), exit 0."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "t.csv").write_text("a,b\n1,2\n3,4\n")
+    registry = f"file://{tmp_path}/registry"
+    for second in (["--column-types", "b=int32"], ["--column-types=b=int32"]):
+        code, out = cli(
+            "publish", f"file://{src}", "--dataset", "t", "--registry", registry,
+            "--column-types", "a=int32", *second,
+        )  # fmt: skip
+        text = " ".join(out.replace("│", " ").split())
+        assert code == 2 and "--column-types" in text and "given twice" in text, out
+        assert "--column-types a=int32,b=int32" in text, out  # what to write instead
+    assert not (tmp_path / "registry").exists()  # nothing published
+    code, out = cli("versions", "t", "--registry", registry, "--registry", registry)
+    assert code == 2 and "--registry" in out and "given twice" in out, out
+    # Options that take several, and flags, may repeat as before.
+    code, out = cli(
+        "publish", f"file://{src}", "--dataset", "t", "--registry", registry,
+        "--column-types", "a=int32,b=int32", "--include", "t.*", "--include", "*.csv", "--json",
+    )  # fmt: skip
+    assert code == 0, out
+    assert '"a": "int32"' in out or "a: int32" in out or '"int32"' in out, out

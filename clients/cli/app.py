@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperCommand
 
 from edgecache.clients.cli.context import flowing
 
@@ -16,14 +17,63 @@ __all__ = ["EXIT_CLOSED_STDOUT", "app", "main"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class _OnceCommand(TyperCommand):
+    """A command whose options of one value each are refused when given twice.
+
+    click keeps the last of them without a word: ``publish --column-types a=int32
+    --column-types b=int32`` published ``a`` as inferred, a setting parsed and
+    dropped. Options that take several (``--include``, ``--param``) and flags are
+    not counted.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # typer's own copy of click's classes: an option is told by its type name.
+        once = {
+            name: param
+            for param in self.params
+            if param.param_type_name == "option"
+            and not (
+                param.multiple or getattr(param, "is_flag", False) or getattr(param, "count", False)
+            )
+            for name in param.opts
+        }
+        given: dict[Any, tuple[str, str]] = {}
+        at = 0
+        while at < len(args) and args[at] != "--":
+            name, eq, value = args[at].partition("=")
+            param = once.get(name)
+            if param is not None:
+                if not eq:  # its value is the next argument
+                    at += 1
+                    value = args[at] if at < len(args) else ""
+                if param in given:
+                    first, before = given[param]
+                    together = (  # a list of settings (a=int32): one option holds them all
+                        f", its values together: {first} {before},{value}"
+                        if "=" in before and "=" in value
+                        else ""
+                    )
+                    raise typer.BadParameter(
+                        f"given twice ({before!r} and {value!r}): give it once{together}",
+                        ctx=ctx,
+                        param=param,
+                        param_hint=first,
+                    )
+                given[param] = (name, value)
+            at += 1
+        return super().parse_args(ctx, args)
+
+
 class _FlowingTyper(typer.Typer):
     """typer's application, every command's help (and the root's) flowed by :func:`flowing`.
 
     Here, once, rather than a decorator on each command: a command added later
-    wraps its help at the terminal too, without anyone remembering to ask.
+    wraps its help at the terminal too, without anyone remembering to ask. Each
+    command also refuses an option of one value given twice (:class:`_OnceCommand`).
     """
 
     def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:  # type: ignore[override]
+        kwargs.setdefault("cls", _OnceCommand)
         register = super().command(*args, **kwargs)
         return lambda function: register(flowing(function))
 
