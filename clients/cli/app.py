@@ -28,7 +28,7 @@ class _OnceCommand(TyperCommand):
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         # typer's own copy of click's classes: an option is told by its type name.
-        once = {
+        once: dict[str, Any] = {
             name: param
             for param in self.params
             if param.param_type_name == "option"
