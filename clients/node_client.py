@@ -83,6 +83,12 @@ class LocalNode:
                 self.process.stdout.close()
 
 
+def _unless_given(args: Sequence[str], *defaults: tuple[str, str]) -> list[str]:
+    """Each ``(flag, value)`` default whose flag ``args`` does not give (a flag is given once)."""
+    given = {a.partition("=")[0] for a in args if a.startswith("--")}
+    return [part for flag, value in defaults if flag not in given for part in (flag, value)]
+
+
 def start_local_node(
     region: str,
     cache_dir: Path,
@@ -114,10 +120,7 @@ def start_local_node(
             str(cache_dir),
             "--registry",
             registry,
-            "--listen",
-            "127.0.0.1:0",
-            "--capacity",
-            capacity,
+            *_unless_given(extra_args, ("--listen", "127.0.0.1:0"), ("--capacity", capacity)),
             *extra_args,
         ],
         stdout=subprocess.PIPE,

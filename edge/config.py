@@ -118,6 +118,22 @@ _REQUIRED = {
 
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})  # noqa: S104 - hosts that mean every address
 
+
+def bound_addresses(host: str) -> set[str]:
+    """The IP addresses gRPC binds for ``host``; empty if it does not resolve (binding says so).
+
+    gRPC binds ``localhost`` as both loopbacks, 127.0.0.1 and ::1, whatever the
+    host's resolver says; another name, as every address it resolves to.
+    """
+    if host == "localhost":
+        return {"127.0.0.1", "::1"}
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return set()
+    return {str(sockaddr[0]) for *_, sockaddr in found}
+
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -411,7 +427,11 @@ class NodeConfig(BaseModel):
             if not port:
                 continue
             for (other_host, other_port), other in seen.items():
-                if port == other_port and (host == other_host or {host, other_host} & _WILDCARDS):
+                if port == other_port and (
+                    host == other_host
+                    or {host, other_host} & _WILDCARDS
+                    or bound_addresses(host) & bound_addresses(other_host)
+                ):
                     raise ValueError(
                         f"{setting_name(other)} {getattr(self, other)} and "
                         f"{setting_name(name)} {value} are the same port: each needs a port "

@@ -47,7 +47,7 @@ from edgecache.edge.call_limits import (
     OpenStreamLimit,
     open_stream_limit,
 )
-from edgecache.edge.config import NodeConfig, read_pem, split_hostport
+from edgecache.edge.config import NodeConfig, bound_addresses, read_pem, split_hostport
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
 
@@ -135,14 +135,35 @@ def _bind(
 
     gRPC raises only "Failed to bind" (the reason goes to its own log), so
     the reason is found again with a plain socket: an operator needs to know
-    whether to pick another port or another address.
+    whether to pick another port or another address. A name that resolves to
+    several addresses (``localhost``: 127.0.0.1 and ::1) is bound by gRPC if any
+    of them binds: a second node on ``localhost:7070`` started beside one on
+    127.0.0.1:7070, on ::1 alone, and clients reached either. Each is tried first.
     """
+    host, port = split_hostport(address)
+    if port and len(found := bound_addresses(host)) > 1:
+        if (taken := _in_use(found, port)) is not None:
+            raise ConfigError(f"{flag}: {_bind_failure(address, flag, taken)}")
     try:
         if credentials is not None:
             return server.add_secure_port(address, credentials)
         return server.add_insecure_port(address)
     except RuntimeError as exc:
         raise ConfigError(f"{flag}: {_bind_failure(address, flag)}") from exc
+
+
+def _in_use(addresses: set[str], port: int) -> OSError | None:
+    """The error of the first of ``addresses`` where another socket holds ``port``, if one does."""
+    for host in sorted(addresses):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return exc
+    return None
 
 
 def _bind_failure(address: str, flag: str, error: OSError | None = None) -> str:

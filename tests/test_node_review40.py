@@ -57,7 +57,9 @@ def _node(
         [
             *("--region", "eu", "--cache-dir", str(tmp_path / "cache")),
             *("--registry", f"file://{tmp_path}/registry"),
-            *("--listen", "127.0.0.1:0", "--capacity", "256MiB", *args),
+            *(() if "--listen" in args else ("--listen", "127.0.0.1:0")),  # given once
+            *(() if "--capacity" in args else ("--capacity", "256MiB")),
+            *args,
         ],
         {**os.environ, "EDGECACHE_SYNC": "false", **(env or {})},
         log or tmp_path / "node.log",
@@ -211,7 +213,9 @@ def _refusal(tmp_path: Path, env: dict[str, str], *args: str) -> str:
     out = subprocess.run(
         [
             *(sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "eu"),
-            *("--registry", f"file://{tmp_path}/registry", "--listen", "127.0.0.1:0", *args),
+            *("--registry", f"file://{tmp_path}/registry"),
+            *(() if "--listen" in args else ("--listen", "127.0.0.1:0")),  # given once
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -587,6 +591,18 @@ def test_two_listen_settings_on_one_port_are_refused_naming_both(first: str, sec
         info.value
     )
     load_node_config(None, {**values, second: "127.0.0.2:17470"}, {})  # another address: fine
+
+
+def test_a_name_and_an_address_it_binds_on_one_port_are_refused() -> None:
+    """localhost is 127.0.0.1 (and ::1) to gRPC: --listen localhost:P beside --probe-listen
+    127.0.0.1:P started, and the probe port answered Status as UNIMPLEMENTED."""
+    values = {**REQUIRED, "listen": "localhost:17472", "probe_listen": "127.0.0.1:17472"}
+    with pytest.raises(ConfigError, match="--listen localhost:17472 and --probe-listen "):
+        load_node_config(None, values, {})
+    values = {**REQUIRED, "listen": "127.0.0.1:17472", "metrics_listen": "localhost:17472"}
+    with pytest.raises(ConfigError, match="are the same port"):
+        load_node_config(None, values, {})
+    load_node_config(None, {**values, "metrics_listen": "localhost:17473"}, {})
 
 
 def test_the_same_address_twice_exits_2_before_binding(tmp_path: Path) -> None:
