@@ -386,7 +386,7 @@ class Peers:
             )
         if received:  # it sent chunks: the connection itself (TLS or not) was right
             return None
-        return _tls_hint(peer, details)
+        return _tls_hint(peer, details, has_cert=self.config.tls_cert is not None)
 
     async def _names(self, peers: Sequence[str]) -> dict[str, str]:
         """Peer → the id it reports: the owner of a shard is asked first, as staged there.
@@ -535,16 +535,24 @@ def refuses_configuration(peer: str, code: str, details: str) -> bool:
     )
 
 
-def _tls_hint(peer: str, details: str) -> str | None:
+def _tls_hint(peer: str, details: str, *, has_cert: bool = True) -> str | None:
     """What to set on this node when a peer's TLS refused it, from gRPC's last error.
 
     gRPC says only UNAVAILABLE; the cause is on this node's side (whom it
-    trusts, which certificate it presents), so retrying cannot help.
+    trusts, which certificate it presents), so retrying cannot help. ``has_cert``:
+    this node has a certificate (--tls-cert) to present to a peer that asks for one.
     """
     if not peer.startswith("grpcs://"):
         if "Socket closed" in details:
             return "if the peer serves TLS, name it grpcs://host:port"
         return None
+    if ("Socket closed" in details or "Connection reset" in details) and not has_cert:
+        return (
+            "the peer closed the connection: a peer with --tls-client-ca asks for a client "
+            "certificate, and this node presents none: set --tls-cert and --tls-key on this "
+            "node (a certificate the peer's --tls-client-ca signed, allowing client "
+            "authentication, extended key usage clientAuth)"
+        )
     if "Socket closed" in details or "Connection reset" in details:
         return (
             "the peer closed the connection: a peer with --tls-client-ca refuses this node's "

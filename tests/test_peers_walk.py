@@ -625,3 +625,15 @@ def test_a_faulty_peer_is_ranked_first_even_against_an_address_few_ports_beat() 
             pass  # it listens where it says
     finally:
         proxy.close()
+
+
+def test_a_peer_asking_for_a_client_certificate_names_the_one_this_node_lacks() -> None:
+    """A node with no --tls-cert copying from a peer with --tls-client-ca: the note blamed
+    "this node's certificate (--tls-cert …)" it does not have; setting --tls-cert and
+    --tls-key is what mends it (seen against a real mutual-TLS peer)."""
+    closed = "failed to connect to all addresses; last error: UNAVAILABLE: Socket closed"
+    without = peer_copy._tls_hint("grpcs://peer:7070", closed, has_cert=False)
+    assert without is not None and "presents none" in without, without
+    assert "set --tls-cert and --tls-key on this node" in without, without
+    with_cert = peer_copy._tls_hint("grpcs://peer:7070", closed, has_cert=True)
+    assert with_cert is not None and "refuses this node's certificate" in with_cert, with_cert
