@@ -119,35 +119,29 @@ def test_a_port_another_node_serves_is_refused_and_a_freed_one_reused(tmp_path: 
     publish(registry, f"file://{tmp_path}/origin", "tokens")
     proc, address = start_node(tmp_path, registry)
     port = address.rsplit(":", 1)[1]
-    try:
-        second = subprocess.run(
+
+    def second_node(listen: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [
                 *(sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "eu"),
                 *("--registry", registry, "--capacity", "64MiB"),
-                *("--cache-dir", str(tmp_path / "other"), "--listen", address),
+                *("--cache-dir", str(tmp_path / "other"), "--listen", listen),
                 *("--probe-listen", "127.0.0.1:0"),
             ],
             capture_output=True,
             text=True,
             timeout=30,  # before the fix it served: a timeout
         )
+
+    try:
+        second = second_node(address)
         assert second.returncode == 2, second.stderr
         assert f"{address} is in use: another process listens there" in second.stderr
         assert "choose another --listen" in second.stderr
         assert "serving on" not in second.stdout
         # localhost is both loopbacks to gRPC, which bound ::1 alone and served beside the
         # first node (exit 0, both saying the same node id): one taken address refuses it.
-        by_name = subprocess.run(
-            [
-                *(sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "eu"),
-                *("--registry", registry, "--capacity", "64MiB"),
-                *("--cache-dir", str(tmp_path / "other"), "--listen", f"localhost:{port}"),
-                *("--probe-listen", "127.0.0.1:0"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,  # before the fix it served: a timeout
-        )
+        by_name = second_node(f"localhost:{port}")
         assert by_name.returncode == 2, by_name.stderr
         assert f"localhost:{port} is in use: another process listens there" in by_name.stderr
         assert stub(address).Status(edge_pb2.StatusRequest()).region == "eu-west"
