@@ -85,9 +85,10 @@ def open_stream_limit(max_streams: int) -> int:
 
     An eighth of ``max_streams``, between 1 and 16: a load balancer or two
     watching health, and a grpcurl session, fit; the rest of ``max_streams``
-    always stays for callers with a token.
+    always stays for callers with a token. None where ``max_streams`` is 1: one
+    Watch held the only stream, and every read was refused until it closed.
     """
-    return max(1, min(16, max_streams // 8))
+    return min(16, max(max_streams // 8, 1 if max_streams >= 2 else 0))
 
 
 class _Counted(aio.ServerInterceptor):

@@ -72,6 +72,22 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
 # --- 1. token-free streams cannot take the readers' slots -------------------------------
 
 
+def test_at_one_stream_a_watch_never_holds_the_readers_only_slot(site, tmp_path: Path) -> None:
+    """max_streams: 1 gave token-free streams 1 of 1: one open health Watch refused every
+    read until it closed, and its refusal did not name the probe port."""
+    assert [call_limits.open_stream_limit(n) for n in (1, 2, 8, 16, 1000)] == [0, 1, 1, 2, 16]
+    root, registry = site
+    settings = node_settings(tmp_path, registry, read_token_file=root / "read", max_streams=1)
+    with running_node(settings) as node:
+        channel = grpc.insecure_channel(node.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        error = rpc_error(lambda: next(health.Watch(health_pb2.HealthCheckRequest())))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--probe-listen" in error.details(), error.details()
+        request = edge_pb2.ReadShardRequest(dataset="tokens", version=1, shard=0)
+        assert sum(c.rows for c in stub(node.address).ReadShard(request, metadata=READER)) == ROWS
+
+
 def test_token_free_watch_streams_cannot_take_the_readers_slots(site, tmp_path: Path) -> None:
     """Every RPC counted against max_streams, token-free health Watch streams too: opening
     max_streams of them (no token needed) left every reader RESOURCE_EXHAUSTED."""
