@@ -351,6 +351,33 @@ def test_json_lines_records_mixed_inference_stay_readable() -> None:
     assert read(data, JSONL).to_pylist() == rows
 
 
+def test_the_types_advice_pasted_as_printed_publishes_not_loops(tmp_path: Path) -> None:
+    """a is 1, 1.5, 2 and b "x", "y", null in three objects: told from one pair at a time the
+    advice said a=float64, then b=string, then (pasted as printed) a=float64 again."""
+    rows = [{"a": 1, "b": "x"}, {"a": 1.5, "b": "y"}, {"a": 2, "b": None}]
+    files = {f"p{i}.jsonl": json.dumps(r).encode() + b"\n" for i, r in enumerate(rows)}
+    told: list[str] = []
+    options: dict[str, str] = {}
+    for attempt in range(3):
+        (tmp_path / str(attempt)).mkdir()
+        try:
+            manifest = publish(tmp_path / str(attempt), files, "ds", **options)
+            break
+        except MalformedShard as exc:
+            advice = str(exc).rsplit("publish with --column-types ", 1)[-1]
+            told.append(advice)
+            options = {"column_types": advice}
+    else:
+        pytest.fail(f"still refused after following the advice: {told}")
+    assert told == ["a=float64,b=string"], told  # both columns at once
+    assert manifest.shards and options == {"column_types": "a=float64,b=string"}
+    # A publish that already gives one column's type is told it with the other's.
+    (tmp_path / "given").mkdir()
+    with pytest.raises(MalformedShard) as info:
+        publish(tmp_path / "given", files, "ds", column_types="a=float64")
+    assert str(info.value).endswith("--column-types a=float64,b=string"), str(info.value)
+
+
 def test_real_csvs_that_published_still_publish(tmp_path: Path) -> None:
     """The checks added refuse nothing that read right before: the sklearn/matplotlib files
     with the options the docs give."""

@@ -10,7 +10,7 @@ first object and which a new version with the right value fixes.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 
@@ -148,6 +148,9 @@ def schema_mismatch(
     first: pa.Schema,
     fmt: pb.SourceFormat.ValueType,
     transform: str = "identity",
+    *,
+    others: Sequence[pa.Schema] = (),
+    given: str = "",
 ) -> str:
     """Why ``url``'s columns do not match ``first_url``'s, and the types that make them agree.
 
@@ -157,6 +160,12 @@ def schema_mismatch(
     else the ``columns`` transform's cast. Objects whose columns differ in name
     (a WebDataset extension some shards lack) are told the ``select`` of the
     columns they share.
+
+    The types are those of every object (``others``: the rest of the version's
+    schemas) and come with the ones already ``given`` (the ``--column-types`` or
+    ``cast`` the publish had): told from one pair of objects alone, the advice
+    named one column, the next publish another, and pasted as printed the first
+    again, in a loop.
     """
     text = (
         f"{url} has columns ({columns_text(schema)}) after preprocessing, but {first_url} has "
@@ -168,10 +177,14 @@ def schema_mismatch(
     if transform not in ("identity", "columns"):
         return text
     typed: list[str] = []
-    for mine, theirs in zip(schema, first, strict=True):
-        if mine.type.equals(theirs.type):
+    alike = [o for o in others if o.names == first.names]
+    for at, (mine, theirs) in enumerate(zip(schema, first, strict=True)):
+        types = [mine.type, *(o.field(at).type for o in alike)]
+        if all(t.equals(theirs.type) for t in types):
             continue
-        common = _common_type(mine.type, theirs.type)
+        common: pa.DataType | None = theirs.type
+        for each in types:
+            common = _common_type(common, each) if common is not None else None
         if common is None and read_as and fmt == pb.SOURCE_FORMAT_CSV:
             common = pa.string()  # a CSV cell reads as text whatever it holds
         if common is None or pa.types.is_null(common):
@@ -179,7 +192,7 @@ def schema_mismatch(
         typed.append(f"{quote_name(mine.name)}={type_name(common)}")
     if not typed:
         return text
-    pairs = ",".join(typed)
+    pairs = ",".join([given, *typed] if given else typed)
     quoted = pairs if all(ch not in pairs for ch in "<>() \"'") else shlex.quote(pairs)
     cast = f"'cast={pairs}'" if "'" not in pairs else shlex.quote(f"cast={pairs}")
     how = f"--column-types {quoted}" if read_as else f"--transform columns --param {cast}"
