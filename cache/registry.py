@@ -1341,10 +1341,20 @@ def _unknown_format(prefix: str, found: list[SourceObject]) -> str:
     unknown = sorted(o.key for o in found if format_from_key(o.key) is None)
     listed = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
     if len(unknown) < len(found):  # others are known: these are most likely not shards
-        known = sorted({_pattern_of(o.key) for o in found if format_from_key(o.key) is not None})
+        # A model's config.json beside the shards is no shard either: an --include of
+        # '*.json' led to "several formats" next (a helper's hunt).
+        sidecars = sorted(o.key for o in found if _is_sidecar(o.key))
+        known = sorted(
+            {
+                _pattern_of(o.key)
+                for o in found
+                if format_from_key(o.key) is not None and not _is_sidecar(o.key)
+            }
+        )
         return (
             f"the names of {listed} under {prefix} tell no format, beside shards that do; "
-            f"leave files that are not shards (a README, notes) out with {_excludes(unknown)}, "
+            "leave files that are not shards (a README, notes) out with "
+            f"{_excludes(unknown + sidecars)}, "
             f"or choose the shards with {' '.join(f'--include {p!r}' for p in known[:3])} "
             "(or move files that are not shards out of the prefix); if they are shards of the "
             "same format, pass it (--format parquet, jsonl, csv, arrow, webdataset or mds)"
@@ -1424,7 +1434,11 @@ def _mixed_formats(prefix: str, found: list[SourceObject]) -> str:
         f"{name}: {', '.join(sorted(k)[:3])}{', …' if len(k) > 3 else ''} ({len(k)})"
         for name, k in sorted(keys.items())
     )
-    most = max(keys.values(), key=len)
+    # The example is the format with the most shards, not counting a model's config.json
+    # and its kind (one Parquet shard beside a config.json was a tie, and the example
+    # chose the JSON).
+    shards = {name: [k for k in ks if not _is_sidecar(k)] for name, ks in keys.items()}
+    most = max(shards.values(), key=len) or max(keys.values(), key=len)
     example = " ".join(f"--include {p!r}" for p in sorted({_pattern_of(k) for k in most})[:3])
     return (
         f"the objects under {prefix} are of several formats ({listed}); a version is one "
@@ -1432,6 +1446,11 @@ def _mixed_formats(prefix: str, found: list[SourceObject]) -> str:
         "patterns match keys under the prefix), or publish each format's objects from a "
         "prefix of their own"
     )
+
+
+def _is_sidecar(key: str) -> bool:
+    """Whether ``key`` is a file that ships beside shards (a model's config.json), by name."""
+    return key.rsplit("/", 1)[-1] in _SIDECARS
 
 
 def _pattern_of(key: str) -> str:

@@ -8,11 +8,13 @@ import gzip
 import io
 import json
 import lzma
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 from datagen import tar_archive
@@ -333,6 +335,34 @@ def test_unknown_names_beside_shards_are_named_with_the_way_out(tmp_path: Path) 
     (tmp_path / "src" / "README.txt").write_bytes(b"about this data\n")
     with pytest.raises(MalformedShard, match=r"README\.txt under .* tell no format.*move files"):
         publish(tmp_path, tmp_path / "src", "readme")
+
+
+def test_the_way_out_past_a_models_config_json_names_the_shards_alone(tmp_path: Path) -> None:
+    """Parquet beside config.json and a README: told --include '*.json' --include
+    '*.parquet', which was then refused as several formats with --include '*.json' as the
+    example (a tie, 1 to 1): the way out publishes as printed now."""
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({"a": [1, 2]}), src / "part-0.parquet")
+    (src / "config.json").write_text('{"hidden_size": 8}\n')
+    (src / "README.md").write_text("about\n")
+    with pytest.raises(MalformedShard) as info:
+        publish(tmp_path, src, "ds")
+    said = str(info.value)
+    assert "--exclude 'README.md' --exclude 'config.json'" in said, said
+    includes = re.findall(r"--include '([^']+)'", said)
+    assert includes == ["*.parquet"], said
+    registry = f"file://{tmp_path}/registry"
+    manifest = Registry.run(
+        registry,
+        lambda reg: reg.publish(f"file://{src}", "ds", spec=preprocess_spec(), include=includes),
+    )
+    assert sum(s.row_count for s in manifest.shards) == 2
+    (src / "README.md").unlink()
+    with pytest.raises(
+        MalformedShard, match=r"several formats .*\(e\.g\. --include '\*\.parquet';"
+    ):
+        publish(tmp_path, src, "mixed")
 
 
 def test_json_lines_integers_past_int64_are_refused_or_typed_never_rounded() -> None:
