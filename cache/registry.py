@@ -864,7 +864,6 @@ class Registry:
         schema = described[first].schema
         odd = [i for i, d in enumerate(described) if not d.schema.equals(schema)]
         if odd:
-            read_as = fmt in (pb.SOURCE_FORMAT_CSV, pb.SOURCE_FORMAT_JSONL) and name == "identity"
             text = schema_mismatch(
                 objects[odd[0]].info.url,
                 described[odd[0]].schema,
@@ -873,7 +872,8 @@ class Registry:
                 fmt,
                 name,
                 others=[described[i].schema for i in odd[1:]],
-                given=options.get("column_types", "") if read_as else params.get("cast", ""),
+                column_types=options.get("column_types", ""),
+                cast=params.get("cast", ""),
             )
             kept = [_sidecar(o, d, fmt) for o, d in zip(objects, described, strict=True)]
             # Files beside shards only when some object is a shard: one-row .json files

@@ -26,11 +26,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgecache.cache import tcp_stats
-from edgecache.cache.registry_match import RegistryMatch, check_registry, shown_url
+from edgecache.cache.registry_match import RegistryMatch, check_registry
 from edgecache.cache.sink_sizing import SINK_PART, smaller_part, too_large, too_many_streams
 from edgecache.clients.channels import bearer, describe, explain, health_pings, open_channel
 from edgecache.clients.endpoints import parse_endpoint
-from edgecache.clients.ops import NodeReport, registry_digests, state_problems
+from edgecache.clients.ops import (
+    NodeReport,
+    copies_not_checked,
+    registry_digests,
+    state_problems,
+)
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
@@ -111,15 +116,8 @@ def check_paths(
     for check in out:
         check.problems += problems.get(check.node, [])
         if digests is None and check.node in answered:
-            check.warnings.append(_NOT_CHECKED.format(registry=shown_url(topology.registry)))
+            check.warnings.append(copies_not_checked(topology.registry, "the node's"))
     return out
-
-
-# What doctor and status say when the registry's manifests could not be read in time.
-_NOT_CHECKED = (
-    "the registry {registry} could not be read (in time): the node's copies were not "
-    "checked against it"
-)
 
 
 def _check_status(

@@ -380,14 +380,16 @@ def _byte_spans(gathers: Sequence[Gather], kind: ColumnKind) -> _Spans | None:
 def _copy_spans(spans: _Spans, out: np.ndarray) -> None:
     """Every span's bytes, one after the other, into ``out`` (exactly their total long).
 
-    As :func:`_copy_all`: one ``torch.cat`` (the GIL dropped once a batch) where torch's
-    intra-op pool is one thread, row by row with the GIL held otherwise.
+    One ``torch.cat`` (the GIL dropped once a batch) where torch's intra-op pool is one
+    thread, row by row with the GIL held otherwise (:func:`_copy_all` says why).
     """
     import torch
 
     if torch.get_num_threads() == 1:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _NOT_WRITABLE, UserWarning)  # see _copy_all
+            # Values read from LMDB are read-only memory, which torch warns must not be
+            # written through a tensor. These tensors are only the copy's sources.
+            warnings.filterwarnings("ignore", _NOT_WRITABLE, UserWarning)
             pieces = [
                 torch.from_numpy(source[start:end])
                 for source, starts, ends in spans
@@ -426,16 +428,9 @@ def _copy_all(parts: Sequence[_Ranges], out: np.ndarray) -> None:
         and all(p.source.dtype == np.uint8 for p in parts)
         and torch.get_num_threads() == 1
     ):
-        with warnings.catch_warnings():
-            # Values read from LMDB are read-only memory, which torch warns must not be
-            # written through a tensor. These tensors are only the copy's sources.
-            warnings.filterwarnings("ignore", _NOT_WRITABLE, UserWarning)
-            pieces = [
-                torch.from_numpy(p.source[start : start + length])
-                for p in parts
-                for start, length in zip(p.starts.tolist(), p.lengths.tolist(), strict=True)
-            ]
-        torch.cat(pieces, out=torch.from_numpy(out))
+        _copy_spans(
+            [(p.source, p.starts.tolist(), (p.starts + p.lengths).tolist()) for p in parts], out
+        )
         return
     position = 0
     for part in parts:
@@ -540,31 +535,23 @@ def assemble(
                 row += n
             out[kind.name] = block.tensor(at, length, dtype, (size, extent))  # type: ignore[arg-type]
             out[f"{kind.name}_lengths"] = block.tensor(lat, llen, torch.int64, (size,))
-        elif kind.kind == "packed" and kind.name in spans:
-            (at, length), (oat, olen) = next(places), next(places)
-            bounds = area[oat : oat + olen].view(np.int64)
-            bounds[0] = 0
-            byte_spans, lengths = spans[kind.name]
-            bounds[1:] = list(itertools.accumulate(lengths))
-            _copy_spans(byte_spans, area[at : at + length])
-            out[kind.name] = Packed(
-                block.tensor(at, length, dtype, (extent,)),  # type: ignore[arg-type]
-                block.tensor(oat, olen, torch.int64, (size + 1,)),
-                kind.item,  # type: ignore[arg-type]
-            )
         elif kind.kind == "packed":
             (at, length), (oat, olen) = next(places), next(places)
-            values = area[at : at + length].view(npdtype)
             bounds = area[oat : oat + olen].view(np.int64)
             bounds[0] = 0
-            row, position = 0, 0
-            for part in ranges[kind.name]:
-                n = len(part.lengths)
-                np.cumsum(part.lengths, out=bounds[row + 1 : row + n + 1])
-                bounds[row + 1 : row + n + 1] += position
-                position += part.total
-                row += n
-            _copy_all(ranges[kind.name], values[:position])
+            if kind.name in spans:  # large bytes: spans as ints (_byte_spans)
+                byte_spans, lengths = spans[kind.name]
+                bounds[1:] = list(itertools.accumulate(lengths))
+                _copy_spans(byte_spans, area[at : at + length])
+            else:
+                row, position = 0, 0
+                for part in ranges[kind.name]:
+                    n = len(part.lengths)
+                    np.cumsum(part.lengths, out=bounds[row + 1 : row + n + 1])
+                    bounds[row + 1 : row + n + 1] += position
+                    position += part.total
+                    row += n
+                _copy_all(ranges[kind.name], area[at : at + length].view(npdtype)[:position])
             out[kind.name] = Packed(
                 block.tensor(at, length, dtype, (extent,)),  # type: ignore[arg-type]
                 block.tensor(oat, olen, torch.int64, (size + 1,)),

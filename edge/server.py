@@ -27,8 +27,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import prometheus_client
@@ -154,16 +155,23 @@ def _bind(
 
 def _in_use(addresses: set[str], port: int) -> OSError | None:
     """The error of the first of ``addresses`` where another socket holds ``port``, if one does."""
-    for host in sorted(addresses):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    tried = [
+        (socket.AF_INET6 if ":" in h else socket.AF_INET, (h, port)) for h in sorted(addresses)
+    ]
+    return next((e for e in _bind_errors(tried) if e.errno == errno.EADDRINUSE), None)
+
+
+def _bind_errors(addresses: Iterable[tuple[int, tuple[Any, ...]]]) -> list[OSError]:
+    """What binding each ``(family, sockaddr)`` with a plain socket, as gRPC binds, raised."""
+    errors = []
+    for family, sockaddr in addresses:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
             try:
-                sock.bind((host, port))
+                sock.bind(sockaddr)
             except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return exc
-    return None
+                errors.append(exc)
+    return errors
 
 
 def _bind_failure(address: str, flag: str, error: OSError | None = None) -> str:
@@ -177,14 +185,7 @@ def _bind_failure(address: str, flag: str, error: OSError | None = None) -> str:
                 f"cannot bind {address}: {host!r} does not resolve ({exc.strerror}); "
                 "give an IP address or a known host name"
             )
-        for family, kind, proto, _, sockaddr in found:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
-                try:
-                    sock.bind(sockaddr)
-                except OSError as exc:
-                    error = exc
-                    break
+        error = next(iter(_bind_errors((a[0], a[4]) for a in found)), None)
     if error is None:
         return f"cannot bind {address}; run with GRPC_VERBOSITY=debug to see why"
     if error.errno == errno.EADDRINUSE:

@@ -97,7 +97,7 @@ def _read_bounded(reader: _Reader, limit: int, source: str, kind: str) -> bytear
     while piece := reader.read(min(_PIECE, limit + 1 - len(out))):
         out += piece
         if len(out) > limit:
-            raise _too_big(source, kind, "inflates to more", limit)
+            raise _too_big(source, kind, "inflates past its limit", limit)
     return out
 
 

@@ -150,7 +150,8 @@ def schema_mismatch(
     transform: str = "identity",
     *,
     others: Sequence[pa.Schema] = (),
-    given: str = "",
+    column_types: str = "",
+    cast: str = "",
 ) -> str:
     """Why ``url``'s columns do not match ``first_url``'s, and the types that make them agree.
 
@@ -162,8 +163,9 @@ def schema_mismatch(
     columns they share.
 
     The types are those of every object (``others``: the rest of the version's
-    schemas) and come with the ones already ``given`` (the ``--column-types`` or
-    ``cast`` the publish had): told from one pair of objects alone, the advice
+    schemas) and come with the ones the publish already gave (its ``column_types``
+    reader option, or its ``columns`` transform's ``cast``, whichever the advice
+    names): told from one pair of objects alone, the advice
     named one column, the next publish another, and pasted as printed the first
     again, in a loop.
     """
@@ -192,8 +194,9 @@ def schema_mismatch(
         typed.append(f"{quote_name(mine.name)}={type_name(common)}")
     if not typed:
         return text
+    given = column_types if read_as else cast
     pairs = ",".join([given, *typed] if given else typed)
     quoted = pairs if all(ch not in pairs for ch in "<>() \"'") else shlex.quote(pairs)
-    cast = f"'cast={pairs}'" if "'" not in pairs else shlex.quote(f"cast={pairs}")
-    how = f"--column-types {quoted}" if read_as else f"--transform columns --param {cast}"
+    param = f"'cast={pairs}'" if "'" not in pairs else shlex.quote(f"cast={pairs}")
+    how = f"--column-types {quoted}" if read_as else f"--transform columns --param {param}"
     return f"{text}; give the columns one type: publish with {how}"

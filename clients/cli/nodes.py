@@ -165,7 +165,7 @@ def status(
     out-of-date certificate, grpcs:// to a node without TLS; the error says
     what to set).
     """
-    from edgecache.cache.registry_match import RegistryMatch, check_registry, shown_url
+    from edgecache.cache.registry_match import RegistryMatch, check_registry
     from edgecache.clients import ops
     from edgecache.clients.ops import gather_status
 
@@ -322,10 +322,9 @@ def status(
                     to_stderr=True,
                 )
     if digests is None:  # not a failure of status: its nodes' table stands
+        unchecked = ops.copies_not_checked(topology.registry, "the nodes'")
         line(
-            f"[yellow]note:[/yellow] the registry {escape(shown_url(topology.registry))} "
-            "could not be read (in time): the nodes' copies were not checked against it "
-            "(edgecache versions NAME says why)",
+            f"[yellow]note:[/yellow] {escape(unchecked)} (edgecache versions NAME says why)",
             to_stderr=True,
         )
     if any(r.status is None and not r.refused for r in reports):

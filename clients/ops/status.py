@@ -20,7 +20,7 @@ from edgecache.cache import rendezvous
 from edgecache.cache.errors import EdgeCacheError, InvalidEndpoint, VersionNotFound
 from edgecache.cache.planner import VersionKey
 from edgecache.cache.registry import Registry
-from edgecache.cache.registry_match import RegistryMatch, check_registry
+from edgecache.cache.registry_match import RegistryMatch, check_registry, shown_url
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import bearer, describe, health_pings, open_channel
 from edgecache.clients.topology import Schedule, Topology
@@ -228,6 +228,14 @@ def registry_digests(
     except (EdgeCacheError, OSError, ValueError) as exc:  # TimeoutError is an OSError
         log.debug("the registry's digests were not read: %s", exc)
         return None
+
+
+def copies_not_checked(registry: str, whose: str) -> str:
+    """What ``status`` and ``doctor`` say when :func:`registry_digests` read nothing (None)."""
+    return (
+        f"the registry {shown_url(registry)} could not be read (in time): {whose} copies "
+        "were not checked against it"
+    )
 
 
 def _reads_registry(report: NodeReport, registry: str) -> bool:
