@@ -1,4 +1,4 @@
-"""The edge node's work, independent of gRPC: resolve, fetch, preprocess, cache, stage.
+"""The edge node's work, independent of gRPC: fetch, preprocess, cache, serve, stage.
 
 One :class:`EdgeNode` per process, living on the server's event loop. Blocking
 work runs off the loop: parsing and encoding on a CPU pool, LMDB writes on a
@@ -23,6 +23,9 @@ and a process pool would pickle every raw shard and frame across. The CPU time
 each shard takes is measured, giving the node's staging rate (source bytes/s
 on all its threads) that the planner uses.
 
+Which content each ``name@N`` is — its manifest, kept here and checked against
+the registry — is :mod:`edgecache.edge.versions`' (``EdgeNode.versions``).
+
 Results are domain values and exceptions from :mod:`edgecache.cache.errors`;
 turning them into gRPC messages and status codes is the service's job.
 """
@@ -31,13 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -48,60 +49,38 @@ from datetime import UTC, datetime
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
-from google.protobuf.message import DecodeError
-
 from edgecache.cache.errors import (
     CacheFull,
     ChunkCorrupt,
     DiskFull,
     EdgeCacheError,
     MalformedShard,
-    ManifestError,
     OriginChanged,
-    OriginError,
     ShardNotCached,
     StoreError,
-    VersionNotFound,
 )
 from edgecache.cache.frame import Buffer
 from edgecache.cache.keys import ShardKey
-from edgecache.cache.manifest import manifest_from_bytes
-from edgecache.cache.names import LATEST, validate_name
-from edgecache.cache.preprocess import Transform, load_transform, resource_refs
-from edgecache.cache.registry import Registry, fetch_resources, resource_url
-from edgecache.cache.registry_match import registry_key, shown_url
+from edgecache.cache.preprocess import Transform, load_transform
+from edgecache.cache.registry import Registry, fetch_resources
+from edgecache.cache.registry_match import registry_key
 from edgecache.cache.storage import ObjectInfo, Stores
-from edgecache.cache.storage.base import unreachable
-from edgecache.cache.store import CacheStore, ShardInfo, VersionInfo
+from edgecache.cache.store import CacheStore, ShardInfo
 from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
-from edgecache.edge.config import NodeConfig, origin_allowed, usable_cores
+from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.fetch_memory import FetchMemory, Kept, default_budget
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard, lower_priority
 from edgecache.edge.staging_gate import StagingGate
+from edgecache.edge.versions import Versions
 from edgecache.v1 import edge_pb2, manifest_pb2
 
 __all__ = ["EdgeNode", "Fetched", "NodeDraining", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-
-
-def _clipped(text: str, limit: int = 80) -> str:
-    """A caller's string for a message or log line: repr'd, at most ``limit`` characters."""
-    shown = repr(text)
-    return shown if len(shown) <= limit else f"{shown[: limit - 1]}… ({len(text):,} characters)"
-
-
 T = TypeVar("T")
-
-# How often a manifest this node serves from its own copy is read from the registry
-# again, in the background, to notice a published version that was changed there.
-MANIFEST_RECHECK_SECONDS = 10.0
-DIGEST_RECHECK_SECONDS = 1.0  # a reader's other digest asks the registry at most this often
-PIN_CHECK_WAIT = 2.0  # a version pinned from a kept copy waits this long for the registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +183,6 @@ class EdgeNode:
         self._registry_retries_counted = 0  # and registry ones in edgecache_registry_retries_total
         # Before the store: a registry URL no store serves fails with nothing to close.
         self.registry = Registry(config.registry, self.registry_stores)
-        self.registry_shown = shown_url(self.registry.url)  # in messages: no credentials
         self.store = store or CacheStore(
             config.cache_dir, capacity_bytes=config.capacity, sync=config.sync
         )
@@ -228,17 +206,12 @@ class EdgeNode:
         # Set as the node closes: shard work still on the pools' threads stops at its next
         # batch (cancelling its task does not stop the thread, and close() waits for it).
         self._closing = threading.Event()
-        self._manifests: dict[tuple[str, int], manifest_pb2.Manifest] = {}
+        # Which content each version served here is, checked against the registry.
+        self.versions = Versions(
+            config, self.registry, self.store, write=self._write, count_retries=self.count_retries
+        )
         # Stored bytes a shard needed when the cache refused it for room (_still_no_room).
         self._refused_size: dict[ShardKey, int] = {}
-        # When the registry was last asked for each manifest kept here (monotonic),
-        # the checks in flight, and the registry's manifest of each version
-        # that no longer agrees: a published version changed after this node cached it.
-        self._manifest_asked: dict[tuple[str, int], float] = {}
-        # (version, a reader's digest other than ours) -> when it last sent us to the registry
-        self._digests_asked: dict[tuple[tuple[str, int], str], float] = {}
-        self._manifest_checks: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._changed: dict[tuple[str, int], manifest_pb2.Manifest] = {}
         self.peers = Peers(config)
         self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
         self._shares: dict[ShardKey, _Share] = {}  # each in-flight fetch's readers
@@ -370,7 +343,7 @@ class EdgeNode:
     async def close(self) -> None:
         """Stop background work and close the cache; committed shards stay."""
         self._closing.set()
-        for task in list(self._inflight.values()) + list(self._manifest_checks.values()):
+        for task in list(self._inflight.values()) + self.versions.checks():
             task.cancel()
         for pool in (self._cpu, self._cpu_staging, self._parts, self._parts_staging):
             pool.shutdown(wait=True, cancel_futures=True)
@@ -379,315 +352,6 @@ class EdgeNode:
         await self.stores.close()
         await self.registry_stores.close()
         self.store.close()
-
-    # --------------------------------------------------------------- versions
-
-    async def resolve(self, dataset: str, version: str) -> manifest_pb2.Manifest:
-        """Pin ``latest`` (or check ``N``) against the registry."""
-        validate_name(dataset)
-        text = (version or LATEST).strip()
-        if text == LATEST:
-            try:
-                number = await self.registry.latest(dataset)
-            finally:
-                self.count_retries()
-        elif text.isdigit() and text.isascii() and int(text) >= 1:
-            number = int(text)
-        else:
-            raise ValueError(
-                f"version must be 'latest' or a positive integer, got {_clipped(version)}"
-            )
-        return await self.manifest_to_pin(dataset, number)
-
-    def without_secrets(self, text: str) -> str:
-        """``text`` with the registry's URL (and the objects' under it) shown without secrets."""
-        raw = self.registry.url
-        return text.replace(raw, self.registry_shown) if raw != self.registry_shown else text
-
-    async def manifest_to_pin(self, dataset: str, version: int) -> manifest_pb2.Manifest:
-        """A version's manifest for a reader to pin: checked against the registry now.
-
-        A job pins what this answers: it must be what the registry holds now, not an
-        older copy kept here (a version rewritten in the registry, or a registry
-        reset under the node, is refused instead). ``GetManifest`` served the kept
-        copy unchecked: a reader pinned the old content's digest, and when this node
-        then refused its shards, read them from a node of the old registry.
-        """
-        key = (dataset, version)
-        asked = self._manifest_asked.get(key)
-        manifest = await self.manifest(dataset, version)
-        if self._manifests.get(key) is not manifest or self._manifest_asked.get(key) != asked:
-            return manifest  # just read from the registry
-        if asked is None or time.monotonic() - asked >= DIGEST_RECHECK_SECONDS:
-            # Many readers starting at once share one read; a registry that does not
-            # answer within PIN_CHECK_WAIT leaves the kept copy served, as while it is away.
-            await self._check_now(key, manifest, wait=PIN_CHECK_WAIT)
-        return self._current_manifest(key)
-
-    async def manifest_as_read(
-        self, dataset: str, version: int, digest: str
-    ) -> manifest_pb2.Manifest:
-        """The version's manifest for a reader holding ``digest`` (empty: any).
-
-        A reader's digest that differs from the copy kept here means one of the two
-        is out of date. The registry is asked at once (at most once a second per
-        version and digest) rather than at the next background check: when it is this node's
-        copy, the reader gets :meth:`_current_manifest`'s account (the version was
-        changed in the registry; evict it here), not a refusal that blames it.
-        """
-        if digest and not _DIGEST.fullmatch(digest):
-            # Checked first: a reader's digest is kept (and echoed) below, and up to
-            # max_request_bytes of made-up digests would each be held and logged.
-            raise ValueError(
-                f"digest must be 'sha256:' and 64 hex digits, as manifests hold it, got "
-                f"{_clipped(digest)}; pass the manifest's digest, or none"
-            )
-        manifest = await self.manifest(dataset, version)
-        if not digest or digest == manifest.digest:
-            return manifest
-        key = (dataset, version)
-        now = time.monotonic()
-        asked = self._digests_asked.get((key, digest))
-        if asked is None or now - asked >= DIGEST_RECHECK_SECONDS:
-            if len(self._digests_asked) > 4096:  # readers with ever new digests: start over
-                self._digests_asked.clear()
-            self._digests_asked[(key, digest)] = now
-            await self._check_now(key, manifest)
-        manifest = self._current_manifest(key)  # OriginChanged when the registry's differs
-        if digest != manifest.digest:
-            raise OriginChanged(
-                f"{dataset}@{version} has digest {manifest.digest} here and in the registry "
-                f"{self.registry_shown}, not the reader's {digest}: the reader resolved it from "
-                "another registry, or before the version was changed there; resolve the "
-                "version again (a new EdgeDataset) against this node's registry"
-            )
-        return manifest
-
-    async def manifest(self, dataset: str, version: int) -> manifest_pb2.Manifest:
-        """A version's manifest: from memory, the local cache, or the registry (then kept).
-
-        A copy kept here is read from the registry again every
-        ``MANIFEST_RECHECK_SECONDS``, in the background; once the registry's
-        differs (a published version was changed), the version is refused
-        (:meth:`_current_manifest`) until it is evicted.
-        """
-        validate_name(dataset)
-        if version < 1:
-            raise ValueError(f"version must be >= 1, got {version}")
-        key = (dataset, version)
-        found = self._manifests.get(key)
-        if found is None:
-            kept = self.store.get_manifest(dataset, version)
-            if kept is None:
-                found = await self._registry_manifest(dataset, version, "was never seen")
-                try:
-                    await self._write(
-                        self.store.put_manifest, dataset, version, found.SerializeToString()
-                    )
-                except DiskFull:
-                    # The registry answered: serve its manifest, keeping no copy, so the
-                    # next call stores one once there is room (shards will not fit anyway).
-                    return found
-            else:
-                try:
-                    found = manifest_from_bytes(
-                        kept, source=f"cached manifest of {dataset}@{version}"
-                    )
-                except ManifestError as exc:
-                    found = await self._replace_damaged_manifest(dataset, version, kept, exc)
-                else:
-                    self._check_origin(found)  # origins may have been narrowed since
-            self._manifests.setdefault(key, found)
-        self._recheck_later(key)
-        return self._current_manifest(key)
-
-    async def _registry_manifest(
-        self, dataset: str, version: int, locally: str
-    ) -> manifest_pb2.Manifest:
-        """The registry's manifest of a version, checked against ``origins``.
-
-        ``locally`` says, when the registry cannot be read, why the node had to
-        ask it (the version "was never seen", or its kept copy is damaged).
-        """
-        try:
-            found = await self.registry.manifest(dataset, version)
-        except OriginError as exc:
-            if isinstance(exc, VersionNotFound):
-                raise
-            # Unreachable only when nothing answered: a refusal (403, a missing bucket) is
-            # the registry's answer, and was called "unreachable".
-            state = "is unreachable" if unreachable(exc) else "could not be read"
-            raise OriginError(
-                f"the registry {self.registry_shown} {state} and {dataset}@{version} "
-                f"{locally} by this node: {exc}"
-            ) from exc
-        finally:
-            self.count_retries()
-        self._check_origin(found)  # before it is kept: a refused one is not
-        self._manifest_asked[(dataset, version)] = time.monotonic()
-        return found
-
-    async def _replace_damaged_manifest(
-        self, dataset: str, version: int, kept: bytes, damage: ManifestError
-    ) -> manifest_pb2.Manifest:
-        """The registry's manifest, kept in place of a local copy that fails its checks.
-
-        A flipped bit in the node's own copy refused the version for good (evict
-        keeps manifests, a restart reads the same bytes), with advice to republish
-        a registry copy that was intact. Like a damaged chunk, the copy is fetched
-        again. The cached shards stay only if the registry's manifest carries the
-        digest the damaged copy still records (the version they were staged for);
-        otherwise which version they belong to is unknown, and they are dropped.
-        """
-        recorded = manifest_pb2.Manifest()
-        try:
-            recorded.ParseFromString(kept)
-        except DecodeError:
-            recorded.Clear()
-        log.warning(
-            "the manifest of %s@%s kept in %s is damaged (%s); reading the registry's again",
-            dataset,
-            version,
-            self.config.cache_dir,
-            damage,
-        )
-        found = await self._registry_manifest(dataset, version, "is damaged in the cache kept")
-        if not recorded.digest or recorded.digest != found.digest:
-            freed = await self._write(self.store.evict_version, dataset, version)
-            log.warning(
-                "%s@%s: the cached shards (%s) cannot be matched to the registry's manifest "
-                "%s, so they were dropped and are fetched again",
-                dataset,
-                version,
-                format_bytes(freed),
-                found.digest,
-            )
-        await self._write(self.store.put_manifest, dataset, version, found.SerializeToString())
-        return found
-
-    def _check_origin(self, manifest: manifest_pb2.Manifest) -> None:
-        """Refuse a version whose data (or a transform's file) lies outside ``origins``.
-
-        The manifest comes from the registry: without this, whoever can write
-        there could have the node read any file or URL it reaches (its own
-        tokens, ``/proc/self/environ``, a metadata service) and serve the bytes
-        back as rows.
-        """
-        prefixes = self.config.origin_prefixes()
-        spec = manifest.preprocess
-        try:
-            urls = [manifest.source_url] + [
-                resource_url(manifest.source_url, ref)
-                for ref in resource_refs(spec.transform, spec.params)
-            ]
-        except ValueError as exc:  # a transform's file no node can read
-            raise ManifestError(f"{manifest.dataset}@{manifest.version}: {exc}") from exc
-        for url in urls:
-            if not origin_allowed(url, prefixes):
-                raise ManifestError(
-                    f"{manifest.dataset}@{manifest.version} reads {url}, outside the origins "
-                    f"this node may read ({', '.join(prefixes)}); a version is refused there "
-                    "so that a registry entry cannot make the node read and serve other "
-                    "files. If the version is trusted, add its origin's prefix to the node's "
-                    "origins setting (EDGECACHE_ORIGINS); otherwise publish it from an "
-                    "allowed origin"
-                )
-
-    def _current_manifest(self, key: tuple[str, int]) -> manifest_pb2.Manifest:
-        """The manifest this node serves for a version; :class:`OriginChanged` if it changed.
-
-        Its shards were made from the manifest kept here; serving them under the
-        registry's new manifest would mix two contents under one ``name@N``, and
-        serving the old one would hand out content the registry no longer has.
-        """
-        changed = self._changed.get(key)
-        if changed is None:
-            return self._manifests[key]
-        kept = self._manifests[key]
-        spec = f"{key[0]}@{key[1]}"
-        raise OriginChanged(
-            f"{spec} was changed in the registry {self.registry_shown} after this node cached "
-            f"it: digest {kept.digest} here, {changed.digest} in the registry now. A "
-            f"published version must never change (a registry reset or a hand edit?), so "
-            f"this node serves neither as {spec}: publish the new content as a new version "
-            f"(edgecache publish) and move readers to it, then evict {spec} from this node "
-            f"(edgecache evict {spec}), after which it serves the registry's {spec}"
-        )
-
-    def _recheck_later(self, key: tuple[str, int]) -> None:
-        """Read the registry's manifest again in the background, if it is time to."""
-        asked = self._manifest_asked.get(key)
-        if key in self._changed or key in self._manifest_checks:
-            return
-        if asked is not None and time.monotonic() - asked < MANIFEST_RECHECK_SECONDS:
-            return
-        self._start_check(key, self._manifests[key])
-
-    def _start_check(self, key: tuple[str, int], kept: manifest_pb2.Manifest) -> asyncio.Task[None]:
-        """Check ``key`` against the registry in a task of its own, the one in flight for it."""
-        task = asyncio.create_task(self._check_manifest(key, kept))
-        self._manifest_checks[key] = task
-        task.add_done_callback(functools.partial(self._manifest_check_done, key))
-        return task
-
-    async def _check_now(
-        self, key: tuple[str, int], kept: manifest_pb2.Manifest, *, wait: float | None = None
-    ) -> None:
-        """:meth:`_check_manifest` now, shared with any check of the version in flight.
-
-        ``wait``: the longest to wait for it; past that the check goes on in the
-        background and the caller is served the copy kept here.
-        """
-        running = self._manifest_checks.get(key) or self._start_check(key, kept)
-        try:
-            await asyncio.wait_for(asyncio.shield(running), wait)
-        except TimeoutError:
-            log.info(
-                "the registry did not answer within %.0f s for %s@%d: serving the copy kept "
-                "here meanwhile",
-                wait,
-                *key,
-            )
-
-    def _manifest_check_done(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
-        self._manifest_checks.pop(key, None)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("checking %s@%d against the registry failed: %r", *key, exc)
-
-    async def _check_manifest(self, key: tuple[str, int], kept: manifest_pb2.Manifest) -> None:
-        """Compare the manifest kept here with the registry's; remember it if they differ.
-
-        A registry that cannot be reached or read leaves the kept copy served (the
-        node answers from it while the registry is away), as does a version the
-        registry no longer lists: the next check tries again.
-        """
-        if key in self._changed:
-            return
-        dataset, version = key
-        # Asked now, answered or not: an unreachable registry is tried again after the
-        # interval, not on every read in between.
-        self._manifest_asked[key] = time.monotonic()
-        try:
-            current = await self.registry.manifest(dataset, version)
-        except EdgeCacheError as exc:
-            log.info("could not check %s@%d against the registry: %s", dataset, version, exc)
-            return
-        finally:
-            self.count_retries()
-        if self._manifests.get(key) is not kept:
-            return  # evicted and replaced meanwhile: that one is checked on its own
-        if current.digest != kept.digest and key not in self._changed:
-            self._changed[key] = current
-            log.warning(
-                "%s@%d was changed in the registry %s after this node cached it (digest %s "
-                "here, %s there): refusing it until it is evicted; publish the new content "
-                "as a new version",
-                dataset,
-                version,
-                self.registry_shown,
-                kept.digest,
-                current.digest,
-            )
 
     # ------------------------------------------------------------------ shards
 
@@ -777,9 +441,7 @@ class EdgeNode:
         version changed, or it was evicted and the registry's adopted, while the
         shard was fetched) is not stored: it would be served under the other.
         """
-        version = (manifest.dataset, manifest.version)
-        serving = self._manifests.get(version, manifest)
-        if version in self._changed or serving.digest != manifest.digest:
+        if not self.versions.serves(manifest):
             raise OriginChanged(
                 f"{key} was fetched for a manifest of {manifest.dataset}@{manifest.version} "
                 f"(digest {manifest.digest}) that this node no longer serves: the registry's "
@@ -1530,8 +1192,8 @@ class EdgeNode:
         a published version that is simply not held here frees 0 bytes.
         ``unless_pinned_after``: see ``CacheStore.evict_version``.
         """
-        if not self._knows(dataset, version):
-            await self._check_published(dataset, version)
+        if not self.versions.knows(dataset, version):
+            await self.versions.check_published(dataset, version, self.node_id)
         freed = await self._write(
             functools.partial(self.store.evict_version, unless_pinned_after=unless_pinned_after),
             dataset,
@@ -1539,63 +1201,8 @@ class EdgeNode:
         )
         if freed:
             self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
-        changed = self._changed.get((dataset, version))
-        if changed is not None:  # no shard of the old content is left: serve the registry's
-            with contextlib.suppress(DiskFull):
-                await self._write(
-                    self.store.put_manifest, dataset, version, changed.SerializeToString()
-                )
-            self._manifests[(dataset, version)] = changed
-            self._manifest_asked[(dataset, version)] = time.monotonic()
-            del self._changed[(dataset, version)]
-            log.warning(
-                "%s@%d evicted: serving the registry's manifest (digest %s) from now on",
-                dataset,
-                version,
-                changed.digest,
-            )
+        await self.versions.evicted(dataset, version)
         return freed
-
-    def _knows(self, dataset: str, version: int) -> bool:
-        """Whether this node holds anything of a version: shards, a pin or its manifest."""
-        key = (dataset, version)
-        if key in self._manifests or key in self._changed:
-            return True
-        if self.store.get_manifest(dataset, version) is not None:
-            return True
-        return any((v.dataset, v.version) == key for v in self.store.versions())
-
-    async def _check_published(self, dataset: str, version: int) -> None:
-        """:class:`VersionNotFound` unless the registry publishes ``dataset@version``.
-
-        A registry that cannot be read says nothing either way: nothing is held
-        here, so there is nothing to evict and no error to report.
-        """
-        try:
-            await self.registry.manifest(dataset, version)
-        except VersionNotFound as exc:
-            raise VersionNotFound(
-                f"{dataset}@{version} is not held by {self.node_id}, and {exc}; list the "
-                f"published versions with `edgecache versions {dataset}`"
-            ) from exc
-        except EdgeCacheError as exc:
-            log.info("evict %s@%d: the registry could not be asked (%s)", dataset, version, exc)
-        finally:
-            self.count_retries()
-
-    def _kept_manifest(self, v: VersionInfo) -> manifest_pb2.Manifest | None:
-        """The manifest this node kept for a version (a restarted node knows its size too)."""
-        raw = self.store.get_manifest(v.dataset, v.version)
-        if raw is None:
-            return None
-        try:
-            manifest = manifest_from_bytes(
-                raw, source=f"cached manifest of {v.dataset}@{v.version}"
-            )
-        except EdgeCacheError:
-            return None
-        self._manifests[(v.dataset, v.version)] = manifest
-        return manifest
 
     def status(self) -> edge_pb2.NodeStatus:
         """What the node holds and has done (its counts as its metrics keep them)."""
@@ -1628,7 +1235,7 @@ class EdgeNode:
             registry=registry_key(self.registry.url),
         )
         for v in self.store.versions():
-            known = self._manifests.get((v.dataset, v.version)) or self._kept_manifest(v)
+            known = self.versions.held(v)
             entry = status.versions.add(
                 dataset=v.dataset,
                 version=v.version,

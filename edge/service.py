@@ -319,7 +319,7 @@ def _without_secrets(service: Any, message: str) -> str:
     and a status's details go to any client allowed to call.
     """
     node = getattr(service, "node", None)
-    return node.without_secrets(message) if node is not None else message
+    return node.versions.without_secrets(message) if node is not None else message
 
 
 def _unary(
@@ -373,7 +373,7 @@ class EdgeCacheService:
         self, request: edge_pb2.ResolveVersionRequest, context: aio.ServicerContext
     ) -> edge_pb2.ResolveVersionResponse:
         """Pin latest (or check N): version number, digest, shard count."""
-        manifest = await self.node.resolve(request.dataset, request.version)
+        manifest = await self.node.versions.resolve(request.dataset, request.version)
         return edge_pb2.ResolveVersionResponse(
             dataset=manifest.dataset,
             version=manifest.version,
@@ -386,7 +386,7 @@ class EdgeCacheService:
         self, request: edge_pb2.GetManifestRequest, context: aio.ServicerContext
     ) -> manifest_pb2.Manifest:
         """The version's manifest, checked against the registry (this node's copy if it is away)."""
-        return await self.node.manifest_to_pin(request.dataset, request.version)
+        return await self.node.versions.manifest_to_pin(request.dataset, request.version)
 
     @_streaming
     async def ReadShard(  # noqa: N802
@@ -396,7 +396,9 @@ class EdgeCacheService:
         node = self.node
         began = time.monotonic()
         try:
-            manifest = await node.manifest_as_read(request.dataset, request.version, request.digest)
+            manifest = await node.versions.manifest_as_read(
+                request.dataset, request.version, request.digest
+            )
             if request.cached_only:
                 key = node.shard_ref(manifest, request.shard)
                 if not node.store.contains(key):
@@ -483,7 +485,7 @@ class EdgeCacheService:
         _check_peers(request)
         # Checked against the registry as a reader's pin is: a copy kept from before a
         # registry reset made Stage say "held already" of the old content.
-        manifest = await self.node.manifest_to_pin(request.dataset, request.version)
+        manifest = await self.node.versions.manifest_to_pin(request.dataset, request.version)
         pin = _pin_time(request, "pin_until")
         wanted = self.node.staging_targets(manifest, list(request.shards))
         progress = edge_pb2.StageProgress(
@@ -565,7 +567,7 @@ class EdgeCacheService:
         until, if_until = _pin_time(request, "until"), _pin_time(request, "if_until")
         if request.extend and (until is None or if_until is not None):
             raise ValueError("extend needs until, and does not go with if_until")
-        self.node.shard_ref(await self.node.manifest(request.dataset, request.version), 0)
+        self.node.shard_ref(await self.node.versions.manifest(request.dataset, request.version), 0)
         if request.extend and until is not None:
             await self.node.extend_pin(request.dataset, request.version, until)
         else:

@@ -44,7 +44,7 @@ def _shard_bytes(tmp_path: Path, registry: str) -> int:
         assert node.node is not None
         return max(
             node.node.store.shard_info(node.node.shard_ref(m, i)).stored_bytes  # type: ignore[union-attr]
-            for m in [node.node._manifests[("big", 1)]]
+            for m in [node.node.versions._manifests[("big", 1)]]
             for i in range(3)
         )
 

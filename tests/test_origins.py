@@ -99,7 +99,7 @@ def test_a_made_up_digest_is_refused_before_it_is_kept_or_echoed(tmp_path: Path)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "64 hex digits" in refused.value.details()
         assert len(refused.value.details()) < 400  # the digest is clipped, not echoed whole
-        assert node.node is not None and not node.node._digests_asked  # noqa: SLF001
+        assert node.node is not None and not node.node.versions._digests_asked  # noqa: SLF001
         with pytest.raises(grpc.RpcError) as bad_version:
             stub(node.address).ResolveVersion(
                 edge_pb2.ResolveVersionRequest(dataset="tokens", version="9" * 9 + "x" * 9000)

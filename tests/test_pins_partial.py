@@ -24,7 +24,7 @@ def small(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
     with running_node(node_settings(tmp_path / "measure", registry)) as measure:
         list(stub(measure.address).Stage(edge_pb2.StageRequest(dataset="big", version=1)))
         assert measure.node is not None
-        manifest = measure.node._manifests[("big", 1)]
+        manifest = measure.node.versions._manifests[("big", 1)]
         shard = max(
             measure.node.store.shard_info(measure.node.shard_ref(manifest, i)).stored_bytes  # type: ignore[union-attr]
             for i in range(3)

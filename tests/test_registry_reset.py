@@ -77,7 +77,7 @@ def test_a_slow_registry_delays_a_pinned_manifest_at_most_a_moment(
     from edgeutil import node_settings, stub
 
     from edgecache.cache.registry import Registry
-    from edgecache.edge import node as node_module
+    from edgecache.edge import versions as versions_module
     from edgecache.edge.server import running_node
     from edgecache.v1 import edge_pb2
 
@@ -100,7 +100,7 @@ def test_a_slow_registry_delays_a_pinned_manifest_at_most_a_moment(
         return await read(self, dataset, version)
 
     monkeypatch.setattr(Registry, "manifest", slow)
-    monkeypatch.setattr(node_module, "DIGEST_RECHECK_SECONDS", 0.0)  # every call checks
+    monkeypatch.setattr(versions_module, "DIGEST_RECHECK_SECONDS", 0.0)  # every call checks
     with running_node(node_settings(tmp_path, registry)) as node:
         try:
             client = stub(node.address)
@@ -110,7 +110,7 @@ def test_a_slow_registry_delays_a_pinned_manifest_at_most_a_moment(
                 began = time.monotonic()
                 client.GetManifest(request, timeout=10)  # the kept copy, after PIN_CHECK_WAIT
                 # A moment, not the registry's 30 s: PIN_CHECK_WAIT and 4 s for a loaded host.
-                assert time.monotonic() - began < node_module.PIN_CHECK_WAIT + 4
+                assert time.monotonic() - began < versions_module.PIN_CHECK_WAIT + 4
             assert len(reads) == 2, reads  # one check in flight, shared by the later calls
         finally:
             answer.set()

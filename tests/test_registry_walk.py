@@ -28,7 +28,7 @@ from s3server import make_bucket, upload_dir
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.cache.storage import FsspecStore, ObjectStore, Stores
-from edgecache.edge import node as node_module
+from edgecache.edge import versions as versions_module
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
 
@@ -246,7 +246,7 @@ def test_a_node_refuses_a_version_the_registry_changed_until_it_is_evicted(
     with other rows. A reader resolving through a fresh node Y gets the new digest.
     X must not serve its old shards as tokens@1 to anyone once it noticed, must say
     what happened and what to do, and serve the registry's tokens@1 once evicted."""
-    monkeypatch.setattr(node_module, "MANIFEST_RECHECK_SECONDS", 0.0, raising=False)
+    monkeypatch.setattr(versions_module, "MANIFEST_RECHECK_SECONDS", 0.0)
     registry = where[0]
     old_source, new_source = sources(tmp_path, where, 2, request)
     old = publish(registry, old_source, "tokens")
