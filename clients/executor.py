@@ -192,6 +192,17 @@ class Released:
     problems: list[str] = field(default_factory=list)  # why a release failed
 
 
+def _unlisted(pin: WarmPin) -> str:
+    """Why a pin on a node this run's topology does not list is neither released nor dropped."""
+    return (
+        f"{pin.region}: the pin of {pin.version} on {pin.node} (until "
+        f"{pin.until:%Y-%m-%d %H:%M}), which an earlier warm of this schedule placed, is not "
+        f"released: this run's topology does not list {pin.node} in region {pin.region}. It "
+        "stays in warm's record; run warm again with the topology that lists that node "
+        "(--config) to release it"
+    )
+
+
 def release_line(pin: WarmPin, plan: Plan, *, dry_run: bool = False, who: str = "") -> str:
     """What :meth:`PlanExecutor.release` did with ``pin`` (or would), as warm and the demo say it.
 
@@ -508,14 +519,22 @@ class PlanExecutor:
         time instead (the schedule's own job, moved earlier, or a job another
         record holds reads the version until then): Pin sets the time a node
         keeps, shorter or not. A pin on a node that did not answer, or whose
-        release failed, is kept for the next run. ``dry_run`` releases nothing
-        and lists what would be.
+        release failed, is kept for the next run; so is one on a node this
+        run's topology does not list (another ``--config``), with a problem
+        saying which topology releases it. ``dry_run`` releases nothing and
+        lists what would be.
         """
         seen = self._see(reports)
         out = Released()
         for pin in pins:
             if pin.node in self.calls.down:
                 out.kept.append(pin)
+                continue
+            if pin.node not in self._listed(pin.region):
+                # Not asked for its pins at all: taken as "gone", the pin was dropped from
+                # the record while the node kept it, and only evict --force freed the room.
+                out.kept.append(pin)
+                out.problems.append(_unlisted(pin))
                 continue
             have = seen.pins.get((pin.node, pin.key))
             if have is None or abs(have - pin.until) >= _SAME_PIN:
@@ -534,6 +553,11 @@ class PlanExecutor:
                 if done.problem:
                     out.problems.append(done.problem)
         return out
+
+    def _listed(self, region: str) -> Sequence[str]:
+        """The nodes this run's topology lists in ``region`` (none if it has no such region)."""
+        found = self.topology.regions.get(region)
+        return found.nodes if found is not None else ()
 
     def _see(self, reports: Sequence[NodeReport]) -> NodesSeen:
         """Read a status round once; the nodes that did not answer join :attr:`calls`' down."""

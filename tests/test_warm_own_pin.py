@@ -156,3 +156,34 @@ def test_plan_plans_on_the_pins_as_warm_leaves_its_own(small) -> None:
     assert code == 0, (out, err)
     assert "would shorten the pin of pq@2" in said(out), out
     assert "pq@1" in said(err) and "the plan starts it at" in said(err), err
+
+
+def test_a_pin_on_a_node_the_run_does_not_list_is_kept_not_forgotten(small) -> None:
+    """warm pinned pq@2 with small.yaml; the schedule is emptied and warm run with another
+    topology of the same registry (the folder's edgecache.yaml, say), which does not list
+    the node. It said "0 of 0 staged", exit 0, and dropped the pin from its record while the
+    node kept it: only evict --force freed the room (a helper's hunt). The pin is kept in
+    the record and the run fails naming the node; warm with small.yaml then releases it."""
+    from test_plan_defects import topology_file
+
+    from edgecache.clients.node_client import start_local_node
+
+    root, node = small
+    now = datetime.now(UTC)
+    registry = (root / "small.yaml").read_text().splitlines()[0].removeprefix("registry: ")
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
+    code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
+    assert code == 0 and near(pinned_until(node), now + timedelta(hours=3)), (out, err)
+    a.write_text("jobs: []\n")
+    other = start_local_node("other", root / "cache-other", registry)
+    try:
+        elsewhere = topology_file(root / "other.yaml", registry, other=other.address)
+        code, out, err = edgecache("warm", str(a), "--config", str(elsewhere))
+    finally:
+        other.stop()
+    assert code == 1, (code, out, err)
+    assert f"does not list {node.address} in region small" in said(err), err
+    assert near(pinned_until(node), now + timedelta(hours=3))  # not released: not asked
+    code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
+    assert code == 0 and "released the pin of pq@2" in said(out), (out, err)
+    assert pinned_until(node) is None
