@@ -386,13 +386,39 @@ class CacheStore(ClosingContext):
         """The error for a write transaction that failed: :class:`DiskFull` if the disk is.
 
         A full disk surfaces from ``mdb_txn_commit`` as ENOSPC (``lmdb.DiskError``),
-        or as EIO from a short write; the free space left tells those apart.
+        or as EIO from a short write; the free space left tells those apart. The
+        room it names is :meth:`room_on_disk`'s: the volume's free space alone
+        reads 0 once the failed write has grown the file into it.
         """
         free = shutil.disk_usage(self.path).free
         if isinstance(exc, lmdb.DiskError) or free < 2 * need + MAP_HEADROOM // 16:
             needs = f", this needs {format_bytes(need)}" if need else ""
-            return self.disk_full(f"{what}: the disk under {self.path} is full", free, needs)
+            return self.disk_full(
+                f"{what}: the disk under {self.path} is full", self.room_on_disk(), needs
+            )
         return StoreError(f"writing {what} to {self.path} failed: {exc}")
+
+    def room_on_disk(self) -> int:
+        """Bytes the cache can still write: the volume's free space and its file's unused end.
+
+        A write that failed for room grew ``data.mdb`` before it was aborted; the
+        next writes go into those pages (past the last one committed), so they are
+        room for the cache though the volume no longer shows them free. Safe from
+        any thread, and after :meth:`close` (then the volume's free space alone).
+        """
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return 0
+        env = self._env
+        if env is None or self.readonly:
+            return free
+        try:
+            end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            size = (self.path / "data.mdb").stat().st_size
+        except (lmdb.Error, OSError):
+            return free
+        return free + max(size - end, 0)
 
     def disk_full(self, what: str, free: int, detail: str = "") -> DiskFull:
         """A :class:`DiskFull` saying ``what`` and what an operator can do about it."""

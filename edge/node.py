@@ -39,7 +39,6 @@ import functools
 import itertools
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -241,7 +240,9 @@ class EdgeNode:
         self._transform_locks: dict[str, asyncio.Lock] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._disk_full = False  # the last write found the cache's disk full
-        self._free_when_full = 0  # the volume's free bytes then (see _still_full)
+        self._free_when_full = 0  # the room the cache had on its disk then (see _still_full)
+        # Stored bytes per source byte of the shard the full disk refused (see _still_full).
+        self._full_ratio = 1.0
         # Asked at each scrape: an operator who frees room sees the gauge (and the alert
         # on it) clear at once, not at the next shard write, which a node whose reads
         # all hit its cache may never make.
@@ -369,17 +370,16 @@ class EdgeNode:
             if not self._disk_full:
                 self._disk_full = True
                 log.warning(
-                    "cache disk full: %s. Staging and read-through misses fail with "
-                    "RESOURCE_EXHAUSTED until there is room; cached shards are still served",
+                    "cache disk full: %s. Staging and read-through misses of shards larger "
+                    "than the room left fail with RESOURCE_EXHAUSTED until there is more; "
+                    "cached shards are still served",
                     exc,
                 )
             raise
 
     def _free_bytes(self) -> int:
-        try:
-            return shutil.disk_usage(self.store.path).free
-        except OSError:
-            return 0
+        """The room the cache has on its disk (:meth:`CacheStore.room_on_disk`)."""
+        return self.store.room_on_disk()
 
     def disk_full_now(self) -> bool:
         """Whether the disk is as full as when a write last failed for room.
@@ -390,23 +390,32 @@ class EdgeNode:
         """
         return self._disk_full and self._free_bytes() <= self._free_when_full
 
-    def _still_full(self, key: ShardKey) -> DiskFull | None:
-        """The error for a shard not worth fetching: the disk is as full as when a write failed.
+    def _still_full(self, key: ShardKey, source_size: int) -> DiskFull | None:
+        """The error for a shard not worth fetching: it would not fit where a write failed.
 
         Fetching and preprocessing a shard only to have its commit refused wastes
-        origin bandwidth and CPU on every shard of a Stage; once the volume has
-        more free space than then (or an eviction freed pages), fetches resume.
+        origin bandwidth and CPU on every shard of a Stage; once the disk has
+        more room than then (or an eviction freed pages), fetches resume. Until
+        then a shard is refused only if it would not fit the room there is, as
+        estimated from its source size and the refused shard's stored bytes per
+        source byte: the room a large shard lacked is still room for smaller ones
+        (a failed write leaves the pages it wrote to the next), and refusing
+        them all turned every miss on the node, of any version, away until a
+        restart.
         """
         if not self._disk_full:
             return None
-        free = self._free_bytes()
-        if free > self._free_when_full:  # as disk_full_now(), with the figure said below
+        room = self._free_bytes()
+        if room > self._free_when_full:  # as disk_full_now(), with the figure said below
+            return None
+        expected = int(source_size * self._full_ratio)
+        if expected + expected // 4 + (64 << 10) < room:  # with room for LMDB's own pages
             return None
         self.metrics.disk_full_errors.inc()
         return self.store.disk_full(
             f"{key}: not fetched, the disk under {self.store.path} is still full",
-            free,
-            ", as when the last write failed",
+            room,
+            f", as when the last write failed; the shard needs about {format_bytes(expected)}",
         )
 
     def _still_no_room(self, key: ShardKey) -> CacheFull | None:
@@ -451,6 +460,10 @@ class EdgeNode:
             info = await self._write(self.store.put_shard, key, frames)
         except CacheFull:
             self._refused_size[key] = sum(len(f) for f in frames)  # see _still_no_room
+            raise
+        except DiskFull:
+            source = manifest.shards[key.shard].source_size
+            self._full_ratio = sum(len(f) for f in frames) / source if source > 0 else 1.0
             raise
         self._refused_size.pop(key, None)
         self._count_evictions()
@@ -569,7 +582,7 @@ class EdgeNode:
         peers_only: bool = False,
         wanted: asyncio.Event | None = None,
     ) -> Fetched:
-        if (full := self._still_full(key)) is not None:
+        if (full := self._still_full(key, manifest.shards[key.shard].source_size)) is not None:
             raise full
         if staging and (no_room := self._still_no_room(key)) is not None:
             raise no_room  # a reader's miss is fetched anyway: served without caching it
