@@ -81,9 +81,19 @@ def restage_advice(name: str, endpoint: str) -> str:
     through it) puts shards back, or the reads go through the node instead.
     """
     return (
-        f"Stage it on that node again (edgecache warm {name} --region <its region>), "
-        f"or list the node's gRPC endpoint after {endpoint} so reads continue through it"
+        f"Stage it on that node again (edgecache warm {name} --region <its region>; in a "
+        f"region of several replicas each stages only the shards it owns, so {REPLICAS}), "
+        f"or list the node's gRPC endpoint (or its region's) after {endpoint} so reads "
+        "continue through it"
     )
+
+
+# Why staging again does not help a cache of one replica: the advice above sent a user of
+# a two-replica region round the same warm, the cache still lacking the other's shards.
+REPLICAS = (
+    "one replica's cache never holds the others' shards: list every replica's cache "
+    "directory, or read through the gRPC endpoints"
+)
 
 
 def damaged_manifest(name: str, path: str) -> str:
@@ -218,9 +228,10 @@ def require_shards(
         warm = "; ".join(f"edgecache warm {name} --region <its region>" for name, _, _ in short)
         raise ShardNotCached(
             f"{state} {counts}, and nothing fetches into a cache read directly (a read of "
-            f"one would end the epoch). Stage {them} there and let {them} finish ({warm}), "
-            f"or list the node's gRPC endpoint after {local[-1].text} so reads fetch them "
-            "through it"
+            f"one would end the epoch). Stage {them} there and let {them} finish ({warm}; in "
+            f"a region of several replicas each stages only the shards it owns, so {REPLICAS}), "
+            f"or list the node's gRPC endpoint (or its region's) after {local[-1].text} so "
+            "reads fetch them through it"
         )
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from edgeutil import edgecache, publish, stub, write_parquet_shards
 
-from edgecache.cache.errors import InvalidEndpoint
+from edgecache.cache.errors import InvalidEndpoint, ShardNotCached
 from edgecache.cache.rendezvous import unique_names
 from edgecache.clients import EdgeDataset
 from edgecache.clients.endpoints import parse_endpoint
@@ -144,6 +144,22 @@ def test_a_replicas_local_cache_lacking_the_others_shards_says_so_not_evicted(
             assert "another replica of its node's region owns that shard" in message, message
         else:
             assert "the others are read from the other endpoints" in message, message
+
+
+def test_one_replicas_cache_alone_is_told_to_list_every_replicas(staged) -> None:  # noqa: ANN001
+    """One replica's cache read alone lacks the other's shards; the advice was to warm the
+    version again, which stages each shard on its owner only: followed, it changed nothing
+    (a helper's hunt). It names the replicas, and the way it gives works."""
+    root = staged[0]
+    with pytest.raises(ShardNotCached) as raised:
+        EdgeDataset("split@1", endpoints=[f"lmdb://{root / 'cache-0'}"], batch_size=64)
+    said = " ".join(str(raised.value).split())
+    assert "each stages only the shards it owns" in said, said
+    assert "list every replica's cache directory" in said, said
+    caches = [f"lmdb://{root / f'cache-{i}'}" for i in range(2)]
+    assert _labels(EdgeDataset("split@1", endpoints=caches, batch_size=64)) == list(
+        range(SHARDS * ROWS)
+    )
 
 
 def test_a_node_restarted_under_another_id_is_asked_again(tmp_path: Path) -> None:
