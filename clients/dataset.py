@@ -778,7 +778,20 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         batch (DDP then waits for it forever).
         """
         order = self._order(self.seed, self._epoch, None)
-        if order.samples == 0:
+        share = order.total // self.world_size  # the fewest samples a rank holds
+        if order.samples == 0 and self.drop_last and self.batch_size and share > 0:
+            # Every rank alike (no DDP hang): the batch, not the ranks, is too large. Told
+            # "use fewer ranks than samples" with fewer already, a user had no way out.
+            extra = f" or {share + 1}" if order.total % self.world_size else ""
+            warnings.warn(
+                f"{self.version}: batch_size={self.batch_size} is more than each rank's "
+                f"share of the epoch ({share}{extra} of its {order.total} samples "
+                f"over {self.world_size} rank(s)), and drop_last=True drops partial batches: "
+                f"every rank yields no batch. Use a batch_size of at most {share}, or "
+                "drop_last=False",
+                stacklevel=3,
+            )
+        elif order.samples == 0:
             warnings.warn(
                 f"{self.version}: rank {self.rank} of {self.world_size} gets no sample of the "
                 f"epoch's {order.total} and yields no batch; under DDP the other ranks then "

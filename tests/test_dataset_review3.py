@@ -233,3 +233,24 @@ def test_a_rank_with_no_sample_warns_at_construction(cluster) -> None:
         )
         if "no sample" in m
     ]
+
+
+def test_a_batch_larger_than_every_ranks_share_with_drop_last_names_the_batch(cluster) -> None:
+    """drop_last with a batch larger than each rank's share: every rank yields nothing, and
+    each was told it "gets no sample … use fewer ranks than samples", with fewer ranks
+    than samples already (a helper's hunt). The warning names the batch and the size that
+    works; followed, every rank yields a batch."""
+    total = len(quiet(cluster, "types@1", batch_size=None, shuffle=False))
+    share = total // 2
+    said = made_warnings(
+        cluster, "types@1", batch_size=share + 2, drop_last=True, rank=1, world_size=2
+    )
+    assert not any("gets no sample" in m for m in said), said
+    (message,) = [m for m in said if "drop_last=True" in m]
+    assert f"batch_size of at most {share}" in message, message
+    for rank in (0, 1):
+        ds = quiet(
+            cluster, "types@1", columns=["idx"], batch_size=share, drop_last=True,
+            rank=rank, world_size=2,
+        )  # fmt: skip
+        assert len(ds) == 1 and len(list(ds)) == 1
