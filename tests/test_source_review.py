@@ -267,10 +267,16 @@ def test_the_header_hint_names_a_count_line_only_when_there_is_one() -> None:
     assert "iris" not in plain and "count" not in plain and "--skip-rows 1" in plain
     iris = refused((SKLEARN_DATA / "iris.csv").read_bytes(), CSV)
     assert "(a count line: its first cell, 150, is the number of rows below it)" in iris
+    # Followed as printed, it publishes: --skip-rows 1 alone left a row of data first, and
+    # the next refusal's "--skip-rows 2" would have dropped it (a helper's hunt).
+    assert "add --skip-rows 1 --no-header (the rows below it are data)" in iris, iris
+    table = read((SKLEARN_DATA / "iris.csv").read_bytes(), CSV, skip_rows="1", header="false")
+    assert table.num_rows == 150
     wine = refused((SKLEARN_DATA / "wine_data.csv").read_bytes(), CSV)
     assert "its first cell, 178, is the number of rows below it" in wine
     title = refused(b"2024,report\nx,y,z\n1,2,3\n", CSV)
     assert "(it has 2 cells where the next row has 3: a title line)" in title
+    assert "--no-header" not in title.split("line to drop")[1]  # a header follows it
 
 
 # ---------------------------------------------------------------- 8: CSV footguns

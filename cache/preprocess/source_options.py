@@ -296,11 +296,17 @@ def _check_header(text: bytes, delimiter: str, skip: int, source: str) -> None:
         drop = f" (it has {len(header)} cells where the next row has {len(rows[1])}: a title line)"
     else:
         drop = ""
+    # Dropped, the line leaves the next row first: data too (a count line's rows), it needs
+    # --no-header as well, or the advice followed is refused again with "--skip-rows N+1",
+    # which would drop a row of data.
+    after = rows[1] if len(rows) > 1 else []
+    data_next = any(_is_number(c.strip()) or not c.strip() for c in after)
+    then = " --no-header (the rows below it are data)" if data_next else ""
     raise MalformedShard(
         f"{source}: the first row (row {skip + 1}: {delimiter.join(header)[:80]!r}) does not look "
         f"like a header: {what}. If it is data, publish with --no-header (columns are named "
         "f0, f1, … unless you give --column-names a,b,c); if it is a line to drop"
-        f"{drop}, add --skip-rows {skip + 1}; if it really is the header, pass --header"
+        f"{drop}, add --skip-rows {skip + 1}{then}; if it really is the header, pass --header"
     )
 
 
