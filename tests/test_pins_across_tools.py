@@ -10,6 +10,7 @@ its line. Real nodes on loopback where pins are involved.
 from __future__ import annotations
 
 import json
+import shlex
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -123,13 +124,18 @@ def test_the_demo_records_its_jobs_so_the_evict_advice_works(tmp_path: Path) -> 
         evict = ("evict", "demo-tokens@1", "--region", "us-east", *config)
         seen["refused"] = edgecache(*evict)
         (workdir / "schedule.yaml").write_text("jobs: []\n")
-        seen["warm"] = edgecache("warm", str(workdir / "schedule.yaml"), *config)
+        # The command as printed, pasted: it names the topology the evict was given (run
+        # without it, warm read ./edgecache.yaml, another topology, and released nothing).
+        printed = " ".join(seen["refused"][2].split()).split("run `edgecache ")[1].split("`")[0]
+        seen["warm"] = edgecache(*shlex.split(printed))
         seen["evicted"] = edgecache(*evict)
 
     run_demo(tmp_path, total_mib=2, shards=2, while_running=follow_the_advice)
     code, _, err = seen["refused"]
     assert code == 2 and "read by eval-us" in err, err
-    assert f"run `edgecache warm {tmp_path / 'schedule.yaml'}` again" in err, err
+    said = " ".join(err.split())
+    config = tmp_path / "edgecache.yaml"
+    assert f"run `edgecache warm {tmp_path / 'schedule.yaml'} --config {config}` again" in said, err
     code, out, err = seen["warm"]
     assert code == 0 and "released the pin of demo-tokens@1" in out, (out, err)
     code, out, err = seen["evicted"]

@@ -285,6 +285,11 @@ def test_plan_status_without_a_controller_says_nothing_is_staging(site) -> None:
     (view,) = json.loads(out)
     assert view["state"] == "not started", view
     assert "edgecache controller --schedule" in view["hint"] and "edgecache warm" in view["hint"]
+    # The commands name the topology this plan read (a helper's hunt: without it, warm read
+    # ./edgecache.yaml, which does not have the job's region, exit 2), not a read token.
+    tiny = root / "tiny.yaml"
+    assert f"`edgecache warm {path} --config {tiny}`" in view["hint"], view["hint"]
+    assert f"--schedule {path} --config {tiny}`" in view["hint"], view["hint"]
     code, out, err = edgecache("plan", str(path), "--status", *config)
     assert "state: not started" in out and "staging" not in out.split("missing")[0], out
 

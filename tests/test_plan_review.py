@@ -141,7 +141,8 @@ def test_warm_of_the_same_schedule_releases_the_pins_of_a_job_removed_from_it(tw
     code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
     assert code == 2 and "read by jl (us-east" in err, (out, err)
     said = " ".join(err.split())
-    assert f"Remove the job from {path} and run `edgecache warm {path}` again" in said, err
+    again = f"`edgecache warm {path} --config {root / 'edgecache.yaml'}` again"
+    assert f"Remove the job from {path} and run {again}" in said, err
     path.write_text("jobs:\n" + job("keep", start, "other@1"))  # jl removed
     code, out, err = edgecache(root, "warm", str(path), "--dry-run")
     assert code == 0 and "us-east: would release the pin of iris@1 on" in out, (out, err)
@@ -234,7 +235,8 @@ def test_warm_of_another_schedule_keeps_the_jobs_and_pins_of_the_first(two) -> N
     assert sorted(j["name"] for j in record["jobs"]) == ["ja2", "jb", "jo"], record
     code, out, err = edgecache(root, "evict", "iris@1", "--region", "us-east")
     assert code == 2 and "read by jb (us-east" in err and "ja " not in err, (out, err)
-    assert f"run `edgecache warm {b}` again" in " ".join(err.split()), err
+    again = f"run `edgecache warm {b} --config {root / 'edgecache.yaml'}` again"
+    assert again in " ".join(err.split()), err
     b.write_text("jobs:\n" + job("jo", start, "other@1"))  # now nobody reads iris@1
     code, out, err = edgecache(root, "warm", str(b))
     assert code == 0 and "released the pin of iris@1" in out, (out, err)

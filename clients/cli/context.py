@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import logging
 import re
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -149,6 +150,19 @@ class Options:
         if self._topology is None:
             self._topology = load_topology(self.config)
         return self._topology
+
+    def flags(self, *, token: bool = True) -> str:
+        """``--config`` (and ``--token-file``) as given, for the commands a message prints.
+
+        Printed without them, a next step the user pastes read ``./edgecache.yaml``
+        (another topology, another registry) and did something else, or failed.
+        ``token``: only where the command printed needs the same token (an admin
+        one for ``warm``, which a read token given to ``plan`` is not).
+        """
+        parts = [] if self.config is None else ["--config", str(self.config)]
+        if token and self.token_file is not None:
+            parts += ["--token-file", str(self.token_file)]
+        return "".join(f" {shlex.quote(p)}" for p in parts)
 
     @property
     def token(self) -> str | None:

@@ -375,7 +375,14 @@ def evict(
 
     options = Options(config, token_file)
     with reporting():
-        results = ops.evict(options.topology, spec, region=region, token=options.token, force=force)
+        results = ops.evict(
+            options.topology,
+            spec,
+            region=region,
+            token=options.token,
+            force=force,
+            flags=options.flags(),
+        )
     if as_json:
         print(
             json.dumps(

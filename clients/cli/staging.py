@@ -129,7 +129,8 @@ def plan(
                 state,
                 now,
                 controller_running=lease_holder(options.topology.registry) is not None,
-                schedule_path=str(schedule),
+                # The topology warm and the controller must read: a read token is not theirs.
+                schedule_path=str(schedule) + options.flags(token=False),
             )
     if not show_status:
         _say_ended(jobs, now)

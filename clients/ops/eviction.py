@@ -138,10 +138,13 @@ def evict(
     token: str | None = None,
     force: bool = False,
     now: datetime | None = None,
+    flags: str = "",
 ) -> list[EvictResult]:
     """Drop ``NAME@N`` from every node of ``region`` (or of every region).
 
-    Refused (:class:`VersionPinned`, naming the jobs) while any of those nodes
+    Refused (:class:`VersionPinned`, naming the jobs and the command that
+    releases their pins, with ``flags``: the caller's ``--config`` and
+    ``--token-file``) while any of those nodes
     pins the version for a scheduled job, unless ``force``; a version neither
     published nor held anywhere is :class:`VersionNotFound`. Every node is
     asked even when one fails; failures come back in ``error``. A node that
@@ -170,7 +173,7 @@ def evict(
         if v.HasField("pinned_until") and v.pinned_until.ToDatetime(tzinfo=UTC) > now
     ]
     if pins and not force:
-        raise VersionPinned(_pinned_message(topology, f"{key[0]}@{key[1]}", pins, now))
+        raise VersionPinned(_pinned_message(topology, f"{key[0]}@{key[1]}", pins, now, flags=flags))
     unknown = VersionNotFound(
         f"{spec} is neither published in {topology.registry} nor held by any node of "
         f"{', '.join(regions)}; list versions with: edgecache versions {parsed.dataset}"

@@ -455,6 +455,8 @@ def _pinned_message(
     spec: str,
     pins: list[tuple[str, str, datetime]],
     now: datetime,
+    *,
+    flags: str = "",
 ) -> str:
     """Which scheduled jobs a pinned version is kept for, and when they start.
 
@@ -496,11 +498,11 @@ def _pinned_message(
     reads = ", ".join(dict.fromkeys(_job_times(job, now) for job in readers))  # once each
     return (
         f"{pinned}, read by {reads}; evicting it would leave that job without its data. "
-        f"{_how_to_release(readers)}"
+        f"{_how_to_release(readers, flags)}"
     )
 
 
-def _how_to_release(readers: list[PinnedJob]) -> str:
+def _how_to_release(readers: list[PinnedJob], flags: str = "") -> str:
     """The command that releases the pin once its job is no longer scheduled.
 
     Editing the schedule alone changes nothing on the nodes: warm releases
@@ -510,7 +512,7 @@ def _how_to_release(readers: list[PinnedJob]) -> str:
     """
     schedules = sorted({job.schedule for job in readers if job.by == "warm" and job.schedule})
     steps = [
-        f"remove the job from {path} and run `edgecache warm {path}` again (it releases "
+        f"remove the job from {path} and run `edgecache warm {path}{flags}` again (it releases "
         "the pins it placed for jobs no longer there)"
         for path in schedules
     ]
