@@ -471,7 +471,10 @@ _HINTS = {
     "(or $EDGECACHE_TOKEN_FILE; token= for EdgeDataset)",
     grpc.StatusCode.PERMISSION_DENIED: "the node knows this caller but does not allow the "
     "call: use its admin token for admin calls (--token-file or $EDGECACHE_TOKEN_FILE)",
-    grpc.StatusCode.NOT_FOUND: "list what is published with: edgecache versions NAME",
+    # With --registry: on a training host there is often no edgecache.yaml, and the bare
+    # command only said "no registry" (a helper's hunt). The message names the registry.
+    grpc.StatusCode.NOT_FOUND: "list what is published with: edgecache versions NAME "
+    "--registry URL (the registry the message names)",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the node is full: free room (edgecache evict), "
     "raise --capacity, or retry later",
     grpc.StatusCode.INTERNAL: "the node failed; see its log",

@@ -847,19 +847,24 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 # publish can cut them that small.
                 republish = (
                     "publish it again with smaller chunks, each read once (edgecache publish "
-                    f"--chunk-size {_size(candidate).replace(' ', '')}), or "
+                    f"--chunk-size {_size(candidate).replace(' ', '')})"
                     if candidate >= MIN_CHUNK_BYTES
                     else ""
                 )
+                # Not "lower lanes" at lanes=1, the least there is (a helper's hunt).
+                lanes = "lower lanes (fewer, longer streams)" if self.lanes > 1 else ""
+                others = [o for o in (republish, lanes) if o]
+                tail = f"; or {', or '.join(others)}" if others else ""
                 return text + (
                     f"Pass window_bytes={candidate} ({_size(candidate)}) to draw from "
                     f"{wanted}: each chunk is then read and decoded about "
                     f"{max(1, round(window / candidate))} times an epoch (once for each "
-                    f"window it holds); or {republish}lower lanes (fewer, longer streams)"
+                    f"window it holds){tail}"
                 )
+        knobs = "shuffle_windows or lanes" if self.lanes > 1 else "shuffle_windows"
         return text + (
-            "The version has too few rows for that many windows: lower shuffle_windows "
-            "or lanes, or mix it with a larger version"
+            f"The version has too few rows for that many windows: lower {knobs}, or mix it "
+            "with a larger version"
         )
 
     # ------------------------------------------------------------- versions

@@ -164,9 +164,13 @@ def parse_rows(rows: object) -> tuple[float, float] | tuple[int, int] | None:
         # 0 and 1 are fractions too: (0, 0.5) is the first half, (1, 1.0) an empty split.
         mixed = [x for x in (a, b) if isinstance(x, numbers.Integral) and x not in (0, 1)]
         if mixed:
+            # The row numbers meant, where both are whole: a fixed example (0, 10800) was
+            # past the end of smaller versions, refused again when followed.
+            whole = [str(int(x)) if float(x).is_integer() else None for x in (a, b)]
+            meant = f"rows=({whole[0]}, {whole[1]})" if None not in whole else "rows=(start, end)"
             raise ValueError(
                 f"rows=({a}, {b}) mixes a fraction and a row number ({mixed[0]}): give two "
-                "fractions (rows=(0.0, 0.9)) or two integer row numbers (rows=(0, 10800))"
+                f"integer row numbers ({meant}) or two fractions (rows=(0.0, 0.9))"
             )
         if not 0.0 <= a <= b <= 1.0:
             raise ValueError(

@@ -254,3 +254,12 @@ def test_a_batch_larger_than_every_ranks_share_with_drop_last_names_the_batch(cl
             rank=rank, world_size=2,
         )  # fmt: skip
         assert len(ds) == 1 and len(list(ds)) == 1
+
+
+def test_the_mixing_advice_says_lower_lanes_only_where_there_are_lanes_to_lower(cluster) -> None:
+    """At lanes=1 the small-version warning still advised "lower lanes", the least there
+    is already (lanes=0 is refused; a helper's hunt)."""
+    for lanes, said_lanes in ((1, False), (2, True)):
+        said = [m for m in made_warnings(cluster, lanes=lanes, shuffle_windows=4) if "window" in m]
+        assert said and all(("lower lanes" in m) is said_lanes for m in said), (lanes, said)
+        assert all("window_bytes=" in m for m in said), said

@@ -336,6 +336,10 @@ def publish(
         typer.Option(
             help="zstd level (-7..22; default 1); not with --compression none.",
             show_default=False,
+            # The parser's range check names --level and its range, as the other options'
+            # do; past it, the codec's own check said "zstd level must be in …" alone.
+            min=-7,
+            max=22,
         ),
     ] = None,
     chunk_size: Annotated[
