@@ -136,3 +136,14 @@ def test_a_closed_connection_says_first_that_the_node_may_have_stopped() -> None
     for details in ("Socket closed", "Connection reset by peer"):
         hint = connection_hint(details) or ""
         assert hint.index("stopped or restarted") < hint.index("--tls-client-ca"), hint
+
+
+def test_a_version_not_found_is_told_how_to_list_the_registry_it_names(site) -> None:
+    """NOT_FOUND's hint was `edgecache versions NAME`: run on a training host without an
+    edgecache.yaml, it said only "no registry" (a helper's hunt). It says --registry, and
+    the message it rides on names the registry."""
+    plain, _, _ = site
+    with pytest.raises(grpc.RpcError) as failed:
+        stub(plain).GetManifest(edge_pb2.GetManifestRequest(dataset="tokens", version=9))
+    said = explain(failed.value)
+    assert "edgecache versions NAME --registry URL" in said and "file://" in said, said
