@@ -187,7 +187,8 @@ def not_in_cache(store: CacheStore, endpoint: Endpoint, rows: ShardRange) -> str
         # A region's replicas split a version's shards: a replica's cache lacks the others'
         # by design, and "evicted" sent an operator to stage what was staged already.
         state = (
-            f"holds {held} shards of {target} but not shard {rows.shard}: another replica of "
+            f"holds {held} shard{'s' if held != 1 else ''} of {target} but not shard "
+            f"{rows.shard}: another replica of "
             "its node's region owns that shard (replicas split a version's shards; reads of it "
             "go on at the next endpoint), or its node evicted it (for space, or corrupt) or has "
             "not staged it yet"

@@ -154,7 +154,8 @@ def check(endpoints: Sequence[Endpoint], manifests: Sequence[pb.Manifest]) -> No
     ]
     if empty:
         where = ", ".join(str(paths[e.text]) for e in local)
-        state = f"the cache at {where} holds" if len(local) == 1 else f"none of {where} holds"
+        # "none of A, B holds no shard" said the opposite of what it meant (a helper's hunt).
+        state = f"the cache at {where} holds" if len(local) == 1 else f"{where} each hold"
         advice = " ".join(restage_advice(name, local[-1].text) for name in empty[:1])
         if len(empty) > 1:
             advice += "; the same for " + ", ".join(empty[1:])

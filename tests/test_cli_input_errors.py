@@ -285,10 +285,12 @@ def test_warm_one_version_says_what_it_staged_and_its_dry_run_what_is_held(site:
     assert "sizes are source bytes from origin" in out, out
     code, out = cli("warm", "pq", "--region", "eu", "--dry-run", config)
     assert code == 0 and "eu: would stage pq@1 (nothing to move: its shards are held" in out, out
+    assert "held already) from" not in out, out  # nothing comes from origin (a helper's hunt)
     code, out = cli("warm", "pq@1", "--region", "eu", "--dry-run", "--json", config)
     assert code == 0 and json.loads(out)["items"][0]["state"] == "held", out
     code, out = cli("warm", "pq", "--region", "eu", config)
     assert code == 0 and "eu: staged pq@1 (nothing moved: its shards were held already)" in out
+    assert "held already) from" not in out, out
     # Counted as its dry run counts it: it said "1 of 1 item(s) staged".
     assert "warm: 0 of 1 item(s) staged (1 held already)" in out, out
 

@@ -1056,9 +1056,12 @@ def _print_stages(rows: list[dict[str, Any]], dry_run: bool, sizes: dict[str, in
     """``REGION: staged NAME@N (SIZE) from SOURCE``, a line per item staged (or that would be)."""
     staged = "would stage" if dry_run else "staged"
     for row in _staged_rows(rows, dry_run):
+        # A version held whole came from nowhere: "(nothing moved …) from origin" said
+        # otherwise (a helper's hunt). The line stays, for what the run covered.
+        held = row["state"] == "held" if dry_run else not row["bytes"]
+        source = "" if held else f" from {row['from']}"
         console.print(
-            f"{row['region']}: {staged} {row['version']} ({_moved(row, dry_run, sizes)}) "
-            f"from {row['from']}"
+            f"{row['region']}: {staged} {row['version']} ({_moved(row, dry_run, sizes)}){source}"
         )
 
 
