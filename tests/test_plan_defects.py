@@ -577,3 +577,14 @@ def test_a_task_whose_peer_source_is_deferred_stages_from_origin_now(small) -> N
         assert not [v for v in held if v.version == 1 and v.shard_count]  # still deferred
     finally:
         fresh.stop()
+
+
+def test_a_dry_run_of_one_version_in_a_region_all_down_says_nothing_would_be_staged(site) -> None:
+    """warm NAME@N --region R --dry-run with every node of R down said "would stage … 1 of
+    1 item(s) would be staged", where the real run stages nothing (a helper's hunt)."""
+    root, _ = site
+    config = ["--config", str(root / "down.yaml")]
+    code, out, err = edgecache("warm", "pq@2", "--region", "down", "--dry-run", *config)
+    assert code == 1, (code, out, err)
+    assert "would stage pq@2" not in out and "0 of 1 item(s) would be staged" in out, out
+    assert "no node of region down answers" in " ".join(err.split()), err

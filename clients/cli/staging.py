@@ -743,6 +743,13 @@ def _rehearse_single(
     if refused := ops.other_registries(item):  # the real run refuses it, held or not
         item.failures.extend(refused.values())  # as the real run refuses it, uncalled
         return _Warmed(rows=[_row(item, "failed")], failed=[item])
+    if not any(r.status is not None for r in reports if r.region == item.region):
+        # The real run stages nothing there: "1 of 1 item(s) would be staged" said
+        # otherwise, beside the outage (a helper's hunt).
+        item.failures.append(
+            f"no node of region {item.region} answers: the real run would stage nothing there"
+        )
+        return _Warmed(rows=[_row(item, "failed")], failed=[item])
     return _Warmed(
         rows=[_row(item, "held" if held else "would stage")],
         failed=[],
@@ -951,7 +958,8 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
             err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
     said = _sizes_said(_staged_rows(warmed.rows, dry_run))
     if dry_run:
-        staged = sum(1 for row in warmed.rows if row["state"] not in ("deferred", "held"))
+        # Failed ones too are not staged (a node reading another registry, a region down).
+        staged = sum(1 for row in warmed.rows if row["state"] == "would stage")
         held = sum(1 for row in warmed.rows if row["state"] == "held")
         kept = f" ({held} held already)" if held else ""  # "1 of 1 would be staged" said it moves
         console.print(
