@@ -518,8 +518,8 @@ class PlanExecutor:
         more, and its record is dropped. A pin with ``shorten_to`` is set to that
         time instead (the schedule's own job, moved earlier, or a job another
         record holds reads the version until then): Pin sets the time a node
-        keeps, shorter or not. A pin on a node that did not answer, or whose
-        release failed, is kept for the next run; so is one on a node this
+        keeps, shorter or not. A pin on a node that did not answer (a problem
+        says so), or whose release failed, is kept for the next run; so is one on a node this
         run's topology does not list (another ``--config``), with a problem
         saying which topology releases it. ``dry_run`` releases nothing and
         lists what would be.
@@ -528,7 +528,14 @@ class PlanExecutor:
         out = Released()
         for pin in pins:
             if pin.node in self.calls.down:
+                # Said: in a region no job of the schedule uses any more, nothing else
+                # named the node, and warm exited 0 with the pin in place (a helper's hunt).
                 out.kept.append(pin)
+                out.problems.append(
+                    f"{pin.region}: the pin of {pin.version} on {pin.node} (until "
+                    f"{pin.until:%Y-%m-%d %H:%M}) was not released: the node did not answer; "
+                    "it stays in warm's record, and the next warm releases it"
+                )
                 continue
             if pin.node not in self._listed(pin.region):
                 # Not asked for its pins at all: taken as "gone", the pin was dropped from

@@ -187,3 +187,23 @@ def test_a_pin_on_a_node_the_run_does_not_list_is_kept_not_forgotten(small) -> N
     code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
     assert code == 0 and "released the pin of pq@2" in said(out), (out, err)
     assert pinned_until(node) is None
+
+
+def test_a_pin_on_a_node_that_does_not_answer_is_said_kept_not_passed_over(small) -> None:
+    """The schedule no longer reads pq@2 in region small, whose one node is down: warm
+    kept the pin for the next run but said nothing and exited 0, since no job's region
+    was down (a helper's hunt). It says which pin stays and why, and fails."""
+    root, node = small
+    now = datetime.now(UTC)
+    config = ["--config", str(root / "small.yaml")]
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
+    code, out, err = edgecache("warm", str(a), *config)
+    assert code == 0 and near(pinned_until(node), now + timedelta(hours=3)), (out, err)
+    a.write_text("jobs: []\n")
+    node.stop()
+    code, out, err = edgecache("warm", str(a), *config)
+    said = " ".join(err.split())
+    assert code == 1, (code, out, err)
+    assert f"the pin of pq@2 on {node.address}" in said and "did not answer" in said, err
+    record = json.loads((root / "registry" / "_warm" / "jobs.json").read_text())
+    assert [p["version"] for p in record["pins"]] == ["pq@2"], record
