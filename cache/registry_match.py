@@ -141,10 +141,13 @@ def check_registry(node: str, ours: str, theirs: str) -> RegistryCheck:
     refusing would stop a working setup, while a real mismatch still fails
     the node's staging with NOT_FOUND naming its registry.
     """
-    shown = shown_url(ours)
+    mine = registry_key(ours)
+    # Shown as compared: a local path as its absolute file:// URL, as the node reports its
+    # own and the other commands show it (a bare path beside a URL looked like two kinds).
+    shown = mine if mine.startswith("file://") else shown_url(ours)
     if not theirs:
         return RegistryCheck(node, shown, "", RegistryMatch.UNKNOWN)
-    mine, its = registry_key(ours), registry_key(theirs)
+    its = registry_key(theirs)
     if mine == its:
         match = RegistryMatch.SAME
     elif mine.startswith("file://") or its.startswith("file://"):

@@ -94,12 +94,18 @@ def test_evict_counts_a_node_that_holds_nothing_of_it_as_zero_bytes(pair: Pair) 
     code, out, err = edgecache("evict", "pq@1", *config)
     assert code == 2, (code, out, err)
     assert "pq@1" in err and err.count("edgecache versions pq") == 1, err
+    # The registry as a file:// URL, and the command pasted lists it (a helper's hunt).
+    said = " ".join(err.split())
+    command = said.split("list versions with: edgecache ")[1].split(";")[0].rstrip(". ")
+    assert "published in file://" in said and "--registry file://" in command, said
+    code, out, err = edgecache(*command.split())
+    assert code == 0 and "pq@1" not in out, (code, out, err)
 
 
 def test_evict_prints_the_empty_node_as_freeing_nothing(pair: Pair) -> None:
     code, out, err = edgecache("evict", "pq@1", "--config", str(pair.topology))
     assert code == 0, (out, err)
-    assert f"pair {pair.other}: freed 0 B" in out, out
+    assert f"pair {pair.other}: held nothing of pq@1" in out and "freed 0 B" not in out, out
     assert "NOT_FOUND" not in out + err and pair.other not in err, err
 
 

@@ -286,3 +286,6 @@ def test_registry_spellings_compare_as_one() -> None:
         local = check_registry("n", ours, theirs)
         assert local.match is RegistryMatch.PATH_DIFFERS and not local.refuses
     assert check_registry("n", "s3://b/p", "s3://b/p").message() == ""
+    # A topology's bare path is named as the URL it is read as (a helper's hunt).
+    said = check_registry("n", "/srv/reg", "file:///mnt/reg").message()
+    assert "the topology names file:///srv/reg:" in said, said

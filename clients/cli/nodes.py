@@ -355,7 +355,7 @@ def _resident(v: edge_pb2.ResidentVersion) -> str:
 
 @app.command()
 def evict(
-    spec: Annotated[str, typer.Argument(help="NAME@N")],
+    spec: Annotated[str, typer.Argument(help="NAME@N", metavar="NAME@N")],
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Evict even a version pinned for a scheduled job.")
@@ -407,9 +407,13 @@ def evict(
             if result.error:
                 err_console.print(f"[red]{result.region} {result.node}: {result.error}[/red]")
             else:
-                console.print(
-                    f"{result.region} {result.node}: freed {format_bytes(result.bytes_freed)}"
+                # "freed 0 B" read as an eviction that went wrong; the node held nothing.
+                freed = (
+                    f"freed {format_bytes(result.bytes_freed)}"
+                    if result.bytes_freed
+                    else f"held nothing of {spec}"
                 )
+                console.print(f"{result.region} {result.node}: {freed}")
     failed = [result for result in results if result.error]
     if failed:  # credentials refused, or a pin placed since: bad input, as a pin found first
         refused = all(result.refused or result.pinned for result in failed)
@@ -573,8 +577,9 @@ def healthcheck(
     address: Annotated[
         str | None,
         typer.Argument(
+            metavar="HOST:PORT",
             help="HOST:PORT of a node's probe [$EDGECACHE_PROBE_LISTEN, the --config file's "
-            "probe_listen, 127.0.0.1:7071]."
+            "probe_listen, 127.0.0.1:7071].",
         ),
     ] = None,
     config: Annotated[

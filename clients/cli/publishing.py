@@ -228,10 +228,11 @@ def publish(
     source_url: Annotated[
         str,
         typer.Argument(
+            metavar="SOURCE_URL",
             help="Prefix of raw shards: s3://…, file://…, or a local directory; or one "
             "object (a version of one shard: one .mds file too; an MDS index.json is its "
             "whole directory); or a pattern in the last part, …/data/train-*.parquet, which "
-            "selects as --include does."
+            "selects as --include does.",
         ),
     ],
     dataset: Annotated[str, typer.Option(help="Dataset name.")],
@@ -511,7 +512,10 @@ def publish(
 def versions(
     dataset: Annotated[
         str,
-        typer.Argument(help="Dataset name (all its versions), or NAME@N / NAME@latest (one)."),
+        typer.Argument(
+            help="Dataset name (all its versions), or NAME@N / NAME@latest (one).",
+            metavar="NAME[@N]",
+        ),
     ],
     registry: RegistryOption = None,
     config: ConfigOption = None,

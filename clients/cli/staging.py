@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 @app.command()
 def plan(
-    schedule: Annotated[Path, typer.Argument(help="Schedule file (YAML).")],
+    schedule: Annotated[Path, typer.Argument(help="Schedule file (YAML).", metavar="SCHEDULE")],
     config: ConfigOption = None,
     at: Annotated[
         str | None, typer.Option(help="Plan as of this time (ISO 8601, with zone).")
@@ -486,7 +486,10 @@ def _print_pins(region: str, pins: dict[VersionKey, datetime]) -> None:
 
 @app.command()
 def warm(
-    target: Annotated[str, typer.Argument(help="A schedule file, or NAME@N with --region.")],
+    target: Annotated[
+        str,
+        typer.Argument(help="A schedule file, or NAME@N with --region.", metavar="SCHEDULE|NAME@N"),
+    ],
     region: Annotated[str | None, typer.Option(help="Region to warm NAME@N in.")] = None,
     config: ConfigOption = None,
     dry_run: Annotated[
@@ -697,7 +700,9 @@ def _single_item(
     from edgecache.cache.registry import Registry
 
     if region is None:
-        raise ValueError(f"warm {spec} needs --region, one of {sorted(topology.regions)}")
+        raise ValueError(
+            f"warm {spec} needs --region, one of {', '.join(sorted(topology.regions))}"
+        )
     ops.region_nodes(topology, region)  # an unknown region fails before the registry
     manifest = Registry.run(topology.registry, lambda reg: reg.resolve(spec))
     # Refused up front, as plan refuses it: staging it would have each node evict its
@@ -1321,7 +1326,7 @@ READY_WAIT = 3600.0  # seconds ready --wait waits without --timeout
 
 @app.command()
 def ready(
-    spec: Annotated[str, typer.Argument(help="NAME@N")],
+    spec: Annotated[str, typer.Argument(help="NAME@N", metavar="NAME@N")],
     region: Annotated[str, typer.Option(help="Region the job runs in.")],
     config: ConfigOption = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until ready.")] = False,

@@ -12,6 +12,7 @@ from edgecache.cache.errors import AccessDenied, InvalidName, VersionNotFound, V
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import VersionKey
 from edgecache.cache.registry import Registry
+from edgecache.cache.registry_match import registry_key
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import bearer, edge_stub, node_error
 from edgecache.clients.ops.planning import _room, held_manifests, share_overflow, version_sizes
@@ -174,9 +175,13 @@ def evict(
     ]
     if pins and not force:
         raise VersionPinned(_pinned_message(topology, f"{key[0]}@{key[1]}", pins, now, flags=flags))
+    # The registry as a URL (a local path is read as its absolute file:// URL, as the
+    # other commands show it), and a command that lists it whatever topology is at hand.
+    registry = registry_key(topology.registry)
     unknown = VersionNotFound(
-        f"{spec} is neither published in {topology.registry} nor held by any node of "
-        f"{', '.join(regions)}; list versions with: edgecache versions {parsed.dataset}"
+        f"{spec} is neither published in {registry} nor held by any node of "
+        f"{', '.join(regions)}; list versions with: edgecache versions {parsed.dataset} "
+        f"--registry {registry}"
     )
     if not held:
         try:
