@@ -187,6 +187,13 @@ def _column_names(columns: str | Sequence[str] | None) -> list[str] | None:
         return None
     if isinstance(columns, str):
         names = [columns]
+    elif isinstance(columns, (set, frozenset)):
+        # A set's order is the process's string hashing: ranks and a resumed run each saw
+        # another order of the same columns (a helper's hunt found sets taken silently).
+        raise ValueError(
+            f"columns must be a column name or a list of names, got a set {columns!r}, whose "
+            f"order differs from process to process; pass a list: {sorted(columns)!r}"
+        )
     elif isinstance(columns, Iterable) and not isinstance(columns, bytes):
         names = list(columns)
     else:  # list(3) was a bare TypeError that named no parameter

@@ -89,6 +89,13 @@ def _weight(text: str, weight: object) -> float:
             f"the weight of {text!r} must be a positive number, got {weight!r} "
             f"({type(weight).__name__}): pass a number such as 0.3"
         )
+    if math.isinf(value) and value > 0:
+        # Positive, yet every other weight would be 0 beside it: "not a positive number"
+        # named the wrong fault (a helper's hunt).
+        raise ValueError(
+            f"the weight of {text!r} must be a finite number, got {weight!r}: weights are "
+            "relative (normalised to add up to 1), so give each its share, e.g. 0.7 and 0.3"
+        )
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"the weight of {text!r} must be a positive number, got {weight!r}: weights are "

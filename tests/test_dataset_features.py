@@ -173,6 +173,9 @@ def test_mixture_errors_are_clear(cluster) -> None:
         EdgeDataset({"tokens@1": 1, "code@1": 0}, endpoints=eps)
     with pytest.raises(ValueError, match="weight of 'code@1' must be a positive number"):
         EdgeDataset({"tokens@1": 1, "code@1": -0.5}, endpoints=eps)
+    # Infinite is positive: said as what it is (a helper's hunt).
+    with pytest.raises(ValueError, match="weight of 'code@1' must be a finite number"):
+        EdgeDataset({"tokens@1": 1, "code@1": float("inf")}, endpoints=eps)
     with pytest.raises(ValueError, match="share no column"):
         EdgeDataset({"tokens@1": 1, "pixels@1": 1}, endpoints=eps)
     with pytest.raises(KeyError, match="not in pixels@1"):
