@@ -152,6 +152,9 @@ class CacheStore(ClosingContext):
         self._snapshots = 0  # short read transactions open (``_snapshot``)
         self._closing = False
         self._hits = self._misses = 0
+        # Bytes of data.mdb past its last committed page, measured by the writer after each
+        # write (see room_on_disk): read from any thread without touching LMDB.
+        self._tail = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
         self._lock: WriterLock | None = None
         self._env: lmdb.Environment | None = None
@@ -350,6 +353,7 @@ class CacheStore(ClosingContext):
                         self._add_to_version(txn, key, size, +1)
                         self._add_used(txn, size)
                     self._count_evicted(evicted)  # committed: they happened
+                    self._measure_tail(env)
                     break
                 except lmdb.MapFullError as exc:
                     # Aborted whole: its evictions did not happen, its access times not saved.
@@ -392,6 +396,8 @@ class CacheStore(ClosingContext):
         """
         free = shutil.disk_usage(self.path).free
         if isinstance(exc, lmdb.DiskError) or free < 2 * need + MAP_HEADROOM // 16:
+            if self._env is not None:
+                self._measure_tail(self._env)  # the pages the aborted write left
             needs = f", this needs {format_bytes(need)}" if need else ""
             return self.disk_full(
                 f"{what}: the disk under {self.path} is full", self.room_on_disk(), needs
@@ -403,22 +409,25 @@ class CacheStore(ClosingContext):
 
         A write that failed for room grew ``data.mdb`` before it was aborted; the
         next writes go into those pages (past the last one committed), so they are
-        room for the cache though the volume no longer shows them free. Safe from
-        any thread, and after :meth:`close` (then the volume's free space alone).
+        room for the cache though the volume no longer shows them free. The end is
+        as the last write left it (:meth:`_measure_tail`, on the writer's thread),
+        so any thread may ask, a metrics scrape during :meth:`close` too: it
+        touches no LMDB state.
         """
         try:
             free = shutil.disk_usage(self.path).free
         except OSError:
             return 0
-        env = self._env
-        if env is None or self.readonly:
-            return free
+        return free + self._tail
+
+    def _measure_tail(self, env: lmdb.Environment) -> None:
+        """Record how far ``data.mdb`` runs past its last committed page (the writer lock held)."""
         try:
             end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
             size = (self.path / "data.mdb").stat().st_size
         except (lmdb.Error, OSError):
-            return free
-        return free + max(size - end, 0)
+            return
+        self._tail = max(size - end, 0)
 
     def disk_full(self, what: str, free: int, detail: str = "") -> DiskFull:
         """A :class:`DiskFull` saying ``what`` and what an operator can do about it."""
@@ -439,6 +448,7 @@ class CacheStore(ClosingContext):
                     yield txn
             except lmdb.Error as exc:
                 raise self._write_failed(what, need, exc) from exc
+            self._measure_tail(env)
 
     def pin_version(
         self,

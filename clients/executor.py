@@ -189,17 +189,23 @@ class Released:
 
     released: list[WarmPin] = field(default_factory=list)
     kept: list[WarmPin] = field(default_factory=list)  # not released yet: the next run tries
-    problems: list[str] = field(default_factory=list)  # why a release failed
+    problems: list[str] = field(default_factory=list)  # why a release failed (a failure)
+    # Pins on nodes this run's topology does not list: kept, said, not a failure (a node
+    # taken out of the topology would fail every run until its pin ran out).
+    notes: list[str] = field(default_factory=list)
+
+
+_STAYS = "the pin stays, and the next warm of this schedule releases it"
 
 
 def _unlisted(pin: WarmPin) -> str:
     """Why a pin on a node this run's topology does not list is neither released nor dropped."""
     return (
         f"{pin.region}: the pin of {pin.version} on {pin.node} (until "
-        f"{pin.until:%Y-%m-%d %H:%M}), which an earlier warm of this schedule placed, is not "
-        f"released: this run's topology does not list {pin.node} in region {pin.region}. It "
-        "stays in warm's record; run warm again with the topology that lists that node "
-        "(--config) to release it"
+        f"{pin.until:%Y-%m-%d %H:%M}), which an earlier warm of this schedule placed, is "
+        f"not released: this run's topology does not list {pin.node} in region "
+        f"{pin.region}. It stays in warm's record until it runs out; a warm with the "
+        "topology that lists that node (--config) releases it sooner"
     )
 
 
@@ -533,15 +539,14 @@ class PlanExecutor:
                 out.kept.append(pin)
                 out.problems.append(
                     f"{pin.region}: the pin of {pin.version} on {pin.node} (until "
-                    f"{pin.until:%Y-%m-%d %H:%M}) was not released: the node did not answer; "
-                    "it stays in warm's record, and the next warm releases it"
+                    f"{pin.until:%Y-%m-%d %H:%M}): the node did not answer; {_STAYS}"
                 )
                 continue
-            if pin.node not in self._listed(pin.region):
+            if not self.topology.lists(pin.node, pin.region):
                 # Not asked for its pins at all: taken as "gone", the pin was dropped from
                 # the record while the node kept it, and only evict --force freed the room.
                 out.kept.append(pin)
-                out.problems.append(_unlisted(pin))
+                out.notes.append(_unlisted(pin))
                 continue
             have = seen.pins.get((pin.node, pin.key))
             if have is None or abs(have - pin.until) >= _SAME_PIN:
@@ -558,13 +563,8 @@ class PlanExecutor:
             elif not done.taken:  # taken: pinned again since, not warm's any more
                 out.kept.append(pin)
                 if done.problem:
-                    out.problems.append(done.problem)
+                    out.problems.append(f"{done.problem}; {_STAYS}")
         return out
-
-    def _listed(self, region: str) -> Sequence[str]:
-        """The nodes this run's topology lists in ``region`` (none if it has no such region)."""
-        found = self.topology.regions.get(region)
-        return found.nodes if found is not None else ()
 
     def _see(self, reports: Sequence[NodeReport]) -> NodesSeen:
         """Read a status round once; the nodes that did not answer join :attr:`calls`' down."""

@@ -92,7 +92,7 @@ def restage_advice(name: str, endpoint: str) -> str:
 # a two-replica region round the same warm, the cache still lacking the other's shards.
 REPLICAS = (
     "one replica's cache never holds the others' shards: list every replica's cache "
-    "directory, or read through the gRPC endpoints"
+    "directory (where they are on this host), or read through the gRPC endpoints"
 )
 
 

@@ -108,6 +108,11 @@ class Topology(BaseModel):
     registry: str = Field(min_length=1)
     regions: dict[str, RegionConfig] = Field(min_length=1)
 
+    def lists(self, node: str, region: str) -> bool:
+        """Whether ``node`` is one of ``region``'s nodes here (no such region: no)."""
+        found = self.regions.get(region)
+        return found is not None and node in found.nodes
+
 
 _DURATION = re.compile(r"(\d+)\s*(s|m|h|d)")
 

@@ -80,6 +80,7 @@ __all__ = ["EdgeNode", "Fetched", "NodeDraining", "StagedShard", "StagingGate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LMDB_PAGE = 4096  # the most a stored chunk's last overflow page leaves unused
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +242,9 @@ class EdgeNode:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._disk_full = False  # the last write found the cache's disk full
         self._free_when_full = 0  # the room the cache had on its disk then (see _still_full)
-        # Stored bytes per source byte of the shard the full disk refused (see _still_full).
+        # The bytes each shard the full disk refused needs (its frames, each rounded up to
+        # LMDB's pages), and those per source byte of the last one (see _still_full).
+        self._full_need: dict[ShardKey, int] = {}
         self._full_ratio = 1.0
         # Asked at each scrape: an operator who frees room sees the gauge (and the alert
         # on it) clear at once, not at the next shard write, which a node whose reads
@@ -394,28 +397,31 @@ class EdgeNode:
         """The error for a shard not worth fetching: it would not fit where a write failed.
 
         Fetching and preprocessing a shard only to have its commit refused wastes
-        origin bandwidth and CPU on every shard of a Stage; once the disk has
-        more room than then (or an eviction freed pages), fetches resume. Until
-        then a shard is refused only if it would not fit the room there is, as
-        estimated from its source size and the refused shard's stored bytes per
-        source byte: the room a large shard lacked is still room for smaller ones
-        (a failed write leaves the pages it wrote to the next), and refusing
-        them all turned every miss on the node, of any version, away until a
-        restart.
+        origin bandwidth and CPU on every shard of a Stage. A shard the disk refused
+        is refused before fetching until the room it needed is there (a smaller
+        shard stored meanwhile does not make it fit); while the disk is as full as
+        when a write failed, any other shard is refused only if it would not fit the
+        room there is, estimated from its source size and the last refused shard's
+        stored bytes per source byte: the room a large shard lacked is still room
+        for smaller ones (a failed write leaves the pages it wrote to the next), and
+        refusing them all turned every miss on the node, of any version, away until
+        a restart.
         """
-        if not self._disk_full:
+        need = self._full_need.get(key)
+        if need is None and not self._disk_full:
             return None
         room = self._free_bytes()
-        if room > self._free_when_full:  # as disk_full_now(), with the figure said below
-            return None
-        expected = int(source_size * self._full_ratio)
-        if expected + expected // 4 + (64 << 10) < room:  # with room for LMDB's own pages
+        if need is None:
+            if room > self._free_when_full:  # as disk_full_now(), with the figure said below
+                return None
+            need = int(source_size * self._full_ratio)
+        if need + need // 4 + (64 << 10) < room:  # with room for LMDB's own pages
             return None
         self.metrics.disk_full_errors.inc()
         return self.store.disk_full(
             f"{key}: not fetched, the disk under {self.store.path} is still full",
             room,
-            f", as when the last write failed; the shard needs about {format_bytes(expected)}",
+            f", as when the last write failed; the shard needs about {format_bytes(need)}",
         )
 
     def _still_no_room(self, key: ShardKey) -> CacheFull | None:
@@ -458,14 +464,18 @@ class EdgeNode:
             )
         try:
             info = await self._write(self.store.put_shard, key, frames)
+        except DiskFull:  # before CacheFull, which it is a kind of
+            # Each chunk takes whole overflow pages: a shard of many small chunks needs more.
+            need = sum(len(f) for f in frames) + len(frames) * LMDB_PAGE
+            self._full_need[key] = need
+            source = manifest.shards[key.shard].source_size
+            self._full_ratio = need / source if source > 0 else 1.0
+            raise
         except CacheFull:
             self._refused_size[key] = sum(len(f) for f in frames)  # see _still_no_room
             raise
-        except DiskFull:
-            source = manifest.shards[key.shard].source_size
-            self._full_ratio = sum(len(f) for f in frames) / source if source > 0 else 1.0
-            raise
         self._refused_size.pop(key, None)
+        self._full_need.pop(key, None)
         self._count_evictions()
         if self._disk_full:
             self._disk_full = False

@@ -53,7 +53,6 @@ __all__ = [
     "MANIFEST_RECHECK_SECONDS",
     "PIN_CHECK_WAIT",
     "Versions",
-    "clipped",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ DIGEST_RECHECK_SECONDS = 1.0  # a reader's other digest asks the registry at mos
 PIN_CHECK_WAIT = 2.0  # a version pinned from a kept copy waits this long for the registry
 
 
-def clipped(text: str, limit: int = 80) -> str:
+def _clipped(text: str, limit: int = 80) -> str:
     """A caller's string for a message or log line: repr'd, at most ``limit`` characters."""
     shown = repr(text)
     return shown if len(shown) <= limit else f"{shown[: limit - 1]}… ({len(text):,} characters)"
@@ -121,7 +120,7 @@ class Versions:
             number = int(text)
         else:
             raise ValueError(
-                f"version must be 'latest' or a positive integer, got {clipped(version)}"
+                f"version must be 'latest' or a positive integer, got {_clipped(version)}"
             )
         return await self.manifest_to_pin(dataset, number)
 
@@ -166,7 +165,7 @@ class Versions:
             # max_request_bytes of made-up digests would each be held and logged.
             raise ValueError(
                 f"digest must be 'sha256:' and 64 hex digits, as manifests hold it, got "
-                f"{clipped(digest)}; pass the manifest's digest, or none"
+                f"{_clipped(digest)}; pass the manifest's digest, or none"
             )
         manifest = await self.manifest(dataset, version)
         if not digest or digest == manifest.digest:
@@ -470,7 +469,8 @@ class Versions:
         except VersionNotFound as exc:
             raise VersionNotFound(
                 f"{dataset}@{version} is not held by {node_id}, and {exc}; list the "
-                f"published versions with `edgecache versions {dataset}`"
+                f"published versions with `edgecache versions {dataset} --registry "
+                f"{self.registry_shown}`"
             ) from exc
         except EdgeCacheError as exc:
             log.info("evict %s@%d: the registry could not be asked (%s)", dataset, version, exc)

@@ -456,3 +456,11 @@ def test_a_shard_too_large_for_the_disk_leaves_smaller_ones_served(
         assert read_shard_table(client, "small", 1, 1).equals(small[1])
         assert [s.key.shard for s in node.store.shards("small", 1)] == [1]
         assert not node.disk_full_now()
+        # The large one still does not fit: a smaller one stored since does not make it,
+        # and it is not fetched from origin again to find that out (a review).
+        fetched = node.metrics.value("edgecache_origin_fetches_total")
+        code, details = status_of(
+            lambda: client.Stage(edge_pb2.StageRequest(dataset="big", version=1))
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "still full" in details, details
+        assert node.metrics.value("edgecache_origin_fetches_total") == fetched

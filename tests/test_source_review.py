@@ -277,6 +277,9 @@ def test_the_header_hint_names_a_count_line_only_when_there_is_one() -> None:
     title = refused(b"2024,report\nx,y,z\n1,2,3\n", CSV)
     assert "(it has 2 cells where the next row has 3: a title line)" in title
     assert "--no-header" not in title.split("line to drop")[1]  # a header follows it
+    # A pandas-style header (its first cell empty) is a header too, not data (a review).
+    pandas = refused(b"2024,report,x\n,a,b\n1,2,3\n", CSV)
+    assert "--skip-rows 1;" in pandas and "--no-header (the rows" not in pandas, pandas
 
 
 # ---------------------------------------------------------------- 8: CSV footguns

@@ -159,11 +159,13 @@ def test_plan_plans_on_the_pins_as_warm_leaves_its_own(small) -> None:
 
 
 def test_a_pin_on_a_node_the_run_does_not_list_is_kept_not_forgotten(small) -> None:
-    """warm pinned pq@2 with small.yaml; the schedule is emptied and warm run with another
-    topology of the same registry (the folder's edgecache.yaml, say), which does not list
-    the node. It said "0 of 0 staged", exit 0, and dropped the pin from its record while the
-    node kept it: only evict --force freed the room (a helper's hunt). The pin is kept in
-    the record and the run fails naming the node; warm with small.yaml then releases it."""
+    """warm pinned pq@2 with small.yaml; warm then ran with another topology of the same
+    registry (the folder's edgecache.yaml, say) that does not list the node: with the
+    schedule emptied, or unchanged and region small listing another node. Either way the
+    run dropped the pin from its record while the node kept it: only evict --force then
+    freed the room (a helper's hunt, and a review). The record keeps it, the run says so
+    (a note: a node taken out of the topology is not a failure), and warm with small.yaml
+    then releases it."""
     from test_plan_defects import topology_file
 
     from edgecache.clients.node_client import start_local_node
@@ -174,15 +176,24 @@ def test_a_pin_on_a_node_the_run_does_not_list_is_kept_not_forgotten(small) -> N
     a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
     code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
     assert code == 0 and near(pinned_until(node), now + timedelta(hours=3)), (out, err)
-    a.write_text("jobs: []\n")
+    record = root / "registry" / "_warm" / "jobs.json"
     other = start_local_node("other", root / "cache-other", registry)
     try:
+        # The same schedule, region small served by another node now.
+        moved = topology_file(root / "moved.yaml", registry, small=other.address)
+        code, out, err = edgecache("warm", str(a), "--config", str(moved))
+        assert code == 0, (code, out, err)
+        pinned = {(p["node"], p["version"]) for p in json.loads(record.read_text())["pins"]}
+        assert (node.address, "pq@2") in pinned, pinned
+        # The schedule emptied, with a topology without region small at all.
+        a.write_text("jobs: []\n")
         elsewhere = topology_file(root / "other.yaml", registry, other=other.address)
         code, out, err = edgecache("warm", str(a), "--config", str(elsewhere))
     finally:
         other.stop()
-    assert code == 1, (code, out, err)
-    assert f"does not list {node.address} in region small" in said(err), err
+    noted = said(err)
+    assert code == 0 and "note:" in noted, (code, out, err)
+    assert f"does not list {node.address} in region small" in noted, err
     assert near(pinned_until(node), now + timedelta(hours=3))  # not released: not asked
     code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
     assert code == 0 and "released the pin of pq@2" in said(out), (out, err)

@@ -300,7 +300,8 @@ def _check_header(text: bytes, delimiter: str, skip: int, source: str) -> None:
     # --no-header as well, or the advice followed is refused again with "--skip-rows N+1",
     # which would drop a row of data.
     after = rows[1] if len(rows) > 1 else []
-    data_next = any(_is_number(c.strip()) or not c.strip() for c in after)
+    # Numbers only: an empty cell is also a pandas-style header's first (",a,b").
+    data_next = any(_is_number(c.strip()) for c in after)
     then = " --no-header (the rows below it are data)" if data_next else ""
     raise MalformedShard(
         f"{source}: the first row (row {skip + 1}: {delimiter.join(header)[:80]!r}) does not look "

@@ -411,7 +411,7 @@ def evict(
                 freed = (
                     f"freed {format_bytes(result.bytes_freed)}"
                     if result.bytes_freed
-                    else f"held nothing of {spec}"
+                    else f"freed nothing (no shard of {spec} there)"
                 )
                 console.print(f"{result.region} {result.node}: {freed}")
     failed = [result for result in results if result.error]

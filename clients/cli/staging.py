@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -130,7 +131,7 @@ def plan(
                 now,
                 controller_running=lease_holder(options.topology.registry) is not None,
                 # The topology warm and the controller must read: a read token is not theirs.
-                schedule_path=str(schedule) + options.flags(token=False),
+                schedule_path=shlex.quote(str(schedule)) + options.flags(token=False),
             )
     if not show_status:
         _say_ended(jobs, now)
@@ -558,7 +559,7 @@ def warm(
         _report_json(warmed, dry_run)
     else:
         _report_text(warmed, dry_run)
-    _report_failures(warmed)
+    _report_failures(warmed, dry_run)
     code = _exit_code(warmed)
     if code is not ExitCode.OK:
         raise exit_with(code)
@@ -913,6 +914,7 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
         out["pin_failures"] = outcome.pin_failures
         out["evict_failures"] = outcome.evict_failures
         out["release_failures"] = work.released.problems
+        out["release_notes"] = work.released.notes
         out["released"] = _released_json(work.released)
         out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
     # A single version's degraded region too: its items read "done" for the nodes that
@@ -1146,7 +1148,7 @@ def _not_staged(outcome: WarmOutcome, region: str, version: VersionKey) -> str:
     return f", not staged: {why} (the pin holds {holds})"
 
 
-def _report_failures(warmed: _Warmed) -> None:
+def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
     """Failed items and unreachable regions, on stderr whatever the format, next to the exit."""
     for item in warmed.failed:
         err_console.print(
@@ -1155,12 +1157,13 @@ def _report_failures(warmed: _Warmed) -> None:
         )
     for failure in warmed.outcome.evict_failures:
         err_console.print(f"[red]evict failed:[/red] {failure}", soft_wrap=True)
+    # Each problem says itself what becomes of the pin (a failed call, a node down).
+    label = "release would fail" if dry_run else "release failed"
     for problem in _release_failures(warmed):
-        err_console.print(
-            f"[red]release failed:[/red] {problem}; the pin stays, and the next warm of "
-            "this schedule releases it",
-            soft_wrap=True,
-        )
+        err_console.print(f"[red]{label}:[/red] {problem}", soft_wrap=True)
+    if warmed.work is not None:
+        for note in warmed.work.released.notes:
+            err_console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     for outage in _down(warmed).values():
         error(outage.message())
 

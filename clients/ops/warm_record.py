@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 from collections import defaultdict
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, replace
@@ -105,7 +106,8 @@ def record_warmed_jobs(
     ``plan``'s pins are recorded as placed on every node of their region;
     ``unreleased`` are this schedule's earlier pins that no job reads any
     more but that could not be released yet (a node down): kept, to be
-    released by the next run.
+    released by the next run. Its earlier pins on nodes ``topology`` does not
+    list are kept too, until they run out.
     """
     local = local_registry(topology.registry)
     if local is not None and not os.path.isdir(local):
@@ -129,6 +131,19 @@ def record_warmed_jobs(
             )
     pins = [p for p in old_pins if p.until > now and not (mine and p.schedule == owner)]
     pins += unreleased
+    # This schedule's pins on nodes this topology does not list (an earlier run's other
+    # --config) are not this run's to see or release: kept until they run out, whatever
+    # the plan says. Replaced by this run's, they were forgotten while the nodes kept them.
+    held = {(p.node, p.region, p.version) for p in pins}
+    pins += [
+        p
+        for p in old_pins
+        if mine
+        and p.schedule == owner
+        and p.until > now
+        and not topology.lists(p.node, p.region)
+        and (p.node, p.region, p.version) not in held
+    ]
     if plan is not None and mine:
         for region, region_plan in plan.regions.items():
             for node in topology.regions[region].nodes:
@@ -512,7 +527,8 @@ def _how_to_release(readers: list[PinnedJob], flags: str = "") -> str:
     """
     schedules = sorted({job.schedule for job in readers if job.by == "warm" and job.schedule})
     steps = [
-        f"remove the job from {path} and run `edgecache warm {path}{flags}` again (it releases "
+        f"remove the job from {path} and run `edgecache warm {shlex.quote(path)}{flags}` again "
+        "(it releases "
         "the pins it placed for jobs no longer there)"
         for path in schedules
     ]
