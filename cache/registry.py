@@ -909,7 +909,7 @@ class Registry:
         if nulls is not None:
             nulls.extend(found)
         else:
-            for text in null_warnings(found, own):
+            for text in null_warnings(found, own, name, dict(spec.params)):
                 log.warning("%s", text)
         gone = [
             Dropped(o.info.url, d.skipped, d.notes)

@@ -187,3 +187,31 @@ def test_the_select_advice_names_every_column_kept_and_can_be_pasted(tmp_path: P
     code, out = publish(tmp_path, raw, "--dataset", "w2")
     assert code == 0 and "…" not in out and "select=column_with" not in out, out
     assert "naming every one of its 41 columns but 'id'" in out, out
+
+
+def test_the_select_advice_is_said_in_the_publishs_own_transform(tmp_path: Path) -> None:
+    """The null warning's "--transform columns --param select=…" was refused pasted beside
+    another --transform ("given twice"), and under columns with a rename it named the
+    renamed column, which select (run before rename) does not know (a helper's hunt). Under
+    columns it gives the params to use in place of those given; under another transform,
+    none (the source and the reader are the ways out)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "t.csv").write_text("id,score\n1,\n2,3\n")
+    given = ("--dataset", "r", "--transform", "columns", "--param", "rename=id=user_id")
+    code, out = publish(tmp_path, raw, *given)
+    assert code == 0, out
+    said = " ".join(out.split())
+    advice = re.search(r"\(--param (.*) in place of the --param ones given\)", said)
+    assert advice, said
+    params = [p.strip() for p in advice.group(1).split("--param")]
+    assert params == ["select=id", "rename=id=user_id"], params
+    pasted = [x for p in params for x in ("--param", p)]
+    code, out = publish(tmp_path, raw, "--dataset", "r", "--transform", "columns", *pasted)
+    assert code == 0 and "null" not in out, out
+    # Under a transform of its own: no second --transform is suggested.
+    from edgecache.cache.preprocess.nulls import NullCount, null_warnings
+
+    nulled = [NullCount("caption", "string", "file:///x/a.parquet", 1)]
+    (text,) = null_warnings(nulled, ["image", "caption"], "images", {"size": "16"})
+    assert "--transform columns" not in text and "EdgeDataset columns=[...]" in text, text

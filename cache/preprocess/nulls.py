@@ -408,22 +408,61 @@ class NullCount:
 _SELECT_CHARS = 300  # a longer select= is said in words: a command must be pasted whole
 
 
-def _select_advice(others: Sequence[str], nulled: Sequence[str]) -> str:
+def _select_advice(
+    others: Sequence[str],
+    nulled: Sequence[str],
+    transform: str = "identity",
+    params: Mapping[str, str] | None = None,
+) -> str:
     """How to publish a version without the ``nulled`` columns, keeping ``others``.
 
     A command in a message is pasted as it is, so the ``select=`` names every
     column kept (quoted for the shell where a name needs it), never an ellipsis;
-    past ``_SELECT_CHARS`` it is said in words instead.
+    past ``_SELECT_CHARS`` it is said in words instead. It is said in terms of
+    the publish's own transform: under ``columns`` its params as a whole (select
+    runs before rename, so it names the source's columns; a rename or a cast of
+    a column left out goes too), pasted in place of those given; under any
+    other transform (``images``, ``tokens``, a plugin), which has no select and
+    cannot be given a second transform, nothing: the source and the reader are
+    the ways out. A ``columns`` select added to such a publish was refused
+    ("--transform given twice"), and one of the renamed names missed.
     """
-    if not others:
+    if not others or transform not in ("identity", "columns"):
         return ""
-    select = "select=" + ",".join(quote_name(n) for n in others)
-    if len(select) <= _SELECT_CHARS:
-        return f"of the version (--transform columns --param {shlex.quote(select)}) or "
+    given = dict(params or {})
+    if transform == "identity":
+        parts = ["select=" + ",".join(quote_name(n) for n in others)]
+        where = "--transform columns "
+        after = ""
+    else:
+        rename = {old: new for old, new, _ in param_pairs(given.get("rename", ""))}
+        back = {new: old for old, new in rename.items()}
+        parts = ["select=" + ",".join(quote_name(back.get(n, n)) for n in others)]
+        kept = {old: new for old, new in rename.items() if new in others}
+        if kept:
+            parts.append(
+                "rename=" + ",".join(f"{quote_name(o)}={quote_name(n)}" for o, n in kept.items())
+            )
+        cast = given.get("cast", "")
+        if cast:
+            if {k for k, _, _ in param_pairs(cast)} - set(others):
+                return _in_words(others, nulled, "with the cast= of the columns left out dropped")
+            parts.append(f"cast={cast}")
+        where = ""
+        after = " in place of the --param ones given"
+    command = where + " ".join(f"--param {shlex.quote(p)}" for p in parts)
+    if len(command) <= _SELECT_CHARS:
+        return f"of the version ({command}{after}) or "
+    return _in_words(others, nulled, "")
+
+
+def _in_words(others: Sequence[str], nulled: Sequence[str], also: str) -> str:
+    """The select advice said in words: too long to paste, or a cast to rewrite."""
     but = ", ".join(repr(n) for n in nulled)
+    also = f", {also}" if also else ""
     return (
         f"of the version (--transform columns with a select= param naming every one of its "
-        f"{len(others) + len(nulled)} columns but {but}) or "
+        f"{len(others) + len(nulled)} columns but {but}{also}) or "
     )
 
 
@@ -442,10 +481,16 @@ def _forms(kind: str) -> tuple[str, str]:
     return "EdgeDataset makes a tensor of it", ""
 
 
-def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[str]:
+def null_warnings(
+    found: Sequence[NullCount],
+    columns: Sequence[str],
+    transform: str = "identity",
+    params: Mapping[str, str] | None = None,
+) -> list[str]:
     """One warning per column with nulls: where, how many, why it matters, what to do.
 
-    ``columns``: the version's columns, to spell a ``select=`` that leaves them out.
+    ``columns``: the version's columns, to spell a ``select=`` that leaves them out,
+    under the publish's ``transform`` and its ``params`` (:func:`_select_advice`).
     A partition column's nulls (a ``folder`` given) are told their folder and the
     ways out of it instead: no ``select=`` reaches a column made of folders.
     """
@@ -453,7 +498,7 @@ def null_warnings(found: Sequence[NullCount], columns: Sequence[str]) -> list[st
     for each in found:
         by_column.setdefault(each.column, []).append(each)
     in_data = [n for n, counts in by_column.items() if not counts[0].folder]
-    version = _select_advice([n for n in columns if n not in by_column], in_data)
+    version = _select_advice([n for n in columns if n not in by_column], in_data, transform, params)
     out = []
     for column, counts in by_column.items():
         total = sum(c.count for c in counts)

@@ -453,7 +453,9 @@ def publish(
     rows = sum(s.row_count for s in manifest.shards)
     folders = {f.name for f in partition_fields(manifest.preprocess.source_options)}
     own = [str(f["name"]) for f in schema_json(manifest.arrow_schema) if f["name"] not in folders]
-    found[:0] = null_warnings(nulls, own)  # a select= of the data's columns, no partition's
+    # A select= of the data's columns (no partition's), under the publish's own transform.
+    spec_given = manifest.preprocess
+    found[:0] = null_warnings(nulls, own, spec_given.transform, dict(spec_given.params))
     if dropped:
         found.insert(0, dropped_text(dropped, rows))
     if same is not None and not reused:
