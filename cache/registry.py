@@ -1020,6 +1020,14 @@ class Registry:
                 survey, data, fmt=fmt, source=info.url, spec=spec, transform=transform
             )
         except MalformedShard as exc:
+            if _is_sidecar(obj.key) and (spec.transform or "identity") != "identity":
+                # A tokenizer.json beside the text: the transform failed on it first, and
+                # its error sent the user to the transform's params (a helper's hunt).
+                raise MalformedShard(
+                    f"{info.url} is {obj.key.rsplit('/', 1)[-1]}, a file kept beside the "
+                    f"shards, not one of them, and the {spec.transform} transform cannot read "
+                    f"it ({exc}); leave it out with {_excludes([obj.key])}"
+                ) from exc
             if named is None:
                 raise
             raise MalformedShard(_named_otherwise(obj, named, fmt)) from exc
@@ -1331,8 +1339,9 @@ def dropped_text(dropped: Sequence[Dropped], kept: int) -> str:
         f"{count:,} sample{'s' if count != 1 else ''} of {kept + count:,} "
         f"{'are' if count != 1 else 'is'} left out of the version (on_error=skip), in "
         f"{objects} object{'s' if objects != 1 else ''}: {'; '.join(notes)}{more}; fix or "
-        "remove those samples and publish again to keep them, or pass --param on_error=fail to "
-        "refuse such a source"
+        "remove those samples and publish again to keep them, or pass --param on_error=fail "
+        "to fail on them instead (publish refuses only Arrow IPC objects so; in Parquet, "
+        "WebDataset and MDS the node staging the shard fails it, naming the sample)"
     )
 
 

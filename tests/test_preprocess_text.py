@@ -258,3 +258,33 @@ def test_a_node_counts_the_cpu_its_tokenising_takes(tmp_path: Path, tokenizer_js
     assert node["rows"] == before["rows"] > 0
     assert node["counted"] >= 0.8 * node["total"], figures
     assert before["counted"] < 0.6 * before["total"], figures  # the measurement can tell
+
+
+def test_a_tokenizers_other_files_beside_the_text_are_named_to_exclude(
+    tmp_path: Path, tokenizer_json: bytes
+) -> None:
+    """A Hugging Face folder ships special_tokens_map.json beside tokenizer.json: the tokens
+    transform ran on it first and failed "column 'text' is missing … fix the parameter",
+    never naming --exclude, as a publish without a transform does (a helper's hunt). The
+    advice, followed, publishes."""
+    from edgecache.cache.errors import MalformedShard
+
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / "a.jsonl").write_bytes(jsonl(documents()[:2]))
+    (origin / "tokenizer.json").write_bytes(tokenizer_json)
+    (origin / "special_tokens_map.json").write_text('{"eos_token": "</s>"}\n')
+    registry = f"file://{tmp_path}/registry"
+    spec = preprocess_spec(transform="tokens", params={"tokenizer": "tokenizer.json"})
+    with pytest.raises(MalformedShard) as refused:
+        Registry.run(registry, lambda reg: reg.publish(f"file://{origin}", "t", spec=spec))
+    said = str(refused.value)
+    assert "a file kept beside the shards" in said, said
+    assert "--exclude 'special_tokens_map.json'" in said, said
+    manifest = Registry.run(
+        registry,
+        lambda reg: reg.publish(
+            f"file://{origin}", "t", spec=spec, exclude=["special_tokens_map.json"]
+        ),
+    )
+    assert [s.source_key for s in manifest.shards] == ["a.jsonl"]

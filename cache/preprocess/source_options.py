@@ -482,7 +482,9 @@ def _no_header_hint(line: str, char: str | None, has_header: bool) -> str:
     cells = line.split(char)
     if not has_header or not cells or not all(_is_number(cell.strip()) for cell in cells):
         return ""
-    return f" --no-header (its first line, {line[:40]!r}, is data, not names)"
+    # Cut, it says so: a line cut at 40 characters without a mark read as the whole line.
+    shown = repr(line) if len(line) <= 40 else f"{line[:40]!r}…"
+    return f" --no-header (its first line, {shown}, is data, not names)"
 
 
 def _leading_prose(text: bytes, delimiter: str, skip: int) -> list[str]:
