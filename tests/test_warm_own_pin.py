@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from edgeutil import edgecache, stub
 from test_plan_defects import resident, schedule
@@ -38,13 +39,19 @@ def said(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_a_schedule_that_moves_its_job_earlier_shortens_its_own_pin(small) -> None:
+def warmed(small, hours: int) -> tuple[Path, LocalNode, Path, datetime, list[str]]:  # noqa: ANN001
+    """pq@2 pinned by a warm of schedule ``a`` whose one job starts in ``hours`` (an hour long)."""
     root, node = small
     now = datetime.now(UTC)
     config = ["--config", str(root / "small.yaml")]
-    a = schedule(root, "a", ("long", "small", now + timedelta(hours=6), "pq@2"))
+    a = schedule(root, "a", ("long", "small", now + timedelta(hours=hours), "pq@2"))
     code, out, err = edgecache("warm", str(a), *config)
-    assert code == 0 and near(pinned_until(node), now + timedelta(hours=7)), (out, err)
+    assert code == 0 and near(pinned_until(node), now + timedelta(hours=hours + 1)), (out, err)
+    return root, node, a, now, config
+
+
+def test_a_schedule_that_moves_its_job_earlier_shortens_its_own_pin(small) -> None:
+    root, node, a, now, config = warmed(small, 6)
     # The job moves: it ends at +3 h now. A dry run says it would shorten, and touches nothing.
     a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
     code, out, err = edgecache("warm", str(a), "--dry-run", *config)
@@ -170,12 +177,8 @@ def test_a_pin_on_a_node_the_run_does_not_list_is_kept_not_forgotten(small) -> N
 
     from edgecache.clients.node_client import start_local_node
 
-    root, node = small
-    now = datetime.now(UTC)
+    root, node, a, now, _ = warmed(small, 2)
     registry = (root / "small.yaml").read_text().splitlines()[0].removeprefix("registry: ")
-    a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
-    code, out, err = edgecache("warm", str(a), "--config", str(root / "small.yaml"))
-    assert code == 0 and near(pinned_until(node), now + timedelta(hours=3)), (out, err)
     record = root / "registry" / "_warm" / "jobs.json"
     other = start_local_node("other", root / "cache-other", registry)
     try:
@@ -204,12 +207,7 @@ def test_a_pin_on_a_node_that_does_not_answer_is_said_kept_not_passed_over(small
     """The schedule no longer reads pq@2 in region small, whose one node is down: warm
     kept the pin for the next run but said nothing and exited 0, since no job's region
     was down (a helper's hunt). It says which pin stays and why, and fails."""
-    root, node = small
-    now = datetime.now(UTC)
-    config = ["--config", str(root / "small.yaml")]
-    a = schedule(root, "a", ("long", "small", now + timedelta(hours=2), "pq@2"))
-    code, out, err = edgecache("warm", str(a), *config)
-    assert code == 0 and near(pinned_until(node), now + timedelta(hours=3)), (out, err)
+    root, node, a, _, config = warmed(small, 2)
     a.write_text("jobs: []\n")
     node.stop()
     code, out, err = edgecache("warm", str(a), *config)
