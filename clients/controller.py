@@ -1064,6 +1064,11 @@ class Controller:
         """
         ends = {job.name: job.end for job in schedule.jobs}
         for region, region_plan in plan.regions.items():
+            # Whether a task of this region's origin link waits out a failure's backoff:
+            # the plan, which knows nothing of it, puts that task at "now" every round and
+            # the next ones after it, so they were never due while it failed (a job whose
+            # data was fine missed it). While it waits the link is idle: the next one is due.
+            backing_off = False
             for task in region_plan.tasks:
                 key = (region, task.version)
                 record_key = f"{region} {task.spec}"
@@ -1095,6 +1100,7 @@ class Controller:
                     record.planned_start = _iso(task.start) or ""
                     record.predicted_ready = _iso(task.finish) or ""
                 if time.monotonic() < ended + self._backoff(key):
+                    backing_off = backing_off or task.source == "origin"
                     continue  # failed lately: wait before trying again
                 if self.stop.is_set():
                     continue  # stopping: begin nothing new
@@ -1113,8 +1119,13 @@ class Controller:
                     log.warning("%s: staging %s %s", region, task.spec, note)
                     task = replace(task, source="origin")
                     record.source = "origin"
-                elif task.start > now:
-                    continue  # not due
+                elif task.start > now and not (
+                    backing_off
+                    and task.source == "origin"
+                    and not self._origin_link_busy(region)
+                    and not any(e.at <= task.start for e in region_plan.evictions if e.at > now)
+                ):
+                    continue  # not due (unless only a task waiting out a backoff was before it)
                 pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)
                 run = self.executor.make_run(task, manifests, pin_until)
                 run.stop = self._term
@@ -1193,6 +1204,14 @@ class Controller:
             end = datetime.fromisoformat(job_record.end) if job_record.end else None
             if name not in starts or (end is not None and end + self.record_retention <= now):
                 del self.state.jobs[name]
+
+    def _origin_link_busy(self, region: str) -> bool:
+        """Whether a run of ``region`` is staging from origin now (its link in use)."""
+        with self._lock:
+            return any(
+                run.task.region == region and run.task.source == "origin"
+                for run, _ in self._runs.values()
+            )
 
     def _backoff(self, key: tuple[str, VersionKey]) -> float:
         """Seconds to wait after a run of ``key`` ended before starting another."""

@@ -125,6 +125,28 @@ def test_a_failing_task_is_retried_with_backoff_in_one_record(site, caplog) -> N
         controller.close()
 
 
+def test_a_task_waiting_out_its_backoff_does_not_hold_its_link(site) -> None:
+    """b@1 fails to stage and waits out its backoff; a@1, a later job's, is planned behind
+    it on the region's origin link. The plan put b@1 at "now" every round and a@1 after it,
+    so a@1 was never due while b@1 failed: a healthy job missed its data (a helper's hunt).
+    The link is idle while b@1 waits: a@1 starts."""
+    root, _, node = site
+    shutil.move(root / "origin" / "b", root / "origin-b-away")  # staging b fails
+    schedule(root, job("j", "eu", T0 + HOUR, 1, "b@1"), job("k", "eu", T0 + 2 * HOUR, 1, "a@1"))
+    controller = Controller(
+        root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0), retry_backoff=60
+    )
+    try:
+        for _ in range(6):  # well inside b@1's first backoff
+            controller.tick()
+            controller.wait_idle()
+        assert controller.state.tasks["eu b@1"].state == "failed"
+        assert controller.state.tasks["eu b@1"].attempts == 1  # its backoff is kept
+        assert versions_on(node) == {"a@1": 3}
+    finally:
+        controller.close()
+
+
 def test_a_malformed_edit_keeps_the_last_good_schedule_running(site, caplog) -> None:
     root, _, node = site
     schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"))
