@@ -55,6 +55,7 @@ from prometheus_client import Gauge
 
 from edgecache.cache.errors import ConfigError, EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
+from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Infeasible, Plan, StageTask, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
@@ -472,6 +473,7 @@ class Controller:
         self._live_tasks: set[str] = set()  # task records counted in the gauges (_prune)
         self._failed_in_row: dict[tuple[str, VersionKey], int] = {}
         self._lock = threading.Lock()
+        self._adopt_backoffs()
         self._leading = False  # held the lease at the last round: the record is ours to save
         self._renewed_at = -math.inf  # time.monotonic() when the lease was last taken or renewed
         self._exported: dict[str, dict[str, str]] = {}  # address → its node series' labels
@@ -566,6 +568,35 @@ class Controller:
             state.updated_at or "(unknown)",
         )
         self.state, self._record_raw = state, raw
+        self._adopt_backoffs()
+
+    def _adopt_backoffs(self) -> None:
+        """Each failed task's backoff as the record says it: its failures, and when it retries.
+
+        Kept in memory only, they were lost by a restart or a takeover: the new
+        leader retried at once and counted from the first backoff again, so a
+        controller restarted beside a broken origin hit it every 10 s (a helper's
+        hunt). A failed record's runs all failed (a success closes the record), so
+        its ``attempts`` are its failures in a row.
+        """
+        now, monotonic = self.clock(), time.monotonic()
+        with self._lock:
+            for record in self.state.tasks.values():
+                if record.state != "failed" or not record.retry_at or record.attempts < 1:
+                    continue
+                try:
+                    parsed = parse_spec(record.version)
+                    retry = datetime.fromisoformat(record.retry_at)
+                except (EdgeCacheError, ValueError):
+                    continue
+                if parsed.version is None:
+                    continue
+                key = (record.region, (parsed.dataset, parsed.version))
+                if key in self._runs:
+                    continue
+                self._failed_in_row[key] = max(self._failed_in_row.get(key, 0), record.attempts)
+                left = (retry - now).total_seconds()
+                self._ended[key] = min(monotonic, monotonic + left - self._backoff(key))
 
     def _save_state(self) -> None:
         self._require_registry("save the controller's record")

@@ -147,6 +147,32 @@ def test_a_task_waiting_out_its_backoff_does_not_hold_its_link(site) -> None:
         controller.close()
 
 
+def test_a_restarted_controller_keeps_a_failed_tasks_backoff(site) -> None:
+    """The backoff lived in memory only: a controller restarted (or a standby taking over)
+    retried a failing task at once and counted from the first backoff again (a helper's
+    hunt). It carries on from the record's failures and retry time."""
+    root, _, _ = site
+    shutil.move(root / "origin" / "b", root / "origin-b-away")  # staging b fails
+    schedule(root, job("j", "eu", T0 + HOUR, 1, "b@1"))
+    paths = (root / "edgecache.yaml", root / "schedule.yaml")
+    first = Controller(*paths, clock=Clock(T0), retry_backoff=60)
+    try:
+        first.tick()
+        first.wait_idle()
+        assert first.state.tasks["eu b@1"].attempts == 1
+    finally:
+        first.close()
+    again = Controller(*paths, clock=Clock(T0), retry_backoff=60)
+    try:
+        for _ in range(4):  # well inside the backoff the record says
+            again.tick()
+            again.wait_idle()
+        record = again.state.tasks["eu b@1"]
+        assert record.state == "failed" and record.attempts == 1, record
+    finally:
+        again.close()
+
+
 def test_a_malformed_edit_keeps_the_last_good_schedule_running(site, caplog) -> None:
     root, _, node = site
     schedule(root, job("j1", "eu", T0 + HOUR, 1, "a@1"))
