@@ -66,7 +66,7 @@ class ControllerMetrics:
         # jobs_unready_at_start): an alert can fire hours before, while there is time to act.
         self.jobs_infeasible = Gauge(
             "edgecache_controller_jobs_infeasible",
-            "Jobs not yet ended that the last round's plan cannot meet (a version not "
+            "Jobs not yet started that the last round's plan cannot meet (a version not "
             "published, a region too small, a link too slow for the start); plan --status "
             "says why",
             registry=r,

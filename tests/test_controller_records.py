@@ -163,6 +163,9 @@ def test_a_missed_job_keeps_its_planned_ready_time_and_names_the_failed_stage(eu
             record = controller.state.jobs["j"]
             assert record.complete_at_start is False
             assert record.planned_ready == planned  # the time planned, not re-planned
+            # Missed, counted at its start; not "cannot be met", whose alert's advice
+            # (publish it, raise the capacity, move the start) does not fit (a hunt).
+            assert controller.metrics.jobs_infeasible._value.get() == 0
     finally:
         controller.close()
     view = views(root, clock.now)["j"]
