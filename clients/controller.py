@@ -56,7 +56,7 @@ from prometheus_client import Gauge
 from edgecache.cache.errors import ConfigError, EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.names import parse_spec
-from edgecache.cache.planner import Infeasible, Plan, StageTask, VersionKey
+from edgecache.cache.planner import Infeasible, Plan, RegionPlan, StageTask, VersionKey
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
 from edgecache.clients.executor import (
@@ -374,6 +374,16 @@ def _iso(when: datetime | None) -> str | None:
 
 
 _WARM_READS_IT = "a job warm recorded reads it until then"  # why a pin is kept that long
+
+
+def _waits_for_room(task: StageTask, region_plan: RegionPlan, now: datetime) -> bool:
+    """Whether ``task``, started before its planned start, would lack an eviction's room.
+
+    The plan starts it once an eviction planned before then has freed room; one
+    started early (its peer source will not hold the version, the task before it
+    on the link waits out a backoff) would start without it.
+    """
+    return task.start > now and any(e.at <= task.start for e in region_plan.evictions if e.at > now)
 
 
 def _spec(version: VersionKey) -> str:
@@ -1140,9 +1150,7 @@ class Controller:
                     why = self._peer_wont_do(task, plan, outages)
                     if why is None:
                         continue  # the plan counts on the peer's own task, still on time
-                    if task.start > now and any(
-                        e.at <= task.start for e in region_plan.evictions if e.at > now
-                    ):
+                    if _waits_for_room(task, region_plan, now):
                         continue  # it needs the room of an eviction still to come
                     # Its start was the peer's planned finish, re-planned every round
                     # while the peer fails: from origin, it is due now.
@@ -1154,7 +1162,7 @@ class Controller:
                     backing_off
                     and task.source == "origin"
                     and not self._origin_link_busy(region)
-                    and not any(e.at <= task.start for e in region_plan.evictions if e.at > now)
+                    and not _waits_for_room(task, region_plan, now)
                 ):
                     continue  # not due (unless only a task waiting out a backoff was before it)
                 pin_until = max((ends[j] for j in task.jobs if j in ends), default=None)

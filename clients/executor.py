@@ -525,10 +525,10 @@ class PlanExecutor:
         time instead (the schedule's own job, moved earlier, or a job another
         record holds reads the version until then): Pin sets the time a node
         keeps, shorter or not. A pin on a node that did not answer (a problem
-        says so), or whose release failed, is kept for the next run; so is one on a node this
-        run's topology does not list (another ``--config``), with a problem
-        saying which topology releases it. ``dry_run`` releases nothing and
-        lists what would be.
+        says so), or whose release failed, is kept for the next run. One on a
+        node this run's topology does not list (another ``--config``) is left
+        alone, with a note saying which topology releases it (warm's record
+        keeps it). ``dry_run`` releases nothing and lists what would be.
         """
         seen = self._see(reports)
         out = Released()
@@ -545,7 +545,8 @@ class PlanExecutor:
             if not self.topology.lists(pin.node, pin.region):
                 # Not asked for its pins at all: taken as "gone", the pin was dropped from
                 # the record while the node kept it, and only evict --force freed the room.
-                out.kept.append(pin)
+                # The record keeps it (record_warmed_jobs keeps every pin of the schedule
+                # on a node the topology does not list); here it is only said.
                 out.notes.append(_unlisted(pin))
                 continue
             have = seen.pins.get((pin.node, pin.key))

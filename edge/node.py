@@ -369,7 +369,7 @@ class EdgeNode:
             return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
         except DiskFull as exc:
             self.metrics.disk_full_errors.inc()
-            self._free_when_full = self._free_bytes()
+            self._free_when_full = self.store.room_on_disk()
             if not self._disk_full:
                 self._disk_full = True
                 log.warning(
@@ -380,10 +380,6 @@ class EdgeNode:
                 )
             raise
 
-    def _free_bytes(self) -> int:
-        """The room the cache has on its disk (:meth:`CacheStore.room_on_disk`)."""
-        return self.store.room_on_disk()
-
     def disk_full_now(self) -> bool:
         """Whether the disk is as full as when a write last failed for room.
 
@@ -391,7 +387,7 @@ class EdgeNode:
         or an eviction freed pages LMDB reuses, there is room to try again.
         Thread-safe (the metrics server's scrape thread asks it).
         """
-        return self._disk_full and self._free_bytes() <= self._free_when_full
+        return self._disk_full and self.store.room_on_disk() <= self._free_when_full
 
     def _still_full(self, key: ShardKey, source_size: int) -> DiskFull | None:
         """The error for a shard not worth fetching: it would not fit where a write failed.
@@ -410,7 +406,7 @@ class EdgeNode:
         need = self._full_need.get(key)
         if need is None and not self._disk_full:
             return None
-        room = self._free_bytes()
+        room = self.store.room_on_disk()
         if need is None:
             if room > self._free_when_full:  # as disk_full_now(), with the figure said below
                 return None
@@ -1250,7 +1246,7 @@ class EdgeNode:
             staging_bytes_per_second=self.staging_rate.bytes_per_second(),
             staging_cpu_seconds_per_gb=self.staging_rate.cpu_seconds_per_gb(),
             disk_full=self.disk_full_now(),
-            disk_free_bytes=self._free_bytes(),
+            disk_free_bytes=self.store.room_on_disk(),
             uptime_seconds=time.monotonic() - self.started,
             version=package_version("edgecache"),
             # Which registry this node reads, so clients can tell a node set up with another

@@ -1073,11 +1073,15 @@ def _print_stages(rows: list[dict[str, Any]], dry_run: bool, sizes: dict[str, in
     for row in _staged_rows(rows, dry_run):
         # A version held whole came from nowhere: "(nothing moved …) from origin" said
         # otherwise (a helper's hunt). The line stays, for what the run covered.
-        held = row["state"] == "held" if dry_run else not row["bytes"]
-        source = "" if held else f" from {row['from']}"
+        source = "" if _held_whole(row, dry_run) else f" from {row['from']}"
         console.print(
             f"{row['region']}: {staged} {row['version']} ({_moved(row, dry_run, sizes)}){source}"
         )
+
+
+def _held_whole(row: dict[str, Any], dry_run: bool) -> bool:
+    """Whether a stage line's version was (or would be) held whole: nothing moves for it."""
+    return row["state"] == "held" if dry_run else not row["bytes"]
 
 
 def _staged_rows(rows: list[dict[str, Any]], dry_run: bool) -> list[dict[str, Any]]:
@@ -1106,7 +1110,7 @@ def _moved(row: dict[str, Any], dry_run: bool, sizes: dict[str, int]) -> str:
     origin stage too: 4.8 KiB where the real run then said 7.2 KiB.
     """
     if dry_run:
-        if row["state"] == "held":
+        if _held_whole(row, dry_run):
             return "nothing to move: its shards are held already"
         if row["source"] == "peer":
             return format_bytes(int(row["planned_bytes"]))
@@ -1114,7 +1118,7 @@ def _moved(row: dict[str, Any], dry_run: bool, sizes: dict[str, int]) -> str:
         if part is not None:  # held in part: only the rest moves
             return f"about {format_bytes(part)}: the shards not held yet"
         return format_bytes(sizes.get(row["version"], int(row["planned_bytes"])))
-    if not row["bytes"]:
+    if _held_whole(row, dry_run):
         return "nothing moved: its shards were held already"
     return format_bytes(int(row["bytes"]))
 

@@ -528,8 +528,7 @@ def _how_to_release(readers: list[PinnedJob], flags: str = "") -> str:
     schedules = sorted({job.schedule for job in readers if job.by == "warm" and job.schedule})
     steps = [
         f"remove the job from {path} and run `edgecache warm {shlex.quote(path)}{flags}` again "
-        "(it releases "
-        "the pins it placed for jobs no longer there)"
+        "(it releases the pins it placed for jobs no longer there)"
         for path in schedules
     ]
     if any(job.by == "controller" for job in readers):
