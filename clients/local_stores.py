@@ -81,8 +81,8 @@ def restage_advice(name: str, endpoint: str) -> str:
     through it) puts shards back, or the reads go through the node instead.
     """
     return (
-        f"Stage it on that node again (edgecache warm {name} --region <its region>; in a "
-        f"region of several replicas each stages only the shards it owns, so {REPLICAS}), "
+        f"Stage it on that node again (edgecache warm {name} --region <its region>; "
+        f"{REPLICAS}), "
         f"or list the node's gRPC endpoint (or its region's) after {endpoint} so reads "
         "continue through it"
     )
@@ -91,7 +91,8 @@ def restage_advice(name: str, endpoint: str) -> str:
 # Why staging again does not help a cache of one replica: the advice above sent a user of
 # a two-replica region round the same warm, the cache still lacking the other's shards.
 REPLICAS = (
-    "one replica's cache never holds the others' shards: list every replica's cache "
+    "in a region of several replicas each stages only the shards it owns, so one "
+    "replica's cache never holds the others' shards: list every replica's cache "
     "directory (where they are on this host), or read through the gRPC endpoints"
 )
 
@@ -229,8 +230,8 @@ def require_shards(
         warm = "; ".join(f"edgecache warm {name} --region <its region>" for name, _, _ in short)
         raise ShardNotCached(
             f"{state} {counts}, and nothing fetches into a cache read directly (a read of "
-            f"one would end the epoch). Stage {them} there and let {them} finish ({warm}; in "
-            f"a region of several replicas each stages only the shards it owns, so {REPLICAS}), "
+            f"one would end the epoch). Stage {them} there and let {them} finish ({warm}; "
+            f"{REPLICAS}), "
             f"or list the node's gRPC endpoint (or its region's) after {local[-1].text} so "
             "reads fetch them through it"
         )
