@@ -254,3 +254,27 @@ def test_webdataset_samples_without_the_images_column_are_refused(tmp_path: Path
     shown = json.loads(out)
     assert [d["count"] for d in shown["dropped"]] == [2], out
     assert shown["dropped"][0]["object"].endswith("shard-0.tar"), out
+
+
+def test_webdataset_samples_without_the_only_image_member_are_refused(tmp_path: Path) -> None:
+    """Without column=, images decodes the only binary column; a sample lacking it
+    (a label alone) used to publish and then fail every staging ("it is null")."""
+    raw = tmp_path / "wds"
+    raw.mkdir()
+    with tarfile.open(raw / "shard-0.tar", "w") as tar:
+        for i in range(4):
+            members = [(f"s{i}.cls", str(i).encode())]
+            if i != 3:
+                members.insert(0, (f"s{i}.jpg", _image("JPEG")))
+            for name, body in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    args = ("--transform", "images", "--param", "size=4")
+    code, out = cli(tmp_path, "publish", str(raw), "--dataset", "w", *args)
+    assert code == 2, out
+    flat = " ".join(out.split())
+    assert "1 sample (s3) has no .jpg member" in flat and "on_error=skip" in flat, out
+    code, out = cli(tmp_path, "publish", str(raw), "--dataset", "w", *args, "--param",
+                    "on_error=skip")  # fmt: skip
+    assert code == 0 and "(1 shard, 3 rows)" in out, out

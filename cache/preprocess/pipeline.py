@@ -321,11 +321,14 @@ def _every_sample_has_its_image(
     count = 0
     others: set[str] = set()
     for batch in batches:
-        if (
-            column is None
-            or column not in batch.schema.names
-            or "__key__" not in batch.schema.names
-        ):
+        if column is None:
+            # The transform's default, the only binary column (its own check refused
+            # several or none before this runs): a sample lacking it fails the same way.
+            binary = [f.name for f in batch.schema if pa.types.is_binary(f.type)]
+            if len(binary) != 1:
+                return
+            column = binary[0]
+        if column not in batch.schema.names or "__key__" not in batch.schema.names:
             return  # the transform itself names a missing or ambiguous column
         values = batch.column(column)
         if not values.null_count:
