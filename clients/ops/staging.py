@@ -250,6 +250,15 @@ def stage_item(
         for node, why in lost.items():
             share = len(owned[node])
             silent = f"{node} is not answering" + (f" ({why})" if why else "")
+            if node not in item.names and item.names:
+                # Down since before this run: its id, which decides its share beside the
+                # others' ids, is unknown; a count worked out from its address was wrong.
+                item.notes.append(
+                    f"{silent}: its share was staged on {', '.join(live)} (how many of the "
+                    f"{item.shard_count} shards it owns depends on its node id, unknown while "
+                    "it is down)"
+                )
+                continue
             item.notes.append(
                 f"{silent}: its share ({share} of {item.shard_count} shards) was staged on "
                 f"{', '.join(live)}"
