@@ -428,8 +428,12 @@ class Controller:
         metrics: ControllerMetrics | None = None,
         retry_backoff: float = 10.0,
         record_retention: timedelta = RECORD_RETENTION,
+        standby: bool = True,
     ) -> None:
         """Load the topology and the last saved record; nothing is asked of nodes yet.
+
+        ``standby``: a round that finds another controller's lease logs that this
+        one stands by to take over; False for ``--once``, which then exits instead.
 
         ``retry_backoff``: seconds before a failed task runs again, doubled per
         failure in a row up to ``RETRY_BACKOFF_MAX``, so a broken origin or node
@@ -502,6 +506,7 @@ class Controller:
         # The other controller holding the lease at the last round (None: this one led).
         self.other_leader: LeaseRecord | None = None
         self._standing_by_for: str | None = None  # the leader last logged as standing by for
+        self._standby = standby
 
     # -------------------------------------------------------------- plumbing
 
@@ -827,7 +832,7 @@ class Controller:
         other = self.leader()
         self.other_leader = other
         if other is not None:
-            if other.holder != self._standing_by_for:  # once per leader, not every round
+            if self._standby and other.holder != self._standing_by_for:  # once per leader
                 log.info(
                     "controller %s holds the lease (until %s unless renewed); standing by: "
                     "this one takes over if it stops renewing",

@@ -245,6 +245,7 @@ def test_once_while_another_leads_names_it_and_a_standby_says_so_once(eu, caplog
         assert process.returncode == 1, out
         assert f"controller {first.holder} holds the lease" in out, out
         assert "stop it" in out and "Wait" in out, out
+        assert "standing by" not in out, out  # it exits: it does not stand by
         with caplog.at_level(logging.INFO, logger="edgecache.clients.controller"):
             for _ in range(3):
                 assert second.tick() is None

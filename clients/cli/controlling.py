@@ -142,6 +142,7 @@ def controller(
             clock=clock,
             lease_ttl=lease_ttl,
             record_retention=record_retention(keep_records),
+            standby=not once,
         )
     received: list[int] = []  # the stop signals so far
 
