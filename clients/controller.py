@@ -1398,7 +1398,10 @@ class Controller:
                 (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
             ]
             first_seen = record is None or record.start != _iso(job.start)
-            if record is None or first_seen:
+            # Moved to another region before its start: what was seen and planned was of
+            # the old region's nodes (its readiness, its planned time, a miss named there).
+            moved = record is not None and record.region != job.region and job.start > now
+            if record is None or first_seen or moved:
                 record = self.state.jobs[job.name] = JobRecord(
                     name=job.name,
                     region=job.region,

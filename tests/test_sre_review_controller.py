@@ -363,3 +363,46 @@ def test_staged_bytes_count_what_the_nodes_moved_not_the_plans_estimate(eu) -> N
         assert ctl.metrics.staged_bytes["origin"]._value.get() == moved
     finally:
         ctl.close()
+
+
+# ------------------------------------------- a job moved to another region before its start
+
+
+def test_a_job_moved_to_another_region_is_recorded_and_judged_there(tmp_path: Path) -> None:
+    """The record kept the first region: ready as seen there, a miss named there."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin" / "b", 2, rows=300)
+    publish(registry, f"file://{tmp_path}/origin/b", "b")
+    eu = start_local_node("eu", tmp_path / "cache-eu", registry)
+    us = start_local_node("us", tmp_path / "cache-us", registry)
+    try:
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{eu.address}']\n"
+            f"  us:\n    nodes: ['{us.address}']\n"
+        )
+        schedule = tmp_path / "schedule.yaml"
+        schedule.write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        clock = Clock(T0)
+        ctl = controller(tmp_path, clock, lease_ttl=5)
+        try:
+            assert ctl.tick() is not None
+            ctl.wait_idle()
+            ctl.tick()
+            record = ctl.state.jobs["j"]
+            assert record.region == "eu" and record.ready_at is not None, record
+            schedule.write_text("jobs:\n" + job("j", "us", T0 + HOUR, 1, "b@1"))
+            us.stop()  # us cannot stage it: the job misses its start there
+            clock.now += 2 * MINUTE
+            ctl.tick()
+            record = ctl.state.jobs["j"]
+            assert record.region == "us" and record.ready_at is None, record
+            clock.now = T0 + HOUR + MINUTE
+            ctl.tick()
+            record = ctl.state.jobs["j"]
+            assert record.complete_at_start is False, record
+            assert "us" in record.why_missed and "eu" not in record.why_missed, record
+        finally:
+            ctl.close()
+    finally:
+        eu.stop()
+        us.stop()
