@@ -49,7 +49,9 @@ def main(root: Path, passes: int, mode: str) -> None:
         ds = EdgeDataset("tokens@1", endpoints=[f"lmdb://{root}/cache"], batch_size=64)
         done = 0
         for _ in range(passes):
-            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+            # A worker forked in the race's window hangs: its batch times out here in
+            # seconds, not at the test's 120 s process timeout (the test runs again).
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, timeout=20)
             assert sum(len(b["label"]) for b in loader) == 400
             done += 1
         print(f"passes {done}", flush=True)
