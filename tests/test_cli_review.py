@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -225,6 +226,18 @@ def test_ready_without_the_token_is_bad_input_at_once_not_a_wait(tmp_path: Path)
             assert result.exit_code == 2, result.output
             assert "refused this command's credentials" in said and "unreachable" not in said
             assert time.monotonic() - began < 20, wait  # not the wait's 60 s
+        # With a node of the region down beside it: a failure, as status exits (it said 2).
+        with socket.socket() as dead:
+            dead.bind(("127.0.0.1", 0))  # bound, not listening: nothing answers there
+            topology.write_text(
+                f"registry: file://{tmp_path}/registry\nregions:\n  eu:\n"
+                f"    nodes: ['{node.address}', '127.0.0.1:{dead.getsockname()[1]}']\n"
+            )
+            for command in (["ready", "tokens@1", "--region", "eu"], ["status"]):
+                result = CliRunner().invoke(
+                    app, [*command, "--config", str(topology)], env={"COLUMNS": "200"}
+                )
+                assert result.exit_code == 1, (command, result.output)
 
 
 def test_debug_logs_mask_the_credentials_botocore_prints() -> None:

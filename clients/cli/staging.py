@@ -1357,7 +1357,8 @@ def ready(
     ready (or --wait timed out, which it says); 2 bad input (a negative
     --timeout, or --timeout without --wait, among them; a node that refused
     this command's credentials, at once, without waiting: pass --token-file;
-    or one it cannot reach in TLS as it is set up, which the error names).
+    or one it cannot reach in TLS as it is set up, which the error names;
+    with a node of the region down too, 1, as status exits).
     """
     from edgecache.cache.registry import Registry
     from edgecache.clients.ops import wait_ready
@@ -1390,6 +1391,7 @@ def ready(
         )
     else:
         (console if readiness.ok else err_console).print(readiness.message)
-    if readiness.refused:
-        raise exit_with(ExitCode.BAD_INPUT)  # a token or TLS to set, not a wait
+    if readiness.refused and not readiness.silent:
+        # A token or TLS to set, not a wait; with a node down too, a failure as status says.
+        raise exit_with(ExitCode.BAD_INPUT)
     raise exit_with(ExitCode.OK if readiness.ok else ExitCode.FAILED)

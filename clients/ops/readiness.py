@@ -106,6 +106,9 @@ class Readiness:
     waited_seconds: float = 0.0
     # A node serves but refused this command's credentials: bad input, which no wait mends.
     refused: bool = False
+    # A node of the region did not answer (the round the verdict is of): beside a refusal,
+    # a failure (exit 1) as ``status`` counts it, not bad input alone.
+    silent: bool = False
 
 
 def status_call_timeout(budget: float, *, pings: int, longest: float) -> float:
@@ -181,20 +184,24 @@ def wait_ready(
     started = time.monotonic()
 
     refused = False  # a node of the region refused the credentials, the last round
+    silent = False  # a node of the region did not answer, the last round
 
     def check(budget: float) -> tuple[bool, str, bool]:
         """(ready, why, whether the verdict holds: every node answered or had its time)."""
-        nonlocal refused
+        nonlocal refused, silent
         call = status_call_timeout(budget, pings=_READY_PINGS, longest=_READY_CALL_SECONDS)
         reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
         ok, message = ready(reports, region, manifest)
         refused = _refused_in(reports, region)
+        silent = any(r.region == region and r.status is None and not r.refused for r in reports)
         return ok, message, call >= _READY_TRUSTED_CALL_SECONDS or not _any_silent(reports, region)
 
     if timeout is None:
         ok, message, _ = check(_READY_CALLS * _READY_CALL_SECONDS)
         waited = time.monotonic() - started
-        return Readiness(ok, message, waited_seconds=waited, refused=refused and not ok)
+        return Readiness(
+            ok, message, waited_seconds=waited, refused=refused and not ok, silent=silent
+        )
     deadline = started + timeout
     budget = max(timeout, _READY_FIRST_ROUND_SECONDS)
     short = False  # whether the round just asked started with too little room
@@ -205,7 +212,8 @@ def wait_ready(
         if ok:
             return Readiness(True, said, waited_seconds=time.monotonic() - started)
         if refused:  # the token, not the data: waiting would only hide it for an hour
-            return Readiness(False, said, waited_seconds=time.monotonic() - started, refused=True)
+            waited = time.monotonic() - started
+            return Readiness(False, said, waited_seconds=waited, refused=True, silent=silent)
         if holds or not message:
             message = said
         took = time.monotonic() - asked
