@@ -183,3 +183,17 @@ def test_plan_names_a_registry_that_does_not_exist(pair: Pair) -> None:
     code, out, err = edgecache("warm", str(schedule), *config)
     assert code != 0 and "does not exist" in " ".join((out + err).split()), (code, out, err)
     assert not (pair.root / "nowhere").exists()
+
+
+def test_the_listing_of_a_registry_with_credentials_reads_the_topology() -> None:
+    """``--registry URL`` printed without the URL's credentials (as every tool shows it)
+    would not read the registry; the topology given, which names it whole, does."""
+    from edgecache.clients.ops.eviction import listing_command
+
+    assert listing_command("https://ops:s3cret@reg.example/r", "pq", " --config t.yaml") == (
+        "edgecache versions pq --config t.yaml"
+    )
+    assert "s3cret" not in listing_command("https://ops:s3cret@reg.example/r", "pq")
+    assert listing_command("/srv/reg", "pq", " --config t.yaml") == (
+        "edgecache versions pq --registry file:///srv/reg"
+    )

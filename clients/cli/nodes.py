@@ -382,6 +382,7 @@ def evict(
             token=options.token,
             force=force,
             flags=options.flags(),
+            config_flag=options.flags(token=False),
         )
     if as_json:
         print(

@@ -12,7 +12,7 @@ from edgecache.cache.errors import AccessDenied, InvalidName, VersionNotFound, V
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import VersionKey
 from edgecache.cache.registry import Registry
-from edgecache.cache.registry_match import registry_key
+from edgecache.cache.registry_match import registry_key, shown_url
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import bearer, edge_stub, node_error
 from edgecache.clients.ops.planning import _room, held_manifests, share_overflow, version_sizes
@@ -131,6 +131,19 @@ class EvictResult:
     pinned: bool = False  # pinned there since the status read (ABORTED): not evicted
 
 
+def listing_command(registry: str, dataset: str, config_flag: str = "") -> str:
+    """``edgecache versions DATASET`` for ``registry``, as a user can paste it.
+
+    With ``--registry URL`` wherever the topology at hand may not name it; a URL
+    that carries credentials is printed without them (:func:`shown_url`) and
+    would not be read so: that listing reads the topology this command read
+    (``config_flag``: its ``--config``, or none for ``./edgecache.yaml``).
+    """
+    if shown_url(registry) != registry:
+        return f"edgecache versions {dataset}{config_flag}"
+    return f"edgecache versions {dataset} --registry {registry_key(registry)}"
+
+
 def evict(
     topology: Topology,
     spec: str,
@@ -140,12 +153,14 @@ def evict(
     force: bool = False,
     now: datetime | None = None,
     flags: str = "",
+    config_flag: str = "",
 ) -> list[EvictResult]:
     """Drop ``NAME@N`` from every node of ``region`` (or of every region).
 
     Refused (:class:`VersionPinned`, naming the jobs and the command that
     releases their pins, with ``flags``: the caller's ``--config`` and
-    ``--token-file``) while any of those nodes
+    ``--token-file``; ``config_flag``, the ``--config`` alone, for a listing of the
+    registry that does not print its credentials) while any of those nodes
     pins the version for a scheduled job, unless ``force``; a version neither
     published nor held anywhere is :class:`VersionNotFound`. Every node is
     asked even when one fails; failures come back in ``error``. A node that
@@ -180,8 +195,8 @@ def evict(
     registry = registry_key(topology.registry)
     unknown = VersionNotFound(
         f"{spec} is neither published in {registry} nor held by any node of "
-        f"{', '.join(regions)}; list versions with: edgecache versions {parsed.dataset} "
-        f"--registry {registry}"
+        f"{', '.join(regions)}; list versions with: "
+        + listing_command(topology.registry, parsed.dataset, config_flag)
     )
     if not held:
         try:
