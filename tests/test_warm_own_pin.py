@@ -210,6 +210,13 @@ def test_a_pin_on_a_node_that_does_not_answer_is_said_kept_not_passed_over(small
     root, node, a, _, config = warmed(small, 2)
     a.write_text("jobs: []\n")
     node.stop()
+    # plan, which plans on the pins as warm leaves them, says the same of that pin.
+    code, out, err = edgecache("plan", str(a), *config)
+    said = " ".join(err.split())
+    assert "release would fail:" in said and f"the pin of pq@2 on {node.address}" in said, err
+    code, out, err = edgecache("plan", str(a), "--json", *config)
+    shown = json.loads(out)
+    assert any(node.address in p for p in shown["release_failures"]), shown
     code, out, err = edgecache("warm", str(a), *config)
     said = " ".join(err.split())
     assert code == 1, (code, out, err)

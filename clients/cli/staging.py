@@ -99,7 +99,8 @@ def plan(
     region, version, reason, unreachable), transfers (job, link, bytes) and
     cost (job → egress price), released (region, node, version, until,
     shortened_to: the pins an earlier warm of this schedule placed that warm
-    lets go of, or shortens, before it acts; the plan is made as if it had);
+    lets go of, or shortens, before it acts; the plan is made as if it had),
+    release_failures and release_notes (what warm would say of those pins);
     with --status, one object per job instead.
     """
     from edgecache.clients.ops import gather_status, unreachable_regions
@@ -139,7 +140,13 @@ def plan(
     if show_status:
         _print_status(views, as_json)
     elif as_json:
-        print(json.dumps({**_plan_json(result), "released": _released_json(released)}, indent=2))
+        shown = {
+            **_plan_json(result),
+            "released": _released_json(released),
+            "release_failures": released.problems,
+            "release_notes": released.notes,
+        }
+        print(json.dumps(shown, indent=2))
     else:
         for pin in released.released:
             console.print(
@@ -147,6 +154,13 @@ def plan(
                 + " (an earlier warm of this schedule placed it; planned as warm leaves it)"
             )
         _print_plan(result, explain, unseen=_unseen_regions(reports), reported=set(down))
+    if not show_status and not as_json:
+        # What warm would say of those pins (a release that would fail, a pin kept on a
+        # node the topology does not list): the plan is of warm's run, so is this.
+        for problem in released.problems:
+            err_console.print(f"[red]release would fail:[/red] {problem}", soft_wrap=True)
+        for note in released.notes:
+            err_console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     for outage in down.values():
         error(outage.message())
     if down:
