@@ -40,6 +40,8 @@ def probe_address(config: Path | None = None, environ: Mapping[str, str] | None 
             settings = yaml.safe_load(config.read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(f"cannot read the node settings {config}: {exc}") from exc
+        if not isinstance(settings, dict):  # a list or a bare string: not the node's file
+            raise ValueError(f"{config} must hold a mapping of settings (as edgecache serve reads)")
         listen = settings.get("probe_listen") or settings.get("probe-listen")
     listen = str(listen or DEFAULT_PROBE)
     host, sep, port = listen.rpartition(":")

@@ -27,6 +27,16 @@ def test_healthcheck_refuses_an_address_that_is_not_host_port_as_bad_input(addre
     assert "is not HOST:PORT" in result.output and "UNAVAILABLE" not in result.output
 
 
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just text\n"])
+def test_healthcheck_refuses_a_settings_file_that_is_no_mapping(tmp_path: Path, text: str) -> None:
+    """A list or a bare string raised AttributeError, exit 1: a bad file read as a node down."""
+    config = tmp_path / "node.yaml"
+    config.write_text(text)
+    result = CliRunner().invoke(app, ["healthcheck", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "must hold a mapping of settings" in result.output, result.output
+
+
 def test_cli_output_keeps_colons_as_text_not_emoji() -> None:
     """``127.0.0.1:abc:`` printed as ``127.0.0.1🔤``: rich's emoji codes were on."""
     result = CliRunner().invoke(app, ["healthcheck", "127.0.0.1:smile:", "--timeout", "0.5"])
