@@ -132,13 +132,20 @@ def start_local_node(
     if not isinstance(log, int):
         log.close()  # the child has its own copy of the descriptor
     assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line.startswith("serving on "):
+    try:
+        line = process.stdout.readline()
+        if not line.startswith("serving on "):
+            hint = f"; see {log_file}" if log_file else ""
+            raise RuntimeError(f"edge node for {region} did not start{hint}")
+        node = LocalNode(region=region, address=line.split()[-1], process=process)
+        if "--metrics-listen" in extra_args:
+            node.metrics_address = process.stdout.readline().split()[-1]
+    except BaseException:
+        # Not handed back, so no caller can stop it: a Ctrl-C or SIGTERM (SystemExit) that
+        # lands while it starts left a node of its own session running, and its cache dir
+        # written again after the caller removed it.
         with contextlib.suppress(ProcessLookupError):
             process.kill()
-        hint = f"; see {log_file}" if log_file else ""
-        raise RuntimeError(f"edge node for {region} did not start{hint}")
-    node = LocalNode(region=region, address=line.split()[-1], process=process)
-    if "--metrics-listen" in extra_args:
-        node.metrics_address = process.stdout.readline().split()[-1]
+        process.wait()
+        raise
     return node

@@ -237,3 +237,41 @@ def test_a_copy_that_did_not_happen_or_was_too_quick_has_no_rate_not_0_b_s() -> 
     assert figures["peer_copy_why"].startswith("nothing to copy"), figures
     assert demo_module._rate(1 << 20, 0.0) is None  # no interval to speak of: no rate
     assert demo_module._rate(1 << 20, 0.5) == 2 << 20
+
+
+def test_a_signal_while_a_node_starts_leaves_no_node_running(tmp_path: Path) -> None:
+    """A Ctrl-C or SIGTERM landing while ``start_local_node`` waited for "serving on" left
+    that node running in its own session (never handed back, so never stopped) and its
+    cache dir written again after the demo removed it (a helper's hunt)."""
+    import time
+
+    from edgecache.clients.node_client import start_local_node
+
+    cache = tmp_path / "cache-starting"
+    (tmp_path / "registry").mkdir()  # a node that would serve, left alone
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)  # a node takes seconds to import and serve
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_local_node("eu", cache, f"file://{tmp_path}/registry")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    time.sleep(0.5)
+
+    def running() -> list[str]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(cache) in line:
+                found.append(line)
+        return found
+
+    assert running() == [], running()
