@@ -39,9 +39,21 @@ from edgecache.clients.ops import (
 from edgecache.clients.topology import Topology
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 
-__all__ = ["HostCheck", "NodePath", "PathCheck", "check_host", "check_node_paths", "check_paths"]
+__all__ = [
+    "TLS_REFUSED",
+    "UNREACHABLE",
+    "HostCheck",
+    "NodePath",
+    "PathCheck",
+    "check_host",
+    "check_node_paths",
+    "check_paths",
+]
 
 RTT_IN_REGION_MS, RTT_CROSS_REGION_MS, JITTER_MS, LOSS = 5.0, 50.0, 2.0, 0.001
+# How a path's problem starts when no health check got through: the CLI's exit code
+# tells a node away (1) from a TLS setting of this command (2) by them.
+UNREACHABLE, TLS_REFUSED = "unreachable", "TLS refused"
 
 
 @dataclass
@@ -98,8 +110,12 @@ def check_paths(
                 _upload(check, channel, throughput_seconds / 2, streams, bearer(token))
             channel.close()
             limit = RTT_IN_REGION_MS if region == home_region else RTT_CROSS_REGION_MS
-            if rtt is None:
-                check.problems.append("unreachable")
+            if rtt is None and result.tls_refused:
+                # A CA, a certificate or the scheme to set (the error says which), not a node
+                # away: as status says it, and bad input, not a failure (the CLI's exit 2).
+                check.problems.append(f"{TLS_REFUSED}: {result.error}")
+            elif rtt is None:
+                check.problems.append(UNREACHABLE + (f": {result.error}" if result.error else ""))
             elif rtt > limit:
                 check.problems.append(f"RTT {rtt:.1f} ms > {limit:.0f} ms")
             if jitter is not None and jitter > JITTER_MS:

@@ -255,6 +255,7 @@ def test_a_tls_setting_is_bad_input_at_once_not_a_node_to_wait_for(
         ready, took = _cli(tmp_path, "ready", "tokens@1", "--region", "eu", "--wait")
         as_json, _ = _cli(tmp_path, "status", "--json")
         warm, _ = _cli(tmp_path, "warm", "tokens@1", "--region", "eu")
+        doctor, _ = _cli(tmp_path, "doctor", "--pings", "2", "--seconds", "0.1", "--json")
     assert status.returncode == 2, status
     assert "could not be reached in TLS" in status.stderr and advice in status.stderr, status
     assert "Handshake failed" not in status.stderr, status.stderr  # gRPC core's INFO line
@@ -263,6 +264,10 @@ def test_a_tls_setting_is_bad_input_at_once_not_a_node_to_wait_for(
     (report,) = json.loads(as_json.stdout)
     assert report["refused"] and report["tls_refused"], report
     assert warm.returncode == 2 and advice in warm.stderr, warm  # it was 1: "retry"
+    # doctor said "unreachable", exit 1, naming no cause (a helper's hunt).
+    assert doctor.returncode == 2, doctor
+    (path,) = json.loads(doctor.stdout)["paths"]
+    assert any(p.startswith("TLS refused") and advice in p for p in path["problems"]), path
 
 
 def test_a_connection_closed_in_the_handshake_is_still_a_node_to_wait_for(

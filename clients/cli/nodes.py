@@ -450,10 +450,17 @@ def doctor(
     topology's is a problem (a file:// path that differs, a warning). Exit
     codes: 0 a clean bill of health; 1 a problem (listed with what would fix
     it); 2 bad input (a node refusing this command's token, none down:
-    --token-file, the admin token for --node-paths).
+    --token-file, the admin token for --node-paths; or its TLS as this command
+    is set up: the problem says what to set).
     """
     from edgecache.clients.channels import credentials_refused_in
-    from edgecache.clients.doctor import check_host, check_node_paths, check_paths
+    from edgecache.clients.doctor import (
+        TLS_REFUSED,
+        UNREACHABLE,
+        check_host,
+        check_node_paths,
+        check_paths,
+    )
 
     options = Options(config, token_file)
     with reporting():
@@ -481,8 +488,8 @@ def doctor(
     # A node refusing this command's token (or the read one for Diagnose) is bad input,
     # as every other command says it, not a failure a retry may mend; a node down wins,
     # as in status (the host's tuning advice is neither).
-    refused = any(map(credentials_refused_in, said))
-    down = any(x == "unreachable" for x in said)
+    refused = any(credentials_refused_in(x) or x.startswith(TLS_REFUSED) for x in said)
+    down = any(x.startswith(UNREACHABLE) for x in said)
     failed = ExitCode.BAD_INPUT if refused and not down else ExitCode.FAILED
     if as_json:
         print(
