@@ -87,6 +87,21 @@ def test_a_level_no_node_could_encode_is_refused_at_publish(tmp_path: Path) -> N
         )
 
 
+def test_level_0_is_refused_not_published_as_level_1(tmp_path: Path) -> None:
+    """zstd's 0 (its default, 3) was taken and the version recorded as zstd-1 (0 is the spec's
+    unset), so --level 1 --if-changed called it unchanged (a helper's hunt)."""
+    write_parquet_shards(tmp_path / "raw", 1, rows=100)
+    registry = f"file://{tmp_path}/reg"
+    args = ("publish", f"file://{tmp_path}/raw", "--dataset", "x", "--registry", registry)
+    result = runner.invoke(app, [*args, "--compression", "zstd", "--level", "0"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "give --level 3" in said, said
+    assert not (tmp_path / "reg").exists()  # nothing published
+    result = runner.invoke(app, [*args, "--compression", "zstd", "--level", "3", "--json"])
+    assert result.exit_code == 0 and '"compression_level": 3' in result.output, result.output
+
+
 def test_versions_of_what_is_not_there_is_bad_input_naming_what_is(tmp_path: Path) -> None:
     write_parquet_shards(tmp_path / "raw", 1, rows=100)
     registry = f"file://{tmp_path}/reg"

@@ -335,7 +335,7 @@ def publish(
     level: Annotated[
         int | None,
         typer.Option(
-            help="zstd level (-7..22; default 1); not with --compression none.",
+            help="zstd level (-7..22 but 0; default 1); not with --compression none.",
             show_default=False,
             # The parser's range check names --level and its range, as the other options'
             # do; past it, the codec's own check said "zstd level must be in …" alone.
@@ -393,6 +393,13 @@ def publish(
             raise ValueError(
                 f"--level {level} sets the zstd level, but --compression none compresses "
                 "nothing: drop --level, or pick --compression zstd or byte-split-zstd"
+            )
+        if level == 0:
+            # zstd reads 0 as its default level (3), and the version's spec cannot record a
+            # 0 (protobuf's unset): it was published and recorded as level 1.
+            raise ValueError(
+                "--level 0 is zstd's way of asking for its default level, 3: give --level 3 "
+                "(or leave --level out for edgecache's default, 1)"
             )
         params = _params(param or [])
         spec = preprocess_spec(
