@@ -109,11 +109,15 @@ class _Share:
     at once wait for memory instead of growing the node without limit.
     """
 
-    __slots__ = ("done", "kept", "readers", "staging", "wanted")
+    __slots__ = ("done", "kept", "readers", "stagers", "started", "staging", "wanted")
 
     def __init__(self, *, staging: bool) -> None:
         self.staging = staging  # started by a Stage (see ensure_shard)
         self.readers = 0
+        # Stages waiting for the fetch, and whether it has left the staging gate (its GET
+        # begun): one no Stage waits for any more is given up before it starts.
+        self.stagers = 0
+        self.started = False
         self.done = False
         self.kept: Kept | None = None
         # Set once a training read waits for a Stage's fetch: from then on the fetch
@@ -528,7 +532,13 @@ class EdgeNode:
                 task.add_done_callback(functools.partial(self._fetch_done, key))
             share = self._shares[key]
             if staging:
-                fetched = await asyncio.shield(task)
+                share.stagers += 1
+                try:
+                    fetched = await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    share.stagers -= 1
+                    self._give_up_unstarted(key, task, share)
+                    raise
                 if fetched.refused is not None:  # the cache cannot keep it: a Stage fails
                     raise fetched.refused
                 return fetched.info, fetched
@@ -570,11 +580,30 @@ class EdgeNode:
         async with self._fetch_slots:
             return await fetch
 
+    def _give_up_unstarted(self, key: ShardKey, task: asyncio.Task[Fetched], share: _Share) -> None:
+        """Cancel a Stage's fetch that no Stage or read waits for and that has not begun.
+
+        A cancelled Stage (warm interrupted, the controller stopped) finishes the
+        shards it started and starts no more: its fetches still queued at the
+        staging gate went on, fetching and caching shards nobody asked for any
+        more, after an ``evict`` too. Taken out of the in-flight table at once, so
+        a read that misses the shard now starts a fetch of its own.
+        """
+        if share.stagers or share.started or share.wanted.is_set() or task.done():
+            return
+        log.info("%s: no Stage waits for it any more; not fetched", key)
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+            self._shares.pop(key, None)
+            share.finish()
+        task.cancel()
+
     def _fetch_done(self, key: ShardKey, task: asyncio.Task[Fetched]) -> None:
         # Runs before any waiter resumes: every reader that joined has counted itself.
-        self._inflight.pop(key, None)
-        if (share := self._shares.pop(key, None)) is not None:
-            share.finish()
+        if self._inflight.get(key) is task:  # not a fetch given up, then started again
+            del self._inflight[key]
+            if (share := self._shares.pop(key, None)) is not None:
+                share.finish()
         if not task.cancelled():
             task.exception()  # retrieved here: every waiter re-raises it itself
 
@@ -594,6 +623,8 @@ class EdgeNode:
             raise no_room  # a reader's miss is fetched anyway: served without caching it
         notes: tuple[str, ...] = ()
         if peers:
+            if (share := self._shares.get(key)) is not None:
+                share.started = True  # a peer copy is not gated: it begins now
             try:
                 copy = await self.peers.copy_shard(manifest, key.shard, peers)
             except PeerCopyFailed as exc:
@@ -728,6 +759,8 @@ class EdgeNode:
         url = manifest.source_url + shard.source_key
         expect = ObjectInfo(url=url, size=shard.source_size, etag=shard.source_etag)
         held = await self._staging_turn(shard.source_size, wanted) if staging else False
+        if staging and (share := self._shares.get(key)) is not None:
+            share.started = True  # a cancelled Stage lets it finish: a whole shard
         try:
             log.info("fetching %s for %s", url, key)
             self.metrics.origin_fetches.inc()

@@ -553,3 +553,28 @@ def test_a_damaged_chunk_in_a_read_only_lmdb_cache_says_how_to_mend_it(
         ds.close()
     said = " ".join(str(damaged.value).split())
     assert "read-only" in said and "edgecache evict" in said and "warm" in said, said
+
+
+def test_a_cancelled_stage_starts_no_more_shards(tmp_path: Path) -> None:
+    """Its fetches still queued at the staging gate went on after the cancel: a warm
+    interrupted, or a controller stopped, kept fetching and caching shards (and after an
+    evict, brought them back), where a cancelled Stage starts no more (a helper's hunt)."""
+    write_parquet_shards(tmp_path / "origin", 6, rows=1000)
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "six")
+    # About a shard a second through the gate: queued shards start within seconds if let.
+    settings = node_settings(tmp_path, registry, staging_rate=150_000)
+    with running_node(settings) as node:
+        assert node.node is not None
+        m = node.node.metrics
+        call = stub(node.address).Stage(edge_pb2.StageRequest(dataset="six", version=1))
+        assert _wait_for(lambda: m.value("edgecache_origin_fetches_total") >= 1)
+        call.cancel()
+        started = m.value("edgecache_origin_fetches_total")
+        assert _wait_for(lambda: m.value("edgecache_stage_seconds_count", result="CANCELLED"))
+        time.sleep(5.0)  # long enough for the queued shards to pass the gate, were they let
+        assert m.value("edgecache_origin_fetches_total") == started
+        held = stub(node.address).Status(edge_pb2.StatusRequest()).versions
+        assert sum(v.shard_count for v in held) <= started < 6
+        # A read of a shard the Stage gave up is a miss fetched on its own.
+        assert read_shard_table(stub(node.address), "six", 1, 5).num_rows == 1000
