@@ -355,6 +355,10 @@ def test_compose_nodes_drain_and_run_read_only() -> None:
         assert float(node["stop_grace_period"].rstrip("s")) > grace, name
         assert node["read_only"] is True and "/tmp" in node["tmpfs"], name
     assert services["seed"]["healthcheck"] == {"disable": True}
+    # seed.py writes the same bytes on every `up`: without --if-changed each restart
+    # published a copy as the next version, which warm @latest fetched again.
+    seed = " ".join(services["seed"]["command"])
+    assert "edgecache publish" in seed and "--if-changed" in seed, seed
     assert "prometheus:/prometheus" in services["prometheus"]["volumes"]
     assert "prometheus" in compose["volumes"]
 
@@ -371,4 +375,21 @@ def test_the_dashboard_has_a_query_for_every_training_reader_metric() -> None:
     missing = sorted(
         m for m in declared if not re.search(rf"{m.removesuffix('_total')}(_total)?\b", dashboard)
     )
+    assert not missing, missing
+
+
+def test_every_metric_an_alert_watches_has_a_dashboard_query() -> None:
+    """deploy/README.md: the dashboard has a row per alert with what it watches; the
+    jobs-cannot-be-met alert's gauge was on no panel (a helper's hunt)."""
+    rules = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    watched = {
+        name
+        for group in rules["groups"]
+        for rule in group["rules"]
+        for name in re.findall(r"\b(edgecache_[a-z_]+)", rule["expr"])
+    }
+    assert watched, "no metric found in the alerts: the pattern no longer matches"
+    dashboard = (DEPLOY / "grafana" / "edgecache.json").read_text()
+    base = {re.sub(r"_(bucket|sum|count)$", "", m) for m in watched}
+    missing = sorted(m for m in base if not re.search(rf"\b{m}(_bucket|_sum|_count)?\b", dashboard))
     assert not missing, missing
