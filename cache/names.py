@@ -49,8 +49,12 @@ class VersionSpec(NamedTuple):
         return f"{self.dataset}@{LATEST if self.version is None else self.version}"
 
 
-def parse_spec(spec: str) -> VersionSpec:
-    """Parse ``name``, ``name@latest`` or ``name@N`` (N ≥ 1)."""
+def parse_spec(spec: str, *, latest: bool = True) -> VersionSpec:
+    """Parse ``name``, ``name@latest`` or ``name@N`` (N ≥ 1).
+
+    ``latest=False`` for a caller that needs N (``evict``): its refusal of a bad
+    version then does not suggest ``name@latest``, which that caller refuses next.
+    """
     if not isinstance(spec, str):
         raise InvalidName(f"dataset spec must be a string, got {type(spec).__name__}")
     name, sep, version = spec.partition("@")
@@ -58,7 +62,8 @@ def parse_spec(spec: str) -> VersionSpec:
     if not sep or version == LATEST:
         return VersionSpec(name, None)
     if not version.isdigit() or not version.isascii() or int(version) < 1:
+        either = f", or {name}@latest" if latest else ""
         raise InvalidName(
-            f"invalid version in {spec!r}: use {name}@N with N a positive integer, or {name}@latest"
+            f"invalid version in {spec!r}: use {name}@N with N a positive integer{either}"
         )
     return VersionSpec(name, int(version))

@@ -197,3 +197,16 @@ def test_the_listing_of_a_registry_with_credentials_reads_the_topology() -> None
     assert listing_command("/srv/reg", "pq", " --config t.yaml") == (
         "edgecache versions pq --registry file:///srv/reg"
     )
+
+
+def test_a_bad_version_is_not_told_to_evict_latest(tmp_path: Path) -> None:
+    """``evict b@x`` advised ``b@latest``, which evict then refused (a helper's hunt)."""
+    topology = tmp_path / "t.yaml"
+    topology.write_text(
+        f"registry: file://{tmp_path}/registry\nregions:\n  eu:\n    nodes: ['127.0.0.1:9']\n"
+    )
+    for spec in ("b@x", "b@0"):
+        code, out, err = edgecache("evict", spec, "--config", str(topology))
+        said = " ".join(err.split())
+        assert code == 2 and "b@N with N a positive integer" in said, (out, err)
+        assert "latest" not in said, said

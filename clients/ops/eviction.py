@@ -169,7 +169,7 @@ def evict(
     failure; only when every node says so does nobody know the version, and
     that is :class:`VersionNotFound`.
     """
-    parsed = parse_spec(spec)
+    parsed = parse_spec(spec, latest=False)
     if parsed.version is None:
         raise InvalidName(f"evict needs an explicit version: {parsed.dataset}@N")
     key = (parsed.dataset, parsed.version)
