@@ -223,3 +223,23 @@ def test_a_pin_on_a_node_that_does_not_answer_is_said_kept_not_passed_over(small
     assert f"the pin of pq@2 on {node.address}" in said and "did not answer" in said, err
     record = json.loads((root / "registry" / "_warm" / "jobs.json").read_text())
     assert [p["version"] for p in record["pins"]] == ["pq@2"], record
+
+
+def test_two_schedules_jobs_of_one_name_are_both_recorded(small) -> None:
+    """Warm's record kept one job per name: b's ``etl`` replaced a's, whose pin of pq@2
+    then named no job, and evict said nobody would release it before it ran out, though
+    a's warm would (a helper's hunt)."""
+    root, node = small
+    now = datetime.now(UTC)
+    config = ["--config", str(root / "small.yaml")]
+    a = schedule(root, "a", ("etl", "small", now + timedelta(hours=2), "pq@2"))
+    # Room for one version: b's pq@1 is staged once a's job is over.
+    b = schedule(root, "b", ("etl", "small", now + timedelta(hours=6), "pq@1"))
+    for path in (a, b):
+        code, out, err = edgecache("warm", str(path), *config)
+        assert code == 0, (out, err)
+    code, out, err = edgecache("evict", "pq@2", *config)
+    text = said(err)
+    assert code == 2 and "read by etl (small" in text, (out, err)
+    assert "neither warm nor the controller recorded" not in text, text
+    assert f"Remove the job from {a}" in text, text

@@ -193,7 +193,10 @@ def wait_ready(
         reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
         ok, message = ready(reports, region, manifest)
         refused = _refused_in(reports, region)
-        silent = any(r.region == region and r.status is None and not r.refused for r in reports)
+        silent = any(
+            isinstance(r, NodeReport) and r.region == region and r.status is None and not r.refused
+            for r in reports
+        )
         return ok, message, call >= _READY_TRUSTED_CALL_SECONDS or not _any_silent(reports, region)
 
     if timeout is None:

@@ -102,7 +102,9 @@ def record_warmed_jobs(
     same schedule file (``owner``) recorded: those jobs and pins are replaced
     by this run's (a job removed from the schedule goes), while other
     schedules' are kept until they end, so warm runs of two schedules do not
-    erase each other's. A job of the same name is replaced whoever recorded it.
+    erase each other's, whatever their jobs are named: two schedule files may
+    each have an ``etl`` (keyed by name alone, the second replaced the first,
+    whose pins then named no job and ``evict`` said nobody would release them).
     ``plan``'s pins are recorded as placed on every node of their region;
     ``unreleased`` are this schedule's earlier pins that no job reads any
     more but that could not be released yet (a node down): kept, to be
@@ -117,7 +119,9 @@ def record_warmed_jobs(
     old_jobs, old_pins = _warm_record(topology.registry)
     mine = bool(owner)
     kept = {
-        job.name: job for job in old_jobs if job.end > now and not (mine and job.schedule == owner)
+        (job.schedule, job.name): job
+        for job in old_jobs
+        if job.end > now and not (mine and job.schedule == owner)
     }
     for job in schedule.jobs:
         if job.end > now:
@@ -126,7 +130,7 @@ def record_warmed_jobs(
                 for s in job.datasets
                 if s in manifests
             )
-            kept[job.name] = PinnedJob(
+            kept[(owner, job.name)] = PinnedJob(
                 job.name, job.region, job.start, job.end, versions, schedule=owner
             )
     pins = [p for p in old_pins if p.until > now and not (mine and p.schedule == owner)]
