@@ -120,6 +120,10 @@ class RegionState:
     # what is held let a second tool stage into it, and the first schedule's job could
     # not be met.
     reserved: Mapping[VersionKey, int] = field(default_factory=dict)
+    # Of ``pinned``, versions the plan itself keeps here until then, for a copy another
+    # region makes from what this one holds now (:func:`plan`): not another schedule's pin,
+    # and said so where they leave a job without room.
+    lent: Mapping[VersionKey, datetime] = field(default_factory=dict)
 
     @property
     def origin_rate(self) -> float:
@@ -270,21 +274,29 @@ def plan(
     def first_need(name: str) -> tuple[datetime, str]:
         return min((job.start for job in by_region.get(name, [])), default=never), name
 
-    def plan_in(order: Sequence[str], reuse: Mapping[str, Plan]) -> tuple[Plan, dict[str, Plan]]:
+    def plan_in(
+        order: Sequence[str], reuse: Mapping[str, Plan], *, borrow_ahead: bool = True
+    ) -> tuple[Plan, dict[str, Plan]]:
         """The plan with regions planned in ``order``, each copying from those before it.
 
         With each region's own part (its plan, unmet versions, transfers, cost), so
         that another order sharing a first stretch of regions reuses their parts:
         a region's plan depends only on the regions planned before it.
+        ``borrow_ahead=False``: no copy from what a region planned later holds now
+        (see :func:`plan`'s last try).
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
         # eviction); regions not planned yet hold what they hold now, to no known end.
-        holds: _Holds = {
-            (name, version): [(now, never)]
-            for name, state in regions.items()
-            for version in state.resident
-        }
+        holds: _Holds = (
+            {
+                (name, version): [(now, never)]
+                for name, state in regions.items()
+                for version in state.resident
+            }
+            if borrow_ahead
+            else {}
+        )
         # A copy from a region planned later, out of what it holds now: that region keeps
         # the version until the copy ends (as it keeps a pin), or the copy would have
         # no source. (region, version) → the last such copy's end.
@@ -299,7 +311,7 @@ def plan(
                     pinned = {
                         v: max(state.pinned.get(v, until), until) for v, until in kept.items()
                     }
-                    state = replace(state, pinned={**state.pinned, **pinned})
+                    state = replace(state, pinned={**state.pinned, **pinned}, lent=kept)
                 part = Plan(regions={}, infeasible=[], transfers={}, cost={})
                 part.regions[name] = _plan_region(
                     state, by_region.get(name, []), sized, now, holds, part, why_missing
@@ -337,7 +349,30 @@ def plan(
         candidate, _ = plan_in(moved, {name: parts[name] for name in order[:i]})
         if _plan_score(candidate) < _plan_score(best):
             best = candidate
+    # A copy from what a region planned later holds now makes that region keep the
+    # version until the copy ends, as if pinned: room its own jobs may need meanwhile.
+    # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
+    # kept it to 20:30 and a job of eu at 15:00 could not get its room ("cannot be met",
+    # met in the first plan of the day). Where the plan leaves a job short, the plan
+    # that copies only from regions planned before (their planned holdings) is tried too.
+    if _borrowed_ahead(best) and any(not row.unreachable for row in best.infeasible):
+        candidate, _ = plan_in(order, {}, borrow_ahead=False)
+        if _plan_score(candidate) < _plan_score(best):
+            best = candidate
     return best
+
+
+def _borrowed_ahead(result: Plan) -> bool:
+    """Whether ``result`` copies a version from a region that then had to keep it for that.
+
+    Such a copy's source region was planned with the version kept until the copy's
+    end (``plan_in``'s ``reserved``), which shows as a pin in its reasons.
+    """
+    return any(
+        task.source != "origin" and task.source in result.regions
+        for region_plan in result.regions.values()
+        for task in region_plan.tasks
+    )
 
 
 # (region, version) → the spans of time a region holds a version: [(from, until)].
@@ -931,14 +966,21 @@ def _in_the_way(
         if v not in own and until > begin and until > late
     )
     named = [f"in use then: {', '.join(f'{d}@{v}' for d, v in others[:5]) or 'nothing'}"]
-    if pinned:
+    lent = [(v, until) for v, until in pinned if state.lent.get(v, begin) >= until]
+    foreign = [(v, until) for v, until in pinned if (v, until) not in lent]
+    if foreign:
         named.append(
             "pinned for jobs outside this schedule: "
             + ", ".join(
                 f"{d}@{v} until {_utc(until)}"
                 + (" (not staged yet: its room is kept)" if (d, v) in state.reserved else "")
-                for (d, v), until in pinned[:5]
+                for (d, v), until in foreign[:5]
             )
+        )
+    if lent:
+        named.append(
+            "kept here for another region's copy from it: "
+            + ", ".join(f"{d}@{v} until {_utc(until)}" for (d, v), until in lent[:5])
         )
     frees = sorted(
         [(last_end(v, job.end), held.get(v, 0)) for v in others]

@@ -406,3 +406,53 @@ def test_a_version_held_in_part_is_evicted_for_room_like_a_whole_one() -> None:
     result = plan(later, {"eu": region}, {b: 12 * GB, c: 8 * GB}, now=NOW)
     assert not result.infeasible and not result.regions["eu"].evictions
     assert result.transfers[("k", "origin→eu")] == 6 * GB
+
+
+def test_a_copy_from_a_region_planned_later_does_not_cost_that_region_a_job() -> None:
+    """bench.schedule: us (planned first: its jobs start first) copied X late from what eu
+    held now, so eu kept X until that copy (as if pinned) and a job of eu, with room for
+    one version, could not get Y in: "cannot be met", while X from origin met both."""
+    x, y, z, w = ("x", 1), ("y", 1), ("z", 1), ("w", 1)
+    sizes = {v: 4 * GB for v in (x, y, z, w)}
+    hour = timedelta(hours=1)
+    regions = {
+        "eu": RegionState(
+            "eu", capacity_bytes=4 * GB, origin_bandwidth=1e9, resident={x: 4 * GB},
+            peer_bandwidth={"us": 1e9},
+        ),
+        "us": RegionState(
+            "us", capacity_bytes=8 * GB, origin_bandwidth=1e9, resident={z: 4 * GB, w: 4 * GB},
+            peer_bandwidth={"eu": 1e9},
+        ),
+    }  # fmt: skip
+    jobs = [
+        Job("us-z", "us", NOW - 2 * hour, NOW + 9 * hour, (z,)),  # us is planned first
+        Job("us-w", "us", NOW - hour, NOW + 9 * hour, (w,)),  # no room for x before +9 h
+        Job("us-x", "us", NOW + 10 * hour, NOW + 11 * hour, (x,)),
+        Job("eu-x", "eu", NOW - hour, NOW + hour, (x,)),
+        Job("eu-y", "eu", NOW + 3 * hour, NOW + 4 * hour, (y,)),
+    ]
+    result = plan(jobs, regions, sizes, now=NOW)
+    assert not result.infeasible, [(i.job, i.reason) for i in result.infeasible]
+    (x_for_us,) = [t for t in result.regions["us"].tasks if t.version == x]
+    assert x_for_us.finish <= NOW + 10 * hour
+
+
+def test_a_version_kept_for_another_regions_copy_is_not_called_another_schedules_pin() -> None:
+    """The room a region keeps for a copy another region makes from it was named "pinned
+    for jobs outside this schedule", sending the reader after a schedule that was not
+    there."""
+    from edgecache.cache.planner import _in_the_way
+
+    x, y = ("x", 1), ("y", 1)
+    state = RegionState(
+        "eu", capacity_bytes=4 * GB, origin_bandwidth=1e9, resident={x: 4 * GB},
+        pinned={x: NOW + timedelta(hours=9)}, lent={x: NOW + timedelta(hours=9)},
+    )  # fmt: skip
+    job = Job("eu-y", "eu", NOW + timedelta(hours=3), NOW + timedelta(hours=4), (y,))
+    named, _ = _in_the_way(
+        state, job, [], NOW, lambda v, end: end, {x: 4 * GB}, 4 * GB, timedelta(minutes=5)
+    )
+    said = "; ".join(named)
+    assert "kept here for another region's copy from it: x@1 until" in said, said
+    assert "outside this schedule" not in said, said
