@@ -283,3 +283,36 @@ def test_debug_logs_mask_the_credentials_botocore_prints() -> None:
     assert "TRACE-SECRET" not in out.stderr and "AT-SECRET" not in out.stderr, out.stderr
     assert "RuntimeError: registry https://ops:***@reg.example/reg failed" in out.stderr
     assert "https://ops:***@reg.example:8443/reg" in out.stderr, out.stderr
+
+
+def test_a_dry_run_with_the_read_token_fails_its_pins_as_the_real_run(tmp_path: Path) -> None:
+    """warm --dry-run with a read token said it would pin and exited 0; the real run's
+    pins were refused (PERMISSION_DENIED) and it exited 2 (a helper's hunt)."""
+    from datetime import UTC, datetime, timedelta
+
+    from edgeutil import publish, write_parquet_shards
+
+    (tmp_path / "admin").write_text("s3cret\n")
+    (tmp_path / "read").write_text("r3ad\n")
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    publish(f"file://{tmp_path}/registry", f"file://{tmp_path}/origin", "tokens")
+    start = (datetime.now(UTC) + timedelta(hours=2)).isoformat()
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text(
+        f"jobs:\n  - name: train\n    region: eu\n    start: '{start}'\n    duration: 1h\n"
+        "    datasets: [tokens@1]\n"
+    )
+    admin, read = str(tmp_path / "admin"), str(tmp_path / "read")
+    with running_node(_config(tmp_path, token_file=admin, read_token_file=read)) as node:
+        config = ["--config", str(_topology(tmp_path, node.address))]
+        said = {}
+        for dry in (["--dry-run"], []):
+            args = ["warm", str(schedule), *config, "--token-file", read, *dry]
+            result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+            said[bool(dry)] = (result.exit_code, " ".join(result.output.split()))
+        pinned = CliRunner().invoke(
+            app, ["warm", str(schedule), *config, "--token-file", admin, "--dry-run"]
+        )
+    assert said[True][0] == said[False][0] == 2, said
+    assert "pin would fail:" in said[True][1] and "PERMISSION_DENIED" in said[True][1], said
+    assert pinned.exit_code == 0, pinned.output  # the admin token: nothing refused

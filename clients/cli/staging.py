@@ -1077,8 +1077,9 @@ def _print_plan_steps(
         err_console.print(
             f"[yellow]{deferred}:[/yellow] {d.region} {d.what}: {d.reason}", soft_wrap=True
         )
+    pin_failed = "pin would fail" if dry_run else "pin failed"
     for failure in outcome.pin_failures:
-        err_console.print(f"[red]pin failed:[/red] {failure}", soft_wrap=True)
+        err_console.print(f"[red]{pin_failed}:[/red] {failure}", soft_wrap=True)
 
 
 def _print_stages(rows: list[dict[str, Any]], dry_run: bool, sizes: dict[str, int]) -> None:
@@ -1270,6 +1271,10 @@ def _record_warmed_jobs(topology: Topology, work: _ScheduleWork) -> None:
 REHEARSED_PEER_WAIT = 10.0
 
 
+# A pin time no node holds (pins in the past are gone): a conditional Pin on it changes nothing.
+_NO_PIN = datetime(1970, 1, 1, 0, 0, 1, tzinfo=UTC)
+
+
 class Rehearsal(PlanExecutor):
     """The executor ``warm --dry-run`` uses: the real one's decisions, no node touched.
 
@@ -1281,8 +1286,42 @@ class Rehearsal(PlanExecutor):
     """
 
     def _pin(self, plan: Plan, seen: NodesSeen | None) -> list[tuple[str, VersionKey, str]]:
-        """Set nothing; a pin cannot fail in a rehearsal."""
-        return []
+        """Set nothing; but a node that refuses this command's token a Pin fails it here too.
+
+        The status round a dry run plans on passes with the read token, and the
+        real run then failed every pin, exit 2, where the rehearsal said it would
+        pin and exited 0. Each node the plan pins on is asked one Pin that
+        changes nothing (unpin only if pinned until 1970, which no pin is): a
+        refusal of the token is the real run's failure, word for word; any
+        other answer says the token may pin.
+        """
+        import grpc
+
+        from edgecache.clients.channels import bearer, edge_stub, node_error
+        from edgecache.v1 import edge_pb2
+
+        failures = []
+        asked: set[str] = set()
+        for region, region_plan in plan.regions.items():
+            if not region_plan.pins:
+                continue
+            version = min(region_plan.pins)
+            for node in self.topology.regions[region].nodes:
+                if node in asked or node in self.calls.down:
+                    continue
+                asked.add(node)
+                request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+                request.if_until.FromDatetime(_NO_PIN)
+                try:
+                    with edge_stub(node) as stub:
+                        stub.Pin(request, timeout=5.0, metadata=bearer(self.token))
+                except grpc.RpcError as exc:
+                    refused = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+                    if exc.code() in refused:
+                        what = f"pinning {version[0]}@{version[1]}"
+                        error = node_error(exc, endpoint=node, what=what)
+                        failures.append((region, version, str(error)))
+        return failures
 
     def _evict_nodes(self, eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
         """Ask no node; the plan's bytes are what the eviction would free."""
