@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
@@ -275,28 +275,26 @@ def plan(
         return min((job.start for job in by_region.get(name, [])), default=never), name
 
     def plan_in(
-        order: Sequence[str], reuse: Mapping[str, Plan], *, borrow_ahead: bool = True
+        order: Sequence[str], reuse: Mapping[str, Plan], *, no_lending: Set[str] = frozenset()
     ) -> tuple[Plan, dict[str, Plan]]:
         """The plan with regions planned in ``order``, each copying from those before it.
 
         With each region's own part (its plan, unmet versions, transfers, cost), so
         that another order sharing a first stretch of regions reuses their parts:
-        a region's plan depends only on the regions planned before it.
-        ``borrow_ahead=False``: no copy from what a region planned later holds now
-        (see :func:`plan`'s last try).
+        a region's plan depends only on the regions planned before it. Regions in
+        ``no_lending`` lend nothing before they are planned (see :func:`plan`'s
+        last try); ``lenders`` then lists those that did.
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
         # eviction); regions not planned yet hold what they hold now, to no known end.
-        holds: _Holds = (
-            {
-                (name, version): [(now, never)]
-                for name, state in regions.items()
-                for version in state.resident
-            }
-            if borrow_ahead
-            else {}
-        )
+        holds: _Holds = {
+            (name, version): [(now, never)]
+            for name, state in regions.items()
+            if name not in no_lending
+            for version in state.resident
+        }
+        lenders.clear()
         # A copy from a region planned later, out of what it holds now: that region keeps
         # the version until the copy ends (as it keeps a pin), or the copy would have
         # no source. (region, version) → the last such copy's end.
@@ -312,6 +310,7 @@ def plan(
                         v: max(state.pinned.get(v, until), until) for v, until in kept.items()
                     }
                     state = replace(state, pinned={**state.pinned, **pinned}, lent=kept)
+                    lenders.add(name)
                 part = Plan(regions={}, infeasible=[], transfers={}, cost={})
                 part.regions[name] = _plan_region(
                     state, by_region.get(name, []), sized, now, holds, part, why_missing
@@ -340,39 +339,31 @@ def plan(
     # that meets the most jobs at the least origin egress is kept (the first on a tie).
     # The largest saving is tried (MAX_REORDERS: how many); the regions before the
     # earlier one keep their plans.
+    lenders: set[str] = set()  # of the last plan_in: regions kept a version for a copy
     order = sorted(regions, key=first_need)
     best, parts = plan_in(order, {})
+    best_lenders = set(lenders)
     tries = _reorders(best, order, regions)[:MAX_REORDERS] if MAX_REORDERS else []
     for ahead, behind in tries:
         i = order.index(ahead)
         moved = [*order[:i], behind, *(r for r in order[i:] if r != behind)]
         candidate, _ = plan_in(moved, {name: parts[name] for name in order[:i]})
         if _plan_score(candidate) < _plan_score(best):
-            best = candidate
+            # The regions reused from the first order lent what they lent there.
+            best, best_lenders = candidate, lenders | (best_lenders & set(order[:i]))
     # A copy from what a region planned later holds now makes that region keep the
     # version until the copy ends, as if pinned: room its own jobs may need meanwhile.
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
     # kept it to 20:30 and a job of eu at 15:00 could not get its room ("cannot be met",
-    # met in the first plan of the day). Where the plan leaves a job short, the plan
-    # that copies only from regions planned before (their planned holdings) is tried too.
-    if _borrowed_ahead(best) and any(not row.unreachable for row in best.infeasible):
-        candidate, _ = plan_in(order, {}, borrow_ahead=False)
+    # met in the first plan of the day). Where such a region leaves a job short, the
+    # plan in which it lends nothing ahead is tried too (its copies come from origin or
+    # other peers), and kept if it meets more jobs.
+    short = {row.region for row in best.infeasible if not row.unreachable} & best_lenders
+    if short:
+        candidate, _ = plan_in(order, {}, no_lending=short)
         if _plan_score(candidate) < _plan_score(best):
             best = candidate
     return best
-
-
-def _borrowed_ahead(result: Plan) -> bool:
-    """Whether ``result`` copies a version from a region that then had to keep it for that.
-
-    Such a copy's source region was planned with the version kept until the copy's
-    end (``plan_in``'s ``reserved``), which shows as a pin in its reasons.
-    """
-    return any(
-        task.source != "origin" and task.source in result.regions
-        for region_plan in result.regions.values()
-        for task in region_plan.tasks
-    )
 
 
 # (region, version) → the spans of time a region holds a version: [(from, until)].

@@ -1397,11 +1397,18 @@ class Controller:
             reads = [
                 (manifests[s].dataset, manifests[s].version) for s in job.datasets if s in manifests
             ]
-            first_seen = record is None or record.start != _iso(job.start)
-            # Moved to another region before its start: what was seen and planned was of
-            # the old region's nodes (its readiness, its planned time, a miss named there).
-            moved = record is not None and record.region != job.region and job.start > now
-            if record is None or first_seen or moved:
+            # Moved to another region and not judged yet: what was seen and planned was of
+            # the old region's nodes (its readiness, its planned time, a miss named there),
+            # so it is seen afresh; moved after its start, it is a job no round saw there
+            # before it started (unknown at its start), not judged on the old region's data.
+            moved = (
+                record is not None
+                and record.region != job.region
+                and record.complete_at_start is None
+                and not record.unknown_at_start
+            )
+            first_seen = record is None or record.start != _iso(job.start) or moved
+            if record is None or first_seen:
                 record = self.state.jobs[job.name] = JobRecord(
                     name=job.name,
                     region=job.region,

@@ -56,6 +56,7 @@ from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
+    "SAME_PIN",
     "Deferred",
     "Evicted",
     "NodeCalls",
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 PEER_WAIT_SECONDS = 3600.0  # how long a peer-sourced task waits for its source region
 CALL_TIMEOUT = 30.0  # seconds: the longest a Pin or Evict call may take
 MIN_CALL_SECONDS = 0.5  # less time left than this: a call is not begun
-_SAME_PIN = timedelta(seconds=1)  # pins this close are the same (a Timestamp round trip)
+SAME_PIN = timedelta(seconds=1)  # pins this close are the same (a Timestamp round trip)
 
 _Request = TypeVar("_Request")
 _Answer = TypeVar("_Answer")
@@ -242,7 +243,7 @@ def release_line(pin: WarmPin, plan: Plan, *, dry_run: bool = False, who: str = 
     others = "a job another schedule or the controller recorded reads it until then"
     if planned is None:
         why = f"no job of the schedule reads it there any more, and {others}"
-    elif pin.shorten_to - planned <= _SAME_PIN:
+    elif pin.shorten_to - planned <= SAME_PIN:
         why = "the schedule's last job that reads it there now ends then (moved earlier)"
     else:
         why = (
@@ -432,7 +433,7 @@ class PlanExecutor:
                     # the time, and a shorter one would let the node drop what it needs).
                     # A longer pin warm's own record placed was shortened before, by
                     # release (dropped_warm_pins' shorten_to), when nothing else needs it.
-                    if node in calls.down or (have is not None and have > until - _SAME_PIN):
+                    if node in calls.down or (have is not None and have > until - SAME_PIN):
                         continue
                     problem = self._pin_node(node, version, until)
                     if problem is not None:
@@ -550,7 +551,7 @@ class PlanExecutor:
                 out.notes.append(_unlisted(pin))
                 continue
             have = seen.pins.get((pin.node, pin.key))
-            if have is None or abs(have - pin.until) >= _SAME_PIN:
+            if have is None or abs(have - pin.until) >= SAME_PIN:
                 continue
             if dry_run:
                 out.released.append(pin)
@@ -659,7 +660,7 @@ class PlanExecutor:
             )
         for node in self.topology.regions[region].nodes:
             until = pins.get((node, version))
-            if until is None or until <= now or (own is not None and until <= own + _SAME_PIN):
+            if until is None or until <= now or (own is not None and until <= own + SAME_PIN):
                 continue
             spec = f"{version[0]}@{version[1]}"
             return (

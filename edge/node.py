@@ -661,6 +661,8 @@ class EdgeNode:
                 why = "; ".join(exc.reasons) or "no peer was asked"
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)
                 log.warning("%s %s", key, notes[0])
+                if (share := self._shares.get(key)) is not None:
+                    share.started = False  # from origin: through the staging gate, as any
             else:
                 info, passed, refused = await self._keep(manifest, key, copy.frames)
                 self.metrics.staged_bytes["peer"].inc(copy.stored_bytes)

@@ -313,6 +313,19 @@ def test_a_dry_run_with_the_read_token_fails_its_pins_as_the_real_run(tmp_path: 
         pinned = CliRunner().invoke(
             app, ["warm", str(schedule), *config, "--token-file", admin, "--dry-run"]
         )
+        # Once pinned (with the admin token), the real run asks for no pin: nor does the
+        # rehearsal, and the read token then passes both (the first probe asked anyway).
+        assert (
+            CliRunner()
+            .invoke(app, ["warm", str(schedule), *config, "--token-file", admin])
+            .exit_code
+            == 0
+        )
+        again = {}
+        for dry in (["--dry-run"], []):
+            args = ["warm", str(schedule), *config, "--token-file", read, *dry]
+            again[bool(dry)] = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).exit_code
+    assert again == {True: 0, False: 0}, again
     assert said[True][0] == said[False][0] == 2, said
     assert "pin would fail:" in said[True][1] and "PERMISSION_DENIED" in said[True][1], said
     assert pinned.exit_code == 0, pinned.output  # the admin token: nothing refused

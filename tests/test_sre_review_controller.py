@@ -406,3 +406,40 @@ def test_a_job_moved_to_another_region_is_recorded_and_judged_there(tmp_path: Pa
     finally:
         eu.stop()
         us.stop()
+
+
+def test_a_job_moved_after_its_start_is_unknown_there_not_judged_on_the_old_region(
+    tmp_path: Path,
+) -> None:
+    """Moved at 14:59 and first planned at 15:01, it was judged on eu's data (complete
+    there) though us, where it runs, was never seen before its start."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin" / "b", 2, rows=300)
+    publish(registry, f"file://{tmp_path}/origin/b", "b")
+    eu = start_local_node("eu", tmp_path / "cache-eu", registry)
+    us = start_local_node("us", tmp_path / "cache-us", registry)
+    try:
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{eu.address}']\n"
+            f"  us:\n    nodes: ['{us.address}']\n"
+        )
+        schedule = tmp_path / "schedule.yaml"
+        schedule.write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        clock = Clock(T0)
+        ctl = controller(tmp_path, clock, lease_ttl=5)
+        try:
+            ctl.tick()
+            ctl.wait_idle()
+            ctl.tick()
+            assert ctl.state.jobs["j"].ready_at is not None  # complete in eu
+            schedule.write_text("jobs:\n" + job("j", "us", T0 + HOUR, 1, "b@1"))
+            clock.now = T0 + HOUR + MINUTE
+            ctl.tick()
+            record = ctl.state.jobs["j"]
+            assert record.region == "us" and record.complete_at_start is None, record
+            assert record.unknown_at_start, record
+        finally:
+            ctl.close()
+    finally:
+        eu.stop()
+        us.stop()

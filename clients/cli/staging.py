@@ -42,6 +42,7 @@ from edgecache.clients.cli.render import (
     warning,
 )
 from edgecache.clients.executor import (
+    SAME_PIN,
     Evicted,
     NodesSeen,
     PlanExecutor,
@@ -56,6 +57,8 @@ from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
+    import grpc
+
     from edgecache.clients.controller import ControllerState
 
 
@@ -111,7 +114,9 @@ def plan(
         jobs = load_schedule(schedule, options.topology)
         now = parse_at(at) or datetime.now(UTC)
         reports = gather_status(options.topology, token=options.token)
-        jobs, state = started_as_recorded(options.topology, jobs, now, always=show_status)
+        jobs, state = started_as_recorded(
+            options.topology, jobs, now, always=show_status, owner=ops.schedule_owner(schedule)
+        )
         # Planned as warm carries it out: on the pins as warm leaves them once it has let
         # go of those its earlier run placed for jobs since moved or removed.
         owner = ops.schedule_owner(schedule)
@@ -188,7 +193,12 @@ def _outage_exit(down: dict[str, ops.Outage]) -> ExitCode:
 
 
 def started_as_recorded(
-    topology: Topology, schedule: Schedule, now: datetime, *, always: bool = False
+    topology: Topology,
+    schedule: Schedule,
+    now: datetime,
+    *,
+    always: bool = False,
+    owner: str = "",
 ) -> tuple[Schedule, ControllerState | None]:
     """The schedule with its started jobs reading the versions resolved at their start.
 
@@ -201,7 +211,8 @@ def started_as_recorded(
     "cannot be met" a version published after the job started. The
     controller's record is read only when a job is running (or ``always``, for
     ``--status``, which shows it): a schedule of jobs still to come resolves
-    as before, whatever the registry's record.
+    as before, whatever the registry's record. ``owner``: the schedule file's
+    (:func:`ops.schedule_owner`), whose own warm record is read.
     """
     from edgecache.clients.controller import as_started, read_state, recorded_started
 
@@ -209,7 +220,9 @@ def started_as_recorded(
         return schedule, None
     state = read_state(topology.registry)
     covered = recorded_started(schedule, state, now)
-    started = ops.warm_started(as_started(schedule, state, now), topology.registry, now, covered)
+    started = ops.warm_started(
+        as_started(schedule, state, now), topology.registry, now, covered, owner
+    )
     return started, state
 
 
@@ -647,7 +660,9 @@ def _plan_schedule(
     from edgecache.clients.topology import load_schedule
 
     now = datetime.now(UTC)
-    schedule, _ = started_as_recorded(topology, load_schedule(path, topology), now)
+    schedule, _ = started_as_recorded(
+        topology, load_schedule(path, topology), now, owner=ops.schedule_owner(path)
+    )
     _say_ended(schedule, now)  # as plan: "0 of 0 item(s) staged" alone said nothing of why
     owner = ops.schedule_owner(path)
     reports = ops.gather_status(topology, token=token)
@@ -1295,33 +1310,43 @@ class Rehearsal(PlanExecutor):
         refusal of the token is the real run's failure, word for word; any
         other answer says the token may pin.
         """
-        import grpc
+        from edgecache.clients.channels import node_error
 
-        from edgecache.clients.channels import bearer, edge_stub, node_error
-        from edgecache.v1 import edge_pb2
-
+        if seen is None:
+            seen = self._see(ops.gather_status(self.topology, token=self.token))
+        refusal: dict[str, grpc.RpcError | None] = {}  # node → its answer to the probe
         failures = []
-        asked: set[str] = set()
         for region, region_plan in plan.regions.items():
-            if not region_plan.pins:
-                continue
-            version = min(region_plan.pins)
             for node in self.topology.regions[region].nodes:
-                if node in asked or node in self.calls.down:
-                    continue
-                asked.add(node)
-                request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
-                request.if_until.FromDatetime(_NO_PIN)
-                try:
-                    with edge_stub(node) as stub:
-                        stub.Pin(request, timeout=5.0, metadata=bearer(self.token))
-                except grpc.RpcError as exc:
-                    refused = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-                    if exc.code() in refused:
+                for version, until in sorted(region_plan.pins.items()):
+                    have = seen.pins.get((node, version))
+                    # The real run asks only these (PlanExecutor._pin), and fails each.
+                    if node in self.calls.down or (have is not None and have > until - SAME_PIN):
+                        continue
+                    if node not in refusal:
+                        refusal[node] = self._token_refused(node, version)
+                    if (exc := refusal[node]) is not None:
                         what = f"pinning {version[0]}@{version[1]}"
                         error = node_error(exc, endpoint=node, what=what)
                         failures.append((region, version, str(error)))
         return failures
+
+    def _token_refused(self, node: str, version: VersionKey) -> grpc.RpcError | None:
+        """The node's refusal of this command's token for Pin, or None (a Pin changing nothing)."""
+        import grpc
+
+        from edgecache.clients.channels import bearer, edge_stub
+        from edgecache.v1 import edge_pb2
+
+        request = edge_pb2.PinRequest(dataset=version[0], version=version[1])
+        request.if_until.FromDatetime(_NO_PIN)  # unpin only if pinned until 1970: none is
+        try:
+            with edge_stub(node) as stub:
+                stub.Pin(request, timeout=5.0, metadata=bearer(self.token))
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return exc
+        return None
 
     def _evict_nodes(self, eviction: Eviction, *, unless_pinned_after: datetime) -> Evicted:
         """Ask no node; the plan's bytes are what the eviction would free."""

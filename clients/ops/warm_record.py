@@ -280,7 +280,9 @@ def warm_readers(registry: str, now: datetime) -> dict[tuple[str, str], datetime
     return out
 
 
-def warm_started(schedule: Schedule, registry: str, now: datetime, skip: Set[str]) -> Schedule:
+def warm_started(
+    schedule: Schedule, registry: str, now: datetime, skip: Set[str], owner: str = ""
+) -> Schedule:
     """The schedule with each started job reading the versions warm pinned for it.
 
     The controller's record keeps what a job's ``name`` resolved to at its start
@@ -292,12 +294,18 @@ def warm_started(schedule: Schedule, registry: str, now: datetime, skip: Set[str
     versions recorded for it, unless a newer one was published before the job
     started (warm's record is of its last run, which may be hours before the
     start, when the job's reader resolved ``name``); ``skip``: jobs the
-    controller's record covers. A record origin will not give is
+    controller's record covers; ``owner``: the schedule file's
+    (:func:`schedule_owner`), whose own record is read, not another schedule's
+    job of the same name, region and start. A record origin will not give is
     :class:`OriginError`, raised.
     """
     if not any(job.start <= now < job.end and job.name not in skip for job in schedule.jobs):
         return schedule
-    recorded = {(j.name, j.region, j.start): j for j in _warm_record(registry)[0]}
+    recorded = {
+        (j.name, j.region, j.start): j
+        for j in _warm_record(registry)[0]
+        if not owner or j.schedule in (owner, "")
+    }
 
     @functools.cache
     def newest(dataset: str) -> pb.Manifest | None:
