@@ -342,7 +342,7 @@ def plan(
     lenders: set[str] = set()  # of the last plan_in: regions kept a version for a copy
     order = sorted(regions, key=first_need)
     best, parts = plan_in(order, {})
-    best_lenders = set(lenders)
+    best_lenders, best_order = set(lenders), order
     tries = _reorders(best, order, regions)[:MAX_REORDERS] if MAX_REORDERS else []
     for ahead, behind in tries:
         i = order.index(ahead)
@@ -351,6 +351,7 @@ def plan(
         if _plan_score(candidate) < _plan_score(best):
             # The regions reused from the first order lent what they lent there.
             best, best_lenders = candidate, lenders | (best_lenders & set(order[:i]))
+            best_order = moved
     # A copy from what a region planned later holds now makes that region keep the
     # version until the copy ends, as if pinned: room its own jobs may need meanwhile.
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
@@ -360,7 +361,7 @@ def plan(
     # other peers), and kept if it meets more jobs.
     short = {row.region for row in best.infeasible if not row.unreachable} & best_lenders
     if short:
-        candidate, _ = plan_in(order, {}, no_lending=short)
+        candidate, _ = plan_in(best_order, {}, no_lending=short)
         if _plan_score(candidate) < _plan_score(best):
             best = candidate
     return best
