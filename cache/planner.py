@@ -275,15 +275,18 @@ def plan(
         return min((job.start for job in by_region.get(name, [])), default=never), name
 
     def plan_in(
-        order: Sequence[str], reuse: Mapping[str, Plan], *, no_lending: Set[str] = frozenset()
+        order: Sequence[str],
+        reuse: Mapping[str, Plan],
+        *,
+        no_lending: Set[tuple[str, VersionKey]] = frozenset(),
     ) -> tuple[Plan, dict[str, Plan]]:
         """The plan with regions planned in ``order``, each copying from those before it.
 
         With each region's own part (its plan, unmet versions, transfers, cost), so
         that another order sharing a first stretch of regions reuses their parts:
-        a region's plan depends only on the regions planned before it. Regions in
-        ``no_lending`` lend nothing before they are planned (see :func:`plan`'s
-        last try); ``lenders`` then lists those that did.
+        a region's plan depends only on the regions planned before it. The
+        (region, version) pairs in ``no_lending`` are not lent before the region is
+        planned (see :func:`plan`'s last try); ``lenders`` then lists those that were.
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
@@ -291,8 +294,8 @@ def plan(
         holds: _Holds = {
             (name, version): [(now, never)]
             for name, state in regions.items()
-            if name not in no_lending
             for version in state.resident
+            if (name, version) not in no_lending
         }
         lenders.clear()
         # A copy from a region planned later, out of what it holds now: that region keeps
@@ -310,7 +313,7 @@ def plan(
                         v: max(state.pinned.get(v, until), until) for v, until in kept.items()
                     }
                     state = replace(state, pinned={**state.pinned, **pinned}, lent=kept)
-                    lenders.add(name)
+                    lenders.update((name, v) for v in kept)
                 part = Plan(regions={}, infeasible=[], transfers={}, cost={})
                 part.regions[name] = _plan_region(
                     state, by_region.get(name, []), sized, now, holds, part, why_missing
@@ -339,7 +342,8 @@ def plan(
     # that meets the most jobs at the least origin egress is kept (the first on a tie).
     # The largest saving is tried (MAX_REORDERS: how many); the regions before the
     # earlier one keep their plans.
-    lenders: set[str] = set()  # of the last plan_in: regions kept a version for a copy
+    # Of the last plan_in: (region, version) kept in a region for another's copy from it.
+    lenders: set[tuple[str, VersionKey]] = set()
     order = sorted(regions, key=first_need)
     best, parts = plan_in(order, {})
     best_lenders, best_order = set(lenders), order
@@ -350,16 +354,18 @@ def plan(
         candidate, _ = plan_in(moved, {name: parts[name] for name in order[:i]})
         if _plan_score(candidate) < _plan_score(best):
             # The regions reused from the first order lent what they lent there.
-            best, best_lenders = candidate, lenders | (best_lenders & set(order[:i]))
+            reused = {(r, v) for r, v in best_lenders if r in order[:i]}
+            best, best_lenders = candidate, lenders | reused
             best_order = moved
     # A copy from what a region planned later holds now makes that region keep the
     # version until the copy ends, as if pinned: room its own jobs may need meanwhile.
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
     # kept it to 20:30 and a job of eu at 15:00 could not get its room ("cannot be met",
     # met in the first plan of the day). Where such a region leaves a job short, the
-    # plan in which it lends nothing ahead is tried too (its copies come from origin or
-    # other peers), and kept if it meets more jobs.
-    short = {row.region for row in best.infeasible if not row.unreachable} & best_lenders
+    # plan in which it lends none of those versions ahead is tried too (their copies
+    # come from origin, other peers or its planned holdings), kept if it meets more jobs.
+    short_regions = {row.region for row in best.infeasible if not row.unreachable}
+    short = {(r, v) for r, v in best_lenders if r in short_regions}
     if short:
         candidate, _ = plan_in(best_order, {}, no_lending=short)
         if _plan_score(candidate) < _plan_score(best):
