@@ -285,18 +285,21 @@ def plan(
         With each region's own part (its plan, unmet versions, transfers, cost), so
         that another order sharing a first stretch of regions reuses their parts:
         a region's plan depends only on the regions planned before it. The
-        (region, version) pairs in ``no_lending`` are not lent before the region is
-        planned (see :func:`plan`'s last try); ``lenders`` then lists those that were.
+        (region, version) pairs in ``no_lending`` are lent before the region is
+        planned only until its own next jobs that read the version end, which it
+        holds it for anyway (see :func:`plan`'s last try); ``lenders`` then lists
+        the pairs a region kept for another's copy.
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
         # eviction); regions not planned yet hold what they hold now, to no known end.
-        holds: _Holds = {
-            (name, version): [(now, never)]
-            for name, state in regions.items()
-            for version in state.resident
-            if (name, version) not in no_lending
-        }
+        holds: _Holds = {}
+        for name, state in regions.items():
+            for version in state.resident:
+                if (name, version) not in no_lending:
+                    holds[(name, version)] = [(now, never)]
+                elif (until := _next_use_end(by_region.get(name, []), version, now)) > now:
+                    holds[(name, version)] = [(now, until)]
         lenders.clear()
         # A copy from a region planned later, out of what it holds now: that region keeps
         # the version until the copy ends (as it keeps a pin), or the copy would have
@@ -362,8 +365,9 @@ def plan(
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
     # kept it to 20:30 and a job of eu at 15:00 could not get its room ("cannot be met",
     # met in the first plan of the day). Where such a region leaves a job short, the
-    # plan in which it lends none of those versions ahead is tried too (their copies
-    # come from origin, other peers or its planned holdings), kept if it meets more jobs.
+    # plan in which it lends those versions ahead only while its own next jobs read them
+    # is tried too (later copies come from origin, other peers or its planned holdings),
+    # and kept if it meets more jobs.
     short_regions = {row.region for row in best.infeasible if not row.unreachable}
     short = {(r, v) for r, v in best_lenders if r in short_regions}
     if short:
@@ -457,6 +461,23 @@ def _reorders(
                 if copied <= early.deadline and not gone:
                     found[(early.region, late.region)] += early.bytes
     return sorted(found, key=lambda pair: (-found[pair], pair))
+
+
+def _next_use_end(jobs: Sequence[Job], version: VersionKey, now: datetime) -> datetime:
+    """When a region's next run of jobs reading ``version`` ends; ``now`` if none reads it.
+
+    Jobs back to back or overlapping are one run: the region holds the version
+    through it for its own jobs, so lending it until then costs it no room.
+    """
+    spans = sorted((j.start, j.end) for j in jobs if version in j.versions and j.end > now)
+    if not spans:
+        return now
+    end = spans[0][1]
+    for start, stop in spans[1:]:
+        if start > end:
+            break
+        end = max(end, stop)
+    return end
 
 
 def _plan_score(result: Plan) -> tuple[int, int, float]:
