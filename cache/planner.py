@@ -286,9 +286,9 @@ def plan(
         that another order sharing a first stretch of regions reuses their parts:
         a region's plan depends only on the regions planned before it. The
         (region, version) pairs in ``no_lending`` are lent before the region is
-        planned only until its own next jobs that read the version end, which it
-        holds it for anyway (see :func:`plan`'s last try); ``lenders`` then lists
-        the pairs a region kept for another's copy.
+        planned only while its own jobs read the version now, which it holds it
+        for anyway (see :func:`plan`'s last try); ``lenders`` then lists the pairs
+        a region kept for another's copy.
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
@@ -298,7 +298,7 @@ def plan(
             for version in state.resident:
                 if (name, version) not in no_lending:
                     holds[(name, version)] = [(now, never)]
-                elif (until := _next_use_end(by_region.get(name, []), version, now)) > now:
+                elif (until := _current_use_end(by_region.get(name, []), version, now)) > now:
                     holds[(name, version)] = [(now, until)]
         lenders.clear()
         # A copy from a region planned later, out of what it holds now: that region keeps
@@ -365,7 +365,7 @@ def plan(
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
     # kept it to 20:30 and a job of eu at 15:00 could not get its room ("cannot be met",
     # met in the first plan of the day). Where such a region leaves a job short, the
-    # plan in which it lends those versions ahead only while its own next jobs read them
+    # plan in which it lends those versions ahead only while its own jobs read them now
     # is tried too (later copies come from origin, other peers or its planned holdings),
     # and kept if it meets more jobs.
     short_regions = {row.region for row in best.infeasible if not row.unreachable}
@@ -463,14 +463,17 @@ def _reorders(
     return sorted(found, key=lambda pair: (-found[pair], pair))
 
 
-def _next_use_end(jobs: Sequence[Job], version: VersionKey, now: datetime) -> datetime:
-    """When a region's next run of jobs reading ``version`` ends; ``now`` if none reads it.
+def _current_use_end(jobs: Sequence[Job], version: VersionKey, now: datetime) -> datetime:
+    """When the run of a region's jobs reading ``version`` now ends; ``now`` if none does.
 
     Jobs back to back or overlapping are one run: the region holds the version
-    through it for its own jobs, so lending it until then costs it no room.
+    through it for its own jobs, so lending it until then costs it no room. A
+    run still to come is not counted: until it starts the region may need the
+    room (bench.schedule: lent until the end of a job five hours ahead, eu kept
+    books@1 through the gap and another job of eu lost its room).
     """
     spans = sorted((j.start, j.end) for j in jobs if version in j.versions and j.end > now)
-    if not spans:
+    if not spans or spans[0][0] > now:
         return now
     end = spans[0][1]
     for start, stop in spans[1:]:
