@@ -368,8 +368,11 @@ def test_staged_bytes_count_what_the_nodes_moved_not_the_plans_estimate(eu) -> N
 # ------------------------------------------- a job moved to another region before its start
 
 
-def test_a_job_moved_to_another_region_is_recorded_and_judged_there(tmp_path: Path) -> None:
-    """The record kept the first region: ready as seen there, a miss named there."""
+@pytest.fixture
+def eu_and_us(tmp_path: Path) -> Iterator[tuple[Path, LocalNode]]:
+    """b@1 published; regions eu and us of one node each; job ``j`` in eu at T0 + 1 h.
+
+    Yields the folder and the us node (a test may stop it)."""
     registry = f"file://{tmp_path}/registry"
     write_parquet_shards(tmp_path / "origin" / "b", 2, rows=300)
     publish(registry, f"file://{tmp_path}/origin/b", "b")
@@ -380,66 +383,58 @@ def test_a_job_moved_to_another_region_is_recorded_and_judged_there(tmp_path: Pa
             f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{eu.address}']\n"
             f"  us:\n    nodes: ['{us.address}']\n"
         )
-        schedule = tmp_path / "schedule.yaml"
-        schedule.write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
-        clock = Clock(T0)
-        ctl = controller(tmp_path, clock, lease_ttl=5)
-        try:
-            assert ctl.tick() is not None
-            ctl.wait_idle()
-            ctl.tick()
-            record = ctl.state.jobs["j"]
-            assert record.region == "eu" and record.ready_at is not None, record
-            schedule.write_text("jobs:\n" + job("j", "us", T0 + HOUR, 1, "b@1"))
-            us.stop()  # us cannot stage it: the job misses its start there
-            clock.now += 2 * MINUTE
-            ctl.tick()
-            record = ctl.state.jobs["j"]
-            assert record.region == "us" and record.ready_at is None, record
-            clock.now = T0 + HOUR + MINUTE
-            ctl.tick()
-            record = ctl.state.jobs["j"]
-            assert record.complete_at_start is False, record
-            assert "us" in record.why_missed and "eu" not in record.why_missed, record
-        finally:
-            ctl.close()
+        (tmp_path / "schedule.yaml").write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
+        yield tmp_path, us
     finally:
         eu.stop()
         us.stop()
+
+
+def _ready_in_eu(root: Path, clock: Clock) -> Controller:
+    ctl = controller(root, clock, lease_ttl=5)
+    assert ctl.tick() is not None
+    ctl.wait_idle()
+    ctl.tick()
+    record = ctl.state.jobs["j"]
+    assert record.region == "eu" and record.ready_at is not None, record
+    return ctl
+
+
+def test_a_job_moved_to_another_region_is_recorded_and_judged_there(eu_and_us) -> None:
+    """The record kept the first region: ready as seen there, a miss named there."""
+    root, us = eu_and_us
+    clock = Clock(T0)
+    ctl = _ready_in_eu(root, clock)
+    try:
+        (root / "schedule.yaml").write_text("jobs:\n" + job("j", "us", T0 + HOUR, 1, "b@1"))
+        us.stop()  # us cannot stage it: the job misses its start there
+        clock.now += 2 * MINUTE
+        ctl.tick()
+        record = ctl.state.jobs["j"]
+        assert record.region == "us" and record.ready_at is None, record
+        clock.now = T0 + HOUR + MINUTE
+        ctl.tick()
+        record = ctl.state.jobs["j"]
+        assert record.complete_at_start is False, record
+        assert "us" in record.why_missed and "eu" not in record.why_missed, record
+    finally:
+        ctl.close()
 
 
 def test_a_job_moved_after_its_start_is_unknown_there_not_judged_on_the_old_region(
-    tmp_path: Path,
+    eu_and_us,
 ) -> None:
     """Moved at 14:59 and first planned at 15:01, it was judged on eu's data (complete
     there) though us, where it runs, was never seen before its start."""
-    registry = f"file://{tmp_path}/registry"
-    write_parquet_shards(tmp_path / "origin" / "b", 2, rows=300)
-    publish(registry, f"file://{tmp_path}/origin/b", "b")
-    eu = start_local_node("eu", tmp_path / "cache-eu", registry)
-    us = start_local_node("us", tmp_path / "cache-us", registry)
+    root, _ = eu_and_us
+    clock = Clock(T0)
+    ctl = _ready_in_eu(root, clock)
     try:
-        (tmp_path / "edgecache.yaml").write_text(
-            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{eu.address}']\n"
-            f"  us:\n    nodes: ['{us.address}']\n"
-        )
-        schedule = tmp_path / "schedule.yaml"
-        schedule.write_text("jobs:\n" + job("j", "eu", T0 + HOUR, 1, "b@1"))
-        clock = Clock(T0)
-        ctl = controller(tmp_path, clock, lease_ttl=5)
-        try:
-            ctl.tick()
-            ctl.wait_idle()
-            ctl.tick()
-            assert ctl.state.jobs["j"].ready_at is not None  # complete in eu
-            schedule.write_text("jobs:\n" + job("j", "us", T0 + HOUR, 1, "b@1"))
-            clock.now = T0 + HOUR + MINUTE
-            ctl.tick()
-            record = ctl.state.jobs["j"]
-            assert record.region == "us" and record.complete_at_start is None, record
-            assert record.unknown_at_start, record
-        finally:
-            ctl.close()
+        (root / "schedule.yaml").write_text("jobs:\n" + job("j", "us", T0 + HOUR, 1, "b@1"))
+        clock.now = T0 + HOUR + MINUTE
+        ctl.tick()
+        record = ctl.state.jobs["j"]
+        assert record.region == "us" and record.complete_at_start is None, record
+        assert record.unknown_at_start, record
     finally:
-        eu.stop()
-        us.stop()
+        ctl.close()
