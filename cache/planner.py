@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
@@ -278,17 +278,17 @@ def plan(
         order: Sequence[str],
         reuse: Mapping[str, Plan],
         *,
-        no_lending: Set[tuple[str, VersionKey]] = frozenset(),
+        lend_until: Mapping[tuple[str, VersionKey], datetime] | None = None,
     ) -> tuple[Plan, dict[str, Plan]]:
         """The plan with regions planned in ``order``, each copying from those before it.
 
         With each region's own part (its plan, unmet versions, transfers, cost), so
         that another order sharing a first stretch of regions reuses their parts:
         a region's plan depends only on the regions planned before it. The
-        (region, version) pairs in ``no_lending`` are lent before the region is
-        planned only while its own jobs read the version now, which it holds it
-        for anyway (see :func:`plan`'s last try); ``lenders`` then lists the pairs
-        a region kept for another's copy.
+        (region, version) pairs in ``lend_until`` are lent before the region is
+        planned only until then, when its own plan would evict the version (see
+        :func:`plan`'s last try); ``lenders`` then lists the pairs a region kept
+        for another's copy.
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
@@ -296,9 +296,8 @@ def plan(
         holds: _Holds = {}
         for name, state in regions.items():
             for version in state.resident:
-                if (name, version) not in no_lending:
-                    holds[(name, version)] = [(now, never)]
-                elif (until := _current_use_end(by_region.get(name, []), version, now)) > now:
+                until = never if lend_until is None else lend_until.get((name, version), never)
+                if until > now:
                     holds[(name, version)] = [(now, until)]
         lenders.clear()
         # A copy from a region planned later, out of what it holds now: that region keeps
@@ -365,13 +364,24 @@ def plan(
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
     # kept it to 20:30 and a job of eu at 15:00 could not get its room ("cannot be met",
     # met in the first plan of the day). Where such a region leaves a job short, the
-    # plan in which it lends those versions ahead only while its own jobs read them now
-    # is tried too (later copies come from origin, other peers or its planned holdings),
-    # and kept if it meets more jobs.
+    # plan in which it lends those versions ahead only until its own plan, made without
+    # the loans, would evict them is tried too (later copies come from origin, other
+    # peers or its planned holdings), and kept if it meets more jobs.
     short_regions = {row.region for row in best.infeasible if not row.unreachable}
     short = {(r, v) for r, v in best_lenders if r in short_regions}
     if short:
-        candidate, _ = plan_in(best_order, {}, no_lending=short)
+        limits: dict[tuple[str, VersionKey], datetime] = {}
+        for name in {r for r, _ in short}:
+            scratch = Plan(regions={}, infeasible=[], transfers={}, cost={})
+            alone = _plan_region(
+                regions[name], by_region.get(name, []), sized, now, {}, scratch, why_missing
+            )
+            spans = _holds_of(regions[name], alone, now)
+            for region, version in short:
+                if region == name:
+                    held = [end for start, end in spans.get((name, version), []) if start <= now]
+                    limits[(name, version)] = held[0] if held else now
+        candidate, _ = plan_in(best_order, {}, lend_until=limits)
         if _plan_score(candidate) < _plan_score(best):
             best = candidate
     return best
@@ -461,26 +471,6 @@ def _reorders(
                 if copied <= early.deadline and not gone:
                     found[(early.region, late.region)] += early.bytes
     return sorted(found, key=lambda pair: (-found[pair], pair))
-
-
-def _current_use_end(jobs: Sequence[Job], version: VersionKey, now: datetime) -> datetime:
-    """When the run of a region's jobs reading ``version`` now ends; ``now`` if none does.
-
-    Jobs back to back or overlapping are one run: the region holds the version
-    through it for its own jobs, so lending it until then costs it no room. A
-    run still to come is not counted: until it starts the region may need the
-    room (bench.schedule: lent until the end of a job five hours ahead, eu kept
-    books@1 through the gap and another job of eu lost its room).
-    """
-    spans = sorted((j.start, j.end) for j in jobs if version in j.versions and j.end > now)
-    if not spans or spans[0][0] > now:
-        return now
-    end = spans[0][1]
-    for start, stop in spans[1:]:
-        if start > end:
-            break
-        end = max(end, stop)
-    return end
 
 
 def _plan_score(result: Plan) -> tuple[int, int, float]:
