@@ -42,9 +42,7 @@ from edgecache.clients.cli.render import (
     warning,
 )
 from edgecache.clients.executor import (
-    SAME_PIN,
     Evicted,
-    NodesSeen,
     PlanExecutor,
     Released,
     TaskRun,
@@ -1300,36 +1298,29 @@ class Rehearsal(PlanExecutor):
     and pins are listed from the plan instead of set.
     """
 
-    def _pin(self, plan: Plan, seen: NodesSeen | None) -> list[tuple[str, VersionKey, str]]:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._refusals: dict[str, grpc.RpcError | None] = {}  # node → its answer to the probe
+
+    def _pin_node(self, node: str, version: VersionKey, until: datetime) -> str | None:
         """Set nothing; but a node that refuses this command's token a Pin fails it here too.
 
-        The status round a dry run plans on passes with the read token, and the
-        real run then failed every pin, exit 2, where the rehearsal said it would
-        pin and exited 0. Each node the plan pins on is asked one Pin that
-        changes nothing (unpin only if pinned until 1970, which no pin is): a
-        refusal of the token is the real run's failure, word for word; any
-        other answer says the token may pin.
+        The real run's loop (:meth:`PlanExecutor._pin`, and the re-pin after an
+        eviction) decides which pins to ask for; this answers each. The status
+        round a dry run plans on passes with the read token, and the real run then
+        failed every pin, exit 2, where the rehearsal said it would pin and exited
+        0. Each node is asked once, with a Pin that changes nothing (unpin only if
+        pinned until 1970, which no pin is): a refusal of the token is the real
+        run's failure, word for word; any other answer says the token may pin.
         """
         from edgecache.clients.channels import node_error
 
-        if seen is None:
-            seen = self._see(ops.gather_status(self.topology, token=self.token))
-        refusal: dict[str, grpc.RpcError | None] = {}  # node → its answer to the probe
-        failures = []
-        for region, region_plan in plan.regions.items():
-            for node in self.topology.regions[region].nodes:
-                for version, until in sorted(region_plan.pins.items()):
-                    have = seen.pins.get((node, version))
-                    # The real run asks only these (PlanExecutor._pin), and fails each.
-                    if node in self.calls.down or (have is not None and have > until - SAME_PIN):
-                        continue
-                    if node not in refusal:
-                        refusal[node] = self._token_refused(node, version)
-                    if (exc := refusal[node]) is not None:
-                        what = f"pinning {version[0]}@{version[1]}"
-                        error = node_error(exc, endpoint=node, what=what)
-                        failures.append((region, version, str(error)))
-        return failures
+        refusals = self._refusals
+        if node not in refusals:
+            refusals[node] = self._token_refused(node, version)
+        if (exc := refusals[node]) is None:
+            return None
+        return str(node_error(exc, endpoint=node, what=f"pinning {version[0]}@{version[1]}"))
 
     def _token_refused(self, node: str, version: VersionKey) -> grpc.RpcError | None:
         """The node's refusal of this command's token for Pin, or None (a Pin changing nothing)."""
