@@ -137,10 +137,17 @@ _READY_ROUND_MARGIN = 4.0  # a round starts early only with this many times the 
 _READY_TRUSTED_CALL_SECONDS = 0.5
 
 
-def _any_silent(reports: Sequence[object], region: str) -> bool:
-    """Whether a node of ``region`` did not answer in ``reports`` (anything else is kept)."""
+def _any_silent(reports: Sequence[object], region: str, *, refusing: bool = True) -> bool:
+    """Whether a node of ``region`` did not answer in ``reports`` (anything else is kept).
+
+    ``refusing=False``: not counting a node that refused this command's credentials.
+    """
     return any(
-        isinstance(r, NodeReport) and r.region == region and r.status is None for r in reports
+        isinstance(r, NodeReport)
+        and r.region == region
+        and r.status is None
+        and (refusing or not r.refused)
+        for r in reports
     )
 
 
@@ -193,10 +200,7 @@ def wait_ready(
         reports = gather_status(topology, call, token=token, regions={region}, pings=_READY_PINGS)
         ok, message = ready(reports, region, manifest)
         refused = _refused_in(reports, region)
-        silent = any(
-            isinstance(r, NodeReport) and r.region == region and r.status is None and not r.refused
-            for r in reports
-        )
+        silent = _any_silent(reports, region, refusing=False)
         return ok, message, call >= _READY_TRUSTED_CALL_SECONDS or not _any_silent(reports, region)
 
     if timeout is None:
