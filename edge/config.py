@@ -16,7 +16,7 @@ import posixpath
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -68,6 +68,7 @@ FLAG_SETTINGS = frozenset(
         "read_token_file",
         "staging_rate",
         "node_id",
+        "log_level",
     }
 )
 
@@ -243,6 +244,9 @@ class NodeConfig(BaseModel):
         description="Comma-separated URL prefixes versions may be read from "
         "[every s3:// bucket, and the registry's own scheme]",
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="The node's own log lines: DEBUG, INFO, WARNING or ERROR, any case"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -273,6 +277,12 @@ class NodeConfig(BaseModel):
                 f"needs it: give {_REQUIRED[str(info.field_name)]}"
             )
         return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        """``EDGECACHE_LOG_LEVEL=debug`` as ``--log-level debug`` takes it."""
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("node_id")
     @classmethod
@@ -529,14 +539,6 @@ OTHER_TOOLS_ENV = frozenset(
 )
 
 
-# Options of edgecache serve that are flags only (read before the settings are): their
-# variables are named as such, not as misspellings of a setting.
-FLAG_ONLY_ENV = {
-    "EDGECACHE_LOG_LEVEL": "the log level is set only with serve's --log-level flag (in a "
-    "container, add it to the command); gRPC's own lines follow GRPC_VERBOSITY",
-}
-
-
 def _say_unknown_variable(key: str) -> None:
     """Warn of an EDGECACHE_* variable no setting has: a misspelt one was silently ignored.
 
@@ -544,9 +546,6 @@ def _say_unknown_variable(key: str) -> None:
     A warning, not a refusal: a container's environment may hold variables meant for
     other tools of a newer edgecache.
     """
-    if key in FLAG_ONLY_ENV:
-        log.warning("%s is ignored: %s", key, FLAG_ONLY_ENV[key])
-        return
     names = [ENV_PREFIX + name.upper() for name in NodeConfig.model_fields]
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
     hint = f"did you mean {close[0]}?" if close else "see edgecache serve --help for the settings"

@@ -296,7 +296,7 @@ def test_serve_names_a_setting_without_a_flag_without_a_flag(tmp_path: Path) -> 
 def test_the_settings_with_flags_are_serves_options() -> None:
     """FLAG_SETTINGS decides which settings an error names as a flag: it must be serve's."""
     command = get_command(app).commands["serve"]  # type: ignore[attr-defined]
-    options = {p.name for p in command.params} - {"config", "log_level", "help"}
+    options = {p.name for p in command.params} - {"config", "help"}
     assert options == set(FLAG_SETTINGS)
     assert FLAG_SETTINGS <= set(NodeConfig.model_fields)
 

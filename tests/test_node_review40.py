@@ -531,14 +531,16 @@ def test_dial_address_brackets_ipv6_and_maps_wildcards() -> None:
 # ------------------------------------------------------------- 7. gRPC core's log lines
 
 
-def test_grpc_core_lines_follow_grpc_verbosity_and_the_log_level_variable_is_named(
+def test_grpc_core_lines_follow_grpc_verbosity_and_the_log_level_variable_sets_the_nodes(
     tmp_path: Path,
 ) -> None:
     """A port scanner against a TLS node: one gRPC core line per plaintext connection.
 
     --log-level cannot reach them (gRPC reads GRPC_VERBOSITY once, when it is
-    first imported, before serve reads any flag); the docs say so, and
-    EDGECACHE_LOG_LEVEL, which no setting reads, is named as flag-only.
+    first imported, before serve reads any flag); the docs say so. The node's
+    own lines follow EDGECACHE_LOG_LEVEL, a setting like the others (it was
+    warned of as ignored, though serve --help says every setting can be set
+    as EDGECACHE_<NAME>).
     """
     from tlsutil import make_pki
 
@@ -567,11 +569,41 @@ def test_grpc_core_lines_follow_grpc_verbosity_and_the_log_level_variable_is_nam
     quiet, text = handshake_lines({"GRPC_VERBOSITY": "ERROR"}, "quiet")
     assert loud >= 1 and quiet == 0
     loud_text = (tmp_path / "loud.log").read_text()
-    assert "EDGECACHE_LOG_LEVEL is ignored: the log level is set only with serve's --log-level" in (
-        loud_text
-    )
+    assert "EDGECACHE_LOG_LEVEL" not in loud_text  # no "not a setting" warning
+    assert " INFO edgecache" not in loud_text and " INFO edgecache" in text
     docs = (Path(__file__).parent.parent / "docs" / "edge-node.md").read_text()
-    assert "follow `GRPC_VERBOSITY`" in docs and "`EDGECACHE_LOG_LEVEL` is not read" in docs
+    assert "follow `GRPC_VERBOSITY`" in docs and "`EDGECACHE_LOG_LEVEL=debug`" in docs
+
+
+@pytest.mark.parametrize(
+    ("where", "shown"),
+    [("file", False), ("flag over file", True), ("variable over file", True)],
+)
+def test_log_level_is_a_setting_of_the_config_file_and_environment(
+    tmp_path: Path, where: str, shown: bool
+) -> None:
+    """``log_level:`` in --config was refused as no such setting; flags and variables win."""
+    (tmp_path / "node.yaml").write_text("log_level: error\n")
+    args: list[str] = ["--config", str(tmp_path / "node.yaml")]
+    env: dict[str, str] = {}
+    if where == "flag over file":
+        args += ["--log-level", "info"]
+    if where == "variable over file":
+        env["EDGECACHE_LOG_LEVEL"] = "Info"
+    proc, _ = _node(tmp_path, *args, env=env)
+    assert _stop(proc) == 0
+    text = (tmp_path / "node.log").read_text()
+    assert (" INFO edgecache" in text) is shown, text
+
+
+def test_a_bad_log_level_variable_is_refused_naming_it(tmp_path: Path) -> None:
+    """Exit 2 at serve (a ConfigError) naming the variable and the levels it takes."""
+    flags = {"region": "eu", "cache_dir": str(tmp_path / "c"), "registry": "file:///r"}
+    with pytest.raises(ConfigError, match=r"(?s)--log-level \(\$EDGECACHE_LOG_LEVEL\).*DEBUG"):
+        load_node_config(flags=flags, environ={"EDGECACHE_LOG_LEVEL": "loud"})
+    assert load_node_config(flags=flags, environ={"EDGECACHE_LOG_LEVEL": "debug"}).log_level == (
+        "DEBUG"
+    )
 
 
 # --------------------------------------------------------------------- 8. smaller ones

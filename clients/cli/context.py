@@ -106,18 +106,25 @@ def configure_logging(level: LogLevel) -> None:
     """
     line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=level.value, format=line)
+    # Called again once serve has read its settings (a level from EDGECACHE_LOG_LEVEL or
+    # the --config file): basicConfig does nothing the second time, so set it here.
+    logging.getLogger().setLevel(level.value)
     for handler in logging.getLogger().handlers:
         if not isinstance(handler.formatter, _Redacting):
             handler.setFormatter(_Redacting(line))
-    if level != LogLevel.DEBUG:  # never below the level asked: ERROR hides their warnings too
-        quiet = max(logging.WARNING, logging.getLevelNamesMapping()[level.value])
-        for name in _CHATTY_LOGGERS:
-            logging.getLogger(name).setLevel(quiet)
+    # Never below the level asked (ERROR hides their warnings too); DEBUG lets them speak.
+    quiet = max(logging.WARNING, logging.getLevelNamesMapping()[level.value])
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if level == LogLevel.DEBUG else quiet)
 
 
 LogLevelOption = Annotated[
     LogLevel,
-    typer.Option(case_sensitive=False, help="DEBUG, INFO, WARNING or ERROR (any case)."),
+    typer.Option(
+        case_sensitive=False,
+        envvar="EDGECACHE_LOG_LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR (any case).",
+    ),
 ]
 
 ConfigOption = Annotated[

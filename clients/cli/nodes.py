@@ -16,7 +16,6 @@ from edgecache.clients.cli.context import (
     ExitCode,
     JsonOption,
     LogLevel,
-    LogLevelOption,
     Options,
     TokenOption,
     configure_logging,
@@ -110,7 +109,14 @@ def serve(
         Path | None,
         typer.Option(help="YAML file of settings, keys as the flags' names with _ (see below)."),
     ] = None,
-    log_level: LogLevelOption = LogLevel.INFO,
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option(
+            case_sensitive=False,
+            show_default=False,
+            help="DEBUG, INFO, WARNING or ERROR (any case) [INFO].",
+        ),
+    ] = None,
 ) -> None:
     """Run an edge node: serve, fetch, preprocess and cache shards for one region.
 
@@ -123,7 +129,9 @@ def serve(
     from edgecache.edge.config import load_node_config
     from edgecache.edge.server import serve_forever
 
-    configure_logging(log_level)
+    # The flag's level (or INFO) until the settings are read: their own warnings (an
+    # EDGECACHE_* variable no setting has) are logged in the same form.
+    configure_logging(log_level or LogLevel.INFO)
     # Paths come as text (typer made an empty --cache-dir "" into Path('.'): the cache in
     # the working directory); load_node_config refuses empty ones and makes them Paths.
     flags = {
@@ -141,9 +149,11 @@ def serve(
         "read_token_file": read_token_file,
         "staging_rate": staging_rate,
         "node_id": node_id,
+        "log_level": log_level.value if log_level is not None else None,
     }
     with reporting():
         settings = load_node_config(config, flags)
+        configure_logging(LogLevel(settings.log_level))
         asyncio.run(serve_forever(settings))
 
 
