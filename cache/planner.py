@@ -276,19 +276,18 @@ def plan(
 
     def plan_in(
         order: Sequence[str],
-        reuse: Mapping[str, Plan],
+        reuse: Mapping[str, _Part],
         *,
         lend_until: Mapping[tuple[str, VersionKey], datetime] | None = None,
-    ) -> tuple[Plan, dict[str, Plan]]:
+    ) -> tuple[Plan, dict[str, _Part]]:
         """The plan with regions planned in ``order``, each copying from those before it.
 
-        With each region's own part (its plan, unmet versions, transfers, cost), so
-        that another order sharing a first stretch of regions reuses their parts:
-        a region's plan depends only on the regions planned before it. The
-        (region, version) pairs in ``lend_until`` are lent before the region is
-        planned only until then, when its own plan would evict the version (see
-        :func:`plan`'s last try); ``lenders`` then lists the pairs a region kept
-        for another's copy.
+        With each region's own part (its plan, unmet versions, transfers, cost, and
+        what it kept for another region's copy from it), so that another order
+        sharing a first stretch of regions reuses their parts: a region's plan
+        depends only on the regions planned before it. The (region, version) pairs
+        in ``lend_until`` are lent before the region is planned only until then,
+        when its own plan would evict the version (see :func:`plan`'s last try).
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
@@ -299,12 +298,11 @@ def plan(
                 until = never if lend_until is None else lend_until.get((name, version), never)
                 if until > now:
                     holds[(name, version)] = [(now, until)]
-        lenders.clear()
         # A copy from a region planned later, out of what it holds now: that region keeps
         # the version until the copy ends (as it keeps a pin), or the copy would have
         # no source. (region, version) → the last such copy's end.
         reserved: dict[tuple[str, VersionKey], datetime] = {}
-        parts: dict[str, Plan] = {}
+        parts: dict[str, _Part] = {}
         for name in order:
             part = reuse.get(name)
             if part is None:
@@ -315,23 +313,23 @@ def plan(
                         v: max(state.pinned.get(v, until), until) for v, until in kept.items()
                     }
                     state = replace(state, pinned={**state.pinned, **pinned}, lent=kept)
-                    lenders.update((name, v) for v in kept)
-                part = Plan(regions={}, infeasible=[], transfers={}, cost={})
-                part.regions[name] = _plan_region(
-                    state, by_region.get(name, []), sized, now, holds, part, why_missing
+                own = Plan(regions={}, infeasible=[], transfers={}, cost={})
+                own.regions[name] = _plan_region(
+                    state, by_region.get(name, []), sized, now, holds, own, why_missing
                 )
-            holds.update(_holds_of(regions[name], part.regions[name], now))
+                part = _Part(own, frozenset(kept))
+            holds.update(_holds_of(regions[name], part.plan.regions[name], now))
             parts[name] = part
-            for task in part.regions[name].tasks:
+            for task in part.plan.regions[name].tasks:
                 if task.source != "origin" and task.source not in parts:
                     key = (task.source, task.version)
                     reserved[key] = max(reserved.get(key, task.finish), task.finish)
         result = Plan(regions={}, infeasible=list(infeasible), transfers={}, cost={})
         for part in parts.values():
-            result.regions.update(part.regions)
-            result.infeasible.extend(part.infeasible)
-            result.transfers.update(part.transfers)  # (job, link): a job is in one region
-            result.cost.update(part.cost)
+            result.regions.update(part.plan.regions)
+            result.infeasible.extend(part.plan.infeasible)
+            result.transfers.update(part.plan.transfers)  # (job, link): a job is in one region
+            result.cost.update(part.plan.cost)
         result.regions = dict(sorted(result.regions.items()))
         result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
         _drop_unstaged_pins(result, regions)
@@ -344,21 +342,16 @@ def plan(
     # that meets the most jobs at the least origin egress is kept (the first on a tie).
     # The largest saving is tried (MAX_REORDERS: how many); the regions before the
     # earlier one keep their plans.
-    # Of the last plan_in: (region, version) kept in a region for another's copy from it.
-    lenders: set[tuple[str, VersionKey]] = set()
     order = sorted(regions, key=first_need)
     best, parts = plan_in(order, {})
-    best_lenders, best_order = set(lenders), order
+    best_parts, best_order = parts, order
     tries = _reorders(best, order, regions)[:MAX_REORDERS] if MAX_REORDERS else []
     for ahead, behind in tries:
         i = order.index(ahead)
         moved = [*order[:i], behind, *(r for r in order[i:] if r != behind)]
-        candidate, _ = plan_in(moved, {name: parts[name] for name in order[:i]})
+        candidate, candidate_parts = plan_in(moved, {name: parts[name] for name in order[:i]})
         if _plan_score(candidate) < _plan_score(best):
-            # The regions reused from the first order lent what they lent there.
-            reused = {(r, v) for r, v in best_lenders if r in order[:i]}
-            best, best_lenders = candidate, lenders | reused
-            best_order = moved
+            best, best_parts, best_order = candidate, candidate_parts, moved
     # A copy from what a region planned later holds now makes that region keep the
     # version until the copy ends, as if pinned: room its own jobs may need meanwhile.
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
@@ -368,7 +361,7 @@ def plan(
     # the loans, would evict them is tried too (later copies come from origin, other
     # peers or its planned holdings), and kept if it meets more jobs.
     short_regions = {row.region for row in best.infeasible if not row.unreachable}
-    short = {(r, v) for r, v in best_lenders if r in short_regions}
+    short = {(r, v) for r in short_regions & best_parts.keys() for v in best_parts[r].lent}
     if short:
         limits: dict[tuple[str, VersionKey], datetime] = {}
         for name in {r for r, _ in short}:
@@ -385,6 +378,13 @@ def plan(
         if _plan_score(candidate) < _plan_score(best):
             best = candidate
     return best
+
+
+class _Part(NamedTuple):
+    """One region's share of a plan, as planned after the regions before it."""
+
+    plan: Plan  # its RegionPlan, unmet versions, transfers and cost
+    lent: frozenset[VersionKey]  # what it kept for a copy by a region planned before it
 
 
 # (region, version) → the spans of time a region holds a version: [(from, until)].
