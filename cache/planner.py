@@ -14,7 +14,9 @@ name). Each version a job reads must be resident by the job's start. A
 version not yet resident becomes a staging task on the region's origin link
 (or from a peer region that will hold it in time: no origin egress, so a peer
 wins whenever it makes the deadline; when nothing does, the earliest finish
-wins); tasks on
+wins; a region planned earlier sees what one planned later will stage once
+every region is planned, and copies from it where that is in time:
+:func:`_copy_from_later_regions`); tasks on
 one link run one after another in deadline order (earliest deadline first,
 which meets every deadline that any order could). Room is made by evicting
 versions whose next use is furthest away, among those no job needs between
@@ -279,7 +281,7 @@ def plan(
         reuse: Mapping[str, _Part],
         *,
         lend_until: Mapping[tuple[str, VersionKey], datetime] | None = None,
-    ) -> tuple[Plan, dict[str, _Part]]:
+    ) -> tuple[Plan, dict[str, _Part], _Holds]:
         """The plan with regions planned in ``order``, each copying from those before it.
 
         With each region's own part (its plan, unmet versions, transfers, cost, and
@@ -288,6 +290,7 @@ def plan(
         depends only on the regions planned before it. The (region, version) pairs
         in ``lend_until`` are lent before the region is planned only until then,
         when its own plan would evict the version (see :func:`plan`'s last try).
+        And when each region holds each version in it, every region being planned.
         """
         # Who holds what, when: for peer sourcing. A region planned after another copies
         # from it only while it holds the version (from its task's finish, or now, to its
@@ -333,7 +336,7 @@ def plan(
         result.regions = dict(sorted(result.regions.items()))
         result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
         _drop_unstaged_pins(result, regions)
-        return result, parts
+        return result, parts, holds
 
     # A region planned first cannot copy from one planned after it: when that one fetches
     # the same version from origin and its copy would be ready in time for the first
@@ -343,15 +346,18 @@ def plan(
     # The largest saving is tried (MAX_REORDERS: how many); the regions before the
     # earlier one keep their plans.
     order = sorted(regions, key=first_need)
-    best, parts = plan_in(order, {})
-    best_parts, best_order = parts, order
+    best, parts, holds = plan_in(order, {})
+    best_parts, best_order, best_holds = parts, order, holds
     tries = _reorders(best, order, regions)[:MAX_REORDERS] if MAX_REORDERS else []
     for ahead, behind in tries:
         i = order.index(ahead)
         moved = [*order[:i], behind, *(r for r in order[i:] if r != behind)]
-        candidate, candidate_parts = plan_in(moved, {name: parts[name] for name in order[:i]})
+        candidate, candidate_parts, candidate_holds = plan_in(
+            moved, {name: parts[name] for name in order[:i]}
+        )
         if _plan_score(candidate) < _plan_score(best):
             best, best_parts, best_order = candidate, candidate_parts, moved
+            best_holds = candidate_holds
     # A copy from what a region planned later holds now makes that region keep the
     # version until the copy ends, as if pinned: room its own jobs may need meanwhile.
     # Seen in bench.schedule: us copied books@1 for a job at 22:00 from eu's copy, so eu
@@ -374,10 +380,78 @@ def plan(
                 if region == name:
                     held = [end for start, end in spans.get((name, version), []) if start <= now]
                     limits[(name, version)] = held[0] if held else now
-        candidate, _ = plan_in(best_order, {}, lend_until=limits)
+        candidate, _, candidate_holds = plan_in(best_order, {}, lend_until=limits)
         if _plan_score(candidate) < _plan_score(best):
-            best = candidate
+            best, best_holds = candidate, candidate_holds
+    _copy_from_later_regions(best, regions, sized, best_holds)
     return best
+
+
+def _copy_from_later_regions(
+    result: Plan,
+    regions: Mapping[str, RegionState],
+    sizes: Mapping[VersionKey, VersionSize],
+    holds: _Holds,
+) -> None:
+    """Source from a peer each origin fetch that a region's planned copy can serve in time.
+
+    A region planned before another sees only what that one holds now, not what
+    its plan will stage: in bench.schedule us fetched ``books@1`` from origin for
+    a job at 22:00 while eu, planned after it, staged it again at 19:00 for its
+    own job and held it past 22:00 (4 of the controller's 11 origin fetches had
+    such a peer). With every region's plan known, each in-time origin task that
+    a peer holding the version throughout can replace, finishing no later, is
+    copied from that peer instead (the earliest finish among them): no task is
+    moved later, so every hold another copy counts on still stands, and the
+    peer keeps its own plan (its eviction comes after the copy, with margin).
+    ``holds``: every region's, as its plan in ``result`` has it (updated here).
+    """
+    holders: dict[VersionKey, list[tuple[str, list[tuple[datetime, datetime]]]]]
+    holders = defaultdict(list)  # version → (region, its spans): few per version
+    for (region, version), spans in holds.items():
+        holders[version].append((region, spans))
+    for name, region_plan in result.regions.items():
+        state = regions[name]
+        seen: set[VersionKey] = set()
+        for index, task in enumerate(region_plan.tasks):
+            first, version = task.version not in seen, task.version
+            seen.add(version)
+            if task.source != "origin" or task.finish > task.deadline or version not in sizes:
+                continue
+            # A stage cut short kept its shards: its first task moves only the rest.
+            held_now = min(state.partial.get(version, 0), task.bytes) if first else 0
+            moved = task.bytes - held_now
+            options = []  # (finish, peer, begin)
+            for peer, spans in holders.get(version, ()):
+                bandwidth = state.peer_bandwidth.get(peer, 0.0)
+                if bandwidth <= 0 or peer == name:
+                    continue
+                copying = timedelta(seconds=moved / bandwidth)
+                for start, end in spans:
+                    begin = max(task.start, start)
+                    finish = begin + copying
+                    if finish <= task.finish and end >= finish + _margin(copying):
+                        options.append((finish, peer, begin))
+                        break
+            if not options:
+                continue
+            finish, peer, begin = min(options)
+            region_plan.tasks[index] = replace(task, source=peer, start=begin, finish=finish)
+            # Its copy is held from its new finish (in place: holders shares the list).
+            spans = holds[(name, version)]
+            spans[:] = [(finish if start == task.finish else start, end) for start, end in spans]
+            job = task.jobs[0]  # the job it was staged for: its transfers and cost
+            origin_key = (job, f"origin→{name}")
+            from_origin = _origin_bytes(sizes[version], held_now)
+            left = result.transfers.get(origin_key, 0) - from_origin
+            if left > 0:
+                result.transfers[origin_key] = left
+            else:
+                result.transfers.pop(origin_key, None)
+            peer_key = (job, f"{peer}→{name}")
+            result.transfers[peer_key] = result.transfers.get(peer_key, 0) + moved
+            if state.egress_price_per_gb and job in result.cost:
+                result.cost[job] -= from_origin / 1e9 * state.egress_price_per_gb
 
 
 class _Part(NamedTuple):

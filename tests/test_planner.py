@@ -113,6 +113,14 @@ def test_plan_invariants(scenario) -> None:  # noqa: ANN001
                 if e.version == task.version and max(arrivals) <= e.at < task.finish
             ]
             assert not gone, (task, gone)
+    # 6. what crosses each link is what its tasks move (no stage here is cut short), the
+    #    job a task was staged for counted with it
+    moved: dict[tuple[str, str], int] = {}
+    for region_plan in result.regions.values():
+        for task in region_plan.tasks:
+            key = (task.jobs[0], f"{task.source}→{task.region}")
+            moved[key] = moved.get(key, 0) + task.bytes
+    assert result.transfers == moved
 
 
 def test_belady_evicts_what_is_needed_furthest_ahead() -> None:
@@ -357,6 +365,48 @@ def test_a_region_whose_job_starts_first_copies_from_one_that_holds_it_in_time()
     assert not result.infeasible
     assert [t.source for t in result.regions["us"].tasks] == ["origin"]
     assert [t.source for t in result.regions["eu"].tasks] == ["origin"]
+
+
+def test_every_region_copies_what_a_region_planned_after_it_will_stage_in_time() -> None:
+    # Two pairs of regions, each where the one planned first (its first job starts
+    # earlier) can stage a version only late, when its first job ends and frees the
+    # room, and the other stages it early for its own job: a needs v at +10 h, which c
+    # holds from the outset for +3 h; b needs u at +10 h, which d holds for +4 h. One
+    # reordering of the regions is tried (MAX_REORDERS): it mended one pair, and the
+    # other fetched its version from origin twice. Once every region is planned, the
+    # late fetch is copied from the other's copy: origin sends each version once.
+    v, u, x, y = ("v", 1), ("u", 1), ("x", 1), ("y", 1)
+    names = ["a", "b", "c", "d"]
+    regions = {
+        n: RegionState(n, 10 * GB, 1e8, peer_bandwidth={p: 1e9 for p in names if p != n})
+        for n in names
+    }
+    hour = timedelta(hours=1)
+    jobs = [
+        Job("a0", "a", NOW + 1 * hour, NOW + 9 * hour, (x,)),
+        Job("b0", "b", NOW + 2 * hour, NOW + 9 * hour, (y,)),
+        Job("c0", "c", NOW + 3 * hour, NOW + 5 * hour, (v,)),
+        Job("d0", "d", NOW + 4 * hour, NOW + 6 * hour, (u,)),
+        Job("a1", "a", NOW + 10 * hour, NOW + 11 * hour, (v,)),
+        Job("b1", "b", NOW + 10 * hour, NOW + 11 * hour, (u,)),
+    ]
+    result = plan(jobs, regions, {w: 10 * GB for w in (v, u, x, y)}, now=NOW)
+    assert not result.infeasible
+    fetched = sorted(
+        (task.region, task.spec)
+        for region_plan in result.regions.values()
+        for task in region_plan.tasks
+        if task.source == "origin"
+    )
+    assert fetched == [("a", "x@1"), ("b", "y@1"), ("c", "v@1"), ("d", "u@1")], fetched
+    for region, version, peer in (("a", v, "c"), ("b", u, "d")):
+        (late,) = [t for t in result.regions[region].tasks if t.version == version]
+        assert late.source == peer and late.start >= NOW + 9 * hour
+        assert late.finish <= late.deadline
+    assert result.transfers[("b1", "d→b")] == 10 * GB
+    assert ("b1", "origin→b") not in result.transfers
+    origin = sum(n for (_, link), n in result.transfers.items() if link.startswith("origin→"))
+    assert origin == 40 * GB
 
 
 def test_a_peer_is_a_source_only_while_it_holds_the_version() -> None:
