@@ -402,6 +402,15 @@ class Versions:
         if self._manifests.get(key) is not kept:
             return  # evicted and replaced meanwhile: that one is checked on its own
         if current.digest != kept.digest and key not in self._changed:
+            # Holding none of its shards (evicted before anything here read it since the
+            # change, or never staged), the node has nothing of the old content to mix
+            # with the new: it serves the registry's, as a node that never saw the
+            # version would. Refusing it asked for an evict that had already happened.
+            # Asked on the writer thread, after any shard of the old manifest queued.
+            held = await self._write(self.store.shards, dataset, version)
+            if not held and self._origin_allowed(current):
+                await self._adopt(key, current, "this node holds none of its shards")
+                return
             self._changed[key] = current
             log.warning(
                 "%s@%d was changed in the registry %s after this node cached it (digest %s "
@@ -432,22 +441,32 @@ class Versions:
 
         No shard of the old content is left, so nothing mixes the two any more.
         """
-        changed = self._changed.get((dataset, version))
-        if changed is None:
-            return
+        changed = self._changed.pop((dataset, version), None)
+        if changed is not None:
+            await self._adopt((dataset, version), changed, "evicted")
+
+    async def _adopt(self, key: tuple[str, int], manifest: manifest_pb2.Manifest, why: str) -> None:
+        """Serve the registry's ``manifest`` of a changed version, no shard of the old left."""
         with contextlib.suppress(DiskFull):
-            await self._write(
-                self.store.put_manifest, dataset, version, changed.SerializeToString()
-            )
-        self._manifests[(dataset, version)] = changed
-        self._manifest_asked[(dataset, version)] = time.monotonic()
-        del self._changed[(dataset, version)]
+            await self._write(self.store.put_manifest, *key, manifest.SerializeToString())
+        self._manifests[key] = manifest
+        self._manifest_asked[key] = time.monotonic()
         log.warning(
-            "%s@%d evicted: serving the registry's manifest (digest %s) from now on",
-            dataset,
-            version,
-            changed.digest,
+            "%s@%d was changed in the registry %s and %s: serving the registry's manifest "
+            "(digest %s) from now on",
+            *key,
+            self.registry_shown,
+            why,
+            manifest.digest,
         )
+
+    def _origin_allowed(self, manifest: manifest_pb2.Manifest) -> bool:
+        """Whether ``manifest``'s sources lie within ``origins`` (:meth:`_check_origin`)."""
+        try:
+            self._check_origin(manifest)
+        except ManifestError:
+            return False
+        return True
 
     def knows(self, dataset: str, version: int) -> bool:
         """Whether this node holds anything of a version: shards, a pin or its manifest."""

@@ -137,3 +137,33 @@ def test_a_registry_that_refuses_is_not_called_unreachable(
             stub(node.address).GetManifest(edge_pb2.GetManifestRequest(dataset="t", version=1))
     details = failed.value.details() or ""
     assert "could not be read" in details and "unreachable" not in details, details
+
+
+def test_an_evict_before_the_node_noticed_the_change_is_enough(tmp_path: Path) -> None:
+    """The registry reset under a node that had not read the version since: the docs'
+    advice (evict, then warm again) left it refusing the version, holding none of it,
+    until a second evict; it serves the registry's content after the first."""
+    import shutil
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin-old", 2, rows=300)
+    write_parquet_shards(tmp_path / "origin-new", 2, rows=400)
+    publish(registry, f"file://{tmp_path}/origin-old", "tok")
+    node = start_local_node("eu", tmp_path / "cache", registry)
+    try:
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{node.address}']\n"
+        )
+        code, out, err = edgecache("warm", "tok@1", "--region", "eu", "--config", str(topology))
+        assert code == 0, (out, err)
+        shutil.rmtree(tmp_path / "registry")
+        publish(registry, f"file://{tmp_path}/origin-new", "tok")  # tok@1 again, other content
+        code, out, err = edgecache("evict", "tok@1", "--config", str(topology))
+        assert code == 0, (out, err)
+        code, out, err = edgecache("warm", "tok@1", "--region", "eu", "--config", str(topology))
+        assert code == 0, (out, err)
+        ds = EdgeDataset("tok@1", config=topology, region="eu", batch_size=100)
+        assert sum(len(batch["label"]) for batch in ds) == 800  # the new content's rows
+    finally:
+        node.stop()
