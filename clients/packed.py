@@ -36,6 +36,15 @@ __all__ = ["Packed", "PackedKind"]
 PackedKind = Literal["binary", "string", "list"]
 
 
+# Unsigned dtypes (torch >= 2.3) → the signed dtype of their width, for what torch
+# implements only for the signed ones.
+_SIGNED_TWIN = {
+    getattr(torch, f"uint{bits}"): getattr(torch, f"int{bits}")
+    for bits in (16, 32, 64)
+    if hasattr(torch, f"uint{bits}")
+}
+
+
 class Packed:
     """Variable-length values: item ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
@@ -119,7 +128,15 @@ class Packed:
             first = int(self._offsets()[0])
             rows = torch.repeat_interleave(torch.arange(len(self)), lengths)
             row_starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-            out[rows, torch.arange(total) - row_starts] = self.values.cpu()[first : first + total]
+            values = self.values.cpu()[first : first + total]
+            # torch has no index_put for uint16/32/64 on CPU ("not implemented for
+            # 'UInt16'"): token ids stored as list<uint16> failed here. Their signed twin
+            # of the same width moves the same bits.
+            twin = _SIGNED_TWIN.get(out.dtype)
+            if twin is not None:
+                out.view(twin)[rows, torch.arange(total) - row_starts] = values.view(twin)
+            else:
+                out[rows, torch.arange(total) - row_starts] = values
         return out.to(self.values.device), lengths
 
     def __eq__(self, other: object) -> bool:

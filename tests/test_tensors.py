@@ -291,3 +291,36 @@ def test_a_chunks_row_table_gathers_what_its_column_holds(
         else:
             got = list(got)
         assert got == expected
+
+
+@pytest.mark.parametrize("arrow_type", [pa.uint16(), pa.uint32(), pa.uint64(), pa.uint8()])
+@pytest.mark.parametrize("ragged", ["padded", "packed"])
+def test_unsigned_token_lists_pad_like_signed_ones(arrow_type: pa.DataType, ragged: str) -> None:
+    """Token ids stored as list<uint16>: torch has no index_put for uint16/32/64 on CPU,
+    and padding them (ragged="padded", Packed.padded, collate_samples) raised."""
+    top = {8: 255, 16: 65535, 32: 2**32 - 1, 64: 2**63}[arrow_type.bit_width]
+    values = [[top, 1], [], [2, 3, top]]
+    batch_schema = pa.schema([("tokens", pa.list_(arrow_type))])
+    table = pa.record_batch([pa.array(values, pa.list_(arrow_type))], schema=batch_schema)
+    kinds = with_forms(column_kinds(batch_schema, None), binary="packed", ragged=ragged)  # type: ignore[arg-type]
+    batch = assemble([Gather(table, np.arange(3))], kinds, memory=ReusedMemory())
+    tokens = batch["tokens"] if ragged == "padded" else batch["tokens"].padded()[0]
+    assert tokens.tolist() == [[top, 1, 0], [0, 0, 0], [2, 3, top]]
+    assert str(tokens.dtype) == f"torch.uint{arrow_type.bit_width}"
+
+
+@pytest.mark.parametrize("binary", ["packed", "list"])
+def test_view_columns_read_like_plain_ones(binary: str) -> None:
+    """A version with a string_view column (published from Polars' files): Arrow has no
+    take for views, and the first batch raised ArrowNotImplementedError."""
+    texts, blobs = ["a", "", "ccc", "dd"], [b"x", b"yy", b"", b"\\x00z"]
+    views = pa.schema([("text", pa.string_view()), ("blob", pa.binary_view())])
+    table = pa.record_batch(
+        [pa.array(texts, pa.string_view()), pa.array(blobs, pa.binary_view())], schema=views
+    )
+    kinds = with_forms(column_kinds(views, None), binary=binary)  # type: ignore[arg-type]
+    rows = np.array([3, 0, 2])
+    batch = assemble([Gather(table, rows)], kinds, memory=ReusedMemory())
+    assert batch["text"] == [texts[r] for r in rows]
+    assert batch["blob"] == [blobs[r] for r in rows]
+    assert isinstance(batch["text"], Packed if binary == "packed" else list)
