@@ -405,7 +405,11 @@ class NodePool:
         node), which then reads it through from origin and caches it twice.
         """
         order = {e.text: i for i, e in enumerate(self.endpoints)}
-        best = min(self.stats[e.text].rtt_ms for e in self.endpoints)
+        # The nearest node's, not a local cache's 0 ms: an lmdb:// directory given before
+        # the nodes (as the docs advise for a partial cache) made "near" 0.5 ms, no node
+        # within it, so no replicas were learned and every shard went to the nearest
+        # node, which read the others' through from origin and cached them twice.
+        best = min((self.stats[e.text].rtt_ms for e in self.endpoints if not e.local), default=0.0)
         near = best * 1.25 + 0.5
         grouped: set[str] = set()  # own-region nodes: ranked by shard ownership, not by RTT
         replicas = self.replicas or self._learned_replicas(near)

@@ -298,3 +298,34 @@ def test_a_regions_only_node_keeps_its_reads_against_a_noisy_probe(node) -> None
         assert pool.ranked(("tokens", 1, 0))[0].text == other
     finally:
         pool.close()
+
+
+def test_a_local_cache_given_first_does_not_hide_the_nodes_replicas(node, registry) -> None:
+    """``[lmdb://cache, node-a, node-b]`` (the docs' advice for a partial cache): the
+    cache's 0 ms made "near" 0.5 ms, no node within it, so no replicas were learned and
+    every shard went to the nearest node, which read the other's through from origin."""
+    from edgecache.clients.rendezvous import rank
+
+    other = "127.0.0.1:1"  # nothing listens: only its ranking is looked at
+    local = f"lmdb://{registry / 'cache'}"
+    endpoints = [parse_endpoint(local), parse_endpoint(node.address), parse_endpoint(other)]
+    pool = NodePool(endpoints, probe_interval=3600)
+    try:
+        pool.probe()
+        # Two nodes of one region a LAN apart (1 and 2 ms), as a probe finds them.
+        pool.stats[other].region, pool.stats[other].node_id = "eu", "eu-other"
+        pool.stats[other].identified = True
+        pool.stats[node.address].rtt_ms, pool.stats[other].rtt_ms = 1.0, 2.0
+        pool._learn_names()
+        replicas = [node.address, other]
+        names = {node.address: pool.stats[node.address].node_id, other: "eu-other"}
+        owners = set()
+        for shard in range(8):
+            key = ("tokens", 1, shard)
+            ranked = [e.text for e in pool.ranked(key)]
+            assert ranked[0] == local  # the cache first: what it holds costs no call
+            owners.add(ranked[1])
+            assert ranked[1] == rank(replicas, *key, names=names)[0], shard
+        assert owners == set(replicas)
+    finally:
+        pool.close()
