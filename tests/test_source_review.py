@@ -304,6 +304,15 @@ def test_column_names_over_a_file_with_a_header_are_refused() -> None:
     assert read(b"u,v\nw,z\n", CSV, column_names="p,q").num_rows == 2
     iris = (SKLEARN_DATA / "iris.csv").read_bytes()
     assert read(iris, CSV, skip_rows="1", column_names="a,b,c,d,t").num_rows == 150
+    # What pandas' to_csv writes: its index column's header cell empty. The empty cell
+    # skipped the check, and the header was served as a row, x and y made strings.
+    pandas = b",x,y\n0,1.5,2\n1,2.5,3\n"
+    assert "text over columns of numbers (x, y)" in refused(pandas, CSV, column_names="i,x,y")
+    assert read(pandas, CSV, column_names="i,x,y", header="true").to_pydict() == {
+        "i": [0, 1],
+        "x": [1.5, 2.5],
+        "y": [2, 3],
+    }
 
 
 def test_latin1_text_is_refused_not_published_as_binary() -> None:

@@ -324,12 +324,14 @@ def _check_named_header(
     if len(rows) < 2:
         return
     first, rest = [cell.strip() for cell in rows[0]], rows[1:]
-    if not all(first) or any(_is_number(cell) for cell in first):
+    # Its empty cells say nothing either way: pandas writes its index column's header
+    # empty (",x,y"), and such a header was read as a row, its numbers made strings.
+    if not any(first) or any(_is_number(cell) for cell in first):
         return
     numbers = [
         i
         for i in range(len(first))
-        if all(i < len(row) and _is_number(row[i].strip()) for row in rest)
+        if first[i] and all(i < len(row) and _is_number(row[i].strip()) for row in rest)
     ]
     if first != names and not numbers:
         return
