@@ -240,6 +240,20 @@ def test_webdataset_samples_without_the_images_column_are_refused(tmp_path: Path
     flat = " ".join(out.split())
     assert "2 samples (s0, s2) have no .jpg member (they hold png)" in flat, out
     assert "on_error=skip" in flat, out
+    # The repack advised, done with GNU tar as printed: the labels keep their .cls (a
+    # rename of every member's extension named them .jpg too: refused as two .jpg).
+    renames = re.findall(r"--transform '(s/[^']+/)'", flat)
+    assert renames == ["s/[.]png$/.jpg/"], out
+    (tmp_path / "members").mkdir()
+    with tarfile.open(raw / "shard-0.tar") as tar:
+        members = tar.getnames()
+        tar.extractall(tmp_path / "members", filter="data")
+    (tmp_path / "repacked").mkdir()
+    repack = ["tar", "cf", str(tmp_path / "repacked" / "shard-0.tar")]
+    repack += [arg for rename in renames for arg in ("--transform", rename)]
+    subprocess.run([*repack, *members], cwd=tmp_path / "members", check=True)
+    code, again = cli(tmp_path, "publish", str(tmp_path / "repacked"), "--dataset", "w2", *args)
+    assert code == 0 and "(1 shard, 4 rows)" in again, again
     code, out = cli(
         tmp_path, "publish", str(raw), "--dataset", "w", *args, "--param", "on_error=skip"
     )

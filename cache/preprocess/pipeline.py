@@ -9,6 +9,7 @@ source reader's options.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from typing import NamedTuple
@@ -347,12 +348,18 @@ def _every_sample_has_its_image(
         f" and {count - len(missing)} more" if count > len(missing) else ""
     )
     have = f" (they hold {', '.join(sorted(others))})" if others else ""
+    # Only the other image extensions: renaming every member's ('s/[.][^.]*$/.jpg/')
+    # named each sample's label .jpg too, and the repacked tar was refused for two .jpg.
+    rename = " ".join(
+        f"--transform 's/[.]{re.escape(other)}$/.{column}/'" for other in sorted(others)
+    )
+    example = f", e.g. with GNU tar's {rename}" if others else ""
     raise ParamMismatch(
         f"{source}: {count} sample{'s' if count != 1 else ''} ({listed}) "
         f"{'have' if count != 1 else 'has'} no .{column} member{have}, and the images "
         f"transform decodes column={column} alone: each staging would fail on them. Give "
         f"every image one extension (repack with the members named KEY.{column}: the image "
-        f"bytes are decoded whatever their format, e.g. GNU tar's --transform "
-        f"'s/[.][^.]*$/.{column}/'), or publish each extension's samples as a version of "
+        f"bytes are decoded whatever their format{example}), "
+        "or publish each extension's samples as a version of "
         "their own, or pass --param on_error=skip to drop the samples without it"
     )
