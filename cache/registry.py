@@ -26,7 +26,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+import shlex
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import NamedTuple, TypeVar
@@ -56,7 +57,7 @@ from edgecache.cache.preprocess import (
     load_transform,
     resource_refs,
 )
-from edgecache.cache.preprocess.arrow_types import type_label
+from edgecache.cache.preprocess.arrow_types import quote_name, type_label
 from edgecache.cache.preprocess.compressed import strip_suffix
 from edgecache.cache.preprocess.fixes import ParamMismatch, columns_text, schema_mismatch
 from edgecache.cache.preprocess.formats import FORMATS, KIND_NAMES
@@ -740,6 +741,11 @@ class Registry:
                         )
                     continue
                 taken[key] = (index.info.url, shard.samples)
+                if shard.samples == 0:
+                    # MDSWriter leaves an empty shard where one sample outgrew size_limit:
+                    # no rows to serve (a shard of none was refused, and excluded, missing),
+                    # and Streaming reads the directory without it.
+                    continue
                 obj = by_key.get(key)
                 if obj is None:
                     missing.append(key)
@@ -884,8 +890,7 @@ class Registry:
             raise MalformedShard(
                 f"the columns after preprocessing ({columns_text(schema)}) name "
                 f"{', '.join(repeated)} more than once, and readers find a column by its name; "
-                "give each a name of its own (--column-names for CSV, or --transform columns "
-                "--param rename=OLD=NEW)"
+                + _repeated_advice(schema.names, fmt, options, name)
             )
         own = schema.names  # what a columns transform can select: not the partitions
         # Hive partition columns, after the data's own (a column of the same name refused).
@@ -1476,3 +1481,26 @@ def _excludes(keys: list[str]) -> str:
     if len(patterns) > 3:
         return "--exclude PATTERN"
     return " ".join(f"--exclude {p!r}" for p in patterns)
+
+
+def _repeated_advice(names: list[str], fmt: int, options: Mapping[str, str], transform: str) -> str:
+    """How to give each column a name of its own, in a way that works for this source.
+
+    "--transform columns --param rename=OLD=NEW" was advised for a file's own
+    repeated name, which no rename can address (which of the two is OLD?).
+    """
+    if transform != "identity":
+        return f"give them names of their own in the {transform} transform's parameters"
+    if fmt == pb.SOURCE_FORMAT_CSV:
+        seen: dict[str, int] = {}
+        apart = []
+        for column in names:
+            seen[column] = seen.get(column, 0) + 1
+            apart.append(column if seen[column] == 1 else f"{column}_{seen[column]}")
+        given = "--column-names" if "column_names" in options else "--header --column-names"
+        listed = shlex.quote(",".join(quote_name(column) for column in apart))
+        return f"name every column yourself, e.g. {given} {listed}"
+    return (
+        "the source's own columns do: rewrite its files with a name per column (pyarrow: "
+        "table.rename_columns([...])); a transform cannot tell two columns of one name apart"
+    )

@@ -90,12 +90,29 @@ def _numeric(t: pa.DataType) -> bool:
 
 
 def _bytes_like(t: pa.DataType) -> str:
-    """``"binary"`` / ``"string"`` for (large, fixed-size) binary and string types, else ``""``."""
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+    """``"binary"`` / ``"string"`` for binary and string types of any layout, else ``""``."""
+    types = pa.types
+    if types.is_binary(t) or types.is_large_binary(t) or types.is_binary_view(t):
         return "binary"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
+    if types.is_fixed_size_binary(t):
+        return "binary"
+    if types.is_string(t) or types.is_large_string(t) or types.is_string_view(t):
         return "string"
     return ""
+
+
+def _unviewed(column: pa.Array) -> pa.Array:
+    """A string_view / binary_view column as plain string / binary (others as they are).
+
+    Versions published from Polars' files keep view columns; Arrow has no take for
+    them ("no kernel matching input types (string_view, int64)"), and the packed
+    form reads offsets, which views have none of. One copy of a chunk's column.
+    """
+    if pa.types.is_string_view(column.type):
+        return column.cast(pa.string())
+    if pa.types.is_binary_view(column.type):
+        return column.cast(pa.binary())
+    return column
 
 
 def column_kinds(schema: pa.Schema, columns: Sequence[str] | None) -> list[ColumnKind]:
@@ -203,6 +220,7 @@ def _values(column: pa.Array, kind: ColumnKind) -> np.ndarray:
 
 def _pylist(column: pa.Array, rows: np.ndarray) -> list[object]:
     """Python values of ``rows``; binary and strings copied once, straight from the buffers."""
+    column = _unviewed(column)
     t = column.type
     if column.null_count == 0 and (pa.types.is_binary(t) or pa.types.is_string(t)):
         offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[
@@ -290,6 +308,7 @@ def _row_table(column: pa.Array, kind: ColumnKind) -> RowTable:
         width = column.type.byte_width
         bounds = (column.offset + np.arange(len(column) + 1, dtype=np.int64)) * width
         return RowTable(_flat(column.buffers()[1]), bounds)
+    column = _unviewed(column)
     index = None
     if pa.types.is_dictionary(column.type):  # the values through the indices
         index = column.indices.to_numpy(zero_copy_only=False)

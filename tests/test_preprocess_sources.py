@@ -316,8 +316,18 @@ def test_objects_that_disagree_are_named_on_one_line(tmp_path: Path) -> None:
 def test_duplicate_column_names_are_refused_at_publish(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.csv").write_bytes(b"a,a,b\n1,2,3\n")
-    with pytest.raises(MalformedShard, match="name a more than once.*--column-names"):
+    with pytest.raises(MalformedShard, match="name a more than once") as refused:
         publish(tmp_path, tmp_path / "src", "dup")
+    # The advice, followed, publishes (a rename cannot tell the two a's apart).
+    assert "--header --column-names a,a_2,b" in str(refused.value), refused.value
+    assert "rename" not in str(refused.value)
+    options = {"header": "true", "column_names": "a,a_2,b"}
+    assert publish(tmp_path, tmp_path / "src", "dup", source_options=options).version == 1
+    # Parquet: no reader option names its columns; nor can a transform.
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table([[1], [2]], names=["a", "a"]), tmp_path / "pq" / "p.parquet")
+    with pytest.raises(MalformedShard, match=r"rewrite its files.*rename_columns"):
+        publish(tmp_path, tmp_path / "pq", "dup2")
     (tmp_path / "src" / "a.csv").write_bytes(b"x,y\n1,2\n")
     with pytest.raises(MalformedShard, match="name y more than once"):
         publish(
@@ -547,6 +557,23 @@ def test_mds_publishes_from_index_alone_and_reads_back(
     assert rows[5]["caption"] == "caption 5 ✓" and rows[5]["label"] == 2
     assert rows[5]["tokens"] == samples[5]["tokens"].tolist()
     assert rows[5]["raw"] == b"\x05" * 5 and rows[5]["jpeg"][:2] == b"\xff\xd8"
+
+
+def test_an_empty_mds_shard_from_an_oversized_sample_is_left_out(tmp_path: Path) -> None:
+    """MDSWriter writes an empty first shard when a sample outgrows size_limit; it was
+    refused as giving no rows, and --exclude'd, refused as missing from the index."""
+    needs_streaming()
+    from streaming import MDSWriter
+
+    with MDSWriter(
+        out=str(tmp_path / "mds"), columns={"id": "int", "blob": "bytes"}, size_limit="1kb"
+    ) as writer:
+        for i in range(3):
+            writer.write({"id": i, "blob": bytes(4096)})
+    index = json.loads((tmp_path / "mds" / "index.json").read_text())
+    assert [s["samples"] for s in index["shards"]][0] == 0  # the writer's empty shard
+    manifest = publish(tmp_path, tmp_path / "mds", "mds")
+    assert [s.row_count for s in manifest.shards] == [1, 1, 1]
 
 
 def test_mds_publish_reads_only_the_index(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ import pyarrow.compute as pc
 
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess.arrow_types import check_param_names
+from edgecache.cache.preprocess.byte_types import is_binary
 from edgecache.cache.preprocess.context import shard_context
 from edgecache.cache.preprocess.fixes import MissingColumn, ParamMismatch
 
@@ -253,8 +254,7 @@ class _Images:
                 f"images: column {self.spec.column!r} is missing; the data has "
                 f"{', '.join(batch.schema.names)}"
             )
-        binary = [f.name for f in batch.schema if pa.types.is_binary(f.type)
-                  or pa.types.is_large_binary(f.type)]  # fmt: skip
+        binary = [f.name for f in batch.schema if is_binary(f.type)]
         if len(binary) != 1:
             raise ParamMismatch(
                 f"images: say which column holds the encoded images (column=NAME); binary "
@@ -267,7 +267,7 @@ class _Images:
         name, column = self._column(batch)
         if pa.types.is_struct(column.type):
             raise ParamMismatch(_struct_advice(name, column.type))
-        if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        if not is_binary(column.type):
             raise ParamMismatch(f"images: column {name!r} is {column.type}, not binary")
         if spec.output not in (None, name) and spec.output in batch.schema.names:
             raise ParamMismatch(
@@ -337,9 +337,7 @@ def _struct_field(batch: pa.RecordBatch, path: str) -> tuple[str, pa.Array] | No
 def _struct_advice(name: str, kind: pa.StructType) -> str:
     """Which ``column=`` names a struct column's encoded images (Hugging Face ``Image()``)."""
     fields = [kind.field(i) for i in range(kind.num_fields)]
-    binary = [
-        f.name for f in fields if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
-    ]
+    binary = [f.name for f in fields if is_binary(f.type)]
     if not binary:
         return f"images: column {name!r} is {kind}, a struct with no binary field, not images"
     hf = " (Hugging Face's Image() keeps the encoded file in 'bytes')" if "bytes" in binary else ""

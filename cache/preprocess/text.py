@@ -51,6 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from edgecache.cache.preprocess.arrow_types import check_param_names
+from edgecache.cache.preprocess.byte_types import is_text
 from edgecache.cache.preprocess.context import shard_context
 from edgecache.cache.preprocess.fixes import MissingColumn, ParamMismatch
 
@@ -187,7 +188,7 @@ class _Tokens:
                 f"column=NAME); the data has {', '.join(names)}"
             )
         column = batch.column(self.spec.column)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        if not is_text(column.type):
             raise ParamMismatch(f"tokens: column {self.spec.column!r} is {column.type}, not text")
         texts = [t or "" for t in column.to_pylist()]
         slices: list[tuple[list[str]]] = []
