@@ -1291,7 +1291,12 @@ class Controller:
         if not theirs:
             return "nothing stages it there"
         copy = task.finish - task.start
-        peer_ready = max(t.finish for t in theirs) + copy
+        # The peer's copy this task copies from: the last one ready by its start (the
+        # plan's source), not the peer's last copy of the version. A peer that stages
+        # it again later (evicted in between) made every round call its copy too late
+        # and fetch from origin, hours early.
+        serving = [t.finish for t in theirs if t.finish <= task.start]
+        peer_ready = (max(serving) if serving else min(t.finish for t in theirs)) + copy
         if peer_ready <= task.deadline:
             return None
         rate = self.topology.regions[task.region].origin_bandwidth
