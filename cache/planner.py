@@ -410,6 +410,12 @@ def _copy_from_later_regions(
     holders = defaultdict(list)  # version → (region, its spans): few per version
     for (region, version), spans in holds.items():
         holders[version].append((region, spans))
+    # (peer, region) → the copies planned over that link: one at a time, as planned.
+    busy: dict[tuple[str, str], list[tuple[datetime, datetime]]] = defaultdict(list)
+    for name, region_plan in result.regions.items():
+        for task in region_plan.tasks:
+            if task.source != "origin":
+                busy[(task.source, name)].append((task.start, task.finish))
     for name, region_plan in result.regions.items():
         state = regions[name]
         seen: set[VersionKey] = set()
@@ -428,7 +434,7 @@ def _copy_from_later_regions(
                     continue
                 copying = timedelta(seconds=moved / bandwidth)
                 for start, end in spans:
-                    begin = max(task.start, start)
+                    begin = _link_free_at(busy[(peer, name)], max(task.start, start), copying)
                     finish = begin + copying
                     if finish <= task.finish and end >= finish + _margin(copying):
                         options.append((finish, peer, begin))
@@ -437,6 +443,7 @@ def _copy_from_later_regions(
                 continue
             finish, peer, begin = min(options)
             region_plan.tasks[index] = replace(task, source=peer, start=begin, finish=finish)
+            busy[(peer, name)].append((begin, finish))
             # Its copy is held from its new finish (in place: holders shares the list).
             spans = holds[(name, version)]
             spans[:] = [(finish if start == task.finish else start, end) for start, end in spans]
@@ -452,6 +459,16 @@ def _copy_from_later_regions(
             result.transfers[peer_key] = result.transfers.get(peer_key, 0) + moved
             if state.egress_price_per_gb and job in result.cost:
                 result.cost[job] -= from_origin / 1e9 * state.egress_price_per_gb
+
+
+def _link_free_at(
+    copies: Iterable[tuple[datetime, datetime]], begin: datetime, copying: timedelta
+) -> datetime:
+    """The first time from ``begin`` that a copy ``copying`` long overlaps none of ``copies``."""
+    for start, finish in sorted(copies):
+        if start < begin + copying and begin < finish:
+            begin = finish  # in the way: after it (the later ones are looked at next)
+    return begin
 
 
 class _Part(NamedTuple):
@@ -667,6 +684,7 @@ def _plan_region(
     lacks = _Lacks(state, jobs, sizes, dict(partial), holds, reserved)
     used = sum(resident.values()) + sum(partial.values()) + sum(reserved.values())
     link_free = now  # the origin link is busy until then
+    peer_free: dict[str, datetime] = {}  # and each peer's link into this region
     cursor = now  # tasks and evictions happen in time order
     task_of: dict[VersionKey, int] = {}  # version → index of its task in out.tasks
     for position, job in enumerate(jobs):
@@ -722,10 +740,13 @@ def _plan_region(
                 # here until the latest it may begin (see "Make room" below).
                 latest = job.start - copying - _margin(copying)
                 spans = holds.get((peer, version), ())
-                held = _holding(spans, job.start, cursor, latest, copying)
+                # Copies from one peer run one after another, as on the origin link:
+                # two were planned over one link at once, each at its whole speed.
+                ready = max(cursor, peer_free.get(peer, cursor))
+                held = _holding(spans, job.start, ready, latest, copying)
                 if held is None:
                     continue
-                peer_begin = max(cursor, held)
+                peer_begin = max(ready, held)
                 finish = peer_begin + copying
                 options.append(
                     (finish > job.start, False, finish, peer, peer_bw, moved, peer_begin)
@@ -830,6 +851,8 @@ def _plan_region(
             )
             if source == "origin":
                 link_free = finish
+            else:
+                peer_free[source] = finish
             cursor = begin
             out.tasks.append(task)
             if too_slow is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -121,6 +122,15 @@ def test_plan_invariants(scenario) -> None:  # noqa: ANN001
             key = (task.jobs[0], f"{task.source}→{task.region}")
             moved[key] = moved.get(key, 0) + task.bytes
     assert result.transfers == moved
+    # 7. the copies over one link (origin's, or a peer's into a region) run one at a time
+    for region_plan in result.regions.values():
+        links: dict[str, list[tuple[datetime, datetime]]] = {}
+        for task in region_plan.tasks:
+            links.setdefault(task.source, []).append((task.start, task.finish))
+        for source, copies in links.items():
+            copies.sort()
+            for (_, finish), (start, _) in itertools.pairwise(copies):
+                assert start >= finish, (source, copies)
 
 
 def test_belady_evicts_what_is_needed_furthest_ahead() -> None:
