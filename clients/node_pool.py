@@ -409,7 +409,15 @@ class NodePool:
         # the nodes (as the docs advise for a partial cache) made "near" 0.5 ms, no node
         # within it, so no replicas were learned and every shard went to the nearest
         # node, which read the others' through from origin and cached them twice.
-        best = min((self.stats[e.text].rtt_ms for e in self.endpoints if not e.local), default=0.0)
+        # With no node answering, 0 (as before): the unreachable ones rank last, far.
+        best = min(
+            (
+                rtt
+                for e in self.endpoints
+                if not e.local and (rtt := self.stats[e.text].rtt_ms) < math.inf
+            ),
+            default=0.0,
+        )
         near = best * 1.25 + 0.5
         grouped: set[str] = set()  # own-region nodes: ranked by shard ownership, not by RTT
         replicas = self.replicas or self._learned_replicas(near)
