@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -56,7 +56,14 @@ from prometheus_client import Gauge
 from edgecache.cache.errors import ConfigError, EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.lease import Lease, LeaseRecord
 from edgecache.cache.names import parse_spec
-from edgecache.cache.planner import Infeasible, Plan, RegionPlan, StageTask, VersionKey
+from edgecache.cache.planner import (
+    Eviction,
+    Infeasible,
+    Plan,
+    RegionPlan,
+    StageTask,
+    VersionKey,
+)
 from edgecache.cache.storage import Stores
 from edgecache.clients.controller_metrics import NODE_LABELS, ControllerMetrics
 from edgecache.clients.executor import (
@@ -74,9 +81,11 @@ from edgecache.clients.ops import (
     local_registry,
     make_plan,
     region_outages,
+    schedule_owner,
     status_call_timeout,
     unreachable_regions,
     warm_readers,
+    warm_started,
 )
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
@@ -88,6 +97,7 @@ __all__ = [
     "SimulatedClock",
     "TaskRecord",
     "as_started",
+    "started_schedule",
     "infeasible_reason",
     "lease_holder",
     "read_state",
@@ -349,10 +359,47 @@ def as_started(schedule: Schedule, state: ControllerState | None, now: datetime)
     for job in schedule.jobs:
         if state is not None and job.name in covered:
             resolved = state.jobs[job.name].resolved
-            datasets = [resolved.get(spec, spec) for spec in job.datasets]
+            datasets = [_resolved_spec(spec, resolved) for spec in job.datasets]
             job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
         jobs.append(job)
     return schedule.model_copy(update={"jobs": jobs})
+
+
+def _resolved_spec(spec: str, resolved: Mapping[str, str]) -> str:
+    """What the record resolved ``spec`` to; ``name`` is found under its ``name@N`` too.
+
+    A round that first saw a job after its start read the schedule through warm's
+    record (:func:`started_schedule`): the job's ``name`` was already ``name@N``
+    there, and that is the key the round recorded it under.
+    """
+    if spec in resolved:
+        return resolved[spec]
+    name, _, version = spec.partition("@")
+    if version in ("", "latest"):
+        found = {v for v in resolved.values() if v.partition("@")[0] == name}
+        if len(found) == 1:
+            return found.pop()
+    return spec
+
+
+def started_schedule(
+    schedule: Schedule,
+    state: ControllerState | None,
+    registry: str,
+    now: datetime,
+    owner: str = "",
+) -> Schedule:
+    """The schedule with its started jobs on the versions either record kept for them.
+
+    The controller's record first (:func:`as_started`), warm's for the jobs it
+    does not hold (:func:`~edgecache.clients.ops.warm_started`; ``owner``: the
+    schedule file's). ``plan``, ``warm`` and the controller all read a schedule
+    through this: the controller read its own record alone, so a job warm had
+    staged and no round had seen start was switched to a version published
+    while it ran, and the pin of the one it reads released.
+    """
+    covered = recorded_started(schedule, state, now)
+    return warm_started(as_started(schedule, state, now), registry, now, covered, owner)
 
 
 def recorded_started(schedule: Schedule, state: ControllerState | None, now: datetime) -> set[str]:
@@ -854,7 +901,7 @@ class Controller:
         now = self.clock()
         with self._lock:
             self.failures = []
-        schedule = as_started(self._read_schedule(), self.state, now)
+        schedule = self._started_schedule(now)
         looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(
             self.topology, self._status_timeout(), token=self.token, pings=STATUS_PINGS
@@ -1063,34 +1110,46 @@ class Controller:
             for eviction in region_plan.evictions:
                 if eviction.at > now or self.stop.is_set():
                     continue  # not due, or stopping: begin nothing new
-                key = (region, eviction.version)
-                with self._lock:
-                    if key in self._runs:
-                        continue  # being staged right now: the plan is behind; next tick
-                self._keep_lease()
-                evicted = self.executor.evict(
-                    eviction,
-                    schedule,
-                    manifests,
-                    planned_pin=region_plan.pins.get(eviction.version),
-                )
-                freed, problem = evicted.freed, evicted.problem
-                if problem:
-                    log.warning("%s: %s", region, problem)
-                    if evicted.errors:  # not the guard's refusal: a node failed
-                        self.metrics.evictions_failed.inc()
-                        self._failed(f"{region}: {problem}")
-                    else:
-                        self.metrics.evictions_refused.inc()
-                else:
-                    log.info(
-                        "%s: evicted %s (%d bytes): %s",
-                        region,
-                        _spec(eviction.version),
-                        freed,
-                        eviction.reason,
-                    )
-                    self.metrics.evictions.inc()
+                self._evict(region, region_plan, eviction, schedule, manifests)
+
+    def _evict(
+        self,
+        region: str,
+        region_plan: RegionPlan,
+        eviction: Eviction,
+        schedule: Schedule,
+        manifests: dict[str, pb.Manifest],
+    ) -> bool:
+        """Carry out one planned eviction; whether it was (the executor's guard may refuse it)."""
+        key = (region, eviction.version)
+        with self._lock:
+            if key in self._runs:
+                return False  # being staged right now: the plan is behind; next tick
+        self._keep_lease()
+        evicted = self.executor.evict(
+            eviction,
+            schedule,
+            manifests,
+            planned_pin=region_plan.pins.get(eviction.version),
+        )
+        freed, problem = evicted.freed, evicted.problem
+        if problem:
+            log.warning("%s: %s", region, problem)
+            if evicted.errors:  # not the guard's refusal: a node failed
+                self.metrics.evictions_failed.inc()
+                self._failed(f"{region}: {problem}")
+            else:
+                self.metrics.evictions_refused.inc()
+            return False
+        log.info(
+            "%s: evicted %s (%d bytes): %s",
+            region,
+            _spec(eviction.version),
+            freed,
+            eviction.reason,
+        )
+        self.metrics.evictions.inc()
+        return True
 
     def _start_due(
         self,
@@ -1155,7 +1214,15 @@ class Controller:
                     why = self._peer_wont_do(task, plan, outages)
                     if why is None:
                         continue  # the plan counts on the peer's own task, still on time
-                    if _waits_for_room(task, region_plan, now):
+                    if _waits_for_room(task, region_plan, now) and not all(
+                        # Its room is planned at the peer's finish, which every round
+                        # re-plans after now while the peer fails: it never came, and
+                        # the job started without its data. Made now, as the plan makes
+                        # it then (the executor's guard refuses what a job still reads).
+                        self._evict(region, region_plan, e, schedule, manifests)
+                        for e in region_plan.evictions
+                        if now < e.at <= task.start
+                    ):
                         continue  # it needs the room of an eviction still to come
                     # Its start was the peer's planned finish, re-planned every round
                     # while the peer fails: from origin, it is due now.
@@ -1266,6 +1333,16 @@ class Controller:
 
     def _peer_holds(self, region: str, version: VersionKey) -> bool:
         return version in self._complete.get(region, set())
+
+    def _started_schedule(self, now: datetime) -> Schedule:
+        """The schedule file, its started jobs on the versions they read."""
+        return started_schedule(
+            self._read_schedule(),
+            self.state,
+            self.topology.registry,
+            now,
+            schedule_owner(self.schedule_path),
+        )
 
     def _peer_wont_do(self, task: StageTask, plan: Plan, outages: dict[str, Outage]) -> str | None:
         """Why ``task``'s peer source will not hold its version in time; None: wait for it.
@@ -1592,7 +1669,7 @@ class Controller:
             log.info("controller %s holds the lease: its record stands", other.holder)
             return
         now = self.clock()
-        schedule = as_started(self._read_schedule(), self.state, now)
+        schedule = self._started_schedule(now)
         reports = gather_status(
             self.topology, self._status_timeout(), token=self.token, pings=STATUS_PINGS
         )

@@ -273,7 +273,8 @@ def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) ->
     """Without the controller, warm's record was not read: run again after the job started
     and a new version was published, warm staged and pinned the new one for the job,
     released the pin of the one it reads ("no job of the schedule reads it"), and evict
-    then freed it under the running job; plan and warm exited 3 ("already started")."""
+    then freed it under the running job; plan and warm exited 3 ("already started").
+    The controller read its own record alone, and did the same."""
     root, node = site
     schedule = root / "schedule.yaml"
     # warm must end before the start, and the start is fixed before it runs (warm's record
@@ -288,8 +289,16 @@ def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) ->
     time.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()) + 0.5)  # it has started
     write_parquet_shards(root / "origin-2", 2, rows=150)
     publish(f"file://{root}/registry", f"file://{root}/origin-2", "iris")  # iris@2
-    for command in ("plan", "warm"):
-        code, out, err = edgecache(root, command, str(schedule))
+    # The controller too (a round that never saw the job before its start): it read its
+    # own record alone, staged iris@2 for the job, said it "cannot be met" (exit 3), and
+    # recorded iris@2, so the warm after it released the pin of iris@1.
+    runs = (
+        ("plan", str(schedule)),
+        ("controller", "--schedule", str(schedule), "--once"),
+        ("warm", str(schedule)),
+    )
+    for command in runs:
+        code, out, err = edgecache(root, *command)
         said = " ".join((out + err).split())
         assert code == 0, (command, out, err)
         assert "iris@2" not in said and "released" not in said, (command, said)

@@ -212,16 +212,12 @@ def started_as_recorded(
     as before, whatever the registry's record. ``owner``: the schedule file's
     (:func:`ops.schedule_owner`), whose own warm record is read.
     """
-    from edgecache.clients.controller import as_started, read_state, recorded_started
+    from edgecache.clients.controller import read_state, started_schedule
 
     if not always and not any(job.start <= now < job.end for job in schedule.jobs):
         return schedule, None
     state = read_state(topology.registry)
-    covered = recorded_started(schedule, state, now)
-    started = ops.warm_started(
-        as_started(schedule, state, now), topology.registry, now, covered, owner
-    )
-    return started, state
+    return started_schedule(schedule, state, topology.registry, now, owner), state
 
 
 def parse_at(at: str | None, option: str = "--at") -> datetime | None:
@@ -1152,7 +1148,11 @@ def _moved(row: dict[str, Any], dry_run: bool, sizes: dict[str, int]) -> str:
 
 
 # What a stage line's size counts, by where the stage fetches from (see _moved).
-_SIZES = {"origin": "source bytes from origin", "peer": "stored bytes from a peer"}
+_SIZES = {
+    "origin": "source bytes from origin",
+    "peer": "stored bytes from a peer",
+    "mixed": "source bytes from origin plus stored bytes from a peer",
+}
 
 
 def _sizes_said(rows: list[dict[str, Any]]) -> str:
@@ -1377,12 +1377,12 @@ def _row(
     ``start`` and ``jobs``, which tell apart two tasks of one version in a region
     (staged, evicted for another, staged again) as plan --json lists them.
     """
-    from_peer = bool(item.peers)
+    kind = _moved_from(item)
     return {
         "region": item.region,
         "version": item.spec,
-        "source": "peer" if from_peer else "origin",
-        "from": source if from_peer else "origin",
+        "source": kind,
+        "from": {"peer": source, "mixed": f"{source} and origin"}.get(kind, "origin"),
         # What the nodes' Stage progress said they moved (origin and peer bytes); the
         # plan's estimate apart: a shard already held moves nothing, and a copy from a
         # peer moves stored bytes, not the plan's size.
@@ -1395,6 +1395,21 @@ def _row(
         "start": json_time(task.start) if task else None,
         "jobs": list(task.jobs) if task else [],
     }
+
+
+def _moved_from(item: WarmItem) -> str:
+    """``peer``, ``origin`` or ``mixed``: where the nodes said the bytes came from.
+
+    Before anything moved (a dry run, held shards), where the plan copies from.
+    A node whose peers do not give it a shard (a token they refuse, a copy
+    gone) takes it from origin: the row said "from pa" and "stored bytes from
+    a peer" while every byte had crossed the origin link the plan had avoided.
+    """
+    if item.peer_bytes and item.origin_bytes:
+        return "mixed"
+    if item.peer_bytes or (item.peers and not item.origin_bytes):
+        return "peer"
+    return "origin"
 
 
 READY_WAIT = 3600.0  # seconds ready --wait waits without --timeout
