@@ -57,3 +57,76 @@ def test_a_peer_that_stages_the_version_twice_serves_the_copy_from_its_first(
         assert "after the deadline" in (controller._peer_wont_do(copy, late, {}) or "")
     finally:
         controller.close()
+
+
+def test_a_failing_peer_source_gives_way_to_origin_with_the_room_made_in_time(
+    tmp_path: Path,
+) -> None:
+    """a copies v@1 from c after a0 ends and x@1 is evicted for room; c's own staging
+    fails (its origins refuse the source). Every round re-planned the copy, and the
+    eviction of its room, at c's next finish, a moment after now: neither was ever due,
+    and a1 started without v@1. The room is made at once and v@1 comes from origin."""
+    from edgeutil import publish, stub, write_parquet_shards
+
+    from edgecache.clients.node_client import start_local_node
+    from edgecache.v1 import edge_pb2
+
+    registry = f"file://{tmp_path}/registry"
+    for name in ("x", "v"):
+        write_parquet_shards(tmp_path / "origin" / name, 2, rows=2000)
+        publish(registry, f"file://{tmp_path}/origin/{name}", name)
+    a = start_local_node("a", tmp_path / "cache-a", registry, capacity="400KiB")
+    c = start_local_node(
+        "c", tmp_path / "cache-c", registry, env={"EDGECACHE_ORIGINS": "file:///nowhere/"}
+    )
+    try:
+        (tmp_path / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  a: {{nodes: ['{a.address}'], origin_bandwidth: 1MB/s, peers: {{c: 1GB/s}}}}\n"
+            f"  c: {{nodes: ['{c.address}'], origin_bandwidth: 1MB/s}}\n"
+        )
+        jobs = [
+            ("a0", "a", T0 + 0.2 * HOUR, T0 + 2.5 * HOUR, "x@1"),
+            ("a1", "a", T0 + 3 * HOUR, T0 + 4 * HOUR, "v@1"),
+            ("c0", "c", T0 + 6 * HOUR, T0 + 7 * HOUR, "v@1"),
+        ]
+        (tmp_path / "schedule.yaml").write_text(
+            "jobs:\n"
+            + "".join(
+                f"  - {{name: {n}, region: {r}, start: '{s.isoformat()}', "
+                f"duration: {int((e - s).total_seconds() // 60)}m, datasets: [{d}]}}\n"
+                for n, r, s, e, d in jobs
+            )
+        )
+        # x@1 held in a (a0's), so the plan knows its stored size: one version fits, not two.
+        # (staged on the node itself: warm refuses it by the plan's estimate of its size).
+        list(stub(a.address).Stage(edge_pb2.StageRequest(dataset="x", version=1)))
+        clock = {"now": T0}
+        controller = Controller(
+            tmp_path / "edgecache.yaml",
+            tmp_path / "schedule.yaml",
+            clock=lambda: clock["now"],
+            retry_backoff=0.1,
+        )
+        try:
+            plan = controller.tick()
+            controller.wait_idle()
+            assert plan is not None
+            copies = [t for t in plan.regions["a"].tasks if t.spec == "v@1"]
+            assert len(copies) == 1, (plan.regions, plan.infeasible)
+            assert copies[0].source == "c", plan.regions["a"]  # the plan's cheaper way
+            for minutes in (160, 161, 162):  # a0 has ended: x@1 may go
+                clock["now"] = T0 + timedelta(minutes=minutes)
+                controller.tick()
+                controller.wait_idle()
+            held = {
+                f"{v.dataset}@{v.version}"
+                for v in stub(a.address).Status(edge_pb2.StatusRequest()).versions
+                if v.shard_count
+            }
+            assert held == {"v@1"}, held  # x@1 evicted for it, before a1's start at 3 h
+        finally:
+            controller.close()
+    finally:
+        a.stop()
+        c.stop()
