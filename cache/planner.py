@@ -416,6 +416,8 @@ def _copy_from_later_regions(
         for task in region_plan.tasks:
             if task.source != "origin":
                 busy[(task.source, name)].append((task.start, task.finish))
+    for copies in busy.values():
+        copies.sort()
     for name, region_plan in result.regions.items():
         state = regions[name]
         seen: set[VersionKey] = set()
@@ -443,7 +445,7 @@ def _copy_from_later_regions(
                 continue
             finish, peer, begin = min(options)
             region_plan.tasks[index] = replace(task, source=peer, start=begin, finish=finish)
-            busy[(peer, name)].append((begin, finish))
+            bisect.insort(busy[(peer, name)], (begin, finish))
             # Its copy is held from its new finish (in place: holders shares the list).
             spans = holds[(name, version)]
             spans[:] = [(finish if start == task.finish else start, end) for start, end in spans]
@@ -462,12 +464,19 @@ def _copy_from_later_regions(
 
 
 def _link_free_at(
-    copies: Iterable[tuple[datetime, datetime]], begin: datetime, copying: timedelta
+    copies: Sequence[tuple[datetime, datetime]], begin: datetime, copying: timedelta
 ) -> datetime:
-    """The first time from ``begin`` that a copy ``copying`` long overlaps none of ``copies``."""
-    for start, finish in sorted(copies):
-        if start < begin + copying and begin < finish:
-            begin = finish  # in the way: after it (the later ones are looked at next)
+    """The first time from ``begin`` that a copy ``copying`` long overlaps none of ``copies``.
+
+    ``copies``: the link's, in order, one after another (so only the one begun
+    last before ``begin`` may still run then).
+    """
+    i = max(bisect.bisect_left(copies, (begin,)) - 1, 0)
+    for start, finish in itertools.islice(copies, i, None):
+        if start >= begin + copying:
+            break  # it fits before this one, and so before every later one
+        if begin < finish:
+            begin = finish  # in the way: after it
     return begin
 
 
