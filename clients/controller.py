@@ -1125,6 +1125,9 @@ class Controller:
         with self._lock:
             if key in self._runs:
                 return False  # being staged right now: the plan is behind; next tick
+            if any(r.task.source == region and r.key[1] == eviction.version for r, _ in
+                   self._runs.values()):  # fmt: skip
+                return False  # another region copies it from here right now: next tick
         self._keep_lease()
         evicted = self.executor.evict(
             eviction,

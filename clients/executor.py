@@ -871,8 +871,38 @@ class PlanExecutor:
         # Each region records into its own outcome, merged in the plan's order at the end:
         # regions run in parallel, and a report in finishing order matched no plan row.
         done = {region: WarmOutcome() for region in plan.regions}
+        # The copies other regions make from a region, each set once its run has ended
+        # (done, failed or deferred): that region evicts the version only after them.
+        # warm runs everything now; c evicted v@1 at once, and a's copy from c, planned
+        # before that eviction, found nothing there and took every shard from origin.
+        copies: dict[tuple[str, VersionKey], list[tuple[StageTask, threading.Event]]] = {}
+        copied: dict[int, threading.Event] = {}
+        for region_plan in plan.regions.values():
+            for task in region_plan.tasks:
+                if task.source != "origin":
+                    event = copied[id(task)] = threading.Event()
+                    copies.setdefault((task.source, task.version), []).append((task, event))
+
+        def await_copies(eviction: Eviction) -> None:
+            """Until the copies from here planned before ``eviction`` have ended.
+
+            Within a region steps go in the plan's time order, and the plan puts a
+            copy before the lender's eviction, so these waits never close a circle.
+            """
+            for task, event in copies.get((eviction.region, eviction.version), []):
+                if task.start <= eviction.at:
+                    while not event.wait(0.2) and not self.stop.is_set():
+                        pass
 
         def one_region(region: str) -> None:
+            try:
+                steps_of(region)
+            finally:  # stopped or failed: nothing waits on this region's copies
+                for task in plan.regions[region].tasks:
+                    if id(task) in copied:
+                        copied[id(task)].set()
+
+        def steps_of(region: str) -> None:
             region_plan, mine = plan.regions[region], done[region]
             mine.held = {(region, version) for version in held.get(region, set())}
             steps: list[tuple[datetime, int, Eviction | StageTask]] = [
@@ -885,6 +915,9 @@ class PlanExecutor:
                     return
                 if isinstance(step, Eviction):
                     spec = f"{step.version[0]}@{step.version[1]}"
+                    await_copies(step)
+                    if self.stop.is_set():
+                        return
                     evicted = self.evict(
                         step, schedule, manifests, planned_pin=region_plan.pins.get(step.version)
                     )
@@ -915,9 +948,13 @@ class PlanExecutor:
                     run.state, run.note = "deferred", note
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
+                    copied.get(id(step), threading.Event()).set()
                     continue
-                if self.run(run).staged:
-                    mine.held.add((region, step.version))
+                try:
+                    if self.run(run).staged:
+                        mine.held.add((region, step.version))
+                finally:
+                    copied.get(id(step), threading.Event()).set()
 
         with ThreadPoolExecutor(max(len(plan.regions), 1)) as pool:
             futures = [pool.submit(one_region, region) for region in plan.regions]
