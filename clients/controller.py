@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -359,24 +359,25 @@ def as_started(schedule: Schedule, state: ControllerState | None, now: datetime)
     for job in schedule.jobs:
         if state is not None and job.name in covered:
             resolved = state.jobs[job.name].resolved
-            datasets = [_resolved_spec(spec, resolved) for spec in job.datasets]
+            datasets = [_resolved_spec(spec, resolved, job.datasets) for spec in job.datasets]
             job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
         jobs.append(job)
     return schedule.model_copy(update={"jobs": jobs})
 
 
-def _resolved_spec(spec: str, resolved: Mapping[str, str]) -> str:
+def _resolved_spec(spec: str, resolved: Mapping[str, str], listed: Sequence[str]) -> str:
     """What the record resolved ``spec`` to; ``name`` is found under its ``name@N`` too.
 
     A round that first saw a job after its start read the schedule through warm's
     record (:func:`started_schedule`): the job's ``name`` was already ``name@N``
-    there, and that is the key the round recorded it under.
+    there, and that is the key the round recorded it under. ``listed``: the job's
+    specs; a ``name@N`` it names itself is not what its ``name`` resolved to.
     """
     if spec in resolved:
         return resolved[spec]
     name, _, version = spec.partition("@")
     if version in ("", "latest"):
-        found = {v for v in resolved.values() if v.partition("@")[0] == name}
+        found = {v for v in resolved.values() if v.partition("@")[0] == name and v not in listed}
         if len(found) == 1:
             return found.pop()
     return spec
@@ -399,7 +400,13 @@ def started_schedule(
     while it ran, and the pin of the one it reads released.
     """
     covered = recorded_started(schedule, state, now)
-    return warm_started(as_started(schedule, state, now), registry, now, covered, owner)
+    started = as_started(schedule, state, now)
+    try:
+        return warm_started(started, registry, now, covered, owner)
+    except (OriginError, TypeError, ValueError) as exc:
+        # One object origin will not give must not stop every round (warm_readers too).
+        log.warning("warm's record could not be read (%s): planning from the controller's", exc)
+        return started
 
 
 def recorded_started(schedule: Schedule, state: ControllerState | None, now: datetime) -> set[str]:
@@ -431,6 +438,16 @@ def _waits_for_room(task: StageTask, region_plan: RegionPlan, now: datetime) -> 
     on the link waits out a backoff) would start without it.
     """
     return task.start > now and any(e.at <= task.start for e in region_plan.evictions if e.at > now)
+
+
+def _lent(plan: Plan, region: str, eviction: Eviction) -> bool:
+    """Whether another region's task copies what ``eviction`` removes from ``region`` first."""
+    return any(
+        task.source == region and task.version == eviction.version and task.start <= eviction.at
+        for name, region_plan in plan.regions.items()
+        if name != region
+        for task in region_plan.tasks
+    )
 
 
 def _spec(version: VersionKey) -> str:
@@ -1217,14 +1234,17 @@ class Controller:
                     why = self._peer_wont_do(task, plan, outages)
                     if why is None:
                         continue  # the plan counts on the peer's own task, still on time
-                    if _waits_for_room(task, region_plan, now) and not all(
+                    early = [e for e in region_plan.evictions if now < e.at <= task.start]
+                    if _waits_for_room(task, region_plan, now) and (
+                        # Another region's planned copy from here needs what it evicts.
+                        any(_lent(plan, region, e) for e in early)
                         # Its room is planned at the peer's finish, which every round
                         # re-plans after now while the peer fails: it never came, and
                         # the job started without its data. Made now, as the plan makes
                         # it then (the executor's guard refuses what a job still reads).
-                        self._evict(region, region_plan, e, schedule, manifests)
-                        for e in region_plan.evictions
-                        if now < e.at <= task.start
+                        or not all(
+                            self._evict(region, region_plan, e, schedule, manifests) for e in early
+                        )
                     ):
                         continue  # it needs the room of an eviction still to come
                     # Its start was the peer's planned finish, re-planned every round

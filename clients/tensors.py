@@ -312,7 +312,7 @@ def _row_table(column: pa.Array, kind: ColumnKind) -> RowTable:
     index = None
     if pa.types.is_dictionary(column.type):  # the values through the indices
         index = column.indices.to_numpy(zero_copy_only=False)
-        column = column.dictionary
+        column = _unviewed(column.dictionary)  # a dictionary of views has no offsets either
         if column.null_count:
             raise ValueError(
                 f"column {kind.name!r} has nulls in its dictionary, which a packed column "

@@ -406,12 +406,21 @@ class Versions:
             # change, or never staged), the node has nothing of the old content to mix
             # with the new: it serves the registry's, as a node that never saw the
             # version would. Refusing it asked for an evict that had already happened.
-            # Asked on the writer thread, after any shard of the old manifest queued.
+            # Refused first (serves() is False for the old manifest from here on, so no
+            # shard of it is stored after), then asked on the writer thread, after any
+            # shard of the old manifest already queued there.
+            self._changed[key] = current
             held = await self._write(self.store.shards, dataset, version)
-            if not held and self._origin_allowed(current):
+            if (
+                not held
+                and self._changed.get(key) is current
+                and self._manifests.get(key) is kept
+                and self._origin_allowed(current)
+            ):
                 await self._adopt(key, current, "this node holds none of its shards")
                 return
-            self._changed[key] = current
+            if self._changed.get(key) is not current:
+                return  # evicted meanwhile: the evict adopted it
             log.warning(
                 "%s@%d was changed in the registry %s after this node cached it (digest %s "
                 "here, %s there): refusing it until it is evicted; publish the new content "
@@ -441,16 +450,21 @@ class Versions:
 
         No shard of the old content is left, so nothing mixes the two any more.
         """
-        changed = self._changed.pop((dataset, version), None)
+        changed = self._changed.get((dataset, version))
         if changed is not None:
             await self._adopt((dataset, version), changed, "evicted")
 
     async def _adopt(self, key: tuple[str, int], manifest: manifest_pb2.Manifest, why: str) -> None:
-        """Serve the registry's ``manifest`` of a changed version, no shard of the old left."""
+        """Serve the registry's ``manifest`` of a changed version, no shard of the old left.
+
+        Served from now (before the copy kept on disk is written): from the first
+        await on, a shard made from the old manifest must find it not served.
+        """
+        self._manifests[key] = manifest
+        self._changed.pop(key, None)
+        self._manifest_asked[key] = time.monotonic()
         with contextlib.suppress(DiskFull):
             await self._write(self.store.put_manifest, *key, manifest.SerializeToString())
-        self._manifests[key] = manifest
-        self._manifest_asked[key] = time.monotonic()
         log.warning(
             "%s@%d was changed in the registry %s and %s: serving the registry's manifest "
             "(digest %s) from now on",

@@ -130,3 +130,16 @@ def test_a_failing_peer_source_gives_way_to_origin_with_the_room_made_in_time(
     finally:
         a.stop()
         c.stop()
+
+
+def test_a_name_resolves_to_its_recorded_version_beside_an_explicit_one() -> None:
+    """A job reading ``books`` and ``books@3``, recorded through warm's record (keys as
+    ``name@N``): two candidates, so ``books`` was left to follow the newest version."""
+    from edgecache.clients.controller import _resolved_spec
+
+    resolved = {"books@5": "books@5", "books@3": "books@3"}
+    listed = ["books", "books@3"]
+    assert _resolved_spec("books", resolved, listed) == "books@5"
+    assert _resolved_spec("books@3", resolved, listed) == "books@3"
+    assert _resolved_spec("books", {"books": "books@4"}, ["books"]) == "books@4"
+    assert _resolved_spec("other", resolved, ["other"]) == "other"

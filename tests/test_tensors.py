@@ -324,3 +324,14 @@ def test_view_columns_read_like_plain_ones(binary: str) -> None:
     assert batch["text"] == [texts[r] for r in rows]
     assert batch["blob"] == [blobs[r] for r in rows]
     assert isinstance(batch["text"], Packed if binary == "packed" else list)
+
+
+def test_a_dictionary_of_string_views_reads_like_one_of_strings() -> None:
+    """The dictionary's values were read through offsets a view has none of: garbage."""
+    values = pa.array(["ab", "c", "def"], pa.string_view())
+    column = pa.DictionaryArray.from_arrays(pa.array([2, 0, 1, 0], pa.int32()), values)
+    schema = pa.schema([("text", column.type)])
+    batch = pa.record_batch([column], schema=schema)
+    kinds = with_forms(column_kinds(schema, None), binary="packed")
+    out = assemble([Gather(batch, np.array([0, 1, 3]))], kinds, memory=ReusedMemory())
+    assert out["text"] == ["def", "ab", "ab"]
