@@ -72,6 +72,7 @@ from edgecache.clients.executor import (
     NodesSeen,
     PlanExecutor,
     TaskRun,
+    copies_before,
 )
 from edgecache.clients.ops import (
     NodeReport,
@@ -438,16 +439,6 @@ def _waits_for_room(task: StageTask, region_plan: RegionPlan, now: datetime) -> 
     on the link waits out a backoff) would start without it.
     """
     return task.start > now and any(e.at <= task.start for e in region_plan.evictions if e.at > now)
-
-
-def _lent(plan: Plan, region: str, eviction: Eviction) -> bool:
-    """Whether another region's task copies what ``eviction`` removes from ``region`` first."""
-    return any(
-        task.source == region and task.version == eviction.version and task.start <= eviction.at
-        for name, region_plan in plan.regions.items()
-        if name != region
-        for task in region_plan.tasks
-    )
 
 
 def _spec(version: VersionKey) -> str:
@@ -1237,7 +1228,7 @@ class Controller:
                     early = [e for e in region_plan.evictions if now < e.at <= task.start]
                     if _waits_for_room(task, region_plan, now) and (
                         # Another region's planned copy from here needs what it evicts.
-                        any(_lent(plan, region, e) for e in early)
+                        any(copies_before(plan, e) for e in early)
                         # Its room is planned at the peer's finish, which every round
                         # re-plans after now while the peer fails: it never came, and
                         # the job started without its data. Made now, as the plan makes

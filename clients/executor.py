@@ -350,6 +350,23 @@ def _deferred_note(task: StageTask, blocked: str, *, failed: bool = False) -> st
     )
 
 
+def copies_before(plan: Plan, eviction: Eviction) -> list[StageTask]:
+    """Other regions' tasks that copy what ``eviction`` removes, planned to begin by then.
+
+    The plan keeps the version in the lending region until those copies end:
+    warm waits for them before evicting, and the controller evicts no sooner.
+    """
+    return [
+        task
+        for name, region_plan in plan.regions.items()
+        if name != eviction.region
+        for task in region_plan.tasks
+        if task.source == eviction.region
+        and task.version == eviction.version
+        and task.start <= eviction.at
+    ]
+
+
 def eviction_blocker(
     eviction: Eviction, schedule: Schedule, manifests: Mapping[str, pb.Manifest], now: datetime
 ) -> str | None:
@@ -871,17 +888,12 @@ class PlanExecutor:
         # Each region records into its own outcome, merged in the plan's order at the end:
         # regions run in parallel, and a report in finishing order matched no plan row.
         done = {region: WarmOutcome() for region in plan.regions}
-        # The copies other regions make from a region, each set once its run has ended
-        # (done, failed or deferred): that region evicts the version only after them.
-        # warm runs everything now; c evicted v@1 at once, and a's copy from c, planned
-        # before that eviction, found nothing there and took every shard from origin.
-        copies: dict[tuple[str, VersionKey], list[tuple[StageTask, threading.Event]]] = {}
-        copied: dict[int, threading.Event] = {}
-        for region_plan in plan.regions.values():
-            for task in region_plan.tasks:
-                if task.source != "origin":
-                    event = copied[id(task)] = threading.Event()
-                    copies.setdefault((task.source, task.version), []).append((task, event))
+        # Each task's run, set once it has ended (done, failed or deferred): a region
+        # evicts a version another region copies from it only after that copy (see
+        # copies_before). warm runs everything now; c evicted v@1 at once, and a's copy
+        # from c, planned before that eviction, found nothing there and took every
+        # shard from origin.
+        ended = {id(t): threading.Event() for r in plan.regions.values() for t in r.tasks}
 
         def await_copies(eviction: Eviction) -> None:
             """Until the copies from here planned before ``eviction`` have ended.
@@ -889,18 +901,16 @@ class PlanExecutor:
             Within a region steps go in the plan's time order, and the plan puts a
             copy before the lender's eviction, so these waits never close a circle.
             """
-            for task, event in copies.get((eviction.region, eviction.version), []):
-                if task.start <= eviction.at:
-                    while not event.wait(0.2) and not self.stop.is_set():
-                        pass
+            for task in copies_before(plan, eviction):
+                while not ended[id(task)].wait(0.2) and not self.stop.is_set():
+                    pass
 
         def one_region(region: str) -> None:
             try:
                 steps_of(region)
             finally:  # stopped or failed: nothing waits on this region's copies
                 for task in plan.regions[region].tasks:
-                    if id(task) in copied:
-                        copied[id(task)].set()
+                    ended[id(task)].set()
 
         def steps_of(region: str) -> None:
             region_plan, mine = plan.regions[region], done[region]
@@ -948,13 +958,13 @@ class PlanExecutor:
                     run.state, run.note = "deferred", note
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
-                    copied.get(id(step), threading.Event()).set()
+                    ended[id(step)].set()
                     continue
                 try:
                     if self.run(run).staged:
                         mine.held.add((region, step.version))
                 finally:
-                    copied.get(id(step), threading.Event()).set()
+                    ended[id(step)].set()
 
         with ThreadPoolExecutor(max(len(plan.regions), 1)) as pool:
             futures = [pool.submit(one_region, region) for region in plan.regions]
