@@ -88,6 +88,7 @@ from edgecache.clients.ops import (
     warm_readers,
     warm_started,
 )
+from edgecache.clients.ops.at_start import newest_at_start
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -395,19 +396,22 @@ def started_schedule(
 
     The controller's record first (:func:`as_started`), warm's for the jobs it
     does not hold (:func:`~edgecache.clients.ops.warm_started`; ``owner``: the
-    schedule file's). ``plan``, ``warm`` and the controller all read a schedule
-    through this: the controller read its own record alone, so a job warm had
-    staged and no round had seen start was switched to a version published
-    while it ran, and the pin of the one it reads released.
+    schedule file's), the registry's publish times for a job neither holds
+    (:func:`~edgecache.clients.ops.at_start.newest_at_start`). ``plan``, ``warm``
+    and the controller all read a schedule through this: the controller read its
+    own record alone, so a job warm had staged and no round had seen start was
+    switched to a version published while it ran, and the pin of the one it
+    reads released.
     """
     covered = recorded_started(schedule, state, now)
     started = as_started(schedule, state, now)
     try:
-        return warm_started(started, registry, now, covered, owner)
+        started = warm_started(started, registry, now, covered, owner)
     except (OriginError, TypeError, ValueError) as exc:
         # One object origin will not give must not stop every round (warm_readers too).
         log.warning("warm's record could not be read (%s): planning from the controller's", exc)
-        return started
+    # A job neither record holds: the version newest at its start, not the newest now.
+    return newest_at_start(started, registry, now)
 
 
 def recorded_started(schedule: Schedule, state: ControllerState | None, now: datetime) -> set[str]:
@@ -537,6 +541,9 @@ class Controller:
             self._loop.close()
             raise
         self._ended: dict[tuple[str, VersionKey], float] = {}  # when each run last ended
+        # Why each eviction was last refused: a refusal is said when it is new or its reason
+        # changes, not every round (one refused for hours filled the log every 10 s).
+        self._refused: dict[tuple[str, VersionKey], str] = {}
         self.retry_backoff = retry_backoff
         self.record_retention = record_retention
         self._live_tasks: set[str] = set()  # task records counted in the gauges (_prune)
@@ -1145,13 +1152,17 @@ class Controller:
         )
         freed, problem = evicted.freed, evicted.problem
         if problem:
-            log.warning("%s: %s", region, problem)
             if evicted.errors:  # not the guard's refusal: a node failed
+                log.warning("%s: %s", region, problem)
                 self.metrics.evictions_failed.inc()
                 self._failed(f"{region}: {problem}")
             else:
+                said = self._refused.get(key) == problem
+                log.log(logging.DEBUG if said else logging.WARNING, "%s: %s", region, problem)
+                self._refused[key] = problem
                 self.metrics.evictions_refused.inc()
             return False
+        self._refused.pop(key, None)
         log.info(
             "%s: evicted %s (%d bytes): %s",
             region,

@@ -5,8 +5,11 @@ No node is asked: the decision reads the plan and the controller's record alone.
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import pytest
 
 from edgecache.cache.planner import Plan, RegionPlan, StageTask
 from edgecache.clients.controller import Controller
@@ -60,7 +63,7 @@ def test_a_peer_that_stages_the_version_twice_serves_the_copy_from_its_first(
 
 
 def test_a_failing_peer_source_gives_way_to_origin_with_the_room_made_in_time(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """a copies v@1 from c after a0 ends and x@1 is evicted for room; c's own staging
     fails (its origins refuse the source). Every round re-planned the copy, and the
@@ -115,6 +118,18 @@ def test_a_failing_peer_source_gives_way_to_origin_with_the_room_made_in_time(
             copies = [t for t in plan.regions["a"].tasks if t.spec == "v@1"]
             assert len(copies) == 1, (plan.regions, plan.infeasible)
             assert copies[0].source == "c", plan.regions["a"]  # the plan's cheaper way
+            for minutes in (140, 141, 142):  # a0 still reads x@1: the room is refused
+                clock["now"] = T0 + timedelta(minutes=minutes)
+                controller.tick()
+                controller.wait_idle()
+            # Refused each round (counted), said once: it filled the log every round.
+            said = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno >= logging.WARNING and "not evicting x@1" in r.getMessage()
+            ]
+            assert len(said) == 1 and "a0 is reading it" in said[0], said
+            assert controller.metrics.evictions_refused._value.get() == 3
             for minutes in (160, 161, 162):  # a0 has ended: x@1 may go
                 clock["now"] = T0 + timedelta(minutes=minutes)
                 controller.tick()

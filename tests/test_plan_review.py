@@ -326,3 +326,35 @@ def test_a_version_published_between_warm_and_the_start_is_the_one_the_job_reads
     code, out, err = edgecache(root, "warm", str(schedule))
     assert code in (0, 3), (out, err)  # started without iris@2 staged: it may say so
     assert "iris@2" in pins_on(node), (pins_on(node), out, err)
+
+
+def test_a_started_job_neither_record_holds_reads_the_version_newest_at_its_start(site) -> None:
+    """A job no controller round and no warm saw start (the controller deployed after it,
+    say) was resolved to the newest version when first seen: a version published while it
+    ran was staged for it, the job called "cannot be met" (exit 3), and the version it
+    reads left unpinned. The registry's publish times say which it read."""
+    root, node = site
+    code, out, err = edgecache(root, "warm", "iris@1", "--region", "us-east")  # no job
+    assert code == 0, (out, err)
+    start = datetime.now(UTC)  # after iris@1 was published, before iris@2
+    schedule = root / "schedule.yaml"
+    schedule.write_text("jobs:\n" + job("train", start, "iris", duration="4h"))
+    time.sleep(0.05)
+    write_parquet_shards(root / "origin-2", 2, rows=150)
+    publish(f"file://{root}/registry", f"file://{root}/origin-2", "iris")  # iris@2
+    runs = (
+        ("plan", str(schedule)),
+        ("controller", "--schedule", str(schedule), "--once"),
+        ("warm", str(schedule)),
+    )
+    for command in runs:
+        code, out, err = edgecache(root, *command)
+        said = " ".join((out + err).split())
+        assert code == 0, (command, out, err)
+        assert "iris@2" not in said, (command, said)
+    assert "iris@1" in pins_on(node) and "iris@2" not in pins_on(node), pins_on(node)
+    # A job that started after iris@2 was published reads it.
+    later = datetime.now(UTC)
+    schedule.write_text("jobs:\n" + job("train2", later, "iris", duration="4h"))
+    code, out, err = edgecache(root, "plan", str(schedule))
+    assert "iris@2" in " ".join((out + err).split()), (out, err)

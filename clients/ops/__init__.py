@@ -15,6 +15,7 @@ The submodules, one concern each (every public name is re-exported here):
 - ``readiness``: :func:`ready` and :func:`wait_ready`, whose rounds end by their deadline.
 - ``eviction``: :func:`evict`, and :func:`version_unfit` (why staging a version would fail).
 - ``warm_record``: warm's record in the registry (its jobs and pins), :func:`pinned_jobs`.
+- ``at_start``: the version a started job's ``name`` read, from the registry's publish times.
 
 A test patches a name on the submodule whose code looks it up
 (``ops.readiness.gather_status`` for :func:`wait_ready`), not on this package.
