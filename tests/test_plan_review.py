@@ -358,3 +358,21 @@ def test_a_started_job_neither_record_holds_reads_the_version_newest_at_its_star
     schedule.write_text("jobs:\n" + job("train2", later, "iris", duration="4h"))
     code, out, err = edgecache(root, "plan", str(schedule))
     assert "iris@2" in " ".join((out + err).split()), (out, err)
+
+
+def test_warm_that_stages_a_started_jobs_data_says_it_is_there_now_and_exits_0(site) -> None:
+    """warm said "cannot be met … the plan stages it now" of a job that started without its
+    data, staged it, and exited 3 as if the job still lacked it; its JSON said the same."""
+    root, node = site
+    schedule = root / "schedule.yaml"
+    start = datetime.now(UTC) - timedelta(minutes=1)
+    schedule.write_text("jobs:\n" + job("train", start, "iris", duration="2h"))
+    code, out, err = edgecache(root, "warm", str(schedule), "--dry-run")
+    assert code == 3, (out, err)  # before it moves data, the job lacks it
+    code, out, err = edgecache(root, "warm", str(schedule), "--json")
+    assert code == 0, (out, err)
+    rows = json.loads(out)["infeasible"]
+    assert [(r["job"], r["version"], r["there_now"]) for r in rows] == [("train", "iris@1", True)]
+    said = " ".join(err.split())
+    assert "there now: train iris@1 in us-east: staged whole by this run, train started" in said
+    assert "iris@1" in pins_on(node)

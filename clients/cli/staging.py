@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
+from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Eviction, Infeasible, Plan, StageTask, VersionKey
 from edgecache.clients import ops
 from edgecache.clients.cli.app import app
@@ -532,8 +533,9 @@ def warm(
     eviction time is refused, and the tasks that need its room are deferred
     (run warm again later, or let the controller run the schedule). --dry-run
     goes through the same steps without touching a node, so it shows the same
-    evictions, stages and deferrals. Exit codes: 0 done; 3 a job cannot be met
-    (the rest is done); 1 a transfer, an eviction, a pin or a pin's release
+    evictions, stages and deferrals. Exit codes: 0 done (a version the plan
+    called late that this run staged whole is said as "there now"); 3 a job
+    cannot be met (the rest is done); 1 a transfer, an eviction, a pin or a pin's release
     failed on a node, or a node of a region the schedule uses (or of NAME@N's
     --region) does not answer, even when the others staged its share; 2 bad
     input; 130 interrupted (run it again to resume). --dry-run exits as the
@@ -581,7 +583,7 @@ def warm(
     else:
         _report_text(warmed, dry_run)
     _report_failures(warmed, dry_run)
-    code = _exit_code(warmed)
+    code = _exit_code(warmed, dry_run)
     if code is not ExitCode.OK:
         raise exit_with(code)
 
@@ -939,7 +941,11 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
         out["release_failures"] = work.released.problems
         out["release_notes"] = work.released.notes
         out["released"] = _released_json(work.released)
-        out["infeasible"] = [_infeasible_json(i) for i in work.plan.infeasible]
+        there = _there_now(warmed, dry_run)
+        # there_now: staged whole by this run after all (not counted for exit 3).
+        out["infeasible"] = [
+            {**_infeasible_json(i), "there_now": i in there} for i in work.plan.infeasible
+        ]
     # A single version's degraded region too: its items read "done" for the nodes that
     # answered, and only this says which did not (and why the exit is 1).
     out["unreachable"] = _unreachable(_down(warmed))
@@ -1196,11 +1202,27 @@ def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
     if warmed.work is not None:
         for note in warmed.work.released.notes:
             err_console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
+        starts = {job.name: job.start for job in warmed.work.schedule.jobs}
+        for row in _there_now(warmed, dry_run):
+            start = starts.get(row.job)
+            began = start is not None and start <= datetime.now(UTC)
+            when = (
+                f"{row.job} started at {start:%Y-%m-%d %H:%M} UTC without it, and reads it "
+                "from the cache from now on"
+                if began and start is not None
+                else f"before {row.job} starts"
+            )
+            said = f"{row.job} {row.version} in {row.region}: staged whole by this run, {when}"
+            err_console.print(
+                "[green]there now:[/green] " + escape(said),
+                soft_wrap=True,
+                highlight=False,
+            )
     for outage in _down(warmed).values():
         error(outage.message())
 
 
-def _exit_code(warmed: _Warmed) -> ExitCode:
+def _exit_code(warmed: _Warmed, dry_run: bool = False) -> ExitCode:
     """A failure (1) outranks a job that cannot be met (3): retrying may fix the former.
 
     An unreachable region counts as a failure even in a dry run, since its
@@ -1215,9 +1237,31 @@ def _exit_code(warmed: _Warmed) -> ExitCode:
         return ExitCode.FAILED
     if down:
         return _outage_exit(down)
-    if warmed.work is not None and warmed.work.plan.infeasible:
-        return ExitCode.CANNOT_BE_MET
+    if warmed.work is not None:
+        there = _there_now(warmed, dry_run)
+        if any(i not in there for i in warmed.work.plan.infeasible):
+            return ExitCode.CANNOT_BE_MET
     return ExitCode.OK
+
+
+def _there_now(warmed: _Warmed, dry_run: bool) -> list[Infeasible]:
+    """The plan's unmet rows whose version this run staged whole in the row's region.
+
+    warm stages every task now, not at the plan's time, so a version the plan
+    called late (a slow link, or a job that started without it) is there once
+    the run ends, and the job reads it from the cache from then on: warm said
+    "cannot be met" of it after staging it, and exited 3. A rehearsal moves
+    nothing, so it exits as the real run would before it moves data.
+    """
+    if dry_run or warmed.work is None:
+        return []
+    held = warmed.outcome.held
+    there = []
+    for row in warmed.work.plan.infeasible:
+        wanted = parse_spec(row.version)
+        if not row.unreachable and (row.region, (wanted.dataset, wanted.version)) in held:
+            there.append(row)
+    return there
 
 
 def _credentials_refused(warmed: _Warmed) -> bool:
