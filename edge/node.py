@@ -918,6 +918,8 @@ class EdgeNode:
         log.warning(
             "%s is damaged (%s): dropped it (%d bytes); it will be refetched", key, why, freed
         )
+        if freed:
+            self._room_freed()
 
     def encoded_chunk(self, key: ShardKey, index: int, first_row: int) -> bytes:
         """One chunk as wire bytes, in its own short read transaction (verified)."""
@@ -1254,9 +1256,20 @@ class EdgeNode:
             version,
         )
         if freed:
-            self._free_when_full = -1  # LMDB reuses the freed pages: shards may fit again
+            self._room_freed()
         await self.versions.evicted(dataset, version)
         return freed
+
+    def _room_freed(self) -> None:
+        """Pages an eviction or a drop freed are room LMDB reuses: try every shard again.
+
+        The volume's free space does not show them (the file keeps its size), so a
+        shard the full disk refused stayed refused by its recorded need, before any
+        fetch, until a restart, though the alert and the docs say an evict is enough.
+        A shard that still does not fit fails its write and is recorded again.
+        """
+        self._free_when_full = -1
+        self._full_need.clear()
 
     def status(self) -> edge_pb2.NodeStatus:
         """What the node holds and has done (its counts as its metrics keep them)."""

@@ -464,3 +464,29 @@ def test_a_shard_too_large_for_the_disk_leaves_smaller_ones_served(
         )
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "still full" in details, details
         assert node.metrics.value("edgecache_origin_fetches_total") == fetched
+
+
+def test_an_eviction_lets_the_shard_the_full_disk_refused_stage_without_a_restart(
+    tmp_path: Path, disk: Path
+) -> None:
+    """The runbook says: evict, and the node stages again as soon as shards fit, no restart.
+    A shard the disk refused was refused before fetching by the room it needed, measured
+    on the volume's free space, which pages an eviction frees (LMDB reuses them; the file
+    keeps its size) never raise: b@1 failed until the node restarted (a helper's hunt)."""
+    registry = f"file://{tmp_path}/registry"
+    for name in ("a", "b"):
+        write_parquet_shards(tmp_path / name, 1, rows=120000)
+        publish(registry, f"file://{tmp_path}/{name}", name)
+    with running_node(node_config(disk, registry)) as server:
+        client = stub(server.address)
+        list(client.Stage(edge_pb2.StageRequest(dataset="a", version=1)))
+        held = server.node.store.stats.used_bytes  # type: ignore[union-attr]
+        fill(disk, leave=held // 2)  # room for half of b@1's shard
+        code, details = status_of(
+            lambda: client.Stage(edge_pb2.StageRequest(dataset="b", version=1))
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        freed = client.Evict(edge_pb2.EvictRequest(dataset="a", version=1)).bytes_freed
+        assert freed >= held * 0.9, (freed, held)
+        list(client.Stage(edge_pb2.StageRequest(dataset="b", version=1)))  # no error now
+        assert read_shard_table(client, "b", 1, 0).num_rows == 120000
