@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import posixpath
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -539,6 +540,21 @@ OTHER_TOOLS_ENV = frozenset(
 )
 
 
+# What Kubernetes sets in a pod for a Service named ``edgecache`` (its "service links").
+_SERVICE_LINK = re.compile(
+    r"EDGECACHE_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)\w*)?)"
+)
+
+
+def _service_link(key: str, environ: Mapping[str, str]) -> bool:
+    """Whether ``key`` is a variable Kubernetes set for the ``edgecache`` Service, not a setting.
+
+    In a pod (``KUBERNETES_SERVICE_HOST`` set) whose spec keeps service links on,
+    every start warned of eight of them, each with a wrong "did you mean".
+    """
+    return "KUBERNETES_SERVICE_HOST" in environ and _SERVICE_LINK.fullmatch(key) is not None
+
+
 def _say_unknown_variable(key: str) -> None:
     """Warn of an EDGECACHE_* variable no setting has: a misspelt one was silently ignored.
 
@@ -587,7 +603,8 @@ def load_node_config(
             merged[name] = value
             source[name] = str(config_file)
     fields = NodeConfig.model_fields
-    for key, value in (os.environ if environ is None else environ).items():
+    env = os.environ if environ is None else environ
+    for key, value in env.items():
         if key.startswith(ENV_PREFIX):
             name = key[len(ENV_PREFIX) :].lower()
             if name in fields:
@@ -595,7 +612,7 @@ def load_node_config(
                     continue  # empty is "not set": the file's value stands, as for flags
                 merged[name] = value
                 source[name] = f"${key}"
-            elif key not in OTHER_TOOLS_ENV:
+            elif key not in OTHER_TOOLS_ENV and not _service_link(key, env):
                 _say_unknown_variable(key)
     for key, value in (flags or {}).items():
         # None: not given; "" (an empty --tls-cert "") is "not set" as in the environment,

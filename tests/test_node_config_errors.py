@@ -394,6 +394,31 @@ def test_a_misspelt_variable_is_said_not_silently_ignored(caplog) -> None:
     assert "did you mean EDGECACHE_PEER_TLS_CA?" in warned[1]
 
 
+def test_kubernetes_service_links_in_a_pod_are_not_warned_of(caplog) -> None:
+    """Kubernetes gives every pod variables for the Service named edgecache (service links):
+    each node start warned of eight, with hints such as "EDGECACHE_PORT … did you mean
+    EDGECACHE_ORIGINS?". Outside a pod the same names are still said."""
+    links = {
+        "EDGECACHE_SERVICE_HOST": "10.96.0.7",
+        "EDGECACHE_SERVICE_PORT": "7070",
+        "EDGECACHE_SERVICE_PORT_GRPC": "7070",
+        "EDGECACHE_PORT": "tcp://10.96.0.7:7070",
+        "EDGECACHE_PORT_7070_TCP": "tcp://10.96.0.7:7070",
+        "EDGECACHE_PORT_7070_TCP_PROTO": "tcp",
+        "EDGECACHE_PORT_7070_TCP_PORT": "7070",
+        "EDGECACHE_PORT_7070_TCP_ADDR": "10.96.0.7",
+    }
+    pod = {**links, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "EDGECACHE_CAPACTY": "2GiB"}
+    with caplog.at_level("WARNING", logger="edgecache.edge.config"):
+        load_node_config(None, dict(REQUIRED), pod)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "EDGECACHE_CAPACTY" in warned[0], warned  # a typo still is
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="edgecache.edge.config"):
+        load_node_config(None, dict(REQUIRED), links)
+    assert len(caplog.records) == len(links), [r.getMessage() for r in caplog.records]
+
+
 def test_a_capacity_without_a_unit_below_a_mebibyte_is_warned(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
