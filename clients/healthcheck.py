@@ -19,20 +19,60 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["check", "check_timeout", "main", "probe_address", "target"]
+__all__ = ["check", "check_timeout", "main", "probe_address", "serve_flags", "target"]
 
 DEFAULT_PROBE = "127.0.0.1:7071"
 
 
-def probe_address(config: Path | None = None, environ: Mapping[str, str] | None = None) -> str:
+def serve_flags(argv: Sequence[str] | None = None) -> dict[str, str]:
+    """``--probe-listen`` and ``--config`` as given to PID 1, where PID 1 is ``edgecache serve``.
+
+    In the image the node is PID 1 (its ENTRYPOINT), and settings given as
+    flags (``docker run IMAGE --probe-listen …``) win over the variables there:
+    the check read only the variable and the file, asked the old port, and
+    called a serving node unhealthy. ``argv``: PID 1's (read from /proc when None).
+    """
+    if argv is None:
+        try:
+            raw = Path("/proc/1/cmdline").read_bytes()
+        except OSError:
+            return {}
+        argv = raw.decode(errors="replace").split("\0")
+    if "serve" not in argv:
+        return {}
+    at = argv.index("serve")
+    if not any(os.path.basename(a).startswith("edgecache") for a in argv[:at]):
+        return {}
+    found: dict[str, str] = {}
+    rest = list(argv[at + 1 :])
+    for i, arg in enumerate(rest):
+        for flag in ("--probe-listen", "--config"):
+            if arg == flag and i + 1 < len(rest):
+                found[flag] = rest[i + 1]
+            elif arg.startswith(flag + "="):
+                found[flag] = arg.partition("=")[2]
+    return found
+
+
+def probe_address(
+    config: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    pid1: Sequence[str] | None = None,
+) -> str:
     """Where this host's node answers health checks: its configured probe address.
 
-    ``$EDGECACHE_PROBE_LISTEN``, else ``probe_listen`` in the node's settings
-    file, else the default 127.0.0.1:7071; a wildcard host (0.0.0.0, ::) is
-    asked on loopback, where the probe also listens.
+    As the node itself takes it: ``--probe-listen`` given to PID 1 where that
+    is ``edgecache serve`` (:func:`serve_flags`; ``pid1``: its arguments, read
+    from /proc when None), else ``$EDGECACHE_PROBE_LISTEN``, else
+    ``probe_listen`` in the node's settings file (``config``, else PID 1's
+    ``--config``), else the default 127.0.0.1:7071; a wildcard host (0.0.0.0,
+    ::) is asked on loopback, where the probe also listens.
     """
     env = os.environ if environ is None else environ
-    listen = env.get("EDGECACHE_PROBE_LISTEN")
+    flags = serve_flags(pid1)
+    listen = flags.get("--probe-listen") or env.get("EDGECACHE_PROBE_LISTEN")
+    if config is None and flags.get("--config"):
+        config = Path(flags["--config"])
     if not listen and config is not None:
         import yaml
 
@@ -123,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "address",
         nargs="?",
-        help=f"HOST:PORT of the node's probe [$EDGECACHE_PROBE_LISTEN, the --config file's "
-        f"probe_listen, {DEFAULT_PROBE}]",
+        help=f"HOST:PORT of the node's probe [PID 1's --probe-listen where it is edgecache "
+        f"serve, $EDGECACHE_PROBE_LISTEN, the --config file's probe_listen, {DEFAULT_PROBE}]",
     )
     parser.add_argument("--config", type=Path, help="the node's settings file")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait, > 0 [3]")

@@ -315,6 +315,29 @@ def test_healthcheck_command_follows_the_probe_address(tmp_path: Path) -> None:
     assert probe_address(settings, environ={}) == "127.0.0.1:7444"
 
 
+def test_healthcheck_follows_a_probe_address_given_to_the_node_as_a_flag(tmp_path: Path) -> None:
+    """``docker run IMAGE --probe-listen …``: the node (PID 1, the image's ENTRYPOINT) takes
+    the flag over the image's variable; the check asked the variable's port and called a
+    serving node unhealthy (a helper's hunt). As the node: flag, variable, file."""
+    from edgecache.clients.healthcheck import probe_address
+
+    env = {"EDGECACHE_PROBE_LISTEN": "0.0.0.0:7071"}
+    node = ["/usr/bin/python3", "/usr/local/bin/edgecache", "serve", "--region", "eu"]
+    assert probe_address(environ=env, pid1=[*node, "--probe-listen", "0.0.0.0:7555"]) == (
+        "127.0.0.1:7555"
+    )
+    assert probe_address(environ=env, pid1=[*node, "--probe-listen=127.0.0.1:7556"]) == (
+        "127.0.0.1:7556"
+    )
+    assert probe_address(environ=env, pid1=node) == "127.0.0.1:7071"
+    settings = tmp_path / "node.yaml"
+    settings.write_text("probe_listen: 127.0.0.1:7444\n")
+    assert probe_address(environ={}, pid1=[*node, "--config", str(settings)]) == "127.0.0.1:7444"
+    # PID 1 that is not the node (a host's init, another program's serve): not read.
+    for other in (["/sbin/init"], ["/usr/bin/myapp", "serve", "--probe-listen", "1.2.3.4:9"]):
+        assert probe_address(environ=env, pid1=other) == "127.0.0.1:7071"
+
+
 def test_host_network_compose_stays_on_loopback() -> None:
     """deploy/compose.host.yaml (what make test-deploy runs): host network, nothing bound
     beyond 127.0.0.1, read-only roots, and a topology file that matches its ports."""
