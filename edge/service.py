@@ -577,19 +577,31 @@ class EdgeCacheService:
     async def Sink(  # noqa: N802
         self, requests: AsyncIterator[edge_pb2.SinkChunk], context: aio.ServicerContext
     ) -> edge_pb2.SinkReport:
-        """Receive and drop a client's upload test (the sender measures its own loss)."""
+        """Receive and drop a client's upload test (the sender measures its own loss).
+
+        Cut at SINK_SECONDS whether or not anything arrives: the limit was checked
+        only when a message came, so an idle Sink held one of ``max_streams`` slots
+        for as long as its caller liked (every slot, on a node without a read token).
+        """
         received, started = 0, time.monotonic()
-        async for chunk in requests:
-            if isinstance(chunk, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, chunk.message)
-            received += len(chunk.data)
-            if received > SINK_BYTES or time.monotonic() - started > SINK_SECONDS:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"a Sink test is limited to {SINK_SECONDS:.0f} s and "
-                    f"{SINK_BYTES >> 30} GiB; run shorter tests",
-                )
-        return edge_pb2.SinkReport(bytes=received, seconds=time.monotonic() - started)
+        limited = (
+            f"a Sink test is limited to {SINK_SECONDS:.0f} s and "
+            f"{SINK_BYTES >> 30} GiB; run shorter tests"
+        )
+        try:
+            async with asyncio.timeout(SINK_SECONDS):
+                async for chunk in requests:
+                    if isinstance(chunk, _Malformed):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, chunk.message)
+                    received += len(chunk.data)
+                    if received > SINK_BYTES:
+                        break
+                else:
+                    return edge_pb2.SinkReport(bytes=received, seconds=time.monotonic() - started)
+        except TimeoutError:
+            pass
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limited)
+        raise AssertionError("unreachable: abort raises")  # for type checkers
 
     @_unary
     async def Diagnose(  # noqa: N802

@@ -553,3 +553,34 @@ def test_an_empty_token_file_is_bad_input_naming_it(tmp_path: Path, content: str
     )
     assert result.exit_code == 2, result.output
     assert f"--token-file {empty} is empty" in " ".join(result.output.split())
+
+
+def test_an_idle_sink_is_cut_at_its_time_limit_and_gives_its_slot_back(
+    site, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Sink's time limit was checked only when a message arrived: an upload that sent
+    one byte and then nothing held its max_streams slot for as long as its caller liked
+    (with two such calls, every read refused; a helper's hunt)."""
+    from edgecache.edge import service
+
+    monkeypatch.setattr(service, "SINK_SECONDS", 1.0)  # the node runs in this process
+    _, registry = site
+    with running_node(node_settings(tmp_path, registry, max_streams=2)) as node:
+        client = stub(node.address)
+        release = threading.Event()
+
+        def idle() -> Iterator[edge_pb2.SinkChunk]:
+            yield edge_pb2.SinkChunk(data=b"x")
+            release.wait(30)
+
+        try:
+            began = time.monotonic()
+            uploads = [client.Sink.future(idle(), timeout=30) for _ in range(2)]
+            for upload in uploads:
+                error = upload.exception(timeout=20)
+                assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "limited to 1 s" in error.details(), error.details()
+            assert time.monotonic() - began < 15
+            assert sum(c.rows for c in client.ReadShard(SHARD_0, timeout=30)) == ROWS
+        finally:
+            release.set()
