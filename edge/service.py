@@ -623,13 +623,17 @@ class EdgeCacheService:
                 if request.target == "registry":
                     url = node.registry.url
                     first = held[0] if held else None
-                    return await diagnose_registry(
+                    report = await diagnose_registry(
                         node.registry_stores,
                         url,
                         node.registry.version_url(first.dataset, first.version) if first else None,
                         seconds,
                         streams,
                     )
+                    # Its notes name the registry: without the user:password@ a registry
+                    # URL may hold, as Status shows it (any caller reads a report).
+                    report.note = _without_secrets(self, report.note)
+                    return report
                 sample = _sample_object(held)
                 return await diagnose_origin(node.stores, sample, seconds, streams)
             finally:

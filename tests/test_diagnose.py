@@ -242,3 +242,26 @@ def test_the_doctor_says_a_node_answering_registry_with_internal_is_probably_old
     assert paths["registry"].code == "INTERNAL", problem
     assert "probably does not know this target" in problem and "upgrade it" in problem, problem
     assert not paths["origin"].problems, paths["origin"]
+
+
+def test_the_registry_report_names_the_registry_without_its_password(tmp_path: Path) -> None:
+    """Status shows the registry without user:password@, but Diagnose's note named it as
+    configured, password included, to any caller (and `doctor --node-paths` printed it;
+    a helper's hunt)."""
+    import functools
+    import http.server
+    import threading
+
+    write_parquet_shards(tmp_path / "origin", 1)
+    publish(f"file://{tmp_path}/reg", f"file://{tmp_path}/origin", "tokens")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        registry = f"http://alice:s3cr3t@127.0.0.1:{server.server_address[1]}/reg"
+        with running_node(node_settings(tmp_path, registry)) as node:
+            report = _diagnose(node.address, "registry")
+            assert "s3cr3t" not in str(report) and "alice" not in str(report), report
+            assert f"127.0.0.1:{server.server_address[1]}/reg" in report.note, report
+    finally:
+        server.shutdown()
