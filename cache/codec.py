@@ -39,9 +39,10 @@ import pyarrow as pa
 import zstandard
 
 from edgecache.cache import byte_split, recycled
-from edgecache.cache.errors import ChunkCorrupt, EmptyShard, SchemaMismatch
+from edgecache.cache.errors import ChunkCorrupt, ChunkTooLarge, EmptyShard, SchemaMismatch
 from edgecache.cache.frame import Buffer, Codec, pack_frame, payload_view, read_header, verify_frame
 from edgecache.cache.row_grid import DEFAULT_CHUNK_BYTES, fixed_row_bytes, rows_per_window
+from edgecache.cache.wire import MAX_FRAME_BYTES
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = ["COMPRESSIONS", "CodecOptions", "ShardEncoder", "decode_chunk", "encode_shard"]
@@ -320,6 +321,14 @@ def _encode_chunk(
         else:  # nothing worth splitting (e.g. encoded images): a plain zstd frame, as cheap
             payload = _compressor(options.level).compress(raw)
             frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
+    if len(frame) > MAX_FRAME_BYTES:
+        # Stored, it could never be read: every reader and peer refuses the message.
+        raise ChunkTooLarge(
+            f"a chunk of {rows} rows is {len(frame):,} bytes, more than the "
+            f"{MAX_FRAME_BYTES:,} a reader accepts in one message (rows of about "
+            f"{raw.size // max(rows, 1):,} bytes, chunks of {options.chunk_bytes:,}): publish "
+            "the version again with a smaller --chunk-size"
+        )
     return frame, time.thread_time() - started
 
 

@@ -24,7 +24,8 @@ caller would naturally catch, so ``except KeyError`` still works::
     │   ├── ChunkCorrupt                       the bytes changed after encoding: never use them
     │   │   └── ChunkTruncated                 fewer bytes than the frame header promises
     │   ├── SchemaMismatch                     data does not have the schema the version declares
-    │   └── EmptyShard                         a shard with no rows
+    │   ├── EmptyShard                         a shard with no rows
+    │   └── ChunkTooLarge                      a chunk larger than a reader accepts
     ├── StoreError (OSError)
     │   ├── CacheDirError                      the cache dir is missing, unwritable or foreign
     │   ├── WriterLocked                       another process holds the cache's writer lock
@@ -60,6 +61,7 @@ __all__ = [
     "ConfigFileError",
     "EdgeCacheError",
     "EmptyShard",
+    "ChunkTooLarge",
     "InvalidEndpoint",
     "InvalidName",
     "InvalidRequest",
@@ -186,6 +188,10 @@ class SchemaMismatch(CodecError):
 
 class EmptyShard(CodecError):
     """A shard has no rows at all."""
+
+
+class ChunkTooLarge(CodecError):
+    """A chunk's frame is larger than any reader accepts in one message: never stored."""
 
 
 class StoreError(EdgeCacheError, OSError):

@@ -19,6 +19,14 @@ from edgecache.v1 import edge_pb2
 __all__ = ["READ_SHARD_METHOD", "WireChunk", "encode_chunk", "parse_chunk"]
 
 READ_SHARD_METHOD = "/edgecache.v1.EdgeCache/ReadShard"
+# The largest chunk frame a node stores (cache.codec refuses a larger one when staging)
+# and the largest ReadShard message a reader or a peer accepts: a chunk of the largest
+# --chunk-size (256 MiB) may reach 4x that on the row grid (codec.MAX_CHUNK_FACTOR), and
+# the message adds a few fields. Readers and peers refused such chunks at 256 MiB, so a
+# version published with --chunk-size 256MiB was stored and never read. A message over
+# the limit comes from a broken or hostile node: refused, not allocated.
+MAX_FRAME_BYTES = (1 << 30) + (16 << 20)
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + (1 << 20)
 
 # Field tags of edgecache.v1.Chunk: (field number << 3) | wire type.
 _INDEX, _COUNT, _ROWS = 0x08, 0x10, 0x18  # varint fields 1, 2, 3

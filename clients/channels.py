@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from edgecache.cache import wire
 from edgecache.cache.errors import (
     AccessDenied,
     EdgeCacheError,
@@ -76,9 +77,10 @@ _RETRY_POLICY = json.dumps(
         ]
     }
 )
-# A chunk is a few MiB. A message over this limit comes from a broken or hostile node:
-# refuse it (RESOURCE_EXHAUSTED, and read elsewhere) instead of allocating it.
-MAX_MESSAGE_BYTES = 256 << 20
+# A chunk is a few MiB, the largest a node stores 1 GiB (cache.wire). A message over this
+# limit comes from a broken or hostile node: refuse it (RESOURCE_EXHAUSTED, and read
+# elsewhere) instead of allocating it.
+MAX_MESSAGE_BYTES = wire.MAX_MESSAGE_BYTES
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", -1),

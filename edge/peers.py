@@ -43,7 +43,7 @@ from edgecache.cache.addresses import address_problem, split_hostport
 from edgecache.cache.errors import ChunkCorrupt, EdgeCacheError
 from edgecache.cache.frame import verify_frame
 from edgecache.cache.preprocess import limits
-from edgecache.cache.wire import READ_SHARD_METHOD, parse_chunk
+from edgecache.cache.wire import MAX_MESSAGE_BYTES, READ_SHARD_METHOD, parse_chunk
 from edgecache.edge.config import NodeConfig, read_pem
 from edgecache.v1 import edge_pb2, edge_pb2_grpc, manifest_pb2
 
@@ -63,7 +63,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),  # the largest chunk a node stores
     ("grpc.keepalive_time_ms", 2_000),
     ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.http2.ping_timeout_ms", 1_000),

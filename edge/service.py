@@ -26,6 +26,7 @@ from grpc import aio
 from edgecache.cache.errors import (
     CacheFull,
     ChunkCorrupt,
+    ChunkTooLarge,
     CodecError,
     EdgeCacheError,
     EmptyShard,
@@ -167,7 +168,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             # the node dropped the entry and fetches it again; the client retries or
             # fails over meanwhile. Never FAILED_PRECONDITION, which clients do not retry.
             return grpc.StatusCode.UNAVAILABLE, message
-        case SchemaMismatch() | EmptyShard():
+        case SchemaMismatch() | EmptyShard() | ChunkTooLarge():
             # Origin's rows do not fit the version (found while encoding a fetched shard).
             return grpc.StatusCode.FAILED_PRECONDITION, message
         case CodecError():

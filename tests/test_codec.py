@@ -415,3 +415,36 @@ def encode_shard_with(
 ) -> list[bytes]:
     encoder = ShardEncoder(schema, CodecOptions(chunk_bytes=chunk_bytes), chunk_rows=chunk_rows)
     return encoder.add(batch) + encoder.finish()
+
+
+def test_the_largest_chunk_the_encoder_may_write_is_one_every_reader_accepts() -> None:
+    """--chunk-size goes up to 256 MiB and a chunk on the row grid to 4x that, but readers
+    and peers refused messages over 256 MiB: a version published with --chunk-size 256MiB
+    was staged, and every read and peer copy of it failed RESOURCE_EXHAUSTED ("Received
+    message larger than max"), the copy as UNAVAILABLE, retried in vain (a helper's hunt)."""
+    from edgecache.cache import codec, wire
+    from edgecache.clients.channels import CHANNEL_OPTIONS
+    from edgecache.edge import peers
+
+    largest_raw = codec.MAX_CHUNK_FACTOR * codec.MAX_CHUNK_BYTES
+    assert wire.MAX_FRAME_BYTES >= largest_raw + HEADER_SIZE + (1 << 20)  # IPC's own framing
+    assert wire.MAX_MESSAGE_BYTES > wire.MAX_FRAME_BYTES
+    for options in (CHANNEL_OPTIONS, peers._OPTIONS):
+        assert dict(options)["grpc.max_receive_message_length"] == wire.MAX_MESSAGE_BYTES
+
+
+def test_a_chunk_larger_than_a_reader_accepts_is_refused_when_encoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stored, it could never be read; refused naming what to do (a smaller --chunk-size)."""
+    from edgecache.cache import codec
+    from edgecache.cache.errors import ChunkTooLarge
+
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 32 << 10)  # stands for 1 GiB
+    batch = token_batch(2000, seed=1)
+    options = CodecOptions(compression="none", chunk_bytes=1 << 20)
+    with pytest.raises(ChunkTooLarge, match="smaller --chunk-size"):
+        encode_shard([batch], TOKEN_SCHEMA, options)
+    small = CodecOptions(compression="none", chunk_bytes=16 << 10)
+    frames = encode_shard([batch], TOKEN_SCHEMA, small)
+    assert all(len(f) <= 32 << 10 for f in frames) and len(frames) > 1
