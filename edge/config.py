@@ -308,6 +308,20 @@ class NodeConfig(BaseModel):
             )
         return size
 
+    @field_validator(
+        "staging_concurrency",
+        "fetch_concurrency",
+        "max_streams",
+        "preprocess_threads",
+        mode="before",
+    )
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        """A count, not a yes/no: YAML's ``true`` (or ``yes``) was taken as 1 without a word."""
+        if isinstance(value, bool):
+            raise ValueError(f"{_shown(value)} is not a count: give a whole number, e.g. 4")
+        return value
+
     @field_validator("grace_seconds", mode="before")
     @classmethod
     def _grace(cls, value: Any) -> Any:

@@ -195,6 +195,23 @@ def test_other_values_in_the_yaml_file_are_refused_naming_the_setting(
     assert "must not be negative" in message or "use " in message, message
 
 
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("max_streams: true", "$EDGECACHE_MAX_STREAMS"),
+        ("staging_concurrency: yes", "$EDGECACHE_STAGING_CONCURRENCY"),
+        ("fetch_concurrency: true", "$EDGECACHE_FETCH_CONCURRENCY"),
+        ("preprocess_threads: on", "$EDGECACHE_PREPROCESS_THREADS"),
+    ],
+)
+def test_a_yes_for_a_count_is_refused_not_taken_as_1(tmp_path: Path, line: str, named: str) -> None:
+    """max_streams: true started a node that refused every call past the first (a helper's
+    hunt): pydantic's lax mode takes a bool for the int 1."""
+    message = _invalid(_yaml(tmp_path, line + "\n"))
+    assert named in message and str(tmp_path / "bad.yaml") in message, message
+    assert "is not a count: give a whole number" in message, message
+
+
 def test_serve_with_a_list_for_capacity_exits_2(tmp_path: Path) -> None:
     config = tmp_path / "node.yaml"
     config.write_text("capacity: [1]\nstaging_rate: 100.5\n")
