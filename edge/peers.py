@@ -191,6 +191,9 @@ class Peers:
         self.config = config
         self.max_channels = max_channels
         self._channels: OrderedDict[str, aio.Channel] = OrderedDict()  # most recent last
+        # Plaintext peers the token's exposure was said for: once each, not at every new
+        # channel (Diagnose closes its channel after each test; a warning a call).
+        self._said_plaintext: set[str] = set()
         self._users: dict[aio.Channel, int] = {}  # calls of this node using a channel now
         self._retired: set[aio.Channel] = set()  # evicted, closed when their last user ends
         self._closing: set[asyncio.Task[None]] = set()  # evicted channels being closed
@@ -261,7 +264,12 @@ class Peers:
         if secure:
             channel = aio.secure_channel(target, self._credentials(), options=_OPTIONS)
         else:
-            if self._metadata is not None and not _loopback(target):
+            if (
+                self._metadata is not None
+                and not _loopback(target)
+                and peer not in self._said_plaintext
+            ):
+                self._said_plaintext.add(peer)
                 log.warning(
                     "peer %s is plaintext: this node's token (from %s) crosses the "
                     "network readable to anyone on the path; name the peer "

@@ -191,6 +191,30 @@ def test_peer_channels_are_bounded_and_the_evicted_closed(tmp_path: Path, regist
     asyncio.run(run())
 
 
+def test_a_plaintext_peer_is_warned_of_once_not_at_every_diagnose(
+    tmp_path: Path, registry: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token sent in plaintext to a peer off loopback is said once (the docs' claim), but
+    Diagnose opens a channel for each test and closes it: a warning per call (a helper's
+    hunt). A host name counts as off loopback, so no packet leaves this host here."""
+    (tmp_path / "read").write_text("readtok")
+    settings = node_settings(tmp_path, registry, read_token_file=tmp_path / "read")
+
+    async def run() -> None:
+        peers = Peers(settings)
+        try:
+            for peer in ("peer-a.invalid:7070", "peer-a.invalid:7070", "peer-b.invalid:7070"):
+                async with peers.channel(peer, keep=False):
+                    pass
+        finally:
+            await peers.close()
+
+    with caplog.at_level("WARNING", logger="edgecache.edge.peers"):
+        asyncio.run(run())
+    said = [r.getMessage() for r in caplog.records if "is plaintext" in r.getMessage()]
+    assert [m.split()[1] for m in said] == ["peer-a.invalid:7070", "peer-b.invalid:7070"], said
+
+
 def test_token_refusals_name_the_token_the_call_needs(tmp_path: Path, registry: str) -> None:
     """A read refused for its token was told to use --token-file (the admin token's flag)."""
     (tmp_path / "admin").write_text("admintok")
