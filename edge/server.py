@@ -48,7 +48,13 @@ from edgecache.edge.call_limits import (
     OpenStreamLimit,
     open_stream_limit,
 )
-from edgecache.edge.config import NodeConfig, bound_addresses, read_pem, split_hostport
+from edgecache.edge.config import (
+    NodeConfig,
+    bound_addresses,
+    read_pem,
+    setting_name,
+    split_hostport,
+)
 from edgecache.edge.node import EdgeNode
 from edgecache.edge.service import SERVICE_NAME, EdgeCacheService, TokenAuthInterceptor
 
@@ -335,8 +341,9 @@ class NodeServer:
         if admin_token is not None and admin_token == read_token:
             # The admin token is accepted first: every reader could then warm and evict.
             raise ConfigError(
-                f"token_file ({config.token_file}) and read_token_file "
-                f"({config.read_token_file}) hold the same token, so every reader would be an "
+                f"{setting_name('token_file')} ({config.token_file}) and "
+                f"{setting_name('read_token_file')} ({config.read_token_file}) hold the same "
+                "token, so every reader would be an "
                 "admin (Stage, Pin, Evict); give readers a token of their own (e.g. openssl "
                 "rand -hex 32 > read.token)"
             )

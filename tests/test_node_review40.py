@@ -341,6 +341,7 @@ def test_one_token_for_admin_and_reads_stops_the_node(tmp_path: Path) -> None:
         "--token-file", str(token), "--read-token-file", str(token),
     )  # fmt: skip
     assert "hold the same token, so every reader would be an admin" in err, err
+    assert f"--token-file ({token}) and --read-token-file ({token})" in err, err  # as set
     assert "s3cret" not in err
 
 
