@@ -296,31 +296,33 @@ def _encode_chunk(
     """One chunk's frame from its row slices, and the thread CPU seconds it took."""
     started = time.thread_time()
     batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(batch)
-    raw = sink.getvalue()
     rows = batch.num_rows
+    spans: list[byte_split.Span] = []
+    sources: dict[int, pa.Buffer] = {}
+    if options.compression == "byte-split-zstd":
+        # The stream without its spans' bytes: split reads those from the batch itself.
+        raw, spans, sources = byte_split.write_stream(batch, schema)
+    else:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(batch)
+        raw = sink.getvalue()
     if options.compression == "none":
         frame = pack_frame(raw, codec=Codec.NONE, rows=rows, raw_len=raw.size)
-    elif options.compression == "zstd":
+    elif spans:
+        split, regions = byte_split.split(raw, spans, sources)
+        codec = (
+            Codec.BYTE_SPLIT_SPARSE_ZSTD
+            if byte_split.has_sparse(regions)
+            else Codec.BYTE_SPLIT_ZSTD
+        )
+        data = _compressor(options.level, split=True).compress(split)
+        # The table and the data are hashed and copied into the frame as they are, not joined.
+        table = byte_split.pack_regions(regions)
+        frame = pack_frame(table, data, codec=codec, rows=rows, raw_len=raw.size)
+    else:  # plain zstd, or byte-split with nothing worth splitting (e.g. encoded images)
         payload = _compressor(options.level).compress(raw)
         frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
-    else:
-        spans = byte_split.spans_of(raw)
-        if spans:
-            split, regions = byte_split.split(raw, spans)
-            compressor = _compressor(options.level, split=True)
-            payload = byte_split.pack_regions(regions) + compressor.compress(split)
-            codec = (
-                Codec.BYTE_SPLIT_SPARSE_ZSTD
-                if byte_split.has_sparse(regions)
-                else Codec.BYTE_SPLIT_ZSTD
-            )
-            frame = pack_frame(payload, codec=codec, rows=rows, raw_len=raw.size)
-        else:  # nothing worth splitting (e.g. encoded images): a plain zstd frame, as cheap
-            payload = _compressor(options.level).compress(raw)
-            frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
     if len(frame) > MAX_FRAME_BYTES:
         # Stored, it could never be read: every reader and peer refuses the message.
         raise ChunkTooLarge(

@@ -83,17 +83,24 @@ class FrameHeader:
         return HEADER_SIZE + self.payload_len
 
 
-def _digest(prefix: Buffer, payload: Buffer) -> int:
+def _digest(prefix: Buffer, *payload: Buffer) -> int:
     hasher = xxhash.xxh3_64()
     hasher.update(prefix)
-    hasher.update(payload)
+    for part in payload:
+        hasher.update(part)
     return hasher.intdigest()
 
 
-def pack_frame(payload: Buffer, *, codec: Codec, rows: int, raw_len: int) -> bytes:
-    """Prefix ``payload`` with a header carrying its checksum."""
-    prefix = _HEADER.pack(_MAGIC, _FORMAT, codec, rows, len(payload), raw_len, 0)[:_CHECKED_PREFIX]
-    return b"".join((prefix, _digest(prefix, payload).to_bytes(8, "little"), payload))
+def pack_frame(*payload: Buffer, codec: Codec, rows: int, raw_len: int) -> bytes:
+    """Prefix ``payload`` with a header carrying its checksum.
+
+    A payload given in parts (a byte-split table, then its zstd data) is
+    hashed part by part and copied once, into the frame: joining the parts
+    first cost a second copy of the compressed chunk.
+    """
+    size = sum(map(len, payload))
+    prefix = _HEADER.pack(_MAGIC, _FORMAT, codec, rows, size, raw_len, 0)[:_CHECKED_PREFIX]
+    return b"".join((prefix, _digest(prefix, *payload).to_bytes(8, "little"), *payload))
 
 
 def read_header(frame: Buffer) -> FrameHeader:

@@ -103,6 +103,34 @@ def test_token_ids_and_labels_are_split_and_nothing_else() -> None:
     assert split.size < byte_split.stored_length(regions, stream.size)
 
 
+@pytest.mark.parametrize(
+    "batch",
+    [
+        token_batch(500).slice(37, 400),  # sliced: the writer cuts the ids' buffer at an offset
+        pa.record_batch(
+            {
+                "text": pa.array(["ab", None, "cde"] * 202).slice(6),  # offsets rebased
+                "dict": pa.array(["x", "yy"] * 300).dictionary_encode(),
+                "view": pa.array(["a" * 5] * 600, pa.string_view()),  # a layout left whole
+                "ints": pa.array(range(600), pa.int16()),
+            }
+        ),
+        pa.record_batch({"image": pa.array([bytes(range(256)) * 40] * 64)}),  # no span
+    ],
+)
+def test_write_stream_splits_as_the_whole_stream_does(batch: pa.RecordBatch) -> None:
+    """write_stream leaves the spans unwritten, and split gives what it gave on the whole."""
+    whole = _stream(batch)
+    stream, spans, sources = byte_split.write_stream(batch, batch.schema)
+    assert stream.size == whole.size and spans == byte_split.spans_of(whole)
+    if not spans:
+        assert stream.equals(whole)
+    split, regions = byte_split.split(stream, spans, sources)
+    expected, expected_regions = byte_split.split(whole, spans)
+    assert split.equals(expected) and regions == expected_regions
+    assert byte_split.join(split, regions, whole.size).equals(whole)
+
+
 def test_zipf_ids_second_byte_is_stored_sparse_smaller_and_decodes() -> None:
     """The case sparse streams are for: a chunk of token ids, framed so old readers refuse it."""
     batch = token_batch(2000, seed=3)
