@@ -1683,6 +1683,19 @@ class Controller:
             thread.join(timeout)
         self.refresh()
 
+    def held_whole(self) -> set[tuple[str, VersionKey]]:
+        """(region, version) pairs the region's nodes held whole at the last look.
+
+        After :meth:`wait_idle`, what the round left: ``controller --once`` does not
+        call a job's version "cannot be met" when its own round staged it whole.
+        """
+        return {(region, v) for region, versions in self._complete.items() for v in versions}
+
+    @property
+    def last_schedule(self) -> Schedule | None:
+        """The last schedule that validated (the one the rounds act on)."""
+        return self._schedule
+
     def refresh(self) -> None:
         """Look at the nodes and record which jobs' data is complete, without acting.
 

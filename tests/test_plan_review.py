@@ -362,7 +362,8 @@ def test_a_started_job_neither_record_holds_reads_the_version_newest_at_its_star
 
 def test_warm_that_stages_a_started_jobs_data_says_it_is_there_now_and_exits_0(site) -> None:
     """warm said "cannot be met … the plan stages it now" of a job that started without its
-    data, staged it, and exited 3 as if the job still lacked it; its JSON said the same."""
+    data, staged it, and exited 3 as if the job still lacked it; its JSON said the same.
+    controller --once, whose round stages it and waits, did the same (a review)."""
     root, node = site
     schedule = root / "schedule.yaml"
     start = datetime.now(UTC) - timedelta(minutes=1)
@@ -376,3 +377,10 @@ def test_warm_that_stages_a_started_jobs_data_says_it_is_there_now_and_exits_0(s
     said = " ".join(err.split())
     assert "there now: train iris@1 in us-east: staged whole by this run, train started" in said
     assert "iris@1" in pins_on(node)
+    code, out, err = edgecache(root, "evict", "iris@1", "--force")
+    assert code == 0 and "iris@1" not in pins_on(node), (out, err)
+    code, out, err = edgecache(root, "controller", "--schedule", str(schedule), "--once")
+    said = " ".join((out + err).split())
+    assert code == 0, (out, err)
+    assert "cannot be met" not in said, said
+    assert "there now: train iris@1 in us-east: staged whole by this run, train started" in said

@@ -115,13 +115,19 @@ def controller(
     or something the round did failed (each failure listed on stderr); 2 bad
     input (a schedule or topology that does not validate, a registry on a local
     path that does not exist: a controller creates none); 3 with --once, a job
-    cannot be met (listed on stderr, as plan does); 130 interrupted by Ctrl-C,
+    cannot be met (listed on stderr, as plan does; a version the round staged
+    whole after all is said as "there now" instead); 130 interrupted by Ctrl-C,
     --once included (run it again to resume); 143 a second SIGTERM.
     """
     import prometheus_client
 
     from edgecache.clients.channels import credentials_refused_in
-    from edgecache.clients.cli.staging import parse_at, report_infeasible
+    from edgecache.clients.cli.staging import (
+        parse_at,
+        report_infeasible,
+        report_there_now,
+        there_now,
+    )
     from edgecache.clients.controller import Controller, SimulatedClock
     from edgecache.clients.topology import load_schedule
 
@@ -192,8 +198,12 @@ def controller(
                     raise exit_with(ExitCode.FAILED)
             running.wait_idle()
             # What cannot be met, as warm says it (an unreachable region is a failure of
-            # the round, said below); a failure (1) outranks it (3).
-            cannot = report_infeasible(acted_on)
+            # the round, said below); a failure (1) outranks it (3). What the round staged
+            # whole after all is said as such, and does not count.
+            there = there_now(acted_on, running.held_whole())
+            cannot = report_infeasible(acted_on, there)
+            if running.last_schedule is not None:
+                report_there_now(there, running.last_schedule)
             for failure in running.failures:
                 error(failure)
             if running.failures and not received:

@@ -6,7 +6,7 @@ import json
 import os
 import shlex
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -742,15 +742,16 @@ def _single_item(
     return ops.warm_item_for_version(topology, region, manifest), manifest
 
 
-def report_infeasible(plan: Plan) -> list[Infeasible]:
+def report_infeasible(plan: Plan, met: Sequence[Infeasible] = ()) -> list[Infeasible]:
     """Say on stderr which jobs of ``plan`` cannot be met, and return them.
 
     ``warm`` says it up front, since it carries out the rest anyway, and
-    ``controller --once`` after its round. An unreachable region's jobs are
-    left out (:func:`_plan_reasons`): the outage is said once, at the end, as
-    the node failure it is.
+    ``controller --once`` after its round, leaving out the rows its round
+    staged whole after all (``met``: :func:`there_now`). An unreachable
+    region's jobs are left out (:func:`_plan_reasons`): the outage is said
+    once, at the end, as the node failure it is.
     """
-    reasons = _plan_reasons(plan)
+    reasons = [i for i in _plan_reasons(plan) if i not in met]
     for i in reasons:
         err_console.print(
             "[yellow]cannot be met:[/yellow] "
@@ -1202,22 +1203,7 @@ def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
     if warmed.work is not None:
         for note in warmed.work.released.notes:
             err_console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
-        starts = {job.name: job.start for job in warmed.work.schedule.jobs}
-        for row in _there_now(warmed, dry_run):
-            start = starts.get(row.job)
-            began = start is not None and start <= datetime.now(UTC)
-            when = (
-                f"{row.job} started at {start:%Y-%m-%d %H:%M} UTC without it, and reads it "
-                "from the cache from now on"
-                if began and start is not None
-                else f"before {row.job} starts"
-            )
-            said = f"{row.job} {row.version} in {row.region}: staged whole by this run, {when}"
-            err_console.print(
-                "[green]there now:[/green] " + escape(said),
-                soft_wrap=True,
-                highlight=False,
-            )
+        report_there_now(_there_now(warmed, dry_run), warmed.work.schedule)
     for outage in _down(warmed).values():
         error(outage.message())
 
@@ -1245,23 +1231,46 @@ def _exit_code(warmed: _Warmed, dry_run: bool = False) -> ExitCode:
 
 
 def _there_now(warmed: _Warmed, dry_run: bool) -> list[Infeasible]:
-    """The plan's unmet rows whose version this run staged whole in the row's region.
+    """:func:`there_now` of warm's run; none for a rehearsal, which moves nothing.
 
-    warm stages every task now, not at the plan's time, so a version the plan
-    called late (a slow link, or a job that started without it) is there once
-    the run ends, and the job reads it from the cache from then on: warm said
-    "cannot be met" of it after staging it, and exited 3. A rehearsal moves
-    nothing, so it exits as the real run would before it moves data.
+    A dry run exits as the real run would before it moves data.
     """
     if dry_run or warmed.work is None:
         return []
-    held = warmed.outcome.held
+    return there_now(warmed.work.plan, warmed.outcome.held)
+
+
+def there_now(plan: Plan, held: Set[tuple[str, VersionKey]]) -> list[Infeasible]:
+    """The plan's unmet rows whose version the row's region holds whole after the run.
+
+    ``warm`` stages every task now, not at the plan's time, and ``controller
+    --once`` starts what is due and waits for it: a version the plan called late
+    (a slow link, or a job that started without it) is there once the run ends,
+    and the job reads it from the cache from then on. Both said "cannot be met"
+    of it after staging it, and exited 3. ``held``: (region, version) pairs the
+    regions' nodes hold whole, between them, once the run ended.
+    """
     there = []
-    for row in warmed.work.plan.infeasible:
+    for row in plan.infeasible:
         wanted = parse_spec(row.version)
         if not row.unreachable and (row.region, (wanted.dataset, wanted.version)) in held:
             there.append(row)
     return there
+
+
+def report_there_now(rows: Sequence[Infeasible], schedule: Schedule) -> None:
+    """Say on stderr each unmet row a run staged whole after all (:func:`there_now`)."""
+    starts = {job.name: job.start for job in schedule.jobs}
+    for row in rows:
+        start = starts.get(row.job)
+        when = (
+            f"{row.job} started at {start:%Y-%m-%d %H:%M} UTC without it, and reads it "
+            "from the cache from now on"
+            if start is not None and start <= datetime.now(UTC)
+            else f"before {row.job} starts"
+        )
+        said = f"{row.job} {row.version} in {row.region}: staged whole by this run, {when}"
+        err_console.print("[green]there now:[/green] " + escape(said), soft_wrap=True)
 
 
 def _credentials_refused(warmed: _Warmed) -> bool:
