@@ -13,6 +13,7 @@ newest at the start.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from datetime import UTC, datetime
 
 from edgecache.cache.errors import EdgeCacheError, VersionNotFound
@@ -20,9 +21,41 @@ from edgecache.cache.names import parse_spec
 from edgecache.cache.registry import Registry
 from edgecache.clients.topology import Schedule
 
-__all__ = ["newest_at_start"]
+__all__ = ["newest_at_start", "versions_at"]
 
 log = logging.getLogger(__name__)
+
+
+def versions_at(
+    registry: str, asked: Set[tuple[str, datetime]]
+) -> dict[tuple[str, datetime], tuple[int, bool]]:
+    """(dataset, start) → the newest version published by then, and whether it is the newest.
+
+    Manifests are read newest first, each once, and only as far back as a start
+    needs. A dataset without versions, or with none published by a start, has
+    no entry. A registry that cannot be read raises its
+    :class:`~edgecache.cache.errors.EdgeCacheError`.
+    """
+
+    async def read(reg: Registry) -> dict[tuple[str, datetime], tuple[int, bool]]:
+        published: dict[str, list[tuple[int, datetime]]] = {}  # newest first, read lazily
+        found = {}
+        for dataset, start in sorted(asked):
+            try:
+                numbers = await reg.published(dataset)
+            except VersionNotFound:
+                continue  # the plan says so
+            seen = published.setdefault(dataset, [])
+            for index, number in enumerate(reversed(numbers)):
+                if index == len(seen):
+                    manifest = await reg.manifest(dataset, number)
+                    seen.append((number, manifest.created_at.ToDatetime(UTC)))
+                if seen[index][1] <= start:
+                    found[(dataset, start)] = (number, index == 0)
+                    break
+        return found
+
+    return Registry.run(registry, read) if asked else {}
 
 
 def newest_at_start(schedule: Schedule, registry: str, now: datetime) -> Schedule:
@@ -41,33 +74,12 @@ def newest_at_start(schedule: Schedule, registry: str, now: datetime) -> Schedul
         for spec in job.datasets
         if parse_spec(spec).version is None
     }
-    if not asked:
-        return schedule
-
-    async def read(reg: Registry) -> dict[tuple[str, datetime], int]:
-        published: dict[str, list[tuple[int, datetime]]] = {}  # newest first, read lazily
-        found = {}
-        for dataset, start in sorted(asked):
-            try:
-                numbers = await reg.published(dataset)
-            except VersionNotFound:
-                continue  # the plan says so
-            seen = published.setdefault(dataset, [])
-            for index, number in enumerate(reversed(numbers)):
-                if index == len(seen):
-                    manifest = await reg.manifest(dataset, number)
-                    seen.append((number, manifest.created_at.ToDatetime(UTC)))
-                if seen[index][1] <= start:
-                    if index > 0:  # a newer one came after the start
-                        found[(dataset, start)] = number
-                    break
-        return found
-
     try:
-        found = Registry.run(registry, read)
+        at = versions_at(registry, asked)
     except EdgeCacheError as exc:
         log.warning("the registry's publish times could not be read (%s): %s", registry, exc)
         return schedule
+    found = {key: number for key, (number, newest) in at.items() if not newest}
     if not found:
         return schedule
     jobs = []

@@ -6,13 +6,12 @@ Read to release the pins a schedule no longer needs, and to name a pin's job in 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
 import shlex
 from collections import defaultdict
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,8 +19,8 @@ from pathlib import Path
 from edgecache.cache.errors import EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Plan, VersionKey
-from edgecache.cache.registry import Registry
 from edgecache.cache.storage import Stores
+from edgecache.clients.ops.at_start import versions_at
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -291,9 +290,10 @@ def warm_started(
     published after the job started was staged and pinned for it, and the pin
     of the one it reads released, for ``evict`` to free under the running job.
     A started job warm recorded (the same name, region and start) reads the
-    versions recorded for it, unless a newer one was published before the job
-    started (warm's record is of its last run, which may be hours before the
-    start, when the job's reader resolved ``name``); ``skip``: jobs the
+    version newest at its start by the registry's publish times (warm's record
+    is of its last run, which may be hours before the start, when the job's
+    reader resolved ``name``), the recorded one where the registry cannot say
+    (:func:`_as_recorded`); ``skip``: jobs the
     controller's record covers; ``owner``: the schedule file's
     (:func:`schedule_owner`), whose own record is read, not another schedule's
     job of the same name, region and start. A record origin will not give is
@@ -306,26 +306,30 @@ def warm_started(
         for j in _warm_record(registry)[0]
         if not owner or j.schedule in (owner, "")
     }
-
-    @functools.cache
-    def newest(dataset: str) -> pb.Manifest | None:
-        """The registry's newest version of ``dataset``, read once a run (None: it cannot say)."""
-
-        async def read(reg: Registry) -> pb.Manifest:
-            return await reg.manifest(dataset, await reg.latest(dataset))
-
-        try:
-            return Registry.run(registry, read)
-        except EdgeCacheError:
-            return None
-
+    started = [
+        (job, record)
+        for job in schedule.jobs
+        if job.start <= now
+        and job.name not in skip
+        and (record := recorded.get((job.name, job.region, job.start))) is not None
+        and record.versions
+    ]
+    asked = {
+        (parse_spec(spec).dataset, job.start)
+        for job, _ in started
+        for spec in job.datasets
+        if parse_spec(spec).version is None
+    }
+    try:
+        at = versions_at(registry, asked)
+    except EdgeCacheError:
+        at = None  # the registry cannot say: the records stand
+    read = {(job.name, job.region, job.start): record for job, record in started}
     jobs = []
     for job in schedule.jobs:
-        record = recorded.get((job.name, job.region, job.start))
-        if job.start <= now and job.name not in skip and record is not None and record.versions:
-            datasets = [
-                _as_recorded(spec, record.versions, job.start, newest) for spec in job.datasets
-            ]
+        record = read.get((job.name, job.region, job.start))
+        if record is not None:
+            datasets = [_as_recorded(spec, record.versions, job.start, at) for spec in job.datasets]
             job = job.model_copy(update={"datasets": list(dict.fromkeys(datasets))})
         jobs.append(job)
     return schedule.model_copy(update={"jobs": jobs})
@@ -335,12 +339,15 @@ def _as_recorded(
     spec: str,
     versions: Sequence[str],
     start: datetime,
-    newest: Callable[[str], pb.Manifest | None],
+    at: Mapping[tuple[str, datetime], tuple[int, bool]] | None,
 ) -> str:
     """``spec`` (``name``, ``name@latest``) as the job read it from ``start``; ``name@N`` as is.
 
-    The recorded ``name@N``, unless the registry's ``newest`` was published
-    before ``start`` (the job then resolved that one).
+    The version newest at ``start`` by the registry's publish times (``at``:
+    :func:`~edgecache.clients.ops.at_start.versions_at`), left as ``spec`` when
+    it is the newest still; the recorded ``name@N`` where the registry cannot
+    say. Compared with the newest alone, a record of ``@1`` stood when ``@2``
+    came before the start and ``@3`` after it: the job reads ``@2``.
     """
     wanted = parse_spec(spec)
     if wanted.version is not None:
@@ -348,16 +355,13 @@ def _as_recorded(
     same = [v for v in versions if v.rpartition("@")[0] == wanted.dataset]
     if not same:
         return spec
-    chosen = max(same, key=lambda v: int(v.rpartition("@")[2]))
-    latest = newest(wanted.dataset)
-    if latest is None:
-        return chosen  # the registry cannot say: the record stands
-    if (
-        f"{latest.dataset}@{latest.version}" != chosen
-        and latest.created_at.ToDatetime(UTC) <= start
-    ):
-        return spec  # published before the job started: it read that one
-    return chosen
+    if at is None:
+        return max(same, key=lambda v: int(v.rpartition("@")[2]))
+    found = at.get((wanted.dataset, start))
+    if found is None:  # none published by the start: the record is all there is
+        return max(same, key=lambda v: int(v.rpartition("@")[2]))
+    number, newest = found
+    return spec if newest else f"{wanted.dataset}@{number}"
 
 
 def _warmed_jobs_url(registry: str) -> str:
