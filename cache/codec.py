@@ -325,6 +325,13 @@ def _encode_chunk(
         frame = pack_frame(payload, codec=Codec.ZSTD, rows=rows, raw_len=raw.size)
     if len(frame) > MAX_FRAME_BYTES:
         # Stored, it could never be read: every reader and peer refuses the message.
+        if rows == 1:  # a chunk holds one row at least: no --chunk-size makes it smaller
+            raise ChunkTooLarge(
+                f"one row is {len(frame):,} bytes stored, more than the {MAX_FRAME_BYTES:,} a "
+                "reader accepts in one message: no chunk size splits a row; leave that "
+                "column out (a columns transform), or keep such values as objects of their "
+                "own and store their URLs"
+            )
         raise ChunkTooLarge(
             f"a chunk of {rows} rows is {len(frame):,} bytes, more than the "
             f"{MAX_FRAME_BYTES:,} a reader accepts in one message (rows of about "

@@ -72,6 +72,16 @@ class RegionConfig(BaseModel):
     def _rate(cls, value: Any) -> Any:
         return None if value is None else _parse_rate(value)
 
+    @field_validator("egress_price_per_gb", mode="before")
+    @classmethod
+    def _price(cls, value: Any) -> Any:
+        # Pydantic's lax mode read YAML's yes/true as 1.0: a dollar per GB, without a word.
+        if isinstance(value, bool):
+            raise ValueError(
+                f"{str(value).lower()} is not a price: give the dollars per GB, e.g. 0.09"
+            )
+        return value
+
     @field_validator("peers", mode="before")
     @classmethod
     def _peer_rates(cls, value: Any) -> Any:

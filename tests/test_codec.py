@@ -448,3 +448,9 @@ def test_a_chunk_larger_than_a_reader_accepts_is_refused_when_encoded(
     small = CodecOptions(compression="none", chunk_bytes=16 << 10)
     frames = encode_shard([batch], TOKEN_SCHEMA, small)
     assert all(len(f) <= 32 << 10 for f in frames) and len(frames) > 1
+    # One row larger than the limit: no chunk size helps, and the advice says so.
+    schema = pa.schema([("blob", pa.binary())])
+    huge = pa.record_batch([pa.array([b"\1" * (64 << 10), b"x"])], schema=schema)
+    tiny = CodecOptions(compression="none", chunk_bytes=4 << 10)
+    with pytest.raises(ChunkTooLarge, match="no chunk size splits a row"):
+        encode_shard([huge], schema, tiny)

@@ -70,6 +70,24 @@ def test_a_region_written_twice_in_the_topology_is_refused(tmp_path: Path) -> No
     assert "'eu'" in message and "twice" in message and "line 3" in message, message
 
 
+@pytest.mark.parametrize("price", ["yes", "true"])
+def test_a_yes_for_the_egress_price_is_refused_at_its_line(tmp_path: Path, price: str) -> None:
+    """egress_price_per_gb: yes was read as 1.0, a dollar per GB, and plan priced jobs by it
+    (a review)."""
+    config = tmp_path / "edgecache.yaml"
+    config.write_text(
+        "registry: file:///tmp/registry\n"
+        f"regions:\n  eu:\n    nodes: ['127.0.0.1:9']\n    egress_price_per_gb: {price}\n"
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_topology(config)
+    message = str(caught.value)
+    assert message.startswith(f"{config}:5: "), message
+    assert "is not a price" in message, message
+    config.write_text(config.read_text().replace(price, "0.09"))
+    assert load_topology(config).regions["eu"].egress_price_per_gb == 0.09
+
+
 def test_a_merge_may_still_override_the_keys_it_brings(tmp_path: Path) -> None:
     schedule = tmp_path / "schedule.yaml"
     schedule.write_text(

@@ -596,7 +596,8 @@ def healthcheck(
         str | None,
         typer.Argument(
             metavar="HOST:PORT",
-            help="HOST:PORT of a node's probe [$EDGECACHE_PROBE_LISTEN, the --config file's "
+            help="HOST:PORT of a node's probe [PID 1's --probe-listen where it is edgecache "
+            "serve, $EDGECACHE_PROBE_LISTEN, the --config file's (or PID 1's --config) "
             "probe_listen, 127.0.0.1:7071].",
         ),
     ] = None,
@@ -608,7 +609,8 @@ def healthcheck(
     """Exit 0 when the node answers the standard gRPC health check with SERVING (for Docker).
 
     With no address it asks this host's node on its own configured probe port,
-    so an image's HEALTHCHECK follows EDGECACHE_PROBE_LISTEN. Exit codes: 0
+    as the node takes it, so an image's HEALTHCHECK follows a --probe-listen
+    given to the container as well as EDGECACHE_PROBE_LISTEN. Exit codes: 0
     SERVING; 1 not serving or not answering; 2 bad input (the address, or a
     --timeout that is not more than 0: never blamed on the node).
     """
