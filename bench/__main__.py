@@ -5,16 +5,18 @@
 Each suite runs as its own process (a fresh interpreter, its own node and
 S3 subprocesses, nothing shared between suites but the machine), writes its
 results as JSON under ``--out``, and prints its progress as it goes. At the
-end a summary table of every ratio against its target is printed and
-``docs/benchmarks.md`` is rewritten from the results, with PNG charts in
-``docs/img/`` (see ``bench/render.py``).
+end a summary table of every ratio this run measured against its target is
+printed and ``docs/benchmarks.md`` is rewritten from the results, with PNG
+charts in ``docs/img/`` (see ``bench/render.py``): the sections and summary
+rows of the suites this run measured; the others (``--only`` leaves them out,
+or one failed) keep theirs as the page had them, each section dated.
 
 ``--scale`` multiplies every data size (0.25 for a quick look; the figures
 in the docs come from 1.0). At 1.0 the peers and the WAN get their
-1 GiB datasets; the older suites run at half their standalone defaults so
-the whole run stays well under 15 minutes on a 2-core machine. Suites whose
-results already exist under ``--out`` can be re-rendered without running:
-``--render-only``.
+1 GiB datasets; the older suites run at half their standalone defaults, and
+the whole run takes about 25-30 minutes on a 2-core machine (peers ~11,
+schedule ~8, wan ~4). Suites whose results already exist under ``--out`` can
+be re-rendered without running: ``--render-only``.
 """
 
 from __future__ import annotations
@@ -152,19 +154,31 @@ def main() -> None:
     unknown = wanted - {s.name for s in SUITES}
     if unknown:
         parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {[s.name for s in SUITES]}")
+    if not args.no_docs and not args.docs.parent.is_dir():
+        # Said before the suites run, not in a traceback once they all have.
+        parser.error(f"--docs {args.docs}: its folder {args.docs.parent} does not exist")
+    if args.render_only and not any((args.out / f"{s.name}.json").exists() for s in SUITES):
+        parser.error(f"--render-only: no results under {args.out} (run the suites first)")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     failed = []
+    ran = []
     if not args.render_only:
         for suite in SUITES:
             if wanted and suite.name not in wanted:
                 continue
             if run_suite(suite, args.scale, args.out, console) is None:
                 failed.append(suite.name)
+            else:
+                ran.append(suite.name)
+    # This run's results (every one under --out when only rendering): a suite that failed,
+    # or was not asked for, is not shown as measured now from an earlier run's file; the
+    # page keeps its section as it was (render.write_docs).
     results = {
         s.name: json.loads((args.out / f"{s.name}.json").read_text())
         for s in SUITES
         if (args.out / f"{s.name}.json").exists()
+        and (args.render_only or (s.name in ran and (not wanted or s.name in wanted)))
     }
     console.rule("[bold]summary")
     console.print(render.summary_table(results))
