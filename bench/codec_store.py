@@ -40,6 +40,7 @@ import zstandard
 from rich.console import Console
 
 from bench import datasets, report
+from bench.arguments import positive_int
 from bench.report import ratio_table
 from edgecache.cache.codec import CodecOptions, decode_chunk, encode_shard
 from edgecache.cache.frame import payload_view, read_header
@@ -248,9 +249,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--mib", type=int, default=256, help="uncompressed MiB per dataset (default 256)"
+        "--mib", type=positive_int, default=256, help="uncompressed MiB per dataset (default 256)"
     )
-    parser.add_argument("--repeat", type=int, default=5, help="runs per measurement; best is kept")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=5, help="runs per measurement; best is kept"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     console = Console(stderr=args.json, width=150)

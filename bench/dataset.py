@@ -58,6 +58,7 @@ from rich.console import Console
 from torch.utils.data import DataLoader
 
 from bench import datasets, report
+from bench.arguments import non_negative_int, positive_int
 from bench.report import ratio_table
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.keys import ShardKey
@@ -276,6 +277,8 @@ def run(workdir: Path, args: argparse.Namespace, console: Console) -> tuple[list
         ("tokens", args.tokens_mib, datasets.tokens, "zstd", pb.COMPRESSION_ZSTD, 256),
         ("images", args.images_mib, datasets.images, "none", pb.COMPRESSION_NONE, 32),
     ):
+        if not mib:
+            continue  # 0 MiB: that dataset is left out (a 1-sample one was measured)
         console.log(f"writing {mib} MiB of {name} as Parquet ({parquet_codec})")
         origin = workdir / f"{name}-origin"
         rows, raw, parquet = write_parquet(origin, mib, make, parquet_codec)
@@ -311,9 +314,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens-mib", type=int, default=1024, help="raw MiB of token data")
-    parser.add_argument("--images-mib", type=int, default=512, help="raw MiB of image data")
-    parser.add_argument("--repeat", type=int, default=2, help="epochs per measure; best is kept")
+    parser.add_argument(
+        "--tokens-mib", type=non_negative_int, default=1024, help="raw MiB of token data"
+    )
+    parser.add_argument(
+        "--images-mib", type=non_negative_int, default=512, help="raw MiB of image data"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=2, help="epochs per measure; best is kept"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     console = Console(stderr=args.json, width=150)

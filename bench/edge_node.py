@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from bench import report
+from bench.arguments import positive_int
 from bench.report import ratio_table
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
@@ -61,6 +62,11 @@ def write_parquet_shards(root: Path, tables: Iterable[pa.Table]) -> int:
     return count
 
 
+def shard_count(total_mib: int) -> int:
+    """Whole shards of SHARD_MIB for ``total_mib``, at least one (a size rounds down to them)."""
+    return max(total_mib // SHARD_MIB, 1)
+
+
 def write_shards(root: Path, total_mib: int) -> int:
     """Parquet token shards (2048 int32 per sample, Zipf ids) of ~SHARD_MIB raw each."""
     rng = np.random.default_rng(0)
@@ -74,7 +80,7 @@ def write_shards(root: Path, total_mib: int) -> int:
             }
         )
 
-    return write_parquet_shards(root, (shard(i) for i in range(max(total_mib // SHARD_MIB, 1))))
+    return write_parquet_shards(root, (shard(i) for i in range(shard_count(total_mib))))
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
@@ -166,7 +172,10 @@ def metric(address: str, name: str) -> float:
 
 
 def bench_read(workdir: Path, read_mib: int, repeat: int, console: Console) -> list[dict]:
-    console.log(f"writing {read_mib} MiB of Parquet token shards")
+    console.log(
+        f"writing {shard_count(read_mib) * SHARD_MIB} MiB of Parquet token shards "
+        f"({shard_count(read_mib)} of {SHARD_MIB} MiB; --read-mib {read_mib} rounds to them)"
+    )
     write_shards(workdir / "origin", read_mib)
     registry = f"file://{workdir}/registry"
     shards = publish(registry, f"file://{workdir}/origin", "tokens")
@@ -227,7 +236,11 @@ def bench_stage(workdir: Path, stage_mib: int, repeat: int, console: Console) ->
     with moto_server() as endpoint:
         env = s3_env(endpoint)
         os.environ.update(env)
-        console.log(f"writing and uploading {stage_mib} MiB of Parquet shards to moto's S3")
+        console.log(
+            f"writing and uploading {shard_count(stage_mib) * SHARD_MIB} MiB of Parquet shards "
+            f"to moto's S3 ({shard_count(stage_mib)} of {SHARD_MIB} MiB; --stage-mib {stage_mib} "
+            "rounds to them)"
+        )
         write_shards(workdir / "stage-origin", stage_mib)
         make_bucket(endpoint, "bench-origin")
         upload_dir(endpoint, "bench-origin", "tokens", workdir / "stage-origin")
@@ -335,9 +348,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--read-mib", type=int, default=512, help="raw MiB for the ReadShard part")
-    parser.add_argument("--stage-mib", type=int, default=256, help="raw MiB for the staging part")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--read-mib",
+        type=positive_int,
+        default=512,
+        help="raw MiB for the ReadShard part (whole 32 MiB shards, at least one)",
+    )
+    parser.add_argument(
+        "--stage-mib",
+        type=positive_int,
+        default=256,
+        help="raw MiB for the staging part (whole 32 MiB shards, at least one)",
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     console = Console(stderr=args.json, width=150)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from bench import report
+from bench.arguments import non_negative_int, positive_int, workers_list
 
 __all__ = ["copy_bandwidth", "main"]
 
@@ -168,8 +169,11 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
     pinned = copy_bandwidth(True)
     pageable = copy_bandwidth(False)
     console.log(f"host → device: pinned {pinned:.1f} GB/s, pageable {pageable:.1f} GB/s")
-    sources = [generate(workdir, "tokens", args.tokens_mib)]
-    sources.append(generate(workdir, "images", args.images_mib))
+    sources = [  # 0 MiB leaves that dataset out
+        generate(workdir, name, mib)
+        for name, mib in (("tokens", args.tokens_mib), ("images", args.images_mib))
+        if mib
+    ]
     node, published, _ = stage_edgecache(workdir, sources, console)
     epochs = []
     try:
@@ -273,15 +277,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--tokens-mib", type=int, default=512, help="raw MiB of token data")
-    parser.add_argument("--images-mib", type=int, default=512, help="raw MiB of image data")
+    parser.add_argument(
+        "--tokens-mib", type=non_negative_int, default=512, help="raw MiB of token data"
+    )
+    parser.add_argument(
+        "--images-mib", type=non_negative_int, default=512, help="raw MiB of image data"
+    )
     parser.add_argument("--workers", default="0,4,8", help="DataLoader num_workers values")
-    parser.add_argument("--repeat", type=int, default=2, help="epochs per configuration")
+    parser.add_argument("--repeat", type=positive_int, default=2, help="epochs per configuration")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per epoch process")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--epoch", help=argparse.SUPPRESS)  # one epoch, in its own process
     args = parser.parse_args(argv)
-    args.workers = [int(w) for w in args.workers.split(",")]
+    args.workers = workers_list(parser, args.workers)
     return args
 
 

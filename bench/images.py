@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from bench import report
+from bench.arguments import positive_int, require_modules
 from edgecache.cache.preprocess import ShardContext, preprocess
 from edgecache.cache.preprocess.images import ImageSpec, _decode
 from edgecache.edge.config import usable_cores
@@ -300,11 +301,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--images", type=int, default=2000)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--images", type=positive_int, default=2000)
+    parser.add_argument("--size", type=positive_int, default=224)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    require_modules(parser, ("matplotlib", "PIL", "litdata", "torch"), "bench.images")
     console = Console(stderr=args.json, width=150)
     results = run(args.images, args.size, args.repeat, console)
     if args.json:

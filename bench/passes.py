@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import report
+from bench.arguments import positive_int
 from edgecache.clients.epoch_order import Component, EpochOrder, Extent
 
 BATCH, LANES, SHUFFLE_WINDOWS, WINDOW_ROWS = 256, 4, 16, 32
@@ -76,7 +77,7 @@ def measure(components: list[Component], in_turn: bool, seed: int, epoch: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per shape (seed 7)")
+    parser.add_argument("--epochs", type=positive_int, default=3, help="epochs per shape (seed 7)")
     args = parser.parse_args()
     rows = []
     for shape, components in SHAPES.items():

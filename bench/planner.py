@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import report
+from bench.arguments import positive_int
 from edgecache.cache import planner
 from edgecache.cache.planner import Job, Plan, RegionState, plan
 
@@ -107,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = [measure(n, args.repeat) for n in (1_000, 10_000)]

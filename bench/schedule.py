@@ -45,6 +45,7 @@ from typing import Any
 
 from rich.console import Console
 
+from bench.arguments import positive_int
 from bench.report import cpu_model, versions
 from bench.schedule_parts import chart, report
 from bench.schedule_parts.edge import Settings
@@ -95,13 +96,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--speed", type=float, default=360.0, help="simulated seconds per real second"
     )
     parser.add_argument("--interval", type=float, default=0.2, help="real s between ticks")
-    parser.add_argument("--version-mib", type=int, default=48, help="raw token MiB per version")
-    parser.add_argument("--shard-mib", type=int, default=8, help="raw MiB per Parquet shard")
+    parser.add_argument(
+        "--version-mib", type=positive_int, default=48, help="raw token MiB per version"
+    )
+    parser.add_argument(
+        "--shard-mib", type=positive_int, default=8, help="raw MiB per Parquet shard"
+    )
     parser.add_argument(
         "--capacity-versions", type=float, default=2.5, help="region capacity, in stored versions"
     )
     parser.add_argument("--naive-lead-hours", type=float, default=2.0)
-    parser.add_argument("--staging-concurrency", type=int, default=8)
+    parser.add_argument("--staging-concurrency", type=positive_int, default=8)
     parser.add_argument("--touch-seconds", type=float, default=2.0)
     parser.add_argument("--link", choices=("auto", "netns", "proxy"), default="auto")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
@@ -120,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--smoke", action="store_true", help="toy sizes and a short day (no figure means much)"
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.modes.split(",")) - {"controller", "naive"})
+    if unknown:  # any other name ran the naive day under it, and compared nothing
+        parser.error(f"--modes: unknown {unknown}; choose from controller, naive")
     console = Console(width=160)
     if args.from_json:
         return _replay(args, console)

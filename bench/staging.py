@@ -57,7 +57,17 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from bench import datasets, report
-from bench.edge_node import SHARD_ROWS, TESTS, s3_gets, spawn, write_parquet_shards, write_shards
+from bench.arguments import positive_int
+from bench.edge_node import (
+    SHARD_MIB,
+    SHARD_ROWS,
+    TESTS,
+    s3_gets,
+    shard_count,
+    spawn,
+    write_parquet_shards,
+    write_shards,
+)
 from edgecache.cache import byte_split
 from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, decode_chunk
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
@@ -397,7 +407,11 @@ def run(mib: int, repeat: int, console: Console) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="edgecache-bench-staging-"))
     try:
         origin = workdir / "origin"
-        console.log(f"writing {mib} MiB (as Arrow) of Parquet token shards")
+        count = shard_count(mib)
+        console.log(
+            f"writing {count * SHARD_MIB} MiB (as Arrow) of Parquet token shards ({count} of "
+            f"{SHARD_MIB} MiB; --mib {mib} rounds to them)"
+        )
         write_shards(origin, mib)
         registry = f"file://{workdir}/registry"
         for compression in DATASETS:
@@ -476,8 +490,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mib", type=int, default=256, help="Arrow MiB of token shards")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--mib",
+        type=positive_int,
+        default=256,
+        help="Arrow MiB of token shards (whole 32 MiB shards, at least one)",
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     console = Console(stderr=args.json, width=150)

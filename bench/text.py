@@ -35,6 +35,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench import datasets, report
+from bench.arguments import positive_int, require_modules
 from edgecache.cache.preprocess import ShardContext, load_transform, preprocess
 from edgecache.edge.config import usable_cores
 from edgecache.v1 import manifest_pb2 as pb
@@ -53,8 +54,13 @@ def corpus(mib: int) -> list[str]:
         except (UnicodeDecodeError, OSError):
             continue
     out: list[str] = []
-    while sum(map(len, out)) < mib << 20:
-        out.extend(docs)
+    size = 0
+    while size < mib << 20:  # the sources again, stopping at the size asked for
+        for doc in docs:
+            out.append(doc)
+            size += len(doc)
+            if size >= mib << 20:
+                break
     return out
 
 
@@ -163,10 +169,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mib", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--mib", type=positive_int, default=16)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    require_modules(parser, ("tokenizers",), "bench.text")
     console = Console(stderr=args.json, width=150)
     results = run(args.mib, args.repeat, console)
     if args.json:

@@ -13,7 +13,7 @@ and staged (Stage RPC) into one edge node subprocess, cached as zstd-1 chunks:
 
 **Shuffle quality.** One epoch of batches of 32 (label column only), for
 ``shuffle_windows`` 1 (the window shuffle: each batch cut from one window)
-up to 32 windows per batch, against a full random permutation of the same
+up to 16 windows per batch (the default), against a full random permutation of the same
 labels (one numpy permutation; the closed form ``10 * (1 - 0.9**32)`` is
 printed beside it). Figure: mean distinct classes per batch; target: the
 default ≥ 0.9× the permutation's.
@@ -53,6 +53,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from bench import report
+from bench.arguments import positive_int
 from edgecache.cache.manifest import preprocess_spec
 from edgecache.cache.registry import Registry
 from edgecache.cache.store import CacheStore
@@ -425,9 +426,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mib", type=int, default=256, help="raw MiB of the sorted version")
-    parser.add_argument("--code-mib", type=int, default=64, help="raw MiB of the second version")
-    parser.add_argument("--repeat", type=int, default=3, help="epochs per measure; best is kept")
+    parser.add_argument(
+        "--mib", type=positive_int, default=256, help="raw MiB of the sorted version"
+    )
+    parser.add_argument(
+        "--code-mib", type=positive_int, default=64, help="raw MiB of the second version"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=3, help="epochs per measure; best is kept"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args()
     console = Console(stderr=args.json, width=150)

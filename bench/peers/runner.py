@@ -28,6 +28,7 @@ from typing import Any
 
 import bench.peers
 from bench import report
+from bench.arguments import non_negative_int, positive_int, require_modules, workers_list
 from bench.dataset import Data, publish
 from bench.peers.data import KINDS, Source, generate
 from bench.peers.epoch import RESULT, run_epoch
@@ -105,10 +106,12 @@ def prepare_data(
     *,
     parallel: bool = True,
 ) -> tuple[list[Source], dict[str, dict[str, Converted]]]:
-    """Generate both datasets and convert them, two processes at a time when ``parallel``.
+    """Generate the datasets and convert them, two processes at a time when ``parallel``.
 
     Generating tokens (Zipf ids) is the slowest step; the images are generated
-    and converted on the other core meanwhile. Nothing here is measured.
+    and converted on the other core meanwhile. Nothing here is measured. A
+    dataset of 0 MiB is left out (measured was a 1-sample dataset, its rows
+    reported as missed targets).
     """
     formats: dict[str, dict[str, Converted]] = {"tokens": {}, "images": {}}
     sources: dict[str, Source] = {}
@@ -118,9 +121,10 @@ def prepare_data(
         generating = {
             name: pool.submit(generate, workdir, name, mib)
             for name, mib in (("tokens", tokens_mib), ("images", images_mib))
+            if mib > 0
         }
         converting: dict[tuple[str, str], Future[Converted]] = {}
-        for name in ("images", "tokens"):  # images are ready first
+        for name in [n for n in ("images", "tokens") if n in generating]:  # images first
             sources[name] = source = generating[name].result()
             console.log(
                 f"generated {source.rows:,} {name} samples ({source.raw_bytes / 1e6:,.0f} MB)"
@@ -134,7 +138,7 @@ def prepare_data(
                 f"wrote {name} as {system}: {converted.disk_bytes / 1e6:,.0f} MB "
                 f"in {converted.seconds:.1f} s"
             )
-    return [sources["tokens"], sources["images"]], formats
+    return [sources[n] for n in ("tokens", "images") if n in sources], formats
 
 
 # ------------------------------------------------------------------ edgecache
@@ -362,8 +366,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description=bench.peers.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--tokens-mib", type=int, default=1024, help="raw MiB of token data")
-    parser.add_argument("--images-mib", type=int, default=1024, help="raw MiB of image data")
+    parser.add_argument(
+        "--tokens-mib", type=non_negative_int, default=1024, help="raw MiB of token data"
+    )
+    parser.add_argument(
+        "--images-mib", type=non_negative_int, default=1024, help="raw MiB of image data"
+    )
     parser.add_argument(
         "--workers", default="0,2", help="DataLoader num_workers values, comma-separated"
     )
@@ -372,7 +380,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--repeat",
-        type=int,
+        type=positive_int,
         default=3,
         help="epochs per configuration in its process, while under --budget; fastest kept",
     )
@@ -404,11 +412,17 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.repeat = args.rounds = 1
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    args.workers = [int(w) for w in args.workers.split(",")]
+    if args.tokens_mib < 0 or args.images_mib < 0 or not args.tokens_mib + args.images_mib:
+        parser.error("--tokens-mib and --images-mib: 0 leaves a dataset out, not both")
+    args.workers = workers_list(parser, args.workers)
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
+    needs = {"mds": ("streaming", "transformers"), "litdata": ("litdata",)}
+    needs |= {"mds-zstd": needs["mds"], "webdataset": ("webdataset", "braceexpand")}
+    modules = ["psutil", *(m for s in args.systems for m in needs.get(s, ()))]
+    require_modules(parser, modules, f"bench.peers --systems {','.join(args.systems)}")
     return args
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from rich.console import Console
 
+from bench.arguments import positive_int
 from bench.wan import report
 from bench.wan.link import LinkSpec
 from bench.wan.origin import write_tokens
@@ -55,10 +56,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--raw-mib", type=int, default=1024, help="raw token MiB (default 1024)")
-    parser.add_argument("--shard-mib", type=int, default=32, help="raw MiB per Parquet shard")
     parser.add_argument(
-        "--repeat", type=int, default=4, help="epochs per warm measure (median kept) and per job"
+        "--raw-mib", type=positive_int, default=1024, help="raw token MiB (default 1024)"
+    )
+    parser.add_argument(
+        "--shard-mib", type=positive_int, default=32, help="raw MiB per Parquet shard"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=4,
+        help="epochs per warm measure (median kept) and per job",
     )
     parser.add_argument("--link", choices=("auto", "netns", "proxy"), default="auto")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
@@ -68,7 +76,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--probe-warmup", type=float, default=2.0, help="slow start, not counted")
     parser.add_argument("--probe-streams", default="1,32")
     parser.add_argument(
-        "--staging-concurrency", type=int, default=16, help="the node's staging_concurrency"
+        "--staging-concurrency",
+        type=positive_int,
+        default=16,
+        help="the node's staging_concurrency",
     )
     parser.add_argument("--settle-seconds", type=float, default=4.0)
     parser.add_argument(
@@ -82,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="tiny sizes and a short link, to check it all still works (no figure means much)",
     )
     args = parser.parse_args(argv)
+    if not set(args.parts.split(",")) <= {"1", "2", "3"}:
+        parser.error(f"--parts {args.parts!r}: choose among 1, 2 and 3, e.g. 1,2,3")
     if args.smoke:
         # Four 1 MiB shards; staging the next version still outlasts the contended epoch.
         args.raw_mib, args.shard_mib, args.repeat, args.rtt_ms = 4, 1, 1, 20.0

@@ -228,9 +228,12 @@ def _row(
 def print_results(console: Console, results: dict[str, Any]) -> None:
     """The table of ratios against targets, then epochs, staging, sizes and versions."""
     link = results["link"]
+    # The proxy link (no netem) simulates no loss: the title said the loss it was given.
+    simulated = "to_edge" in ((link.get("measured") or {}).get("loss") or {})
+    loss = f", {link['loss'] * 100:g} % loss" if simulated else ", no loss simulated"
     table = Table(
         title=f"edgecache over a simulated WAN ({link['rtt_ms']:g} ms, {link['rate_mbit']:g} "
-        f"Mbit/s, {link['loss'] * 100:g} % loss; {link['kind']})"
+        f"Mbit/s{loss}; {link['kind']})"
     )
     for column in ("measure", "ours", "baseline", "ratio", "target", ""):
         table.add_column(column, justify="left" if column == "measure" else "right")
