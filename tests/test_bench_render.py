@@ -7,18 +7,30 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
-from bench import render
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
+
+
+@pytest.fixture
+def render(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """bench.render, from the checkout (bench is not installed with edgecache)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import render
+
+    return render
 
 
 def _sections(text: str) -> list[str]:
     return [c for c in re.split(r"(?m)^(?=## )", text) if c.startswith("## ")]
 
 
-def test_rendering_without_a_suites_results_keeps_its_section_and_rows(tmp_path: Path) -> None:
+def test_rendering_without_a_suites_results_keeps_its_section_and_rows(
+    tmp_path: Path, render: ModuleType
+) -> None:
     """`python -m bench --only planner` (the docs' way to refresh one section) rewrote the
     page with the planner's section alone: every other section and summary row deleted, and
     `--render-only` in a fresh clone (no build/bench) emptied it (a helper's hunt)."""
@@ -31,7 +43,7 @@ def test_rendering_without_a_suites_results_keeps_its_section_and_rows(tmp_path:
     assert rows and rows <= set(after.splitlines())
 
 
-def test_every_suites_heading_is_on_the_page() -> None:
+def test_every_suites_heading_is_on_the_page(render: ModuleType) -> None:
     """The headings a kept section is found by are the ones the sections are written with."""
     headings = [c.splitlines()[0] for c in _sections(DOCS.read_text())]
     for suite, heading in render._HEADINGS.items():  # noqa: SLF001
