@@ -33,6 +33,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench import render
+from bench.arguments import positive_float
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,7 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every data size")
+    parser.add_argument(
+        "--scale", type=positive_float, default=1.0, help="multiply every data size"
+    )
     parser.add_argument(
         "--only", default="", help=f"comma-separated suites of {[s.name for s in SUITES]}"
     )

@@ -43,6 +43,12 @@ def positive_float(text: str) -> float:
     return value
 
 
+def some_data(parser: argparse.ArgumentParser, tokens_mib: int, images_mib: int) -> None:
+    """``--tokens-mib 0`` or ``--images-mib 0`` leaves that dataset out; not both."""
+    if not tokens_mib + images_mib:
+        parser.error("--tokens-mib and --images-mib: 0 leaves a dataset out, not both")
+
+
 def workers_list(parser: argparse.ArgumentParser, text: str) -> list[int]:
     """``--workers 0,2``: DataLoader ``num_workers`` values, each at least 0."""
     try:

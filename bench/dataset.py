@@ -58,7 +58,7 @@ from rich.console import Console
 from torch.utils.data import DataLoader
 
 from bench import datasets, report
-from bench.arguments import non_negative_int, positive_int
+from bench.arguments import non_negative_int, positive_int, some_data
 from bench.report import ratio_table
 from edgecache.cache.codec import decode_chunk
 from edgecache.cache.keys import ShardKey
@@ -325,6 +325,7 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
+    some_data(parser, args.tokens_mib, args.images_mib)
     console = Console(stderr=args.json, width=150)
     workdir = Path(tempfile.mkdtemp(prefix="edgecache-bench-dataset-"))
     try:

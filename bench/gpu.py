@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench import report
-from bench.arguments import non_negative_int, positive_int, workers_list
+from bench.arguments import non_negative_int, positive_float, positive_int, some_data, workers_list
 
 __all__ = ["copy_bandwidth", "main"]
 
@@ -285,10 +285,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--workers", default="0,4,8", help="DataLoader num_workers values")
     parser.add_argument("--repeat", type=positive_int, default=2, help="epochs per configuration")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per epoch process")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=600, help="seconds per epoch process"
+    )
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--epoch", help=argparse.SUPPRESS)  # one epoch, in its own process
     args = parser.parse_args(argv)
+    some_data(parser, args.tokens_mib, args.images_mib)
     args.workers = workers_list(parser, args.workers)
     return args
 

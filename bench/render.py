@@ -1030,6 +1030,19 @@ def kept_from_page(text: str, results: dict[str, dict]) -> tuple[list[str], dict
     return rows, sections
 
 
+def _dated(section: str, suite: str, data: dict) -> str:
+    """``section`` saying when it was measured, where it does not already.
+
+    A kept section is told apart from a fresh one by its date: five sections
+    (schedule, training, images, text, gpu) had none.
+    """
+    date = data.get("_date")
+    if not date or date in section:
+        return section
+    heading, _, rest = section.partition("\n")
+    return f"{heading}\n\nMeasured {date} (`python -m bench --only {suite}`).\n{rest}"
+
+
 def write_docs(results: dict[str, dict], path: Path) -> None:
     """Rewrite ``path`` (and its charts in ``img/`` beside it) from ``results``.
 
@@ -1038,7 +1051,10 @@ def write_docs(results: dict[str, dict], path: Path) -> None:
     """
     from bench import charts
 
-    kept_rows, kept = kept_from_page(path.read_text() if path.exists() else "", results)
+    # A suite that skipped (bench.gpu without CUDA) measured nothing: a GPU host's section
+    # on the page stays (every make bench on a CPU machine replaced it with "Not run here").
+    measured = {name: data for name, data in results.items() if "skipped" not in data}
+    kept_rows, kept = kept_from_page(path.read_text() if path.exists() else "", measured)
     images = path.parent / "img"
     images.mkdir(parents=True, exist_ok=True)
     pictures = charts.draw(results, images)
@@ -1069,7 +1085,7 @@ def write_docs(results: dict[str, dict], path: Path) -> None:
         "against a baseline measured in the same run on the same bytes: this machine is "
         "shared and noisy, absolute speeds move from run to run, ratios much less. A "
         "suite run alone (`--only`) rewrites its own section and rows; the others are "
-        "kept, each section dated.",
+        "kept as the page had them (a section says when it was measured).",
         f"Machine: {_machine()}.",
         "## Every target",
         "\n".join(lines),
@@ -1081,8 +1097,8 @@ def write_docs(results: dict[str, dict], path: Path) -> None:
         **_SECTIONS,
     }
     for suite in _HEADINGS:
-        if suite in results:
-            parts.append(made_sections[suite](results[suite]))
+        if suite in measured or (suite in results and suite not in kept):
+            parts.append(_dated(made_sections[suite](results[suite]), suite, results[suite]))
         elif suite in kept:
             parts.append(kept[suite])
     path.write_text("\n\n".join(p for p in parts if p) + "\n")

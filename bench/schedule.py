@@ -45,7 +45,7 @@ from typing import Any
 
 from rich.console import Console
 
-from bench.arguments import positive_int
+from bench.arguments import positive_float, positive_int
 from bench.report import cpu_model, versions
 from bench.schedule_parts import chart, report
 from bench.schedule_parts.edge import Settings
@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--speed", type=float, default=360.0, help="simulated seconds per real second"
+        "--speed", type=positive_float, default=360.0, help="simulated seconds per real second"
     )
-    parser.add_argument("--interval", type=float, default=0.2, help="real s between ticks")
+    parser.add_argument("--interval", type=positive_float, default=0.2, help="real s between ticks")
     parser.add_argument(
         "--version-mib", type=positive_int, default=48, help="raw token MiB per version"
     )

@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "address",
         nargs="?",
         help=f"HOST:PORT of the node's probe [PID 1's --probe-listen where it is edgecache "
-        f"serve, $EDGECACHE_PROBE_LISTEN, the --config file's probe_listen, {DEFAULT_PROBE}]",
+        f"serve, $EDGECACHE_PROBE_LISTEN, the --config file's (or PID 1's --config) "
+        f"probe_listen, {DEFAULT_PROBE}]",
     )
     parser.add_argument("--config", type=Path, help="the node's settings file")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait, > 0 [3]")

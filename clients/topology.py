@@ -7,6 +7,7 @@ because these files are written by hand and read by scripts.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable
@@ -75,11 +76,18 @@ class RegionConfig(BaseModel):
     @field_validator("egress_price_per_gb", mode="before")
     @classmethod
     def _price(cls, value: Any) -> Any:
-        # Pydantic's lax mode read YAML's yes/true as 1.0: a dollar per GB, without a word.
+        # Pydantic's lax mode read YAML's yes/true as 1.0: a dollar per GB, without a word;
+        # an infinite or undefined price is no price either.
         if isinstance(value, bool):
             raise ValueError(
                 f"{str(value).lower()} is not a price: give the dollars per GB, e.g. 0.09"
             )
+        try:
+            finite = math.isfinite(float(value))
+        except (TypeError, ValueError):
+            return value  # pydantic says what it is not
+        if not finite:  # .inf priced every job $inf, and --json wrote Infinity (not JSON)
+            raise ValueError(f"{value!r} is not a price: give the dollars per GB, e.g. 0.09")
         return value
 
     @field_validator("peers", mode="before")

@@ -68,3 +68,23 @@ def test_render_only_without_results_and_a_docs_folder_that_is_not_there_are_ref
         )
         assert out.returncode == 2 and said in out.stderr, (args, out.stdout, out.stderr)
     assert page.read_text() == "# kept\n"
+
+
+def test_a_skipped_gpu_run_keeps_a_gpu_hosts_section_and_fresh_sections_are_dated(
+    tmp_path: Path, render: ModuleType
+) -> None:
+    """bench.gpu without CUDA measures nothing: a make bench on a CPU machine replaced a GPU
+    host's section with "Not run here". Five sections carried no date, so a kept one could
+    not be told from a fresh one (a review)."""
+    page = tmp_path / "benchmarks.md"
+    text = DOCS.read_text()
+    at = text.index("## GPU")
+    page.write_text(text[:at] + "## GPU (`python -m bench.gpu`)\n\nFIGURES FROM A GPU HOST\n")
+    render.write_docs({"gpu": {"skipped": "no CUDA device here", "_date": "2026-12-07"}}, page)
+    assert "FIGURES FROM A GPU HOST" in page.read_text()
+    assert render._dated("## X\n\nbody", "x", {"_date": "2026-12-07"}).startswith(  # noqa: SLF001
+        "## X\n\nMeasured 2026-12-07 (`python -m bench --only x`)."
+    )
+    fresh = tmp_path / "fresh.md"
+    render.write_docs({"gpu": {"skipped": "no CUDA device here", "_date": "2026-12-07"}}, fresh)
+    assert "Measured 2026-12-07" in fresh.read_text()  # no section to keep: the skip, dated

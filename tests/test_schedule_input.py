@@ -70,10 +70,10 @@ def test_a_region_written_twice_in_the_topology_is_refused(tmp_path: Path) -> No
     assert "'eu'" in message and "twice" in message and "line 3" in message, message
 
 
-@pytest.mark.parametrize("price", ["yes", "true"])
+@pytest.mark.parametrize("price", ["yes", "true", ".inf", "1e400", ".nan"])
 def test_a_yes_for_the_egress_price_is_refused_at_its_line(tmp_path: Path, price: str) -> None:
-    """egress_price_per_gb: yes was read as 1.0, a dollar per GB, and plan priced jobs by it
-    (a review)."""
+    """egress_price_per_gb: yes was read as 1.0, a dollar per GB, and plan priced jobs by it;
+    .inf priced them $inf, and plan --json wrote Infinity, which is not JSON (reviews)."""
     config = tmp_path / "edgecache.yaml"
     config.write_text(
         "registry: file:///tmp/registry\n"

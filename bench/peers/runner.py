@@ -28,7 +28,14 @@ from typing import Any
 
 import bench.peers
 from bench import report
-from bench.arguments import non_negative_int, positive_int, require_modules, workers_list
+from bench.arguments import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    require_modules,
+    some_data,
+    workers_list,
+)
 from bench.dataset import Data, publish
 from bench.peers.data import KINDS, Source, generate
 from bench.peers.epoch import RESULT, run_epoch
@@ -399,7 +406,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run epochs in this process (faster to start; memory figures then include leftovers)",
     )
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per process")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=900, help="seconds allowed per process"
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -412,8 +421,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.repeat = args.rounds = 1
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.tokens_mib < 0 or args.images_mib < 0 or not args.tokens_mib + args.images_mib:
-        parser.error("--tokens-mib and --images-mib: 0 leaves a dataset out, not both")
+    some_data(parser, args.tokens_mib, args.images_mib)
     args.workers = workers_list(parser, args.workers)
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
