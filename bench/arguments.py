@@ -10,26 +10,24 @@ import importlib.util
 from collections.abc import Iterable
 
 
-def positive_int(text: str) -> int:
-    """A whole number of at least 1 (sizes, repeats, counts)."""
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} is not at least {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (sizes, repeats, counts)."""
+    return _whole(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """A whole number of at least 0 (a dataset's MiB, where 0 leaves it out)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 0")
-    return value
+    return _whole(text, 0)
 
 
 def positive_float(text: str) -> float:

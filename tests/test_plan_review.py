@@ -269,6 +269,23 @@ def test_a_controller_job_of_the_same_name_does_not_hide_the_warm_job_that_pins(
     assert "neither warm nor the controller recorded" not in err, err
 
 
+def _plan_controller_warm_keep_iris_1(
+    root: Path, node: LocalNode, schedule: Path, *unsaid: str
+) -> None:
+    """plan, controller --once and warm, in turn, each exit 0 and keep the job on iris@1."""
+    runs = (
+        ("plan", str(schedule)),
+        ("controller", "--schedule", str(schedule), "--once"),
+        ("warm", str(schedule)),
+    )
+    for command in runs:
+        code, out, err = edgecache(root, *command)
+        said = " ".join((out + err).split())
+        assert code == 0, (command, out, err)
+        assert not any(word in said for word in ("iris@2", *unsaid)), (command, said)
+    assert "iris@1" in pins_on(node) and "iris@2" not in pins_on(node), pins_on(node)
+
+
 def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) -> None:
     """Without the controller, warm's record was not read: run again after the job started
     and a new version was published, warm staged and pinned the new one for the job,
@@ -292,17 +309,7 @@ def test_warm_alone_keeps_a_started_job_on_the_version_it_pinned_for_it(site) ->
     # The controller too (a round that never saw the job before its start): it read its
     # own record alone, staged iris@2 for the job, said it "cannot be met" (exit 3), and
     # recorded iris@2, so the warm after it released the pin of iris@1.
-    runs = (
-        ("plan", str(schedule)),
-        ("controller", "--schedule", str(schedule), "--once"),
-        ("warm", str(schedule)),
-    )
-    for command in runs:
-        code, out, err = edgecache(root, *command)
-        said = " ".join((out + err).split())
-        assert code == 0, (command, out, err)
-        assert "iris@2" not in said and "released" not in said, (command, said)
-    assert "iris@1" in pins_on(node) and "iris@2" not in pins_on(node), pins_on(node)
+    _plan_controller_warm_keep_iris_1(root, node, schedule, "released")
     code, out, err = edgecache(root, "evict", "iris@1")
     assert code != 0 and "train" in " ".join((out + err).split()), (out, err)
 
@@ -349,17 +356,7 @@ def test_a_started_job_neither_record_holds_reads_the_version_newest_at_its_star
     time.sleep(0.05)
     write_parquet_shards(root / "origin-2", 2, rows=150)
     publish(f"file://{root}/registry", f"file://{root}/origin-2", "iris")  # iris@2
-    runs = (
-        ("plan", str(schedule)),
-        ("controller", "--schedule", str(schedule), "--once"),
-        ("warm", str(schedule)),
-    )
-    for command in runs:
-        code, out, err = edgecache(root, *command)
-        said = " ".join((out + err).split())
-        assert code == 0, (command, out, err)
-        assert "iris@2" not in said, (command, said)
-    assert "iris@1" in pins_on(node) and "iris@2" not in pins_on(node), pins_on(node)
+    _plan_controller_warm_keep_iris_1(root, node, schedule)
     # A job that started after iris@2 was published reads it.
     later = datetime.now(UTC)
     schedule.write_text("jobs:\n" + job("train2", later, "iris", duration="4h"))
