@@ -463,9 +463,21 @@ def _spec(
     )
 
 
+def _streaming_locks() -> set[Path]:
+    """The lock files MosaicML Streaming leaves in the temp folder, 16 for each run with MDS.
+
+    Its datasets name their shared memory by a prefix and lock it with
+    ``<prefix>_barrier_filelock`` and ``<prefix>_cache_filelock``, never removed:
+    350 had piled up on this machine. A run removes the ones it made.
+    """
+    root = Path(tempfile.gettempdir())
+    return {*root.glob("*_barrier_filelock"), *root.glob("*_cache_filelock")}
+
+
 def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]:
     """Everything but the printing; the JSON document."""
     started = time.perf_counter()
+    locks_before = _streaming_locks()
     peers = [s for s in args.systems if s in PEERS]
     sources, formats = prepare_data(
         workdir, args.tokens_mib, args.images_mib, peers, console, parallel=not args.smoke
@@ -536,6 +548,8 @@ def run(args: argparse.Namespace, workdir: Path, console: Any) -> dict[str, Any]
     finally:
         if node is not None:
             node.stop()
+        for lock in _streaming_locks() - locks_before:
+            lock.unlink(missing_ok=True)
     epochs = best_runs(runs)
     for e in epochs:  # CPU per GB of raw sample bytes delivered, in the loader and the node
         gb = next(s.raw_bytes for s in sources if s.name == e["dataset"]) / 1e9

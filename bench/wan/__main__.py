@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.raw_mib, args.shard_mib, args.repeat, args.rtt_ms = 4, 1, 1, 20.0
         args.probe_seconds, args.probe_warmup, args.probe_streams = 0.3, 0.1, "1,4"
         args.settle_seconds = 0.2
+    try:  # before the link and origin are set up, not after
+        streams = [int(n) for n in args.probe_streams.split(",")]
+    except ValueError:
+        parser.error(f"--probe-streams {args.probe_streams!r}: give stream counts, e.g. 1,32")
+    if min(streams) < 1:
+        parser.error(f"--probe-streams {args.probe_streams!r}: each count is at least 1")
 
     console = Console(width=150)
     spec = LinkSpec(rtt_ms=args.rtt_ms, rate_mbit=args.rate_mbit, loss=args.loss)
@@ -108,7 +114,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         console.log(f"origin: moto's S3 server, reached from the edge at {origin}")
         s.phase("link and origin set up")
         console.log("measuring the link itself")
-        streams = [int(n) for n in args.probe_streams.split(",")]
         probe = s.run.probe(streams, args.probe_seconds, args.probe_warmup)
         report.print_link(console, s.link.describe(), probe)
         s.phase("link measured")
