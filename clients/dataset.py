@@ -173,12 +173,18 @@ def _environment_rank() -> tuple[int, int]:
             "pass rank= and world_size="
         )
     try:
-        return int(texts["RANK"]), int(texts["WORLD_SIZE"])  # type: ignore[arg-type]
+        rank, world = int(texts["RANK"]), int(texts["WORLD_SIZE"])  # type: ignore[arg-type]
     except ValueError:
         raise ValueError(
             f"RANK={texts['RANK']!r} and WORLD_SIZE={texts['WORLD_SIZE']!r} "
             "are not integers; fix them, or pass rank= and world_size="
         ) from None
+    if not 0 <= rank < world:  # said as the environment's, not as rank= the caller never gave
+        raise ValueError(
+            f"$RANK={texts['RANK']} and $WORLD_SIZE={texts['WORLD_SIZE']}: the rank must be in "
+            "0..WORLD_SIZE-1; fix the environment, or pass rank= and world_size="
+        )
+    return rank, world
 
 
 def _column_names(columns: str | Sequence[str] | None) -> list[str] | None:
@@ -616,6 +622,24 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if endpoints is None and config is None:
             raise InvalidEndpoint("pass endpoints=[...] or config='edgecache.yaml' (and region=)")
         replicas: list[str] = []
+        if isinstance(endpoints, bytes | bytearray) or not (
+            endpoints is None or isinstance(endpoints, str | Iterable)
+        ):  # 18600 was "'int' object is not iterable", b"host:port" endpoint 49 ('1')
+            raise InvalidEndpoint(
+                "endpoints must be a host:port or lmdb:// string, or a list of them, got "
+                f"{endpoints!r} ({type(endpoints).__name__})"
+            )
+        if config is not None and not isinstance(config, str | os.PathLike):
+            raise InvalidEndpoint(
+                f"config must be the path of a topology file, got {config!r} "
+                f"({type(config).__name__})"
+            )
+        if config is None and region is not None:
+            # Before the "not both" advice below, whose "drop endpoints=" needs a config=.
+            raise InvalidEndpoint(
+                f"region={region!r} names a region of a topology file: pass config= with it"
+                + (", or drop region=" if endpoints is not None else "")
+            )
         # One endpoint given as a string is one endpoint, not a list of characters.
         given = [endpoints] if isinstance(endpoints, str) else list(endpoints or [])
         both = endpoints is not None and (config is not None or region is not None)
@@ -629,10 +653,6 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 "read the region's nodes from the topology file, or drop "
                 f"{' and '.join(k + '=' for k in ignored)} (lmdb:// caches alone may be given "
                 "beside config=: they are read first, the topology's nodes after them)"
-            )
-        if config is None and region is not None:
-            raise InvalidEndpoint(
-                f"region={region!r} names a region of a topology file: pass config= with it"
             )
         if config is not None:
             # The host's own cache first (a node's lmdb:// directory), then the topology:
@@ -686,6 +706,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         # read in the order of the state's format (dataset_state.order_style).
         self._old_order: tuple[int, int, int] | None = None
         self._delivered = {"samples": 0, "batches": 0, "wait_seconds": 0.0}
+        # What closed pools saw (stats() adds the open one's): bytes, failures, failovers.
+        self._closed_endpoints: dict[str, dict[str, Any]] = {}
+        self._closed_failovers = 0
         self._watched = False  # watch() measures the loop's wait (and the pipeline's is not)
         self._last_pipeline: dict[str, float] = {}
         self.manifests = self._resolve(
@@ -905,9 +928,32 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         system.
         """
         if self._open is not None and self._pid == os.getpid():
+            self._keep_pool_stats(self._open.pool)
             self._finalizer()
         self._open = None
         recycled.buffers.release()
+
+    def _keep_pool_stats(self, pool: Any) -> None:
+        """Add a closing pool's bytes, failures and failovers to the dataset's own.
+
+        ``stats()`` read them from the open pool alone: after a ``with`` block it
+        said 0 bytes and no endpoints beside the samples delivered, and after a
+        close between epochs it mixed two spans (samples of both, bytes of one).
+        """
+        self._closed_endpoints = self._endpoint_stats(pool)
+        self._closed_failovers += pool.failovers
+
+    def _endpoint_stats(self, pool: Any) -> dict[str, dict[str, Any]]:
+        """Each endpoint's stats over the dataset's life: closed pools' and ``pool``'s."""
+        endpoints = {text: dict(seen) for text, seen in self._closed_endpoints.items()}
+        for text, seen in pool.stats.items() if pool is not None else ():
+            now = asdict(seen)
+            before = endpoints.get(text)
+            if before is not None:
+                now["bytes"] += before["bytes"]
+                now["failures"] += before["failures"]
+            endpoints[text] = now
+        return endpoints
 
     def __enter__(self) -> EdgeDataset:
         return self
@@ -1514,12 +1560,12 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         (:meth:`~edgecache.clients.pipeline.Pipeline._submit` says why).
         """
         pool = self._open.pool if self._open is not None else None
-        endpoints = {text: asdict(s) for text, s in pool.stats.items()} if pool else {}
+        endpoints = self._endpoint_stats(pool)
         return {
             "version": self.version,
             **self._delivered,
             "bytes": sum(e["bytes"] for e in endpoints.values()),
-            "failovers": pool.failovers if pool else 0,
+            "failovers": self._closed_failovers + (pool.failovers if pool else 0),
             "endpoints": endpoints,
             "last_pipeline": dict(self._last_pipeline),
         }

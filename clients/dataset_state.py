@@ -215,6 +215,14 @@ def resume_from(
     derived one (``window_rows`` comes from ``window_bytes``).
     """
     known = (FORMAT, SIDE_BY_SIDE_FORMAT, PERMUTED_BLOCKS_FORMAT, PER_LANE_FORMAT)
+    newer = state.get("format") if isinstance(state, dict) else None
+    if isinstance(newer, int) and not isinstance(newer, bool) and newer > max(known):
+        # Saved by a newer edgecache: upgrading resumes it exactly, where the advice for
+        # old formats (start the epoch again) threw the checkpoint's progress away.
+        raise StateMismatch(
+            f"this state dict was saved by a newer edgecache (format {newer}; this one reads "
+            f"formats up to {max(known)}): upgrade edgecache to resume it"
+        )
     if not isinstance(state, dict) or state.get("format") not in known:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise StateMismatch(

@@ -577,7 +577,8 @@ def test_endpoints_beside_a_topology_are_refused(tmp_path: Path) -> None:
     topology = tmp_path / "edgecache.yaml"
     topology.write_text("registry: file:///unused\nregions:\n  eu:\n    nodes: [a:1]\n")
     for extra, named in (
-        ({"region": "eu"}, r"region would go unused.*or drop region="),
+        # No config= to read the region from: "drop endpoints=" would not do (stop 51).
+        ({"region": "eu"}, r"names a region of a topology file: pass config= with it, or drop"),
         ({"config": topology}, r"config would go unused.*or drop config="),
         ({"config": topology, "region": "eu"}, r"config and region would go unused"),
     ):
