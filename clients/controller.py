@@ -88,7 +88,7 @@ from edgecache.clients.ops import (
     warm_readers,
     warm_started,
 )
-from edgecache.clients.ops.at_start import newest_at_start
+from edgecache.clients.ops.at_start import Known, newest_at_start
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -405,13 +405,14 @@ def started_schedule(
     """
     covered = recorded_started(schedule, state, now)
     started = as_started(schedule, state, now)
+    known: Known = {}  # the registry's publish times, read once for both steps
     try:
-        started = warm_started(started, registry, now, covered, owner)
+        started = warm_started(started, registry, now, covered, owner, known)
     except (OriginError, TypeError, ValueError) as exc:
         # One object origin will not give must not stop every round (warm_readers too).
         log.warning("warm's record could not be read (%s): planning from the controller's", exc)
     # A job neither record holds: the version newest at its start, not the newest now.
-    return newest_at_start(started, registry, now)
+    return newest_at_start(started, registry, now, known)
 
 
 def recorded_started(schedule: Schedule, state: ControllerState | None, now: datetime) -> set[str]:

@@ -21,26 +21,33 @@ from edgecache.cache.names import parse_spec
 from edgecache.cache.registry import Registry
 from edgecache.clients.topology import Schedule
 
-__all__ = ["newest_at_start", "versions_at"]
+__all__ = ["Known", "newest_at_start", "versions_at"]
 
 log = logging.getLogger(__name__)
 
 
+Known = dict[tuple[str, datetime], tuple[int, bool] | None]  # versions_at's answers so far
+
+
 def versions_at(
-    registry: str, asked: Set[tuple[str, datetime]]
+    registry: str, asked: Set[tuple[str, datetime]], known: Known | None = None
 ) -> dict[tuple[str, datetime], tuple[int, bool]]:
     """(dataset, start) → the newest version published by then, and whether it is the newest.
 
     Manifests are read newest first, each once, and only as far back as a start
     needs. A dataset without versions, or with none published by a start, has
     no entry. A registry that cannot be read raises its
-    :class:`~edgecache.cache.errors.EdgeCacheError`.
+    :class:`~edgecache.cache.errors.EdgeCacheError`. ``known``: the answers of
+    earlier calls in one pass over a schedule (warm's record, then the jobs
+    neither record holds), filled here: the registry is read once for them.
     """
+    known = {} if known is None else known
+    missing = {key for key in asked if key not in known}
 
     async def read(reg: Registry) -> dict[tuple[str, datetime], tuple[int, bool]]:
         published: dict[str, list[tuple[int, datetime]]] = {}  # newest first, read lazily
         found = {}
-        for dataset, start in sorted(asked):
+        for dataset, start in sorted(missing):
             try:
                 numbers = await reg.published(dataset)
             except VersionNotFound:
@@ -55,17 +62,22 @@ def versions_at(
                     break
         return found
 
-    return Registry.run(registry, read) if asked else {}
+    if missing:
+        found = Registry.run(registry, read)
+        known.update({key: found.get(key) for key in missing})
+    return {key: answer for key in asked if (answer := known[key]) is not None}
 
 
-def newest_at_start(schedule: Schedule, registry: str, now: datetime) -> Schedule:
+def newest_at_start(
+    schedule: Schedule, registry: str, now: datetime, known: Known | None = None
+) -> Schedule:
     """The schedule with each running job's ``name`` as the version newest at its start.
 
     Only where a newer version was published after the start: a ``name`` whose
     newest version the job could have read stays as written, as does one with
     no version published before the start (the job waits for the first). A
     registry that cannot be read leaves the schedule as it is, with a warning;
-    the plan then says what is wrong with it.
+    the plan then says what is wrong with it. ``known``: see :func:`versions_at`.
     """
     asked = {
         (parse_spec(spec).dataset, job.start)
@@ -75,7 +87,7 @@ def newest_at_start(schedule: Schedule, registry: str, now: datetime) -> Schedul
         if parse_spec(spec).version is None
     }
     try:
-        at = versions_at(registry, asked)
+        at = versions_at(registry, asked, known)
     except EdgeCacheError as exc:
         log.warning("the registry's publish times could not be read (%s): %s", registry, exc)
         return schedule

@@ -20,7 +20,7 @@ from edgecache.cache.errors import EdgeCacheError, ObjectNotFound, OriginError
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Plan, VersionKey
 from edgecache.cache.storage import Stores
-from edgecache.clients.ops.at_start import versions_at
+from edgecache.clients.ops.at_start import Known, versions_at
 from edgecache.clients.topology import Schedule, Topology
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -280,7 +280,12 @@ def warm_readers(registry: str, now: datetime) -> dict[tuple[str, str], datetime
 
 
 def warm_started(
-    schedule: Schedule, registry: str, now: datetime, skip: Set[str], owner: str = ""
+    schedule: Schedule,
+    registry: str,
+    now: datetime,
+    skip: Set[str],
+    owner: str = "",
+    known: Known | None = None,
 ) -> Schedule:
     """The schedule with each started job reading the versions warm pinned for it.
 
@@ -296,8 +301,9 @@ def warm_started(
     (:func:`_as_recorded`); ``skip``: jobs the
     controller's record covers; ``owner``: the schedule file's
     (:func:`schedule_owner`), whose own record is read, not another schedule's
-    job of the same name, region and start. A record origin will not give is
-    :class:`OriginError`, raised.
+    job of the same name, region and start; ``known``: see
+    :func:`~edgecache.clients.ops.at_start.versions_at`. A record origin will
+    not give is :class:`OriginError`, raised.
     """
     if not any(job.start <= now < job.end and job.name not in skip for job in schedule.jobs):
         return schedule
@@ -321,7 +327,7 @@ def warm_started(
         if parse_spec(spec).version is None
     }
     try:
-        at = versions_at(registry, asked)
+        at = versions_at(registry, asked, known)
     except EdgeCacheError:
         at = None  # the registry cannot say: the records stand
     read = {(job.name, job.region, job.start): record for job, record in started}
