@@ -615,6 +615,13 @@ class EdgeCacheService:
         its own metric (``edgecache_origin_retries_total``,
         ``edgecache_registry_retries_total``).
         """
+        report = await self._path_report(request)
+        # A note may name the registry: without the user:password@ its URL may hold, as
+        # Status shows it (any caller reads a report), as the errors' details are.
+        report.note = _without_secrets(self, report.note)
+        return report
+
+    async def _path_report(self, request: edge_pb2.DiagnoseRequest) -> edge_pb2.PathReport:
         seconds = diagnose_seconds(request.seconds)
         streams = min(max(request.streams or 4, 1), DIAGNOSE_STREAMS)
         node = self.node
@@ -624,17 +631,13 @@ class EdgeCacheService:
                 if request.target == "registry":
                     url = node.registry.url
                     first = held[0] if held else None
-                    report = await diagnose_registry(
+                    return await diagnose_registry(
                         node.registry_stores,
                         url,
                         node.registry.version_url(first.dataset, first.version) if first else None,
                         seconds,
                         streams,
                     )
-                    # Its notes name the registry: without the user:password@ a registry
-                    # URL may hold, as Status shows it (any caller reads a report).
-                    report.note = _without_secrets(self, report.note)
-                    return report
                 sample = _sample_object(held)
                 return await diagnose_origin(node.stores, sample, seconds, streams)
             finally:
