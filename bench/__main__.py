@@ -9,7 +9,8 @@ end a summary table of every ratio this run measured against its target is
 printed and ``docs/benchmarks.md`` is rewritten from the results, with PNG
 charts in ``docs/img/`` (see ``bench/render.py``): the sections and summary
 rows of the suites this run measured; the others (``--only`` leaves them out,
-or one failed) keep theirs as the page had them, each section dated.
+or one failed) keep theirs as the page had them (a section says when it was
+measured).
 
 ``--scale`` multiplies every data size (0.25 for a quick look; the figures
 in the docs come from 1.0). At 1.0 the peers and the WAN get their
@@ -180,8 +181,7 @@ def main() -> None:
     results = {
         s.name: json.loads((args.out / f"{s.name}.json").read_text())
         for s in SUITES
-        if (args.out / f"{s.name}.json").exists()
-        and (args.render_only or (s.name in ran and (not wanted or s.name in wanted)))
+        if (args.out / f"{s.name}.json").exists() and (args.render_only or s.name in ran)
     }
     console.rule("[bold]summary")
     console.print(render.summary_table(results))

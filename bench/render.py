@@ -1070,7 +1070,8 @@ def write_docs(results: dict[str, dict], path: Path) -> None:
         for r in summary_rows(results)
     ]
     table = _md_table(["suite", "measure", "baseline", "measured", "target", ""], summary)
-    head, made = table.split("\n")[:2], table.split("\n")[2:]
+    table_lines = table.split("\n")
+    head, made = table_lines[:2], table_lines[2:]
     order = list(_HEADINGS)
 
     def place(line: str) -> int:

@@ -427,11 +427,18 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
-    needs = {"mds": ("streaming", "transformers"), "litdata": ("litdata",)}
-    needs |= {"mds-zstd": needs["mds"], "webdataset": ("webdataset", "braceexpand")}
-    modules = ["psutil", *(m for s in args.systems for m in needs.get(s, ()))]
+    modules = ["psutil", *(m for s in args.systems for m in _NEEDS.get(s, ()))]
     require_modules(parser, modules, f"bench.peers --systems {','.join(args.systems)}")
     return args
+
+
+# What each peer imports beyond edgecache's own (bench/requirements.txt installs them).
+_NEEDS = {
+    "mds": ("streaming", "transformers"),
+    "mds-zstd": ("streaming", "transformers"),
+    "litdata": ("litdata",),
+    "webdataset": ("webdataset", "braceexpand"),
+}
 
 
 def _spec(
