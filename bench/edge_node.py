@@ -67,6 +67,18 @@ def shard_count(total_mib: int) -> int:
     return max(total_mib // SHARD_MIB, 1)
 
 
+WHOLE_SHARDS = f"whole {SHARD_MIB} MiB shards, at least one"  # the size flags' help says so
+
+
+def shards_written(total_mib: int, flag: str) -> str:
+    """What a size flag writes, said as it is: ``64 MiB (2 shards of 32 MiB; --mib 70 …)``."""
+    count = shard_count(total_mib)
+    return (
+        f"{count * SHARD_MIB} MiB ({count} shard{'s' * (count != 1)} of {SHARD_MIB} MiB; "
+        f"{flag} {total_mib} rounds to them)"
+    )
+
+
 def write_shards(root: Path, total_mib: int) -> int:
     """Parquet token shards (2048 int32 per sample, Zipf ids) of ~SHARD_MIB raw each."""
     rng = np.random.default_rng(0)
@@ -172,10 +184,7 @@ def metric(address: str, name: str) -> float:
 
 
 def bench_read(workdir: Path, read_mib: int, repeat: int, console: Console) -> list[dict]:
-    console.log(
-        f"writing {shard_count(read_mib) * SHARD_MIB} MiB of Parquet token shards "
-        f"({shard_count(read_mib)} of {SHARD_MIB} MiB; --read-mib {read_mib} rounds to them)"
-    )
+    console.log(f"writing {shards_written(read_mib, '--read-mib')} of Parquet token shards")
     write_shards(workdir / "origin", read_mib)
     registry = f"file://{workdir}/registry"
     shards = publish(registry, f"file://{workdir}/origin", "tokens")
@@ -237,9 +246,8 @@ def bench_stage(workdir: Path, stage_mib: int, repeat: int, console: Console) ->
         env = s3_env(endpoint)
         os.environ.update(env)
         console.log(
-            f"writing and uploading {shard_count(stage_mib) * SHARD_MIB} MiB of Parquet shards "
-            f"to moto's S3 ({shard_count(stage_mib)} of {SHARD_MIB} MiB; --stage-mib {stage_mib} "
-            "rounds to them)"
+            f"writing and uploading {shards_written(stage_mib, '--stage-mib')} of Parquet "
+            "shards to moto's S3"
         )
         write_shards(workdir / "stage-origin", stage_mib)
         make_bucket(endpoint, "bench-origin")
@@ -352,13 +360,13 @@ def main() -> None:
         "--read-mib",
         type=positive_int,
         default=512,
-        help="raw MiB for the ReadShard part (whole 32 MiB shards, at least one)",
+        help=f"raw MiB for the ReadShard part ({WHOLE_SHARDS})",
     )
     parser.add_argument(
         "--stage-mib",
         type=positive_int,
         default=256,
-        help="raw MiB for the staging part (whole 32 MiB shards, at least one)",
+        help=f"raw MiB for the staging part ({WHOLE_SHARDS})",
     )
     parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")

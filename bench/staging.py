@@ -59,11 +59,11 @@ from rich.console import Console
 from bench import datasets, report
 from bench.arguments import positive_int
 from bench.edge_node import (
-    SHARD_MIB,
     SHARD_ROWS,
     TESTS,
+    WHOLE_SHARDS,
     s3_gets,
-    shard_count,
+    shards_written,
     spawn,
     write_parquet_shards,
     write_shards,
@@ -407,11 +407,7 @@ def run(mib: int, repeat: int, console: Console) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="edgecache-bench-staging-"))
     try:
         origin = workdir / "origin"
-        count = shard_count(mib)
-        console.log(
-            f"writing {count * SHARD_MIB} MiB (as Arrow) of Parquet token shards ({count} of "
-            f"{SHARD_MIB} MiB; --mib {mib} rounds to them)"
-        )
+        console.log(f"writing {shards_written(mib, '--mib')} (as Arrow) of Parquet token shards")
         write_shards(origin, mib)
         registry = f"file://{workdir}/registry"
         for compression in DATASETS:
@@ -494,7 +490,7 @@ def main() -> None:
         "--mib",
         type=positive_int,
         default=256,
-        help="Arrow MiB of token shards (whole 32 MiB shards, at least one)",
+        help=f"Arrow MiB of token shards ({WHOLE_SHARDS})",
     )
     parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--json", action="store_true")
