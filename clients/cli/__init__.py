@@ -16,6 +16,16 @@ import os
 # ERROR keeps gRPC's errors, as the node's image does; GRPC_VERBOSITY set by the user wins.
 # Read when gRPC starts (its first channel or server), which none has yet at this import.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# Arrow's default pool (mimalloc) gives freed pages back to the kernel 10 ms after they are
+# freed, so a node staging shard after shard on two threads faulted in and zeroed each
+# shard's decode buffers again: the kernel's page clearing took 5-13 % of the node's CPU
+# (perf, 512 MiB of token Parquet staged on 2 cores), 2 % with a delay of a second, which
+# keeps them for the next shard and still returns a node's memory soon after staging
+# ends (2-core staging 5-30 % faster, 1-core 2-5 %; docs/benchmarks.md, "Staging").
+# Read when pyarrow loads, which nothing above this package has made it do; a value the
+# user set wins. Every command gets it (short-lived ones never notice); a training
+# process, which never imports the CLI, keeps Arrow's default.
+os.environ.setdefault("MIMALLOC_PURGE_DELAY", "1000")
 
 from edgecache.clients.cli.app import app, main  # noqa: E402
 
