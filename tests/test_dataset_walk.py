@@ -207,6 +207,8 @@ def test_a_state_of_an_older_order_resumes_exactly_in_it(node: LocalNode, form: 
         ({"window_bytes": 0.5}, "window_bytes must be a positive integer"),  # was accepted
         ({"window_bytes": True}, "window_bytes"),  # a bool was one byte per window
         ({"lanes": 2.0}, "lanes must be a positive integer"),
+        ({"lanes": 10**6}, "lanes must be at most 4096"),  # building the order never ended
+        ({"columns": {"label": 1}}, r"got a mapping .*\['label'\]"),  # read its keys
         # Each accepted until the first iteration (a TypeError deep inside), or misread:
         ({"shuffle": "False"}, "shuffle must be True or False"),
         ({"drop_last": "no"}, "drop_last must be True or False"),  # read as True
