@@ -29,6 +29,7 @@ import re
 import shlex
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from typing import NamedTuple, TypeVar
 
@@ -454,7 +455,12 @@ class Registry:
         """Write ``manifest`` as the next free version number and return it as written.
 
         The manifest's own version number is a starting guess; a taken number is
-        skipped. The digest does not cover the number, so it stays valid.
+        skipped. The digest does not cover the number, so it stays valid. Nor does it
+        cover ``created_at``, stamped here, as the version is written: it says which
+        version was the newest when a job started (``clients/ops/at_start.py``), and
+        stamped when the manifest was built (seconds earlier, after reading every
+        shard's metadata) a job starting meanwhile was matched to a version it could
+        not yet have read.
         """
         validate_name(manifest.dataset)
         existing = await self.versions(manifest.dataset)
@@ -463,6 +469,7 @@ class Registry:
             candidate = pb.Manifest()
             candidate.CopyFrom(manifest)
             candidate.version = number
+            candidate.created_at.FromDatetime(datetime.now(UTC))
             url = self.version_url(manifest.dataset, number)
             try:
                 await self._store(url).put(

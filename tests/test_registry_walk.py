@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,7 @@ from edgecache.cache.storage import FsspecStore, ObjectStore, Stores
 from edgecache.edge import versions as versions_module
 from edgecache.edge.server import running_node
 from edgecache.v1 import edge_pb2
+from edgecache.v1 import manifest_pb2 as pb
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -358,3 +360,26 @@ def test_a_node_whose_copy_agrees_with_the_registry_asks_it_at_job_start_only(
         resolved = cx.ResolveVersion(edge_pb2.ResolveVersionRequest(dataset="tokens", version="1"))
         assert resolved.digest == published.digest
         assert read_shard_table(cx, "tokens", 1, 0).num_rows == 10
+
+
+def test_a_versions_publish_time_is_when_it_was_written_not_when_it_was_built(
+    tmp_path: Path,
+) -> None:
+    """`created_at` says which version a job that started at some time read
+    (clients/ops/at_start.py). Stamped when the manifest was built, a job that
+    started while the publisher was still reading shards was matched to a version
+    it could not yet see."""
+    registry = f"file://{tmp_path}/registry"
+    (source,) = sources(tmp_path, ("", f"file://{tmp_path}/sources"), 1, None)
+    first = Registry.run(
+        registry, lambda reg: reg.publish(source, "stamped", spec=preprocess_spec())
+    )
+    built_long_ago = pb.Manifest()
+    built_long_ago.CopyFrom(first)
+    built_long_ago.created_at.FromDatetime(datetime(2020, 1, 1, tzinfo=UTC))
+    before = datetime.now(UTC)
+    written = Registry.run(registry, lambda reg: reg.commit(built_long_ago))
+    stored = Registry.run(registry, lambda reg: reg.manifest("stamped", written.version))
+    assert written.version == 2
+    assert stored.created_at.ToDatetime(UTC) >= before - timedelta(seconds=1)
+    assert stored.created_at == written.created_at and stored.digest == first.digest
