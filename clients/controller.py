@@ -1308,10 +1308,13 @@ class Controller:
         Records are history for ``plan --status`` after that: a task's goes
         ``record_retention`` after the end of its last job, a job's
         ``record_retention`` after its end, and either goes at once when its
-        jobs leave the schedule. In a region with a node down (the plan there
-        is partial) nothing changes.
+        jobs leave the schedule. In a region where no node answers (nothing is
+        known there) nothing changes; a region with some of its nodes down is
+        planned and staged on those that answer, so its tasks are judged as
+        anywhere (frozen as well, its late and failed tasks never reached the
+        gauges, and the alerts on them never fired).
         """
-        down = set(region_outages(reports))
+        down = {region for region, outage in region_outages(reports).items() if outage.unreachable}
         planned = {
             f"{r} {t.spec}" for r, region_plan in plan.regions.items() for t in region_plan.tasks
         }

@@ -1217,8 +1217,10 @@ def _exit_code(warmed: _Warmed, dry_run: bool = False) -> ExitCode:
     """
     down = _down(warmed)
     outcome = warmed.outcome
-    if _credentials_refused(warmed):
-        return ExitCode.BAD_INPUT  # as the schedule form, whose status check finds it first
+    # As the schedule form, whose status check finds it first; unless a node is down too
+    # (1 outranks 2, as for plan: a script reading 2 would not retry past a dead node).
+    if _credentials_refused(warmed) and (not down or _outage_exit(down) is ExitCode.BAD_INPUT):
+        return ExitCode.BAD_INPUT
     if warmed.failed or outcome.pin_failures or outcome.evict_failures or _release_failures(warmed):
         return ExitCode.FAILED
     if down:

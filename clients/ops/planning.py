@@ -184,7 +184,24 @@ def make_plan(
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
     result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
-    result.infeasible += _share_rows(topology, reports, jobs, manifests, sizes, held, result)
+    shares = _share_rows(topology, reports, jobs, manifests, sizes, held, result)
+    if shares:
+        # Planned again without them: a version no split of the region's nodes holds is
+        # neither staged (its stage failed RESOURCE_EXHAUSTED on the node its shards hash
+        # to, and the shards the others took stayed pinned there, room held for nothing),
+        # nor pinned, nor made room for by an eviction.
+        unholdable = {(row.job, row.version) for row in shares}
+        kept = [
+            replace(
+                job,
+                versions=tuple(
+                    v for v in job.versions if (job.name, f"{v[0]}@{v[1]}") not in unholdable
+                ),
+            )
+            for job in jobs
+        ]
+        result = plan(kept, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    result.infeasible += shares
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     result.infeasible[:] = [
         replace(row, reason=f"{row.reason} ({'; '.join(short_room[row.region])})")
