@@ -1422,6 +1422,16 @@ class Controller:
                 log.info(
                     "%s: staged %s, ready at %s", record.region, record.version, record.ready_at
                 )
+                if run.item.peers_refused:  # origin egress each time, until the setting is fixed
+                    log.warning(
+                        "%s: %s came from origin, not from its peers as planned: %s refused "
+                        "the staging node for its configuration; fix the setting its notes "
+                        "name (such as peer_token_file): %s",
+                        record.region,
+                        record.version,
+                        ", ".join(run.item.peers_refused),
+                        "; ".join(run.item.notes[:1]),
+                    )
                 # What the nodes moved, by where it came from: a peer task may have fallen
                 # back to origin, and a partly held version moves only the rest.
                 self.metrics.staged_bytes["origin"].inc(run.item.origin_bytes)

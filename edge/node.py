@@ -91,6 +91,8 @@ class Fetched:
     source: str  # "origin" or "peer"
     bytes: int  # source bytes from origin, stored bytes from peers
     notes: tuple[str, ...] = ()  # e.g. peers that failed before origin gave it
+    # Peers that refused this node for its configuration before origin gave it.
+    peers_refused: tuple[str, ...] = ()
     # A read-through miss the cache could not take (pinned data fills it, or the shard
     # is larger than the cache): its frames, served from memory and then dropped, and
     # why it was not stored (what a Stage joining this fetch fails with).
@@ -167,6 +169,7 @@ class StagedShard:
     source: str = ""  # where a fetched shard came from: "origin" or "peer"
     peer_bytes: int = 0  # stored bytes copied from peers
     notes: tuple[str, ...] = ()
+    peers_refused: tuple[str, ...] = ()  # refused this node's configuration: origin gave it
     revoked: bool = False  # reported staged earlier in this stage, evicted since
     joined: bool = False  # fetched by another request's fetch this stage waited on
 
@@ -622,6 +625,7 @@ class EdgeNode:
         if staging and (no_room := self._still_no_room(key)) is not None:
             raise no_room  # a reader's miss is fetched anyway: served without caching it
         notes: tuple[str, ...] = ()
+        refused_by: tuple[str, ...] = ()
         if peers:
             if (share := self._shares.get(key)) is not None:
                 share.started = True  # a peer copy is not gated: it begins now
@@ -660,6 +664,7 @@ class EdgeNode:
                     ) from exc
                 why = "; ".join(exc.reasons) or "no peer was asked"
                 notes = (f"shard {key.shard}: no peer could give it ({why}); took it from origin",)
+                refused_by = tuple(exc.refused)
                 log.warning("%s %s", key, notes[0])
                 if (share := self._shares.get(key)) is not None:
                     share.started = False  # from origin: through the staging gate, as any
@@ -678,7 +683,9 @@ class EdgeNode:
                     Fetched(info, "peer", copy.stored_bytes, tuple(copy.notes), passed, refused),
                 )
         fetched = await self._fetch_origin(manifest, key, staging=staging, wanted=wanted)
-        return self._keep_memory(key, dataclasses.replace(fetched, notes=notes))
+        return self._keep_memory(
+            key, dataclasses.replace(fetched, notes=notes, peers_refused=refused_by)
+        )
 
     def _keep_memory(self, key: ShardKey, fetched: Fetched) -> Fetched:
         """Count passed-through frames against ``fetch_memory`` until their readers are done.
@@ -1155,6 +1162,7 @@ class EdgeNode:
                                 else 0
                             ),
                             notes=fetched.notes if fetched else (),
+                            peers_refused=fetched.peers_refused if fetched else (),
                             joined=joined,
                         )
                     )

@@ -527,6 +527,8 @@ class EdgeCacheService:
     ) -> None:
         """Add one shard's outcome to a Stage's progress (and its failures)."""
         progress.notes.extend(outcome.notes)
+        said = set(progress.peers_refused)
+        progress.peers_refused.extend(p for p in outcome.peers_refused if p not in said)
         progress.peer_bytes_done += outcome.peer_bytes
         if outcome.error is not None:
             code, why = status_for(outcome.error)  # why: the error and what to do

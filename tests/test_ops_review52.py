@@ -144,3 +144,52 @@ def test_a_regions_tasks_count_in_the_gauges_with_one_of_its_nodes_down(tmp_path
     finally:
         r2.stop()
         r1.stop()
+
+
+def test_warm_says_a_peer_refused_the_staging_node_and_exits_2(tmp_path: Path) -> None:
+    """The plan copied a@1 from eu; eu refused us's node (no peer token), so us took every
+    shard from origin: warm said "staged … from origin" among per-shard notes and exited 0,
+    as it would on every run, paying origin's egress, until someone read the notes."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 3, rows=2000)
+    publish(registry, f"file://{tmp_path}/origin", "a")
+    (tmp_path / "admin.token").write_text("admin-token-0123456789\n")
+    (tmp_path / "read.token").write_text("read-token-0123456789\n")
+    eu = start_local_node(
+        "eu",
+        tmp_path / "cache-eu",
+        registry,
+        extra_args=[
+            "--token-file",
+            str(tmp_path / "admin.token"),
+            "--read-token-file",
+            str(tmp_path / "read.token"),
+        ],
+    )
+    us = start_local_node("us", tmp_path / "cache-us", registry)  # no peer_token_file
+    try:
+        topology = tmp_path / "edgecache.yaml"
+        topology.write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  eu:\n    nodes: ['{eu.address}']\n    peers: {{us: 1GB/s}}\n"
+            f"  us:\n    nodes: ['{us.address}']\n    origin_bandwidth: 1kB/s\n"
+            f"    peers: {{eu: 1GB/s}}\n"
+        )
+        config = ["--config", str(topology), "--token-file", str(tmp_path / "admin.token")]
+        code, out, err = edgecache("warm", "a@1", "--region", "eu", *config)
+        assert code == 0, (out, err)
+        schedule = _schedule(tmp_path, ("j", "us", "a@1"))
+        code, out, err = edgecache("plan", str(schedule), "--json", *config)
+        assert code == 0 and json.loads(out)["regions"]["us"]["tasks"][0]["source"] == "eu"
+        code, out, err = edgecache("warm", str(schedule), "--json", *config)
+        said = " ".join(err.split())
+        assert code == 2, (out, err)
+        assert (
+            f"peer refused: a@1 in us came from origin, not from its peers as planned: {eu.address}"
+            in said
+        )
+        (row,) = json.loads(out)["items"]
+        assert row["peers_refused"] == [eu.address] and row["source"] == "origin", row
+    finally:
+        us.stop()
+        eu.stop()

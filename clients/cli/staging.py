@@ -1196,6 +1196,16 @@ def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
         )
     for failure in warmed.outcome.evict_failures:
         err_console.print(f"[red]evict failed:[/red] {failure}", soft_wrap=True)
+    for row in warmed.rows:
+        if row.get("peers_refused"):
+            err_console.print(
+                f"[red]peer refused:[/red] {row['version']} in {row['region']} came from "
+                f"origin, not from its peers as planned: {', '.join(row['peers_refused'])} "
+                "refused the staging node for its configuration (its notes name the "
+                "setting to fix on the region's nodes, such as peer_token_file), and will on "
+                "every run until it is fixed",
+                soft_wrap=True,
+            )
     # Each problem says itself what becomes of the pin (a failed call, a node down).
     label = "release would fail" if dry_run else "release failed"
     for problem in _release_failures(warmed):
@@ -1225,6 +1235,8 @@ def _exit_code(warmed: _Warmed, dry_run: bool = False) -> ExitCode:
         return ExitCode.FAILED
     if down:
         return _outage_exit(down)
+    if any(row.get("peers_refused") for row in warmed.rows):
+        return ExitCode.BAD_INPUT  # a setting to fix, as a refused token: retrying cannot
     if warmed.work is not None:
         there = _there_now(warmed, dry_run)
         if any(i not in there for i in warmed.work.plan.infeasible):
@@ -1447,6 +1459,7 @@ def _row(
         "done": item.done,
         "failures": item.failures,
         "notes": item.notes,
+        "peers_refused": item.peers_refused,
         "start": json_time(task.start) if task else None,
         "jobs": list(task.jobs) if task else [],
     }

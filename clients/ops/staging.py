@@ -56,6 +56,10 @@ class WarmItem:
     peer_bytes: int = 0  # what the nodes said they copied from peers (stored bytes)
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. a peer that failed mid-shard
+    # Peers that refused the staging node for its configuration (its peer token, TLS):
+    # the version came from origin instead of the peers the plan chose, as it will on
+    # every run until that setting is fixed (bad input, as a refused token is).
+    peers_refused: list[str] = field(default_factory=list)
     done: bool = False
 
     @property
@@ -304,6 +308,7 @@ def _stage_node(
             item.peer_bytes += event.peer_bytes_done - peer_seen
             origin_seen, peer_seen = event.bytes_done, event.peer_bytes_done
             item.notes.extend(n for n in event.notes if n not in item.notes)
+            item.peers_refused.extend(p for p in event.peers_refused if p not in item.peers_refused)
             on_progress(item)
             if stop.is_set():
                 # At once, not at the watcher's next look (0.1 s): events that came in
