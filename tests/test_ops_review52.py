@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgeutil import edgecache, publish, write_parquet_shards
 
+from edgecache.clients.cli.staging import grouped_shard_notes
 from edgecache.clients.controller import Controller
 from edgecache.clients.node_client import start_local_node
 
@@ -193,3 +194,14 @@ def test_warm_says_a_peer_refused_the_staging_node_and_exits_2(tmp_path: Path) -
     finally:
         us.stop()
         eu.stop()
+
+
+def test_notes_of_many_shards_in_the_same_words_are_said_once() -> None:
+    notes = [f"shard {i}: no peer could give it (refused); took it from origin" for i in range(12)]
+    notes[3:3] = ["a note of the version", "shard 40: its copy failed mid-way"]
+    assert grouped_shard_notes(notes) == [
+        "shards 0, 1, 2, 3, 4, 5, 6, 7 and 4 more: no peer could give it (refused); took it "
+        "from origin",
+        "a note of the version",
+        "shard 40: its copy failed mid-way",
+    ]

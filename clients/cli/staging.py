@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Sequence, Set
@@ -991,7 +992,7 @@ def _report_text(warmed: _Warmed, dry_run: bool) -> None:
     else:
         _print_stages(warmed.rows, dry_run, sizes)
     for row in warmed.rows:
-        for note in row["notes"]:
+        for note in grouped_shard_notes(row["notes"]):
             err_console.print(f"note: {row['region']} {row['version']}: {note}", soft_wrap=True)
     said = _sizes_said(_staged_rows(warmed.rows, dry_run))
     if dry_run:
@@ -1216,6 +1217,34 @@ def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
         report_there_now(_there_now(warmed, dry_run), warmed.work.schedule)
     for outage in _down(warmed).values():
         error(outage.message())
+
+
+_SHARD_NOTE = re.compile(r"shard (\d+): (.*)", re.DOTALL)
+_SHARDS_LISTED = 8  # shard numbers a grouped note lists before "and N more"
+
+
+def grouped_shard_notes(notes: Sequence[str]) -> list[str]:
+    """Notes that differ only in their ``shard N:`` said once, naming the shards.
+
+    A node notes each shard a peer did not give it: a peer that refuses the node's
+    token gave a thousand-shard version a thousand lines of the same words.
+    """
+    # (whether of shards, its words after "shard N: ") → its shards
+    shards: dict[tuple[bool, str], list[str]] = {}
+    for note in notes:
+        match = _SHARD_NOTE.fullmatch(note)
+        number, words = match.groups() if match else ("", note)
+        shards.setdefault((match is not None, words), []).append(number)
+    said = []
+    for (of_shards, words), numbers in shards.items():
+        if not of_shards:
+            said.append(words)
+            continue
+        listed = ", ".join(numbers[:_SHARDS_LISTED])
+        if len(numbers) > _SHARDS_LISTED:
+            listed += f" and {len(numbers) - _SHARDS_LISTED} more"
+        said.append(f"shard{'s' if len(numbers) > 1 else ''} {listed}: {words}")
+    return said
 
 
 def _exit_code(warmed: _Warmed, dry_run: bool = False) -> ExitCode:
