@@ -158,6 +158,17 @@ def test_csv_integers_past_int64_are_refused_naming_column_and_line(tmp_path: Pa
     huge = b"1,-123456789012345678901234\n"
     message = refused(huge, CSV, header="false")
     assert "line 1: column 'f1'" in message and "'f1=decimal128(38, 0)'" in message
+    # Said as what it is: past uint64; no fractions to speak of, nor places (a hunt found
+    # "beside fractions … (0 decimal places, all that 38 digits leave …)").
+    assert "past uint64 too, so no integer type holds it" in message, message
+    assert "fractions" not in message and "decimal places" not in message, message
+    jsonl = b'{"a": [{"id": -123456789012345678901}]}\n'
+    for text, form in ((b"id\n123456789012345678901234\n1\n", CSV), (jsonl, JSONL)):
+        said = refused(text, form)
+        assert "fractions" not in said and "decimal places" not in said, said
+    # A column that does hold fractions keeps saying so.
+    mixed = refused(b"v\n0.5\n123456789012345678901234\n", CSV)
+    assert "beside fractions that an integer type would refuse" in mixed, mixed
     assert read(huge, CSV, header="false", column_types="f1=float64").num_rows == 1
     # A float column whose values are floats: no refusal (nothing reaches past int64 here
     # but 1e19, written as a float).
@@ -165,6 +176,18 @@ def test_csv_integers_past_int64_are_refused_naming_column_and_line(tmp_path: Pa
 
 
 # ---------------------------------------------------------------- 5: comments above the header
+
+
+@pytest.mark.parametrize(
+    "data", [b"id,name,note\n1,a,hello\n2,b\n3,c\n4,d\n", b"a,b,c\n1,2,3\n4,5\n6,7\n"]
+)
+def test_a_ragged_row_below_a_header_and_a_row_is_the_objects_fault(data: bytes) -> None:
+    """A hunt: the header and the first row were called "a comment, title or count line"
+    and --skip-rows 2 advised; followed (with the --no-header it then asked for), the
+    version published without its header, a row and a column, exit 0."""
+    message = refused(data, CSV)
+    assert "Row #3: Expected 3 columns, got 2" in message, message
+    assert "skip-rows" not in message and "fix or remove the object" in message, message
 
 
 def test_comment_lines_above_the_header_are_named_with_skip_rows(tmp_path: Path) -> None:
@@ -435,3 +458,15 @@ def test_a_node_stages_a_version_published_before_these_checks_as_recorded() -> 
         describe(nested, fmt=JSONL, source="x.jsonl", spec=pb.PreprocessSpec())
     rows = list(preprocess(nested, fmt=JSONL, source="x.jsonl", spec=pb.PreprocessSpec()))
     assert rows[0].schema.field("a").type == pa.struct([("id", pa.float64())])
+
+
+def test_publish_help_gives_the_delimiter_default_for_tsv_too() -> None:
+    """--help said the default was "," where a folder of .tsv objects is read tab-separated."""
+    from typer.testing import CliRunner
+
+    from edgecache.clients.cli.app import app
+
+    said = " ".join(
+        CliRunner().invoke(app, ["publish", "--help"], env={"COLUMNS": "300"}).output.split()
+    )
+    assert "(default: comma; tab when every object is .tsv)" in said, said

@@ -258,6 +258,7 @@ def _refuse_rounded_integers(
                         value,
                         kind,
                         _typed_at(path, "float64"),
+                        fractions=fractions,
                     )
 
 

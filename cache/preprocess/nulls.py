@@ -55,15 +55,20 @@ def _number(kind: pa.DataType) -> bool:
 
 
 def _bytes(kind: pa.DataType) -> bool:
-    """Binary and strings (dictionary-encoded too): a ``Packed`` by default, no null."""
+    """Binary and strings (dictionary-encoded and views too): a ``Packed`` by default, no null.
+
+    Views (``string_view``, which Polars writes) are read as the plain types are.
+    """
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
     return (
         pa.types.is_binary(kind)
         or pa.types.is_large_binary(kind)
+        or pa.types.is_binary_view(kind)
         or pa.types.is_fixed_size_binary(kind)
         or pa.types.is_string(kind)
         or pa.types.is_large_string(kind)
+        or pa.types.is_string_view(kind)
     )
 
 

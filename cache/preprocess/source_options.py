@@ -493,7 +493,11 @@ def _leading_prose(text: bytes, delimiter: str, skip: int) -> list[str]:
     """The lines before the first row (after ``skip``) that are comments or prose.
 
     Those starting with ``#``, or holding another number of cells than the rows
-    below mostly do: a title, a source note above the header.
+    below mostly do: a title, a source note above the header. Never a line of
+    several cells that the next line matches: that is a header and its first row
+    (or two rows) above a ragged row, which is the object's fault, not a title's
+    (``id,name,note`` / ``1,a,hello`` / ``2,b`` was called two title lines, and
+    ``--skip-rows 2`` then published the rest without its header and a column).
     """
     rows = _first_rows(text, delimiter, skip, 60)
     lines = text[: 1 << 20].decode("utf-8", errors="replace").splitlines()[skip : skip + 60]
@@ -504,6 +508,10 @@ def _leading_prose(text: bytes, delimiter: str, skip: int) -> list[str]:
     lead = 0
     while lead < len(lines) and (lines[lead].lstrip().startswith("#") or counts[lead] != body):
         lead += 1
+    for at in range(lead):
+        comment = lines[at].lstrip().startswith("#")
+        if not comment and counts[at] > 1 and at + 1 < lead and counts[at + 1] == counts[at]:
+            return []
     return lines[:lead] if body > 1 and lead <= len(lines) // 2 else []
 
 
@@ -580,12 +588,22 @@ def has_fractions(values: pa.Array | pa.ChunkedArray) -> bool:
 
 
 def rounded_integer_error(
-    where: str, what: str, name: str, value: int, kind: str, rounded: str = "float64"
+    where: str,
+    what: str,
+    name: str,
+    value: int,
+    kind: str,
+    rounded: str = "float64",
+    *,
+    fractions: bool = False,
 ) -> MalformedShard:
     """The error for an integer that pyarrow would read as a float, losing digits.
 
     Past int64, or (``rounds_in_float``) past 2**53 in a column of fractions.
-    ``kind`` is the column's type that keeps it, ``rounded`` the one that accepts the rounding.
+    ``kind`` is the column's type that keeps it (:func:`integer_type_hint`),
+    ``rounded`` the one that accepts the rounding; ``fractions``: the column holds
+    some, which the type's decimal places are for (past uint64 a column of
+    integers alone gets ``decimal128(38, 0)`` too, and then no word of fractions).
     """
     keep, accept = shlex.quote(f"{name}={kind}"), shlex.quote(f"{name}={rounded}")
     decimal = re.search(r"decimal128\(38, ([0-9]+)\)", kind)
@@ -601,10 +619,12 @@ def rounded_integer_error(
         )
     else:
         why = f"past int64, so it would be read as float64 and lose digits ({became})"
-        if places is not None:
+        if places is not None and fractions:
             why += ", beside fractions that an integer type would refuse"
+        elif places is not None:
+            why += "; past uint64 too, so no integer type holds it"
     scale = ""
-    if places is not None:
+    if places is not None and (fractions or -_INT64 <= value < _INT64):
         scale = (
             " (9 decimal places: raise the scale if the fractions need more)"
             if places == "9"
@@ -654,9 +674,12 @@ def _refuse_rounded_integers(
                 cell = row[i].strip() if i < len(row) else ""
                 if re.fullmatch(r"-?[0-9]{16,}", cell) and rounds_in_float(int(cell)):
                     value = int(cell)
-                    kind = integer_type_hint(value, has_fractions(table.column(i)))
+                    fractions = has_fractions(table.column(i))
+                    kind = integer_type_hint(value, fractions)
                     where = f"{source} line {line}"
-                    raise rounded_integer_error(where, f"column {name!r}", name, value, kind)
+                    raise rounded_integer_error(
+                        where, f"column {name!r}", name, value, kind, fractions=fractions
+                    )
 
 
 def _single_spaced(text: bytes) -> bytes:

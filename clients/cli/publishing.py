@@ -273,7 +273,7 @@ def publish(
         str | None,
         typer.Option(
             help="CSV: one character, or comma, tab, space, semicolon, pipe, whitespace "
-            "(runs of blanks) [,].",
+            "(runs of blanks) (default: comma; tab when every object is .tsv).",
             rich_help_panel=CSV_HELP,
         ),
     ] = None,
