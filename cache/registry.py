@@ -901,7 +901,9 @@ class Registry:
             )
         own = schema.names  # what a columns transform can select: not the partitions
         # Hive partition columns, after the data's own (a column of the same name refused).
-        schema = with_partitions(schema, partition_fields(options), objects[0].info.url)
+        schema = with_partitions(
+            schema, partition_fields(options), objects[0].info.url, transform=name, params=params
+        )
         shards = [
             pb.Shard(
                 index=i,

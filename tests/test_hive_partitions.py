@@ -214,3 +214,29 @@ def test_an_unknown_partitioning_is_refused_naming_the_choices(tmp_path: Path) -
             f"file://{tmp_path}/registry",
             lambda reg: reg.publish(str(tmp_path / "src"), "p", spec=spec),
         )
+
+
+def test_a_partition_name_a_rename_makes_is_said_as_the_renames_with_a_fix_that_works(
+    tmp_path: Path,
+) -> None:
+    """A hunt: rename=v=code over code=… folders was said as the file having a column 'code',
+    with the fix rename=code=NEW ("column 'code' (in rename) is missing"), and adding it as a
+    second --param rename was refused ("given more than once")."""
+    write_layout(tmp_path / "src", {"code=007": 1, "code=x1": 1}, v=[1], s=["a"])
+    registry = f"file://{tmp_path}/registry"
+    publish = ["publish", str(tmp_path / "src"), "--dataset", "h", "--registry", registry]
+    code, out = cli(*publish, "--transform", "columns", "--param", "rename=v=code,s=t")
+    said = " ".join(out.split())
+    assert code == 2 and "the columns transform's rename=v=code makes a column 'code'" in said
+    assert "already has a column" not in said and "(--param rename=s=t,v=NEW)" in said, said
+    code, out = cli(*publish, "--transform", "columns", "--param", "rename=s=t,v=NEW")
+    assert code == 0, out  # the fix it gives
+    # A column of the file's own under a columns transform: one rename param, both pairs.
+    write_layout(tmp_path / "own", {"code=007": 1}, code=[5], s=["a"])
+    own = ["publish", str(tmp_path / "own"), "--dataset", "o", "--registry", registry]
+    code, out = cli(*own, "--transform", "columns", "--param", "rename=s=t")
+    said = " ".join(out.split())
+    assert code == 2 and "already has a column 'code'" in said, said
+    assert "in the same --param rename (s=t,code=NEW: it is given once)" in said, said
+    code, out = cli(*own, "--transform", "columns", "--param", "rename=s=t,code=NEW")
+    assert code == 0, out

@@ -170,8 +170,19 @@ def partition_fields(options: Mapping[str, str]) -> list[pa.Field]:
     return fields
 
 
-def with_partitions(schema: pa.Schema, fields: Sequence[pa.Field], source: str) -> pa.Schema:
+def with_partitions(
+    schema: pa.Schema,
+    fields: Sequence[pa.Field],
+    source: str,
+    *,
+    transform: str = "identity",
+    params: Mapping[str, str] | None = None,
+) -> pa.Schema:
     """``schema`` with the partition columns after its own; a name it already has is refused.
+
+    ``schema`` is the data after ``transform``, so a column of the partition's name
+    may be the transform's making (``rename=v=code``): the message says whose it is
+    and a fix that works (a second ``--param rename`` is refused).
 
     Raises:
         MalformedShard: the data already has a column named like a partition.
@@ -179,14 +190,50 @@ def with_partitions(schema: pa.Schema, fields: Sequence[pa.Field], source: str) 
     for field in fields:
         if field.name in schema.names:
             raise MalformedShard(
-                f"{source} already has a column {field.name!r}, and its key's folders name a "
-                f"Hive partition {field.name}=…: the version cannot hold both; rename the "
-                f"column (--transform columns --param rename={field.name}=NEW) or the "
-                f"folders, or {_OFF}"
+                f"{_whose_column(field.name, source, transform, params or {})}, and its key's "
+                f"folders name a Hive partition {field.name}=…: the version cannot hold "
+                f"both; {_renamed(field.name, transform, params or {})} or the folders, or "
+                f"{_OFF}"
             )
     for field in fields:
         schema = schema.append(field)
     return schema
+
+
+def _rename_targets(params: Mapping[str, str]) -> dict[str, str]:
+    """The columns transform's ``rename=a=x,b=y`` as new name → old name."""
+    pairs = (p.partition("=") for p in params.get("rename", "").split(",") if "=" in p)
+    return {new.strip(): old.strip() for old, _, new in pairs}
+
+
+def _whose_column(name: str, source: str, transform: str, params: Mapping[str, str]) -> str:
+    """Who made the column: the object or the transform.
+
+    ``columns`` only selects, renames and casts the object's own columns.
+    """
+    if transform == "columns" and name in (targets := _rename_targets(params)):
+        return (
+            f"the columns transform's rename={targets[name]}={name} makes a column {name!r} "
+            f"of {source}'s {targets[name]!r}"
+        )
+    if transform in ("identity", "columns"):
+        return f"{source} already has a column {name!r}"
+    return f"{source}, through the {transform} transform, has a column {name!r}"
+
+
+def _renamed(name: str, transform: str, params: Mapping[str, str]) -> str:
+    """How to give the column another name, for the transform the version is published with."""
+    if transform == "identity":
+        return f"rename the column (--transform columns --param rename={name}=NEW)"
+    if transform == "columns":
+        targets = _rename_targets(params)
+        if name in targets:
+            kept = ",".join(f"{o}={n}" for n, o in targets.items() if n != name)
+            whole = ",".join(filter(None, [kept, f"{targets[name]}=NEW"]))
+            return f"rename it to another name (--param rename={whole})"
+        whole = ",".join(filter(None, [params.get("rename", ""), f"{name}=NEW"]))
+        return f"rename the column in the same --param rename ({whole}: it is given once)"
+    return f"give the {transform} transform's output column another name"
 
 
 def partition_scalars(fields: Sequence[pa.Field], key: str, source: str) -> list[pa.Scalar]:
