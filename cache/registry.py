@@ -693,7 +693,11 @@ class Registry:
         return "mds" if isinstance(index, dict) and isinstance(index.get("shards"), list) else None
 
     async def _mds_sources(
-        self, prefix: str, found: list[SourceObject]
+        self,
+        prefix: str,
+        found: list[SourceObject],
+        select: Selection | None = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> tuple[list[SourceObject], MdsColumns]:
         """The shards the ``index.json`` files under ``prefix`` list, with their row counts.
 
@@ -718,7 +722,7 @@ class Registry:
             )
         columns: MdsColumns | None = None
         shards: list[SourceObject] = []
-        missing: list[str] = []
+        missing: list[tuple[str, SourceObject]] = []  # (shard key, the index that lists it)
         taken: dict[str, tuple[str, int]] = {}  # key → (the index that listed it, samples)
         for index in indexes:
             text = await self._store(index.info.url).get(index.info.url, expect=index.info)
@@ -755,7 +759,7 @@ class Registry:
                     continue
                 obj = by_key.get(key)
                 if obj is None:
-                    missing.append(key)
+                    missing.append((key, index))
                     continue
                 if key == strip_suffix(key) and 4 * (shard.samples + 2) > obj.info.size:
                     raise MalformedShard(
@@ -764,8 +768,17 @@ class Registry:
                         "the index or the shard and publish again"
                     )
                 shards.append(SourceObject(info=obj.info, key=key, rows=shard.samples))
+        if missing and select is not None and select != Selection():
+            # Left out by the patterns, not absent: uploading "the whole directory" again
+            # would change nothing (a hunt found that advice followed in vain).
+            there = {o.key for o in await self._objects(prefix, exclude, Selection())}
+            left_out = [(key, index) for key, index in missing if key in there]
+            if len(left_out) == len(missing):
+                raise ObjectNotFound(_selected_away(select, left_out))
+            missing = [(key, index) for key, index in missing if key not in there]
         if missing:
-            raise ObjectNotFound(_missing_shards(prefix, indexes, missing, len(shards)))
+            keys = [key for key, _ in missing]
+            raise ObjectNotFound(_missing_shards(prefix, indexes, keys, len(shards)))
         assert columns is not None
         return shards, columns
 
@@ -850,7 +863,7 @@ class Registry:
         if fmt == pb.SOURCE_FORMAT_MDS:
             if given:
                 raise ValueError("MDS sources take no reader options: index.json says it all")
-            objects, columns = await self._mds_sources(source_url, objects)
+            objects, columns = await self._mds_sources(source_url, objects, select, refs)
             if single is not None and single.key.rsplit("/", 1)[-1] != "index.json":
                 objects = _one_mds_shard(single, objects)
             if name == "images" and (why := image_encoding_problem(columns, params.get("column"))):
@@ -1257,6 +1270,22 @@ def _missing_shards(
         f"{'is' if len(missing) == 1 else 'are'} not under {prefix}: {listed}; upload the "
         "whole MDS directory (the index.json with every shard it lists) and publish that "
         "directory"
+    )
+
+
+def _selected_away(select: Selection, left_out: list[tuple[str, SourceObject]]) -> str:
+    """Shards an ``index.json`` kept by the patterns lists, that the patterns leave out."""
+    listed = ", ".join(k for k, _ in left_out[:5]) + (
+        f" and {len(left_out) - 5} more" if left_out[5:] else ""
+    )
+    indexes = list(dict.fromkeys(index.key for _, index in left_out))
+    where = ", ".join(indexes[:3]) + (", …" if indexes[3:] else "")
+    leave = " ".join(f"--exclude {shlex.quote(key)}" for key in indexes[:3])
+    return (
+        f"{where} {'lists' if len(indexes) == 1 else 'list'} {listed}, left out by "
+        f"{select.text()}: an index and the shards it lists go together (readers would "
+        f"look for them); leave the index out too ({leave}: "
+        "the other indexes list the shards you keep), or select those shards as well"
     )
 
 

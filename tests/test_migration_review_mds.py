@@ -115,6 +115,27 @@ def test_indexes_disagreeing_about_a_shard_are_refused_naming_both(
     assert sum(s.row_count for s in manifest.shards) == 24
 
 
+def test_a_stream_left_out_by_a_pattern_is_said_so_with_the_index_to_leave_out(
+    tmp_path: Path, nested: Path
+) -> None:
+    """A hunt: --exclude 'b/*' kept the root index.json, which lists b's shards too, and
+    they were called "not under" the prefix, with advice to upload the whole directory,
+    which changes nothing: the directory was whole."""
+    with pytest.raises(ObjectNotFound) as caught:
+        publish(tmp_path, f"file://{nested}", exclude=["b/*"])
+    message = " ".join(str(caught.value).split())
+    assert message.startswith("index.json lists b/shard.00000.mds"), message
+    assert "left out by --exclude 'b/*'" in message and "--exclude index.json" in message
+    assert "upload the whole MDS directory" not in message, message
+    # The fix it gives: the streams' own indexes, a/ alone.
+    manifest = publish(tmp_path, f"file://{nested}", exclude=["b/*", "index.json"])
+    assert rows_of(nested, manifest) == list(range(12))
+    # A shard that is really missing is still said to be.
+    next((nested / "a").glob("shard.*.mds")).unlink()
+    with pytest.raises(ObjectNotFound, match="upload the whole MDS directory"):
+        publish(tmp_path, f"file://{nested}", exclude=["b/*"])
+
+
 # ------------------------------------------------------------ 2. a Streaming local cache
 
 
