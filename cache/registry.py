@@ -774,7 +774,7 @@ class Registry:
             there = {o.key for o in await self._objects(prefix, exclude, Selection())}
             left_out = [(key, index) for key, index in missing if key in there]
             if len(left_out) == len(missing):
-                raise ObjectNotFound(_selected_away(select, left_out))
+                raise ObjectNotFound(_selected_away(select, left_out, indexes))
             missing = [(key, index) for key, index in missing if key not in there]
         if missing:
             keys = [key for key, _ in missing]
@@ -1273,19 +1273,33 @@ def _missing_shards(
     )
 
 
-def _selected_away(select: Selection, left_out: list[tuple[str, SourceObject]]) -> str:
-    """Shards an ``index.json`` kept by the patterns lists, that the patterns leave out."""
+def _selected_away(
+    select: Selection, left_out: list[tuple[str, SourceObject]], kept: list[SourceObject]
+) -> str:
+    """Shards an ``index.json`` kept by the patterns lists, that the patterns leave out.
+
+    Leaving that index out too is the fix only where other kept indexes remain (the
+    streams' own beside a ``merge_index`` root); a folder of one index has none.
+    """
     listed = ", ".join(k for k, _ in left_out[:5]) + (
         f" and {len(left_out) - 5} more" if left_out[5:] else ""
     )
     indexes = list(dict.fromkeys(index.key for _, index in left_out))
     where = ", ".join(indexes[:3]) + (", …" if indexes[3:] else "")
-    leave = " ".join(f"--exclude {shlex.quote(key)}" for key in indexes[:3])
-    return (
+    said = (
         f"{where} {'lists' if len(indexes) == 1 else 'list'} {listed}, left out by "
         f"{select.text()}: an index and the shards it lists go together (readers would "
-        f"look for them); leave the index out too ({leave}: "
-        "the other indexes list the shards you keep), or select those shards as well"
+        "look for them); "
+    )
+    if any(index.key not in indexes for index in kept):
+        leave = " ".join(f"--exclude {shlex.quote(key)}" for key in indexes[:3])
+        return said + (
+            f"leave the index out too ({leave}: the other indexes list the shards you "
+            "keep), or select those shards as well"
+        )
+    return said + (
+        "no other index lists the shards you keep: select those shards as well, or write "
+        "the ones you want with an index of their own (MDSWriter) and publish that"
     )
 
 

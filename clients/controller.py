@@ -77,6 +77,7 @@ from edgecache.clients.executor import (
 from edgecache.clients.ops import (
     NodeReport,
     Outage,
+    WarmItem,
     complete_versions,
     gather_status,
     local_registry,
@@ -514,6 +515,8 @@ class Controller:
         self.token, self.clock = token, clock
         self.holder = holder or default_holder()
         self.metrics = metrics or ControllerMetrics()
+        for region in self.topology.regions:  # at 0 from the start: a rate needs its zero
+            self.metrics.peer_refusals.labels(region=region)
         # Set when this controller stops leading (the lease lost, or the process stopping):
         # the staging runs started under that lease stop with it (TaskRun.stop). They kept
         # staging beside the new leader's plan, which may evict what they stage.
@@ -565,6 +568,10 @@ class Controller:
         # that failed, staging tasks it started that failed. `controller --once` exits
         # non-zero on any; a running controller logs them and tries again next round.
         self.failures: list[str] = []
+        # Staging runs of the latest round whose version came from origin because the
+        # peers the plan chose refused the node's configuration (a peer token): said as
+        # `peer refused:`, exit 2 for `controller --once`, as warm does.
+        self.peer_refusals: list[str] = []
         self._complete: dict[str, set[VersionKey]] = {}
         # The other controller holding the lease at the last round (None: this one led).
         self.other_leader: LeaseRecord | None = None
@@ -917,6 +924,7 @@ class Controller:
         now = self.clock()
         with self._lock:
             self.failures = []
+            self.peer_refusals = []
         schedule = self._started_schedule(now)
         looked = time.monotonic()  # runs that end after this are not in the status below
         reports = gather_status(
@@ -1417,21 +1425,13 @@ class Controller:
         try:
             self.executor.run(run, peer_wait=5.0)
             record.notes = list(run.item.notes)
+            if run.item.peers_refused:
+                self._peers_refused(record.region, run.item)
             if run.state == "done":
                 record.state, record.ready_at, record.error = "done", _iso(self.clock()), ""
                 log.info(
                     "%s: staged %s, ready at %s", record.region, record.version, record.ready_at
                 )
-                if run.item.peers_refused:  # origin egress each time, until the setting is fixed
-                    log.warning(
-                        "%s: %s came from origin, not from its peers as planned: %s refused "
-                        "the staging node for its configuration; fix the setting its notes "
-                        "name (such as peer_token_file): %s",
-                        record.region,
-                        record.version,
-                        ", ".join(run.item.peers_refused),
-                        "; ".join(run.item.notes[:1]),
-                    )
                 # What the nodes moved, by where it came from: a peer task may have fallen
                 # back to origin, and a partly held version moves only the rest.
                 self.metrics.staged_bytes["origin"].inc(run.item.origin_bytes)
@@ -1470,6 +1470,23 @@ class Controller:
                 self._runs.pop(run.key, None)
                 self._run_records.pop(run.key, None)
                 self._ended[run.key] = time.monotonic()
+
+    def _peers_refused(self, region: str, item: WarmItem) -> None:
+        """Say, count and keep a run whose peers refused the staging node's configuration.
+
+        Each version staged from those peers comes from origin, at its egress price,
+        until the setting the node's note names is fixed.
+        """
+        peers = ", ".join(item.peers_refused)
+        why = next((n for n in item.notes if any(p in n for p in item.peers_refused)), "")
+        said = (
+            f"{item.spec} in {region} came from origin, not from its peers as planned: "
+            f"{peers} refused the staging node for its configuration" + (f" ({why})" if why else "")
+        )
+        log.warning("peer refused: %s", said)
+        self.metrics.peer_refusals.labels(region=region).inc()
+        with self._lock:
+            self.peer_refusals.append(said)
 
     def _failed(self, *problems: str) -> None:
         with self._lock:

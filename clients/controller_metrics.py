@@ -110,6 +110,14 @@ class ControllerMetrics:
             "Staging runs that failed (each is retried with backoff while the plan needs it)",
             registry=r,
         )
+        self.peer_refusals = Counter(
+            "edgecache_controller_peer_refusals_total",
+            "Staging runs whose version came from origin because the peers the plan chose "
+            "refused the staging node for its configuration (a peer token, TLS): origin "
+            "egress paid until that setting is fixed",
+            ["region"],
+            registry=r,
+        )
         self.schedule_valid = Gauge(
             "edgecache_controller_schedule_valid",
             "1 when the schedule file validated at the last round; 0 while a broken edit "

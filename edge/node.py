@@ -91,14 +91,14 @@ class Fetched:
     source: str  # "origin" or "peer"
     bytes: int  # source bytes from origin, stored bytes from peers
     notes: tuple[str, ...] = ()  # e.g. peers that failed before origin gave it
-    # Peers that refused this node for its configuration before origin gave it.
-    peers_refused: tuple[str, ...] = ()
     # A read-through miss the cache could not take (pinned data fills it, or the shard
     # is larger than the cache): its frames, served from memory and then dropped, and
     # why it was not stored (what a Stage joining this fetch fails with).
     passed: tuple[Buffer, ...] = ()
     refused: CacheFull | None = None
     share: _Share | None = None  # the readers of those frames (set for each reader)
+    # Peers that refused this node for its configuration before origin gave it.
+    peers_refused: tuple[str, ...] = ()
 
 
 class _Share:

@@ -9,6 +9,7 @@ reads the rows back from a real node on loopback.
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 
@@ -240,3 +241,29 @@ def test_a_partition_name_a_rename_makes_is_said_as_the_renames_with_a_fix_that_
     assert "in the same --param rename (s=t,code=NEW: it is given once)" in said, said
     code, out = cli(*own, "--transform", "columns", "--param", "rename=s=t,code=NEW")
     assert code == 0, out
+
+
+def test_a_partition_collision_message_quotes_names_and_gives_fixes_that_parse() -> None:
+    """A review: rename pairs were split by hand ('"a,b"=code' said as 'b"=code', and the
+    fix it gave was refused), and a column the images transform keeps from the object was
+    blamed on the transform, with advice (name its output otherwise) that changed nothing."""
+    from edgecache.cache.errors import MalformedShard
+    from edgecache.cache.preprocess import load_transform
+    from edgecache.cache.preprocess.partitions import with_partitions
+
+    schema = pa.schema([("code", pa.int64()), ("t", pa.string())])
+    field = [pa.field("code", pa.string())]
+    params = {"rename": '"a,b"=code,s=t'}
+    with pytest.raises(MalformedShard) as caught:
+        with_partitions(schema, field, "src/x", transform="columns", params=params)
+    said = str(caught.value)
+    assert """rename="a,b"=code makes a column 'code' of src/x's 'a,b'""" in said, said
+    fix = re.search(r"--param rename=(\S+)\)", said)
+    assert fix is not None and fix.group(1) == 's=t,"a,b"=NEW', said
+    load_transform("columns", {"rename": fix.group(1)})  # a fix the transform takes
+    images = pa.schema([("image", pa.binary()), ("label", pa.int64())])
+    with pytest.raises(MalformedShard) as caught:
+        with_partitions(images, [pa.field("label", pa.string())], "src/y", transform="images")
+    said = str(caught.value)
+    assert "src/y, after the images transform, has a column 'label'" in said, said
+    assert "output" not in said and "rename that column before publishing" in said, said

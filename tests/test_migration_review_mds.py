@@ -130,6 +130,14 @@ def test_a_stream_left_out_by_a_pattern_is_said_so_with_the_index_to_leave_out(
     # The fix it gives: the streams' own indexes, a/ alone.
     manifest = publish(tmp_path, f"file://{nested}", exclude=["b/*", "index.json"])
     assert rows_of(nested, manifest) == list(range(12))
+    # One folder of one index: there is no other index to fall back on (a review).
+    flat = tmp_path / "flat"
+    write_mds(flat, 0, 12)
+    with pytest.raises(ObjectNotFound) as caught:
+        publish(tmp_path, f"file://{flat}", exclude=["shard.00001.mds"])
+    said = " ".join(str(caught.value).split())
+    assert "left out by --exclude 'shard.00001.mds'" in said, said
+    assert "no other index lists the shards you keep" in said and "index.json:" not in said
     # A shard that is really missing is still said to be.
     next((nested / "a").glob("shard.*.mds")).unlink()
     with pytest.raises(ObjectNotFound, match="upload the whole MDS directory"):

@@ -182,6 +182,16 @@ def test_warm_says_a_peer_refused_the_staging_node_and_exits_2(tmp_path: Path) -
         schedule = _schedule(tmp_path, ("j", "us", "a@1"))
         code, out, err = edgecache("plan", str(schedule), "--json", *config)
         assert code == 0 and json.loads(out)["regions"]["us"]["tasks"][0]["source"] == "eu"
+        # controller --once exited 0, the refusal a WARNING line alone (a review).
+        code, out, err = edgecache("controller", "--schedule", str(schedule), "--once", *config)
+        said = " ".join(err.split())
+        assert code == 2, (out, err)
+        assert (
+            f"peer refused: a@1 in us came from origin, not from its peers as planned: {eu.address}"
+            in said
+        )
+        code, out, err = edgecache("evict", "a@1", "--region", "us", "--force", *config)
+        assert code == 0, (out, err)
         code, out, err = edgecache("warm", str(schedule), "--json", *config)
         said = " ".join(err.split())
         assert code == 2, (out, err)
@@ -197,6 +207,9 @@ def test_warm_says_a_peer_refused_the_staging_node_and_exits_2(tmp_path: Path) -
 
 
 def test_notes_of_many_shards_in_the_same_words_are_said_once() -> None:
+    assert grouped_shard_notes(["shard 10: x", "shard 2: x", "shard 1: x"]) == [
+        "shards 1, 2, 10: x"
+    ]
     notes = [f"shard {i}: no peer could give it (refused); took it from origin" for i in range(12)]
     notes[3:3] = ["a note of the version", "shard 40: its copy failed mid-way"]
     assert grouped_shard_notes(notes) == [

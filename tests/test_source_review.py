@@ -160,12 +160,17 @@ def test_csv_integers_past_int64_are_refused_naming_column_and_line(tmp_path: Pa
     assert "line 1: column 'f1'" in message and "'f1=decimal128(38, 0)'" in message
     # Said as what it is: past uint64; no fractions to speak of, nor places (a hunt found
     # "beside fractions … (0 decimal places, all that 38 digits leave …)").
-    assert "past uint64 too, so no integer type holds it" in message, message
+    assert "below int64's least" in message and "no integer type holds it" in message, message
     assert "fractions" not in message and "decimal places" not in message, message
     jsonl = b'{"a": [{"id": -123456789012345678901}]}\n'
     for text, form in ((b"id\n123456789012345678901234\n1\n", CSV), (jsonl, JSONL)):
         said = refused(text, form)
         assert "fractions" not in said and "decimal places" not in said, said
+    said = refused(b"id\n123456789012345678901234\n1\n", CSV)
+    assert "past int64, so" in said and "past uint64 too, so no integer type holds it" in said
+    negative = refused(b"v\n1\n-9223372036854775809\n", CSV)
+    assert "below int64's least, so it would be read as float64" in negative, negative
+    assert "; no integer type holds it" in negative and "uint64" not in negative, negative
     # A column that does hold fractions keeps saying so.
     mixed = refused(b"v\n0.5\n123456789012345678901234\n", CSV)
     assert "beside fractions that an integer type would refuse" in mixed, mixed
@@ -188,6 +193,15 @@ def test_a_ragged_row_below_a_header_and_a_row_is_the_objects_fault(data: bytes)
     message = refused(data, CSV)
     assert "Row #3: Expected 3 columns, got 2" in message, message
     assert "skip-rows" not in message and "fix or remove the object" in message, message
+
+
+def test_two_title_lines_of_a_comma_each_above_a_wider_header_stay_titles() -> None:
+    """A review of the fix above: lines of equal width were all taken for a header and a
+    row, and two titles of two cells each lost their --skip-rows advice."""
+    data = b"Daily prices, USD\nSource: ACME, 2024\nd,o,h,l,c\n1,2,3,4,5\n6,7,8,9,10\n"
+    message = refused(data, CSV)
+    assert "its first 2 lines ('Daily prices, USD')" in message, message
+    assert "--skip-rows 2" in message, message
 
 
 def test_comment_lines_above_the_header_are_named_with_skip_rows(tmp_path: Path) -> None:

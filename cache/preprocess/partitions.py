@@ -28,7 +28,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
-from edgecache.cache.preprocess.arrow_types import type_label
+from edgecache.cache.preprocess.arrow_types import param_pairs, quote_name, type_label
 from edgecache.cache.preprocess.nulls import NullCount, tensor_type
 
 __all__ = [
@@ -201,39 +201,48 @@ def with_partitions(
 
 
 def _rename_targets(params: Mapping[str, str]) -> dict[str, str]:
-    """The columns transform's ``rename=a=x,b=y`` as new name → old name."""
-    pairs = (p.partition("=") for p in params.get("rename", "").split(",") if "=" in p)
-    return {new.strip(): old.strip() for old, _, new in pairs}
+    """The columns transform's ``rename=a=x,"b,c"=y`` as new name → old name."""
+    return {new: old for old, new, _ in param_pairs(params.get("rename", ""))}
+
+
+def _rename_text(pairs: Mapping[str, str]) -> str:
+    """``rename=`` pairs (new name → old name) as the param writes them, quoted where need be."""
+    return ",".join(f"{quote_name(old)}={quote_name(new)}" for new, old in pairs.items())
 
 
 def _whose_column(name: str, source: str, transform: str, params: Mapping[str, str]) -> str:
-    """Who made the column: the object or the transform.
+    """Who made the column: the object, a ``columns`` rename, or another transform.
 
-    ``columns`` only selects, renames and casts the object's own columns.
+    ``columns`` only selects, renames and casts the object's own columns; of another
+    transform's output this cannot tell what it kept (images keeps the other columns).
     """
     if transform == "columns" and name in (targets := _rename_targets(params)):
         return (
-            f"the columns transform's rename={targets[name]}={name} makes a column {name!r} "
-            f"of {source}'s {targets[name]!r}"
+            f"the columns transform's rename={_rename_text({name: targets[name]})} makes a "
+            f"column {name!r} of {source}'s {targets[name]!r}"
         )
     if transform in ("identity", "columns"):
         return f"{source} already has a column {name!r}"
-    return f"{source}, through the {transform} transform, has a column {name!r}"
+    return f"{source}, after the {transform} transform, has a column {name!r}"
 
 
 def _renamed(name: str, transform: str, params: Mapping[str, str]) -> str:
     """How to give the column another name, for the transform the version is published with."""
+    new = "NEW"
     if transform == "identity":
-        return f"rename the column (--transform columns --param rename={name}=NEW)"
+        return f"rename the column (--transform columns --param rename={quote_name(name)}={new})"
     if transform == "columns":
         targets = _rename_targets(params)
         if name in targets:
-            kept = ",".join(f"{o}={n}" for n, o in targets.items() if n != name)
-            whole = ",".join(filter(None, [kept, f"{targets[name]}=NEW"]))
-            return f"rename it to another name (--param rename={whole})"
-        whole = ",".join(filter(None, [params.get("rename", ""), f"{name}=NEW"]))
-        return f"rename the column in the same --param rename ({whole}: it is given once)"
-    return f"give the {transform} transform's output column another name"
+            pairs = {n: o for n, o in targets.items() if n != name} | {new: targets[name]}
+            return f"rename it to another name (--param rename={_rename_text(pairs)})"
+        pairs = targets | {new: name}
+        return (
+            f"rename the column in the same --param rename ({_rename_text(pairs)}: it is given "
+            "once)"
+        )
+    # The images transform keeps the object's other columns; a plugin may make any.
+    return f"rename that column before publishing (or in the {transform} transform's params)"
 
 
 def partition_scalars(fields: Sequence[pa.Field], key: str, source: str) -> list[pa.Scalar]:

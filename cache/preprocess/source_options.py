@@ -494,10 +494,11 @@ def _leading_prose(text: bytes, delimiter: str, skip: int) -> list[str]:
 
     Those starting with ``#``, or holding another number of cells than the rows
     below mostly do: a title, a source note above the header. Never a line of
-    several cells that the next line matches: that is a header and its first row
-    (or two rows) above a ragged row, which is the object's fault, not a title's
-    (``id,name,note`` / ``1,a,hello`` / ``2,b`` was called two title lines, and
-    ``--skip-rows 2`` then published the rest without its header and a column).
+    more cells than those rows that the next line matches: that is a header and
+    its first row (or two rows) above ragged rows, which are the object's fault,
+    not a title's (``id,name,note`` / ``1,a,hello`` / ``2,b`` was called two title
+    lines, and ``--skip-rows 2`` then published the rest without its header and a
+    column). Titles of a comma each above a wider header stay titles.
     """
     rows = _first_rows(text, delimiter, skip, 60)
     lines = text[: 1 << 20].decode("utf-8", errors="replace").splitlines()[skip : skip + 60]
@@ -510,7 +511,12 @@ def _leading_prose(text: bytes, delimiter: str, skip: int) -> list[str]:
         lead += 1
     for at in range(lead):
         comment = lines[at].lstrip().startswith("#")
-        if not comment and counts[at] > 1 and at + 1 < lead and counts[at + 1] == counts[at]:
+        if (
+            not comment
+            and counts[at] > max(body, 1)
+            and at + 1 < lead
+            and counts[at + 1] == counts[at]
+        ):
             return []
     return lines[:lead] if body > 1 and lead <= len(lines) // 2 else []
 
@@ -618,11 +624,13 @@ def rounded_integer_error(
             f"holds integers exactly only up to 2**53 ({_EXACT}): it would become {became}"
         )
     else:
-        why = f"past int64, so it would be read as float64 and lose digits ({became})"
+        side = "past int64" if value > 0 else "below int64's least"
+        why = f"{side}, so it would be read as float64 and lose digits ({became})"
         if places is not None and fractions:
             why += ", beside fractions that an integer type would refuse"
         elif places is not None:
-            why += "; past uint64 too, so no integer type holds it"
+            why += "; past uint64 too, so" if value > 0 else ";"
+            why += " no integer type holds it"
     scale = ""
     if places is not None and (fractions or -_INT64 <= value < _INT64):
         scale = (

@@ -114,7 +114,9 @@ def controller(
     carried out; 1 failed: with --once, another controller holds the lease,
     or something the round did failed (each failure listed on stderr); 2 bad
     input (a schedule or topology that does not validate, a registry on a local
-    path that does not exist: a controller creates none); 3 with --once, a job
+    path that does not exist: a controller creates none; with --once, a peer the
+    plan copies from that refused the staging node for its configuration, said
+    as "peer refused:"); 3 with --once, a job
     cannot be met (listed on stderr, as plan does; a version the round staged
     whole after all is said as "there now" instead); 130 interrupted by Ctrl-C,
     --once included (run it again to resume); 143 a second SIGTERM.
@@ -211,6 +213,10 @@ def controller(
                 # Evict need the admin's): bad input, as warm and evict exit for it.
                 refused = all(map(credentials_refused_in, running.failures))
                 raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
+            for refusal in running.peer_refusals:
+                err_console.print(f"[red]peer refused:[/red] {refusal}", soft_wrap=True)
+            if running.peer_refusals and not received:
+                raise exit_with(ExitCode.BAD_INPUT)  # a setting to fix, as warm exits for it
             if cannot and not received:
                 raise exit_with(ExitCode.CANNOT_BE_MET)
         else:

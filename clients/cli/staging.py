@@ -539,7 +539,9 @@ def warm(
     cannot be met (the rest is done); 1 a transfer, an eviction, a pin or a pin's release
     failed on a node, or a node of a region the schedule uses (or of NAME@N's
     --region) does not answer, even when the others staged its share; 2 bad
-    input; 130 interrupted (run it again to resume). --dry-run exits as the
+    input, or a peer the plan copies from refused the staging node for its
+    configuration ("peer refused:"; the version came from origin); 130
+    interrupted (run it again to resume). --dry-run exits as the
     real run would before it moves data: 3, 1 for an unreachable node, else 0.
     """
     options = Options(config, token_file)
@@ -1203,8 +1205,8 @@ def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
                 f"[red]peer refused:[/red] {row['version']} in {row['region']} came from "
                 f"origin, not from its peers as planned: {', '.join(row['peers_refused'])} "
                 "refused the staging node for its configuration (its notes name the "
-                "setting to fix on the region's nodes, such as peer_token_file), and will on "
-                "every run until it is fixed",
+                "setting to fix on the region's nodes, such as peer_token_file): each "
+                "version staged from those peers comes from origin until it is fixed",
                 soft_wrap=True,
             )
     # Each problem says itself what becomes of the pin (a failed call, a node down).
@@ -1240,6 +1242,7 @@ def grouped_shard_notes(notes: Sequence[str]) -> list[str]:
         if not of_shards:
             said.append(words)
             continue
+        numbers.sort(key=int)
         listed = ", ".join(numbers[:_SHARDS_LISTED])
         if len(numbers) > _SHARDS_LISTED:
             listed += f" and {len(numbers) - _SHARDS_LISTED} more"

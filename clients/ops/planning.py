@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from edgecache.cache import rendezvous
 from edgecache.cache.errors import ManifestError, VersionNotFound
 from edgecache.cache.planner import (
+    PRIORITIES,
     Infeasible,
     Job,
     Plan,
@@ -183,25 +184,16 @@ def make_plan(
     missing_items = [
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
-    result = plan(jobs, regions, sizes, now=now, missing=missing_items, why_missing=missing)
-    shares = _share_rows(topology, reports, jobs, manifests, sizes, held, result)
-    if shares:
-        # Planned again without them: a version no split of the region's nodes holds is
-        # neither staged (its stage failed RESOURCE_EXHAUSTED on the node its shards hash
-        # to, and the shards the others took stayed pinned there, room held for nothing),
-        # nor pinned, nor made room for by an eviction.
-        unholdable = {(row.job, row.version) for row in shares}
-        kept = [
-            replace(
-                job,
-                versions=tuple(
-                    v for v in job.versions if (job.name, f"{v[0]}@{v[1]}") not in unholdable
-                ),
-            )
-            for job in jobs
-        ]
-        result = plan(kept, regions, sizes, now=now, missing=missing_items, why_missing=missing)
-    result.infeasible += shares
+
+    def replan(kept: list[Job]) -> Plan:
+        return plan(kept, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+
+    result = holdable_plan(
+        jobs,
+        replan,
+        lambda kept, made: _share_rows(topology, reports, kept, manifests, sizes, held, made),
+        replan(list(jobs)),
+    )
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     result.infeasible[:] = [
         replace(row, reason=f"{row.reason} ({'; '.join(short_room[row.region])})")
@@ -210,6 +202,45 @@ def make_plan(
         for row in result.infeasible
     ]
     return result, manifests
+
+
+def holdable_plan(
+    jobs: Sequence[Job],
+    replan: Callable[[list[Job]], Plan],
+    unholdable: Callable[[list[Job], Plan], list[Infeasible]],
+    result: Plan,
+) -> Plan:
+    """``result`` made again without the versions no split of a region's nodes holds.
+
+    Such a version is neither staged (its stage failed RESOURCE_EXHAUSTED on the node
+    its shards hash to, and the shards the others took stayed pinned there), nor
+    pinned, nor made room for. One job at a time, the last in the planner's order
+    (start, then priority), each time checked again: two overlapping jobs that each fit
+    alone but not together are both in the rows, and the first of them can be met.
+    """
+    kept, rows = list(jobs), []
+    while shares := unholdable(kept, result):
+        last = max({row.job for row in shares}, key=_job_order(kept))
+        dropped = {(row.job, row.version) for row in shares if row.job == last}
+        rows += [row for row in shares if row.job == last]
+        kept = [
+            replace(
+                job,
+                versions=tuple(
+                    v for v in job.versions if (job.name, f"{v[0]}@{v[1]}") not in dropped
+                ),
+            )
+            for job in kept
+        ]
+        result = replan(kept)
+    result.infeasible += rows
+    return result
+
+
+def _job_order(jobs: Sequence[Job]) -> Callable[[str], tuple[datetime, int, str]]:
+    """A job's place in the planner's order, by name: its start, then its priority."""
+    keys = {job.name: (job.start, -PRIORITIES.get(job.priority, 1), job.name) for job in jobs}
+    return keys.__getitem__
 
 
 def _share_rows(
