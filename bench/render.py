@@ -894,7 +894,16 @@ STAGING_SINCE = """\
   decode 4.72); the same pipeline with no stream sparse 9.22 (sparse streams save 16 %);
   moto **0.70×**; 2 vs 1 core 1.49×; real text 1.27× (sparse streams unused there: 10.74
   against 10.54, noise). Two more runs (`--repeat 2`): 2.34× and 2.18×, moto 0.74× and
-  0.86×, 2 vs 1 core 1.45× and 1.51×."""
+  0.86×, 2 vs 1 core 1.45× and 1.51×.
+- **Since stop 52** (`edgecache` sets `MIMALLOC_PURGE_DELAY=1000`: Arrow's pool kept each
+  shard's decode pages for the next shard instead of returning them to the kernel 10 ms
+  after they were freed, docs/preprocessing.md): `perf` over a node pinned to 2 cores
+  staging 512 MiB put the kernel's page clearing at 5-13 % of its CPU before, 2 % after;
+  alternating rounds of nodes with and without it (512 MiB, five or six rounds each,
+  2026-12-06): 2 cores 188-230 against 158-166 MB/s in a slow phase of this VM, 222-239
+  against 208-219 in a fast one; 1 core 130-141 against 123-138. Two full runs of this
+  suite after it: 2 vs 1 core 1.69× and 1.58×, moto 0.67× and 0.99×, CPU 2.15× and
+  2.13× (the second is the page above)."""
 
 
 def _section_gpu(data: dict) -> str:
