@@ -81,7 +81,10 @@ from edgecache.clients.batch_memory import (
     shared_memory,
 )
 from edgecache.clients.dataset_metrics import (
+    Carried,
     ClientCounters,
+    arrived,
+    carried,
     port_from_environment,
     register,
     serve,
@@ -438,13 +441,36 @@ class Sample(dict):  # type: ignore[type-arg]
     ``EdgeDataset(batch_size=k)`` would (:func:`collate_samples`).
     """
 
-    __slots__ = ("forms",)
+    __slots__ = ("counts", "forms")
 
-    def __init__(self, values: Mapping[str, Any], forms: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        values: Mapping[str, Any],
+        forms: Mapping[str, str],
+        counts: tuple[Any, ...] | None = None,
+    ) -> None:
         super().__init__(values)
         # column -> "ragged" (padded), "packed" (a numeric list), "binary" or "string"
         # (packed bytes or text), or "list" (kept as Python objects)
         self.forms = forms
+        # What a DataLoader worker read for it, for the main process's metrics: collated,
+        # the batch carries its samples' counts; sent alone, the sample counts them there.
+        self.counts = counts
+
+    def __copy__(self) -> Sample:
+        return Sample(self, self.forms, self.counts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_sample_arrives, (dict(self), self.forms, self.counts))
+
+
+def _sample_arrives(
+    values: dict[str, Any], forms: Mapping[str, str], counts: tuple[Any, ...] | None
+) -> Sample:
+    """A sample unpickled in the main process (``DataLoader(batch_size=None)``): counted."""
+    if counts is not None:
+        arrived(counts)
+    return Sample(values, forms)
 
 
 def _packed(name: str, items: Sequence[Any]) -> Packed:
@@ -505,7 +531,8 @@ def collate_samples(
             out[key] = _packed_bytes(key, items, form)
         else:
             out[key] = collate(items, collate_fn_map=collate_fn_map or default_collate_fn_map)
-    return out
+    counts = carried(getattr(sample, "counts", None) for sample in batch)
+    return out if counts is None else Carried(out, counts)
 
 
 default_collate_fn_map[Sample] = collate_samples
@@ -1361,6 +1388,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                     readers.pending = merge(readers.pending, delta)
                     if attach(batch, (self._metrics_key, readers.pending)):
                         readers.pending = None
+                counts = None
+                if readers.pending is not None and worker is not None:
+                    counts, readers.pending = (self._metrics_key, readers.pending), None
                 if self.batch_size is None:
                     yield Sample(
                         {
@@ -1368,9 +1398,11 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                             for k, v in batch.items()
                         },
                         forms,
+                        counts,
                     )
                 else:
-                    yield batch
+                    # No shared tensor to ride on: the batch itself carries the counts.
+                    yield batch if counts is None else Carried(batch, counts)
             # Read to its end: what comes next is the next epoch, for the next pass and
             # for state_dict() (a resume must not read this one again). A persistent
             # DataLoader worker goes on to it only if every worker read to its end

@@ -148,6 +148,46 @@ def arrived(extra: tuple[Any, ...]) -> None:
 batch_memory.on_arrival(arrived)
 
 
+class Carried(dict):  # type: ignore[type-arg]
+    """A worker's batch with the counts it carries to the main process, as a plain dict there.
+
+    Counts ride on a batch's shared tensor (:func:`batch_memory.attach`); a batch
+    without one (shared batches off, a batch of Python lists alone, or collated
+    samples) carried none, and the main process's metrics stayed at 0 however
+    much was read. Unpickled in the main process it counts ``extra`` and becomes
+    the plain dict it holds. A copy (DataLoader's ``default_convert`` copies a
+    mapping in the worker) stays a carrier: copying must count nothing.
+    """
+
+    __slots__ = ("extra",)
+
+    def __init__(self, values: Any, extra: tuple[Any, ...]) -> None:
+        super().__init__(values)
+        self.extra = extra
+
+    def __copy__(self) -> Carried:
+        return Carried(self, self.extra)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrive, (dict(self), self.extra))
+
+
+def _arrive(values: dict[str, Any], extra: tuple[Any, ...]) -> dict[str, Any]:
+    arrived(extra)
+    return values
+
+
+def carried(extras: Iterable[tuple[Any, ...] | None]) -> tuple[Any, ...] | None:
+    """Several carried ``(key, delta)`` as one (samples collated into a batch): same key."""
+    from edgecache.clients.dataset_readers import merge
+
+    key, delta = None, None
+    for extra in extras:
+        if extra is not None:
+            key, delta = extra[0], merge(delta, extra[1])
+    return None if key is None else (key, delta)
+
+
 class _Collector(Collector):
     """Reads every label set's totals at scrape time."""
 

@@ -223,3 +223,45 @@ def test_a_training_split_and_its_evaluation_split_are_series_of_their_own(
     assert got["train"] + got["val"] == TOTAL
     train.close()
     val.close()
+
+
+@pytest.mark.parametrize(
+    ("rank", "dataset_batch", "loader_batch", "shared"),
+    [
+        (5, None, 50, "1"),  # samples, collated by the DataLoader in its workers
+        (6, None, None, "1"),  # samples, one by one
+        (7, 50, None, "0"),  # batches, EDGECACHE_SHARED_BATCHES=0
+    ],
+)
+def test_workers_counts_reach_the_main_process_without_a_shared_tensor(
+    node: LocalNode,
+    monkeypatch: pytest.MonkeyPatch,
+    rank: int,
+    dataset_batch: int | None,
+    loader_batch: int | None,
+    shared: str,
+) -> None:
+    """A hunt: counts rode only on a batch's shared-memory tensor, so with none (samples,
+    EDGECACHE_SHARED_BATCHES=0, a batch of Python lists) every client counter stayed at 0
+    while the whole share was delivered. Each case is its own rank's series."""
+    monkeypatch.setenv("EDGECACHE_SHARED_BATCHES", shared)
+    ds = EdgeDataset(
+        "tokens@1",
+        endpoints=[node.address],
+        rank=rank,
+        world_size=8,
+        metrics_port=0,
+        window_bytes=24 << 10,
+        batch_size=dataset_batch,
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=loader_batch, num_workers=2)
+    got = sum(
+        1 if loader_batch is None and dataset_batch is None else len(b["label"]) for b in loader
+    )
+    assert got > 0
+    metrics = scrape(ds.metrics_port)  # type: ignore[arg-type]
+    labels = {"rank": str(rank), "dataset": "tokens@1"}
+    assert value(metrics, "edgecache_client_samples_total", **labels) == got
+    read = value(metrics, "edgecache_client_read_bytes_total", endpoint=node.address, **labels)
+    assert read > 0
+    ds.close()
