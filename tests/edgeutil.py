@@ -9,6 +9,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -22,6 +23,9 @@ from edgecache.edge.config import NodeConfig
 from edgecache.edge.server import CHANNEL_OPTIONS
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
 from edgecache.v1 import manifest_pb2 as pb
+
+if TYPE_CHECKING:
+    from edgecache.clients.node_client import LocalNode
 
 ROWS_PER_SHARD = 3000
 
@@ -200,3 +204,23 @@ def publish_cli(tmp_path: Path, source: Path, *args: str) -> tuple[int, str]:
         env={"COLUMNS": "400"},
     )
     return result.exit_code, result.output
+
+
+def guarded_node(root: Path, region: str, registry: str) -> LocalNode:
+    """A node that wants tokens: ``root/admin.token`` for admin calls, ``root/read.token``
+    for reads (both written here, the same for every node under ``root``)."""
+    from edgecache.clients.node_client import start_local_node
+
+    (root / "admin.token").write_text("admin-token-0123456789\n")
+    (root / "read.token").write_text("read-token-0123456789\n")
+    return start_local_node(
+        region,
+        root / f"cache-{region}",
+        registry,
+        extra_args=[
+            "--token-file",
+            str(root / "admin.token"),
+            "--read-token-file",
+            str(root / "read.token"),
+        ],
+    )

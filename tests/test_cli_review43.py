@@ -11,7 +11,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from edgeutil import edgecache, publish, write_parquet_shards
+from edgeutil import edgecache, guarded_node, publish, write_parquet_shards
 from typer.testing import CliRunner
 
 from edgecache.clients.cli.app import app
@@ -65,19 +65,7 @@ def test_evict_with_a_token_the_nodes_refuse_exits_2_as_status_and_warm_do(
     registry = f"file://{tmp_path}/registry"
     write_parquet_shards(tmp_path / "origin", 1, rows=100)
     publish(registry, f"file://{tmp_path}/origin", "t")
-    (tmp_path / "admin.token").write_text("admin-secret\n")
-    (tmp_path / "read.token").write_text("read-secret\n")
-    node = start_local_node(
-        "eu",
-        tmp_path / "cache",
-        registry,
-        extra_args=[
-            "--token-file",
-            str(tmp_path / "admin.token"),
-            "--read-token-file",
-            str(tmp_path / "read.token"),
-        ],
-    )
+    node = guarded_node(tmp_path, "eu", registry)
     try:
         topology = tmp_path / "edgecache.yaml"
         topology.write_text(

@@ -7,7 +7,7 @@ import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from edgeutil import edgecache, publish, write_parquet_shards
+from edgeutil import edgecache, guarded_node, publish, write_parquet_shards
 
 from edgecache.clients.cli.staging import grouped_shard_notes
 from edgecache.clients.controller import Controller
@@ -74,20 +74,8 @@ def test_warm_with_a_node_down_and_another_region_refusing_the_token_exits_1_as_
     registry = f"file://{tmp_path}/registry"
     write_parquet_shards(tmp_path / "origin", 2, rows=200)
     publish(registry, f"file://{tmp_path}/origin", "a")
-    (tmp_path / "admin.token").write_text("admin-token-0123456789\n")
-    (tmp_path / "read.token").write_text("read-token-0123456789\n")
     open_node = start_local_node("r1", tmp_path / "cache-r1", registry)
-    guarded = start_local_node(
-        "tk",
-        tmp_path / "cache-tk",
-        registry,
-        extra_args=[
-            "--token-file",
-            str(tmp_path / "admin.token"),
-            "--read-token-file",
-            str(tmp_path / "read.token"),
-        ],
-    )
+    guarded = guarded_node(tmp_path, "tk", registry)
     try:
         dead = f"127.0.0.1:{_free_port()}"
         topology = tmp_path / "edgecache.yaml"
@@ -154,19 +142,7 @@ def test_warm_says_a_peer_refused_the_staging_node_and_exits_2(tmp_path: Path) -
     registry = f"file://{tmp_path}/registry"
     write_parquet_shards(tmp_path / "origin", 3, rows=2000)
     publish(registry, f"file://{tmp_path}/origin", "a")
-    (tmp_path / "admin.token").write_text("admin-token-0123456789\n")
-    (tmp_path / "read.token").write_text("read-token-0123456789\n")
-    eu = start_local_node(
-        "eu",
-        tmp_path / "cache-eu",
-        registry,
-        extra_args=[
-            "--token-file",
-            str(tmp_path / "admin.token"),
-            "--read-token-file",
-            str(tmp_path / "read.token"),
-        ],
-    )
+    eu = guarded_node(tmp_path, "eu", registry)
     us = start_local_node("us", tmp_path / "cache-us", registry)  # no peer_token_file
     try:
         topology = tmp_path / "edgecache.yaml"
