@@ -265,3 +265,30 @@ def test_workers_counts_reach_the_main_process_without_a_shared_tensor(
     read = value(metrics, "edgecache_client_read_bytes_total", endpoint=node.address, **labels)
     assert read > 0
     ds.close()
+
+
+def test_a_batch_of_python_lists_alone_carries_its_counts_too(tmp_path: Path) -> None:
+    """The third case the hunt found: a batch of text read as lists (binary="list") has no
+    tensor at all, shared or not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "origin").mkdir()
+    texts = [f"sample {i}" for i in range(400)]
+    pq.write_table(pa.table({"txt": texts}), tmp_path / "origin" / "part-0.parquet")
+    registry = f"file://{tmp_path}/registry"
+    publish(registry, f"file://{tmp_path}/origin", "texts")
+    node = start_local_node("eu", tmp_path / "cache", registry)
+    try:
+        ds = EdgeDataset(
+            "texts@1", endpoints=[node.address], binary="list", batch_size=50, metrics_port=0
+        )
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        got = [text for batch in loader for text in batch["txt"]]
+        assert sorted(got) == sorted(texts)
+        metrics = scrape(ds.metrics_port)  # type: ignore[arg-type]
+        labels = {"rank": "0", "dataset": "texts@1"}
+        assert value(metrics, "edgecache_client_samples_total", **labels) == len(texts)
+        ds.close()
+    finally:
+        node.stop()
