@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +59,21 @@ def test_a_fork_with_an_iterator_left_open_is_warned_once(tmp_path: Path, iterat
     assert "it.close()" in line and "multiprocessing_context='forkserver'" in line, line
 
 
+def _kill_processes_naming(path: Path) -> None:
+    """Kill the nodes (``edgecache … serve``) whose command line names ``path``: a child
+    that aborted left its node running (one outlived a CI run)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and any(str(path).encode() in arg for arg in argv):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
 def test_workers_start_beside_a_thread_making_grpc_calls(tmp_path: Path) -> None:
     """A thread of the training process calls gRPC every 20 ms while loaders fork workers.
 
@@ -88,6 +105,8 @@ def test_workers_start_beside_a_thread_making_grpc_calls(tmp_path: Path) -> None
         except subprocess.TimeoutExpired as exc:  # a worker forked in the window hung
             failure = f"timed out: {exc.stderr!r}"[-3000:]
             continue
+        finally:
+            _kill_processes_naming(tmp_path / str(attempt))
         clean = "skipping fork() handlers" not in done.stderr  # gRPC forked mid-call
         if done.returncode == 0 and "passes 40" in done.stdout and clean:
             return
