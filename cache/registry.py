@@ -83,6 +83,7 @@ from edgecache.cache.preprocess.pipeline import Description, survey
 from edgecache.cache.preprocess.source_options import delimiter_for_names
 from edgecache.cache.storage import ObjectInfo, ObjectStore, Stores
 from edgecache.cache.storage.base import unreachable
+from edgecache.cache.wording import first_of
 from edgecache.v1 import manifest_pb2 as pb
 
 __all__ = [
@@ -407,7 +408,7 @@ class Registry:
         """
         names = await self.datasets()
         if names:
-            shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if names[20:] else "")
+            shown = first_of(names, 20)
             return VersionNotFound(
                 f"dataset {dataset!r} has no versions in {self.url}, which holds {shown}; "
                 "check the name, or publish it (edgecache publish)"
@@ -621,7 +622,7 @@ class Registry:
                 continue
             found.append(SourceObject(info=info, key=key))
         keys = sorted([*unselected, *(o.key for o in found)])
-        listed = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if keys[5:] else "")
+        listed = first_of(keys, 5)
         if not found and unselected:
             raise ObjectNotFound(
                 f"no object under {prefix} is selected by {select.text()} (patterns match "
@@ -1165,7 +1166,7 @@ def _reference(
 
 def _stray_advice(keys: list[str]) -> str:
     """What to do with files among the shards that are no shards (a tokenizer beside JSONL)."""
-    listed = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if keys[3:] else "")
+    listed = first_of(keys, 3)
     return (
         f"; {listed} {'is' if len(keys) == 1 else 'are'} not a shard like the others (a file "
         f"kept beside the data: a tokenizer, a config): leave "
@@ -1261,7 +1262,7 @@ def _missing_shards(
     prefix: str, indexes: list[SourceObject], missing: list[str], present: int
 ) -> str:
     """Which shards the MDS index lists that are not under the prefix, and what to do."""
-    listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
+    listed = first_of(missing, 5)
     where = ", ".join(o.info.url for o in indexes[:3]) + (", …" if indexes[3:] else "")
     total = len(missing) + present
     return (
@@ -1281,9 +1282,7 @@ def _selected_away(
     Leaving that index out too is the fix only where other kept indexes remain (the
     streams' own beside a ``merge_index`` root); a folder of one index has none.
     """
-    listed = ", ".join(k for k, _ in left_out[:5]) + (
-        f" and {len(left_out) - 5} more" if left_out[5:] else ""
-    )
+    listed = first_of([key for key, _ in left_out], 5)
     indexes = list(dict.fromkeys(index.key for _, index in left_out))
     where = ", ".join(indexes[:3]) + (", …" if indexes[3:] else "")
     said = (
@@ -1359,7 +1358,7 @@ def _no_rows(urls: list[str], transform: str, keeps: bool) -> str:
     empty one), so an empty object is refused at publish, where the fix is
     still the publisher's, rather than failing every node's staging later.
     """
-    listed = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+    listed = first_of(urls, 3)
     cause = (
         "it is empty, or holds a header alone"
         if keeps
@@ -1405,7 +1404,7 @@ def dropped_text(dropped: Sequence[Dropped], kept: int) -> str:
 def _unknown_format(prefix: str, found: list[SourceObject]) -> str:
     """Which objects' names tell no format, and what to do: move them, or say the format."""
     unknown = sorted(o.key for o in found if format_from_key(o.key) is None)
-    listed = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    listed = first_of(unknown, 5)
     if len(unknown) < len(found):  # others are known: these are most likely not shards
         # A model's config.json beside the shards is no shard either: an --include of
         # '*.json' led to "several formats" next (a helper's hunt).

@@ -82,6 +82,7 @@ from edgecache.clients.ops import (
     gather_status,
     local_registry,
     make_plan,
+    peers_refused_text,
     region_outages,
     schedule_owner,
     status_call_timeout,
@@ -1477,12 +1478,9 @@ class Controller:
         Each version staged from those peers comes from origin, at its egress price,
         until the setting the node's note names is fixed.
         """
-        peers = ", ".join(item.peers_refused)
         why = next((n for n in item.notes if any(p in n for p in item.peers_refused)), "")
-        said = (
-            f"{item.spec} in {region} came from origin, not from its peers as planned: "
-            f"{peers} refused the staging node for its configuration" + (f" ({why})" if why else "")
-        )
+        said = peers_refused_text(item.spec, region, item.peers_refused)
+        said += f"; its note: {why}" if why else ""
         log.warning("peer refused: %s", said)
         self.metrics.peer_refusals.labels(region=region).inc()
         with self._lock:

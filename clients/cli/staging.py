@@ -20,6 +20,7 @@ from rich.progress import Progress, TaskID
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.names import parse_spec
 from edgecache.cache.planner import Eviction, Infeasible, Plan, StageTask, VersionKey
+from edgecache.cache.wording import first_of
 from edgecache.clients import ops
 from edgecache.clients.cli.app import app
 from edgecache.clients.cli.context import (
@@ -1201,14 +1202,8 @@ def _report_failures(warmed: _Warmed, dry_run: bool = False) -> None:
         err_console.print(f"[red]evict failed:[/red] {failure}", soft_wrap=True)
     for row in warmed.rows:
         if row.get("peers_refused"):
-            err_console.print(
-                f"[red]peer refused:[/red] {row['version']} in {row['region']} came from "
-                f"origin, not from its peers as planned: {', '.join(row['peers_refused'])} "
-                "refused the staging node for its configuration (its notes name the "
-                "setting to fix on the region's nodes, such as peer_token_file): each "
-                "version staged from those peers comes from origin until it is fixed",
-                soft_wrap=True,
-            )
+            said = ops.peers_refused_text(row["version"], row["region"], row["peers_refused"])
+            err_console.print(f"[red]peer refused:[/red] {said}", soft_wrap=True)
     # Each problem says itself what becomes of the pin (a failed call, a node down).
     label = "release would fail" if dry_run else "release failed"
     for problem in _release_failures(warmed):
@@ -1243,9 +1238,7 @@ def grouped_shard_notes(notes: Sequence[str]) -> list[str]:
             said.append(words)
             continue
         numbers.sort(key=int)
-        listed = ", ".join(numbers[:_SHARDS_LISTED])
-        if len(numbers) > _SHARDS_LISTED:
-            listed += f" and {len(numbers) - _SHARDS_LISTED} more"
+        listed = first_of(numbers, _SHARDS_LISTED)
         said.append(f"shard{'s' if len(numbers) > 1 else ''} {listed}: {words}")
     return said
 

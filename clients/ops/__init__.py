@@ -35,6 +35,7 @@ from edgecache.clients.ops.planning import share_overflow as share_overflow
 from edgecache.clients.ops.readiness import Readiness, ready, status_call_timeout, wait_ready
 from edgecache.clients.ops.staging import (
     WarmItem,
+    peers_refused_text,
     stage_item,
     warm,
     warm_item_for_version,
@@ -97,6 +98,7 @@ __all__ = [
     "make_plan",
     "ready",
     "resolve_specs",
+    "peers_refused_text",
     "stage_item",
     "status_call_timeout",
     "version_sizes",

@@ -57,8 +57,8 @@ class WarmItem:
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. a peer that failed mid-shard
     # Peers that refused the staging node for its configuration (its peer token, TLS):
-    # the version came from origin instead of the peers the plan chose, as it will on
-    # every run until that setting is fixed (bad input, as a refused token is).
+    # the version came from origin instead of the peers the plan chose, as each version
+    # staged from them will until that setting is fixed (bad input, as a refused token is).
     peers_refused: list[str] = field(default_factory=list)
     done: bool = False
 
@@ -66,6 +66,16 @@ class WarmItem:
     def moved_bytes(self) -> int:
         """Bytes the nodes' Stage progress said they moved: from origin and from peers."""
         return self.origin_bytes + self.peer_bytes
+
+
+def peers_refused_text(spec: str, region: str, peers: Sequence[str]) -> str:
+    """What ``warm`` and the controller say of a version its peers refused to give."""
+    return (
+        f"{spec} in {region} came from origin, not from its peers as planned: "
+        f"{', '.join(peers)} refused the staging node for its configuration (its notes "
+        "name the setting to fix on the region's nodes, such as peer_token_file): each "
+        "version staged from those peers comes from origin until it is fixed"
+    )
 
 
 def _split(item: WarmItem) -> bool:
