@@ -39,12 +39,16 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as _Message
 
 from edgecache.cache.errors import (
     CacheDirError,
     CacheFull,
+    ChunkCorrupt,
     DiskFull,
     EmptyShard,
     PinChanged,
@@ -78,6 +82,7 @@ from edgecache.v1 import store_pb2
 __all__ = ["PIN_LATEST", "CacheStore", "ShardInfo", "ShardReader", "StoreStats", "VersionInfo"]
 
 log = logging.getLogger(__name__)
+_Record = TypeVar("_Record", bound=_Message)
 
 _CLOSE_WAIT_S = 10.0  # how long close() waits for readers in other threads to finish
 # read_shard reaps lingering transactions once every REAP_EVERY reads: a transaction whose
@@ -156,6 +161,7 @@ class CacheStore(ClosingContext):
         # write (see room_on_disk): read from any thread without touching LMDB.
         self._tail = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
+        self._damage_said: set[bytes] = set()  # damaged records logged (a read-only store's stay)
         self._lock: WriterLock | None = None
         self._env: lmdb.Environment | None = None
         if capacity_bytes is not None and capacity_bytes <= 0:
@@ -609,7 +615,7 @@ class CacheStore(ClosingContext):
         now = time.time_ns()
         pinned: dict[bytes, store_pb2.StoredVersion] = {}
         for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
-            pin = store_pb2.StoredVersion.FromString(bytes(raw))
+            pin = self._parse_version(txn, bytes(vkey), raw)
             if pin.pinned_until_ns > now:
                 pinned[bytes(vkey)] = pin
         access_db = self._dbs[b"access"]
@@ -702,9 +708,14 @@ class CacheStore(ClosingContext):
 
     def _add_to_version(self, txn: lmdb.Transaction, key: ShardKey, size: int, shards: int) -> None:
         vkey = version_key(key.dataset, key.version)
-        record = self._version_record(txn, vkey) or store_pb2.StoredVersion()
-        record.stored_bytes += size
-        record.shard_count += shards
+        raw = txn.get(vkey, db=self._dbs[b"versions"])
+        record = store_pb2.StoredVersion() if raw is None else _parsed(store_pb2.StoredVersion, raw)
+        if record is not None:
+            record.stored_bytes += size
+            record.shard_count += shards
+        else:  # damaged: counted from the shards as they are, this one's change included
+            assert raw is not None  # parsed as None only from bytes that were there
+            record = self._parse_version(txn, vkey, raw)
         if record.shard_count == 0 and record.pinned_until_ns == 0:
             txn.delete(vkey, db=self._dbs[b"versions"])
         else:
@@ -736,16 +747,77 @@ class CacheStore(ClosingContext):
     # ----------------------------------------------------------------- reads
 
     def _shard_record(self, txn: lmdb.Transaction, raw_key: bytes) -> store_pb2.StoredShard | None:
+        """The shard's record, or None; a damaged one as :meth:`_parse_shard` gives it."""
         raw = txn.get(raw_key, db=self._dbs[b"shards"])
-        return None if raw is None else store_pb2.StoredShard.FromString(bytes(raw))
+        return None if raw is None else self._parse_shard(txn, raw_key, raw)
+
+    def _parse_shard(
+        self, txn: lmdb.Transaction, raw_key: bytes, raw: Buffer
+    ) -> store_pb2.StoredShard:
+        """A shard record; one that no longer parses, as what removing it needs.
+
+        A flipped byte in the record itself (not in a chunk, whose checksum
+        catches it) made every read, listing and eviction of its version raise
+        protobuf's ``DecodeError``: the node answered INTERNAL for good, and
+        ``evict`` could not remove it. Such a record comes back not complete
+        (:func:`_complete` is False: never served, dropped where the store
+        writes), with the chunks found under its key, so that deleting it
+        frees what it held and keeps the used bytes right.
+        """
+        record = _parsed(store_pb2.StoredShard, raw)
+        if record is None:
+            chunks, stored = 0, 0
+            cursor = txn.cursor(db=self._dbs[b"chunks"])
+            if cursor.set_range(raw_key):
+                for chunk, frame in cursor:
+                    if not bytes(chunk).startswith(raw_key):
+                        break
+                    index = int.from_bytes(bytes(chunk)[len(raw_key) :], "big")
+                    chunks, stored = max(chunks, index + 1), stored + len(frame)
+            record = store_pb2.StoredShard(
+                state=store_pb2.SHARD_STATE_UNSPECIFIED, chunk_count=chunks, stored_bytes=stored
+            )
+        return record
 
     def _version_record(self, txn: lmdb.Transaction, vkey: bytes) -> store_pb2.StoredVersion | None:
         raw = txn.get(vkey, db=self._dbs[b"versions"])
-        return None if raw is None else store_pb2.StoredVersion.FromString(bytes(raw))
+        return None if raw is None else self._parse_version(txn, vkey, raw)
+
+    def _parse_version(
+        self, txn: lmdb.Transaction, vkey: bytes, raw: Buffer
+    ) -> store_pb2.StoredVersion:
+        """A version's record; one that no longer parses, rebuilt from its shards' records.
+
+        The record holds sums of its shards' (their count and bytes) and the
+        pin: the sums are counted again; the pin is lost, and logged, until the
+        next ``warm`` or controller round sets it. Raised as ``DecodeError`` it
+        failed ``Status``, every commit of a shard of the version and ``evict``.
+        """
+        record = _parsed(store_pb2.StoredVersion, raw)
+        if record is None:
+            rebuilt = store_pb2.StoredVersion()
+            for _, shard in self._iter_shard_records(txn, vkey):
+                rebuilt.shard_count += 1
+                rebuilt.stored_bytes += shard.stored_bytes
+            if vkey not in self._damage_said:
+                self._damage_said.add(vkey)
+                dataset, version = parse_version_key(vkey)
+                log.warning(
+                    "the record of %s@%d in the cache at %s is damaged (it does not parse): "
+                    "counted again from its %d shards; its pin, if it had one, is lost until "
+                    "the next warm or controller round pins it again",
+                    dataset,
+                    version,
+                    self.path,
+                    rebuilt.shard_count,
+                )
+            record = rebuilt
+        return record
 
     def _iter_shard_records(
         self, txn: lmdb.Transaction, prefix: bytes
     ) -> Iterator[tuple[bytes, store_pb2.StoredShard]]:
+        """Every shard record under ``prefix``, damaged ones too (see :meth:`_parse_shard`)."""
         cursor = txn.cursor(db=self._dbs[b"shards"])
         if not cursor.set_range(prefix):
             return
@@ -753,7 +825,7 @@ class CacheStore(ClosingContext):
             raw_key = bytes(raw_key)
             if not raw_key.startswith(prefix):
                 return
-            yield raw_key, store_pb2.StoredShard.FromString(bytes(raw))
+            yield raw_key, self._parse_shard(txn, raw_key, raw)
 
     def _last_access(self, txn: lmdb.Transaction, raw_key: bytes) -> int:
         stored = txn.get(raw_key, db=self._dbs[b"access"])
@@ -777,9 +849,12 @@ class CacheStore(ClosingContext):
         raw_key = key.validated().encode()
         with self._snapshot() as txn:
             record = self._shard_record(txn, raw_key)
-            return (
-                None if record is None else self._info(key, record, self._last_access(txn, raw_key))
-            )
+            info = None
+            if record is not None and _complete(record):
+                info = self._info(key, record, self._last_access(txn, raw_key))
+        if record is not None and info is None:
+            self._record_damaged(key)
+        return info
 
     def contains(self, key: ShardKey) -> bool:
         """Whether the shard is resident (complete); not counted as a hit or miss."""
@@ -807,6 +882,19 @@ class CacheStore(ClosingContext):
             txn.abort()
             self._read_ended(thread)
             raise
+        if record is not None and not _complete(record):
+            txn.abort()
+            self._read_ended(thread)
+            self._record_damaged(key)
+            raise ChunkCorrupt(
+                f"the record of {key} in the cache at {self.path} is damaged (it does not "
+                "parse): not served"
+                + (
+                    "; dropped, so the next read fetches it again"
+                    if not self.readonly and self.drop_corrupt
+                    else ""
+                )
+            )
         with self._counter_lock:
             if record is None:
                 self._misses += 1
@@ -829,6 +917,28 @@ class CacheStore(ClosingContext):
         with self.read_shard(key) as reader:
             for index in range(start, reader.info.chunk_count):
                 yield bytes(reader.chunk(index))
+
+    def _record_damaged(self, key: ShardKey) -> None:
+        """A shard whose record is damaged: counted and dropped as a corrupt chunk's shard.
+
+        A read-only store (``lmdb://``) cannot drop it: it says so once, with the
+        way out, and every read of it meanwhile goes to the next endpoint.
+        """
+        raw_key = key.encode()
+        if self.readonly and raw_key not in self._damage_said:
+            self._damage_said.add(raw_key)
+            log.warning(
+                "the record of %s in the cache at %s is damaged (it does not parse): not read "
+                "from it; have its node stage it again (edgecache evict %s@%d --region R, "
+                "then edgecache warm %s@%d --region R)",
+                key,
+                self.path,
+                key.dataset,
+                key.version,
+                key.dataset,
+                key.version,
+            )
+        self._corrupt_chunk(key)
 
     def _corrupt_chunk(self, key: ShardKey) -> None:
         with self._counter_lock:
@@ -904,7 +1014,7 @@ class CacheStore(ClosingContext):
         with self._snapshot() as txn:
             for vkey, raw in txn.cursor(db=self._dbs[b"versions"]):
                 vkey = bytes(vkey)
-                record = store_pb2.StoredVersion.FromString(bytes(raw))
+                record = self._parse_version(txn, vkey, raw)
                 dataset, version = parse_version_key(vkey)
                 out.append(
                     VersionInfo(
@@ -924,11 +1034,17 @@ class CacheStore(ClosingContext):
     def shards(self, dataset: str, version: int) -> list[ShardInfo]:
         """The resident shards of one version, in shard order."""
         ShardKey(dataset, version, 0).validated()
+        found, damaged = [], []
         with self._snapshot() as txn:
-            return [
-                self._info(parse_shard_key(raw_key), record, self._last_access(txn, raw_key))
-                for raw_key, record in self._iter_shard_records(txn, version_key(dataset, version))
-            ]
+            for raw_key, record in self._iter_shard_records(txn, version_key(dataset, version)):
+                key = parse_shard_key(raw_key)
+                if _complete(record):
+                    found.append(self._info(key, record, self._last_access(txn, raw_key)))
+                else:
+                    damaged.append(key)
+        for key in damaged:  # not resident: dropped (after the snapshot) where the store writes
+            self._record_damaged(key)
+        return found
 
     def datasets(self) -> list[str]:
         """Names of datasets with anything resident or pinned."""
@@ -950,6 +1066,19 @@ class CacheStore(ClosingContext):
             evicted_bytes=self._evicted_bytes,
             corrupt_chunks=self._corrupt,
         )
+
+
+def _parsed(message: type[_Record], raw: Buffer) -> _Record | None:
+    """``raw`` parsed as ``message``, or None where it does not parse (a damaged record)."""
+    try:
+        return message.FromString(bytes(raw))
+    except DecodeError:
+        return None
+
+
+def _complete(record: store_pb2.StoredShard) -> bool:
+    """Whether a shard record may be served: written whole, not a damaged one's remains."""
+    return record.state == store_pb2.SHARD_STATE_COMPLETE
 
 
 def _shard_record_of(frames: Sequence[Buffer], committed_at_ns: int) -> store_pb2.StoredShard:

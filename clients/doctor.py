@@ -106,7 +106,9 @@ def check_paths(
             if result.samples_ms:
                 if report := _check_status(check, channel, topology.registry, bearer(token)):
                     reports.append(report)
-                check.throughput_mb_s = _throughput(channel, throughput_seconds / 2, bearer(token))
+                check.throughput_mb_s = _throughput(
+                    check, channel, throughput_seconds / 2, bearer(token)
+                )
                 _upload(check, channel, throughput_seconds / 2, streams, bearer(token))
             channel.close()
             limit = RTT_IN_REGION_MS if region == home_region else RTT_CROSS_REGION_MS
@@ -155,8 +157,10 @@ def _check_status(
         status = edge_pb2_grpc.EdgeCacheStub(channel).Status(
             edge_pb2.StatusRequest(), timeout=3, metadata=metadata
         )
-    except grpc.RpcError:
-        return None  # a node that answers health but not Status: its other tests say why
+    except grpc.RpcError as exc:
+        if exc.code() in _NODE_FAILED:  # no other test says it: it failed inside
+            check.problems.append(f"Status failed: {_failed_inside(exc)}")
+        return None  # a node that refuses Status (its token): its other tests say why
     check.node_id = status.node_id or None
     found = check_registry(check.node, registry, status.registry)
     check.registry = found.theirs or None
@@ -448,13 +452,28 @@ def _not_measured(exc: grpc.RpcError, target: str, kind: str) -> str:
     return f"could not measure: {explain(exc)}"
 
 
+# Codes of a call that failed inside the node (a bug, damage it could not handle): not the
+# caller's doing and not a refusal, so no other test names them.
+_NODE_FAILED = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS)
+
+
+def _failed_inside(exc: grpc.RpcError) -> str:
+    """A node's own failure, with where to look: its log holds the traceback."""
+    return f"{exc.code().name}: {exc.details()}; the node's log says why"
+
+
 def _throughput(
-    channel: grpc.Channel, seconds: float, metadata: tuple[tuple[str, str], ...] | None
+    check: PathCheck,
+    channel: grpc.Channel,
+    seconds: float,
+    metadata: tuple[tuple[str, str], ...] | None,
 ) -> float | None:
     """MB/s reading the node's own cached shards for at most ``seconds`` (None if none).
 
     Only shards the node holds are asked for (``cached_only``): a read test
-    must neither fetch from origin nor ask for shards that do not exist.
+    must neither fetch from origin nor ask for shards that do not exist. A
+    read that fails inside the node is one of ``check``'s problems: it ended
+    the test without a word, and doctor gave the node a clean bill.
     """
     stub = edge_pb2_grpc.EdgeCacheStub(channel)
     try:
@@ -488,6 +507,9 @@ def _throughput(
                     call.cancel()
                     break
         except grpc.RpcError as exc:
+            if exc.code() in _NODE_FAILED:
+                check.problems.append(f"reading shard {shard} failed: {_failed_inside(exc)}")
+                break
             if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
                 break  # a replica holds only its own shards: the others are skipped
     elapsed = time.perf_counter() - started

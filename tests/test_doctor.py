@@ -366,3 +366,42 @@ def test_an_upload_to_a_server_that_closes_each_connection_is_counted() -> None:
     # No claim on retransmissions: a loaded CI host's loopback retransmitted one of 120
     # segments to this deliberately slow reader (a timer fired before its ACK came).
     assert change.loss is not None, change
+
+
+def test_a_node_whose_calls_fail_inside_is_not_given_a_clean_bill(tmp_path: Path) -> None:
+    """A stand-in node (a real gRPC server; no real node is left that fails so): healthy
+    to health checks, INTERNAL to Status. doctor said "verdict: ok" and exited 0: its
+    Status check and read test stopped on such an answer without a word."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from edgecache.v1 import edge_pb2_grpc
+
+    class FailsInside(edge_pb2_grpc.EdgeCacheServicer):
+        def Status(self, request, context):  # noqa: ANN001, ANN201, N802
+            context.abort(grpc.StatusCode.INTERNAL, "internal error; see the node's log")
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    edge_pb2_grpc.add_EdgeCacheServicer_to_server(FailsInside(), server)
+    healthy = health.HealthServicer()
+    healthy.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(healthy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        config = tmp_path / "topology.yaml"
+        config.write_text(
+            f"registry: file://{tmp_path}/registry\n"
+            f"regions:\n  eu:\n    nodes: [127.0.0.1:{port}]\n"
+        )
+        (tmp_path / "registry").mkdir()
+        report = doctor(config, "--pings", "3", "--seconds", "0.2", codes=(1,))
+        (path,) = report["paths"]
+        assert any(
+            p.startswith("Status failed: INTERNAL") and p.endswith("the node's log says why")
+            for p in path["problems"]
+        ), path
+    finally:
+        server.stop(None)
