@@ -1310,7 +1310,8 @@ class Controller:
 
         A task is live while there is something to do or to wait for: it runs
         here, or it is the run the plan has (not an older run of the same
-        task), or it is done and a job it is for has not started. Only live
+        task), or it is the last run, done, of a version a job that has not
+        started reads. Only live
         tasks count in the ``edgecache_controller_tasks`` gauges: one that was
         late stops counting once its data is there and its jobs have started
         (the job's record keeps whether its data was there, and why not).
@@ -1326,6 +1327,11 @@ class Controller:
         down = {region for region, outage in region_outages(reports).items() if outage.unreachable}
         planned = {
             f"{r} {t.spec}" for r, region_plan in plan.regions.items() for t in region_plan.tasks
+        }
+        # What the region's jobs read now (the plan pins each): a job that follows a
+        # dataset to its next version no longer waits for the one it was staged for.
+        read = {
+            f"{r} {_spec(v)}" for r, region_plan in plan.regions.items() for v in region_plan.pins
         }
         starts = {job.name: job.start for job in schedule.jobs}
         ends = {job.name: job.end for job in schedule.jobs}
@@ -1344,8 +1350,8 @@ class Controller:
             waiting = any(starts.get(j, now) > now for j in record.jobs)
             if latest[base] == key and (base in running or base in planned):
                 live.add(key)
-            elif record.state == "done" and waiting:
-                live.add(key)  # ready for a job still to come
+            elif record.state == "done" and waiting and latest[base] == key and base in read:
+                live.add(key)  # ready for a job still to come (its last run: one task)
             elif all(j not in ends or ends[j] + self.record_retention <= now for j in record.jobs):
                 del self.state.tasks[key]
         self._live_tasks = live

@@ -236,3 +236,42 @@ def test_keep_records_out_of_range_is_bad_input_naming_it(tmp_path: Path, hours:
     assert process.returncode == 2, out
     assert f"--keep-records {hours}" in out and "above 0 and at most 87600" in out, out
     assert not (tmp_path / "registry").exists()  # refused before it acted
+
+
+def done(controller: Controller) -> float:
+    return controller.metrics.tasks.labels(state="done")._value.get()
+
+
+def test_done_counts_one_task_per_version_a_job_still_reads(eu) -> None:
+    """A re-stage after an eviction is the same task again, not another live one; a
+    version its job no longer reads (it follows the dataset to a new one) is not live.
+    The gauge read 1, 2, 3 as a version was evicted and staged again, and kept a version
+    left behind: ``done 8`` on a site of 3 live tasks (the docs: they add up to the live
+    tasks)."""
+    from edgeutil import publish, stub
+
+    from edgecache.v1 import edge_pb2
+
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 + 2 * HOUR, 1, "b"))
+    clock = Clock(T0)
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=clock)
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert done(controller) == 1
+        for round_ in (2, 3):  # evicted under it (an operator, a full disk): staged again
+            stub(node.address).Evict(edge_pb2.EvictRequest(dataset="b", version=1), timeout=10)
+            clock.now += timedelta(minutes=1)
+            controller.tick()
+            controller.wait_idle()
+            assert f"eu b@1 #{round_}" in controller.state.tasks
+            assert done(controller) == 1, round_
+        publish(registry, f"file://{root}/origin/c", "b")  # b@2: the job reads it now
+        clock.now += timedelta(minutes=1)
+        controller.tick()
+        controller.wait_idle()
+        assert controller.state.tasks["eu b@2"].state == "done"
+        assert done(controller) == 1
+    finally:
+        controller.close()
