@@ -126,6 +126,11 @@ class RegionState:
     # region makes from what this one holds now (:func:`plan`): not another schedule's pin,
     # and said so where they leave a job without room.
     lent: Mapping[VersionKey, datetime] = field(default_factory=dict)
+    # version → (the earliest its staging here may begin, why): the region's capacity is
+    # one pool here, but each node keeps its own share of a version, and a node's share
+    # may fit beside what that node keeps only once a pin there runs out
+    # (edgecache.clients.ops.planning decides it, node by node).
+    not_before: Mapping[VersionKey, tuple[datetime, str]] = field(default_factory=dict)
 
     @property
     def origin_rate(self) -> float:
@@ -147,6 +152,9 @@ class StageTask:
     finish: datetime
     deadline: datetime
     jobs: tuple[str, ...]
+    # Why it begins no sooner, where that is not its link or room in the region as a
+    # whole (``RegionState.not_before``): ``warm``, which stages everything now, defers it.
+    waits: str = ""
 
     @property
     def spec(self) -> str:
@@ -731,7 +739,8 @@ def _plan_region(
             # will hold the version costs no origin egress, so it wins whenever it makes
             # the deadline, slower link or not; when nothing makes it, the fastest does.
             # A peer sends stored bytes, origin sends source bytes.
-            origin_begin = max(cursor, link_free)
+            wait = state.not_before.get(version)
+            origin_begin = max(cursor, link_free, wait[0]) if wait else max(cursor, link_free)
             options = []  # (misses the deadline, from origin, finish, source, bw, bytes, begin)
             if state.origin_rate > 0:
                 moved = _origin_bytes(sized, held_now)
@@ -751,7 +760,7 @@ def _plan_region(
                 spans = holds.get((peer, version), ())
                 # Copies from one peer run one after another, as on the origin link:
                 # two were planned over one link at once, each at its whole speed.
-                ready = max(cursor, peer_free.get(peer, cursor))
+                ready = max(cursor, peer_free.get(peer, cursor), *(wait[:1] if wait else ()))
                 held = _holding(spans, job.start, ready, latest, copying)
                 if held is None:
                     continue
@@ -857,6 +866,7 @@ def _plan_region(
                 finish=finish,
                 deadline=job.start,
                 jobs=(job.name,),
+                waits=wait[1] if wait is not None and begin == wait[0] else "",
             )
             if source == "origin":
                 link_free = finish
@@ -1314,13 +1324,4 @@ def _victims(
 
 
 def _with_job(task: StageTask, job: str) -> StageTask:
-    return StageTask(
-        task.region,
-        task.version,
-        task.bytes,
-        task.source,
-        task.start,
-        task.finish,
-        task.deadline,
-        (*task.jobs, job),
-    )
+    return replace(task, jobs=(*task.jobs, job))

@@ -953,6 +953,19 @@ class PlanExecutor:
                 pin_until = max(ends[j] for j in step.jobs if j in ends)
                 run = self.make_run(step, manifests, pin_until)
                 mine.runs.append(run)
+                if step.waits and step.start > self.clock():
+                    # A node's share fits only once a pin there runs out: staged now it
+                    # failed RESOURCE_EXHAUSTED on that node and left the rest pinned.
+                    start = f"{step.start.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
+                    run.state = "deferred"
+                    run.note = (
+                        f"{step.waits}; the plan starts it at {start}: run warm again then, "
+                        "or let `edgecache controller` stage it on time"
+                    )
+                    self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
+                    mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
+                    ended[id(step)].set()
+                    continue
                 if blocked is not None:
                     note = _deferred_note(step, blocked, failed=evict_failed)
                     run.state, run.note = "deferred", note

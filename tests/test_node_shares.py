@@ -11,13 +11,16 @@ real Parquet, the CLI as an operator runs it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from edgeutil import edgecache, publish, write_parquet_shards
+from edgeutil import edgecache, publish, stub, write_parquet_shards
 
 from edgecache.cache.rendezvous import owner
 from edgecache.clients.node_client import start_local_node
+from edgecache.v1 import edge_pb2
+from edgecache.v1 import manifest_pb2 as pb
 
 IDS = ["eu-0", "eu-1"]
 
@@ -141,7 +144,6 @@ def test_a_version_the_plan_cannot_hold_is_not_counted_against_a_job_beside_it()
     from edgecache.clients.ops.planning import _share_rows
     from edgecache.clients.topology import RegionConfig, Topology
     from edgecache.v1 import edge_pb2
-    from edgecache.v1 import manifest_pb2 as pb
 
     mib = 1 << 20
     topology = Topology(registry="file:///r", regions={"eu": RegionConfig(nodes=["a:1", "b:1"])})
@@ -171,7 +173,7 @@ def test_a_version_the_plan_cannot_hold_is_not_counted_against_a_job_beside_it()
     ]
     unmet = Infeasible("b", "eu", "huge@1", "larger than the region's capacity")
     result = Plan(regions={}, infeasible=[unmet], transfers={}, cost={})
-    assert _share_rows(topology, reports, jobs, manifests, sizes, {}, result) == []
+    assert _share_rows(topology, reports, jobs, manifests, sizes, {}, result).rows == []
 
 
 def test_of_two_overlapping_jobs_that_fit_alone_but_not_together_the_first_is_planned() -> None:
@@ -182,8 +184,6 @@ def test_of_two_overlapping_jobs_that_fit_alone_but_not_together_the_first_is_pl
     from edgecache.clients.ops import NodeReport
     from edgecache.clients.ops.planning import _share_rows, holdable_plan, replica_names
     from edgecache.clients.topology import RegionConfig, Topology
-    from edgecache.v1 import edge_pb2
-    from edgecache.v1 import manifest_pb2 as pb
 
     mib = 1 << 20
     nodes = ["a:1", "b:1"]
@@ -224,12 +224,92 @@ def test_of_two_overlapping_jobs_that_fit_alone_but_not_together_the_first_is_pl
     ]
     region = RegionState("eu", capacity_bytes=sum(capacity.values()), origin_bandwidth=1e9)
 
-    def replan(kept: list[Job]) -> object:
-        return plan(kept, {"eu": region}, sizes, now=now)
+    def replan(kept: list[Job], waits: dict) -> object:
+        not_before = {v: w for (_, v), w in waits.items()}
+        return plan(kept, {"eu": replace(region, not_before=not_before)}, sizes, now=now)
 
-    def unholdable(kept: list[Job], made: object) -> list:
+    def unholdable(kept: list[Job], made: object) -> object:
         return _share_rows(topology, reports(capacity), kept, manifests, sizes, {}, made)
 
-    result = holdable_plan(jobs, replan, unholdable, replan(jobs))
+    result = holdable_plan(jobs, replan, unholdable, replan(jobs, {}))
     assert [(t.spec, t.jobs) for t in result.regions["eu"].tasks] == [("x@1", ("first",))]
     assert [(row.job, row.version) for row in result.infeasible] == [("second", "y@1")]
+
+
+def test_a_version_a_node_holds_only_once_a_pin_there_ends_is_staged_then(
+    tmp_path: Path,
+) -> None:
+    """Two jobs apart in time whose one-shard versions hash to one node: the plan staged the
+    second at once, beside the first one's pin on that node (the region as a whole had the
+    room), and every warm or controller round failed it RESOURCE_EXHAUSTED there until the
+    pin ran out (a helper's hunt). It begins when the pin ends, and warm defers it."""
+    from edgecache.clients.controller import Controller
+
+    registry = f"file://{tmp_path}/registry"
+    first, second = _same_owner_names()
+    for name in (first, second):
+        write_parquet_shards(tmp_path / name, 1, rows=20000)
+        # Stored uncompressed, about as large as their source: plan and warm size a version
+        # no node holds yet by its source bytes, and each must fit a node alone.
+        publish(registry, f"file://{tmp_path}/{name}", name, compression=pb.COMPRESSION_NONE)
+    source = sum(f.stat().st_size for f in (tmp_path / first).rglob("*") if f.is_file())
+    # Each node holds 1.5 versions as stored: the region (3) holds both, the node both
+    # hash to holds one at a time. Stored sizes, from a node that staged one.
+    probe = start_local_node("probe", tmp_path / "probe", registry)
+    try:
+        list(stub(probe.address).Stage(edge_pb2.StageRequest(dataset=first, version=1)))
+        (held,) = stub(probe.address).Status(edge_pb2.StatusRequest()).versions
+    finally:
+        probe.stop()
+    nodes = [
+        start_local_node(
+            "eu",
+            tmp_path / f"cache-{i}",
+            registry,
+            capacity=str(int(max(held.stored_bytes, source) * 1.5)),
+            extra_args=["--node-id", node_id],
+        )
+        for i, node_id in enumerate(IDS)
+    ]
+    try:
+        topology = tmp_path / "edgecache.yaml"
+        addresses = ", ".join(f"'{n.address}'" for n in nodes)
+        topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{addresses}]\n")
+        config = ["--config", str(topology)]
+        apart = _schedule(tmp_path / "apart.yaml", [("j1", first, 1), ("j2", second, 5)])
+        # The first job's version staged and pinned (its own warm): the plan then knows
+        # what a version of this data stores.
+        alone = _schedule(tmp_path / "alone.yaml", [("j1", first, 1)])
+        code, out, err = edgecache("warm", str(alone), *config)
+        assert code == 0, (out, err)
+        for _ in range(2):  # warm twice: the second finds the first's work done
+            code, out, err = edgecache("plan", str(apart), *config, "--json")
+            assert code == 0, (out, err)
+            tasks = {t["version"]: t for t in json.loads(out)["regions"]["eu"]["tasks"]}
+            j1_end = datetime.fromisoformat(json.loads(out)["regions"]["eu"]["pins"][0]["until"])
+            later = tasks[f"{second}@1"]
+            # At the first job's pin end (the node's copy of the pin: to the millisecond).
+            assert abs(datetime.fromisoformat(later["start"]) - j1_end) < timedelta(seconds=1)
+            assert f"until {first}@1 is no longer pinned" in later["waits"], later
+            code, out, err = edgecache("warm", str(apart), *config, "--json")
+            assert code == 0, (out, err)  # the first staged, the second deferred: no failure
+            deferred = json.loads(out)["deferred"]
+            assert [d["what"] for d in deferred] == [f"stage {second}@1"], out
+            assert "run warm again then" in deferred[0]["reason"], deferred
+        code, out, err = edgecache("plan", str(apart), *config)
+        assert code == 0 and "starts at" in out and "waits for room on one node" in out, out
+        # At its start the controller stages it: the first job is over, its pin gone (the
+        # nodes keep real time: the pin is taken off as its end would).
+        for node in nodes:
+            stub(node.address).Pin(edge_pb2.PinRequest(dataset=first, version=1), timeout=10)
+        controller = Controller(topology, apart, clock=lambda: j1_end + timedelta(minutes=1))
+        try:
+            controller.tick()
+            controller.wait_idle()
+            record = controller.state.tasks[f"eu {second}@1"]
+            assert record.state == "done", record
+        finally:
+            controller.close()
+    finally:
+        for node in nodes:
+            node.stop()

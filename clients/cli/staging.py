@@ -333,6 +333,7 @@ def _plan_json(result: Plan) -> dict[str, object]:
                         "finish": json_time(t.finish),
                         "deadline": json_time(t.deadline),
                         "jobs": list(t.jobs),
+                        **({"waits": t.waits} if t.waits else {}),
                     }
                     for t in rp.tasks
                 ],
@@ -473,6 +474,9 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[
             ],
             rows,
         )
+        for t in rp.tasks:
+            if t.waits:  # not the link or the region's room: said, or the start looks odd
+                line(f"{name}: {t.spec} starts at {t.start:%Y-%m-%d %H:%M}: {t.waits}")
         _print_pins(name, rp.pins)
     if explain:
         for name, rp in result.regions.items():
@@ -532,8 +536,10 @@ def warm(
     With a schedule, every task of the plan runs now rather than at its planned
     start, from the source the plan chose, after the evictions that make its
     room; an eviction that would take data a job reads before the plan's
-    eviction time is refused, and the tasks that need its room are deferred
-    (run warm again later, or let the controller run the schedule). --dry-run
+    eviction time is refused, and the tasks that need its room are deferred,
+    as is a task the plan starts when a pin on one of the region's nodes runs
+    out (that node's share fits only then) (run warm again later, or let the
+    controller run the schedule). --dry-run
     goes through the same steps without touching a node, so it shows the same
     evictions, stages and deferrals. Exit codes: 0 done (a version the plan
     called late that this run staged whole is said as "there now"); 3 a job

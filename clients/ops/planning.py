@@ -9,7 +9,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from edgecache.cache import rendezvous
@@ -185,14 +185,18 @@ def make_plan(
         (job.name, job.region, spec) for job in current for spec in job.datasets if spec in missing
     ]
 
-    def replan(kept: list[Job]) -> Plan:
-        return plan(kept, regions, sizes, now=now, missing=missing_items, why_missing=missing)
+    def replan(kept: list[Job], waits: Waits) -> Plan:
+        waiting = {
+            name: replace(state, not_before={v: w for (r, v), w in waits.items() if r == name})
+            for name, state in regions.items()
+        }
+        return plan(kept, waiting, sizes, now=now, missing=missing_items, why_missing=missing)
 
     result = holdable_plan(
         jobs,
         replan,
         lambda kept, made: _share_rows(topology, reports, kept, manifests, sizes, held, made),
-        replan(list(jobs)),
+        replan(list(jobs), {}),
     )
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     result.infeasible[:] = [
@@ -204,25 +208,56 @@ def make_plan(
     return result, manifests
 
 
+# (region, version) → (the earliest its staging may begin, why): RegionState.not_before.
+Waits = dict[tuple[str, VersionKey], tuple[datetime, str]]
+
+
+@dataclass
+class Shares:
+    """What the region's node split makes of a plan (:func:`_share_rows`).
+
+    ``rows``: versions no split holds beside what the region keeps meanwhile
+    (cannot be met). ``waits``: versions a node's share fits beside only once a
+    pin there has run out, before their job starts: staged from then on.
+    """
+
+    rows: list[Infeasible] = field(default_factory=list)
+    waits: Waits = field(default_factory=dict)
+
+
 def holdable_plan(
     jobs: Sequence[Job],
-    replan: Callable[[list[Job]], Plan],
-    unholdable: Callable[[list[Job], Plan], list[Infeasible]],
+    replan: Callable[[list[Job], Waits], Plan],
+    unholdable: Callable[[list[Job], Plan], Shares],
     result: Plan,
 ) -> Plan:
-    """``result`` made again without the versions no split of a region's nodes holds.
+    """``result`` made again so that every node holds its share of what it stages.
 
-    Such a version is neither staged (its stage failed RESOURCE_EXHAUSTED on the node
-    its shards hash to, and the shards the others took stayed pinned there), nor
-    pinned, nor made room for. One job at a time, the last in the planner's order
-    (start, then priority), each time checked again: two overlapping jobs that each fit
-    alone but not together are both in the rows, and the first of them can be met.
+    A version a node's share fits beside the versions that node keeps only once
+    one of their pins runs out (before the version's job starts) begins then:
+    staged at the plan's first time, it failed RESOURCE_EXHAUSTED on that node
+    every round until the pin ran out, while the plan showed it staged hours
+    before. A version no split of a region's nodes holds in time is neither
+    staged (its stage failed on the node its shards hash to, and the shards
+    the others took stayed pinned there), nor pinned, nor made room for. One
+    job at a time, the last in the planner's order (start, then priority),
+    each time checked again: two overlapping jobs that each fit alone but not
+    together are both in the rows, and the first of them can be met.
     """
     kept, rows = list(jobs), []
-    while shares := unholdable(kept, result):
-        last = max({row.job for row in shares}, key=_job_order(kept))
-        dropped = {(row.job, row.version) for row in shares if row.job == last}
-        rows += [row for row in shares if row.job == last]
+    waits: Waits = {}
+    while True:
+        found = unholdable(kept, result)
+        later = {k: w for k, w in found.waits.items() if k not in waits or w[0] > waits[k][0]}
+        if later:  # each wait only moves later, to one of finitely many pin ends: it ends
+            waits |= later
+            result = replan(kept, waits)
+            continue
+        if not found.rows:
+            break
+        last = max({row.job for row in found.rows}, key=_job_order(kept))
+        dropped = {(row.job, row.version) for row in found.rows if row.job == last}
+        rows += [row for row in found.rows if row.job == last]
         kept = [
             replace(
                 job,
@@ -232,7 +267,7 @@ def holdable_plan(
             )
             for job in kept
         ]
-        result = replan(kept)
+        result = replan(kept, waits)
     result.infeasible += rows
     return result
 
@@ -251,19 +286,23 @@ def _share_rows(
     sizes: Mapping[VersionKey, VersionSize],
     held: Mapping[str, Mapping[VersionKey, Holding]],
     result: Plan,
-) -> list[Infeasible]:
-    """Rows for the jobs whose versions, not held yet, no node split lets their region hold.
+) -> Shares:
+    """The versions, not held yet, that no node split lets their region hold when planned.
 
     The plan counts a region's capacity as one pool (:func:`share_overflow` says
-    why that is not enough). A job is checked with every version the region
-    must hold while it runs: its own and those of the jobs there whose time
-    overlaps it, the ones held already at what each node holds of them. Checked
-    a job at a time, two jobs' versions whose shards hash to one node were each
-    said to fit, and the second one's warm failed RESOURCE_EXHAUSTED there.
+    why that is not enough). A job's versions are checked with every version
+    the region keeps while they are held, from their task's start to the end
+    of their pin: those of the other jobs there held meanwhile (from their own
+    task's start, or now, to their pin's end), the ones held already at what
+    each node holds of them. Checked against the jobs' own times alone, a
+    version staged an hour before its job, while another job's pin still held
+    its node, was said to fit, and failed RESOURCE_EXHAUSTED there round after
+    round. Where the overflow ends when such a pin runs out, before the job
+    starts, the version waits for it (:class:`Shares`); else it cannot be met.
     """
     by_key = {(m.dataset, m.version): m for m in manifests.values()}
     unmet = {(row.job, row.version) for row in result.infeasible}
-    rows = []
+    out = Shares()
     for job in jobs:
         if job.region not in topology.regions:
             continue
@@ -271,29 +310,83 @@ def _share_rows(
         staged = [by_key[v] for v in job.versions if v not in whole and v in by_key]
         if not staged:
             continue
-        together = [  # what the plan holds for the jobs running meanwhile (not what it cannot)
-            v
-            for other in jobs
-            if other.region == job.region and other.start < job.end and job.start < other.end
-            for v in other.versions
-            if v in by_key and (other.name, f"{v[0]}@{v[1]}") not in unmet
-        ]
-        needed = list(dict.fromkeys([*((m.dataset, m.version) for m in staged), *together]))
-        why = share_overflow(
-            topology,
-            reports,
-            job.region,
-            [by_key[v] for v in needed if v not in whole],
-            sizes,
-            kept=[v for v in needed if v in whole],
-        )
+        region_plan = result.regions.get(job.region)
+        tasks = {t.version: t for t in region_plan.tasks} if region_plan else {}
+        pins = region_plan.pins if region_plan else {}
+        mine = [(m.dataset, m.version) for m in staged]
+        low = min((tasks[v].start for v in mine if v in tasks), default=job.start)
+        high = max([pins.get(v, job.end) for v in mine])
+        # What the region keeps while this job's versions are held: version → until. The
+        # nodes' own pins count too (another schedule's, or one longer than this plan's).
+        beside: dict[VersionKey, datetime] = {}
+        for v, until in _region_pins(reports, job.region):
+            if until > low and (v in whole or v in by_key) and v not in mine:
+                beside[v] = max(beside.get(v, until), until)
+        for other in jobs:
+            if other.region != job.region:
+                continue
+            for v in other.versions:
+                if v not in by_key or (other.name, f"{v[0]}@{v[1]}") in unmet or v in mine:
+                    continue
+                since = tasks[v].start if v in tasks else None  # None: held now
+                until = max(pins.get(v, other.end), other.end, beside.get(v, other.end))
+                if (since is None or since < high) and until > low:
+                    beside[v] = until
+        check = _ShareCheck(topology, reports, job.region, mine, whole, by_key, sizes)
+        why = check.overflow(beside)
         if why is None:
             continue
-        for m in staged:
-            spec = f"{m.dataset}@{m.version}"
-            if (job.name, spec) not in unmet:
-                rows.append(Infeasible(job.name, job.region, spec, why))
-    return rows
+        # The first pin end, before the job starts, after which the shares fit.
+        for at in sorted({u for u in beside.values() if low < u < job.start}):
+            if check.overflow({v: u for v, u in beside.items() if u > at}) is None:
+                ending = sorted(v for v, u in beside.items() if u <= at)
+                names = ", ".join(f"{d}@{n}" for d, n in ending)
+                note = (
+                    f"waits for room on one node until {names} "
+                    f"{'is' if len(ending) == 1 else 'are'} no longer pinned: before then, {why}"
+                )
+                for v in mine:
+                    out.waits[(job.region, v)] = (at, note)
+                break
+        else:
+            for m in staged:
+                spec = f"{m.dataset}@{m.version}"
+                if (job.name, spec) not in unmet:
+                    out.rows.append(Infeasible(job.name, job.region, spec, why))
+    return out
+
+
+def _region_pins(reports: list[NodeReport], region: str) -> Iterator[tuple[VersionKey, datetime]]:
+    """Each pin a node of ``region`` holds: (version, until)."""
+    for report in reports:
+        if report.region == region and report.status is not None:
+            for v in report.status.versions:
+                if v.HasField("pinned_until"):
+                    yield (v.dataset, v.version), v.pinned_until.ToDatetime(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class _ShareCheck:
+    """:func:`share_overflow` of one job's versions beside those a region keeps meanwhile."""
+
+    topology: Topology
+    reports: list[NodeReport]
+    region: str
+    mine: list[VersionKey]
+    whole: set[VersionKey]
+    by_key: Mapping[VersionKey, pb.Manifest]
+    sizes: Mapping[VersionKey, VersionSize]
+
+    def overflow(self, keeping: Mapping[VersionKey, datetime]) -> str | None:
+        needed = [*self.mine, *keeping]
+        return share_overflow(
+            self.topology,
+            self.reports,
+            self.region,
+            [self.by_key[v] for v in needed if v not in self.whole],
+            self.sizes,
+            kept=[v for v in needed if v in self.whole],
+        )
 
 
 def share_overflow(
