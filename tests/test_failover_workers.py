@@ -432,7 +432,9 @@ def test_persistent_workers_resume_a_state_loaded_after_all_nodes_failed(
     proxy = FaultyProxy(nodes[0].address)  # the node's address, kept across its restart
     try:
         expected = clean_batches(nodes[0].address)
-        ds = EdgeDataset("tokens@1", endpoints=[proxy.address], retry_timeout=2, **SMALL)
+        # 5 s, not 2: the worker's channel reconnects through its backoff after the restart,
+        # which a loaded CI host (the suite and more on 2 cores) once took past 2 s.
+        ds = EdgeDataset("tokens@1", endpoints=[proxy.address], retry_timeout=5, **SMALL)
         dl = loader(ds, persistent_workers=True)
         got: list[list[int]] = []
         state = None
