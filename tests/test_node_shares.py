@@ -18,7 +18,7 @@ from pathlib import Path
 from edgeutil import edgecache, publish, stub, write_parquet_shards
 
 from edgecache.cache.rendezvous import owner
-from edgecache.clients.node_client import start_local_node
+from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -31,6 +31,24 @@ def _same_owner_names() -> tuple[str, str]:
     wanted = owner(IDS, first, 1, 0)
     second = next(f"b{i}" for i in range(100) if owner(IDS, f"b{i}", 1, 0) == wanted)
     return first, second
+
+
+def _two_nodes(tmp_path: Path, registry: str, capacity: int) -> tuple[list[LocalNode], Path]:
+    """Region eu of two nodes named IDS, each of ``capacity`` bytes, and its topology file."""
+    nodes = [
+        start_local_node(
+            "eu",
+            tmp_path / f"cache-{i}",
+            registry,
+            capacity=str(capacity),
+            extra_args=["--node-id", node_id],
+        )
+        for i, node_id in enumerate(IDS)
+    ]
+    topology = tmp_path / "edgecache.yaml"
+    addresses = ", ".join(f"'{n.address}'" for n in nodes)
+    topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{addresses}]\n")
+    return nodes, topology
 
 
 def _schedule(path: Path, jobs: list[tuple[str, str, int]]) -> Path:
@@ -61,20 +79,8 @@ def test_two_jobs_at_once_whose_shards_hash_to_one_node_are_not_planned_as_fitti
     # Nothing held: the plan sizes each by its source bytes. Each node holds 1.5 shards:
     # the region (3) holds both, the node both hash to does not.
     source = sum(f.stat().st_size for f in (tmp_path / first).rglob("*") if f.is_file())
-    nodes = [
-        start_local_node(
-            "eu",
-            tmp_path / f"cache-{i}",
-            registry,
-            capacity=str(int(source * 1.5)),
-            extra_args=["--node-id", node_id],
-        )
-        for i, node_id in enumerate(IDS)
-    ]
+    nodes, topology = _two_nodes(tmp_path, registry, int(source * 1.5))
     try:
-        topology = tmp_path / "edgecache.yaml"
-        addresses = ", ".join(f"'{n.address}'" for n in nodes)
-        topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{addresses}]\n")
         config = ["--config", str(topology)]
         apart = _schedule(tmp_path / "apart.yaml", [("j1", first, 1), ("j2", second, 5)])
         code, out, err = edgecache("plan", str(apart), *config)
@@ -261,20 +267,8 @@ def test_a_version_a_node_holds_only_once_a_pin_there_ends_is_staged_then(
         (held,) = stub(probe.address).Status(edge_pb2.StatusRequest()).versions
     finally:
         probe.stop()
-    nodes = [
-        start_local_node(
-            "eu",
-            tmp_path / f"cache-{i}",
-            registry,
-            capacity=str(int(max(held.stored_bytes, source) * 1.5)),
-            extra_args=["--node-id", node_id],
-        )
-        for i, node_id in enumerate(IDS)
-    ]
+    nodes, topology = _two_nodes(tmp_path, registry, int(max(held.stored_bytes, source) * 1.5))
     try:
-        topology = tmp_path / "edgecache.yaml"
-        addresses = ", ".join(f"'{n.address}'" for n in nodes)
-        topology.write_text(f"registry: {registry}\nregions:\n  eu:\n    nodes: [{addresses}]\n")
         config = ["--config", str(topology)]
         apart = _schedule(tmp_path / "apart.yaml", [("j1", first, 1), ("j2", second, 5)])
         # The first job's version staged and pinned (its own warm): the plan then knows

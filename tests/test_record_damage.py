@@ -130,9 +130,8 @@ def test_a_version_record_that_does_not_parse_is_counted_again_from_its_shards(
         assert s.versions() == [] and s.stats.used_bytes == 0
 
 
-def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
-    tmp_path: Path,
-) -> None:
+def _staged_by_a_node(tmp_path: Path) -> tuple[str, Path]:
+    """tokens@1 (two shards) published and staged by a node, now stopped: (registry, cache)."""
     write_parquet_shards(tmp_path / "origin", 2)
     registry = f"file://{tmp_path}/registry"
     publish(registry, f"file://{tmp_path}/origin", "tokens")
@@ -140,6 +139,13 @@ def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
     node = start_local_node("eu", cache, registry)
     list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
     node.stop()
+    return registry, cache
+
+
+def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
+    tmp_path: Path,
+) -> None:
+    registry, cache = _staged_by_a_node(tmp_path)
     _rot_record(cache, b"shards", K1.encode())
     _rot_record(cache, b"versions", version_key("tokens", 1))
 
@@ -165,13 +171,7 @@ def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
 
 
 def test_an_lmdb_reader_reads_a_damaged_shard_from_the_next_endpoint(tmp_path: Path) -> None:
-    write_parquet_shards(tmp_path / "origin", 2)
-    registry = f"file://{tmp_path}/registry"
-    publish(registry, f"file://{tmp_path}/origin", "tokens")
-    cache = tmp_path / "cache"
-    node = start_local_node("eu", cache, registry)
-    list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
-    node.stop()
+    registry, cache = _staged_by_a_node(tmp_path)
     _rot_record(cache, b"shards", K1.encode())
 
     # Alone, the cache is told to be staged again when the dataset is built.
