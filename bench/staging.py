@@ -25,8 +25,11 @@ one run:
 (b) An ``edgecache serve`` subprocess pinned with ``taskset`` to 1 core and to
     2 cores, staging the default version from file:// (so origin costs no
     CPU), interleaved, best of ``--repeat``: source MB/s. Target: 2 cores >=
-    1.7x. The node's own Status figures (staging rate, CPU-s per GB) are
-    printed.
+    1.7x. Each round starts once other processes leave the CPUs quiet, and is
+    run again (at most 4 times) when they took more than a tenth of them
+    meanwhile. The node's own Status figures (staging rate, CPU-s per GB) are
+    printed, and this machine's own 2-core scaling of the same work: the
+    node's pipeline in two processes pinned to a core each against one.
 (c) Staging from moto's S3 server over loopback (each codec) against a bare
     pipeline that GETs the same objects (aiobotocore, same concurrency) and
     decodes them into Arrow with pyarrow on as many threads, doing nothing
@@ -44,6 +47,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -284,6 +288,94 @@ def _stage_watched(client: edge_pb2_grpc.EdgeCacheStub, pid: int) -> tuple[int, 
     return nbytes, seconds, max(others, 0.0)
 
 
+# A round with more of the CPUs taken by other processes than this is run again (at most
+# QUIET_TRIES times): on this shared VM outside load of 0.5-1.9 cores came and went for
+# minutes, invisible to ps, and at nice +10 a 2-core node gave its second core away to it
+# while a 1-core node, pinned to the other core, lost nothing (helper 12's profile, stop
+# 53: 76-114 MB/s on 2 cores against 94-132 on 1 with others at 0.4-0.6).
+QUIET = 0.05
+QUIET_TRIES = 4
+
+
+def _quiet(wait: float = 30.0) -> None:
+    """Until other processes use under QUIET of the CPUs over a 0.3 s look (at most ``wait``)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        busy0, total0 = _busy_jiffies()
+        time.sleep(0.3)
+        busy1, total1 = _busy_jiffies()
+        if (busy1 - busy0) / max(total1 - total0, 1) < QUIET:
+            return
+
+
+def _quiet_round(work: Callable[[], tuple[int, float, float]]) -> tuple[int, float, float, int]:
+    """``work`` run when the machine is quiet, again while others took the CPUs; and the tries."""
+    tries = 0
+    while True:
+        _quiet()
+        nbytes, seconds, others = work()
+        tries += 1
+        if others <= 2 * QUIET or tries == QUIET_TRIES:
+            return nbytes, seconds, others, tries
+
+
+def _pipeline_pass(origin: str, registry: str) -> None:
+    """One pass of the node's pipeline over every shard on one thread: prints bytes, seconds.
+
+    Run in a process of its own pinned to one core, alone and two at once on two
+    cores (:func:`ceiling`): what this machine gives the same work on its second
+    core, with nothing shared between the two (no GIL, no allocator, no LMDB).
+    """
+    manifest = Registry.run(registry, lambda reg: reg.manifest(DATASETS[DEFAULT], 1))
+    shards = [(s, (Path(origin) / s.source_key).read_bytes()) for s in manifest.shards]
+    transform = load_transform("identity", {})
+    with ThreadPoolExecutor(1) as parts:
+        for shard, data in shards[:2]:  # warm-up: imports, Arrow's pools
+            encode_raw_shard(data, manifest, shard, shard.source_key, transform, parts)
+        started = time.perf_counter()
+        for shard, data in shards:
+            encode_raw_shard(data, manifest, shard, shard.source_key, transform, parts)
+        seconds = time.perf_counter() - started
+    print(json.dumps([sum(len(d) for _, d in shards), seconds]))
+
+
+def ceiling(origin: Path, registry: str, cores: list[int], repeat: int) -> float:
+    """This machine's own 2-core scaling for the node's work: two processes ÷ one, best rounds.
+
+    The node cannot scale past what the second core gives the same work with
+    nothing shared; on this VM that was 1.73-1.91x (each core 4-14 % slower with
+    both busy), so a 2-core node at 1.6x had ~90 % of it.
+    """
+
+    def passes(on: list[int]) -> tuple[int, float, float]:
+        code = (
+            "from bench.staging import _pipeline_pass; "
+            f"_pipeline_pass({str(origin)!r}, {registry!r})"
+        )
+        busy0, total0 = _busy_jiffies()
+        procs = [
+            subprocess.Popen(
+                ["taskset", "-c", str(core), sys.executable, "-c", code],
+                stdout=subprocess.PIPE,
+                cwd=Path(__file__).resolve().parents[1],
+                env={"MIMALLOC_PURGE_DELAY": "1000", **os.environ},  # as the node runs it
+            )
+            for core in on
+        ]
+        outs = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+        busy1, total1 = _busy_jiffies()
+        own = len(on) / len(cores)  # what the passes themselves used, at most
+        others = max((busy1 - busy0) / max(total1 - total0, 1) - own, 0.0)
+        return sum(b for b, _ in outs), max(s for _, s in outs), others
+
+    best: dict[int, float] = {}
+    for _ in range(repeat):
+        for count in (1, 2):
+            nbytes, seconds, _, _ = _quiet_round(lambda c=count: passes(cores[:c]))
+            best[count] = max(best.get(count, 0.0), nbytes / seconds)
+    return best[2] / best[1]
+
+
 def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2 or shutil.which("taskset") is None:
@@ -292,14 +384,14 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
     sets = {"1 core": str(cores[0]), "2 cores": f"{cores[0]},{cores[1]}"}
     nodes = {label: _node(workdir, label.replace(" ", "-"), registry, cpus, {})
              for label, cpus in sets.items()}  # fmt: skip
-    runs: dict[str, list[tuple[int, float, float]]] = {label: [] for label in sets}
+    runs: dict[str, list[tuple[int, float, float, int]]] = {label: [] for label in sets}
     status = {}
     try:
         for _, client in nodes.values():
             _stage(client)  # warm-up: imports, first allocations
         for _ in range(repeat):
             for label, (proc, client) in nodes.items():
-                runs[label].append(_stage_watched(client, proc.pid))
+                runs[label].append(_quiet_round(lambda c=client, p=proc: _stage_watched(c, p.pid)))
         for label, (_, client) in nodes.items():
             st = client.Status(edge_pb2.StatusRequest())
             status[label] = {
@@ -310,16 +402,22 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
         for proc, _ in nodes.values():
             proc.terminate()
             proc.wait(timeout=30)
+    console.log("(b) the machine's own 2-core scaling: the node's pipeline in 1 and 2 processes")
+    machine = ceiling(workdir / "origin", registry, cores, repeat)
     best = {label: min(r, key=lambda x: x[1]) for label, r in runs.items()}
-    rate = {label: b / s for label, (b, s, _) in best.items()}
+    rate = {label: b / s for label, (b, s, _, _) in best.items()}
+    ratio = rate["2 cores"] / rate["1 core"]
     return {
         "measure": "Stage from file://, node pinned with taskset",
         "source_mb": round(best["1 core"][0] / 1e6, 1),
         "one_core_mb_s": round(rate["1 core"] / 1e6, 1),
         "two_cores_mb_s": round(rate["2 cores"] / 1e6, 1),
-        "ratio": round(rate["2 cores"] / rate["1 core"], 2),
+        "ratio": round(ratio, 2),
         "target": 1.7,
-        "others_cpu_share": {label: round(o, 2) for label, (_, _, o) in best.items()},
+        "others_cpu_share": {label: round(o, 2) for label, (_, _, o, _) in best.items()},
+        "rounds_run_again": sum(t - 1 for r in runs.values() for *_, t in r),
+        "machine_two_core_ratio": round(machine, 2),
+        "of_machine": round(ratio / machine, 2),
         "node_status": status,
     }
 
@@ -470,7 +568,10 @@ def show(results: dict, console: Console) -> None:
         console.print(
             f"(b) {s['measure']}, {s['source_mb']} MB: 1 core {s['one_core_mb_s']} MB/s, "
             f"2 cores {s['two_cores_mb_s']} MB/s: {s['ratio']}x {_met(s['ratio'], s['target'])}"
-            f"; other processes used {s['others_cpu_share']} of the CPUs in those runs"
+            f"; other processes used {s['others_cpu_share']} of the CPUs in those runs "
+            f"({s['rounds_run_again']} rounds run again for others' load); this machine's own "
+            f"2-core scaling of the same work (two processes ÷ one): "
+            f"{s['machine_two_core_ratio']}x, the node {s['of_machine']} of it"
             f"; node status {s['node_status']}"
         )
     console.print(
