@@ -1241,6 +1241,10 @@ class Controller:
                     continue  # failed lately: wait before trying again
                 if self.stop.is_set():
                     continue  # stopping: begin nothing new
+                if task.waits and task.start > now:
+                    # A node's share fits only once a pin there runs out, at the task's
+                    # start: never begun early, whatever its source or the link's backoff.
+                    continue
                 note = ""
                 if task.source != "origin" and not self._peer_holds(task.source, task.version):
                     why = self._peer_wont_do(task, plan, outages)

@@ -292,6 +292,15 @@ def test_a_version_a_node_holds_only_once_a_pin_there_ends_is_staged_then(
             assert "run warm again then" in deferred[0]["reason"], deferred
         code, out, err = edgecache("plan", str(apart), *config)
         assert code == 0 and "starts at" in out and "waits for room on one node" in out, out
+        # Before its start the controller leaves it be (it began at once, and failed).
+        controller = Controller(topology, apart)
+        try:
+            controller.tick()
+            controller.wait_idle()
+            record = controller.state.tasks[f"eu {second}@1"]
+            assert (record.state, record.attempts) == ("pending", 0), record
+        finally:
+            controller.close()
         # At its start the controller stages it: the first job is over, its pin gone (the
         # nodes keep real time: the pin is taken off as its end would).
         for node in nodes:
