@@ -1523,12 +1523,6 @@ class Controller:
         # Not for a region that does not answer (its plan is made blind): the node-down
         # alert says that, with the right advice; this one says a plan that cannot be met.
         short = {item.job for item in plan.infeasible if not item.unreachable}
-        # Jobs yet to start: one that started without its data is the plan's too (staged
-        # now), but it is jobs_unready_at_start_total's, counted at its start; counted here
-        # as well it fired the cannot-be-met alert, whose advice does not fit it (a hunt).
-        self.metrics.jobs_infeasible.set(
-            sum(1 for job in schedule.jobs if job.start > now and job.name in short)
-        )
         for job in schedule.jobs:
             record = self.state.jobs.get(job.name)
             if job.end <= now:  # over: settle what is known, look no further
@@ -1635,6 +1629,24 @@ class Controller:
                         ", ".join(missing),
                         record.why_missed,
                     )
+
+        # Jobs yet to start, and running ones no round saw before their start: one that
+        # started without its data is the plan's too (staged now), but it is
+        # jobs_unready_at_start_total's, counted at its start; counted here as well it
+        # fired the cannot-be-met alert, whose advice does not fit it (a hunt). One no
+        # round saw before its start was in neither, and no alert said it (another hunt).
+        self.metrics.jobs_infeasible.set(
+            sum(
+                1
+                for job in schedule.jobs
+                if job.name in short
+                and job.end > now
+                and (
+                    job.start > now
+                    or (job.name in self.state.jobs and self.state.jobs[job.name].unknown_at_start)
+                )
+            )
+        )
 
     def _why_missed(
         self,

@@ -67,8 +67,8 @@ class ControllerMetrics:
         self.jobs_infeasible = Gauge(
             "edgecache_controller_jobs_infeasible",
             "Jobs not yet started that the last round's plan cannot meet (a version not "
-            "published, a region too small, a link too slow for the start); plan --status "
-            "says why",
+            "published, a region too small, a link too slow for the start), and running ones "
+            "no round saw before their start that it cannot meet; plan --status says why",
             registry=r,
         )
         staged = Counter(

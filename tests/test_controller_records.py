@@ -275,3 +275,19 @@ def test_done_counts_one_task_per_version_a_job_still_reads(eu) -> None:
         assert done(controller) == 1
     finally:
         controller.close()
+
+
+def test_a_running_job_no_round_saw_before_its_start_that_cannot_be_met_is_alerted(eu) -> None:
+    """A job already running when the controller first saw it, reading a version that does not
+    exist: counted neither as cannot be met (only jobs yet to start were) nor as unready at its
+    start (unknown then), so no alert said it while `plan` exited 3 (a helper's hunt)."""
+    root, registry, node = eu
+    one_region(root, registry, node, job("j", "eu", T0 - timedelta(minutes=5), 1, "nope@1"))
+    controller = Controller(root / "edgecache.yaml", root / "schedule.yaml", clock=Clock(T0))
+    try:
+        controller.tick()
+        controller.wait_idle()
+        assert controller.state.jobs["j"].unknown_at_start
+        assert controller.metrics.jobs_infeasible._value.get() == 1
+    finally:
+        controller.close()
