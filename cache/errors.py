@@ -170,6 +170,15 @@ class OriginChanged(OriginError):
     """An origin object no longer matches the ETag/size/checksum the version recorded."""
 
 
+class StaleDigest(OriginChanged):
+    """A reader's digest of a version is not the one the node and its registry hold.
+
+    The reader's to fix (resolve the version again), not the node's: counted
+    apart in the node's read metrics, so the failing-reads alert does not page
+    an operator to republish data for a stale or misconfigured reader.
+    """
+
+
 class CodecError(EdgeCacheError, ValueError):
     """Stored chunk bytes could not be encoded or decoded."""
 

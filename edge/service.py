@@ -39,6 +39,7 @@ from edgecache.cache.errors import (
     PinChanged,
     SchemaMismatch,
     ShardNotCached,
+    StaleDigest,
     StoreError,
     UnknownTransform,
     VersionNotFound,
@@ -92,12 +93,15 @@ def _abandoned(context: aio.ServicerContext) -> str:
 # copies ask the shard's rendezvous owner first and go on to the next node on this answer:
 # a normal miss, not a failure of this node, so not a status code that alerts count.
 NOT_CACHED = "not_cached"
+STALE_DIGEST = "stale_digest"  # the reader's digest is not the version's here: its to fix
 
 
 def _read_result(exc: BaseException, cached_only: bool) -> str:
     """A read's first-chunk result label for an error: its status code, or ``not_cached``."""
     if cached_only and isinstance(exc, _NotHere | ShardNotCached):
         return NOT_CACHED
+    if isinstance(exc, StaleDigest):
+        return STALE_DIGEST
     return status_for(exc)[0].name
 
 

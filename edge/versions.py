@@ -35,6 +35,7 @@ from edgecache.cache.errors import (
     ManifestError,
     OriginChanged,
     OriginError,
+    StaleDigest,
     VersionNotFound,
 )
 from edgecache.cache.manifest import manifest_from_bytes
@@ -180,7 +181,7 @@ class Versions:
             await self._check_now(key, manifest)
         manifest = self._current_manifest(key)  # OriginChanged when the registry's differs
         if digest != manifest.digest:
-            raise OriginChanged(
+            raise StaleDigest(
                 f"{dataset}@{version} has digest {manifest.digest} here and in the registry "
                 f"{self.registry_shown}, not the reader's {digest}: the reader resolved it from "
                 "another registry, or before the version was changed there; resolve the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import time
 import uuid
@@ -169,7 +170,7 @@ def test_concurrent_readers_of_a_missing_shard_fetch_once(tmp_path: Path, file_s
 
 def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
     registry, _ = file_setup
-    with running_node(config(tmp_path, registry)) as node:
+    with running_node(config(tmp_path, registry, metrics_listen="127.0.0.1:0")) as node:
         c = stub(node.address)
         cases = [
             (
@@ -251,6 +252,15 @@ def test_bad_requests_get_the_right_codes(tmp_path: Path, file_setup) -> None:
             assert error.code().name == code, (code, error.details())
             assert text in error.details(), (text, error.details())
         assert c.Status(edge_pb2.StatusRequest()).region == "eu-west"  # still serving
+        # A reader's stale digest is the reader's to fix: counted apart from the node's own
+        # failures, which the failing-reads alert pages on (it read FAILED_PRECONDITION,
+        # the code of origin losing an object, with "republish" as the advice).
+        metrics = urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+        results = re.findall(
+            r'^edgecache_reads_total\{.*result="([A-Za-z_]+)".*\} (\S+)', metrics, re.M
+        )
+        assert ("stale_digest", "1.0") in results, results
+        assert "FAILED_PRECONDITION" not in dict(results), results
 
 
 def _republished(
