@@ -36,7 +36,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
@@ -161,7 +161,10 @@ class CacheStore(ClosingContext):
         # write (see room_on_disk): read from any thread without touching LMDB.
         self._tail = 0
         self._evicted_shards = self._evicted_bytes = self._corrupt = 0
-        self._damage_said: set[bytes] = set()  # damaged records logged (a read-only store's stay)
+        self._damage_said: set[bytes] = set()  # damaged records counted and said, not dropped
+        # Called with a shard whose record is damaged, when first seen (the node counts it
+        # in its metric and logs it; its store leaves the drop to the next fetch).
+        self.on_damage: Callable[[ShardKey], None] | None = None
         self._lock: WriterLock | None = None
         self._env: lmdb.Environment | None = None
         if capacity_bytes is not None and capacity_bytes <= 0:
@@ -919,14 +922,24 @@ class CacheStore(ClosingContext):
                 yield bytes(reader.chunk(index))
 
     def _record_damaged(self, key: ShardKey) -> None:
-        """A shard whose record is damaged: counted and dropped as a corrupt chunk's shard.
+        """A shard whose record is damaged, seen in a snapshot: counted once, then dropped.
 
-        A read-only store (``lmdb://``) cannot drop it: it says so once, with the
-        way out, and every read of it meanwhile goes to the next endpoint.
+        Dropped only if it is still the damaged record (:meth:`_drop_if_damaged`):
+        a good copy written since the snapshot stays. A node's store
+        (``drop_corrupt`` off) leaves it to the next fetch, which writes over it;
+        ``on_damage`` tells the node (its metric and log). A read-only store
+        (``lmdb://``) cannot drop it: it says so once, with the way out, and every
+        read of it meanwhile goes to the next endpoint.
         """
         raw_key = key.encode()
-        if self.readonly and raw_key not in self._damage_said:
-            self._damage_said.add(raw_key)
+        if raw_key in self._damage_said:
+            return  # counted and said when first seen; a drop would have cleared it
+        self._damage_said.add(raw_key)
+        with self._counter_lock:
+            self._corrupt += 1
+        if self.on_damage is not None:
+            self.on_damage(key)
+        if self.readonly:
             log.warning(
                 "the record of %s in the cache at %s is damaged (it does not parse): not read "
                 "from it; have its node stage it again (edgecache evict %s@%d --region R, "
@@ -938,7 +951,31 @@ class CacheStore(ClosingContext):
                 key.dataset,
                 key.version,
             )
-        self._corrupt_chunk(key)
+        elif self.drop_corrupt:
+            try:
+                freed = self._drop_if_damaged(key)
+            except StoreError as exc:  # a read must not fail for the drop: the next one tries
+                log.warning("could not drop the damaged record of %s: %s", key, exc)
+                self._damage_said.discard(raw_key)
+                return
+            log.warning(
+                "dropped the damaged record of %s (%d bytes under it); it will be fetched again",
+                key,
+                freed,
+            )
+            self._damage_said.discard(raw_key)  # a later copy, damaged again, is counted again
+
+    def _drop_if_damaged(self, key: ShardKey) -> int:
+        """Remove the shard if its record is still a damaged one; the bytes freed."""
+        raw_key = key.validated().encode()
+        with self._writing(f"dropping {key}") as txn:
+            record = self._shard_record(txn, raw_key)
+            freed = 0
+            if record is not None and not _complete(record):
+                freed = self._delete_shard(txn, raw_key, record)
+        if freed:
+            self._release_freed_pages()
+        return freed
 
     def _corrupt_chunk(self, key: ShardKey) -> None:
         with self._counter_lock:

@@ -195,6 +195,7 @@ class EdgeNode:
         )
         self.store.drop_corrupt = False  # dropped off the event loop (_drop_damaged)
         self.metrics = NodeMetrics(config.region, self.node_id)
+        self.store.on_damage = self._record_damaged
         self.metrics.capacity_bytes.set(self.store.capacity_bytes)
         # Read at scrape time: a restart on a full cache, a corrupt shard dropped or an LRU
         # eviction all change it, and a value set on writes read 0 until the first one.
@@ -737,6 +738,15 @@ class EdgeNode:
                 exc,
             )
             return info, tuple(frames), exc
+
+    def _record_damaged(self, key: ShardKey) -> None:
+        """A shard record that no longer parses, found by the store: counted and said.
+
+        Not served (the store calls it not resident): the read is a miss, and the
+        fetch writes over it.
+        """
+        self.metrics.corrupt_chunks.inc()
+        log.warning("%s: its record here is damaged (it does not parse); fetching it again", key)
 
     async def _fetch_origin(
         self,

@@ -10,8 +10,10 @@ reader crashed instead of reading the shard from the next endpoint.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.request import urlopen
 
 import grpc
 import lmdb
@@ -103,6 +105,28 @@ def test_a_damaged_shard_record_is_never_read_from_a_read_only_cache(tmp_path: P
         assert s.stats.used_bytes > 0
 
 
+def test_a_good_copy_written_after_the_damage_was_seen_is_kept(tmp_path: Path) -> None:
+    """The damage is seen in a read's snapshot and dropped in a write after it: a copy
+    fetched again in between was deleted with it (a review)."""
+    cache = tmp_path / "c"
+    frames = _two_shards(cache)
+    _rot_record(cache, b"shards", K1.encode())
+    with CacheStore(cache, sync=False) as s:
+        s.put_shard(K1, frames)  # a good copy, after a snapshot that saw the damaged one
+        s._record_damaged(K1)  # what that read does next
+        assert s.get_chunk(K1, 1) == frames[1]
+
+
+def test_a_damaged_record_a_read_only_reader_meets_again_is_counted_once(tmp_path: Path) -> None:
+    cache = tmp_path / "c"
+    _two_shards(cache)
+    _rot_record(cache, b"shards", K1.encode())
+    with CacheStore(cache, readonly=True) as r:
+        for _ in range(3):
+            assert r.shard_info(K1) is None and len(r.shards("tokens", 1)) == 1
+        assert r.stats.corrupt_chunks == 1
+
+
 def test_a_version_record_that_does_not_parse_is_counted_again_from_its_shards(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -149,7 +173,7 @@ def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
     _rot_record(cache, b"shards", K1.encode())
     _rot_record(cache, b"versions", version_key("tokens", 1))
 
-    node = start_local_node("eu", cache, registry)
+    node = start_local_node("eu", cache, registry, extra_args=["--metrics-listen", "127.0.0.1:0"])
     try:
         client = stub(node.address)
         status = client.Status(edge_pb2.StatusRequest(), timeout=10)
@@ -161,6 +185,9 @@ def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
             frames = list(client.ReadShard(first, timeout=30))
         assert frames and all(f.frame for f in frames)
+        page = urlopen(f"http://{node.metrics_address}/metrics", timeout=10).read().decode()
+        (corrupt,) = re.findall(r"^edgecache_corrupt_chunks_total\{.*\} (\S+)", page, re.M)
+        assert float(corrupt) == 1, page  # counted by the node, as damaged chunks are
         rows = sum(
             len(batch["label"]) for batch in EdgeDataset("tokens@1", endpoints=[node.address])
         )
