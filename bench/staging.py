@@ -362,7 +362,13 @@ def ceiling(origin: Path, registry: str, cores: list[int], repeat: int) -> float
             )
             for core in on
         ]
-        outs = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+        try:
+            outs = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+        finally:  # one that failed or hung: the other is not left running
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         busy1, total1 = _busy_jiffies()
         own = len(on) / len(cores)  # what the passes themselves used, at most
         others = max((busy1 - busy0) / max(total1 - total0, 1) - own, 0.0)

@@ -152,8 +152,9 @@ class StageTask:
     finish: datetime
     deadline: datetime
     jobs: tuple[str, ...]
-    # Why it begins no sooner, where that is not its link or room in the region as a
-    # whole (``RegionState.not_before``): ``warm``, which stages everything now, defers it.
+    # Why it may begin no sooner than ``RegionState.not_before`` (a node's room, not its
+    # link or the region's room as a whole): ``warm``, which stages everything now, defers
+    # it while that time is to come, and the controller never begins it early.
     waits: str = ""
 
     @property
@@ -866,7 +867,7 @@ def _plan_region(
                 finish=finish,
                 deadline=job.start,
                 jobs=(job.name,),
-                waits=wait[1] if wait is not None and begin == wait[0] else "",
+                waits=wait[1] if wait is not None else "",
             )
             if source == "origin":
                 link_free = finish

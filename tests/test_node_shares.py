@@ -11,12 +11,14 @@ real Parquet, the CLI as an operator runs it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from edgeutil import edgecache, publish, stub, write_parquet_shards
 
+from edgecache.cache.planner import Job, Plan
 from edgecache.cache.rendezvous import owner
 from edgecache.clients.node_client import LocalNode, start_local_node
 from edgecache.v1 import edge_pb2
@@ -182,11 +184,17 @@ def test_a_version_the_plan_cannot_hold_is_not_counted_against_a_job_beside_it()
     assert _share_rows(topology, reports, jobs, manifests, sizes, {}, result).rows == []
 
 
-def test_of_two_overlapping_jobs_that_fit_alone_but_not_together_the_first_is_planned() -> None:
-    """A review: the re-plan without versions no node split holds dropped both jobs' versions
-    (each was in a row "share of a@1, b@1"), where the first job's alone fits."""
+def _one_node_holds_x_or_y(
+    extra: dict[str, int] | None = None,
+) -> Callable[[list[Job]], Plan]:
+    """A region of nodes a:1 and b:1 where a:1 holds its share of x@1 or of y@1, never both.
+
+    x and y: six 1 MiB shards each, split by hash; ``extra``: more versions of one 1 MiB
+    shard each, by name → 0 (its shard on a:1) or 1 (on b:1), the first such name tried.
+    What is returned plans jobs as make_plan does: the planner, then holdable_plan.
+    """
     from edgecache.cache import rendezvous
-    from edgecache.cache.planner import Job, RegionState, VersionSize, plan
+    from edgecache.cache.planner import RegionState, VersionSize, plan
     from edgecache.clients.ops import NodeReport
     from edgecache.clients.ops.planning import _share_rows, holdable_plan, replica_names
     from edgecache.clients.topology import RegionConfig, Topology
@@ -206,40 +214,94 @@ def test_of_two_overlapping_jobs_that_fit_alone_but_not_together_the_first_is_pl
             for n in nodes
         ]
 
+    names = replica_names(reports(dict.fromkeys(nodes, 0)))
+    versions = {"x": 6, "y": 6}
+    for name, on in (extra or {}).items():
+        versions[name] = 1
+        assert rendezvous.owner(nodes, name, 1, 0, names=names) == nodes[on], name
     manifests, sizes = {}, {}
-    for name in ("x", "y"):
+    for name, count in versions.items():
         manifest = pb.Manifest(dataset=name, version=1)
-        for _ in range(6):
+        for _ in range(count):
             manifest.shards.add(source_size=mib)
         manifests[f"{name}@1"] = manifest
-        sizes[(name, 1)] = VersionSize(stored=6 * mib, source=6 * mib)
-    names = replica_names(reports(dict.fromkeys(nodes, 0)))
+        sizes[(name, 1)] = VersionSize(stored=count * mib, source=count * mib)
     on_a = {  # a:1's share of each version, in bytes
         name: sum(
             mib for i in range(6) if rendezvous.owner(nodes, name, 1, i, names=names) == "a:1"
         )
         for name in ("x", "y")
     }
-    # a:1 holds either share alone, never both; b:1 holds anything.
+    # a:1 holds either share alone, never both (nor one with another MiB); b:1 anything.
     capacity = {"a:1": max(on_a.values()) + mib // 2, "b:1": 100 * mib}
     assert capacity["a:1"] < sum(on_a.values())
-    now = datetime.now(UTC)
-    jobs = [
-        Job("first", "eu", now + timedelta(hours=1), now + timedelta(hours=3), (("x", 1),)),
-        Job("second", "eu", now + timedelta(hours=2), now + timedelta(hours=4), (("y", 1),)),
-    ]
     region = RegionState("eu", capacity_bytes=sum(capacity.values()), origin_bandwidth=1e9)
 
-    def replan(kept: list[Job], waits: dict) -> object:
-        not_before = {v: w for (_, v), w in waits.items()}
-        return plan(kept, {"eu": replace(region, not_before=not_before)}, sizes, now=now)
+    def planned(jobs: list[Job]) -> Plan:
+        now = min(job.start for job in jobs) - timedelta(hours=1)
 
-    def unholdable(kept: list[Job], made: object) -> object:
-        return _share_rows(topology, reports(capacity), kept, manifests, sizes, {}, made)
+        def replan(kept: list[Job], waits: dict) -> Plan:
+            not_before = {v: w for (_, v), w in waits.items()}
+            return plan(kept, {"eu": replace(region, not_before=not_before)}, sizes, now=now)
 
-    result = holdable_plan(jobs, replan, unholdable, replan(jobs, {}))
+        def unholdable(kept: list[Job], made: Plan) -> object:
+            return _share_rows(topology, reports(capacity), kept, manifests, sizes, {}, made, now)
+
+        return holdable_plan(jobs, replan, unholdable, replan(jobs, {}))
+
+    return planned
+
+
+def _named_on(node: int, prefix: str) -> str:
+    """A dataset name whose one shard (version 1) hashes to a:1 (0) or b:1 (1)."""
+    from edgecache.cache import rendezvous
+
+    nodes, names = ["a:1", "b:1"], {"a:1": "a:1", "b:1": "b:1"}
+    return next(
+        f"{prefix}{i}"
+        for i in range(1000)
+        if rendezvous.owner(nodes, f"{prefix}{i}", 1, 0, names=names) == nodes[node]
+    )
+
+
+def _job(name: str, start: float, end: float, version: str) -> Job:
+    """A job of region eu from ``start`` to ``end`` hours after a fixed time, reading NAME@1."""
+    t0 = datetime(2026, 12, 1, tzinfo=UTC)
+    return Job(name, "eu", t0 + timedelta(hours=start), t0 + timedelta(hours=end), ((version, 1),))
+
+
+def test_of_two_overlapping_jobs_that_fit_alone_but_not_together_the_first_is_planned() -> None:
+    """A review: the re-plan without versions no node split holds dropped both jobs' versions
+    (each was in a row "share of a@1, b@1"), where the first job's alone fits."""
+    result = _one_node_holds_x_or_y()([_job("first", 1, 3, "x"), _job("second", 2, 4, "y")])
     assert [(t.spec, t.jobs) for t in result.regions["eu"].tasks] == [("x@1", ("first",))]
     assert [(row.job, row.version) for row in result.infeasible] == [("second", "y@1")]
+
+
+def test_a_job_whose_node_is_free_is_not_blamed_for_two_others_that_overflow_one() -> None:
+    """A review: the check asked whether this job's versions and everything held meanwhile
+    overflow a node, and the others' x and y overflowed a:1 without it: z, on b:1 alone,
+    was made to wait (or called "cannot be met") for them."""
+    z = _named_on(1, "z")
+    planned = _one_node_holds_x_or_y({z: 1})
+    jobs = [_job("jx", 1, 4, "x"), _job("jy", 2, 5, "y"), _job("jz", 2, 5, z)]
+    result = planned(jobs)
+    tasks = {t.spec: t for t in result.regions["eu"].tasks}
+    assert not tasks[f"{z}@1"].waits, tasks[f"{z}@1"]
+    assert [(row.job, row.version) for row in result.infeasible] == [("jy", "y@1")]
+
+
+def test_a_wait_for_a_later_job_does_not_make_an_earlier_reader_of_the_version_late() -> None:
+    """A review: two jobs read y, the first while x's job holds a:1, the second after it.
+    The second's wait moved the one task of y past the first's start, which was then said
+    late "from origin" (the link was not the cause). Now the first cannot be met (it
+    overlaps x's job on a:1) and y waits for x's pin, for the second."""
+    planned = _one_node_holds_x_or_y()
+    result = planned([_job("jx", 0.5, 3, "x"), _job("j1", 1, 4, "y"), _job("j2", 6, 8, "y")])
+    tasks = {t.spec: t for t in result.regions["eu"].tasks}
+    assert [(row.job, row.version) for row in result.infeasible] == [("j1", "y@1")]
+    assert tasks["y@1"].jobs == ("j2",) and tasks["y@1"].waits, tasks["y@1"]
+    assert tasks["y@1"].start == _job("jx", 0.5, 3, "x").end
 
 
 def test_a_version_a_node_holds_only_once_a_pin_there_ends_is_staged_then(

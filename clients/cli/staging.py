@@ -98,7 +98,8 @@ def plan(
     and warm carry it out.
 
     Times are UTC. --json gives regions.R.tasks (version, bytes, source,
-    start, finish, deadline, jobs), regions.R.evictions (version, bytes, at,
+    start, finish, deadline, jobs, and waits: why it begins no sooner, where a
+    node's share fits only once a pin there runs out), regions.R.evictions (version, bytes, at,
     next_use, reason), regions.R.pins (version, until), infeasible (job,
     region, version, reason, unreachable), transfers (job, link, bytes) and
     cost (job → egress price), released (region, node, version, until,

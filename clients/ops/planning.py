@@ -195,7 +195,7 @@ def make_plan(
     result = holdable_plan(
         jobs,
         replan,
-        lambda kept, made: _share_rows(topology, reports, kept, manifests, sizes, held, made),
+        lambda kept, made: _share_rows(topology, reports, kept, manifests, sizes, held, made, now),
         replan(list(jobs), {}),
     )
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
@@ -286,22 +286,33 @@ def _share_rows(
     sizes: Mapping[VersionKey, VersionSize],
     held: Mapping[str, Mapping[VersionKey, Holding]],
     result: Plan,
+    now: datetime | None = None,
 ) -> Shares:
     """The versions, not held yet, that no node split lets their region hold when planned.
 
     The plan counts a region's capacity as one pool (:func:`share_overflow` says
-    why that is not enough). A job's versions are checked with every version
-    the region keeps while they are held, from their task's start to the end
-    of their pin: those of the other jobs there held meanwhile (from their own
-    task's start, or now, to their pin's end), the ones held already at what
-    each node holds of them. Checked against the jobs' own times alone, a
-    version staged an hour before its job, while another job's pin still held
-    its node, was said to fit, and failed RESOURCE_EXHAUSTED there round after
-    round. Where the overflow ends when such a pin runs out, before the job
-    starts, the version waits for it (:class:`Shares`); else it cannot be met.
+    why that is not enough). A job's versions are checked from ``now`` (``warm``
+    stages every task now) to the end of their pin, node by node, at each
+    moment the region's other holdings change: the versions of the other jobs
+    there (from their task's start, or now, to their pin's end) and the nodes'
+    own pins, the ones held already at what each node holds of them. A moment
+    whose other holdings overflow a node without this job's is theirs, not
+    this job's. Checked against the jobs' own times alone, a version staged an
+    hour before its job, while another job's pin still held its node, was said
+    to fit, and failed RESOURCE_EXHAUSTED there round after round. Where the
+    overflow ends when such a pin runs out, before the first job reading the
+    version starts, the versions it is due to wait for it (:class:`Shares`);
+    else they cannot be met.
     """
+    now = now or datetime.now(UTC)
     by_key = {(m.dataset, m.version): m for m in manifests.values()}
-    unmet = {(row.job, row.version) for row in result.infeasible}
+    # Versions a row calls late are still staged and pinned: they take room beside others.
+    planned = {(r, t.spec) for r, region_plan in result.regions.items() for t in region_plan.tasks}
+    unmet = {
+        (row.job, row.version)
+        for row in result.infeasible
+        if (row.region, row.version) not in planned
+    }
     out = Shares()
     for job in jobs:
         if job.region not in topology.regions:
@@ -314,38 +325,45 @@ def _share_rows(
         tasks = {t.version: t for t in region_plan.tasks} if region_plan else {}
         pins = region_plan.pins if region_plan else {}
         mine = [(m.dataset, m.version) for m in staged]
-        low = min((tasks[v].start for v in mine if v in tasks), default=job.start)
         high = max([pins.get(v, job.end) for v in mine])
-        # What the region keeps while this job's versions are held: version → until. The
+        # The first job that reads them here: a wait past its start makes that one late.
+        deadline = min((tasks[v].deadline for v in mine if v in tasks), default=job.start)
+        # What the region keeps meanwhile: version → (held from, None: now; until). The
         # nodes' own pins count too (another schedule's, or one longer than this plan's).
-        beside: dict[VersionKey, datetime] = {}
-        for v, until in _region_pins(reports, job.region):
-            if until > low and (v in whole or v in by_key) and v not in mine:
-                beside[v] = max(beside.get(v, until), until)
+        beside: dict[VersionKey, tuple[datetime | None, datetime]] = {}
+        for v, until in _pins(reports, now, region=job.region):
+            if (v in whole or v in by_key) and v not in mine:
+                beside[v] = (None, max(beside.get(v, (None, until))[1], until))
         for other in jobs:
             if other.region != job.region:
                 continue
             for v in other.versions:
                 if v not in by_key or (other.name, f"{v[0]}@{v[1]}") in unmet or v in mine:
                     continue
-                since = tasks[v].start if v in tasks else None  # None: held now
-                until = max(pins.get(v, other.end), other.end, beside.get(v, other.end))
-                if (since is None or since < high) and until > low:
-                    beside[v] = until
-        check = _ShareCheck(topology, reports, job.region, mine, whole, by_key, sizes)
-        why = check.overflow(beside)
+                since = tasks[v].start if v in tasks else None
+                until = max(pins.get(v, other.end), other.end, beside.get(v, (None, now))[1])
+                if (since is None or since < high) and until > now:
+                    beside[v] = (since, until)
+        check = _ShareCheck(topology, reports, job.region, mine, whole, by_key, sizes, beside)
+        why = check.first_overflow(now, high)
         if why is None:
             continue
-        # The first pin end, before the job starts, after which the shares fit.
-        for at in sorted({u for u in beside.values() if low < u < job.start}):
-            if check.overflow({v: u for v, u in beside.items() if u > at}) is None:
-                ending = sorted(v for v, u in beside.items() if u <= at)
+        # The first pin end, before this job starts, from which the shares fit. Past an
+        # earlier job's start (one task serves both) it is no wait: that job cannot be met
+        # (its own check says so), and once it is dropped the task waits for this one.
+        for at in sorted({until for _, until in beside.values() if now < until < job.start}):
+            if check.first_overflow(at, high) is None:
+                if at >= deadline:
+                    break
+                ending = sorted(v for v, (_, until) in beside.items() if until <= at)
                 names = ", ".join(f"{d}@{n}" for d, n in ending)
                 note = (
                     f"waits for room on one node until {names} "
                     f"{'is' if len(ending) == 1 else 'are'} no longer pinned: before then, {why}"
                 )
-                for v in mine:
+                # Only the versions that overflow a node before then, where some do alone.
+                alone = [v for v in mine if replace(check, mine=[v]).first_overflow(now, at)]
+                for v in alone or mine:
                     out.waits[(job.region, v)] = (at, note)
                 break
         else:
@@ -356,18 +374,12 @@ def _share_rows(
     return out
 
 
-def _region_pins(reports: list[NodeReport], region: str) -> Iterator[tuple[VersionKey, datetime]]:
-    """Each pin a node of ``region`` holds: (version, until)."""
-    for report in reports:
-        if report.region == region and report.status is not None:
-            for v in report.status.versions:
-                if v.HasField("pinned_until"):
-                    yield (v.dataset, v.version), v.pinned_until.ToDatetime(tzinfo=UTC)
-
-
 @dataclass(frozen=True)
 class _ShareCheck:
-    """:func:`share_overflow` of one job's versions beside those a region keeps meanwhile."""
+    """:func:`share_overflow` of one job's versions beside what the region keeps over time.
+
+    ``beside``: version → (held from, None for now; held until).
+    """
 
     topology: Topology
     reports: list[NodeReport]
@@ -376,9 +388,30 @@ class _ShareCheck:
     whole: set[VersionKey]
     by_key: Mapping[VersionKey, pb.Manifest]
     sizes: Mapping[VersionKey, VersionSize]
+    beside: Mapping[VersionKey, tuple[datetime | None, datetime]]
 
-    def overflow(self, keeping: Mapping[VersionKey, datetime]) -> str | None:
-        needed = [*self.mine, *keeping]
+    def first_overflow(self, begin: datetime, end: datetime) -> str | None:
+        """Why ``mine`` overflows a node at the first moment in [begin, end) it does; or None.
+
+        The moments are ``begin`` and each start of another holding after it (what
+        is held only changes then, for the better between them). A moment whose
+        other holdings overflow a node without ``mine`` is not ``mine``'s doing.
+        """
+        starts = {since for since, _ in self.beside.values() if since is not None}
+        for at in [begin, *sorted(t for t in starts if begin < t < end)]:
+            held = [
+                v
+                for v, (since, until) in self.beside.items()
+                if (since is None or since <= at) and until > at
+            ]
+            if self._overflow(held) is not None:
+                continue  # the others' own overflow: their jobs' checks say it
+            why = self._overflow([*self.mine, *held])
+            if why is not None:
+                return why
+        return None
+
+    def _overflow(self, needed: Sequence[VersionKey]) -> str | None:
         return share_overflow(
             self.topology,
             self.reports,
@@ -467,10 +500,12 @@ def _room(status: edge_pb2.NodeStatus) -> int:
     return min(status.capacity_bytes, status.used_bytes + status.disk_free_bytes)
 
 
-def _pins(reports: list[NodeReport], now: datetime) -> Iterator[tuple[VersionKey, datetime]]:
-    """Each pin an answering node holds that has not run out: (version, until)."""
+def _pins(
+    reports: list[NodeReport], now: datetime, region: str | None = None
+) -> Iterator[tuple[VersionKey, datetime]]:
+    """Each pin an answering node (of ``region``) holds that has not run out: (version, until)."""
     for report in reports:
-        if report.status is None:
+        if report.status is None or region not in (None, report.region):
             continue
         for v in report.status.versions:
             if v.HasField("pinned_until"):
