@@ -368,19 +368,35 @@ def test_an_upload_to_a_server_that_closes_each_connection_is_counted() -> None:
     assert change.loss is not None, change
 
 
-def test_a_node_whose_calls_fail_inside_is_not_given_a_clean_bill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fails", ["Status", "ReadShard"])
+def test_a_node_whose_calls_fail_inside_is_not_given_a_clean_bill(
+    tmp_path: Path, fails: str
+) -> None:
     """A stand-in node (a real gRPC server; no real node is left that fails so): healthy
-    to health checks, INTERNAL to Status. doctor said "verdict: ok" and exited 0: its
-    Status check and read test stopped on such an answer without a word."""
+    to health checks, INTERNAL to Status, or to the read test's ReadShard. doctor said
+    "verdict: ok" and exited 0: its Status check and read test stopped on such an answer
+    without a word."""
     from concurrent import futures
 
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from edgecache.v1 import edge_pb2_grpc
+    from edgecache.v1 import edge_pb2, edge_pb2_grpc
+    from edgecache.v1 import manifest_pb2 as pb
 
     class FailsInside(edge_pb2_grpc.EdgeCacheServicer):
         def Status(self, request, context):  # noqa: ANN001, ANN201, N802
+            if fails == "Status":
+                context.abort(grpc.StatusCode.INTERNAL, "internal error; see the node's log")
+            held = edge_pb2.ResidentVersion(dataset="d", version=1, shard_count=1)
+            return edge_pb2.NodeStatus(region="eu", versions=[held])
+
+        def GetManifest(self, request, context):  # noqa: ANN001, ANN201, N802
+            manifest = pb.Manifest(dataset="d", version=1)
+            manifest.shards.add(source_size=1)
+            return manifest
+
+        def ReadShard(self, request, context):  # noqa: ANN001, ANN201, N802
             context.abort(grpc.StatusCode.INTERNAL, "internal error; see the node's log")
 
     server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -399,8 +415,9 @@ def test_a_node_whose_calls_fail_inside_is_not_given_a_clean_bill(tmp_path: Path
         (tmp_path / "registry").mkdir()
         report = doctor(config, "--pings", "3", "--seconds", "0.2", codes=(1,))
         (path,) = report["paths"]
+        said = "Status failed" if fails == "Status" else "reading shard 0 failed"
         assert any(
-            p.startswith("Status failed: INTERNAL") and p.endswith("the node's log says why")
+            p.startswith(f"{said}: INTERNAL") and p.endswith("the node's log says why")
             for p in path["problems"]
         ), path
     finally:
