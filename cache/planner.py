@@ -789,6 +789,13 @@ def _plan_region(
             too_slow: Infeasible | None = None
             if finish > job.start:
                 why = _late_reason(job, spec, now, begin, finish, duration, bandwidth, source)
+                if wait is not None and begin == wait[0] and job.start > now:
+                    # Held back by a node's room, not the link: said so, with what to change.
+                    why = (
+                        f"begins at {_utc(begin)} at the earliest ({wait[1]}), and needs "
+                        f"{duration.total_seconds():,.0f} s from {source} after that; to meet "
+                        f"it: start {job.name} at {_utc(finish, ceil=True)} or later"
+                    )
                 too_slow = Infeasible(job.name, state.name, spec, why)
                 if finish >= job.end:  # it would arrive after the job: no use staging it
                     result.infeasible.append(too_slow)

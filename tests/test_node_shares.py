@@ -378,3 +378,25 @@ def test_a_version_a_node_holds_only_once_a_pin_there_ends_is_staged_then(
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_version_a_wait_makes_late_is_said_late_for_the_wait_not_the_link() -> None:
+    """A review: a task held back by a node's room and then too short of time was said
+    late with the link's words ("needs N s at R from origin … make the link faster")."""
+    from edgecache.cache.planner import RegionState, VersionSize, plan
+
+    job = _job("j", 2, 4, "y")
+    wait = "waits for room on one node until x@1 is no longer pinned: before then, …"
+    region = RegionState(
+        "eu",
+        capacity_bytes=1 << 40,
+        origin_bandwidth=1e6,  # 1 GiB in about 18 minutes
+        not_before={("y", 1): (job.start - timedelta(minutes=6), wait)},
+    )
+    sizes = {("y", 1): VersionSize(stored=1 << 30, source=1 << 30)}
+    result = plan([job], {"eu": region}, sizes, now=job.start - timedelta(hours=2))
+    (task,) = result.regions["eu"].tasks
+    assert task.start == job.start - timedelta(minutes=6) and task.waits == wait
+    (row,) = result.infeasible
+    assert wait in row.reason and "begins at" in row.reason, row.reason
+    assert "make the link" not in row.reason, row.reason
