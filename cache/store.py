@@ -362,6 +362,7 @@ class CacheStore(ClosingContext):
                         self._add_to_version(txn, key, size, +1)
                         self._add_used(txn, size)
                     self._count_evicted(evicted)  # committed: they happened
+                    self._damage_said.discard(raw_key)  # a new copy: its damage is new
                     self._measure_tail(env)
                     break
                 except lmdb.MapFullError as exc:
@@ -932,10 +933,10 @@ class CacheStore(ClosingContext):
         read of it meanwhile goes to the next endpoint.
         """
         raw_key = key.encode()
-        if raw_key in self._damage_said:
-            return  # counted and said when first seen; a drop would have cleared it
-        self._damage_said.add(raw_key)
-        with self._counter_lock:
+        with self._counter_lock:  # reads on several threads may meet it at once
+            if raw_key in self._damage_said:
+                return  # counted and said when first seen; a new copy clears it
+            self._damage_said.add(raw_key)
             self._corrupt += 1
         if self.on_damage is not None:
             self.on_damage(key)

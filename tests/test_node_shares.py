@@ -400,3 +400,55 @@ def test_a_version_a_wait_makes_late_is_said_late_for_the_wait_not_the_link() ->
     (row,) = result.infeasible
     assert wait in row.reason and "begins at" in row.reason, row.reason
     assert "make the link" not in row.reason, row.reason
+
+
+def test_a_version_that_waits_is_not_held_back_by_one_that_serves_an_earlier_job() -> None:
+    """A review: job J reads u (on node b:1, also read earlier by E) and w (on a:1, beside x
+    pinned there until a time before J's start). The wait was refused for u's earlier task,
+    though only w needed it: w was staged at once beside x, with no wait and no row."""
+    from edgecache.cache.planner import RegionState, VersionSize, plan
+    from edgecache.clients.ops import NodeReport
+    from edgecache.clients.ops.planning import _share_rows, holdable_plan
+    from edgecache.clients.ops.status import Holding
+    from edgecache.clients.topology import RegionConfig, Topology
+
+    mib, hour = 1 << 20, timedelta(hours=1)
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    x, w, u = _named_on(0, "x"), _named_on(0, "w"), _named_on(1, "u")
+    x_end = now + 4.5 * hour
+    topology = Topology(registry="file:///r", regions={"eu": RegionConfig(nodes=["a:1", "b:1"])})
+    statuses = {n: edge_pb2.NodeStatus(node_id=n, capacity_bytes=10 * mib) for n in ("a:1", "b:1")}
+    held_x = statuses["a:1"].versions.add(dataset=x, version=1, shard_count=1, stored_bytes=6 * mib)
+    held_x.pinned_until.FromDatetime(x_end.replace(tzinfo=None))
+    reports = [NodeReport("eu", n, True, status=s) for n, s in statuses.items()]
+    manifests = {
+        f"{d}@1": pb.Manifest(dataset=d, version=1, shards=[pb.Shard(source_size=size)])
+        for d, size in ((u, 2 * mib), (w, 6 * mib))
+    }
+    sizes = {
+        (d, 1): VersionSize(size, size) for d, size in ((u, 2 * mib), (w, 6 * mib), (x, 6 * mib))
+    }
+    held = {"eu": {(x, 1): Holding(1, 6 * mib, True, 6 * mib)}}
+    jobs = [
+        Job("E", "eu", now + 4 * hour, now + 6 * hour, ((u, 1),)),
+        Job("J", "eu", now + 5 * hour, now + 7 * hour, ((u, 1), (w, 1))),
+    ]
+
+    def replan(kept: list[Job], waits: dict) -> Plan:
+        region = RegionState(
+            "eu",
+            capacity_bytes=20 * mib,
+            origin_bandwidth=100 * mib,
+            resident={(x, 1): 6 * mib},
+            pinned={(x, 1): x_end},
+            not_before={v: wait for (_, v), wait in waits.items()},
+        )
+        return plan(kept, {"eu": region}, sizes, now=now)
+
+    def shares(kept: list[Job], made: Plan) -> object:
+        return _share_rows(topology, reports, kept, manifests, sizes, held, made, now)
+
+    result = holdable_plan(jobs, replan, shares, replan(jobs, {}))
+    tasks = {t.spec: t for t in result.regions["eu"].tasks}
+    assert tasks[f"{w}@1"].start == x_end and tasks[f"{w}@1"].waits, tasks
+    assert not tasks[f"{u}@1"].waits and result.infeasible == [], result

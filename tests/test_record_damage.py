@@ -49,6 +49,16 @@ def _rot_record(cache: Path, db: bytes, key: bytes) -> None:
         env.close()
 
 
+def _rot_record_open(store: CacheStore, key: ShardKey) -> None:
+    """:func:`_rot_record` of a shard's record, through a store that has the cache open."""
+    env, shards = store._env, store._dbs[b"shards"]
+    assert env is not None
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key.encode(), db=shards))
+        value[0] ^= 1 << 2
+        txn.put(key.encode(), bytes(value), db=shards)
+
+
 def _two_shards(path: Path, pin: bool = False) -> list[bytes]:
     frames = shard_frames()
     with CacheStore(path, capacity_bytes=64 << 20, sync=False) as s:
@@ -125,6 +135,21 @@ def test_a_damaged_record_a_read_only_reader_meets_again_is_counted_once(tmp_pat
         for _ in range(3):
             assert r.shard_info(K1) is None and len(r.shards("tokens", 1)) == 1
         assert r.stats.corrupt_chunks == 1
+
+
+def test_a_node_counts_a_new_copy_damaged_again(tmp_path: Path) -> None:
+    """A review: a node's store (which leaves the drop to the next fetch) counted a record's
+    damage once per process: the copy fetched over it, damaged again, went unseen."""
+    cache = tmp_path / "c"
+    frames = _two_shards(cache)
+    seen: list[ShardKey] = []
+    with CacheStore(cache, sync=False) as s:
+        s.drop_corrupt, s.on_damage = False, seen.append  # as a node runs it
+        for _ in range(2):
+            _rot_record_open(s, K1)
+            assert s.shard_info(K1) is None and s.shard_info(K1) is None
+            s.put_shard(K1, frames)  # the fetch that writes over it
+        assert seen == [K1, K1] and s.stats.corrupt_chunks == 2
 
 
 def test_a_version_record_that_does_not_parse_is_counted_again_from_its_shards(

@@ -326,8 +326,6 @@ def _share_rows(
         pins = region_plan.pins if region_plan else {}
         mine = [(m.dataset, m.version) for m in staged]
         high = max([pins.get(v, job.end) for v in mine])
-        # The first job that reads them here: a wait past its start makes that one late.
-        deadline = min((tasks[v].deadline for v in mine if v in tasks), default=job.start)
         # What the region keeps meanwhile: version → (held from, None: now; until). The
         # nodes' own pins count too (another schedule's, or one longer than this plan's).
         beside: dict[VersionKey, tuple[datetime | None, datetime]] = {}
@@ -353,7 +351,10 @@ def _share_rows(
         # (its own check says so), and once it is dropped the task waits for this one.
         for at in sorted({until for _, until in beside.values() if now < until < job.start}):
             if check.first_overflow(at, high) is None:
-                if at >= deadline:
+                # Only the versions that overflow a node before then, where some do alone.
+                alone = [v for v in mine if replace(check, mine=[v]).first_overflow(now, at)]
+                waiting = alone or mine
+                if at >= min((tasks[v].deadline for v in waiting if v in tasks), default=job.start):
                     break
                 ending = sorted(v for v, (_, until) in beside.items() if until <= at)
                 names = ", ".join(f"{d}@{n}" for d, n in ending)
@@ -361,9 +362,7 @@ def _share_rows(
                     f"waits for room on one node until {names} "
                     f"{'is' if len(ending) == 1 else 'are'} no longer pinned: before then, {why}"
                 )
-                # Only the versions that overflow a node before then, where some do alone.
-                alone = [v for v in mine if replace(check, mine=[v]).first_overflow(now, at)]
-                for v in alone or mine:
+                for v in waiting:
                     out.waits[(job.region, v)] = (at, note)
                 break
         else:
