@@ -741,7 +741,8 @@ def _plan_region(
             # the deadline, slower link or not; when nothing makes it, the fastest does.
             # A peer sends stored bytes, origin sends source bytes.
             wait = state.not_before.get(version)
-            origin_begin = max(cursor, link_free, wait[0]) if wait else max(cursor, link_free)
+            earliest = wait[0] if wait else cursor  # a node's room may hold it back
+            origin_begin = max(cursor, link_free, earliest)
             options = []  # (misses the deadline, from origin, finish, source, bw, bytes, begin)
             if state.origin_rate > 0:
                 moved = _origin_bytes(sized, held_now)
@@ -761,7 +762,7 @@ def _plan_region(
                 spans = holds.get((peer, version), ())
                 # Copies from one peer run one after another, as on the origin link:
                 # two were planned over one link at once, each at its whole speed.
-                ready = max(cursor, peer_free.get(peer, cursor), *(wait[:1] if wait else ()))
+                ready = max(cursor, peer_free.get(peer, cursor), earliest)
                 held = _holding(spans, job.start, ready, latest, copying)
                 if held is None:
                     continue

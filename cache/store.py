@@ -556,12 +556,18 @@ class CacheStore(ClosingContext):
             self._release_freed_pages()
         return freed
 
-    def drop_shard(self, key: ShardKey) -> int:
-        """Remove one shard (e.g. when corrupt) so the next read is a miss; return bytes freed."""
+    def drop_shard(self, key: ShardKey, *, only_damaged: bool = False) -> int:
+        """Remove one shard (e.g. when corrupt) so the next read is a miss; return bytes freed.
+
+        ``only_damaged``: only if its record is (still) a damaged one, decided in
+        the write itself: a good copy written since the damage was seen stays.
+        """
         raw_key = key.validated().encode()
         with self._writing(f"dropping {key}") as txn:
             record = self._shard_record(txn, raw_key)
-            freed = 0 if record is None else self._delete_shard(txn, raw_key, record)
+            freed = 0
+            if record is not None and not (only_damaged and _complete(record)):
+                freed = self._delete_shard(txn, raw_key, record)
         if freed:
             self._release_freed_pages()
         return freed
@@ -925,7 +931,7 @@ class CacheStore(ClosingContext):
     def _record_damaged(self, key: ShardKey) -> None:
         """A shard whose record is damaged, seen in a snapshot: counted once, then dropped.
 
-        Dropped only if it is still the damaged record (:meth:`_drop_if_damaged`):
+        Dropped only if it is still the damaged record (``drop_shard(only_damaged=True)``):
         a good copy written since the snapshot stays. A node's store
         (``drop_corrupt`` off) leaves it to the next fetch, which writes over it;
         ``on_damage`` tells the node (its metric and log). A read-only store
@@ -954,29 +960,18 @@ class CacheStore(ClosingContext):
             )
         elif self.drop_corrupt:
             try:
-                freed = self._drop_if_damaged(key)
+                freed = self.drop_shard(key, only_damaged=True)
             except StoreError as exc:  # a read must not fail for the drop: the next one tries
                 log.warning("could not drop the damaged record of %s: %s", key, exc)
+            else:
+                log.warning(
+                    "dropped the damaged record of %s (%d bytes under it); it will be fetched "
+                    "again",
+                    key,
+                    freed,
+                )
+            finally:  # dropped, or to be tried again: a later damage is counted again
                 self._damage_said.discard(raw_key)
-                return
-            log.warning(
-                "dropped the damaged record of %s (%d bytes under it); it will be fetched again",
-                key,
-                freed,
-            )
-            self._damage_said.discard(raw_key)  # a later copy, damaged again, is counted again
-
-    def _drop_if_damaged(self, key: ShardKey) -> int:
-        """Remove the shard if its record is still a damaged one; the bytes freed."""
-        raw_key = key.validated().encode()
-        with self._writing(f"dropping {key}") as txn:
-            record = self._shard_record(txn, raw_key)
-            freed = 0
-            if record is not None and not _complete(record):
-                freed = self._delete_shard(txn, raw_key, record)
-        if freed:
-            self._release_freed_pages()
-        return freed
 
     def _corrupt_chunk(self, key: ShardKey) -> None:
         with self._counter_lock:

@@ -1641,10 +1641,7 @@ class Controller:
                 for job in schedule.jobs
                 if job.name in short
                 and job.end > now
-                and (
-                    job.start > now
-                    or (job.name in self.state.jobs and self.state.jobs[job.name].unknown_at_start)
-                )
+                and (job.start > now or self.state.jobs[job.name].unknown_at_start)
             )
         )
 

@@ -330,22 +330,22 @@ class WarmOutcome:
         return [r for r in self.runs if r.state == "failed"]
 
 
-def _deferred_note(task: StageTask, blocked: str, *, failed: bool = False) -> str:
-    """Why a task waits, and when to act: warm acts now, the plan starts the task later.
+def _deferred_note(task: StageTask, why: str, *, failed: bool = False) -> str:
+    """Why a task waits (``why``), and when to act: warm acts now, the plan starts it later.
 
-    The task needs the room of an eviction refused now, so it can only run
-    once the job in the way is done: the plan's start says when that is. An
-    eviction a node failed is not waited out: it is retried once the node is
-    mended, so the note says that instead.
+    The task needs the room of an eviction refused now, or of a pin on one node
+    that runs out at its start, so it can only run then: the plan's start says
+    when that is. An eviction a node failed is not waited out: it is retried
+    once the node is mended, so the note says that instead.
     """
     if failed:
         return (
-            f"needs room: {blocked}; run warm again once that node answers (its status and "
+            f"{why}; run warm again once that node answers (its status and "
             "logs say why it failed), or let `edgecache controller` retry it"
         )
     start = f"{task.start.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
     return (
-        f"needs room: {blocked}; the plan starts it at {start}: run warm again then, or let "
+        f"{why}; the plan starts it at {start}: run warm again then, or let "
         "`edgecache controller` stage it on time"
     )
 
@@ -953,21 +953,14 @@ class PlanExecutor:
                 pin_until = max(ends[j] for j in step.jobs if j in ends)
                 run = self.make_run(step, manifests, pin_until)
                 mine.runs.append(run)
+                note = None
                 if step.waits and step.start > self.clock():
                     # A node's share fits only once a pin there runs out: staged now it
                     # failed RESOURCE_EXHAUSTED on that node and left the rest pinned.
-                    start = f"{step.start.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
-                    run.state = "deferred"
-                    run.note = (
-                        f"{step.waits}; the plan starts it at {start}: run warm again then, "
-                        "or let `edgecache controller` stage it on time"
-                    )
-                    self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
-                    mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))
-                    ended[id(step)].set()
-                    continue
-                if blocked is not None:
-                    note = _deferred_note(step, blocked, failed=evict_failed)
+                    note = _deferred_note(step, step.waits)
+                elif blocked is not None:
+                    note = _deferred_note(step, f"needs room: {blocked}", failed=evict_failed)
+                if note is not None:
                     run.state, run.note = "deferred", note
                     self.mark_wont_hold(region, step.version, f"deferred, {run.note}")
                     mine.deferred.append(Deferred(region, f"stage {step.spec}", run.note))

@@ -155,8 +155,8 @@ class NodeMetrics:
             "ReadShard calls by how they ended: ok, not_cached (a cached_only read of a "
             "shard not held here), stale_digest (the reader's digest of the version is not "
             "this node's: the reader resolves it again), or the status code they ended with, "
-            "errors after the "
-            "first chunk included (a mid-stream refetch that failed, a chunk damaged again)",
+            "errors after the first chunk included (a mid-stream refetch that failed, a chunk "
+            "damaged again)",
             [*labels, "result"],
             registry=self.registry,
         )

@@ -54,6 +54,26 @@ def publish(registry_url: str, source_url: str, dataset: str, **spec: object) ->
     return Registry.run(registry_url, lambda reg: reg.publish(source_url, dataset, spec=preprocess))
 
 
+def staged_by_a_node(
+    root: Path, count: int, rows: int = ROWS_PER_SHARD
+) -> tuple[str, Path, list[pa.Table]]:
+    """tokens@1 of ``count`` shards published and staged by a node, now stopped.
+
+    (registry URL, the node's cache directory, the shards' tables): a cache to
+    damage on disk, as bit rot would, before a node or a reader opens it again.
+    """
+    from edgecache.clients.node_client import start_local_node
+
+    tables = write_parquet_shards(root / "origin", count, rows=rows)
+    registry = f"file://{root}/registry"
+    publish(registry, f"file://{root}/origin", "tokens")
+    cache = root / "cache"
+    node = start_local_node("eu", cache, registry)
+    list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
+    node.stop()
+    return registry, cache, tables
+
+
 def stub(address: str) -> edge_pb2_grpc.EdgeCacheStub:
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return edge_pb2_grpc.EdgeCacheStub(channel)

@@ -18,7 +18,7 @@ from urllib.request import urlopen
 import grpc
 import lmdb
 import pytest
-from edgeutil import ROWS_PER_SHARD, publish, stub, write_parquet_shards
+from edgeutil import ROWS_PER_SHARD, staged_by_a_node, stub
 from storeutil import shard_frames
 
 from edgecache.cache.errors import ChunkCorrupt, ShardNotCached
@@ -59,6 +59,15 @@ def _rot_record_open(store: CacheStore, key: ShardKey) -> None:
         txn.put(key.encode(), bytes(value), db=shards)
 
 
+def _second_shard_rotten(tmp_path: Path) -> tuple[Path, list[bytes], int]:
+    """:func:`_two_shards` with the second shard's record damaged: (cache, frames, a shard's
+    stored bytes)."""
+    cache = tmp_path / "c"
+    frames = _two_shards(cache)
+    _rot_record(cache, b"shards", K1.encode())
+    return cache, frames, sum(len(f) for f in frames)
+
+
 def _two_shards(path: Path, pin: bool = False) -> list[bytes]:
     frames = shard_frames()
     with CacheStore(path, capacity_bytes=64 << 20, sync=False) as s:
@@ -70,10 +79,7 @@ def _two_shards(path: Path, pin: bool = False) -> list[bytes]:
 
 
 def test_a_shard_record_that_does_not_parse_is_dropped_and_its_room_freed(tmp_path: Path) -> None:
-    cache = tmp_path / "c"
-    frames = _two_shards(cache)
-    size = sum(len(f) for f in frames)
-    _rot_record(cache, b"shards", K1.encode())
+    cache, frames, size = _second_shard_rotten(tmp_path)
     with CacheStore(cache, sync=False) as s:
         assert s.stats.used_bytes == 2 * size
         with pytest.raises(ChunkCorrupt, match=r"record of tokens@1/shard-1 .* damaged"):
@@ -89,10 +95,7 @@ def test_a_shard_record_that_does_not_parse_is_dropped_and_its_room_freed(tmp_pa
 
 
 def test_a_damaged_shard_record_is_evicted_and_written_over(tmp_path: Path) -> None:
-    cache = tmp_path / "c"
-    frames = _two_shards(cache)
-    size = sum(len(f) for f in frames)
-    _rot_record(cache, b"shards", K1.encode())
+    cache, frames, size = _second_shard_rotten(tmp_path)
     with CacheStore(cache, sync=False) as s:
         s.put_shard(K1, frames)  # over the damaged record: its chunks replaced, counted once
         assert s.stats.used_bytes == 2 * size and s.get_chunk(K1, 2) == frames[2]
@@ -179,22 +182,10 @@ def test_a_version_record_that_does_not_parse_is_counted_again_from_its_shards(
         assert s.versions() == [] and s.stats.used_bytes == 0
 
 
-def _staged_by_a_node(tmp_path: Path) -> tuple[str, Path]:
-    """tokens@1 (two shards) published and staged by a node, now stopped: (registry, cache)."""
-    write_parquet_shards(tmp_path / "origin", 2)
-    registry = f"file://{tmp_path}/registry"
-    publish(registry, f"file://{tmp_path}/origin", "tokens")
-    cache = tmp_path / "cache"
-    node = start_local_node("eu", cache, registry)
-    list(stub(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
-    node.stop()
-    return registry, cache
-
-
 def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
     tmp_path: Path,
 ) -> None:
-    registry, cache = _staged_by_a_node(tmp_path)
+    registry, cache, _ = staged_by_a_node(tmp_path, 2)
     _rot_record(cache, b"shards", K1.encode())
     _rot_record(cache, b"versions", version_key("tokens", 1))
 
@@ -223,7 +214,7 @@ def test_a_node_with_damaged_records_answers_status_and_serves_every_shard(
 
 
 def test_an_lmdb_reader_reads_a_damaged_shard_from_the_next_endpoint(tmp_path: Path) -> None:
-    registry, cache = _staged_by_a_node(tmp_path)
+    registry, cache, _ = staged_by_a_node(tmp_path, 2)
     _rot_record(cache, b"shards", K1.encode())
 
     # Alone, the cache is told to be staged again when the dataset is built.

@@ -15,7 +15,7 @@ from urllib.request import urlopen
 import pyarrow as pa
 import torch
 from chaosutil import count
-from edgeutil import publish, write_parquet_shards
+from edgeutil import staged_by_a_node
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgecache.cache.frame import HEADER_SIZE
@@ -39,14 +39,8 @@ def scrape(address: str, name: str) -> float:
 
 def test_flipped_bytes_are_never_delivered(tmp_path: Path, figure) -> None:  # noqa: ANN001
     flips = count(30, 100)
-    tables = write_parquet_shards(tmp_path / "origin", 6, rows=3000)
+    registry, cache, tables = staged_by_a_node(tmp_path, 6, rows=3000)
     truth = pa.concat_tables(tables)
-    registry = f"file://{tmp_path}/registry"
-    publish(registry, f"file://{tmp_path}/origin", "tokens")
-    cache = tmp_path / "cache"
-    node = start_local_node("eu", cache, registry)
-    list(connect(node.address).Stage(edge_pb2.StageRequest(dataset="tokens", version=1)))
-    node.stop()
 
     with CacheStore(cache, readonly=True) as store:
         frames = [
