@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import os
 import uuid
@@ -242,3 +243,50 @@ def test_an_object_rewritten_between_heads_and_get_is_read_again(s3_endpoint: st
             await store.close()
 
     run(scenario())
+
+
+def test_an_endpoint_that_never_answers_fails_after_botocores_tries_each_one_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that accepts connections and never answers: botocore's tries, no more.
+
+    Each read timeout was tried again here on top of botocore's own tries: 6 × 6
+    tries of 30 s, `edgecache versions` silent for 18 minutes (seen with a hung
+    registry). Counting the connections the server accepts counts the tries.
+    """
+    import socket
+    import threading
+
+    from s3server import s3_env
+
+    from edgecache.cache.errors import OriginError
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    for key, value in s3_env(f"http://127.0.0.1:{server.getsockname()[1]}").items():
+        monkeypatch.setenv(key, value)
+    store = S3Store(attempts=3, read_timeout=0.5)
+    caplog.set_level("WARNING", logger="edgecache.cache.storage.s3")
+    try:
+        with pytest.raises(OriginError, match=r"did not answer within 0.5 s, 3 tries") as err:
+            run(store.list("s3://reg/edgecache/tokens/versions/"))
+        assert "AWS_ENDPOINT_URL" in str(err.value)
+        # The registry's callers tell "unreachable" from a refusal by this cause.
+        assert isinstance(err.value.__cause__, ConnectionError)
+        assert len(accepted) == 3
+        said = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+        assert len(said) == 2 and "(try 1 of 3)" in said[0], said
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+        run(store.close())

@@ -81,6 +81,8 @@ T = TypeVar("T")
 MULTIPART_THRESHOLD = 8 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
+# Seconds a request may wait for the next bytes of an answer (botocore's default is 60).
+READ_TIMEOUT = 30.0
 PARTS_PER_OBJECT = 12
 PART_SECONDS = 0.25
 STREAMS = 4
@@ -170,6 +172,35 @@ def _botocore_retries(response: dict[str, Any]) -> int:
     return attempts if isinstance(attempts, int) else 0
 
 
+class _BodyBroken(Exception):
+    """A GET's body broke off after its response began: botocore does not retry that; _call does."""
+
+
+async def _body(body: Any) -> bytes:
+    """The whole body of a response, a break in it raised as :class:`_BodyBroken`.
+
+    Its own type because botocore has already tried the request itself as often
+    as allowed when a timeout or a reset comes from the call: only a body cut
+    short after the response began is this module's to retry.
+    """
+    from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+    try:
+        data: bytes = await body.read()
+        return data
+    except (
+        ResponseStreamingError,
+        IncompleteReadError,
+        OSError,
+        asyncio.IncompleteReadError,
+    ) as exc:
+        raise _BodyBroken(str(exc)) from exc
+    except Exception as exc:  # aiohttp's payload errors are not OSErrors
+        if type(exc).__module__.startswith("aiohttp"):
+            raise _BodyBroken(str(exc)) from exc
+        raise
+
+
 def _backoff(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff (the AWS architecture blog's recommendation)."""
     return random.uniform(0, min(cap, base * 2**attempt))
@@ -236,8 +267,10 @@ class S3Store(ObjectStore):
         multipart_threshold: int = MULTIPART_THRESHOLD,
         attempts: int | None = None,
         adaptive_parts: bool = True,
+        read_timeout: float = READ_TIMEOUT,
     ) -> None:
         self.stats = RetryStats()
+        self.read_timeout = read_timeout
         self.part_bytes = part_bytes
         self.multipart_threshold = multipart_threshold
         self.adaptive_parts = adaptive_parts
@@ -262,7 +295,7 @@ class S3Store(ObjectStore):
                     # botocore's max_attempts counts retries (one more request).
                     retries={"mode": "standard", "total_max_attempts": self.attempts},
                     connect_timeout=5,
-                    read_timeout=30,
+                    read_timeout=self.read_timeout,
                 )
                 from botocore.exceptions import BotoCoreError
 
@@ -273,8 +306,34 @@ class S3Store(ObjectStore):
                     )
                 except (BotoCoreError, ValueError) as exc:  # "Invalid endpoint: …" is a ValueError
                     raise _setup_error(exc) from _denied(exc)
+                self._client.meta.events.register("needs-retry.s3", self._say_retry)
                 self._stack = stack
             return self._client
+
+    def _say_retry(
+        self,
+        attempts: int,
+        caught_exception: Exception | None = None,
+        operation: Any = None,
+        **_: Any,
+    ) -> None:
+        """Log a request botocore is about to try again after no answer or a broken connection.
+
+        botocore retries such a request inside one call, up to ``attempts`` tries of
+        ``read_timeout`` each: an S3 endpoint that accepts connections and never
+        answers kept ``versions`` and the controller silent for minutes. An answer
+        botocore retries (503 SlowDown, 5xx) is counted in ``stats`` instead: a
+        throttling burst would fill the log.
+        """
+        if caught_exception is not None and attempts < self.attempts:
+            name = getattr(operation, "name", "request")
+            log.warning(
+                "S3 %s: %s (try %d of %d); trying again",
+                name,
+                caught_exception,
+                attempts,
+                self.attempts,
+            )
 
     async def close(self) -> None:
         """Close the client and its connection pool."""
@@ -330,10 +389,10 @@ class S3Store(ObjectStore):
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
+            ConnectTimeoutError,
             EndpointConnectionError,
-            IncompleteReadError,
             NoCredentialsError,
-            ResponseStreamingError,
+            ReadTimeoutError,
         )
 
         for attempt in range(self.attempts):
@@ -376,16 +435,30 @@ class S3Store(ObjectStore):
                     f"origin for {url} is unreachable ({exc}); check AWS_ENDPOINT_URL and the "
                     "network"
                 ) from unanswered
-            except (
-                ResponseStreamingError,
-                IncompleteReadError,  # a truncated body
-                OSError,
-                asyncio.IncompleteReadError,
-            ) as exc:
+            except (ReadTimeoutError, ConnectTimeoutError) as exc:
+                # botocore tried the request ``attempts`` times already (each logged by
+                # _say_retry): trying it again here made 36 tries of 30 s, 18 silent minutes.
+                unanswered = ConnectionError(str(exc))
+                unanswered.__cause__ = exc
+                raise OriginError(
+                    f"origin for {url} did not answer within {self.read_timeout:g} s, "
+                    f"{self.attempts} tries ({exc}): check that AWS_ENDPOINT_URL names a "
+                    "running S3 server and that the network reaches it (AWS_MAX_ATTEMPTS "
+                    "sets the tries)"
+                ) from unanswered
+            except (_BodyBroken, OSError) as exc:
+                cause = exc.__cause__ if isinstance(exc, _BodyBroken) else exc
                 if attempt + 1 == self.attempts:
                     raise OriginError(
-                        f"reading {url} kept failing after {self.attempts} attempts: {exc}"
-                    ) from exc
+                        f"reading {url} kept failing after {self.attempts} attempts: {cause}"
+                    ) from cause
+                log.warning(
+                    "reading %s: %s (try %d of %d); trying again",
+                    url,
+                    cause,
+                    attempt + 1,
+                    self.attempts,
+                )
             except NoCredentialsError as exc:  # none found at all; partial ones fail in _s3
                 raise OriginError(
                     f"no AWS credentials to sign the request for {url} ({exc}): set "
@@ -395,11 +468,6 @@ class S3Store(ObjectStore):
                 ) from _denied(exc)
             except BotoCoreError as exc:
                 raise OriginError(f"origin request for {url} failed: {exc}") from exc
-            except Exception as exc:  # aiohttp payload errors are not OSErrors
-                if type(exc).__module__.startswith("aiohttp") and attempt + 1 < self.attempts:
-                    pass
-                else:
-                    raise
             self.stats.retries += 1
             await asyncio.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
@@ -463,7 +531,7 @@ class S3Store(ObjectStore):
                 # botocore's own retries (throttling, 5xx) happen inside the call: count them.
                 self.stats.retries += _botocore_retries(response)
                 async with response["Body"] as body:
-                    data = await body.read()
+                    data = await _body(body)
             finally:
                 link.finished(len(data))
             self.stats.bytes_read += len(data)
