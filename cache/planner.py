@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
-from edgecache.cache.units import format_bytes
+from edgecache.cache.units import format_bytes, format_bytes_at_least
 
 __all__ = [
     "VersionSize",
@@ -1169,24 +1169,10 @@ def _no_room(
 
 def _to_meet(state: RegionState, job: Job, short: int) -> str:
     """The capacity advice of a row: the bytes ``job`` as a whole lacks (:class:`_Lacks`)."""
-    fix = f"add at least {_at_least(short)} to {state.name}"
+    fix = f"add at least {format_bytes_at_least(short)} to {state.name}"
     if len(job.versions) > 1:
         return f"to meet it, for all of {job.name}'s versions: {fix}"
     return f"to meet it: {fix}"
-
-
-def _at_least(n: int) -> str:
-    """``n`` bytes as :func:`format_bytes` writes them, but rounded up, never down.
-
-    Advice to add "at least 614.4 KiB" must be enough when taken literally.
-    """
-    unit = 1
-    while n >= unit * 1024 and unit < 1024**4:
-        unit *= 1024
-    if unit == 1:
-        return format_bytes(n)
-    tenths = -(-n * 10 // unit)  # ceil
-    return format_bytes(tenths * unit / 10)
 
 
 def _room_time(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "parse_rate", "parse_size"]
+__all__ = ["format_bytes", "format_bytes_at_least", "parse_rate", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -106,3 +106,17 @@ def format_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_bytes_at_least(n: int) -> str:
+    """``n`` bytes as :func:`format_bytes` writes them, but rounded up, never down.
+
+    Advice to add "at least 614.4 KiB" must be enough when taken literally.
+    """
+    unit = 1
+    while n >= unit * 1024 and unit < 1024**4:
+        unit *= 1024
+    if unit == 1:
+        return format_bytes(n)
+    tenths = -(-n * 10 // unit)  # ceil
+    return format_bytes(tenths * unit / 10)

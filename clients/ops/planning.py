@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -25,7 +25,7 @@ from edgecache.cache.planner import (
     plan,
 )
 from edgecache.cache.registry import Registry
-from edgecache.cache.units import format_bytes
+from edgecache.cache.units import format_bytes, format_bytes_at_least
 from edgecache.clients.ops.status import (
     Holding,
     NodeReport,
@@ -192,12 +192,17 @@ def make_plan(
         }
         return plan(kept, waiting, sizes, now=now, missing=missing_items, why_missing=missing)
 
-    result = holdable_plan(
-        jobs,
-        replan,
-        lambda kept, made: _share_rows(topology, reports, kept, manifests, sizes, held, made, now),
-        replan(list(jobs), {}),
-    )
+    # The per-node check counts another schedule's pinned versions too (their room is
+    # kept region-wide above): their manifests size each node's share of them.
+    every = {**others, **manifests}
+    every_size = version_sizes(every, held)
+
+    def unholdable(kept: list[Job], made: Plan) -> Shares:
+        return _share_rows(
+            topology, reports, kept, every, every_size, held, made, now, foreign=pinned
+        )
+
+    result = holdable_plan(jobs, replan, unholdable, replan(list(jobs), {}))
     result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
     result.infeasible[:] = [
         replace(row, reason=f"{row.reason} ({'; '.join(short_room[row.region])})")
@@ -240,9 +245,13 @@ def holdable_plan(
     before. A version no split of a region's nodes holds in time is neither
     staged (its stage failed on the node its shards hash to, and the shards
     the others took stayed pinned there), nor pinned, nor made room for. One
-    job at a time, the last in the planner's order (start, then priority),
-    each time checked again: two overlapping jobs that each fit alone but not
-    together are both in the rows, and the first of them can be met.
+    job at a time, in the planner's order (start, then priority): each job is
+    checked beside the jobs before it (:func:`_share_rows`), so of two
+    overlapping jobs that each fit alone but not together the later is the one
+    that cannot be met, and the first job with rows is dropped first, then all
+    checked again (a later job's rows may have been for its versions). Dropping
+    the last of them instead dropped a job whose version an earlier one read
+    too (freeing nothing), then a job that fit.
     """
     kept, rows = list(jobs), []
     waits: Waits = {}
@@ -255,9 +264,9 @@ def holdable_plan(
             continue
         if not found.rows:
             break
-        last = max({row.job for row in found.rows}, key=_job_order(kept))
-        dropped = {(row.job, row.version) for row in found.rows if row.job == last}
-        rows += [row for row in found.rows if row.job == last]
+        first = min({row.job for row in found.rows}, key=_job_order(kept))
+        dropped = {(row.job, row.version) for row in found.rows if row.job == first}
+        rows += [row for row in found.rows if row.job == first]
         kept = [
             replace(
                 job,
@@ -267,6 +276,10 @@ def holdable_plan(
             )
             for job in kept
         ]
+        # The waits were for room beside what is now dropped, among others: found afresh.
+        # A task kept waiting "until X is no longer pinned" for an X nothing pins any
+        # more was deferred by warm for nothing.
+        waits = {}
         result = replan(kept, waits)
     result.infeasible += rows
     return result
@@ -287,17 +300,21 @@ def _share_rows(
     held: Mapping[str, Mapping[VersionKey, Holding]],
     result: Plan,
     now: datetime | None = None,
+    *,
+    foreign: Mapping[str, Mapping[VersionKey, datetime]] | None = None,
 ) -> Shares:
     """The versions, not held yet, that no node split lets their region hold when planned.
 
     The plan counts a region's capacity as one pool (:func:`share_overflow` says
     why that is not enough). A job's versions are checked from ``now`` (``warm``
     stages every task now) to the end of their pin, node by node, at each
-    moment the region's other holdings change: the versions of the other jobs
-    there (from their task's start, or now, to their pin's end) and the nodes'
+    moment the region's other holdings change: the versions of the jobs before
+    it in the planner's order (from their task's start, or now, to their pin's
+    end; a version one of them reads is theirs, not this job's) and the nodes'
     own pins, the ones held already at what each node holds of them. A moment
     whose other holdings overflow a node without this job's is theirs, not
-    this job's. Checked against the jobs' own times alone, a version staged an
+    this job's; a later job's versions are checked beside this one's in its
+    own turn. Checked against the jobs' own times alone, a version staged an
     hour before its job, while another job's pin still held its node, was said
     to fit, and failed RESOURCE_EXHAUSTED there round after round. Where the
     overflow ends when such a pin runs out, before the first job reading the
@@ -306,6 +323,9 @@ def _share_rows(
     """
     now = now or datetime.now(UTC)
     by_key = {(m.dataset, m.version): m for m in manifests.values()}
+    if foreign is None:  # the pins of the schedule's jobs are its own (as make_plan reckons)
+        own = {(job.region, v): job.end for job in jobs for v in job.versions}
+        foreign = foreign_pins(reports, own, now)
     # Versions a row calls late are still staged and pinned: they take room beside others.
     planned = {(r, t.spec) for r, region_plan in result.regions.items() for t in region_plan.tasks}
     unmet = {
@@ -314,11 +334,30 @@ def _share_rows(
         if (row.region, row.version) not in planned
     }
     out = Shares()
+    order = _job_order(jobs)
     for job in jobs:
         if job.region not in topology.regions:
             continue
+        # The jobs before this one in the planner's order were checked first: their
+        # versions are kept, this job's own are checked beside them (and beside its
+        # versions held whole already, which it keeps).
+        before = [
+            other
+            for other in jobs
+            if other.region == job.region and order(other.name) <= order(job.name)
+        ]
+        earlier = {v for other in before if other is not job for v in other.versions}
         whole = {v for v, h in held.get(job.region, {}).items() if h.complete}
-        staged = [by_key[v] for v in job.versions if v not in whole and v in by_key]
+        # Not a version the planner's own rows leave unstaged for this job: it takes no
+        # room, and as the one that "overflows alone" it hid the job's other versions.
+        staged = [
+            by_key[v]
+            for v in job.versions
+            if v not in whole
+            and v in by_key
+            and v not in earlier
+            and (job.name, f"{v[0]}@{v[1]}") not in unmet
+        ]
         if not staged:
             continue
         region_plan = result.regions.get(job.region)
@@ -327,10 +366,14 @@ def _share_rows(
         mine = [(m.dataset, m.version) for m in staged]
         high = max([pins.get(v, job.end) for v in mine])
         # What the region keeps meanwhile: version → (held from, None: now; until). The
-        # nodes' own pins count too (another schedule's, or one longer than this plan's).
+        # nodes' own pins count too: of versions held whole, and another schedule's
+        # (:func:`foreign_pins`: room kept from now, as the plan keeps it region-wide).
+        # One this schedule set for a version not held yet takes room from its task's
+        # start, below: counted from now, it hid a job's overflow until then.
+        theirs = foreign.get(job.region, {})
         beside: dict[VersionKey, tuple[datetime | None, datetime]] = {}
         for v, until in _pins(reports, now, region=job.region):
-            if (v in whole or v in by_key) and v not in mine:
+            if (v in whole or (v in by_key and v in theirs)) and v not in mine:
                 beside[v] = (None, max(beside.get(v, (None, until))[1], until))
         for other in jobs:
             if other.region != job.region:
@@ -338,7 +381,11 @@ def _share_rows(
             for v in other.versions:
                 if v not in by_key or (other.name, f"{v[0]}@{v[1]}") in unmet or v in mine:
                     continue
-                since = tasks[v].start if v in tasks else None
+                if other not in before and v not in whole:
+                    continue  # a later job's staging is checked beside this one, in its turn
+                # (a version held whole is pinned now, whichever job it is kept for)
+                # Held whole: there now (a re-stage after an eviction in a gap comes later).
+                since = tasks[v].start if v in tasks and v not in whole else None
                 until = max(pins.get(v, other.end), other.end, beside.get(v, (None, now))[1])
                 if (since is None or since < high) and until > now:
                     beside[v] = (since, until)
@@ -366,11 +413,26 @@ def _share_rows(
                     out.waits[(job.region, v)] = (at, note)
                 break
         else:
-            for m in staged:
-                spec = f"{m.dataset}@{m.version}"
+            for v in _to_drop(check, now, high):
+                spec = f"{v[0]}@{v[1]}"
                 if (job.name, spec) not in unmet:
                     out.rows.append(Infeasible(job.name, job.region, spec, why))
     return out
+
+
+def _to_drop(check: _ShareCheck, now: datetime, high: datetime) -> list[VersionKey]:
+    """The versions of a job that cannot be met for a node's share: as few as will do.
+
+    Those that overflow a node alone; where only together, the largest (by
+    stored bytes, then name), and the check runs again without it. All of
+    them were dropped: a job reading one version that never fits and one
+    that does lost both, and one reading two that fit only apart was told
+    neither could be met while one of them stayed staged for another job.
+    """
+    alone = [v for v in check.mine if replace(check, mine=[v]).first_overflow(now, high)]
+    if alone:
+        return alone
+    return [max(check.mine, key=lambda v: (check.sizes[v].stored, v))]
 
 
 @dataclass(frozen=True)
@@ -390,34 +452,45 @@ class _ShareCheck:
     beside: Mapping[VersionKey, tuple[datetime | None, datetime]]
 
     def first_overflow(self, begin: datetime, end: datetime) -> str | None:
-        """Why ``mine`` overflows a node at the first moment in [begin, end) it does; or None.
+        """Why ``mine`` overflows a node at some moment in [begin, end); or None.
 
-        The moments are ``begin`` and each start of another holding after it (what
-        is held only changes then, for the better between them). A moment whose
-        other holdings overflow a node without ``mine`` is not ``mine``'s doing.
+        The moments are ``begin`` and each start and end of another holding
+        after it (what is held only changes then). A node the other holdings
+        overflow without ``mine`` is not ``mine``'s doing; once one of
+        them ends, ``mine`` may overflow alone (checked at starts only, a node
+        full of another schedule's pinned room until a pin ran out hid that, and
+        warm failed RESOURCE_EXHAUSTED there). Of several moments, the one that
+        lacks the most bytes: its advice ("give NODE at least …") is then enough
+        for them all.
         """
-        starts = {since for since, _ in self.beside.values() if since is not None}
-        for at in [begin, *sorted(t for t in starts if begin < t < end)]:
+        changes = {t for since, until in self.beside.values() for t in (since, until) if t}
+        worst: _Overflow | None = None
+        for at in [begin, *sorted(t for t in changes if begin < t < end)]:
             held = [
                 v
                 for v, (since, until) in self.beside.items()
                 if (since is None or since <= at) and until > at
             ]
-            if self._overflow(held) is not None:
-                continue  # the others' own overflow: their jobs' checks say it
-            why = self._overflow([*self.mine, *held])
-            if why is not None:
-                return why
-        return None
+            # A node the others overflow alone is theirs: their jobs' checks say it. Only
+            # that node: one node full of theirs hid this job's overflow of another.
+            theirs = self._overflow(held)
+            spared = theirs.nodes if theirs is not None else frozenset()
+            found = self._overflow([*self.mine, *held], spared)
+            if found is not None and (worst is None or found.lacking > worst.lacking):
+                worst = found
+        return worst.why if worst is not None else None
 
-    def _overflow(self, needed: Sequence[VersionKey]) -> str | None:
-        return share_overflow(
+    def _overflow(
+        self, needed: Sequence[VersionKey], spared: Collection[str] = ()
+    ) -> _Overflow | None:
+        return _shortfall(
             self.topology,
             self.reports,
             self.region,
             [self.by_key[v] for v in needed if v not in self.whole],
             self.sizes,
             kept=[v for v in needed if v in self.whole],
+            spared=spared,
         )
 
 
@@ -440,6 +513,23 @@ def share_overflow(
     proportion of its shards' source bytes. ``kept``: versions the region holds
     whole and keeps meanwhile, counted at what each node holds of them.
     """
+    found = _shortfall(topology, reports, region, manifests, sizes, kept)
+    return found.why if found is not None else None
+
+
+def _shortfall(
+    topology: Topology,
+    reports: list[NodeReport],
+    region: str,
+    manifests: Sequence[pb.Manifest],
+    sizes: Mapping[VersionKey, VersionSize],
+    kept: Sequence[VersionKey] = (),
+    spared: Collection[str] = (),
+) -> _Overflow | None:
+    """:func:`share_overflow`, with the bytes the worst node lacks and every node over.
+
+    ``spared``: nodes not to count (others overflow them without these versions).
+    """
     alive = {
         r.address: _room(r.status) for r in reports if r.region == region and r.status is not None
     }
@@ -461,27 +551,42 @@ def share_overflow(
             part = shard.source_size / source if source else 1 / len(manifest.shards)
             share[node] += math.ceil(stored * part)
             owned[node] += 1
-    over = [node for node in nodes if share[node] + holds[node] > alive[node]]
+    over = [n for n in nodes if n not in spared and share[n] + holds[n] > alive[n]]
     if not over:
         return None
     node = max(over, key=lambda n: share[n] + holds[n] - alive[n])
-    specs = ", ".join(f"{m.dataset}@{m.version}" for m in manifests)
+    # Sorted: the words must not change with the order of the schedule's jobs.
+    specs = ", ".join(sorted(f"{m.dataset}@{m.version}" for m in manifests))
     shards = sum(len(m.shards) for m in manifests)
     beside = (
         f" beside the {format_bytes(holds[node])} it holds of "
-        f"{', '.join(f'{d}@{n}' for d, n in kept)}, kept meanwhile,"
+        f"{', '.join(sorted(f'{d}@{n}' for d, n in kept))}, kept meanwhile,"
         if holds[node]
         else ""
     )
-    return (
-        f"{node}'s share of {specs} ({owned[node]} of {shards} shards, "
-        f"{format_bytes(share[node])}){beside} is more than its cache holds "
-        f"({format_bytes(alive[node])}): replicas split a version's shards by hash and each "
-        f"keeps its own share, so the region's capacities add up only as far as the shares "
-        f"are even; give {node} at least "
-        f"{format_bytes(share[node] + holds[node] - alive[node])} more (its --capacity), "
-        "or publish the versions with more, smaller shards"
+    lacking = share[node] + holds[node] - alive[node]
+    return _Overflow(
+        lacking,
+        frozenset(over),
+        (
+            f"{node}'s share of {specs} ({owned[node]} of {shards} shards, "
+            f"{format_bytes(share[node])}){beside} is more than its cache holds "
+            f"({format_bytes(alive[node])}): replicas split a version's shards by hash and each "
+            f"keeps its own share, so the region's capacities add up only as far as the shares "
+            f"are even; give {node} at least "
+            f"{format_bytes_at_least(lacking)} more (its --capacity), "
+            "or publish the versions with more, smaller shards"
+        ),
     )
+
+
+@dataclass(frozen=True)
+class _Overflow:
+    """Nodes a set of versions overflows: the worst one's shortfall, all of them, and why."""
+
+    lacking: int
+    nodes: frozenset[str]
+    why: str
 
 
 def _room(status: edge_pb2.NodeStatus) -> int:
