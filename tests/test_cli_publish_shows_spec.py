@@ -177,3 +177,31 @@ def test_column_names_that_would_read_as_something_else_are_quoted(tmp_path: Pat
         *("--transform", "columns", "--param", 'select="a, b"," lead"'),
     )
     assert picked.splitlines()[-2:] == ['  "a, b": int64', '  " lead": int64'], picked
+
+
+def test_a_stdout_closed_from_the_start_or_full_ends_with_a_word_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """`edgecache versions t --json >&-` crashed with AttributeError (Python's stdout is None
+    then), exit 120; `>/dev/full` printed a traceback of the failed flush, exit 1."""
+    source = tmp_path / "raw"
+    source.mkdir()
+    (source / "p.csv").write_text("a,b\n1,2\n3,4\n")
+    registry = f"file://{tmp_path}/reg"
+    cli("publish", str(source), "--dataset", "t", "--registry", registry, "--json")
+    command = [sys.executable, "-m", "edgecache.clients.cli", "versions", "t", "--json"]
+    closed = subprocess.run(
+        [*command, "--registry", registry],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(1),  # noqa: PLW1509 (no threads in this test process)
+        timeout=120,
+    )
+    assert (closed.returncode, closed.stderr) == (141, b""), closed.stderr.decode()
+    with open("/dev/full", "wb") as full:
+        failed = subprocess.run(
+            [*command, "--registry", registry], stdout=full, stderr=subprocess.PIPE, timeout=120
+        )
+    said = failed.stderr.decode()
+    assert failed.returncode == 1, said
+    assert said == "error: cannot write the output to stdout: [Errno 28] No space left on device\n"

@@ -100,10 +100,10 @@ def _root() -> None:
     """
 
 
-def _closed_stdout(stream: Any) -> NoReturn:
+def _closed_stdout(stream: Any, code: int = EXIT_CLOSED_STDOUT) -> NoReturn:
     """Exit quietly with 141, ``stream`` pointed at /dev/null so no later flush fails again."""
     try:
-        fd = stream.fileno()
+        fd = stream.fileno() if stream is not None else None
     except (OSError, ValueError):  # not a file (a test's capture): nothing to point
         fd = None
     if fd is not None:
@@ -112,7 +112,7 @@ def _closed_stdout(stream: Any) -> NoReturn:
             os.dup2(devnull, fd)
         finally:
             os.close(devnull)
-    raise SystemExit(EXIT_CLOSED_STDOUT)
+    raise SystemExit(code)
 
 
 class _ClosedStdoutExits:
@@ -120,6 +120,9 @@ class _ClosedStdoutExits:
 
     A proxy for the real stream: everything but ``write``, ``writelines`` and
     ``flush`` (``fileno``, ``isatty``, ``encoding``, ``buffer``…) is the stream's own.
+    ``None`` (Python's stdout when the command started with it closed, ``>&-``)
+    is a closed output from the start. Another write error (``>/dev/full``: no
+    space) is one ``error:`` line and exit 1, not a traceback.
     """
 
     def __init__(self, stream: Any) -> None:
@@ -127,24 +130,45 @@ class _ClosedStdoutExits:
 
     def write(self, text: str) -> int:
         try:
+            if self._stream is None:
+                raise BrokenPipeError
             return self._stream.write(text)
-        except BrokenPipeError:
-            _closed_stdout(self._stream)
+        except OSError as exc:
+            _failed_stdout(self._stream, exc)
 
     def writelines(self, lines: Any) -> None:
         try:
+            if self._stream is None:
+                raise BrokenPipeError
             self._stream.writelines(lines)
-        except BrokenPipeError:
-            _closed_stdout(self._stream)
+        except OSError as exc:
+            _failed_stdout(self._stream, exc)
 
     def flush(self) -> None:
         try:
-            self._stream.flush()
-        except BrokenPipeError:
-            _closed_stdout(self._stream)
+            if self._stream is not None:
+                self._stream.flush()
+        except OSError as exc:
+            _failed_stdout(self._stream, exc)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def _failed_stdout(stream: Any, exc: OSError) -> NoReturn:
+    """A closed output exits quietly (141); any other write error says so (exit 1)."""
+    if isinstance(exc, BrokenPipeError):
+        _closed_stdout(stream)
+    print(f"error: cannot write the output to stdout: {exc}", file=sys.stderr)
+    _closed_stdout(stream, code=1)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -164,6 +188,13 @@ def main() -> None:
     raising an error its code handles. Only stdout is guarded: a closed stderr keeps
     rich's and typer's handling (exit 1).
     """
+    if sys.stdout is None and not _is_open(1):
+        # fd 1 closed: the next file or socket opened would be given it, and anything
+        # written to "stdout" from C would land in that file (an LMDB cache, say).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 1:
+            os.dup2(devnull, 1)
+            os.close(devnull)
     sys.stdout = _ClosedStdoutExits(sys.stdout)
     try:
         app()
