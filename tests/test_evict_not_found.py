@@ -210,3 +210,23 @@ def test_a_bad_version_is_not_told_to_evict_latest(tmp_path: Path) -> None:
         said = " ".join(err.split())
         assert code == 2 and "b@N with N a positive integer" in said, (out, err)
         assert "latest" not in said, said
+
+
+def test_an_unpublished_version_with_a_node_down_is_a_failure_to_retry_not_unknown(
+    pair: Pair, closed_port: int
+) -> None:
+    """A helper's hunt: with the node that held it down, evicting an unpublished version said
+    it was "neither published … nor held by any node" (exit 2, bad input) though that node
+    held it: only the nodes that answered said so. Now the down node is a failure (exit 1)."""
+    down = f"127.0.0.1:{closed_port}"
+    topology = pair.root / "down.yaml"
+    topology.write_text(
+        f"registry: file://{pair.root}/registry\n"
+        f"regions:\n  pair:\n    nodes: ['{pair.other}', '{down}']\n"
+    )
+    code, out, err = edgecache("evict", "pq@1", "--json", "--config", str(topology))
+    assert code == 1, (code, out, err)
+    assert "neither published" not in err, err
+    rows = {row["node"]: row for row in json.loads(out)}
+    assert rows[pair.other]["error"] is None and rows[pair.other]["bytes_freed"] == 0, rows
+    assert rows[down]["error"] and down in rows[down]["error"], rows

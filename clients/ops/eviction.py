@@ -198,7 +198,10 @@ def evict(
         f"{', '.join(regions)}; list versions with: "
         + listing_command(topology.registry, parsed.dataset, config_flag)
     )
-    if not held:
+    # Only nodes that answered said they hold nothing of it: with one down, it may hold
+    # the version (the registry may have dropped it since), so every node is asked and
+    # the down one is a failure (exit 1, retry), not "unknown version" (exit 2).
+    if not held and all(r.status is not None for r in reports):
         try:
             Registry.run(topology.registry, lambda reg: reg.manifest(*key))
         except VersionNotFound:
