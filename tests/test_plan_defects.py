@@ -588,3 +588,33 @@ def test_a_dry_run_of_one_version_in_a_region_all_down_says_nothing_would_be_sta
     assert code == 1, (code, out, err)
     assert "would stage pq@2" not in out and "0 of 1 item(s) would be staged" in out, out
     assert "no node of region down answers" in " ".join(err.split()), err
+
+
+def test_a_damaged_manifest_is_its_jobs_row_not_the_whole_plans_failure(tmp_path: Path) -> None:
+    """A helper's hunt: one version record that no longer parsed stopped `plan`, `warm` and
+    every controller round (ManifestError, exit 2, nothing planned for the jobs that were
+    fine). Now the job reading it cannot be met, saying what to do; the others are planned."""
+    from edgecache.clients.ops import NodeReport
+    from edgecache.clients.topology import RegionConfig, Schedule, ScheduledJob
+
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "origin", 1, rows=100)
+    publish(registry, f"file://{tmp_path}/origin", "good")
+    publish(registry, f"file://{tmp_path}/origin", "bad")
+    (tmp_path / "registry" / "bad" / "versions" / "1.json").write_text('{"broken')
+    topology = Topology(registry=registry, regions={"eu": RegionConfig(nodes=["127.0.0.1:1"])})
+    status = edge_pb2.NodeStatus(region="eu", node_id="eu-0", capacity_bytes=1 << 30)
+    start = datetime.now(UTC) + timedelta(hours=2)
+    schedule = Schedule(
+        jobs=[
+            ScheduledJob(name=n, region="eu", start=start, datasets=[f"{n}@1"])
+            for n in ("good", "bad")
+        ]
+    )
+    result, _ = make_plan(
+        topology, schedule, reports=[NodeReport("eu", "127.0.0.1:1", True, status=status)]
+    )
+    assert [t.spec for t in result.regions["eu"].tasks] == ["good@1"]
+    (row,) = result.infeasible
+    assert (row.job, row.version) == ("bad", "bad@1"), row
+    assert "not a valid manifest" in row.reason and "publish the data again" in row.reason, row

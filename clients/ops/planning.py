@@ -50,7 +50,7 @@ DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
 async def resolve_specs(
     registry: Registry, specs: set[str]
 ) -> tuple[dict[str, pb.Manifest], dict[str, str]]:
-    """Manifests of every spec (``latest`` resolved now), and why each other spec does not exist.
+    """Manifests of every spec (``latest`` resolved now), and why each other spec cannot be read.
 
     The reason is the registry's own: it names the registry's URL and says
     whether that exists at all or which versions it holds (a typo in the
@@ -64,6 +64,14 @@ async def resolve_specs(
             found[spec] = await registry.resolve(spec)
         except VersionNotFound as exc:
             missing[spec] = str(exc)
+        except ManifestError as exc:
+            # One damaged record stopped the whole plan (and warm, and every controller
+            # round) with exit 2 and no word of the jobs that were fine: it is that
+            # version's job that cannot be met.
+            missing[spec] = (
+                f"{str(exc).rstrip('.')}; the registry's record of {spec} is damaged: restore "
+                "it, or publish the data again and point the schedule at the new version"
+            )
     return found, missing
 
 
