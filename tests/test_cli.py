@@ -68,6 +68,19 @@ def test_publish_plan_warm_status_ready_evict(site) -> None:
     code, out = cli(root, "plan", str(schedule), "--explain")
     assert code == 3 and "cannot be met" in out and "tokens@1" in out
     assert "eu-west: tokens@1 from origin: origin: no peer region holds it in time" in out, out
+    # --explain was accepted beside --json and said nothing there (a helper's hunt)
+    code, out = cli(root, "plan", str(schedule), "--explain", "--json")
+    assert code == 3, out
+    (task,) = json.loads(out)["regions"]["eu-west"]["tasks"]
+    assert task["source_reason"] == "origin: no peer region holds it in time", task
+    assert (
+        "source_reason"
+        not in json.loads(cli(root, "plan", str(schedule), "--json")[1])["regions"]["eu-west"][
+            "tasks"
+        ][0]
+    )
+    code, out = cli(root, "plan", str(schedule), "--explain", "--status")
+    assert code == 2 and "drop one of them" in out, out
     code, out = cli(root, "ready", "tokens@1", "--region", "eu-west")
     assert code == 1 and "0/3 shards" in out
     code, out = cli(root, "warm", str(schedule))

@@ -106,13 +106,19 @@ def plan(
     shortened_to: the pins an earlier warm of this schedule placed that warm
     lets go of, or shortens, before it acts; the plan is made as if it had),
     release_failures and release_notes (what warm would say of those pins);
-    with --status, one object per job instead.
+    with --explain each task's source_reason too; with --status, one object
+    per job instead (--explain is refused there: the status has no sources).
     """
     from edgecache.clients.ops import gather_status, unreachable_regions
     from edgecache.clients.topology import load_schedule
 
     options = Options(config, token_file)
     with reporting():
+        if explain and show_status:
+            raise ValueError(
+                "--explain says why the plan takes each source and evicts each version; "
+                "--status shows each job's state, which has neither: drop one of them"
+            )
         jobs = load_schedule(schedule, options.topology)
         now = parse_at(at) or datetime.now(UTC)
         reports = gather_status(options.topology, token=options.token)
@@ -148,7 +154,7 @@ def plan(
         _print_status(views, as_json)
     elif as_json:
         shown = {
-            **_plan_json(result),
+            **_plan_json(result, explain=explain),
             "released": _released_json(released),
             "release_failures": released.problems,
             "release_notes": released.notes,
@@ -321,7 +327,19 @@ def _print_status(views: list[JobView], as_json: bool) -> None:
     )
 
 
-def _plan_json(result: Plan) -> dict[str, object]:
+def _source_reason(t: StageTask) -> str:
+    """Why the plan takes ``t`` from its source (``--explain``)."""
+    # The planner's rule (cache/planner.py): a peer that holds the version in time costs
+    # no origin egress and wins whenever it makes the deadline, however slow its link;
+    # when no source makes it, the earliest finish.
+    if t.finish > t.deadline:
+        return "late from any source: the one that finishes first"
+    if t.source != "origin":
+        return "a peer region holds it in time: no origin egress"
+    return "origin: no peer region holds it in time"
+
+
+def _plan_json(result: Plan, *, explain: bool = False) -> dict[str, object]:
     return {
         "regions": {
             name: {
@@ -335,6 +353,7 @@ def _plan_json(result: Plan) -> dict[str, object]:
                         "deadline": json_time(t.deadline),
                         "jobs": list(t.jobs),
                         **({"waits": t.waits} if t.waits else {}),
+                        **({"source_reason": _source_reason(t)} if explain else {}),
                     }
                     for t in rp.tasks
                 ],
@@ -482,16 +501,7 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[
     if explain:
         for name, rp in result.regions.items():
             for t in rp.tasks:
-                # The planner's rule (cache/planner.py): a peer that holds the version in
-                # time costs no origin egress and wins whenever it makes the deadline,
-                # however slow its link; when no source makes it, the earliest finish.
-                if t.finish > t.deadline:
-                    why = "late from any source: the one that finishes first"
-                elif t.source != "origin":
-                    why = "a peer region holds it in time: no origin egress"
-                else:
-                    why = "origin: no peer region holds it in time"
-                line(f"{name}: {t.spec} from {t.source}: {why}")
+                line(f"{name}: {t.spec} from {t.source}: {_source_reason(t)}")
     for (job, link), size in sorted(result.transfers.items()):
         cost = f", egress ${result.cost[job]:.2f}" if job in result.cost else ""
         line(f"{job}: {format_bytes(size)} over {link}{cost}")
