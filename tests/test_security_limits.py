@@ -555,6 +555,31 @@ def test_an_empty_token_file_is_bad_input_naming_it(tmp_path: Path, content: str
     assert f"--token-file {empty} is empty" in " ".join(result.output.split())
 
 
+def test_a_token_file_from_the_environment_is_named_as_the_environments(tmp_path: Path) -> None:
+    """A helper's hunt: $EDGECACHE_TOKEN_FILE naming a missing file was reported as
+    "--token-file /x: No such file or directory", a flag nobody gave."""
+    import os
+    import subprocess
+    import sys
+
+    topology = tmp_path / "edgecache.yaml"
+    topology.write_text("registry: file:///r\nregions:\n  eu:\n    nodes: ['127.0.0.1:1']\n")
+    missing = tmp_path / "no-token"
+    command = [sys.executable, "-m", "edgecache.clients.cli", "status", "--config", str(topology)]
+    env = {**os.environ, "EDGECACHE_TOKEN_FILE": str(missing)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"$EDGECACHE_TOKEN_FILE ({missing}): No such file" in done.stderr, done.stderr
+    given = subprocess.run(
+        [*command, "--token-file", str(missing)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"--token-file {missing}: No such file" in given.stderr, given.stderr
+
+
 def test_an_idle_sink_is_cut_at_its_time_limit_and_gives_its_slot_back(
     site, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

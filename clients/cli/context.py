@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import re
 import shlex
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -179,22 +181,32 @@ class Options:
         """
         if self.token_file is None:
             return None
+        # Named as it was given: a file from the environment was said to be --token-file's.
+        named = f"--token-file {self.token_file}"
+        if _from_environment("--token-file", "EDGECACHE_TOKEN_FILE"):
+            named = f"$EDGECACHE_TOKEN_FILE ({self.token_file})"
         try:
             raw = self.token_file.read_bytes().strip()
         except OSError as exc:
-            raise ValueError(f"--token-file {self.token_file}: {exc.strerror}") from None
+            raise ValueError(f"{named}: {exc.strerror}") from None
         if (why := token_problem(raw)) is not None:
             # Sent anyway, gRPC failed every call "INTERNAL: Invalid metadata" and the node
             # was said to be down (exit 1; ready --wait polled it for an hour).
-            raise ValueError(f"--token-file {self.token_file} {why}")
+            raise ValueError(f"{named} {why}")
         token = raw.decode("ascii")
         if not token:
             # Sending no token would only come back from the node as "the token was missing".
             raise ValueError(
-                f"--token-file {self.token_file} is empty: put the node's token in it, or "
+                f"{named} is empty: put the node's token in it, or "
                 "leave out --token-file (and $EDGECACHE_TOKEN_FILE) for nodes without tokens"
             )
         return token
+
+
+def _from_environment(flag: str, variable: str) -> bool:
+    """Whether an option's value came from its environment variable, not the command line."""
+    given = any(arg == flag or arg.startswith(f"{flag}=") for arg in sys.argv[1:])
+    return not given and bool(os.environ.get(variable))
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
