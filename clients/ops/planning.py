@@ -389,10 +389,11 @@ def _share_rows(
             for v in other.versions:
                 if v not in by_key or (other.name, f"{v[0]}@{v[1]}") in unmet or v in mine:
                     continue
+                # A later job's staging is checked beside this one in its own turn; a
+                # version held whole is there now, whichever job keeps it (one the plan
+                # evicts in a gap and stages again is counted throughout).
                 if other not in before and v not in whole:
-                    continue  # a later job's staging is checked beside this one, in its turn
-                # (a version held whole is pinned now, whichever job it is kept for)
-                # Held whole: there now (a re-stage after an eviction in a gap comes later).
+                    continue
                 since = tasks[v].start if v in tasks and v not in whole else None
                 until = max(pins.get(v, other.end), other.end, beside.get(v, (None, now))[1])
                 if (since is None or since < high) and until > now:
