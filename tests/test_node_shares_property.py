@@ -46,6 +46,10 @@ back in) and those of DEFECT-9 and DEFECT-11 (which the fix's first forms had).
     overflow of another node went unseen.
   DEFECT-11 (tag A): a pin this schedule set for a version not staged yet counted as room
     from now: it hid a job's overflow (the node holds nothing for it yet).
+  DEFECT-12 (tag A): a version staged twice (evicted between its jobs) was counted from its
+    last task only: a job beside its first copy saw an empty node (a review).
+  DEFECT-13 (tag A): another schedule's pinned room larger than a node spared that node, so
+    a version that could never fit there was staged onto it (a random site: no example).
 PROPERTY_EXAMPLES=3000 hunts longer; PROPERTY_SKIP=A,E skips checks by tag; PROPERTY_SHRINK=1
 shrinks.
 """
@@ -426,7 +430,8 @@ def check(spec: dict, root: Path) -> None:
         expect(False, tag, why, normal(result))
 
     for region, rp in result.regions.items():
-        tasks = {t.version: t for t in rp.tasks}
+        # A version staged twice (evicted between its jobs) has a task each time.
+        finishes = {(t.version, t.start): t.finish for t in rp.tasks}
         for t in rp.tasks:
             for name in t.jobs:
                 job = jobs[name]
@@ -461,7 +466,7 @@ def check(spec: dict, root: Path) -> None:
                     if vv == v
                     and s <= max(job.start, NOW)
                     and u >= job.end
-                    and (k != "task" or tasks[v].finish <= max(job.start, NOW))
+                    and (k != "task" or finishes[(v, s)] <= max(job.start, NOW))
                 ]
                 if row is None:
                     expect(covered, "C-unreported", job.name, spec_, normal(result))
@@ -667,6 +672,20 @@ SHRUNK = {
         },
         {"A"},
     ),  # fmt: skip
+    # v staged for A, evicted, staged again for D: B's w was checked beside D's copy only
+    "DEFECT-12 A": (
+        _site(
+            [4096, 6656],
+            {"v": [2169, 1711, 2512, 241], "w": [1094, 1755], "x": [2822, 808, 1603, 2347]},
+            [
+                _job("A", 2, 2, "v"),
+                _job("B", 3, 2, "w"),
+                _job("C", 8, 2, "x"),
+                _job("D", 12, 2, "v"),
+            ],
+        ),  # fmt: skip
+        {"A"},
+    ),
     # 3 nodes; j2's row lists v17@1 and v0@1 in the schedule file's job order
     "DEFECT-6 D-text": (
         _site(
