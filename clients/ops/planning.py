@@ -439,7 +439,9 @@ def _share_rows(
                 # Only the versions that overflow a node before then, where some do alone.
                 alone = [v for v in mine if replace(check, mine=[v]).first_overflow(now, at)]
                 waiting = alone or mine
-                waiting_tasks = [serving[(job.name, v)] for v in waiting if (job.name, v) in serving]
+                waiting_tasks = [
+                    serving[(job.name, v)] for v in waiting if (job.name, v) in serving
+                ]
                 if at >= min((t.deadline for t in waiting_tasks), default=job.start):
                     break
                 ending = sorted({v for (v, _), until in beside.items() if until <= at})
