@@ -290,3 +290,49 @@ def test_an_endpoint_that_never_answers_fails_after_botocores_tries_each_one_log
         for conn in accepted:
             conn.close()
         run(store.close())
+
+
+def test_tries_botocores_retry_quota_stops_are_neither_logged_nor_claimed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review: 30 calls at once to a server that never answers (a node's staging) ran into
+    botocore's retry quota after 50 retries, yet every call logged "trying again" up to its
+    6th try and its error claimed 6 tries; the retries were not counted in the stats."""
+    import re
+    import socket
+    import threading
+
+    from s3server import s3_env
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(512)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    for key, value in s3_env(f"http://127.0.0.1:{server.getsockname()[1]}").items():
+        monkeypatch.setenv(key, value)
+    store = S3Store(attempts=6, read_timeout=0.3)
+    caplog.set_level("WARNING", logger="edgecache.cache.storage.s3")
+
+    async def heads() -> list[BaseException]:
+        calls = (store.head(f"s3://b/k{i}") for i in range(30))
+        return await asyncio.gather(*calls, return_exceptions=True)  # type: ignore[arg-type]
+
+    try:
+        errors = run(heads())
+        said = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+        claimed = [int(re.search(r", (\d+) tr(y|ies) \(", str(e)).group(1)) for e in errors]
+        assert sum(claimed) == len(accepted), (claimed, len(accepted))
+        assert len(said) == store.stats.retries == len(accepted) - 30, (len(said), len(accepted))
+        assert len(accepted) < 30 * 6  # the quota did stop it short
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+        run(store.close())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -81,8 +82,10 @@ T = TypeVar("T")
 MULTIPART_THRESHOLD = 8 << 20
 MIN_PART_BYTES = 1 << 20
 PART_BYTES = 16 << 20
-# Seconds a request may wait for the next bytes of an answer (botocore's default is 60).
+# Seconds a request may wait for the next bytes of an answer (botocore's default is 60),
+# and for a connection.
 READ_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 5.0
 PARTS_PER_OBJECT = 12
 PART_SECONDS = 0.25
 STREAMS = 4
@@ -170,6 +173,20 @@ def _botocore_retries(response: dict[str, Any]) -> int:
     """The retries botocore made inside one call, from its response or error response."""
     attempts = response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
     return attempts if isinstance(attempts, int) else 0
+
+
+_FAILED = "edgecache-failed"  # botocore's request context: why the last try failed
+# The tries botocore made of the S3 call running in this task (its retry quota may stop
+# it short of AWS_MAX_ATTEMPTS): what an error after them says.
+_TRIES: contextvars.ContextVar[int] = contextvars.ContextVar("edgecache_s3_tries", default=0)
+
+
+def _note_failure(
+    request_dict: dict[str, Any], caught_exception: Exception | None = None, **_: Any
+) -> None:
+    """Keep why a try failed (no answer, a reset) for the log line of the next one."""
+    if caught_exception is not None:
+        request_dict.setdefault("context", {})[_FAILED] = caught_exception
 
 
 class _BodyBroken(Exception):
@@ -294,7 +311,7 @@ class S3Store(ObjectStore):
                     # total_max_attempts counts every try, as AWS_MAX_ATTEMPTS does;
                     # botocore's max_attempts counts retries (one more request).
                     retries={"mode": "standard", "total_max_attempts": self.attempts},
-                    connect_timeout=5,
+                    connect_timeout=CONNECT_TIMEOUT,
                     read_timeout=self.read_timeout,
                 )
                 from botocore.exceptions import BotoCoreError
@@ -306,32 +323,35 @@ class S3Store(ObjectStore):
                     )
                 except (BotoCoreError, ValueError) as exc:  # "Invalid endpoint: …" is a ValueError
                     raise _setup_error(exc) from _denied(exc)
-                self._client.meta.events.register("needs-retry.s3", self._say_retry)
+                events = self._client.meta.events
+                events.register("needs-retry.s3", _note_failure)
+                events.register("request-created.s3", self._say_retry)
                 self._stack = stack
             return self._client
 
-    def _say_retry(
-        self,
-        attempts: int,
-        caught_exception: Exception | None = None,
-        operation: Any = None,
-        **_: Any,
-    ) -> None:
-        """Log a request botocore is about to try again after no answer or a broken connection.
+    def _say_retry(self, request: Any, operation_name: str = "request", **_: Any) -> None:
+        """Count each try botocore makes and log one it makes after no answer or a reset.
 
         botocore retries such a request inside one call, up to ``attempts`` tries of
         ``read_timeout`` each: an S3 endpoint that accepts connections and never
-        answers kept ``versions`` and the controller silent for minutes. An answer
-        botocore retries (503 SlowDown, 5xx) is counted in ``stats`` instead: a
-        throttling burst would fill the log.
+        answers kept ``versions`` and the controller silent for minutes. Logged as
+        the new try goes out, not when the last one failed: botocore's retry quota
+        (standard mode) may give up earlier than ``attempts``, and a try announced
+        then never came. A retried answer (503 SlowDown, 5xx) is counted from the
+        response's ``RetryAttempts`` instead, and not logged: a throttling burst would
+        fill the log.
         """
-        if caught_exception is not None and attempts < self.attempts:
-            name = getattr(operation, "name", "request")
+        context = getattr(request, "context", None) or {}
+        attempt = int(context.get("retries", {}).get("attempt", 1))
+        _TRIES.set(attempt)
+        failed = context.pop(_FAILED, None)
+        if attempt > 1 and failed is not None:
+            self.stats.retries += 1
             log.warning(
                 "S3 %s: %s (try %d of %d); trying again",
-                name,
-                caught_exception,
-                attempts,
+                operation_name,
+                failed,
+                attempt - 1,
                 self.attempts,
             )
 
@@ -396,6 +416,7 @@ class S3Store(ObjectStore):
         )
 
         for attempt in range(self.attempts):
+            _TRIES.set(0)
             try:
                 self.stats.requests += 1
                 result = await op()
@@ -436,15 +457,21 @@ class S3Store(ObjectStore):
                     "network"
                 ) from unanswered
             except (ReadTimeoutError, ConnectTimeoutError) as exc:
-                # botocore tried the request ``attempts`` times already (each logged by
+                # botocore tried the request as often as it would already (each logged by
                 # _say_retry): trying it again here made 36 tries of 30 s, 18 silent minutes.
                 unanswered = ConnectionError(str(exc))
                 unanswered.__cause__ = exc
+                tries = _TRIES.get() or 1
+                silence = (
+                    f"did not accept a connection within {CONNECT_TIMEOUT:g} s"
+                    if isinstance(exc, ConnectTimeoutError)
+                    else f"did not answer within {self.read_timeout:g} s"
+                )
                 raise OriginError(
-                    f"origin for {url} did not answer within {self.read_timeout:g} s, "
-                    f"{self.attempts} tries ({exc}): check that AWS_ENDPOINT_URL names a "
-                    "running S3 server and that the network reaches it (AWS_MAX_ATTEMPTS "
-                    "sets the tries)"
+                    f"origin for {url} {silence}, {tries} "
+                    f"{'try' if tries == 1 else 'tries'} ({exc}): check that AWS_ENDPOINT_URL "
+                    "names a running S3 server and that the network reaches it "
+                    "(AWS_MAX_ATTEMPTS sets the tries)"
                 ) from unanswered
             except (_BodyBroken, OSError) as exc:
                 cause = exc.__cause__ if isinstance(exc, _BodyBroken) else exc
