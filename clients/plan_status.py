@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from edgecache.cache.planner import Plan, StageTask
 from edgecache.clients.controller import ControllerState, infeasible_reason
 from edgecache.clients.ops import NodeReport, holdings, region_outages
+from edgecache.clients.ops.planning import DAMAGED_RECORD
 from edgecache.clients.topology import Schedule, ScheduledJob
 from edgecache.v1 import manifest_pb2 as pb
 
@@ -104,7 +105,11 @@ def job_views(
         if item.version in absent and not item.unreachable:
             # Said in full on the spec's `missing` line; the why refers to it.
             unresolved[(item.job, item.version)] = reason
-            reason = f"{item.version} is not in the registry"
+            reason = (
+                f"{item.version}'s registry record is damaged"
+                if DAMAGED_RECORD in reason
+                else f"{item.version} is not in the registry"
+            )
         infeasible.setdefault(item.job, []).append(reason)
     views = []
     for job in sorted(schedule.jobs, key=lambda j: (j.start, j.name)):

@@ -611,10 +611,17 @@ def test_a_damaged_manifest_is_its_jobs_row_not_the_whole_plans_failure(tmp_path
             for n in ("good", "bad")
         ]
     )
-    result, _ = make_plan(
+    result, manifests = make_plan(
         topology, schedule, reports=[NodeReport("eu", "127.0.0.1:1", True, status=status)]
     )
     assert [t.spec for t in result.regions["eu"].tasks] == ["good@1"]
     (row,) = result.infeasible
     assert (row.job, row.version) == ("bad", "bad@1"), row
     assert "not a valid manifest" in row.reason and "publish the data again" in row.reason, row
+    # plan --status: the row's why said "bad@1 is not in the registry" (a review)
+    from edgecache.clients.plan_status import job_views
+
+    reports = [NodeReport("eu", "127.0.0.1:1", True, status=status)]
+    now = datetime.now(UTC)
+    views = {v.job: v for v in job_views(schedule, result, manifests, reports, None, now)}
+    assert views["bad"].why == "cannot be met: bad@1's registry record is damaged", views["bad"]

@@ -47,6 +47,11 @@ log = logging.getLogger(__package__)
 DEFAULT_BANDWIDTH = 1e9 / 8  # 1 Gbit/s when neither the file nor the nodes say
 
 
+# How a spec's reason begins its advice when the registry's record of it no longer parses
+# (``plan --status`` words its row by it).
+DAMAGED_RECORD = "the registry's record of"
+
+
 async def resolve_specs(
     registry: Registry, specs: set[str]
 ) -> tuple[dict[str, pb.Manifest], dict[str, str]]:
@@ -69,7 +74,7 @@ async def resolve_specs(
             # round) with exit 2 and no word of the jobs that were fine: it is that
             # version's job that cannot be met.
             missing[spec] = (
-                f"{str(exc).rstrip('.')}; the registry's record of {spec} is damaged: restore "
+                f"{str(exc).rstrip('.')}; {DAMAGED_RECORD} {spec} is damaged: restore "
                 "it, or publish the data again and point the schedule at the new version"
             )
     return found, missing
