@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -699,7 +700,9 @@ def _plan_region(
     reserved = {
         v: b for v, b in state.reserved.items() if b > 0 and v not in resident and v not in uses
     }
-    lacks = _Lacks(state, jobs, sizes, dict(partial), holds, reserved)
+    # Copies: the loop below gives a reservation's room back once its pin runs out, and
+    # the advice ("add at least …") must still count the room kept until then.
+    lacks = _Lacks(state, jobs, sizes, dict(partial), holds, dict(reserved))
     used = sum(resident.values()) + sum(partial.values()) + sum(reserved.values())
     link_free = now  # the origin link is busy until then
     peer_free: dict[str, datetime] = {}  # and each peer's link into this region
@@ -763,7 +766,9 @@ def _plan_region(
                 # Copies from one peer run one after another, as on the origin link:
                 # two were planned over one link at once, each at its whole speed.
                 ready = max(cursor, peer_free.get(peer, cursor), earliest)
-                held = _holding(spans, job.start, ready, latest, copying)
+                # A started job needs it now: a peer's copy from now on is in its past
+                # otherwise, and its version came from origin, slowly, at egress cost.
+                held = _holding(spans, max(job.start, now), ready, latest, copying)
                 if held is None:
                     continue
                 peer_begin = max(ready, held)
@@ -931,7 +936,37 @@ def _plan_region(
             for u, names in zip(unroomed, named, strict=True):
                 reason = _no_room(state, job, u.missing, short, u.kept, names, after)
                 result.infeasible.append(Infeasible(job.name, state.name, u.spec, reason))
+    _met_after_all(state.name, jobs, now, out, result)
     return out
+
+
+def _met_after_all(
+    region: str, jobs: Sequence[Job], now: datetime, out: RegionPlan, result: Plan
+) -> None:
+    """Take back a row whose version a later job's task has there in time, kept to its end.
+
+    A job is decided at its turn: a version it found no room for then may still be
+    staged for a job after it, ready before this job starts and kept (pinned, not
+    evicted) until it ends. The plan staged it and pinned it, and said this job
+    could not be met for it (exit 3). Such a job is among the task's jobs instead.
+    """
+    starts = {job.name: job for job in jobs}
+    for row in list(result.infeasible):
+        job = starts.get(row.job)
+        if row.region != region or job is None or job.start <= now:
+            continue
+        for i, task in enumerate(out.tasks):
+            if task.spec != row.version or task.finish > job.start:
+                continue
+            if out.pins.get(task.version, task.deadline) < job.end:
+                continue
+            if any(
+                e.version == task.version and task.finish <= e.at < job.end for e in out.evictions
+            ):
+                continue
+            out.tasks[i] = replace(task, jobs=(*task.jobs, job.name))
+            result.infeasible.remove(row)
+            break
 
 
 class _Unroomed(NamedTuple):
@@ -1246,18 +1281,28 @@ def _late_reason(
     fix = f"start {job.name} at {_utc(finish, ceil=True)} or later"
     if available > 0:
         link = "origin_bandwidth" if source == "origin" else f"peers.{source}"
-        needed = bandwidth * duration.total_seconds() / available
-        fix += f", or make the link at least {_rate(needed)} ({link} in the topology)"
+        # Rounded up, and a byte/s over (the topology reads a rate as whole bytes/s): the
+        # speed advised, written into the topology, makes it in time.
+        needed = bandwidth * duration.total_seconds() / available + 1
+        fix += f", or make the link at least {_rate(needed, up=True)} ({link} in the topology)"
     return f"{why}; to meet it: {fix}"
 
 
-def _rate(bytes_per_second: float) -> str:
-    """A link speed as people write it: 8 Mbit/s, 2.5 Gbit/s (a fixed Gbit/s showed 0.00)."""
+def _rate(bytes_per_second: float, *, up: bool = False) -> str:
+    """A link speed as people write it: 8 Mbit/s, 2.5 Gbit/s (a fixed Gbit/s showed 0.00).
+
+    ``up``: rounded up to the three digits shown, never down (advice to meet).
+    """
     bits = bytes_per_second * 8
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits >= scale:
-            return f"{bits / scale:.3g} {unit}"
-    return f"{bits:.3g} bit/s"
+    unit, scale = next(
+        ((u, x) for u, x in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)) if bits >= x),
+        ("bit/s", 1.0),
+    )
+    value = bits / scale
+    if up and value > 0:
+        step = 10.0 ** (math.floor(math.log10(value)) - 2)
+        value = math.ceil(value / step - 1e-9) * step
+    return f"{value:.3g} {unit}"
 
 
 def _utc(when: datetime, *, ceil: bool = False) -> str:
