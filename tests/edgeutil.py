@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
@@ -244,3 +245,65 @@ def guarded_node(root: Path, region: str, registry: str) -> LocalNode:
             str(root / "read.token"),
         ],
     )
+
+
+def write_manifests(
+    registry: Path, versions: dict[str, list[int]], created_at: datetime
+) -> dict[str, pb.Manifest]:
+    """Version 1 of each dataset, of shards of these sizes (KiB), as a file:// registry holds it.
+
+    No data behind them: for the planner, which reads only manifests (the property tests).
+    """
+    from edgecache.cache.manifest import build_manifest, manifest_to_json
+
+    manifests = {}
+    for name, sizes in versions.items():
+        manifest = build_manifest(
+            dataset=name,
+            version=1,
+            source_url=f"file://{registry.parent}/src/{name}",
+            source_format=pb.SOURCE_FORMAT_PARQUET,
+            schema=pa.schema([("x", pa.int64())]),
+            preprocess=preprocess_spec(),
+            shards=[
+                pb.Shard(index=i, source_key=f"s{i}.parquet", source_size=s * 1024, row_count=1)
+                for i, s in enumerate(sizes)
+            ],
+            created_at=created_at,
+        )
+        path = registry / name / "versions" / "1.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(manifest_to_json(manifest))
+        manifests[name] = manifest
+    return manifests
+
+
+def property_settings(examples: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """hypothesis settings of the planner's property tests: the same sites on every run.
+
+    CI runs the same sites each time (a failure is a defect to fix, not luck);
+    PROPERTY_RANDOM=1 hunts new ones, PROPERTY_SHRINK=1 shrinks what it finds.
+    """
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("PROPERTY_SHRINK")],
+        suppress_health_check=[HealthCheck.too_slow],
+        derandomize=not os.environ.get("PROPERTY_RANDOM"),
+        database=None,
+    )
+
+
+def in_scratch(prefix: str, check: Callable[[Path], None]) -> None:
+    """``check`` given a fresh directory, removed after it (hypothesis runs many per test)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        check(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

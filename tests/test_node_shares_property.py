@@ -60,19 +60,17 @@ import math
 import os
 import random
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from edgeutil import in_scratch, property_settings, write_manifests
+from hypothesis import given
 from hypothesis import strategies as st
 
 from edgecache.cache import rendezvous
-from edgecache.cache.manifest import build_manifest, manifest_to_json, preprocess_spec
 from edgecache.cache.planner import Plan
 from edgecache.clients.ops import NodeReport
 from edgecache.clients.ops.planning import make_plan
@@ -159,26 +157,8 @@ def build(
     spec: dict, root: Path, *, order: list[int] | None = None, extra: dict | None = None
 ) -> Site:
     registry = root / "registry"
-    manifests = {}
-    for name, sizes in spec["versions"].items():
-        manifest = build_manifest(
-            dataset=name,
-            version=1,
-            source_url=f"file://{root}/src/{name}",
-            source_format=pb.SOURCE_FORMAT_PARQUET,
-            schema=SCHEMA,
-            preprocess=preprocess_spec(),
-            shards=[
-                pb.Shard(index=i, source_key=f"s{i}.parquet", source_size=s * KIB, row_count=1)
-                for i, s in enumerate(sizes)
-            ],
-            created_at=NOW - timedelta(days=1),
-        )
-        path = registry / name / "versions" / "1.json"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(manifest_to_json(manifest))
-        manifests[(name, 1)] = manifest
+    written = write_manifests(registry, spec["versions"], NOW - timedelta(days=1))
+    manifests = {(name, 1): m for name, m in written.items()}
     port = iter(range(18300, 18600))
     addresses = {
         r: [f"127.0.0.1:{next(port)}" for _ in range(spec["nodes"][r])] for r in spec["regions"]
@@ -385,27 +365,10 @@ UNITS = {"B": 1, "KiB": KIB, "MiB": KIB * KIB, "GiB": KIB**3}
 # ---------------------------------------------------------------- the property
 
 
-# CI: no shrinking (a failure here is one of the defects above, whose shrunk examples are the
-# tests below); PROPERTY_SHRINK=1 while hunting.
-PHASES = [p for p in Phase if p is not Phase.shrink or os.environ.get("PROPERTY_SHRINK")]
-
-
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    phases=PHASES,
-    suppress_health_check=[HealthCheck.too_slow],
-    # The same sites on every run (CI too): a hunt for new defects sets PROPERTY_RANDOM=1.
-    derandomize=not os.environ.get("PROPERTY_RANDOM"),
-    database=None,
-)
+@property_settings(EXAMPLES)
 @given(spec=sites())
 def test_node_shares_hold_when_the_plan_is_carried_out(spec: dict) -> None:
-    root = Path(tempfile.mkdtemp(prefix="shares-"))
-    try:
-        check(spec, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    in_scratch("shares-", lambda root: check(spec, root))
 
 
 def check(spec: dict, root: Path) -> None:
@@ -705,13 +668,11 @@ SHRUNK = {
 @pytest.mark.parametrize("name", sorted(SHRUNK))
 def test_shrunk_example(name: str) -> None:
     spec, tags = SHRUNK[name]
-    root = Path(tempfile.mkdtemp(prefix="shares-"))
     ONLY.update(tags)
     try:
-        check(spec, root)
+        in_scratch("shares-", lambda root: check(spec, root))
     finally:
         ONLY.clear()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_smoke_one_region() -> None:
@@ -724,8 +685,4 @@ def test_smoke_one_region() -> None:
                    priority="normal")],
         held=[], shuffle=random.Random(0),
     )  # fmt: skip
-    root = Path(tempfile.mkdtemp(prefix="shares-"))
-    try:
-        check(spec, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    in_scratch("shares-", lambda root: check(spec, root))

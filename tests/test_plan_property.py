@@ -60,18 +60,16 @@ import math
 import os
 import random
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from edgeutil import in_scratch, property_settings, write_manifests
+from hypothesis import given
 from hypothesis import strategies as st
 
-from edgecache.cache.manifest import build_manifest, manifest_to_json, preprocess_spec
 from edgecache.cache.planner import Plan
 from edgecache.clients.ops import NodeReport
 from edgecache.clients.ops.planning import make_plan
@@ -185,26 +183,7 @@ def _rate(value: float) -> str | float:
 
 def build(spec: dict, root: Path, *, order: list[int] | None = None) -> Site:
     registry = root / "registry"
-    manifests = {}
-    for name, sizes in spec["versions"].items():
-        manifest = build_manifest(
-            dataset=name,
-            version=1,
-            source_url=f"file://{root}/src/{name}",
-            source_format=pb.SOURCE_FORMAT_PARQUET,
-            schema=SCHEMA,
-            preprocess=preprocess_spec(),
-            shards=[
-                pb.Shard(index=i, source_key=f"s{i}.parquet", source_size=s * KIB, row_count=1)
-                for i, s in enumerate(sizes)
-            ],
-            created_at=NOW - timedelta(days=1),
-        )
-        path = registry / name / "versions" / "1.json"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(manifest_to_json(manifest))
-        manifests[name] = manifest
+    manifests = write_manifests(registry, spec["versions"], NOW - timedelta(days=1))
     address = {r: f"127.0.0.1:{18000 + i}" for i, r in enumerate(spec["regions"])}
     topology = Topology(
         registry=f"file://{registry}",
@@ -430,25 +409,11 @@ LATE = re.compile(r"^needs [\d,]+ s at .* from (\S+), only [\d,]+ s before the s
 
 # ---------------------------------------------------------------- the property
 
-PHASES = [p for p in Phase if p is not Phase.shrink or os.environ.get("PROPERTY_SHRINK")]
 
-
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    phases=PHASES,
-    suppress_health_check=[HealthCheck.too_slow],
-    # The same sites on every run (CI too): a hunt for new defects sets PROPERTY_RANDOM=1.
-    derandomize=not os.environ.get("PROPERTY_RANDOM"),
-    database=None,
-)
+@property_settings(EXAMPLES)
 @given(spec=sites())
 def test_plan_holds_when_carried_out(spec: dict) -> None:
-    root = Path(tempfile.mkdtemp(prefix="plan-"))
-    try:
-        check(spec, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    in_scratch("plan-", lambda root: check(spec, root))
 
 
 def check(spec: dict, root: Path, *, advice: bool = True) -> None:
@@ -708,11 +673,7 @@ def test_smoke_two_regions() -> None:
                    priority="normal")],
         held=[("eu", "v1", None, None)], shuffle=random.Random(0),
     )  # fmt: skip
-    root = Path(tempfile.mkdtemp(prefix="plan-"))
-    try:
-        check(spec, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    in_scratch("plan-", lambda root: check(spec, root))
 
 
 def teardown_module() -> None:
@@ -789,10 +750,8 @@ SHRUNK = {
 @pytest.mark.parametrize("name", sorted(SHRUNK))
 def test_shrunk_example(name: str) -> None:
     spec, tags = SHRUNK[name]
-    root = Path(tempfile.mkdtemp(prefix="plan-"))
     ONLY.update(tags)
     try:
-        check(spec, root)
+        in_scratch("plan-", lambda root: check(spec, root))
     finally:
         ONLY.clear()
-        shutil.rmtree(root, ignore_errors=True)

@@ -7,8 +7,12 @@ import base64
 import contextlib
 import hashlib
 import os
+import re
+import socket
+import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -245,63 +249,12 @@ def test_an_object_rewritten_between_heads_and_get_is_read_again(s3_endpoint: st
     run(scenario())
 
 
-def test_an_endpoint_that_never_answers_fails_after_botocores_tries_each_one_logged(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A server that accepts connections and never answers: botocore's tries, no more.
+@pytest.fixture
+def silent_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.socket]]:
+    """An S3 endpoint that accepts connections and never answers; the connections it took.
 
-    Each read timeout was tried again here on top of botocore's own tries: 6 × 6
-    tries of 30 s, `edgecache versions` silent for 18 minutes (seen with a hung
-    registry). Counting the connections the server accepts counts the tries.
+    Counting them counts the tries made (each try after no answer is a new connection).
     """
-    import socket
-    import threading
-
-    from s3server import s3_env
-
-    from edgecache.cache.errors import OriginError
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    accepted: list[socket.socket] = []
-
-    def accept() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                accepted.append(server.accept()[0])
-
-    threading.Thread(target=accept, daemon=True).start()
-    for key, value in s3_env(f"http://127.0.0.1:{server.getsockname()[1]}").items():
-        monkeypatch.setenv(key, value)
-    store = S3Store(attempts=3, read_timeout=0.5)
-    caplog.set_level("WARNING", logger="edgecache.cache.storage.s3")
-    try:
-        with pytest.raises(OriginError, match=r"did not answer within 0.5 s, 3 tries") as err:
-            run(store.list("s3://reg/edgecache/tokens/versions/"))
-        assert "AWS_ENDPOINT_URL" in str(err.value)
-        # The registry's callers tell "unreachable" from a refusal by this cause.
-        assert isinstance(err.value.__cause__, ConnectionError)
-        assert len(accepted) == 3
-        said = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
-        assert len(said) == 2 and "(try 1 of 3)" in said[0], said
-    finally:
-        server.close()
-        for conn in accepted:
-            conn.close()
-        run(store.close())
-
-
-def test_tries_botocores_retry_quota_stops_are_neither_logged_nor_claimed(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A review: 30 calls at once to a server that never answers (a node's staging) ran into
-    botocore's retry quota after 50 retries, yet every call logged "trying again" up to its
-    6th try and its error claimed 6 tries; the retries were not counted in the stats."""
-    import re
-    import socket
-    import threading
-
     from s3server import s3_env
 
     server = socket.socket()
@@ -317,6 +270,46 @@ def test_tries_botocores_retry_quota_stops_are_neither_logged_nor_claimed(
     threading.Thread(target=accept, daemon=True).start()
     for key, value in s3_env(f"http://127.0.0.1:{server.getsockname()[1]}").items():
         monkeypatch.setenv(key, value)
+    try:
+        yield accepted
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_an_endpoint_that_never_answers_fails_after_botocores_tries_each_one_logged(
+    silent_endpoint: list[socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that accepts connections and never answers: botocore's tries, no more.
+
+    Each read timeout was tried again here on top of botocore's own tries: 6 × 6
+    tries of 30 s, `edgecache versions` silent for 18 minutes (seen with a hung
+    registry).
+    """
+    from edgecache.cache.errors import OriginError
+
+    store = S3Store(attempts=3, read_timeout=0.5)
+    caplog.set_level("WARNING", logger="edgecache.cache.storage.s3")
+    try:
+        with pytest.raises(OriginError, match=r"did not answer within 0.5 s, 3 tries") as err:
+            run(store.list("s3://reg/edgecache/tokens/versions/"))
+        assert "AWS_ENDPOINT_URL" in str(err.value)
+        # The registry's callers tell "unreachable" from a refusal by this cause.
+        assert isinstance(err.value.__cause__, ConnectionError)
+        assert len(silent_endpoint) == 3
+        said = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+        assert len(said) == 2 and "(try 1 of 3)" in said[0], said
+    finally:
+        run(store.close())
+
+
+def test_tries_botocores_retry_quota_stops_are_neither_logged_nor_claimed(
+    silent_endpoint: list[socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review: 30 calls at once to a server that never answers (a node's staging) ran into
+    botocore's retry quota after 50 retries, yet every call logged "trying again" up to its
+    6th try and its error claimed 6 tries; the retries were not counted in the stats."""
     store = S3Store(attempts=6, read_timeout=0.3)
     caplog.set_level("WARNING", logger="edgecache.cache.storage.s3")
 
@@ -328,11 +321,9 @@ def test_tries_botocores_retry_quota_stops_are_neither_logged_nor_claimed(
         errors = run(heads())
         said = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
         claimed = [int(re.search(r", (\d+) tr(y|ies) \(", str(e)).group(1)) for e in errors]
-        assert sum(claimed) == len(accepted), (claimed, len(accepted))
-        assert len(said) == store.stats.retries == len(accepted) - 30, (len(said), len(accepted))
-        assert len(accepted) < 30 * 6  # the quota did stop it short
+        tries = len(silent_endpoint)
+        assert sum(claimed) == tries, (claimed, tries)
+        assert len(said) == store.stats.retries == tries - 30, (len(said), tries)
+        assert tries < 30 * 6  # the quota did stop it short
     finally:
-        server.close()
-        for conn in accepted:
-            conn.close()
         run(store.close())

@@ -559,24 +559,11 @@ def share_overflow(
     proportion of its shards' source bytes. ``kept``: versions the region holds
     whole and keeps meanwhile, counted at what each node holds of them.
     """
-    found = _shortfall(topology, reports, region, manifests, sizes, kept)
-    return found.why if found is not None else None
-
-
-def _shortfall(
-    topology: Topology,
-    reports: list[NodeReport],
-    region: str,
-    manifests: Sequence[pb.Manifest],
-    sizes: Mapping[VersionKey, VersionSize],
-    kept: Sequence[VersionKey] = (),
-    spared: Collection[str] = (),
-) -> _Overflow | None:
-    """:func:`share_overflow`, with the bytes the worst node lacks and every node over."""
     placement = _Placement.of(topology, reports, region, sizes)
     if placement is None:
         return None
-    return placement.overflow({(m.dataset, m.version): m for m in manifests}, kept, spared)
+    found = placement.overflow({(m.dataset, m.version): m for m in manifests}, kept)
+    return found.why if found is not None else None
 
 
 @dataclass
