@@ -1154,18 +1154,34 @@ def _in_the_way(
             "kept here for another region's copy from it: "
             + ", ".join(f"{d}@{v} until {_utc(until)}" for (d, v), until in lent[:5])
         )
-    frees = sorted(
-        [(last_end(v, job.end), held.get(v, 0)) for v in others]
-        + [(until, held.get(v, 0)) for v, until in pinned]
-    )
-    if not frees or job.start <= begin:  # a job already running cannot be started later
+    if not (others or pinned) or job.start <= begin:  # a running job cannot start later
         return named, None
-    freed = 0
-    for when, size in frees:
-        freed += size
-        if freed >= short:
-            return named, when + lead
-    return named, None  # not enough even once all of it is free: no start helps
+
+    def earliest(end: datetime) -> datetime | None:
+        """The start at which enough is free, for the job ending at ``end``."""
+        frees = sorted(
+            [(last_end(v, end), held.get(v, 0)) for v in others]
+            + [(until, held.get(v, 0)) for v, until in pinned]
+        )
+        freed = 0
+        for when, size in frees:
+            freed += size
+            if freed >= short:
+                return when + lead
+        return None  # not enough even once all of it is free: no start helps
+
+    # Moved to that start, the job runs to a later end, and a job that reads what is in the
+    # way in between keeps it longer: advised once, the start met that job, and a second
+    # plan advised a later one. Again from the moved window until the start stays.
+    after, length = earliest(job.end), job.end - job.start
+    for _ in range(8):
+        if after is None:
+            break
+        moved = earliest(after + length)
+        if moved is None or moved <= after:
+            break
+        after = moved
+    return named, after
 
 
 def _no_room(
