@@ -937,7 +937,12 @@ STAGING_SINCE = """\
   turns the Huffman coding off: encoding 40 % cheaper and decoding 1.6× faster for 22 %
   more bytes (docs/preprocessing.md, "Chunk codec"); the default stays 1. The GIL "held
   freeing chunk buffers" of stop 53's profile was py-spy's attribution: timed directly,
-  those frees take 1.4-2 % of a chunk's wall time."""
+  those frees take 1.4-2 % of a chunk's wall time. Then `edgecache` sets
+  `MIMALLOC_PURGE_DELAY=10000`, not 1000: a helper's perf profile found the 2-core node
+  spending 20-33 % of its CPU in its slow rounds zeroing 2 MiB huge pages Arrow's pool had
+  purged a moment before (docs/preprocessing.md); in (b), alternating runs of each
+  (`--repeat 2`), 1.32× and 1.25× at one second against 1.69× and 1.63× at ten, the node
+  64-67 % against 92 % of the machine's own ratio."""
 
 
 def _section_gpu(data: dict) -> str:

@@ -36,7 +36,7 @@ def _seen_at_pyarrow_load(**env: str) -> str:
 
 
 def test_the_purge_delay_is_set_before_pyarrow_loads() -> None:
-    assert _seen_at_pyarrow_load() == "1000"
+    assert _seen_at_pyarrow_load() == "10000"
 
 
 def test_a_purge_delay_the_user_set_wins() -> None:

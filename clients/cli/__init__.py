@@ -19,13 +19,19 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # Arrow's default pool (mimalloc) gives freed pages back to the kernel 10 ms after they are
 # freed, so a node staging shard after shard on two threads faulted in and zeroed each
 # shard's decode buffers again: the kernel's page clearing took 5-13 % of the node's CPU
-# (perf, 512 MiB of token Parquet staged on 2 cores), 2 % with a delay of a second, which
-# keeps them for the next shard and still returns a node's memory soon after staging
-# ends (2-core staging 5-30 % faster, 1-core 2-5 %; docs/benchmarks.md, "Staging").
-# Read when pyarrow loads, which nothing above this package has made it do; a value the
-# user set wins. Every command gets it (short-lived ones never notice); a training
-# process, which never imports the CLI, keeps Arrow's default.
-os.environ.setdefault("MIMALLOC_PURGE_DELAY", "1000")
+# (perf, 512 MiB of token Parquet staged on 2 cores). A second was not enough either:
+# mimalloc (3.x, pyarrow 26) purges all of an arena's free memory once the first purge it
+# scheduled is due, however recently the rest was freed, and its arena is madvised for
+# transparent huge pages, so every purged 2 MiB is zeroed again whole at its next use
+# (kernel clear_page under do_huge_pmd_anonymous_page: 20-33 % of a 2-core node's CPU in
+# its slow rounds; a 2-core node, two shards' buffers in flight, refaulted twice what a
+# 1-core one did, so it spent 10-40 % more CPU per GB; with no purge both spent the same).
+# Ten seconds keeps the pages while a node stages and still returns them soon after
+# staging ends (docs/preprocessing.md). Read when pyarrow loads, which nothing above this
+# package has made it do; a value the user set wins. Every command gets it (short-lived
+# ones never notice); a training process, which never imports the CLI, keeps Arrow's
+# default.
+os.environ.setdefault("MIMALLOC_PURGE_DELAY", "10000")
 
 from edgecache.clients.cli.app import app, main  # noqa: E402
 
