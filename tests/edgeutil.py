@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -27,6 +27,7 @@ from edgecache.v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
     from edgecache.clients.node_client import LocalNode
+    from edgecache.clients.topology import ScheduledJob
 
 ROWS_PER_SHARD = 3000
 
@@ -307,3 +308,45 @@ def in_scratch(prefix: str, check: Callable[[Path], None]) -> None:
         check(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+class TaggedChecks:
+    """A property test's checks, each tagged with the defect that breaks it.
+
+    PROPERTY_SKIP (else ``skip``) names tags not checked on the random sites;
+    a shrunk example checks its own tags alone, skipped or not.
+    """
+
+    def __init__(self, skip: str = "") -> None:
+        self.skip = set(filter(None, os.environ.get("PROPERTY_SKIP", skip).split(",")))
+        self.only: set[str] = set()
+
+    def expect(self, ok: object, tag: str, *why: object) -> None:
+        """An invariant; ``tag`` names the defect that breaks it (the report's numbering)."""
+        if tag in self.only if self.only else tag not in self.skip:
+            assert ok, (tag, *why)
+
+    def example(self, tags: set[str], prefix: str, check: Callable[[Path], None]) -> None:
+        """``check`` of a shrunk example in a fresh directory, its own ``tags`` alone."""
+        self.only |= tags
+        try:
+            in_scratch(prefix, check)
+        finally:
+            self.only.clear()
+
+
+def scheduled_jobs(jobs: list[dict], now: datetime, step: timedelta) -> list[ScheduledJob]:
+    """A property test's jobs (start and duration in ``step``s from ``now``, reading NAME@1)."""
+    from edgecache.clients.topology import ScheduledJob
+
+    return [
+        ScheduledJob(
+            name=j["name"],
+            region=j["region"],
+            start=now + j["start"] * step,
+            duration=j["duration"] * step,
+            datasets=[f"{d}@1" for d in j["datasets"]],
+            priority=j["priority"],
+        )
+        for j in jobs
+    ]

@@ -66,9 +66,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
-from edgeutil import in_scratch, property_settings, write_manifests
+from edgeutil import (
+    TaggedChecks,
+    in_scratch,
+    property_settings,
+    scheduled_jobs,
+    write_manifests,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -86,25 +91,18 @@ FAST = 1_000_000_000  # bytes/s: MiBs in milliseconds
 MID = 4000  # bytes/s: about 4.4 minutes a MiB
 SLOW = 1000  # bytes/s: about 17 minutes a MiB
 RATES = {FAST: "1GB/s", MID: "4kB/s", SLOW: "1kB/s"}
-SCHEMA = pa.schema([("x", pa.int64())])
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", "100"))
 # DEFECT-6, DEFECT-7 and DEFECT-8 are left open (above): on random sites their checks run only when
 # PROPERTY_SKIP says what to skip instead ("" for nothing); the examples check their tags.
 OPEN = "D-start-advice-room,D-add-advice,D-link-advice"
-SKIP = set(filter(None, os.environ.get("PROPERTY_SKIP", OPEN).split(",")))
+CHECKS = TaggedChecks(OPEN)
+expect = CHECKS.expect
 STATS: dict | None = (
     __import__("collections").Counter() if os.environ.get("PROPERTY_STATS") else None
 )
-ONLY: set[str] = set()  # the shrunk examples below check their own defect's tags alone
 EPS = timedelta(microseconds=3)
 NEVER = datetime.max.replace(tzinfo=UTC)
 MISSING = "nope"  # a dataset no one published
-
-
-def expect(ok: object, tag: str, *why: object) -> None:
-    """An invariant; ``tag`` names the defect that breaks it (the report's numbering)."""
-    if tag in ONLY if ONLY else tag not in SKIP:  # an example checks its own tags, always
-        assert ok, (tag, *why)
 
 
 # ---------------------------------------------------------------- generation
@@ -199,17 +197,7 @@ def build(spec: dict, root: Path, *, order: list[int] | None = None) -> Site:
             for r in spec["regions"]
         },
     )
-    jobs = [
-        ScheduledJob(
-            name=j["name"],
-            region=j["region"],
-            start=NOW + j["start"] * HALF,
-            duration=j["duration"] * HALF,
-            datasets=[f"{d}@1" for d in j["datasets"]],
-            priority=j["priority"],
-        )
-        for j in spec["jobs"]
-    ]
+    jobs = scheduled_jobs(spec["jobs"], NOW, HALF)
     statuses = {
         r: edge_pb2.NodeStatus(region=r, node_id=f"{r}-0", capacity_bytes=spec["caps"][r])
         for r in spec["regions"]
@@ -765,8 +753,4 @@ SHRUNK = {
 @pytest.mark.parametrize("name", sorted(SHRUNK))
 def test_shrunk_example(name: str) -> None:
     spec, tags = SHRUNK[name]
-    ONLY.update(tags)
-    try:
-        in_scratch("plan-", lambda root: check(spec, root))
-    finally:
-        ONLY.clear()
+    CHECKS.example(tags, "plan-", lambda root: check(spec, root))

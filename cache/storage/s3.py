@@ -189,6 +189,17 @@ def _note_failure(
         request_dict.setdefault("context", {})[_FAILED] = caught_exception
 
 
+def _unanswered(exc: Exception) -> ConnectionError:
+    """``exc`` as the cause of an OriginError when nothing answered at all.
+
+    A ConnectionError (base.UNANSWERED), so a caller that knows the URL is the
+    registry's says so, and which setting names it.
+    """
+    unanswered = ConnectionError(str(exc))
+    unanswered.__cause__ = exc
+    return unanswered
+
+
 class _BodyBroken(Exception):
     """A GET's body broke off after its response began: botocore does not retry that; _call does."""
 
@@ -448,19 +459,13 @@ class S3Store(ObjectStore):
                     ) from exc
                 raise OriginError(f"origin request for {url} failed: {exc}") from exc
             except EndpointConnectionError as exc:
-                # Nothing answered: from a ConnectionError (base.UNANSWERED), so a caller
-                # that knows the URL is the registry's says so, and which setting names it.
-                unanswered = ConnectionError(str(exc))
-                unanswered.__cause__ = exc
                 raise OriginError(
                     f"origin for {url} is unreachable ({exc}); check AWS_ENDPOINT_URL and the "
                     "network"
-                ) from unanswered
+                ) from _unanswered(exc)
             except (ReadTimeoutError, ConnectTimeoutError) as exc:
                 # botocore tried the request as often as it would already (each logged by
                 # _say_retry): trying it again here made 36 tries of 30 s, 18 silent minutes.
-                unanswered = ConnectionError(str(exc))
-                unanswered.__cause__ = exc
                 tries = _TRIES.get() or 1
                 silence = (
                     f"did not accept a connection within {CONNECT_TIMEOUT:g} s"
@@ -472,7 +477,7 @@ class S3Store(ObjectStore):
                     f"{'try' if tries == 1 else 'tries'} ({exc}): check that AWS_ENDPOINT_URL "
                     "names a running S3 server and that the network reaches it "
                     "(AWS_MAX_ATTEMPTS sets the tries)"
-                ) from unanswered
+                ) from _unanswered(exc)
             except (_BodyBroken, OSError) as exc:
                 cause = exc.__cause__ if isinstance(exc, _BodyBroken) else exc
                 if attempt + 1 == self.attempts:

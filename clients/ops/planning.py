@@ -442,8 +442,7 @@ def _share_rows(
         for at in sorted({until for until in beside.values() if now < until < job.start}):
             if check.first_overflow(at, high) is None:
                 # Only the versions that overflow a node before then, where some do alone.
-                alone = [v for v in mine if replace(check, mine=[v]).first_overflow(now, at)]
-                waiting = alone or mine
+                waiting = check.alone(now, at) or mine
                 waiting_tasks = [
                     serving[(job.name, v)] for v in waiting if (job.name, v) in serving
                 ]
@@ -475,10 +474,9 @@ def _to_drop(check: _ShareCheck, now: datetime, high: datetime) -> list[VersionK
     that does lost both, and one reading two that fit only apart was told
     neither could be met while one of them stayed staged for another job.
     """
-    alone = [v for v in check.mine if replace(check, mine=[v]).first_overflow(now, high)]
-    if alone:
-        return alone
-    return [max(check.mine, key=lambda v: (check.placement.sizes[v].stored, v))]
+    return check.alone(now, high) or [
+        max(check.mine, key=lambda v: (check.placement.sizes[v].stored, v))
+    ]
 
 
 @dataclass(frozen=True)
@@ -498,13 +496,12 @@ class _ShareCheck:
         """Why ``mine`` overflows a node at some moment in [begin, end); or None.
 
         The moments are ``begin`` and each start and end of another holding
-        after it (what is held only changes then). A node the other holdings
-        overflow without ``mine`` is not ``mine``'s doing; once one of
-        them ends, ``mine`` may overflow alone (checked at starts only, a node
-        full of another schedule's pinned room until a pin ran out hid that, and
-        warm failed RESOURCE_EXHAUSTED there). Of several moments, the one that
-        lacks the most bytes: its advice ("give NODE at least …") is then enough
-        for them all.
+        after it (what is held only changes then: checked at starts only, a node
+        full of another schedule's pinned room until its pin ran out hid this
+        job's overflow after it, and warm failed RESOURCE_EXHAUSTED there). A
+        node the other holdings overflow without ``mine`` is not ``mine``'s doing.
+        Of several moments, the one that lacks the most bytes: its advice ("give
+        NODE at least …") is then enough for them all.
         """
         changes = {t for (_, since), until in self.beside.items() for t in (since, until) if t}
         # A node ``mine`` overflows by itself is never the others' doing: one that another
@@ -529,6 +526,10 @@ class _ShareCheck:
             if found is not None and (worst is None or found.lacking > worst.lacking):
                 worst = found
         return worst.why if worst is not None else None
+
+    def alone(self, begin: datetime, end: datetime) -> list[VersionKey]:
+        """Those of ``mine`` that overflow a node in [begin, end) without the others."""
+        return [v for v in self.mine if replace(self, mine=[v]).first_overflow(begin, end)]
 
     def _overflow(
         self, needed: Sequence[VersionKey], spared: Collection[str] = ()
