@@ -583,10 +583,23 @@ def _reorders(
     return sorted(found, key=lambda pair: (-found[pair], pair))
 
 
-def _plan_score(result: Plan) -> tuple[int, int, float]:
-    """Lower is better: the versions jobs lack, then the bytes origin sends, then the cost."""
+def _plan_score(result: Plan) -> tuple[int, int, int, float]:
+    """Lower is better: versions jobs never get, then those they get late, origin bytes, cost.
+
+    A version staged for its job after the job started (a running job's, or one that
+    arrives late) is a row too, but the job gets it: a plan in which a running job found
+    no room at all (its region kept a version another region copied from it) had as many
+    rows as the one that stages it a moment later, less origin egress, and was kept.
+    """
+    staged = {
+        (name, job, task.spec)
+        for name, region in result.regions.items()
+        for task in region.tasks
+        for job in task.jobs
+    }
+    never = sum((row.region, row.job, row.version) not in staged for row in result.infeasible)
     egress = sum(size for (_, link), size in result.transfers.items() if link.startswith("origin→"))
-    return len(result.infeasible), egress, sum(result.cost.values())
+    return never, len(result.infeasible), egress, sum(result.cost.values())
 
 
 def _drop_unstaged_pins(result: Plan, regions: Mapping[str, RegionState]) -> None:
