@@ -945,6 +945,10 @@ def _plan_region(
                     {v: b for u in unroomed for v, b in u.held_then.items()},
                     everything + max(u.others_kept for u in unroomed) - state.capacity_bytes,
                     max(u.lead for u in unroomed),
+                    _Elsewhen(
+                        lambda lo, hi: [v for v in starts if in_use(v, lo, hi)],
+                        lambda v: sizes[v].stored if v in sizes else 0,
+                    ),
                 )
             for u, names in zip(unroomed, named, strict=True):
                 reason = _no_room(state, job, u.missing, short, u.kept, names, after)
@@ -1128,6 +1132,7 @@ def _in_the_way(
     held: Mapping[VersionKey, int],
     short: int,
     lead: timedelta,
+    elsewhen: _Elsewhen | None = None,
 ) -> tuple[list[str], datetime | None]:
     """What keeps a version of ``job`` from fitting at ``begin``, and the earliest start that would.
 
@@ -1142,6 +1147,9 @@ def _in_the_way(
     when the version's room is last looked for (the start less ``lead``) is in
     the way: what is free by then is room the plan counted already (counted
     twice, it made the advice a start at which the job still did not fit).
+    With ``elsewhen``, the start is checked against what is in use in the
+    window the job would be moved to (:class:`_Elsewhen`), and moved on until
+    that leaves the room too.
     """
     own, late = set(job.versions), job.start - lead
     others = sorted(v for v in in_use if v not in own and last_end(v, job.end) >= late)
@@ -1172,13 +1180,18 @@ def _in_the_way(
 
     def earliest(end: datetime) -> datetime | None:
         """The start at which enough is free, for the job ending at ``end``."""
-        frees = sorted(
-            [(last_end(v, end), held.get(v, 0)) for v in others]
-            + [(until, held.get(v, 0)) for v, until in pinned]
-        )
+        # A version in use and pinned too is free once both are over: counted once (counted
+        # as two frees, its bytes made room at the end of its use, and the start advised
+        # then found it still pinned).
+        # Room a job's version takes is free the instant after the job ends (_AFTER), as
+        # room_frees has it: a start advised at the end itself plus the lead rounded to the
+        # minute exactly, and the room was not there by then.
+        free_at = {v: last_end(v, end) + _AFTER for v in others}
+        for v, until in pinned:
+            free_at[v] = max(free_at.get(v, until), until)
         freed = 0
-        for when, size in frees:
-            freed += size
+        for when, v in sorted((when, v) for v, when in free_at.items()):
+            freed += held.get(v, 0)
             if freed >= short:
                 return when + lead
         return None  # not enough even once all of it is free: no start helps
@@ -1194,7 +1207,65 @@ def _in_the_way(
         if moved is None or moved <= after:
             break
         after = moved
+    if elsewhen is None:
+        return named, after
+    # What may stay beside the job: of what is in the way now, all but the bytes it lacks.
+    # In the window it is moved to, other jobs may read versions nothing read before (a
+    # start after what was in the way landed on a job reading something else, and the
+    # next plan advised a later start again): the start moves on until what is in use
+    # or pinned there fits in that, or no start would.
+    budget = sum(held.get(v, 0) for v in {*others, *(v for v, _ in pinned)}) - short
+    for _ in range(16):
+        if after is None:
+            break
+        moved = elsewhen.fits_from(state, own, after, length, lead, last_end, held, budget)
+        if moved is None:
+            return named, None
+        if moved <= after:
+            break
+        after = moved
     return named, after
+
+
+@dataclass(frozen=True, slots=True)
+class _Elsewhen:
+    """What other jobs of the region read at other times, to check a start the advice names."""
+
+    used_between: Callable[[datetime, datetime], list[VersionKey]]  # read in [lo, hi]
+    size_of: Callable[[VersionKey], int]  # stored bytes
+
+    def fits_from(
+        self,
+        state: RegionState,
+        own: set[VersionKey],
+        start: datetime,
+        length: timedelta,
+        lead: timedelta,
+        last_end: Callable[[VersionKey, datetime], datetime],
+        held: Mapping[VersionKey, int],
+        budget: int,
+    ) -> datetime | None:
+        """The earliest start from ``start`` at which what is in the way leaves room.
+
+        In the way of the job moved to ``start``: what other jobs read from its
+        staging (the start less ``lead``) to its end, and what is pinned then;
+        room is left once that is at most ``budget`` bytes. ``start`` itself if
+        so, else when enough of it is free (with ``lead`` to stage), None if
+        never.
+        """
+        lo, end = start - lead, start + length
+        frees = {v: last_end(v, end) + _AFTER for v in self.used_between(lo, end) if v not in own}
+        for version, until in state.pinned.items():
+            if version not in own and until > lo:
+                frees[version] = max(frees.get(version, until), until)
+        remaining = sum(held.get(v, self.size_of(v)) for v in frees)
+        if remaining <= budget:
+            return start
+        for when, version in sorted((w, v) for v, w in frees.items()):
+            remaining -= held.get(version, self.size_of(version))
+            if remaining <= budget:
+                return max(start, when + lead)
+        return None
 
 
 def _no_room(

@@ -34,10 +34,9 @@ example at the bottom failed on the code before its fix, checked for its own tag
     it (a span starting now is "after" the job's start): slow origin, egress paid.
   DEFECT-4 (tag D-start-advice-room): "or start J at T or later" ignores jobs that read what
     is in the way after J's own end: moved to T, J is blocked by them, with a new T.
-  DEFECT-8 (tag D-start-advice-room), NOT FIXED: beyond DEFECT-4, on some sites the start
-    advised, followed, still finds the region short (random three-region sites with pins of
-    other schedules; not yet understood). Skipped on random sites like DEFECT-6; DEFECT-4's
-    example still checks its tag.
+  DEFECT-8 (tag D-start-advice-room): beyond DEFECT-4, the start advised, followed, still
+    found the region short: in the window the job moves to, another job reads a version
+    nothing read in its own window (the start only waited for what was in the way there).
   DEFECT-6 (tag D-add-advice): beyond DEFECT-1, on some sites "add at least B to R",
     followed, still left the job short of room (e.g. us of 5.9 MiB, origin 4 kB/s, a peer
     eu at 1 GB/s; us holds v57 of 4.1 MiB pinned by another schedule until 12:30; j0 reads
@@ -53,6 +52,12 @@ example at the bottom failed on the code before its fix, checked for its own tag
     peer's link, followed, can leave the version late from origin instead (the faster peer
     link does not hold it in time, and the advice then names origin_bandwidth). Skipped on
     random sites like DEFECT-6; DEFECT-2's example still checks its tag.
+  DEFECT-10 (tag D-start-advice-room): a version in use and pinned by another schedule
+    was counted as freed twice, at the end of its use and again when its pin ran out: the
+    start advised came at the first, while it was still pinned.
+  DEFECT-11 (tag D-start-advice-room): the start advised was the end of what is in the way
+    plus the lead, but room is free the instant after a job ends: where that came to a whole
+    minute, the start advised (rounded up to it) left the room a microsecond short.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -762,6 +767,48 @@ SHRUNK = {
             "price": {"eu": 0.0, "us": 0.0, "ap": 0.0},
         },
         {"D-add-advice"},
+    ),
+    # j4 (v2 and v0, 14:30-16:30) fits once j3's v3 is free (20:00): "start j4 at 20:06",
+    # where j0 (20:00-20:30) reads v1, which nothing read in j4's own window: short again
+    "DEFECT-8 D-start-advice-room": (
+        _shrunk(
+            {"v3": [100, 172], "v0": [823, 1663], "v2": [869], "v1": [100]},
+            [
+                dict(name="j0", start=16, duration=1, datasets=["v0", "v1"]),
+                dict(name="j1", start=0, duration=1, datasets=["v0", "v3"]),
+                dict(name="j3", start=9, duration=7, datasets=["v3"]),
+                dict(name="j4", start=5, duration=4, datasets=["v2", "v0"]),
+            ],
+            caps={"eu": 3439411, "us": 1 << 20},
+        ),
+        {"D-start-advice-room"},
+    ),
+    # v0, read by j0 until 12:30, is pinned by another schedule until 14:00: its bytes were
+    # counted free at 12:30 and again at 14:00, and the advice said 12:36
+    "DEFECT-10 D-start-advice-room": (
+        _shrunk(
+            {"v0": [100], "v1": [100], "v2": [100, 725]},
+            [
+                dict(name="j0", start=0, duration=1, datasets=["v0"]),
+                dict(name="j2", start=1, duration=1, datasets=["v1", "v2"]),
+            ],
+            held=[("eu", "v0", None, 4)],
+        ),
+        {"D-start-advice-room"},
+    ),
+    # v0 is read until 12:30; v3 takes 25.6 min at 1 kB/s and 6.4 min of margin: room from
+    # the instant after 12:30, "start j1 at 13:02" (12:30 + 32 min, to the minute) had none
+    "DEFECT-11 D-start-advice-room": (
+        _shrunk(
+            {"v2": [1500], "v0": [100], "v3": [1500]},
+            [
+                dict(name="j1", start=1, duration=1, datasets=["v3"]),
+                dict(name="j2", start=0, duration=1, datasets=["v0"]),
+            ],
+            held=[("eu", "v2", None, None)],
+            origin={"eu": SLOW, "us": FAST},
+        ),
+        {"D-start-advice-room"},
     ),
     # v2 is staged from 13:00 (v1's job ends) for j2, ready 13:15; j1 at 13:18 is "not met"
     "DEFECT-5 D-met-reported": (
