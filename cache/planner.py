@@ -328,7 +328,14 @@ def plan(
                     state = replace(state, pinned={**state.pinned, **pinned}, lent=kept)
                 own = Plan(regions={}, infeasible=[], transfers={}, cost={})
                 own.regions[name] = _plan_region(
-                    state, by_region.get(name, []), sized, now, holds, own, why_missing
+                    state,
+                    by_region.get(name, []),
+                    sized,
+                    now,
+                    holds,
+                    own,
+                    why_missing,
+                    settled=frozenset(parts),
                 )
                 part = _Part(own, frozenset(kept))
             holds.update(_holds_of(regions[name], part.plan.regions[name], now))
@@ -650,7 +657,17 @@ def _plan_region(
     holds: _Holds,
     result: Plan,
     why_missing: Mapping[str, str],
+    settled: frozenset[str] | None = None,
 ) -> RegionPlan:
+    """The tasks, evictions and pins of one region, and its rows in ``result``.
+
+    ``holds``: what the other regions hold when; of them, those in ``settled``
+    (None: all) were planned before this one, so their spans are their plans'.
+    The others' are what they hold now, to no known end: a copy from one makes
+    it keep the version (the loan in :func:`plan`), but the start the advice
+    names does not count on such a copy, which that region's own plan may
+    take away (it evicts the version for its own jobs).
+    """
     out = RegionPlan()
     for job in jobs:
         if job.end > now:
@@ -847,6 +864,8 @@ def _plan_region(
                     unroomed.append(
                         _Unroomed(
                             spec,
+                            version=version,
+                            held_now=held_now,
                             missing=size - held_now,
                             kept=used - room,
                             others_kept=used - room - own_held,
@@ -948,6 +967,18 @@ def _plan_region(
                     _Elsewhen(
                         lambda lo, hi: [v for v in starts if in_use(v, lo, hi)],
                         lambda v: sizes[v].stored if v in sizes else 0,
+                        lambda start, them=tuple(unroomed): max(
+                            _lead_at(
+                                state,
+                                sizes[u.version],
+                                u.version,
+                                u.held_now,
+                                start,
+                                holds,
+                                settled,
+                            )
+                            for u in them
+                        ),
                     ),
                 )
             for u, names in zip(unroomed, named, strict=True):
@@ -990,6 +1021,8 @@ class _Unroomed(NamedTuple):
     """A version of a job that found no room, as it stood then: for the job's row and advice."""
 
     spec: str
+    version: VersionKey
+    held_now: int  # its stored bytes held already
     missing: int  # the bytes of it not held
     kept: int  # the region's bytes held after every eviction allowed by its latest start
     others_kept: int  # ... of them, those not the job's own versions
@@ -1115,6 +1148,37 @@ class _Lacks:
         return duration + _margin(duration)
 
 
+def _lead_at(
+    state: RegionState,
+    sized: VersionSize,
+    version: VersionKey,
+    held: int,
+    start: datetime,
+    holds: _Holds,
+    settled: frozenset[str] | None,
+) -> timedelta:
+    """The transfer and margin of ``version`` for a job starting at ``start``.
+
+    From the fastest peer planned already (``settled``) that holds it from the
+    latest the copy may begin to ``start`` (a peer in time wins over origin, as
+    in the plan), else from origin.
+    """
+    peers = []
+    for peer, bandwidth in state.peer_bandwidth.items():
+        if bandwidth <= 0 or (settled is not None and peer not in settled):
+            continue
+        copying = timedelta(seconds=(sized.stored - held) / bandwidth)
+        lead = copying + _margin(copying)
+        if any(s <= start - lead and e >= start for s, e in holds.get((peer, version), ())):
+            peers.append(lead)
+    if peers:
+        return min(peers)
+    if state.origin_rate <= 0:
+        return timedelta(0)
+    duration = timedelta(seconds=_origin_bytes(sized, held) / state.origin_rate)
+    return duration + _margin(duration)
+
+
 def _origin_bytes(sized: VersionSize, held: int) -> int:
     """The source bytes origin sends for a version of which ``held`` stored bytes are held.
 
@@ -1218,6 +1282,7 @@ def _in_the_way(
     for _ in range(16):
         if after is None:
             break
+        lead = max(lead, elsewhen.lead_at(after))
         moved = elsewhen.fits_from(state, own, after, length, lead, last_end, held, budget)
         if moved is None:
             return named, None
@@ -1233,6 +1298,9 @@ class _Elsewhen:
 
     used_between: Callable[[datetime, datetime], list[VersionKey]]  # read in [lo, hi]
     size_of: Callable[[VersionKey], int]  # stored bytes
+    # The transfer and margin the job's versions need for a start then: the source may
+    # differ (a peer that holds a version for one start has evicted it by a later one).
+    lead_at: Callable[[datetime], timedelta]
 
     def fits_from(
         self,

@@ -58,6 +58,10 @@ example at the bottom failed on the code before its fix, checked for its own tag
   DEFECT-11 (tag D-start-advice-room): the start advised was the end of what is in the way
     plus the lead, but room is free the instant after a job ends: where that came to a whole
     minute, the start advised (rounded up to it) left the room a microsecond short.
+  DEFECT-12 (tag D-start-advice-room): the start advised counted on the transfer the plan
+    had chosen for the original start, a copy from a peer region planned after this one,
+    whose own plan then evicts the version: moved there, the job's version came from origin,
+    slower, and the start was too early.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -808,6 +812,26 @@ SHRUNK = {
             held=[("eu", "v2", None, None)],
             origin={"eu": SLOW, "us": FAST},
         ),
+        {"D-start-advice-room"},
+    ),
+    # us (planned first) would copy v0 from eu in milliseconds, and was told "start j0 at
+    # 12:36"; eu's own plan evicts v0 at 12:00 for v1, so v0 comes from origin at 4 kB/s
+    "DEFECT-12 D-start-advice-room": (
+        {
+            **_shrunk(
+                {"v0": [100, 135], "v1": [100, 690], "v2": [100]},
+                [
+                    dict(name="j0", region="us", start=1, duration=1, datasets=["v0"]),
+                    dict(name="j1", start=1, duration=1, datasets=["v1"]),
+                    dict(name="j2", start=1, duration=1, datasets=["v1"]),
+                    dict(name="j3", start=-1, duration=1, datasets=["v0"]),
+                    dict(name="j4", region="us", start=0, duration=1, datasets=["v1"]),
+                ],
+                held=[("eu", "v0", None, None)],
+                origin={"eu": FAST, "us": MID},
+            ),
+            "peers": {"eu": {}, "us": {"eu": FAST}},
+        },
         {"D-start-advice-room"},
     ),
     # v2 is staged from 13:00 (v1's job ends) for j2, ready 13:15; j1 at 13:18 is "not met"
