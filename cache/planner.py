@@ -808,8 +808,8 @@ def _plan_region(
                 )
             if options:
                 # In time: peers first, then the earliest finish. Late anyway: the earliest.
-                chosen = min(options, key=lambda o: (True, o[2]) if o[0] else (False, o[1], o[2]))
-                _, _, _, source, bandwidth, moved, begin = chosen
+                options.sort(key=lambda o: (True, o[2]) if o[0] else (False, o[1], o[2]))
+                _, _, _, source, bandwidth, moved, begin = options[0]
             else:
                 source, bandwidth, moved, begin = "origin", 0.0, 0, origin_begin
             if bandwidth <= 0:
@@ -857,6 +857,26 @@ def _plan_region(
                         victims, _ = _victims(frees, shortfall, when, now, spare_needed)
                         if when != begin:
                             begin, finish = when, when + duration
+                        break
+                # A source in time may need room sooner than there is any (a slow peer's
+                # copy begins early): another in time, faster, may find it. Chosen first
+                # regardless, the job was "not enough capacity" where origin would do.
+                for other in options[1:] if when is None else ():
+                    if other[0]:  # late: so are the rest
+                        break
+                    _, _, _, o_source, o_bandwidth, o_moved, o_begin = other
+                    o_duration = timedelta(seconds=o_moved / o_bandwidth)
+                    o_late = job.start - o_duration - _margin(o_duration)
+                    for spare_needed in (True, False):
+                        found, _ = _room_time(frees, shortfall, o_begin, o_late, spare_needed)
+                        if found is not None:
+                            victims, _ = _victims(frees, shortfall, found, now, spare_needed)
+                            when, source, bandwidth, moved = found, o_source, o_bandwidth, o_moved
+                            duration, late = o_duration, o_late
+                            begin = max(found, o_begin)
+                            finish = begin + duration
+                            break
+                    if when is not None:
                         break
                 if when is None:
                     in_way = [v for v in resident if in_use(v, begin, job.end)]

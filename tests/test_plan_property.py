@@ -62,6 +62,9 @@ example at the bottom failed on the code before its fix, checked for its own tag
     had chosen for the original start, a copy from a peer region planned after this one,
     whose own plan then evicts the version: moved there, the job's version came from origin,
     slower, and the start was too early.
+  DEFECT-13 (tag D-start-advice-room): a job that origin's copy would meet was "not enough
+    capacity": a slow peer's copy in time was chosen first, and it needed room sooner than
+    the region had any; the other sources in time are now tried for room before that.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -831,6 +834,28 @@ SHRUNK = {
                 origin={"eu": FAST, "us": MID},
             ),
             "peers": {"eu": {}, "us": {"eu": FAST}},
+        },
+        {"D-start-advice-room"},
+    ),
+    # eu is full until another schedule's pin of v2 runs out at 12:30; j0 moved to 12:36 as
+    # advised, us's 1 kB/s copy of v1 (30 min, from 12:00) is "in time" and chosen first,
+    # but needs room by 11:58: "not enough capacity", where origin's copy at 12:30 would do
+    "DEFECT-13 D-start-advice-room": (
+        {
+            **_shrunk(
+                {"v1": [1758], "v0": [100], "v2": [1758]},
+                [
+                    dict(name="j0", start=1, duration=1, datasets=["v0", "v1"]),
+                    dict(name="j1", start=0, duration=1, datasets=["v0"]),
+                ],
+                held=[
+                    ("eu", "v2", None, 1),
+                    ("eu", "v0", None, None),
+                    ("us", "v0", None, None),
+                    ("us", "v1", None, None),
+                ],
+            ),
+            "peers": {"eu": {"us": SLOW}, "us": {}},
         },
         {"D-start-advice-room"},
     ),
