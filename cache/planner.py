@@ -696,6 +696,29 @@ def _plan_region(
         i = bisect.bisect_right(starts.get(version, []), hi) - 1
         return i >= 0 and reach[version][i] >= lo
 
+    by_start: list[tuple[datetime, datetime, VersionKey]] = []  # every use, built when needed
+    by_start_starts: list[datetime] = []
+    by_start_reach: list[datetime] = []  # running max of ends, in start order
+
+    def used_between(lo: datetime, hi: datetime) -> set[VersionKey]:
+        """The versions some job here reads at a time in [lo, hi].
+
+        The uses that start by ``hi``, walked back while one of them (or an
+        earlier one) still runs at ``lo``.
+        """
+        if not by_start:
+            by_start.extend(sorted((s, e, v) for v, spans in uses.items() for s, e in spans))
+            by_start_starts.extend(s for s, _, _ in by_start)
+            by_start_reach.extend(itertools.accumulate((e for _, e, _ in by_start), max))
+        found: set[VersionKey] = set()
+        i = bisect.bisect_right(by_start_starts, hi) - 1
+        while i >= 0 and by_start_reach[i] >= lo:
+            _, end, version = by_start[i]
+            if end >= lo:
+                found.add(version)
+            i -= 1
+        return found
+
     def room_frees(hi: datetime) -> list[_Freed]:
         """Per version held (whole or in part): from when it may go for a job ending at ``hi``.
 
@@ -985,7 +1008,7 @@ def _plan_region(
                     everything + max(u.others_kept for u in unroomed) - state.capacity_bytes,
                     max(u.lead for u in unroomed),
                     _Elsewhen(
-                        lambda lo, hi: [v for v in starts if in_use(v, lo, hi)],
+                        used_between,
                         lambda v: sizes[v].stored if v in sizes else 0,
                         lambda start, them=tuple(unroomed): max(
                             _lead_at(
@@ -1316,7 +1339,7 @@ def _in_the_way(
 class _Elsewhen:
     """What other jobs of the region read at other times, to check a start the advice names."""
 
-    used_between: Callable[[datetime, datetime], list[VersionKey]]  # read in [lo, hi]
+    used_between: Callable[[datetime, datetime], set[VersionKey]]  # read in [lo, hi]
     size_of: Callable[[VersionKey], int]  # stored bytes
     # The transfer and margin the job's versions need for a start then: the source may
     # differ (a peer that holds a version for one start has evicted it by a later one).
@@ -1342,13 +1365,14 @@ class _Elsewhen:
         never.
         """
         lo, end = start - lead, start + length
-        frees = {v: last_end(v, end) + _AFTER for v in self.used_between(lo, end) if v not in own}
-        for version, until in state.pinned.items():
-            if version not in own and until > lo:
-                frees[version] = max(frees.get(version, until), until)
-        remaining = sum(held.get(v, self.size_of(v)) for v in frees)
+        used = self.used_between(lo, end) - own
+        pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
+        remaining = sum(held.get(v, self.size_of(v)) for v in used | pins.keys())
         if remaining <= budget:
             return start
+        frees = {v: last_end(v, end) + _AFTER for v in used}
+        for version, until in pins.items():
+            frees[version] = max(frees.get(version, until), until)
         for when, version in sorted((w, v) for v, w in frees.items()):
             remaining -= held.get(version, self.size_of(version))
             if remaining <= budget:
