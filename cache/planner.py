@@ -907,8 +907,6 @@ def _plan_region(
                     unroomed.append(
                         _Unroomed(
                             spec,
-                            version=version,
-                            held_now=held_now,
                             missing=size - held_now,
                             kept=used - room,
                             others_kept=used - room - own_held,
@@ -1010,18 +1008,7 @@ def _plan_region(
                     _Elsewhen(
                         used_between,
                         lambda v: sizes[v].stored if v in sizes else 0,
-                        lambda start, them=tuple(unroomed): max(
-                            _lead_at(
-                                state,
-                                sizes[u.version],
-                                u.version,
-                                u.held_now,
-                                start,
-                                holds,
-                                settled,
-                            )
-                            for u in them
-                        ),
+                        lambda start, job=job: _lead_at(state, job, sizes, start, holds, settled),
                     ),
                 )
             for u, names in zip(unroomed, named, strict=True):
@@ -1064,8 +1051,6 @@ class _Unroomed(NamedTuple):
     """A version of a job that found no room, as it stood then: for the job's row and advice."""
 
     spec: str
-    version: VersionKey
-    held_now: int  # its stored bytes held already
     missing: int  # the bytes of it not held
     kept: int  # the region's bytes held after every eviction allowed by its latest start
     others_kept: int  # ... of them, those not the job's own versions
@@ -1193,33 +1178,41 @@ class _Lacks:
 
 def _lead_at(
     state: RegionState,
-    sized: VersionSize,
-    version: VersionKey,
-    held: int,
+    job: Job,
+    sizes: Mapping[VersionKey, VersionSize],
     start: datetime,
     holds: _Holds,
     settled: frozenset[str] | None,
 ) -> timedelta:
-    """The transfer and margin of ``version`` for a job starting at ``start``.
+    """The staging and margin ``job``'s versions need before a start at ``start``.
 
-    From the fastest peer planned already (``settled``) that holds it from the
-    latest the copy may begin to ``start`` (a peer in time wins over origin, as
-    in the plan), else from origin.
+    Each version not held whole comes from the fastest peer planned already
+    (``settled``) that holds it from the latest the copy may begin to ``start``
+    (a peer in time wins over origin, as in the plan), else from origin; those
+    over one link go one after another, so their transfers add up there (two
+    versions over a 4 kB/s link: advised the longer one's time, the job moved
+    there found the second late).
     """
-    peers = []
-    for peer, bandwidth in state.peer_bandwidth.items():
-        if bandwidth <= 0 or (settled is not None and peer not in settled):
+    by_source: dict[str, timedelta] = defaultdict(timedelta)
+    for version in dict.fromkeys(job.versions):
+        sized = sizes.get(version)
+        if sized is None or version in state.resident:
             continue
-        copying = timedelta(seconds=(sized.stored - held) / bandwidth)
-        lead = copying + _margin(copying)
-        if any(s <= start - lead and e >= start for s, e in holds.get((peer, version), ())):
-            peers.append(lead)
-    if peers:
-        return min(peers)
-    if state.origin_rate <= 0:
-        return timedelta(0)
-    duration = timedelta(seconds=_origin_bytes(sized, held) / state.origin_rate)
-    return duration + _margin(duration)
+        held = min(state.partial.get(version, 0), sized.stored)
+        copies = []
+        for peer, bandwidth in state.peer_bandwidth.items():
+            if bandwidth <= 0 or (settled is not None and peer not in settled):
+                continue
+            copying = timedelta(seconds=(sized.stored - held) / bandwidth)
+            lead = copying + _margin(copying)
+            if any(s <= start - lead and e >= start for s, e in holds.get((peer, version), ())):
+                copies.append((copying, peer))
+        if copies:
+            copying, peer = min(copies)
+            by_source[peer] += copying
+        elif state.origin_rate > 0:
+            by_source["origin"] += timedelta(seconds=_origin_bytes(sized, held) / state.origin_rate)
+    return max((d + _margin(d) for d in by_source.values()), default=timedelta(0))
 
 
 def _origin_bytes(sized: VersionSize, held: int) -> int:

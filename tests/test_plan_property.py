@@ -65,6 +65,8 @@ example at the bottom failed on the code before its fix, checked for its own tag
   DEFECT-13 (tag D-start-advice-room): a job that origin's copy would meet was "not enough
     capacity": a slow peer's copy in time was chosen first, and it needed room sooner than
     the region had any; the other sources in time are now tried for room before that.
+  DEFECT-14 (tag D-start-advice-room): the start advised gave the job's versions the
+    longest one's transfer, but those over one link are staged one after another.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -864,6 +866,20 @@ SHRUNK = {
             ),
             "peers": {"eu": {"us": SLOW}, "us": {}},
         },
+        {"D-start-advice-room"},
+    ),
+    # j1's v1 (300 s) and v2 (540 s) go over one 4 kB/s link one after the other: "start j1
+    # at 12:44" (12:30 + v2's 540 s + margin) left v2 late behind v1
+    "DEFECT-14 D-start-advice-room": (
+        _shrunk(
+            {"v1": [1173], "v2": [2109], "v0": [2110]},
+            [
+                dict(name="j0", start=0, duration=1, datasets=["v0"]),
+                dict(name="j1", start=1, duration=1, datasets=["v1", "v2"]),
+            ],
+            caps={"eu": 3360768, "us": 1 << 20},
+            origin={"eu": MID, "us": FAST},
+        ),
         {"D-start-advice-room"},
     ),
     # v2 is staged from 13:00 (v1's job ends) for j2, ready 13:15; j1 at 13:18 is "not met"
