@@ -46,6 +46,7 @@ plan's evictions (carried out explicitly) remove pinned versions.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -1008,7 +1009,9 @@ def _plan_region(
                     _Elsewhen(
                         used_between,
                         lambda v: sizes[v].stored if v in sizes else 0,
-                        lambda start, job=job: _lead_at(state, job, sizes, start, holds, settled),
+                        functools.partial(
+                            _lead_at, state, job, sizes, holds=holds, settled=settled
+                        ),
                     ),
                 )
             for u, names in zip(unroomed, named, strict=True):
@@ -1181,6 +1184,7 @@ def _lead_at(
     job: Job,
     sizes: Mapping[VersionKey, VersionSize],
     start: datetime,
+    *,
     holds: _Holds,
     settled: frozenset[str] | None,
 ) -> timedelta:
