@@ -1364,14 +1364,16 @@ class _Elsewhen:
         lo, end = start - lead, start + length
         used = self.used_between(lo, end) - own
         pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
-        remaining = sum(held.get(v, self.size_of(v)) for v in used | pins.keys())
+        size_of = self.size_of
+        sizes = {v: held[v] if v in held else size_of(v) for v in used | pins.keys()}
+        remaining = sum(sizes.values())
         if remaining <= budget:
             return start
         frees = {v: last_end(v, end) + _AFTER for v in used}
         for version, until in pins.items():
             frees[version] = max(frees.get(version, until), until)
         for when, version in sorted((w, v) for v, w in frees.items()):
-            remaining -= held.get(version, self.size_of(version))
+            remaining -= sizes[version]
             if remaining <= budget:
                 return max(start, when + lead)
         return None
