@@ -72,6 +72,12 @@ example at the bottom failed on the code before its fix, checked for its own tag
     a row "v1 … add at least 1.5 MiB" and one "v0 late …; start j0 at 13:01": moved
     there, v0 finds no room instead (the start only cures its lateness). Found on a random
     site at stop 55 (fails on stop 54's code too); the derandomized sites do not meet it.
+  DEFECT-16 (tag D-start-advice-room), NOT FIXED: beyond DEFECT-8, a start advised after
+    another schedule's pin runs out (v29 until 14:00: "start j0 at 14:06") lands on a
+    lower-priority job that starts just before it (j1 at 14:00, reading j0's v12 and v50,
+    whose room another schedule's pin keeps): j1 is planned first there and stages v50,
+    and j0 is short 750 KiB, advised 20:06. Found on a random three-region site at stop 55
+    (eu of 7.5 MiB, 1 GB/s origin); not understood yet; the derandomized sites do not meet it.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -116,8 +122,10 @@ MID = 4000  # bytes/s: about 4.4 minutes a MiB
 SLOW = 1000  # bytes/s: about 17 minutes a MiB
 RATES = {FAST: "1GB/s", MID: "4kB/s", SLOW: "1kB/s"}
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", "100"))
-# Checks of defects left open (above) run on random sites only when PROPERTY_SKIP says what to
-# skip instead ("" for nothing); the examples check their tags. None since stop 55.
+# Tags whose checks are skipped on random sites (PROPERTY_SKIP overrides; "" checks all); the
+# examples check their own tags. None: the derandomized sites CI runs pass every check. A hunt
+# (PROPERTY_RANDOM=1) meets DEFECT-15 and 16, still open: PROPERTY_SKIP=D-start-advice-late
+# goes past the first; the second shares its tag with the fixed start-advice defects.
 OPEN = ""
 CHECKS = TaggedChecks(OPEN)
 expect = CHECKS.expect
