@@ -874,14 +874,9 @@ def _plan_region(
             late = job.start - duration - _margin(duration)
             if shortfall > 0:
                 frees = room_frees(job.end)
-                when = None
-                for spare_needed in (True, False):
-                    when, room = _room_time(frees, shortfall, begin, late, spare_needed)
-                    if when is not None:
-                        victims, _ = _victims(frees, shortfall, when, now, spare_needed)
-                        if when != begin:
-                            begin, finish = when, when + duration
-                        break
+                when, room, victims = _make_room(frees, shortfall, begin, late, now)
+                if when is not None and when != begin:
+                    begin, finish = when, when + duration
                 # A source in time may need room sooner than there is any (a slow peer's
                 # copy begins early): another in time, faster, may find it. Chosen first
                 # regardless, the job was "not enough capacity" where origin would do.
@@ -891,16 +886,12 @@ def _plan_region(
                     _, _, _, o_source, o_bandwidth, o_moved, o_begin = other
                     o_duration = timedelta(seconds=o_moved / o_bandwidth)
                     o_late = job.start - o_duration - _margin(o_duration)
-                    for spare_needed in (True, False):
-                        found, _ = _room_time(frees, shortfall, o_begin, o_late, spare_needed)
-                        if found is not None:
-                            victims, _ = _victims(frees, shortfall, found, now, spare_needed)
-                            when, source, bandwidth, moved = found, o_source, o_bandwidth, o_moved
-                            duration, late = o_duration, o_late
-                            begin = max(found, o_begin)
-                            finish = begin + duration
-                            break
-                    if when is not None:
+                    found, _, o_victims = _make_room(frees, shortfall, o_begin, o_late, now)
+                    if found is not None:
+                        when, victims = found, o_victims
+                        source, bandwidth, moved = o_source, o_bandwidth, o_moved
+                        begin = max(found, o_begin)
+                        finish = begin + o_duration
                         break
                 if when is None:
                     in_way = [v for v in resident if in_use(v, begin, job.end)]
@@ -1284,12 +1275,10 @@ def _in_the_way(
 
     def earliest(end: datetime) -> datetime | None:
         """The start at which enough is free, for the job ending at ``end``."""
-        # A version in use and pinned too is free once both are over: counted once (counted
-        # as two frees, its bytes made room at the end of its use, and the start advised
-        # then found it still pinned).
         # Room a job's version takes is free the instant after the job ends (_AFTER), as
-        # room_frees has it: a start advised at the end itself plus the lead rounded to the
-        # minute exactly, and the room was not there by then.
+        # room_frees has it (at the end itself, a start rounded to the minute exactly had
+        # no room); a version in use and pinned too, once both are over, counted once (as
+        # two frees its bytes made room at the end of its use, while still pinned).
         free_at = {v: last_end(v, end) + _AFTER for v in others}
         for v, until in pinned:
             free_at[v] = max(free_at.get(v, until), until)
@@ -1319,11 +1308,37 @@ def _in_the_way(
     # next plan advised a later start again): the start moves on until what is in use
     # or pinned there fits in that, or no start would.
     budget = sum(held.get(v, 0) for v in {*others, *(v for v, _ in pinned)}) - short
+
+    def fits_from(start: datetime) -> datetime | None:
+        """The earliest start from ``start`` at which what is in the way leaves room.
+
+        In the way of the job moved to ``start``: what other jobs read from its
+        staging (the start less ``lead``) to its end, and what is pinned then;
+        room is left once that is at most ``budget`` bytes. ``start`` itself if
+        so, else when enough of it is free (with ``lead`` to stage), None if never.
+        """
+        lo, end = start - lead, start + length
+        used = elsewhen.used_between(lo, end) - own
+        pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
+        size_of = elsewhen.size_of
+        sizes = {v: held[v] if v in held else size_of(v) for v in used | pins.keys()}
+        remaining = sum(sizes.values())
+        if remaining <= budget:
+            return start
+        frees = {v: last_end(v, end) + _AFTER for v in used}
+        for version, until in pins.items():
+            frees[version] = max(frees.get(version, until), until)
+        for when, version in sorted((w, v) for v, w in frees.items()):
+            remaining -= sizes[version]
+            if remaining <= budget:
+                return max(start, when + lead)
+        return None
+
     for _ in range(16):
         if after is None:
             break
         lead = max(lead, elsewhen.lead_at(after))
-        moved = elsewhen.fits_from(state, own, after, length, lead, last_end, held, budget)
+        moved = fits_from(after)
         if moved is None:
             return named, None
         if moved <= after:
@@ -1341,42 +1356,6 @@ class _Elsewhen:
     # The transfer and margin the job's versions need for a start then: the source may
     # differ (a peer that holds a version for one start has evicted it by a later one).
     lead_at: Callable[[datetime], timedelta]
-
-    def fits_from(
-        self,
-        state: RegionState,
-        own: set[VersionKey],
-        start: datetime,
-        length: timedelta,
-        lead: timedelta,
-        last_end: Callable[[VersionKey, datetime], datetime],
-        held: Mapping[VersionKey, int],
-        budget: int,
-    ) -> datetime | None:
-        """The earliest start from ``start`` at which what is in the way leaves room.
-
-        In the way of the job moved to ``start``: what other jobs read from its
-        staging (the start less ``lead``) to its end, and what is pinned then;
-        room is left once that is at most ``budget`` bytes. ``start`` itself if
-        so, else when enough of it is free (with ``lead`` to stage), None if
-        never.
-        """
-        lo, end = start - lead, start + length
-        used = self.used_between(lo, end) - own
-        pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
-        size_of = self.size_of
-        sizes = {v: held[v] if v in held else size_of(v) for v in used | pins.keys()}
-        remaining = sum(sizes.values())
-        if remaining <= budget:
-            return start
-        frees = {v: last_end(v, end) + _AFTER for v in used}
-        for version, until in pins.items():
-            frees[version] = max(frees.get(version, until), until)
-        for when, version in sorted((w, v) for v, w in frees.items()):
-            remaining -= sizes[version]
-            if remaining <= budget:
-                return max(start, when + lead)
-        return None
 
 
 def _no_room(
@@ -1419,6 +1398,23 @@ def _to_meet(state: RegionState, job: Job, short: int) -> str:
     if len(job.versions) > 1:
         return f"to meet it, for all of {job.name}'s versions: {fix}"
     return f"to meet it: {fix}"
+
+
+def _make_room(
+    frees: Sequence[_Freed], shortfall: int, begin: datetime, late: datetime, now: datetime
+) -> tuple[datetime | None, int, list[tuple[VersionKey, datetime | None]]]:
+    """When ``shortfall`` bytes can be freed from ``begin`` to ``late``, the room, what goes.
+
+    Versions no job needs again are evicted if that is enough (:func:`_room_time`),
+    else Belady's victims; (None, the room there is, []) if neither makes room in time.
+    """
+    room = 0
+    for spare_needed in (True, False):
+        when, room = _room_time(frees, shortfall, begin, late, spare_needed)
+        if when is not None:
+            victims, _ = _victims(frees, shortfall, when, now, spare_needed)
+            return when, room, victims
+    return None, room, []
 
 
 def _room_time(
