@@ -214,6 +214,17 @@ def test_a_diagnose_that_fails_for_another_reason_than_the_token_says_that_reaso
         assert "token is needed" not in text, out
 
 
+# Run on the origin side of the link: waits (up to 60 s) until the node answers a health check.
+READY = """
+import sys, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=60, wait_for_ready=True
+    )
+"""
+
+
 def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT))
     from bench.wan.link import EDGE_ADDRESS, LinkSpec, NamespaceLink, namespaces_available
@@ -222,7 +233,11 @@ def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
     if why is not None:
         pytest.skip(f"network namespaces are not available here: {why}")
     write_parquet_shards(tmp_path / "raw", 1, rows=100)
-    with NamespaceLink(LinkSpec(rtt_ms=20.0, rate_mbit=100.0, loss=0.001)) as link:
+    node_log = tmp_path / "node.log"
+    with (
+        NamespaceLink(LinkSpec(rtt_ms=20.0, rate_mbit=100.0, loss=0.001)) as link,
+        node_log.open("w") as log,
+    ):
         node = subprocess.Popen(
             link.edge_command(
                 [sys.executable, "-m", "edgecache.clients.cli", "serve", "--region", "edge"]
@@ -230,7 +245,7 @@ def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
                 + ["--listen", f"{EDGE_ADDRESS}:0", "--capacity", "1GiB"]
             ),
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=log,
             text=True,
             cwd=ROOT,
         )
@@ -241,6 +256,15 @@ def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
             config.write_text(
                 f"registry: file://{tmp_path}/r\nregions:\n  edge:\n    nodes: ['{address}']\n"
             )
+            # The node answers across the link before the doctor measures it: a CI run's
+            # doctor once found nothing listening (3 packets crossed; no log was kept).
+            ready = subprocess.run(
+                link.origin_command([sys.executable, "-c", READY, address]),
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            assert ready.returncode == 0, (ready.stderr, node.poll(), node_log.read_text())
             # The doctor on the origin side: its upload crosses the link, 0.1 % lost.
             before = link.counters()
             report = doctor(
@@ -249,11 +273,19 @@ def test_loss_from_retransmissions_on_the_shaped_link(tmp_path: Path) -> None:
                 command=link.origin_command([]),
             )  # fmt: skip
             after = link.counters()
+            exited = node.poll()
         finally:
             node.terminate()
             node.wait(timeout=30)
     (path,) = report["paths"]
     dropped = after["to_edge_dropped"] - before["to_edge_dropped"]
+    assert path["loss"] is not None, (
+        path,
+        f"node exit code {exited}",
+        before,
+        after,
+        node_log.read_text(),
+    )
     print(
         f"FIGURE doctor loss on the shaped link: {path['loss']:.4%} of {path['segments_sent']:,}"
         f" segments (configured 0.1000 %); the link dropped {dropped} packets toward the node"
