@@ -767,6 +767,8 @@ def _plan_region(
         # bytes), reported once what the job lacks as a whole is known.
         unroomed: list[_Unroomed] = []
         too_big: list[tuple[str, int]] = []
+        # Its late rows: where each will be in result.infeasible, and its reason's maker.
+        late_rows: list[tuple[int, Callable[..., str]]] = []
         for version in job.versions:
             spec = f"{version[0]}@{version[1]}"
             sized = sizes.get(version)
@@ -848,16 +850,15 @@ def _plan_region(
                 continue
             too_slow: Infeasible | None = None
             if finish > job.start:
-                why = _late_reason(job, spec, now, begin, finish, duration, bandwidth, source)
-                if wait is not None and begin == wait[0] and job.start > now:
-                    # Held back by a node's room, not the link: said so, with what to change.
-                    why = (
-                        f"begins at {_utc(begin)} at the earliest ({wait[1]}), and needs "
-                        f"{duration.total_seconds():,.0f} s from {source} after that; to meet "
-                        f"it: start {job.name} at {_utc(finish, ceil=True)} or later"
-                    )
-                too_slow = Infeasible(job.name, state.name, spec, why)
+                # Held back by a node's room, not the link: said so, with what to change.
+                held_back = wait[1] if wait is not None and begin == wait[0] else None
+                lateness = functools.partial(
+                    _late_reason, job, spec, now, begin, finish, duration, bandwidth, source,
+                    held_back=held_back,
+                )  # fmt: skip
+                too_slow = Infeasible(job.name, state.name, spec, lateness())
                 if finish >= job.end:  # it would arrive after the job: no use staging it
+                    late_rows.append((len(result.infeasible), lateness))
                     result.infeasible.append(too_slow)
                     continue
                 # Late, but the job still reads it after it arrives: stage it anyway (the
@@ -954,6 +955,7 @@ def _plan_region(
             cursor = begin
             out.tasks.append(task)
             if too_slow is not None:
+                late_rows.append((len(result.infeasible), lateness))
                 result.infeasible.append(too_slow)
             task_of[version] = len(out.tasks) - 1
             resident[version] = size
@@ -965,6 +967,13 @@ def _plan_region(
                     result.cost.get(job.name, 0.0) + moved / 1e9 * state.egress_price_per_gb
                 )
         if too_big or unroomed:
+            # A later start is no fix for a late version of a job that does not fit: moved,
+            # the job's versions meet the room in another order, and the one staged now may
+            # be the one left out (the late row said "start at T", which then found no room).
+            blocking = ", ".join(spec for spec, _ in too_big) or ", ".join(u.spec for u in unroomed)
+            for index, late_reason in late_rows:
+                row = result.infeasible[index]
+                result.infeasible[index] = replace(row, reason=late_reason(blocked=blocking))
             # One fix for the whole job: the capacity all its versions need together with
             # what may be held and in use with them, and a start after what holds back
             # every one that found no room (if each has one).
@@ -1463,12 +1472,19 @@ def _late_reason(
     duration: timedelta,
     bandwidth: float,
     source: str,
+    *,
+    held_back: str | None = None,
+    blocked: str | None = None,
 ) -> str:
     """Why ``spec`` cannot be there when ``job`` starts: it already has, or the link is too slow.
 
     A job that has started is past any deadline, so the transfer time is
     beside the point: what matters is that it runs without the data until
     the version arrives (or to its end, when it would arrive too late).
+    ``held_back``: why the transfer cannot begin sooner (a node's room), when
+    that, not the link, makes it late. ``blocked``: the job's versions that
+    find no room; while they do, no start is advised (the job does not fit
+    as it is, and moved, its versions may meet the room in another order).
     """
     if job.start <= now:
         started = f"{job.name} already started at {_utc(job.start)} without {spec}"
@@ -1479,20 +1495,34 @@ def _late_reason(
             f"{started}: the plan stages it now, ready about {finish.astimezone(UTC):%H:%M:%S}; "
             "until then the job reads it through to origin, slowly"
         )
-    available = max((job.start - begin).total_seconds(), 0.0)
-    why = (
-        f"needs {duration.total_seconds():,.0f} s at {_rate(bandwidth)} from {source}, only "
-        f"{available:,.0f} s before the start"
-    )
     # What to change: the start, to when the data would be there, or the link's speed.
-    fix = f"start {job.name} at {_utc(finish, ceil=True)} or later"
-    if available > 0:
-        link = "origin_bandwidth" if source == "origin" else f"peers.{source}"
-        # Rounded up, and a byte/s over (the topology reads a rate as whole bytes/s): the
-        # speed advised, written into the topology, makes it in time.
-        needed = bandwidth * duration.total_seconds() / available + 1
-        fix += f", or make the link at least {_rate(needed, up=True)} ({link} in the topology)"
-    return f"{why}; to meet it: {fix}"
+    fixes = [] if blocked else [f"start {job.name} at {_utc(finish, ceil=True)} or later"]
+    if held_back is not None:
+        why = (
+            f"begins at {_utc(begin)} at the earliest ({held_back}), and needs "
+            f"{duration.total_seconds():,.0f} s from {source} after that"
+        )
+    else:
+        available = max((job.start - begin).total_seconds(), 0.0)
+        why = (
+            f"needs {duration.total_seconds():,.0f} s at {_rate(bandwidth)} from {source}, only "
+            f"{available:,.0f} s before the start"
+        )
+        if available > 0:
+            link = "origin_bandwidth" if source == "origin" else f"peers.{source}"
+            # Rounded up, and a byte/s over (the topology reads a rate as whole bytes/s):
+            # the speed advised, written into the topology, makes it in time.
+            needed = bandwidth * duration.total_seconds() / available + 1
+            fixes.append(
+                f"make the link at least {_rate(needed, up=True)} ({link} in the topology)"
+            )
+    reason = f"{why}; to meet it: {', or '.join(fixes)}" if fixes else why
+    if blocked:
+        reason += (
+            f"; no start is advised while {job.name} does not fit: {blocked} finds no room "
+            "(see its row)"
+        )
+    return reason
 
 
 def _rate(bytes_per_second: float, *, up: bool = False) -> str:

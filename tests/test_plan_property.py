@@ -67,11 +67,12 @@ example at the bottom failed on the code before its fix, checked for its own tag
     the region had any; the other sources in time are now tried for room before that.
   DEFECT-14 (tag D-start-advice-room): the start advised gave the job's versions the
     longest one's transfer, but those over one link are staged one after another.
-  DEFECT-15 (tag D-start-advice-late), NOT FIXED: a job whose versions can never fit
-    together (eu of 2 MiB; j0 reads v0 of 1.4 MiB and v1 of 2 MiB over a 1 kB/s link) has
-    a row "v1 … add at least 1.5 MiB" and one "v0 late …; start j0 at 13:01": moved
-    there, v0 finds no room instead (the start only cures its lateness). Found on a random
-    site at stop 55 (fails on stop 54's code too); the derandomized sites do not meet it.
+  DEFECT-15 (tag D-start-advice-late): a job whose versions can never fit together (eu
+    of 2 MiB; j0 reads v0 of 1.4 MiB and v1 of 2 MiB over a 1 kB/s link) had a row "v1 …
+    add at least 1.5 MiB" and one "v0 late …; start j0 at 13:01": moved there, v0 found no
+    room instead (the start only cured its lateness). Found on a random site at stop 55;
+    since stop 56 a late row of a job that does not fit advises no start, only the link
+    (tests/test_planner.py: test_a_late_version_of_a_job_that_does_not_fit_is_advised_no_start).
   DEFECT-16 (tag D-start-advice-room), NOT FIXED: beyond DEFECT-8, a start advised after
     another schedule's pin runs out (v29 until 14:00: "start j0 at 14:06") lands on a
     lower-priority job that starts just before it (j1 at 14:00, reading j0's v12 and v50,
@@ -124,8 +125,8 @@ RATES = {FAST: "1GB/s", MID: "4kB/s", SLOW: "1kB/s"}
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", "100"))
 # Tags whose checks are skipped on random sites (PROPERTY_SKIP overrides; "" checks all); the
 # examples check their own tags. None: the derandomized sites CI runs pass every check. A hunt
-# (PROPERTY_RANDOM=1) meets DEFECT-15 and 16, still open: PROPERTY_SKIP=D-start-advice-late
-# goes past the first; the second shares its tag with the fixed start-advice defects.
+# (PROPERTY_RANDOM=1) may meet DEFECT-16, still open: it shares its tag with the fixed
+# start-advice defects.
 OPEN = ""
 CHECKS = TaggedChecks(OPEN)
 expect = CHECKS.expect

@@ -326,6 +326,34 @@ def test_a_job_that_has_started_is_said_to_have_started() -> None:
     assert not late.regions["eu"].tasks
 
 
+def test_a_late_version_of_a_job_that_does_not_fit_is_advised_no_start() -> None:
+    """A later start was advised for the late version of a job whose versions cannot fit
+    together (DEFECT-15 of tests/test_plan_property.py): moved, the job met the room in
+    another order and the version advised about found none. Only the link is advised, and
+    the row names the version with no room."""
+    small, big = ("ds", 1), ("ds", 2)
+    job = Job("job-eu", "eu", NOW + timedelta(minutes=15), NOW + timedelta(hours=1), (small, big))
+    region = RegionState("eu", capacity_bytes=2 * GB, origin_bandwidth=1e6)  # 1,000 s a GB
+    result = plan([job], {"eu": region}, {small: 14 * GB // 10, big: 2 * GB}, now=NOW)
+    rows = {i.version: i.reason for i in result.infeasible}
+    assert rows["ds@2"].startswith("not enough capacity"), rows
+    late = rows["ds@1"]
+    assert late.startswith("needs 1,400 s at 8 Mbit/s from origin, only 900 s"), late
+    assert "start job-eu at" not in late, late
+    assert "make the link at least" in late, late
+    assert late.endswith(
+        "no start is advised while job-eu does not fit: ds@2 finds no room (see its row)"
+    )
+    # Given room for both, the same late version is advised a start again.
+    roomy = replace(region, capacity_bytes=4 * GB)
+    (late,) = [
+        i.reason
+        for i in plan([job], {"eu": roomy}, {small: 14 * GB // 10, big: 2 * GB}, now=NOW).infeasible
+        if i.version == "ds@1"
+    ]
+    assert "start job-eu at 2026-12-01 00:24 or later" in late, late
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios(), down=st.integers(0, 2))
 def test_an_unreachable_region_gets_nothing_planned_and_says_why(scenario, down) -> None:  # noqa: ANN001
