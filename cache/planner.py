@@ -401,7 +401,10 @@ def plan(
         candidate, _, candidate_holds = plan_in(best_order, {}, lend_until=limits)
         if _plan_score(candidate) < _plan_score(best):
             best, best_holds = candidate, candidate_holds
-    _copy_from_later_regions(best, regions, sized, best_holds)
+    # A copy that now finishes sooner may bring a version in time for a job the region's
+    # plan had found it late for (it arrived after that job, so the job was left out).
+    for name in _copy_from_later_regions(best, regions, sized, best_holds):
+        _met_after_all(name, by_region.get(name, []), now, best.regions[name], best)
     return best
 
 
@@ -410,7 +413,7 @@ def _copy_from_later_regions(
     regions: Mapping[str, RegionState],
     sizes: Mapping[VersionKey, VersionSize],
     holds: _Holds,
-) -> None:
+) -> set[str]:
     """Source from a peer each origin fetch that a region's planned copy can serve in time.
 
     A region planned before another sees only what that one holds now, not what
@@ -423,7 +426,9 @@ def _copy_from_later_regions(
     moved later, so every hold another copy counts on still stands, and the
     peer keeps its own plan (its eviction comes after the copy, with margin).
     ``holds``: every region's, as its plan in ``result`` has it (updated here).
+    Returns the regions whose tasks it changed.
     """
+    changed: set[str] = set()
     holders: dict[VersionKey, list[tuple[str, list[tuple[datetime, datetime]]]]]
     holders = defaultdict(list)  # version → (region, its spans): few per version
     for (region, version), spans in holds.items():
@@ -463,6 +468,7 @@ def _copy_from_later_regions(
                 continue
             finish, peer, begin = min(options)
             region_plan.tasks[index] = replace(task, source=peer, start=begin, finish=finish)
+            changed.add(name)
             bisect.insort(busy[(peer, name)], (begin, finish))
             # Its copy is held from its new finish (in place: holders shares the list).
             spans = holds[(name, version)]
@@ -479,6 +485,7 @@ def _copy_from_later_regions(
             result.transfers[peer_key] = result.transfers.get(peer_key, 0) + moved
             if state.egress_price_per_gb and job in result.cost:
                 result.cost[job] -= from_origin / 1e9 * state.egress_price_per_gb
+    return changed
 
 
 def _link_free_at(

@@ -85,6 +85,11 @@ example at the bottom failed on the code before its fix, checked for its own tag
     the whole version (advised 12:36 for 100 KiB of 925, then 12:39; "add at least -99.0
     KiB"). Found by a random hunt at stop 56; fixed there: a part counts held only while a
     foreign pin keeps it.
+  DEFECT-18 (tag D-met-reported): a version late for a job (from origin at 1 kB/s it came at
+    the job's end, so the job was left out) was then staged for a later job and that task
+    copied from a peer region's planned copy instead, there hours before the first job: the
+    first still had its late row and was not among the task's jobs. Found by a random hunt
+    at stop 56; fixed there: a re-sourced task takes such rows back, as a region's plan does.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -918,6 +923,30 @@ SHRUNK = {
             origin={"eu": MID, "us": FAST},
         ),
         {"D-start-advice-room", "D-add-advice"},
+    ),
+    # ap's origin is 1 kB/s: v0 for j1 (12:30) would come at 13:00, its end, so j1 is left out;
+    # j2's (13:30) from origin is then copied from us instead, there at 12:00: j1 is met
+    "DEFECT-18 D-met-reported": (
+        {
+            **_shrunk({"v0": [100, 416, 3000]}, []),
+            "regions": ["eu", "us", "ap"],
+            "caps": {"eu": 3670016, "us": 3670016, "ap": 3670016},
+            "origin": {"eu": FAST, "us": FAST, "ap": SLOW},
+            "peers": {"eu": {}, "us": {"eu": FAST}, "ap": {"us": FAST}},
+            "price": {"eu": 0.0, "us": 0.0, "ap": 0.0},
+            "jobs": [
+                {
+                    "name": n,
+                    "region": r,
+                    "start": t,
+                    "duration": 1,
+                    "datasets": ["v0"],
+                    "priority": "normal",
+                }
+                for n, r, t in [("j0", "us", 1), ("j1", "ap", 1), ("j2", "ap", 3), ("j3", "eu", 0)]
+            ],
+        },  # fmt: skip
+        {"D-met-reported"},
     ),
     # v2 is staged from 13:00 (v1's job ends) for j2, ready 13:15; j1 at 13:18 is "not met"
     "DEFECT-5 D-met-reported": (
