@@ -1207,9 +1207,15 @@ def _lead_at(
     by_source: dict[str, timedelta] = defaultdict(timedelta)
     for version in dict.fromkeys(job.versions):
         sized = sizes.get(version)
-        if sized is None or version in state.resident:
+        if sized is None:
             continue
-        held = _kept_part(state, version, sized, start)
+        if version in state.resident:
+            pinned = state.pinned.get(version)
+            if pinned is not None and pinned >= start:
+                continue
+            held = 0  # a job planned before may evict it for its room, as a part held
+        else:
+            held = _kept_part(state, version, sized, start)
         copies = []
         for peer, bandwidth in state.peer_bandwidth.items():
             if bandwidth <= 0 or (settled is not None and peer not in settled):
@@ -1234,7 +1240,8 @@ def _kept_part(state: RegionState, version: VersionKey, sized: VersionSize, unti
     and a job moved later needs its part later). Counted held anyway, a start
     advised for after what was in the way found the part evicted and the whole
     version to stage (advised 12:36 for 100 KiB of 925; moved, the job needed
-    it all: 12:39), and the bytes to add came out negative.
+    it all: 12:39), and the bytes to add came out negative. A version held
+    whole is taken the same way at an advised start (:func:`_lead_at`).
     """
     part = min(state.partial.get(version, 0), sized.stored)
     pinned = state.pinned.get(version)

@@ -90,6 +90,12 @@ example at the bottom failed on the code before its fix, checked for its own tag
     copied from a peer region's planned copy instead, there hours before the first job: the
     first still had its late row and was not among the task's jobs. Found by a random hunt
     at stop 56; fixed there: a re-sourced task takes such rows back, as a region's plan does.
+  DEFECT-19 (tag D-start-advice-room): DEFECT-17 for a version held whole: the advised
+    start counted the job's held version as there; moved, a job before it (no longer reading
+    beside it) evicted it for its room, and staged again over the same slow link it made the
+    job's other version late (15:49 advised, then 15:50). Found by a random hunt at stop 56;
+    fixed there: at an advised start, the job's held versions count as held only while a
+    foreign pin keeps them (else their transfer is in the lead).
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -947,6 +953,28 @@ SHRUNK = {
             ],
         },  # fmt: skip
         {"D-met-reported"},
+    ),
+    # j3 reads v2 (held whole, unpinned) and v4 (no room while j2 reads v0 to 15:30): advised
+    # 15:49 for v4 alone; moved there, j2 (12:00) evicts v2 for v1, and v2 and v4 are staged
+    # one after another from 15:30 over the 4 kB/s link: v4 late ("start j3 at 15:50")
+    "DEFECT-19 D-start-advice-room": (
+        _shrunk(
+            {
+                "v2": [100, 100, 1151],
+                "v0": [100, 100, 172, 2631],
+                "v1": [172, 128],
+                "v3": [100, 100, 100, 100],
+                "v4": [100, 100, 100, 2803],
+            },
+            [
+                dict(name="j2", start=0, duration=7, datasets=["v1", "v0"]),
+                dict(name="j3", start=1, duration=8, datasets=["v2", "v4"]),
+            ],
+            held=[("eu", "v0", None, None), ("eu", "v3", 1, None), ("eu", "v2", None, None)],
+            caps={"eu": 1572864, "us": 1 << 20},
+            origin={"eu": MID, "us": FAST},
+        ),  # fmt: skip
+        {"D-start-advice-room"},
     ),
     # v2 is staged from 13:00 (v1's job ends) for j2, ready 13:15; j1 at 13:18 is "not met"
     "DEFECT-5 D-met-reported": (
