@@ -96,6 +96,10 @@ example at the bottom failed on the code before its fix, checked for its own tag
     job's other version late (15:49 advised, then 15:50). Found by a random hunt at stop 56;
     fixed there: at an advised start, the job's held versions count as held only while a
     foreign pin keeps them (else their transfer is in the lead).
+  DEFECT-20 (tag D-start-advice-room): the advised start was checked as computed (12:58:40,
+    its window clear of a job reading what is in the way from 13:30) but printed rounded up
+    to the minute (13:00), where the moved job ends at 13:30 and meets that job. Found by a
+    random hunt at stop 56; fixed there: the start is rounded up before it is checked.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -973,6 +977,30 @@ SHRUNK = {
             held=[("eu", "v0", None, None), ("eu", "v3", 1, None), ("eu", "v2", None, None)],
             caps={"eu": 1572864, "us": 1 << 20},
             origin={"eu": MID, "us": FAST},
+        ),  # fmt: skip
+        {"D-start-advice-room"},
+    ),
+    # v0 is read to 12:30 and again from 13:30 (j3); j2 was advised 12:58:40, checked clear of
+    # j3, and printed as 13:00: moved there, j2 ends at 13:30, when j3 starts reading v0
+    "DEFECT-20 D-start-advice-room": (
+        _shrunk(
+            {
+                "v1": [100, 825],
+                "v0": [100],
+                "v3": [100, 100],
+                "v4": [100, 100, 580, 3000],
+                "v2": [435],
+            },
+            [
+                dict(name="j0", start=0, duration=1, datasets=["v0"]),
+                dict(name="j1", start=0, duration=1, datasets=["v0"]),
+                dict(name="j2", start=1, duration=1, datasets=["v1", "v2"]),
+                dict(name="j3", start=3, duration=1, datasets=["v0"]),
+            ],
+            held=[("us", "v0", None, None)],
+            caps={"eu": 2785280, "us": 1 << 20},
+            origin={"eu": SLOW, "us": FAST},
+            ratio=2,
         ),  # fmt: skip
         {"D-start-advice-room"},
     ),
