@@ -1039,12 +1039,20 @@ def _met_after_all(
     could not be met for it (exit 3). Such a job is among the task's jobs instead.
     """
     starts = {job.name: job for job in jobs}
-    for row in list(result.infeasible):
-        job = starts.get(row.job)
-        if row.region != region or job is None or job.start <= now:
-            continue
-        for i, task in enumerate(out.tasks):
-            if task.spec != row.version or task.finish > job.start:
+    rows = [
+        (row, job)
+        for row in result.infeasible
+        if row.region == region and (job := starts.get(row.job)) is not None and job.start > now
+    ]
+    if not rows:
+        return
+    by_spec: dict[str, list[int]] = defaultdict(list)  # a version's tasks, in plan order
+    for i, task in enumerate(out.tasks):
+        by_spec[task.spec].append(i)
+    for row, job in rows:
+        for i in by_spec.get(row.version, ()):
+            task = out.tasks[i]
+            if task.finish > job.start:
                 continue
             if out.pins.get(task.version, task.deadline) < job.end:
                 continue
