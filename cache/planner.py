@@ -708,22 +708,24 @@ def _plan_region(
     by_start_starts: list[datetime] = []
     by_start_reach: list[datetime] = []  # running max of ends, in start order
 
-    def used_between(lo: datetime, hi: datetime) -> set[VersionKey]:
-        """The versions some job here reads at a time in [lo, hi].
+    def used_between(lo: datetime, hi: datetime) -> dict[VersionKey, datetime]:
+        """The versions some job here reads at a time in [lo, hi]: each one's last end.
 
         The uses that start by ``hi``, walked back while one of them (or an
-        earlier one) still runs at ``lo``.
+        earlier one) still runs at ``lo``. The latest end among a version's uses
+        walked is its ``last_end(version, hi)`` (the uses not walked end before
+        ``lo``), which the caller needs next: one walk instead of a search each.
         """
         if not by_start:
             by_start.extend(sorted((s, e, v) for v, spans in uses.items() for s, e in spans))
             by_start_starts.extend(s for s, _, _ in by_start)
             by_start_reach.extend(itertools.accumulate((e for _, e, _ in by_start), max))
-        found: set[VersionKey] = set()
+        found: dict[VersionKey, datetime] = {}
         i = bisect.bisect_right(by_start_starts, hi) - 1
         while i >= 0 and by_start_reach[i] >= lo:
             _, end, version = by_start[i]
-            if end >= lo:
-                found.add(version)
+            if end >= lo and end > found.get(version, lo - _AFTER):
+                found[version] = end
             i -= 1
         return found
 
@@ -1366,14 +1368,16 @@ def _in_the_way(
         so, else when enough of it is free (with ``lead`` to stage), None if never.
         """
         lo, end = start - lead, start + length
-        used = elsewhen.used_between(lo, end) - own
+        used = elsewhen.used_between(lo, end)
+        for version in own:
+            used.pop(version, None)
         pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
         size_of = elsewhen.size_of
-        sizes = {v: held[v] if v in held else size_of(v) for v in used | pins.keys()}
+        sizes = {v: held[v] if v in held else size_of(v) for v in used.keys() | pins.keys()}
         remaining = sum(sizes.values())
         if remaining <= budget:
             return start
-        frees = {v: last_end(v, end) + _AFTER for v in used}
+        frees = {v: last + _AFTER for v, last in used.items()}
         for version, until in pins.items():
             frees[version] = max(frees.get(version, until), until)
         for when, version in sorted((w, v) for v, w in frees.items()):
@@ -1399,7 +1403,7 @@ def _in_the_way(
 class _Elsewhen:
     """What other jobs of the region read at other times, to check a start the advice names."""
 
-    used_between: Callable[[datetime, datetime], set[VersionKey]]  # read in [lo, hi]
+    used_between: Callable[[datetime, datetime], dict[VersionKey, datetime]]  # read in [lo, hi]
     size_of: Callable[[VersionKey], int]  # stored bytes
     # The transfer and margin the job's versions need for a start then: the source may
     # differ (a peer that holds a version for one start has evicted it by a later one).
