@@ -1639,13 +1639,22 @@ def _victims(
         key = (following is not None, -(following or now).timestamp(), -held_size, held)
         candidates.append((key, held, held_size, following))
     candidates.sort()
-    chosen: list[tuple[VersionKey, datetime | None]] = []
+    picked: list[tuple[VersionKey, int, datetime | None]] = []
     freed = 0
     for _, held, held_size, following in candidates:
         if freed >= shortfall:
             break
-        chosen.append((held, following))
+        picked.append((held, held_size, following))
         freed += held_size
+    # A victim the later ones make unneeded stays: 100 KiB needed furthest ahead, then
+    # 101 KiB needed sooner, for 101 KiB short, evicted both, and the first was staged
+    # again at once into the room it had left.
+    chosen: list[tuple[VersionKey, datetime | None]] = []
+    for index, (held, held_size, following) in enumerate(picked):
+        if freed - held_size >= shortfall and index < len(picked) - 1:
+            freed -= held_size
+            continue
+        chosen.append((held, following))
     return chosen, freed
 
 

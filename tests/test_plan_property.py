@@ -100,6 +100,12 @@ example at the bottom failed on the code before its fix, checked for its own tag
     its window clear of a job reading what is in the way from 13:30) but printed rounded up
     to the minute (13:00), where the moved job ends at 13:30 and meets that job. Found by a
     random hunt at stop 56; fixed there: the start is rounded up before it is checked.
+  DEFECT-21 (tag D-cut): Belady's victims were taken until enough was freed, and one picked
+    first that the later picks made unneeded was evicted too: 101 KiB short, v0 (100 KiB,
+    needed furthest ahead) and v1 (101 KiB) went, and v0 was staged again at once into the
+    room it left (an eviction and a copy of the same version at the same instant). Found by
+    a random hunt at stop 56 (fails on stop 55's code too); fixed there: no victim beyond
+    what the room needs.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
@@ -1003,6 +1009,28 @@ SHRUNK = {
             ratio=2,
         ),  # fmt: skip
         {"D-start-advice-room"},
+    ),
+    # v2 (924 KiB) needs 101 KiB of room at 12:00: v0 (100 KiB, next read at 13:30) then v1
+    # (101 KiB, at 13:00) were evicted, and v0 copied back from ap at once into its room
+    "DEFECT-21 D-cut": (
+        {
+            **_shrunk(
+                {"v1": [101], "v2": [924], "v0": [100]},
+                [
+                    dict(name="j0", start=-1, duration=1, datasets=["v0"]),
+                    dict(name="j1", start=3, duration=1, datasets=["v0"]),
+                    dict(name="j2", start=2, duration=1, datasets=["v1", "v2"]),
+                    dict(name="j6", start=0, duration=1, datasets=["v2"]),
+                ],
+                held=[("eu", "v0", None, None), ("eu", "v1", None, None), ("ap", "v0", None, None)],
+            ),
+            "regions": ["eu", "us", "ap"],
+            "caps": {"eu": 1 << 20, "us": 1 << 20, "ap": 1 << 20},
+            "origin": {"eu": FAST, "us": FAST, "ap": FAST},
+            "peers": {"eu": {"ap": FAST}, "us": {}, "ap": {}},
+            "price": {"eu": 0.0, "us": 0.0, "ap": 0.0},
+        },  # fmt: skip
+        {"D-cut"},
     ),
     # v2 is staged from 13:00 (v1's job ends) for j2, ready 13:15; j1 at 13:18 is "not met"
     "DEFECT-5 D-met-reported": (
