@@ -106,6 +106,10 @@ example at the bottom failed on the code before its fix, checked for its own tag
     room it left (an eviction and a copy of the same version at the same instant). Found by
     a random hunt at stop 56 (fails on stop 55's code too); fixed there: no victim beyond
     what the room needs.
+  DEFECT-22 (tag D-link-advice), NOT FIXED: "make the link at least 10.9 kbit/s" for a
+    version 4,864 s late at 8 kbit/s; at 10.9 kbit/s the plan changed and the version began
+    staging later, 605 s before the start, still late ("64.4 kbit/s"). Found by the last
+    random hunt of stop 56 (not shrunk); fails on stop 55's code too.
   DEFECT-5 (tag D-met-reported): a job is reported "not enough capacity" although the plan
     stages its version (for a later job) before its start and keeps it through its end.
 Checks that held over thousands of sites: A, A-reserved, B-*, C-lender, D-time, D-link-busy,
