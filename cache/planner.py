@@ -724,8 +724,8 @@ def _plan_region(
         i = bisect.bisect_right(by_start_starts, hi) - 1
         while i >= 0 and by_start_reach[i] >= lo:
             _, end, version = by_start[i]
-            if end >= lo and end > found.get(version, lo - _AFTER):
-                found[version] = end
+            if end >= lo:
+                found[version] = max(end, found.get(version, end))
             i -= 1
         return found
 
@@ -1220,8 +1220,7 @@ def _lead_at(
         if sized is None:
             continue
         if version in state.resident:
-            pinned = state.pinned.get(version)
-            if pinned is not None and pinned >= start:
+            if _pinned_through(state, version, start):
                 continue
             held = 0  # a job planned before may evict it for its room, as a part held
         else:
@@ -1254,8 +1253,13 @@ def _kept_part(state: RegionState, version: VersionKey, sized: VersionSize, unti
     whole is taken the same way at an advised start (:func:`_lead_at`).
     """
     part = min(state.partial.get(version, 0), sized.stored)
+    return part if _pinned_through(state, version, until) else 0
+
+
+def _pinned_through(state: RegionState, version: VersionKey, until: datetime) -> bool:
+    """Whether another schedule's pin keeps ``version`` here until ``until`` at least."""
     pinned = state.pinned.get(version)
-    return part if pinned is not None and pinned >= until else 0
+    return pinned is not None and pinned >= until
 
 
 def _origin_bytes(sized: VersionSize, held: int) -> int:
@@ -1650,8 +1654,8 @@ def _victims(
     # 101 KiB needed sooner, for 101 KiB short, evicted both, and the first was staged
     # again at once into the room it had left.
     chosen: list[tuple[VersionKey, datetime | None]] = []
-    for index, (held, held_size, following) in enumerate(picked):
-        if freed - held_size >= shortfall and index < len(picked) - 1:
+    for held, held_size, following in picked:  # the last one picked is always needed
+        if freed - held_size >= shortfall:
             freed -= held_size
             continue
         chosen.append((held, following))
