@@ -197,8 +197,13 @@ class RegionPlan:
 
     tasks: list[StageTask] = field(default_factory=list)
     evictions: list[Eviction] = field(default_factory=list)
-    # version → pin until (the end of the last job here that reads it)
+    # version → pin until: the end of the last job here that reads it, or the end of the
+    # last copy another region makes from it here, whichever is later
     pins: dict[VersionKey, datetime] = field(default_factory=dict)
+    # Of ``pins``, the versions another region copies from here: version → those regions.
+    # The plan counts on this region keeping them until those copies end; a pin is what
+    # makes its nodes do so (without one, their own LRU could take the copy's source).
+    lends: dict[VersionKey, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -308,6 +313,8 @@ def plan(
         # eviction); regions not planned yet hold what they hold now, to no known end.
         holds: _Holds = {}
         for name, state in regions.items():
+            if state.unreachable:  # what it holds cannot be copied while it does not answer
+                continue
             for version in state.resident:
                 until = never if lend_until is None else lend_until.get((name, version), never)
                 if until > now:
@@ -405,7 +412,29 @@ def plan(
     # plan had found it late for (it arrived after that job, so the job was left out).
     for name in _copy_from_later_regions(best, regions, sized, best_holds):
         _met_after_all(name, by_region.get(name, []), now, best.regions[name], best)
+    _pin_lent(best)
     return best
+
+
+def _pin_lent(result: Plan) -> None:
+    """Pin each version a region lends until the last copy from it ends there.
+
+    The plan copies from a peer only while that peer holds the version (its
+    own plan evicts it after the copy, with margin), but a peer whose jobs had
+    ended held it unpinned: its nodes' LRU could evict the copy's source while
+    the copy ran, and the copy fell back to origin or failed. Pinned, the
+    version stays there exactly as long as the plan counts on it.
+    """
+    for name, region_plan in result.regions.items():
+        for task in region_plan.tasks:
+            lender = result.regions.get(task.source) if task.source != "origin" else None
+            if lender is None:
+                continue
+            version = task.version
+            lender.pins[version] = max(lender.pins.get(version, task.finish), task.finish)
+            borrowers = lender.lends.get(version, ())
+            if name not in borrowers:
+                lender.lends[version] = (*borrowers, name)
 
 
 def _copy_from_later_regions(
@@ -522,6 +551,8 @@ def _holds_of(state: RegionState, region_plan: RegionPlan, now: datetime) -> _Ho
     From now (held already) or a task's finish, to the first eviction of it
     after that (the far future if none): a peer copy must end within a span.
     """
+    if state.unreachable:  # a peer that does not answer serves no copy
+        return {}
     never = datetime.max.replace(tzinfo=now.tzinfo)
     starts: dict[VersionKey, list[datetime]] = defaultdict(list)
     for version in state.resident:

@@ -937,8 +937,9 @@ class PlanExecutor:
                         # An eviction drops the version's pin with it. A later job here
                         # still reads it (the plan stages it again for that job): pin
                         # it again, so the pin warm reports is the pin the node holds.
+                        # A pin only for copies from here ends before the eviction.
                         until = region_plan.pins.get(step.version)
-                        if until is not None:
+                        if until is not None and until > step.at:
                             problem = self._pin_region(region, step.version, until)
                             if problem is not None:
                                 mine.pin_failures.append(problem)

@@ -95,6 +95,13 @@ def test_plan_invariants(scenario) -> None:  # noqa: ANN001
                     assert version not in region_plan.pins, (job, version)
                 else:
                     assert region_plan.pins[version] >= job.end, (job, version)
+    # 6. the region a copy is made from pins the version until the copy ends, and says
+    #    for whom (a pin is what keeps its nodes from evicting it on their own)
+    for name, region_plan in result.regions.items():
+        for task in (t for t in region_plan.tasks if t.source != "origin"):
+            lender = result.regions[task.source]
+            assert lender.pins[task.version] >= task.finish, task
+            assert name in lender.lends[task.version], task
     # 5. a copy from a peer region runs while that region holds the version: it arrived
     #    there (held from the outset, or staged) by the copy's start, and is not evicted
     #    there before the copy ends
@@ -189,6 +196,10 @@ def test_peer_region_is_used_when_faster_and_transfers_are_counted() -> None:
     (task,) = result.regions["us"].tasks
     assert task.source == "eu" and result.transfers[("train-us", "eu→us")] == 10 * GB
     assert "train-us" not in result.cost  # peer traffic has no origin egress price here
+    # No job of eu reads v, yet the copy counts on eu keeping it: eu pins it to the copy's
+    # end, which its nodes keep (unpinned, their LRU could take it mid-copy), and says why.
+    assert result.regions["eu"].pins == {v: task.finish}
+    assert result.regions["eu"].lends == {v: ("us",)}
 
 
 def test_deterministic() -> None:
@@ -365,6 +376,8 @@ def test_an_unreachable_region_gets_nothing_planned_and_says_why(scenario, down)
     result = plan(jobs, regions, sizes, now=NOW)
     region_plan = result.regions[name]
     assert not (region_plan.tasks or region_plan.evictions or region_plan.pins)
+    # Nor does another region copy from it: a peer that does not answer serves no copy.
+    assert not [t for r in result.regions.values() for t in r.tasks if t.source == name]
     expected = sorted(
         (job.name, f"{d}@{v}") for job in jobs if job.region == name for d, v in job.versions
     )

@@ -41,6 +41,8 @@ def test_a_lent_version_is_evicted_only_after_the_copy_from_it(tmp_path: Path) -
         code, out, err = edgecache("plan", str(schedule), "--config", str(config))
         said = " ".join((out + err).split())
         assert code == 0 and "from: c" in said and "evict v@1" in said, said
+        # c keeps v@1 for a's copy: pinned to the copy's end, so its nodes keep it until then.
+        assert "c: pin v@1 until" in said and "(kept for a's copy from here)" in said, said
         code, out, err = edgecache("warm", str(schedule), "--config", str(config))
         said = " ".join((out + err).split())
         assert code == 0, said

@@ -19,7 +19,14 @@ from rich.progress import Progress, TaskID
 
 from edgecache.cache.errors import EdgeCacheError
 from edgecache.cache.names import parse_spec
-from edgecache.cache.planner import Eviction, Infeasible, Plan, StageTask, VersionKey
+from edgecache.cache.planner import (
+    Eviction,
+    Infeasible,
+    Plan,
+    RegionPlan,
+    StageTask,
+    VersionKey,
+)
 from edgecache.cache.wording import first_of
 from edgecache.clients import ops
 from edgecache.clients.cli.app import app
@@ -100,7 +107,8 @@ def plan(
     Times are UTC. --json gives regions.R.tasks (version, bytes, source,
     start, finish, deadline, jobs, and waits: why it begins no sooner, where a
     node's share fits only once a pin there runs out), regions.R.evictions (version, bytes, at,
-    next_use, reason), regions.R.pins (version, until), infeasible (job,
+    next_use, reason), regions.R.pins (version, until, lent_to: the regions
+    that copy it from here, for whose copies it is kept), infeasible (job,
     region, version, reason, unreachable), transfers (job, link, bytes) and
     cost (job → egress price), released (region, node, version, until,
     shortened_to: the pins an earlier warm of this schedule placed that warm
@@ -368,7 +376,11 @@ def _plan_json(result: Plan, *, explain: bool = False) -> dict[str, object]:
                     for e in rp.evictions
                 ],
                 "pins": [
-                    {"version": f"{v[0]}@{v[1]}", "until": json_time(until)}
+                    {
+                        "version": f"{v[0]}@{v[1]}",
+                        "until": json_time(until),
+                        "lent_to": list(rp.lends.get(v, ())),
+                    }
                     for v, until in sorted(rp.pins.items())
                 ],
             }
@@ -455,7 +467,7 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[
                 if rp.pins
                 else f"region {name}: nothing to do"
             )
-            _print_pins(name, rp.pins)
+            _print_pins(name, rp)
             continue
         rows = [
             [
@@ -497,7 +509,7 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[
         for t in rp.tasks:
             if t.waits:  # not the link or the region's room: said, or the start looks odd
                 line(f"{name}: {t.spec} starts at {t.start:%Y-%m-%d %H:%M}: {t.waits}")
-        _print_pins(name, rp.pins)
+        _print_pins(name, rp)
     if explain:
         for name, rp in result.regions.items():
             for t in rp.tasks:
@@ -518,10 +530,16 @@ def _print_plan(result: Plan, explain: bool, *, unseen: set[str], reported: set[
         )
 
 
-def _print_pins(region: str, pins: dict[VersionKey, datetime]) -> None:
-    """``region: pin NAME@N until TIME``, a line per pin the plan places (to its last job's end)."""
-    for version, until in sorted(pins.items()):
-        line(f"{region}: pin {version[0]}@{version[1]} until {until:%Y-%m-%d %H:%M}")
+def _print_pins(region: str, rp: RegionPlan) -> None:
+    """``region: pin NAME@N until TIME``, a line per pin the plan places.
+
+    To its last job's end there, or to the end of the last copy another region
+    makes from it (said, with those regions: no job here reads it then).
+    """
+    for version, until in sorted(rp.pins.items()):
+        lent = rp.lends.get(version)
+        why = f" (kept for {', '.join(lent)}'s copy from here)" if lent else ""
+        line(f"{region}: pin {version[0]}@{version[1]} until {until:%Y-%m-%d %H:%M}{why}")
 
 
 @app.command()
@@ -953,6 +971,7 @@ def _report_json(warmed: _Warmed, dry_run: bool) -> None:
                 # controller recorded, or a pin no record explains): warm sends no Pin that
                 # would shorten it. Its own longer pins it shortens (`released`).
                 "held_until": json_time(longer[(name, v)][0]) if (name, v) in longer else None,
+                "lent_to": list(rp.lends.get(v, ())),  # regions copying it from here
             }
             for name, rp in work.plan.regions.items()
             for v, until in sorted(rp.pins.items())
@@ -1107,6 +1126,7 @@ def _print_plan_steps(
                         if held is not None
                         else ""
                     )
+                    + (f" (for {', '.join(lent)}'s copy)" if (lent := rp.lends.get(v)) else "")
                     + _not_staged(outcome, name, v)
                 )
     deferred = "would defer" if dry_run else "deferred"
