@@ -720,10 +720,14 @@ def _plan_region(
             uses[version].append((job.start, job.end))
     starts: dict[VersionKey, list[datetime]] = {}
     reach: dict[VersionKey, list[datetime]] = {}  # running max of ends, in start order
+    # Per version: its starts, and the instant after each running max of ends (when it
+    # may go, for a job ending by then): room_frees looks both up for every version held.
+    freeing: dict[VersionKey, tuple[list[datetime], list[datetime]]] = {}
     for version, intervals in uses.items():
         intervals.sort()
         starts[version] = [s for s, _ in intervals]
         reach[version] = list(itertools.accumulate((e for _, e in intervals), max))
+        freeing[version] = (starts[version], [e + _AFTER for e in reach[version]])
 
     def last_end(version: VersionKey, until: datetime) -> datetime:
         """The latest end of the jobs reading ``version`` that start by ``until``."""
@@ -735,29 +739,37 @@ def _plan_region(
         i = bisect.bisect_right(starts.get(version, []), hi) - 1
         return i >= 0 and reach[version][i] >= lo
 
-    by_start: list[tuple[datetime, datetime, VersionKey]] = []  # every use, built when needed
+    # Every use in start order, built when first needed: starts, ends, versions, and the
+    # running max of ends (which only grows, so bisect finds where a walk back would stop).
     by_start_starts: list[datetime] = []
-    by_start_reach: list[datetime] = []  # running max of ends, in start order
+    by_start_ends: list[datetime] = []
+    by_start_versions: list[VersionKey] = []
+    by_start_reach: list[datetime] = []
 
     def used_between(lo: datetime, hi: datetime) -> dict[VersionKey, datetime]:
         """The versions some job here reads at a time in [lo, hi]: each one's last end.
 
-        The uses that start by ``hi``, walked back while one of them (or an
-        earlier one) still runs at ``lo``. The latest end among a version's uses
-        walked is its ``last_end(version, hi)`` (the uses not walked end before
-        ``lo``), which the caller needs next: one walk instead of a search each.
+        The uses that start by ``hi``, back to the first one that (or an earlier
+        one) still runs at ``lo``: before it, every use has ended by ``lo``. The
+        latest end among a version's uses seen is its ``last_end(version, hi)``
+        (the uses not seen end before ``lo``), which the caller needs next: one
+        pass instead of a search each.
         """
-        if not by_start:
-            by_start.extend(sorted((s, e, v) for v, spans in uses.items() for s, e in spans))
-            by_start_starts.extend(s for s, _, _ in by_start)
-            by_start_reach.extend(itertools.accumulate((e for _, e, _ in by_start), max))
+        if not by_start_starts:
+            every = sorted((s, e, v) for v, spans in uses.items() for s, e in spans)
+            by_start_starts.extend(s for s, _, _ in every)
+            by_start_ends.extend(e for _, e, _ in every)
+            by_start_versions.extend(v for _, _, v in every)
+            by_start_reach.extend(itertools.accumulate(by_start_ends, max))
+        i = bisect.bisect_right(by_start_starts, hi)
+        j = bisect.bisect_left(by_start_reach, lo, 0, i)
         found: dict[VersionKey, datetime] = {}
-        i = bisect.bisect_right(by_start_starts, hi) - 1
-        while i >= 0 and by_start_reach[i] >= lo:
-            _, end, version = by_start[i]
+        get = found.get
+        for end, version in zip(by_start_ends[j:i], by_start_versions[j:i], strict=True):
             if end >= lo:
-                found[version] = max(end, found.get(version, end))
-            i -= 1
+                seen = get(version)
+                if seen is None or end > seen:
+                    found[version] = end
         return found
 
     def room_frees(hi: datetime) -> list[_Freed]:
@@ -771,7 +783,8 @@ def _plan_region(
         its bytes and its next use after ``hi``.
         """
         out: list[_Freed] = []
-        pinned, bisect_right, none = state.pinned, bisect.bisect_right, ()
+        pinned, bisect_right, unread = state.pinned, bisect.bisect_right, ((), ())
+        append, freeing_of = out.append, freeing.get
         # A version held in part (a stage cut short) fills the cache too, and goes the same
         # way: it was never evicted, and a job that needed its room could not be met.
         # Room kept for another schedule's pinned version goes when its pin runs out; one
@@ -779,16 +792,18 @@ def _plan_region(
         kept_only = ((v, b) for v, b in reserved.items() if v not in partial)
         with_kept = ((v, b + reserved.get(v, 0)) for v, b in partial.items())
         for version, held in itertools.chain(resident.items(), with_kept, kept_only):
-            times = starts.get(version, none)
+            times, frees = freeing_of(version, unread)
             i = bisect_right(times, hi)
-            free = reach[version][i - 1] + _AFTER if i else None
-            until = pinned.get(version)
-            if until is not None and (free is None or until > free):
-                free = until
-            out.append((version, held, free, times[i] if i < len(times) else None))
+            free = frees[i - 1] if i else None
+            if pinned:
+                until = pinned.get(version)
+                if until is not None and (free is None or until > free):
+                    free = until
+            append((version, held, free, times[i] if i < len(times) else None))
         return out
 
     resident: dict[VersionKey, int] = dict(state.resident)
+    stored_bytes = {v: sized.stored for v, sized in sizes.items()}  # for the advice's checks
     partial: dict[VersionKey, int] = {v: b for v, b in state.partial.items() if v not in resident}
     # A version a job here reads is staged by this plan (then held): no room kept twice.
     reserved = {
@@ -1048,7 +1063,7 @@ def _plan_region(
                     max(u.lead for u in unroomed),
                     _Elsewhen(
                         used_between,
-                        lambda v: sizes[v].stored if v in sizes else 0,
+                        stored_bytes,
                         functools.partial(
                             _lead_at, state, job, sizes, holds=holds, settled=settled
                         ),
@@ -1407,8 +1422,8 @@ def _in_the_way(
         for version in own:
             used.pop(version, None)
         pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
-        size_of = elsewhen.size_of
-        sizes = {v: held[v] if v in held else size_of(v) for v in used.keys() | pins.keys()}
+        stored = elsewhen.stored
+        sizes = {v: held[v] if v in held else stored.get(v, 0) for v in used.keys() | pins.keys()}
         remaining = sum(sizes.values())
         if remaining <= budget:
             return start
@@ -1439,7 +1454,7 @@ class _Elsewhen:
     """What other jobs of the region read at other times, to check a start the advice names."""
 
     used_between: Callable[[datetime, datetime], dict[VersionKey, datetime]]  # read in [lo, hi]
-    size_of: Callable[[VersionKey], int]  # stored bytes
+    stored: Mapping[VersionKey, int]  # stored bytes of each version known
     # The transfer and margin the job's versions need for a start then: the source may
     # differ (a peer that holds a version for one start has evicted it by a later one).
     lead_at: Callable[[datetime], timedelta]
