@@ -35,7 +35,7 @@ from rich.progress import (
 
 from edgecache.cache.codec import COMPRESSIONS
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
-from edgecache.cache.planner import Plan
+from edgecache.cache.planner import Plan, RegionPlan, VersionKey
 from edgecache.cache.registry import Registry
 from edgecache.cache.units import format_bytes
 from edgecache.clients.channels import node_error, open_channel
@@ -287,10 +287,22 @@ def _plan_lines(plan: Plan) -> list[str]:
         ]
         lines += [
             f"{region}: pin {name}@{version} until {_utc(until, '%Y-%m-%d %H:%M')} "
-            "(its last job here ends then; no eviction takes it before)"
+            f"({_pin_reason(rp, (name, version))}; no eviction takes it before)"
             for (name, version), until in rp.pins.items()
         ]
     return lines
+
+
+def _pin_reason(rp: RegionPlan, version: VersionKey) -> str:
+    """Why the plan pins ``version`` until its time.
+
+    The region's last job reading it ends then, or another region's copy from
+    here runs until then (the later of the two).
+    """
+    lent = rp.lends.get(version)
+    if not lent:
+        return "its last job here ends then"
+    return f"read here, or copied from here by {', '.join(lent)}, until then"
 
 
 # Under a millisecond the clock's granularity and the call's own overhead are most of
