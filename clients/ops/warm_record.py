@@ -527,10 +527,12 @@ def _pinned_message(
         # Nothing names its job, so no warm run or controller round will release it: the
         # advice to edit a schedule and run warm again did nothing, --force is the way.
         return (
-            f"{pinned}, kept for a scheduled job, but neither warm nor the controller recorded "
-            "which (`edgecache plan SCHEDULE` lists the jobs that read it), so neither will "
-            "release the pin before it runs out; evicting it would leave that job without its "
-            "data. If no job needs it any more, pass --force"
+            f"{pinned}, kept for a scheduled job or for another region's copy from here, but "
+            "neither warm nor the controller recorded a job here that reads it (`edgecache plan "
+            "SCHEDULE` lists the jobs that read it, and says `kept for R's copy from here` of "
+            "a pin for a copy), so neither will release the pin before it runs out; evicting "
+            "it would leave that job or copy without its data. If nothing needs it any more, "
+            "pass --force"
         )
     reads = ", ".join(dict.fromkeys(_job_times(job, now) for job in readers))  # once each
     return (
