@@ -534,7 +534,7 @@ def _print_pins(region: str, rp: RegionPlan) -> None:
     """``region: pin NAME@N until TIME``, a line per pin the plan places.
 
     To its last job's end there, or to the end of the last copy another region
-    makes from it (said, with those regions: no job here reads it then).
+    makes from it, whichever is later (a pin some copy needs says for whom).
     """
     for version, until in sorted(rp.pins.items()):
         lent = rp.lends.get(version)
