@@ -1,5 +1,11 @@
 """TCP's own counters for the connections to one peer: segments sent and retransmitted.
 
+Also the least round trip TCP measured on them (``minrtt``): the path's
+propagation delay, which a bandwidth-delay product needs. A health check's
+round trip is not it: on a busy host it holds the scheduling of both
+processes and gRPC's own work (a loopback ping read 1-2 ms on a loaded CI
+host while TCP's ``minrtt`` there is tens of microseconds).
+
 Loss on a path is what TCP retransmits, not what an RPC fails at: twenty
 health checks cannot resolve 0.1 %, but the segments of a bulk transfer can.
 The sender's kernel knows them (``tcp_info``: ``segs_out``, ``retrans``), so
@@ -54,6 +60,7 @@ WATCH_EVERY = 0.1  # seconds between a Watch's readings: an ``ss`` costs a few m
 _SEGS_OUT = re.compile(r"\bsegs_out:(\d+)")
 _RETRANS = re.compile(r"\bretrans:\d+/(\d+)")
 _DSACK_DUPS = re.compile(r"\bdsack_dups:(\d+)")
+_MIN_RTT = re.compile(r"\bminrtt:([0-9.]+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,7 @@ class SocketCounters:
     segments_out: int
     retransmitted: int
     spurious: int = 0  # retransmissions the receiver D-SACKed: they had arrived
+    min_rtt_ms: float | None = None  # the least round trip TCP saw (None: not shown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +83,7 @@ class TcpDelta:
 
     segments_out: int
     retransmitted: int
+    min_rtt_ms: float | None = None  # the least of the connections' own (None: none shown)
 
     @property
     def loss(self) -> float | None:
@@ -153,8 +162,12 @@ def parse_ss(out: str, wanted: set[tuple[str, int]]) -> dict[tuple[str, str], So
                 continue
         except ValueError:
             continue
+        min_rtt = _MIN_RTT.search(detail)
         found[(local, peer)] = SocketCounters(
-            _count(_SEGS_OUT, detail), _count(_RETRANS, detail), _count(_DSACK_DUPS, detail)
+            _count(_SEGS_OUT, detail),
+            _count(_RETRANS, detail),
+            _count(_DSACK_DUPS, detail),
+            float(min_rtt.group(1)) if min_rtt else None,
         )
     return found
 
@@ -167,14 +180,21 @@ def _count(pattern: re.Pattern[str], detail: str) -> int:
 def delta(
     before: dict[tuple[str, str], SocketCounters], after: dict[tuple[str, str], SocketCounters]
 ) -> TcpDelta:
-    """What happened between two readings (connections opened since count whole)."""
+    """What happened between two readings (connections opened since count whole).
+
+    The least round trip is over the connections that sent anything between them.
+    """
     sent = retrans = 0
+    rtts = []
     for key, now in after.items():
         then = before.get(key, SocketCounters(0, 0))
-        sent += max(now.segments_out - then.segments_out, 0)
+        moved = max(now.segments_out - then.segments_out, 0)
+        sent += moved
         lost = (now.retransmitted - then.retransmitted) - (now.spurious - then.spurious)
         retrans += max(lost, 0)
-    return TcpDelta(sent, retrans)
+        if moved and now.min_rtt_ms is not None:
+            rtts.append(now.min_rtt_ms)
+    return TcpDelta(sent, retrans, min(rtts, default=None))
 
 
 def _latest(
@@ -189,10 +209,12 @@ def _latest(
         if then is None:
             seen[key] = now
         else:
+            rtts = [r for r in (then.min_rtt_ms, now.min_rtt_ms) if r is not None]
             seen[key] = SocketCounters(
                 max(then.segments_out, now.segments_out),
                 max(then.retransmitted, now.retransmitted),
                 max(then.spurious, now.spurious),
+                min(rtts, default=None),
             )
 
 

@@ -531,6 +531,11 @@ class Pings:
         return statistics.median(self.samples_ms) if self.samples_ms else None
 
     @property
+    def min_rtt_ms(self) -> float | None:
+        """The least round trip (the one least delayed by a busy host), or None."""
+        return min(self.samples_ms) if self.samples_ms else None
+
+    @property
     def jitter_ms(self) -> float | None:
         """Mean difference of consecutive round trips (RFC 3550's idea), or None."""
         pairs = list(zip(self.samples_ms, self.samples_ms[1:], strict=False))

@@ -3,7 +3,7 @@
 Measured against the baselines operators use: RTT (in-region < 5 ms,
 cross-region < 50 ms), jitter < 2 ms, loss < 0.1 %, throughput, and this
 host's congestion control and socket buffer limits against the
-bandwidth-delay product of the slowest link. Loss is TCP's: the share of
+largest bandwidth-delay product of a path. Loss is TCP's: the share of
 segments retransmitted during a multi-stream upload into each node's
 ``Sink`` (this host is the sender, so its kernel knows;
 :mod:`edgecache.cache.tcp_stats`); twenty pings could never resolve 0.1 %.
@@ -76,6 +76,10 @@ class PathCheck:
     registry: str | None = None
     registry_match: str | None = None
     node_id: str | None = None  # as the node reports it (None: it did not say)
+    # The path's propagation delay for its bandwidth-delay product: TCP's own least
+    # round trip on the upload's connections (``ss``'s minrtt), else the least health
+    # check's. The median RTT above holds a busy host's scheduling and gRPC's work.
+    min_rtt_ms: float | None = None
     problems: list[str] = field(default_factory=list)
     # What may be wrong but need not be (a registry's local path that differs): no failure.
     warnings: list[str] = field(default_factory=list)
@@ -103,6 +107,7 @@ def check_paths(
             result = health_pings(channel, pings=pings, timeout=1.0)
             rtt, jitter = result.rtt_ms, result.jitter_ms
             check = PathCheck(region, node, rtt, jitter, result.lost / pings, None)
+            check.min_rtt_ms = result.min_rtt_ms
             if result.samples_ms:
                 if report := _check_status(check, channel, topology.registry, bearer(token)):
                     reports.append(report)
@@ -285,6 +290,8 @@ def _upload(
     check.segments_sent, check.segments_retransmitted = change.segments_out, change.retransmitted
     # Below a few thousand segments one retransmission is more than 0.1 %: no verdict.
     check.loss = change.loss if change.segments_out >= 2000 else None
+    if change.min_rtt_ms is not None:
+        check.min_rtt_ms = change.min_rtt_ms
 
 
 @dataclass
@@ -518,12 +525,13 @@ def _throughput(
 
 @dataclass
 class HostCheck:
-    """The host's TCP settings against the slowest link's bandwidth-delay product."""
+    """The host's TCP settings against the largest bandwidth-delay product of a path."""
 
     congestion_control: str
     rmem_max: int
     wmem_max: int
     bdp_bytes: int
+    bdp_node: str | None = None  # the path it is of (None: no path answered)
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
 
@@ -539,19 +547,34 @@ def _sysctl(name: str) -> str:
         return ""
 
 
+def path_bdp(path: PathCheck, topology: Topology) -> int | None:
+    """Bytes in flight that keep ``path`` full: its rate × its propagation delay.
+
+    The rate is the fastest this host moved on the path (read or upload), else
+    its region's configured origin bandwidth, else 10 Gbit/s; the delay is the
+    path's least round trip (:attr:`PathCheck.min_rtt_ms`), as BBR estimates a
+    BDP. Each path's own rate and delay: one path's bandwidth against another's
+    RTT is no path's product.
+    """
+    if path.min_rtt_ms is None:
+        return None
+    measured = [r * 1e6 for r in (path.throughput_mb_s, path.upload_mb_s) if r]
+    config = topology.regions.get(path.region)
+    configured = config.origin_bandwidth if config is not None else None
+    rate = max(measured) if measured else (configured or 1.25e9)  # bytes/s
+    return int(rate * path.min_rtt_ms / 1e3)
+
+
 def check_host(paths: list[PathCheck], topology: Topology) -> HostCheck:
     """Congestion control and buffer limits, with the sysctl lines that would fix them."""
-    rtts = [p.rtt_ms for p in paths if p.rtt_ms is not None]
-    rates = [c.origin_bandwidth for c in topology.regions.values() if c.origin_bandwidth] + [
-        p.throughput_mb_s * 1e6 for p in paths if p.throughput_mb_s
-    ]
-    bandwidth = max(rates, default=1.25e9)  # bytes/s; 10 Gbit/s when nothing is known
-    bdp = int(bandwidth * (max(rtts, default=1.0) / 1e3))
+    products = [(b, p.node) for p in paths if (b := path_bdp(p, topology)) is not None]
+    bdp, node = max(products, default=(int(1.25e9 * 1e-3), None))  # 10 Gbit/s × 1 ms
     check = HostCheck(
         congestion_control=_sysctl("net.ipv4.tcp_congestion_control") or "unknown",
         rmem_max=int(_sysctl("net.core.rmem_max") or 0),
         wmem_max=int(_sysctl("net.core.wmem_max") or 0),
         bdp_bytes=bdp,
+        bdp_node=node,
     )
     if check.congestion_control != "bbr":
         check.problems.append(

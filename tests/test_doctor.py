@@ -354,6 +354,65 @@ def test_ss_output_with_states_and_time_wait_sockets_is_read_per_socket() -> Non
     }
 
 
+def test_the_least_round_trip_is_tcps_own_over_the_connections_that_sent() -> None:
+    from edgecache.cache import tcp_stats
+
+    wanted = {("127.0.0.1", 43933)}
+    line = "0 0 127.0.0.1:{port} 127.0.0.1:43933\n\t bbr segs_out:{segs} retrans:0/0{rtt}\n"
+    before = tcp_stats.parse_ss(
+        line.format(port=1, segs=10, rtt=" minrtt:0.9")
+        + line.format(port=2, segs=50, rtt=" minrtt:0.02"),
+        wanted,
+    )
+    assert before[("127.0.0.1:2", "127.0.0.1:43933")].min_rtt_ms == 0.02
+    # Connection 2 sent nothing since: its round trip is not the test's.
+    after = tcp_stats.parse_ss(
+        line.format(port=1, segs=900, rtt=" minrtt:0.3")
+        + line.format(port=2, segs=50, rtt=" minrtt:0.02")
+        + line.format(port=3, segs=5, rtt=""),
+        wanted,
+    )
+    assert tcp_stats.delta(before, after).min_rtt_ms == 0.3
+    # A connection that shows no minrtt (an old ss) gives none.
+    assert tcp_stats.delta({}, {k: v for k, v in after.items() if "3" in k[0]}).min_rtt_ms is None
+    # A Watch's readings keep each connection's least.
+    seen: dict = {}
+    tcp_stats._latest(seen, after)
+    tcp_stats._latest(seen, before)
+    assert seen[("127.0.0.1:1", "127.0.0.1:43933")] == tcp_stats.SocketCounters(900, 0, 0, 0.3)
+
+
+def test_the_host_check_takes_each_paths_own_rate_and_propagation_delay() -> None:
+    # CI's doctor on loopback reported "rmem_max = 4,194,304 B < 2 × BDP": its BDP was the
+    # fastest rate of any path (1.4 GB/s) times the *median health-check* RTT, which a
+    # host under load stretched to 2 ms. A path's product is its own rate × its least
+    # round trip (TCP's minrtt when the upload measured it).
+    from edgecache.clients.doctor import PathCheck, check_host
+    from edgecache.clients.topology import RegionConfig, Topology
+
+    topology = Topology(
+        registry="s3://registry",
+        regions={
+            "eu": RegionConfig(nodes=["127.0.0.1:1"], origin_bandwidth="10Gbit/s"),
+            "us": RegionConfig(nodes=["10.0.0.2:1"], origin_bandwidth="200Mbit/s"),
+        },
+    )
+    near = PathCheck("eu", "127.0.0.1:1", 2.0, 0.5, 0.0, 1400.0, upload_mb_s=900.0)
+    near.min_rtt_ms = 0.02  # TCP's own: microseconds on loopback
+    far = PathCheck("us", "10.0.0.2:1", 81.0, 0.3, 0.0, None)
+    far.min_rtt_ms = 80.0  # nothing read: the region's origin bandwidth, 25 MB/s
+    host = check_host([near, far], topology)
+    assert (host.bdp_bytes, host.bdp_node) == (pytest.approx(2_000_000, abs=1), "10.0.0.2:1")
+    # The old product, 1.4 GB/s × 81 ms = 113 MB, would have asked for 227 MB buffers.
+    needs = 2 * host.bdp_bytes
+    flagged = any("BDP" in p for p in host.problems)
+    assert flagged == (min(host.rmem_max, host.wmem_max) < needs), host
+    alone = check_host([near], topology)
+    assert (alone.bdp_bytes, alone.bdp_node) == (pytest.approx(28_000, abs=1), "127.0.0.1:1")
+    # No path answered: 10 Gbit/s × 1 ms, said as no path's.
+    assert check_host([], topology).bdp_node is None
+
+
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 def test_an_upload_to_a_server_that_closes_each_connection_is_counted() -> None:
     # moto closes the connection after every request (Connection: close). Read before
@@ -398,6 +457,8 @@ def test_an_upload_to_a_server_that_closes_each_connection_is_counted() -> None:
     # No claim on retransmissions: a loaded CI host's loopback retransmitted one of 120
     # segments to this deliberately slow reader (a timer fired before its ACK came).
     assert change.loss is not None, change
+    # TCP's own least round trip on loopback: microseconds, however busy the host.
+    assert change.min_rtt_ms is not None and change.min_rtt_ms < 20, change
 
 
 @pytest.mark.parametrize("fails", ["Status", "ReadShard"])

@@ -577,8 +577,8 @@ def doctor(
         )
     console.print(
         f"host: congestion control {host.congestion_control}, rmem_max {host.rmem_max:,}, "
-        f"wmem_max {host.wmem_max:,}, bandwidth-delay product of the slowest path "
-        f"{host.bdp_bytes:,} B"
+        f"wmem_max {host.wmem_max:,}, largest bandwidth-delay product of a path "
+        f"{host.bdp_bytes:,} B" + (f" (to {host.bdp_node})" if host.bdp_node else "")
     )
     for problem in host.problems:
         console.print(f"[red]✗[/red] {problem}")
