@@ -189,6 +189,11 @@ class Infeasible:
     # report the outage once as the node failure it is, and leave these rows out of the
     # plan's own reasons, without having to recognise its text.
     unreachable: bool = False
+    # While plan() weighs orders of the regions: what makes the reason, called only for
+    # the rows of the plan it keeps (it fills ``reason`` then). A no-room reason's advice
+    # (a start at which the job fits) was half the CPU of a 10k-job plan, spent as much
+    # on the orders tried and dropped. None in every row plan() returns.
+    explain: Callable[[], str] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -326,9 +331,12 @@ def plan(
         parts: dict[str, _Part] = {}
         for name in order:
             part = reuse.get(name)
+            kept = {v: until for (r, v), until in reserved.items() if r == name}
+            inputs = _inputs_of(regions[name], read_in[name], kept, holds, parts)
+            if part is None and (known := planned.get(name)) is not None and known[0] == inputs:
+                part = known[1]  # another order gave this region the same inputs
             if part is None:
                 state = regions[name]
-                kept = {v: until for (r, v), until in reserved.items() if r == name}
                 if kept:
                     pinned = {
                         v: max(state.pinned.get(v, until), until) for v, until in kept.items()
@@ -346,6 +354,7 @@ def plan(
                     settled=frozenset(parts),
                 )
                 part = _Part(own, frozenset(kept))
+                planned[name] = (inputs, part)
             holds.update(_holds_of(regions[name], part.plan.regions[name], now))
             parts[name] = part
             for task in part.plan.regions[name].tasks:
@@ -362,6 +371,15 @@ def plan(
         result.infeasible.sort(key=lambda i: (i.region, i.job, i.version))
         _drop_unstaged_pins(result, regions)
         return result, parts, holds
+
+    # Each region's plan with what it was planned from: an order that gives a region the
+    # same inputs (its loans, and what its peers hold of the versions its jobs read, and
+    # which of them were planned before it) gets the same plan, not planned again.
+    planned: dict[str, tuple[tuple[object, ...], _Part]] = {}
+    read_in = {
+        name: sorted({v for job in by_region.get(name, []) for v in job.versions})
+        for name in regions
+    }
 
     # A region planned first cannot copy from one planned after it: when that one fetches
     # the same version from origin and its copy would be ready in time for the first
@@ -413,6 +431,7 @@ def plan(
     for name in _copy_from_later_regions(best, regions, sized, best_holds):
         _met_after_all(name, by_region.get(name, []), now, best.regions[name], best)
     _pin_lent(best)
+    best.infeasible = _explained(best.infeasible)
     return best
 
 
@@ -543,6 +562,28 @@ class _Part(NamedTuple):
 
 # (region, version) → the spans of time a region holds a version: [(from, until)].
 _Holds = dict[tuple[str, VersionKey], list[tuple[datetime, datetime]]]
+
+
+def _inputs_of(
+    state: RegionState,
+    versions: Sequence[VersionKey],
+    kept: Mapping[VersionKey, datetime],
+    holds: _Holds,
+    settled: Mapping[str, object],
+) -> tuple[object, ...]:
+    """What a region's plan depends on beyond its own jobs and state, as one comparable value.
+
+    :func:`_plan_region` reads of the other regions only what its peers hold of
+    the ``versions`` its jobs read (``holds``), and which peers were planned
+    before it (``settled``: the advice counts only on their copies); plus what
+    it keeps for a copy by a region planned before it (``kept``).
+    """
+    peers = sorted(state.peer_bandwidth)
+    return (
+        tuple(sorted(kept.items())),
+        tuple(p for p in peers if p in settled),
+        tuple(tuple(holds.get((p, v), ())) for p in peers for v in versions),
+    )
 
 
 def _holds_of(state: RegionState, region_plan: RegionPlan, now: datetime) -> _Holds:
@@ -1028,7 +1069,9 @@ def _plan_region(
             blocking = ", ".join(spec for spec, _ in too_big) or ", ".join(u.spec for u in unroomed)
             for index, late_reason in late_rows:
                 row = result.infeasible[index]
-                result.infeasible[index] = replace(row, reason=late_reason(blocked=blocking))
+                result.infeasible[index] = replace(
+                    row, reason=late_reason(blocked=blocking), explain=None
+                )
             # One fix for the whole job: the capacity all its versions need together with
             # what may be held and in use with them, and a start after what holds back
             # every one that found no room (if each has one).
@@ -1043,37 +1086,95 @@ def _plan_region(
             # What is in the way of each version, named on its row; and one start for the
             # job as a whole: all its versions need room then, those staged now too (a
             # start that made room for one left the next without: the job did not fit).
-            named = [
-                _in_the_way(state, job, u.in_way, u.begin, last_end, u.held_then, 0, u.lead)[0]
-                for u in unroomed
-            ]
-            after = None
-            if unroomed and not too_big:
-                everything = sum(
-                    sizes[v].stored if v in sizes else 0 for v in dict.fromkeys(job.versions)
-                )
-                _, after = _in_the_way(
-                    state,
-                    job,
-                    sorted({v for u in unroomed for v in u.in_way}),
-                    min(u.begin for u in unroomed),
-                    last_end,
-                    {v: b for u in unroomed for v, b in u.held_then.items()},
-                    everything + max(u.others_kept for u in unroomed) - state.capacity_bytes,
-                    max(u.lead for u in unroomed),
-                    _Elsewhen(
-                        used_between,
-                        stored_bytes,
-                        functools.partial(
-                            _lead_at, state, job, sizes, holds=holds, settled=settled
+            # Worked out only for the plan kept (Infeasible.explain): everything they read is
+            # fixed by now (``holds`` gains only regions planned later, which ``settled``
+            # leaves out), so they come out as they would have here.
+            if unroomed:
+                advice = functools.cache(
+                    functools.partial(
+                        _advice,
+                        state,
+                        job,
+                        unroomed,
+                        None if too_big else sizes,
+                        last_end,
+                        _Elsewhen(
+                            used_between,
+                            stored_bytes,
+                            functools.partial(
+                                _lead_at, state, job, sizes, holds=holds, settled=settled
+                            ),
                         ),
-                    ),
+                    )
                 )
-            for u, names in zip(unroomed, named, strict=True):
-                reason = _no_room(state, job, u.missing, short, u.kept, names, after)
-                result.infeasible.append(Infeasible(job.name, state.name, u.spec, reason))
+            for i, u in enumerate(unroomed):
+                result.infeasible.append(
+                    Infeasible(
+                        job.name,
+                        state.name,
+                        u.spec,
+                        "",
+                        explain=functools.partial(_no_room_reason, state, job, u, short, advice, i),
+                    )
+                )
     _met_after_all(state.name, jobs, now, out, result)
     return out
+
+
+def _advice(
+    state: RegionState,
+    job: Job,
+    unroomed: list[_Unroomed],
+    sizes: Mapping[VersionKey, VersionSize] | None,
+    last_end: Callable[[VersionKey, datetime], datetime],
+    elsewhen: _Elsewhen,
+) -> tuple[list[list[str]], datetime | None]:
+    """What is in the way of each version of ``job`` that found no room, and one start for all.
+
+    All its versions need room at that start, those staged now too (a start that
+    made room for one left the next without: the job did not fit). No start
+    (``sizes`` None) where one of its versions is larger than the region.
+    """
+    named = [
+        _in_the_way(state, job, u.in_way, u.begin, last_end, u.held_then, 0, u.lead)[0]
+        for u in unroomed
+    ]
+    if sizes is None:
+        return named, None
+    everything = sum(sizes[v].stored if v in sizes else 0 for v in dict.fromkeys(job.versions))
+    _, after = _in_the_way(
+        state,
+        job,
+        sorted({v for u in unroomed for v in u.in_way}),
+        min(u.begin for u in unroomed),
+        last_end,
+        {v: b for u in unroomed for v, b in u.held_then.items()},
+        everything + max(u.others_kept for u in unroomed) - state.capacity_bytes,
+        max(u.lead for u in unroomed),
+        elsewhen,
+    )
+    return named, after
+
+
+def _no_room_reason(
+    state: RegionState,
+    job: Job,
+    unroomed: _Unroomed,
+    short: int,
+    advice: Callable[[], tuple[list[list[str]], datetime | None]],
+    index: int,
+) -> str:
+    """The reason of the row of ``job``'s ``index``-th version that found no room."""
+    named, after = advice()
+    return _no_room(state, job, unroomed.missing, short, unroomed.kept, named[index], after)
+
+
+def _explained(rows: list[Infeasible]) -> list[Infeasible]:
+    """``rows`` with every reason worked out (see :attr:`Infeasible.explain`)."""
+    return [
+        row if row.explain is None else replace(row, reason=row.explain(), explain=None)
+        for row in rows
+    ]
 
 
 def _met_after_all(

@@ -602,6 +602,10 @@ def check(spec: dict, root: Path, *, advice: bool = True) -> None:
                     elif (j.name, d) in rows:
                         expect(v not in rp.pins, "P-unstaged-pin", j.name, v, rp.pins)
 
+    # Every row says why, worked out for the plan kept (not the orders it weighed).
+    for row in rows.values():
+        expect(row.explain is None and row.reason, "D-reason", row)
+
     # (d) every version of every job is there through the job, or reported
     for j in current:
         region = model.get(j.region)
