@@ -331,10 +331,11 @@ def plan(
         parts: dict[str, _Part] = {}
         for name in order:
             part = reuse.get(name)
-            kept = {v: until for (r, v), until in reserved.items() if r == name}
-            inputs = _inputs_of(regions[name], read_in[name], kept, holds, parts)
-            if part is None and (known := planned.get(name)) is not None and known[0] == inputs:
-                part = known[1]  # another order gave this region the same inputs
+            if part is None:
+                kept = {v: until for (r, v), until in reserved.items() if r == name}
+                inputs = _inputs_of(regions[name], read_in[name], kept, holds, parts)
+                if (known := planned.get(name)) is not None and known[0] == inputs:
+                    part = known[1]  # another order gave this region the same inputs
             if part is None:
                 state = regions[name]
                 if kept:
@@ -1069,9 +1070,7 @@ def _plan_region(
             blocking = ", ".join(spec for spec, _ in too_big) or ", ".join(u.spec for u in unroomed)
             for index, late_reason in late_rows:
                 row = result.infeasible[index]
-                result.infeasible[index] = replace(
-                    row, reason=late_reason(blocked=blocking), explain=None
-                )
+                result.infeasible[index] = replace(row, reason=late_reason(blocked=blocking))
             # One fix for the whole job: the capacity all its versions need together with
             # what may be held and in use with them, and a start after what holds back
             # every one that found no room (if each has one).

@@ -54,6 +54,7 @@ RTT_IN_REGION_MS, RTT_CROSS_REGION_MS, JITTER_MS, LOSS = 5.0, 50.0, 2.0, 0.001
 # How a path's problem starts when no health check got through: the CLI's exit code
 # tells a node away (1) from a TLS setting of this command (2) by them.
 UNREACHABLE, TLS_REFUSED = "unreachable", "TLS refused"
+UNKNOWN_RATE = 1.25e9  # bytes/s a path is taken to carry when nothing says: 10 Gbit/s
 
 
 @dataclass
@@ -561,14 +562,14 @@ def path_bdp(path: PathCheck, topology: Topology) -> int | None:
     measured = [r * 1e6 for r in (path.throughput_mb_s, path.upload_mb_s) if r]
     config = topology.regions.get(path.region)
     configured = config.origin_bandwidth if config is not None else None
-    rate = max(measured) if measured else (configured or 1.25e9)  # bytes/s
+    rate = max(measured) if measured else (configured or UNKNOWN_RATE)  # bytes/s
     return int(rate * path.min_rtt_ms / 1e3)
 
 
 def check_host(paths: list[PathCheck], topology: Topology) -> HostCheck:
     """Congestion control and buffer limits, with the sysctl lines that would fix them."""
     products = [(b, p.node) for p in paths if (b := path_bdp(p, topology)) is not None]
-    bdp, node = max(products, default=(int(1.25e9 * 1e-3), None))  # 10 Gbit/s × 1 ms
+    bdp, node = max(products, default=(int(UNKNOWN_RATE * 1e-3), None))  # × 1 ms: no path
     check = HostCheck(
         congestion_control=_sysctl("net.ipv4.tcp_congestion_control") or "unknown",
         rmem_max=int(_sysctl("net.core.rmem_max") or 0),
