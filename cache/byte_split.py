@@ -422,8 +422,8 @@ def join(data: pa.Buffer, regions: Sequence[Region], raw_len: int) -> pa.Buffer:
             raise ChunkCorrupt(_SHORT)
         dst[done : r.offset] = src[at : at + gap]
         at += gap
-        streams, at = _streams(src, at, r)
-        _join_one(streams, dst[r.offset : r.offset + r.length], r)
+        dense, sparse, at = _streams(src, at, r)
+        _join_one(dense, sparse, dst[r.offset : r.offset + r.length], r)
         done = r.offset + r.length
     if len(src) - at != raw_len - done:
         raise ChunkCorrupt(
@@ -434,10 +434,26 @@ def join(data: pa.Buffer, regions: Sequence[Region], raw_len: int) -> pa.Buffer:
     return out
 
 
-def _streams(src: np.ndarray, at: int, region: Region) -> tuple[list[np.ndarray], int]:
-    """The region's stored streams read from ``src`` at ``at`` (sparse ones expanded); the end."""
+class _Sparse(NamedTuple):
+    """A sparse stream read back: byte ``k`` of the elements at ``where`` is ``values``, else 0."""
+
+    k: int
+    where: np.ndarray  # element indices, ascending
+    values: np.ndarray  # uint8, one for each index
+
+
+def _streams(
+    src: np.ndarray, at: int, region: Region
+) -> tuple[list[tuple[int, np.ndarray]], list[_Sparse], int]:
+    """The region's stored streams read from ``src`` at ``at``: (k, dense), sparse ones; the end.
+
+    A sparse stream is not expanded to a dense one: its bytes are written
+    straight into their elements (:func:`_join_one`), which spares a zeroed
+    stream, a scatter into it and a shift and an OR of the whole of it.
+    """
     count = region.length // region.width
-    streams = []
+    dense: list[tuple[int, np.ndarray]] = []
+    sparse: list[_Sparse] = []
     for k in range(region.width):
         if region.constant >> k & 1:
             continue
@@ -449,16 +465,15 @@ def _streams(src: np.ndarray, at: int, region: Region) -> tuple[list[np.ndarray]
             values = src[at : at + len(where)]
             if len(bits) != (count + 7) // 8 or len(values) != len(where):
                 raise ChunkCorrupt(_SHORT)
-            stream = np.zeros(count, np.uint8)
-            stream[where] = values  # an index array: 4x numpy's boolean-mask assignment
+            sparse.append(_Sparse(k, where, values))
             at += len(where)
         else:
             stream = src[at : at + count]
             if len(stream) != count:
                 raise ChunkCorrupt(_SHORT)
+            dense.append((k, stream))
             at += count
-        streams.append(stream)
-    return streams, at
+    return dense, sparse, at
 
 
 _SHORT = (
@@ -467,25 +482,33 @@ _SHORT = (
 )
 
 
-def _join_one(streams: list[np.ndarray], dst: np.ndarray, region: Region) -> None:
-    # Little-endian words: byte k of each element is stream k shifted left by 8k. Each
+def _join_one(
+    dense: list[tuple[int, np.ndarray]], sparse: list[_Sparse], dst: np.ndarray, region: Region
+) -> None:
+    # Little-endian words: byte k of each element is dense stream k shifted left by 8k. Each
     # step is one vectorised pass over a whole stream; a constant stream costs nothing
-    # unless it is non-zero (then one OR at the end).
+    # unless it is non-zero (then one OR at the end). Sparse streams come last, each byte
+    # written into its element in place (an index array: 4x numpy's boolean-mask
+    # assignment): on token ids, whose second byte is the sparse one, the words are then
+    # their low bytes cast, with no shift at all.
     words = dst.view(_WORDS[region.width])
-    kept = [k for k in range(region.width) if not region.constant >> k & 1]
-    if not kept:
+    if not dense:
         words.fill(region.values)
-        return
-    above = kept[-1]
-    np.copyto(words, streams[-1], casting="unsafe")
-    for row, k in zip(range(len(kept) - 2, -1, -1), reversed(kept[:-1]), strict=True):
-        words <<= 8 * (above - k)
-        words |= streams[row]
-        above = k
-    if above:
-        words <<= 8 * above
-    if region.values:
-        words |= region.values
+    else:
+        above, top = dense[-1]
+        np.copyto(words, top, casting="unsafe")
+        for k, stream in reversed(dense[:-1]):
+            words <<= 8 * (above - k)
+            words |= stream
+            above = k
+        if above:
+            words <<= 8 * above
+        if region.values:
+            words |= region.values
+    for k, where, values in sparse:
+        where *= region.width  # the array is this call's own
+        where += k
+        dst[where] = values
 
 
 def pack_regions(regions: Sequence[Region]) -> bytes:
