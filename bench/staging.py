@@ -24,7 +24,9 @@ one run:
     gains less there than on the Zipf ids, which repeat nothing.
 (b) An ``edgecache serve`` subprocess pinned with ``taskset`` to 1 core and to
     2 cores, staging the default version from file:// (so origin costs no
-    CPU), interleaved, best of ``--repeat``: source MB/s. Target: 2 cores >=
+    CPU), interleaved after two warm-up stages each (a fresh node's first
+    stages zero its allocators' new huge pages), best of ``--repeat``:
+    source MB/s. Target: 2 cores >=
     1.7x. Each round starts once other processes leave the CPUs quiet, and is
     run again (at most 4 times) when they took more than a tenth of them
     meanwhile. The node's own Status figures (staging rate, CPU-s per GB) are
@@ -295,6 +297,7 @@ def _stage_watched(client: edge_pb2_grpc.EdgeCacheStub, pid: int) -> tuple[int, 
 # 53: 76-114 MB/s on 2 cores against 94-132 on 1 with others at 0.4-0.6).
 QUIET = 0.05
 QUIET_TRIES = 4
+WARM_UP_STAGES = 2  # stages of each node before the rounds (scaling() says why)
 
 
 def _quiet(wait: float = 30.0) -> None:
@@ -394,7 +397,14 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
     status = {}
     try:
         for _, client in nodes.values():
-            _stage(client)  # warm-up: imports, first allocations
+            # Warm-up: imports, and the allocators' first pages. A fresh node's first stages
+            # zero the huge pages its allocators take as they grow: perf on a 2-core node,
+            # clear_page_erms under do_huge_pmd_anonymous_page was 29 % of its CPU in its
+            # first stage (18.9 CPU-s/GB), 7.6 % in its second (11.9), none in its third
+            # (10.7; a 1-core node in flight holds less and settles sooner). The rounds
+            # measure staging once the node has settled, as a node that stages all day is.
+            for _ in range(WARM_UP_STAGES):
+                _stage(client)
         for _ in range(repeat):
             for label, (proc, client) in nodes.items():
                 runs[label].append(_quiet_round(lambda c=client, p=proc: _stage_watched(c, p.pid)))
