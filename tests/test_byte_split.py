@@ -162,6 +162,36 @@ def _dense_frame(batch: pa.RecordBatch) -> bytes:
     return pack_frame(payload, codec=Codec.BYTE_SPLIT_ZSTD, rows=batch.num_rows, raw_len=raw.size)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "high", "dense_streams"),
+    [
+        (np.uint32, 32_000, 2),
+        (np.uint64, 50_000, 2),
+        (np.uint64, 1 << 24, 3),
+        (np.uint32, 1 << 20, 3),
+    ],
+)
+def test_dense_low_streams_join_through_narrow_words_into_reused_memory(
+    dtype: type, high: int, dense_streams: int
+) -> None:
+    """Ids whose dense streams are their low bytes are joined in 2- or 4-byte words and
+    widened once; the decode buffer is reused memory, so garbage left in it by an earlier
+    decode must never show through (the high bytes are written, not assumed zero)."""
+    ids = np.random.default_rng(7).integers(0, high, 1 << 16).astype(dtype)
+    ids[::997] = high - 1  # every stream below the top one holds more than one value
+    raw = pa.py_buffer(ids.tobytes())
+    split, regions = byte_split.split(raw, [(0, raw.size, ids.itemsize)])
+    (region,) = regions
+    stored = ids.itemsize - region.constant.bit_count()
+    assert stored == dense_streams and not region.sparse, region
+    for _ in range(3):  # the pool hands back the buffers of the decodes before
+        garbage = byte_split.recycled.buffers.allocate(raw.size)[0]
+        garbage[:] = 0xA5
+        del garbage
+        joined = byte_split.join(split, regions, raw.size)
+        assert np.array_equal(np.frombuffer(joined, dtype), ids)
+
+
 def test_layouts_it_does_not_know_are_left_whole() -> None:
     batch = pa.record_batch(
         {
