@@ -26,12 +26,12 @@ one run:
     2 cores, staging the default version from file:// (so origin costs no
     CPU), interleaved after two warm-up stages each (a fresh node's first
     stages zero its allocators' new huge pages), best of ``--repeat``:
-    source MB/s. Target: 2 cores >=
-    1.7x. Each round starts once other processes leave the CPUs quiet, and is
-    run again (at most 4 times) when they took more than a tenth of them
-    meanwhile. The node's own Status figures (staging rate, CPU-s per GB) are
-    printed, and this machine's own 2-core scaling of the same work: the
-    node's pipeline in two processes pinned to a core each against one.
+    source MB/s. Target: 2 cores >= 1.7x. Each round starts once other
+    processes leave the CPUs quiet, and is run again (at most 4 times) when
+    they took more than a tenth of them meanwhile. The node's own Status
+    figures (staging rate, CPU-s per GB) are printed, and this machine's own
+    2-core scaling of the same work: the node's pipeline in two processes
+    pinned to a core each against one.
 (c) Staging from moto's S3 server over loopback (each codec) against a bare
     pipeline that GETs the same objects (aiobotocore, same concurrency) and
     decodes them into Arrow with pyarrow on as many threads, doing nothing
