@@ -2,8 +2,9 @@
 
 Endpoints are ``host:port`` (``grpc://`` optional), ``grpcs://host:port`` (TLS)
 or ``lmdb:///path/to/cache`` (a node's cache directory on this host: read
-directly, no gRPC). gRPC endpoints are ranked by round-trip time (median of
-health-check pings) and re-probed in the background.
+directly, no gRPC). gRPC endpoints are ranked by round-trip time (the fastest
+health-check ping of the last few probes, see ``RTT_PROBES``) and re-probed in
+the background.
 
 A stream that breaks is resumed on the next-best node at the first row not
 yet received (``start_row``), so nothing is lost or duplicated; gRPC never
@@ -18,11 +19,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import pyarrow as pa
@@ -65,6 +66,11 @@ _FORK_GUARD = threading.Lock()
 # How much slower than the nearest node an own-region replica may measure and still read
 # the shards it owns: replicas of one region differ by well under this, probes by jitter.
 REPLICA_SLACK_MS = 10.0
+# A node's RTT is its fastest health-check ping over this many probes (3 pings each):
+# queueing on a busy host only ever adds delay, so the fastest is the path's own round
+# trip. A median of one probe's pings measured a replica at 12 ms over its sibling on a
+# loaded 2-core CI host, which left it out of its shards (REPLICA_SLACK_MS).
+RTT_PROBES = 3
 os.register_at_fork(
     before=_FORK_GUARD.acquire,
     after_in_parent=_FORK_GUARD.release,
@@ -90,6 +96,17 @@ class EndpointStats:
     node_id: str = ""
     region: str = ""
     identified: bool = False  # Status answered since the node was last seen down
+    # Each recent probe's fastest ping (RTT_PROBES of them); emptied when the node fails.
+    recent_rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_PROBES))
+
+    def measured(self, rtt_ms: float) -> None:
+        """A probe's fastest ping (``inf``: it failed, and the node ranks last until back)."""
+        if rtt_ms == math.inf:
+            self.recent_rtts.clear()
+            self.rtt_ms = math.inf
+        else:
+            self.recent_rtts.append(rtt_ms)
+            self.rtt_ms = min(self.recent_rtts)
 
 
 class NodePool:
@@ -292,7 +309,7 @@ class NodePool:
     # ----------------------------------------------------------------- ranking
 
     def probe(self, pings: int = 3) -> None:
-        """Measure each gRPC endpoint's RTT (median of health checks)."""
+        """Measure each gRPC endpoint's RTT (its fastest health check, see RTT_PROBES)."""
         for endpoint in self.endpoints:
             if endpoint.local:
                 self.stats[endpoint.text].rtt_ms = 0.0
@@ -319,7 +336,7 @@ class NodePool:
                     break
                 samples.append((time.perf_counter() - started) * 1e3)
             stats = self.stats[endpoint.text]
-            stats.rtt_ms = statistics.median(samples) if len(samples) == pings else math.inf
+            stats.measured(min(samples) if len(samples) == pings else math.inf)
             if stats.rtt_ms == math.inf:
                 stats.identified = False  # it may come back as another node: ask again then
             elif not stats.identified and self._identify(endpoint, stats):
@@ -760,7 +777,7 @@ class NodePool:
         if isinstance(exc, grpc.RpcError) and exc.code() in _FAILOVER_CODES:
             stats.failures += 1
             stats.last_error = describe(exc)
-            stats.rtt_ms = math.inf  # until the next probe says otherwise
+            stats.measured(math.inf)  # until the next probe says otherwise
             stats.identified = False  # a node back up may be another one (_identify)
             return stats.last_error
         if isinstance(exc, grpc.RpcError):

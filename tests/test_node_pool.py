@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -257,6 +258,48 @@ def test_a_noisy_probe_does_not_take_a_replica_out_of_its_shards(node) -> None:
         # Far slower than a replica of the same region can be: read from the near one.
         pool.stats[other].rtt_ms = 1.34 + 30
         assert all(pool.ranked(("tokens", 1, s))[0].text == node.address for s in range(8))
+    finally:
+        pool.close()
+
+
+def test_a_replica_slow_for_one_probe_keeps_its_shards(node) -> None:
+    """CI (a loaded 2-core host) measured one replica 12 ms over its sibling in one probe
+    (the median of its three pings) and sent every shard to the sibling, which read them
+    through from origin. A node's RTT is its fastest ping over its last probes: a slow
+    probe after good ones changes nothing, a failed one ranks it last until it answers."""
+    from edgecache.clients.node_pool import RTT_PROBES
+    from edgecache.clients.rendezvous import rank
+
+    other = "127.0.0.1:1"  # nothing listens: only its ranking is looked at
+    pool = NodePool(
+        [parse_endpoint(node.address), parse_endpoint(other)],
+        replicas=[node.address, other],
+        probe_interval=3600,
+    )
+    try:
+        pool.probe()
+        real = pool.stats[node.address].rtt_ms
+        assert 0 < real < 1000, real
+        names = {node.address: pool.stats[node.address].node_id}
+        keys = [("tokens", 1, shard) for shard in range(16)]
+        owners = [rank([node.address, other], *key, names=names)[0] for key in keys]
+        assert set(owners) == {node.address, other}  # both own shards
+        stats = pool.stats[other]
+        for rtt in (1.2, 1.3):
+            stats.measured(rtt)
+        stats.measured(1.2 + 25)  # one loaded probe
+        assert stats.rtt_ms == 1.2
+        pool.stats[node.address].rtt_ms = 1.2
+        assert [pool.ranked(key)[0].text for key in keys] == owners
+        for _ in range(RTT_PROBES):  # slow probe after probe: it is slow now
+            stats.measured(1.2 + 25)
+        assert stats.rtt_ms == 1.2 + 25
+        assert all(pool.ranked(key)[0].text == node.address for key in keys)
+        stats.measured(1.1)
+        stats.measured(math.inf)  # a failed probe or read: last, whatever it measured before
+        assert stats.rtt_ms == math.inf and not stats.recent_rtts
+        stats.measured(1.4)
+        assert stats.rtt_ms == 1.4
     finally:
         pool.close()
 
