@@ -69,6 +69,7 @@ from edgecache.cache.units import format_bytes
 from edgecache.cache.wire import encode_chunk
 from edgecache.edge.config import NodeConfig, usable_cores
 from edgecache.edge.fetch_memory import FetchMemory, Kept, default_budget
+from edgecache.edge.idle_memory import IdleRelease, purge_delay, release_in_threads
 from edgecache.edge.metrics import NodeMetrics
 from edgecache.edge.peers import PeerCopyFailed, Peers
 from edgecache.edge.preprocessing import Encoded, StagingRate, encode_raw_shard, lower_priority
@@ -222,6 +223,8 @@ class EdgeNode:
         self._refused_size: dict[ShardKey, int] = {}
         self.peers = Peers(config)
         self._inflight: dict[ShardKey, asyncio.Task[Fetched]] = {}
+        # Arrow's freed pages given back once fetches stop, from the threads that decode.
+        self.idle_memory = IdleRelease(self._release_memory, purge_delay())
         self._shares: dict[ShardKey, _Share] = {}  # each in-flight fetch's readers
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         # The slots bound how many fetches run, this how much memory they hold (whole shards).
@@ -352,9 +355,15 @@ class EdgeNode:
         _, pending = await asyncio.wait(running, timeout=timeout)
         return len(pending)
 
+    def _release_memory(self) -> None:
+        if not self._closing.is_set():
+            pools = (self._cpu, self._parts, self._cpu_staging, self._parts_staging, self._writer)
+            release_in_threads(pools)
+
     async def close(self) -> None:
         """Stop background work and close the cache; committed shards stay."""
         self._closing.set()
+        self.idle_memory.busy()  # no release after the pools are gone
         for task in list(self._inflight.values()) + self.versions.checks():
             task.cancel()
         for pool in (self._cpu, self._cpu_staging, self._parts, self._parts_staging):
@@ -532,6 +541,7 @@ class EdgeNode:
                     fetch = self._bounded(fetch)
                 task = asyncio.create_task(fetch)
                 self._inflight[key] = task
+                self.idle_memory.busy()
                 self._shares[key] = share
                 task.add_done_callback(functools.partial(self._fetch_done, key))
             share = self._shares[key]
@@ -608,6 +618,8 @@ class EdgeNode:
             del self._inflight[key]
             if (share := self._shares.pop(key, None)) is not None:
                 share.finish()
+        if not self._inflight and not self._closing.is_set():
+            self.idle_memory.idle()
         if not task.cancelled():
             task.exception()  # retrieved here: every waiter re-raises it itself
 
