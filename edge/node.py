@@ -246,6 +246,7 @@ class EdgeNode:
         self._parts_staging = ThreadPoolExecutor(
             threads, thread_name_prefix="preprocess-staging-part", initializer=lower_priority
         )
+        self._preprocess_pools = (self._cpu, self._parts, self._cpu_staging, self._parts_staging)
         self._transforms: dict[str, Transform] = {}  # by manifest digest
         # One per version (by digest): a version whose files (a tokenizer) come slowly from
         # its origin held up, behind one node-wide lock, the first fetch of every other.
@@ -357,8 +358,7 @@ class EdgeNode:
 
     def _release_memory(self) -> None:
         if not self._closing.is_set():
-            pools = (self._cpu, self._parts, self._cpu_staging, self._parts_staging, self._writer)
-            release_in_threads(pools)
+            release_in_threads((*self._preprocess_pools, self._writer))
 
     async def close(self) -> None:
         """Stop background work and close the cache; committed shards stay."""
@@ -366,7 +366,7 @@ class EdgeNode:
         self.idle_memory.busy()  # no release after the pools are gone
         for task in list(self._inflight.values()) + self.versions.checks():
             task.cancel()
-        for pool in (self._cpu, self._cpu_staging, self._parts, self._parts_staging):
+        for pool in self._preprocess_pools:
             pool.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True, cancel_futures=True)
         await self.peers.close()
