@@ -837,6 +837,24 @@ def _dense_text(cpu: dict) -> str:
     return f"; with no byte stream stored sparse, {cpu['after_dense_cpu_s_per_gb']}"
 
 
+def _unsettled_text(u: dict | None) -> str:
+    """(e): the stages the scaling rounds leave out (runs since stop 61), no target."""
+    if not u:
+        return ""
+    return (
+        f"The stages those rounds leave out (a fresh node each, unpinned, {u['source_mb']} MB, "
+        f"alternating, the mean of {u.get('stages', 'the')} runs): transparent huge pages "
+        "off, `edgecache`'s default, against allowed, "
+        f"mimalloc's own. A fresh node's first Stage {u['off_first_mb_s']} MB/s "
+        f"({u['off_first_cpu_s_per_gb']} CPU-s/GB) against {u['allowed_first_mb_s']} "
+        f"({u['allowed_first_cpu_s_per_gb']}): **{u['first_ratio']}×**; a Stage after "
+        f"{u['idle_s']:.0f} s idle (the node's idle release gave Arrow's pages back) "
+        f"{u['off_after_idle_mb_s']} MB/s ({u['off_after_idle_cpu_s_per_gb']}) against "
+        f"{u['allowed_after_idle_mb_s']} ({u['allowed_after_idle_cpu_s_per_gb']}): "
+        f"**{u['after_idle_ratio']}×**."
+    )
+
+
 def _section_staging(data: dict) -> str:
     cpu, scaling, decode = data["cpu"], data["scaling"], data["decode"]
     default = next(k[: -len("_gb_s")] for k in decode if k.endswith("_gb_s") and k != "zstd_gb_s")
@@ -869,6 +887,7 @@ def _section_staging(data: dict) -> str:
             f"{cpu['parquet_decode_cpu_s_per_gb']} CPU-s/GB, so no chunk codec can do better "
             f"than {cpu['ceiling']}×." + _staging_text(data.get("cpu_text")),
             scaled,
+            *[t for t in [_unsettled_text(data.get("unsettled"))] if t],
             f"Readers: {decode['measure']}: plain zstd-1 {decode['zstd_gb_s']}, the default "
             f"codec ({default}) **{decode['ratio']}×** that; it stores "
             f"{decode[default + '_stored_mb']} MB ({decode[default + '_compression']}× "
@@ -942,7 +961,17 @@ STAGING_SINCE = """\
   spending 20-33 % of its CPU in its slow rounds zeroing 2 MiB huge pages Arrow's pool had
   purged a moment before (docs/preprocessing.md); in (b), alternating runs of each
   (`--repeat 2`), 1.32× and 1.25× at one second against 1.69× and 1.63× at ten, the node
-  64-67 % against 92 % of the machine's own ratio."""
+  64-67 % against 92 % of the machine's own ratio.
+- **Since stop 61** (`edgecache` sets `MIMALLOC_ALLOW_THP=0`: a fresh node's first Stage
+  zeroed every 2 MiB huge page its buffers took, 41 % of its CPU in `clear_page_erms`;
+  section (e) added, the stages (b)'s warm-up leaves out): in (e), a fresh node's first
+  Stage 1.99-2.39× as fast as with huge pages allowed (44-65 → 105-130 MB/s, 29-43 →
+  14-17 CPU-s/GB, three runs, 2026-12-07), a Stage after an idle release 0.87-1.29×; (a)
+  and (b) measure settled stages and did not move. The six runs of this section that day
+  before the change (`python -m bench --only staging` and `python -m bench.staging` three
+  times each, quiet host): CPU 1.82-2.26× (met in 4), 2 cores 1.38-1.80× (met in 2,
+  against the machine's own 1.55-2.0×), moto 0.74-1.99× (met in 5), all three in one run
+  once; the two after it 2.07×, 1.63×, 0.73× and 1.98×, 1.82×, 0.99× (this section)."""
 
 
 def _section_gpu(data: dict) -> str:

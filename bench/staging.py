@@ -40,6 +40,13 @@ one run:
 (d) What readers pay: ``decode_chunk`` on one thread over every chunk the
     node's pipeline made in (a), default codec against plain zstd-1 (GB/s of
     Arrow data, best of ``--repeat``), and the bytes each stores.
+(e) The stages (b) leaves out: a fresh node's first Stage, and a Stage once the
+    node has been idle past its purge delay (its idle release gave Arrow's pages
+    back), as a node that stages a version now and then does. Each with
+    transparent huge pages off (``edgecache``'s default, ``MIMALLOC_ALLOW_THP=0``)
+    and allowed (mimalloc's own default), a fresh unpinned node each, alternating,
+    the mean of ``--repeat`` (the cost comes in some such Stages and not in
+    others): source MB/s and the node's CPU-s per GB. No target.
 """
 
 from __future__ import annotations
@@ -401,8 +408,9 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
             # zero the huge pages its allocators take as they grow: perf on a 2-core node,
             # clear_page_erms under do_huge_pmd_anonymous_page was 29 % of its CPU in its
             # first stage (18.9 CPU-s/GB), 7.6 % in its second (11.9), none in its third
-            # (10.7; a 1-core node in flight holds less and settles sooner). The rounds
-            # measure staging once the node has settled, as a node that stages all day is.
+            # (10.7; a 1-core node in flight holds less and settles sooner). Huge pages are
+            # off by default since (clients/cli), and a first Stage still faults its buffers
+            # in: (e) measures first Stages. The rounds measure settled staging.
             for _ in range(WARM_UP_STAGES):
                 _stage(client)
         for _ in range(repeat):
@@ -436,6 +444,56 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
         "of_machine": round(ratio / machine, 2),
         "node_status": status,
     }
+
+
+IDLE_GAP = 11.0  # seconds: the node's purge delay (10 s, clients/cli) and its idle release
+
+
+def _stage_cpu(client: edge_pb2_grpc.EdgeCacheStub, pid: int) -> tuple[int, float, float]:
+    """:func:`_stage` once the machine is quiet: (bytes, seconds, the node's CPU seconds)."""
+    _quiet()
+    own = _process_jiffies(pid)
+    nbytes, seconds = _stage(client)
+    return nbytes, seconds, (_process_jiffies(pid) - own) / os.sysconf("SC_CLK_TCK")
+
+
+def unsettled(workdir: Path, registry: str, repeat: int, console: Console) -> dict:
+    """(e) A fresh node's first Stage and a Stage after its idle release, huge pages off/allowed."""
+    console.log(
+        "(e) a fresh node's first Stage and one after an idle release: huge pages off and allowed"
+    )
+    settings = {"off": {}, "allowed": {"MIMALLOC_ALLOW_THP": "1"}}
+    runs: dict[str, dict[str, list[tuple[int, float, float]]]] = {
+        label: {"first": [], "after_idle": []} for label in settings
+    }
+    for i in range(repeat):
+        for label, env in settings.items():  # alternating, so drift hits both alike
+            proc, client = _node(workdir, f"unsettled-{label}-{i}", registry, None, env)
+            try:
+                runs[label]["first"].append(_stage_cpu(client, proc.pid))
+                time.sleep(IDLE_GAP)
+                runs[label]["after_idle"].append(_stage_cpu(client, proc.pid))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    out: dict = {
+        "measure": "Stage from file://, a fresh node's first and one after an idle release",
+        "idle_s": IDLE_GAP,
+    }
+    for label, stages in runs.items():
+        for stage, r in stages.items():
+            # The mean, not the best: the cost measured here comes in some such stages and
+            # not in others, and the best of a few would show only those that escaped it.
+            nbytes = r[0][0]
+            out[f"{label}_{stage}_mb_s"] = round(nbytes * len(r) / sum(x[1] for x in r) / 1e6, 1)
+            out[f"{label}_{stage}_cpu_s_per_gb"] = round(
+                sum(x[2] for x in r) / len(r) / nbytes * 1e9, 2
+            )
+            out["source_mb"] = round(nbytes / 1e6, 1)
+    out["stages"] = repeat
+    for stage in ("first", "after_idle"):
+        out[f"{stage}_ratio"] = round(out[f"off_{stage}_mb_s"] / out[f"allowed_{stage}_mb_s"], 2)
+    return out
 
 
 def moto(workdir: Path, origin: Path, repeat: int, console: Console) -> list[dict]:
@@ -532,6 +590,7 @@ def run(mib: int, repeat: int, console: Console) -> dict:
             "cpu_text": text_cpu_per_gb(workdir, min(mib, TEXT_MIB), repeat, console),
             "decode": decode_speed(frames, repeat, console),
             "scaling": scaling(workdir, registry, repeat, console),
+            "unsettled": unsettled(workdir, registry, repeat, console),
             "moto": moto(workdir, origin, repeat, console),
         }
     finally:
@@ -589,6 +648,17 @@ def show(results: dict, console: Console) -> None:
             f"2-core scaling of the same work (two processes ÷ one): "
             f"{s['machine_two_core_ratio']}x, the node {s['of_machine']} of it"
             f"; node status {s['node_status']}"
+        )
+    u = results.get("unsettled")
+    if u:
+        console.print(
+            f"(e) {u['measure']} ({u['idle_s']:.0f} s idle), {u['source_mb']} MB, "
+            "transparent huge pages off (the default) against allowed (mimalloc's default): "
+            f"first {u['off_first_mb_s']} MB/s ({u['off_first_cpu_s_per_gb']} CPU-s/GB) vs "
+            f"{u['allowed_first_mb_s']} ({u['allowed_first_cpu_s_per_gb']}): "
+            f"{u['first_ratio']}x; after idle {u['off_after_idle_mb_s']} "
+            f"({u['off_after_idle_cpu_s_per_gb']}) vs {u['allowed_after_idle_mb_s']} "
+            f"({u['allowed_after_idle_cpu_s_per_gb']}): {u['after_idle_ratio']}x"
         )
     console.print(
         report.ratio_table("(c) staging from moto", results["moto"], ("measure", "baseline"))

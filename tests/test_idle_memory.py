@@ -33,7 +33,9 @@ def _anon_mib(pid: int) -> float:
 
 
 def test_a_node_that_stops_staging_gives_the_decode_memory_back(tmp_path: Path) -> None:
-    write_parquet_shards(tmp_path / "origin", 12, rows=20_000)
+    # Shards of 40,000 rows: with huge pages off (the CLI's default) a Stage of 20,000-row
+    # shards left 121-129 MiB, 28-39 freed; of these, 178-183, 59-68 freed.
+    write_parquet_shards(tmp_path / "origin", 12, rows=40_000)
     registry = (tmp_path / "registry").as_uri()
     publish(registry, (tmp_path / "origin").as_uri(), "tokens", chunk_bytes=256 << 10)
     # The delay the CLI sets, shortened: released 0.5 s after the last fetch ends.
@@ -45,7 +47,8 @@ def test_a_node_that_stops_staging_gives_the_decode_memory_back(tmp_path: Path) 
         deadline = time.monotonic() + 10
         while (now := _anon_mib(pid)) > staged - 30 and time.monotonic() < deadline:
             time.sleep(0.2)
-        # 148 -> 89 MiB measured; kept for good before (146 after 14 s).
+        # 148 -> 89 MiB measured with huge pages on (20,000-row shards); kept for good
+        # before the idle release (146 after 14 s).
         assert now <= staged - 30, (staged, now)
         # And it still serves what it staged, and stages again.
         status = connect(node.address).Status(edge_pb2.StatusRequest())

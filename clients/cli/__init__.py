@@ -32,6 +32,17 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # ones never notice); a training process, which never imports the CLI, keeps Arrow's
 # default.
 os.environ.setdefault("MIMALLOC_PURGE_DELAY", "10000")
+# The purge delay only helps while Stages follow each other: a fresh node faulted its
+# buffers in as transparent huge pages, each zeroed whole (clear_page_erms under
+# do_huge_pmd_anonymous_page, 41 % of a fresh node's first Stage), so that Stage cost
+# 24-47 CPU-s/GB where a settled one costs 10; a node pinned to one core paid it again at
+# every Stage after its idle release gave the pages back (edge/idle_memory.py: 21-24
+# against 12-13 CPU-s/GB). With huge pages off (mimalloc's allow_thp=0, which turns them off
+# for the whole process: prctl PR_SET_THP_DISABLE) a fresh node's first Stage ran about
+# twice as fast, settled ones the same, with no more memory (bench.staging (e) measures a
+# first Stage and one after an idle release both ways in one run). Read and overridden as
+# above.
+os.environ.setdefault("MIMALLOC_ALLOW_THP", "0")
 
 from edgecache.clients.cli.app import app, main  # noqa: E402
 
