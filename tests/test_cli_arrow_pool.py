@@ -59,5 +59,6 @@ def test_arrow_turns_huge_pages_off_for_the_whole_process() -> None:
     allowed = _probe(MIMALLOC_ALLOW_THP="1")["thp_enabled"]
     if allowed is None:
         pytest.skip("this kernel's /proc/self/status has no THP_enabled line (before Linux 5.0)")
-    assert allowed == "1"  # the probe can see huge pages allowed, so "0" below means something
-    assert _probe()["thp_enabled"] == "0"
+    if allowed != "1":  # a kernel built without them: nothing to turn off
+        pytest.skip("this kernel has no transparent huge pages (THP_enabled 0 when allowed)")
+    assert _probe()["thp_enabled"] == "0"  # allowed read "1" here, so "0" means something
