@@ -841,6 +841,8 @@ def _unsettled_text(u: dict | None) -> str:
     """(e): the stages the scaling rounds leave out (runs since stop 61), no target."""
     if not u:
         return ""
+    if "skipped" in u:
+        return f"The stages those rounds leave out were not measured: {u['skipped']}."
     return (
         f"The stages those rounds leave out (a fresh node each, unpinned, {u['source_mb']} MB, "
         f"alternating, the mean of {u.get('stages', 'the')} runs): transparent huge pages "

@@ -86,7 +86,9 @@ from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, deco
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.preprocess import load_transform
 from edgecache.cache.registry import Registry
+from edgecache.edge.allocator import ARROW_POOL_OPTIONS
 from edgecache.edge.config import usable_cores
+from edgecache.edge.idle_memory import purge_delay
 from edgecache.edge.preprocessing import encode_raw_shard
 from edgecache.edge.server import CHANNEL_OPTIONS
 from edgecache.v1 import edge_pb2, edge_pb2_grpc
@@ -446,7 +448,7 @@ def scaling(workdir: Path, registry: str, repeat: int, console: Console) -> dict
     }
 
 
-IDLE_GAP = 11.0  # seconds: the node's purge delay (10 s, clients/cli) and its idle release
+IDLE_MARGIN = 1.0  # seconds past the node's purge delay: its idle release has run by then
 
 
 def _stage_cpu(client: edge_pb2_grpc.EdgeCacheStub, pid: int) -> tuple[int, float, float]:
@@ -459,6 +461,11 @@ def _stage_cpu(client: edge_pb2_grpc.EdgeCacheStub, pid: int) -> tuple[int, floa
 
 def unsettled(workdir: Path, registry: str, repeat: int, console: Console) -> dict:
     """(e) A fresh node's first Stage and a Stage after its idle release, huge pages off/allowed."""
+    # The delay the nodes run with: the environment's, else what `edgecache` sets.
+    delay = purge_delay({**ARROW_POOL_OPTIONS, **os.environ})
+    if delay is None:
+        return {"skipped": "MIMALLOC_PURGE_DELAY < 0: nodes never give Arrow's pages back"}
+    idle = delay + IDLE_MARGIN
     console.log(
         "(e) a fresh node's first Stage and one after an idle release: huge pages off and allowed"
     )
@@ -471,26 +478,26 @@ def unsettled(workdir: Path, registry: str, repeat: int, console: Console) -> di
             proc, client = _node(workdir, f"unsettled-{label}-{i}", registry, None, env)
             try:
                 runs[label]["first"].append(_stage_cpu(client, proc.pid))
-                time.sleep(IDLE_GAP)
+                time.sleep(idle)
                 runs[label]["after_idle"].append(_stage_cpu(client, proc.pid))
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
     out: dict = {
         "measure": "Stage from file://, a fresh node's first and one after an idle release",
-        "idle_s": IDLE_GAP,
+        "idle_s": idle,
+        "stages": repeat,
     }
+    nbytes = runs["off"]["first"][0][0]  # every Stage stages the same version
+    out["source_mb"] = round(nbytes / 1e6, 1)
     for label, stages in runs.items():
         for stage, r in stages.items():
             # The mean, not the best: the cost measured here comes in some such stages and
             # not in others, and the best of a few would show only those that escaped it.
-            nbytes = r[0][0]
             out[f"{label}_{stage}_mb_s"] = round(nbytes * len(r) / sum(x[1] for x in r) / 1e6, 1)
             out[f"{label}_{stage}_cpu_s_per_gb"] = round(
                 sum(x[2] for x in r) / len(r) / nbytes * 1e9, 2
             )
-            out["source_mb"] = round(nbytes / 1e6, 1)
-    out["stages"] = repeat
     for stage in ("first", "after_idle"):
         out[f"{stage}_ratio"] = round(out[f"off_{stage}_mb_s"] / out[f"allowed_{stage}_mb_s"], 2)
     return out
@@ -650,7 +657,9 @@ def show(results: dict, console: Console) -> None:
             f"; node status {s['node_status']}"
         )
     u = results.get("unsettled")
-    if u:
+    if u and "skipped" in u:
+        console.print(f"(e) first Stages skipped: {u['skipped']}")
+    elif u:
         console.print(
             f"(e) {u['measure']} ({u['idle_s']:.0f} s idle), {u['source_mb']} MB, "
             "transparent huge pages off (the default) against allowed (mimalloc's default): "
