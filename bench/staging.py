@@ -86,7 +86,7 @@ from edgecache.cache.codec import COMPRESSIONS, CodecOptions, ShardEncoder, deco
 from edgecache.cache.manifest import manifest_schema, preprocess_spec
 from edgecache.cache.preprocess import load_transform
 from edgecache.cache.registry import Registry
-from edgecache.edge.allocator import ARROW_POOL_OPTIONS
+from edgecache.clients.arrow_pool import ARROW_POOL_OPTIONS
 from edgecache.edge.config import usable_cores
 from edgecache.edge.idle_memory import purge_delay
 from edgecache.edge.preprocessing import encode_raw_shard

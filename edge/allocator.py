@@ -28,7 +28,7 @@ import ctypes.util
 import logging
 import platform
 
-__all__ = ["ARROW_POOL_OPTIONS", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_message_buffers"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_message_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ _M_MMAP_THRESHOLD = -3
 
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's HEAP_MAX / 2 on 64-bit: the largest it accepts
 TRIM_THRESHOLD = 256 * 1024 * 1024
-
-# Arrow's pool (mimalloc) as edgecache's own processes run it: the ``edgecache`` command
-# sets these where the environment does not, before pyarrow loads (clients/cli says why);
-# whatever starts a node through it (bench.staging) reads the node's settings here.
-ARROW_POOL_OPTIONS = {"MIMALLOC_PURGE_DELAY": "10000", "MIMALLOC_ALLOW_THP": "0"}
 
 
 def keep_message_buffers() -> bool:

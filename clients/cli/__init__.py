@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from edgecache.edge.allocator import ARROW_POOL_OPTIONS  # no pyarrow: ctypes and constants
+from edgecache.clients.arrow_pool import ARROW_POOL_OPTIONS  # imports nothing
 
 # gRPC core logs a failed TLS handshake at INFO ("Handshake failed … CERTIFICATE_VERIFY_FAILED"),
 # one line per connection, before the command's own message says the same with what to set.
