@@ -53,6 +53,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from operator import itemgetter
 from typing import NamedTuple
 
 from edgecache.cache.units import format_bytes, format_bytes_at_least
@@ -1522,15 +1523,20 @@ def _in_the_way(
         for version in own:
             used.pop(version, None)
         pins = {v: u for v, u in state.pinned.items() if v not in own and u > lo}
-        stored = elsewhen.stored
-        sizes = {v: held[v] if v in held else stored.get(v, 0) for v in used.keys() | pins.keys()}
+        held_get, stored_get = held.get, elsewhen.stored.get
+        sizes = {
+            v: size if (size := held_get(v)) is not None else stored_get(v, 0)
+            for v in ((used.keys() | pins.keys()) if pins else used)
+        }
         remaining = sum(sizes.values())
         if remaining <= budget:
             return start
         frees = {v: last + _AFTER for v, last in used.items()}
         for version, until in pins.items():
             frees[version] = max(frees.get(version, until), until)
-        for when, version in sorted((w, v) for v, w in frees.items()):
+        # By time alone: versions freed at the same instant make room at that instant in
+        # any order (sizes are never negative), so which of them comes first changes nothing.
+        for version, when in sorted(frees.items(), key=_second):
             remaining -= sizes[version]
             if remaining <= budget:
                 return max(start, _minute_up(when + lead))
@@ -1756,6 +1762,8 @@ def _minute_up(when: datetime) -> datetime:
 # instant exactly, `…:00.000001+00:00`. The controller drops a job once its end has come
 # and so acts at the end itself, this much sooner.
 _AFTER = timedelta(microseconds=1)
+
+_second = itemgetter(1)  # a (key, value) pair's value: sorts dict items by value
 
 
 _LEAST_MARGIN = timedelta(minutes=5)
