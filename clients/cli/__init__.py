@@ -43,6 +43,13 @@ os.environ.setdefault("MIMALLOC_PURGE_DELAY", ARROW_POOL_OPTIONS["MIMALLOC_PURGE
 # fast, settled ones the same, with no more memory (bench.staging (e) measures a first Stage
 # and one after an idle release both ways in one run). Read and overridden as above.
 os.environ.setdefault("MIMALLOC_ALLOW_THP", ARROW_POOL_OPTIONS["MIMALLOC_ALLOW_THP"])
+# OPENBLAS_NUM_THREADS. numpy's OpenBLAS starts a thread for every core but one as numpy
+# loads, and no edgecache command does linear algebra (torch, in the demo, uses MKL and
+# its own threads): on this 2-core machine those threads cost a command ~0.1 CPU-s of its
+# ~0.7 before it did anything (`edgecache status --help`, six runs each way), and a node
+# on a 64-core host would start 63 of them. One thread, numpy's own, where the user set
+# nothing. Read when numpy loads, which nothing above this package has made it do.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from edgecache.clients.cli.app import app, main  # noqa: E402
 
