@@ -15,7 +15,7 @@ demo: $(STAMP) bytecode  ## run the local end-to-end demo on generated data
 # Tests run in parallel (pytest-xdist), one worker more than the cores this may run on, at most
 # 4: most of them wait on real nodes, sockets and subprocesses, so with one worker per core the
 # two cores here stayed ~17 % idle. On this 2-core machine (2026-12-07) three workers ran the
-# suite in 606 and 640 s, two in 732-820 s (four runs), every test passing each time.
+# suite in 606-713 s (three runs), two in 732-820 s (four runs), every test passing each time.
 # WORKERS=2 make test to choose. One file alone: .venv/bin/pytest tests/<file>.py (serial).
 WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(len(os.sched_getaffinity(0)) + 1, 4))')
 test: $(STAMP) bytecode  ## run the whole test suite (bin/pytest: python -m would put the checkout on sys.path)
