@@ -186,9 +186,7 @@ def _surely_above(check: PathCheck | NodePath, limit: float) -> bool:
     ``k`` minus two standard deviations (Poisson, √k) still is.
     """
     sent = check.segments_sent
-    retransmitted = (
-        check.segments_retransmitted if isinstance(check, PathCheck) else check.retransmitted
-    )
+    retransmitted = check.segments_retransmitted
     return sent > 0 and (retransmitted - 2 * retransmitted**0.5) / sent > limit
 
 
@@ -306,7 +304,7 @@ class NodePath:
     mb_s: float | None
     loss: float | None
     segments_sent: int
-    retransmitted: int = 0
+    segments_retransmitted: int = 0
     note: str = ""
     problems: list[str] = field(default_factory=list)
     kind: str = "peer"  # "origin" (shard data), "registry" (manifests) or "peer"
