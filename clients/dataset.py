@@ -826,6 +826,9 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._position = SharedPosition()
         self._position_seen = 0  # the generation this copy wrote or took last
         self._own_position = True  # False while a pass runs: broken off, it is stale
+        # Bumped by set_epoch and load_state_dict: a pass begun before one of them stops
+        # at its next batch instead of counting its own order into the new position.
+        self._placements = 0
         self._passes = 0  # passes this copy began in a DataLoader worker
         # Batches of the stretch the last pass read to its end (here, or by DataLoader
         # workers), until the next pass: state_dict(batches=that) means the finished epoch.
@@ -1106,6 +1109,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         if epoch != self._epoch:
             self._epoch, self._cursor, self._remaining = epoch, 0, None
             self._old_order = None  # an old state's order was for its epoch only
+        self._placements += 1
         self._publish_position()
 
     def _publish_position(self) -> None:
@@ -1328,6 +1332,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 self._restart_broken_pass()
         self._own_position = False  # until this pass reads to the epoch's end
         self._finished_stretch = self._finished_from = None
+        placements = self._placements
         order = self.epoch_order()
         numbers = order.batches_for(index, workers, self._cursor)
         readers = self._readers()
@@ -1403,6 +1408,8 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 else:
                     # No shared tensor to ride on: the batch itself carries the counts.
                     yield batch if counts is None else Carried(batch, counts)
+                if self._placements != placements:
+                    raise ValueError(self._repositioned())
             # Read to its end: what comes next is the next epoch, for the next pass and
             # for state_dict() (a resume must not read this one again). A persistent
             # DataLoader worker goes on to it only if every worker read to its end
@@ -1448,6 +1455,21 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
                 "windows_inline": pipeline.windows_inline,
                 "window_chunks": pipeline.window_chunks,
             }
+
+    def _repositioned(self) -> str:
+        """Why a pass begun before set_epoch or load_state_dict ends when asked for more.
+
+        Each batch it yielded moved the dataset's position on: after a
+        load_state_dict, state_dict() and the next pass then counted batches of
+        the abandoned order, and a resume skipped their samples; after a
+        set_epoch, its end moved the dataset past the epoch just set.
+        """
+        return (
+            f"{self.version}: this iterator began before set_epoch() or load_state_dict() put "
+            "the dataset elsewhere, so it has stopped (read on, it would have moved the new "
+            "position by batches of the old order); iterate the dataset again (a new for "
+            "loop, or iter(loader)) to read from where it was put"
+        )
 
     def watch(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield ``batches`` (a DataLoader over this dataset), timing how long each is waited for.
@@ -1588,6 +1610,7 @@ class EdgeDataset(IterableDataset):  # type: ignore[type-arg]
         self._remaining, self._cursor = resume.remaining, resume.cursor
         old = resume.order_format
         self._old_order = None if old == FORMAT else (resume.seed, resume.epoch, old)
+        self._placements += 1
         self._publish_position()
 
     # ---------------------------------------------------------------- stats

@@ -182,6 +182,32 @@ def _check_fields(state: dict[str, Any]) -> None:
         )
 
 
+_SUMMARY = ("dataset", "version", "digest")
+
+
+def _check_summary(state: dict[str, Any], theirs: Sequence[dict[str, Any]]) -> None:
+    """StateMismatch where the top-level dataset, version or digest is not its component's.
+
+    A single version's state repeats them beside its component for the tools and
+    people who read it (the documented fields). Only the component was compared,
+    so a state whose copies disagree (edited, or put together from two) loaded as
+    the component's while it said another version to whoever read it.
+    """
+    if len(theirs) != 1:
+        return
+    differ = [
+        f"{key!r} is {state[key]!r} where its component's is {theirs[0][key]!r}"
+        for key in _SUMMARY
+        if key in state and state[key] != theirs[0][key]
+    ]
+    if differ:
+        raise StateMismatch(
+            f"the state's {'; '.join(differ)}: its two copies disagree, so which version it "
+            "is for cannot be told (edited, or put together by hand); save one with "
+            "state_dict() and load it unchanged"
+        )
+
+
 _KIND: dict[type, str] = {
     Sequence: "a list",
     Mapping: "a dict",
@@ -260,6 +286,7 @@ def resume_from(
             f"the state is for {_names(theirs)} but this dataset reads {_names(components)}; "
             f"create EdgeDataset with the state's versions to resume it"
         )
+    _check_summary(state, theirs)
     # Weights are relative: what fixes the order is each component's share of the epoch,
     # so {0.7, 0.3} resumes {7, 3}, and a plain string spec {name: 1.0}.
     samples = order.get("samples_per_epoch")
