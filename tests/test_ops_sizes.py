@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+
 from edgecache.cache.planner import VersionSize
 from edgecache.clients.ops import Holding, version_sizes
 from edgecache.v1 import manifest_pb2 as pb
@@ -49,3 +51,64 @@ def test_held_versions_no_job_reads_still_give_the_ratio() -> None:
     held = {"eu": {("tokens", 1): Holding(shards=2, stored_bytes=80, complete=True)}}
     sizes = version_sizes(manifests, held, others=others)
     assert sizes == {("tokens", 2): VersionSize(stored=120, source=300)}  # 0.4 x source
+
+
+def with_schema(m: pb.Manifest, schema: pa.Schema, rows: int, compression: int) -> pb.Manifest:
+    m.arrow_schema = schema.serialize().to_pybytes()
+    m.preprocess.compression = compression  # type: ignore[assignment]
+    for shard in m.shards:
+        shard.row_count = rows
+    return m
+
+
+TOKENS = pa.schema([("ids", pa.list_(pa.int32(), 2048)), ("label", pa.int64())])
+
+
+def test_an_uncompressed_version_is_sized_by_its_rows_not_by_a_compressed_ones_ratio() -> None:
+    # A helper's walk: big@1, published --compression none (8 MiB stored from 3.6 MiB of
+    # Parquet), was planned at 2.4 MiB from another version's byte-split ratio, called
+    # feasible, and its staging failed on the full cache.
+    rows = 128
+    manifests = {
+        "dt@1": with_schema(manifest("dt", 1, [1000, 1000]), TOKENS, rows, pb.COMPRESSION_ZSTD),
+        "big@1": with_schema(manifest("big", 1, [1000, 1000]), TOKENS, rows, pb.COMPRESSION_NONE),
+    }
+    held = {"eu": {("dt", 1): Holding(shards=2, stored_bytes=1300, complete=True)}}
+    sizes = version_sizes(manifests, held)
+    assert sizes[("big", 1)] == VersionSize(stored=2 * rows * (2048 * 4 + 8), source=2000)
+    # The same dataset held with the same codec says more than a row width: its ratio.
+    manifests["big@2"] = with_schema(manifest("big", 2, [500]), TOKENS, rows, pb.COMPRESSION_NONE)
+    held["us"] = {("big", 2): Holding(shards=1, stored_bytes=1500, complete=True)}
+    assert version_sizes(manifests, held)[("big", 1)] == VersionSize(stored=6000, source=2000)
+
+
+def test_a_version_partly_held_is_sized_by_the_shards_held() -> None:
+    manifests = {
+        "dt@1": manifest("dt", 1, [100] * 8),
+        "big@1": manifest("big", 1, [100] * 8),
+    }
+    held = {
+        "eu": {
+            ("dt", 1): Holding(shards=8, stored_bytes=400, complete=True),  # ratio 0.5
+            ("big", 1): Holding(shards=3, stored_bytes=3000, complete=False),  # a cut-short stage
+        }
+    }
+    assert version_sizes(manifests, held)[("big", 1)] == VersionSize(stored=8000, source=800)
+
+
+def test_the_ratio_of_the_same_codec_comes_before_the_dataset_s_other_codec() -> None:
+    manifests = {
+        "a@1": manifest("a", 1, [100]),  # zstd (unspecified: before the choice)
+        "b@1": manifest("b", 1, [100]),
+        "a@2": manifest("a", 2, [100]),
+    }
+    manifests["b@1"].preprocess.compression = pb.COMPRESSION_NONE
+    manifests["a@2"].preprocess.compression = pb.COMPRESSION_NONE
+    held = {
+        "eu": {
+            ("a", 1): Holding(shards=1, stored_bytes=40, complete=True),
+            ("b", 1): Holding(shards=1, stored_bytes=300, complete=True),
+        }
+    }
+    # a@2 is uncompressed, without a fixed-width schema: b@1's ratio (none), not a@1's (zstd).
+    assert version_sizes(manifests, held)[("a", 2)] == VersionSize(stored=300, source=100)

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 from edgecache.cache import rendezvous
 from edgecache.cache.errors import ManifestError, VersionNotFound
+from edgecache.cache.manifest import manifest_schema
 from edgecache.cache.planner import (
     PRIORITIES,
     Infeasible,
@@ -25,6 +26,7 @@ from edgecache.cache.planner import (
     plan,
 )
 from edgecache.cache.registry import Registry
+from edgecache.cache.row_grid import fixed_row_bytes
 from edgecache.cache.units import format_bytes, format_bytes_at_least
 from edgecache.clients.ops.status import (
     Holding,
@@ -842,37 +844,80 @@ def version_sizes(
 ) -> dict[VersionKey, VersionSize]:
     """Stored and source bytes of every version in ``manifests``: stored as held, else estimated.
 
-    The estimate scales the source bytes by the stored/source ratio of the
-    dataset's other versions that some region holds whole (same data, same
-    preprocessing, as a rule), else by that ratio over everything held, else
-    1. Preprocessing changes size a lot (Parquet → Arrow grows, JSON text →
-    zstd shrinks), so source bytes alone would misjudge capacity. ``others``
-    are the manifests of held versions that ``manifests`` lacks (versions no
-    job reads): their ratios count too, though they get no size of their own.
+    Preprocessing changes size a lot (Parquet → Arrow grows, JSON text → zstd
+    shrinks, and a version stored uncompressed grows about three times more
+    than one byte-split and compressed), so source bytes alone would misjudge
+    capacity. A version no region holds whole is estimated, in this order, from:
+
+    1. its own shards some region holds (a staging cut short): their stored
+       bytes scaled to all its shards;
+    2. the stored/source ratio of the dataset's held versions with the same
+       chunk codec (same data, same preprocessing, as a rule);
+    3. for an uncompressed version with fixed-width rows, its rows times their
+       decoded width: what it will store, whatever anything else holds;
+    4. that ratio over the held versions of the same codec, then over the
+       dataset's held versions whatever their codec, then over everything held;
+       else 1.
+
+    The ratio of versions of another codec came before these: a `none` version
+    of a dataset held compressed elsewhere was planned at a third of its size,
+    and staging it failed on a full cache the plan had said it would fit.
+    ``others`` are the manifests of held versions that ``manifests`` lacks
+    (versions no job reads): their ratios count too, though they get no size of
+    their own.
     """
-    source = {
-        (m.dataset, m.version): sum(s.source_size for s in m.shards)
-        for m in [*(others or {}).values(), *manifests.values()]
-    }
+    every = {(m.dataset, m.version): m for m in [*(others or {}).values(), *manifests.values()]}
+    source = {key: sum(s.source_size for s in m.shards) for key, m in every.items()}
     wanted = {(m.dataset, m.version) for m in manifests.values()}
     stored: dict[VersionKey, int] = {}
+    partial: dict[VersionKey, tuple[int, int]] = {}  # (shards, stored bytes), the most held
     for region in held.values():
         for key, holding in region.items():
             if holding.complete:
                 stored[key] = max(stored.get(key, 0), holding.stored_bytes)
-    ratios: dict[str, list[float]] = {}
-    for (dataset, version), size in stored.items():
-        if source.get((dataset, version)):
-            ratios.setdefault(dataset, []).append(size / source[(dataset, version)])
-    everything = [r for values in ratios.values() for r in values]
-    overall = sum(everything) / len(everything) if everything else 1.0
+            elif holding.shards and holding.stored_bytes:
+                partial[key] = max(partial.get(key, (0, 0)), (holding.shards, holding.stored_bytes))
+    ratios: dict[tuple[str | None, int | None], list[float]] = {}
+    for key, size in stored.items():
+        if source.get(key):
+            ratio = size / source[key]
+            codec = _codec(every[key])
+            for group in ((key[0], codec), (None, codec), (key[0], None), (None, None)):
+                ratios.setdefault(group, []).append(ratio)
     sizes = {}
     for key in sorted(wanted):
         source_bytes = source[key]
         if key in stored:
             sizes[key] = VersionSize(stored=stored[key], source=source_bytes)
             continue
-        known = ratios.get(key[0])
-        ratio = sum(known) / len(known) if known else overall
-        sizes[key] = VersionSize(stored=max(int(source_bytes * ratio), 1), source=source_bytes)
+        manifest, codec = every[key], _codec(every[key])
+        estimate: float | None = None
+        if key in partial and 0 < partial[key][0] < len(manifest.shards):
+            shards, held_bytes = partial[key]
+            estimate = held_bytes * len(manifest.shards) / shards
+        elif known := ratios.get((key[0], codec)):
+            estimate = source_bytes * sum(known) / len(known)
+        elif codec == pb.COMPRESSION_NONE and (decoded := _decoded_bytes(manifest)) is not None:
+            estimate = decoded
+        else:
+            groups = ((None, codec), (key[0], None), (None, None))
+            known = next((ratios[g] for g in groups if g in ratios), [1.0])
+            estimate = source_bytes * sum(known) / len(known)
+        sizes[key] = VersionSize(stored=max(int(estimate), 1), source=source_bytes)
     return sizes
+
+
+def _codec(manifest: pb.Manifest) -> int:
+    """The version's chunk codec; versions from before the choice are plain zstd."""
+    compression = manifest.preprocess.compression
+    return pb.COMPRESSION_ZSTD if compression == pb.COMPRESSION_UNSPECIFIED else compression
+
+
+def _decoded_bytes(manifest: pb.Manifest) -> float | None:
+    """Rows × decoded row width where every column has a fixed width; None otherwise."""
+    try:
+        width = fixed_row_bytes(manifest_schema(manifest))
+    except ManifestError:
+        return None
+    rows = sum(s.row_count for s in manifest.shards)
+    return None if width is None or not rows else rows * width
