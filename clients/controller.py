@@ -573,6 +573,9 @@ class Controller:
         # peers the plan chose refused the node's configuration (a peer token): said as
         # `peer refused:`, exit 2 for `controller --once`, as warm does.
         self.peer_refusals: list[str] = []
+        # Staging tasks this controller has started, every round: `controller --once` runs
+        # rounds until one starts none (the next task on a link, a copy of what it staged).
+        self.started = 0
         self._complete: dict[str, set[VersionKey]] = {}
         # The other controller holding the lease at the last round (None: this one led).
         self.other_leader: LeaseRecord | None = None
@@ -1300,6 +1303,7 @@ class Controller:
                     record.predicted_ready,
                 )
                 thread.start()
+                self.started += 1
 
     def _runs_of(self, task_key: str) -> list[str]:
         """The record keys of ``task_key``'s runs ("eu b@1", "eu b@1 #2", …), oldest first."""

@@ -540,3 +540,36 @@ def test_node_failures_to_evict_and_pin_are_counted_apart_from_refusals(site) ->
             controller.close()
     finally:
         eu.stop()
+
+
+def test_once_carries_out_the_tasks_that_come_due_as_its_own_end(site) -> None:
+    # A helper's walk: two versions over one origin link and a peer region's copy of one,
+    # all due within seconds; `controller --once` staged the first alone and exited 0,
+    # the next run the second, the third the copy: each was due only once the one before
+    # it had ended, after its round had looked.
+    root, registry = site
+    eu = start_local_node("eu", root / "cache-eu", registry)
+    us = start_local_node("us", root / "cache-us", registry)
+    try:
+        (root / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n"
+            f"  eu:\n    nodes: ['{eu.address}']\n    origin_bandwidth: 10MB/s\n"
+            f"    peers: {{us: 1GB/s}}\n"
+            f"  us:\n    nodes: ['{us.address}']\n    origin_bandwidth: 1kB/s\n"
+            f"    peers: {{eu: 1GB/s}}\n"
+        )
+        soon = datetime.now(UTC) + timedelta(minutes=10)
+        (root / "schedule.yaml").write_text(
+            "jobs:\n"
+            + job("eu-job", "eu", soon, 1, "b@1", "c@1")
+            + job("us-job", "us", soon, 1, "c@1")
+        )
+        process = controller_process(root, "--once")
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, out
+        assert versions_on(eu) == {"b@1": 3, "c@1": 3}, out
+        assert versions_on(us) == {"c@1": 3}, out
+        assert "not due yet" not in out, out
+    finally:
+        eu.stop()
+        us.stop()

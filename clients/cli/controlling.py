@@ -27,6 +27,7 @@ from edgecache.clients.cli.context import (
 from edgecache.clients.cli.render import console, err_console, error
 
 if TYPE_CHECKING:
+    from edgecache.cache.planner import Plan
     from edgecache.clients.controller import Controller
 
 
@@ -70,7 +71,12 @@ def controller(
         ),
     ] = False,
     once: Annotated[
-        bool, typer.Option("--once", help="One round; wait for the tasks it started; exit.")
+        bool,
+        typer.Option(
+            "--once",
+            help="Rounds until one starts no task (a task due once another ended runs "
+            "too); wait for the tasks; exit.",
+        ),
     ] = False,
     keep_records: Annotated[
         float,
@@ -199,6 +205,28 @@ def controller(
                     error(_lease_held(running))
                     raise exit_with(ExitCode.FAILED)
             running.wait_idle()
+            failures, refusals = list(running.failures), list(running.peer_refusals)
+            # A task due once the round's own tasks ended (the next one on the same link, a
+            # peer region's copy of what was just staged) was left for a next run, which
+            # exited 0 as if the plan were carried out: rounds follow until one starts no
+            # task, or one fails (a failure is retried by a controller that keeps running,
+            # with a backoff; here it is said and the run exits).
+            rounds = 1
+            while not failures and not received and rounds < _ONCE_ROUNDS:
+                started = running.started
+                with reporting():
+                    again = running.tick()
+                if again is None:  # another controller took the lease meanwhile
+                    break
+                running.wait_idle()
+                acted_on, rounds = again, rounds + 1
+                failures += running.failures
+                refusals += running.peer_refusals
+                if running.started == started:
+                    break
+            later = _not_due(acted_on, running.clock())
+            if later:
+                console.print(f"not due yet: {later} (run the controller again then)")
             # What cannot be met, as warm says it (an unreachable region is a failure of
             # the round, said below); a failure (1) outranks it (3). What the round staged
             # whole after all is said as such, and does not count.
@@ -206,16 +234,16 @@ def controller(
             cannot = report_infeasible(acted_on, there)
             if running.last_schedule is not None:
                 report_there_now(there, running.last_schedule)
-            for failure in running.failures:
+            for failure in failures:
                 error(failure)
-            if running.failures and not received:
+            if failures and not received:
                 # Every failure a node refusing this token (the read one, where Pin and
                 # Evict need the admin's): bad input, as warm and evict exit for it.
-                refused = all(map(credentials_refused_in, running.failures))
+                refused = all(map(credentials_refused_in, failures))
                 raise exit_with(ExitCode.BAD_INPUT if refused else ExitCode.FAILED)
-            for refusal in running.peer_refusals:
+            for refusal in refusals:
                 err_console.print(f"[red]peer refused:[/red] {refusal}", soft_wrap=True)
-            if running.peer_refusals and not received:
+            if refusals and not received:
                 raise exit_with(ExitCode.BAD_INPUT)  # a setting to fix, as warm exits for it
             if cannot and not received:
                 raise exit_with(ExitCode.CANNOT_BE_MET)
@@ -236,6 +264,21 @@ _AT_REFUSED = (
     "topology of its own (its own nodes and registry) and pass --yes to go ahead; to see "
     "what the plan would be then without acting, run edgecache plan SCHEDULE --at {at}"
 )
+
+
+_ONCE_ROUNDS = 50  # rounds of one --once run at most: each started a task, so work moves on
+
+
+def _not_due(plan: Plan, now: datetime) -> str:
+    """The plan's tasks that start after ``now``, as ``region name@N at time`` (the first few)."""
+    later = sorted(
+        (task.start, region, task.spec)
+        for region, region_plan in plan.regions.items()
+        for task in region_plan.tasks
+        if task.start > now
+    )
+    said = [f"{region} {spec} at {start:%Y-%m-%d %H:%M:%S}Z" for start, region, spec in later[:3]]
+    return ", ".join(said) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
 
 
 def _lease_held(running: Controller) -> str:
