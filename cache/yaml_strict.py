@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DuplicateKey", "StrictLoader"]
+__all__ = ["DuplicateKey", "StrictLoader", "yaml_problem"]
 
 # libyaml's parser where PyYAML has it (its wheels do): faster (1.5-4x), and it refuses
 # nesting deeper than 1,000 at once, where the pure-Python scanner is quadratic in the
@@ -75,3 +75,27 @@ class StrictLoader(_BASE_LOADER):  # type: ignore[valid-type, misc]
 
 
 StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", StrictLoader.construct_yaml_timestamp)
+
+
+def yaml_problem(path: object, exc: yaml.YAMLError) -> str:
+    """One line for a YAML mistake: file, line and column, what is wrong, what to check.
+
+    PyYAML's own text runs over several lines and names "<unicode string>"
+    rather than the file; most mistakes in hand-written files are tabs and
+    indentation, so the advice is about those. Every file read with
+    :class:`StrictLoader` says its mistakes this way (a node's ``--config`` gave
+    PyYAML's raw text where the topology gave this line).
+    """
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return f"{path}: not valid YAML ({' '.join(str(exc).split())})"
+    problem = getattr(exc, "problem", None) or "cannot be read"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and context_mark.line != mark.line:
+        problem += f" ({context} at line {context_mark.line + 1})"
+    if "tab" in problem or "'\\t'" in problem:  # libyaml: "found character '\t' that …"
+        advice = "indent with spaces, not tabs"
+    else:
+        advice = "check the indentation (spaces; keys of one item line up) and quoting here"
+    where = f"{path}:{mark.line + 1}: not valid YAML at column {mark.column + 1}"
+    return f"{where}: {problem}; {advice}"

@@ -76,10 +76,19 @@ def probe_address(
     if not listen and config is not None:
         import yaml
 
+        from edgecache.cache.yaml_strict import yaml_problem
+
         try:
             settings = yaml.safe_load(config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"cannot read the node settings {config}: {exc}") from exc
+        except OSError as exc:
+            raise ValueError(f"cannot read the node settings {config}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:  # said as serve says it: file, line, what to check
+            raise ValueError(yaml_problem(config, exc)) from exc
+        except (RecursionError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # PyYAML's safe constructors leak builtin errors on bad scalars (!!int 0x).
+            raise ValueError(
+                f"{config}: not valid YAML (a value cannot be read: {type(exc).__name__}: {exc})"
+            ) from exc
         if not isinstance(settings, dict):  # a list or a bare string: not the node's file
             raise ValueError(f"{config} must hold a mapping of settings (as edgecache serve reads)")
         listen = settings.get("probe_listen") or settings.get("probe-listen")

@@ -31,7 +31,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from edgecache.cache.errors import ConfigFileError, InvalidEndpoint
 from edgecache.cache.names import parse_spec
 from edgecache.cache.units import parse_rate
-from edgecache.cache.yaml_strict import StrictLoader
+from edgecache.cache.yaml_strict import StrictLoader, yaml_problem
 from edgecache.clients.endpoints import parse_endpoint
 
 __all__ = [
@@ -351,7 +351,7 @@ def _load_with_tree(
         tree = loader.get_single_node()
         data = None if tree is None else loader.construct_document(tree)
     except yaml.YAMLError as exc:
-        raise ConfigFileError(_yaml_problem(path, exc)) from exc
+        raise ConfigFileError(yaml_problem(path, exc)) from exc
     except RecursionError as exc:
         raise ConfigFileError(f"{path}: not valid YAML (nested too deeply)") from exc
     except Exception as exc:
@@ -409,28 +409,6 @@ def _load_with_tree(
             for line, field, message in sorted(lines, key=lambda problem: problem[0])
         )
     ) from invalid
-
-
-def _yaml_problem(path: Path, exc: yaml.YAMLError) -> str:
-    """One line for a YAML mistake: file, line and column, what is wrong, what to check.
-
-    PyYAML's own text runs over several lines and names "<unicode string>"
-    rather than the file; most mistakes in hand-written files are tabs and
-    indentation, so the advice is about those.
-    """
-    mark = getattr(exc, "problem_mark", None)
-    if mark is None:
-        return f"{path}: not valid YAML ({' '.join(str(exc).split())})"
-    problem = getattr(exc, "problem", None) or "cannot be read"
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and context_mark is not None and context_mark.line != mark.line:
-        problem += f" ({context} at line {context_mark.line + 1})"
-    if "tab" in problem:
-        advice = "indent with spaces, not tabs"
-    else:
-        advice = "check the indentation (spaces; keys of one item line up) and quoting here"
-    where = f"{path}:{mark.line + 1}: not valid YAML at column {mark.column + 1}"
-    return f"{where}: {problem}; {advice}"
 
 
 def _did_you_mean(model: type[BaseModel], loc: tuple[Any, ...]) -> str:

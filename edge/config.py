@@ -34,7 +34,7 @@ from edgecache.cache.addresses import split_hostport
 from edgecache.cache.errors import ConfigError
 from edgecache.cache.tokens import token_problem
 from edgecache.cache.units import parse_rate, parse_size
-from edgecache.cache.yaml_strict import StrictLoader
+from edgecache.cache.yaml_strict import StrictLoader, yaml_problem
 
 __all__ = [
     "FLAG_SETTINGS",
@@ -600,7 +600,15 @@ def load_node_config(
         except OSError as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{config_file} is not valid YAML: {exc}") from exc
+            raise ConfigError(yaml_problem(config_file, exc)) from exc
+        except RecursionError as exc:
+            raise ConfigError(f"{config_file}: not valid YAML (nested too deeply)") from exc
+        except (ValueError, KeyError, IndexError, AttributeError) as exc:
+            # PyYAML's safe constructors leak builtin errors on bad scalars (!!int 0x).
+            raise ConfigError(
+                f"{config_file}: not valid YAML (a value cannot be read: "
+                f"{type(exc).__name__}: {exc})"
+            ) from exc
         if loader.duplicates:
             # YAML keeps the last copy without a word: a second capacity: overrode the first.
             raise ConfigError(

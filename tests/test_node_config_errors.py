@@ -462,3 +462,25 @@ def test_a_setting_written_twice_in_the_config_file_is_refused(tmp_path: Path) -
     assert f"{path}:3: 'capacity' is set twice (first at line 1)" in said, said
     path.write_text("capacity: 2GiB\nregion: eu\ncache_dir: /c\nregistry: file:///r\n")
     assert load_node_config(path, {}, {}).capacity == 2 << 30  # once each: read as before
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "advice"),
+    [
+        ("probe_listen: [1,2\n", 2, "check the indentation"),
+        ("capacity: 1GiB\n\tregion: eu\n", 2, "indent with spaces, not tabs"),
+        ("capacity: !!int 0x\n", None, "a value cannot be read"),
+    ],
+)
+def test_a_settings_file_that_is_not_yaml_is_named_by_line_by_serve_and_healthcheck(
+    tmp_path: Path, text: str, line: int | None, advice: str
+) -> None:
+    # serve and healthcheck gave PyYAML's own text, several lines naming "<unicode
+    # string>" and no advice, where the topology's loader gave file:line and what to check.
+    settings = tmp_path / "node.yaml"
+    settings.write_text(text)
+    for command in ("serve", "healthcheck"):
+        code, out, err = edgecache(command, "--config", str(settings))
+        where = f"{settings}:{line}: not valid YAML" if line else f"{settings}: not valid YAML"
+        assert code == 2 and where in err and advice in err, (command, err)
+        assert "<unicode string>" not in err and len(err.strip().splitlines()) == 1, err
