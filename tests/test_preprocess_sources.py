@@ -81,6 +81,28 @@ def test_truncated_compressed_object_names_itself() -> None:
         read(packed[: len(packed) // 2], CSV)
 
 
+@pytest.mark.parametrize(
+    ("name", "data", "fmt", "said"),
+    [
+        ("p.csv.gz", b"a,b\n1,2,3\n", CSV, "gzip-compressed but is not"),
+        ("d.jsonl.zst", b"plain text, not JSON\n", JSONL, "zstd-compressed but is not"),
+        ("d.jsonl.gz", zstandard.ZstdCompressor().compress(b"{,\n"), JSONL, "but is zstd-"),
+    ],
+)
+def test_an_object_named_compressed_that_is_not_says_so_before_its_error(
+    name: str, data: bytes, fmt: pb.SourceFormat.ValueType, said: str
+) -> None:
+    # Read by its bytes, such an object failed as text that does not parse ("one column,
+    # looks space-separated", "not valid JSON"), with no word of its name's compression.
+    with pytest.raises(MalformedShard, match=f"s3://b/{re.escape(name)} is named as .*{said}"):
+        list(read_source(data, fmt=fmt, source=f"s3://b/{name}", options={}))
+
+
+def test_an_object_named_compressed_that_reads_as_it_is_still_reads() -> None:
+    table = read_source(b"a,b\n1,2\n", fmt=CSV, source="s3://b/p.csv.gz", options={})
+    assert pa.Table.from_batches(list(table)).num_rows == 1
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     frames=st.lists(

@@ -25,7 +25,14 @@ from edgecache.cache.preprocess import limits
 from edgecache.cache.preprocess.fixes import FIX
 from edgecache.cache.units import format_bytes
 
-__all__ = ["COMPRESSIONS", "SUFFIXES", "compression_of", "decompress", "strip_suffix"]
+__all__ = [
+    "COMPRESSIONS",
+    "SUFFIXES",
+    "compression_of",
+    "decompress",
+    "misnamed",
+    "strip_suffix",
+]
 
 # name → (magic bytes at offset 0, file name suffixes)
 COMPRESSIONS: dict[str, tuple[bytes, tuple[str, ...]]] = {
@@ -44,6 +51,26 @@ def strip_suffix(name: str) -> str:
         if lower.endswith(suffix):
             return name[: -len(suffix)]
     return name
+
+
+def misnamed(source: str, compression: str | None) -> str | None:
+    """What to say of an object whose name says a compression its bytes do not have; else None.
+
+    It is read by its bytes (above), which is right for a file renamed by
+    mistake but misleads where the name was right and the object is damaged
+    or not what it seems: a ``.csv.gz`` of plain text failed as "one column,
+    looks space-separated", a ``.jsonl.zst`` as "not valid JSON", with no word
+    that the object was not compressed at all. Said before such an error.
+    """
+    lower = source.lower()
+    named = next((name for suffix, name in SUFFIXES.items() if lower.endswith(suffix)), None)
+    if named is None or named == compression:
+        return None
+    actual = f"{compression}-compressed" if compression else "not compressed at all"
+    return (
+        f"{source} is named as {named}-compressed but is {actual} (no {named} header), "
+        "so it was read as such"
+    )
 
 
 def compression_of(head: bytes | memoryview) -> str | None:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from edgecache.cache.errors import MalformedShard
 from edgecache.cache.preprocess import limits
 from edgecache.cache.preprocess.byte_types import is_text_or_binary
-from edgecache.cache.preprocess.compressed import decompress, strip_suffix
+from edgecache.cache.preprocess.compressed import decompress, misnamed, strip_suffix
 from edgecache.cache.preprocess.fixes import COLUMN_FIX, FIX, MissingColumn, options_fix
 from edgecache.cache.preprocess.mds import mds_source
 from edgecache.cache.preprocess.source_options import (
@@ -439,6 +439,25 @@ def open_source(
     if len(data) == 0:
         raise MalformedShard(f"{source} is empty (0 bytes); {FIX}")
     data, compression = decompress(data, source)
+    try:
+        return _open_decompressed(data, fmt, source, batch_rows, options, strict, compression)
+    except MalformedShard as exc:
+        said = misnamed(source, compression)
+        if said is None:
+            raise
+        raise MalformedShard(f"{said}: {exc}") from exc
+
+
+def _open_decompressed(
+    data: bytes | memoryview,
+    fmt: pb.SourceFormat.ValueType,
+    source: str,
+    batch_rows: int,
+    options: Mapping[str, str],
+    strict: bool,
+    compression: str | None,
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch], int | None]:
+    """:func:`open_source` once ``data`` is decompressed (``compression`` it was, or None)."""
     buf = pa.py_buffer(data)
     if buf.size == 0:
         raise MalformedShard(f"{source} is empty once {compression}-decompressed; {FIX}")
