@@ -340,7 +340,8 @@ def _load_with_tree(
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigFileError(f"cannot read {what} {path}: {exc.strerror}") from exc
+        fix = " (check the path)" if isinstance(exc, FileNotFoundError) else ""
+        raise ConfigFileError(f"cannot read {what} {path}: {exc.strerror}{fix}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigFileError(
             f"{path}: the {what} is not UTF-8 text (byte {exc.start}); save it as UTF-8"

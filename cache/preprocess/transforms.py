@@ -139,7 +139,11 @@ def _columns(params: dict[str, str]) -> Transform:
 
 def _identity(params: dict[str, str]) -> Transform:
     if params:
-        raise ValueError(f"identity transform takes no params, got {sorted(params)}")
+        raise ValueError(
+            f"identity transform takes no params, got {sorted(params)}: drop --param, or "
+            "name the transform they are for with --transform (columns, images, tokens; "
+            "docs/preprocessing.md)"
+        )
     return lambda batch: batch
 
 

@@ -305,7 +305,11 @@ def status(
                 )
                 continue
             if r.status is None:
-                line(f"[red]{r.region} {r.address} is down:[/red] {r.error}", to_stderr=True)
+                line(
+                    f"[red]{r.region} {r.address} is down:[/red] {r.error}; check that it "
+                    "runs and that this host reaches it (edgecache doctor)",
+                    to_stderr=True,
+                )
                 continue
             check = registries[r.address]
             if check.match is RegistryMatch.DIFFERS:
