@@ -578,7 +578,8 @@ def warm(
     input, or a peer the plan copies from refused the staging node for its
     configuration ("peer refused:"; the version came from origin); 130
     interrupted (run it again to resume). --dry-run exits as the
-    real run would before it moves data: 3, 1 for an unreachable node, else 0.
+    real run would before it moves data: 3, 1 for an unreachable node, 2 where
+    a pin would be refused ("pin would fail:", a read token), else 0.
     """
     options = Options(config, token_file)
     with reporting():
