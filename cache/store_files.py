@@ -26,14 +26,18 @@ from pathlib import Path
 
 import lmdb
 
-from edgecache.cache.errors import CacheDirError, WriterLocked
+from edgecache.cache.errors import CacheDirError, WriterLocked, causes
 from edgecache.cache.units import format_bytes
 
 __all__ = [
     "DBS",
+    "LMDB_DAMAGE",
     "MAP_HEADROOM",
+    "REBUILD",
     "STORE_FORMAT",
     "WriterLock",
+    "damaged_cache",
+    "lmdb_damage",
     "no_space_message",
     "open_reader",
     "open_writer",
@@ -41,6 +45,29 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# LMDB's own structure found damaged: a page of the wrong type or one that is not there, a
+# failed meta-page update, a file that is no LMDB file. No entry can then be dropped or
+# fetched again through the tree (mdb_del fails as mdb_get does): only a new cache mends it.
+LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
+REBUILD = (
+    "stop the node, move its cache directory aside (or delete it) and start it again: it "
+    "fetches what it serves anew, and readers use other nodes meanwhile"
+)
+
+
+def damaged_cache(damage: BaseException) -> str:
+    """What a call that met LMDB damage answers: what it is, and what mends it."""
+    return (
+        f"this node's cache is damaged in LMDB's own pages ({damage}), where the node can "
+        f"neither drop the entry nor fetch it again: {REBUILD}"
+    )
+
+
+def lmdb_damage(exc: BaseException) -> BaseException | None:
+    """The error among ``exc`` and what it was raised from that says the LMDB file is damaged."""
+    return next((c for c in causes(exc, itself=True) if isinstance(c, LMDB_DAMAGE)), None)
+
 
 STORE_FORMAT = b"edgecache-store/1"
 _FORMAT_PREFIX = b"edgecache-store/"
@@ -206,6 +233,8 @@ def open_writer(
         if stale:
             log.info("reclaimed %d stale LMDB reader slots in %s", stale, path)
         return env, capacity_bytes
+    except LMDB_DAMAGE as exc:
+        raise CacheDirError(f"the cache at {path} is damaged ({exc}): {REBUILD}") from exc
     except lmdb.Error as exc:
         raise CacheDirError(f"cannot open the cache at {path}: {exc}") from exc
 

@@ -481,6 +481,9 @@ _HINTS = {
     "raise --capacity, or retry later",
     grpc.StatusCode.INTERNAL: "the node failed; see its log",
     grpc.StatusCode.UNKNOWN: "the node failed; see its log",
+    # The message says it: the node's cache file is damaged beyond its own mending.
+    grpc.StatusCode.DATA_LOSS: "restart that node on a new cache directory, as the message "
+    "says; other nodes of the region serve meanwhile",
 }
 
 

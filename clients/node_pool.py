@@ -801,6 +801,7 @@ _FAILOVER_CODES = frozenset(
         grpc.StatusCode.INTERNAL,
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DATA_LOSS,  # that node's cache is damaged; another serves the shard
     }
 )
 

@@ -203,6 +203,11 @@ class NodeMetrics:
             "1 while the cache's disk is full (its last write found no room on the volume, "
             "and it has no more free space since, nor an eviction freed pages), else 0",
         )
+        self.cache_damaged = gauge(
+            "edgecache_cache_damaged",
+            "1 once LMDB's own pages were found damaged (the node serves NOT_SERVING until "
+            "restarted on a new cache directory), else 0",
+        )
         self.disk_full_errors = counter(
             "edgecache_cache_disk_full_errors_total",
             "Cache writes (shards, manifests, pins) refused because the disk was full",

@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -212,6 +212,10 @@ class EdgeNode:
         self.started = time.monotonic()
         # Set by drain() (SIGTERM): staging starts no new shard fetches from then on.
         self._draining = asyncio.Event()
+        # Why LMDB's own structure was found damaged, once it was (see cache_damaged); the
+        # server sets on_cache_damaged to turn its health NOT_SERVING.
+        self.damaged = ""
+        self.on_cache_damaged: Callable[[], Awaitable[None]] | None = None
         # Set as the node closes: shard work still on the pools' threads stops at its next
         # batch (cancelling its task does not stop the thread, and close() waits for it).
         self._closing = threading.Event()
@@ -750,6 +754,24 @@ class EdgeNode:
                 exc,
             )
             return info, tuple(frames), exc
+
+    async def cache_damaged(self, why: str) -> None:
+        """LMDB's own pages are damaged (a read, an eviction or a write said so): stop serving.
+
+        No entry can be dropped or fetched again through a damaged tree (``mdb_del``
+        fails as ``mdb_get`` does), so the node cannot mend it and every LRU
+        eviction that reaches it fails. It went on answering INTERNAL while health
+        said SERVING: now health turns NOT_SERVING (probes and readers go to other
+        nodes), the log says what to do once, and the calls that meet the damage
+        answer DATA_LOSS saying it too.
+        """
+        if self.damaged:
+            return
+        self.damaged = why
+        self.metrics.cache_damaged.set(1)
+        log.critical("%s (cache %s); health is NOT_SERVING from now on", why, self.config.cache_dir)
+        if self.on_cache_damaged is not None:
+            await self.on_cache_damaged()
 
     def _record_damaged(self, key: ShardKey) -> None:
         """A shard record that no longer parses, found by the store: counted and said.

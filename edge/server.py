@@ -353,6 +353,7 @@ class NodeServer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.node = node = EdgeNode(config)
+        node.on_cache_damaged = self._not_serving
         server: aio.Server | None = None
         try:
             # The side ports first, --listen last: gRPC aio cannot release a server bound
@@ -423,8 +424,9 @@ class NodeServer:
             node.metrics.shutdown()
             await node.close()
             raise
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if not node.damaged:  # damage met before this point (a read at start) stands
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "edge node %s of region %s serving on %s (cache %s, registry %s)",
             node.node_id,
@@ -438,6 +440,11 @@ class NodeServer:
         missing = missing_registry(config.registry)
         if missing:
             log.warning("%s", missing)
+
+    async def _not_serving(self) -> None:
+        """Health NOT_SERVING on both ports, for good: the node found its cache damaged."""
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, no new calls, in-flight ones get ``grace`` seconds."""

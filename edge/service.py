@@ -46,6 +46,7 @@ from edgecache.cache.errors import (
     causes,
 )
 from edgecache.cache.store import PIN_LATEST
+from edgecache.cache.store_files import damaged_cache, lmdb_damage
 from edgecache.edge.diagnose import (
     SINK_BYTES,
     SINK_SECONDS,
@@ -108,6 +109,10 @@ def _read_result(exc: BaseException, cached_only: bool) -> str:
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an exception raised while handling a request."""
     message = str(exc)
+    if (damage := lmdb_damage(exc)) is not None:
+        # Not INTERNAL ("see the node's log"): the cache file is damaged where the node
+        # cannot drop and fetch the entry again, so retrying this node will not help.
+        return grpc.StatusCode.DATA_LOSS, damaged_cache(damage)
     if isinstance(exc, _StageIncomplete):
         return exc.code, message
     match exc:
@@ -341,9 +346,17 @@ def _unary(
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             code, message = status_for(exc)
             _log_failure(fn.__name__, exc, code)
+        await _say_damage(self, code, message)
         await context.abort(code, _without_secrets(self, message))
 
     return handler
+
+
+async def _say_damage(service: Any, code: grpc.StatusCode, message: str) -> None:
+    """A DATA_LOSS answer means the node's cache is damaged: the node stops serving."""
+    node = getattr(service, "node", None)
+    if code == grpc.StatusCode.DATA_LOSS and node is not None:
+        await node.cache_damaged(message)
 
 
 def _streaming(
@@ -362,6 +375,7 @@ def _streaming(
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             code, message = status_for(exc)
             _log_failure(fn.__name__, exc, code)
+        await _say_damage(self, code, message)
         await context.abort(code, _without_secrets(self, message))
 
     return handler
@@ -506,6 +520,8 @@ class EdgeCacheService:
                 manifest, wanted, pin, peers=list(request.peers), peers_only=request.peers_only
             ):
                 self._count(outcome, progress, failures, skipped, staged, started)
+                if failures and failures[-1][2] == grpc.StatusCode.DATA_LOSS:
+                    await self.node.cache_damaged(failures[-1][1])
                 yield progress
         except NodeDraining as exc:
             raise _drained(exc, manifest, progress, failures, staged) from exc

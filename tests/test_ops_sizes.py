@@ -82,20 +82,6 @@ def test_an_uncompressed_version_is_sized_by_its_rows_not_by_a_compressed_ones_r
     assert version_sizes(manifests, held)[("big", 1)] == VersionSize(stored=6000, source=2000)
 
 
-def test_a_version_partly_held_is_sized_by_the_shards_held() -> None:
-    manifests = {
-        "dt@1": manifest("dt", 1, [100] * 8),
-        "big@1": manifest("big", 1, [100] * 8),
-    }
-    held = {
-        "eu": {
-            ("dt", 1): Holding(shards=8, stored_bytes=400, complete=True),  # ratio 0.5
-            ("big", 1): Holding(shards=3, stored_bytes=3000, complete=False),  # a cut-short stage
-        }
-    }
-    assert version_sizes(manifests, held)[("big", 1)] == VersionSize(stored=8000, source=800)
-
-
 def test_the_ratio_of_the_same_codec_comes_before_the_dataset_s_other_codec() -> None:
     manifests = {
         "a@1": manifest("a", 1, [100]),  # zstd (unspecified: before the choice)

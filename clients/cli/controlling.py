@@ -205,6 +205,7 @@ def controller(
                     error(_lease_held(running))
                     raise exit_with(ExitCode.FAILED)
             running.wait_idle()
+            first = acted_on  # what it called late: "there now" if the run staged it whole
             failures, refusals = list(running.failures), list(running.peer_refusals)
             # A task due once the round's own tasks ended (the next one on the same link, a
             # peer region's copy of what was just staged) was left for a next run, which
@@ -230,8 +231,8 @@ def controller(
             # What cannot be met, as warm says it (an unreachable region is a failure of
             # the round, said below); a failure (1) outranks it (3). What the round staged
             # whole after all is said as such, and does not count.
-            there = there_now(acted_on, running.held_whole())
-            cannot = report_infeasible(acted_on, there)
+            there = there_now(first, running.held_whole())
+            cannot = report_infeasible(acted_on, there)  # what the last round still cannot meet
             if running.last_schedule is not None:
                 report_there_now(there, running.last_schedule)
             for failure in failures:

@@ -305,9 +305,12 @@ def status(
                 )
                 continue
             if r.status is None:
+                # An answer with a status (a damaged cache's DATA_LOSS) says what to do.
+                unreached = r.error.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
+                advice = "; check that it runs and that this host reaches it (edgecache doctor)"
                 line(
-                    f"[red]{r.region} {r.address} is down:[/red] {r.error}; check that it "
-                    "runs and that this host reaches it (edgecache doctor)",
+                    f"[red]{r.region} {r.address} is down:[/red] {r.error}"
+                    + (advice if unreached else ""),
                     to_stderr=True,
                 )
                 continue

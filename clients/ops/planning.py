@@ -849,15 +849,16 @@ def version_sizes(
     than one byte-split and compressed), so source bytes alone would misjudge
     capacity. A version no region holds whole is estimated, in this order, from:
 
-    1. its own shards some region holds (a staging cut short): their stored
-       bytes scaled to all its shards;
-    2. the stored/source ratio of the dataset's held versions with the same
+    1. the stored/source ratio of the dataset's held versions with the same
        chunk codec (same data, same preprocessing, as a rule);
-    3. for an uncompressed version with fixed-width rows, its rows times their
+    2. for an uncompressed version with fixed-width rows, its rows times their
        decoded width: what it will store, whatever anything else holds;
-    4. that ratio over the held versions of the same codec, then over the
+    3. that ratio over the held versions of the same codec, then over the
        dataset's held versions whatever their codec, then over everything held;
        else 1.
+
+    (A version's own shards held by a region say little of the rest: shards
+    differ in size, and a status says how many are held, not which.)
 
     The ratio of versions of another codec came before these: a `none` version
     of a dataset held compressed elsewhere was planned at a third of its size,
@@ -870,13 +871,10 @@ def version_sizes(
     source = {key: sum(s.source_size for s in m.shards) for key, m in every.items()}
     wanted = {(m.dataset, m.version) for m in manifests.values()}
     stored: dict[VersionKey, int] = {}
-    partial: dict[VersionKey, tuple[int, int]] = {}  # (shards, stored bytes), the most held
     for region in held.values():
         for key, holding in region.items():
             if holding.complete:
                 stored[key] = max(stored.get(key, 0), holding.stored_bytes)
-            elif holding.shards and holding.stored_bytes:
-                partial[key] = max(partial.get(key, (0, 0)), (holding.shards, holding.stored_bytes))
     ratios: dict[tuple[str | None, int | None], list[float]] = {}
     for key, size in stored.items():
         if source.get(key):
@@ -892,10 +890,7 @@ def version_sizes(
             continue
         manifest, codec = every[key], _codec(every[key])
         estimate: float | None = None
-        if key in partial and 0 < partial[key][0] < len(manifest.shards):
-            shards, held_bytes = partial[key]
-            estimate = held_bytes * len(manifest.shards) / shards
-        elif known := ratios.get((key[0], codec)):
+        if known := ratios.get((key[0], codec)):
             estimate = source_bytes * sum(known) / len(known)
         elif codec == pb.COMPRESSION_NONE and (decoded := _decoded_bytes(manifest)) is not None:
             estimate = decoded
