@@ -493,6 +493,21 @@ def test_webdataset_errors_name_object_and_sample() -> None:
         read(whole[:1500], pb.SOURCE_FORMAT_WEBDATASET)
 
 
+def test_a_webdataset_tar_cut_at_or_inside_a_member_header_is_refused() -> None:
+    # tarfile ends its listing quietly at a header cut short or missing past the first
+    # member: such a shard published with its last samples gone (a helper's walk).
+    members = [(f"s{i}.{ext}", f"{i}{ext}".encode() * 40) for i in range(4) for ext in "ab"]
+    whole = tar_archive(members)
+    assert read(whole, pb.SOURCE_FORMAT_WEBDATASET).num_rows == 4
+    boundary = 2 * 512 * 2  # two members of one header and one data block each
+    for cut in (boundary, boundary + 100, len(whole) - len(whole) // 3 // 512 * 512):
+        data = whole[:cut]
+        with pytest.raises(MalformedShard, match="truncated or damaged there"):
+            read(data, pb.SOURCE_FORMAT_WEBDATASET)
+    lone_zero_block = whole[: 8 * 1024] + bytes(512)  # GNU tar reads it, with a warning
+    assert read(lone_zero_block, pb.SOURCE_FORMAT_WEBDATASET).num_rows == 4
+
+
 def test_publish_webdataset_prefix(tmp_path: Path) -> None:
     images = _image_bytes()
     (tmp_path / "wds").mkdir()

@@ -47,6 +47,7 @@ import re
 import tarfile
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from edgecache.cache.errors import MalformedShard
@@ -215,8 +216,33 @@ def _samples(data: memoryview, source: str, earlier: bool = False) -> Iterator[S
             fields[ext] = data[member.offset_data : end]
     except tarfile.TarError as exc:
         raise MalformedShard(f"{source}: damaged tar archive ({exc}); {FIX}") from exc
+    _check_end(data, archive.offset, source)
     if key is not None:
         yield key, fields
+
+
+_BLOCK = 512
+
+
+def _check_end(data: memoryview, offset: int, source: str) -> None:
+    """Refuse an archive that does not end with tar's end-of-archive (zero) blocks.
+
+    ``tarfile`` ends its listing quietly at a member header cut short, damaged
+    or missing anywhere past the first: a tar cut at a member's edge (an upload
+    interrupted there) published with its last samples gone, or the last one
+    short of some members (a helper's walk: 10 % of random cuts of one shard).
+    What follows the last member must be zero blocks, as every tar writer ends.
+    """
+    rest = data[offset:]
+    if len(rest) >= _BLOCK and not np.frombuffer(rest, np.uint8).any():
+        return
+    found = "nothing" if not len(rest) else "bytes that are no member header"
+    raise MalformedShard(
+        f"{source}: the tar archive has {found} at byte {offset:,} of {len(data):,} where "
+        "the next member or the end-of-archive blocks should be: it is truncated or damaged "
+        f"there (an interrupted upload or copy?), and the samples from there on would be lost; "
+        f"{FIX}"
+    )
 
 
 def _check_key(source: str, key: str) -> None:
