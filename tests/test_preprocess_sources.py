@@ -225,6 +225,28 @@ def test_diabetes_gz_space_separated_headerless() -> None:
     assert table.shape == (442, 10)
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "fix"),
+    [
+        ("diabetes_data_raw.csv.gz", {"header": "false", "column_names": "a,b,c,d,e,f,g,h,i,j"},
+         "--delimiter space"),
+        ("linnerud_exercise.csv", {"header": "true", "column_names": "chins,situps,jumps"},
+         "--delimiter space"),
+        ("iris.csv", {"skip_rows": "1", "header": "false", "column_names": "a,b,c,d,e",
+                      "delimiter": ";"}, "--delimiter comma"),
+    ],
+)  # fmt: skip
+def test_column_names_with_the_wrong_separator_name_the_separator(
+    name: str, options: dict[str, str], fix: str
+) -> None:
+    # With --column-names the separator check never ran: the parse failed first and said
+    # "name every column" of columns already named (a helper's walk, on these files).
+    data = (SKLEARN_DATA / name).read_bytes()
+    with pytest.raises(MalformedShard, match=f"publish with {fix} ") as refused:
+        read(data, CSV, **options)
+    assert "name every column" not in str(refused.value)
+
+
 def test_whitespace_delimiter_takes_runs_of_blanks() -> None:
     text = b"  a    b\tc\n  1  2   3\n10 20\t\t30  \n"
     table = read(text, CSV, delimiter="whitespace")

@@ -452,6 +452,31 @@ def _check_one_column(
 _OTHER_DELIMITERS = {",": "comma", "\t": "tab", ";": "semicolon", "|": "pipe"}
 
 
+def _shown(delimiter: str) -> str:
+    """A delimiter as a person reads it: ``,`` is "commas", a blank is "spaces"."""
+    return {**_OTHER_DELIMITERS, **_SNIFF}.get(delimiter, repr(delimiter)) + "s"
+
+
+def _separated_by(text: bytes, skip: int, values: int, used: str) -> tuple[str, str] | None:
+    """(what, --delimiter value) splitting every data line into ``values``; None if none does.
+
+    Single characters first (the same count on every line), then runs of blanks
+    (an aligned table): the separator a file whose lines did not split on
+    ``used`` is plainly written with.
+    """
+    raw = text[: 1 << 16].decode("utf-8", errors="replace").splitlines()[skip : skip + 20]
+    lines = [line.strip() for line in raw if line.strip()]
+    if not lines:
+        return None
+    for char, name in {**_OTHER_DELIMITERS, **_SNIFF}.items():
+        if char != used and all(line.count(char) == values - 1 for line in lines):
+            if char not in " \t" or not any(char * 2 in line for line in lines):
+                return _shown(char), name
+    if all(len(re.findall(r"[ \t]+", line)) == values - 1 for line in lines):
+        return "runs of blanks", "whitespace"
+    return None
+
+
 def _check_given_delimiter(
     table: pa.Table, text: bytes, skip: int, source: str, delimiter: str
 ) -> None:
@@ -777,12 +802,21 @@ def read_csv(
         first_row = skip + (1 if has_header else 0)
         widths = {len(row) for row in _first_rows(head, split, first_row, 20) if row}
         if names and "columns, got" in str(exc) and len(names) not in widths and widths:
-            raise MalformedShard(
+            given = (
                 f"{source}: --column-names gives {len(names)} name"
                 f"{'s' if len(names) != 1 else ''} ({', '.join(names)[:80]}), but its rows "
-                f"hold {' or '.join(str(w) for w in sorted(widths))} values: name every column "
-                f"({exc})"
-            ) from exc
+                f"hold {' or '.join(str(w) for w in sorted(widths))} values"
+            )
+            other = _separated_by(head, skip + (1 if has_header else 0), len(names), split)
+            if widths == {1} and other is not None:
+                # The names are right and the separator wrong: "name every column" sent
+                # users to name columns they had named (a helper's walk, on the files
+                # the docs name: linnerud, diabetes, data_x_x2_x3).
+                raise MalformedShard(
+                    f"{given} split on {_shown(split)}, and every line holds {len(names)} "
+                    f"values split on {other[0]}: publish with --delimiter {other[1]} ({exc})"
+                ) from exc
+            raise MalformedShard(f"{given}: name every column ({exc})") from exc
         if "columns, got" in str(exc) and (prose := _leading_prose(head, split, skip)):
             count = len(prose)
             raise MalformedShard(
