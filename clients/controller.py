@@ -491,11 +491,15 @@ class Controller:
         retry_backoff: float = 10.0,
         record_retention: timedelta = RECORD_RETENTION,
         standby: bool = True,
+        retry_failed_now: bool = False,
     ) -> None:
         """Load the topology and the last saved record; nothing is asked of nodes yet.
 
         ``standby``: a round that finds another controller's lease logs that this
         one stands by to take over; False for ``--once``, which then exits instead.
+        ``retry_failed_now``: tasks that failed are due now, not at the retry time
+        the record gives them (``--once``: a run that skipped such a task exited 0
+        and said nothing of it while the job's data was known to be missing).
 
         ``retry_backoff``: seconds before a failed task runs again, doubled per
         failure in a row up to ``RETRY_BACKOFF_MAX``, so a broken origin or node
@@ -554,6 +558,7 @@ class Controller:
         self._live_tasks: set[str] = set()  # task records counted in the gauges (_prune)
         self._failed_in_row: dict[tuple[str, VersionKey], int] = {}
         self._lock = threading.Lock()
+        self._retry_failed_now = retry_failed_now
         self._adopt_backoffs()
         self._leading = False  # held the lease at the last round: the record is ours to save
         self._renewed_at = -math.inf  # time.monotonic() when the lease was last taken or renewed
@@ -668,6 +673,8 @@ class Controller:
         hunt). A failed record's runs all failed (a success closes the record), so
         its ``attempts`` are its failures in a row.
         """
+        if self._retry_failed_now:
+            return
         now, monotonic = self.clock(), time.monotonic()
         with self._lock:
             for record in self.state.tasks.values():

@@ -573,3 +573,26 @@ def test_once_carries_out_the_tasks_that_come_due_as_its_own_end(site) -> None:
     finally:
         eu.stop()
         us.stop()
+
+
+def test_once_retries_a_failed_task_now_rather_than_exit_0_past_it(site) -> None:
+    # The record gives a failed task a retry time (its backoff); a --once run before it
+    # skipped the task, printed nothing of it and exited 0 while the job's data was known
+    # to be missing (a helper's walk). --once retries it: here it fails again, exit 1.
+    root, registry = site
+    for part in sorted((root / "origin" / "b").iterdir())[-1:]:
+        part.unlink()  # origin lost an object of a published version: staging fails
+    eu = start_local_node("eu", root / "cache-eu", registry)
+    try:
+        soon = datetime.now(UTC) + timedelta(minutes=10)
+        one_region(root, registry, eu, job("needs-b", "eu", soon, 1, "b@1"))
+        for attempt in range(2):
+            process = controller_process(root, "--once")
+            out, _ = process.communicate(timeout=120)
+            assert process.returncode == 1, (attempt, out)
+            assert "b@1" in out and "staging" in out, (attempt, out)
+        record = read_state(registry)
+        (task,) = [t for k, t in record.tasks.items() if k.startswith("eu b@1")]
+        assert task.state == "failed" and task.attempts == 2, task
+    finally:
+        eu.stop()

@@ -157,6 +157,7 @@ def controller(
             lease_ttl=lease_ttl,
             record_retention=record_retention(keep_records),
             standby=not once,
+            retry_failed_now=once,  # a run that skips a failing task cannot say it is done
         )
     received: list[int] = []  # the stop signals so far
 
