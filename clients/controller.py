@@ -78,6 +78,7 @@ from edgecache.clients.ops import (
     NodeReport,
     Outage,
     WarmItem,
+    WarmPin,
     complete_versions,
     gather_status,
     local_registry,
@@ -89,6 +90,7 @@ from edgecache.clients.ops import (
     unreachable_regions,
     warm_readers,
     warm_started,
+    without_pins,
 )
 from edgecache.clients.ops.at_start import Known, newest_at_start
 from edgecache.clients.topology import Schedule, Topology, load_schedule, load_topology
@@ -945,7 +947,11 @@ class Controller:
         seen = NodesSeen.of(reports)  # down nodes and current pins, for the whole round
         self.executor.calls = NodeCalls(down=set(seen.down), renew=self._keep_lease)
         plan, manifests = make_plan(
-            self.topology, schedule, now=now, reports=reports, token=self.token
+            self.topology,
+            schedule,
+            now=now,
+            reports=self._without_released(reports, schedule),
+            token=self.token,
         )
         self.last_plan = plan
         self._observe(plan, schedule, manifests, reports, now)
@@ -977,6 +983,43 @@ class Controller:
         self.metrics.ticks.inc()
         self.metrics.last_tick.set(time.time())
         return plan
+
+    def _without_released(self, reports: list[NodeReport], schedule: Schedule) -> list[NodeReport]:
+        """``reports`` without this controller's pins of datasets no job names any more.
+
+        The round releases those pins (:meth:`_unpin_dropped`), but after it plans:
+        planned on them, a round after a job was removed called another job
+        "cannot be met", its room "pinned for jobs outside this schedule" by the
+        removed job's pin, with advice to add capacity (a helper's walk). Only
+        datasets no current job names at all (any version), and no job in warm's
+        record reads, are certain to go; anything else the plan decides, as before.
+        """
+        named = {parse_spec(spec).dataset for job in schedule.jobs for spec in job.datasets}
+        going = []
+        for key, until in self.state.pins.items():
+            node, _, spec = key.partition(" ")
+            dataset, _, number = spec.rpartition("@")
+            if dataset in named or not number.isdigit():
+                continue
+            going.append((node, spec, (dataset, int(number)), until))
+        if not going:
+            return reports
+        warm = self._warm_reads()
+        if warm is None:  # unreadable: warm's jobs may read any of them; kept
+            return reports
+        region_of = {n: r for r, cfg in self.topology.regions.items() for n in cfg.nodes}
+        pins = [
+            WarmPin(
+                schedule="",
+                node=node,
+                region=region_of.get(node, ""),
+                version=spec,
+                until=datetime.fromisoformat(until) if until else self.clock(),
+            )
+            for node, spec, _, until in going
+            if (region_of.get(node, ""), spec) not in warm
+        ]
+        return without_pins(reports, pins) if pins else reports
 
     def _unpin_dropped(self, plan: Plan, reports: list[NodeReport], seen: NodesSeen) -> list[str]:
         """Release the pins this controller placed that the plan no longer keeps; failures.

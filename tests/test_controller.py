@@ -596,3 +596,55 @@ def test_once_retries_a_failed_task_now_rather_than_exit_0_past_it(site) -> None
         assert task.state == "failed" and task.attempts == 2, task
     finally:
         eu.stop()
+
+
+def test_a_removed_jobs_pin_is_not_planned_around_in_the_round_that_releases_it(site) -> None:
+    # A helper's walk: the round after a job was removed planned on that job's pin (the
+    # controller's own, released later in the same round), called another job "cannot be
+    # met", its room "pinned for jobs outside this schedule", and said to add capacity.
+    root, registry = site
+    t0 = datetime.now(UTC).replace(microsecond=0) + timedelta(days=1)  # pins the node keeps
+    eu = start_local_node("eu", root / "cache-eu", registry, capacity="300KB")
+    try:
+        one_region(
+            root,
+            registry,
+            eu,
+            job("uses-b", "eu", t0, 3, "b@1"),
+            job("uses-kept", "eu", t0, 3, "kept@1"),
+            job("uses-c", "eu", t0 + HOUR, 1, "c@1"),
+        )
+        (root / "edgecache.yaml").write_text(
+            f"registry: {registry}\nregions:\n  eu:\n    nodes: ['{eu.address}']\n"
+            "    origin_bandwidth: 10MB/s\n"
+        )
+        for name in ("kept", "b"):  # two fit, three do not (sizes known from the cache)
+            list(stub(eu.address).Stage(edge_pb2.StageRequest(dataset=name, version=1)))
+        clock = Clock(t0 + timedelta(minutes=1))
+        controller = Controller(
+            root / "edgecache.yaml", root / "schedule.yaml", clock=clock, lease_ttl=5
+        )
+        try:
+            plan = controller.tick()
+            controller.wait_idle()
+            assert plan is not None and [i.job for i in plan.infeasible] == ["uses-c"]
+            assert set(versions_on(eu)) == {"b@1", "kept@1"}
+            (root / "schedule.yaml").write_text(
+                "jobs:\n"
+                + job("uses-kept", "eu", t0, 3, "kept@1")
+                + job("uses-c", "eu", t0 + HOUR, 1, "c@1")
+            )
+            clock.now += timedelta(minutes=1)
+            plan = controller.tick()
+            controller.wait_idle()
+            assert plan is not None and not plan.infeasible, plan.infeasible
+            held = versions_on(eu)  # c staged in b's room in the same round (LRU or plan)
+            assert held["kept@1"] == 3 and held["c@1"] == 3, held
+            pins = {
+                f"{v.dataset}@{v.version}" for v in status(eu).versions if v.pinned_until.seconds
+            }
+            assert pins == {"kept@1", "c@1"}, pins
+        finally:
+            controller.close()
+    finally:
+        eu.stop()
