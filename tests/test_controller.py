@@ -65,6 +65,17 @@ def one_region(root: Path, registry: str, node: LocalNode, *jobs: str) -> None:
     (root / "schedule.yaml").write_text("jobs:\n" + "".join(jobs))
 
 
+def two_regions(root: Path, registry: str, eu: LocalNode, us: LocalNode) -> None:
+    """``edgecache.yaml`` of eu and us: us reaches origin slowly (1 kB/s) and eu quickly."""
+    (root / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n"
+        f"  eu:\n    nodes: ['{eu.address}']\n    origin_bandwidth: 10MB/s\n"
+        f"    peers: {{us: 1GB/s}}\n"
+        f"  us:\n    nodes: ['{us.address}']\n    origin_bandwidth: 1kB/s\n"
+        f"    peers: {{eu: 1GB/s}}\n"
+    )
+
+
 @pytest.fixture
 def site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     registry = f"file://{tmp_path}/registry"
@@ -80,13 +91,7 @@ def test_plan_is_carried_out_pins_sources_evictions_and_start_times(site) -> Non
     eu = start_local_node("eu", root / "cache-eu", registry, capacity="300KB")
     us = start_local_node("us", root / "cache-us", registry)
     try:
-        (root / "edgecache.yaml").write_text(
-            f"registry: {registry}\nregions:\n"
-            f"  eu:\n    nodes: ['{eu.address}']\n    origin_bandwidth: 10MB/s\n"
-            f"    peers: {{us: 1GB/s}}\n"
-            f"  us:\n    nodes: ['{us.address}']\n    origin_bandwidth: 1kB/s\n"
-            f"    peers: {{eu: 1GB/s}}\n"
-        )
+        two_regions(root, registry, eu, us)
         list(stub(eu.address).Stage(edge_pb2.StageRequest(dataset="kept", version=1)))
         list(stub(eu.address).Stage(edge_pb2.StageRequest(dataset="b", version=1)))
         stored = status(eu).used_bytes
@@ -551,13 +556,7 @@ def test_once_carries_out_the_tasks_that_come_due_as_its_own_end(site) -> None:
     eu = start_local_node("eu", root / "cache-eu", registry)
     us = start_local_node("us", root / "cache-us", registry)
     try:
-        (root / "edgecache.yaml").write_text(
-            f"registry: {registry}\nregions:\n"
-            f"  eu:\n    nodes: ['{eu.address}']\n    origin_bandwidth: 10MB/s\n"
-            f"    peers: {{us: 1GB/s}}\n"
-            f"  us:\n    nodes: ['{us.address}']\n    origin_bandwidth: 1kB/s\n"
-            f"    peers: {{eu: 1GB/s}}\n"
-        )
+        two_regions(root, registry, eu, us)
         soon = datetime.now(UTC) + timedelta(minutes=10)
         (root / "schedule.yaml").write_text(
             "jobs:\n"
