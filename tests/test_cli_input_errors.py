@@ -347,3 +347,22 @@ def test_an_option_of_one_value_given_twice_is_refused_not_the_last_kept(tmp_pat
     )  # fmt: skip
     assert code == 0, out
     assert '"a": "int32"' in out or "a: int32" in out or '"int32"' in out, out
+
+
+def test_errors_a_helpers_walk_found_mute_say_what_to_do(tmp_path: Path, closed_port: int) -> None:
+    """Each said what failed and not what to do about it."""
+    registry = f"file://{tmp_path}/registry"
+    write_parquet_shards(tmp_path / "raw", 1, rows=10)
+    code, out = cli("publish", str(tmp_path / "raw"), "--dataset", "x", "--registry", registry,
+                    "--param", "foo=1")  # fmt: skip
+    assert code == 2 and "drop --param, or name the transform they are for" in out, out
+    (tmp_path / "edgecache.yaml").write_text(
+        f"registry: {registry}\nregions:\n  eu:\n    nodes: ['127.0.0.1:{closed_port}']\n"
+    )
+    config = str(tmp_path / "edgecache.yaml")
+    code, out = cli("plan", str(tmp_path / "no-such.yaml"), "--config", config)
+    assert code == 2 and "No such file or directory (check the path)" in out, out
+    code, out = cli("status", "--config", config)
+    said = " ".join(out.split())
+    assert code == 1 and "is down: UNAVAILABLE" in said, out
+    assert "check that it runs and that this host reaches it (edgecache doctor)" in said, out
