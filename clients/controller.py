@@ -995,13 +995,11 @@ class Controller:
         record reads, are certain to go; anything else the plan decides, as before.
         """
         named = {parse_spec(spec).dataset for job in schedule.jobs for spec in job.datasets}
-        going = []
+        going = []  # (node, name@N, until) of each pin of this controller's that goes
         for key, until in self.state.pins.items():
             node, _, spec = key.partition(" ")
-            dataset, _, number = spec.rpartition("@")
-            if dataset in named or not number.isdigit():
-                continue
-            going.append((node, spec, (dataset, int(number)), until))
+            if spec.rpartition("@")[0] not in named:
+                going.append((node, spec, until))
         if not going:
             return reports
         warm = self._warm_reads()
@@ -1016,7 +1014,7 @@ class Controller:
                 version=spec,
                 until=datetime.fromisoformat(until) if until else self.clock(),
             )
-            for node, spec, _, until in going
+            for node, spec, until in going
             if (region_of.get(node, ""), spec) not in warm
         ]
         return without_pins(reports, pins) if pins else reports

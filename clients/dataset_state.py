@@ -75,6 +75,10 @@ def order_style(order_format: int) -> tuple[bool, bool]:
     return order_format >= SIDE_BY_SIDE_FORMAT, order_format >= FORMAT
 
 
+# What a single version's state repeats beside its component, for those who read it.
+_SUMMARY = ("dataset", "version", "digest")
+
+
 def make_state(
     *,
     components: Sequence[dict[str, Any]],
@@ -101,7 +105,7 @@ def make_state(
         "batches": batches,
     }
     if len(components) == 1:  # the plain-string case reads as before
-        state.update({k: components[0][k] for k in ("dataset", "version", "digest")})
+        state.update({k: components[0][k] for k in _SUMMARY})
     return state
 
 
@@ -180,9 +184,6 @@ def _check_fields(state: dict[str, Any]) -> None:
             f"the state's 'rank' {state['rank']} is not one of its 'world_size' "
             f"{state['world_size']} ranks"
         )
-
-
-_SUMMARY = ("dataset", "version", "digest")
 
 
 def _check_summary(state: dict[str, Any], theirs: Sequence[dict[str, Any]]) -> None:

@@ -452,9 +452,12 @@ def _check_one_column(
 _OTHER_DELIMITERS = {",": "comma", "\t": "tab", ";": "semicolon", "|": "pipe"}
 
 
+_DELIMITER_NAMES = {**_OTHER_DELIMITERS, **_SNIFF}  # every separator a file is sniffed for
+
+
 def _shown(delimiter: str) -> str:
     """A delimiter as a person reads it: ``,`` is "commas", a blank is "spaces"."""
-    return {**_OTHER_DELIMITERS, **_SNIFF}.get(delimiter, repr(delimiter)) + "s"
+    return _DELIMITER_NAMES.get(delimiter, repr(delimiter)) + "s"
 
 
 def _separated_by(text: bytes, skip: int, values: int, used: str) -> tuple[str, str] | None:
@@ -468,7 +471,7 @@ def _separated_by(text: bytes, skip: int, values: int, used: str) -> tuple[str, 
     lines = [line.strip() for line in raw if line.strip()]
     if not lines:
         return None
-    for char, name in {**_OTHER_DELIMITERS, **_SNIFF}.items():
+    for char, name in _DELIMITER_NAMES.items():
         if char != used and all(line.count(char) == values - 1 for line in lines):
             if char not in " \t" or not any(char * 2 in line for line in lines):
                 return _shown(char), name

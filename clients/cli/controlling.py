@@ -223,7 +223,7 @@ def controller(
                 running.wait_idle()
                 acted_on, rounds = again, rounds + 1
                 failures += running.failures
-                refusals += running.peer_refusals
+                refusals += [r for r in running.peer_refusals if r not in refusals]
                 if running.started == started:
                     break
             later = _not_due(acted_on, running.clock())
